@@ -1,0 +1,170 @@
+"""Public request and result types (the contract between users, the Gateway and the Engine).
+
+Plain, slotted data. The Engine worker produces results and events; other threads only read them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence, Union
+
+import numpy as np
+
+from .errors import RequestError
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+Channel = Literal["content", "reasoning"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request. Defaults are greedy with a 256-token budget."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0          # 0 -> greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 -> disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None        # None -> a seed drawn at submit; results are then not reproducible
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None    # None -> no logprobs; n >= 0 -> sampled token logprob + top-n
+
+    def validate(self) -> "SamplingParams":
+        """Raise RequestError naming the first bad field; return self for chaining."""
+        def bad(name, rule):
+            raise RequestError(f"sampling parameter {name}={getattr(self, name)!r}: {rule}")
+
+        if not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not _finite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
+            bad("seed", "must be a non-negative integer")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, (int, np.integer)) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, (int, np.integer))
+                                          or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float, np.floating, np.integer)) and math.isfinite(x)
+
+
+@dataclass(slots=True, frozen=True)
+class ScoreResult:
+    """`logprobs[i] = log p(token[i+1] | token[:i+1])`, float32 [T-1]; `logits` float32 [T, vocab]
+    when asked for."""
+
+    logprobs: np.ndarray
+    logits: Optional[np.ndarray] = None
+
+    @property
+    def total_logprob(self) -> float:
+        return float(np.sum(self.logprobs, dtype=np.float64))
+
+    @property
+    def perplexity(self) -> float:
+        n = len(self.logprobs)
+        return float(math.exp(-self.total_logprob / n)) if n else float("nan")
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    """One parsed tool call; `arguments` is a JSON object string (OpenAI's convention)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple = ()                   # ((token_id, logprob), ...) best first
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str = ""
+    reasoning_text: str = ""
+    tool_calls: list = field(default_factory=list)       # [ToolCall]
+    token_ids: list = field(default_factory=list)        # generated token ids (accepted)
+    finish_reason: Optional[FinishReason] = None
+    num_prompt_tokens: int = 0
+    logprobs: Optional[list] = None                      # [TokenLogprob] when asked for
+    error: Optional[str] = None
+    # timing, seconds (monotonic): submit -> first token, and total decode wall time
+    time_to_first_token: Optional[float] = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+# ---- events a GenerationHandle yields, in publication order ------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class GenerationStart:
+    """Published once, after admission, before any delta (never again after a pause/resume)."""
+
+    request_id: str
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class TextDelta:
+    """New text on one channel; `token_ids` are the tokens accepted in this step."""
+
+    channel: Channel
+    text: str
+    token_ids: tuple = ()
+    logprobs: tuple = ()             # (TokenLogprob, ...) for these tokens when asked for
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallEvent:
+    """A tool call completed in the stream (index counts calls of this response from 0)."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    """The terminal event; always the last one."""
+
+    result: GenerationResult
+
+
+Event = Union[GenerationStart, TextDelta, ToolCallEvent, Finished]
+
+Prompt = Union[str, list, np.ndarray]   # text, a message list, or token ids

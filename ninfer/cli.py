@@ -1,0 +1,82 @@
+"""`python -m ninfer {convert,score,run,serve}`.
+
+Bad input ends with one line on stderr (`ninfer: error: ...`) and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import Error
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ninfer",
+                                description="Torch-free inference for the Qwen3.5 model family.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint directory to .ninfer")
+    c.add_argument("src", help="checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    c.add_argument("out", help="output .ninfer path (written atomically)")
+    c.add_argument("--name", help="metadata.name (default: the architecture name)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(handler=_convert)
+
+    s = sub.add_parser("score", help="score text or token ids: total logprob and perplexity")
+    s.add_argument("artifact")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text", help="text to score")
+    g.add_argument("--ids", help="file of whitespace-separated token ids")
+    s.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
+    s.add_argument("--chunk", type=int, default=512, help="scoring window (tokens)")
+    s.set_defaults(handler=_score)
+
+    from .commands import add_run_parser, add_serve_parser
+    add_run_parser(sub)
+    add_serve_parser(sub)
+    return p
+
+
+def _convert(args) -> int:
+    from .convert import convert_checkpoint
+    out = convert_checkpoint(args.src, args.out, name=args.name, progress=not args.quiet)
+    print(f"wrote {out}")
+    return 0
+
+
+def _score(args) -> int:
+    import numpy as np
+
+    from .engine import Engine
+    with Engine(args.artifact, backend=args.backend, purpose="scoring",
+                prefill_chunk=args.chunk) as engine:
+        if args.text is not None:
+            ids = engine.tokenize(args.text)
+        else:
+            try:
+                with open(args.ids) as f:
+                    ids = np.array([int(x) for x in f.read().split()], dtype=np.int32)
+            except (OSError, ValueError) as exc:
+                raise Error(f"--ids {args.ids}: {exc}") from exc
+        if len(ids) < 2:
+            raise Error(f"need at least 2 tokens to score, got {len(ids)}")
+        res = engine.score(ids)
+    print(f"tokens {len(ids)}  total_logprob {res.total_logprob:.6f}  "
+          f"perplexity {res.perplexity:.6f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.handler(args) or 0)
+    except Error as exc:
+        print(f"ninfer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ninfer: interrupted", file=sys.stderr)
+        return 130

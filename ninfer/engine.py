@@ -1,0 +1,110 @@
+"""The public Engine facade. It wires owners together and delegates; it holds no logic of its own.
+
+    Engine ─┬─ Artifact (read-only file, mapped)
+            ├─ Frontend (tokenizer, chat template, OutputSession factory)     models/qwen3_5/frontend/
+            ├─ Model (config, bound read-only parameters)                      models/qwen3_5/
+            └─ purpose "generation": EngineCore (worker thread, Scheduler, Program)   runtime/
+               purpose "scoring":    CausalScoreCore (serial, temporary State/KV)     runtime/scoring.py
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .api import GenerationResult, Prompt, SamplingParams, ScoreResult
+from .artifact import Artifact
+from .errors import RequestError
+from .options import EngineOptions
+
+
+class Engine:
+    def __init__(self, path, backend: str = "numpy", purpose: str = "generation", **options):
+        self.options = EngineOptions.from_kwargs(backend=backend, purpose=purpose, **options)
+        self.artifact = Artifact(path)
+        try:
+            from .models.qwen3_5 import load_model
+            from .models.qwen3_5.frontend import Frontend
+
+            self.config = self.artifact.config
+            self.frontend = Frontend.from_artifact(self.artifact)
+            self.model = load_model(self.artifact, self.options)
+            self._core = None
+            self._scorer = None
+            if self.options.purpose == "scoring":
+                from .runtime.scoring import CausalScoreCore
+                self._scorer = CausalScoreCore(self.model, self.options)
+            else:
+                from .runtime.engine_core import EngineCore
+                self._core = EngineCore(self.model, self.frontend, self.options)
+        except BaseException:
+            self.artifact.close()
+            raise
+
+    # ---- identity -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.artifact.name
+
+    # ---- frontend ---------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> np.ndarray:
+        return self.frontend.tokenize(text)
+
+    def detokenize(self, ids) -> str:
+        return self.frontend.detokenize(ids)
+
+    def apply_chat_template(self, messages: list, tools: Optional[list] = None,
+                            add_generation_prompt: bool = True, enable_thinking: bool = True) -> str:
+        return self.frontend.apply_chat_template(messages, tools=tools,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 enable_thinking=enable_thinking)
+
+    # ---- scoring ----------------------------------------------------------------------------------
+    def score(self, token_ids, return_logits: bool = False) -> ScoreResult:
+        if self._scorer is None:
+            raise RequestError("Engine.score needs an Engine started with purpose='scoring'")
+        return self._scorer.score(token_ids, return_logits=return_logits)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
+               tools: Optional[Sequence[dict]] = None, enable_thinking: Optional[bool] = None,
+               request_id: Optional[str] = None, timeout_s: Optional[float] = None):
+        """Queue one request; returns a GenerationHandle (iterate events, .result(), .cancel())."""
+        return self._generation().submit(prompt, params or SamplingParams(), tools=tools,
+                                         enable_thinking=enable_thinking, request_id=request_id,
+                                         timeout_s=timeout_s)
+
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                 **kwargs) -> GenerationResult:
+        """Blocking: submit and wait for the result."""
+        return self.submit(prompt, params, **kwargs).result()
+
+    def stats(self) -> dict:
+        return self._generation().stats() if self._core is not None else {}
+
+    @property
+    def health(self) -> str:
+        """'ready' or 'failed' (generation); scoring engines are always 'ready'."""
+        return self._core.health if self._core is not None else "ready"
+
+    def _generation(self):
+        if self._core is None:
+            raise RequestError("this Engine was started with purpose='scoring'; "
+                               "generation needs purpose='generation'")
+        return self._core
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker (pending requests finish as 'cancelled'), then release the model."""
+        if self._core is not None:
+            self._core.shutdown()
+            self._core = None
+        if getattr(self, "model", None) is not None and hasattr(self.model, "close"):
+            self.model.close()
+        self.artifact.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

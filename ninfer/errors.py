@@ -1,0 +1,33 @@
+"""The typed exceptions users catch. Every error NInfer raises on bad input is one of these."""
+
+
+class Error(Exception):
+    """Base class of every NInfer error."""
+
+
+class ArtifactError(Error):
+    """A .ninfer file (or a checkpoint being converted) breaks a format rule; the message names it."""
+
+
+class ConvertError(ArtifactError):
+    """The converter cannot turn a source checkpoint into an artifact (unknown architecture, missing
+    shard or tensor, shape mismatch)."""
+
+
+class DeviceError(Error):
+    """The requested backend cannot run here (no driver, no device, too little memory for the plan)."""
+
+
+class RequestError(Error):
+    """A request is invalid or cannot be accepted (bad parameters, prompt too long, queue full).
+
+    `status` is the HTTP status the Gateway maps it to (400 by default, 429 for overload)."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request"):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class EngineFailedError(Error):
+    """The Engine broke an internal invariant and stopped; every pending and new request sees this."""

@@ -1,0 +1,217 @@
+"""Qwen3.5 configuration: parse a Hugging Face `config.json` (any accepted layout) into plain data.
+
+Accepted architectures (the model code is one; these differ only in layout and MoE):
+  Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM                  text config at the top level
+  Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+                                                            `text_config` + `vision_config`
+Defaults follow transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from ...errors import ArtifactError
+
+ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": (False, False),                 # (is_moe, is_conditional_generation)
+    "Qwen3_5MoeForCausalLM": (True, False),
+    "Qwen3_5ForConditionalGeneration": (False, True),
+    "Qwen3_5MoeForConditionalGeneration": (True, True),
+}
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class TextConfig:
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    # rotary
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    mrope_section: tuple = (11, 11, 10)
+    mrope_interleaved: bool = True
+    # Gated DeltaNet
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: tuple = ()
+    # MoE (is_moe False -> dense SwiGLU with intermediate_size)
+    is_moe: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    # MTP
+    mtp_num_hidden_layers: int = 0
+    eos_token_id: tuple = ()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layer_ids(self) -> list:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+
+    @property
+    def linear_layer_ids(self) -> list:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+
+    @property
+    def linear_key_dim(self) -> int:      # total q (= k) width of a GDN layer
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:    # total v (= z, output) width of a GDN layer
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:     # channels of the causal conv (q, k, v concatenated)
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    text: TextConfig
+    vision: Optional[dict] = None            # raw vision_config; carried, not executed yet
+    special_token_ids: dict = field(default_factory=dict)   # image_token_id, vision_start_token_id, ...
+
+    @property
+    def is_moe(self) -> bool:
+        return self.text.is_moe
+
+    def to_json(self) -> dict:
+        d = {"architecture": self.architecture, "text": asdict(self.text),
+             "vision": self.vision, "special_token_ids": dict(self.special_token_ids)}
+        d["text"]["mrope_section"] = list(self.text.mrope_section)
+        d["text"]["layer_types"] = list(self.text.layer_types)
+        d["text"]["eos_token_id"] = list(self.text.eos_token_id)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelConfig":
+        """Inverse of to_json (the form stored in an artifact manifest)."""
+        try:
+            t = dict(d["text"])
+            for k in ("mrope_section", "layer_types", "eos_token_id"):
+                t[k] = tuple(t.get(k, ()))
+            text = TextConfig(**t)
+            cfg = cls(architecture=d["architecture"], text=text, vision=d.get("vision"),
+                      special_token_ids=dict(d.get("special_token_ids", {})))
+        except (KeyError, TypeError) as exc:
+            raise ArtifactError(f"manifest model config: malformed ({exc})") from exc
+        _validate(cfg)
+        return cfg
+
+
+def parse_hf_config(hf: dict) -> ModelConfig:
+    """Parse a Hugging Face config.json dict. Raises ArtifactError for unknown architectures or
+    inconsistent geometry."""
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ArtifactError(
+            f"config.json: unsupported architecture {archs or '(none)'}; "
+            f"expected one of {sorted(ARCHITECTURES)}")
+    is_moe, is_cond = ARCHITECTURES[arch]
+    text_hf = dict(hf.get("text_config") or hf) if is_cond else dict(hf)
+    vision = hf.get("vision_config") if is_cond else None
+    special = {k: hf[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                  "vision_end_token_id") if k in hf}
+
+    defaults = TextConfig()
+    get = lambda k, dflt=None: text_hf.get(k, getattr(defaults, k) if dflt is None else dflt)  # noqa: E731
+
+    rope = dict(text_hf.get("rope_parameters") or text_hf.get("rope_scaling") or {})
+    rope_theta = rope.get("rope_theta", text_hf.get("rope_theta", defaults.rope_theta))
+    partial = rope.get("partial_rotary_factor", text_hf.get("partial_rotary_factor", 0.25))
+    n_layers = int(get("num_hidden_layers"))
+    layer_types = text_hf.get("layer_types")
+    if layer_types is None:
+        interval = int(text_hf.get("full_attention_interval", 4))
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
+                       for i in range(n_layers)]
+    hidden = int(get("hidden_size"))
+    n_heads = int(get("num_attention_heads"))
+    head_dim = text_hf.get("head_dim") or defaults.head_dim
+    eos = text_hf.get("eos_token_id", hf.get("eos_token_id"))
+    eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    moe = {}
+    if is_moe:
+        moe = dict(is_moe=True, num_experts=int(text_hf.get("num_experts", 256)),
+                   num_experts_per_tok=int(text_hf.get("num_experts_per_tok", 8)),
+                   moe_intermediate_size=int(text_hf.get("moe_intermediate_size", 512)),
+                   shared_expert_intermediate_size=int(
+                       text_hf.get("shared_expert_intermediate_size", 512)),
+                   norm_topk_prob=bool(text_hf.get("norm_topk_prob", True)))
+    text = TextConfig(
+        vocab_size=int(get("vocab_size")), hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size")), num_hidden_layers=n_layers,
+        num_attention_heads=n_heads, num_key_value_heads=int(get("num_key_value_heads")),
+        head_dim=int(head_dim), rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=bool(text_hf.get("tie_word_embeddings",
+                                             hf.get("tie_word_embeddings", False))),
+        attention_bias=bool(get("attention_bias")), hidden_act=str(get("hidden_act")),
+        max_position_embeddings=int(get("max_position_embeddings")),
+        rope_theta=float(rope_theta), partial_rotary_factor=float(partial),
+        mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
+        mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
+        linear_key_head_dim=int(get("linear_key_head_dim")),
+        linear_value_head_dim=int(get("linear_value_head_dim")),
+        linear_num_key_heads=int(get("linear_num_key_heads")),
+        linear_num_value_heads=int(get("linear_num_value_heads")),
+        layer_types=tuple(layer_types),
+        mtp_num_hidden_layers=int(text_hf.get("mtp_num_hidden_layers", 0)),
+        eos_token_id=eos, **moe)
+    cfg = ModelConfig(architecture=arch, text=text, vision=vision, special_token_ids=special)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: ModelConfig) -> None:
+    t = cfg.text
+
+    def bad(rule):
+        raise ArtifactError(f"model config: {rule}")
+
+    if cfg.architecture not in ARCHITECTURES:
+        bad(f"unsupported architecture {cfg.architecture!r}")
+    if len(t.layer_types) != t.num_hidden_layers:
+        bad(f"layer_types has {len(t.layer_types)} entries for {t.num_hidden_layers} layers")
+    unknown = set(t.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}
+    if unknown:
+        bad(f"unknown layer types {sorted(unknown)}")
+    if t.num_attention_heads % max(t.num_key_value_heads, 1):
+        bad(f"num_attention_heads {t.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads {t.num_key_value_heads}")
+    if t.linear_num_value_heads % max(t.linear_num_key_heads, 1):
+        bad(f"linear_num_value_heads {t.linear_num_value_heads} is not a multiple of "
+            f"linear_num_key_heads {t.linear_num_key_heads}")
+    if t.rotary_dim % 2 or t.rotary_dim > t.head_dim:
+        bad(f"rotary dim {t.rotary_dim} must be even and <= head_dim {t.head_dim}")
+    if sum(t.mrope_section) * 2 != t.rotary_dim and FULL_ATTENTION in t.layer_types:
+        bad(f"mrope_section {list(t.mrope_section)} sums to {sum(t.mrope_section)}, "
+            f"expected rotary_dim/2 = {t.rotary_dim // 2}")
+    if t.is_moe and not 0 < t.num_experts_per_tok <= t.num_experts:
+        bad(f"num_experts_per_tok {t.num_experts_per_tok} out of range for {t.num_experts} experts")
+    if t.hidden_act != "silu":
+        bad(f"hidden_act {t.hidden_act!r} unsupported (Qwen3.5 uses silu)")

@@ -1,0 +1,44 @@
+"""Build the optional Cython hot-path extensions in ninfer/_hot/.
+
+Each extension has a pure-Python twin (`ninfer/_hot/*_py.py`); if Cython or a C compiler is
+missing, or a build fails, the install still succeeds and the twin is used at run time.
+"""
+import glob
+import os
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - any build failure falls back to Python
+            print(f"ninfer: Cython extensions not built ({exc}); using the pure-Python fallback")
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            print(f"ninfer: extension {ext.name} not built ({exc}); using the pure-Python fallback")
+
+
+def hot_extensions():
+    if os.environ.get("NINFER_NO_CYTHON"):
+        return []
+    try:
+        import numpy
+        from Cython.Build import cythonize
+    except ImportError:
+        return []
+    sources = sorted(glob.glob("ninfer/_hot/*.pyx"))
+    if not sources:
+        return []
+    extensions = cythonize(sources, compiler_directives={"language_level": "3"}, quiet=True)
+    for ext in extensions:
+        ext.include_dirs.append(numpy.get_include())
+    return extensions
+
+
+setup(ext_modules=hot_extensions(), cmdclass={"build_ext": OptionalBuildExt})
