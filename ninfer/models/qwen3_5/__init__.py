@@ -1,0 +1,22 @@
+"""The Qwen3.5 model family: config, binder and the text model (numpy here, CUDA in cuda_model)."""
+from __future__ import annotations
+
+from ...errors import DeviceError
+
+
+def load_model(artifact, options):
+    """Bind the artifact's text parameters on the backend named by `options.backend`."""
+    backend = getattr(options, "backend", "numpy")
+    if backend == "cuda":
+        try:
+            from .cuda_model import load_cuda_model
+        except ImportError as exc:
+            raise DeviceError(f"backend 'cuda' is not available here: {exc}") from exc
+        return load_cuda_model(artifact, options)
+    if backend != "numpy":
+        raise DeviceError(f"unknown backend {backend!r}; expected 'numpy' or 'cuda'")
+    from .model import NumpyModel
+    return NumpyModel.from_artifact(artifact)
+
+
+__all__ = ["load_model"]

@@ -1,0 +1,94 @@
+"""The Qwen3.5 text model on the numpy backend (float32 compute from the stored weights).
+
+    embed -> [ input_norm -> mixer (GatedDeltaNet | GatedAttention) -> +residual
+               post_norm  -> mlp (DenseMLP | SparseMoE)             -> +residual ] x layers
+          -> final norm -> lm_head
+
+A forward call runs one ForwardBatch: several independent rows, each continuing its own KV pages and
+State slot from its frontier context_lens[r]. Rows never read one another's data, so a batched call
+equals the per-row calls.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import ops
+from .batch import ForwardBatch
+from .config import FULL_ATTENTION, ModelConfig
+from .layers import DenseMLP, GatedAttention, GatedDeltaNet, SparseMoE, StepPlan
+from .load import read_text_params
+from .state import KVPool, StatePool
+
+
+class NumpyModel:
+    backend = "numpy"
+
+    def __init__(self, config: ModelConfig, params: dict):
+        self.config = config
+        cfg = self.text = config.text
+        self._embed, self._lm_head, self._norm = params["embed"], params["lm_head"], params["norm"]
+        self._layers = []
+        n_attn = n_lin = 0
+        for kind, p in zip(cfg.layer_types, params["layers"]):
+            if kind == FULL_ATTENTION:
+                mixer, n_attn = GatedAttention(p, cfg, n_attn), n_attn + 1
+            else:
+                mixer, n_lin = GatedDeltaNet(p, cfg, n_lin), n_lin + 1
+            mlp = SparseMoE(p, cfg) if cfg.is_moe else DenseMLP(p)
+            self._layers.append((p["input_norm"], mixer, p["post_norm"], mlp))
+
+    @classmethod
+    def from_artifact(cls, artifact) -> "NumpyModel":
+        cfg = artifact.config
+        return cls(cfg, read_text_params(artifact, cfg.text))
+
+    # ---- pools ------------------------------------------------------------------------------------
+    def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
+        return KVPool.allocate(self.text, num_pages, page_size)
+
+    def new_state_pool(self, num_slots: int) -> StatePool:
+        return StatePool.allocate(self.text, num_slots)
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool, *,
+                all_logits: bool = False) -> np.ndarray:
+        """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits."""
+        plan = self._plan(batch, kv, state)
+        cfg = self.text
+        h = self._embed[np.asarray(batch.token_ids, np.int64)]                  # [N, H]
+        for in_norm, mixer, post_norm, mlp in self._layers:
+            x = ops.rmsnorm_zero_centred(h, in_norm, cfg.rms_norm_eps)
+            pool = kv if isinstance(mixer, GatedAttention) else state
+            h = h + mixer(x, plan, pool)
+            h = h + mlp(ops.rmsnorm_zero_centred(h, post_norm, cfg.rms_norm_eps))
+        if not all_logits:
+            h = h[np.asarray(batch.query_start[1:], np.int64) - 1]
+        h = ops.rmsnorm_zero_centred(h, self._norm, cfg.rms_norm_eps)
+        return ops.linear(h, self._lm_head).astype(np.float32, copy=False)
+
+    def _plan(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> StepPlan:
+        cfg = self.text
+        batch.validate(kv.page_size)
+        lengths = batch.row_lengths()
+        if np.any(lengths < 1):
+            raise ValueError(f"ForwardBatch: every row needs >= 1 new token, got {lengths.tolist()}")
+        ids = np.asarray(batch.token_ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ValueError(f"ForwardBatch: token id out of range [0, {cfg.vocab_size})")
+        slots = np.asarray(batch.state_slots)
+        if cfg.linear_layer_ids and (len(set(slots.tolist())) != len(slots) or slots.min() < 0
+                                     or slots.max() >= state.num_slots):
+            raise ValueError(f"ForwardBatch: state slots {slots.tolist()} must be distinct and "
+                             f"< {state.num_slots}")
+        if cfg.attention_layer_ids and int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
+            raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
+        cos, sin = ops.mrope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta,
+                                     cfg.mrope_section, cfg.mrope_interleaved)
+        pages, offsets = ops.attention.kv_slot_mapping(batch.block_tables, batch.context_lens,
+                                                       batch.query_start, kv.page_size)
+        return StepPlan(batch=batch, lengths=lengths, cos=cos, sin=sin, kv_pages=pages,
+                        kv_offsets=offsets)
+
+    def close(self) -> None:
+        self._layers = []
+        self._embed = self._lm_head = self._norm = None
