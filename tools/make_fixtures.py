@@ -4,6 +4,7 @@ Regenerate (maintainers only; CI never runs this, it reads the committed files):
 
     /work/venv/bin/python tools/make_fixtures.py            # all fixtures
     /work/venv/bin/python tools/make_fixtures.py dense moe  # some of them
+    /work/venv/bin/python tools/make_fixtures.py --out /tmp/fx  # elsewhere (e.g. to diff)
 
 (any Python with torch and transformers works; the committed files were made with torch 2.13.0+cpu,
 transformers 5.24.0, numpy 2.4, on CPU; the exact versions are recorded in each reference.npz.)
@@ -310,13 +311,13 @@ def make_references(name: str, out: pathlib.Path, cls, seed: int, vocab: int) ->
     return ref
 
 
-def make_fixture(name: str) -> None:
+def make_fixture(name: str, root: pathlib.Path = ROOT) -> None:
     seed, kind, overrides, save_opts = FIXTURES[name]
     text = dict(MOE_TEXT if kind.startswith("moe") else BASE_TEXT, **overrides)
     torch.manual_seed(seed)
     model = build_model(kind, text)
     reinit_(model, seed)
-    out = ROOT / name
+    out = root / name
     save_checkpoint(model, kind, seed, out, save_opts)
     n_params = check_saved_dtypes(out)
     ref = make_references(name, out, type(model), seed, text["vocab_size"])
@@ -331,12 +332,14 @@ def make_fixture(name: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("names", nargs="*", help=f"fixtures to build (default all: {list(FIXTURES)})")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT,
+                    help="parent directory of the fixture folders (default: tests/fixtures)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     for name in args.names or FIXTURES:
         if name not in FIXTURES:
             raise SystemExit(f"unknown fixture {name!r}; known: {list(FIXTURES)}")
-        make_fixture(name)
+        make_fixture(name, args.out)
     return 0
 
 
