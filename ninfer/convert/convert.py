@@ -1,0 +1,218 @@
+"""`convert_checkpoint`: a Hugging Face Qwen3.5 checkpoint directory -> one `.ninfer` v3 file.
+
+Two phases. `plan_conversion` maps and validates every source name and shape against the config
+without reading a payload byte, so a bad checkpoint fails in seconds and writes nothing. `_write`
+then streams each object (a tensor in row blocks, fused experts one expert at a time) through the
+recipe into an ArtifactWriter, which renames its partial file into place only when all succeeded.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..artifact import ArtifactWriter
+from ..errors import ConvertError
+from ..models.qwen3_5.config import TextConfig
+from . import names as N
+from .recipe import Recipe, ValuePreserving
+from .source import CheckpointSource
+
+
+@dataclass
+class ObjectPlan:
+    name: str                    # object name, also the logical name it carries
+    shape: tuple
+    source_dtype: np.dtype
+    sources: list                # source tensor names, concatenated in this order (row-major)
+
+
+@dataclass
+class ConversionPlan:
+    objects: list = field(default_factory=list)
+    views: dict = field(default_factory=dict)       # logical name -> (object, view dict)
+    aliases: dict = field(default_factory=dict)     # logical name -> object (tied lm_head)
+    tied_lm_head: bool = False
+    expert_layout: str | None = None                # "per_expert" | "fused" | None (dense)
+    ignored: list = field(default_factory=list)     # source names deliberately not imported
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(o.shape)) * o.source_dtype.itemsize for o in self.objects)
+
+
+def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: bool = True,
+                       recipe: Recipe | None = None) -> str:
+    """Convert `src_dir` into `out_path`. Raises ConvertError (bad source) or ArtifactError (cannot
+    write); either way no file is left at `out_path` (an existing one is untouched)."""
+    recipe = recipe or ValuePreserving()
+    out_path = os.fspath(out_path)
+    with CheckpointSource(src_dir) as src:
+        plan = plan_conversion(src)
+        metadata = {"recipe": recipe.name, "tied_lm_head": plan.tied_lm_head,
+                    "source": {"architecture": src.config.architecture,
+                               "expert_layout": plan.expert_layout,
+                               "files": sorted({t.file for t in src.tensors.values()})}}
+        with ArtifactWriter(out_path, src.config, name=name, metadata=metadata) as writer:
+            _write(src, plan, recipe, writer, progress)
+    return out_path
+
+
+# ------------------------------------------------------------------------------------ planning
+
+def _natural_key(s: str):
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", s)]
+
+
+def plan_conversion(src: CheckpointSource) -> ConversionPlan:
+    t = src.config.text
+    plan = ConversionPlan()
+    whole: dict[str, str] = {}                      # logical -> source
+    experts: dict[str, dict] = {}                   # ".mlp.experts" base -> {proj: {e: source}}
+    for s in sorted(src.tensors, key=_natural_key):
+        lg = N.logical_name(s)
+        if lg is None:
+            plan.ignored.append(s)
+            continue
+        m = N.PER_EXPERT.match(lg)
+        if m:
+            slot = experts.setdefault(m["base"], {}).setdefault(m["proj"], {})
+            prev = slot.setdefault(int(m["e"]), s)
+            if prev != s:
+                raise ConvertError(f"tensors {prev!r} and {s!r} both map to expert {m['e']} "
+                                   f"{m['proj']} of {m['base']}")
+            continue
+        if lg in whole:
+            raise ConvertError(f"tensors {whole[lg]!r} and {s!r} both map to {lg}")
+        whole[lg] = s
+
+    has_lm_head = "text.lm_head.weight" in whole
+    plan.tied_lm_head = t.tie_word_embeddings or not has_lm_head
+    if plan.tied_lm_head and has_lm_head:       # config ties: HF would overwrite it with the embedding
+        plan.ignored.append(whole.pop("text.lm_head.weight"))
+    expected = N.expected_text_shapes(t, with_lm_head=not plan.tied_lm_head)
+    _check_text(src, whole, experts, expected)
+    _check_expert_groups(src, t, experts, whole)
+    plan.expert_layout = ("per_expert" if experts else "fused") if t.is_moe else None
+
+    for lg in sorted(set(whole) | {b + ".gate_up_proj" for b in experts}
+                     | {b + ".down_proj" for b in experts}, key=_natural_key):
+        if lg in whole:
+            info = src.tensors[whole[lg]]
+            plan.objects.append(ObjectPlan(lg, info.shape, info.dtype, [whole[lg]]))
+            continue
+        base, leaf = lg.rsplit(".", 1)
+        group = experts[base]
+        E = len(group["down_proj"])
+        first = src.tensors[group["gate_proj"][0]]
+        if leaf == N.FUSED_GATE_UP:
+            I, H = first.shape
+            sources = [s for e in range(E) for s in (group["gate_proj"][e], group["up_proj"][e])]
+            plan.objects.append(ObjectPlan(lg, (E, 2 * I, H), first.dtype, sources))
+        else:
+            H, I = src.tensors[group["down_proj"][0]].shape
+            plan.objects.append(ObjectPlan(lg, (E, H, I), first.dtype,
+                                           [group["down_proj"][e] for e in range(E)]))
+
+    if plan.tied_lm_head:
+        plan.aliases["text.lm_head.weight"] = "text.embed_tokens.weight"
+    for o in plan.objects:                   # gate/up halves of every fused expert object
+        if o.name.endswith(".mlp.experts." + N.FUSED_GATE_UP):
+            base, I = o.name.rsplit(".", 1)[0], o.shape[1] // 2
+            plan.views[base + ".gate_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": 0, "stop": I})
+            plan.views[base + ".up_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": I, "stop": 2 * I})
+    return plan
+
+
+def _source_guess(src: CheckpointSource, logical: str) -> str:
+    if logical == "text.lm_head.weight":
+        return "lm_head.weight"
+    prefix = "model.language_model." if any(s.startswith("model.language_model.") for s in src.tensors) \
+        else "model."
+    return prefix + logical[len("text."):]
+
+
+def _check_text(src, whole: dict, experts: dict, expected: dict) -> None:
+    for lg, shape in expected.items():
+        base = lg.rsplit(".", 1)[0]
+        if base in experts:
+            if lg in whole:
+                raise ConvertError(f"{base}: checkpoint holds both per-expert tensors and the fused "
+                                   f"{whole[lg]!r}")
+            continue                         # checked per expert in _check_expert_groups
+        if lg not in whole:
+            raise ConvertError(f"missing tensor {_source_guess(src, lg)!r} "
+                               f"(logical {lg}, expected shape {list(shape)})")
+        got = src.tensors[whole[lg]].shape
+        if tuple(got) != tuple(shape):
+            raise ConvertError(f"tensor {whole[lg]!r}: expected shape {list(shape)} from config.json, "
+                               f"got {list(got)}")
+    for lg, s in whole.items():
+        if N.component(lg) == "text" and lg not in expected:
+            raise ConvertError(f"unexpected tensor {s!r} (logical {lg}): config.json implies no "
+                               "such text parameter")
+    for base, group in experts.items():
+        if N.component(base) == "text" and base + "." + N.FUSED_GATE_UP not in expected:
+            some = next(iter(next(iter(group.values())).values()))
+            raise ConvertError(f"unexpected tensor {some!r}: config.json implies no experts at {base}")
+
+
+def _check_expert_groups(src, t: TextConfig, experts: dict, whole: dict) -> None:
+    for base, group in experts.items():
+        if not t.is_moe:
+            raise ConvertError(f"{base}: per-expert tensors in a dense ({src.config.architecture}) "
+                               "checkpoint")
+        if base + "." + N.FUSED_GATE_UP in whole or base + "." + N.FUSED_DOWN in whole:
+            raise ConvertError(f"{base}: checkpoint holds both per-expert and fused expert tensors")
+        dtypes = set()
+        for proj in N.EXPERT_PROJS:
+            got = group.get(proj, {})
+            extra = sorted(set(got) - set(range(t.num_experts)))
+            if extra:
+                raise ConvertError(f"unexpected tensor {got[extra[0]]!r}: config.json has "
+                                   f"{t.num_experts} experts")
+            for e in range(t.num_experts):
+                if e not in got:
+                    raise ConvertError(f"missing tensor for expert {e} {proj} of {base} "
+                                       f"({t.num_experts} experts expected)")
+                info = src.tensors[got[e]]
+                want = N.expert_piece_shape(t, proj)
+                if tuple(info.shape) != want:
+                    raise ConvertError(f"tensor {got[e]!r}: expected shape {list(want)} from "
+                                       f"config.json, got {list(info.shape)}")
+                dtypes.add(info.dtype)
+        if len(dtypes) > 1:
+            raise ConvertError(f"{base}: experts mix dtypes {sorted(map(str, dtypes))}; one fused "
+                               "object needs one dtype")
+
+
+# ------------------------------------------------------------------------------------ writing
+
+def _write(src: CheckpointSource, plan: ConversionPlan, recipe: Recipe, writer: ArtifactWriter,
+           progress: bool) -> None:
+    from tqdm import tqdm
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+               desc=f"convert {src.dir.name}", leave=False)
+    try:
+        for o in plan.objects:
+            dtype, layout = recipe.stored(o.name, o.source_dtype, o.shape)
+            with writer.begin_object(o.name, dtype, o.shape, layout) as sink:
+                for s in o.sources:
+                    for piece in src.read_chunks(s):
+                        sink.write(recipe.encode(o.name, piece))
+                        bar.update(piece.nbytes)
+            writer.bind(o.name, o.name)
+    finally:
+        bar.close()
+    for logical, obj in plan.aliases.items():
+        writer.bind(logical, obj)
+    for logical, (obj, view) in plan.views.items():
+        writer.bind(logical, obj, view)
+    for logical in [o.name for o in plan.objects] + list(plan.aliases):
+        if N.component(logical) == "text":
+            site, position = N.use_site(logical)
+            writer.add_use(site, logical, [position], recipe.activation(logical))
+    for rname, data in src.resources().items():
+        writer.add_resource(rname, data)
