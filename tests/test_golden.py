@@ -256,3 +256,35 @@ def test_artifact_carries_checkpoint_values(name, converted):
                 assert np.array_equal(gate_up[e, inter:], u), f"{name}: {i} expert {e} up"
                 assert np.array_equal(down[e], d), f"{name}: {i} expert {e} down"
     assert all(a.dtype == ml_dtypes.bfloat16 for a in src.values())
+
+
+# ---- end to end through the command line ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["sharded", "moe_cond_gen"])
+def test_cli_convert_then_score_matches_transformers(name, tmp_path):
+    """`python -m ninfer convert` then `python -m ninfer score --ids` reproduce the reference's
+    total log-probability (the sum of log-softmax of the reference logits at the next tokens)."""
+    import re
+    import subprocess
+    import sys
+
+    seq = load_reference(name).sequences[3]
+    out = tmp_path / f"{name}.ninfer"
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(" ".join(str(int(i)) for i in seq.ids) + "\n")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "ninfer", *args],  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    conv = run("convert", str(fixture_dir(name)), str(out), "--quiet")
+    assert conv.returncode == 0, f"convert failed: {conv.stderr}"
+    score = run("score", str(out), "--ids", str(ids_file), "--chunk", "7")
+    assert score.returncode == 0, f"score failed: {score.stderr}"
+    m = re.search(r"tokens (\d+)\s+total_logprob (\S+)\s+perplexity (\S+)", score.stdout)
+    assert m, f"unexpected score output: {score.stdout!r}"
+    want = float(np.sum(reference_logprobs(seq)))
+    T = len(seq.ids)
+    # each of the T-1 log-softmax terms is off by at most 2 * (logit error)
+    bound = (T - 1) * 2 * NUMPY_REL_TOL * float(np.max(np.abs(seq.logits)))
+    assert int(m.group(1)) == T
+    assert abs(float(m.group(2)) - want) <= bound, \
+        f"{name}: total_logprob {m.group(2)} vs reference {want:.6f} (bound {bound:.2e})"
+    assert abs(float(m.group(3)) - np.exp(-want / (T - 1))) <= 1e-3 * np.exp(-want / (T - 1))
