@@ -1,0 +1,163 @@
+"""Frontend: the request-side owner of text. Pure: no backend, runtime or Engine imports."""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ....api import SamplingParams
+from ....errors import ArtifactError, RequestError
+from .chat_template import ChatTemplate, builtin_template_source
+from .output_session import OutputSession
+from .prompt import THINK_NONE, PreparedPrompt, make_prepared
+from .tokenizer import Tokenizer
+
+_DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class Frontend:
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate,
+                 eos_token_ids: Tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.template = template
+        self._eos = tuple(eos_token_ids)
+        self._think_ids = (tokenizer.token_id("<think>"), tokenizer.token_id("</think>"))
+        self._im_start_id = tokenizer.token_id("<|im_start|>")
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_artifact(cls, artifact) -> "Frontend":
+        tokenizer_json = artifact.resource("tokenizer.json")
+        if tokenizer_json is None:
+            raise ArtifactError("artifact has no 'tokenizer.json' resource")
+        template = artifact.resource("chat_template.jinja")
+        return cls.from_resources(
+            tokenizer_json,
+            template.decode("utf-8") if template is not None else None,
+            _json_resource(artifact, "generation_config.json"),
+            tokenizer_config=_json_resource(artifact, "tokenizer_config.json"))
+
+    @classmethod
+    def from_resources(cls, tokenizer_json: bytes, chat_template: Optional[str] = None,
+                       generation_config: Optional[Mapping] = None, *,
+                       tokenizer_config: Optional[Mapping] = None) -> "Frontend":
+        """Template precedence: `chat_template`, then tokenizer_config's, then the built-in Qwen3.5
+        template. EOS ids: generation_config's `eos_token_id`, else `<|im_end|>`/`<|endoftext|>`."""
+        tokenizer = Tokenizer(tokenizer_json)
+        config = dict(tokenizer_config or {})
+        source = chat_template or _config_template(config) or builtin_template_source()
+        specials = {k: _token_text(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        specials = {k: v for k, v in specials.items() if v is not None}
+        specials.setdefault("eos_token", "<|im_end|>")
+        eos = _eos_ids(tokenizer, generation_config or {})
+        return cls(tokenizer, ChatTemplate(source, specials), eos)
+
+    # ---- text ------------------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> Tuple[int, ...]:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows (the model's embedding may be padded beyond this)."""
+        return self.tokenizer.vocab_size
+
+    def token_id(self, token: str) -> Optional[int]:
+        return self.tokenizer.token_id(token)
+
+    def tokenize(self, text: str) -> np.ndarray:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list, tools: Optional[list] = None,
+                            add_generation_prompt: bool = True, enable_thinking: bool = True,
+                            **template_kwargs) -> str:
+        return self.template.render(messages, tools, add_generation_prompt=add_generation_prompt,
+                                    enable_thinking=bool(enable_thinking), **template_kwargs)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def prepare(self, prompt, *, tools: Optional[list] = None,
+                enable_thinking: Optional[bool] = True) -> PreparedPrompt:
+        """str: raw text, tokenized as is; list of messages: rendered by the chat template with a
+        generation prompt; int array or list of ints: token ids, checked against the vocabulary."""
+        thinking = True if enable_thinking is None else bool(enable_thinking)
+        text: Optional[str] = None
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(text)
+        elif isinstance(prompt, np.ndarray) or (isinstance(prompt, (list, tuple)) and prompt and
+                                                all(_is_int(t) for t in prompt)):
+            ids = self.tokenizer.check_ids(prompt)
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping)
+                                                                  for m in prompt):
+            text = self.apply_chat_template(list(prompt), tools=tools, enable_thinking=thinking)
+            ids = self.tokenizer.encode(text)
+        elif isinstance(prompt, (list, tuple)) and not prompt:
+            raise RequestError("prompt is empty")
+        else:
+            raise RequestError("prompt must be a str, a list of chat messages, or token ids "
+                               f"(got {type(prompt).__name__})")
+        if ids.shape[0] == 0:
+            raise RequestError("prompt is empty (it has no tokens)")
+        return make_prepared(ids, text=text, enable_thinking=thinking,
+                             think_ids=self._think_ids, im_start_id=self._im_start_id)
+
+    def new_output_session(self, params: SamplingParams, prepared: PreparedPrompt,
+                           tools: Optional[Sequence[Mapping[str, Any]]] = None, *,
+                           request_id: Optional[str] = None) -> OutputSession:
+        return OutputSession(self.tokenizer, params, eos_token_ids=self._eos,
+                             starts_in_reasoning=prepared.starts_in_reasoning,
+                             think_allowed=prepared.think_state == THINK_NONE, tools=tools,
+                             request_id=request_id)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _json_resource(artifact, name: str) -> Optional[dict]:
+    data = artifact.resource(name)
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"resource {name!r} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ArtifactError(f"resource {name!r} must be a JSON object")
+    return value
+
+
+def _config_template(config: Mapping) -> Optional[str]:
+    """tokenizer_config's `chat_template`: a string, or a list of {name, template} (use 'default')."""
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        return named.get("default")
+    return None
+
+
+def _token_text(value) -> Optional[str]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _eos_ids(tokenizer: Tokenizer, generation_config: Mapping) -> Tuple[int, ...]:
+    value = generation_config.get("eos_token_id")
+    if value is None:
+        ids = [tokenizer.token_id(t) for t in _DEFAULT_EOS]
+        return tuple(i for i in ids if i is not None)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(_is_int(v) and 0 <= v < tokenizer.vocab_size for v in values):
+        raise ArtifactError(f"generation_config.json: eos_token_id {value!r} must be token ids "
+                            f"in [0, {tokenizer.vocab_size})")
+    return tuple(int(v) for v in values)

@@ -1,0 +1,376 @@
+"""OutputSession: one request's generated tokens -> text deltas per channel, tool calls, stop.
+
+Each token goes through three stages, each holding back only what it cannot decide yet:
+
+    token id ──> bytes ──UTF-8──> text ──stop strings──> released text ──channels──> events
+                 (pending: an       (stop_hold: a suffix     (parse_hold: a possible tag prefix
+                  incomplete         that may still begin     or the newline run before it;
+                  character)         a stop string)           tool_buf: an open <tool_call>)
+
+Semantics (the Gateway and the Engine rely on these):
+- Text is the UTF-8 decoding of the tokens' bytes; special tokens (`<|im_end|>`, `<|vision_pad|>`,
+  ...) contribute no text; `<think>`, `</think>`, `<tool_call>`, `</tool_call>` are ordinary added
+  tokens and are recognised as text, so a tag spelled with several tokens works the same.
+- Stop token ids (params.stop_token_ids, plus the EOS ids unless ignore_eos) end the output; the
+  stop token is accepted. Stop strings are matched on the decoded output (tags included), across
+  token boundaries; the match and everything after it are dropped; the token completing the match
+  is the last one accepted. Both give finish_reason "stop".
+- Channels: the output starts in "reasoning" when the prompt ends inside `<think>` (the template
+  opened it), else in "content". `</think>` switches reasoning -> content; in content, `<think>`
+  opens reasoning only while nothing but whitespace has been written and the prompt has not already
+  had its think block. Newlines written around tags are the template's separators and are dropped
+  (the template writes them back when the turn is rendered as history).
+- Tool calls (only when the request has tools): a `<tool_call>` in the content channel opens a call;
+  at `</tool_call>` the body is parsed (tool_parser.py) and a ToolCallEvent is emitted, or, if the
+  body is malformed, the whole `<tool_call>...</tool_call>` text comes back as content. A call inside
+  reasoning is reasoning text (the model has not committed to it; vLLM's reasoning-then-tools parsing
+  agrees). A `<tool_call>` not followed by `<function=` is text as soon as that is known. A call still
+  open when the output ends (length, cancel, stop) comes back as content text.
+- Tool call ids are `call_<nonce>_<index>`; the nonce derives from the request id when one is given
+  (deterministic), else it is random.
+
+preview() never mutates the session: it runs the tokens on a copy of the small state; commit() adopts
+that copy. Work per token is bounded by the stop-string and tag lengths (no re-decoding).
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from ....api import SamplingParams, TextDelta, ToolCall, ToolCallEvent
+from .tool_parser import FUNCTION_OPEN, parse_tool_call, tool_schemas
+
+REASONING, CONTENT = "reasoning", "content"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(slots=True)
+class _State:
+    """Everything a token can change, kept small so preview can copy it."""
+
+    channel: str = CONTENT
+    think_allowed: bool = True        # a <think> may still open the reasoning channel
+    strip_newlines: bool = False      # drop "\n" that starts the segment after a tag
+    pending_bytes: bytes = b""
+    stop_hold: str = ""
+    parse_hold: str = ""
+    tool_buf: Optional[str] = None    # text after an open <tool_call>, None when no call is open
+    num_tool_calls: int = 0
+    num_tokens: int = 0
+    finish_reason: Optional[str] = None
+    ended_by_eos: bool = False
+
+    def clone(self) -> "_State":
+        return _State(self.channel, self.think_allowed, self.strip_newlines, self.pending_bytes,
+                      self.stop_hold, self.parse_hold, self.tool_buf, self.num_tool_calls,
+                      self.num_tokens, self.finish_reason, self.ended_by_eos)
+
+
+@dataclass(slots=True, frozen=True)
+class OutputPreview:
+    """The effect of some tokens, not yet applied. `accepted`: how many of the previewed tokens the
+    output keeps (fewer when a stop token or string ends it); `events`: TextDelta / ToolCallEvent in
+    order; `finish_reason`: "stop", None, or (from preview_finish) the reason given.
+
+    Token attribution: the accepted ids ride on the first TextDelta; when the step produced no text
+    (held back: a partial character, a possible stop-string or tag prefix) an empty TextDelta carries
+    them, so a consumer sees every accepted token exactly once."""
+
+    accepted: int
+    events: list
+    finish_reason: Optional[str]
+    token_ids: tuple = ()
+    _state: Optional[_State] = field(default=None, repr=False, compare=False)
+    _base: Optional[_State] = field(default=None, repr=False, compare=False)
+
+
+class _Collector:
+    """Events of one preview; adjacent text on one channel is merged into one delta."""
+
+    __slots__ = ("items",)
+
+    def __init__(self):
+        self.items: list = []             # [channel, [str, ...]] or ToolCallEvent
+
+    def text(self, channel: str, text: str) -> None:
+        last = self.items[-1] if self.items else None
+        if isinstance(last, list) and last[0] == channel:
+            last[1].append(text)
+        else:
+            self.items.append([channel, [text]])
+
+    def call(self, event: ToolCallEvent) -> None:
+        self.items.append(event)
+
+    def events(self, token_ids: tuple, channel: str) -> list:
+        out: list = []
+        for item in self.items:
+            if isinstance(item, list):
+                ids, token_ids = token_ids, ()
+                out.append(TextDelta(channel=item[0], text="".join(item[1]), token_ids=ids))
+            else:
+                out.append(item)
+        if token_ids:
+            out.insert(0, TextDelta(channel=channel, text="", token_ids=token_ids))
+        return out
+
+
+class OutputSession:
+    def __init__(self, tokenizer, params: SamplingParams, *, eos_token_ids: Sequence[int] = (),
+                 starts_in_reasoning: bool = False, think_allowed: bool = True, tools=None,
+                 request_id: Optional[str] = None):
+        self._tok = tokenizer
+        stop_ids = set(int(t) for t in params.stop_token_ids)
+        self._eos_ids = frozenset(int(t) for t in eos_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self._eos_ids
+        self._stop_ids = frozenset(stop_ids)
+        stops = params.stop if not isinstance(params.stop, str) else (params.stop,)
+        self._stops: Tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
+        self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._schemas = tool_schemas(tools)
+        self._tools_enabled = bool(tools)
+        seed = request_id.encode("utf-8") if request_id is not None else os.urandom(16)
+        self._nonce = hashlib.blake2b(seed, digest_size=6).hexdigest()
+        self._state = _State(channel=REASONING if starts_in_reasoning else CONTENT,
+                             think_allowed=think_allowed and not starts_in_reasoning,
+                             strip_newlines=starts_in_reasoning)
+        self._content: List[str] = []
+        self._reasoning: List[str] = []
+        self._tool_calls: List[ToolCall] = []
+
+    # ---- results so far (committed) ----------------------------------------------------------
+    @property
+    def text(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def tool_calls(self) -> list:
+        return list(self._tool_calls)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self._state.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self._state.finish_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._state.num_tokens
+
+    @property
+    def channel(self) -> str:
+        return self._state.channel
+
+    @property
+    def ended_turn(self) -> bool:
+        """True when an EOS token (`<|im_end|>`) closed the output: prompt + output tokens then end
+        on a complete assistant turn (the boundary a continuation can reuse)."""
+        return self._state.ended_by_eos
+
+    def snapshot(self) -> tuple:
+        """Every piece of session state, for equality checks in tests."""
+        s = self._state
+        return (s.channel, s.think_allowed, s.strip_newlines, s.pending_bytes, s.stop_hold,
+                s.parse_hold, s.tool_buf, s.num_tool_calls, s.num_tokens, s.finish_reason,
+                s.ended_by_eos, tuple(self._content), tuple(self._reasoning),
+                tuple(self._tool_calls))
+
+    # ---- preview / commit ----------------------------------------------------------------------
+    def preview(self, token_ids) -> OutputPreview:
+        ids = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)]
+        base = self._state
+        if base.finish_reason is not None:
+            raise RuntimeError(f"OutputSession.preview after the output finished "
+                               f"({base.finish_reason})")
+        st, out = base.clone(), _Collector()
+        start_channel = st.channel
+        accepted = 0
+        for tok in ids:
+            accepted += 1
+            if self._step(st, tok, out):
+                break
+        st.num_tokens += accepted
+        kept = tuple(ids[:accepted])
+        return OutputPreview(accepted, out.events(kept, start_channel), st.finish_reason, kept,
+                             st, base)
+
+    def preview_finish(self, reason: str) -> OutputPreview:
+        """Flush everything held back when generation ends without a stop (length, cancelled,
+        error): a partial character becomes U+FFFD, an open tool call comes back as text."""
+        base = self._state
+        if base.finish_reason is not None:
+            return OutputPreview(0, [], base.finish_reason, (), base, base)
+        st, out = base.clone(), _Collector()
+        self._flush(st, out)
+        st.finish_reason = reason
+        return OutputPreview(0, out.events((), st.channel), reason, (), st, base)
+
+    def commit(self, preview: OutputPreview) -> None:
+        if preview._base is not self._state:
+            raise RuntimeError("OutputSession.commit: the preview is stale (the session changed "
+                               "since it was computed) or belongs to another session")
+        self._state = preview._state
+        for event in preview.events:
+            if isinstance(event, TextDelta):
+                if event.text:
+                    (self._reasoning if event.channel == REASONING else self._content).append(
+                        event.text)
+            else:
+                self._tool_calls.append(event.call)
+
+    # ---- stage 1: bytes and stops ------------------------------------------------------------
+    def _step(self, st: _State, tok: int, out: _Collector) -> bool:
+        """Run one token; True when it ends the output."""
+        if tok in self._stop_ids:
+            self._flush(st, out)
+            st.finish_reason = "stop"
+            st.ended_by_eos = tok in self._eos_ids
+            return True
+        data = st.pending_bytes + self._tok.piece_bytes(tok, True)
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        st.pending_bytes = data[used:]
+        if not self._stops:
+            if text:
+                self._feed(st, text, False, out)
+            return False
+        held = st.stop_hold + text
+        cut = min((i for i in (held.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            st.stop_hold, st.pending_bytes = "", b""
+            self._feed(st, held[:cut], True, out)
+            st.finish_reason = "stop"
+            return True
+        keep = self._stop_prefix_length(held)
+        st.stop_hold = held[len(held) - keep:]
+        if len(held) > keep:
+            self._feed(st, held[:len(held) - keep], False, out)
+        return False
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """Length of the longest suffix of `text` that a stop string starts with."""
+        for k in range(min(len(text), self._max_stop_len - 1), 0, -1):
+            if text[-k:] in self._stop_prefixes:
+                return k
+        return 0
+
+    def _flush(self, st: _State, out: _Collector) -> None:
+        tail = codecs.utf_8_decode(st.pending_bytes, "replace", True)[0]
+        held = st.stop_hold + tail
+        st.pending_bytes, st.stop_hold = b"", ""
+        self._feed(st, held, True, out)
+
+    # ---- stage 2: channels and tool calls ------------------------------------------------------
+    def _tags(self, st: _State) -> Tuple[str, ...]:
+        if st.channel == REASONING:
+            return (THINK_CLOSE,)
+        tags = (CALL_OPEN,) if self._tools_enabled else ()
+        return tags + (THINK_OPEN,) if st.think_allowed else tags
+
+    def _feed(self, st: _State, text: str, final: bool, out: _Collector) -> None:
+        buf, st.parse_hold = st.parse_hold + text, ""
+        while buf:
+            if st.tool_buf is not None:
+                buf = self._feed_call(st, buf, out)
+                continue
+            tags = self._tags(st)
+            pos, tag = _earliest(buf, tags)
+            if tag is None:
+                keep = 0 if final else _hold_length(buf, tags)
+                self._emit(st, buf[:len(buf) - keep], out)
+                st.parse_hold = buf[len(buf) - keep:]
+                break
+            self._emit(st, buf[:pos].rstrip("\n"), out)
+            buf = buf[pos + len(tag):]
+            if tag == CALL_OPEN:
+                st.tool_buf = ""
+            else:
+                st.channel = REASONING if tag == THINK_OPEN else CONTENT
+                st.think_allowed = False
+                st.strip_newlines = True
+        if final and st.tool_buf is not None:        # truncated call: back as text
+            raw, st.tool_buf = CALL_OPEN + st.tool_buf, None
+            self._emit(st, raw, out)
+
+    def _feed_call(self, st: _State, text: str, out: _Collector) -> str:
+        """Extend the open call with `text`; returns the text left to parse after the call closed
+        or turned out not to be a call ('' while it stays open)."""
+        old = st.tool_buf
+        body = old + text
+        end = body.find(CALL_CLOSE, max(0, len(old) - len(CALL_CLOSE) + 1))
+        if not _could_be_call(body if end < 0 else body[:end]):
+            st.tool_buf = None                       # prose mentioning <tool_call>: plain text
+            self._emit(st, CALL_OPEN, out)
+            return body
+        if end < 0:
+            st.tool_buf = body
+            return ""
+        st.tool_buf = None
+        st.strip_newlines = True
+        parsed = parse_tool_call(body[:end], self._schemas)
+        if parsed is None:
+            self._emit(st, CALL_OPEN + body[:end] + CALL_CLOSE, out)
+        else:
+            name, args = parsed
+            index = st.num_tool_calls
+            call = ToolCall(id=f"call_{self._nonce}_{index}", name=name,
+                            arguments=json.dumps(args, ensure_ascii=False))
+            out.call(ToolCallEvent(index=index, call=call))
+            st.num_tool_calls += 1
+            st.think_allowed = False
+        return body[end + len(CALL_CLOSE):]
+
+    def _emit(self, st: _State, text: str, out: _Collector) -> None:
+        if st.strip_newlines:
+            text = text.lstrip("\n")
+            if not text:
+                return
+            st.strip_newlines = False
+        if not text:
+            return
+        if st.channel == CONTENT and st.think_allowed and not text.isspace():
+            st.think_allowed = False
+        out.text(st.channel, text)
+
+
+def _earliest(text: str, tags: Tuple[str, ...]):
+    best, best_tag = len(text), None
+    for tag in tags:
+        i = text.find(tag)
+        if 0 <= i < best:
+            best, best_tag = i, tag
+    return best, best_tag
+
+
+def _hold_length(text: str, tags: Tuple[str, ...]) -> int:
+    """What to keep back at the end of `text`: the longest suffix a tag starts with, and the run
+    of newlines before it (dropped if the tag follows)."""
+    if not tags:
+        return 0
+    keep = 0
+    for tag in tags:
+        for k in range(min(len(text), len(tag) - 1), keep, -1):
+            if tag.startswith(text[-k:]):
+                keep = k
+                break
+    i = len(text) - keep
+    while i > 0 and text[i - 1] == "\n":
+        i -= 1
+    return len(text) - i
+
+
+def _could_be_call(body: str) -> bool:
+    head = body.lstrip()
+    return head.startswith(FUNCTION_OPEN) or FUNCTION_OPEN.startswith(head)

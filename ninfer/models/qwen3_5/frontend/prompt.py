@@ -1,0 +1,92 @@
+"""PreparedPrompt: the owning, immutable result of prompt preparation."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+
+THINK_NONE, THINK_OPEN, THINK_CLOSED = "none", "open", "closed"
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedPrompt:
+    """What later stages need to run one prompt.
+
+    token_ids          int32 [num_tokens], read-only, owned (never a view of the caller's array)
+    media              media slots in prompt order; empty for text (Vision fills it later)
+    mrope_positions    None for text: position of token i is i on all MRoPE axes; else int32 [3, T]
+    digest             blake2b-128 hex of the token ids (little-endian int32 bytes)
+    text               the rendered prompt text when it came from text or messages, else None
+    enable_thinking    the flag the template was rendered with
+    think_state        where the prompt leaves the assistant's think block:
+                         "open"   - it ends inside <think> (the template opened it): the output starts
+                                    on the reasoning channel
+                         "closed" - the current turn already had its think block (thinking disabled)
+                         "none"   - no think block in the current turn
+    num_reusable_tokens  the prefix a next-turn rendering of this conversation repeats token for
+                       token: up to and including the generation prompt's `<|im_start|>assistant\n`
+                       (the think opening after it is rendered differently in history)
+    """
+
+    token_ids: np.ndarray
+    media: tuple = ()
+    mrope_positions: Optional[np.ndarray] = None
+    digest: str = ""
+    text: Optional[str] = None
+    enable_thinking: bool = True
+    think_state: str = THINK_NONE
+    num_reusable_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def starts_in_reasoning(self) -> bool:
+        return self.think_state == THINK_OPEN
+
+    def prefix_digests(self, block_size: int) -> List[bytes]:
+        """Chained digests of each full block: entry k identifies token_ids[:(k+1)*block_size]
+        (equal entries mean equal prefixes), the key a shared prefix index can use."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        out, prev = [], b""
+        ids = self.token_ids
+        for start in range(0, ids.shape[0] - block_size + 1, block_size):
+            h = hashlib.blake2b(prev, digest_size=16)
+            h.update(ids[start:start + block_size].astype("<i4", copy=False).tobytes())
+            prev = h.digest()
+            out.append(prev)
+        return out
+
+
+def make_prepared(token_ids: np.ndarray, *, text: Optional[str], enable_thinking: bool,
+                  think_ids: tuple, im_start_id: Optional[int]) -> PreparedPrompt:
+    """Own a copy of the ids and derive the think state and reuse boundary from them."""
+    ids = np.array(token_ids, dtype=np.int32, copy=True)
+    ids.setflags(write=False)
+    digest = hashlib.blake2b(ids.astype("<i4", copy=False).tobytes(), digest_size=16).hexdigest()
+    think_open, think_close = think_ids
+    last_turn = _last_index(ids, im_start_id)
+    last_open = _last_index(ids, think_open)
+    last_close = _last_index(ids, think_close)
+    if last_open > max(last_close, last_turn):
+        state = THINK_OPEN
+    elif max(last_open, last_close) > last_turn:
+        state = THINK_CLOSED
+    else:
+        state = THINK_NONE
+    in_turn = [p for p in (last_open, last_close) if p > last_turn]
+    reusable = min(in_turn) if last_turn >= 0 and in_turn else ids.shape[0]
+    return PreparedPrompt(token_ids=ids, digest=digest, text=text,
+                          enable_thinking=bool(enable_thinking), think_state=state,
+                          num_reusable_tokens=int(reusable))
+
+
+def _last_index(ids: np.ndarray, token_id: Optional[int]) -> int:
+    if token_id is None or ids.size == 0:
+        return -1
+    hits = np.flatnonzero(ids == token_id)
+    return int(hits[-1]) if hits.size else -1

@@ -1,0 +1,107 @@
+"""The text <-> token-id mapping: a `tokenizers` BPE tokenizer plus a per-id byte table for cheap
+incremental detokenization.
+
+Byte-level BPE gives every id an exact byte string; the text of a sequence is the UTF-8 decoding
+(invalid sequences -> U+FFFD) of the concatenated bytes. Keeping that table lets the OutputSession
+decode one new token at a time without re-decoding the output.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional
+
+import numpy as np
+import tokenizers
+
+from ....errors import ArtifactError, RequestError
+from .vocab import byte_to_unicode
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: bytes):
+        text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, bytes) else tokenizer_json
+        try:
+            self._tk = tokenizers.Tokenizer.from_str(text)
+            doc = json.loads(text)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a bad artifact resource
+            raise ArtifactError(f"tokenizer.json: cannot be loaded: {exc}") from None
+        if not _is_byte_level(doc.get("decoder")):
+            raise ArtifactError("tokenizer.json: only byte-level BPE decoders are supported "
+                                f"(decoder is {doc.get('decoder')!r:.80})")
+        self.token_bytes, self.special_ids, self.added_ids = _byte_table(doc)
+        self.vocab_size = len(self.token_bytes)
+        self._token_to_id: Dict[str, int] = {t["content"]: int(t["id"])
+                                             for t in doc.get("added_tokens", [])}
+
+    # ---- ids -----------------------------------------------------------------------------------
+    def token_id(self, token: str) -> Optional[int]:
+        """Id of an added token (`<|im_end|>`, `<think>`, ...) or of a single vocabulary entry."""
+        if token in self._token_to_id:
+            return self._token_to_id[token]
+        return self._tk.token_to_id(token)
+
+    def encode(self, text: str) -> np.ndarray:
+        if not isinstance(text, str):
+            raise RequestError(f"tokenize expects a str, got {type(text).__name__}")
+        return np.asarray(self._tk.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = self.check_ids(ids)
+        table, special = self.token_bytes, self.special_ids
+        data = b"".join(table[i] for i in ids.tolist()
+                        if not (skip_special_tokens and i in special))
+        return data.decode("utf-8", errors="replace")
+
+    def check_ids(self, ids) -> np.ndarray:
+        """Token ids as int32, each in [0, vocab_size); RequestError names the first bad one."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise RequestError(f"token ids must be a 1-D sequence of integers "
+                               f"(got shape {arr.shape}, dtype {arr.dtype})")
+        if arr.size:
+            bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
+            if bad.size:
+                raise RequestError(f"token id {int(arr[bad[0]])} at position {int(bad[0])} is "
+                                   f"outside the vocabulary [0, {self.vocab_size})")
+        return arr.astype(np.int32, copy=False)
+
+    def piece_bytes(self, token_id: int, skip_special: bool) -> bytes:
+        """The bytes one id contributes to the text; ids beyond the table (the model's padded
+        vocabulary rows) contribute nothing."""
+        if 0 <= token_id < self.vocab_size and not (skip_special and token_id in self.special_ids):
+            return self.token_bytes[token_id]
+        return b""
+
+
+def _is_byte_level(decoder) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return decoder.get("type") == "Sequence" and any(_is_byte_level(d)
+                                                     for d in decoder.get("decoders", []))
+
+
+def _byte_table(doc) -> tuple:
+    """(list of bytes per id, special ids, added ids) from a parsed byte-level tokenizer.json."""
+    u2b = {u: b for b, u in byte_to_unicode().items()}
+    vocab = doc.get("model", {}).get("vocab") or {}
+    added = doc.get("added_tokens") or []
+    size = max([*vocab.values(), *(int(t["id"]) for t in added), -1]) + 1
+    table: List[bytes] = [b""] * size
+    for piece, idx in vocab.items():
+        try:
+            table[idx] = bytes(u2b[ch] for ch in piece)
+        except KeyError:
+            raise ArtifactError(f"tokenizer.json: vocabulary entry {piece!r} (id {idx}) is not "
+                                f"byte-level encoded") from None
+    special: set = set()
+    added_ids: set = set()
+    for tok in added:
+        idx = int(tok["id"])
+        table[idx] = tok["content"].encode("utf-8")
+        added_ids.add(idx)
+        if tok.get("special", False):
+            special.add(idx)
+    return table, frozenset(special), frozenset(added_ids)
+
