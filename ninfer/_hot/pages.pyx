@@ -1,0 +1,52 @@
+# cython: boundscheck=False, wraparound=False, initializedcheck=False
+"""Page-table updates and batch packing, compiled. Same contract as `pages_py.py` (read it there)."""
+
+
+def take_pages(int[::1] free_stack, Py_ssize_t num_free, int[::1] table_row,
+               Py_ssize_t start, Py_ssize_t count):
+    cdef Py_ssize_t i
+    if count < 0 or count > num_free or start + count > table_row.shape[0]:
+        raise ValueError(f"take_pages: cannot take {count} of {num_free} free pages "
+                         f"into entries [{start}, {start + count}) of {table_row.shape[0]}")
+    for i in range(count):
+        table_row[start + i] = free_stack[num_free - 1 - i]
+    return num_free - count
+
+
+def give_pages(int[::1] free_stack, Py_ssize_t num_free, int[::1] table_row,
+               Py_ssize_t start, Py_ssize_t stop):
+    cdef Py_ssize_t i, count = stop - start
+    if count < 0 or num_free + count > free_stack.shape[0] or stop > table_row.shape[0]:
+        raise ValueError(f"give_pages: cannot return entries [{start}, {stop}) "
+                         f"with {num_free} of {free_stack.shape[0]} pages free")
+    for i in range(start, stop):
+        if table_row[i] < 0:
+            raise ValueError(f"give_pages: entries [{start}, {stop}) hold unmapped pages")
+    for i in range(count):
+        free_stack[num_free + i] = table_row[stop - 1 - i]
+        table_row[stop - 1 - i] = -1
+    return num_free + count
+
+
+def pack_batch(int[:, ::1] token_buf, int[:, ::1] block_tables, int[::1] slots,
+               int[::1] starts, int[::1] counts, int[::1] out_tokens, int[:, :] out_positions,
+               int[::1] out_query_start, int[:, ::1] out_tables):
+    cdef Py_ssize_t r, i, s, a, c, n = 0, p
+    cdef Py_ssize_t num_pages = block_tables.shape[1]
+    out_query_start[0] = 0
+    for r in range(slots.shape[0]):
+        s = slots[r]
+        a = starts[r]
+        c = counts[r]
+        if c < 0 or a < 0 or a + c > token_buf.shape[1]:
+            raise ValueError(f"pack_batch: row {r} span [{a}, {a + c}) outside the token buffer")
+        for i in range(c):
+            out_tokens[n + i] = token_buf[s, a + i]
+            out_positions[0, n + i] = a + i
+            out_positions[1, n + i] = a + i
+            out_positions[2, n + i] = a + i
+        for p in range(num_pages):
+            out_tables[r, p] = block_tables[s, p]
+        n += c
+        out_query_start[r + 1] = n
+    return n

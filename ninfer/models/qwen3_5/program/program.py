@@ -1,0 +1,374 @@
+"""The Program: physical truth of one resident model (KV pages, State slots, units, pause/resume).
+
+Only the Engine worker calls it. A sequence's tokens and its committed frontier live here:
+
+    token_buf[slot]  | prompt ........ | generated (accepted) |
+                     0          num_prompt_tokens        num_tokens
+    KV / State       [0, num_computed_tokens)  = the frontier; the next unit starts there
+
+Units (`next unit` of a sequence, derived from that arithmetic alone):
+    prefill  no token generated yet: the next <= prefill_chunk prompt tokens; the chunk that
+             reaches the end of the prompt samples the first token
+    replay   resumed after a pause: re-run accepted history in chunks up to num_tokens - 1
+    decode   frontier == num_tokens - 1: run the last accepted token, sample one more
+
+Every unit runs under a reservation (`reserve_units`) and yields a PendingBatch that must be
+consumed whole by `commit(decisions)` or `abort_pending()`. Sampling randomness is keyed by
+(seed, position), so there is no RNG state to roll back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .... import _hot
+from ....errors import RequestError
+from ..batch import ForwardBatch
+from .pending import PendingBatch, ProgramError, ResumeState, RowDecision, RowResult
+from .pools import PagePool, SlotPool, pages_for
+from .sampling import SamplingSpec, sample_row
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    seq_id: int
+    slot: int
+    num_prompt_tokens: int
+    num_tokens: int
+    num_computed_tokens: int
+    spec: SamplingSpec
+    replay_until: int = 0        # frontier of the run that was paused (Replay rebuilds to it)
+    protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    num_new_tokens: int
+    is_sampling: bool
+    is_replay: bool
+
+
+class Program:
+    def __init__(self, model, options):
+        text = model.config.text
+        self.model = model
+        self.vocab_size = int(text.vocab_size)
+        self.page_size = int(options.page_size)
+        self.max_context = int(options.max_context)
+        self.prefill_chunk = int(options.prefill_chunk)
+        self.num_slots = int(options.max_concurrency)
+        self.max_pages_per_seq = pages_for(self.max_context, self.page_size)
+        num_pages = options.num_kv_pages or self.num_slots * self.max_pages_per_seq
+        if num_pages < self.max_pages_per_seq:
+            raise RequestError(
+                f"Engine option num_kv_pages={num_pages}: one max_context={self.max_context} "
+                f"sequence needs {self.max_pages_per_seq} pages of {self.page_size} tokens")
+        self.kv = model.new_kv_pool(num_pages, self.page_size)
+        self.state = model.new_state_pool(self.num_slots)
+        self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
+        self.slots = SlotPool(self.num_slots)
+        self.token_buf = np.zeros((self.num_slots, self.max_context), np.int32)
+        self.host_budget_bytes = int(options.host_snapshot_bytes)
+        self._page_bytes = _host_bytes(self.kv.read_pages([0]))
+        self._state_bytes = _host_bytes(self.state.read(0))
+        self._snapshots: dict = {}          # snapshot id -> host bytes (the only host ledger)
+        self._seqs: dict = {}
+        self._pending: Optional[PendingBatch] = None
+        self._next_id = 0
+
+    # ---- capacity queries (check / act pairs) ---------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pages.num_free
+
+    @property
+    def host_bytes_used(self) -> int:
+        return sum(self._snapshots.values())
+
+    def can_bind(self, num_prompt_tokens: int) -> bool:
+        """A slot and the pages of the first prefill chunk are free."""
+        first = min(self.prefill_chunk, num_prompt_tokens)
+        return self.slots.num_free > 0 and pages_for(first, self.page_size) <= self.pages.num_free
+
+    def can_resume(self, rs: ResumeState) -> bool:
+        return self.slots.num_free > 0 and \
+            pages_for(self._resume_coverage(rs), self.page_size) <= self.pages.num_free
+
+    # ---- sequence lifetime ----------------------------------------------------------------------
+    def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec) -> int:
+        n = len(prompt_ids)
+        if not 1 <= n < self.max_context:
+            raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
+        seq = self._new_sequence(n, n, 0, spec)
+        self.token_buf[seq.slot, :n] = prompt_ids
+        return seq.seq_id
+
+    def release(self, seq_id: int) -> None:
+        self._no_pending("release")
+        seq = self._seqs.pop(seq_id)
+        self.pages.shrink(seq.slot, 0)
+        self.slots.give(seq.slot)
+
+    def pause(self, seq_id: int, *, allow_snapshot: bool = True) -> ResumeState:
+        """Pause at the committed boundary; frees the slot and pages. Snapshot when host budget
+        allows (and there is something computed), else Replay."""
+        self._no_pending("pause")
+        seq = self._seqs[seq_id]
+        tokens = self.token_buf[seq.slot, :seq.num_tokens].copy()
+        frontier = seq.num_computed_tokens
+        num_pages = pages_for(frontier, self.page_size)
+        cost = num_pages * self._page_bytes + self._state_bytes
+        common = dict(token_ids=tokens, num_prompt_tokens=seq.num_prompt_tokens,
+                      num_computed_tokens=frontier, spec=seq.spec)
+        if allow_snapshot and frontier > 0 and self.host_bytes_used + cost <= self.host_budget_bytes:
+            sid = self._new_id()
+            rs = ResumeState("snapshot", snapshot_id=sid, host_bytes=cost,
+                             kv_pages=self.kv.read_pages(self.pages.pages_of(seq.slot)[:num_pages]),
+                             state_image=self.state.read(seq.slot), **common)
+            self._snapshots[sid] = cost
+        else:
+            rs = ResumeState("replay", **common)
+        self.release(seq_id)
+        return rs
+
+    def revoke_snapshot(self, rs: ResumeState) -> ResumeState:
+        """Give a Snapshot's host memory back; the request stays resumable by Replay."""
+        self.discard(rs)
+        return ResumeState("replay", token_ids=rs.token_ids, num_prompt_tokens=rs.num_prompt_tokens,
+                           num_computed_tokens=rs.num_computed_tokens, spec=rs.spec)
+
+    def discard(self, rs: ResumeState) -> None:
+        """A paused request ends: drop what its ResumeState holds here."""
+        if rs.kind == "snapshot":
+            if self._snapshots.pop(rs.snapshot_id, None) is None:
+                raise ProgramError(f"snapshot {rs.snapshot_id} consumed twice")
+
+    def resume(self, rs: ResumeState) -> int:
+        """Bind a paused request again with the full resume permit: pages to rebuild its old
+        frontier plus its first real new unit, held until that unit commits."""
+        self._no_pending("resume")
+        if not self.can_resume(rs):
+            raise ProgramError("resume without capacity (the caller must check can_resume)")
+        coverage = self._resume_coverage(rs)
+        is_snapshot = rs.kind == "snapshot"
+        self.discard(rs)
+        seq = self._new_sequence(rs.num_prompt_tokens, rs.num_tokens,
+                                 rs.num_computed_tokens if is_snapshot else 0, rs.spec)
+        self.token_buf[seq.slot, :rs.num_tokens] = rs.token_ids
+        seq.replay_until = 0 if is_snapshot else rs.num_computed_tokens
+        seq.protected_tokens = coverage
+        if not self.pages.grow(seq.slot, coverage):
+            raise ProgramError("resume: pages vanished between check and act")
+        if is_snapshot:
+            n = pages_for(rs.num_computed_tokens, self.page_size)
+            self.kv.write_pages(self.pages.pages_of(seq.slot)[:n], rs.kv_pages)
+            self.state.write(seq.slot, rs.state_image)
+        return seq.seq_id
+
+    # ---- units ----------------------------------------------------------------------------------
+    def unit_kind(self, seq_id: int) -> str:
+        """'prefill', 'replay' or 'decode': what the sequence's next unit is."""
+        unit = self._next_unit(self._seqs[seq_id])
+        if unit.is_replay:
+            return "replay"
+        is_decode = self._seqs[seq_id].num_tokens > self._seqs[seq_id].num_prompt_tokens
+        return "decode" if is_decode else "prefill"
+
+    def is_protected(self, seq_id: int) -> bool:
+        return self._seqs[seq_id].protected_tokens > 0
+
+    def reserve_units(self, seq_ids) -> list:
+        """Grant each row the pages of its next unit, all or nothing per row; rows are independent
+        (one lacking pages does not stop the others). Returns one bool per row."""
+        granted = []
+        for sid in seq_ids:
+            seq = self._seqs[sid]
+            unit = self._next_unit(seq)
+            granted.append(self.pages.grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens))
+        return granted
+
+    def execute(self, seq_ids) -> PendingBatch:
+        """Run the next unit of every row as one model call; rows must hold their reservation."""
+        self._no_pending("execute")
+        seqs = [self._seqs[s] for s in seq_ids]
+        if not seqs or len({s.slot for s in seqs}) != len(seqs):
+            raise ProgramError(f"execute: bad membership {list(seq_ids)}")
+        units = [self._next_unit(s) for s in seqs]
+        for seq, unit in zip(seqs, units):
+            if self.pages.can_grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens) != 0:
+                raise ProgramError(f"execute: sequence {seq.seq_id} runs without its reservation")
+        batch = self._pack(seqs, units)
+        backups = [self.state.read(s.slot) for s in seqs]
+        logits = self.model.forward(batch, self.kv, self.state)
+        if logits.shape != (len(seqs), self.vocab_size):
+            raise ProgramError(f"model.forward returned {logits.shape}, "
+                               f"expected {(len(seqs), self.vocab_size)}")
+        rows = tuple(self._row_result(seq, unit, logits[r])
+                     for r, (seq, unit) in enumerate(zip(seqs, units)))
+        self._pending = PendingBatch(rows, backups, self._new_id())
+        return self._pending
+
+    def commit(self, pending: PendingBatch, decisions) -> None:
+        """Accept each row's decided prefix: advance frontier, append accepted tokens; cancelled
+        rows roll back to their committed boundary. Consumes the batch."""
+        self._take_pending(pending)
+        decisions = list(decisions)
+        if len(decisions) != len(pending.rows):
+            raise ProgramError(f"commit: {len(decisions)} decisions for {len(pending.rows)} rows")
+        for row, d in zip(pending.rows, decisions):
+            _check_decision(row, d)
+        for row, d, backup in zip(pending.rows, decisions, pending._backups):
+            seq = self._seqs[row.seq_id]
+            if d.is_cancelled:
+                self.state.write(seq.slot, backup)
+            else:
+                seq.num_computed_tokens += row.num_new_tokens
+                self._append(seq, row.produced[:d.accepted])
+                if seq.num_computed_tokens >= seq.protected_tokens:
+                    seq.protected_tokens = 0
+            self._trim(seq)
+
+    def abort_pending(self, pending: PendingBatch) -> None:
+        """Drop the whole unit: State restored, frontiers unchanged, unused pages returned."""
+        self._take_pending(pending)
+        for row, backup in zip(pending.rows, pending._backups):
+            seq = self._seqs[row.seq_id]
+            self.state.write(seq.slot, backup)
+            self._trim(seq)
+
+    # ---- observation ----------------------------------------------------------------------------
+    def generated_tokens(self, seq_id: int) -> np.ndarray:
+        seq = self._seqs[seq_id]
+        return self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens].copy()
+
+    def stats(self) -> dict:
+        return {"kv_pages_total": self.pages.num_pages, "kv_pages_used": self.pages.num_used,
+                "state_slots_total": self.num_slots, "state_slots_used": len(self._seqs),
+                "host_snapshot_bytes_used": self.host_bytes_used}
+
+    def check_invariants(self) -> None:
+        """Raise ProgramError if the physical ledgers disagree (leaks, double maps, bad frontiers)."""
+        live = {s.slot for s in self._seqs.values()}
+        if len(live) != len(self._seqs):
+            raise ProgramError("two sequences share a StateImage slot")
+        self.slots.check(live)
+        self.pages.check(live)
+        for seq in self._seqs.values():
+            if not 0 <= seq.num_computed_tokens <= seq.num_tokens <= self.max_context:
+                raise ProgramError(f"sequence {seq.seq_id}: frontier {seq.num_computed_tokens} / "
+                                   f"{seq.num_tokens} tokens out of order")
+            if self.pages.can_grow(seq.slot, seq.num_computed_tokens) != 0:
+                raise ProgramError(f"sequence {seq.seq_id}: KV frontier not covered by pages")
+        if self.host_bytes_used > self.host_budget_bytes:
+            raise ProgramError(f"host snapshots use {self.host_bytes_used} > budget")
+
+    def assert_all_free(self) -> None:
+        """Everything returned: no sequence, page, slot, snapshot or pending unit is held."""
+        self.check_invariants()
+        held = dict(sequences=len(self._seqs), pages=self.pages.num_used,
+                    slots=self.num_slots - self.slots.num_free, snapshots=len(self._snapshots),
+                    pending=int(self._pending is not None))
+        if any(held.values()):
+            raise ProgramError(f"resources still held: {held}")
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _new_sequence(self, num_prompt, num_tokens, num_computed, spec) -> _Sequence:
+        seq = _Sequence(self._new_id(), self.slots.take(), num_prompt, num_tokens, num_computed,
+                        spec)
+        self._seqs[seq.seq_id] = seq
+        return seq
+
+    def _next_unit(self, seq: _Sequence) -> _Unit:
+        done, total = seq.num_computed_tokens, seq.num_tokens
+        if total > seq.num_prompt_tokens:              # has generated: replay to total-1, decode
+            if done == total - 1:
+                return _Unit(1, True, False)
+            if done < total - 1:
+                return _Unit(min(self.prefill_chunk, total - 1 - done), False, True)
+        elif done < total:
+            n = min(self.prefill_chunk, total - done)
+            return _Unit(n, done + n == total, done < seq.replay_until)
+        raise ProgramError(f"sequence {seq.seq_id}: no unit at frontier {done} of {total}")
+
+    def _resume_coverage(self, rs: ResumeState) -> int:
+        """Old frontier + the first real new unit."""
+        frontier = rs.num_computed_tokens
+        if rs.num_tokens > rs.num_prompt_tokens:
+            return rs.num_tokens
+        return frontier + min(self.prefill_chunk, rs.num_tokens - frontier)
+
+    def _pack(self, seqs, units) -> ForwardBatch:
+        slots = np.array([s.slot for s in seqs], np.int32)
+        starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
+        counts = np.array([u.num_new_tokens for u in units], np.int32)
+        n = int(counts.sum())
+        tokens, positions = np.empty(n, np.int32), np.empty((3, n), np.int32)
+        query_start = np.empty(len(seqs) + 1, np.int32)
+        tables = np.empty((len(seqs), self.max_pages_per_seq), np.int32)
+        _hot.pack_batch(self.token_buf, self.pages.block_tables, slots, starts, counts,
+                        tokens, positions, query_start, tables)
+        width = max(1, pages_for(int((starts + counts).max()), self.page_size))
+        return ForwardBatch(tokens, positions, query_start, starts, tables[:, :width].copy(), slots)
+
+    def _row_result(self, seq: _Sequence, unit: _Unit, logits: np.ndarray) -> RowResult:
+        produced, logprobs = (), ()
+        if unit.is_sampling:
+            token, lp = sample_row(logits, seq.spec,
+                                   self.token_buf[seq.slot, :seq.num_prompt_tokens],
+                                   self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
+                                   position=seq.num_tokens)
+            produced, logprobs = (token,), (() if lp is None else (lp,))
+        return RowResult(seq.seq_id, unit.num_new_tokens, produced, logprobs, unit.is_replay)
+
+    def _append(self, seq: _Sequence, token_ids) -> None:
+        n = len(token_ids)
+        if seq.num_tokens + n > self.max_context:
+            raise ProgramError(f"sequence {seq.seq_id}: {seq.num_tokens + n} tokens exceed "
+                               f"max_context {self.max_context}")
+        self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + n] = token_ids
+        seq.num_tokens += n
+
+    def _trim(self, seq: _Sequence) -> None:
+        """Return pages beyond the frontier unless a resume permit still holds them."""
+        self.pages.shrink(seq.slot, max(seq.num_computed_tokens, seq.protected_tokens))
+
+    def _no_pending(self, what: str) -> None:
+        if self._pending is not None:
+            raise ProgramError(f"{what} while a PendingBatch is unconsumed")
+
+    def _take_pending(self, pending: PendingBatch) -> None:
+        if pending is not self._pending or pending.is_consumed:
+            raise ProgramError("PendingBatch consumed twice or not the current one")
+        pending._is_consumed = True
+        self._pending = None
+
+
+def _check_decision(row: RowResult, d: RowDecision) -> None:
+    produced = len(row.produced)
+    if d.is_cancelled:
+        ok = d.accepted == 0
+    elif produced == 0:
+        ok = d.accepted == 0
+    else:
+        ok = 1 <= d.accepted <= produced and (d.is_terminal or d.accepted == produced)
+    if not ok:
+        raise ProgramError(f"decision {d} breaks the accepted-prefix rule for a row that "
+                           f"produced {produced} token(s)")
+
+
+def _host_bytes(arrays) -> int:
+    total = 0
+    for part in arrays:
+        for a in part:
+            total += int(np.asarray(a).nbytes)
+    return total

@@ -1,0 +1,144 @@
+"""The numpy sampling op: one next token per row from float32 logits [B, V].
+
+Semantics (per row, in this order; all filter arithmetic in float64):
+
+1. logprobs (when asked) come from the RAW model distribution, log_softmax(logits), before any
+   penalty, temperature or filter (vLLM's default "raw logprobs"): the sampled token's logprob
+   plus the top-n alternatives, best first, ties by lower token id.
+2. repetition_penalty p (HF `RepetitionPenaltyLogitsProcessor`): for every distinct token of
+   prompt + generated, logit > 0 -> logit / p, else logit * p.
+3. presence / frequency penalties (OpenAI, vLLM): over GENERATED tokens only,
+   logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0).
+4. temperature == 0 -> greedy: argmax of the penalised logits (lowest id on ties); steps 5-7 skip.
+5. z = logits / temperature; top_k > 0 keeps the k largest z (ties broken by lower id).
+6. p = softmax over the survivors; top_p < 1 keeps the shortest best-first prefix whose
+   cumulative probability reaches top_p (ties by lower id; at least one token).
+7. min_p > 0 keeps the survivors with p >= min_p * max(p). (top-k, top-p and min-p each keep a
+   best-first prefix, so min-p commutes with the others; top-p sees top-k's renormalised mass,
+   as in HF and vLLM.)
+8. Draw u = counter_uniform(seed, position) in [0, 1) and take the inverse CDF over the kept
+   tokens in ascending id order. `position` is the sequence index of the token being produced
+   (prompt length + number generated before it), so the draw depends only on (seed, position):
+   never on batch composition, pauses or Replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ....api import SamplingParams, TokenLogprob
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def counter_uniform(seed: int, position: int) -> float:
+    """A uniform double in [0, 1) keyed by (seed, position): stateless, so nothing to roll back."""
+    x = _splitmix64(_splitmix64(int(seed) & _M64) ^ (int(position) & _M64))
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """The compiled, immutable sampling parameters of one sequence (seed always resolved)."""
+
+    seed: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, seed: int) -> "SamplingSpec":
+        return cls(seed=int(seed), temperature=float(params.temperature), top_k=int(params.top_k),
+                   top_p=float(params.top_p), min_p=float(params.min_p),
+                   presence_penalty=float(params.presence_penalty),
+                   frequency_penalty=float(params.frequency_penalty),
+                   repetition_penalty=float(params.repetition_penalty),
+                   logprobs=None if params.logprobs is None else int(params.logprobs))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
+                    generated_ids: np.ndarray) -> np.ndarray:
+    """Penalised float64 copy of one row's logits [V] (steps 2-3)."""
+    out = logits.astype(np.float64)
+    if spec.repetition_penalty != 1.0:
+        seen = np.unique(np.concatenate([prompt_ids, generated_ids]).astype(np.int64))
+        x = out[seen]
+        out[seen] = np.where(x > 0, x / spec.repetition_penalty, x * spec.repetition_penalty)
+    if (spec.presence_penalty or spec.frequency_penalty) and len(generated_ids):
+        ids, counts = np.unique(np.asarray(generated_ids, np.int64), return_counts=True)
+        out[ids] -= spec.frequency_penalty * counts + spec.presence_penalty
+    return out
+
+
+def filtered_probs(z: np.ndarray, spec: SamplingSpec) -> np.ndarray:
+    """Steps 5-7 on penalised float64 logits [V]: normalised probabilities, 0 where filtered."""
+    z = z / spec.temperature
+    vocab = len(z)
+    order = np.lexsort((np.arange(vocab), -z))            # best first, ties by lower id
+    if 0 < spec.top_k < vocab:
+        order = order[:spec.top_k]
+    p = np.exp(z[order] - z[order[0]])
+    p /= p.sum()
+    keep = len(order)
+    if spec.top_p < 1.0:
+        cum = np.cumsum(p)
+        keep = min(keep, int(np.searchsorted(cum, spec.top_p, side="left")) + 1)
+    if spec.min_p > 0.0:
+        keep = min(keep, int(np.count_nonzero(p >= spec.min_p * p[0])))
+    kept = p[:keep]
+    probs = np.zeros(vocab, np.float64)
+    probs[order[:keep]] = kept / kept.sum()
+    return probs
+
+
+def draw(probs: np.ndarray, u: float) -> int:
+    """Inverse CDF in ascending token id order over the nonzero entries."""
+    ids = np.flatnonzero(probs)
+    cdf = np.cumsum(probs[ids])
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(ids[min(i, len(ids) - 1)])
+
+
+def raw_logprobs(logits: np.ndarray, token_id: int, top_n: int) -> TokenLogprob:
+    x = logits.astype(np.float64)
+    m = x.max()
+    lp = x - m - np.log(np.exp(x - m).sum())
+    top = ()
+    if top_n > 0:
+        n = min(top_n, len(lp))
+        cand = np.argpartition(-lp, n - 1)[:n] if n < len(lp) else np.arange(len(lp))
+        # candidates may miss ties at the boundary; widen to every id tied with the n-th value
+        cand = np.union1d(cand, np.flatnonzero(lp >= lp[cand].min()))
+        best = cand[np.lexsort((cand, -lp[cand]))][:n]
+        top = tuple((int(t), float(np.float32(lp[t]))) for t in best)
+    return TokenLogprob(int(token_id), float(np.float32(lp[token_id])), top)
+
+
+def sample_row(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
+               generated_ids: np.ndarray, position: int):
+    """One row: (token_id, TokenLogprob or None)."""
+    z = apply_penalties(logits, spec, prompt_ids, generated_ids)
+    if spec.is_greedy:
+        token = int(np.argmax(z))
+    else:
+        token = draw(filtered_probs(z, spec), counter_uniform(spec.seed, position))
+    lp = None if spec.logprobs is None else raw_logprobs(logits, token, spec.logprobs)
+    return token, lp

@@ -1,0 +1,412 @@
+"""EngineCore: request lifecycle, the worker thread, and the commit -> publish order.
+
+One worker thread is the only mutator of requests, Scheduler and Program. Other threads call
+`submit()` (validate, prepare, enqueue) and read their handle. Each worker cycle:
+
+    take inbox -> settle cancels/deadlines -> resume oldest paused -> admit fresh
+      -> plan + reserve (pausing the youngest under pressure) -> run decode batch -> run one chunk
+
+Per unit: execute -> Frontend preview per row -> Program commit -> budget -> OutputSession commit
+-> publish events. Any exception out of the Program (or a broken internal invariant) fails the
+Engine: every request finishes with "error" and new submits raise EngineFailedError.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from ..api import Finished, GenerationResult, GenerationStart, SamplingParams, TextDelta
+from ..errors import EngineFailedError, RequestError
+from ..models.qwen3_5.program import Program, RowDecision, SamplingSpec
+from .handle import GenerationHandle, _Channel
+from .request import Request, RequestState
+from .scheduler import ResidentView, Scheduler
+
+log = logging.getLogger("ninfer.engine")
+_RESIDENT = (RequestState.MATERIALIZING, RequestState.PREFILL, RequestState.REPLAY,
+             RequestState.DECODE)
+_IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying again
+_RATE_WINDOW_S = 10.0
+
+
+class EngineCore:
+    def __init__(self, model, frontend, options, *, program: Optional[Program] = None):
+        self.options = options
+        self.frontend = frontend
+        self.vocab_size = int(model.config.text.vocab_size)
+        self.program = program if program is not None else Program(model, options)
+        self.scheduler = Scheduler(max_bypass=options.max_concurrency)
+        # reentrant: a handle dropped (and closed) by GC inside a locked region re-enters _notify
+        self._lock = threading.RLock()         # inbox, outstanding, health, stopping
+        self._wake = threading.Condition(self._lock)
+        self._inbox: deque = deque()
+        self._outstanding = 0
+        self._max_outstanding = options.max_concurrency + options.max_queue
+        self._health = "ready"
+        self._failure: Optional[str] = None
+        self._is_stopping = False
+        self._tickets = itertools.count()
+        # worker-only state
+        self._waiting: deque = deque()
+        self._residents: list = []
+        self._paused: list = []
+        self._cycle_no = 0
+        self._was_idle = False
+        self._counters = dict(tokens_generated=0, requests_finished=0, pauses=0,
+                              snapshot_pauses=0, replay_resumes=0, snapshot_resumes=0)
+        self._rate_window: deque = deque()
+        self._stats: dict = {}
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
+        self._thread.start()
+
+    # ---- any thread -----------------------------------------------------------------------------
+    @property
+    def health(self) -> str:
+        return self._health
+
+    def submit(self, prompt, params: SamplingParams, *, tools=None, enable_thinking=None,
+               request_id=None, timeout_s=None) -> GenerationHandle:
+        self._check_available()
+        params = dataclasses.replace(params).validate()
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float))
+                                          and math.isfinite(timeout_s) and timeout_s > 0):
+            raise RequestError(f"timeout_s={timeout_s!r}: must be a finite number > 0")
+        if enable_thinking is None:
+            enable_thinking = self.options.default_enable_thinking
+        prepared = self.frontend.prepare(prompt, tools=tools, enable_thinking=enable_thinking)
+        prompt_ids = self._check_prompt(np.asarray(prepared.token_ids))
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        session = self.frontend.new_output_session(params, prepared, tools)
+        request_id = request_id or uuid.uuid4().hex
+        channel = _Channel(request_id, self._notify, self._release_outstanding)
+        now = time.monotonic()
+        queue_timeout = self.options.queue_timeout_s
+        request = Request(request_id, 0, params, prompt_ids, session,
+                          SamplingSpec.from_params(params, seed), channel, now,
+                          deadline=None if timeout_s is None else now + timeout_s,
+                          queue_deadline=None if queue_timeout is None else now + queue_timeout)
+        with self._lock:
+            self._check_available()
+            if self._outstanding >= self._max_outstanding:
+                raise RequestError(
+                    f"engine overloaded: {self._outstanding} requests outstanding "
+                    f"(max_concurrency {self.options.max_concurrency} + max_queue "
+                    f"{self.options.max_queue})", status=429, code="overloaded")
+            self._outstanding += 1
+            request.ticket = next(self._tickets)
+            self._inbox.append(request)
+            self._wake.notify()
+        return GenerationHandle(channel)
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._stats)
+            out["queue_depth"] = out.get("waiting", 0) + len(self._inbox)
+            out["outstanding"] = self._outstanding
+            out["health"] = self._health
+        return out
+
+    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
+        """Stop the worker; unfinished requests finish as 'cancelled'."""
+        with self._lock:
+            self._is_stopping = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _check_available(self) -> None:
+        if self._health == "failed":
+            raise EngineFailedError(f"the engine failed: {self._failure}")
+        if self._is_stopping:
+            raise EngineFailedError("the engine is shut down")
+
+    def _check_prompt(self, ids: np.ndarray) -> np.ndarray:
+        max_context = self.options.max_context
+        if ids.ndim != 1 or len(ids) == 0:
+            raise RequestError(f"prompt must be a non-empty 1-D token sequence, got shape {ids.shape}")
+        if len(ids) >= max_context:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; max_context={max_context} allows at most "
+                f"{max_context - 1} prompt tokens (plus at least one generated)",
+                code="context_length_exceeded")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return ids.astype(np.int32)
+
+    def _notify(self) -> None:
+        with self._lock:
+            self._wake.notify()
+
+    def _release_outstanding(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+    # ---- worker: the spine ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._cycle()
+            self._finish_all("cancelled", "the engine was shut down")
+        except BaseException as exc:  # noqa: BLE001 - any escape is an Engine failure
+            self._fail(exc)
+
+    def _cycle(self) -> None:
+        self._cycle_no += 1
+        self._take_inbox()
+        self._settle_cancellations()
+        self._resume_oldest_paused()
+        self._admit_fresh()
+        decode, chunk = self._plan_and_reserve()
+        ran = self._run_unit(decode) + self._run_unit(chunk)
+        self._was_idle = ran == 0
+        self._publish_stats()
+
+    def _wait_for_work(self) -> bool:
+        with self._lock:
+            while not self._is_stopping:
+                has_work = bool(self._waiting or self._residents or self._paused)
+                if self._inbox or (has_work and not self._was_idle):
+                    return True
+                self._wake.wait(_IDLE_WAIT_S if has_work else None)
+                self._was_idle = False
+            return False
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+
+    # ---- worker: lifecycle steps ----------------------------------------------------------------
+    def _settle_cancellations(self) -> None:
+        now = time.monotonic()
+        for req in list(self._waiting) + list(self._residents) + list(self._paused):
+            if req.is_cancel_requested:
+                self._finish(req, "cancelled")
+            elif req.queue_deadline_passed(now):
+                self._finish(req, "error", f"queue timeout: waited "
+                                           f"{self.options.queue_timeout_s} s for admission")
+            elif req.deadline_passed(now):
+                self._finish(req, "cancelled", "deadline exceeded (timeout_s)")
+
+    def _resume_oldest_paused(self) -> None:
+        has_protected = any(self.program.is_protected(r.seq_id) for r in self._residents)
+        req = self.scheduler.resume_candidate(
+            [ResidentView(r, r.ticket, False) for r in self._paused], has_protected)
+        if req is None or len(self._residents) >= self.options.max_concurrency \
+                or not self.program.can_resume(req.resume_state):
+            return
+        kind = req.resume_state.kind
+        req.seq_id = self.program.resume(req.resume_state)
+        req.resume_state = None
+        self._paused.remove(req)
+        self._make_resident(req)
+        self._counters["snapshot_resumes" if kind == "snapshot" else "replay_resumes"] += 1
+        self.scheduler.note_resumed()
+
+    def _admit_fresh(self) -> None:
+        while self._waiting and len(self._residents) < self.options.max_concurrency:
+            req = self._waiting[0]
+            if not self.scheduler.may_admit_fresh(len(self._paused)) \
+                    or not self.program.can_bind(req.num_prompt_tokens):
+                return
+            self._waiting.popleft()
+            req.seq_id = self.program.bind(req.prompt_ids, req.spec)
+            req.admit_time = time.monotonic()
+            self._make_resident(req)
+            self.scheduler.note_fresh_admitted(len(self._paused))
+            req.channel.publish(GenerationStart(req.request_id, req.num_prompt_tokens))
+
+    def _make_resident(self, req: Request) -> None:
+        req.state = RequestState.MATERIALIZING
+        self._residents.append(req)
+        self._residents.sort(key=lambda r: r.ticket)
+
+    def _pause(self, req: Request) -> None:
+        rs = self.program.pause(req.seq_id, allow_snapshot=self.options.host_snapshot_bytes > 0)
+        req.seq_id, req.resume_state = None, rs
+        req.state = RequestState.PAUSED
+        req.num_pauses += 1
+        self._residents.remove(req)
+        self._paused.append(req)
+        self._paused.sort(key=lambda r: r.ticket)
+        self._counters["pauses"] += 1
+        self._counters["snapshot_pauses"] += rs.kind == "snapshot"
+
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None, *,
+                touch_program: bool = True) -> None:
+        """The single terminal transition: release Program resources, then publish Finished."""
+        if touch_program and req.seq_id is not None:
+            self.program.release(req.seq_id)
+        if touch_program and req.resume_state is not None:
+            self.program.discard(req.resume_state)
+        req.seq_id = req.resume_state = None
+        for queue in (self._waiting, self._residents, self._paused):
+            if req in queue:
+                queue.remove(req)
+        now = time.monotonic()
+        session = req.session
+        result = GenerationResult(
+            text=_safe_attr(session, "text", ""),
+            reasoning_text=_safe_attr(session, "reasoning_text", ""),
+            tool_calls=list(_safe_attr(session, "tool_calls", []) or []),
+            token_ids=list(req.token_ids), finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens, logprobs=req.logprobs, error=error,
+            time_to_first_token=None if req.first_token_time is None
+            else req.first_token_time - req.submit_time,
+            prefill_seconds=0.0 if req.admit_time is None
+            else (req.first_token_time or now) - req.admit_time,
+            decode_seconds=0.0 if req.first_token_time is None else now - req.first_token_time)
+        req.state = RequestState.FINISHED
+        self._counters["requests_finished"] += 1
+        req.channel.publish(Finished(result))
+
+    # ---- worker: planning -----------------------------------------------------------------------
+    def _view(self, req: Request) -> ResidentView:
+        return ResidentView(req, req.ticket, self.program.unit_kind(req.seq_id) == "decode",
+                            self.program.is_protected(req.seq_id), req.last_chunk_cycle)
+
+    def _plan_and_reserve(self) -> tuple:
+        plan = self.scheduler.plan([self._view(r) for r in self._residents])
+        members = [self._view(r) for r in plan.members]
+        granted = set()
+        for req in self.scheduler.reservation_order(members):
+            if req in self._residents and self._reserve(req):
+                granted.add(req)
+        decode = [r for r in plan.decode if r in granted and r in self._residents]
+        chunk = [plan.chunk] if plan.chunk in granted and plan.chunk in self._residents else []
+        for req in chunk:
+            req.last_chunk_cycle = self._cycle_no
+        return decode, chunk
+
+    def _reserve(self, req: Request) -> bool:
+        """Reserve req's next unit, pausing the youngest younger resident while it lacks pages."""
+        while not self.program.reserve_units([req.seq_id])[0]:
+            victim = self.scheduler.choose_victim([self._view(r) for r in self._residents],
+                                                  self._view(req))
+            self._pause(victim)
+            if victim is req:
+                return False
+        return True
+
+    # ---- worker: one unit -----------------------------------------------------------------------
+    def _run_unit(self, reqs: list) -> int:
+        if not reqs:
+            return 0
+        pending = self.program.execute([r.seq_id for r in reqs])
+        now = time.monotonic()
+        verdicts = [self._decide(req, row, now) for req, row in zip(reqs, pending.rows)]
+        self.program.commit(pending, [d for d, _, _ in verdicts])
+        for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
+            self._settle_row(req, row, decision, preview, error)
+        return 1
+
+    def _decide(self, req: Request, row, now: float) -> tuple:
+        """(RowDecision, preview, error) for one row, from the Frontend preview (no mutation)."""
+        if req.is_cancel_requested or req.deadline_passed(now):
+            return RowDecision(0, is_cancelled=True), None, None
+        if not row.produced:
+            return RowDecision(0), None, None
+        try:
+            preview = req.session.preview(list(row.produced))
+            accepted = int(preview.accepted)
+            is_stop = preview.finish_reason is not None
+            if not 0 <= accepted <= len(row.produced) or (not is_stop and accepted != len(row.produced)):
+                raise RuntimeError(f"preview accepted {accepted} of {len(row.produced)} tokens "
+                                   f"(finish_reason {preview.finish_reason!r})")
+        except Exception as exc:  # noqa: BLE001 - a Frontend fault ends only this request
+            log.exception("request %s: output preview failed", req.request_id)
+            return RowDecision(0, is_cancelled=True), None, f"output processing failed: {exc}"
+        accepted = max(accepted, 1)          # the stop token itself joins the model history
+        total = req.num_prompt_tokens + req.num_generated_tokens + accepted
+        is_length = req.num_generated_tokens + accepted >= req.params.max_tokens \
+            or total >= self.options.max_context
+        return RowDecision(accepted, is_terminal=is_stop or is_length), preview, None
+
+    def _settle_row(self, req: Request, row, decision: RowDecision, preview, error) -> None:
+        """After the Program commit: budget, OutputSession commit, events, terminal state."""
+        if decision.is_cancelled:
+            self._finish(req, "error" if error else "cancelled",
+                         error or (None if req.is_cancel_requested else "deadline exceeded"))
+            return
+        if not row.produced:
+            req.state = RequestState.REPLAY if self.program.unit_kind(req.seq_id) == "replay" \
+                else RequestState.PREFILL
+            return
+        tokens = list(row.produced[:decision.accepted])
+        self._account(req, tokens, row.logprobs[:decision.accepted])
+        req.session.commit(preview)
+        events = list(preview.events)
+        reason = preview.finish_reason
+        if decision.is_terminal and reason is None:
+            reason = "length"
+            flush = req.session.preview_finish("length")
+            req.session.commit(flush)
+            events += list(flush.events)
+        self._publish_events(req, events)
+        if decision.is_terminal:
+            self._finish(req, reason)
+        else:
+            req.state = RequestState.DECODE
+
+    def _account(self, req: Request, tokens: list, logprobs: tuple) -> None:
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.token_ids.extend(tokens)
+        if req.params.logprobs is not None:
+            req.logprobs = (req.logprobs or []) + list(logprobs)
+            req.unpublished_logprobs.extend(logprobs)
+        self._counters["tokens_generated"] += len(tokens)
+        self._rate_window.append((now, len(tokens)))
+
+    def _publish_events(self, req: Request, events: list) -> None:
+        for event in events:
+            if isinstance(event, TextDelta) and req.unpublished_logprobs:
+                event = dataclasses.replace(event, logprobs=tuple(req.unpublished_logprobs))
+                req.unpublished_logprobs.clear()
+            req.channel.publish(event)
+
+    # ---- worker: failure and stop ---------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        log.error("engine failed: %r", exc, exc_info=exc)
+        with self._lock:
+            self._health = "failed"
+            self._failure = f"{type(exc).__name__}: {exc}"
+            self._is_stopping = True
+        self._finish_all("error", f"engine failed: {self._failure}", touch_program=False)
+
+    def _finish_all(self, reason: str, error: str, *, touch_program: bool = True) -> None:
+        self._take_inbox()
+        for req in list(self._waiting) + list(self._residents) + list(self._paused):
+            if req.state != RequestState.FINISHED:
+                self._finish(req, reason, error, touch_program=touch_program)
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        while self._rate_window and self._rate_window[0][0] < now - _RATE_WINDOW_S:
+            self._rate_window.popleft()
+        span = now - self._rate_window[0][0] if self._rate_window else 0.0
+        rate = sum(n for _, n in self._rate_window) / span if span > 0 else 0.0
+        stats = dict(self._counters, waiting=len(self._waiting), residents=len(self._residents),
+                     paused=len(self._paused), tokens_per_s=rate, **self.program.stats())
+        with self._lock:
+            self._stats = stats
+
+
+def _safe_attr(obj, name, default):
+    try:
+        return getattr(obj, name)
+    except Exception:  # noqa: BLE001 - a broken session must not block the terminal event
+        return default

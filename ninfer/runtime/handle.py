@@ -1,0 +1,134 @@
+"""GenerationHandle: the consumer's side of one request.
+
+The worker publishes events into a `_Channel`; the consumer reads them through the handle. The
+worker holds only the channel, so dropping the last handle reference abandons the request
+(cancellation + consumer_released) even while it is still generating.
+
+Outstanding capacity is released exactly once, when both hold:
+    response_done      the worker published Finished
+    consumer_released  result() / iteration returned the end, close(), or the handle was dropped
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Optional
+
+from ..api import Finished, GenerationResult
+
+
+class _Channel:
+    def __init__(self, request_id: str, wake_worker: Callable[[], None],
+                 release_capacity: Callable[[], None]):
+        self.request_id = request_id
+        self._cond = threading.Condition(threading.RLock())
+        self._events = deque()
+        self._result: Optional[GenerationResult] = None
+        self.is_cancel_requested = False
+        self._is_consumer_released = False
+        self._is_capacity_released = False
+        self._wake_worker = wake_worker
+        self._release_capacity = release_capacity
+
+    # ---- worker side --------------------------------------------------------------------------
+    def publish(self, event) -> None:
+        with self._cond:
+            if self._result is not None:
+                raise RuntimeError(f"request {self.request_id}: event after Finished")
+            self._events.append(event)
+            if isinstance(event, Finished):
+                self._result = event.result
+            self._cond.notify_all()
+        if isinstance(event, Finished):
+            self._maybe_release()
+
+    # ---- consumer side ------------------------------------------------------------------------
+    def next_event(self, timeout: Optional[float]):
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._events, timeout):
+                raise TimeoutError(f"request {self.request_id}: no event within {timeout} s")
+            return self._events.popleft()
+
+    def wait_result(self, timeout: Optional[float]) -> GenerationResult:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._result is not None, timeout):
+                raise TimeoutError(f"request {self.request_id}: not finished within {timeout} s")
+            return self._result
+
+    def cancel(self) -> None:
+        self.is_cancel_requested = True
+        self._wake_worker()
+
+    def release_consumer(self) -> None:
+        with self._cond:
+            self._is_consumer_released = True
+        self._maybe_release()
+
+    @property
+    def is_done(self) -> bool:
+        return self._result is not None
+
+    def _maybe_release(self) -> None:
+        with self._cond:
+            if self._is_capacity_released or self._result is None or \
+                    not self._is_consumer_released:
+                return
+            self._is_capacity_released = True
+        self._release_capacity()
+
+
+class GenerationHandle:
+    """Iterate the events (GenerationStart, TextDelta, ToolCallEvent ..., Finished last), or wait
+    with result(). cancel() asks the worker to stop the request at its next boundary; close()
+    abandons it (cancel + release). Safe to use from any thread."""
+
+    __slots__ = ("_channel", "__weakref__")
+
+    def __init__(self, channel: _Channel):
+        self._channel = channel
+
+    @property
+    def request_id(self) -> str:
+        return self._channel.request_id
+
+    @property
+    def done(self) -> bool:
+        return self._channel.is_done
+
+    def __iter__(self):
+        return self.events()
+
+    def events(self, timeout: Optional[float] = None):
+        """Yield events until Finished (inclusive); `timeout` bounds each wait (TimeoutError)."""
+        while True:
+            event = self._channel.next_event(timeout)
+            yield event
+            if isinstance(event, Finished):
+                self._channel.release_consumer()
+                return
+
+    def result(self, timeout: Optional[float] = None) -> GenerationResult:
+        """Block until the request finishes; raises TimeoutError if `timeout` seconds pass."""
+        result = self._channel.wait_result(timeout)
+        self._channel.release_consumer()
+        return result
+
+    def cancel(self) -> None:
+        if not self._channel.is_done:
+            self._channel.cancel()
+
+    def close(self) -> None:
+        self.cancel()
+        self._channel.release_consumer()
+
+    def __enter__(self) -> "GenerationHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing left to release
+            pass
