@@ -16,6 +16,7 @@ from ninfer.ops.attention import kv_slot_mapping
 TOL_FP32 = dict(rtol=1e-5, atol=1e-6)        # one rounding per element plus a short reduction
 TOL_ACCUM = dict(rtol=1e-4, atol=2e-5)       # long reductions / recurrences in float32
 TOL_ANGLE = dict(rtol=1e-5, atol=5e-5)       # float32 rotary angles (position * inv_freq)
+MAX_REL_DELTA_DEEP = 5e-6                    # chunked delta rule after a deep cumulative decay
 
 SEEDS = [int(s) for s in np.random.SeedSequence().generate_state(2)]
 
@@ -225,6 +226,22 @@ def test_gated_delta_chunked_continues_across_calls_and_strong_decay(seed):
     assert np.all(np.isfinite(o))
     np.testing.assert_allclose(o, ref_o, **TOL_ACCUM)
     np.testing.assert_allclose(S, ref_S, **TOL_ACCUM)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gated_delta_chunked_keeps_accuracy_after_deep_decay(seed):
+    # Strong decay first (the cumulative log decay reaches about -1000), then slow decay over
+    # repeated keys: the later pairs' decay factors are exp of a small difference of two large
+    # cumulative sums, which float32 cumsums would get wrong by ~5e-5.
+    r = rng_for(seed)
+    T, H = 64, 2
+    q, k, v, _, _ = _delta_inputs(r, T, H, 8, 4)
+    k = np.tile(k[:3], (22, 1, 1))[:T]
+    g = f32(-np.concatenate([r.uniform(20, 40, size=(32, H)), r.uniform(0, 0.05, size=(32, H))]))
+    beta = np.full((T, H), 0.9, np.float32)
+    ref_o, _ = _delta_oracle(q, k, v, g, beta, np.zeros((H, 8, 4)))
+    o, _ = ops.gated_delta_chunked(q, k, v, g, beta, np.zeros((H, 8, 4), np.float32), chunk_size=64)
+    assert np.max(np.abs(o - ref_o)) / np.max(np.abs(ref_o)) < MAX_REL_DELTA_DEEP
 
 
 # ---- rotary / MRoPE ----------------------------------------------------------------------------

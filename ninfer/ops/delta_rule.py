@@ -61,19 +61,21 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
 
     Q, K, V = heads_first(q, dk), heads_first(k, dk), heads_first(v, dv)
     Bt = heads_first(beta[..., None], 1)[..., 0]                # [H, n, C]
-    G = np.cumsum(heads_first(g[..., None], 1)[..., 0], axis=-1)
+    # Cumulative log decay in float64: G reaches -1e3 within a chunk, and the float32 difference
+    # G_i - G_j of two such values would lose ~1e-4 of every nearby pair's decay factor.
+    G = np.cumsum(heads_first(g[..., None], 1)[..., 0], axis=-1, dtype=np.float64)
     KB, VB = K * Bt[..., None], V * Bt[..., None]
 
     causal = np.tril(np.ones((C, C), bool))
     # exp only where j <= i: there the exponent is <= 0, so nothing overflows
-    pair = np.exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf))
+    pair = np.exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf)).astype(np.float32)
     A = np.tril((KB @ np.swapaxes(K, -1, -2)) * pair, -1)
     intra = (Q @ np.swapaxes(K, -1, -2)) * pair
-    U, W = _unit_lower_solve(A, VB, KB * np.exp(G)[..., None])
+    U, W = _unit_lower_solve(A, VB, KB * np.exp(G).astype(np.float32)[..., None])
 
-    Qd = Q * np.exp(G)[..., None]
-    Kd = K * np.exp(G[..., -1:] - G)[..., None]
-    chunk_decay = np.exp(G[..., -1])[..., None, None]            # [H, n, 1, 1]
+    Qd = Q * np.exp(G).astype(np.float32)[..., None]
+    Kd = K * np.exp(G[..., -1:] - G).astype(np.float32)[..., None]
+    chunk_decay = np.exp(G[..., -1]).astype(np.float32)[..., None, None]     # [H, n, 1, 1]
 
     S = state.astype(np.float32, copy=True)
     out = np.empty((H, n, C, dv), np.float32)

@@ -68,7 +68,12 @@ class NumpyModel:
 
     def _plan(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> StepPlan:
         cfg = self.text
-        batch.validate(kv.page_size)
+        if cfg.attention_layer_ids:
+            batch.validate(kv.page_size)
+        elif batch.positions.shape != (3, batch.num_tokens) or \
+                batch.query_start.shape != (batch.num_rows + 1,) or batch.query_start[0] != 0 \
+                or batch.query_start[-1] != batch.num_tokens:
+            raise ValueError("ForwardBatch: positions / query_start do not match the tokens")
         lengths = batch.row_lengths()
         if np.any(lengths < 1):
             raise ValueError(f"ForwardBatch: every row needs >= 1 new token, got {lengths.tolist()}")
@@ -82,6 +87,9 @@ class NumpyModel:
                              f"< {state.num_slots}")
         if cfg.attention_layer_ids and int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
             raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
+        if not cfg.attention_layer_ids:           # a pure-GDN model has no KV and no rotary
+            return StepPlan(batch=batch, lengths=lengths, cos=None, sin=None, kv_pages=None,
+                            kv_offsets=None)
         cos, sin = ops.mrope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta,
                                      cfg.mrope_section, cfg.mrope_interleaved)
         pages, offsets = ops.attention.kv_slot_mapping(batch.block_tables, batch.context_lens,
