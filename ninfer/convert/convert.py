@@ -139,8 +139,8 @@ def _check_text(src, whole: dict, experts: dict, expected: dict) -> None:
         base = lg.rsplit(".", 1)[0]
         if base in experts:
             if lg in whole:
-                raise ConvertError(f"{base}: checkpoint holds both per-expert tensors and the fused "
-                                   f"{whole[lg]!r}")
+                raise ConvertError(f"{base}: checkpoint holds both per-expert and fused expert "
+                                   f"tensors ({whole[lg]!r})")
             continue                         # checked per expert in _check_expert_groups
         if lg not in whole:
             raise ConvertError(f"missing tensor {_source_guess(src, lg)!r} "

@@ -92,7 +92,7 @@ class CheckpointSource:
             return
         step = max(1, CHUNK_BYTES // row_bytes)
         for start in range(0, rows, step):
-            yield self._checked(info, sl[start:start + step])
+            yield self._checked(info, sl[start:min(start + step, rows)])
 
     def close(self) -> None:
         self._handles.clear()
