@@ -286,12 +286,16 @@ def make_references(name: str, out: pathlib.Path, cls, seed: int, vocab: int) ->
         ref[f"prefill_logits_{s}"] = lg.astype(np.float32)
 
     worst_decode = 0.0
+    multimodal = name.endswith("cond_gen")
     for g, plen in enumerate(GREEDY_PROMPT_LENGTHS):
-        for attempt in range(50):
+        for attempt in range(400):
             prompt = random_ids(rng, plen, vocab)
             new, step_logits = greedy(model, prompt)
             m = margins(step_logits)
-            if len(new) == GREEDY_NEW_TOKENS and m.min() >= MIN_GREEDY_MARGIN:
+            # in the multimodal layouts ids 256-259 are vision placeholders: keep them out of the
+            # continuation too, so an Engine that treats them specially still compares cleanly
+            clean = not (multimodal and set(new.tolist()) & set(SPECIAL_IDS.values()))
+            if len(new) == GREEDY_NEW_TOKENS and m.min() >= MIN_GREEDY_MARGIN and clean:
                 break
         else:
             raise SystemExit(f"{name}: no greedy prompt with margin >= {MIN_GREEDY_MARGIN}")
@@ -317,11 +321,16 @@ def make_fixture(name: str, root: pathlib.Path = ROOT) -> None:
     torch.manual_seed(seed)
     model = build_model(kind, text)
     reinit_(model, seed)
-    out = root / name
+    final = root / name
+    out = root / f".{name}.partial"          # a failed run leaves the committed fixture intact
     save_checkpoint(model, kind, seed, out, save_opts)
     n_params = check_saved_dtypes(out)
     ref = make_references(name, out, type(model), seed, text["vocab_size"])
     np.savez_compressed(out / "reference.npz", **ref)
+    if final.exists():
+        shutil.rmtree(final)
+    out.rename(final)
+    out = final
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{name:14s} params={n_params:7d} dir={size / 1024:6.0f} KiB "
           f"fp32-vs-fp64={float(ref['fp32_vs_fp64_rel']):.1e} "
