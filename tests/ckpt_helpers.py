@@ -245,3 +245,72 @@ def _write_frontend(path: pathlib.Path, is_cond: bool) -> None:
         (path / "preprocessor_config.json").write_text(json.dumps(
             {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+
+
+def load_tensors(path) -> dict:
+    """{source name: array} of every *.safetensors file in a checkpoint directory."""
+    from safetensors.numpy import load_file
+    out = {}
+    for f in sorted(pathlib.Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+# ------------------------------------------------------------------------------------ checking
+
+def expected_logical(source: str) -> str:
+    """The mapping of docs/internals.md, restated independently of ninfer/convert/names.py."""
+    for a, b in (("model.language_model.", "text."), ("model.visual.", "vision."),
+                 ("model.", "text."), ("lm_head.", "text.lm_head."), ("mtp.", "mtp.")):
+        if source.startswith(a):
+            return b + source[len(a):]
+    raise AssertionError(source)
+
+
+def raw(a):
+    return np.ascontiguousarray(a).tobytes()
+
+
+def check_artifact_matches(art, tensors: dict, *, tied: bool):
+    """Every source tensor ({HF name: array}) is reachable in the Artifact `art` under its logical
+    name with identical dtype and bytes (per-expert tensors inside the fused objects), and the
+    artifact binds nothing else."""
+    seen = set()
+    experts = {}
+    for src, arr in tensors.items():
+        lg = expected_logical(src)
+        parts = lg.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            k = parts.index("experts")
+            experts.setdefault(".".join(parts[:k + 1]), {})[(int(parts[k + 1]), parts[k + 2])] = arr
+            continue
+        if lg == "text.lm_head.weight" and tied:
+            continue
+        got = art.tensor(lg)
+        assert got.dtype == arr.dtype and got.shape == arr.shape, lg
+        assert raw(got) == raw(arr), lg
+        seen.add(lg)
+        if lg.endswith("experts.gate_up_proj"):
+            experts.setdefault(lg.rsplit(".", 1)[0], None)
+    for base, pieces in experts.items():
+        fused = art.tensor(base + ".gate_up_proj")
+        down = art.tensor(base + ".down_proj")
+        I = fused.shape[1] // 2
+        if pieces is not None:                                  # per-expert source
+            E = fused.shape[0]
+            assert len(pieces) == 3 * E
+            for e in range(E):
+                assert raw(fused[e, :I]) == raw(pieces[(e, "gate_proj")])
+                assert raw(fused[e, I:]) == raw(pieces[(e, "up_proj")])
+                assert raw(down[e]) == raw(pieces[(e, "down_proj")])
+                assert fused.dtype == pieces[(e, "gate_proj")].dtype
+        assert raw(art.tensor(base + ".gate_proj")) == raw(fused[:, :I])   # view bindings
+        assert raw(art.tensor(base + ".up_proj")) == raw(fused[:, I:])
+        assert np.shares_memory(art.tensor(base + ".gate_proj"), fused)
+        seen |= {base + ".gate_up_proj", base + ".down_proj", base + ".gate_proj", base + ".up_proj"}
+    embed = art.tensor("text.embed_tokens.weight")
+    head = art.tensor("text.lm_head.weight")
+    assert np.shares_memory(embed, head) == tied
+    assert art.manifest["metadata"]["tied_lm_head"] == tied
+    seen.add("text.lm_head.weight")
+    assert set(art.binding_names()) == seen
