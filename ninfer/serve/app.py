@@ -1,0 +1,226 @@
+"""The Falcon apps: `create_app` (WSGI, any WSGI server) and `create_asgi_app` (falcon.asgi, e.g.
+under uvicorn). Both are thin: they read bodies, call `routes`, and write Replies.
+
+    GET  /health                     no auth; 200 ready, 503 loading / draining / failed
+    GET  /metrics                    Prometheus text
+    GET  /v1/models, /v1/models/{id} OpenAI list (Anthropic's shape with an anthropic-version header)
+    POST /v1/chat/completions, /v1/completions          OpenAI
+    POST /v1/messages, /v1/messages/count_tokens        Anthropic
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import uuid
+from typing import Optional
+
+import falcon
+
+from . import routes
+from .config import ServeConfig
+from .errors import ApiError, flavour_of
+from .gateway import Gateway
+from .plan import dumps, sse_bytes
+
+log = logging.getLogger("ninfer.serve")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+_PUBLIC_PATHS = ("/health",)
+
+POST_ROUTES = {
+    "/v1/chat/completions": routes.chat_completions,
+    "/v1/completions": routes.completions,
+    "/v1/messages": routes.messages,
+    "/v1/messages/count_tokens": routes.count_tokens,
+}
+
+
+def make_gateway(engine, config: Optional[ServeConfig], overrides: dict) -> Gateway:
+    if isinstance(engine, Gateway):
+        return engine
+    config = config or ServeConfig()
+    if overrides:
+        from dataclasses import replace
+        config = replace(config, **overrides)
+    return Gateway(engine, config)
+
+
+# ---- shared pieces -------------------------------------------------------------------------------
+
+class GatewayMiddleware:
+    """Request id, auth, body-size limit and request metrics, for both app flavours."""
+
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+
+    def process_request(self, req, resp) -> None:
+        given = req.get_header("x-request-id")
+        req.context.request_id = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+        resp.set_header("x-request-id", req.context.request_id)
+        cfg = self.gw.config
+        if cfg.api_key and req.path not in _PUBLIC_PATHS:
+            auth = req.get_header("authorization") or ""
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else req.get_header("x-api-key")
+            if not key or not hmac.compare_digest(key.encode(), cfg.api_key.encode()):
+                raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' "
+                                    "or 'x-api-key: KEY')", code="invalid_api_key")
+        if req.content_length is not None and req.content_length > cfg.max_body_bytes:
+            raise _too_large(req.content_length, cfg.max_body_bytes)
+
+    def process_response(self, req, resp, resource, req_succeeded) -> None:
+        rid = getattr(req.context, "request_id", None)
+        if rid:
+            resp.set_header("x-request-id", rid)
+        route = req.uri_template or "unmatched"
+        self.gw.metrics.requests.labels(route, str(resp.status_code)).inc()
+
+    async def process_request_async(self, req, resp) -> None:
+        self.process_request(req, resp)
+
+    async def process_response_async(self, req, resp, resource, req_succeeded) -> None:
+        self.process_response(req, resp, resource, req_succeeded)
+
+
+def _too_large(n, limit) -> ApiError:
+    return ApiError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes",
+                    code="request_too_large")
+
+
+def parse_body(data: bytes, limit: int):
+    if len(data) > limit:
+        raise _too_large(f"more than {limit}", limit)
+    if not data.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object",
+                       code="invalid_json")
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}",
+                       code="invalid_json") from exc
+
+
+def error_to_reply(req, ex) -> ApiError:
+    if isinstance(ex, ApiError):
+        return ex
+    if isinstance(ex, falcon.HTTPError):
+        text = ex.title + (f": {ex.description}" if ex.description else "")
+        if ex.status_code == 404:
+            text = f"no route for {req.method} {req.path}"
+        elif ex.status_code == 405:
+            text = f"method {req.method} is not allowed on {req.path}"
+        return ApiError(ex.status_code, text)
+    log.exception("unhandled error on %s %s", req.method, req.path)
+    return ApiError(500, f"internal error: {type(ex).__name__}: {ex}", code="internal_error")
+
+
+def write_error(req, resp, err: ApiError) -> None:
+    resp.status = err.status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = dumps(err.body(flavour_of(req.path)))
+    resp.stream = None
+    if err.status == 401:
+        resp.set_header("WWW-Authenticate", "Bearer")
+    if err.status == 429:
+        resp.set_header("Retry-After", "1")
+
+
+def write_json(resp, reply: routes.Reply) -> None:
+    resp.status = reply.status
+    if isinstance(reply.body, bytes):
+        resp.content_type = reply.content_type
+        resp.data = reply.body
+    else:
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = dumps(reply.body)
+
+
+def sse_headers(resp) -> None:
+    resp.content_type = "text/event-stream; charset=utf-8"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
+
+
+# ---- WSGI ----------------------------------------------------------------------------------------
+
+class _WsgiStream:
+    """SSE bytes for the WSGI server. The server calls close() when the response ends or the
+    client's connection breaks; that cancels an unfinished request."""
+
+    def __init__(self, it: routes.SseIterator):
+        self._it = it
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        return sse_bytes(next(self._it))
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class _Post:
+    def __init__(self, gw: Gateway, fn):
+        self.gw, self.fn = gw, fn
+
+    def on_post(self, req, resp) -> None:
+        body = parse_body(req.bounded_stream.read(self.gw.config.max_body_bytes + 1),
+                          self.gw.config.max_body_bytes)
+        reply = self.fn(self.gw, body)
+        if reply.stream is not None:
+            sse_headers(resp)
+            resp.stream = _WsgiStream(reply.stream)
+        else:
+            write_json(resp, reply)
+
+
+class _Get:
+    def __init__(self, gw: Gateway, fn):
+        self.gw, self.fn = gw, fn
+
+    def on_get(self, req, resp, **params) -> None:
+        write_json(resp, self.fn(self.gw, req, **params))
+
+
+GET_ROUTES = {
+    "/health": lambda gw, req: routes.health(gw),
+    "/metrics": lambda gw, req: routes.metrics(gw),
+    "/v1/models": lambda gw, req: routes.models(gw, bool(req.get_header("anthropic-version"))),
+    "/v1/models/{model_name}": lambda gw, req, model_name: routes.model(
+        gw, model_name, bool(req.get_header("anthropic-version"))),
+}
+
+
+class App(falcon.App):
+    """falcon.App carrying its Gateway (`app.gateway`: engine, metrics, drain/close)."""
+
+    __slots__ = ("gateway",)
+
+
+def create_app(engine, config: Optional[ServeConfig] = None, **overrides) -> App:
+    """WSGI app over one Engine. `engine`: an Engine (you keep ownership), or a zero-argument
+    callable returning one (loaded in the background; the app closes it). `overrides` are
+    ServeConfig fields (api_key=..., model_id=...)."""
+    gw = make_gateway(engine, config, overrides)
+    app = App(middleware=[GatewayMiddleware(gw)])
+    app.gateway = gw
+    app.req_options.auto_parse_form_urlencoded = False
+
+    def handle(req, resp, ex, params):
+        write_error(req, resp, error_to_reply(req, ex))
+
+    for exc_type in (Exception, falcon.HTTPError, ApiError):
+        app.add_error_handler(exc_type, handle)
+    for path, fn in POST_ROUTES.items():
+        app.add_route(path, _Post(gw, fn))
+    for path, fn in GET_ROUTES.items():
+        app.add_route(path, _Get(gw, fn))
+    return app
+
+
+def create_asgi_app(engine, config: Optional[ServeConfig] = None, **overrides):
+    """The same API as a falcon.asgi app (uvicorn, hypercorn, ...); see `create_app`."""
+    from .asgi import build_asgi_app
+    return build_asgi_app(make_gateway(engine, config, overrides))

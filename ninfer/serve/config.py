@@ -1,0 +1,45 @@
+"""Gateway settings: fixed for the life of one app (the Engine's own options live in EngineOptions)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model_id: Optional[str] = None          # None -> the Engine's name
+    api_key: Optional[str] = None           # None -> no auth
+    max_body_bytes: int = 8 << 20           # request bodies above this -> 413
+    # sampling defaults for requests that leave a field out
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: Optional[int] = None        # None -> whatever fits in the context
+    enable_thinking: bool = True            # chat template default; requests may override
+    keepalive_s: float = 15.0               # SSE comment sent when a stream is idle this long
+    drain_grace_s: float = 30.0             # SIGTERM: in-flight requests get this long, then cancel
+
+    def validate(self) -> "ServeConfig":
+        def bad(name, rule):
+            raise RequestError(f"serve option {name}={getattr(self, name)!r}: {rule}")
+        if self.model_id is not None and not self.model_id:
+            bad("model_id", "must be a non-empty string")
+        if self.api_key is not None and not self.api_key:
+            bad("api_key", "must be a non-empty string")
+        if self.max_body_bytes < 1:
+            bad("max_body_bytes", "must be >= 1")
+        if not 0 <= self.temperature <= 2:
+            bad("temperature", "must be in [0, 2]")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be >= 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.keepalive_s <= 0:
+            bad("keepalive_s", "must be > 0")
+        if self.drain_grace_s < 0:
+            bad("drain_grace_s", "must be >= 0")
+        return self

@@ -1,0 +1,286 @@
+"""The Gateway core shared by the WSGI and ASGI apps: one resident Engine, the requests in flight,
+metrics, and shutdown.
+
+Gateway threads only submit and read their own handle; the Engine worker stays the only mutator.
+Each Generation pumps its handle's events into a queue from a small thread, so the HTTP thread can
+wait with a timeout (SSE keep-alives notice a vanished client while the request is still queued).
+Whoever consumes a Generation must call `release()` at the end: a request not yet finished is
+cancelled, and the handle is closed so the Engine frees its capacity.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Optional
+
+from ..api import Finished, GenerationResult, TextDelta, ToolCallEvent
+from .config import ServeConfig
+from .errors import ApiError, from_engine_error
+from .metrics import Metrics
+
+log = logging.getLogger("ninfer.serve")
+
+_END = object()
+
+
+class _PumpFailure:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Gateway:
+    """`engine` is a ready Engine, or a zero-argument callable that builds one; a callable is run
+    in a background thread and /health answers 503 ("loading") until it returns."""
+
+    def __init__(self, engine, config: Optional[ServeConfig] = None):
+        self.config = (config or ServeConfig()).validate()
+        self.metrics = Metrics(self)
+        self.created = int(time.time())
+        self._lock = threading.Lock()
+        self._live: set = set()
+        self._draining = False
+        self._closed = False
+        self._load_error: Optional[BaseException] = None
+        if hasattr(engine, "submit"):
+            self._engine, self._state = engine, "ready"
+        elif callable(engine):
+            self._engine, self._state = None, "loading"
+            threading.Thread(target=self._load, args=(engine,), name="ninfer-engine-load",
+                             daemon=True).start()
+        else:
+            raise TypeError("Gateway: engine must be an Engine or a callable returning one")
+
+    def _load(self, factory) -> None:
+        try:
+            engine = factory()
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and 503s
+            log.error("engine failed to load: %s", exc)
+            with self._lock:
+                self._state, self._load_error = "failed", exc
+            return
+        with self._lock:
+            if self._closed:
+                engine.close()
+                return
+            self._engine, self._state = engine, "ready"
+        log.info("engine ready: %s", getattr(engine, "name", "?"))
+
+    # ---- state ------------------------------------------------------------------------------------
+    def health_state(self) -> str:
+        """'loading', 'ready', 'draining' or 'failed'."""
+        with self._lock:
+            state, engine, draining = self._state, self._engine, self._draining
+        if state == "ready" and getattr(engine, "health", "ready") != "ready":
+            return "failed"
+        if state == "ready" and draining:
+            return "draining"
+        return state
+
+    def engine(self):
+        """The Engine, or a 503 ApiError while it is loading, draining or failed."""
+        state = self.health_state()
+        if state == "ready":
+            return self._engine
+        detail = {"loading": "the model is still loading",
+                  "draining": "the server is shutting down",
+                  "failed": "the engine has failed"}[state]
+        if state == "failed" and self._load_error is not None:
+            detail += f" ({self._load_error})"
+        raise ApiError(503, detail, code=f"engine_{state}")
+
+    def engine_stats(self) -> dict:
+        engine = self._engine
+        if engine is None:
+            return {}
+        try:
+            return dict(engine.stats())
+        except Exception:  # noqa: BLE001 - a failed engine must not break /metrics
+            return {}
+
+    @property
+    def model_id(self) -> str:
+        if self.config.model_id:
+            return self.config.model_id
+        engine = self.engine()
+        return str(getattr(engine, "name", None) or "ninfer")
+
+    def max_context(self) -> Optional[int]:
+        options = getattr(self._engine, "options", None)
+        return getattr(options, "max_context", None)
+
+    def tokens_left_default(self) -> int:
+        """max_tokens of a request that names none: the server default or the whole context
+        (the Engine clamps it to what the prompt leaves)."""
+        return self.config.max_tokens or self.max_context() or 4096
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None):
+        """Submit one request; ApiError on a bad or unacceptable request."""
+        engine = self.engine()
+        request_id = request_id or uuid.uuid4().hex
+        t0 = time.monotonic()
+        try:
+            handle = engine.submit(prompt, params, tools=tools, enable_thinking=enable_thinking,
+                                   request_id=request_id)
+        except Exception as exc:  # noqa: BLE001 - mapped to the client's status
+            raise from_engine_error(exc) from exc
+        gen = Generation(self, handle, request_id, t0)
+        with self._lock:
+            self._live.add(gen)
+        self.metrics.in_flight.inc()
+        return gen
+
+    def _forget(self, gen: "Generation") -> None:
+        with self._lock:
+            if gen not in self._live:
+                return
+            self._live.discard(gen)
+        self.metrics.in_flight.dec()
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+    def drain(self, grace_s: Optional[float] = None) -> None:
+        """Refuse new requests (503, /health 503) and cancel the ones still running after
+        `grace_s` seconds (they end with finish_reason 'cancelled')."""
+        grace_s = self.config.drain_grace_s if grace_s is None else grace_s
+        with self._lock:
+            self._draining = True
+        timer = threading.Timer(grace_s, self.cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            live = list(self._live)
+        for gen in live:
+            gen.cancel()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, self._draining = True, True
+            engine, self._engine = self._engine, None
+        self.cancel_all()
+        if engine is not None:
+            engine.close()
+
+
+class Generation:
+    """One submitted request as the HTTP thread sees it."""
+
+    def __init__(self, gateway: Gateway, handle, request_id: str, t_submit: float):
+        self.gateway = gateway
+        self.handle = handle
+        self.request_id = request_id
+        self.result: Optional[GenerationResult] = None
+        self.num_reasoning_tokens = 0
+        self._raw_parts: list = []       # every channel's text, in order (raw completions)
+        self._t_submit = t_submit
+        self._t_last: Optional[float] = None
+        self._released = False
+        self._events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, name=f"ninfer-pump-{request_id[:8]}",
+                         daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for event in self.handle:
+                self._events.put(event)
+                if isinstance(event, Finished):
+                    break
+        except BaseException as exc:  # noqa: BLE001 - handed to the HTTP thread
+            self._events.put(_PumpFailure(exc))
+        finally:
+            self._events.put(_END)
+
+    def next_event(self, timeout: Optional[float] = None):
+        """The next event; None on timeout; raises ApiError if the engine fails; StopIteration
+        after the Finished event."""
+        try:
+            item = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is _END:
+            if self.result is None:
+                raise ApiError(500, "the engine ended the request without a result",
+                               code="internal_error")
+            raise StopIteration
+        if isinstance(item, _PumpFailure):
+            raise from_engine_error(item.exc)
+        self._observe(item)
+        return item
+
+    def events(self):
+        """Every event up to and including Finished (blocking)."""
+        while True:
+            try:
+                event = self.next_event()
+            except StopIteration:
+                return
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def collect(self) -> GenerationResult:
+        """Consume the whole request; returns its result."""
+        for _ in self.events():
+            pass
+        if self.result is None:  # pragma: no cover - events() ends only after Finished
+            raise ApiError(500, "no result", code="internal_error")
+        return self.result
+
+    def _observe(self, event) -> None:
+        m = self.gateway.metrics
+        now = time.monotonic()
+        produced = 0
+        if isinstance(event, TextDelta):
+            produced = len(event.token_ids)
+            self._raw_parts.append(event.text)
+            if event.channel == "reasoning":
+                self.num_reasoning_tokens += produced
+        elif isinstance(event, ToolCallEvent):
+            produced = 1
+        if produced:
+            if self._t_last is None:
+                m.ttft.observe(now - self._t_submit)
+            else:
+                per_token = (now - self._t_last) / produced
+                for _ in range(produced):
+                    m.itl.observe(per_token)
+            self._t_last = now
+        if isinstance(event, Finished):
+            self.result = res = event.result
+            m.prompt_tokens.inc(res.num_prompt_tokens)
+            m.generated_tokens.inc(len(res.token_ids))
+            m.finished.labels(res.finish_reason or "unknown").inc()
+            m.duration.observe(now - self._t_submit)
+
+    @property
+    def raw_text(self) -> str:
+        return "".join(self._raw_parts)
+
+    def cancel(self) -> None:
+        try:
+            self.handle.cancel()
+        except Exception:  # noqa: BLE001 - cancelling a finished request is harmless
+            pass
+
+    def release(self) -> None:
+        """End of consumption (normal or not): cancel if unfinished, close the handle."""
+        if self._released:
+            return
+        self._released = True
+        if self.result is None:
+            self.cancel()
+        try:
+            self.handle.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing request %s", self.request_id)
+        self.gateway._forget(self)

@@ -1,0 +1,261 @@
+"""OpenAI request bodies (/v1/chat/completions, /v1/completions) -> GenPlan.
+
+Unknown fields are ignored (as OpenAI's server does); a known field with a bad value is a 400 that
+names it. Messages become the Hugging Face chat form the Qwen3.5 template reads:
+  system/developer -> {"role": "system", "content"}
+  user             -> {"role": "user", "content"}
+  assistant        -> {"role": "assistant", "content", "reasoning_content"?, "tool_calls"?}
+                      (tool call `arguments` JSON strings are parsed into objects)
+  tool             -> {"role": "tool", "content", "tool_call_id"}
+Only text content parts are accepted (the vision path is not served yet).
+"""
+from __future__ import annotations
+
+import json
+
+from ..api import SamplingParams
+from ..errors import RequestError
+from . import fields as F
+from .errors import invalid
+from .plan import GenPlan
+
+
+def parse_chat(body, gateway) -> GenPlan:
+    body = F.json_object(body, "chat completion")
+    _common_checks(body)
+    messages = chat_messages(F.get(body, "messages", "list", required=True))
+    tools = _tools(body)
+    tools = _apply_tool_choice(body.get("tool_choice"), tools)
+    kwargs = F.get(body, "chat_template_kwargs", "dict", default={})
+    thinking = F.get(kwargs, "enable_thinking", "bool", param="chat_template_kwargs.enable_thinking",
+                     default=gateway.config.enable_thinking)
+    want_logprobs = F.get(body, "logprobs", "bool", default=False)
+    top = F.get(body, "top_logprobs", "int", lo=0, hi=20)
+    if top is not None and not want_logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    max_tokens = F.get(body, "max_completion_tokens", "int", lo=1)
+    if max_tokens is None:
+        max_tokens = F.get(body, "max_tokens", "int", lo=1)
+    params = sampling_params(body, gateway, max_tokens=max_tokens,
+                             logprobs=(top or 0) if want_logprobs else None)
+    stream, include_usage = _stream_flags(body)
+    return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
+                   stream=stream, include_usage=include_usage, want_logprobs=want_logprobs,
+                   stop=tuple(params.stop))
+
+
+def parse_completion(body, gateway) -> GenPlan:
+    body = F.json_object(body, "completion")
+    _common_checks(body)
+    prompt = _completion_prompt(body.get("prompt"))
+    if F.get(body, "echo", "bool", default=False):
+        raise invalid("'echo' is not supported", "echo")
+    if F.get(body, "suffix", "str"):
+        raise invalid("'suffix' is not supported", "suffix")
+    if F.get(body, "best_of", "int", default=1) != 1:
+        raise invalid("'best_of' must be 1 (one completion per request)", "best_of")
+    n_logprobs = F.get(body, "logprobs", "int", lo=0, hi=20)
+    # OpenAI's documented default for the legacy endpoint
+    max_tokens = F.get(body, "max_tokens", "int", lo=1, default=16)
+    params = sampling_params(body, gateway, max_tokens=max_tokens, logprobs=n_logprobs)
+    stream, include_usage = _stream_flags(body)
+    return GenPlan(prompt=prompt, params=params, enable_thinking=False, stream=stream,
+                   include_usage=include_usage, want_logprobs=n_logprobs is not None,
+                   stop=tuple(params.stop))
+
+
+def sampling_params(body: dict, gateway, *, max_tokens, logprobs=None, stop_key="stop",
+                    temperature_hi=2.0) -> SamplingParams:
+    """The sampling fields both protocols share; server defaults fill the gaps."""
+    cfg = gateway.config
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else gateway.tokens_left_default(),
+        temperature=F.get(body, "temperature", "number", lo=0, hi=temperature_hi,
+                          default=cfg.temperature),
+        top_p=F.get(body, "top_p", "number", lo=0, lo_open=True, hi=1, default=cfg.top_p),
+        top_k=_top_k(body, cfg.top_k),
+        min_p=F.get(body, "min_p", "number", lo=0, hi=1, default=0.0),
+        presence_penalty=F.get(body, "presence_penalty", "number", lo=-2, hi=2, default=0.0),
+        frequency_penalty=F.get(body, "frequency_penalty", "number", lo=-2, hi=2, default=0.0),
+        repetition_penalty=F.get(body, "repetition_penalty", "number", lo=0, lo_open=True,
+                                 default=1.0),
+        seed=F.get(body, "seed", "int", lo=0),
+        stop=F.stop_strings(body.get(stop_key), stop_key),
+        logprobs=logprobs,
+    )
+    try:
+        return params.validate()
+    except RequestError as exc:  # the field checks above should have caught it first
+        raise invalid(str(exc)) from exc
+
+
+def _top_k(body: dict, default: int) -> int:
+    top_k = F.get(body, "top_k", "int", default=default)
+    if top_k == -1:       # vLLM's spelling of "disabled"
+        return 0
+    if top_k < 0:
+        raise invalid(f"'top_k' must be >= 0 (or -1 to disable), got {top_k}", "top_k")
+    return top_k
+
+
+def _common_checks(body: dict) -> None:
+    F.get(body, "model", "str")
+    if F.get(body, "n", "int", default=1) != 1:
+        raise invalid("'n' must be 1 (one choice per request)", "n")
+    fmt = F.get(body, "response_format", "dict")
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise invalid(f"response_format type {fmt.get('type')!r} is not supported "
+                      "(constrained decoding is not available yet); use 'text'", "response_format")
+
+
+def _stream_flags(body: dict) -> tuple:
+    stream = F.get(body, "stream", "bool", default=False)
+    opts = F.get(body, "stream_options", "dict", default={})
+    include_usage = F.get(opts, "include_usage", "bool", param="stream_options.include_usage",
+                          default=False)
+    return stream, bool(stream and include_usage)
+
+
+def _completion_prompt(prompt):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]          # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("'prompt' must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return list(prompt)
+    raise invalid("'prompt' must be a non-empty string or an array of token ids "
+                  "(one prompt per request)", "prompt")
+
+
+# ---- messages and tools --------------------------------------------------------------------------
+
+def text_content(content, param: str, *, allow_none: bool = False) -> str:
+    """A message's content: a string or an array of text parts."""
+    if content is None:
+        if allow_none:
+            return ""
+        raise invalid(f"'{param}' is required", param)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"'{param}' must be a string or an array of content parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid(f"'{p}' must be an object", p)
+        kind = part.get("type")
+        if kind in ("text", "refusal"):
+            text = part.get(kind)
+            if not isinstance(text, str):
+                raise invalid(f"'{p}.{kind}' must be a string", f"{p}.{kind}")
+            texts.append(text)
+        else:
+            raise invalid(f"content part type {kind!r} at '{p}' is not supported (text only)",
+                          f"{p}.type")
+    return "\n".join(texts)
+
+
+def chat_messages(raw: list) -> list:
+    if not raw:
+        raise invalid("'messages' must hold at least one message", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(f"'{param}' must be an object", param)
+        role = m.get("role")
+        content_param = f"{param}.content"
+        if role in ("system", "developer"):
+            out.append({"role": "system", "content": text_content(m.get("content"), content_param)})
+        elif role == "user":
+            out.append({"role": "user", "content": text_content(m.get("content"), content_param)})
+        elif role == "assistant":
+            out.append(_assistant_message(m, param))
+        elif role == "tool":
+            msg = {"role": "tool", "content": text_content(m.get("content"), content_param)}
+            call_id = F.get(m, "tool_call_id", "str", param=f"{param}.tool_call_id")
+            if call_id is not None:
+                msg["tool_call_id"] = call_id
+            out.append(msg)
+        else:
+            raise invalid(f"'{param}.role' must be system, developer, user, assistant or tool; "
+                          f"got {role!r}", f"{param}.role")
+    return out
+
+
+def _assistant_message(m: dict, param: str) -> dict:
+    msg = {"role": "assistant",
+           "content": text_content(m.get("content"), f"{param}.content", allow_none=True)}
+    reasoning = F.get(m, "reasoning_content", "str", param=f"{param}.reasoning_content")
+    if reasoning is None:
+        reasoning = F.get(m, "reasoning", "str", param=f"{param}.reasoning")
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    calls = F.get(m, "tool_calls", "list", param=f"{param}.tool_calls", default=[])
+    if calls:
+        msg["tool_calls"] = [_assistant_tool_call(c, f"{param}.tool_calls[{k}]")
+                             for k, c in enumerate(calls)]
+    return msg
+
+
+def _assistant_tool_call(call, param: str) -> dict:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise invalid(f"'{param}' must be an object with a 'function' object", param)
+    fn = call["function"]
+    name = F.get(fn, "name", "str", param=f"{param}.function.name", required=True)
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise invalid(f"'{param}.function.arguments' is not valid JSON: {exc}",
+                          f"{param}.function.arguments") from exc
+    if not isinstance(args, dict):
+        raise invalid(f"'{param}.function.arguments' must encode a JSON object",
+                      f"{param}.function.arguments")
+    out = {"type": "function", "function": {"name": name, "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _tools(body: dict):
+    raw = F.get(body, "tools", "list")
+    if not raw:
+        return None
+    tools = []
+    for i, t in enumerate(raw):
+        param = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" \
+                or not isinstance(t.get("function"), dict):
+            raise invalid(f"'{param}' must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                          param)
+        fn = t["function"]
+        F.get(fn, "name", "str", param=f"{param}.function.name", required=True)
+        F.get(fn, "description", "str", param=f"{param}.function.description")
+        F.get(fn, "parameters", "dict", param=f"{param}.function.parameters")
+        tools.append({"type": "function", "function": dict(fn)})
+    return tools
+
+
+def _apply_tool_choice(choice, tools):
+    """none -> no tools in the prompt; auto/required -> all tools; a named function -> only that
+    tool. Neither `required` nor a named choice is enforced by constrained decoding yet."""
+    if choice is None or choice in ("auto", "required"):
+        return tools
+    if choice == "none":
+        return None
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = [t for t in tools or () if t["function"]["name"] == name]
+        if not chosen:
+            raise invalid(f"tool_choice names function {name!r}, which is not in 'tools'",
+                          "tool_choice")
+        return chosen
+    raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
+                  "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
