@@ -44,7 +44,7 @@ class CausalScoreCore:
     def _check(self, token_ids) -> np.ndarray:
         try:
             arr = np.asarray(token_ids)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise RequestError(f"score: token_ids is not an array of integers ({exc})") from exc
         if arr.ndim != 1:
             raise RequestError(f"score: token_ids must be 1-D, got shape {arr.shape}")
