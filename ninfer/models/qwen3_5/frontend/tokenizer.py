@@ -84,15 +84,16 @@ def _is_byte_level(decoder) -> bool:
 
 def _byte_table(doc) -> tuple:
     """(list of bytes per id, special ids, added ids) from a parsed byte-level tokenizer.json."""
-    u2b = {u: b for b, u in byte_to_unicode().items()}
+    # byte-level char -> the Latin-1 char of its byte, so str.translate + latin-1 encode gives bytes
+    to_latin1 = {ord(u): chr(b) for b, u in byte_to_unicode().items()}
     vocab = doc.get("model", {}).get("vocab") or {}
     added = doc.get("added_tokens") or []
     size = max([*vocab.values(), *(int(t["id"]) for t in added), -1]) + 1
     table: List[bytes] = [b""] * size
     for piece, idx in vocab.items():
         try:
-            table[idx] = bytes(u2b[ch] for ch in piece)
-        except KeyError:
+            table[idx] = piece.translate(to_latin1).encode("latin-1")
+        except UnicodeEncodeError:
             raise ArtifactError(f"tokenizer.json: vocabulary entry {piece!r} (id {idx}) is not "
                                 f"byte-level encoded") from None
     special: set = set()
