@@ -141,7 +141,8 @@ def test_fused_expert_shape_mismatch(tmp_path, capsys):
 def test_unexpected_text_tensor(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM",
                             replace={"model.layers.0.mlp.extra_proj.weight": bf16((4, 4))})
-    assert_clean_failure(capsys, tmp_path, ckpt.path, "unexpected tensor 'model.layers.0.mlp.extra_proj.weight'")
+    assert_clean_failure(capsys, tmp_path, ckpt.path,
+                         "unexpected tensor 'model.layers.0.mlp.extra_proj.weight'")
 
 
 def test_unexpected_prefix(tmp_path, capsys):

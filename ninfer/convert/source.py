@@ -153,7 +153,7 @@ class CheckpointSource:
                 raise ConvertError(f"{self.dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors "
                                    "weights found")
             weight_map = None
-        self._check_shard_series(files)
+            self._check_shard_series(files)     # without an index, the file names are the list
         tensors = {}
         for f in files:
             handle = self._handle(f)
