@@ -67,10 +67,34 @@ def _natural_key(s: str):
 
 
 def plan_conversion(src: CheckpointSource) -> ConversionPlan:
+    """Map and validate every source tensor; read no payload."""
     t = src.config.text
     plan = ConversionPlan()
-    whole: dict[str, str] = {}                      # logical -> source
-    experts: dict[str, dict] = {}                   # ".mlp.experts" base -> {proj: {e: source}}
+    whole, experts = _collect(src, plan)
+    has_lm_head = "text.lm_head.weight" in whole
+    plan.tied_lm_head = t.tie_word_embeddings or not has_lm_head
+    if plan.tied_lm_head and has_lm_head:       # config ties: HF would overwrite it with the embedding
+        plan.ignored.append(whole.pop("text.lm_head.weight"))
+    expected = N.expected_text_shapes(t, with_lm_head=not plan.tied_lm_head)
+    _check_text(src, whole, experts, expected)
+    _check_expert_groups(src, t, experts, whole)
+    plan.expert_layout = ("per_expert" if experts else "fused") if t.is_moe else None
+    plan.objects = _object_plans(src, whole, experts)
+    if plan.tied_lm_head:
+        plan.aliases["text.lm_head.weight"] = "text.embed_tokens.weight"
+    for o in plan.objects:                   # gate/up halves of every fused expert object
+        if o.name.endswith(".mlp.experts." + N.FUSED_GATE_UP) and len(o.shape) == 3 \
+                and o.shape[1] % 2 == 0 and o.shape[1] > 0:
+            base, I = o.name.rsplit(".", 1)[0], o.shape[1] // 2
+            plan.views[base + ".gate_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": 0, "stop": I})
+            plan.views[base + ".up_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": I, "stop": 2 * I})
+    return plan
+
+
+def _collect(src: CheckpointSource, plan: ConversionPlan) -> tuple[dict, dict]:
+    """({logical: source} of whole tensors, {experts base: {proj: {e: source}}} of per-expert ones)."""
+    whole: dict[str, str] = {}
+    experts: dict[str, dict] = {}
     for s in sorted(src.tensors, key=_natural_key):
         lg = N.logical_name(s)
         if lg is None:
@@ -87,43 +111,31 @@ def plan_conversion(src: CheckpointSource) -> ConversionPlan:
         if lg in whole:
             raise ConvertError(f"tensors {whole[lg]!r} and {s!r} both map to {lg}")
         whole[lg] = s
+    return whole, experts
 
-    has_lm_head = "text.lm_head.weight" in whole
-    plan.tied_lm_head = t.tie_word_embeddings or not has_lm_head
-    if plan.tied_lm_head and has_lm_head:       # config ties: HF would overwrite it with the embedding
-        plan.ignored.append(whole.pop("text.lm_head.weight"))
-    expected = N.expected_text_shapes(t, with_lm_head=not plan.tied_lm_head)
-    _check_text(src, whole, experts, expected)
-    _check_expert_groups(src, t, experts, whole)
-    plan.expert_layout = ("per_expert" if experts else "fused") if t.is_moe else None
 
-    for lg in sorted(set(whole) | {b + ".gate_up_proj" for b in experts}
-                     | {b + ".down_proj" for b in experts}, key=_natural_key):
+def _object_plans(src: CheckpointSource, whole: dict, experts: dict) -> list:
+    """One object per whole tensor, two (gate_up, down) per per-expert group, in natural order."""
+    names = set(whole) | {f"{b}.{leaf}" for b in experts for leaf in (N.FUSED_GATE_UP, N.FUSED_DOWN)}
+    objects = []
+    for lg in sorted(names, key=_natural_key):
         if lg in whole:
             info = src.tensors[whole[lg]]
-            plan.objects.append(ObjectPlan(lg, info.shape, info.dtype, [whole[lg]]))
+            objects.append(ObjectPlan(lg, info.shape, info.dtype, [whole[lg]]))
             continue
         base, leaf = lg.rsplit(".", 1)
         group = experts[base]
         E = len(group["down_proj"])
         first = src.tensors[group["gate_proj"][0]]
-        if leaf == N.FUSED_GATE_UP:
+        if leaf == N.FUSED_GATE_UP:             # expert e: its gate rows, then its up rows
             I, H = first.shape
             sources = [s for e in range(E) for s in (group["gate_proj"][e], group["up_proj"][e])]
-            plan.objects.append(ObjectPlan(lg, (E, 2 * I, H), first.dtype, sources))
+            objects.append(ObjectPlan(lg, (E, 2 * I, H), first.dtype, sources))
         else:
             H, I = src.tensors[group["down_proj"][0]].shape
-            plan.objects.append(ObjectPlan(lg, (E, H, I), first.dtype,
-                                           [group["down_proj"][e] for e in range(E)]))
-
-    if plan.tied_lm_head:
-        plan.aliases["text.lm_head.weight"] = "text.embed_tokens.weight"
-    for o in plan.objects:                   # gate/up halves of every fused expert object
-        if o.name.endswith(".mlp.experts." + N.FUSED_GATE_UP):
-            base, I = o.name.rsplit(".", 1)[0], o.shape[1] // 2
-            plan.views[base + ".gate_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": 0, "stop": I})
-            plan.views[base + ".up_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": I, "stop": 2 * I})
-    return plan
+            objects.append(ObjectPlan(lg, (E, H, I), first.dtype,
+                                      [group["down_proj"][e] for e in range(E)]))
+    return objects
 
 
 def _source_guess(src: CheckpointSource, logical: str) -> str:
