@@ -87,8 +87,8 @@ class EngineCore:
         prepared = self.frontend.prepare(prompt, tools=tools, enable_thinking=enable_thinking)
         prompt_ids = self._check_prompt(np.asarray(prepared.token_ids))
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        session = self.frontend.new_output_session(params, prepared, tools)
         request_id = request_id or uuid.uuid4().hex
+        session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
         channel = _Channel(request_id, self._notify, self._release_outstanding)
         now = time.monotonic()
         queue_timeout = self.options.queue_timeout_s
@@ -250,10 +250,13 @@ class EngineCore:
             self.program.release(req.seq_id)
         if touch_program and req.resume_state is not None:
             self.program.discard(req.resume_state)
+        was_admitted = req.state != RequestState.WAITING
         req.seq_id = req.resume_state = None
         for queue in (self._waiting, self._residents, self._paused):
             if req in queue:
                 queue.remove(req)
+        if was_admitted:
+            self._flush_output(req, reason)
         now = time.monotonic()
         session = req.session
         result = GenerationResult(
@@ -348,16 +351,21 @@ class EngineCore:
         req.session.commit(preview)
         events = list(preview.events)
         reason = preview.finish_reason
-        if decision.is_terminal and reason is None:
-            reason = "length"
-            flush = req.session.preview_finish("length")
-            req.session.commit(flush)
-            events += list(flush.events)
         self._publish_events(req, events)
         if decision.is_terminal:
-            self._finish(req, reason)
+            self._finish(req, reason or "length")
         else:
             req.state = RequestState.DECODE
+
+    def _flush_output(self, req: Request, reason: str) -> None:
+        """Publish text the session still holds back (a no-op once it finished itself)."""
+        try:
+            flush = req.session.preview_finish(reason)
+            req.session.commit(flush)
+        except Exception:  # noqa: BLE001 - the request is ending either way
+            log.exception("request %s: output flush failed", req.request_id)
+            return
+        self._publish_events(req, list(flush.events))
 
     def _account(self, req: Request, tokens: list, logprobs: tuple) -> None:
         now = time.monotonic()

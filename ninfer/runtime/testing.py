@@ -122,6 +122,7 @@ class FakeOutputSession:
     reasoning_text: str = ""
     tool_calls: list = field(default_factory=list)
     num_commits: int = 0
+    finish_reason: Optional[str] = None
 
     def preview(self, token_ids) -> FakePreview:
         text, accepted = "", 0
@@ -142,10 +143,11 @@ class FakeOutputSession:
         return FakePreview(len(ids), events, reason)
 
     def preview_finish(self, reason) -> FakePreview:
-        return FakePreview(0, (), reason)
+        return FakePreview(0, (), self.finish_reason or reason)
 
     def commit(self, preview: FakePreview) -> None:
         self.num_commits += 1
+        self.finish_reason = self.finish_reason or preview.finish_reason
         for e in preview.events:
             self.text += e.text
 
@@ -169,6 +171,7 @@ class FakeFrontend:
             return FakePrepared(self.tokenize(text), text)
         return FakePrepared(np.asarray(prompt, np.int32))
 
-    def new_output_session(self, params, prepared, tools=None) -> FakeOutputSession:
+    def new_output_session(self, params, prepared, tools=None, *,
+                           request_id=None) -> FakeOutputSession:
         eos = () if params.ignore_eos else self.eos_token_ids
         return FakeOutputSession(eos, tuple(params.stop_token_ids), tuple(params.stop))

@@ -217,12 +217,13 @@ class Program:
     def commit(self, pending: PendingBatch, decisions) -> None:
         """Accept each row's decided prefix: advance frontier, append accepted tokens; cancelled
         rows roll back to their committed boundary. Consumes the batch."""
-        self._take_pending(pending)
+        self._check_current(pending)
         decisions = list(decisions)
         if len(decisions) != len(pending.rows):
             raise ProgramError(f"commit: {len(decisions)} decisions for {len(pending.rows)} rows")
         for row, d in zip(pending.rows, decisions):
             _check_decision(row, d)
+        self._take_pending(pending)
         for row, d, backup in zip(pending.rows, decisions, pending._backups):
             seq = self._seqs[row.seq_id]
             if d.is_cancelled:
@@ -346,9 +347,12 @@ class Program:
         if self._pending is not None:
             raise ProgramError(f"{what} while a PendingBatch is unconsumed")
 
-    def _take_pending(self, pending: PendingBatch) -> None:
+    def _check_current(self, pending: PendingBatch) -> None:
         if pending is not self._pending or pending.is_consumed:
             raise ProgramError("PendingBatch consumed twice or not the current one")
+
+    def _take_pending(self, pending: PendingBatch) -> None:
+        self._check_current(pending)
         pending._is_consumed = True
         self._pending = None
 

@@ -1,0 +1,111 @@
+"""ninfer._hot: the compiled module (when built) and its pure-Python twin give equal results."""
+import importlib
+
+import numpy as np
+import pytest
+
+import ninfer._hot as hot
+from ninfer._hot import pages_py
+
+try:
+    compiled = importlib.import_module("ninfer._hot.pages")
+except ImportError:                      # not built here: the twin is what runs
+    compiled = None
+
+IMPLS = [pytest.param(pages_py, id="python")] + (
+    [pytest.param(compiled, id="compiled")] if compiled is not None else [])
+
+
+def test_dispatch_picks_an_implementation():
+    assert hot.IS_COMPILED == (compiled is not None)
+    assert hot.pack_batch is (compiled or pages_py).pack_batch
+
+
+def _random_ops(impl, seed):
+    """Take/give pages for a few block-table rows at random; return the final ledger."""
+    rng = np.random.default_rng(seed)
+    num_pages, rows, width = 23, 4, 9
+    free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+    num_free = num_pages
+    tables = np.full((rows, width), -1, np.int32)
+    mapped = [0] * rows
+    for _ in range(200):
+        r = int(rng.integers(rows))
+        if rng.random() < 0.55:
+            n = int(rng.integers(0, min(num_free, width - mapped[r]) + 1))
+            num_free = impl.take_pages(free, num_free, tables[r], mapped[r], n)
+            mapped[r] += n
+        else:
+            keep = int(rng.integers(0, mapped[r] + 1))
+            num_free = impl.give_pages(free, num_free, tables[r], keep, mapped[r])
+            mapped[r] = keep
+        every = np.concatenate([tables[i, :mapped[i]] for i in range(rows)] + [free[:num_free]])
+        assert sorted(every.tolist()) == list(range(num_pages))      # nothing lost or doubled
+        assert all((tables[i, mapped[i]:] == -1).all() for i in range(rows))
+    return free[:num_free].copy(), tables, num_free
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_page_ops_twin_equals_compiled(seed):
+    results = [_random_ops(impl, seed) for impl in (pages_py, compiled or pages_py)]
+    (f0, t0, n0), (f1, t1, n1) = results
+    assert n0 == n1
+    np.testing.assert_array_equal(f0, f1)
+    np.testing.assert_array_equal(t0, t1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_page_ops_reject_bad_requests(impl):
+    free = np.arange(4, dtype=np.int32)
+    row = np.full(3, -1, np.int32)
+    with pytest.raises(ValueError):
+        impl.take_pages(free, 4, row, 0, 5)          # more than free
+    with pytest.raises(ValueError):
+        impl.take_pages(free, 4, row, 2, 2)          # past the table
+    with pytest.raises(ValueError):
+        impl.give_pages(free, 2, row, 0, 1)          # unmapped entry
+    assert (row == -1).all()
+
+
+def _pack_inputs(seed):
+    rng = np.random.default_rng(seed)
+    slots_total, ctx, width = 5, 40, 10
+    token_buf = rng.integers(0, 1000, (slots_total, ctx), dtype=np.int32)
+    tables = rng.integers(-1, 50, (slots_total, width), dtype=np.int32)
+    b = int(rng.integers(1, slots_total + 1))
+    slots = rng.permutation(slots_total)[:b].astype(np.int32)
+    starts = rng.integers(0, 20, b).astype(np.int32)
+    counts = rng.integers(0, 20, b).astype(np.int32)
+    return token_buf, tables, slots, starts, counts
+
+
+def _pack(impl, token_buf, tables, slots, starts, counts):
+    n_max = int(counts.sum())
+    out = (np.full(n_max, -7, np.int32), np.full((3, n_max), -7, np.int32),
+           np.full(len(slots) + 1, -7, np.int32), np.full((len(slots), tables.shape[1]), -7, np.int32))
+    n = impl.pack_batch(token_buf, tables, slots, starts, counts, *out)
+    return n, out
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_batch_matches_naive(impl, seed):
+    token_buf, tables, slots, starts, counts = _pack_inputs(seed)
+    n, (tokens, positions, qs, out_tables) = _pack(impl, token_buf, tables, slots, starts, counts)
+    want_tokens = np.concatenate([token_buf[s, a:a + c] for s, a, c in zip(slots, starts, counts)])
+    want_pos = np.concatenate([np.arange(a, a + c) for a, c in zip(starts, counts)])
+    assert n == len(want_tokens)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    for axis in range(3):
+        np.testing.assert_array_equal(positions[axis], want_pos)
+    np.testing.assert_array_equal(qs, np.concatenate([[0], np.cumsum(counts)]))
+    np.testing.assert_array_equal(out_tables, tables[slots])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_batch_rejects_span_outside_buffer(impl):
+    token_buf, tables, slots, starts, counts = _pack_inputs(0)
+    starts[0] = token_buf.shape[1] - 1
+    counts[0] = 2
+    with pytest.raises(ValueError):
+        _pack(impl, token_buf, tables, slots, starts, counts)

@@ -1,0 +1,269 @@
+"""Program: paging, units, PendingBatch commit/abort, pause/resume (Replay and Snapshot).
+
+FakeModel's logits depend on the whole history read back through KV pages and the State slot,
+so any paging, rollback or restore mistake changes the tokens."""
+import numpy as np
+import pytest
+
+from ninfer.errors import RequestError
+from ninfer.models.qwen3_5.program import (Program, ProgramError, RowDecision, SamplingSpec)
+from ninfer.options import EngineOptions
+from ninfer.runtime.testing import FakeModel
+
+GREEDY = SamplingSpec(seed=1)
+SEEDED = SamplingSpec(seed=77, temperature=0.9, top_k=20, top_p=0.95)
+
+
+def opts(**kw):
+    base = dict(max_concurrency=4, max_context=64, page_size=4, prefill_chunk=5)
+    base.update(kw)
+    return EngineOptions(**base)
+
+
+def prompt(seed, n):
+    return np.random.default_rng(seed).integers(1, 64, n).astype(np.int32)
+
+
+def step(prog, sids):
+    """Reserve + execute + accept everything (nonterminal); returns produced per row."""
+    assert prog.reserve_units(sids) == [True] * len(sids)
+    pending = prog.execute(sids)
+    prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
+    prog.check_invariants()
+    return [list(r.produced) for r in pending.rows]
+
+
+def generate(prog, sid, num_tokens):
+    out = []
+    while len(out) < num_tokens:
+        out += step(prog, [sid])[0]
+    return out
+
+
+def run_alone(p, spec, num_tokens, **kw):
+    prog = Program(FakeModel(), opts(**kw))
+    sid = prog.bind(p, spec)
+    out = generate(prog, sid, num_tokens)
+    prog.release(sid)
+    prog.assert_all_free()
+    return out
+
+
+@pytest.mark.parametrize("spec", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_tokens_do_not_depend_on_page_size_or_chunking(spec):
+    p = prompt(0, 23)
+    want = run_alone(p, spec, 20)
+    for page_size, chunk in [(1, 1), (3, 7), (16, 64), (4, 23)]:
+        assert run_alone(p, spec, 20, page_size=page_size, prefill_chunk=chunk) == want
+
+
+def test_pages_follow_the_frontier():
+    prog = Program(FakeModel(), opts(page_size=4, prefill_chunk=5))
+    sid = prog.bind(prompt(1, 11), GREEDY)
+    for _ in range(8):
+        step(prog, [sid])
+        seq = prog._seqs[sid]
+        assert prog.pages.num_used == -(-seq.num_computed_tokens // 4)
+    prog.release(sid)
+    prog.assert_all_free()
+
+
+@pytest.mark.parametrize("spec", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batched_rows_equal_rows_alone(spec):
+    prompts = [prompt(s, n) for s, n in zip(range(4), (3, 17, 9, 30))]
+    want = [run_alone(p, spec, 12) for p in prompts]
+    prog = Program(FakeModel(), opts())
+    sids = [prog.bind(p, spec) for p in prompts]
+    got = {s: [] for s in sids}
+    while any(len(v) < 12 for v in got.values()):
+        live = [s for s in sids if len(got[s]) < 12]
+        for s, produced in zip(live, step(prog, live)):     # prefill and decode rows mixed
+            got[s] += produced
+    assert [got[s][:12] for s in sids] == want
+
+
+def test_reserve_is_atomic_per_row_and_rows_are_independent():
+    # 16 pages of 4 tokens; max_context 64 needs all 16 for one sequence
+    prog = Program(FakeModel(), opts(num_kv_pages=16, prefill_chunk=40))
+    big = prog.bind(prompt(2, 40), GREEDY)       # first chunk: 10 pages
+    small = prog.bind(prompt(3, 4), GREEDY)      # 1 page
+    other = prog.bind(prompt(4, 30), GREEDY)     # 8 pages: cannot fit after big
+    assert prog.reserve_units([big, other, small]) == [True, False, True]
+    assert prog.pages.num_used == 11             # the failed row took nothing
+    prog.check_invariants()
+    with pytest.raises(ProgramError):
+        prog.execute([other])                    # not reserved
+    pending = prog.execute([big, small])
+    prog.commit(pending, [RowDecision(1), RowDecision(1)])
+    for s in (big, small, other):
+        prog.release(s)
+    prog.assert_all_free()
+
+
+def test_abort_pending_restores_state_and_frees_the_reservation():
+    p = prompt(5, 9)
+    want = run_alone(p, SEEDED, 10)
+    prog = Program(FakeModel(), opts())
+    sid = prog.bind(p, SEEDED)
+    out = []
+    while len(out) < 10:
+        assert prog.reserve_units([sid]) == [True]
+        used = prog.pages.num_used
+        prog.abort_pending(prog.execute([sid]))          # every unit runs twice
+        assert prog.pages.num_used <= used
+        prog.check_invariants()
+        out += step(prog, [sid])[0]
+    assert out == want
+    prog.release(sid)
+    prog.assert_all_free()
+
+
+def test_cancelled_row_rolls_back_while_others_commit():
+    pa, pb = prompt(6, 12), prompt(7, 6)
+    want_a = run_alone(pa, GREEDY, 8)
+    prog = Program(FakeModel(), opts())
+    a, b = prog.bind(pa, GREEDY), prog.bind(pb, GREEDY)
+    out_a = []
+    for i in range(12):
+        assert prog.reserve_units([a, b]) == [True, True]
+        pending = prog.execute([a, b])
+        ra, rb = pending.rows
+        # b is "cancelled" every time: it must never advance and a must be unaffected
+        prog.commit(pending, [RowDecision(len(ra.produced)), RowDecision(0, is_cancelled=True)])
+        out_a += ra.produced
+        assert prog._seqs[b].num_computed_tokens == 0
+        prog.check_invariants()
+    assert out_a[:8] == want_a
+    prog.release(a)
+    prog.release(b)
+    prog.assert_all_free()
+
+
+def test_decisions_that_break_the_accepted_prefix_rule_raise():
+    prog = Program(FakeModel(), opts())
+    sid = prog.bind(prompt(8, 3), GREEDY)
+    assert prog.reserve_units([sid]) == [True]
+    pending = prog.execute([sid])                      # the whole prompt: produces 1 token
+    for bad in ([RowDecision(0)], [RowDecision(2)], [RowDecision(1, is_cancelled=True)],
+                [RowDecision(1), RowDecision(1)], []):
+        with pytest.raises(ProgramError):
+            prog.commit(pending, bad)
+    with pytest.raises(ProgramError):
+        prog.execute([sid])                            # the previous batch is unconsumed
+    with pytest.raises(ProgramError):
+        prog.pause(sid)
+    prog.commit(pending, [RowDecision(1, is_terminal=True)])
+    with pytest.raises(ProgramError):
+        prog.commit(pending, [RowDecision(1)])         # consumed twice
+    with pytest.raises(ProgramError):
+        prog.abort_pending(pending)
+    prog.release(sid)
+    prog.assert_all_free()
+
+
+def _pause_and_resume(prog, sid, allow_snapshot, revoke=False):
+    rs = prog.pause(sid, allow_snapshot=allow_snapshot)
+    prog.check_invariants()
+    if revoke and rs.kind == "snapshot":
+        rs = prog.revoke_snapshot(rs)
+        assert prog.host_bytes_used == 0
+    assert prog.can_resume(rs)
+    return rs, prog.resume(rs)
+
+
+@pytest.mark.parametrize("spec", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("mode", ["replay", "snapshot", "revoked"])
+def test_pause_resume_reproduces_the_uninterrupted_tokens(spec, mode):
+    p = prompt(9, 13)
+    want = run_alone(p, spec, 24, prefill_chunk=4)
+    prog = Program(FakeModel(), opts(prefill_chunk=4))
+    sid = prog.bind(p, spec)
+    out, kinds = [], set()
+    for i in range(400):
+        if len(out) >= 24:
+            break
+        # pause mid-prefill and at decode boundaries; like the Engine, never a request that has
+        # not made real progress since its last resume (it would only replay forever)
+        if i % 3 == 1 and prog.unit_kind(sid) != "replay" and not prog.is_protected(sid):
+            rs, sid = _pause_and_resume(prog, sid, mode != "replay", revoke=mode == "revoked")
+            kinds.add(rs.kind)
+        out += step(prog, [sid])[0]
+    assert out[:24] == want
+    assert kinds == {"snapshot" if mode == "snapshot" else "replay"}
+    prog.release(sid)
+    prog.assert_all_free()
+
+
+def test_replay_units_rebuild_without_producing_and_keep_the_resume_permit():
+    p = prompt(10, 6)
+    prog = Program(FakeModel(), opts(prefill_chunk=4, page_size=4))
+    sid = prog.bind(p, GREEDY)
+    generate(prog, sid, 9)                              # 6 prompt + 9 accepted; frontier 14
+    rs = prog.pause(sid, allow_snapshot=False)
+    assert rs.kind == "replay" and rs.num_tokens == 15 and rs.num_computed_tokens == 14
+    sid = prog.resume(rs)
+    assert prog.pages.num_used == 4                     # the permit: pages for all 15 tokens
+    kinds = []
+    while prog.unit_kind(sid) == "replay":
+        kinds.append(prog.is_protected(sid))
+        assert step(prog, [sid]) == [[]]                # replay chunks publish nothing
+        assert prog.pages.num_used == 4                 # reservation kept across chunks
+    assert prog.unit_kind(sid) == "decode" and all(kinds) and len(kinds) == 4
+    step(prog, [sid])                                   # the first real new unit
+    assert not prog.is_protected(sid)
+    prog.release(sid)
+    prog.assert_all_free()
+
+
+def test_snapshot_respects_the_host_budget_and_is_freed():
+    model = FakeModel()
+    p = prompt(11, 20)
+    probe = Program(model, opts())
+    cost = 5 * probe._page_bytes + probe._state_bytes     # 20 tokens -> 5 pages
+    prog = Program(model, opts(host_snapshot_bytes=cost))
+    a, b = prog.bind(p, GREEDY), prog.bind(prompt(12, 20), GREEDY)
+    step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b])
+    rs_a = prog.pause(a)
+    rs_b = prog.pause(b)
+    assert (rs_a.kind, rs_b.kind) == ("snapshot", "replay")   # budget holds one snapshot
+    assert prog.host_bytes_used == cost
+    prog.discard(rs_a)
+    with pytest.raises(ProgramError):
+        prog.discard(rs_a)                                    # consumed twice
+    prog.discard(rs_b)
+    prog.assert_all_free()
+
+
+def test_check_invariants_detects_a_double_mapped_page():
+    prog = Program(FakeModel(), opts())
+    a, b = prog.bind(prompt(13, 8), GREEDY), prog.bind(prompt(14, 8), GREEDY)
+    step(prog, [a, b])
+    slot_a, slot_b = prog._seqs[a].slot, prog._seqs[b].slot
+    prog.pages.block_tables[slot_b, 0] = prog.pages.block_tables[slot_a, 0]
+    with pytest.raises(ProgramError):
+        prog.check_invariants()
+
+
+def test_assert_all_free_reports_leaks():
+    prog = Program(FakeModel(), opts())
+    sid = prog.bind(prompt(15, 8), GREEDY)
+    step(prog, [sid])
+    with pytest.raises(ProgramError, match="still held"):
+        prog.assert_all_free()
+
+
+def test_pool_smaller_than_one_sequence_is_rejected_at_start():
+    with pytest.raises(RequestError, match="num_kv_pages"):
+        Program(FakeModel(), opts(num_kv_pages=15))          # 64 tokens / 4 = 16 needed
+
+
+def test_bind_checks_prompt_length_and_slots():
+    prog = Program(FakeModel(), opts(max_concurrency=1))
+    with pytest.raises(ProgramError):
+        prog.bind(np.zeros(64, np.int32), GREEDY)
+    sid = prog.bind(prompt(16, 3), GREEDY)
+    assert not prog.can_bind(3)
+    with pytest.raises(ProgramError):
+        prog.bind(prompt(16, 3), GREEDY)
+    prog.release(sid)
+    prog.assert_all_free()
