@@ -23,7 +23,7 @@ SINGLE_FILE = "model.safetensors"
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<k>\d+)-of-(?P<n>\d+)\.safetensors$")
 
 # Read at most this many bytes of one tensor at once (an embedding of a large vocab is GBs).
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20
 
 SAFETENSORS_DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
