@@ -65,6 +65,9 @@ MIN_GREEDY_MARGIN = 0.05             # logit gap that fp32 noise of another impl
 EOS_ID, BOS_ID = 2, 1
 SPECIAL_IDS = dict(image_token_id=256, video_token_id=257, vision_start_token_id=258,
                    vision_end_token_id=259)   # in-vocab for the tiny models; prompts avoid them
+ADDED_TOKENS = {0: "<|im_start|>", BOS_ID: "<|endoftext|>", EOS_ID: "<|im_end|>",
+                256: "<|image_pad|>", 257: "<|video_pad|>", 258: "<|vision_start|>",
+                259: "<|vision_end|>"}
 
 
 def rope(head_dim, factor, section, theta=10_000_000.0):
@@ -198,6 +201,7 @@ def save_checkpoint(model, kind: str, seed: int, out: pathlib.Path, save_opts: d
     gen = dict(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, BOS_ID], pad_token_id=BOS_ID,
                do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_tokenizer(out, tcfg.vocab_size)
     if kind.endswith("cond_gen"):
         # transformers drops mtp.* on load; the release keeps one MTP layer next to the model
         weights = out / "model.safetensors"
@@ -210,6 +214,48 @@ def save_checkpoint(model, kind: str, seed: int, out: pathlib.Path, save_opts: d
         cfg["text_config"]["mtp_use_dedicated_embeddings"] = False
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     assert tcfg.vocab_size == 512
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------
+
+def tiny_tokenizer_json(vocab_size: int) -> str:
+    """A byte-level BPE tokenizer.json covering exactly ids [0, vocab_size): the Qwen-style added
+    tokens at the ids of ADDED_TOKENS, the 256 byte symbols and trained merges in the other ids.
+    The models are random, so the text is gibberish; it exists because a real checkpoint directory
+    carries one and the Engine's Frontend reads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    free_ids = [i for i in range(vocab_size) if i not in ADDED_TOKENS]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=len(free_ids), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [line.strip() for line in (__doc__ or "").splitlines() if line.strip()] * 4
+    tok.train_from_iterator(corpus, trainer)
+    doc = json.loads(tok.to_str())
+    trained = sorted(doc["model"]["vocab"].items(), key=lambda kv: kv[1])
+    assert len(trained) == len(free_ids), f"trained {len(trained)} pieces, need {len(free_ids)}"
+    doc["model"]["vocab"] = {piece: free_ids[k] for k, (piece, _) in enumerate(trained)}
+    # tokenizers keeps an added token's id only if the model vocabulary has it (else it appends)
+    doc["model"]["vocab"].update({t: i for i, t in ADDED_TOKENS.items()})
+    doc["added_tokens"] = [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False,
+                                normalized=False, special=True)
+                           for i, t in sorted(ADDED_TOKENS.items())]
+    text = json.dumps(doc, ensure_ascii=False, indent=1)
+    check = Tokenizer.from_str(text)
+    assert check.get_vocab_size() == vocab_size
+    assert check.decode(check.encode("Tiny fixtures.").ids) == "Tiny fixtures."
+    assert all(check.token_to_id(t) == i for i, t in ADDED_TOKENS.items())
+    assert check.encode("a<|im_end|>").ids[-1] == EOS_ID
+    return text
+
+
+def write_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
+    (out / "tokenizer.json").write_text(tiny_tokenizer_json(vocab_size) + "\n")
+    cfg = dict(tokenizer_class="Qwen2Tokenizer", bos_token=None, eos_token=ADDED_TOKENS[EOS_ID],
+               pad_token=ADDED_TOKENS[BOS_ID], model_max_length=4096, add_prefix_space=False)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 # ---- verification and references ------------------------------------------------------------------
