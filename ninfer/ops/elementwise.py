@@ -5,9 +5,12 @@ import numpy as np
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    # exp of a non-positive argument only, so large |x| neither overflows nor warns
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
+    # 1 / (1 + exp(-x)) is accurate for every x; for x < -88 exp overflows to inf in float32 and
+    # the result is the correct 0, so only the warning needs silencing.
+    with np.errstate(over="ignore"):
+        e = np.exp(-x)
+    e += 1
+    return np.reciprocal(e, out=e)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
