@@ -408,6 +408,14 @@ def test_malformed_model_config(basic):
     expect_error(path, "model config", "layer_types has 4 entries for 5 layers")
 
 
+@pytest.mark.parametrize("field,value", [("num_key_value_heads", "2"), ("layer_types", 7),
+                                         ("hidden_size", None), ("bogus_field", 1)])
+def test_wrongly_typed_model_config(basic, field, value):
+    path, _ = basic
+    rewrite_manifest(path, lambda m: m["config"]["text"].update({field: value}))
+    expect_error(path, "model config")
+
+
 def test_missing_binding_requested(basic):
     path, _ = basic
     with Artifact(path) as art:

@@ -53,17 +53,20 @@ class Artifact:
             raise ArtifactError(f"{self.path}: manifest: checksum mismatch (corrupted manifest)")
         try:
             manifest = json.loads(blob.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ArtifactError(f"{self.path}: manifest: not valid UTF-8 JSON ({exc})") from exc
         self._objects = fmt.validate_manifest(
             manifest, alignment=header["alignment"], payload_offset=header["payload_offset"],
             manifest_offset=start, where=self.path)
         self._manifest = manifest
         self._bindings = manifest["bindings"]
+        fmt.check_config_types(manifest["config"], self.path)
         try:
             self._config = ModelConfig.from_json(manifest["config"])
         except ArtifactError as exc:
             raise ArtifactError(f"{self.path}: {exc}") from exc
+        except (TypeError, ValueError, AttributeError) as exc:   # wrongly typed config fields
+            raise ArtifactError(f"{self.path}: manifest model config: malformed ({exc})") from exc
         if self._verify == "eager":
             self.verify_all()
 
