@@ -282,5 +282,7 @@ def test_bad_batches_are_rejected():
         model.forward(ForwardBatch.single([1, 61], 0, [0]), kv, st)
     with pytest.raises(ValueError, match="state slots"):
         model.forward(_batch([[1], [2]], [0, 0], [[0], [1]], [1, 1]), kv, st)
+    with pytest.raises(ValueError, match="same KV page slot"):
+        model.forward(_batch([[1], [2]], [0, 0], [[0], [0]], [0, 1]), kv, st)
     with pytest.raises(ValueError, match="cover"):
         model.forward(ForwardBatch.single(list(range(9)), 0, [0, 1]), kv, st)

@@ -92,8 +92,11 @@ class NumpyModel:
                             kv_offsets=None)
         cos, sin = ops.mrope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta,
                                      cfg.mrope_section, cfg.mrope_interleaved)
-        pages, offsets = ops.attention.kv_slot_mapping(batch.block_tables, batch.context_lens,
-                                                       batch.query_start, kv.page_size)
+        pages, offsets = ops.kv_slot_mapping(batch.block_tables, batch.context_lens,
+                                             batch.query_start, kv.page_size)
+        flat = pages * kv.page_size + offsets
+        if len(np.unique(flat)) != len(flat):
+            raise ValueError("ForwardBatch: two new tokens would write the same KV page slot")
         return StepPlan(batch=batch, lengths=lengths, cos=cos, sin=sin, kv_pages=pages,
                         kv_offsets=offsets)
 
