@@ -57,3 +57,32 @@ def test_concurrent_greedy_generation_equals_transformers(name, converted):
         assert list(res.token_ids) == cont.tokens.tolist(), \
             f"{name}: concurrent greedy {list(res.token_ids)} != transformers " \
             f"{cont.tokens.tolist()}"
+
+
+@pytest.mark.parametrize("snapshot_bytes", [0, 64 << 20], ids=["replay", "snapshot"])
+@pytest.mark.parametrize("name", ["dense", "moe_cond_gen", "odd_heads"])
+def test_greedy_under_kv_pressure_equals_transformers(name, snapshot_bytes, converted):
+    """A KV pool too small for all residents forces pauses (Replay only, or Snapshot when host
+    memory allows); every request still produces transformers' greedy tokens."""
+    from ninfer import Engine
+
+    ref = load_reference(name)
+    conts = ref.continuations * 2
+    page = 8
+    # one request needs at most ceil(48 / 8) = 6 pages; the four together need up to 20
+    with Engine(converted(name), max_concurrency=4, max_context=48, page_size=page,
+                num_kv_pages=7, prefill_chunk=8, host_snapshot_bytes=snapshot_bytes) as engine:
+        handles = [engine.submit(np.asarray(c.prompt, np.int32), _greedy(len(c.tokens)))
+                   for c in conts]
+        results = [h.result(timeout=120) for h in handles]
+        stats = engine.stats()
+    for cont, res in zip(conts, results):
+        assert res.error is None, f"{name}: generation failed: {res.error}"
+        assert list(res.token_ids) == cont.tokens.tolist(), \
+            f"{name}: greedy under pressure {list(res.token_ids)} != transformers " \
+            f"{cont.tokens.tolist()}"
+    assert stats.get("pauses", 0) > 0, f"{name}: the small KV pool never paused anyone: {stats}"
+    if snapshot_bytes == 0:
+        assert stats.get("snapshot_pauses", 0) == 0
+    else:
+        assert stats.get("snapshot_pauses", 0) > 0, f"{name}: no Snapshot pause: {stats}"
