@@ -10,8 +10,15 @@ import sys
 from .errors import Error
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags end with one line (the subcommand's `--help` has the usage), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"ninfer: error: {self.prog.split(' ', 2)[-1]}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ninfer",
+    p = _Parser(prog="python -m ninfer",
                                 description="Torch-free inference for the Qwen3.5 model family.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 

