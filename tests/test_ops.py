@@ -244,6 +244,16 @@ def test_gated_delta_chunked_keeps_accuracy_after_deep_decay(seed):
     assert np.max(np.abs(o - ref_o)) / np.max(np.abs(ref_o)) < MAX_REL_DELTA_DEEP
 
 
+def test_gated_delta_empty_input_keeps_state():
+    S0 = f32(np.random.default_rng().normal(size=(2, 4, 3)))
+    empty_k, empty_v, empty_g = np.zeros((0, 2, 4), np.float32), np.zeros((0, 2, 3), np.float32), \
+        np.zeros((0, 2), np.float32)
+    for fn in (ops.gated_delta_chunked, ops.gated_delta_recurrent):
+        o, S = fn(empty_k, empty_k, empty_v, empty_g, empty_g, S0)
+        assert o.shape == (0, 2, 3)
+        np.testing.assert_array_equal(S, S0)
+
+
 # ---- rotary / MRoPE ----------------------------------------------------------------------------
 
 def _axis_table(half, section, interleaved):

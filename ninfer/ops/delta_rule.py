@@ -48,6 +48,8 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     """
     T, H, dk = q.shape
     dv = v.shape[-1]
+    if T == 0:
+        return np.zeros((0, H, dv), np.float32), state.astype(np.float32, copy=True)
     C = min(chunk_size, T)
     n = -(-T // C)
     pad = n * C - T
