@@ -185,12 +185,12 @@ def _validate_objects(entries, alignment, payload_offset, manifest_offset, where
             bad("name must be a non-empty string")
         if o["name"] in objects:
             bad("duplicate object name")
-        if o["dtype"] not in DTYPES:
+        if not (isinstance(o["dtype"], str) and o["dtype"] in DTYPES):
             bad(f"unknown dtype {o['dtype']!r}")
         shape = o["shape"]
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             bad(f"shape {shape!r} must be a list of non-negative ints")
-        if o["layout"] not in LAYOUTS:
+        if not (isinstance(o["layout"], str) and o["layout"] in LAYOUTS):
             bad(f"unknown layout {o['layout']!r} (v3 knows {', '.join(LAYOUTS)})")
         off, nbytes = o["offset"], o["nbytes"]
         if not _is_int(off) or not _is_int(nbytes) or off < 0 or nbytes < 0:
@@ -263,7 +263,7 @@ def _validate_use(i: int, use, bindings: dict, where: str) -> None:
     site, binding = use.get("site"), use.get("binding")
     if not isinstance(site, str) or not site:
         bad("site must be a non-empty string")
-    if binding not in bindings:
+    if not (isinstance(binding, str) and binding in bindings):
         bad(f"site {site!r}: binding {binding!r} does not exist")
     inputs = use.get("inputs")
     if not isinstance(inputs, list) or not inputs or not all(_is_int(p) and p >= 0 for p in inputs):
