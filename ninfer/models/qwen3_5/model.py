@@ -68,8 +68,28 @@ class NumpyModel:
 
     def _plan(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> StepPlan:
         cfg = self.text
+        self._check(batch, kv, state)
+        lengths = batch.row_lengths()
+        if not cfg.attention_layer_ids:           # a pure-GDN model has no KV and no rotary
+            return StepPlan(batch=batch, lengths=lengths, cos=None, sin=None, kv_pages=None,
+                            kv_offsets=None)
+        cos, sin = ops.mrope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta,
+                                     cfg.mrope_section, cfg.mrope_interleaved)
+        pages, offsets = ops.kv_slot_mapping(batch.block_tables, batch.context_lens,
+                                             batch.query_start, kv.page_size)
+        flat = pages * kv.page_size + offsets
+        if len(np.unique(flat)) != len(flat):
+            raise ValueError("ForwardBatch: two new tokens would write the same KV page slot")
+        return StepPlan(batch=batch, lengths=lengths, cos=cos, sin=sin, kv_pages=pages,
+                        kv_offsets=offsets)
+
+    def _check(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> None:
+        """Raise ValueError for a plan this model cannot run without corrupting another row."""
+        cfg = self.text
         if cfg.attention_layer_ids:
             batch.validate(kv.page_size)
+            if int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
+                raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
         elif batch.positions.shape != (3, batch.num_tokens) or \
                 batch.query_start.shape != (batch.num_rows + 1,) or batch.query_start[0] != 0 \
                 or batch.query_start[-1] != batch.num_tokens:
@@ -85,20 +105,6 @@ class NumpyModel:
                                      or slots.max() >= state.num_slots):
             raise ValueError(f"ForwardBatch: state slots {slots.tolist()} must be distinct and "
                              f"< {state.num_slots}")
-        if cfg.attention_layer_ids and int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
-            raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
-        if not cfg.attention_layer_ids:           # a pure-GDN model has no KV and no rotary
-            return StepPlan(batch=batch, lengths=lengths, cos=None, sin=None, kv_pages=None,
-                            kv_offsets=None)
-        cos, sin = ops.mrope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta,
-                                     cfg.mrope_section, cfg.mrope_interleaved)
-        pages, offsets = ops.kv_slot_mapping(batch.block_tables, batch.context_lens,
-                                             batch.query_start, kv.page_size)
-        flat = pages * kv.page_size + offsets
-        if len(np.unique(flat)) != len(flat):
-            raise ValueError("ForwardBatch: two new tokens would write the same KV page slot")
-        return StepPlan(batch=batch, lengths=lengths, cos=cos, sin=sin, kv_pages=pages,
-                        kv_offsets=offsets)
 
     def close(self) -> None:
         self._layers = []
