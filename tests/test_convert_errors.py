@@ -175,6 +175,16 @@ def test_bad_geometry_in_config(tmp_path, capsys):
     assert_clean_failure(capsys, tmp_path, ckpt.path, "num_attention_heads 4 is not a multiple")
 
 
+@pytest.mark.parametrize("key,value", [("hidden_size", "abc"), ("full_attention_interval", 0),
+                                       ("num_hidden_layers", None), ("rope_parameters", 3)])
+def test_wrongly_typed_config_field(tmp_path, capsys, key, value):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM")
+    cfg = dict(ckpt.config)
+    cfg[key] = value
+    (ckpt.path / "config.json").write_text(json.dumps(cfg))
+    assert_clean_failure(capsys, tmp_path, ckpt.path, "config.json")
+
+
 def test_failure_leaves_existing_output_untouched(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM", drop=["model.norm.weight"])
     out = tmp_path / "out.ninfer"

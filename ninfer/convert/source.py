@@ -64,6 +64,9 @@ class CheckpointSource:
             self.config: ModelConfig = parse_hf_config(self.hf_config)
         except ArtifactError as exc:
             raise ConvertError(f"{self.dir / 'config.json'}: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+            raise ConvertError(f"{self.dir / 'config.json'}: malformed config "
+                               f"({type(exc).__name__}: {exc})") from exc
         self._stack = contextlib.ExitStack()
         self._handles = {}
         try:
