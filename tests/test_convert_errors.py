@@ -91,6 +91,14 @@ def test_index_names_tensor_absent_from_shard(tmp_path, capsys):
                          "is not in that file")
 
 
+def test_malformed_index(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM", sharded=True)
+    index = json.loads((ckpt.path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = ["a", "b"]
+    (ckpt.path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_clean_failure(capsys, tmp_path, ckpt.path, "weight_map['model.norm.weight'] is not a file name")
+
+
 def test_corrupt_safetensors(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM")
     (ckpt.path / "model.safetensors").write_bytes(b"\xff" * 64)

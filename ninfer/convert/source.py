@@ -144,6 +144,9 @@ class CheckpointSource:
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConvertError(f"{index_path}: no 'weight_map' object")
+            bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+            if bad is not None:
+                raise ConvertError(f"{index_path}: weight_map[{bad!r}] is not a file name")
             files = sorted(set(weight_map.values()))
             for f in files:
                 if not (self.dir / f).is_file():
