@@ -22,16 +22,18 @@ class Tokenizer:
         text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, bytes) else tokenizer_json
         try:
             self._tk = tokenizers.Tokenizer.from_str(text)
-            doc = json.loads(text)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad artifact resource
             raise ArtifactError(f"tokenizer.json: cannot be loaded: {exc}") from None
-        if not _is_byte_level(doc.get("decoder")):
+        decoder = json.loads(self._tk.decoder.__getstate__()) if self._tk.decoder else None
+        if not _is_byte_level(decoder):
             raise ArtifactError("tokenizer.json: only byte-level BPE decoders are supported "
-                                f"(decoder is {doc.get('decoder')!r:.80})")
-        self.token_bytes, self.special_ids, self.added_ids = _byte_table(doc)
+                                f"(decoder is {decoder!r:.80})")
+        added = [{"id": i, "content": t.content, "special": t.special}
+                 for i, t in self._tk.get_added_tokens_decoder().items()]
+        self.token_bytes, self.special_ids, self.added_ids = _byte_table(
+            self._tk.get_vocab(with_added_tokens=False), added)
         self.vocab_size = len(self.token_bytes)
-        self._token_to_id: Dict[str, int] = {t["content"]: int(t["id"])
-                                             for t in doc.get("added_tokens", [])}
+        self._token_to_id: Dict[str, int] = {t["content"]: t["id"] for t in added}
 
     # ---- ids -----------------------------------------------------------------------------------
     def token_id(self, token: str) -> Optional[int]:
@@ -82,12 +84,10 @@ def _is_byte_level(decoder) -> bool:
                                                      for d in decoder.get("decoders", []))
 
 
-def _byte_table(doc) -> tuple:
-    """(list of bytes per id, special ids, added ids) from a parsed byte-level tokenizer.json."""
+def _byte_table(vocab: Dict[str, int], added: List[dict]) -> tuple:
+    """(list of bytes per id, special ids, added ids) of a byte-level BPE vocabulary."""
     # byte-level char -> the Latin-1 char of its byte, so str.translate + latin-1 encode gives bytes
     to_latin1 = {ord(u): chr(b) for b, u in byte_to_unicode().items()}
-    vocab = doc.get("model", {}).get("vocab") or {}
-    added = doc.get("added_tokens") or []
     size = max([*vocab.values(), *(int(t["id"]) for t in added), -1]) + 1
     table: List[bytes] = [b""] * size
     for piece, idx in vocab.items():
