@@ -11,7 +11,8 @@ from ninfer.convert import convert_checkpoint
 from ninfer.models.qwen3_5.config import parse_hf_config
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/config.json"))
+NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/config.json")
+               if not p.parent.name.startswith("."))     # skip a fixture maker's partial dir
 
 
 @pytest.mark.skipif(not NAMES, reason="no fixture checkpoints under tests/fixtures")
