@@ -168,9 +168,16 @@ class EngineCore:
         self._resume_oldest_paused()
         self._admit_fresh()
         decode, chunk = self._plan_and_reserve()
+        self._publish_stats()
         ran = self._run_unit(decode) + self._run_unit(chunk)
         self._was_idle = ran == 0
+        self._audit_when_empty()
         self._publish_stats()
+
+    def _audit_when_empty(self) -> None:
+        """With no request left, the Program must hold nothing: a leak is a broken invariant."""
+        if not (self._waiting or self._residents or self._paused):
+            self.program.assert_all_free()
 
     def _wait_for_work(self) -> bool:
         with self._lock:
@@ -272,6 +279,7 @@ class EngineCore:
             decode_seconds=0.0 if req.first_token_time is None else now - req.first_token_time)
         req.state = RequestState.FINISHED
         self._counters["requests_finished"] += 1
+        self._publish_stats()               # a consumer woken by Finished sees current stats
         req.channel.publish(Finished(result))
 
     # ---- worker: planning -----------------------------------------------------------------------
