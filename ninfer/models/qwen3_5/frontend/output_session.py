@@ -18,7 +18,7 @@ Semantics (the Gateway and the Engine rely on these):
 - Channels: the output starts in "reasoning" when the prompt ends inside `<think>` (the template
   opened it), else in "content". `</think>` switches reasoning -> content; in content, `<think>`
   opens reasoning only while nothing but whitespace has been written and the prompt has not already
-  had its think block. Newlines written around tags are the template's separators and are dropped
+  had its think block; a `<think>` repeated at the start of a template-opened block is dropped. Newlines written around tags are the template's separators and are dropped
   (the template writes them back when the turn is rendered as history).
 - Tool calls (only when the request has tools): a `<tool_call>` in the content channel opens a call;
   at `</tool_call>` the body is parsed (tool_parser.py) and a ToolCallEvent is emitted, or, if the
@@ -138,8 +138,10 @@ class OutputSession:
         self._tools_enabled = bool(tools)
         seed = request_id.encode("utf-8") if request_id is not None else os.urandom(16)
         self._nonce = hashlib.blake2b(seed, digest_size=6).hexdigest()
+        # think_allowed on the reasoning channel: a redundant <think> the model repeats right after
+        # the template's is dropped
         self._state = _State(channel=REASONING if starts_in_reasoning else CONTENT,
-                             think_allowed=think_allowed and not starts_in_reasoning,
+                             think_allowed=think_allowed or starts_in_reasoning,
                              strip_newlines=starts_in_reasoning)
         self._content: List[str] = []
         self._reasoning: List[str] = []
@@ -275,7 +277,7 @@ class OutputSession:
     # ---- stage 2: channels and tool calls ------------------------------------------------------
     def _tags(self, st: _State) -> Tuple[str, ...]:
         if st.channel == REASONING:
-            return (THINK_CLOSE,)
+            return (THINK_CLOSE, THINK_OPEN) if st.think_allowed else (THINK_CLOSE,)
         tags = (CALL_OPEN,) if self._tools_enabled else ()
         return tags + (THINK_OPEN,) if st.think_allowed else tags
 
@@ -340,7 +342,7 @@ class OutputSession:
             st.strip_newlines = False
         if not text:
             return
-        if st.channel == CONTENT and st.think_allowed and not text.isspace():
+        if st.think_allowed and not text.isspace():
             st.think_allowed = False
         out.text(st.channel, text)
 
