@@ -1,4 +1,5 @@
-"""Helpers for the oracle fixtures in tests/fixtures/ (made by tools/make_fixtures.py; see its README).
+"""Helpers for the oracle fixtures in tests/fixtures/ (made by tools/make_fixtures.py; see the
+README there).
 
 No torch here: the references are plain numpy arrays. Conversion goes through the real converter,
 so every golden test exercises convert -> artifact -> model end to end.

@@ -1,7 +1,7 @@
 """Whole-model golden tests: convert each oracle fixture and reproduce transformers' fp32 logits.
 
 For every fixture in tests/fixtures/ (issue 2, "Done when"):
-  (a) scoring in one piece                     Engine(purpose="scoring").score(ids, return_logits=True)
+  (a) scoring in one piece                     Engine(purpose="scoring").score(ids, logits)
   (b) scoring in prefill chunks of 1, 7, 64    Engine(purpose="scoring", prefill_chunk=c)
   (c) decode token by token after a prefill    model.forward + ForwardBatch + the model's pools,
       one row and two rows batched together (different frontiers, pages and State slots)
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fixture_utils import (GOLDEN_REL_TOL, NUMPY_REL_TOL, assert_logits_close, convert_fixture, fixture_dir,
-                           fixture_names, load_reference, read_checkpoint_tensors,
+from fixture_utils import (GOLDEN_REL_TOL, NUMPY_REL_TOL, assert_logits_close, convert_fixture,
+                           fixture_dir, fixture_names, load_reference, read_checkpoint_tensors,
                            reference_logprobs)
 
 NAMES = fixture_names()
@@ -55,7 +55,7 @@ def _score(path, ids, **options):
         return engine.score(np.asarray(ids, np.int32), return_logits=True)
 
 
-# ---- (a) one piece --------------------------------------------------------------------------------
+# ---- (a) one piece -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_logits_match_transformers(name, converted):
@@ -77,7 +77,7 @@ def test_prefill_logits_match_transformers(name, converted):
                 f"{what}: logprobs off by {lp_err:.3e}"
 
 
-# ---- (b) chunked prefill --------------------------------------------------------------------------
+# ---- (b) chunked prefill -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 @pytest.mark.parametrize("name", NAMES)
@@ -208,7 +208,7 @@ def test_model_greedy_matches_transformers(name, converted):
         artifact.close()
 
 
-# ---- the converted artifact carries the checkpoint's values ---------------------------------------
+# ---- the converted artifact carries the checkpoint's values --------------------------------------
 
 @pytest.mark.parametrize("name", NAMES)
 def test_artifact_carries_checkpoint_values(name, converted):

@@ -36,7 +36,8 @@ def test_greedy_generation_equals_transformers(name, converted):
             res = engine.generate(np.asarray(cont.prompt, np.int32), _greedy(len(cont.tokens)))
             assert res.error is None, f"{name}: generation failed: {res.error}"
             assert list(res.token_ids) == cont.tokens.tolist(), \
-                f"{name}: engine greedy {list(res.token_ids)} != transformers {cont.tokens.tolist()}"
+                f"{name}: engine greedy {list(res.token_ids)} != transformers " \
+                f"{cont.tokens.tolist()}"
             assert res.finish_reason == "length"
             assert res.num_prompt_tokens == len(cont.prompt)
 

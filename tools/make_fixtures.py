@@ -1,25 +1,26 @@
 """Build the oracle fixtures: tiny random Qwen3.5 checkpoints plus transformers' reference outputs.
 
-Regenerate (maintainers only; CI never runs this, it reads the committed files):
+Regenerate (maintainers only; CI never runs this, it reads the committed files), from the repository
+root with a Python that has torch and transformers (the maintainers' venv, not the project's):
 
-    /work/venv/bin/python tools/make_fixtures.py            # all fixtures
-    /work/venv/bin/python tools/make_fixtures.py dense moe  # some of them
-    /work/venv/bin/python tools/make_fixtures.py --out /tmp/fx  # elsewhere (e.g. to diff)
+    python tools/make_fixtures.py                   # all fixtures, into tests/fixtures/
+    python tools/make_fixtures.py dense moe         # some of them
+    python tools/make_fixtures.py --out OTHER_DIR   # elsewhere (e.g. to diff against the committed)
 
-(any Python with torch and transformers works; the committed files were made with torch 2.13.0+cpu,
-transformers 5.24.0, numpy 2.4, on CPU; the exact versions are recorded in each reference.npz.)
-Output is deterministic for a given torch/transformers version: every fixture has its own seed.
+The committed files were made with torch 2.13.0+cpu, transformers 5.24.0, numpy 2.4, tokenizers
+0.23, on CPU; the exact versions are recorded in each reference.npz. Output is deterministic for
+given versions (every fixture has its own seed; a rerun reproduced every array bit for bit).
 
-Each fixture `tests/fixtures/<name>/` is a Hugging Face checkpoint directory in the real release layout
-(config.json, generation_config.json, bf16 *.safetensors, sharded ones with their index) and a
-`reference.npz`:
+Each fixture `tests/fixtures/<name>/` is a Hugging Face checkpoint directory in the real release
+layout (config.json, generation_config.json, bf16 *.safetensors, sharded ones with their index,
+a tiny tokenizer) and a `reference.npz`:
 
     prefill_lengths          int32 [S]        lengths of the scored sequences (1, 5, 37, 70)
     prefill_ids_{s}          int32 [T]        random token ids
     prefill_logits_{s}       float32 [T, V]   logits of one full forward pass (no cache)
     greedy_prompt_{g}        int32 [P]        g in {0, 1}
-    greedy_tokens_{g}        int32 [16]       generate(do_sample=False, max_new_tokens=16), with cache
-    greedy_margins_{g}       float32 [16]     top-1 minus top-2 logit at each generated step (>= 0.05)
+    greedy_tokens_{g}        int32 [16]       generate(do_sample=False, max_new_tokens=16), cached
+    greedy_margins_{g}       float32 [16]     top-1 minus top-2 logit at each step (>= 0.05)
     fp32_vs_fp64_rel         float32 []       max|fp32 - fp64| / max|fp64| over all prefill logits
     hf_decode_vs_prefill_rel float32 []       transformers' own cached decode vs full forward
     versions                 str              torch / transformers / numpy versions
@@ -32,8 +33,8 @@ names and shapes are what transformers expects (no missing / unexpected keys, mt
 
 The `*_cond_gen` fixtures use the multimodal release layout (`model.language_model.*`,
 `model.visual.*`, `lm_head.weight`) and carry `mtp.*` tensors shaped like the release MTP head
-(fc [H, 2H], three zero-centred norms, one full-attention decoder layer); transformers ignores mtp on
-load, so those are written here. MoE experts are stored per expert
+(fc [H, 2H], three zero-centred norms, one full-attention decoder layer); transformers ignores
+mtp on load, so those are written here. MoE experts are stored per expert
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`) as the official checkpoints are; transformers'
 save_pretrained reverts its fused in-memory layout to that form by itself.
 """
@@ -61,7 +62,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 PREFILL_LENGTHS = (1, 5, 37, 70)     # 70 > 64: transformers' GDN chunk size, so two chunks
 GREEDY_PROMPT_LENGTHS = (6, 29)
 GREEDY_NEW_TOKENS = 16
-MIN_GREEDY_MARGIN = 0.05             # logit gap that fp32 noise of another implementation cannot flip
+MIN_GREEDY_MARGIN = 0.05             # a logit gap no fp32 noise of another implementation flips
 EOS_ID, BOS_ID = 2, 1
 SPECIAL_IDS = dict(image_token_id=256, video_token_id=257, vision_start_token_id=258,
                    vision_end_token_id=259)   # in-vocab for the tiny models; prompts avoid them
@@ -107,7 +108,7 @@ FIXTURES = {
 }
 
 
-# ---- building -------------------------------------------------------------------------------------
+# ---- building ------------------------------------------------------------------------------------
 
 def build_model(kind: str, text: dict):
     if kind == "dense":
@@ -216,7 +217,7 @@ def save_checkpoint(model, kind: str, seed: int, out: pathlib.Path, save_opts: d
     assert tcfg.vocab_size == 512
 
 
-# ---- tokenizer --------------------------------------------------------------------------------------
+# ---- tokenizer -----------------------------------------------------------------------------------
 
 def tiny_tokenizer_json(vocab_size: int) -> str:
     """A byte-level BPE tokenizer.json covering exactly ids [0, vocab_size): the Qwen-style added
@@ -231,7 +232,7 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=len(free_ids), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [line.strip() for line in (__doc__ or "").splitlines() if line.strip()] * 4
+    corpus = tokenizer_corpus()
     tok.train_from_iterator(corpus, trainer)
     doc = json.loads(tok.to_str())
     trained = sorted(doc["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -251,6 +252,16 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
     return text
 
 
+def tokenizer_corpus() -> list:
+    """Fixed pseudo-text for the merges (seeded PCG64, so independent of anything else here)."""
+    syllables = ("qwen", "del", "ta", "net", "gat", "ed", "at", "ten", "tion", "to", "ken", "mo",
+                 "ex", "pert", "rou", "ter", "lay", "er", "norm", "ro", "pe", "ca", "che", "page",
+                 "state", "slot", "in", "fer", "ence", "num", "py", " ", ",", ".", "\n", "0", "7")
+    rng = np.random.default_rng(20260101)
+    picks = rng.integers(0, len(syllables), size=(400, 24))
+    return ["".join(syllables[i] for i in row) for row in picks]
+
+
 def write_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
     (out / "tokenizer.json").write_text(tiny_tokenizer_json(vocab_size) + "\n")
     cfg = dict(tokenizer_class="Qwen2Tokenizer", bos_token=None, eos_token=ADDED_TOKENS[EOS_ID],
@@ -258,7 +269,7 @@ def write_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-# ---- verification and references ------------------------------------------------------------------
+# ---- verification and references -----------------------------------------------------------------
 
 def load_back(out: pathlib.Path, cls, dtype=torch.float32):
     # eager attention and eager experts: the plainest math transformers has, and fp64-capable
