@@ -139,6 +139,12 @@ def parse_hf_config(hf: dict) -> ModelConfig:
     defaults = TextConfig()
     get = lambda k, dflt=None: text_hf.get(k, getattr(defaults, k) if dflt is None else dflt)  # noqa: E731
 
+    def flag(key, default):
+        value = text_hf.get(key, hf.get(key, default))
+        if not isinstance(value, bool):
+            raise ArtifactError(f"config.json: {key} must be true or false, got {value!r}")
+        return value
+
     rope = dict(text_hf.get("rope_parameters") or text_hf.get("rope_scaling") or {})
     rope_theta = rope.get("rope_theta", text_hf.get("rope_theta", defaults.rope_theta))
     partial = rope.get("partial_rotary_factor", text_hf.get("partial_rotary_factor", 0.25))
@@ -161,19 +167,18 @@ def parse_hf_config(hf: dict) -> ModelConfig:
                    moe_intermediate_size=int(text_hf.get("moe_intermediate_size", 512)),
                    shared_expert_intermediate_size=int(
                        text_hf.get("shared_expert_intermediate_size", 512)),
-                   norm_topk_prob=bool(text_hf.get("norm_topk_prob", True)))
+                   norm_topk_prob=flag("norm_topk_prob", True))
     text = TextConfig(
         vocab_size=int(get("vocab_size")), hidden_size=hidden,
         intermediate_size=int(get("intermediate_size")), num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=int(get("num_key_value_heads")),
         head_dim=int(head_dim), rms_norm_eps=float(get("rms_norm_eps")),
-        tie_word_embeddings=bool(text_hf.get("tie_word_embeddings",
-                                             hf.get("tie_word_embeddings", False))),
-        attention_bias=bool(get("attention_bias")), hidden_act=str(get("hidden_act")),
+        tie_word_embeddings=flag("tie_word_embeddings", False),
+        attention_bias=flag("attention_bias", False), hidden_act=str(get("hidden_act")),
         max_position_embeddings=int(get("max_position_embeddings")),
         rope_theta=float(rope_theta), partial_rotary_factor=float(partial),
         mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
-        mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+        mrope_interleaved=rope.get("mrope_interleaved", True) is not False,
         linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
         linear_key_head_dim=int(get("linear_key_head_dim")),
         linear_value_head_dim=int(get("linear_value_head_dim")),
@@ -195,6 +200,18 @@ def _validate(cfg: ModelConfig) -> None:
 
     if cfg.architecture not in ARCHITECTURES:
         bad(f"unsupported architecture {cfg.architecture!r}")
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings",
+                 "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads"):
+        if getattr(t, name) < 1:
+            bad(f"{name} must be >= 1, got {getattr(t, name)}")
+    if not t.rms_norm_eps > 0:
+        bad(f"rms_norm_eps must be > 0, got {t.rms_norm_eps}")
+    if not t.rope_theta > 0:
+        bad(f"rope_theta must be > 0, got {t.rope_theta}")
+    if not t.is_moe and t.intermediate_size < 1:
+        bad(f"intermediate_size must be >= 1, got {t.intermediate_size}")
     if len(t.layer_types) != t.num_hidden_layers:
         bad(f"layer_types has {len(t.layer_types)} entries for {t.num_hidden_layers} layers")
     unknown = set(t.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}
