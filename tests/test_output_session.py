@@ -480,3 +480,39 @@ def test_repeated_think_at_start_of_template_opened_block_is_dropped(fe):
     s = session(fe, "open")
     run(s, fe.tokenize("plan <think> more</think>answer").tolist())   # not at the start: text
     assert (s.reasoning_text, s.text) == ("plan <think> more", "answer")
+
+
+FRAGMENTS = ["Hello", " world", "\n", "\n\n", "你好", "👍🏽", "<think>", "</think>", "<tool_call>",
+             "</tool_call>", WEATHER_CALL, "<function=get_weather>", "<parameter=city>",
+             "</parameter>", "STOP", "ST", "<", "</", "think", "tool_call>", " ", "x", "\nParis\n"]
+
+
+def _result(fe, ids, think, tools, stop, chunks):
+    s = fe.new_output_session(SamplingParams(stop=stop), prompt(fe, think), tools, request_id="r")
+    i = 0
+    while i < len(ids) and not s.is_finished:
+        pv = s.preview(ids[i:i + chunks(i)])
+        s.commit(pv)
+        i += pv.accepted
+    if not s.is_finished:
+        s.commit(s.preview_finish("length"))
+    return s.reasoning_text, s.text, [(c.id, c.name, c.arguments) for c in s.tool_calls], \
+        s.finish_reason
+
+
+def test_token_splits_never_change_the_result(fe, byte_ids):
+    """Random outputs built from tag fragments: one token per byte, the tokenizer's tokens in one
+    preview, and the tokenizer's tokens in random chunks must give the same channels, calls, stop."""
+    rng = random.Random(2024)
+    for trial in range(150):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 12)))
+        think = rng.choice(["open", "closed", "none"])
+        tools = TOOLS if rng.random() < 0.7 else None
+        stop = ["STOP"] if rng.random() < 0.5 else []
+        real = fe.tokenize(text).tolist()
+        a = _result(fe, byte_ids(text), think, tools, stop, lambda i: 1)
+        b = _result(fe, real, think, tools, stop, lambda i: len(real))
+        c = _result(fe, real, think, tools, stop, lambda i: rng.randint(1, 4))
+        assert a == b == c, (trial, text, think, tools is not None, stop)
+        if think == "closed" and tools is None and not stop:   # no tag can act: text verbatim
+            assert a == ("", text, [], "length")
