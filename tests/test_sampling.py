@@ -195,3 +195,15 @@ def test_spec_from_params_keeps_every_field():
     assert (s.seed, s.temperature, s.top_k, s.top_p, s.min_p, s.presence_penalty,
             s.frequency_penalty, s.repetition_penalty, s.logprobs) == \
         (42, 0.3, 4, 0.5, 0.1, 0.2, 0.1, 1.1, 3)
+
+
+@pytest.mark.parametrize("case", [dict(temperature=1.0, top_p=0.95), dict(temperature=0.3, top_p=0.5),
+                                  dict(temperature=5.0, top_p=0.999), dict(temperature=1.0, top_k=700),
+                                  dict(temperature=1.0, min_p=0.01)])
+def test_large_vocab_window_matches_the_full_sort_oracle(case):
+    # vocab 5000 > the 1024-token top-p window: both the windowed path and its fallback
+    rng = np.random.default_rng(21)
+    z = rng.standard_normal(5000) * 1.5
+    z[100:110] = z.max()                                   # ties at the top
+    want = oracle_filter(z, spec(**case))
+    np.testing.assert_allclose(filtered_probs(z, spec(**case)), want, atol=PROB_ATOL, rtol=0)

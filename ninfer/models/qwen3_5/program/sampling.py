@@ -88,25 +88,51 @@ def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarr
     return out
 
 
+_TOP_P_WINDOW = 1024      # top-p first looks at this many best tokens, then falls back to all
+
+
 def filtered_probs(z: np.ndarray, spec: SamplingSpec) -> np.ndarray:
-    """Steps 5-7 on penalised float64 logits [V]: normalised probabilities, 0 where filtered."""
+    """Steps 5-7 on penalised float64 logits [V]: normalised probabilities, 0 where filtered.
+
+    Only the best-first prefix that top-k / top-p can keep is sorted (a real vocabulary has
+    ~250k ids): top-k sorts its k, top-p a window that already holds top_p of the mass."""
     z = z / spec.temperature
     vocab = len(z)
-    order = np.lexsort((np.arange(vocab), -z))            # best first, ties by lower id
-    if 0 < spec.top_k < vocab:
-        order = order[:spec.top_k]
-    p = np.exp(z[order] - z[order[0]])
-    p /= p.sum()
+    top_k = spec.top_k if 0 < spec.top_k < vocab else vocab
+    if top_k == vocab and spec.top_p >= 1.0:            # no ordering needed
+        p = np.exp(z - z.max())
+        if spec.min_p > 0.0:
+            p[p < spec.min_p * p.max()] = 0.0
+        return p / p.sum()
+    order = _best_first(z, top_k if top_k < vocab else min(vocab, _TOP_P_WINDOW))
+    if top_k < vocab:                                   # mass renormalised over the top k
+        p = np.exp(z[order] - z[order[0]])
+        p /= p.sum()
+    else:                                               # mass over the whole vocabulary
+        p = np.exp(z[order] - z[order[0]]) / np.exp(z - z[order[0]]).sum()
+        if len(order) < vocab and p.sum() < spec.top_p:
+            order = _best_first(z, vocab)
+            p = np.exp(z[order] - z[order[0]])
+            p /= p.sum()
     keep = len(order)
     if spec.top_p < 1.0:
-        cum = np.cumsum(p)
-        keep = min(keep, int(np.searchsorted(cum, spec.top_p, side="left")) + 1)
+        keep = min(keep, int(np.searchsorted(np.cumsum(p), spec.top_p, side="left")) + 1)
     if spec.min_p > 0.0:
         keep = min(keep, int(np.count_nonzero(p >= spec.min_p * p[0])))
     kept = p[:keep]
     probs = np.zeros(vocab, np.float64)
     probs[order[:keep]] = kept / kept.sum()
     return probs
+
+
+def _best_first(z: np.ndarray, m: int) -> np.ndarray:
+    """Ids of the m largest z, best first, ties by lower id (exact at the boundary)."""
+    if m < len(z):
+        threshold = np.partition(z, len(z) - m)[len(z) - m]
+        cand = np.flatnonzero(z >= threshold)           # every id tied at the boundary too
+    else:
+        cand = np.arange(len(z))
+    return cand[np.lexsort((cand, -z[cand]))][:m]
 
 
 def draw(probs: np.ndarray, u: float) -> int:
