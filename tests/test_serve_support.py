@@ -10,6 +10,8 @@ by the last user message:
 from __future__ import annotations
 
 import json
+import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ EOS = 0
 
 @dataclass
 class FakeOptions:
-    max_context: int = 256
+    max_context: int = 1024
     max_concurrency: int = 8
     max_queue: int = 4
 
@@ -198,3 +200,157 @@ class FakeEngine:
 
     def close(self):
         self.closed = True
+
+
+# ---- the real Engine stack with forced output ------------------------------------------------------
+#
+# ScriptedModel wraps the real numpy model of an artifact (the demo model): the forward pass, KV and
+# State are real, but when a row's history (prompt + generated so far) contains "[[script:NAME]]",
+# the logits force the next token of SCRIPTS[NAME] (tokenized by the real tokenizer), then EOS. So
+# the real EngineCore schedules it and the real Frontend's OutputSession parses reasoning and tool
+# calls out of it. Rows without a marker keep the model's own (random) logits.
+
+SCRIPTS = {
+    # thinking on: the prompt ends inside <think>, so the script closes it
+    "reason": "The user says hello; answer briefly.\n</think>\n\nHello! How can I help?",
+    # thinking off: a Qwen3.5 XML tool call
+    "tool": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+             "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+    "fox": "The quick brown fox jumps over the lazy dog.",
+    "long": " ".join(f"w{i}" for i in range(400)),
+}
+SCRIPTS.update({f"client{i}": f"I am client {i}: " + " ".join(f"c{i}t{j}" for j in range(12))
+                for i in range(8)})
+_MARKER = re.compile(r"\[\[script:(\w+)\]\]")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+
+
+class ScriptedModel:
+    FORCED_LOGIT = 50.0
+
+    def __init__(self, model, frontend, scripts=SCRIPTS):
+        self._model, self._frontend = model, frontend
+        self._scripts = {k: [int(t) for t in frontend.tokenize(v)] for k, v in scripts.items()}
+        self._eos = int(frontend.eos_token_ids[0])
+        self._history: dict = {}           # state slot -> token ids the row has consumed
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, batch, kv, state, *, all_logits=False):
+        logits = self._model.forward(batch, kv, state, all_logits=all_logits)
+        if all_logits:
+            return logits
+        for r in range(batch.num_rows):
+            a, b = int(batch.query_start[r]), int(batch.query_start[r + 1])
+            slot = int(batch.state_slots[r])
+            new = [int(t) for t in batch.token_ids[a:b]]
+            hist = new if int(batch.context_lens[r]) == 0 else self._history.get(slot, []) + new
+            self._history[slot] = hist
+            forced = self._forced_next(hist)
+            if forced is not None:
+                logits[r] = 0.0
+                logits[r, forced] = self.FORCED_LOGIT
+        return logits
+
+    def _forced_next(self, hist):
+        m = None
+        for m in _MARKER.finditer(self._frontend.detokenize(hist)):
+            pass
+        if m is None or m.group(1) not in self._scripts:
+            return None
+        script = self._scripts[m.group(1)]
+        # tokens of the script already generated = longest history suffix that is a script prefix
+        done = max((k for k in range(min(len(script), len(hist)), 0, -1)
+                    if hist[-k:] == script[:k]), default=0)
+        return script[done] if done < len(script) else self._eos
+
+
+class ScriptedEngine:
+    """The Engine facade's interface over EngineCore(ScriptedModel(real model), real Frontend)."""
+
+    def __init__(self, path, **options):
+        from ninfer.artifact import Artifact
+        from ninfer.models.qwen3_5 import load_model
+        from ninfer.models.qwen3_5.frontend import Frontend
+        from ninfer.options import EngineOptions
+        from ninfer.runtime.engine_core import EngineCore
+
+        self.options = EngineOptions.from_kwargs(**options)
+        self.artifact = Artifact(path)
+        self.frontend = Frontend.from_artifact(self.artifact)
+        self.model = ScriptedModel(load_model(self.artifact, self.options), self.frontend)
+        self._core = EngineCore(self.model, self.frontend, self.options)
+        self.name = "scripted-demo"
+
+    def submit(self, prompt, params=None, **kwargs):
+        from ninfer.api import SamplingParams
+        return self._core.submit(prompt, params or SamplingParams(), **kwargs)
+
+    def stats(self):
+        return self._core.stats()
+
+    @property
+    def health(self):
+        return self._core.health
+
+    def tokenize(self, text):
+        return self.frontend.tokenize(text)
+
+    def detokenize(self, ids):
+        return self.frontend.detokenize(ids)
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True,
+                            enable_thinking=True):
+        return self.frontend.apply_chat_template(messages, tools=tools,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 enable_thinking=enable_thinking)
+
+    def close(self):
+        self._core.shutdown()
+        self.artifact.close()
+
+
+def main(argv=None) -> int:
+    """Serve a ScriptedEngine on the demo artifact: gunicorn (default) or uvicorn (--asgi)."""
+    import argparse
+
+    from ninfer.serve.config import ServeConfig
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--asgi", action="store_true")
+    p.add_argument("--api-key")
+    p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--max-queue", type=int, default=8)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    args = p.parse_args(argv)
+    config = ServeConfig(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                         drain_grace_s=2.0)
+
+    def factory():
+        return ScriptedEngine(args.artifact, max_concurrency=args.max_concurrency,
+                              max_queue=args.max_queue, max_context=args.max_context)
+
+    if args.asgi:
+        import uvicorn
+
+        from ninfer.serve import create_asgi_app
+        app = create_asgi_app(factory, config)
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+        app.gateway.close()
+    else:
+        from ninfer.serve.launcher import serve
+        serve(factory, config, host="127.0.0.1", port=args.port,
+              threads=args.max_concurrency + args.max_queue + 4, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -64,6 +64,7 @@ class GunicornServer(BaseApplication):
             "proc_name": "ninfer-serve",
             "worker_exit": _worker_exit,
             "worker_int": _worker_int,
+            "control_socket_disable": True,     # gunicorn >= 26: no shared ~/.gunicorn socket
             **(extra or {}),
         }
         self.gateway = None
@@ -71,7 +72,7 @@ class GunicornServer(BaseApplication):
 
     def load_config(self):
         for key, value in self.options.items():
-            if value is not None:
+            if value is not None and key in self.cfg.settings:
                 self.cfg.set(key, value)
 
     def load(self):
