@@ -180,3 +180,48 @@ def test_importing_frontend_loads_no_runtime():
             "bad = [m for m in sys.modules if m.startswith(('ninfer.runtime', 'ninfer.engine', "
             "'ninfer.serve', 'ninfer.core', 'torch'))]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- tokenizers that are not byte-level (a fallback: Qwen checkpoints are byte-level) -------------
+
+def _wordlevel_json():
+    vocab = {f"w{i}": i for i in range(20)}
+    vocab.update({"<|im_start|>": 20, "<|im_end|>": 21, "<think>": 22, "</think>": 23})
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False,
+                              normalized=False, special=i < 22)
+                         for t, i in vocab.items() if i >= 20],
+        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+        "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}}).encode()
+
+
+def _metaspace_json():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                  special_tokens=["<unk>", "<|im_end|>"] +
+                                  [f"<0x{b:02X}>" for b in range(256)])
+    tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
+    doc = json.loads(tok.to_str())      # byte pieces stay in the model vocabulary, not special
+    doc["added_tokens"] = [t for t in doc["added_tokens"] if not t["content"].startswith("<0x")]
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("make, text", [(_wordlevel_json, "w1 w2 <think> w3 </think> w4 w5"),
+                                        (_metaspace_json, "hello world 你好 👍 the fox")])
+def test_non_byte_level_tokenizer_streams_its_full_decode(make, text):
+    fe = Frontend.from_resources(make(), "{{ messages[0].content }}", None)
+    assert not fe.tokenizer.is_byte_level
+    ids = fe.tokenize(text).tolist()
+    want = fe.detokenize(ids, skip_special_tokens=True)
+    s = fe.new_output_session(SamplingParams(ignore_eos=True), fe.prepare(ids[:1]))
+    deltas = []
+    for t in ids:
+        pv = s.preview([t])
+        s.commit(pv)
+        deltas += [e.text for e in pv.events]
+    s.commit(s.preview_finish("length"))
+    assert s.text == want and "\ufffd" not in "".join(deltas)

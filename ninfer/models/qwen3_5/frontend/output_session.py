@@ -64,11 +64,14 @@ class _State:
     num_tokens: int = 0
     finish_reason: Optional[str] = None
     ended_by_eos: bool = False
+    window: tuple = ()                # non-byte-level tokenizers: ids not yet fully decoded
+    window_read: int = 0              # how many of `window` already produced their text
 
     def clone(self) -> "_State":
         return _State(self.channel, self.think_allowed, self.strip_newlines, self.pending_bytes,
                       self.stop_hold, self.parse_hold, self.tool_buf, self.num_tool_calls,
-                      self.num_tokens, self.finish_reason, self.ended_by_eos)
+                      self.num_tokens, self.finish_reason, self.ended_by_eos, self.window,
+                      self.window_read)
 
 
 @dataclass(slots=True, frozen=True)
@@ -187,8 +190,8 @@ class OutputSession:
         s = self._state
         return (s.channel, s.think_allowed, s.strip_newlines, s.pending_bytes, s.stop_hold,
                 s.parse_hold, s.tool_buf, s.num_tool_calls, s.num_tokens, s.finish_reason,
-                s.ended_by_eos, tuple(self._content), tuple(self._reasoning),
-                tuple(self._tool_calls))
+                s.ended_by_eos, s.window, s.window_read, tuple(self._content),
+                tuple(self._reasoning), tuple(self._tool_calls))
 
     # ---- preview / commit ----------------------------------------------------------------------
     def preview(self, token_ids) -> OutputPreview:
@@ -241,9 +244,12 @@ class OutputSession:
             st.finish_reason = "stop"
             st.ended_by_eos = tok in self._eos_ids
             return True
-        data = st.pending_bytes + self._tok.piece_bytes(tok, True)
-        text, used = codecs.utf_8_decode(data, "replace", False)
-        st.pending_bytes = data[used:]
+        if self._tok.is_byte_level:
+            data = st.pending_bytes + self._tok.piece_bytes(tok, True)
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            st.pending_bytes = data[used:]
+        else:
+            text = self._window_text(st, tok)
         if not self._stops:
             if text:
                 self._feed(st, text, False, out)
@@ -268,8 +274,26 @@ class OutputSession:
                 return k
         return 0
 
+    def _window_text(self, st: _State, tok: int) -> str:
+        """Decode a few recent ids and emit what the new one added (the prefix/read-offset method),
+        waiting while the text ends in U+FFFD (a character split over tokens) for a few tokens."""
+        if not 0 <= tok < self._tok.vocab_size or tok in self._tok.special_ids:
+            return ""                # skipped in the text; kept out of the window's context
+        ids = st.window + (tok,)
+        full = self._tok.decode_window(ids)
+        if full.endswith("\ufffd") and len(ids) - st.window_read < 6:
+            st.window = ids
+            return ""
+        prefix = self._tok.decode_window(ids[:st.window_read])
+        st.window, st.window_read = ids[st.window_read:], len(ids) - st.window_read
+        return full[len(prefix):]
+
     def _flush(self, st: _State, out: _Collector) -> None:
         tail = codecs.utf_8_decode(st.pending_bytes, "replace", True)[0]
+        if st.window:
+            prefix = self._tok.decode_window(st.window[:st.window_read])
+            tail += self._tok.decode_window(st.window)[len(prefix):]
+            st.window, st.window_read = (), 0
         held = st.stop_hold + tail
         st.pending_bytes, st.stop_hold = b"", ""
         self._feed(st, held, True, out)

@@ -1,9 +1,11 @@
-"""The text <-> token-id mapping: a `tokenizers` BPE tokenizer plus a per-id byte table for cheap
+"""The text <-> token-id mapping: a `tokenizers` tokenizer plus a per-id byte table for cheap
 incremental detokenization.
 
-Byte-level BPE gives every id an exact byte string; the text of a sequence is the UTF-8 decoding
-(invalid sequences -> U+FFFD) of the concatenated bytes. Keeping that table lets the OutputSession
-decode one new token at a time without re-decoding the output.
+Byte-level BPE (every Qwen checkpoint) gives every id an exact byte string; the text of a sequence is
+the UTF-8 decoding (invalid sequences -> U+FFFD) of the concatenated bytes. Keeping that table lets
+the OutputSession decode one new token at a time without re-decoding the output. Other decoders
+(WordPiece, Metaspace, ...) have no such table: `decode_window` serves the OutputSession's windowed
+fallback instead.
 """
 from __future__ import annotations
 
@@ -25,14 +27,18 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad artifact resource
             raise ArtifactError(f"tokenizer.json: cannot be loaded: {exc}") from None
         decoder = json.loads(self._tk.decoder.__getstate__()) if self._tk.decoder else None
-        if not _is_byte_level(decoder):
-            raise ArtifactError("tokenizer.json: only byte-level BPE decoders are supported "
-                                f"(decoder is {decoder!r:.80})")
         added = [{"id": i, "content": t.content, "special": t.special}
                  for i, t in self._tk.get_added_tokens_decoder().items()]
-        self.token_bytes, self.special_ids, self.added_ids = _byte_table(
-            self._tk.get_vocab(with_added_tokens=False), added)
-        self.vocab_size = len(self.token_bytes)
+        self.is_byte_level = _is_byte_level(decoder)
+        self.token_bytes: Optional[List[bytes]] = None
+        if self.is_byte_level:
+            self.token_bytes, self.special_ids, self.added_ids = _byte_table(
+                self._tk.get_vocab(with_added_tokens=False), added)
+            self.vocab_size = len(self.token_bytes)
+        else:
+            self.special_ids = frozenset(t["id"] for t in added if t["special"])
+            self.added_ids = frozenset(t["id"] for t in added)
+            self.vocab_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._token_to_id: Dict[str, int] = {t["content"]: t["id"] for t in added}
 
     # ---- ids -----------------------------------------------------------------------------------
@@ -49,6 +55,8 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = self.check_ids(ids)
+        if not self.is_byte_level:
+            return self._tk.decode(ids.tolist(), skip_special_tokens=skip_special_tokens)
         table, special = self.token_bytes, self.special_ids
         data = b"".join(table[i] for i in ids.tolist()
                         if not (skip_special_tokens and i in special))
@@ -66,6 +74,11 @@ class Tokenizer:
                 raise RequestError(f"token id {int(arr[bad[0]])} at position {int(bad[0])} is "
                                    f"outside the vocabulary [0, {self.vocab_size})")
         return arr.astype(np.int32, copy=False)
+
+    def decode_window(self, ids: tuple) -> str:
+        """Text of a few ids (special tokens skipped), for the non-byte-level fallback."""
+        return self._tk.decode([i for i in ids if 0 <= i < self.vocab_size],
+                               skip_special_tokens=True)
 
     def piece_bytes(self, token_id: int, skip_special: bool) -> bytes:
         """The bytes one id contributes to the text; ids beyond the table (the model's padded
