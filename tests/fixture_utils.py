@@ -20,10 +20,12 @@ FIXTURES_DIR = pathlib.Path(__file__).resolve().parent / "fixtures"
 # transformers' own fp32-vs-fp64 error on these fixtures is ~5e-6, so this leaves room for a
 # different (but correct) summation order while any real math slip lands far above it.
 GOLDEN_REL_TOL = 1e-3
-# The numpy backend computes in fp32 like the reference, differing only in summation order; it
-# measured <= 3e-5 on every fixture (about transformers' own fp32-vs-fp64 error). This tighter
-# bound ("aim far lower") catches slips that 1e-3 would let through, e.g. bf16-rounded activations.
-NUMPY_REL_TOL = 1e-4
+# The numpy backend computes in fp32 like the reference, differing only in summation order: it
+# measured <= 6e-5 on every fixture (worst: `sharded`, 6 layers, whose own fp32-vs-fp64 error is
+# 1.9e-5; layer by layer the numpy hidden states are as close to fp64 as transformers' fp32 ones).
+# This tighter bound ("aim far lower") still catches slips that 1e-3 could let through; rounding
+# the normed activations to bf16, for instance, gives 5e-2.
+NUMPY_REL_TOL = 2.5e-4
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ For every fixture in tests/fixtures/ (issue 2, "Done when"):
   (d) greedy decoding by argmax over model.forward equals transformers' greedy continuation
       (the Engine-level greedy test is tests/test_golden_generate.py)
 Tolerance: fixture_utils.GOLDEN_REL_TOL = 1e-3 on max|diff| / max|ref| per sequence; the one-piece
-prefill on the numpy backend is also held to NUMPY_REL_TOL = 1e-4.
+prefill on the numpy backend is also held to NUMPY_REL_TOL = 2.5e-4.
 """
 from __future__ import annotations
 
