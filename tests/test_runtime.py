@@ -70,7 +70,10 @@ def test_kv_pressure_pauses_and_resumes_without_changing_tokens(budget, sampling
     prompts = [prompt(30 + i, n) for i, n in enumerate((10, 14, 6, 20, 9))]
     params = [SamplingParams(max_tokens=26, ignore_eos=True, **sampling) for _ in prompts]
     want = [reference_tokens(p, q, max_context=48) for p, q in zip(prompts, params)]
+    gate = Gate()
+    model.on_forward = gate                        # all queued first: a deterministic schedule
     handles = [core.submit(p, q) for p, q in zip(prompts, params)]
+    gate.opened.set()
     results = [drain(h)[1] for h in handles]
     assert [r.token_ids for r in results] == want
     stats = core.stats()
@@ -95,8 +98,10 @@ def test_cancel_in_every_state(state):
     prompts = [prompt(50 + i, n) for i, n in enumerate((13, 22, 7, 18, 11, 15))]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     handles, cancelled = {}, []
+    gate = Gate()
 
     def hook(batch):                               # runs on the worker, inside a unit
+        gate(batch)                                # all queued first: a deterministic schedule
         if cancelled:
             return
         for req in core._residents + core._paused + list(core._waiting):
@@ -108,6 +113,7 @@ def test_cancel_in_every_state(state):
     model.on_forward = hook
     for i, p in enumerate(prompts):
         handles[f"r{i}"] = core.submit(p, params, request_id=f"r{i}")
+    gate.opened.set()
     results = {rid: drain(h)[1] for rid, h in handles.items()}
     assert cancelled, f"the scenario never reached {state.name}"
     for i, p in enumerate(prompts):

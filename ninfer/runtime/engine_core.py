@@ -25,16 +25,16 @@ from typing import Optional
 
 import numpy as np
 
-from ..api import Finished, GenerationResult, GenerationStart, SamplingParams, TextDelta
+from ..api import Finished, GenerationStart, SamplingParams, TextDelta
 from ..errors import EngineFailedError, RequestError
 from ..models.qwen3_5.program import Program, RowDecision, SamplingSpec
 from .handle import GenerationHandle, _Channel
+from .outcome import decide, final_result
 from .request import Request, RequestState
+from .resource_manager import ResourceManager
 from .scheduler import ResidentView, Scheduler
 
 log = logging.getLogger("ninfer.engine")
-_RESIDENT = (RequestState.MATERIALIZING, RequestState.PREFILL, RequestState.REPLAY,
-             RequestState.DECODE)
 _IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying again
 _RATE_WINDOW_S = 10.0
 
@@ -46,6 +46,7 @@ class EngineCore:
         self.vocab_size = int(model.config.text.vocab_size)
         self.program = program if program is not None else Program(model, options)
         self.scheduler = Scheduler(max_bypass=options.max_concurrency)
+        self.resources = ResourceManager(self.program)
         # reentrant: a handle dropped (and closed) by GC inside a locked region re-enters _notify
         self._lock = threading.RLock()         # inbox, outstanding, health, stopping
         self._wake = threading.Condition(self._lock)
@@ -254,9 +255,9 @@ class EngineCore:
                 touch_program: bool = True) -> None:
         """The single terminal transition: release Program resources, then publish Finished."""
         if touch_program and req.seq_id is not None:
-            self.program.release(req.seq_id)
+            self.resources.settle_finished(req.seq_id)
         if touch_program and req.resume_state is not None:
-            self.program.discard(req.resume_state)
+            self.resources.settle_paused(req.resume_state)
         was_admitted = req.state != RequestState.WAITING
         req.seq_id = req.resume_state = None
         for queue in (self._waiting, self._residents, self._paused):
@@ -264,19 +265,7 @@ class EngineCore:
                 queue.remove(req)
         if was_admitted:
             self._flush_output(req, reason)
-        now = time.monotonic()
-        session = req.session
-        result = GenerationResult(
-            text=_safe_attr(session, "text", ""),
-            reasoning_text=_safe_attr(session, "reasoning_text", ""),
-            tool_calls=list(_safe_attr(session, "tool_calls", []) or []),
-            token_ids=list(req.token_ids), finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens, logprobs=req.logprobs, error=error,
-            time_to_first_token=None if req.first_token_time is None
-            else req.first_token_time - req.submit_time,
-            prefill_seconds=0.0 if req.admit_time is None
-            else (req.first_token_time or now) - req.admit_time,
-            decode_seconds=0.0 if req.first_token_time is None else now - req.first_token_time)
+        result = final_result(req, reason, error)
         req.state = RequestState.FINISHED
         self._counters["requests_finished"] += 1
         self._publish_stats()               # a consumer woken by Finished sees current stats
@@ -316,39 +305,18 @@ class EngineCore:
             return 0
         pending = self.program.execute([r.seq_id for r in reqs])
         now = time.monotonic()
-        verdicts = [self._decide(req, row, now) for req, row in zip(reqs, pending.rows)]
+        verdicts = [decide(req, row, now, self.options.max_context)
+                    for req, row in zip(reqs, pending.rows)]
         self.program.commit(pending, [d for d, _, _ in verdicts])
         for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
             self._settle_row(req, row, decision, preview, error)
         return 1
 
-    def _decide(self, req: Request, row, now: float) -> tuple:
-        """(RowDecision, preview, error) for one row, from the Frontend preview (no mutation)."""
-        if req.is_cancel_requested or req.deadline_passed(now):
-            return RowDecision(0, is_cancelled=True), None, None
-        if not row.produced:
-            return RowDecision(0), None, None
-        try:
-            preview = req.session.preview(list(row.produced))
-            accepted = int(preview.accepted)
-            is_stop = preview.finish_reason is not None
-            if not 0 <= accepted <= len(row.produced) or (not is_stop and accepted != len(row.produced)):
-                raise RuntimeError(f"preview accepted {accepted} of {len(row.produced)} tokens "
-                                   f"(finish_reason {preview.finish_reason!r})")
-        except Exception as exc:  # noqa: BLE001 - a Frontend fault ends only this request
-            log.exception("request %s: output preview failed", req.request_id)
-            return RowDecision(0, is_cancelled=True), None, f"output processing failed: {exc}"
-        accepted = max(accepted, 1)          # the stop token itself joins the model history
-        total = req.num_prompt_tokens + req.num_generated_tokens + accepted
-        is_length = req.num_generated_tokens + accepted >= req.params.max_tokens \
-            or total >= self.options.max_context
-        return RowDecision(accepted, is_terminal=is_stop or is_length), preview, None
-
     def _settle_row(self, req: Request, row, decision: RowDecision, preview, error) -> None:
         """After the Program commit: budget, OutputSession commit, events, terminal state."""
         if decision.is_cancelled:
             self._finish(req, "error" if error else "cancelled",
-                         error or (None if req.is_cancel_requested else "deadline exceeded"))
+                         error or (None if req.is_cancel_requested else "deadline exceeded (timeout_s)"))
             return
         if not row.produced:
             req.state = RequestState.REPLAY if self.program.unit_kind(req.seq_id) == "replay" \
@@ -405,8 +373,14 @@ class EngineCore:
     def _finish_all(self, reason: str, error: str, *, touch_program: bool = True) -> None:
         self._take_inbox()
         for req in list(self._waiting) + list(self._residents) + list(self._paused):
-            if req.state != RequestState.FINISHED:
+            if req.state == RequestState.FINISHED:
+                continue
+            try:
                 self._finish(req, reason, error, touch_program=touch_program)
+            except Exception:  # noqa: BLE001 - every other request must still be answered
+                log.exception("request %s: could not be finished cleanly", req.request_id)
+                if not req.channel.is_done:
+                    req.channel.publish(Finished(final_result(req, "error", error)))
         self._publish_stats()
 
     def _publish_stats(self) -> None:
@@ -415,14 +389,12 @@ class EngineCore:
             self._rate_window.popleft()
         span = now - self._rate_window[0][0] if self._rate_window else 0.0
         rate = sum(n for _, n in self._rate_window) / span if span > 0 else 0.0
+        try:
+            program_stats = self.program.stats()
+        except Exception:  # noqa: BLE001 - a failed Program may not answer; stats must
+            program_stats = {}
         stats = dict(self._counters, waiting=len(self._waiting), residents=len(self._residents),
-                     paused=len(self._paused), tokens_per_s=rate, **self.program.stats())
+                     paused=len(self._paused), tokens_per_s=rate, **program_stats)
         with self._lock:
             self._stats = stats
 
-
-def _safe_attr(obj, name, default):
-    try:
-        return getattr(obj, name)
-    except Exception:  # noqa: BLE001 - a broken session must not block the terminal event
-        return default
