@@ -308,8 +308,11 @@ def test_tool_call_after_thinking(fe, byte_ids, mode):
     assert event.index == 0 and event.call.name == "get_weather"
     assert json.loads(event.call.arguments) == {"city": "Paris", "days": 3}
     assert s.tool_calls == [event.call]
-    assert event.call.id == fe.new_output_session(SamplingParams(), prompt(fe, "open"), TOOLS,
-                                                  request_id="req-1")._nonce.join(["call_", "_0"])
+    again = fe.new_output_session(SamplingParams(), prompt(fe, "open"), TOOLS, request_id="req-1")
+    assert event.call.id == f"call_{again._nonce}_0"        # deterministic for one request
+    other = fe.new_output_session(SamplingParams(), fe.prepare("other prompt"), TOOLS,
+                                  request_id="req-1")
+    assert other._nonce != again._nonce                       # same id, another prompt: new ids
 
 
 def test_parameters_typed_by_schema(fe):

@@ -109,10 +109,13 @@ class Frontend:
     def new_output_session(self, params: SamplingParams, prepared: PreparedPrompt,
                            tools: Optional[Sequence[Mapping[str, Any]]] = None, *,
                            request_id: Optional[str] = None) -> OutputSession:
+        """Tool-call ids derive from (request_id, prompt digest) when a request id is given: a
+        replayed request gets the same ids, a client reusing one id across turns does not."""
+        seed = None if request_id is None else f"{request_id}/{prepared.digest}"
         return OutputSession(self.tokenizer, params, eos_token_ids=self._eos,
                              starts_in_reasoning=prepared.starts_in_reasoning,
                              think_allowed=prepared.think_state == THINK_NONE, tools=tools,
-                             request_id=request_id)
+                             request_id=seed)
 
 
 def _is_int(x) -> bool:
