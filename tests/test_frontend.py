@@ -225,3 +225,11 @@ def test_non_byte_level_tokenizer_streams_its_full_decode(make, text):
         deltas += [e.text for e in pv.events]
     s.commit(s.preview_finish("length"))
     assert s.text == want and "\ufffd" not in "".join(deltas)
+
+
+def test_prepare_rejects_media_until_vision_exists(fe):
+    msgs = [{"role": "user", "content": [{"type": "image", "image": "x.png"},
+                                         {"type": "text", "text": "what is it?"}]}]
+    assert "<|image_pad|>" in fe.apply_chat_template(msgs)     # the template still renders it
+    with pytest.raises(RequestError, match="Vision"):
+        fe.prepare(msgs)

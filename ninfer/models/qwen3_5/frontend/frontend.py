@@ -25,6 +25,9 @@ class Frontend:
         self._eos = tuple(eos_token_ids)
         self._think_ids = (tokenizer.token_id("<think>"), tokenizer.token_id("</think>"))
         self._im_start_id = tokenizer.token_id("<|im_start|>")
+        self._media_ids = np.array([i for i in (tokenizer.token_id("<|image_pad|>"),
+                                                tokenizer.token_id("<|video_pad|>"))
+                                    if i is not None], dtype=np.int32)
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -96,6 +99,11 @@ class Frontend:
                                                                   for m in prompt):
             text = self.apply_chat_template(list(prompt), tools=tools, enable_thinking=thinking)
             ids = self.tokenizer.encode(text)
+            if np.isin(ids, self._media_ids).any():
+                # the template wrote image/video placeholders; filling them needs Vision
+                # preprocessing (patches, MRoPE positions), which this build does not have
+                raise RequestError("image and video content is not supported yet: this build has "
+                                   "no Vision preprocessing (send text content only)")
         elif isinstance(prompt, (list, tuple)) and not prompt:
             raise RequestError("prompt is empty")
         else:

@@ -257,7 +257,7 @@ class OutputSession:
         held = st.stop_hold + text
         cut = min((i for i in (held.find(s) for s in self._stops) if i >= 0), default=-1)
         if cut >= 0:
-            st.stop_hold, st.pending_bytes = "", b""
+            st.stop_hold, st.pending_bytes, st.window, st.window_read = "", b"", (), 0
             self._feed(st, held[:cut], True, out)
             st.finish_reason = "stop"
             return True
