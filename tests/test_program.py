@@ -267,3 +267,25 @@ def test_bind_checks_prompt_length_and_slots():
         prog.bind(prompt(16, 3), GREEDY)
     prog.release(sid)
     prog.assert_all_free()
+
+
+def test_without_rollback_a_cancelled_row_may_only_be_released():
+    pa, pb = prompt(17, 4), prompt(18, 5)          # both whole prompts in one chunk
+    want_a = run_alone(pa, GREEDY, 6)
+    prog = Program(FakeModel(), opts())
+    a, b = prog.bind(pa, GREEDY), prog.bind(pb, GREEDY)
+    assert prog.reserve_units([a, b]) == [True, True]
+    pending = prog.execute([a, b], keep_rollback=False)
+    assert pending._backups == [None, None]
+    prog.commit(pending, [RowDecision(len(pending.rows[0].produced)),
+                          RowDecision(0, is_cancelled=True)])
+    assert prog._seqs[b].num_computed_tokens == 0
+    with pytest.raises(ProgramError, match="State"):
+        prog.execute([b])
+    with pytest.raises(ProgramError, match="State"):
+        prog.pause(b)
+    prog.release(b)
+    out = list(pending.rows[0].produced) + generate(prog, a, 5)
+    assert out == want_a                         # the surviving row is unaffected
+    prog.release(a)
+    prog.assert_all_free()

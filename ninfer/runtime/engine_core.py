@@ -303,7 +303,8 @@ class EngineCore:
     def _run_unit(self, reqs: list) -> int:
         if not reqs:
             return 0
-        pending = self.program.execute([r.seq_id for r in reqs])
+        # no State backups: a cancelled row is released right after the commit, never resumed
+        pending = self.program.execute([r.seq_id for r in reqs], keep_rollback=False)
         now = time.monotonic()
         verdicts = [decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]

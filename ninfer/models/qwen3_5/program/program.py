@@ -41,6 +41,7 @@ class _Sequence:
     spec: SamplingSpec
     replay_until: int = 0        # frontier of the run that was paused (Replay rebuilds to it)
     protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
+    is_unusable: bool = False    # rolled back without a State backup: may only be released
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,8 @@ class Program:
         allows (and there is something computed), else Replay."""
         self._no_pending("pause")
         seq = self._seqs[seq_id]
+        if seq.is_unusable:
+            raise ProgramError(f"pause: sequence {seq_id} lost its State in a rollback")
         tokens = self.token_buf[seq.slot, :seq.num_tokens].copy()
         frontier = seq.num_computed_tokens
         num_pages = pages_for(frontier, self.page_size)
@@ -193,18 +196,24 @@ class Program:
             granted.append(self.pages.grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens))
         return granted
 
-    def execute(self, seq_ids) -> PendingBatch:
-        """Run the next unit of every row as one model call; rows must hold their reservation."""
+    def execute(self, seq_ids, *, keep_rollback: bool = True) -> PendingBatch:
+        """Run the next unit of every row as one model call; rows must hold their reservation.
+
+        keep_rollback=False skips the State backup (a host copy per row, costly on a device):
+        a row then cancelled or aborted cannot continue and may only be released (the Engine
+        releases every cancelled row at once)."""
         self._no_pending("execute")
         seqs = [self._seqs[s] for s in seq_ids]
         if not seqs or len({s.slot for s in seqs}) != len(seqs):
             raise ProgramError(f"execute: bad membership {list(seq_ids)}")
+        if any(s.is_unusable for s in seqs):
+            raise ProgramError("execute: a row lost its State in a rollback without backup")
         units = [self._next_unit(s) for s in seqs]
         for seq, unit in zip(seqs, units):
             if self.pages.can_grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens) != 0:
                 raise ProgramError(f"execute: sequence {seq.seq_id} runs without its reservation")
         batch = self._pack(seqs, units)
-        backups = [self.state.read(s.slot) for s in seqs]
+        backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
         logits = self.model.forward(batch, self.kv, self.state)
         if logits.shape != (len(seqs), self.vocab_size):
             raise ProgramError(f"model.forward returned {logits.shape}, "
@@ -227,7 +236,7 @@ class Program:
         for row, d, backup in zip(pending.rows, decisions, pending._backups):
             seq = self._seqs[row.seq_id]
             if d.is_cancelled:
-                self.state.write(seq.slot, backup)
+                self._restore(seq, backup)
             else:
                 seq.num_computed_tokens += row.num_new_tokens
                 self._append(seq, row.produced[:d.accepted])
@@ -240,7 +249,7 @@ class Program:
         self._take_pending(pending)
         for row, backup in zip(pending.rows, pending._backups):
             seq = self._seqs[row.seq_id]
-            self.state.write(seq.slot, backup)
+            self._restore(seq, backup)
             self._trim(seq)
 
     # ---- observation ----------------------------------------------------------------------------
@@ -338,6 +347,12 @@ class Program:
                                f"max_context {self.max_context}")
         self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + n] = token_ids
         seq.num_tokens += n
+
+    def _restore(self, seq: _Sequence, backup) -> None:
+        if backup is None:
+            seq.is_unusable = True          # State ran ahead of the frontier: release only
+        else:
+            self.state.write(seq.slot, backup)
 
     def _trim(self, seq: _Sequence) -> None:
         """Return pages beyond the frontier unless a resume permit still holds them."""
