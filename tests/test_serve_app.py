@@ -484,3 +484,15 @@ def test_engine_load_failure_is_503():
     assert r.status_code == 503 and r.json == {"status": "failed"}
     r = c.simulate_post(MSGS, json=msg_body())
     assert r.status_code == 503 and "disk on fire" in r.json["error"]["message"]
+
+
+def test_close_keeps_a_passed_in_engine_open(engine):
+    """create_app(engine) and create_asgi_app(engine) share one Engine; closing an app cancels its
+    requests but leaves the Engine to its owner."""
+    wsgi_app, asgi_app = create_app(engine), create_asgi_app(engine)
+    for app in (wsgi_app, asgi_app):
+        assert testing.TestClient(app).simulate_post(CHAT, json=chat_body()).status_code == 200
+    wsgi_app.gateway.close()
+    assert not engine.closed
+    assert testing.TestClient(asgi_app).simulate_post(CHAT, json=chat_body()).status_code == 200
+    assert testing.TestClient(wsgi_app).simulate_post(CHAT, json=chat_body()).status_code == 503

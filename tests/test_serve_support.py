@@ -315,6 +315,71 @@ class ScriptedEngine:
         self.artifact.close()
 
 
+class ServerProcess:
+    """A server in a subprocess on a free loopback port; `stop()` sends SIGTERM and waits."""
+
+    def __init__(self, argv, *, env=None, ready_timeout=90.0):
+        import os
+        import socket
+        import subprocess
+        import tempfile
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile("w+")      # a file, not a pipe: it never fills up
+        self.proc = subprocess.Popen([str(a) for a in argv] + ["--port", str(self.port)],
+                                     env={**os.environ, **(env or {})},
+                                     stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self._wait_ready(ready_timeout)
+
+    def _wait_ready(self, timeout):
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()
+
+    def metrics(self, headers=None) -> dict:
+        """{sample name with labels: value} from /metrics."""
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", headers=headers or {}, timeout=5).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stop(self, timeout=30.0) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except Exception:  # noqa: BLE001 - a hung server must not hang the suite
+            self.proc.kill()
+            self.proc.wait(5)
+        return self.proc.returncode
+
+
 def main(argv=None) -> int:
     """Serve a ScriptedEngine on the demo artifact: gunicorn (default) or uvicorn (--asgi)."""
     import argparse
@@ -343,8 +408,10 @@ def main(argv=None) -> int:
 
         from ninfer.serve import create_asgi_app
         app = create_asgi_app(factory, config)
-        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
-        app.gateway.close()
+        try:
+            uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+        finally:
+            app.gateway.close()
     else:
         from ninfer.serve.launcher import serve
         serve(factory, config, host="127.0.0.1", port=args.port,

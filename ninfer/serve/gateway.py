@@ -34,8 +34,9 @@ class _PumpFailure:
 
 
 class Gateway:
-    """`engine` is a ready Engine, or a zero-argument callable that builds one; a callable is run
-    in a background thread and /health answers 503 ("loading") until it returns."""
+    """`engine` is a ready Engine (the caller keeps ownership), or a zero-argument callable that
+    builds one (run in a background thread, /health answers 503 "loading" until it returns; the
+    Gateway then owns the Engine and closes it in `close()`)."""
 
     def __init__(self, engine, config: Optional[ServeConfig] = None):
         self.config = (config or ServeConfig()).validate()
@@ -46,7 +47,8 @@ class Gateway:
         self._draining = False
         self._closed = False
         self._load_error: Optional[BaseException] = None
-        if hasattr(engine, "submit"):
+        self._owns_engine = not hasattr(engine, "submit")
+        if not self._owns_engine:
             self._engine, self._state = engine, "ready"
         elif callable(engine):
             self._engine, self._state = None, "loading"
@@ -164,11 +166,13 @@ class Gateway:
             gen.cancel()
 
     def close(self) -> None:
+        """Refuse new requests, cancel the running ones, and close the Engine if this Gateway
+        built it (an Engine passed in stays open: its owner closes it)."""
         with self._lock:
             self._closed, self._draining = True, True
-            engine, self._engine = self._engine, None
+            engine = self._engine
         self.cancel_all()
-        if engine is not None:
+        if engine is not None and self._owns_engine:
             engine.close()
 
 
@@ -192,6 +196,7 @@ class Generation:
     def _pump(self) -> None:
         try:
             for event in self.handle:
+                self._observe(event)      # here, not in the consumer: a vanished client counts too
                 self._events.put(event)
                 if isinstance(event, Finished):
                     break
@@ -214,7 +219,6 @@ class Generation:
             raise StopIteration
         if isinstance(item, _PumpFailure):
             raise from_engine_error(item.exc)
-        self._observe(item)
         return item
 
     def events(self):
