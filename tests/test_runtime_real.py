@@ -73,3 +73,28 @@ def test_logprobs_are_the_raw_model_distribution(dense):
             assert [t for t, _ in lp.top] == list(np.argsort(-want, kind="stable")[:5])
             for t, v in lp.top:
                 assert v == pytest.approx(want[t], abs=LOGPROB_ATOL)
+
+
+def test_text_prompts_and_stop_strings_through_the_real_frontend(dense):
+    from ninfer import Engine, Finished, GenerationStart, SamplingParams, TextDelta
+    with Engine(dense, max_concurrency=2) as engine:
+        free = SamplingParams(max_tokens=24, ignore_eos=True)
+        events = list(engine.submit("hello there, model", free))
+        assert isinstance(events[0], GenerationStart) and isinstance(events[-1], Finished)
+        result = events[-1].result
+        deltas = [e for e in events if isinstance(e, TextDelta)]
+        assert [t for e in deltas for t in e.token_ids] == result.token_ids
+        assert "".join(e.text for e in deltas if e.channel == "content") == result.text
+        assert "".join(e.text for e in deltas if e.channel == "reasoning") == result.reasoning_text
+        full = result.reasoning_text + result.text
+        stop = next((full[i:i + 2] for i in range(4, len(full) - 2) if full[i:i + 2].strip()), None)
+        if stop is None:
+            pytest.skip("the random model wrote no usable text")
+        stopped = engine.generate("hello there, model",
+                                  SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))
+        assert stopped.finish_reason == "stop"
+        assert stop not in stopped.reasoning_text + stopped.text
+        assert stopped.token_ids == result.token_ids[:len(stopped.token_ids)]
+        chat = engine.generate([{"role": "user", "content": "hi"}],
+                               SamplingParams(max_tokens=4, ignore_eos=True), enable_thinking=False)
+        assert chat.finish_reason == "length" and len(chat.token_ids) == 4
