@@ -519,3 +519,20 @@ def test_token_splits_never_change_the_result(fe, byte_ids):
         assert a == b == c, (trial, text, think, tools is not None, stop)
         if think == "closed" and tools is None and not stop:   # no tag can act: text verbatim
             assert a == ("", text, [], "length")
+
+
+def test_parsed_turn_renders_back_to_the_generated_text(fe):
+    """What the session extracts (reasoning, content, calls) is what the chat template needs to
+    write the same assistant turn back into the history of the next request."""
+    user = [{"role": "user", "content": "Weather in Paris and Lyon?"}]
+    generated = ("I should call the tool twice.\n</think>\n\nChecking both.\n\n" + WEATHER_CALL +
+                 "\n" + call_text("get_weather", city="Lyon", days="10"))
+    prepared = fe.prepare(user, tools=TOOLS)
+    s = fe.new_output_session(SamplingParams(), prepared, TOOLS)
+    run(s, fe.tokenize(generated).tolist() + [IM_END])
+    assistant = {"role": "assistant", "content": s.text, "reasoning_content": s.reasoning_text,
+                 "tool_calls": [{"id": c.id, "type": "function",
+                                 "function": {"name": c.name, "arguments": c.arguments}}
+                                for c in s.tool_calls]}
+    history = fe.apply_chat_template(user + [assistant], tools=TOOLS, add_generation_prompt=False)
+    assert history == prepared.text + generated + "<|im_end|>\n"
