@@ -289,3 +289,46 @@ def test_without_rollback_a_cancelled_row_may_only_be_released():
     assert out == want_a                         # the surviving row is unaffected
     prog.release(a)
     prog.assert_all_free()
+
+
+def test_control_unit_forces_tokens_without_sampling():
+    """Forced tokens F behave exactly as if they had been sampled: the history afterwards equals
+    a run whose samples happened to be F, and the next sample is keyed by its position."""
+    p = prompt(19, 6)
+    prog = Program(FakeModel(), opts())
+    sid = prog.bind(p, SEEDED)
+    first = generate(prog, sid, 1)
+    forced = (5, 9, 33)
+    assert prog.reserve_units([sid], forced={sid: forced}) == [True]
+    pending = prog.execute([sid], forced={sid: forced})
+    row = pending.rows[0]
+    assert row.is_control and row.produced == forced and row.logprobs == ()
+    assert row.num_new_tokens == 3
+    prog.commit(pending, [RowDecision(3)])
+    after = generate(prog, sid, 4)
+    prog.release(sid)
+    # the same history fed as a prompt gives the same continuation (KV/State consistent)
+    history = np.concatenate([p, first, forced]).astype(np.int32)
+    ref = Program(FakeModel(), opts())
+    rid = ref.bind(history, SEEDED)
+    # positions of the samples are the same, so the seeded draws match too
+    assert generate(ref, rid, 4) == after
+    ref.release(rid)
+    prog.assert_all_free()
+
+
+def test_control_unit_rules():
+    prog = Program(FakeModel(), opts())
+    sid = prog.bind(prompt(20, 9), GREEDY)
+    with pytest.raises(ProgramError, match="decode-ready"):
+        prog.reserve_units([sid], forced={sid: (1, 2)})     # still in prefill
+    generate(prog, sid, 1)
+    assert prog.reserve_units([sid], forced={sid: (1, 2, 3)}) == [True]
+    pending = prog.execute([sid], forced={sid: (1, 2, 3)})
+    with pytest.raises(ProgramError):
+        prog.commit(pending, [RowDecision(2)])               # nonterminal must accept all
+    prog.commit(pending, [RowDecision(2, is_terminal=True)])  # a terminal prefix
+    with pytest.raises(ProgramError, match="State"):
+        prog.execute([sid])                                  # State ran one token ahead
+    prog.release(sid)
+    prog.assert_all_free()

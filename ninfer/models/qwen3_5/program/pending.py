@@ -19,9 +19,10 @@ class RowResult:
 
     seq_id: int
     num_new_tokens: int         # tokens this unit ran through the model (KV/State advance)
-    produced: tuple             # sampled token ids (0 or 1 of them in this Program)
+    produced: tuple             # sampled token ids (0 or 1), or a control unit's forced tokens
     logprobs: tuple             # TokenLogprob per produced token when asked for, else ()
     is_replay: bool             # rebuilding accepted history; nothing new is produced
+    is_control: bool = False    # produced = the forced tokens (not sampled)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ Units (`next unit` of a sequence, derived from that arithmetic alone):
              reaches the end of the prompt samples the first token
     replay   resumed after a pause: re-run accepted history in chunks up to num_tokens - 1
     decode   frontier == num_tokens - 1: run the last accepted token, sample one more
+    control  a decode-ready row given forced tokens F by the caller (the Frontend): run the last
+             accepted token + F[:-1], produce F without sampling (no RNG, no logprobs)
 
 Every unit runs under a reservation (`reserve_units`) and yields a PendingBatch that must be
 consumed whole by `commit(decisions)` or `abort_pending()`. Sampling randomness is keyed by
@@ -49,6 +51,7 @@ class _Unit:
     num_new_tokens: int
     is_sampling: bool
     is_replay: bool
+    forced: tuple = ()           # control unit: the tokens it produces
 
 
 class Program:
@@ -186,17 +189,19 @@ class Program:
     def is_protected(self, seq_id: int) -> bool:
         return self._seqs[seq_id].protected_tokens > 0
 
-    def reserve_units(self, seq_ids) -> list:
+    def reserve_units(self, seq_ids, *, forced: Optional[dict] = None) -> list:
         """Grant each row the pages of its next unit, all or nothing per row; rows are independent
-        (one lacking pages does not stop the others). Returns one bool per row."""
+        (one lacking pages does not stop the others). Returns one bool per row. `forced` maps a
+        decode-ready sequence to the tokens of a control unit."""
         granted = []
         for sid in seq_ids:
             seq = self._seqs[sid]
-            unit = self._next_unit(seq)
+            unit = self._unit_of(seq, forced)
             granted.append(self.pages.grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens))
         return granted
 
-    def execute(self, seq_ids, *, keep_rollback: bool = True) -> PendingBatch:
+    def execute(self, seq_ids, *, forced: Optional[dict] = None,
+                keep_rollback: bool = True) -> PendingBatch:
         """Run the next unit of every row as one model call; rows must hold their reservation.
 
         keep_rollback=False skips the State backup (a host copy per row, costly on a device):
@@ -208,10 +213,13 @@ class Program:
             raise ProgramError(f"execute: bad membership {list(seq_ids)}")
         if any(s.is_unusable for s in seqs):
             raise ProgramError("execute: a row lost its State in a rollback without backup")
-        units = [self._next_unit(s) for s in seqs]
+        units = [self._unit_of(s, forced) for s in seqs]
         for seq, unit in zip(seqs, units):
             if self.pages.can_grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens) != 0:
                 raise ProgramError(f"execute: sequence {seq.seq_id} runs without its reservation")
+            # F[:-1] goes after the committed tokens, where packing reads it (provisional)
+            self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + len(unit.forced) - 1] = \
+                unit.forced[:-1]
         batch = self._pack(seqs, units)
         backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
         logits = self.model.forward(batch, self.kv, self.state)
@@ -238,7 +246,10 @@ class Program:
             if d.is_cancelled:
                 self._restore(seq, backup)
             else:
-                seq.num_computed_tokens += row.num_new_tokens
+                # a control row's accepted prefix fixes how much of what it ran is history;
+                # State consumed all of it, so a shorter prefix leaves the row release-only
+                seq.num_computed_tokens += d.accepted if row.is_control else row.num_new_tokens
+                seq.is_unusable |= row.is_control and d.accepted < row.num_new_tokens
                 self._append(seq, row.produced[:d.accepted])
                 if seq.num_computed_tokens >= seq.protected_tokens:
                     seq.protected_tokens = 0
@@ -298,6 +309,16 @@ class Program:
         self._seqs[seq.seq_id] = seq
         return seq
 
+    def _unit_of(self, seq: _Sequence, forced: Optional[dict]) -> _Unit:
+        tokens = () if forced is None else tuple(int(t) for t in forced.get(seq.seq_id, ()))
+        if not tokens:
+            return self._next_unit(seq)
+        if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_tokens <= seq.num_prompt_tokens:
+            raise ProgramError(f"control unit on sequence {seq.seq_id}, which is not decode-ready")
+        if seq.num_tokens + len(tokens) > self.max_context:
+            raise ProgramError(f"control unit of {len(tokens)} tokens overruns max_context")
+        return _Unit(len(tokens), False, False, tokens)
+
     def _next_unit(self, seq: _Sequence) -> _Unit:
         done, total = seq.num_computed_tokens, seq.num_tokens
         if total > seq.num_prompt_tokens:              # has generated: replay to total-1, decode
@@ -331,14 +352,15 @@ class Program:
         return ForwardBatch(tokens, positions, query_start, starts, tables[:, :width].copy(), slots)
 
     def _row_result(self, seq: _Sequence, unit: _Unit, logits: np.ndarray) -> RowResult:
-        produced, logprobs = (), ()
+        produced, logprobs = unit.forced, ()
         if unit.is_sampling:
             token, lp = sample_row(logits, seq.spec,
                                    self.token_buf[seq.slot, :seq.num_prompt_tokens],
                                    self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
                                    position=seq.num_tokens)
             produced, logprobs = (token,), (() if lp is None else (lp,))
-        return RowResult(seq.seq_id, unit.num_new_tokens, produced, logprobs, unit.is_replay)
+        return RowResult(seq.seq_id, unit.num_new_tokens, produced, logprobs, unit.is_replay,
+                         is_control=bool(unit.forced))
 
     def _append(self, seq: _Sequence, token_ids) -> None:
         n = len(token_ids)
