@@ -169,12 +169,12 @@ def run_command(args) -> int:
     if args.max_new < 1:
         raise Error(f"--max-new {args.max_new}: must be >= 1")
     prompt, tools = _run_prompt(args)
-    path, is_demo = _artifact_or_demo(args.artifact)
     params = SamplingParams(
         max_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, stop=tuple(args.stop)).validate()
+    path, is_demo = _artifact_or_demo(args.artifact)      # after every cheap check
     thinking = args.thinking if args.thinking is not None else not is_demo
 
     from .engine import Engine

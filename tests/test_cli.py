@@ -1,0 +1,165 @@
+"""`python -m ninfer run` and `serve` as a user runs them (subprocesses), on the built-in demo model.
+
+The streamed stdout must be exactly the Engine's answer for the same request; bad input must end
+with one `ninfer: error:` line and exit status 2, before any model is loaded."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from ninfer import Engine, SamplingParams
+from ninfer.demo import DEMO_NOTICE, ensure_demo_artifact
+
+STATS = re.compile(r"^\[prompt (\d+) tok, prefill [\d.]+ tok/s \| generated (\d+) tok, decode "
+                   r"[\d.]+ tok/s \| TTFT \d+ ms \| total [\d.]+ s \| finish (\w+)\]$")
+
+
+def ninfer(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "ninfer", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return ensure_demo_artifact()
+
+
+@pytest.fixture(scope="module")
+def engine(demo):
+    with Engine(demo, max_concurrency=1) as e:
+        yield e
+
+
+def test_run_demo_streams_the_engines_answer(engine):
+    """The README's main job, with no artifact: the demo model, said to be random on stderr."""
+    r = ninfer("run", "--prompt", "Write a haiku about the sea.", "--max-new", 16)
+    assert r.returncode == 0, r.stderr
+    expected = engine.generate([{"role": "user", "content": "Write a haiku about the sea."}],
+                               SamplingParams(max_tokens=16), enable_thinking=False)
+    assert expected.text and r.stdout == expected.text + "\n"
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == f"ninfer: {DEMO_NOTICE}" and "RANDOM weights" in lines[0]
+    m = STATS.match(lines[-1])
+    assert m, lines[-1]
+    assert (int(m[1]), int(m[2]), m[3]) == (expected.num_prompt_tokens, 16, "length")
+
+
+def test_run_messages_file_system_and_reasoning(tmp_path, demo, engine):
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"messages": messages}))
+    r = ninfer("run", demo, "--messages", path, "--max-new", 6, "--thinking", "--seed", 5,
+               "--temperature", 0.7, "--top-k", 50)
+    assert r.returncode == 0, r.stderr
+    expected = engine.generate(messages, SamplingParams(max_tokens=6, temperature=0.7, top_k=50,
+                                                        seed=5), enable_thinking=True)
+    # random weights never close <think>: the whole answer is reasoning, on stderr
+    assert expected.reasoning_text and not expected.text
+    assert r.stdout == ""
+    assert f"[reasoning] {expected.reasoning_text}\n" in r.stderr
+    assert DEMO_NOTICE not in r.stderr             # an artifact was named
+    assert STATS.match(r.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x", "--max-new", "0"], "--max-new 0: must be >= 1"),
+    (["--prompt", "x", "--temperature", "hot"], "invalid float value: 'hot'"),
+    (["--prompt", "x", "--top-p", "0"], "top_p=0.0: must be in (0, 1]"),
+    (["--prompt", "x", "--top-k", "-1"], "top_k=-1"),
+    (["--prompt", "x", "--stop", ""], "stop"),
+    (["--prompt", "x", "--backend", "tpu"], "invalid choice: 'tpu'"),
+    (["missing.ninfer", "--prompt", "x"], "artifact missing.ninfer: no such file"),
+    (["--messages", "/nonexistent/chat.json"], "--messages /nonexistent/chat.json: No such file"),
+    ([], "one of the arguments --prompt --messages is required"),
+    (["--prompt", "x", "--messages", "m.json"], "not allowed with argument"),
+    (["--prompt", "x", "--raw", "--system", "s"], "--system needs the chat template"),
+])
+def test_run_bad_input_one_line_error(args, message):
+    r = ninfer("run", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ninfer: error: ") and message in lines[0], \
+        r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[{\"role\": \"user\"", "not valid JSON"),
+    ("{}", "expected a non-empty list of messages"),
+    ("[{\"role\": \"wizard\", \"content\": \"x\"}]", "message 0 needs a 'role'"),
+    ("[{\"role\": \"user\", \"content\": 3}]", "message 0 needs a string 'content'"),
+    ("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": 5}",
+     "'tools' must be a list"),
+])
+def test_run_bad_messages_file(tmp_path, content, message):
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    r = ninfer("run", "--messages", path)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-concurrency", "9"], "max_concurrency=9: must be in 1..8"),
+    (["--port", "0"], "--port 0: must be in 1..65535"),
+    (["--temperature", "5"], "temperature=5.0: must be in [0, 2]"),
+    (["--max-context", "1"], "max_context=1"),
+    (["missing.ninfer"], "artifact missing.ninfer: no such file"),
+])
+def test_serve_bad_input_one_line_error(args, message):
+    r = ninfer("serve", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_serve_cli_demo_and_graceful_shutdown(demo):
+    """`python -m ninfer serve` (gunicorn) on the demo model: it serves, /health goes 503 while it
+    drains on SIGTERM, a stream still running after the grace period ends 'cancelled', and the
+    server exits 0."""
+    from test_serve_support import ServerProcess
+
+    srv = ServerProcess([sys.executable, "-m", "ninfer", "serve", "--max-context", "4096",
+                         "--drain-grace", "1", "--model-id", "demo", "--no-thinking"],
+                        env={"NINFER_API_KEY": "k"})
+    try:
+        auth = {"authorization": "Bearer k"}
+        assert httpx.get(srv.url + "/v1/models", headers=auth).json()["data"][0]["id"] == "demo"
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=auth, timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
+                "stream": True}
+        finish, health = [], []
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=auth, json=body,
+                          timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            srv.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            for line in lines:
+                if len(health) < 1 and time.monotonic() - t0 > 0.3:
+                    try:
+                        health.append(httpx.get(srv.url + "/health", timeout=2).status_code)
+                    except httpx.HTTPError:
+                        health.append("refused")
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    if choice["finish_reason"]:
+                        finish.append(choice["finish_reason"])
+            elapsed = time.monotonic() - t0
+        assert finish == ["cancelled"] and elapsed < 15
+        # a new connection after SIGTERM is refused or answered 503 (draining)
+        assert health and health[0] in (503, "refused")
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()

@@ -1,0 +1,63 @@
+"""The built-in demo artifact: generated on first use, cached, reproducible, small, real vocabulary
+and template, and marked as random."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from ninfer.artifact import Artifact
+from ninfer.demo import DEMO_NAME, demo_config, demo_path, ensure_demo_artifact, write_demo_artifact
+from ninfer.models.qwen3_5.frontend import Frontend, builtin_template_source
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return cache, ensure_demo_artifact(cache)
+
+
+def test_generated_into_the_cache_atomically(built):
+    cache, path = built
+    assert path == demo_path(cache) and path.is_file()
+    assert sorted(p.name for p in cache.iterdir()) == [path.name]      # no partial files left
+    stat = path.stat()
+    assert ensure_demo_artifact(cache) == path
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns and path.stat().st_ino == stat.st_ino
+
+
+def test_reproducible_bytes(built, tmp_path):
+    _, path = built
+    again = write_demo_artifact(tmp_path / "again.ninfer")
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    assert digest(again) == digest(path)
+
+
+def test_config_weights_and_resources(built):
+    _, path = built
+    with Artifact(path, verify="eager") as art:
+        cfg = art.config
+        assert cfg == demo_config()
+        assert art.name == DEMO_NAME
+        assert art.manifest["metadata"]["demo"]["weights"] == "random"
+        t = cfg.text
+        assert t.vocab_size == 248320 and t.hidden_size <= 32 and t.tie_word_embeddings
+        emb = art.tensor("text.embed_tokens.weight")
+        assert emb.shape == (248320, t.hidden_size) and emb.dtype.name == "bfloat16"
+        assert np.array_equal(art.tensor("text.lm_head.weight").view(np.uint16),
+                              emb.view(np.uint16))
+        weight_bytes = sum(art.tensor(n).nbytes for n in art.binding_names()
+                           if n != "text.lm_head.weight")
+        assert weight_bytes < 17 << 20                       # the embedding dominates
+        assert float(np.std(emb.astype(np.float32))) > 0      # random, not zeros
+        assert art.resource("chat_template.jinja").decode() == builtin_template_source()
+        frontend = Frontend.from_artifact(art)
+        assert set(frontend.eos_token_ids) == set(t.eos_token_id)
+        assert frontend.token_id("<|im_end|>") in t.eos_token_id
+        assert json.loads(art.resource("generation_config.json"))["eos_token_id"] == \
+            list(t.eos_token_id)
+        prompt = frontend.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert prompt.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        assert int(np.max(frontend.tokenize("Hello, 世界 👋"))) < t.vocab_size
