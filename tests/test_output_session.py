@@ -374,7 +374,7 @@ def test_truncated_call_at_length_limit_comes_back_as_text(fe):
     assert s.text == "Checking."
     pv = s.preview_finish("length")
     s.commit(pv)
-    assert s.text == "Checking." + partial[len("Checking.\n\n"):] and s.tool_calls == []
+    assert s.text == partial and s.tool_calls == []       # separator newlines included
     assert pv.finish_reason == "length" and s.finish_reason == "length"
 
 
@@ -536,3 +536,16 @@ def test_parsed_turn_renders_back_to_the_generated_text(fe):
                                 for c in s.tool_calls]}
     history = fe.apply_chat_template(user + [assistant], tools=TOOLS, add_generation_prompt=False)
     assert history == prepared.text + generated + "<|im_end|>\n"
+
+
+@pytest.mark.parametrize("tail, final", [(" tag in prose.", None), ("\n<function=f>\nx", "length"),
+                                         ("\n<function=>\n</tool_call> after", None)])
+def test_newlines_before_a_non_call_are_kept(fe, tail, final):
+    """The newline run before <tool_call> is a separator only if a call follows; for prose, a
+    truncated or a malformed call it comes back with the text."""
+    out = "See:\n\n<tool_call>" + tail
+    s = session(fe, tools=TOOLS)
+    run(s, fe.tokenize(out).tolist())
+    if final:
+        s.commit(s.preview_finish(final))
+    assert s.text == out and s.tool_calls == []

@@ -60,6 +60,7 @@ class _State:
     stop_hold: str = ""
     parse_hold: str = ""
     tool_buf: Optional[str] = None    # text after an open <tool_call>, None when no call is open
+    call_sep: str = ""                # the newlines dropped before it (restored if it is no call)
     num_tool_calls: int = 0
     num_tokens: int = 0
     finish_reason: Optional[str] = None
@@ -69,7 +70,8 @@ class _State:
 
     def clone(self) -> "_State":
         return _State(self.channel, self.think_allowed, self.strip_newlines, self.pending_bytes,
-                      self.stop_hold, self.parse_hold, self.tool_buf, self.num_tool_calls,
+                      self.stop_hold, self.parse_hold, self.tool_buf, self.call_sep,
+                      self.num_tool_calls,
                       self.num_tokens, self.finish_reason, self.ended_by_eos, self.window,
                       self.window_read)
 
@@ -189,7 +191,8 @@ class OutputSession:
         """Every piece of session state, for equality checks in tests."""
         s = self._state
         return (s.channel, s.think_allowed, s.strip_newlines, s.pending_bytes, s.stop_hold,
-                s.parse_hold, s.tool_buf, s.num_tool_calls, s.num_tokens, s.finish_reason,
+                s.parse_hold, s.tool_buf, s.call_sep, s.num_tool_calls, s.num_tokens,
+                s.finish_reason,
                 s.ended_by_eos, s.window, s.window_read, tuple(self._content),
                 tuple(self._reasoning), tuple(self._tool_calls))
 
@@ -318,16 +321,18 @@ class OutputSession:
                 self._emit(st, buf[:len(buf) - keep], out)
                 st.parse_hold = buf[len(buf) - keep:]
                 break
-            self._emit(st, buf[:pos].rstrip("\n"), out)
+            before = buf[:pos].rstrip("\n")
+            self._emit(st, before, out)
+            buf_sep = buf[len(before):pos]
             buf = buf[pos + len(tag):]
             if tag == CALL_OPEN:
-                st.tool_buf = ""
+                st.tool_buf, st.call_sep = "", buf_sep
             else:
                 st.channel = REASONING if tag == THINK_OPEN else CONTENT
                 st.think_allowed = False
                 st.strip_newlines = True
         if final and st.tool_buf is not None:        # truncated call: back as text
-            raw, st.tool_buf = CALL_OPEN + st.tool_buf, None
+            raw, st.tool_buf = st.call_sep + CALL_OPEN + st.tool_buf, None
             self._emit(st, raw, out)
 
     def _feed_call(self, st: _State, text: str, out: _Collector) -> str:
@@ -338,17 +343,17 @@ class OutputSession:
         end = body.find(CALL_CLOSE, max(0, len(old) - len(CALL_CLOSE) + 1))
         if not _could_be_call(body if end < 0 else body[:end]):
             st.tool_buf = None                       # prose mentioning <tool_call>: plain text
-            self._emit(st, CALL_OPEN, out)
+            self._emit(st, st.call_sep + CALL_OPEN, out)
             return body
         if end < 0:
             st.tool_buf = body
             return ""
         st.tool_buf = None
-        st.strip_newlines = True
         parsed = parse_tool_call(body[:end], self._schemas)
         if parsed is None:
-            self._emit(st, CALL_OPEN + body[:end] + CALL_CLOSE, out)
+            self._emit(st, st.call_sep + CALL_OPEN + body[:end] + CALL_CLOSE, out)
         else:
+            st.strip_newlines = True                 # the separator after a call
             name, args = parsed
             index = st.num_tool_calls
             call = ToolCall(id=f"call_{self._nonce}_{index}", name=name,
