@@ -11,6 +11,7 @@ Semantics (the Gateway and the Engine rely on these):
 - Text is the UTF-8 decoding of the tokens' bytes; special tokens (`<|im_end|>`, `<|vision_pad|>`,
   ...) contribute no text; `<think>`, `</think>`, `<tool_call>`, `</tool_call>` are ordinary added
   tokens and are recognised as text, so a tag spelled with several tokens works the same.
+  (Tokenizers that are not byte-level decode a small window of recent ids instead.)
 - Stop token ids (params.stop_token_ids, plus the EOS ids unless ignore_eos) end the output; the
   stop token is accepted. Stop strings are matched on the decoded output (tags included), across
   token boundaries; the match and everything after it are dropped; the token completing the match
@@ -18,16 +19,18 @@ Semantics (the Gateway and the Engine rely on these):
 - Channels: the output starts in "reasoning" when the prompt ends inside `<think>` (the template
   opened it), else in "content". `</think>` switches reasoning -> content; in content, `<think>`
   opens reasoning only while nothing but whitespace has been written and the prompt has not already
-  had its think block; a `<think>` repeated at the start of a template-opened block is dropped. Newlines written around tags are the template's separators and are dropped
-  (the template writes them back when the turn is rendered as history).
+  had its think block; a `<think>` repeated at the start of a template-opened block is dropped.
+  Newlines right around a tag are the template's separators and are dropped (the template writes
+  them back when the turn is rendered as history); if a `<tool_call>` turns out not to be a call,
+  the newlines before it come back with its text.
 - Tool calls (only when the request has tools): a `<tool_call>` in the content channel opens a call;
   at `</tool_call>` the body is parsed (tool_parser.py) and a ToolCallEvent is emitted, or, if the
   body is malformed, the whole `<tool_call>...</tool_call>` text comes back as content. A call inside
   reasoning is reasoning text (the model has not committed to it; vLLM's reasoning-then-tools parsing
   agrees). A `<tool_call>` not followed by `<function=` is text as soon as that is known. A call still
   open when the output ends (length, cancel, stop) comes back as content text.
-- Tool call ids are `call_<nonce>_<index>`; the nonce derives from the request id when one is given
-  (deterministic), else it is random.
+- Tool call ids are `call_<nonce>_<index>`; the nonce derives from the request id (and prompt digest,
+  see Frontend.new_output_session) when one is given, else it is random.
 
 preview() never mutates the session: it runs the tokens on a copy of the small state; commit() adopts
 that copy. Work per token is bounded by the stop-string and tag lengths (no re-decoding).
