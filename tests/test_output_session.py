@@ -549,3 +549,11 @@ def test_newlines_before_a_non_call_are_kept(fe, tail, final):
     if final:
         s.commit(s.preview_finish(final))
     assert s.text == out and s.tool_calls == []
+
+
+def test_long_stop_string_matches_across_many_tokens(fe):
+    stop = "the end of this long stop sequence " * 20
+    text = "Intro. " + stop + "after"
+    s = session(fe, stop=[stop, "zz"])
+    run(s, fe.tokenize(text).tolist(), check_purity=False)
+    assert s.text == "Intro. " and s.finish_reason == "stop"

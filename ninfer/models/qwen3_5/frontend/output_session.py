@@ -140,7 +140,7 @@ class OutputSession:
         self._stop_ids = frozenset(stop_ids)
         stops = params.stop if not isinstance(params.stop, str) else (params.stop,)
         self._stops: Tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
-        self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
+        self._stop_firsts = frozenset(s[0] for s in self._stops)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._schemas = tool_schemas(tools)
         self._tools_enabled = bool(tools)
@@ -274,10 +274,13 @@ class OutputSession:
         return False
 
     def _stop_prefix_length(self, text: str) -> int:
-        """Length of the longest suffix of `text` that a stop string starts with."""
-        for k in range(min(len(text), self._max_stop_len - 1), 0, -1):
-            if text[-k:] in self._stop_prefixes:
-                return k
+        """Length of the longest suffix of `text` that a stop string starts with (only suffixes
+        shorter than the longest stop, starting at a stop's first character, can qualify)."""
+        for i in range(max(0, len(text) - self._max_stop_len + 1), len(text)):
+            if text[i] in self._stop_firsts:
+                tail = text[i:]
+                if any(s.startswith(tail) for s in self._stops):
+                    return len(text) - i
         return 0
 
     def _window_text(self, st: _State, tok: int) -> str:
