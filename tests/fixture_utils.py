@@ -35,6 +35,13 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class PositionedSequence:
+    ids: np.ndarray            # int32 [T]
+    positions: np.ndarray      # int32 [3, T]: (t, h, w) MRoPE positions, text + a vision grid + text
+    logits: np.ndarray         # float32 [T, V]
+
+
+@dataclass(frozen=True)
 class Continuation:
     prompt: np.ndarray         # int32 [P]
     tokens: np.ndarray         # int32 [16]: transformers' greedy continuation (EOS not honoured)
@@ -46,14 +53,15 @@ class Reference:
     name: str
     sequences: tuple           # (Sequence, ...) lengths 1, 5, 37, 70
     continuations: tuple       # (Continuation, ...)
+    mrope: PositionedSequence
     fp32_vs_fp64_rel: float    # transformers' own fp32 noise on this fixture
     versions: str
 
 
 def fixture_names() -> list:
     """Every fixture directory that holds a checkpoint and its reference, sorted."""
-    return sorted(p.name for p in FIXTURES_DIR.iterdir()
-                  if (p / "config.json").is_file() and (p / "reference.npz").is_file())
+    return sorted(p.name for p in FIXTURES_DIR.iterdir() if not p.name.startswith(".")
+                  and (p / "config.json").is_file() and (p / "reference.npz").is_file())
 
 
 def fixture_dir(name: str) -> pathlib.Path:
@@ -72,7 +80,8 @@ def load_reference(name: str) -> Reference:
             g = len(conts)
             conts.append(Continuation(z[f"greedy_prompt_{g}"], z[f"greedy_tokens_{g}"],
                                       z[f"greedy_margins_{g}"]))
-        return Reference(name, seqs, tuple(conts), float(z["fp32_vs_fp64_rel"]),
+        mrope = PositionedSequence(z["mrope_ids"], z["mrope_positions"], z["mrope_logits"])
+        return Reference(name, seqs, tuple(conts), mrope, float(z["fp32_vs_fp64_rel"]),
                          str(z["versions"]))
 
 

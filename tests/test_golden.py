@@ -7,6 +7,9 @@ For every fixture in tests/fixtures/ (issue 2, "Done when"):
       one row and two rows batched together (different frontiers, pages and State slots)
   (d) greedy decoding by argmax over model.forward equals transformers' greedy continuation
       (the Engine-level greedy test is tests/test_golden_generate.py)
+  (e) explicit MRoPE (t, h, w) positions of a text + vision-grid + text prompt
+  (f) the artifact carries the checkpoint's values under the logical names of docs/internals.md
+  (g) `python -m ninfer convert` then `score --ids` on the command line
 Tolerance: fixture_utils.GOLDEN_REL_TOL = 1e-3 on max|diff| / max|ref| per sequence; the one-piece
 prefill on the numpy backend is also held to NUMPY_REL_TOL = 2.5e-4.
 """
@@ -203,6 +206,38 @@ def test_model_greedy_matches_transformers(name, converted):
                                                            table), kv, state)
             assert tokens == cont.tokens.tolist(), \
                 f"{name}: greedy tokens {tokens} != transformers {cont.tokens.tolist()}"
+    finally:
+        model.close()
+        artifact.close()
+
+
+@pytest.mark.parametrize("split", [(30,), (7, 7, 7, 7, 2), (12,) + (1,) * 18],
+                         ids=["one-piece", "chunks-of-7", "decode-after-12"])
+@pytest.mark.parametrize("name", NAMES)
+def test_mrope_positions_match_transformers(name, split, converted):
+    """Explicit (t, h, w) positions of a text + vision-grid + text prompt: inside the grid the
+    three axes differ, so this is the whole-model check of the interleaved MRoPE sections (plain
+    text positions cannot tell the axes apart)."""
+    from ninfer.models.qwen3_5.batch import ForwardBatch
+
+    seq = load_reference(name).mrope
+    assert sum(split) == len(seq.ids)
+    artifact, model = _load(converted(name))
+    try:
+        table = _block_table(0, len(seq.ids))
+        kv, state = model.new_kv_pool(len(table), PAGE_SIZE), model.new_state_pool(1)
+        got, start = [], 0
+        for n in split:
+            batch = ForwardBatch(token_ids=seq.ids[start:start + n],
+                                 positions=np.ascontiguousarray(seq.positions[:, start:start + n]),
+                                 query_start=np.array([0, n], np.int32),
+                                 context_lens=np.array([start], np.int32),
+                                 block_tables=table.reshape(1, -1),
+                                 state_slots=np.array([0], np.int32))
+            got.append(model.forward(batch, kv, state, all_logits=True))
+            start += n
+        assert_logits_close(np.concatenate(got), seq.logits,
+                            f"{name} MRoPE positions, split {split[:3]}...")
     finally:
         model.close()
         artifact.close()

@@ -21,6 +21,9 @@ a tiny tokenizer) and a `reference.npz`:
     greedy_prompt_{g}        int32 [P]        g in {0, 1}
     greedy_tokens_{g}        int32 [16]       generate(do_sample=False, max_new_tokens=16), cached
     greedy_margins_{g}       float32 [16]     top-1 minus top-2 logit at each step (>= 0.05)
+    mrope_ids                int32 [30]       random ids ...
+    mrope_positions          int32 [3, 30]    ... at (t, h, w) positions of text + a 2x3x3 grid + text
+    mrope_logits             float32 [30, V]  logits of one forward with those position_ids
     fp32_vs_fp64_rel         float32 []       max|fp32 - fp64| / max|fp64| over all prefill logits
     hf_decode_vs_prefill_rel float32 []       transformers' own cached decode vs full forward
     versions                 str              torch / transformers / numpy versions
@@ -61,6 +64,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecod
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 PREFILL_LENGTHS = (1, 5, 37, 70)     # 70 > 64: transformers' GDN chunk size, so two chunks
 GREEDY_PROMPT_LENGTHS = (6, 29)
+MROPE_LAYOUT = (6, (2, 3, 3), 6)    # text tokens, a vision grid (t, h, w), text tokens
 GREEDY_NEW_TOKENS = 16
 MIN_GREEDY_MARGIN = 0.05             # a logit gap no fp32 noise of another implementation flips
 EOS_ID, BOS_ID = 2, 1
@@ -95,15 +99,19 @@ FIXTURES = {
                                rope_parameters=rope(32, 0.25, (2, 1, 1))), {}),
     "dense_tied": (2, "dense", dict(tie_word_embeddings=True, num_hidden_layers=5), {}),
     "moe": (3, "moe", {}, {}),
-    "cond_gen": (4, "cond_gen", {}, {}),
+    # multimodal layouts: 4 rotary frequencies whose MRoPE axes differ between the interleaved
+    # and the contiguous section layouts, and a small theta so those frequencies matter
+    "cond_gen": (4, "cond_gen", dict(rope_parameters=rope(16, 0.5, (2, 1, 1), theta=1000.0)), {}),
     "moe_cond_gen": (5, "moe_cond_gen", dict(moe_intermediate_size=16,
-                                             shared_expert_intermediate_size=16), {}),
+                                             shared_expert_intermediate_size=16,
+                                             rope_parameters=rope(16, 0.5, (2, 1, 1),
+                                                                  theta=1000.0)), {}),
     "odd_heads": (6, "dense", dict(
-        num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+        num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2, head_dim=20,
         layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
                      "linear_attention"],
         linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12,
-        linear_value_head_dim=8, rope_parameters=rope(12, 0.5, (1, 1, 1), theta=10000.0)), {}),
+        linear_value_head_dim=8, rope_parameters=rope(20, 0.6, (3, 2, 1), theta=10000.0)), {}),
     "sharded": (7, "dense", dict(num_hidden_layers=6), dict(max_shard_size="60KB")),
 }
 
@@ -318,6 +326,26 @@ def greedy(model, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return new, logits
 
 
+def mrope_positions() -> np.ndarray:
+    """[3, T] (t, h, w) positions shaped like a prompt with one video grid, the way Qwen's
+    get_rope_index lays them out: text i -> (i, i, i); grid cell (a, b, c) -> base + (a, b, c);
+    the text after it resumes at 1 + the largest position used. t != h != w inside the grid, so
+    unlike plain text positions this pins down which rotary frequencies MRoPE gives each axis."""
+    n_before, (gt, gh, gw), n_after = MROPE_LAYOUT
+    text = np.arange(n_before)
+    a, b, c = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
+    grid = n_before + np.stack([a.ravel(), b.ravel(), c.ravel()])
+    after = grid.max() + 1 + np.arange(n_after)
+    return np.concatenate([np.stack([text] * 3), grid, np.stack([after] * 3)], axis=1)
+
+
+@torch.no_grad()
+def logits_at_positions(model, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    x = torch.from_numpy(np.asarray(ids, np.int64))[None]
+    pos = torch.from_numpy(positions.astype(np.int64))[:, None, :]              # [3, 1, T]
+    return model(input_ids=x, position_ids=pos, use_cache=False).logits[0].double().numpy()
+
+
 def margins(step_logits: np.ndarray) -> np.ndarray:
     top2 = np.sort(step_logits, axis=-1)[:, -2:]
     return top2[:, 1] - top2[:, 0]
@@ -364,6 +392,15 @@ def make_references(name: str, out: pathlib.Path, cls, seed: int, vocab: int) ->
         ref[f"greedy_prompt_{g}"] = prompt.astype(np.int32)
         ref[f"greedy_tokens_{g}"] = new.astype(np.int32)
         ref[f"greedy_margins_{g}"] = m.astype(np.float32)
+
+    positions = mrope_positions()
+    ids = random_ids(rng, positions.shape[1], vocab)
+    lg = logits_at_positions(model, ids, positions)
+    worst64 = max(worst64, rel(lg, logits_at_positions(model64, ids, positions)))
+    # a wrong axis-to-frequency assignment must show: plain text positions give other logits
+    assert rel(full_logits(model, ids), lg) > 1e-2, f"{name}: MRoPE positions change nothing"
+    ref.update(mrope_ids=ids.astype(np.int32), mrope_positions=positions.astype(np.int32),
+               mrope_logits=lg.astype(np.float32))
 
     ref["fp32_vs_fp64_rel"] = np.float32(worst64)
     ref["hf_decode_vs_prefill_rel"] = np.float32(worst_decode)
