@@ -110,7 +110,8 @@ def test_abort_pending_restores_state_and_frees_the_reservation():
         assert prog.reserve_units([sid]) == [True]
         used = prog.pages.num_used
         prog.abort_pending(prog.execute([sid]))          # every unit runs twice
-        assert prog.pages.num_used <= used
+        # the unit's reservation went back: only the frontier's pages stay mapped
+        assert prog.pages.num_used == -(-prog._seqs[sid].num_computed_tokens // 4) <= used
         prog.check_invariants()
         out += step(prog, [sid])[0]
     assert out == want
@@ -132,6 +133,7 @@ def test_cancelled_row_rolls_back_while_others_commit():
         prog.commit(pending, [RowDecision(len(ra.produced)), RowDecision(0, is_cancelled=True)])
         out_a += ra.produced
         assert prog._seqs[b].num_computed_tokens == 0
+        assert prog.pages.num_mapped[prog._seqs[b].slot] == 0     # its reservation went back
         prog.check_invariants()
     assert out_a[:8] == want_a
     prog.release(a)
@@ -162,13 +164,21 @@ def test_decisions_that_break_the_accepted_prefix_rule_raise():
 
 
 def _pause_and_resume(prog, sid, allow_snapshot, revoke=False):
+    """Pause, let another sequence take the freed pages and slot, resume elsewhere."""
+    before = set(prog.pages.pages_of(prog._seqs[sid].slot).tolist())
     rs = prog.pause(sid, allow_snapshot=allow_snapshot)
     prog.check_invariants()
+    squatter = prog.bind(prompt(99, 8), GREEDY)
+    assert prog.reserve_units([squatter]) == [True]
     if revoke and rs.kind == "snapshot":
         rs = prog.revoke_snapshot(rs)
         assert prog.host_bytes_used == 0
     assert prog.can_resume(rs)
-    return rs, prog.resume(rs)
+    sid = prog.resume(rs)
+    after = set(prog.pages.pages_of(prog._seqs[sid].slot).tolist())
+    assert not before or before != after           # restored into other physical pages
+    prog.release(squatter)
+    return rs, sid
 
 
 @pytest.mark.parametrize("spec", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -330,5 +340,20 @@ def test_control_unit_rules():
     prog.commit(pending, [RowDecision(2, is_terminal=True)])  # a terminal prefix
     with pytest.raises(ProgramError, match="State"):
         prog.execute([sid])                                  # State ran one token ahead
+    prog.release(sid)
+    prog.assert_all_free()
+
+
+def test_replay_of_a_paused_prefill_is_labelled_replay_up_to_the_old_frontier():
+    prog = Program(FakeModel(), opts(prefill_chunk=4))
+    sid = prog.bind(prompt(21, 15), GREEDY)
+    step(prog, [sid])
+    step(prog, [sid])                                   # frontier 8 of 15, nothing generated
+    sid = prog.resume(prog.pause(sid, allow_snapshot=False))
+    kinds = []
+    while not prog.generated_tokens(sid).size:
+        kinds.append(prog.unit_kind(sid))
+        step(prog, [sid])
+    assert kinds == ["replay", "replay", "prefill", "prefill"]
     prog.release(sid)
     prog.assert_all_free()

@@ -1,7 +1,7 @@
 """Plain data the Program hands to the Engine: unit results, decisions and resume states."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -78,7 +78,6 @@ class ResumeState:
     state_image: Optional[tuple] = None
     kv_pages: Optional[tuple] = None
     host_bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
