@@ -233,3 +233,11 @@ def test_prepare_rejects_media_until_vision_exists(fe):
     assert "<|image_pad|>" in fe.apply_chat_template(msgs)     # the template still renders it
     with pytest.raises(RequestError, match="Vision"):
         fe.prepare(msgs)
+
+
+def test_think_state_from_text_when_the_vocabulary_has_no_think_token():
+    fe = Frontend.from_resources(_wordlevel_json().replace(b'"<think>"', b'"<x>"'),
+                                 "w1 <think>{% if not enable_thinking %} </think>{% endif %}", None)
+    assert fe.token_id("<think>") is None
+    assert fe.prepare(USER).think_state == "open"
+    assert fe.prepare(USER, enable_thinking=False).think_state == "closed"

@@ -69,20 +69,30 @@ def make_prepared(token_ids: np.ndarray, *, text: Optional[str], enable_thinking
     ids.setflags(write=False)
     digest = hashlib.blake2b(ids.astype("<i4", copy=False).tobytes(), digest_size=16).hexdigest()
     think_open, think_close = think_ids
-    last_turn = _last_index(ids, im_start_id)
-    last_open = _last_index(ids, think_open)
-    last_close = _last_index(ids, think_close)
-    if last_open > max(last_close, last_turn):
-        state = THINK_OPEN
-    elif max(last_open, last_close) > last_turn:
-        state = THINK_CLOSED
+    if think_open is None and text is not None:
+        # the tokenizer has no <think> token (tiny test vocabularies): read the state off the text
+        state = _think_state(text.rfind("<|im_start|>"), text.rfind("<think>"),
+                             text.rfind("</think>"))
+        reusable = ids.shape[0]
     else:
-        state = THINK_NONE
-    in_turn = [p for p in (last_open, last_close) if p > last_turn]
-    reusable = min(in_turn) if last_turn >= 0 and in_turn else ids.shape[0]
+        last_turn = _last_index(ids, im_start_id)
+        last_open = _last_index(ids, think_open)
+        last_close = _last_index(ids, think_close)
+        state = _think_state(last_turn, last_open, last_close)
+        in_turn = [p for p in (last_open, last_close) if p > last_turn]
+        reusable = min(in_turn) if last_turn >= 0 and in_turn else ids.shape[0]
     return PreparedPrompt(token_ids=ids, digest=digest, text=text,
                           enable_thinking=bool(enable_thinking), think_state=state,
                           num_reusable_tokens=int(reusable))
+
+
+def _think_state(last_turn: int, last_open: int, last_close: int) -> str:
+    """From the positions (-1: absent) of the last turn start, <think> and </think>."""
+    if last_open > max(last_close, last_turn):
+        return THINK_OPEN
+    if max(last_open, last_close) > last_turn:
+        return THINK_CLOSED
+    return THINK_NONE
 
 
 def _last_index(ids: np.ndarray, token_id: Optional[int]) -> int:
