@@ -103,19 +103,17 @@ def _byte_table(vocab: Dict[str, int], added: List[dict]) -> tuple:
     to_latin1 = {ord(u): chr(b) for b, u in byte_to_unicode().items()}
     size = max([*vocab.values(), *(int(t["id"]) for t in added), -1]) + 1
     table: List[bytes] = [b""] * size
+    added_ids = frozenset(int(t["id"]) for t in added)
     for piece, idx in vocab.items():
+        if idx in added_ids:
+            continue                 # an added token's text is its content, set below
         try:
             table[idx] = piece.translate(to_latin1).encode("latin-1")
         except UnicodeEncodeError:
             raise ArtifactError(f"tokenizer.json: vocabulary entry {piece!r} (id {idx}) is not "
                                 f"byte-level encoded") from None
-    special: set = set()
-    added_ids: set = set()
     for tok in added:
-        idx = int(tok["id"])
-        table[idx] = tok["content"].encode("utf-8")
-        added_ids.add(idx)
-        if tok.get("special", False):
-            special.add(idx)
-    return table, frozenset(special), frozenset(added_ids)
+        table[int(tok["id"])] = tok["content"].encode("utf-8")
+    special = frozenset(int(t["id"]) for t in added if t.get("special", False))
+    return table, special, added_ids
 
