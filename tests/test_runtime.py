@@ -70,12 +70,17 @@ def test_kv_pressure_pauses_and_resumes_without_changing_tokens(budget, sampling
     prompts = [prompt(30 + i, n) for i, n in enumerate((10, 14, 6, 20, 9))]
     params = [SamplingParams(max_tokens=26, ignore_eos=True, **sampling) for _ in prompts]
     want = [reference_tokens(p, q, max_context=48) for p, q in zip(prompts, params)]
-    gate = Gate()
-    model.on_forward = gate                        # all queued first: a deterministic schedule
+    gate, num_protected = Gate(), []
+
+    def hook(batch):
+        gate(batch)                                # all queued first: a deterministic schedule
+        num_protected.append(sum(core.program.is_protected(r.seq_id) for r in core._residents))
+    model.on_forward = hook
     handles = [core.submit(p, q) for p, q in zip(prompts, params)]
     gate.opened.set()
     results = [drain(h)[1] for h in handles]
     assert [r.token_ids for r in results] == want
+    assert max(num_protected) == 1                 # resumes happened, one protected at a time
     stats = core.stats()
     assert stats["pauses"] > 0
     if budget == "replay":
