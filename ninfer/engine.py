@@ -27,7 +27,11 @@ class Engine:
             from .models.qwen3_5.frontend import Frontend
 
             self.config = self.artifact.config
-            self.frontend = Frontend.from_artifact(self.artifact)
+            # Scoring token ids needs no tokenizer; generation always does.
+            if self.options.purpose == "scoring" and self.artifact.resource("tokenizer.json") is None:
+                self.frontend = None
+            else:
+                self.frontend = Frontend.from_artifact(self.artifact)
             self.model = load_model(self.artifact, self.options)
             self._core = None
             self._scorer = None
@@ -48,16 +52,21 @@ class Engine:
 
     # ---- frontend ---------------------------------------------------------------------------------
     def tokenize(self, text: str) -> np.ndarray:
-        return self.frontend.tokenize(text)
+        return self._frontend().tokenize(text)
 
     def detokenize(self, ids) -> str:
-        return self.frontend.detokenize(ids)
+        return self._frontend().detokenize(ids)
 
     def apply_chat_template(self, messages: list, tools: Optional[list] = None,
                             add_generation_prompt: bool = True, enable_thinking: bool = True) -> str:
-        return self.frontend.apply_chat_template(messages, tools=tools,
+        return self._frontend().apply_chat_template(messages, tools=tools,
                                                  add_generation_prompt=add_generation_prompt,
                                                  enable_thinking=enable_thinking)
+
+    def _frontend(self):
+        if self.frontend is None:
+            raise RequestError(f"{self.name}: this artifact has no tokenizer; pass token ids")
+        return self.frontend
 
     # ---- scoring ----------------------------------------------------------------------------------
     def score(self, token_ids, return_logits: bool = False) -> ScoreResult:

@@ -84,3 +84,23 @@ def test_bad_input_is_a_request_error(model, bad, what):
     core = CausalScoreCore(model, EngineOptions())
     with pytest.raises(RequestError, match=what):
         core.score(bad)
+
+
+def test_scoring_engine_opens_an_artifact_without_tokenizer(tmp_path):
+    """Scoring works from token ids alone; text input then fails with a clear RequestError."""
+    import json
+
+    from ninfer import Engine, RequestError
+    from ninfer.convert import convert_checkpoint
+    from ckpt_helpers import write_checkpoint
+
+    src = tmp_path / "ckpt"
+    write_checkpoint(src, "Qwen3_5ForCausalLM", frontend=False)
+    assert not (src / "tokenizer.json").exists()
+    out = convert_checkpoint(src, tmp_path / "m.ninfer", progress=False)
+    with Engine(out, purpose="scoring") as engine:
+        vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+        res = engine.score([1, 2, 3, vocab - 1])
+        assert res.logprobs.shape == (3,) and (res.logprobs < 0).all()
+        with pytest.raises(RequestError, match="no tokenizer"):
+            engine.tokenize("hello")
