@@ -241,3 +241,8 @@ def test_think_state_from_text_when_the_vocabulary_has_no_think_token():
     assert fe.token_id("<think>") is None
     assert fe.prepare(USER).think_state == "open"
     assert fe.prepare(USER, enable_thinking=False).think_state == "closed"
+
+
+def test_enable_thinking_none_means_the_default(fe):
+    assert fe.apply_chat_template(USER, enable_thinking=None) == fe.apply_chat_template(USER)
+    assert fe.prepare(USER, enable_thinking=None).think_state == "open"

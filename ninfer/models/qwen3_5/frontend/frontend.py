@@ -77,10 +77,11 @@ class Frontend:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list, tools: Optional[list] = None,
-                            add_generation_prompt: bool = True, enable_thinking: bool = True,
-                            **template_kwargs) -> str:
+                            add_generation_prompt: bool = True,
+                            enable_thinking: Optional[bool] = True, **template_kwargs) -> str:
+        thinking = True if enable_thinking is None else bool(enable_thinking)   # None: default
         return self.template.render(messages, tools, add_generation_prompt=add_generation_prompt,
-                                    enable_thinking=bool(enable_thinking), **template_kwargs)
+                                    enable_thinking=thinking, **template_kwargs)
 
     # ---- requests ----------------------------------------------------------------------------------
     def prepare(self, prompt, *, tools: Optional[list] = None,
