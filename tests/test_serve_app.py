@@ -496,3 +496,37 @@ def test_close_keeps_a_passed_in_engine_open(engine):
     assert not engine.closed
     assert testing.TestClient(asgi_app).simulate_post(CHAT, json=chat_body()).status_code == 200
     assert testing.TestClient(wsgi_app).simulate_post(CHAT, json=chat_body()).status_code == 503
+
+
+def test_keepalive_comments_while_waiting(engine):
+    engine.slow_delay = 0.15
+    c = testing.TestClient(create_app(engine, keepalive_s=0.05))
+    r = c.simulate_post(CHAT, json=chat_body("slow", stream=True, max_tokens=3,
+                                             chat_template_kwargs={"enable_thinking": False}))
+    assert ": keep-alive\n\n" in r.text
+    chunks = [json.loads(d) for d in sse_data(r.text)[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "xxx"
+
+
+@pytest.mark.parametrize("script, status", [("fail", 500), ("crash", 503)])
+def test_generation_failure(engine, script, status):
+    """A request that ends in "error" is a 500; an Engine that fails under it is a 503; in a
+    stream either becomes an error event, after the output already sent."""
+    c = testing.TestClient(create_app(engine))
+    r = c.simulate_post(CHAT, json=chat_body(script))
+    if script == "crash":
+        assert r.status_code == 503 and "crashed" in r.json["error"]["message"]
+    else:
+        assert r.status_code == 500 and "injected failure" in r.json["error"]["message"]
+    s = c.simulate_post(CHAT, json=chat_body(script, stream=True))
+    data = sse_data(s.text)
+    assert s.status_code == 200 and data[-1] == "[DONE]"
+    err = json.loads(data[-2])["error"]
+    assert err["code"] == ("engine_failed" if script == "crash" else "generation_error")
+    assert "echo: " in "".join(json.loads(d)["choices"][0]["delta"].get("content") or ""
+                               for d in data[:-2])
+    m = c.simulate_post(MSGS, json=msg_body(script, stream=True))
+    events = sse_events(m.text)
+    assert events[0][0] == "message_start" and events[-1][0] == "error"
+    assert events[-1][1]["type"] == "error"
+    assert engine.stats()["open_handles"] == 0

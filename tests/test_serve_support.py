@@ -4,6 +4,8 @@ FakeEngine tokenizes one character per token (id = code point) and answers from 
 by the last user message:
   "tool:NAME {json}" -> one tool call NAME(json) (when tools were given), finish "stop"
   "slow"             -> a long answer produced slowly (disconnect / drain tests)
+  "fail"             -> "echo: " then a Finished with finish_reason "error"
+  "crash"            -> "echo: " then the handle's iterator raises EngineFailedError
   anything else      -> reasoning "Let me think." (when thinking is on), then content
                         "echo: <message>" cut at max_tokens / stop strings
 """
@@ -42,6 +44,9 @@ class FakeHandle:
 
     def __iter__(self):
         for ev in self._events:
+            if ev == "crash":
+                self.engine._finish(self)
+                raise EngineFailedError("the fake worker crashed")
             if self._cancel.is_set():
                 res = self._partial(ev)
                 self.engine._finish(self)
@@ -179,6 +184,11 @@ class FakeEngine:
             ev = emit("reasoning", "Let me think.")
             res.reasoning_text = "".join(e.text for e in ev)
             events += ev
+        if last in ("fail", "crash"):
+            events += emit("content", "echo: ")
+            res.finish_reason, res.error = "error", "injected failure"
+            events.append("crash" if last == "crash" else Finished(res))
+            return events
         answer = ("x" * 1000) if last == "slow" else f"echo: {last}"
         hits = [(answer.index(s), s) for s in params.stop if s in answer]
         stop = min(hits)[1] if hits else None
