@@ -1,0 +1,267 @@
+"""Real-size decode and prefill benchmark of the CUDA backend, random bf16 weights made on the GPU.
+
+    PYTHONPATH=. python bench/bench_decode.py [--shapes 27b,35b-a3b,9b,2b] [--out results.json]
+
+Per shape: decode tok/s at B = 1, 2, 4, 8 and context 2K / 32K (graph replay, argmax on the device,
+one sync per step as an engine needs), host time per decode step, prefill tok/s at 512 / 4096 /
+16384 tokens; each against its physical limit measured in the same run:
+  decode  : bytes moved per step (weights read + KV read + GDN state read/write) / copy bandwidth
+  prefill : FLOPs (2 * matmul params * tokens + causal attention) / bf16 GEMM rate (cuBLASLt 8192^3)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from ninfer.core.cuda import driver as d
+from ninfer.core.cuda.arena import Arena
+from ninfer.core.cuda.cublaslt import CublasLt
+from ninfer.models.qwen3_5.batch import ForwardBatch
+from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, TextConfig
+from ninfer.models.qwen3_5.cuda_model import CudaModel
+from ninfer.options import EngineOptions
+
+
+def layer_types(n, interval=4):
+    return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n))
+
+
+SHAPES = {
+    "27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
+                linear_num_value_heads=48),
+    "35b-a3b": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                    num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32,
+                    is_moe=True, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512, intermediate_size=512),
+    "9b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+               num_attention_heads=16, num_key_value_heads=4, linear_num_key_heads=16,
+               linear_num_value_heads=32),
+    "2b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+               num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
+               linear_num_value_heads=16),
+}
+
+
+def make_config(name) -> ModelConfig:
+    kw = dict(SHAPES[name])
+    kw["layer_types"] = layer_types(kw["num_hidden_layers"])
+    arch = "Qwen3_5MoeForCausalLM" if kw.get("is_moe") else "Qwen3_5ForCausalLM"
+    return ModelConfig(architecture=arch, text=TextConfig(**kw))
+
+
+def measure_ceilings(dev):
+    """Copy bandwidth (read + write bytes) and cuBLASLt bf16 GEMM rate, on random data."""
+    st = dev.stream
+    nbytes = 4 << 30
+    arena = Arena(2 * nbytes + (8192 * 8192 * 2) * 2 + 8192 * 8192 * 4 + (64 << 20))
+    try:
+        from ninfer.models.qwen3_5.cuda.kernel_set import spec
+        from ninfer.core.cuda.kernels import KernelCache
+        fill = KernelCache(dev.cc).get(spec("random_bf16"))
+        a = arena.take((nbytes // 2,), np.uint16, "bw src")
+        b = arena.take((nbytes // 2,), np.uint16, "bw dst")
+        fill.launch(st, (65535,), (256,), (a, nbytes // 2, 1, 1.0, 0.0))
+        e0, e1 = d.Event(), d.Event()
+        times = []
+        for _ in range(6):
+            e0.record(st)
+            d.copy_dtod_async(b.ptr, a.ptr, nbytes, st)
+            e1.record(st)
+            e1.synchronize()
+            times.append(e0.elapsed_ms(e1) / 1e3)
+        bw = 2 * nbytes / float(np.median(times[1:]))
+        n = 8192
+        x = arena.take((n, n), np.uint16, "gemm x")
+        w = arena.take((n, n), np.uint16, "gemm w")
+        y = arena.take((n, n), np.float32, "gemm y")
+        ws = arena.take((32 << 20,), np.uint8, "lt ws")
+        for t in (x, w):
+            fill.launch(st, (65535,), (256,), (t, n * n, 7, 1.0, 0.0))
+        lt = CublasLt(ws.ptr, 32 << 20)
+        lt.gemm(st, x.ptr, w.ptr, y.ptr, n, n, n)
+        times = []
+        for _ in range(8):
+            e0.record(st)
+            lt.gemm(st, x.ptr, w.ptr, y.ptr, n, n, n)
+            e1.record(st)
+            e1.synchronize()
+            times.append(e0.elapsed_ms(e1) / 1e3)
+        rate = 2 * n ** 3 / float(np.median(times[1:]))
+    finally:
+        st.synchronize()
+        arena.close()
+    return bw, rate
+
+
+def weight_bytes(cfg: TextConfig, B: int) -> float:
+    """bf16 weight bytes one decode step reads (embedding rows only; MoE: distinct experts)."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    total = V * H * 2 + B * H * 2
+    for kind in cfg.layer_types:
+        if kind == FULL_ATTENTION:
+            nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            total += (2 * nh * hd + 2 * nkv * hd) * H * 2 + H * nh * hd * 2
+        else:
+            total += (cfg.linear_conv_dim + 2 * cfg.linear_value_dim + 2 * cfg.linear_num_value_heads) * H * 2
+        if cfg.is_moe:
+            E, K, I, Is = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, \
+                cfg.shared_expert_intermediate_size
+            experts = min(E, B * K)
+            total += (E + 3 * Is + 1) * H * 2 + experts * 3 * I * H * 2
+        else:
+            total += 3 * cfg.intermediate_size * H * 2
+    return float(total)
+
+
+def step_bytes(cfg: TextConfig, B: int, ctx: int) -> float:
+    kv = B * ctx * len(cfg.attention_layer_ids) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    st = B * len(cfg.linear_layer_ids) * 2 * 4 * cfg.linear_num_value_heads * \
+        cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    return weight_bytes(cfg, B) + kv + st
+
+
+def matmul_params(cfg: TextConfig) -> float:
+    """Parameters one token multiplies (MoE: the K routed experts + shared), lm_head included."""
+    H = cfg.hidden_size
+    p = cfg.vocab_size * H
+    for kind in cfg.layer_types:
+        if kind == FULL_ATTENTION:
+            nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            p += (2 * nh * hd + 2 * nkv * hd) * H + H * nh * hd
+        else:
+            p += (cfg.linear_conv_dim + 2 * cfg.linear_value_dim + 2 * cfg.linear_num_value_heads) * H
+        if cfg.is_moe:
+            p += (cfg.num_experts + 3 * cfg.shared_expert_intermediate_size + 1) * H + \
+                cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * H
+        else:
+            p += 3 * cfg.intermediate_size * H
+    return float(p)
+
+
+def prefill_flops(cfg: TextConfig, T: int) -> float:
+    attn = 4 * (T * (T + 1) / 2) * cfg.num_attention_heads * cfg.head_dim * len(cfg.attention_layer_ids)
+    return 2 * matmul_params(cfg) * T + attn
+
+
+def decode_batch(B, ctx, page_size, pages_per_row, rng, V):
+    tables = np.arange(B * pages_per_row, dtype=np.int32).reshape(B, pages_per_row)
+    return ForwardBatch(token_ids=rng.integers(0, V, B).astype(np.int32),
+                        positions=ForwardBatch.text_positions([ctx] * B, [1] * B),
+                        query_start=np.arange(B + 1, dtype=np.int32),
+                        context_lens=np.full(B, ctx, np.int32), block_tables=tables,
+                        state_slots=np.arange(B, dtype=np.int32))
+
+
+def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log):
+    cfg_m = make_config(name)
+    cfg = cfg_m.text
+    page = 16
+    max_ctx = max(max(contexts), max(prefill_sizes)) + 16
+    opts = EngineOptions(backend="cuda", max_concurrency=max(batch_sizes), max_context=max_ctx,
+                         page_size=page, prefill_chunk=max(prefill_sizes))
+    t0 = time.perf_counter()
+    model = CudaModel(cfg_m, opts, random_seed=1234, max_tokens=max(prefill_sizes))
+    d.Device  # noqa: B018
+    model.stream.synchronize()
+    log(f"[{name}] model built in {time.perf_counter() - t0:.1f}s "
+        f"(arena {model.arena.capacity / 2**30:.1f} GiB)")
+    pages_per_row = (max_ctx + page - 1) // page + 1
+    kv = model.new_kv_pool(max(batch_sizes) * pages_per_row, page)
+    state = model.new_state_pool(max(batch_sizes))
+    rng = np.random.default_rng(0)
+    rows = []
+    ev0, ev1 = d.Event(), d.Event()
+    for ctx in contexts:
+        for B in batch_sizes:
+            batch = decode_batch(B, ctx, page, pages_per_row, rng, cfg.vocab_size)
+            for _ in range(3):
+                model.decode_greedy(batch, kv, state)
+            host, gpu_ms = [], []
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                ev0.record(model.stream)
+                model.decode_greedy(batch, kv, state)
+                ev1.record(model.stream)
+                ev1.synchronize()
+                host.append(model.last_host_us)
+                gpu_ms.append(ev0.elapsed_ms(ev1))
+            wall = (time.perf_counter() - t0) / steps
+            limit_s = step_bytes(cfg, B, ctx) / bw
+            step_s = float(np.median(gpu_ms)) / 1e3
+            rows.append(dict(shape=name, kind="decode", B=B, ctx=ctx, step_ms=step_s * 1e3,
+                             wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
+                             limit_ms=limit_s * 1e3, ratio=limit_s / step_s))
+            log(json.dumps(rows[-1]))
+    for T in prefill_sizes:
+        toks = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
+        table = np.arange(pages_per_row, dtype=np.int32).reshape(1, -1)
+        batch = ForwardBatch.single(toks, 0, table, 0)
+        model.decode_greedy(batch, kv, state)           # warm-up (plans, modules)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            model.decode_greedy(batch, kv, state)
+            times.append(time.perf_counter() - t0)
+        t = min(times)
+        flops = prefill_flops(cfg, T)
+        rows.append(dict(shape=name, kind="prefill", T=T, ms=t * 1e3, tok_s=T / t,
+                         tflops=flops / t / 1e12, limit_ms=flops / rate * 1e3,
+                         ratio=flops / rate / t))
+        log(json.dumps(rows[-1]))
+    model.close()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="27b,35b-a3b,9b,2b")
+    ap.add_argument("--prefill", default="512,4096,16384")
+    ap.add_argument("--contexts", default="2048,32768")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    log = lambda s: print(s, flush=True)   # noqa: E731
+    dev = d.Device(0)
+    bw, rate = measure_ceilings(dev)
+    log(f"device {dev.name} sm_{dev.cc[0]}{dev.cc[1]} {dev.num_sms} SMs; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s; cuBLASLt bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
+    results = dict(device=dev.name, copy_bw=bw, gemm_rate=rate, rows=[])
+    ints = lambda s: [int(x) for x in s.split(",") if x]   # noqa: E731
+    for name in args.shapes.split(","):
+        try:
+            results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
+                                           ints(args.batches), args.steps, log)
+        except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
+            log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
+            results["rows"].append(dict(shape=name, kind="error", error=str(exc)))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print_table(results)
+    return 0
+
+
+def print_table(res):
+    print(f"\n{res['device']}: copy {res['copy_bw'] / 1e12:.2f} TB/s, GEMM {res['gemm_rate'] / 1e12:.0f} TFLOP/s")
+    print("| shape | kind | B / T | ctx | tok/s | step ms | host us | limit ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if r["kind"] == "decode":
+            print(f"| {r['shape']} | decode | {r['B']} | {r['ctx']} | {r['tok_s']:.1f} | "
+                  f"{r['step_ms']:.2f} | {r['host_us']:.0f} | {r['limit_ms']:.2f} | {r['ratio']:.2f} |")
+        elif r["kind"] == "prefill":
+            print(f"| {r['shape']} | prefill | {r['T']} | 0 | {r['tok_s']:.0f} | {r['ms']:.1f} | - | "
+                  f"{r['limit_ms']:.1f} | {r['ratio']:.2f} |")
+        else:
+            print(f"| {r['shape']} | error | {r.get('error', '')[:80]} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

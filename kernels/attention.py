@@ -1,0 +1,136 @@
+"""Paged causal GQA attention over bf16 KV pools (decode and prefill alike), split over keys.
+
+grid (query tokens, kv heads, splits), 4 warps. A block serves the G query heads of one kv head for
+one token: each K/V row is read once for G heads. Query token t of row r (index i in the row) sees
+keys [0, context_len + i]; split s takes a contiguous slice of them, warps interleave over its keys.
+Each lane holds dims {2e, 2e+1} for e = lane + 32c (bf16 pairs read as u32: coalesced).
+Output per split: unnormalised acc and (max, sum) for `attn_combine`, which merges the splits and
+applies the sigmoid output gate, writing bf16 for o_proj.
+"""
+import math
+
+from numba import cuda, float32
+
+from .common import bf16x2_hi, bf16x2_lo, sigmoid, warp_sum, f32_to_bf16
+
+WARPS = 4
+NEG_INF = float32(-3.0e38)
+
+
+def paged_attention(hd, G, nkv):
+    NC = hd // 64            # u32 pairs per lane
+    HP = hd // 2             # u32 per head row
+    nh = G * nkv
+    QN = G * 2 * NC
+    NC2 = 2 * NC
+
+    def paged_attention_kernel(part, ml, q, k_cache, v_cache, token_row, query_start,
+                               context_lens, block_tables, bt_stride, page_size, n_splits, scale):
+        t = cuda.blockIdx.x
+        g = cuda.blockIdx.y
+        s = cuda.blockIdx.z
+        lane = cuda.threadIdx.x & 31
+        w = cuda.threadIdx.x >> 5
+        r = token_row[t]
+        L = context_lens[r] + t - query_start[r] + 1
+        chunk = (L + n_splits - 1) // n_splits
+        k0 = s * chunk
+        k1 = min(L, k0 + chunk)
+        qv = cuda.local.array(QN, float32)
+        acc = cuda.local.array(QN, float32)
+        mx = cuda.local.array(G, float32)
+        sm = cuda.local.array(G, float32)
+        for gi in range(G):
+            qb = (t * nh + g * G + gi) * hd
+            for c in range(NC):
+                e = lane + 32 * c
+                qv[(gi * NC + c) * 2] = q[qb + 2 * e] * scale
+                qv[(gi * NC + c) * 2 + 1] = q[qb + 2 * e + 1] * scale
+                acc[(gi * NC + c) * 2] = float32(0.0)
+                acc[(gi * NC + c) * 2 + 1] = float32(0.0)
+            mx[gi] = NEG_INF
+            sm[gi] = float32(0.0)
+        kp = cuda.local.array(NC2, float32)
+        for key in range(k0 + w, k1, WARPS):
+            page = block_tables[r * bt_stride + key // page_size]
+            rb = ((page * page_size + key % page_size) * nkv + g) * HP
+            for c in range(NC):
+                p = k_cache[rb + lane + 32 * c]
+                kp[2 * c] = bf16x2_lo(p)
+                kp[2 * c + 1] = bf16x2_hi(p)
+            for gi in range(G):
+                d = float32(0.0)
+                for c in range(2 * NC):
+                    d += qv[gi * 2 * NC + c] * kp[c]
+                d = warp_sum(d)
+                m_new = max(mx[gi], d)
+                corr = math.exp(mx[gi] - m_new)
+                pw = math.exp(d - m_new)
+                sm[gi] = sm[gi] * corr + pw
+                mx[gi] = m_new
+                for c in range(2 * NC):
+                    acc[gi * 2 * NC + c] *= corr
+                # reuse kp slot order for v below; store weight in the score register
+                qv_w = pw
+                for c in range(NC):
+                    pv = v_cache[rb + lane + 32 * c]
+                    acc[gi * 2 * NC + 2 * c] += qv_w * bf16x2_lo(pv)
+                    acc[gi * 2 * NC + 2 * c + 1] += qv_w * bf16x2_hi(pv)
+        # merge the 4 warps through shared memory
+        sh_m = cuda.shared.array((WARPS, G), float32)
+        sh_l = cuda.shared.array((WARPS, G), float32)
+        sh_acc = cuda.shared.array((WARPS, G, hd), float32)
+        for gi in range(G):
+            if lane == 0:
+                sh_m[w, gi] = mx[gi]
+                sh_l[w, gi] = sm[gi]
+            for c in range(NC):
+                e = lane + 32 * c
+                sh_acc[w, gi, 2 * e] = acc[gi * 2 * NC + 2 * c]
+                sh_acc[w, gi, 2 * e + 1] = acc[gi * 2 * NC + 2 * c + 1]
+        cuda.syncthreads()
+        for idx in range(cuda.threadIdx.x, G * hd, WARPS * 32):
+            gi = idx // hd
+            dd = idx % hd
+            m = NEG_INF
+            for ww in range(WARPS):
+                m = max(m, sh_m[ww, gi])
+            tot_l = float32(0.0)
+            tot_a = float32(0.0)
+            for ww in range(WARPS):
+                f = float32(0.0)
+                if sh_m[ww, gi] > NEG_INF:
+                    f = math.exp(sh_m[ww, gi] - m)
+                tot_l += f * sh_l[ww, gi]
+                tot_a += f * sh_acc[ww, gi, dd]
+            h = g * G + gi
+            pbase = (t * nh + h) * n_splits + s
+            part[pbase * hd + dd] = tot_a
+            if dd == 0:
+                ml[pbase * 2] = m
+                ml[pbase * 2 + 1] = tot_l
+    return paged_attention_kernel
+
+
+def attn_combine(hd, nh):
+    def attn_combine_kernel(out, part, ml, proj, proj_stride, n_splits):
+        # grid (tokens, nh), block hd: merge splits, divide, gate by sigmoid -> bf16 [n, nh*hd]
+        t = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        dd = cuda.threadIdx.x
+        base = (t * nh + h) * n_splits
+        m = NEG_INF
+        for s in range(n_splits):
+            m = max(m, ml[(base + s) * 2])
+        tot_l = float32(0.0)
+        tot_a = float32(0.0)
+        for s in range(n_splits):
+            ms = ml[(base + s) * 2]
+            if ms > NEG_INF:
+                f = math.exp(ms - m)
+                tot_l += f * ml[(base + s) * 2 + 1]
+                tot_a += f * part[(base + s) * hd + dd]
+        o = tot_a / tot_l
+        gate = proj[t * proj_stride + h * 2 * hd + hd + dd]
+        out[(t * nh + h) * hd + dd] = f32_to_bf16(o * sigmoid(gate))
+    return attn_combine_kernel

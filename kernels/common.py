@@ -1,0 +1,87 @@
+"""Device helpers shared by every kernel: bf16 <-> fp32, warp reductions, activations.
+
+bf16 is stored as uint16 (or pairs in uint32: element 2i in the low half, 2i+1 in the high half).
+"""
+import math
+
+from numba import cuda, float32, int32, uint32
+
+FULL_MASK = 0xFFFFFFFF
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_to_f32(u):
+    return cuda.libdevice.int_as_float(int32((int32(u) & 0xFFFF) << 16))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16x2_lo(p):
+    return cuda.libdevice.int_as_float(int32((p & uint32(0xFFFF)) << uint32(16)))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16x2_hi(p):
+    return cuda.libdevice.int_as_float(int32(p & uint32(0xFFFF0000)))
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16(x):
+    # round to nearest even (finite inputs)
+    u = uint32(cuda.libdevice.float_as_int(x))
+    u = u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))
+    return u >> uint32(16)
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum(v):
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 4)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 2)
+    v += cuda.shfl_xor_sync(FULL_MASK, v, 1)
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def warp_max(v):
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 16))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 8))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 4))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 2))
+    v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 1))
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def sigmoid(x):
+    return float32(1.0) / (float32(1.0) + math.exp(-x))
+
+
+@cuda.jit(device=True, inline=True)
+def silu(x):
+    return x / (float32(1.0) + math.exp(-x))
+
+
+@cuda.jit(device=True, inline=True)
+def softplus(x):
+    # torch.nn.functional.softplus with threshold 20
+    if x > float32(20.0):
+        return x
+    return math.log1p(math.exp(x))
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum(v, scratch):
+    """Sum over the block (blockDim.x a multiple of 32, <= 1024); scratch: shared float32[32]."""
+    lane = cuda.threadIdx.x & 31
+    wid = cuda.threadIdx.x >> 5
+    nw = (cuda.blockDim.x + 31) >> 5
+    v = warp_sum(v)
+    cuda.syncthreads()
+    if lane == 0:
+        scratch[wid] = v
+    cuda.syncthreads()
+    t = float32(0.0)
+    if lane < nw:
+        t = scratch[lane]
+    return warp_sum(t)

@@ -1,0 +1,83 @@
+"""Gated DeltaNet causal depthwise conv1d + SiLU, with the L2 norm of q and k fused in.
+
+Channels (C = 2*Kd + Vd) are [q heads | k heads | v heads]; one block per (token, head). Taps that
+fall before the row's first new token read the StateImage (last K-1 *inputs*, oldest first), or
+zero when the row starts fresh (context_len == 0). `conv_state_update` then stores the new window.
+"""
+import math
+
+from numba import cuda, float32
+
+from .common import block_sum, silu
+
+
+def conv_silu(K, dk, dv, nk, nv):
+    C = 2 * nk * dk + nv * dv
+    KM1 = K - 1
+
+    def conv_silu_kernel(out, proj, proj_stride, w, conv_state, token_row, query_start,
+                         context_lens, state_slots):
+        scratch = cuda.shared.array(32, float32)
+        t = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        j = cuda.threadIdx.x
+        if h < 2 * nk:
+            width = dk
+            c = h * dk + j
+        else:
+            width = dv
+            c = 2 * nk * dk + (h - 2 * nk) * dv + j
+        r = token_row[t]
+        q0 = query_start[r]
+        i = t - q0
+        ctx = context_lens[r]
+        slot = state_slots[r]
+        y = float32(0.0)
+        if j < width:
+            acc = float32(0.0)
+            for tap in range(K):
+                s = i - KM1 + tap
+                if s >= 0:
+                    xv = proj[(q0 + s) * proj_stride + c]
+                elif ctx > 0:
+                    xv = conv_state[(slot * C + c) * KM1 + KM1 + s]
+                else:
+                    xv = float32(0.0)
+                acc += w[c * K + tap] * xv
+            y = silu(acc)
+        if h < 2 * nk:
+            tot = block_sum(y * y, scratch)
+            y = y / math.sqrt(tot + float32(1e-6))
+            if h < nk:
+                y = y * float32(1.0 / math.sqrt(dk))
+        if j < width:
+            out[t * C + c] = y
+    return conv_silu_kernel
+
+
+def conv_state_update(K, C):
+    KM1 = K - 1
+
+    def conv_state_update_kernel(conv_state, proj, proj_stride, query_start, context_lens,
+                                 state_slots):
+        # grid (ceil(C/128), rows): window = last K-1 of [old state (or zeros) | row inputs]
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        r = cuda.blockIdx.y
+        if c >= C:
+            return
+        q0 = query_start[r]
+        n = query_start[r + 1] - q0
+        ctx = context_lens[r]
+        base = (state_slots[r] * C + c) * KM1
+        win = cuda.local.array(KM1, float32)
+        for m in range(KM1):
+            s = n - KM1 + m          # index into the row's inputs; < 0 -> old state
+            if s >= 0:
+                win[m] = proj[(q0 + s) * proj_stride + c]
+            elif ctx > 0:
+                win[m] = conv_state[base + KM1 + s]
+            else:
+                win[m] = float32(0.0)
+        for m in range(KM1):
+            conv_state[base + m] = win[m]
+    return conv_state_update_kernel

@@ -1,0 +1,75 @@
+"""Gated delta rule, fp32 state, sequential over each row's tokens (prefill and decode alike).
+
+One block per (row, value head, block of VB value columns); thread (v, ks) keeps the column slice
+S[ks*SL:(ks+1)*SL, v] in registers, the KS slices of a column sit in adjacent lanes and reduce by
+shuffles. Gating is fused: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+
+    S <- S * exp(g);  kv = S^T k;  delta = (v - kv) * beta;  S <- S + k delta^T;  o = S^T q
+q and k arrive L2-normalised (q also scaled by 1/sqrt(dk)) from the conv kernel.
+"""
+import math
+
+from numba import cuda, float32
+
+from .common import FULL_MASK, sigmoid, softplus
+
+VB = 32
+KS = 4
+
+
+def gdn_recurrent(dk, dv, nk, nv):
+    SL = dk // KS
+    C = 2 * nk * dk + nv * dv
+    ratio = nv // nk
+
+    def gdn_recurrent_kernel(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, state,
+                             query_start, context_lens, state_slots):
+        r = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        v = cuda.blockIdx.z * VB + tid // KS
+        ks = tid % KS
+        kh = h // ratio
+        qs = cuda.shared.array(dk, float32)
+        kk = cuda.shared.array(dk, float32)
+        slot = state_slots[r]
+        sbase = (slot * nv + h) * dk * dv
+        S = cuda.local.array(SL, float32)
+        fresh = context_lens[r] == 0
+        for i in range(SL):
+            if fresh:
+                S[i] = float32(0.0)
+            else:
+                S[i] = state[sbase + (ks * SL + i) * dv + v]
+        neg_a = -math.exp(a_log[h])
+        dtb = dt_bias[h]
+        t0 = query_start[r]
+        t1 = query_start[r + 1]
+        for t in range(t0, t1):
+            for m in range(tid, dk, VB * KS):
+                qs[m] = qkv[t * C + kh * dk + m]
+                kk[m] = qkv[t * C + nk * dk + kh * dk + m]
+            pb = t * proj_stride
+            decay = math.exp(neg_a * softplus(proj[pb + a_off + h] + dtb))
+            beta = sigmoid(proj[pb + b_off + h])
+            vv = qkv[t * C + 2 * nk * dk + h * dv + v]
+            cuda.syncthreads()
+            part = float32(0.0)
+            for i in range(SL):
+                S[i] = S[i] * decay
+                part += S[i] * kk[ks * SL + i]
+            part += cuda.shfl_xor_sync(FULL_MASK, part, 1)
+            part += cuda.shfl_xor_sync(FULL_MASK, part, 2)
+            delta = (vv - part) * beta
+            o = float32(0.0)
+            for i in range(SL):
+                S[i] = S[i] + kk[ks * SL + i] * delta
+                o += S[i] * qs[ks * SL + i]
+            o += cuda.shfl_xor_sync(FULL_MASK, o, 1)
+            o += cuda.shfl_xor_sync(FULL_MASK, o, 2)
+            if ks == 0:
+                out[t * nv * dv + h * dv + v] = o
+            cuda.syncthreads()
+        for i in range(SL):
+            state[sbase + (ks * SL + i) * dv + v] = S[i]
+    return gdn_recurrent_kernel

@@ -1,0 +1,74 @@
+"""q/k zero-centred RMSNorm + partial rotary (interleaved or sectioned MRoPE), fused with the write of
+k and v into the paged bf16 KV pools.
+
+grid (tokens, nh + nkv), block = head_dim threads. Head h < nh: query h -> q_out (fp32).
+Head h >= nh: kv head g -> k_cache / v_cache at page block_tables[row, pos // P], offset pos % P,
+where pos = context_len + index in row (the sequence index; MRoPE positions only set the angles).
+Rotary (rotate-half over the first `rot` dims): frequency i in [0, rot/2) takes its position from
+axis t, h or w: interleaved -> i % 3 == 1 and i < 3*sec_h -> h, i % 3 == 2 and i < 3*sec_w -> w;
+sectioned -> [0, s_t) t, [s_t, s_t+s_h) h, rest w.
+"""
+import math
+
+from numba import cuda, float32
+
+from .common import block_sum, f32_to_bf16
+
+
+def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved):
+    half = rot // 2
+
+    def qk_norm_rope_kv_kernel(q_out, proj, proj_stride, q_norm_w, k_norm_w, k_cache, v_cache,
+                               positions, pos_stride, token_row, query_start, context_lens,
+                               block_tables, bt_stride, page_size, theta, eps):
+        scratch = cuda.shared.array(32, float32)
+        xs = cuda.shared.array(hd, float32)
+        t = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        j = cuda.threadIdx.x
+        pb = t * proj_stride
+        is_q = h < nh
+        if is_q:
+            x = proj[pb + h * 2 * hd + j]
+            w = q_norm_w[j]
+        else:
+            g = h - nh
+            x = proj[pb + 2 * nh * hd + g * hd + j]
+            w = k_norm_w[j]
+        tot = block_sum(x * x, scratch)
+        x = x / math.sqrt(tot / float32(hd) + eps) * (float32(1.0) + w)
+        xs[j] = x
+        cuda.syncthreads()
+        y = x
+        if j < rot:
+            i = j % half
+            axis = 0
+            if interleaved:
+                if i % 3 == 1 and i < 3 * sec_h:
+                    axis = 1
+                elif i % 3 == 2 and i < 3 * sec_w:
+                    axis = 2
+            else:
+                if i >= sec_t + sec_h:
+                    axis = 2
+                elif i >= sec_t:
+                    axis = 1
+            p = float32(positions[axis * pos_stride + t])
+            inv_freq = float32(1.0) / (theta ** (float32(2 * i) / float32(rot)))
+            ang = p * inv_freq
+            c = math.cos(ang)
+            s = math.sin(ang)
+            if j < half:
+                y = x * c - xs[j + half] * s
+            else:
+                y = x * c + xs[j - half] * s
+        r = token_row[t]
+        if is_q:
+            q_out[(t * nh + h) * hd + j] = y
+        else:
+            pos = context_lens[r] + t - query_start[r]
+            page = block_tables[r * bt_stride + pos // page_size]
+            idx = ((page * page_size + pos % page_size) * nkv + g) * hd + j
+            k_cache[idx] = f32_to_bf16(y)
+            v_cache[idx] = f32_to_bf16(proj[pb + 2 * nh * hd + nkv * hd + g * hd + j])
+    return qk_norm_rope_kv_kernel

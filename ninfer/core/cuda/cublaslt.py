@@ -1,0 +1,147 @@
+"""cuBLASLt through ctypes: bf16 x bf16 -> fp32 (fp32 compute), row-major `Y = X @ W^T (+ beta*Y)`.
+
+Row-major Y[M, N] = X[M, K] @ W[N, K]^T is, in cuBLAS's column-major view, the "TN" product
+D(N x M) = op_T(A = W as K x N) * B (= X as K x M). Each distinct (M, N, K, beta) gets a plan: the
+descriptors and the algorithm chosen once by the heuristic, against a fixed workspace. Plans are
+made before graph capture (`plan()`), so replay never asks the heuristic.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+from ...errors import DeviceError
+
+CUBLAS_COMPUTE_32F = 68
+CUDA_R_32F = 0
+CUDA_R_16BF = 14
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB = 3, 4
+PREF_MAX_WORKSPACE_BYTES = 1
+
+STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED",
+                3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",
+                8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
+                13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
+                15: "CUBLAS_STATUS_NOT_SUPPORTED", 16: "CUBLAS_STATUS_LICENSE_ERROR"}
+
+
+class HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t),
+                ("state", ctypes.c_int), ("wavesCount", ctypes.c_float),
+                ("reserved", ctypes.c_int * 4)]
+
+
+def lt_check(status: int, what: str) -> None:
+    if status != 0:
+        raise DeviceError(f"{what} failed: {STATUS_NAMES.get(status, f'cublasStatus {status}')}")
+
+
+def _candidates():
+    names = ("libcublasLt.so.13", "libcublasLt.so.12")
+    for base in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cublas/lib", "nvidia/cu12/lib"):
+            for n in names:
+                yield from glob.glob(os.path.join(base, sub, n))
+    yield from names
+    yield "libcublasLt.so"
+
+
+def load_library():
+    errors = []
+    for path in _candidates():
+        try:
+            return ctypes.CDLL(path)
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+    raise DeviceError("backend 'cuda': cuBLASLt not found (install nvidia-cublas, the [cuda] extra); "
+                      + "; ".join(errors[-2:]))
+
+
+class Plan:
+    __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta")
+
+
+class CublasLt:
+    def __init__(self, workspace_ptr: int, workspace_bytes: int):
+        lib = self.lib = load_library()
+        vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
+        lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(vp), i32, i32]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, ctypes.c_size_t]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(vp), i32, u64, u64, ctypes.c_int64]
+        lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, ctypes.c_size_t]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32,
+                                                       ctypes.POINTER(HeuristicResult),
+                                                       ctypes.POINTER(i32)]
+        lib.cublasLtMatmul.argtypes = [vp, vp, vp, u64, vp, u64, vp, vp, u64, vp, u64, vp, vp,
+                                       u64, ctypes.c_size_t, vp]
+        for f in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute",
+                  "cublasLtMatrixLayoutCreate", "cublasLtMatmulPreferenceCreate",
+                  "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
+                  "cublasLtMatmul"):
+            getattr(lib, f).restype = i32
+        self.handle = vp()
+        lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.workspace_ptr, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
+        self.pref = vp()
+        lt_check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)),
+                 "cublasLtMatmulPreferenceCreate")
+        ws = ctypes.c_uint64(self.workspace_bytes)
+        lt_check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES,
+                                                          ctypes.byref(ws), 8),
+                 "cublasLtMatmulPreferenceSetAttribute")
+        self._plans = {}
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.calls = 0
+
+    def plan(self, m: int, n: int, k: int, beta: float = 0.0) -> Plan:
+        key = (int(m), int(n), int(k), float(beta))
+        p = self._plans.get(key)
+        if p is not None:
+            return p
+        if min(m, n, k) < 1:
+            raise ValueError(f"gemm: empty shape M={m} N={n} K={k}")
+        lib = self.lib
+        desc = ctypes.c_void_p()
+        lt_check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                 "cublasLtMatmulDescCreate")
+        opt, opn = ctypes.c_int32(CUBLAS_OP_T), ctypes.c_int32(CUBLAS_OP_N)
+        lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSA, ctypes.byref(opt), 4),
+                 "set TRANSA")
+        lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSB, ctypes.byref(opn), 4),
+                 "set TRANSB")
+        a, b, c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), CUDA_R_16BF, k, n, k), "layout A")
+        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), CUDA_R_16BF, k, m, k), "layout B")
+        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n), "layout C")
+        res = (HeuristicResult * 1)()
+        count = ctypes.c_int(0)
+        lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, self.pref, 1,
+                                                    res, ctypes.byref(count)),
+                 f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k})")
+        if count.value < 1:
+            raise DeviceError(f"cuBLASLt: no algorithm for bf16 GEMM M={m} N={n} K={k}")
+        p = Plan()
+        p.desc, p.layouts, p.m, p.n, p.k, p.beta = desc, (a, b, c), m, n, k, float(beta)
+        p.algo = HeuristicResult()
+        ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
+        self._plans[key] = p
+        return p
+
+    def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
+             beta: float = 0.0) -> None:
+        """y[m, n] (fp32) = x[m, k] (bf16) @ w[n, k]^T (bf16) + beta * y."""
+        p = self.plan(m, n, k, beta)
+        a, b, c = p.layouts
+        beta_c = self._zero if beta == 0.0 else (self._one if beta == 1.0 else ctypes.c_float(beta))
+        self.calls += 1
+        lt_check(self.lib.cublasLtMatmul(self.handle, p.desc, ctypes.byref(self._one),
+                                         w_ptr, a, x_ptr, b, ctypes.byref(beta_c), y_ptr, c,
+                                         y_ptr, c, ctypes.byref(p.algo.algo),
+                                         self.workspace_ptr, self.workspace_bytes,
+                                         ctypes.c_void_p(int(stream.handle))),
+                 f"cublasLtMatmul(M={m}, N={n}, K={k})")

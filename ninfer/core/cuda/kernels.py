@@ -1,0 +1,236 @@
+"""Ahead-of-time kernel cache and our own launcher.
+
+A kernel is named by a `KernelSpec`: the module under `kernels/` that holds its numba-cuda source,
+the factory there that returns the Python function (geometry baked in as compile-time constants),
+the factory's parameters, and a C-like signature (`"f32*"`, `"u16*"`, `"i32"`, `"f32"`, ...).
+
+    spec --key--> <cache>/<key>.ptx   key = sha256(source files, factory, params, signature, arch,
+                                                   numba-cuda version)
+         miss --> numba.cuda.compile_ptx(fn, sig, cc=arch)  (only place numba is imported)
+         load --> cuModuleLoadData -> cuModuleGetFunction -> Kernel
+    Kernel.launch(grid, block, args) packs the arguments with ctypes and calls cuLaunchKernel;
+    Kernel.prepare(...) packs once and returns a Launch whose call only launches.
+
+Numba's dispatcher is never used: the cache turns numba into a compiler, and a warm cache needs no
+numba import at all.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import re
+import threading
+from dataclasses import dataclass, field
+
+from ...errors import DeviceError
+from . import driver as _d
+
+KERNELS_DIR = pathlib.Path(__file__).resolve().parents[3] / "kernels"
+
+# C-like argument types: name -> (ctypes type, numba type name, is_pointer)
+ARG_TYPES = {
+    "f32*": (ctypes.c_uint64, "float32", True),
+    "u16*": (ctypes.c_uint64, "uint16", True),      # bf16 storage
+    "u32*": (ctypes.c_uint64, "uint32", True),      # bf16 pairs (vector loads)
+    "u64*": (ctypes.c_uint64, "uint64", True),
+    "i32*": (ctypes.c_uint64, "int32", True),
+    "f32": (ctypes.c_float, "float32", False),
+    "i32": (ctypes.c_int32, "int32", False),
+    "i64": (ctypes.c_int64, "int64", False),
+    "u32": (ctypes.c_uint32, "uint32", False),
+}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    module: str                     # file kernels/<module>.py
+    factory: str                    # function there returning the kernel's Python function
+    sig: tuple                      # argument type names from ARG_TYPES
+    params: tuple = ()              # sorted (name, value) pairs passed to the factory
+
+    @classmethod
+    def of(cls, module: str, factory: str, sig, **params) -> "KernelSpec":
+        for t in sig:
+            if t not in ARG_TYPES:
+                raise ValueError(f"kernel {module}.{factory}: unknown argument type {t!r}")
+        return cls(module, factory, tuple(sig), tuple(sorted(params.items())))
+
+
+def _numba_cuda_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("numba-cuda")
+    except Exception:   # noqa: BLE001 - metadata missing: key still includes everything else
+        return "unknown"
+
+
+def source_text(module: str) -> str:
+    files = [KERNELS_DIR / "common.py", KERNELS_DIR / f"{module}.py"]
+    try:
+        return "\n".join(f.read_text() for f in files)
+    except OSError as exc:
+        raise DeviceError(f"kernel source {module!r} not found under {KERNELS_DIR}: {exc}") from exc
+
+
+def cache_key(spec: KernelSpec, cc: tuple, source: str = None, version: str = None) -> str:
+    h = hashlib.sha256()
+    for part in (source if source is not None else source_text(spec.module),
+                 spec.module, spec.factory, repr(spec.params), ",".join(spec.sig),
+                 f"sm_{cc[0]}{cc[1]}", version if version is not None else _numba_cuda_version()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def default_cache_dir() -> pathlib.Path:
+    env = os.environ.get("NINFER_KERNEL_CACHE")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path(os.path.expanduser("~")) / ".cache" / "ninfer" / "kernels"
+
+
+_ENTRY = re.compile(r"\.visible\s+\.entry\s+([A-Za-z0-9_$]+)\s*\(")
+
+
+def entry_name(ptx: str) -> str:
+    names = _ENTRY.findall(ptx)
+    if len(names) != 1:
+        raise DeviceError(f"expected one kernel entry in the PTX, found {len(names)}")
+    return names[0]
+
+
+_PKG = "ninfer_kernel_sources"
+
+
+def _import_kernel_module(module: str):
+    """Import kernels/<module>.py as a submodule of a private package (no sys.path games)."""
+    import importlib
+    import importlib.util
+    import sys
+    if _PKG not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            _PKG, KERNELS_DIR / "__init__.py", submodule_search_locations=[str(KERNELS_DIR)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[_PKG] = pkg
+        spec.loader.exec_module(pkg)
+    return importlib.import_module(f"{_PKG}.{module}")
+
+
+def compile_spec(spec: KernelSpec, cc: tuple) -> str:
+    """numba-cuda -> PTX for `cc` (no GPU needed)."""
+    from . import numba_shim
+    cuda, types = numba_shim.import_numba_cuda()
+    mod = _import_kernel_module(spec.module)
+    fn = getattr(mod, spec.factory)(**dict(spec.params))
+    sig = tuple(getattr(types, ARG_TYPES[t][1]) if not ARG_TYPES[t][2]
+                else types.CPointer(getattr(types, ARG_TYPES[t][1])) for t in spec.sig)
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, opt=True, lineinfo=False)
+    return ptx
+
+
+class KernelCache:
+    """Compile-once, load-once: PTX on disk, modules in this process."""
+
+    def __init__(self, cc: tuple, cache_dir=None):
+        self.cc = tuple(cc)
+        self.dir = pathlib.Path(cache_dir) if cache_dir else default_cache_dir()
+        self._loaded: dict = {}
+        self._lock = threading.Lock()
+        self.compiled = 0       # cache misses this process
+
+    def ptx(self, spec: KernelSpec) -> str:
+        key = cache_key(spec, self.cc)
+        path = self.dir / f"{key}.ptx"
+        if path.exists():
+            return path.read_text()
+        ptx = compile_spec(spec, self.cc)
+        self.compiled += 1
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(ptx)
+        os.replace(tmp, path)
+        return ptx
+
+    def get(self, spec: KernelSpec) -> "Kernel":
+        with self._lock:
+            k = self._loaded.get(spec)
+            if k is None:
+                ptx = self.ptx(spec)
+                k = Kernel.from_ptx(ptx, spec)
+                self._loaded[spec] = k
+            return k
+
+
+def pack_args(sig: tuple, args) -> tuple:
+    """ctypes values + the void*[] array that cuLaunchKernel reads. Returns (keepalive, address)."""
+    if len(args) != len(sig):
+        raise ValueError(f"kernel expects {len(sig)} arguments ({', '.join(sig)}), got {len(args)}")
+    vals = []
+    for t, a in zip(sig, args):
+        ctype, _, is_ptr = ARG_TYPES[t]
+        if is_ptr:
+            a = getattr(a, "ptr", a)
+            if not isinstance(a, int) or a < 0:
+                raise ValueError(f"kernel argument of type {t} must be a device address, got {a!r}")
+        vals.append(ctype(a))
+    ptrs = (ctypes.c_void_p * max(len(vals), 1))(*[ctypes.addressof(v) for v in vals])
+    return (vals, ptrs), ctypes.addressof(ptrs)
+
+
+@dataclass
+class Launch:
+    """A kernel launch with arguments packed once; calling it only launches."""
+    kernel: "Kernel"
+    grid: tuple
+    block: tuple
+    smem: int
+    keep: tuple = field(repr=False)
+    params_addr: int = 0
+
+    def __call__(self, stream) -> None:
+        self.kernel._launch(self.grid, self.block, self.smem, stream, self.params_addr)
+
+
+class Kernel:
+    def __init__(self, module, function, spec: KernelSpec, name: str):
+        self.module, self.function, self.spec, self.name = module, function, spec, name
+        self._smem_limit = 48 * 1024
+
+    @classmethod
+    def from_ptx(cls, ptx: str, spec: KernelSpec) -> "Kernel":
+        drv = _d.driver()
+        name = entry_name(ptx)
+        module = _d.check(drv.cuModuleLoadData(ptx.encode() + b"\0"),
+                          f"cuModuleLoadData({spec.module}.{spec.factory})")
+        fn = _d.check(drv.cuModuleGetFunction(module, name.encode()),
+                      f"cuModuleGetFunction({spec.module}.{spec.factory})")
+        return cls(module, fn, spec, f"{spec.module}.{spec.factory}")
+
+    def _ensure_smem(self, smem: int) -> None:
+        if smem > self._smem_limit:
+            drv = _d.driver()
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _d.check(drv.cuFuncSetAttribute(self.function, attr, smem),
+                     f"cuFuncSetAttribute({self.name}, smem={smem})")
+            self._smem_limit = smem
+
+    def _launch(self, grid, block, smem, stream, params_addr) -> None:
+        _d.STATS.launches += 1
+        _d.check(_d.driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2],
+                                            block[0], block[1], block[2], smem,
+                                            stream.handle, params_addr, 0),
+                 f"cuLaunchKernel({self.name})")
+
+    def prepare(self, grid, block, args, smem: int = 0) -> Launch:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        if min(grid) < 1 or min(block) < 1:
+            raise ValueError(f"{self.name}: empty launch grid={grid} block={block}")
+        self._ensure_smem(smem)
+        keep, addr = pack_args(self.spec.sig, args)
+        return Launch(self, grid, block, smem, keep, addr)
+
+    def launch(self, stream, grid, block, args, smem: int = 0) -> None:
+        self.prepare(grid, block, args, smem)(stream)

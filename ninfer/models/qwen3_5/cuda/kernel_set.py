@@ -1,0 +1,112 @@
+"""The kernels one Qwen3.5 geometry needs: specs (module, factory, signature, baked constants)
+resolved through the AOT cache into loaded `Kernel`s."""
+from __future__ import annotations
+
+from ....core.cuda.kernels import KernelCache, KernelSpec
+from ..config import TextConfig
+
+S = KernelSpec.of
+
+SIGS = {
+    "rmsnorm": ("norm", "rmsnorm", ("u16*", "f32*", "f32*", "i32*", "i32", "i32", "f32")),
+    "gated_rmsnorm": ("norm", "gated_rmsnorm",
+                      ("u16*", "f32*", "f32*", "i32", "i32", "f32*", "i32", "f32")),
+    "silu_mul": ("act", "silu_mul", ("u16*", "f32*", "i32", "i32", "i32")),
+    "embed_gather": ("act", "embed_gather", ("f32*", "u16*", "i32*", "i32")),
+    "random_bf16": ("fill", "random_bf16", ("u16*", "i64", "u32", "f32", "f32")),
+    "random_f32": ("fill", "random_f32", ("f32*", "i64", "u32", "f32", "f32")),
+    "conv_silu": ("conv", "conv_silu",
+                  ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*")),
+    "conv_state_update": ("conv", "conv_state_update",
+                          ("f32*", "f32*", "i32", "i32*", "i32*", "i32*")),
+    "gdn_recurrent": ("gdn", "gdn_recurrent",
+                      ("f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*", "f32*",
+                       "i32*", "i32*", "i32*")),
+    "qk_norm_rope_kv": ("rope_kv", "qk_norm_rope_kv",
+                        ("f32*", "f32*", "i32", "f32*", "f32*", "u16*", "u16*", "i32*", "i32",
+                         "i32*", "i32*", "i32*", "i32*", "i32", "i32", "f32", "f32")),
+    "paged_attention": ("attention", "paged_attention",
+                        ("f32*", "f32*", "f32*", "u32*", "u32*", "i32*", "i32*", "i32*", "i32*",
+                         "i32", "i32", "i32", "f32")),
+    "attn_combine": ("attention", "attn_combine", ("u16*", "f32*", "f32*", "f32*", "i32", "i32")),
+    "router_topk": ("moe", "router_topk", ("i32*", "f32*", "f32*", "i32")),
+    "expert_gate_up": ("moe", "expert_gate_up", ("f32*", "u32*", "u32*", "i32*", "i32")),
+    "expert_down": ("moe", "expert_down", ("f32*", "f32*", "u32*", "i32*")),
+    "moe_combine": ("moe", "moe_combine", ("f32*", "f32*", "f32*", "f32*", "f32*", "i32")),
+    "argmax": ("sample", "argmax", ("i32*", "f32*", "i32")),
+    "gumbel_sample": ("sample", "gumbel_sample", ("i32*", "f32*", "i32", "f32*", "i32*", "i32*")),
+}
+
+
+def spec(name: str, **params) -> KernelSpec:
+    module, factory, sig = SIGS[name]
+    return S(module, factory, sig, **params)
+
+
+def geometry_specs(cfg: TextConfig) -> dict:
+    """name -> KernelSpec for every kernel the model of `cfg` launches."""
+    hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    K, dk, dv = cfg.linear_conv_kernel_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    sec = tuple(cfg.mrope_section) + (0, 0, 0)
+    specs = {n: spec(n) for n in ("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather",
+                                  "argmax", "gumbel_sample", "random_bf16", "random_f32")}
+    if cfg.linear_layer_ids:
+        specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
+        specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)
+        specs["gdn_recurrent"] = spec("gdn_recurrent", dk=dk, dv=dv, nk=nk, nv=nv)
+    if cfg.attention_layer_ids:
+        specs["qk_norm_rope_kv"] = spec("qk_norm_rope_kv", hd=hd, rot=cfg.rotary_dim, nh=nh,
+                                        nkv=nkv, sec_t=sec[0], sec_h=sec[1], sec_w=sec[2],
+                                        interleaved=bool(cfg.mrope_interleaved))
+        specs["paged_attention"] = spec("paged_attention", hd=hd, G=nh // nkv, nkv=nkv)
+        specs["attn_combine"] = spec("attn_combine", hd=hd, nh=nh)
+    if cfg.is_moe:
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        specs["router_topk"] = spec("router_topk", E=E, K=k, norm=bool(cfg.norm_topk_prob))
+        specs["expert_gate_up"] = spec("expert_gate_up", H=H, inter=inter)
+        specs["expert_down"] = spec("expert_down", H=H, inter=inter)
+        specs["moe_combine"] = spec("moe_combine", H=H, K=k)
+    return specs
+
+
+def check_geometry(cfg: TextConfig) -> None:
+    """The kernels' layout assumptions; raise ValueError naming the unsupported dimension."""
+    rules = []
+    if cfg.attention_layer_ids:
+        rules += [(cfg.head_dim % 64 == 0 and cfg.head_dim <= 1024, "head_dim multiple of 64, <= 1024")]
+    if cfg.linear_layer_ids:
+        rules += [(cfg.linear_value_head_dim % 32 == 0, "linear_value_head_dim multiple of 32"),
+                  (cfg.linear_key_head_dim % 4 == 0 and cfg.linear_key_head_dim <= 1024,
+                   "linear_key_head_dim multiple of 4, <= 1024"),
+                  (cfg.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim >= 2")]
+    if cfg.is_moe:
+        rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
+                   "even hidden and moe_intermediate sizes"),
+                  (cfg.num_experts <= 4096, "num_experts <= 4096")]
+    for ok, rule in rules:
+        if not ok:
+            raise ValueError(f"backend 'cuda': unsupported geometry, needs {rule}")
+
+
+class KernelSet:
+    def __init__(self, cfg: TextConfig, cache: KernelCache):
+        check_geometry(cfg)
+        self.specs = geometry_specs(cfg)
+        self._cache = cache
+        self._k = {}
+
+    def __getattr__(self, name):
+        k = self.__dict__["_k"].get(name)
+        if k is None:
+            specs = self.__dict__["specs"]
+            if name not in specs:
+                raise AttributeError(name)
+            k = self.__dict__["_cache"].get(specs[name])
+            self.__dict__["_k"][name] = k
+        return k
+
+    def load_all(self) -> None:
+        for name in self.specs:
+            getattr(self, name)

@@ -1,0 +1,103 @@
+"""Device KV and State pools, carved from the model's arena. Same layouts and host-facing methods
+as `state.py` (KV is bf16 on the device; host copies are float32):
+
+    k[a], v[a]      [num_pages, page_size, nkv, head_dim]  bf16
+    conv[l]         [num_slots, conv_dim, K-1]              fp32
+    recurrent[l]    [num_slots, nv, dk, dv]                 fp32
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ....core.cuda import driver as _d
+from ..config import TextConfig
+
+
+def _bf16_bits(a) -> np.ndarray:
+    import ml_dtypes
+    return np.ascontiguousarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def _bits_f32(u16) -> np.ndarray:
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+class DeviceKVPool:
+    def __init__(self, model, cfg: TextConfig, num_pages: int, page_size: int):
+        self.page_size = int(page_size)
+        self._model = model
+        shape = (int(num_pages), self.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        n = len(cfg.attention_layer_ids)
+        take = model.arena.take
+        self.k = [take(shape, np.uint16, f"KV pool ({num_pages} pages)") for _ in range(n)]
+        self.v = [take(shape, np.uint16, f"KV pool ({num_pages} pages)") for _ in range(n)]
+        self._num_pages = int(num_pages)
+        for a in self.k + self.v:
+            _d.memset_d8_async(a.ptr, 0, a.nbytes, model.stream)
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    def read_pages(self, pages) -> tuple:
+        st = self._model.stream
+        out = ([], [])
+        for src, dst in ((self.k, out[0]), (self.v, out[1])):
+            for a in src:
+                rows = [_d.download(a.at(int(p)), a.shape[1:], np.uint16, st) for p in pages]
+                dst.append(_bits_f32(np.stack(rows)) if rows else
+                           np.zeros((0,) + a.shape[1:], np.float32))
+        return out
+
+    def write_pages(self, pages, data: tuple) -> None:
+        st = self._model.stream
+        for arrs, host in zip((self.k, self.v), data):
+            for a, h in zip(arrs, host):
+                for i, p in enumerate(pages):
+                    _d.upload(a.at(int(p)), _bf16_bits(h[i]), st)
+
+    def close(self) -> None:
+        for a in self.k + self.v:
+            self._model.arena.give(a)
+        self.k, self.v = [], []
+
+
+class DeviceStatePool:
+    def __init__(self, model, cfg: TextConfig, num_slots: int):
+        self._model = model
+        n = len(cfg.linear_layer_ids)
+        conv = (int(num_slots), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
+        rec = (int(num_slots), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+               cfg.linear_value_head_dim)
+        take = model.arena.take
+        self.conv = [take(conv, np.float32, f"state pool ({num_slots} slots)") for _ in range(n)]
+        self.recurrent = [take(rec, np.float32, f"state pool ({num_slots} slots)") for _ in range(n)]
+        self._num_slots = int(num_slots)
+        for a in self.conv + self.recurrent:
+            _d.memset_d8_async(a.ptr, 0, a.nbytes, model.stream)
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    def zero(self, slot: int) -> None:
+        st = self._model.stream
+        for a in self.conv + self.recurrent:
+            _d.memset_d8_async(a.at(slot), 0, a.nbytes // a.shape[0], st)
+        st.synchronize()
+
+    def read(self, slot: int) -> tuple:
+        st = self._model.stream
+        return ([_d.download(c.at(slot), c.shape[1:], np.float32, st) for c in self.conv],
+                [_d.download(r.at(slot), r.shape[1:], np.float32, st) for r in self.recurrent])
+
+    def write(self, slot: int, image: tuple) -> None:
+        st = self._model.stream
+        for arrs, host in zip((self.conv, self.recurrent), image):
+            for a, h in zip(arrs, host):
+                _d.upload(a.at(slot), np.asarray(h, np.float32), st)
+
+    def close(self) -> None:
+        for a in self.conv + self.recurrent:
+            self._model.arena.give(a)
+        self.conv, self.recurrent = [], []

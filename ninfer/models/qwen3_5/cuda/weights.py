@@ -1,0 +1,125 @@
+"""Device weight layout: which arrays the CUDA model holds, fused for fewer, larger GEMMs.
+
+Per layer (bf16 matrices [out, in], fp32 vectors):
+  GDN   w_in = [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a]     -> proj cols [qkv | z | b | a]
+        conv_w [C, K], a_log [nv], dt_bias [nv], norm_w [dv], w_out [H, Vd]
+  attn  w_in = [q_proj (query|gate per head); k_proj; v_proj], q_norm, k_norm [hd], w_out [H, nh*hd]
+  dense w_gu = [gate_proj; up_proj], w_down
+  MoE   w_rs = [router; shared gate_proj; shared up_proj; shared_expert_gate]  -> [E | 2*Is | 1]
+        experts_gu [E, 2I, H], experts_down [E, H, I], shared_down [H, Is]
+Sources: an artifact (logical names of docs/internals.md) or a seeded random fill on the GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ....errors import ArtifactError
+from ..config import FULL_ATTENTION, TextConfig
+
+BF16, F32 = "bf16", "f32"
+
+
+def layer_plan(cfg: TextConfig, i: int) -> dict:
+    """name -> (shape, dtype, [(logical source, rows)] or None for vectors/whole tensors)."""
+    H, p = cfg.hidden_size, f"text.layers.{i}."
+    out = {"input_norm": ((H,), F32, [(p + "input_layernorm.weight", None)]),
+           "post_norm": ((H,), F32, [(p + "post_attention_layernorm.weight", None)])}
+    if cfg.layer_types[i] == FULL_ATTENTION:
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a = p + "self_attn."
+        out["w_in"] = ((2 * nh * hd + 2 * nkv * hd, H), BF16,
+                       [(a + "q_proj.weight", 2 * nh * hd), (a + "k_proj.weight", nkv * hd),
+                        (a + "v_proj.weight", nkv * hd)])
+        out["q_norm"] = ((hd,), F32, [(a + "q_norm.weight", None)])
+        out["k_norm"] = ((hd,), F32, [(a + "k_norm.weight", None)])
+        out["w_out"] = ((H, nh * hd), BF16, [(a + "o_proj.weight", H)])
+    else:
+        C, Vd, nv = cfg.linear_conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+        g = p + "linear_attn."
+        out["w_in"] = ((C + Vd + 2 * nv, H), BF16,
+                       [(g + "in_proj_qkv.weight", C), (g + "in_proj_z.weight", Vd),
+                        (g + "in_proj_b.weight", nv), (g + "in_proj_a.weight", nv)])
+        out["conv_w"] = ((C, cfg.linear_conv_kernel_dim), F32, [(g + "conv1d.weight", None)])
+        out["a_log"] = ((nv,), F32, [(g + "A_log", None)])
+        out["dt_bias"] = ((nv,), F32, [(g + "dt_bias", None)])
+        out["norm_w"] = ((cfg.linear_value_head_dim,), F32, [(g + "norm.weight", None)])
+        out["w_out"] = ((H, Vd), BF16, [(g + "out_proj.weight", H)])
+    m = p + "mlp."
+    if cfg.is_moe:
+        E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        out["w_rs"] = ((E + 2 * Is + 1, H), BF16,
+                       [(m + "gate.weight", E), (m + "shared_expert.gate_proj.weight", Is),
+                        (m + "shared_expert.up_proj.weight", Is),
+                        (m + "shared_expert_gate.weight", 1)])
+        out["experts_gu"] = ((E, 2 * I, H), BF16, [(m + "experts.gate_up_proj", None)])
+        out["experts_down"] = ((E, H, I), BF16, [(m + "experts.down_proj", None)])
+        out["shared_down"] = ((H, Is), BF16, [(m + "shared_expert.down_proj.weight", H)])
+    else:
+        I = cfg.intermediate_size
+        out["w_gu"] = ((2 * I, H), BF16, [(m + "gate_proj.weight", I), (m + "up_proj.weight", I)])
+        out["w_down"] = ((H, I), BF16, [(m + "down_proj.weight", H)])
+    return out
+
+
+def model_plan(cfg: TextConfig) -> dict:
+    V, H = cfg.vocab_size, cfg.hidden_size
+    return {"embed": ((V, H), BF16, [("text.embed_tokens.weight", None)]),
+            "lm_head": ((V, H), BF16, [("text.lm_head.weight", None)]),
+            "norm": ((H,), F32, [("text.norm.weight", None)])}
+
+
+def plan_bytes(cfg: TextConfig, tied: bool = False) -> int:
+    total = 0
+    plans = [model_plan(cfg)] + [layer_plan(cfg, i) for i in range(cfg.num_hidden_layers)]
+    for plan in plans:
+        for name, (shape, dt, _) in plan.items():
+            if tied and name == "lm_head":
+                continue
+            total += (int(np.prod(shape)) * (2 if dt == BF16 else 4) + 255) // 256 * 256
+    return total
+
+
+def read_host(artifact, shape, dtype, sources) -> np.ndarray:
+    """Gather one device array's host image from the artifact (bf16 -> uint16 bits, f32)."""
+    import ml_dtypes
+    parts = []
+    for name, rows in sources:
+        if hasattr(artifact, "has") and not artifact.has(name):
+            raise ArtifactError(f"missing binding {name!r}")
+        a = np.asarray(artifact.tensor(name))
+        if rows is not None and (a.ndim != 2 or a.shape[0] != rows or a.shape[1] != shape[-1]):
+            raise ArtifactError(f"binding {name!r}: shape {list(a.shape)} != [{rows}, {shape[-1]}]")
+        parts.append(a.reshape(-1))
+    flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    if flat.size != int(np.prod(shape)):
+        raise ArtifactError(f"binding {sources[0][0]!r}: {flat.size} values, expected shape "
+                            f"{list(shape)}")
+    if dtype == BF16:
+        return np.ascontiguousarray(flat.astype(ml_dtypes.bfloat16).view(np.uint16)).reshape(shape)
+    return np.ascontiguousarray(flat, dtype=np.float32).reshape(shape)
+
+
+def is_tied(artifact) -> bool:
+    """True when lm_head binds the embedding's stored bytes (share one device copy)."""
+    try:
+        e, h = artifact.tensor("text.embed_tokens.weight"), artifact.tensor("text.lm_head.weight")
+    except Exception:   # noqa: BLE001 - absence is reported by read_host later
+        return False
+    return e.shape == h.shape and e.dtype == h.dtype and \
+        e.__array_interface__["data"][0] == h.__array_interface__["data"][0]
+
+
+# Random fill (benchmarks): (scale, offset) per array kind; matrices ~ U(-1,1)/sqrt(fan_in).
+def random_spec(name: str, shape) -> tuple:
+    if name in ("input_norm", "post_norm", "norm", "q_norm", "k_norm"):
+        return 0.1, 0.0
+    if name == "norm_w":
+        return 0.1, 1.0
+    if name == "a_log":
+        return 0.5, 0.0
+    if name == "dt_bias":
+        return 0.5, 0.0
+    if name == "conv_w":
+        return 0.5, 0.0
+    fan_in = shape[-1]
+    return float(np.sqrt(3.0 / fan_in)), 0.0

@@ -1,0 +1,329 @@
+"""The Qwen3.5 text model on the CUDA backend: same contract as the numpy model (docs/internals.md
+"Model"), pools on the device, one arena, decode through one CUDA graph per exact batch size.
+
+    load_cuda_model(artifact, options) -> CudaModel
+    CudaModel.forward(batch, kv, state, all_logits=False) -> float32 logits (host)
+    CudaModel.decode_greedy(batch, kv, state) -> int32 token ids [B] (argmax on the device)
+    CudaModel.capture_graphs(kv, state)     # optional: capture B = 1..max_concurrency now
+
+Decode fast path: a batch whose rows each bring one token, B <= max_concurrency, graphs on ->
+pack metadata into pinned staging, one async H2D copy, one cuGraphLaunch, one D2H + sync.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+
+from ...core.cuda import driver as _d
+from ...core.cuda.arena import Arena
+from ...core.cuda.cublaslt import CublasLt
+from ...core.cuda.graph import Graph
+from ...core.cuda.kernels import KernelCache
+from ...errors import DeviceError
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .cuda.kernel_set import KernelSet
+from .cuda.meta import DeviceMeta, MetaLayout
+from .cuda.pools import DeviceKVPool, DeviceStatePool
+from .cuda.runner import StepRunner, Workspace, part_rows_needed
+from .cuda import weights as wplan
+
+LT_WORKSPACE = 32 << 20
+MEMORY_MARGIN = 512 << 20
+
+
+def load_cuda_model(artifact, options) -> "CudaModel":
+    return CudaModel(artifact.config, options, artifact=artifact)
+
+
+class CudaModel:
+    backend = "cuda"
+
+    def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
+                 max_tokens: int = None, kernel_cache_dir=None):
+        if (artifact is None) == (random_seed is None):
+            raise ValueError("CudaModel: give exactly one of artifact / random_seed")
+        self.config, self.text = config, config.text
+        cfg = self.text
+        self.options = options
+        self.device = _d.Device(getattr(options, "device_id", 0))
+        self.stream = self.device.stream
+        self.arena = None
+        try:
+            self._setup(options, artifact, random_seed, max_tokens, kernel_cache_dir)
+        except BaseException:
+            self.close()
+            raise
+        self.last_host_us = 0.0
+        self._graphs = {}
+        del cfg
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
+        cfg = self.text
+        self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir))
+        b_cap = max(int(getattr(options, "max_concurrency", 4)), 1)
+        page_size = int(getattr(options, "page_size", 16))
+        max_context = int(getattr(options, "max_context", 4096))
+        n_cap = int(max_tokens or max(getattr(options, "prefill_chunk", 512), b_cap))
+        self.b_cap, self.n_cap = b_cap, n_cap
+        self.p_cap = (max_context + page_size - 1) // page_size + 1
+        self.lg_cap = max(b_cap, min(n_cap, 256))
+        self.eager_layout = MetaLayout(n_cap, max(b_cap, 8), self.p_cap)
+        self.decode_layout = MetaLayout(b_cap, b_cap, self.p_cap)
+        tied = artifact is not None and wplan.is_tied(artifact)
+        nkv = max(cfg.num_key_value_heads, 1)
+        part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms)
+        pool_reserve = self._pool_reserve(options, page_size, max_context, b_cap)
+        ws_bytes = self._workspace_bytes(n_cap, part_rows)
+        need = wplan.plan_bytes(cfg, tied) + ws_bytes + pool_reserve
+        free, total = self.device.mem_info()
+        if need + MEMORY_MARGIN > free:
+            raise DeviceError(
+                f"backend 'cuda': too little device memory for the plan: needs "
+                f"{(need + MEMORY_MARGIN) / 2**30:.2f} GiB (weights, KV/state pools, workspace), "
+                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB on {self.device.name}")
+        self.arena = Arena(need)
+        self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows)
+        meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
+                               "metadata")
+        self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
+        self.decode_meta = DeviceMeta(self.decode_layout, meta.ptr + self.eager_layout.nbytes)
+        lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
+        self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE)
+        self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
+        self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
+        self.weights = self._load_weights(artifact, random_seed, tied)
+        self.kernels.load_all()
+        self.runner = StepRunner(self)
+        self.stream.synchronize()
+
+    def _pool_reserve(self, options, page_size, max_context, b_cap) -> int:
+        cfg = self.text
+        pages = getattr(options, "num_kv_pages", None) or \
+            b_cap * ((max_context + page_size - 1) // page_size + 1)
+        kv = 2 * len(cfg.attention_layer_ids) * pages * page_size * cfg.num_key_value_heads * \
+            cfg.head_dim * 2
+        slots = 2 * b_cap + 2
+        st = len(cfg.linear_layer_ids) * slots * 4 * (
+            cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) +
+            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
+        return kv + st + (64 << 10) * (2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids))
+
+    def _workspace_bytes(self, n_cap, part_rows) -> int:
+        from ...core.cuda.arena import _round_up
+        cfg = self.text
+        H = cfg.hidden_size
+        # generous upper bound of Workspace (every buffer at its widest)
+        widest = max(cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads,
+                     2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim,
+                     2 * cfg.intermediate_size,
+                     cfg.num_experts + 2 * cfg.shared_expert_intermediate_size + 1)
+        per_tok = 4 * H + 2 * H + 2 * max(H, cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim,
+                                          cfg.intermediate_size, cfg.shared_expert_intermediate_size) \
+            + 4 * widest + 4 * max(cfg.linear_conv_dim, cfg.num_attention_heads * cfg.head_dim) \
+            + 4 * cfg.linear_value_dim
+        if cfg.is_moe:
+            K = cfg.num_experts_per_tok
+            per_tok += 8 * K + 4 * K * (cfg.moe_intermediate_size + H) + 4 * H
+        part = part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
+        head = self.lg_cap * (2 * H + 4 * cfg.vocab_size + 4)
+        meta = self.eager_layout.nbytes + self.decode_layout.nbytes
+        return _round_up(n_cap * per_tok + part + head + meta + LT_WORKSPACE) + 64 * 256
+
+    def _load_weights(self, artifact, seed, tied) -> dict:
+        cfg = self.text
+        plans = [("", wplan.model_plan(cfg))] + \
+            [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
+        out = {"layers": []}
+        staging = None
+        try:
+            for idx, plan in plans:
+                arrs = {}
+                for name, (shape, dt, sources) in plan.items():
+                    if tied and name == "lm_head":
+                        arrs[name] = out["embed"]
+                        continue
+                    dtype = np.uint16 if dt == wplan.BF16 else np.float32
+                    a = self.arena.take(shape, dtype, f"weight {name}")
+                    if artifact is not None:
+                        host = wplan.read_host(artifact, shape, dt, sources)
+                        if staging is None or staging.nbytes < host.nbytes:
+                            if staging is not None:
+                                staging.free()
+                            staging = _d.PinnedBuffer(max(host.nbytes, 64 << 20))
+                        _d.upload(a.ptr, host, self.stream, staging)
+                    else:
+                        self._random_fill(a, name, dt, seed + 7919 * len(out["layers"]) + zlib.crc32(name.encode()))
+                    arrs[name] = a
+                if idx == "":
+                    out.update(arrs)
+                else:
+                    out["layers"].append(arrs)
+        finally:
+            if staging is not None:
+                staging.free()
+        return out
+
+    def _random_fill(self, a, name, dt, seed):
+        scale, offset = wplan.random_spec(name, a.shape)
+        n = int(np.prod(a.shape))
+        k = self.kernels.random_bf16 if dt == wplan.BF16 else self.kernels.random_f32
+        k.launch(self.stream, (min((n + 255) // 256, 65535),), (256,),
+                 (a, n, seed & 0xFFFFFFFF, scale, offset))
+
+    # ---- pools --------------------------------------------------------------------------------
+    def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"new_kv_pool: num_pages={num_pages}, page_size={page_size} must be >= 1")
+        pool = DeviceKVPool(self, self.text, num_pages, page_size)
+        self.stream.synchronize()
+        return pool
+
+    def new_state_pool(self, num_slots: int) -> DeviceStatePool:
+        if num_slots < 1:
+            raise ValueError(f"new_state_pool: num_slots={num_slots} must be >= 1")
+        pool = DeviceStatePool(self, self.text, num_slots)
+        self.stream.synchronize()
+        return pool
+
+    # ---- compute ------------------------------------------------------------------------------
+    def _check(self, batch: ForwardBatch, kv, state) -> None:
+        cfg = self.text
+        if cfg.attention_layer_ids:
+            batch.validate(kv.page_size)
+        n, b = batch.num_tokens, batch.num_rows
+        lengths = batch.row_lengths()
+        if b < 1 or np.any(lengths < 1):
+            raise ValueError(f"ForwardBatch: every row needs >= 1 new token, got {lengths.tolist()}")
+        if n > self.n_cap or b > self.eager_layout.b_cap:
+            raise ValueError(f"ForwardBatch: {n} tokens / {b} rows exceed the CUDA model's "
+                             f"capacity ({self.n_cap} tokens, {self.eager_layout.b_cap} rows); "
+                             "split the prefill into chunks")
+        ids = np.asarray(batch.token_ids)
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"ForwardBatch: token id out of range [0, {cfg.vocab_size})")
+        if cfg.linear_layer_ids:
+            slots = np.asarray(batch.state_slots)
+            if len(set(slots.tolist())) != len(slots) or slots.min() < 0 or \
+                    slots.max() >= state.num_slots:
+                raise ValueError(f"ForwardBatch: state slots {slots.tolist()} must be distinct and "
+                                 f"< {state.num_slots}")
+        if cfg.attention_layer_ids:
+            if int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
+                raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
+            need = (np.asarray(batch.context_lens) + lengths + kv.page_size - 1) // kv.page_size
+            if need.max() > self.p_cap:
+                raise ValueError(f"ForwardBatch: a row needs {int(need.max())} pages, more than "
+                                 f"max_context allows ({self.p_cap})")
+
+    def _upload_meta(self, layout: MetaLayout, meta: DeviceMeta, host_off: int, batch, out_rows):
+        host = self.staging.view(np.int32, host_off, layout.count)
+        layout.pack(host, batch, out_rows)
+        _d.copy_htod_async(meta.base, self.staging.ptr + host_off, layout.used_bytes(batch.num_rows),
+                           self.stream)
+
+    def _is_decode(self, batch) -> bool:
+        return bool(getattr(self.options, "graphs", True)) and batch.num_rows <= self.b_cap and \
+            batch.num_tokens == batch.num_rows
+
+    def forward(self, batch: ForwardBatch, kv, state, *, all_logits: bool = False) -> np.ndarray:
+        """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits."""
+        self._check(batch, kv, state)
+        V = self.text.vocab_size
+        if not all_logits and self._is_decode(batch):
+            B = batch.num_rows
+            self._decode_launch(batch, kv, state)
+            _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, B * V * 4, self.stream)
+            self.stream.synchronize()
+            return self.out_host.view(np.float32, 0, B * V).reshape(B, V).copy()
+        out_rows = np.arange(batch.num_tokens, dtype=np.int32) if all_logits else \
+            (np.asarray(batch.query_start[1:], np.int32) - 1)
+        return self._eager(batch, kv, state, out_rows)
+
+    def decode_greedy(self, batch: ForwardBatch, kv, state) -> np.ndarray:
+        """Argmax token of each row (device-side), through the graph when the batch is a decode."""
+        self._check(batch, kv, state)
+        B = batch.num_rows
+        if self._is_decode(batch):
+            self._decode_launch(batch, kv, state)
+        else:
+            self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
+                        want_logits=False)
+        _d.copy_dtoh_async(self.out_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
+        self.stream.synchronize()
+        return self.out_host.view(np.int32, 0, B).copy()
+
+    def _eager(self, batch, kv, state, out_rows, want_logits: bool = True):
+        lay, meta = self.eager_layout, self.eager_meta
+        self._upload_meta(lay, meta, 0, batch, out_rows)
+        n, b = batch.num_tokens, batch.num_rows
+        first = min(len(out_rows), self.lg_cap)
+        self.runner.run(self.stream, meta, n, b, first, kv, state)
+        V = self.text.vocab_size
+        if not want_logits:
+            return None
+        result = np.empty((len(out_rows), V), np.float32)
+        start = 0
+        while start < len(out_rows):
+            rows = min(self.lg_cap, len(out_rows) - start)
+            if start:
+                self.runner.head(self.stream, meta, rows, out_start=start)
+            _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, rows * V * 4, self.stream)
+            self.stream.synchronize()
+            result[start: start + rows] = self.out_host.view(np.float32, 0, rows * V).reshape(rows, V)
+            start += rows
+        return result
+
+    # ---- graphs -------------------------------------------------------------------------------
+    def _graph(self, B, kv, state) -> Graph:
+        # keyed by pool identity; the entry holds the pools, so their ids cannot be reused
+        key = (B, id(kv), id(state))
+        entry = self._graphs.get(key)
+        if entry is not None:
+            return entry[0]
+        run = lambda st: self.runner.run(st, self.decode_meta, B, B, B, kv, state)  # noqa: E731
+        self.runner.dry = True
+        try:
+            run(self.stream)          # GEMM plans and modules resolved before capture
+        finally:
+            self.runner.dry = False
+        g = Graph(self.stream, run)
+        self._graphs[key] = (g, kv, state)
+        return g
+
+    def capture_graphs(self, kv, state, sizes=None) -> int:
+        for B in sizes or range(1, self.b_cap + 1):
+            self._graph(B, kv, state)
+        return len(self._graphs)
+
+    def _decode_launch(self, batch, kv, state) -> None:
+        t0 = time.perf_counter()
+        B = batch.num_rows
+        g = self._graph(B, kv, state)
+        self._upload_meta(self.decode_layout, self.decode_meta, self.eager_layout.nbytes, batch,
+                          np.arange(B, dtype=np.int32))
+        g.launch()
+        self.last_host_us = (time.perf_counter() - t0) * 1e6
+
+    def close(self) -> None:
+        for g, _, _ in getattr(self, "_graphs", {}).values():
+            g.destroy()
+        self._graphs = {}
+        for buf in ("staging", "out_host"):
+            b = getattr(self, buf, None)
+            if b is not None:
+                b.free()
+                setattr(self, buf, None)
+        if self.arena is not None:
+            try:
+                self.stream.synchronize()
+            finally:
+                self.arena.close()
+                self.arena = None
+        dev = getattr(self, "device", None)
+        if dev is not None:
+            dev.close()
+            self.device = None

@@ -1,0 +1,427 @@
+"""Every CUDA kernel against a naive float64 numpy oracle: fresh random inputs, poisoned outputs,
+boundary sizes, named tolerances (gpu_harness)."""
+import math
+
+import numpy as np
+import pytest
+
+from gpu_harness import TOL_BF16_OUT, TOL_F32, TOL_ROPE_F32, bf16_bits, bits_to_f64, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def g(gpu):
+    yield gpu
+    gpu.reset()
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def softplus(x):
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+
+# ---- norms / elementwise ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,H", [(1, 1), (3, 7), (5, 1000), (2, 5120)])
+def test_rmsnorm_zero_centred(g, rows, H):
+    r = rng(rows * H)
+    x = r.standard_normal((rows + 2, H)).astype(np.float32)
+    w = (0.3 * r.standard_normal(H)).astype(np.float32)
+    idx = r.permutation(rows + 2)[:rows].astype(np.int32)
+    out = g.empty((rows, H), np.uint16)
+    for use_idx in (0, 1):
+        g.run("rmsnorm", (rows,), (256,), (out, g.put(x), g.put(w), g.put(idx), use_idx, H, 1e-6))
+        src = x[idx] if use_idx else x[:rows]
+        src = src.astype(np.float64)
+        ref = src / np.sqrt((src ** 2).mean(-1, keepdims=True) + 1e-6) * (1 + w)
+        assert rel_err(bits_to_f64(g.get(out)), ref) < TOL_BF16_OUT
+
+
+@pytest.mark.parametrize("n,nv,dv", [(1, 1, 32), (3, 4, 128), (2, 3, 64)])
+def test_gated_rmsnorm(g, n, nv, dv):
+    r = rng(n * nv + dv)
+    x = r.standard_normal((n, nv * dv)).astype(np.float32)
+    zs, zoff = nv * dv + 5, 3
+    z = r.standard_normal((n, zs)).astype(np.float32)
+    w = (1 + 0.2 * r.standard_normal(dv)).astype(np.float32)
+    out = g.empty((n, nv * dv), np.uint16)
+    g.run("gated_rmsnorm", (n, nv), (min(128, dv),), (out, g.put(x), g.put(z), zs, zoff, g.put(w), dv, 1e-6))
+    xh = x.astype(np.float64).reshape(n, nv, dv)
+    zz = z[:, zoff: zoff + nv * dv].astype(np.float64).reshape(n, nv, dv)
+    ref = xh / np.sqrt((xh ** 2).mean(-1, keepdims=True) + 1e-6) * w * silu(zz)
+    assert rel_err(bits_to_f64(g.get(out)).reshape(n, nv, dv), ref) < TOL_BF16_OUT
+
+
+@pytest.mark.parametrize("n,inter,off", [(1, 1, 0), (4, 255, 3), (2, 257, 0)])
+def test_silu_mul(g, n, inter, off):
+    r = rng(inter)
+    stride = 2 * inter + off + 1
+    gu = r.standard_normal((n, stride)).astype(np.float32)
+    out = g.empty((n, inter), np.uint16)
+    g.run("silu_mul", ((inter + 255) // 256, n), (256,), (out, g.put(gu), stride, off, inter))
+    gg = gu.astype(np.float64)
+    ref = silu(gg[:, off: off + inter]) * gg[:, off + inter: off + 2 * inter]
+    assert rel_err(bits_to_f64(g.get(out)), ref) < TOL_BF16_OUT
+
+
+@pytest.mark.parametrize("n,V,H", [(1, 5, 3), (7, 100, 257)])
+def test_embed_gather(g, n, V, H):
+    r = rng(V * H)
+    table = bf16_bits(r.standard_normal((V, H)))
+    ids = r.integers(0, V, n).astype(np.int32)
+    ids[0] = V - 1
+    out = g.empty((n, H), np.float32)
+    g.run("embed_gather", ((H + 255) // 256, n), (256,), (out, g.put(table), g.put(ids), H))
+    assert np.array_equal(g.get(out), bits_to_f64(table)[ids].astype(np.float32))
+
+
+# ---- GEMM ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 8), (3, 129, 64), (17, 256, 520), (8, 5120, 5120)])
+def test_cublaslt_gemm(g, m, n, k):
+    from ninfer.core.cuda.cublaslt import CublasLt
+    r = rng(m * n + k)
+    ws = g.empty((32 << 20,), np.uint8)
+    lt = CublasLt(ws.ptr, 32 << 20)
+    x = bf16_bits(r.standard_normal((m, k)))
+    w = bf16_bits(r.standard_normal((n, k)) / math.sqrt(k))
+    y0 = r.standard_normal((m, n)).astype(np.float32)
+    y = g.put(y0)
+    lt.gemm(g.stream, g.put(x).ptr, g.put(w).ptr, y.ptr, m, n, k, beta=1.0)
+    ref = bits_to_f64(x) @ bits_to_f64(w).T + y0
+    assert rel_err(g.get(y), ref) < TOL_F32 * 10     # exact bf16 products, fp32 sums
+    lt.gemm(g.stream, g.put(x).ptr, g.put(w).ptr, y.ptr, m, n, k)
+    assert rel_err(g.get(y), bits_to_f64(x) @ bits_to_f64(w).T) < TOL_F32 * 10
+
+
+# ---- Gated DeltaNet: conv + gating + delta rule -------------------------------------------------
+
+def _rows(r, lengths, ctxs):
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    token_row = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    return qs, token_row, np.asarray(ctxs, np.int32)
+
+
+def conv_oracle(proj, P_cols, w, state, qs, ctxs, slots, K):
+    """Full causal conv over [state | row inputs] + SiLU; new state = last K-1 inputs."""
+    C = w.shape[0]
+    out = np.zeros((proj.shape[0], C))
+    new_state = state.astype(np.float64).copy()
+    for r in range(len(ctxs)):
+        xs = proj[qs[r]: qs[r + 1], :C].astype(np.float64)
+        old = state[slots[r]].astype(np.float64).T if ctxs[r] > 0 else np.zeros((K - 1, C))
+        seq = np.concatenate([old, xs])                      # [K-1+n, C]
+        for i in range(len(xs)):
+            out[qs[r] + i] = silu((seq[i: i + K] * w.T).sum(0))
+        new_state[slots[r]] = seq[-(K - 1):].T
+    return out, new_state
+
+
+@pytest.mark.parametrize("lengths,ctxs", [([1], [0]), ([1, 1, 1], [5, 0, 2]), ([2, 7, 1], [3, 0, 9])])
+def test_conv_silu_l2norm_and_state(g, lengths, ctxs):
+    K, dk, dv, nk, nv = 4, 32, 64, 2, 4
+    C = 2 * nk * dk + nv * dv
+    r = rng(sum(lengths) * 31 + sum(ctxs))
+    n, b = sum(lengths), len(lengths)
+    P = C + 11
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    w = (0.5 * r.standard_normal((C, K))).astype(np.float32)
+    slots = r.permutation(b + 2)[:b].astype(np.int32)
+    state = r.standard_normal((b + 2, C, K - 1)).astype(np.float32)
+    qs, token_row, ctx = _rows(r, lengths, ctxs)
+    params = dict(K=K, dk=dk, dv=dv, nk=nk, nv=nv)
+    out = g.empty((n, C), np.float32)
+    dstate = g.put(state)
+    dproj = g.put(proj)
+    args = (out, dproj, P, g.put(w), dstate, g.put(token_row), g.put(qs), g.put(ctx), g.put(slots))
+    g.run("conv_silu", (n, 2 * nk + nv), (64,), args, params)
+    g.run("conv_state_update", ((C + 127) // 128, b), (128,),
+          (dstate, dproj, P, g.put(qs), g.put(ctx), g.put(slots)), dict(K=K, C=C))
+    ref, ref_state = conv_oracle(proj, P, w, state, qs, ctx, slots, K)
+    qk = ref[:, :2 * nk * dk].reshape(n, 2 * nk, dk)
+    qk = qk / np.sqrt((qk ** 2).sum(-1, keepdims=True) + 1e-6)
+    qk[:, :nk] *= 1 / math.sqrt(dk)
+    ref[:, :2 * nk * dk] = qk.reshape(n, -1)
+    assert rel_err(g.get(out), ref) < TOL_F32
+    assert rel_err(g.get(dstate), ref_state) < TOL_F32
+
+
+def gdn_oracle(q, k, v, a, b, A_log, dt_bias, S0, ratio):
+    """Sequential gated delta rule, float64. q,k [T, nk, dk] (already normalised/scaled),
+    v [T, nv, dv], a/b [T, nv]; S0 [nv, dk, dv]."""
+    S = S0.astype(np.float64).copy()
+    T, nv = v.shape[0], v.shape[1]
+    o = np.zeros_like(v, dtype=np.float64)
+    for t in range(T):
+        for h in range(nv):
+            kh = h // ratio
+            gdec = np.exp(-np.exp(A_log[h]) * softplus(a[t, h] + dt_bias[h]))
+            beta = 1 / (1 + np.exp(-b[t, h]))
+            S[h] *= gdec
+            kv = S[h].T @ k[t, kh]
+            delta = (v[t, h] - kv) * beta
+            S[h] += np.outer(k[t, kh], delta)
+            o[t, h] = S[h].T @ q[t, kh]
+    return o, S
+
+
+@pytest.mark.parametrize("lengths,ctxs,dk,dv", [([1], [0], 32, 32), ([1, 1], [4, 0], 128, 128),
+                                                ([5, 1, 9], [0, 3, 2], 64, 32)])
+def test_gdn_recurrent(g, lengths, ctxs, dk, dv):
+    nk, nv = 2, 4
+    ratio = nv // nk
+    C = 2 * nk * dk + nv * dv
+    r = rng(dk + dv + sum(lengths))
+    n, nb = sum(lengths), len(lengths)
+    qs, token_row, ctx = _rows(r, lengths, ctxs)
+    qk = r.standard_normal((n, 2 * nk, dk))
+    qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
+    qk[:, :nk] /= math.sqrt(dk)
+    vv = r.standard_normal((n, nv * dv))
+    qkv = np.concatenate([qk.reshape(n, -1), vv], 1).astype(np.float32)
+    P = C + 2 * nv + 3
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    a_off, b_off = C + 3 + nv, C + 3
+    A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
+    dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
+    slots = (r.permutation(nb + 1)[:nb]).astype(np.int32)
+    state = (0.3 * r.standard_normal((nb + 1, nv, dk, dv))).astype(np.float32)
+    out = g.empty((n, nv * dv), np.float32)
+    dstate = g.put(state)
+    g.run("gdn_recurrent", (nb, nv, dv // 32), (128,),
+          (out, g.put(qkv), g.put(proj), P, a_off, b_off, g.put(A_log), g.put(dt_bias), dstate,
+           g.put(qs), g.put(ctx), g.put(slots)), dict(dk=dk, dv=dv, nk=nk, nv=nv))
+    ref = np.zeros((n, nv, dv))
+    ref_state = state.astype(np.float64).copy()
+    for row in range(nb):
+        t0, t1 = qs[row], qs[row + 1]
+        S0 = state[slots[row]] if ctx[row] > 0 else np.zeros((nv, dk, dv))
+        q = qkv[t0:t1, :nk * dk].reshape(-1, nk, dk).astype(np.float64)
+        k = qkv[t0:t1, nk * dk: 2 * nk * dk].reshape(-1, nk, dk).astype(np.float64)
+        v = qkv[t0:t1, 2 * nk * dk:].reshape(-1, nv, dv).astype(np.float64)
+        o, S = gdn_oracle(q, k, v, proj[t0:t1, a_off:a_off + nv], proj[t0:t1, b_off:b_off + nv],
+                          A_log, dt_bias, S0, ratio)
+        ref[t0:t1] = o
+        ref_state[slots[row]] = S
+    assert rel_err(g.get(out).reshape(n, nv, dv), ref) < 1e-5
+    assert rel_err(g.get(dstate), ref_state) < 1e-5
+
+
+# ---- attention: q/k norm + MRoPE + paged KV write, paged attention + gate ----------------------
+
+def mrope_angles(pos3, rot, theta, sections, interleaved):
+    half = rot // 2
+    inv = 1.0 / theta ** (np.arange(half) * 2.0 / rot)
+    axis = np.zeros(half, int)
+    for i in range(half):
+        if interleaved:
+            if i % 3 == 1 and i < 3 * sections[1]:
+                axis[i] = 1
+            elif i % 3 == 2 and i < 3 * sections[2]:
+                axis[i] = 2
+        else:
+            axis[i] = 0 if i < sections[0] else (1 if i < sections[0] + sections[1] else 2)
+    p = pos3[axis, :].T.astype(np.float64)                  # [N, half]
+    return p * inv
+
+
+def rope_oracle(x, ang, rot):
+    half = rot // 2
+    out = x.copy()
+    c, s = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:rot] = x2 * c + x1 * s
+    return out
+
+
+def zc_norm(x, w, eps=1e-6):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * (1 + w)
+
+
+@pytest.mark.parametrize("hd,rot,nh,nkv,secs,inter", [(64, 16, 4, 2, (3, 3, 2), True),
+                                                      (256, 64, 6, 1, (11, 11, 10), True),
+                                                      (128, 32, 2, 2, (6, 5, 5), False)])
+def test_qk_norm_rope_kv_write(g, hd, rot, nh, nkv, secs, inter):
+    r = rng(hd + nh)
+    lengths, ctxs, ps = [3, 1], [5, 17], 4
+    n, b = sum(lengths), len(lengths)
+    qs, token_row, ctx = _rows(r, lengths, ctxs)
+    P = 2 * nh * hd + 2 * nkv * hd
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    qn, kn = (0.2 * r.standard_normal((2, hd))).astype(np.float32)
+    num_pages, p_cap = 16, 8
+    bt = np.full((b, p_cap), -1, np.int32)
+    perm = r.permutation(num_pages)
+    for row in range(b):
+        need = (ctx[row] + lengths[row] + ps - 1) // ps
+        bt[row, :need] = perm[row * 6: row * 6 + need]
+    n_cap = n + 3
+    pos = np.zeros((3, n_cap), np.int32)
+    pos[:, :n] = r.integers(0, 2048, (3, n))
+    kc = g.empty((num_pages, ps, nkv, hd), np.uint16, poison=0)
+    vc = g.empty((num_pages, ps, nkv, hd), np.uint16, poison=0)
+    qout = g.empty((n, nh, hd), np.float32)
+    g.run("qk_norm_rope_kv", (n, nh + nkv), (hd,),
+          (qout, g.put(proj), P, g.put(qn), g.put(kn), kc, vc, g.put(pos), n_cap, g.put(token_row),
+           g.put(qs), g.put(ctx), g.put(bt), p_cap, ps, 1e6, 1e-6),
+          dict(hd=hd, rot=rot, nh=nh, nkv=nkv, sec_t=secs[0], sec_h=secs[1], sec_w=secs[2],
+               interleaved=inter))
+    ang = mrope_angles(pos[:, :n], rot, 1e6, secs, inter)
+    pr = proj.astype(np.float64)
+    q = pr[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, :hd]
+    qref = rope_oracle(zc_norm(q, qn), ang[:, None, :], rot)
+    assert rel_err(g.get(qout), qref) < TOL_ROPE_F32
+    k = pr[:, 2 * nh * hd: 2 * nh * hd + nkv * hd].reshape(n, nkv, hd)
+    v = pr[:, 2 * nh * hd + nkv * hd:].reshape(n, nkv, hd)
+    kref = rope_oracle(zc_norm(k, kn), ang[:, None, :], rot)
+    kcache, vcache = bits_to_f64(g.get(kc)), bits_to_f64(g.get(vc))
+    for t in range(n):
+        row = token_row[t]
+        p = ctx[row] + t - qs[row]
+        page, off = bt[row, p // ps], p % ps
+        assert rel_err(kcache[page, off], kref[t]) < TOL_BF16_OUT
+        assert rel_err(vcache[page, off], v[t]) < TOL_BF16_OUT
+
+
+def attention_oracle(q, kcache, vcache, bt, ctx, qs, token_row, ps, gate, G):
+    n, nh, hd = q.shape
+    out = np.zeros((n, nh, hd))
+    for t in range(n):
+        row = token_row[t]
+        L = ctx[row] + t - qs[row] + 1
+        keys = np.arange(L)
+        pages, offs = bt[row, keys // ps], keys % ps
+        for h in range(nh):
+            K = kcache[pages, offs, h // G]
+            V = vcache[pages, offs, h // G]
+            s = K @ q[t, h] / math.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ V
+    return out * (1 / (1 + np.exp(-gate)))
+
+
+@pytest.mark.parametrize("hd,G,nkv,lengths,ctxs,splits", [
+    (64, 2, 2, [1], [0], 1), (64, 2, 2, [1, 1, 1], [0, 31, 100], 7),
+    (256, 6, 1, [1], [300], 32), (128, 1, 3, [5, 3], [0, 9], 1), (128, 4, 2, [4], [13], 3)])
+def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits):
+    r = rng(hd * G + sum(ctxs))
+    nh, ps = G * nkv, 16
+    n, b = sum(lengths), len(lengths)
+    qs, token_row, ctx = _rows(r, lengths, ctxs)
+    num_pages = sum((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 3
+    p_cap = max((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 1
+    perm = r.permutation(num_pages)
+    bt = np.full((b, p_cap), -1, np.int32)
+    used = 0
+    for row in range(b):
+        need = (ctx[row] + lengths[row] + ps - 1) // ps
+        bt[row, :need] = perm[used: used + need]
+        used += need
+    kbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
+    vbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
+    q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)
+    P = 2 * nh * hd + 5
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    part = g.empty((n * splits, nh, hd), np.float32)
+    ml = g.empty((n * splits, nh, 2), np.float32)
+    out = g.empty((n, nh * hd), np.uint16)
+    g.run("paged_attention", (n, nkv, splits), (128,),
+          (part, ml, g.put(q), g.put(kbits), g.put(vbits), g.put(token_row), g.put(qs), g.put(ctx),
+           g.put(bt), p_cap, ps, splits, 1 / math.sqrt(hd)), dict(hd=hd, G=G, nkv=nkv))
+    g.run("attn_combine", (n, nh), (hd,), (out, part, ml, g.put(proj), P, splits), dict(hd=hd, nh=nh))
+    gate = proj[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, hd:].astype(np.float64)
+    ref = attention_oracle(q.astype(np.float64), bits_to_f64(kbits), bits_to_f64(vbits), bt, ctx,
+                           qs, token_row, ps, gate, G)
+    assert rel_err(bits_to_f64(g.get(out)).reshape(n, nh, hd), ref) < TOL_BF16_OUT
+
+
+# ---- MoE ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("E,K,norm,n", [(4, 2, True, 1), (256, 8, True, 5), (60, 3, False, 2)])
+def test_router_topk(g, E, K, norm, n):
+    r = rng(E * K + n)
+    stride = E + 7
+    logits = r.standard_normal((n, stride)).astype(np.float32)
+    ids, wts = g.empty((n, K), np.int32), g.empty((n, K), np.float32)
+    g.run("router_topk", (n,), (256,), (ids, wts, g.put(logits), stride), dict(E=E, K=K, norm=norm))
+    lg = logits[:, :E].astype(np.float64)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref_ids = np.argsort(-p, axis=-1, kind="stable")[:, :K]
+    ref_w = np.take_along_axis(p, ref_ids, -1)
+    if norm:
+        ref_w /= ref_w.sum(-1, keepdims=True)
+    assert np.array_equal(g.get(ids), ref_ids)
+    assert rel_err(g.get(wts), ref_w) < TOL_F32
+
+
+@pytest.mark.parametrize("H,I,E,K,n", [(64, 32, 4, 2, 1), (2048, 512, 16, 8, 3)])
+def test_grouped_experts_and_combine(g, H, I, E, K, n):
+    r = rng(H + I + n)
+    x = bf16_bits(r.standard_normal((n, H)))
+    wgu = bf16_bits(r.standard_normal((E, 2 * I, H)) / math.sqrt(H))
+    wd = bf16_bits(r.standard_normal((E, H, I)) / math.sqrt(I))
+    ids = np.stack([r.permutation(E)[:K] for _ in range(n)]).astype(np.int32)
+    wts = r.random((n, K)).astype(np.float32)
+    shared = r.standard_normal((n, H)).astype(np.float32)
+    gst = 3
+    glog = r.standard_normal((n, gst)).astype(np.float32)
+    h0 = r.standard_normal((n, H)).astype(np.float32)
+    act, y = g.empty((n * K, I), np.float32), g.empty((n * K, H), np.float32)
+    h = g.put(h0)
+    g.run("expert_gate_up", (n * K, (I + 3) // 4), (128,), (act, g.put(x.view(np.uint32)),
+          g.put(wgu.view(np.uint32)), g.put(ids), K), dict(H=H, inter=I))
+    g.run("expert_down", (n * K, (H + 3) // 4), (128,), (y, act, g.put(wd.view(np.uint32)), g.put(ids)),
+          dict(H=H, inter=I))
+    g.run("moe_combine", ((H + 255) // 256, n), (256,), (h, y, g.put(wts), g.put(shared), g.put(glog), gst),
+          dict(H=H, K=K))
+    xf, gu, dn = bits_to_f64(x), bits_to_f64(wgu), bits_to_f64(wd)
+    ref = h0.astype(np.float64) + shared / (1 + np.exp(-glog[:, :1].astype(np.float64)))
+    for t in range(n):
+        for k in range(K):
+            e = ids[t, k]
+            a = silu(gu[e, :I] @ xf[t]) * (gu[e, I:] @ xf[t])
+            ref[t] += wts[t, k] * (dn[e] @ a)
+    assert rel_err(g.get(h), ref) < 1e-5
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,V", [(1, 1), (3, 1025), (2, 248320)])
+def test_argmax_ties_lowest(g, n, V):
+    r = rng(V)
+    logits = r.standard_normal((n, V)).astype(np.float32)
+    if V > 10:
+        logits[0, 3] = logits[0, V - 2] = logits[0].max() + 1     # tie -> the lower id
+    out = g.empty((n,), np.int32)
+    g.run("argmax", (n,), (1024,), (out, g.put(logits), V))
+    assert np.array_equal(g.get(out), np.argmax(logits, -1))
+
+
+def test_gumbel_sample_greedy_and_distribution(g):
+    r = rng(7)
+    V, rows = 6, 2048
+    base = np.log(np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.05]))
+    logits = np.tile(base, (rows, 1)).astype(np.float32)
+    temps = np.ones(rows, np.float32)
+    temps[0] = 0.0                                           # greedy row
+    seeds = r.integers(0, 2**31, rows).astype(np.int32)
+    steps = np.arange(rows, dtype=np.int32)
+    out = g.empty((rows,), np.int32)
+    args = (out, g.put(logits), V, g.put(temps), g.put(seeds), g.put(steps))
+    g.run("gumbel_sample", (rows,), (1024,), args)
+    first = g.get(out)
+    g.run("gumbel_sample", (rows,), (1024,), args)
+    assert np.array_equal(first, g.get(out))                 # counter-based: reproducible
+    assert first[0] == 0
+    freq = np.bincount(first[1:], minlength=V) / (rows - 1)
+    assert np.abs(freq - np.exp(base)).max() < 0.05          # ~4.5 sigma at p=0.5, n=2047
