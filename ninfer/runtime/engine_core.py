@@ -350,7 +350,9 @@ class EngineCore:
             req.first_token_time = now
         req.token_ids.extend(tokens)
         if req.params.logprobs is not None:
-            req.logprobs = (req.logprobs or []) + list(logprobs)
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.extend(logprobs)
             req.unpublished_logprobs.extend(logprobs)
         self._counters["tokens_generated"] += len(tokens)
         self._rate_window.append((now, len(tokens)))
