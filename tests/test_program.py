@@ -233,7 +233,9 @@ def test_snapshot_respects_the_host_budget_and_is_freed():
     prog = Program(model, opts(host_snapshot_bytes=cost))
     a, b = prog.bind(p, GREEDY), prog.bind(prompt(12, 20), GREEDY)
     step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b])
+    assert prog.snapshot_cost(a) == cost and prog.host_bytes_free == cost
     rs_a = prog.pause(a)
+    assert prog.host_bytes_free == 0
     rs_b = prog.pause(b)
     assert (rs_a.kind, rs_b.kind) == ("snapshot", "replay")   # budget holds one snapshot
     assert prog.host_bytes_used == cost

@@ -64,7 +64,8 @@ class EngineCore:
         self._cycle_no = 0
         self._was_idle = False
         self._counters = dict(tokens_generated=0, requests_finished=0, pauses=0,
-                              snapshot_pauses=0, replay_resumes=0, snapshot_resumes=0)
+                              snapshot_pauses=0, snapshot_revocations=0, replay_resumes=0,
+                              snapshot_resumes=0)
         self._rate_window: deque = deque()
         self._stats: dict = {}
         self._publish_stats()
@@ -241,6 +242,7 @@ class EngineCore:
         self._residents.sort(key=lambda r: r.ticket)
 
     def _pause(self, req: Request) -> None:
+        self._make_room_for_snapshot(req)
         rs = self.program.pause(req.seq_id, allow_snapshot=self.options.host_snapshot_bytes > 0)
         req.seq_id, req.resume_state = None, rs
         req.state = RequestState.PAUSED
@@ -250,6 +252,19 @@ class EngineCore:
         self._paused.sort(key=lambda r: r.ticket)
         self._counters["pauses"] += 1
         self._counters["snapshot_pauses"] += rs.kind == "snapshot"
+
+    def _make_room_for_snapshot(self, req: Request) -> None:
+        """Paused requests resume oldest first, so the fast path belongs to the older ones:
+        revoke Snapshots of younger paused requests (youngest first) when req's would not fit."""
+        need = self.program.snapshot_cost(req.seq_id)
+        if need > self.program.host_budget_bytes:
+            return
+        for other in reversed(self._paused):
+            if self.program.host_bytes_free >= need or other.ticket < req.ticket:
+                return
+            if other.resume_state.kind == "snapshot":
+                other.resume_state = self.program.revoke_snapshot(other.resume_state)
+                self._counters["snapshot_revocations"] += 1
 
     def _finish(self, req: Request, reason: str, error: Optional[str] = None, *,
                 touch_program: bool = True) -> None:

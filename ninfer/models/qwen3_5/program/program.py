@@ -95,6 +95,15 @@ class Program:
     def host_bytes_used(self) -> int:
         return sum(self._snapshots.values())
 
+    @property
+    def host_bytes_free(self) -> int:
+        return self.host_budget_bytes - self.host_bytes_used
+
+    def snapshot_cost(self, seq_id: int) -> int:
+        """Host bytes a Snapshot pause of this sequence would hold now."""
+        frontier = self._seqs[seq_id].num_computed_tokens
+        return pages_for(frontier, self.page_size) * self._page_bytes + self._state_bytes
+
     def can_bind(self, num_prompt_tokens: int) -> bool:
         """A slot and the pages of the first prefill chunk are free."""
         first = min(self.prefill_chunk, num_prompt_tokens)
@@ -129,7 +138,7 @@ class Program:
         tokens = self.token_buf[seq.slot, :seq.num_tokens].copy()
         frontier = seq.num_computed_tokens
         num_pages = pages_for(frontier, self.page_size)
-        cost = num_pages * self._page_bytes + self._state_bytes
+        cost = self.snapshot_cost(seq_id)
         common = dict(token_ids=tokens, num_prompt_tokens=seq.num_prompt_tokens,
                       num_computed_tokens=frontier, spec=seq.spec)
         if allow_snapshot and frontier > 0 and self.host_bytes_used + cost <= self.host_budget_bytes:
