@@ -292,6 +292,19 @@ def test_program_commit_failure_fails_pending_requests():
     core.shutdown()
 
 
+def test_bind_failure_answers_the_request_being_admitted():
+    """A request taken off the wait queue is answered even when its Program bind fails."""
+    core, _ = make_core(max_concurrency=1)
+
+    def broken_bind(prompt_ids, spec):
+        raise ProgramError("injected: bind lost its slot")
+    core.program.bind = broken_bind
+    result = core.submit(prompt(4, 5), SamplingParams(max_tokens=3)).result(timeout=10)
+    assert result.finish_reason == "error" and "injected" in result.error
+    assert core.health == "failed" and core.stats()["outstanding"] == 0
+    core.shutdown()
+
+
 def test_leak_found_by_the_idle_audit_fails_the_engine():
     core, model = make_core(max_concurrency=1)
 

@@ -229,8 +229,9 @@ class EngineCore:
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
                     or not self.program.can_bind(req.num_prompt_tokens):
                 return
-            self._waiting.popleft()
+            # bind before leaving the queue: a failed bind must leave req where _finish_all sees it
             req.seq_id = self.program.bind(req.prompt_ids, req.spec)
+            self._waiting.popleft()
             req.admit_time = time.monotonic()
             self._make_resident(req)
             self.scheduler.note_fresh_admitted(len(self._paused))
