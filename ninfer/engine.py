@@ -14,13 +14,15 @@ import numpy as np
 
 from .api import GenerationResult, Prompt, SamplingParams, ScoreResult
 from .artifact import Artifact
-from .errors import RequestError
+from .errors import EngineFailedError, RequestError
 from .options import EngineOptions
 
 
 class Engine:
     def __init__(self, path, backend: str = "numpy", purpose: str = "generation", **options):
         self.options = EngineOptions.from_kwargs(backend=backend, purpose=purpose, **options)
+        self._is_closed = False
+        self.model = None
         self.artifact = Artifact(path)
         try:
             from .models.qwen3_5 import load_model
@@ -42,6 +44,8 @@ class Engine:
                 from .runtime.engine_core import EngineCore
                 self._core = EngineCore(self.model, self.frontend, self.options)
         except BaseException:
+            if self.model is not None:      # a Program that cannot start must not leak the model
+                self.model.close()
             self.artifact.close()
             raise
 
@@ -72,6 +76,8 @@ class Engine:
     def score(self, token_ids, return_logits: bool = False) -> ScoreResult:
         if self._scorer is None:
             raise RequestError("Engine.score needs an Engine started with purpose='scoring'")
+        if self._is_closed:
+            raise EngineFailedError("this Engine is closed")
         return self._scorer.score(token_ids, return_logits=return_logits)
 
     # ---- generation -------------------------------------------------------------------------------
@@ -104,12 +110,14 @@ class Engine:
 
     # ---- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the worker (pending requests finish as 'cancelled'), then release the model."""
+        """Stop the worker (pending requests finish as 'cancelled'), then release the model.
+        Idempotent. The stopped EngineCore stays, so a later submit raises EngineFailedError."""
+        if self._is_closed:
+            return
+        self._is_closed = True
         if self._core is not None:
             self._core.shutdown()
-            self._core = None
-        if getattr(self, "model", None) is not None and hasattr(self.model, "close"):
-            self.model.close()
+        self.model.close()
         self.artifact.close()
 
     def __enter__(self) -> "Engine":

@@ -98,3 +98,34 @@ def test_text_prompts_and_stop_strings_through_the_real_frontend(dense):
         chat = engine.generate([{"role": "user", "content": "hi"}],
                                SamplingParams(max_tokens=4, ignore_eos=True), enable_thinking=False)
         assert chat.finish_reason == "length" and len(chat.token_ids) == 4
+
+
+def test_closed_engine_raises_engine_failed(dense):
+    """After close() (idempotent) generation and scoring raise EngineFailedError, not a stale
+    purpose message or an error from inside the released model."""
+    from ninfer import Engine, EngineFailedError, SamplingParams
+    engine = Engine(dense, max_concurrency=1)
+    engine.close()
+    engine.close()
+    with pytest.raises(EngineFailedError, match="shut down"):
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=1))
+    scorer = Engine(dense, purpose="scoring")
+    scorer.close()
+    with pytest.raises(EngineFailedError, match="closed"):
+        scorer.score([1, 2, 3])
+
+
+def test_engine_start_failure_releases_the_model(dense, monkeypatch):
+    import ninfer.models.qwen3_5 as qwen
+    from ninfer import Engine, RequestError
+    real_load, closed = qwen.load_model, []
+
+    def spying_load(artifact, options):
+        model = real_load(artifact, options)
+        real_close = model.close
+        model.close = lambda: (closed.append(model), real_close())
+        return model
+    monkeypatch.setattr(qwen, "load_model", spying_load)
+    with pytest.raises(RequestError, match="num_kv_pages"):
+        Engine(dense, num_kv_pages=1)            # the Program refuses after the model loaded
+    assert len(closed) == 1
