@@ -1,8 +1,11 @@
 """Engine start-up options: fixed for the Engine's life (DESIGN.md section 1)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
+
+import numpy as np
 
 from .errors import RequestError
 
@@ -43,15 +46,28 @@ class EngineOptions:
             bad("backend", "must be 'numpy' or 'cuda'")
         if self.purpose not in ("generation", "scoring"):
             bad("purpose", "must be 'generation' or 'scoring'")
-        if not 1 <= self.max_concurrency <= 8:
+        if not _is_int(self.max_concurrency) or not 1 <= self.max_concurrency <= 8:
             bad("max_concurrency", "must be in 1..8")
-        if self.max_context < 2:
-            bad("max_context", "must be >= 2")
-        if self.max_queue < 0:
-            bad("max_queue", "must be >= 0")
-        if self.prefill_chunk < 1:
-            bad("prefill_chunk", "must be >= 1")
-        if self.page_size < 1:
-            bad("page_size", "must be >= 1")
-        if self.num_kv_pages is not None and self.num_kv_pages < 1:
-            bad("num_kv_pages", "must be >= 1")
+        for name, least in _INT_MINIMA:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < least:
+                bad(name, f"must be an integer >= {least}")
+        if self.num_kv_pages is not None and (not _is_int(self.num_kv_pages)
+                                              or self.num_kv_pages < 1):
+            bad("num_kv_pages", "must be an integer >= 1 (or None: sized for max_context)")
+        timeout = self.queue_timeout_s
+        if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
+                                        and timeout > 0):
+            bad("queue_timeout_s", "must be a finite number of seconds > 0 (or None: no limit)")
+
+
+# integer options and their least value (max_concurrency has its own range)
+_INT_MINIMA = (("max_context", 2), ("max_queue", 0), ("prefill_chunk", 1), ("page_size", 1),
+               ("host_snapshot_bytes", 0), ("device_id", 0))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

@@ -1,0 +1,39 @@
+"""EngineOptions: every bad start-up option is a RequestError naming it, before anything loads
+(a float max_context used to pass, and the Program's int() of it then failed the Engine)."""
+import math
+
+import pytest
+
+from ninfer.errors import RequestError
+from ninfer.options import EngineOptions
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("max_concurrency", 9, "must be in 1..8"),
+    ("max_concurrency", "2", "max_concurrency='2'"),
+    ("max_concurrency", True, "max_concurrency=True"),
+    ("max_context", 1, "max_context=1"),
+    ("max_context", 100.5, "max_context=100.5"),
+    ("max_queue", -1, "max_queue=-1"),
+    ("prefill_chunk", 0, "prefill_chunk=0"),
+    ("page_size", 4.0, "page_size=4.0"),
+    ("num_kv_pages", 0, "num_kv_pages=0"),
+    ("num_kv_pages", 2.5, "num_kv_pages=2.5"),
+    ("host_snapshot_bytes", -1, "host_snapshot_bytes=-1"),
+    ("queue_timeout_s", 0, "queue_timeout_s=0"),
+    ("queue_timeout_s", -1.0, "queue_timeout_s=-1.0"),
+    ("queue_timeout_s", math.nan, "queue_timeout_s=nan"),
+    ("queue_timeout_s", "5", "queue_timeout_s='5'"),
+    ("device_id", -1, "device_id=-1"),
+    ("backend", "tpu", "backend='tpu'"),
+    ("purpose", "train", "purpose='train'"),
+])
+def test_bad_option_is_a_request_error_naming_it(field, value, words):
+    with pytest.raises(RequestError, match=words.replace(".", r"\.")):
+        EngineOptions.from_kwargs(**{field: value})
+
+
+def test_good_options_pass():
+    opts = EngineOptions.from_kwargs(max_concurrency=8, max_context=2, max_queue=0,
+                                     num_kv_pages=1, host_snapshot_bytes=0, queue_timeout_s=0.5)
+    assert opts.max_concurrency == 8 and opts.queue_timeout_s == 0.5
