@@ -58,10 +58,13 @@ class SamplingParams:
             bad("seed", "must be a non-negative integer")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, (int, np.integer)) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.stop, Sequence) or any(not isinstance(s, str) or not s
+                                                       for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        ids = self.stop_token_ids
+        if isinstance(ids, str) or not isinstance(ids, (Sequence, np.ndarray)) \
+                or any(not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, (int, np.integer))
                                           or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")

@@ -203,6 +203,28 @@ def test_rejections_are_request_errors():
     finish_clean(core)
 
 
+@pytest.mark.parametrize("params, words", [
+    (SamplingParams(stop=None), "stop=None"),
+    (SamplingParams(stop=5), "stop=5"),
+    (SamplingParams(stop_token_ids=None), "stop_token_ids=None"),
+    (SamplingParams(stop_token_ids=7), "stop_token_ids=7"),
+    ({"max_tokens": 2}, "SamplingParams"),
+])
+def test_malformed_sampling_params_are_request_errors(params, words):
+    core, _ = make_core()
+    with pytest.raises(RequestError, match=words):
+        core.submit(prompt(7, 3), params)
+    assert core.stats()["outstanding"] == 0
+    finish_clean(core)
+
+
+def test_stop_sequences_of_any_kind_are_accepted():
+    core, _ = make_core()
+    params = SamplingParams(max_tokens=2, stop=["zz"], stop_token_ids=np.array([5], np.int64))
+    assert core.submit(prompt(7, 3), params).result(timeout=10).finish_reason in ("length", "stop")
+    finish_clean(core)
+
+
 def test_overload_is_429_and_capacity_is_released_exactly_once():
     core, model = make_core(max_concurrency=1, max_queue=1)
     gate = Gate()

@@ -80,7 +80,9 @@ class EngineCore:
     def submit(self, prompt, params: SamplingParams, *, tools=None, enable_thinking=None,
                request_id=None, timeout_s=None) -> GenerationHandle:
         self._check_available()
-        params = dataclasses.replace(params).validate()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params).validate()     # a copy: validate() normalises
         if timeout_s is not None and not (isinstance(timeout_s, (int, float))
                                           and math.isfinite(timeout_s) and timeout_s > 0):
             raise RequestError(f"timeout_s={timeout_s!r}: must be a finite number > 0")
