@@ -475,6 +475,12 @@ def test_missing_file(tmp_path):
         Artifact(tmp_path / "absent.ninfer")
 
 
+@pytest.mark.parametrize("path", [None, 3.5, ["m.ninfer"]])
+def test_path_that_is_not_a_path(path):
+    with pytest.raises(ninfer.ArtifactError, match="not a file path"):
+        Artifact(path)
+
+
 # ------------------------------------------------------------------------------------ fuzzing
 
 def covered_ranges(path):

@@ -26,7 +26,10 @@ class Artifact:
     def __init__(self, path, *, verify: str = "lazy"):
         if verify not in VERIFY_MODES:
             raise ArtifactError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
-        self.path = os.fspath(path)
+        try:
+            self.path = os.fspath(path)
+        except TypeError:
+            raise ArtifactError(f"{path!r} is not a file path (str or os.PathLike)") from None
         self._verify = verify
         self._verified: set[str] = set()
         self._lock = threading.Lock()
