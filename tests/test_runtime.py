@@ -158,6 +158,17 @@ def test_cancel_after_finish_changes_nothing():
     finish_clean(core)
 
 
+def test_events_iterated_again_after_the_end_yield_nothing():
+    """A second pass over a finished handle ends at once (it used to wait forever)."""
+    core, _ = make_core()
+    handle = core.submit(prompt(5, 3), SamplingParams(max_tokens=2))
+    events, _ = drain(handle)
+    assert isinstance(events[-1], Finished)
+    assert list(handle.events(timeout=5)) == []
+    assert list(handle) == []
+    finish_clean(core)
+
+
 def test_stop_token_finishes_with_stop():
     p = prompt(4, 6)
     free_run = reference_tokens(p, SamplingParams(max_tokens=20, ignore_eos=True))

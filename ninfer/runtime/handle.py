@@ -44,10 +44,11 @@ class _Channel:
 
     # ---- consumer side ------------------------------------------------------------------------
     def next_event(self, timeout: Optional[float]):
+        """The next event, or None once Finished has been taken (nothing will ever follow)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._events, timeout):
+            if not self._cond.wait_for(lambda: self._events or self._result is not None, timeout):
                 raise TimeoutError(f"request {self.request_id}: no event within {timeout} s")
-            return self._events.popleft()
+            return self._events.popleft() if self._events else None
 
     def wait_result(self, timeout: Optional[float]) -> GenerationResult:
         with self._cond:
@@ -102,6 +103,8 @@ class GenerationHandle:
         """Yield events until Finished (inclusive); `timeout` bounds each wait (TimeoutError)."""
         while True:
             event = self._channel.next_event(timeout)
+            if event is None:                       # an earlier pass already took Finished
+                return
             yield event
             if isinstance(event, Finished):
                 self._channel.release_consumer()
