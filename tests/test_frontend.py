@@ -136,6 +136,14 @@ def test_prepare_rejects_bad_prompts(fe, bad, match):
         fe.prepare(bad)
 
 
+@pytest.mark.parametrize("prompt", ["Hi", [9707, 1879], USER])
+@pytest.mark.parametrize("tools", ["f", {"name": "f"}, [3]])
+def test_prepare_rejects_malformed_tools_for_every_prompt_form(fe, prompt, tools):
+    """Text and token-id prompts check tools too (they arm tool-call parsing), not only messages."""
+    with pytest.raises(RequestError, match="tools"):
+        fe.prepare(prompt, tools=tools)
+
+
 def test_digests(fe):
     a, b = fe.prepare("one two three four"), fe.prepare("one two three five")
     assert a.digest == fe.prepare(a.token_ids).digest != b.digest

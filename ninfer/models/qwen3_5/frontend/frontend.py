@@ -8,7 +8,7 @@ import numpy as np
 
 from ....api import SamplingParams
 from ....errors import ArtifactError, RequestError
-from .chat_template import ChatTemplate, builtin_template_source
+from .chat_template import ChatTemplate, builtin_template_source, normalize_tools
 from .output_session import OutputSession
 from .prompt import THINK_NONE, PreparedPrompt, make_prepared
 from .tokenizer import Tokenizer
@@ -89,6 +89,7 @@ class Frontend:
         """str: raw text, tokenized as is; list of messages: rendered by the chat template with a
         generation prompt; int array or list of ints: token ids, checked against the vocabulary."""
         thinking = True if enable_thinking is None else bool(enable_thinking)
+        normalize_tools(tools)          # every prompt form: tools also arm tool-call parsing
         text: Optional[str] = None
         if isinstance(prompt, str):
             text = prompt
