@@ -68,8 +68,8 @@ class GatedDeltaNet:
         tok = np.asarray(b.query_start)[rows]
         slots = np.asarray(b.state_slots)[rows]
         fresh = (np.asarray(b.context_lens)[rows] == 0)
-        conv0 = np.where(fresh[:, None, None], 0.0, conv_pool[slots]).astype(np.float32)
-        rec0 = np.where(fresh[:, None, None, None], 0.0, rec_pool[slots]).astype(np.float32)
+        conv0, rec0 = conv_pool[slots], rec_pool[slots]        # gathers: one copy each
+        conv0[fresh], rec0[fresh] = 0.0, 0.0                    # a sequence start reads zero State
         # conv over one step, every row at once: window = previous K-1 inputs + this one
         window = np.concatenate([conv0, qkv[tok][:, :, None]], axis=2)      # [R, C, K]
         mixed = np.einsum("rck,ck->rc", window, self.p["conv_w"])
