@@ -37,68 +37,97 @@ class ParamReader:
         return f32
 
 
-def read_text_params(artifact, cfg: TextConfig) -> dict:
-    """{"embed", "lm_head", "norm", "layers": [per-layer dict]} of float32 arrays."""
-    read = ParamReader(artifact)
+def text_param_shapes(cfg: TextConfig, *, with_lm_head: bool = True) -> dict:
+    """{logical name: shape} of every text parameter the config implies (docs/internals.md's
+    table; experts fused). The one copy of that table: the converter checks sources against it."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    params = {"embed": read("text.embed_tokens.weight", (V, H)),
-              "lm_head": read("text.lm_head.weight", (V, H)),
-              "norm": read("text.norm.weight", (H,)),
-              "layers": []}
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    nv, dv, K = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    conv = cfg.linear_conv_dim
+    s = {"text.embed_tokens.weight": (V, H), "text.norm.weight": (H,)}
+    if with_lm_head:
+        s["text.lm_head.weight"] = (V, H)
     for i, kind in enumerate(cfg.layer_types):
         p = f"text.layers.{i}."
-        layer = {"input_norm": read(p + "input_layernorm.weight", (H,)),
-                 "post_norm": read(p + "post_attention_layernorm.weight", (H,))}
+        s[p + "input_layernorm.weight"] = (H,)
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        if kind == FULL_ATTENTION:
+            a = p + "self_attn."
+            s.update({a + "q_proj.weight": (2 * nh * hd, H), a + "k_proj.weight": (nkv * hd, H),
+                      a + "v_proj.weight": (nkv * hd, H), a + "o_proj.weight": (H, nh * hd),
+                      a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+            if cfg.attention_bias:
+                s.update({a + "q_proj.bias": (2 * nh * hd,), a + "k_proj.bias": (nkv * hd,),
+                          a + "v_proj.bias": (nkv * hd,), a + "o_proj.bias": (H,)})
+        else:
+            a = p + "linear_attn."
+            s.update({a + "in_proj_qkv.weight": (conv, H), a + "in_proj_z.weight": (nv * dv, H),
+                      a + "in_proj_b.weight": (nv, H), a + "in_proj_a.weight": (nv, H),
+                      a + "conv1d.weight": (conv, 1, K), a + "dt_bias": (nv,), a + "A_log": (nv,),
+                      a + "norm.weight": (dv,), a + "out_proj.weight": (H, nv * dv)})
+        s.update(_mlp_shapes(cfg, p + "mlp."))
+    return s
+
+
+def _mlp_shapes(cfg: TextConfig, m: str) -> dict:
+    H = cfg.hidden_size
+    if not cfg.is_moe:
+        I = cfg.intermediate_size
+        return {m + "gate_proj.weight": (I, H), m + "up_proj.weight": (I, H),
+                m + "down_proj.weight": (H, I)}
+    E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    return {m + "gate.weight": (E, H),
+            m + "experts.gate_up_proj": (E, 2 * I, H), m + "experts.down_proj": (E, H, I),
+            m + "shared_expert.gate_proj.weight": (S, H), m + "shared_expert.up_proj.weight": (S, H),
+            m + "shared_expert.down_proj.weight": (H, S), m + "shared_expert_gate.weight": (1, H)}
+
+
+def read_text_params(artifact, cfg: TextConfig) -> dict:
+    """{"embed", "lm_head", "norm", "layers": [per-layer dict]} of float32 arrays."""
+    reader, shapes = ParamReader(artifact), text_param_shapes(cfg)
+
+    def read(name: str) -> np.ndarray:
+        return reader(name, shapes[name])
+    params = {"embed": read("text.embed_tokens.weight"), "lm_head": read("text.lm_head.weight"),
+              "norm": read("text.norm.weight"), "layers": []}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"text.layers.{i}."
+        layer = {"input_norm": read(p + "input_layernorm.weight"),
+                 "post_norm": read(p + "post_attention_layernorm.weight")}
         layer.update(_attention(read, p + "self_attn.", cfg) if kind == FULL_ATTENTION
-                     else _linear_attention(read, p + "linear_attn.", cfg))
-        layer.update(_moe(read, p + "mlp.", cfg) if cfg.is_moe else _dense_mlp(read, p + "mlp.", cfg))
+                     else _linear_attention(read, p + "linear_attn."))
+        layer.update(_moe(read, p + "mlp.") if cfg.is_moe else _dense_mlp(read, p + "mlp."))
         params["layers"].append(layer)
     return params
 
 
-def _linear_attention(read, p, cfg: TextConfig) -> dict:
-    H, nv = cfg.hidden_size, cfg.linear_num_value_heads
-    conv, vd = cfg.linear_conv_dim, cfg.linear_value_dim
-    return {"in_proj_qkv": read(p + "in_proj_qkv.weight", (conv, H)),
-            "in_proj_z": read(p + "in_proj_z.weight", (vd, H)),
-            "in_proj_b": read(p + "in_proj_b.weight", (nv, H)),
-            "in_proj_a": read(p + "in_proj_a.weight", (nv, H)),
-            "conv_w": read(p + "conv1d.weight", (conv, 1, cfg.linear_conv_kernel_dim))[:, 0, :],
-            "dt_bias": read(p + "dt_bias", (nv,)),
-            "A_log": read(p + "A_log", (nv,)),
-            "gdn_norm": read(p + "norm.weight", (cfg.linear_value_head_dim,)),
-            "out_proj": read(p + "out_proj.weight", (H, vd))}
+def _linear_attention(read, p) -> dict:
+    return {"in_proj_qkv": read(p + "in_proj_qkv.weight"),
+            "in_proj_z": read(p + "in_proj_z.weight"),
+            "in_proj_b": read(p + "in_proj_b.weight"), "in_proj_a": read(p + "in_proj_a.weight"),
+            "conv_w": read(p + "conv1d.weight")[:, 0, :],          # depthwise: [C, 1, K] -> [C, K]
+            "dt_bias": read(p + "dt_bias"), "A_log": read(p + "A_log"),
+            "gdn_norm": read(p + "norm.weight"), "out_proj": read(p + "out_proj.weight")}
 
 
 def _attention(read, p, cfg: TextConfig) -> dict:
-    H, hd = cfg.hidden_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    d = {"q_proj": read(p + "q_proj.weight", (2 * nq, H)),
-         "k_proj": read(p + "k_proj.weight", (nkv, H)),
-         "v_proj": read(p + "v_proj.weight", (nkv, H)),
-         "o_proj": read(p + "o_proj.weight", (H, nq)),
-         "q_norm": read(p + "q_norm.weight", (hd,)),
-         "k_norm": read(p + "k_norm.weight", (hd,))}
+    d = {name: read(p + name + ".weight")
+         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
     if cfg.attention_bias:
-        d.update(q_bias=read(p + "q_proj.bias", (2 * nq,)), k_bias=read(p + "k_proj.bias", (nkv,)),
-                 v_bias=read(p + "v_proj.bias", (nkv,)), o_bias=read(p + "o_proj.bias", (H,)))
+        d.update({name[0] + "_bias": read(p + name + ".bias")
+                  for name in ("q_proj", "k_proj", "v_proj", "o_proj")})
     return d
 
 
-def _dense_mlp(read, p, cfg: TextConfig) -> dict:
-    H, inter = cfg.hidden_size, cfg.intermediate_size
-    return {"gate_proj": read(p + "gate_proj.weight", (inter, H)),
-            "up_proj": read(p + "up_proj.weight", (inter, H)),
-            "down_proj": read(p + "down_proj.weight", (H, inter))}
+def _dense_mlp(read, p) -> dict:
+    return {name: read(p + name + ".weight") for name in ("gate_proj", "up_proj", "down_proj")}
 
 
-def _moe(read, p, cfg: TextConfig) -> dict:
-    H, E, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    si = cfg.shared_expert_intermediate_size
-    return {"router": read(p + "gate.weight", (E, H)),
-            "experts_gate_up": read(p + "experts.gate_up_proj", (E, 2 * inter, H)),
-            "experts_down": read(p + "experts.down_proj", (E, H, inter)),
-            "shared_gate_proj": read(p + "shared_expert.gate_proj.weight", (si, H)),
-            "shared_up_proj": read(p + "shared_expert.up_proj.weight", (si, H)),
-            "shared_down_proj": read(p + "shared_expert.down_proj.weight", (H, si)),
-            "shared_expert_gate": read(p + "shared_expert_gate.weight", (1, H))}
+def _moe(read, p) -> dict:
+    return {"router": read(p + "gate.weight"),
+            "experts_gate_up": read(p + "experts.gate_up_proj"),
+            "experts_down": read(p + "experts.down_proj"),
+            "shared_gate_proj": read(p + "shared_expert.gate_proj.weight"),
+            "shared_up_proj": read(p + "shared_expert.up_proj.weight"),
+            "shared_down_proj": read(p + "shared_expert.down_proj.weight"),
+            "shared_expert_gate": read(p + "shared_expert_gate.weight")}
