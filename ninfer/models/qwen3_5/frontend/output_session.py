@@ -38,6 +38,7 @@ that copy. Work per token is bounded by the stop-string and tag lengths (no re-d
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import json
 import os
@@ -72,11 +73,10 @@ class _State:
     window_read: int = 0              # how many of `window` already produced their text
 
     def clone(self) -> "_State":
-        return _State(self.channel, self.think_allowed, self.strip_newlines, self.pending_bytes,
-                      self.stop_hold, self.parse_hold, self.tool_buf, self.call_sep,
-                      self.num_tool_calls,
-                      self.num_tokens, self.finish_reason, self.ended_by_eos, self.window,
-                      self.window_read)
+        return dataclasses.replace(self)        # every field is immutable: a shallow copy is whole
+
+    def as_tuple(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 @dataclass(slots=True, frozen=True)
@@ -192,12 +192,8 @@ class OutputSession:
 
     def snapshot(self) -> tuple:
         """Every piece of session state, for equality checks in tests."""
-        s = self._state
-        return (s.channel, s.think_allowed, s.strip_newlines, s.pending_bytes, s.stop_hold,
-                s.parse_hold, s.tool_buf, s.call_sep, s.num_tool_calls, s.num_tokens,
-                s.finish_reason,
-                s.ended_by_eos, s.window, s.window_read, tuple(self._content),
-                tuple(self._reasoning), tuple(self._tool_calls))
+        return self._state.as_tuple() + (tuple(self._content), tuple(self._reasoning),
+                                         tuple(self._tool_calls))
 
     # ---- preview / commit ----------------------------------------------------------------------
     def preview(self, token_ids) -> OutputPreview:
