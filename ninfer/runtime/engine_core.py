@@ -249,7 +249,6 @@ class EngineCore:
         rs = self.program.pause(req.seq_id, allow_snapshot=self.options.host_snapshot_bytes > 0)
         req.seq_id, req.resume_state = None, rs
         req.state = RequestState.PAUSED
-        req.num_pauses += 1
         self._residents.remove(req)
         self._paused.append(req)
         self._paused.sort(key=lambda r: r.ticket)

@@ -50,7 +50,6 @@ class Request:
     last_chunk_cycle: int = -1
     admit_time: Optional[float] = None
     first_token_time: Optional[float] = None
-    num_pauses: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

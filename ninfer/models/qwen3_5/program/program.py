@@ -84,14 +84,6 @@ class Program:
 
     # ---- capacity queries (check / act pairs) ---------------------------------------------------
     @property
-    def num_free_slots(self) -> int:
-        return self.slots.num_free
-
-    @property
-    def num_free_pages(self) -> int:
-        return self.pages.num_free
-
-    @property
     def host_bytes_used(self) -> int:
         return sum(self._snapshots.values())
 
