@@ -294,8 +294,9 @@ class EngineCore:
                             self.program.is_protected(req.seq_id), req.last_chunk_cycle)
 
     def _plan_and_reserve(self) -> tuple:
-        plan = self.scheduler.plan([self._view(r) for r in self._residents])
-        members = [self._view(r) for r in plan.members]
+        views = [self._view(r) for r in self._residents]
+        plan = self.scheduler.plan(views)
+        members = [v for v in views if v.key in plan.members]
         granted = set()
         for req in self.scheduler.reservation_order(members):
             if req in self._residents and self._reserve(req):
