@@ -11,8 +11,8 @@ one sync per step as an engine needs), host time per decode step, prefill tok/s 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import sys
 import time
 
@@ -158,7 +158,7 @@ def decode_batch(B, ctx, page_size, pages_per_row, rng, V):
                         state_slots=np.arange(B, dtype=np.int32))
 
 
-def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log):
+def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
@@ -167,7 +167,6 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
                          page_size=page, prefill_chunk=max(prefill_sizes))
     t0 = time.perf_counter()
     model = CudaModel(cfg_m, opts, random_seed=1234, max_tokens=max(prefill_sizes))
-    d.Device  # noqa: B018
     model.stream.synchronize()
     log(f"[{name}] model built in {time.perf_counter() - t0:.1f}s "
         f"(arena {model.arena.capacity / 2**30:.1f} GiB)")
@@ -182,7 +181,7 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
             batch = decode_batch(B, ctx, page, pages_per_row, rng, cfg.vocab_size)
             for _ in range(3):
                 model.decode_greedy(batch, kv, state)
-            host, gpu_ms = [], []
+            host, gpu_ms, parts = [], [], []
             t0 = time.perf_counter()
             for _ in range(steps):
                 ev0.record(model.stream)
@@ -190,14 +189,24 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
                 ev1.record(model.stream)
                 ev1.synchronize()
                 host.append(model.last_host_us)
+                parts.append(model.last_host_breakdown_us)
                 gpu_ms.append(ev0.elapsed_ms(ev1))
             wall = (time.perf_counter() - t0) / steps
             limit_s = step_bytes(cfg, B, ctx) / bw
             step_s = float(np.median(gpu_ms)) / 1e3
             rows.append(dict(shape=name, kind="decode", B=B, ctx=ctx, step_ms=step_s * 1e3,
                              wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
+                             host_parts_us=[float(x) for x in np.median(np.array(parts), 0)],
                              limit_ms=limit_s * 1e3, ratio=limit_s / step_s))
             log(json.dumps(rows[-1]))
+            if profile and B == 1:
+                model.options = dataclasses.replace(opts, graphs=False)   # eager, same kernels
+                model.runner.profile = []
+                model.decode_greedy(batch, kv, state)
+                prof = model.runner.profile_summary()
+                model.options = opts
+                log(f"[{name}] decode B=1 ctx={ctx} time by kernel (ms, eager): " +
+                    json.dumps({k: round(v, 3) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])}))
     for T in prefill_sizes:
         toks = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
         table = np.arange(pages_per_row, dtype=np.int32).reshape(1, -1)
@@ -209,6 +218,12 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
             model.decode_greedy(batch, kv, state)
             times.append(time.perf_counter() - t0)
         t = min(times)
+        if profile and T == 4096:
+            model.runner.profile = []
+            model.decode_greedy(batch, kv, state)
+            prof = model.runner.profile_summary()
+            log(f"[{name}] prefill {T} time by kernel (ms, events around each launch): " +
+                json.dumps({k: round(v, 2) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])}))
         flops = prefill_flops(cfg, T)
         rows.append(dict(shape=name, kind="prefill", T=T, ms=t * 1e3, tok_s=T / t,
                          tflops=flops / t / 1e12, limit_ms=flops / rate * 1e3,
@@ -226,6 +241,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of the 4096 prefill")
     args = ap.parse_args(argv)
     log = lambda s: print(s, flush=True)   # noqa: E731
     dev = d.Device(0)
@@ -237,7 +253,7 @@ def main(argv=None):
     for name in args.shapes.split(","):
         try:
             results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
-                                           ints(args.batches), args.steps, log)
+                                           ints(args.batches), args.steps, log, args.profile)
         except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             results["rows"].append(dict(shape=name, kind="error", error=str(exc)))

@@ -32,6 +32,8 @@ def all_specs():
         out.add(spec("attn_combine", hd=hd, nh=G * nkv))
     for E, K, norm in ((4, 2, True), (256, 8, True), (60, 3, False)):
         out.add(spec("router_topk", E=E, K=K, norm=norm))
+    for H, E in ((64, 8), (2048, 256), (130, 3)):
+        out.add(spec("router_fp32", H=H, E=E))
     for H, I, K in ((64, 32, 2), (2048, 512, 8)):
         out |= {spec("expert_gate_up", H=H, inter=I), spec("expert_down", H=H, inter=I),
                 spec("moe_combine", H=H, K=K)}

@@ -7,9 +7,9 @@ from .common import bf16_to_f32, f32_to_bf16, silu
 def silu_mul():
     def silu_mul_kernel(out, gu, gu_stride, gu_off, inter):
         # gu[t, off:off+inter] gate, [off+inter:off+2*inter] up (fp32) -> out [n, inter] bf16
-        # grid (ceil(inter/256), n)
-        j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        t = cuda.blockIdx.y
+        # grid (n, ceil(inter/256)): rows on x (up to 2^31 - 1 rows)
+        j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        t = cuda.blockIdx.x
         if j < inter:
             b = t * gu_stride + gu_off
             out[t * inter + j] = f32_to_bf16(silu(gu[b + j]) * gu[b + inter + j])

@@ -51,31 +51,38 @@ def paged_attention(hd, G, nkv):
             mx[gi] = NEG_INF
             sm[gi] = float32(0.0)
         kp = cuda.local.array(NC2, float32)
-        for key in range(k0 + w, k1, WARPS):
-            page = block_tables[r * bt_stride + key // page_size]
+        vp = cuda.local.array(NC2, float32)
+        key = k0 + w
+        page_next = 0
+        if key < k1:
+            page_next = block_tables[r * bt_stride + key // page_size]
+        while key < k1:
+            # the next key's page id is fetched one step ahead (a dependent load otherwise)
+            page = page_next
+            key_next = key + WARPS
+            if key_next < k1:
+                page_next = block_tables[r * bt_stride + key_next // page_size]
             rb = ((page * page_size + key % page_size) * nkv + g) * HP
             for c in range(NC):
                 p = k_cache[rb + lane + 32 * c]
                 kp[2 * c] = bf16x2_lo(p)
                 kp[2 * c + 1] = bf16x2_hi(p)
+                pv = v_cache[rb + lane + 32 * c]
+                vp[2 * c] = bf16x2_lo(pv)
+                vp[2 * c + 1] = bf16x2_hi(pv)
             for gi in range(G):
                 d = float32(0.0)
-                for c in range(2 * NC):
-                    d += qv[gi * 2 * NC + c] * kp[c]
+                for c in range(NC2):
+                    d += qv[gi * NC2 + c] * kp[c]
                 d = warp_sum(d)
                 m_new = max(mx[gi], d)
                 corr = math.exp(mx[gi] - m_new)
                 pw = math.exp(d - m_new)
                 sm[gi] = sm[gi] * corr + pw
                 mx[gi] = m_new
-                for c in range(2 * NC):
-                    acc[gi * 2 * NC + c] *= corr
-                # reuse kp slot order for v below; store weight in the score register
-                qv_w = pw
-                for c in range(NC):
-                    pv = v_cache[rb + lane + 32 * c]
-                    acc[gi * 2 * NC + 2 * c] += qv_w * bf16x2_lo(pv)
-                    acc[gi * 2 * NC + 2 * c + 1] += qv_w * bf16x2_hi(pv)
+                for c in range(NC2):
+                    acc[gi * NC2 + c] = acc[gi * NC2 + c] * corr + pw * vp[c]
+            key = key_next
         # merge the 4 warps through shared memory
         sh_m = cuda.shared.array((WARPS, G), float32)
         sh_l = cuda.shared.array((WARPS, G), float32)

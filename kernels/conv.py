@@ -16,7 +16,9 @@ def conv_silu(K, dk, dv, nk, nv):
     KM1 = K - 1
 
     def conv_silu_kernel(out, proj, proj_stride, w, conv_state, token_row, query_start,
-                         context_lens, state_slots):
+                         context_lens, state_slots, decode):
+        # decode != 0: every row brings one token, so this thread alone reads and then rewrites
+        # its channel's window (no conv_state_update launch, one graph node less per layer)
         scratch = cuda.shared.array(32, float32)
         t = cuda.blockIdx.x
         h = cuda.blockIdx.y
@@ -45,6 +47,11 @@ def conv_silu(K, dk, dv, nk, nv):
                     xv = float32(0.0)
                 acc += w[c * K + tap] * xv
             y = silu(acc)
+            if decode != 0:
+                base = (slot * C + c) * KM1
+                for m in range(KM1 - 1):
+                    conv_state[base + m] = conv_state[base + m + 1] if ctx > 0 else float32(0.0)
+                conv_state[base + KM1 - 1] = proj[t * proj_stride + c]
         if h < 2 * nk:
             tot = block_sum(y * y, scratch)
             y = y / math.sqrt(tot + float32(1e-6))

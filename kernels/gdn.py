@@ -21,6 +21,7 @@ def gdn_recurrent(dk, dv, nk, nv):
     SL = dk // KS
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
+    QL = (dk + VB * KS - 1) // (VB * KS)     # q/k elements each thread stages per token
 
     def gdn_recurrent_kernel(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, state,
                              query_start, context_lens, state_slots):
@@ -45,15 +46,37 @@ def gdn_recurrent(dk, dv, nk, nv):
         dtb = dt_bias[h]
         t0 = query_start[r]
         t1 = query_start[r + 1]
+        # software pipeline: token t+1's inputs are loaded into registers while t computes
+        qn = cuda.local.array(QL, float32)
+        kn = cuda.local.array(QL, float32)
+        for c in range(QL):
+            m = tid + c * VB * KS
+            if m < dk:
+                qn[c] = qkv[t0 * C + kh * dk + m]
+                kn[c] = qkv[t0 * C + nk * dk + kh * dk + m]
+        an = proj[t0 * proj_stride + a_off + h]
+        bn = proj[t0 * proj_stride + b_off + h]
+        vn = qkv[t0 * C + 2 * nk * dk + h * dv + v]
         for t in range(t0, t1):
-            for m in range(tid, dk, VB * KS):
-                qs[m] = qkv[t * C + kh * dk + m]
-                kk[m] = qkv[t * C + nk * dk + kh * dk + m]
-            pb = t * proj_stride
-            decay = math.exp(neg_a * softplus(proj[pb + a_off + h] + dtb))
-            beta = sigmoid(proj[pb + b_off + h])
-            vv = qkv[t * C + 2 * nk * dk + h * dv + v]
+            for c in range(QL):
+                m = tid + c * VB * KS
+                if m < dk:
+                    qs[m] = qn[c]
+                    kk[m] = kn[c]
+            decay = math.exp(neg_a * softplus(an + dtb))
+            beta = sigmoid(bn)
+            vv = vn
             cuda.syncthreads()
+            if t + 1 < t1:
+                tn = t + 1
+                for c in range(QL):
+                    m = tid + c * VB * KS
+                    if m < dk:
+                        qn[c] = qkv[tn * C + kh * dk + m]
+                        kn[c] = qkv[tn * C + nk * dk + kh * dk + m]
+                an = proj[tn * proj_stride + a_off + h]
+                bn = proj[tn * proj_stride + b_off + h]
+                vn = qkv[tn * C + 2 * nk * dk + h * dv + v]
             part = float32(0.0)
             for i in range(SL):
                 S[i] = S[i] * decay

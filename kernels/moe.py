@@ -7,7 +7,8 @@ import math
 
 from numba import cuda, float32, int32
 
-from .common import bf16x2_hi, bf16x2_lo, sigmoid, silu, warp_sum
+from .common import (bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, f32_to_bf16, sigmoid, silu,
+                     warp_sum)
 
 THREADS = 256
 
@@ -108,7 +109,8 @@ def expert_gate_up(H, inter):
         g = warp_sum(g)
         u = warp_sum(u)
         if lane == 0:
-            act[pair * inter + j] = silu(g) * u
+            # rounded to bf16 like the grouped (cuBLASLt) path's GEMM input, so both paths agree
+            act[pair * inter + j] = bf16_to_f32(f32_to_bf16(silu(g) * u))
     return expert_gate_up_kernel
 
 
@@ -134,14 +136,59 @@ def expert_down(H, inter):
 
 
 def moe_combine(H, K):
-    def moe_combine_kernel(h, y, weights, shared, gate_logit, gate_stride):
-        # grid (ceil(H/256), n): h += sigmoid(gate) * shared + sum_k w_k * y_k
+    def moe_combine_kernel(h, y, y_row, use_rows, weights, shared, gate_logit, gate_stride):
+        # grid (ceil(H/256), n): h += sigmoid(gate) * shared + sum_k w_k * y[row(t, k)]
+        # row(t, k) = y_row[t*K + k] (grouped path, expert-sorted rows) or t*K + k
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         t = cuda.blockIdx.y
         if i >= H:
             return
         acc = sigmoid(gate_logit[t * gate_stride]) * shared[t * H + i]
         for k in range(K):
-            acc += weights[t * K + k] * y[(t * K + k) * H + i]
+            row = t * K + k
+            if use_rows != 0:
+                row = y_row[row]
+            acc += weights[t * K + k] * y[row * H + i]
         h[t * H + i] += acc
     return moe_combine_kernel
+
+
+def gather_rows():
+    def gather_rows_kernel(out, x, src_row, width):
+        # out[p, :] = x[src_row[p], :] (bf16 rows); grid (rows, ceil(width/256))
+        j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        p = cuda.blockIdx.x
+        if j < width:
+            out[p * width + j] = x[src_row[p] * width + j]
+    return gather_rows_kernel
+
+
+def router_fp32(H, E):
+    HP = H // 2
+
+    def router_fp32_kernel(logits, stride, w, h, norm_w, eps):
+        # grid (tokens,), block 256: logits[t, e] = W_e . rmsnorm(h_t) with the normalised row in
+        # fp32 (the GEMMs take it in bf16; routing is kept at fp32 input precision because a
+        # rounded input flips near-tie top-k choices). W (bf16 pairs) = the first E rows of w_rs.
+        xs = cuda.shared.array(H, float32)
+        scratch = cuda.shared.array(32, float32)
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        acc = float32(0.0)
+        for j in range(tid, H, 256):
+            v = h[t * H + j]
+            acc += v * v
+        inv = float32(1.0) / math.sqrt(block_sum(acc, scratch) / float32(H) + eps)
+        for j in range(tid, H, 256):
+            xs[j] = h[t * H + j] * inv * (float32(1.0) + norm_w[j])
+        cuda.syncthreads()
+        lane = tid & 31
+        for e in range(tid >> 5, E, 8):
+            d = float32(0.0)
+            for c in range(lane, HP, 32):
+                p = w[e * HP + c]
+                d += bf16x2_lo(p) * xs[2 * c] + bf16x2_hi(p) * xs[2 * c + 1]
+            d = warp_sum(d)
+            if lane == 0:
+                logits[t * stride + e] = d
+    return router_fp32_kernel

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_harness import TOL_MODEL_BF16, TOL_MODEL_BF16_MOE_FP32, rel_err
+from gpu_harness import TOL_MODEL_BF16, rel_err
 from tiny_model import TinyArtifact, tiny_config
 
 from ninfer.core.cuda import driver as d
@@ -70,21 +70,8 @@ def batch_for(seqs, rows, chunks, ctxs):
                         state_slots=np.asarray(rows, np.int32))
 
 
-@pytest.fixture
-def bf16_gemm_inputs(monkeypatch):
-    """The numpy backend with each norm output rounded to bf16, as the CUDA backend feeds its
-    GEMMs. Checked on the CPU: this alone moves the tiny MoE model's logits by 7.7% (routing
-    flips at near-ties) and the dense one's by 1.1%, so the CUDA model is compared to both."""
-    import ml_dtypes
-    import ninfer.ops as ops
-    orig = ops.rmsnorm_zero_centred
-    monkeypatch.setattr(ops, "rmsnorm_zero_centred", lambda *a, **k: orig(*a, **k).astype(
-        ml_dtypes.bfloat16).astype(np.float32))
-
-
-def test_prefill_logits_match_numpy(pair, seqs_of, request):
+def test_prefill_logits_match_numpy(pair, seqs_of):
     cpu, gpu = pair
-    moe = gpu.config.is_moe
     r = np.random.default_rng(1)
     V = cpu.config.text.vocab_size
     prompts = [r.integers(0, V, 13), r.integers(0, V, 1), r.integers(0, V, 29)]
@@ -93,12 +80,7 @@ def test_prefill_logits_match_numpy(pair, seqs_of, request):
     out = gpu.forward(batch_for(sg, rows, prompts, [0, 0, 0]), sg.kv, sg.state)
     ref = cpu.forward(batch_for(sc, rows, prompts, [0, 0, 0]), sc.kv, sc.state)
     assert out.shape == ref.shape == (3, V)
-    # plain fp32 numpy: dense within the bf16 tolerance; MoE within the measured routing-flip gap
-    assert rel_err(out, ref) < (TOL_MODEL_BF16_MOE_FP32 if moe else TOL_MODEL_BF16)
-    request.getfixturevalue("bf16_gemm_inputs")
-    sc2 = seqs_of(cpu)
-    emu = cpu.forward(batch_for(sc2, rows, prompts, [0, 0, 0]), sc2.kv, sc2.state)
-    assert rel_err(out, emu) < TOL_MODEL_BF16
+    assert rel_err(out, ref) < TOL_MODEL_BF16
     # all_logits: every position of the batch
     ref_all = cpu.forward(batch_for(sc, [3], [prompts[0]], [0]), sc.kv, sc.state, all_logits=True)
     out_all = gpu.forward(batch_for(sg, [3], [prompts[0]], [0]), sg.kv, sg.state, all_logits=True)
@@ -106,22 +88,38 @@ def test_prefill_logits_match_numpy(pair, seqs_of, request):
     assert rel_err(out_all, ref_all) < TOL_MODEL_BF16
 
 
-def test_greedy_continuation_identical(pair, seqs_of, bf16_gemm_inputs):
+def test_greedy_continuation_identical(pair, seqs_of):
+    """Free-running greedy on both backends: identical tokens until numpy's top-2 margin drops
+    under NEAR_TIE of the logits' spread (below bf16 activation resolution: the CPU run of this
+    model has a 0.4% near-tie at step 10); there CUDA must pick one of numpy's top two, and the
+    comparison stops. At least 8 steps must be compared."""
+    NEAR_TIE = 0.01
     cpu, gpu = pair
     r = np.random.default_rng(2)
     V = cpu.config.text.vocab_size
     prompt = r.integers(0, V, 11)
-    seqs = {"cpu": (cpu, seqs_of(cpu)), "gpu": (gpu, seqs_of(gpu))}
-    toks = {}
-    for name, (m, s) in seqs.items():
+    runs = {}
+    for name, m in (("cpu", cpu), ("gpu", gpu)):
+        s = seqs_of(m)
         logits = m.forward(batch_for(s, [0], [prompt], [0]), s.kv, s.state)
-        out, ctx = [int(np.argmax(logits[0]))], len(prompt)
-        for _ in range(10):
-            logits = m.forward(batch_for(s, [0], [np.array([out[-1]])], [ctx]), s.kv, s.state)
-            out.append(int(np.argmax(logits[0])))
+        toks, tops, ctx = [], [], len(prompt)
+        for _ in range(12):
+            order = np.argsort(-logits[0])
+            toks.append(int(order[0]))
+            tops.append((order[:2].tolist(), float(logits[0, order[0]] - logits[0, order[1]]),
+                         float(logits[0].std())))
+            logits = m.forward(batch_for(s, [0], [np.array([toks[-1]])], [ctx]), s.kv, s.state)
             ctx += 1
-        toks[name] = out
-    assert toks["gpu"] == toks["cpu"]
+        runs[name] = (toks, tops)
+    compared = 0
+    for i, (tc, tg) in enumerate(zip(runs["cpu"][0], runs["gpu"][0])):
+        top2, margin, spread = runs["cpu"][1][i]
+        if margin < NEAR_TIE * spread:
+            assert tg in top2, f"step {i}: cuda token {tg} not in numpy's near-tied top-2 {top2}"
+            break
+        assert tg == tc, f"step {i}: cuda {tg} != numpy {tc} (numpy margin {margin:.3f})"
+        compared += 1
+    assert compared >= 8, f"only {compared} steps before a near-tie: pick another prompt"
 
 
 def _snapshot(s, rows, pages):

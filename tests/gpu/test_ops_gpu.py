@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from gpu_harness import TOL_BF16_OUT, TOL_F32, TOL_ROPE_F32, bf16_bits, bits_to_f64, rel_err
+from gpu_harness import (TOL_BF16_OUT, TOL_F32, TOL_ROPE_F32, bf16_bits, bf16_round, bits_to_f64,
+                         rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +67,7 @@ def test_silu_mul(g, n, inter, off):
     stride = 2 * inter + off + 1
     gu = r.standard_normal((n, stride)).astype(np.float32)
     out = g.empty((n, inter), np.uint16)
-    g.run("silu_mul", ((inter + 255) // 256, n), (256,), (out, g.put(gu), stride, off, inter))
+    g.run("silu_mul", (n, (inter + 255) // 256), (256,), (out, g.put(gu), stride, off, inter))
     gg = gu.astype(np.float64)
     ref = silu(gg[:, off: off + inter]) * gg[:, off + inter: off + 2 * inter]
     assert rel_err(bits_to_f64(g.get(out)), ref) < TOL_BF16_OUT
@@ -141,10 +142,13 @@ def test_conv_silu_l2norm_and_state(g, lengths, ctxs):
     out = g.empty((n, C), np.float32)
     dstate = g.put(state)
     dproj = g.put(proj)
-    args = (out, dproj, P, g.put(w), dstate, g.put(token_row), g.put(qs), g.put(ctx), g.put(slots))
+    decode = int(n == b)        # one token per row: the conv kernel updates the state itself
+    args = (out, dproj, P, g.put(w), dstate, g.put(token_row), g.put(qs), g.put(ctx), g.put(slots),
+            decode)
     g.run("conv_silu", (n, 2 * nk + nv), (64,), args, params)
-    g.run("conv_state_update", ((C + 127) // 128, b), (128,),
-          (dstate, dproj, P, g.put(qs), g.put(ctx), g.put(slots)), dict(K=K, C=C))
+    if not decode:
+        g.run("conv_state_update", ((C + 127) // 128, b), (128,),
+              (dstate, dproj, P, g.put(qs), g.put(ctx), g.put(slots)), dict(K=K, C=C))
     ref, ref_state = conv_oracle(proj, P, w, state, qs, ctx, slots, K)
     qk = ref[:, :2 * nk * dk].reshape(n, 2 * nk, dk)
     qk = qk / np.sqrt((qk ** 2).sum(-1, keepdims=True) + 1e-6)
@@ -364,6 +368,21 @@ def test_router_topk(g, E, K, norm, n):
     assert rel_err(g.get(wts), ref_w) < TOL_F32
 
 
+@pytest.mark.parametrize("H,E,n", [(64, 8, 1), (2048, 256, 5), (130, 3, 2)])
+def test_router_fp32_from_residual(g, H, E, n):
+    r = rng(H * E + n)
+    h = (3 * r.standard_normal((n, H))).astype(np.float32)
+    nw = (0.2 * r.standard_normal(H)).astype(np.float32)
+    w = bf16_bits(r.standard_normal((E + 5, H)) / math.sqrt(H))        # router rows first
+    stride = E + 9
+    logits = g.empty((n, stride), np.float32)
+    g.run("router_fp32", (n,), (256,), (logits, stride, g.put(w.view(np.uint32)), g.put(h), g.put(nw),
+                                       1e-6), dict(H=H, E=E))
+    x = zc_norm(h.astype(np.float64), nw)
+    ref = x @ bits_to_f64(w)[:E].T
+    assert rel_err(g.get(logits)[:, :E], ref) < TOL_F32
+
+
 @pytest.mark.parametrize("H,I,E,K,n", [(64, 32, 4, 2, 1), (2048, 512, 16, 8, 3)])
 def test_grouped_experts_and_combine(g, H, I, E, K, n):
     r = rng(H + I + n)
@@ -382,16 +401,34 @@ def test_grouped_experts_and_combine(g, H, I, E, K, n):
           g.put(wgu.view(np.uint32)), g.put(ids), K), dict(H=H, inter=I))
     g.run("expert_down", (n * K, (H + 3) // 4), (128,), (y, act, g.put(wd.view(np.uint32)), g.put(ids)),
           dict(H=H, inter=I))
-    g.run("moe_combine", ((H + 255) // 256, n), (256,), (h, y, g.put(wts), g.put(shared), g.put(glog), gst),
-          dict(H=H, K=K))
+    g.run("moe_combine", ((H + 255) // 256, n), (256,),
+          (h, y, 0, 0, g.put(wts), g.put(shared), g.put(glog), gst), dict(H=H, K=K))
     xf, gu, dn = bits_to_f64(x), bits_to_f64(wgu), bits_to_f64(wd)
     ref = h0.astype(np.float64) + shared / (1 + np.exp(-glog[:, :1].astype(np.float64)))
     for t in range(n):
         for k in range(K):
             e = ids[t, k]
-            a = silu(gu[e, :I] @ xf[t]) * (gu[e, I:] @ xf[t])
+            a = bf16_round(silu(gu[e, :I] @ xf[t]) * (gu[e, I:] @ xf[t]))   # act feeds a bf16 GEMM
             ref[t] += wts[t, k] * (dn[e] @ a)
-    assert rel_err(g.get(h), ref) < 1e-5
+    assert rel_err(g.get(h), ref) < TOL_BF16_OUT
+    # the same combine reading expert-sorted rows through a row map (grouped path)
+    perm = r.permutation(n * K).astype(np.int32)
+    y_sorted = np.empty_like(g.get(y))
+    y_sorted[perm] = g.get(y)
+    h2 = g.put(h0)
+    g.run("moe_combine", ((H + 255) // 256, n), (256,),
+          (h2, g.put(y_sorted), g.put(perm), 1, g.put(wts), g.put(shared), g.put(glog), gst),
+          dict(H=H, K=K))
+    assert np.array_equal(g.get(h2), g.get(h))
+
+
+def test_gather_rows(g):
+    r = rng(11)
+    x = bf16_bits(r.standard_normal((9, 300)))
+    src = r.integers(0, 9, 23).astype(np.int32)
+    out = g.empty((23, 300), np.uint16)
+    g.run("gather_rows", (23, (300 + 255) // 256), (256,), (out, g.put(x), g.put(src), 300))
+    assert np.array_equal(g.get(out), x[src])
 
 
 # ---- sampling -----------------------------------------------------------------------------------

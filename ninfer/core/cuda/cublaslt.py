@@ -20,6 +20,7 @@ CUDA_R_16BF = 14
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 PREF_MAX_WORKSPACE_BYTES = 1
+PREF_MIN_ALIGNMENT = (5, 6, 7, 8)     # A, B, C, D bytes (uint32, default 256)
 
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED",
                 3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",
@@ -60,6 +61,16 @@ def load_library():
                       + "; ".join(errors[-2:]))
 
 
+def alignment(*ptrs) -> int:
+    """Largest power of two (<= 256) dividing every address."""
+    a = 256
+    for p in ptrs:
+        p = int(p)
+        while a > 1 and p % a:
+            a //= 2
+    return a
+
+
 class Plan:
     __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta")
 
@@ -87,19 +98,34 @@ class CublasLt:
         self.handle = vp()
         lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace_ptr, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
-        self.pref = vp()
-        lt_check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(self.pref)),
-                 "cublasLtMatmulPreferenceCreate")
-        ws = ctypes.c_uint64(self.workspace_bytes)
-        lt_check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES,
-                                                          ctypes.byref(ws), 8),
-                 "cublasLtMatmulPreferenceSetAttribute")
+        self._prefs = {}
         self._plans = {}
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.calls = 0
 
-    def plan(self, m: int, n: int, k: int, beta: float = 0.0) -> Plan:
-        key = (int(m), int(n), int(k), float(beta))
+    def _pref(self, align: int):
+        """Heuristic preferences for buffers aligned to `align` bytes (sub-views of the grouped
+        MoE path can be less aligned than cuBLASLt's default assumption of 256)."""
+        pref = self._prefs.get(align)
+        if pref is None:
+            lib = self.lib
+            pref = ctypes.c_void_p()
+            lt_check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
+                     "cublasLtMatmulPreferenceCreate")
+            ws = ctypes.c_uint64(self.workspace_bytes)
+            lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES,
+                                                              ctypes.byref(ws), 8),
+                     "set MAX_WORKSPACE_BYTES")
+            if align < 256:
+                a = ctypes.c_uint32(align)
+                for attr in PREF_MIN_ALIGNMENT:
+                    lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(a), 4),
+                             "set MIN_ALIGNMENT")
+            self._prefs[align] = pref
+        return pref
+
+    def plan(self, m: int, n: int, k: int, beta: float = 0.0, align: int = 256) -> Plan:
+        key = (int(m), int(n), int(k), float(beta), int(align))
         p = self._plans.get(key)
         if p is not None:
             return p
@@ -120,7 +146,7 @@ class CublasLt:
         lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n), "layout C")
         res = (HeuristicResult * 1)()
         count = ctypes.c_int(0)
-        lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, self.pref, 1,
+        lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, self._pref(align), 1,
                                                     res, ctypes.byref(count)),
                  f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k})")
         if count.value < 1:
@@ -135,7 +161,7 @@ class CublasLt:
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
              beta: float = 0.0) -> None:
         """y[m, n] (fp32) = x[m, k] (bf16) @ w[n, k]^T (bf16) + beta * y."""
-        p = self.plan(m, n, k, beta)
+        p = self.plan(m, n, k, beta, alignment(x_ptr, w_ptr, y_ptr))
         a, b, c = p.layouts
         beta_c = self._zero if beta == 0.0 else (self._one if beta == 1.0 else ctypes.c_float(beta))
         self.calls += 1

@@ -57,6 +57,7 @@ class CudaModel:
             self.close()
             raise
         self.last_host_us = 0.0
+        self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
         self._graphs = {}
         del cfg
 
@@ -95,6 +96,7 @@ class CudaModel:
         self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE)
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
+        self.route_host = _d.PinnedBuffer(3 * n_cap * max(cfg.num_experts_per_tok, 1) * 4)
         self.weights = self._load_weights(artifact, random_seed, tied)
         self.kernels.load_all()
         self.runner = StepRunner(self)
@@ -127,7 +129,8 @@ class CudaModel:
             + 4 * cfg.linear_value_dim
         if cfg.is_moe:
             K = cfg.num_experts_per_tok
-            per_tok += 8 * K + 4 * K * (cfg.moe_intermediate_size + H) + 4 * H
+            I = cfg.moe_intermediate_size
+            per_tok += 8 * K + 4 * K * (I + H) + 4 * H + K * (2 * H + 8 * I + 2 * I + 8)
         part = part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
         head = self.lg_cap * (2 * H + 4 * cfg.vocab_size + 4)
         meta = self.eager_layout.nbytes + self.decode_layout.nbytes
@@ -190,10 +193,62 @@ class CudaModel:
         return pool
 
     # ---- compute ------------------------------------------------------------------------------
+    @staticmethod
+    def _validate_plan(batch: ForwardBatch, page_size: int) -> None:
+        """ForwardBatch.validate's rules, vectorised (it runs on every decode step)."""
+        B, N = batch.num_rows, batch.num_tokens
+        qs = np.asarray(batch.query_start)
+        if qs.shape != (B + 1,) or qs[0] != 0 or qs[-1] != N or np.any(qs[1:] < qs[:-1]):
+            raise ValueError(f"ForwardBatch: bad query_start {qs} for {N} tokens")
+        if batch.positions.shape != (3, N):
+            raise ValueError(f"ForwardBatch: positions shape {batch.positions.shape} != (3, {N})")
+        bt = np.asarray(batch.block_tables)
+        if bt.ndim != 2 or bt.shape[0] != B or np.shape(batch.state_slots) != (B,):
+            raise ValueError("ForwardBatch: block_tables / state_slots do not match the rows")
+        need = (np.asarray(batch.context_lens) + (qs[1:] - qs[:-1]) + page_size - 1) // page_size
+        width = int(need.max(initial=0))
+        if width > bt.shape[1] or np.any((bt[:, :width] < 0) &
+                                         (np.arange(width) < need[:, None])):
+            r = int(np.argmax(need > bt.shape[1])) if width > bt.shape[1] else \
+                int(np.nonzero(np.any((bt[:, :width] < 0) & (np.arange(width) < need[:, None]), 1))[0][0])
+            raise ValueError(f"ForwardBatch: row {r} block table does not cover "
+                             f"{int(batch.context_lens[r] + qs[r + 1] - qs[r])} tokens")
+
+    def _check_decode(self, batch: ForwardBatch, kv, state) -> None:
+        """_check for rows of one token each, in plain Python over B <= 8 values (it runs on every
+        decode step; numpy calls on tiny arrays cost more than the work)."""
+        cfg = self.text
+        B = batch.num_rows
+        if batch.query_start.tolist() != list(range(B + 1)) or batch.positions.shape != (3, B) or \
+                np.shape(batch.state_slots) != (B,) or batch.block_tables.ndim != 2 or \
+                batch.block_tables.shape[0] != B:
+            raise ValueError("ForwardBatch: decode rows must bring one token each; query_start, "
+                             "positions, state_slots and block_tables must match the rows")
+        ids = batch.token_ids.tolist()
+        if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+            raise ValueError(f"ForwardBatch: token id out of range [0, {cfg.vocab_size})")
+        if cfg.linear_layer_ids:
+            slots = batch.state_slots.tolist()
+            if len(set(slots)) != B or min(slots) < 0 or max(slots) >= state.num_slots:
+                raise ValueError(f"ForwardBatch: state slots {slots} must be distinct and "
+                                 f"< {state.num_slots}")
+        if cfg.attention_layer_ids:
+            ps, bt = kv.page_size, batch.block_tables
+            need = [c // ps + 1 for c in batch.context_lens.tolist()]
+            width = max(need)
+            if width > bt.shape[1] or width > self.p_cap:
+                raise ValueError(f"ForwardBatch: a row needs {width} pages; its block table has "
+                                 f"{bt.shape[1]} (max_context allows {self.p_cap})")
+            used = bt[:, :width]
+            if used.min() < 0 and np.any((used < 0) & (np.arange(width) < np.array(need)[:, None])):
+                raise ValueError("ForwardBatch: a row's block table does not cover its tokens")
+            if used.max() >= kv.num_pages:
+                raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
+
     def _check(self, batch: ForwardBatch, kv, state) -> None:
         cfg = self.text
         if cfg.attention_layer_ids:
-            batch.validate(kv.page_size)
+            self._validate_plan(batch, kv.page_size)
         n, b = batch.num_tokens, batch.num_rows
         lengths = batch.row_lengths()
         if b < 1 or np.any(lengths < 1):
@@ -226,30 +281,34 @@ class CudaModel:
                            self.stream)
 
     def _is_decode(self, batch) -> bool:
-        return bool(getattr(self.options, "graphs", True)) and batch.num_rows <= self.b_cap and \
-            batch.num_tokens == batch.num_rows
+        return bool(getattr(self.options, "graphs", True)) and 0 < batch.num_rows <= self.b_cap \
+            and batch.num_tokens == batch.num_rows
 
     def forward(self, batch: ForwardBatch, kv, state, *, all_logits: bool = False) -> np.ndarray:
         """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits."""
-        self._check(batch, kv, state)
+        self._t_entry = time.perf_counter()
         V = self.text.vocab_size
         if not all_logits and self._is_decode(batch):
+            self._check_decode(batch, kv, state)
             B = batch.num_rows
             self._decode_launch(batch, kv, state)
             _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, B * V * 4, self.stream)
             self.stream.synchronize()
             return self.out_host.view(np.float32, 0, B * V).reshape(B, V).copy()
+        self._check(batch, kv, state)
         out_rows = np.arange(batch.num_tokens, dtype=np.int32) if all_logits else \
             (np.asarray(batch.query_start[1:], np.int32) - 1)
         return self._eager(batch, kv, state, out_rows)
 
     def decode_greedy(self, batch: ForwardBatch, kv, state) -> np.ndarray:
         """Argmax token of each row (device-side), through the graph when the batch is a decode."""
-        self._check(batch, kv, state)
+        self._t_entry = time.perf_counter()
         B = batch.num_rows
         if self._is_decode(batch):
+            self._check_decode(batch, kv, state)
             self._decode_launch(batch, kv, state)
         else:
+            self._check(batch, kv, state)
             self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
                         want_logits=False)
         _d.copy_dtoh_async(self.out_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
@@ -303,16 +362,24 @@ class CudaModel:
         t0 = time.perf_counter()
         B = batch.num_rows
         g = self._graph(B, kv, state)
-        self._upload_meta(self.decode_layout, self.decode_meta, self.eager_layout.nbytes, batch,
-                          np.arange(B, dtype=np.int32))
+        t1 = time.perf_counter()
+        lay, off = self.decode_layout, self.eager_layout.nbytes
+        nbytes = lay.pack_decode(self.staging.view(np.int32, off, lay.count), batch)
+        _d.copy_htod_async(self.decode_meta.base, self.staging.ptr + off, nbytes, self.stream)
+        t2 = time.perf_counter()
         g.launch()
-        self.last_host_us = (time.perf_counter() - t0) * 1e6
+        t3 = time.perf_counter()
+        t_in = getattr(self, "_t_entry", t0)
+        self.last_host_us = (t3 - t_in) * 1e6
+        # (checks, graph lookup, metadata pack + async copy, cuGraphLaunch) in microseconds
+        self.last_host_breakdown_us = ((t0 - t_in) * 1e6, (t1 - t0) * 1e6, (t2 - t1) * 1e6,
+                                       (t3 - t2) * 1e6)
 
     def close(self) -> None:
         for g, _, _ in getattr(self, "_graphs", {}).values():
             g.destroy()
         self._graphs = {}
-        for buf in ("staging", "out_host"):
+        for buf in ("staging", "out_host", "route_host"):
             b = getattr(self, buf, None)
             if b is not None:
                 b.free()

@@ -16,7 +16,7 @@ SIGS = {
     "random_bf16": ("fill", "random_bf16", ("u16*", "i64", "u32", "f32", "f32")),
     "random_f32": ("fill", "random_f32", ("f32*", "i64", "u32", "f32", "f32")),
     "conv_silu": ("conv", "conv_silu",
-                  ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*")),
+                  ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*", "i32")),
     "conv_state_update": ("conv", "conv_state_update",
                           ("f32*", "f32*", "i32", "i32*", "i32*", "i32*")),
     "gdn_recurrent": ("gdn", "gdn_recurrent",
@@ -32,7 +32,10 @@ SIGS = {
     "router_topk": ("moe", "router_topk", ("i32*", "f32*", "f32*", "i32")),
     "expert_gate_up": ("moe", "expert_gate_up", ("f32*", "u32*", "u32*", "i32*", "i32")),
     "expert_down": ("moe", "expert_down", ("f32*", "f32*", "u32*", "i32*")),
-    "moe_combine": ("moe", "moe_combine", ("f32*", "f32*", "f32*", "f32*", "f32*", "i32")),
+    "moe_combine": ("moe", "moe_combine",
+                    ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32")),
+    "gather_rows": ("moe", "gather_rows", ("u16*", "u16*", "i32*", "i32")),
+    "router_fp32": ("moe", "router_fp32", ("f32*", "i32", "u32*", "f32*", "f32*", "f32")),
     "argmax": ("sample", "argmax", ("i32*", "f32*", "i32")),
     "gumbel_sample": ("sample", "gumbel_sample", ("i32*", "f32*", "i32", "f32*", "i32*", "i32*")),
 }
@@ -68,6 +71,8 @@ def geometry_specs(cfg: TextConfig) -> dict:
         specs["expert_gate_up"] = spec("expert_gate_up", H=H, inter=inter)
         specs["expert_down"] = spec("expert_down", H=H, inter=inter)
         specs["moe_combine"] = spec("moe_combine", H=H, K=k)
+        specs["gather_rows"] = spec("gather_rows")
+        specs["router_fp32"] = spec("router_fp32", H=H, E=E)
     return specs
 
 
@@ -84,7 +89,8 @@ def check_geometry(cfg: TextConfig) -> None:
     if cfg.is_moe:
         rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
                    "even hidden and moe_intermediate sizes"),
-                  (cfg.num_experts <= 4096, "num_experts <= 4096")]
+                  (cfg.num_experts <= 4096, "num_experts <= 4096"),
+                  (cfg.hidden_size <= 8192, "hidden_size <= 8192 (router row in shared memory)")]
     for ok, rule in rules:
         if not ok:
             raise ValueError(f"backend 'cuda': unsupported geometry, needs {rule}")

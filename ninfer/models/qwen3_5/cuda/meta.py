@@ -56,6 +56,33 @@ class MetaLayout:
         tables[:, :w] = bt[:, :w]
 
 
+    def pack_decode(self, host: np.ndarray, batch) -> int:
+        """Fast path for rows of one token each (the decode step): one list write for the small
+        fields, one 2-D write for the block tables. Returns the bytes to copy."""
+        b, n = batch.num_rows, self.n_cap
+        o = self.offsets
+        small = [0] * o["block_tables"]
+        ids = batch.token_ids.tolist()
+        small[o["token_ids"]: o["token_ids"] + b] = ids
+        small[o["token_row"]: o["token_row"] + b] = range(b)
+        pos = batch.positions.tolist()
+        for axis in range(3):
+            s = o["positions"] + axis * n
+            small[s: s + b] = pos[axis]
+        small[o["out_rows"]: o["out_rows"] + b] = range(b)
+        small[o["query_start"]: o["query_start"] + b + 1] = range(b + 1)
+        small[o["context_lens"]: o["context_lens"] + b] = batch.context_lens.tolist()
+        small[o["state_slots"]: o["state_slots"] + b] = batch.state_slots.tolist()
+        host[: o["block_tables"]] = small
+        bt = batch.block_tables
+        w = min(bt.shape[1], self.p_cap)
+        tables = host[o["block_tables"]: o["block_tables"] + b * self.p_cap].reshape(b, self.p_cap)
+        tables[:, :w] = bt[:, :w]
+        if w < self.p_cap:
+            tables[:, w:] = -1
+        return self.used_bytes(b)
+
+
 class DeviceMeta:
     """Device addresses of one MetaLayout region."""
 

@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from ....core.cuda import driver as _d
+from ....core.cuda.cublaslt import alignment
 from ..config import FULL_ATTENTION, TextConfig
 
 
@@ -57,19 +59,25 @@ class Workspace:
             self.mact = take((n * K, I), np.float32, ws)
             self.my = take((n * K, H), np.float32, ws)
             self.shared = take((n, H), np.float32, ws)
+            # grouped path (prefill): expert-sorted copies of the routed rows
+            self.xg = take((n * K, H), np.uint16, ws)
+            self.gu = take((n * K, 2 * I), np.float32, ws)
+            self.gact = take((n * K, I), np.uint16, ws)
+            self.route = take((2, n * K), np.int32, ws)      # [sorted row -> token | pair -> row]
         self.xf = take((lg_cap, H), np.uint16, ws)
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
 
 
 def attention_splits(n: int, nkv: int, num_sms: int) -> int:
-    """Key splits per (token, kv head): enough blocks to cover the SMs twice, at most 32."""
-    return max(1, min(32, math.ceil(2 * num_sms / max(n * nkv, 1))))
+    """Key splits per (token, kv head): about 4 blocks per SM, at most 128 (a warp walks its keys
+    serially, so long contexts need many splits to keep loads in flight)."""
+    return max(1, min(128, math.ceil(4 * num_sms / max(n * nkv, 1))))
 
 
 def part_rows_needed(n_cap: int, nkv: int, num_sms: int) -> int:
     return max(n * attention_splits(n, nkv, num_sms) for n in
-               list(range(1, min(n_cap, 2 * num_sms) + 1)) + [n_cap])
+               list(range(1, min(n_cap, 4 * num_sms) + 1)) + [n_cap])
 
 
 class StepRunner:
@@ -80,19 +88,40 @@ class StepRunner:
         self.m = model
         self.cfg: TextConfig = model.text
         self.dry = False
+        self.profile = None          # list of (name, start event, end event) when profiling
 
     # -- primitives --------------------------------------------------------------------------------
+    def _timed(self, st, name, fn):
+        if self.profile is None:
+            fn()
+            return
+        e0, e1 = _d.Event(), _d.Event()
+        e0.record(st)
+        fn()
+        e1.record(st)
+        self.profile.append((name, e0, e1))
+
+    def profile_summary(self) -> dict:
+        """name -> total ms of the recorded launches (call after the stream is synchronised)."""
+        out = {}
+        for name, e0, e1 in self.profile or []:
+            out[name] = out.get(name, 0.0) + e0.elapsed_ms(e1)
+            e0.destroy()
+            e1.destroy()
+        self.profile = None
+        return out
+
     def gemm(self, st, x, w, y, m, n, k, beta=0.0):
         if self.dry:
-            self.m.lt.plan(m, n, k, beta)
+            self.m.lt.plan(m, n, k, beta, alignment(x, w, y))
             return
-        self.m.lt.gemm(st, x, w, y, m, n, k, beta)
+        self._timed(st, "gemm", lambda: self.m.lt.gemm(st, x, w, y, m, n, k, beta))
 
     def launch(self, st, kernel, grid, block, args, smem=0):
         k = getattr(self.m.kernels, kernel)
         if self.dry:
             return
-        k.launch(st, grid, block, args, smem)
+        self._timed(st, kernel, lambda: k.launch(st, grid, block, args, smem))
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, st, meta, n: int, b: int, n_out: int, kv, state, out_start: int = 0):
@@ -111,7 +140,7 @@ class StepRunner:
                 n_lin += 1
             self.rmsnorm(st, ws.x, ws.h, lw["post_norm"], n)
             if cfg.is_moe:
-                self.moe(st, n, lw)
+                self.moe(st, n, lw, ws.h)
             else:
                 self.mlp(st, n, lw)
         self.head(st, meta, n_out, out_start)
@@ -138,12 +167,14 @@ class StepRunner:
         P = C + Vd + 2 * nv
         self.gemm(st, ws.x.ptr, lw["w_in"].ptr, ws.proj.ptr, n, P, H)
         blk = (max(dk, dv) + 31) // 32 * 32
+        decode = int(n == b)
         self.launch(st, "conv_silu", (n, 2 * nk + nv), (blk,),
                     (ws.mid, ws.proj, P, lw["conv_w"], state.conv[l], meta.token_row,
-                     meta.query_start, meta.context_lens, meta.state_slots))
-        self.launch(st, "conv_state_update", ((C + 127) // 128, b), (128,),
-                    (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
-                     meta.state_slots))
+                     meta.query_start, meta.context_lens, meta.state_slots, decode))
+        if not decode:
+            self.launch(st, "conv_state_update", ((C + 127) // 128, b), (128,),
+                        (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
+                         meta.state_slots))
         self.launch(st, "gdn_recurrent", (b, nv, dv // 32), (128,),
                     (ws.core, ws.mid, ws.proj, P, C + Vd + nv, C + Vd, lw["a_log"], lw["dt_bias"],
                      state.recurrent[l], meta.query_start, meta.context_lens, meta.state_slots))
@@ -174,21 +205,63 @@ class StepRunner:
         cfg, ws = self.cfg, self.m.ws
         H, I = cfg.hidden_size, cfg.intermediate_size
         self.gemm(st, ws.x.ptr, lw["w_gu"].ptr, ws.proj.ptr, n, 2 * I, H)
-        self.launch(st, "silu_mul", ((I + 255) // 256, n), (256,), (ws.act, ws.proj, 2 * I, 0, I))
+        self.launch(st, "silu_mul", (n, (I + 255) // 256), (256,), (ws.act, ws.proj, 2 * I, 0, I))
         self.gemm(st, ws.act.ptr, lw["w_down"].ptr, ws.h.ptr, n, H, I, beta=1.0)
 
-    def moe(self, st, n, lw):
+    def moe(self, st, n, lw, h):
         cfg, ws = self.cfg, self.m.ws
         H, E, K = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
         I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         P = E + 2 * Is + 1
         self.gemm(st, ws.x.ptr, lw["w_rs"].ptr, ws.proj.ptr, n, P, H)
+        # router columns recomputed from the fp32 normalised row (see kernels/moe.router_fp32)
+        self.launch(st, "router_fp32", (n,), (256,),
+                    (ws.proj, P, lw["w_rs"], h, lw["post_norm"], cfg.rms_norm_eps))
         self.launch(st, "router_topk", (n,), (256,), (ws.ids, ws.wts, ws.proj, P))
-        self.launch(st, "silu_mul", ((Is + 255) // 256, n), (256,), (ws.act, ws.proj, P, E, Is))
+        self.launch(st, "silu_mul", (n, (Is + 255) // 256), (256,), (ws.act, ws.proj, P, E, Is))
         self.gemm(st, ws.act.ptr, lw["shared_down"].ptr, ws.shared.ptr, n, H, Is)
-        self.launch(st, "expert_gate_up", (n * K, (I + 3) // 4), (128,),
-                    (ws.mact, ws.x, lw["experts_gu"], ws.ids, K))
-        self.launch(st, "expert_down", (n * K, (H + 3) // 4), (128,),
-                    (ws.my, ws.mact, lw["experts_down"], ws.ids))
+        if n > self.m.b_cap and not self.dry:
+            self.experts_grouped(st, n, lw)
+            use_rows = 1
+        else:
+            # decode / small batches (and every graph): warp-per-row GEMVs over the K experts
+            self.launch(st, "expert_gate_up", (n * K, (I + 3) // 4), (128,),
+                        (ws.mact, ws.x, lw["experts_gu"], ws.ids, K))
+            self.launch(st, "expert_down", (n * K, (H + 3) // 4), (128,),
+                        (ws.my, ws.mact, lw["experts_down"], ws.ids))
+            use_rows = 0
         self.launch(st, "moe_combine", ((H + 255) // 256, n), (256,),
-                    (ws.h, ws.my, ws.wts, ws.shared, ws.proj.ptr + 4 * (E + 2 * Is), P))
+                    (ws.h, ws.my, ws.route.at(1), use_rows, ws.wts, ws.shared,
+                     ws.proj.ptr + 4 * (E + 2 * Is), P))
+
+    def experts_grouped(self, st, n, lw):
+        """Prefill: route on the host (one sync), gather rows by expert, one cuBLASLt GEMM pair
+        per used expert, SwiGLU in between; moe_combine reads the sorted rows through a map."""
+        cfg, ws, m = self.cfg, self.m.ws, self.m
+        H, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        pairs = n * K
+        _d.copy_dtoh_async(m.route_host.ptr, ws.ids.ptr, 4 * pairs, st)
+        st.synchronize()
+        host = m.route_host.view(np.int32, 0, 3 * m.n_cap * K)
+        ids = host[:pairs]
+        order = np.argsort(ids, kind="stable")                 # sorted row -> pair
+        counts = np.bincount(ids, minlength=E)
+        src = host[pairs: 2 * pairs]
+        src[:] = order // K                                    # sorted row -> token
+        inv = host[2 * pairs: 3 * pairs]
+        inv[order] = np.arange(pairs, dtype=np.int32)          # pair -> sorted row
+        _d.copy_htod_async(ws.route.ptr, m.route_host.ptr + 4 * pairs, 4 * pairs, st)
+        _d.copy_htod_async(ws.route.at(1), m.route_host.ptr + 8 * pairs, 4 * pairs, st)
+        self.launch(st, "gather_rows", (pairs, (H + 255) // 256), (256,), (ws.xg, ws.x, ws.route, H))
+        gu_w, dn_w = lw["experts_gu"], lw["experts_down"]
+        row = 0
+        for e in np.nonzero(counts)[0].tolist():
+            c = int(counts[e])
+            self.gemm(st, ws.xg.ptr + 2 * H * row, gu_w.at(e), ws.gu.ptr + 8 * I * row, c, 2 * I, H)
+            row += c
+        self.launch(st, "silu_mul", (pairs, (I + 255) // 256), (256,), (ws.gact, ws.gu, 2 * I, 0, I))
+        row = 0
+        for e in np.nonzero(counts)[0].tolist():
+            c = int(counts[e])
+            self.gemm(st, ws.gact.ptr + 2 * I * row, dn_w.at(e), ws.my.ptr + 4 * H * row, c, H, I)
+            row += c

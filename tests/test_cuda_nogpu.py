@@ -1,0 +1,209 @@
+"""The CUDA layer's parts that run without a GPU (CI): cache keys, argument packing, metadata
+packing, plan checks, and the DeviceError a GPU-less machine must raise."""
+import ctypes
+import importlib.util
+import pathlib
+import struct
+
+import numpy as np
+import pytest
+
+from ninfer.core.cuda import kernels as K
+from ninfer.core.cuda.cublaslt import alignment
+from ninfer.errors import DeviceError
+from ninfer.models.qwen3_5.batch import ForwardBatch
+from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
+from ninfer.models.qwen3_5.cuda.kernel_set import SIGS, check_geometry, geometry_specs, spec
+from ninfer.models.qwen3_5.cuda.meta import MetaLayout
+from ninfer.options import EngineOptions
+
+
+def _gpu_present() -> bool:
+    try:
+        from ninfer.core.cuda import driver as d
+        d.Device(0).close()
+        return True
+    except Exception:   # noqa: BLE001
+        return False
+
+
+def test_cache_key_depends_on_source_params_signature_arch_version():
+    s = spec("conv_silu", K=4, dk=128, dv=128, nk=16, nv=48)
+    base = K.cache_key(s, (9, 0), source="src", version="0.30.4")
+    assert base == K.cache_key(s, (9, 0), source="src", version="0.30.4")
+    variants = [K.cache_key(s, (9, 0), source="src2", version="0.30.4"),
+                K.cache_key(spec("conv_silu", K=4, dk=128, dv=128, nk=16, nv=32), (9, 0),
+                            source="src", version="0.30.4"),
+                K.cache_key(K.KernelSpec.of("conv", "conv_silu", ("f32*",) * 9, K=4, dk=128,
+                                            dv=128, nk=16, nv=48), (9, 0), source="src",
+                            version="0.30.4"),
+                K.cache_key(s, (8, 0), source="src", version="0.30.4"),
+                K.cache_key(s, (9, 0), source="src", version="0.31.0")]
+    assert len({base, *variants}) == 6
+
+
+def test_cache_key_reads_the_kernel_sources():
+    s = spec("rmsnorm")
+    assert K.cache_key(s, (9, 0)) == K.cache_key(s, (9, 0))
+    assert "rmsnorm_kernel" in K.source_text("norm")
+    with pytest.raises(DeviceError, match="not found"):
+        K.source_text("no_such_kernel_module")
+
+
+def test_spec_rejects_unknown_argument_type():
+    with pytest.raises(ValueError, match="unknown argument type"):
+        K.KernelSpec.of("norm", "rmsnorm", ("f16*",))
+
+
+def test_pack_args_layout():
+    sig = ("f32*", "i32", "f32", "i64", "u32")
+    keep, addr = K.pack_args(sig, (0x1234_5678_9ABC, -7, 1.5, 2**40, 3))
+    ptrs = (ctypes.c_void_p * len(sig)).from_address(addr)
+    raw = [ctypes.string_at(p, n) for p, n in zip(ptrs, (8, 4, 4, 8, 4))]
+    assert struct.unpack("<Q", raw[0])[0] == 0x1234_5678_9ABC
+    assert struct.unpack("<i", raw[1])[0] == -7
+    assert struct.unpack("<f", raw[2])[0] == 1.5
+    assert struct.unpack("<q", raw[3])[0] == 2**40
+    assert struct.unpack("<I", raw[4])[0] == 3
+
+
+def test_pack_args_checks_count_and_pointers():
+    with pytest.raises(ValueError, match="expects 2 arguments"):
+        K.pack_args(("f32*", "i32"), (1,))
+    with pytest.raises(ValueError, match="device address"):
+        K.pack_args(("f32*",), (1.5,))
+
+    class Arr:
+        ptr = 4096
+    keep, addr = K.pack_args(("u16*",), (Arr(),))
+    assert keep[0][0].value == 4096
+
+
+def test_entry_name_parsing():
+    ptx = ".version 9.0\n.target sm_90\n.visible .entry _ZN3fooE(\n.param .u64 a\n)\n{ ret; }"
+    assert K.entry_name(ptx) == "_ZN3fooE"
+    with pytest.raises(DeviceError, match="one kernel entry"):
+        K.entry_name(ptx + "\n.visible .entry _ZN3barE(\n)")
+
+
+def test_every_signature_names_known_types():
+    for name, (module, factory, sig) in SIGS.items():
+        assert (pathlib.Path(K.KERNELS_DIR) / f"{module}.py").exists(), name
+        for t in sig:
+            assert t in K.ARG_TYPES, (name, t)
+
+
+def test_geometry_checks_name_the_dimension():
+    bad = TextConfig(head_dim=48, partial_rotary_factor=0.5, mrope_section=(4, 4, 4),
+                     layer_types=("full_attention",), num_hidden_layers=1)
+    with pytest.raises(ValueError, match="head_dim"):
+        check_geometry(bad)
+    ok = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4)
+    assert "gdn_recurrent" in geometry_specs(ok) and "router_topk" not in geometry_specs(ok)
+
+
+def test_cublaslt_alignment():
+    assert alignment(0, 256 * 7) == 256
+    assert alignment(256, 64 + 256) == 64
+    assert alignment(2) == 2
+
+
+def test_meta_layout_pack():
+    lay = MetaLayout(n_cap=8, b_cap=3, p_cap=4)
+    batch = ForwardBatch(token_ids=np.array([5, 6, 7, 9], np.int32),
+                         positions=ForwardBatch.text_positions([2, 0], [3, 1]),
+                         query_start=np.array([0, 3, 4], np.int32),
+                         context_lens=np.array([2, 0], np.int32),
+                         block_tables=np.array([[3, 1], [0, -1]], np.int32),
+                         state_slots=np.array([1, 0], np.int32))
+    host = np.full(lay.count, 99, np.int32)
+    lay.pack(host, batch, np.array([2, 3], np.int32))
+    o = lay.offsets
+    assert host[o["token_ids"]: o["token_ids"] + 4].tolist() == [5, 6, 7, 9]
+    assert host[o["token_row"]: o["token_row"] + 4].tolist() == [0, 0, 0, 1]
+    assert host[o["positions"] + 8: o["positions"] + 12].tolist() == [2, 3, 4, 0]   # axis h
+    assert host[o["out_rows"]: o["out_rows"] + 2].tolist() == [2, 3]
+    assert host[o["query_start"]: o["query_start"] + 3].tolist() == [0, 3, 4]
+    bt = host[o["block_tables"]: o["block_tables"] + 2 * 4].reshape(2, 4)
+    assert bt.tolist() == [[3, 1, -1, -1], [0, -1, -1, -1]]
+    assert lay.used_bytes(2) == (o["block_tables"] + 8) * 4
+
+
+@pytest.mark.skipif(_gpu_present(), reason="checks the GPU-less error path")
+def test_cuda_backend_without_gpu_raises_device_error():
+    from ninfer.models.qwen3_5 import load_model
+
+    class Fake:
+        config = ModelConfig("Qwen3_5ForCausalLM", TextConfig(
+            layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4))
+
+        def tensor(self, name):
+            raise AssertionError("weights must not be read before the device check")
+    with pytest.raises(DeviceError, match="backend 'cuda'"):
+        load_model(Fake(), EngineOptions(backend="cuda"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
+def test_compiles_a_kernel_to_ptx_without_a_gpu(tmp_path):
+    try:
+        ptx = K.compile_spec(spec("silu_mul"), (9, 0))
+    except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
+        pytest.skip(f"numba-cuda cannot compile here: {exc}")
+    assert ".target sm_90" in ptx
+    assert K.entry_name(ptx)
+    cache = K.KernelCache((9, 0), tmp_path)
+    assert cache.ptx(spec("silu_mul")) and cache.compiled == 1
+    assert cache.ptx(spec("silu_mul")) and cache.compiled == 1      # second call: disk hit
+
+
+def _decode_batch(B=3, P=5, ps=4):
+    ctx = np.array([0, 5, 13][:B], np.int32)
+    tables = np.arange(B * P, dtype=np.int32).reshape(B, P)[:, ::-1].copy()
+    return ForwardBatch(token_ids=np.array([7, 8, 9][:B], np.int32),
+                        positions=ForwardBatch.text_positions(ctx, [1] * B),
+                        query_start=np.arange(B + 1, dtype=np.int32), context_lens=ctx,
+                        block_tables=tables, state_slots=np.array([2, 0, 1][:B], np.int32))
+
+
+def test_pack_decode_equals_generic_pack():
+    lay = MetaLayout(n_cap=8, b_cap=8, p_cap=7)
+    b = _decode_batch()
+    a, c = np.full(lay.count, 55, np.int32), np.full(lay.count, 55, np.int32)
+    lay.pack(a, b, np.arange(3, dtype=np.int32))
+    nbytes = lay.pack_decode(c, b)
+    used = nbytes // 4
+    assert nbytes == lay.used_bytes(3)
+    # the generic pack leaves unused slots alone, the fast one zeroes them: compare used fields
+    o = lay.offsets
+    for f, size in (("token_ids", 3), ("token_row", 3), ("out_rows", 3), ("query_start", 4),
+                    ("context_lens", 3), ("state_slots", 3)):
+        assert a[o[f]: o[f] + size].tolist() == c[o[f]: o[f] + size].tolist(), f
+    for axis in range(3):
+        s = o["positions"] + axis * 8
+        assert a[s: s + 3].tolist() == c[s: s + 3].tolist()
+    assert np.array_equal(a[o["block_tables"]: used], c[o["block_tables"]: used])
+
+
+def test_check_decode_rejects_bad_rows():
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+
+    class KV:
+        page_size, num_pages = 4, 15
+
+    class ST:
+        num_slots = 3
+    m = CudaModel.__new__(CudaModel)
+    m.text = TextConfig(vocab_size=10, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                        num_hidden_layers=4)
+    m.p_cap = 7
+    m._check_decode(_decode_batch(), KV(), ST())
+    b = _decode_batch()
+    bad = [ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "token_ids": np.array([7, 8, 10], np.int32)}),
+           ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "state_slots": np.array([1, 1, 0], np.int32)}),
+           ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "context_lens": np.array([0, 5, 40], np.int32)})]
+    t = b.block_tables.copy()
+    t[2, 3] = -1
+    bad.append(ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "block_tables": t}))
+    for msg, bb in zip(("token id", "state slots", "needs", "does not cover"), bad):
+        with pytest.raises(ValueError, match=msg):
+            m._check_decode(bb, KV(), ST())
