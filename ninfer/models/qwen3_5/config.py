@@ -149,29 +149,15 @@ def parse_hf_config(hf: dict) -> ModelConfig:
     rope_theta = rope.get("rope_theta", text_hf.get("rope_theta", defaults.rope_theta))
     partial = rope.get("partial_rotary_factor", text_hf.get("partial_rotary_factor", 0.25))
     n_layers = int(get("num_hidden_layers"))
-    layer_types = text_hf.get("layer_types")
-    if layer_types is None:
-        interval = int(text_hf.get("full_attention_interval", 4))
-        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
-                       for i in range(n_layers)]
-    hidden = int(get("hidden_size"))
-    n_heads = int(get("num_attention_heads"))
     head_dim = text_hf.get("head_dim") or defaults.head_dim
     eos = text_hf.get("eos_token_id", hf.get("eos_token_id"))
     eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-    moe = {}
-    if is_moe:
-        moe = dict(is_moe=True, num_experts=int(text_hf.get("num_experts", 256)),
-                   num_experts_per_tok=int(text_hf.get("num_experts_per_tok", 8)),
-                   moe_intermediate_size=int(text_hf.get("moe_intermediate_size", 512)),
-                   shared_expert_intermediate_size=int(
-                       text_hf.get("shared_expert_intermediate_size", 512)),
-                   norm_topk_prob=flag("norm_topk_prob", True))
+    moe = _moe_fields(text_hf, flag) if is_moe else {}
     text = TextConfig(
-        vocab_size=int(get("vocab_size")), hidden_size=hidden,
+        vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
         intermediate_size=int(get("intermediate_size")), num_hidden_layers=n_layers,
-        num_attention_heads=n_heads, num_key_value_heads=int(get("num_key_value_heads")),
+        num_attention_heads=int(get("num_attention_heads")),
+        num_key_value_heads=int(get("num_key_value_heads")),
         head_dim=int(head_dim), rms_norm_eps=float(get("rms_norm_eps")),
         tie_word_embeddings=flag("tie_word_embeddings", False),
         attention_bias=flag("attention_bias", False), hidden_act=str(get("hidden_act")),
@@ -184,12 +170,32 @@ def parse_hf_config(hf: dict) -> ModelConfig:
         linear_value_head_dim=int(get("linear_value_head_dim")),
         linear_num_key_heads=int(get("linear_num_key_heads")),
         linear_num_value_heads=int(get("linear_num_value_heads")),
-        layer_types=tuple(layer_types),
+        layer_types=_layer_types(text_hf, n_layers),
         mtp_num_hidden_layers=int(text_hf.get("mtp_num_hidden_layers", 0)),
         eos_token_id=eos, **moe)
     cfg = ModelConfig(architecture=arch, text=text, vision=vision, special_token_ids=special)
     _validate(cfg)
     return cfg
+
+
+def _layer_types(text_hf: dict, n_layers: int) -> tuple:
+    """`layer_types` when given, else every `full_attention_interval`-th layer is full attention."""
+    layer_types = text_hf.get("layer_types")
+    if layer_types is None:
+        interval = int(text_hf.get("full_attention_interval", 4))
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
+                       for i in range(n_layers)]
+    return tuple(layer_types)
+
+
+def _moe_fields(text_hf: dict, flag) -> dict:
+    """TextConfig fields of a sparse-MoE checkpoint (defaults: transformers Qwen3_5MoeTextConfig)."""
+    return dict(is_moe=True, num_experts=int(text_hf.get("num_experts", 256)),
+                num_experts_per_tok=int(text_hf.get("num_experts_per_tok", 8)),
+                moe_intermediate_size=int(text_hf.get("moe_intermediate_size", 512)),
+                shared_expert_intermediate_size=int(
+                    text_hf.get("shared_expert_intermediate_size", 512)),
+                norm_topk_prob=flag("norm_topk_prob", True))
 
 
 def _validate(cfg: ModelConfig) -> None:
