@@ -330,6 +330,24 @@ def test_parameters_typed_by_schema(fe):
     assert s.text == ""
 
 
+@pytest.mark.parametrize("kind, text", [
+    ("integer", "9" * 5000), ("number", "9" * 5000), ("integer", "9" * 5000 + ".0"),
+    ("array", "[" + "9" * 5000 + "]"), ("object", '{"n": ' + "9" * 5000 + "}"),
+])
+def test_values_too_big_to_type_fall_back_to_the_text(kind, text):
+    """int() refuses over 4300 digits: the value stays a string instead of failing the request."""
+    from ninfer.models.qwen3_5.frontend.tool_parser import convert_value
+    assert convert_value(text, {"type": kind}) == text
+
+
+def test_integer_with_zero_fraction_is_exact():
+    """"N.0" is read without a float: exact past 2**53, no OverflowError past 1e308."""
+    from ninfer.models.qwen3_5.frontend.tool_parser import convert_value
+    assert convert_value("+12.00", {"type": "integer"}) == 12
+    assert convert_value("9007199254740993.0", {"type": "integer"}) == 9007199254740993
+    assert convert_value("9" * 400 + ".0", {"type": "integer"}) == int("9" * 400)
+
+
 def test_multiline_string_value_and_unknown_function(fe):
     out = call_text("not_declared", path="a.txt", body="line 1\n  line 2\n")
     s = session(fe, tools=TOOLS)

@@ -25,6 +25,7 @@ _PARAM_OPEN = re.compile(r"<parameter=([^>\n<]*)>")
 _PARAM_CLOSE = "</parameter>"
 _FUNCTION_CLOSE = "</function>"
 _INTEGER = re.compile(r"[+-]?\d+")
+_INTEGER_TEXT = re.compile(r"([+-]?\d+)(?:\.0*)?")
 
 
 def parse_tool_call(body: str, schemas: Mapping[str, Mapping[str, Any]]
@@ -124,10 +125,10 @@ def convert_value(value: str, schema) -> Any:
             return None
         if kind == "boolean" and stripped.lower() in ("true", "false"):
             return stripped.lower() == "true"
-        if kind == "integer" and _INTEGER.fullmatch(stripped):
-            return int(stripped)
-        if kind == "integer" and re.fullmatch(r"[+-]?\d+\.0*", stripped):
-            return int(float(stripped))
+        if kind == "integer":
+            number = _parse_integer(stripped)
+            if number is not None:
+                return number
         if kind == "number":
             number = _parse_number(stripped)
             if number is not None:
@@ -139,9 +140,21 @@ def convert_value(value: str, schema) -> Any:
     return value
 
 
+def _parse_integer(text: str) -> Optional[int]:
+    """An integer, also written with a zero fraction ("7.0"); None if it is not one or has more
+    digits than int() converts (exact: never through float)."""
+    match = _INTEGER_TEXT.fullmatch(text)
+    if match is None:
+        return None
+    try:
+        return int(match.group(1))
+    except ValueError:
+        return None
+
+
 def _parse_number(text: str):
     if _INTEGER.fullmatch(text):
-        return int(text)
+        return _parse_integer(text)
     try:
         number = float(text)
     except ValueError:
@@ -152,7 +165,7 @@ def _parse_number(text: str):
 def _parse_container(text: str):
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):        # JSONDecodeError, or an int past int()'s limit
         pass
     try:                                        # a Python literal ({'a': True}) from a sloppy peer
         parsed = ast.literal_eval(text)
