@@ -229,6 +229,20 @@ def test_malformed_sampling_params_are_request_errors(params, words):
     finish_clean(core)
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(enable_thinking="no"), "enable_thinking"),
+    (dict(request_id=5), "request_id"),
+    (dict(timeout_s=True), "timeout_s"),
+])
+def test_malformed_submit_options_are_request_errors(kwargs, words):
+    """No silent coercion: 'no' is truthy, and the request id must be the string events carry."""
+    core, _ = make_core()
+    with pytest.raises(RequestError, match=words):
+        core.submit(prompt(7, 3), SamplingParams(), **kwargs)
+    assert core.stats()["outstanding"] == 0
+    finish_clean(core)
+
+
 def test_stop_sequences_of_any_kind_are_accepted():
     core, _ = make_core()
     params = SamplingParams(max_tokens=2, stop=["zz"], stop_token_ids=np.array([5], np.int64))

@@ -39,6 +39,21 @@ _IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying a
 _RATE_WINDOW_S = 10.0
 
 
+def _checked_request(params, enable_thinking, request_id, timeout_s) -> SamplingParams:
+    """Validate submit()'s arguments (RequestError naming the bad one); a validated copy of params."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if enable_thinking is not None and not isinstance(enable_thinking, (bool, np.bool_)):
+        raise RequestError(f"enable_thinking={enable_thinking!r}: must be true, false or None")
+    if request_id is not None and not isinstance(request_id, str):
+        raise RequestError(f"request_id={request_id!r}: must be a string")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float))
+                                      and not isinstance(timeout_s, bool)
+                                      and math.isfinite(timeout_s) and timeout_s > 0):
+        raise RequestError(f"timeout_s={timeout_s!r}: must be a finite number > 0")
+    return dataclasses.replace(params).validate()     # a copy: validate() normalises fields
+
+
 class EngineCore:
     def __init__(self, model, frontend, options, *, program: Optional[Program] = None):
         self.options = options
@@ -80,12 +95,7 @@ class EngineCore:
     def submit(self, prompt, params: SamplingParams, *, tools=None, enable_thinking=None,
                request_id=None, timeout_s=None) -> GenerationHandle:
         self._check_available()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params).validate()     # a copy: validate() normalises
-        if timeout_s is not None and not (isinstance(timeout_s, (int, float))
-                                          and math.isfinite(timeout_s) and timeout_s > 0):
-            raise RequestError(f"timeout_s={timeout_s!r}: must be a finite number > 0")
+        params = _checked_request(params, enable_thinking, request_id, timeout_s)
         if enable_thinking is None:
             enable_thinking = self.options.default_enable_thinking
         prepared = self.frontend.prepare(prompt, tools=tools, enable_thinking=enable_thinking)
