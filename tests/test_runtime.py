@@ -404,6 +404,18 @@ def test_stats_report_queue_residents_pages_and_rate():
     finish_clean(core)
 
 
+def test_tokens_per_s_counts_the_whole_window():
+    """Tokens over the window (or the engine's age while younger), not over the span since the
+    oldest token in it: that span can be microseconds, which reported absurd rates."""
+    core, model = make_core(max_concurrency=1)
+    model.on_forward = lambda batch: time.sleep(0.1)
+    core.submit(prompt(3, 4), SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=10)
+    s = core.stats()
+    assert s["tokens_generated"] == 2
+    assert 0 < s["tokens_per_s"] <= 2 / 0.2         # two forwards of >= 0.1 s since the start
+    finish_clean(core)
+
+
 def test_submit_from_many_threads():
     core, _ = make_core(max_concurrency=4, max_queue=64)
     params = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -81,7 +81,8 @@ class EngineCore:
         self._counters = dict(tokens_generated=0, requests_finished=0, pauses=0,
                               snapshot_pauses=0, snapshot_revocations=0, replay_resumes=0,
                               snapshot_resumes=0)
-        self._rate_window: deque = deque()
+        self._rate_window: deque = deque()        # (time, tokens accepted) of the last window
+        self._start_time = time.monotonic()
         self._stats: dict = {}
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
@@ -418,7 +419,7 @@ class EngineCore:
         now = time.monotonic()
         while self._rate_window and self._rate_window[0][0] < now - _RATE_WINDOW_S:
             self._rate_window.popleft()
-        span = now - self._rate_window[0][0] if self._rate_window else 0.0
+        span = min(_RATE_WINDOW_S, now - self._start_time)
         rate = sum(n for _, n in self._rate_window) / span if span > 0 else 0.0
         try:
             program_stats = self.program.stats()
