@@ -241,3 +241,13 @@ def test_module_entry_point(tmp_path):
         "ninfer: error: tensor 'model.layers.3.self_attn.o_proj.weight': expected shape [32, 64] "
         "from config.json, got [32, 32]"]
     assert not out.exists() and not (tmp_path / "out.ninfer.partial").exists()
+
+
+@pytest.mark.parametrize("which", ["src", "out"])
+def test_path_that_is_not_a_path(tmp_path, which):
+    src = tmp_path / "src"
+    write_checkpoint(src, "Qwen3_5ForCausalLM")
+    paths = {"src": src, "out": tmp_path / "out.ninfer", which: None}
+    with pytest.raises(ninfer.ConvertError, match=f"{which}.*not a file path"):
+        convert_checkpoint(paths["src"], paths["out"], progress=False)
+    assert not list(tmp_path.glob("*.ninfer*"))

@@ -48,7 +48,7 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
     """Convert `src_dir` into `out_path`. Raises ConvertError (bad source) or ArtifactError (cannot
     write); either way no file is left at `out_path` (an existing one is untouched)."""
     recipe = recipe or ValuePreserving()
-    out_path = os.fspath(out_path)
+    src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
     with CheckpointSource(src_dir) as src:
         plan = plan_conversion(src)
         metadata = {"recipe": recipe.name, "tied_lm_head": plan.tied_lm_head,
@@ -58,6 +58,13 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
         with ArtifactWriter(out_path, src.config, name=name, metadata=metadata) as writer:
             _write(src, plan, recipe, writer, progress)
     return out_path
+
+
+def _fspath(path, role: str) -> str:
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise ConvertError(f"{role} {path!r} is not a file path (str or os.PathLike)") from None
 
 
 # ------------------------------------------------------------------------------------ planning
