@@ -416,6 +416,14 @@ def test_wrongly_typed_model_config(basic, field, value):
     expect_error(path, "model config")
 
 
+@pytest.mark.parametrize("value", [1e308, 0.0, -0.25, 1.5])
+def test_rotary_factor_out_of_range(basic, value):
+    """1e308 made rotary_dim int(inf): an OverflowError escaped the reader."""
+    path, _ = basic
+    rewrite_manifest(path, lambda m: m["config"]["text"].update(partial_rotary_factor=value))
+    expect_error(path, "model config", "partial_rotary_factor")
+
+
 def test_missing_binding_requested(basic):
     path, _ = basic
     with Artifact(path) as art:

@@ -45,6 +45,8 @@ def test_conditional_generation_reads_text_config_and_keeps_vision():
     ({"rms_norm_eps": 0}, "rms_norm_eps"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
     ({"hidden_size": 0}, "hidden_size must be >= 1"),
+    ({"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 1e308}},
+     "partial_rotary_factor"),
     ({"rope_parameters": {"rope_theta": 1e6, "mrope_section": [2, 2, 2]}}, "mrope_section"),
 ])
 def test_bad_configs_are_refused_with_the_rule(patch, words):

@@ -229,6 +229,8 @@ def _validate(cfg: ModelConfig) -> None:
     if t.linear_num_value_heads % max(t.linear_num_key_heads, 1):
         bad(f"linear_num_value_heads {t.linear_num_value_heads} is not a multiple of "
             f"linear_num_key_heads {t.linear_num_key_heads}")
+    if not 0 < t.partial_rotary_factor <= 1:
+        bad(f"partial_rotary_factor must be in (0, 1], got {t.partial_rotary_factor}")
     if t.rotary_dim % 2 or t.rotary_dim > t.head_dim:
         bad(f"rotary dim {t.rotary_dim} must be even and <= head_dim {t.head_dim}")
     if sum(t.mrope_section) * 2 != t.rotary_dim and FULL_ATTENTION in t.layer_types:
