@@ -9,7 +9,6 @@ import time
 import pytest
 
 from ninfer.api import SamplingParams
-from ninfer.errors import RequestError
 from runtime_helpers import drain, make_core, prompt, reference_tokens
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import secrets
 import threading
 import time
@@ -23,35 +22,18 @@ import uuid
 from collections import deque
 from typing import Optional
 
-import numpy as np
-
 from ..api import Finished, GenerationStart, SamplingParams, TextDelta
 from ..errors import EngineFailedError, RequestError
 from ..models.qwen3_5.program import Program, RowDecision, SamplingSpec
 from .handle import GenerationHandle, _Channel
 from .outcome import decide, final_result
-from .request import Request, RequestState
+from .request import Request, RequestState, checked_prompt_ids, checked_submit_args
 from .resource_manager import ResourceManager
 from .scheduler import ResidentView, Scheduler
 
 log = logging.getLogger("ninfer.engine")
 _IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying again
 _RATE_WINDOW_S = 10.0
-
-
-def _checked_request(params, enable_thinking, request_id, timeout_s) -> SamplingParams:
-    """Validate submit()'s arguments (RequestError naming the bad one); a validated copy of params."""
-    if not isinstance(params, SamplingParams):
-        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-    if enable_thinking is not None and not isinstance(enable_thinking, (bool, np.bool_)):
-        raise RequestError(f"enable_thinking={enable_thinking!r}: must be true, false or None")
-    if request_id is not None and not isinstance(request_id, str):
-        raise RequestError(f"request_id={request_id!r}: must be a string")
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float))
-                                      and not isinstance(timeout_s, bool)
-                                      and math.isfinite(timeout_s) and timeout_s > 0):
-        raise RequestError(f"timeout_s={timeout_s!r}: must be a finite number > 0")
-    return dataclasses.replace(params).validate()     # a copy: validate() normalises fields
 
 
 class EngineCore:
@@ -96,11 +78,12 @@ class EngineCore:
     def submit(self, prompt, params: SamplingParams, *, tools=None, enable_thinking=None,
                request_id=None, timeout_s=None) -> GenerationHandle:
         self._check_available()
-        params = _checked_request(params, enable_thinking, request_id, timeout_s)
+        params = checked_submit_args(params, enable_thinking, request_id, timeout_s)
         if enable_thinking is None:
             enable_thinking = self.options.default_enable_thinking
         prepared = self.frontend.prepare(prompt, tools=tools, enable_thinking=enable_thinking)
-        prompt_ids = self._check_prompt(np.asarray(prepared.token_ids))
+        prompt_ids = checked_prompt_ids(prepared.token_ids, self.options.max_context,
+                                        self.vocab_size)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request_id = request_id or uuid.uuid4().hex
         session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
@@ -145,19 +128,6 @@ class EngineCore:
             raise EngineFailedError(f"the engine failed: {self._failure}")
         if self._is_stopping:
             raise EngineFailedError("the engine is shut down")
-
-    def _check_prompt(self, ids: np.ndarray) -> np.ndarray:
-        max_context = self.options.max_context
-        if ids.ndim != 1 or len(ids) == 0:
-            raise RequestError(f"prompt must be a non-empty 1-D token sequence, got shape {ids.shape}")
-        if len(ids) >= max_context:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens; max_context={max_context} allows at most "
-                f"{max_context - 1} prompt tokens (plus at least one generated)",
-                code="context_length_exceeded")
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        return ids.astype(np.int32)
 
     def _notify(self) -> None:
         with self._lock:

@@ -7,16 +7,21 @@
 MATERIALIZING: bound in the Program (slot held), no unit committed yet since the bind.
 REPLAY: resumed by Replay, re-executing accepted history (publishes nothing).
 Any state reaches FINISHED exactly once (stop, length, cancelled, error).
+
+The admission checks at the end run on the submitting thread, before a Request exists.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
 from ..api import SamplingParams
+from ..errors import RequestError
 
 
 class RequestState(enum.IntEnum):
@@ -69,3 +74,35 @@ class Request:
     def queue_deadline_passed(self, now: float) -> bool:
         return self.state == RequestState.WAITING and self.queue_deadline is not None \
             and now >= self.queue_deadline
+
+
+# ---- admission checks (any thread, before a Request exists) -----------------------------------
+
+def checked_submit_args(params, enable_thinking, request_id, timeout_s) -> SamplingParams:
+    """Validate submit()'s arguments (RequestError naming the bad one); a validated copy of params."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if enable_thinking is not None and not isinstance(enable_thinking, (bool, np.bool_)):
+        raise RequestError(f"enable_thinking={enable_thinking!r}: must be true, false or None")
+    if request_id is not None and not isinstance(request_id, str):
+        raise RequestError(f"request_id={request_id!r}: must be a string")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float))
+                                      and not isinstance(timeout_s, bool)
+                                      and math.isfinite(timeout_s) and timeout_s > 0):
+        raise RequestError(f"timeout_s={timeout_s!r}: must be a finite number > 0")
+    return dataclasses.replace(params).validate()     # a copy: validate() normalises fields
+
+
+def checked_prompt_ids(ids, max_context: int, vocab_size: int) -> np.ndarray:
+    """The prepared prompt as int32 ids that fit: non-empty, < max_context, in the vocabulary."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or len(ids) == 0:
+        raise RequestError(f"prompt must be a non-empty 1-D token sequence, got shape {ids.shape}")
+    if len(ids) >= max_context:
+        raise RequestError(
+            f"prompt has {len(ids)} tokens; max_context={max_context} allows at most "
+            f"{max_context - 1} prompt tokens (plus at least one generated)",
+            code="context_length_exceeded")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size})")
+    return ids.astype(np.int32)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import pathlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 NUM_BPE_TOKENS = 248044          # ids [0, 248044) are byte-level BPE tokens
 SPECIAL_START_ID = 248044
