@@ -244,3 +244,28 @@ def test_raise_exception_and_sandbox():
 def test_syntax_error_is_artifact_error():
     with pytest.raises(ArtifactError, match="syntax"):
         ChatTemplate("{% if %}")
+
+
+def _nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("where", ["content", "tool call arguments", "tools"])
+def test_deeply_nested_input_is_a_request_error(tpl, where):
+    """JSON a gateway parses fine (~700 levels) overflowed deepcopy / tojson: RecursionError
+    escaped instead of a RequestError (the client's fault, a 400)."""
+    deep = _nested(700)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = None
+    if where == "content":
+        messages = [{"role": "user", "content": deep}]
+    elif where == "tools":
+        tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    else:
+        messages += [{"role": "assistant", "content": "",
+                      "tool_calls": [{"function": {"name": "f", "arguments": {"a": deep}}}]}]
+    with pytest.raises(RequestError, match="nested too deeply"):
+        tpl.render(messages, tools)

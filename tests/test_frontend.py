@@ -144,6 +144,14 @@ def test_prepare_rejects_malformed_tools_for_every_prompt_form(fe, prompt, tools
         fe.prepare(prompt, tools=tools)
 
 
+def test_prepare_rejects_tools_nested_too_deeply(fe):
+    deep = []
+    for _ in range(700):
+        deep = [deep]
+    with pytest.raises(RequestError, match="nested too deeply"):
+        fe.prepare("Hi", tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}])
+
+
 def test_digests(fe):
     a, b = fe.prepare("one two three four"), fe.prepare("one two three five")
     assert a.digest == fe.prepare(a.token_ids).digest != b.digest

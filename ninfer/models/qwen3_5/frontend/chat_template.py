@@ -70,6 +70,8 @@ class ChatTemplate:
             return self._template.render(**context)
         except TemplateRaised as exc:
             raise RequestError(f"chat template rejected the messages: {exc}") from None
+        except RecursionError:
+            raise RequestError("messages or tools are nested too deeply to render") from None
         except jinja2.TemplateError as exc:
             raise RequestError(f"chat template failed on these messages: {exc}") from None
         except (TypeError, AttributeError, KeyError, ValueError) as exc:
@@ -88,7 +90,7 @@ def normalize_messages(messages) -> list:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string 'role'")
-        message = copy.deepcopy(dict(message))
+        message = _copied(dict(message), f"messages[{i}]")
         calls = message.get("tool_calls")
         if calls is not None:
             if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
@@ -129,4 +131,13 @@ def normalize_tools(tools) -> Optional[list]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
             raise RequestError(f"tools[{i}] must be an object")
-    return [copy.deepcopy(dict(t)) for t in tools] or None
+    return [_copied(dict(t), f"tools[{i}]") for i, t in enumerate(tools)] or None
+
+
+def _copied(value, what: str):
+    """A deep copy the template may read. Input nested past the recursion limit (JSON a gateway
+    parses fine) is the client's error, not ours."""
+    try:
+        return copy.deepcopy(value)
+    except RecursionError:
+        raise RequestError(f"{what} is nested too deeply") from None
