@@ -76,6 +76,15 @@ def test_from_artifact_errors(tok_json):
         Frontend.from_resources(b"{}")
 
 
+def test_from_artifact_resources_that_are_not_utf8(tok_json):
+    """A hand-made artifact's resources may hold any bytes: ArtifactError, not UnicodeDecodeError."""
+    with pytest.raises(ArtifactError, match="tokenizer.json"):
+        Frontend.from_artifact(FakeArtifact(tokenizer__json=b"\xff\xfe{}"))
+    with pytest.raises(ArtifactError, match="chat_template.jinja"):
+        Frontend.from_artifact(FakeArtifact(tokenizer__json=tok_json,
+                                            chat_template__jinja=b"{{ messages }}\xff"))
+
+
 # ---- prepare -----------------------------------------------------------------------------------------
 
 def test_prepare_text(fe):

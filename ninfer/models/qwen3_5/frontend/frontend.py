@@ -36,9 +36,13 @@ class Frontend:
         if tokenizer_json is None:
             raise ArtifactError("artifact has no 'tokenizer.json' resource")
         template = artifact.resource("chat_template.jinja")
+        if template is not None:
+            try:
+                template = template.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ArtifactError(f"resource 'chat_template.jinja' is not UTF-8: {exc}") from None
         return cls.from_resources(
-            tokenizer_json,
-            template.decode("utf-8") if template is not None else None,
+            tokenizer_json, template,
             _json_resource(artifact, "generation_config.json"),
             tokenizer_config=_json_resource(artifact, "tokenizer_config.json"))
 

@@ -21,8 +21,9 @@ from .vocab import byte_to_unicode
 
 class Tokenizer:
     def __init__(self, tokenizer_json: bytes):
-        text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, bytes) else tokenizer_json
         try:
+            text = tokenizer_json.decode("utf-8") if isinstance(tokenizer_json, bytes) \
+                else tokenizer_json
             self._tk = tokenizers.Tokenizer.from_str(text)
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad artifact resource
             raise ArtifactError(f"tokenizer.json: cannot be loaded: {exc}") from None
