@@ -27,13 +27,12 @@ def all_specs():
                                           (128, 32, 2, 2, (6, 5, 5), False)):
         out.add(spec("qk_norm_rope_kv", hd=hd, rot=rot, nh=nh, nkv=nkv, sec_t=secs[0],
                      sec_h=secs[1], sec_w=secs[2], interleaved=inter))
-    for hd, G, nkv in ((64, 2, 2), (256, 6, 1), (128, 1, 3), (128, 4, 2)):
-        out.add(spec("paged_attention", hd=hd, G=G, nkv=nkv))
+    for hd, G, nkv, GS in ((64, 2, 2, 2), (256, 6, 1, 6), (128, 1, 3, 1), (128, 4, 2, 4),
+                           (256, 6, 2, 3), (128, 4, 1, 2)):
+        out.add(spec("paged_attention", hd=hd, G=G, nkv=nkv, GS=GS))
         out.add(spec("attn_combine", hd=hd, nh=G * nkv))
     for E, K, norm in ((4, 2, True), (256, 8, True), (60, 3, False)):
         out.add(spec("router_topk", E=E, K=K, norm=norm))
-    for H, E in ((64, 8), (2048, 256), (130, 3)):
-        out.add(spec("router_fp32", H=H, E=E))
     for H, I, K in ((64, 32, 2), (2048, 512, 8)):
         out |= {spec("expert_gate_up", H=H, inter=I), spec("expert_down", H=H, inter=I),
                 spec("moe_combine", H=H, K=K)}

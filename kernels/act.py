@@ -1,5 +1,5 @@
 """Elementwise kernels: SiLU-mul (SwiGLU), embedding gather, bf16 casts."""
-from numba import cuda, int32
+from numba import cuda
 
 from .common import bf16_to_f32, f32_to_bf16, silu
 

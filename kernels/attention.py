@@ -1,6 +1,6 @@
 """Paged causal GQA attention over bf16 KV pools (decode and prefill alike), split over keys.
 
-grid (query tokens, kv heads, splits), 4 warps. A block serves the G query heads of one kv head for
+grid (query tokens, kv heads * G/GS, splits), 4 warps. A block serves the G query heads of one kv head for
 one token: each K/V row is read once for G heads. Query token t of row r (index i in the row) sees
 keys [0, context_len + i]; split s takes a contiguous slice of them, warps interleave over its keys.
 Each lane holds dims {2e, 2e+1} for e = lane + 32c (bf16 pairs read as u32: coalesced).
@@ -17,17 +17,24 @@ WARPS = 4
 NEG_INF = float32(-3.0e38)
 
 
-def paged_attention(hd, G, nkv):
+def paged_attention(hd, G, nkv, GS=0):
+    # GS: query heads per block (a divisor of G; 0 -> G). Fewer heads per block = fewer registers
+    # and more resident warps, at the cost of reading each K/V row G/GS times (measured slower for
+    # the 27B prefill, so the model uses GS = G; kept and tested for other geometries).
+    if GS == 0:
+        GS = G
+    NSUB = G // GS
     NC = hd // 64            # u32 pairs per lane
     HP = hd // 2             # u32 per head row
     nh = G * nkv
-    QN = G * 2 * NC
+    QN = GS * 2 * NC
     NC2 = 2 * NC
 
     def paged_attention_kernel(part, ml, q, k_cache, v_cache, token_row, query_start,
                                context_lens, block_tables, bt_stride, page_size, n_splits, scale):
         t = cuda.blockIdx.x
-        g = cuda.blockIdx.y
+        g = cuda.blockIdx.y // NSUB
+        h0 = g * G + (cuda.blockIdx.y % NSUB) * GS
         s = cuda.blockIdx.z
         lane = cuda.threadIdx.x & 31
         w = cuda.threadIdx.x >> 5
@@ -38,10 +45,10 @@ def paged_attention(hd, G, nkv):
         k1 = min(L, k0 + chunk)
         qv = cuda.local.array(QN, float32)
         acc = cuda.local.array(QN, float32)
-        mx = cuda.local.array(G, float32)
-        sm = cuda.local.array(G, float32)
-        for gi in range(G):
-            qb = (t * nh + g * G + gi) * hd
+        mx = cuda.local.array(GS, float32)
+        sm = cuda.local.array(GS, float32)
+        for gi in range(GS):
+            qb = (t * nh + h0 + gi) * hd
             for c in range(NC):
                 e = lane + 32 * c
                 qv[(gi * NC + c) * 2] = q[qb + 2 * e] * scale
@@ -70,7 +77,7 @@ def paged_attention(hd, G, nkv):
                 pv = v_cache[rb + lane + 32 * c]
                 vp[2 * c] = bf16x2_lo(pv)
                 vp[2 * c + 1] = bf16x2_hi(pv)
-            for gi in range(G):
+            for gi in range(GS):
                 d = float32(0.0)
                 for c in range(NC2):
                     d += qv[gi * NC2 + c] * kp[c]
@@ -84,10 +91,10 @@ def paged_attention(hd, G, nkv):
                     acc[gi * NC2 + c] = acc[gi * NC2 + c] * corr + pw * vp[c]
             key = key_next
         # merge the 4 warps through shared memory
-        sh_m = cuda.shared.array((WARPS, G), float32)
-        sh_l = cuda.shared.array((WARPS, G), float32)
-        sh_acc = cuda.shared.array((WARPS, G, hd), float32)
-        for gi in range(G):
+        sh_m = cuda.shared.array((WARPS, GS), float32)
+        sh_l = cuda.shared.array((WARPS, GS), float32)
+        sh_acc = cuda.shared.array((WARPS, GS, hd), float32)
+        for gi in range(GS):
             if lane == 0:
                 sh_m[w, gi] = mx[gi]
                 sh_l[w, gi] = sm[gi]
@@ -96,7 +103,7 @@ def paged_attention(hd, G, nkv):
                 sh_acc[w, gi, 2 * e] = acc[gi * 2 * NC + 2 * c]
                 sh_acc[w, gi, 2 * e + 1] = acc[gi * 2 * NC + 2 * c + 1]
         cuda.syncthreads()
-        for idx in range(cuda.threadIdx.x, G * hd, WARPS * 32):
+        for idx in range(cuda.threadIdx.x, GS * hd, WARPS * 32):
             gi = idx // hd
             dd = idx % hd
             m = NEG_INF
@@ -110,7 +117,7 @@ def paged_attention(hd, G, nkv):
                     f = math.exp(sh_m[ww, gi] - m)
                 tot_l += f * sh_l[ww, gi]
                 tot_a += f * sh_acc[ww, gi, dd]
-            h = g * G + gi
+            h = h0 + gi
             pbase = (t * nh + h) * n_splits + s
             part[pbase * hd + dd] = tot_a
             if dd == 0:

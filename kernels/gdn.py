@@ -18,7 +18,7 @@ KS = 4
 
 
 def gdn_recurrent(dk, dv, nk, nv):
-    SL = dk // KS
+    SL = dk // KS          # even: the loops below take two state rows per step
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     QL = (dk + VB * KS - 1) // (VB * KS)     # q/k elements each thread stages per token
@@ -57,17 +57,20 @@ def gdn_recurrent(dk, dv, nk, nv):
         an = proj[t0 * proj_stride + a_off + h]
         bn = proj[t0 * proj_stride + b_off + h]
         vn = qkv[t0 * C + 2 * nk * dk + h * dv + v]
+        decay_n = math.exp(neg_a * softplus(an + dtb))
+        beta_n = sigmoid(bn)
         for t in range(t0, t1):
             for c in range(QL):
                 m = tid + c * VB * KS
                 if m < dk:
                     qs[m] = qn[c]
                     kk[m] = kn[c]
-            decay = math.exp(neg_a * softplus(an + dtb))
-            beta = sigmoid(bn)
+            decay = decay_n
+            beta = beta_n
             vv = vn
             cuda.syncthreads()
-            if t + 1 < t1:
+            more = t + 1 < t1
+            if more:
                 tn = t + 1
                 for c in range(QL):
                     m = tid + c * VB * KS
@@ -77,21 +80,34 @@ def gdn_recurrent(dk, dv, nk, nv):
                 an = proj[tn * proj_stride + a_off + h]
                 bn = proj[tn * proj_stride + b_off + h]
                 vn = qkv[tn * C + 2 * nk * dk + h * dv + v]
-            part = float32(0.0)
-            for i in range(SL):
+            # two accumulators per reduction: halves the dependent FMA chain
+            p0 = float32(0.0)
+            p1 = float32(0.0)
+            for i in range(0, SL, 2):
                 S[i] = S[i] * decay
-                part += S[i] * kk[ks * SL + i]
+                S[i + 1] = S[i + 1] * decay
+                p0 += S[i] * kk[ks * SL + i]
+                p1 += S[i + 1] * kk[ks * SL + i + 1]
+            part = p0 + p1
             part += cuda.shfl_xor_sync(FULL_MASK, part, 1)
             part += cuda.shfl_xor_sync(FULL_MASK, part, 2)
             delta = (vv - part) * beta
-            o = float32(0.0)
-            for i in range(SL):
+            o0 = float32(0.0)
+            o1 = float32(0.0)
+            for i in range(0, SL, 2):
                 S[i] = S[i] + kk[ks * SL + i] * delta
-                o += S[i] * qs[ks * SL + i]
+                S[i + 1] = S[i + 1] + kk[ks * SL + i + 1] * delta
+                o0 += S[i] * qs[ks * SL + i]
+                o1 += S[i + 1] * qs[ks * SL + i + 1]
+            o = o0 + o1
             o += cuda.shfl_xor_sync(FULL_MASK, o, 1)
             o += cuda.shfl_xor_sync(FULL_MASK, o, 2)
             if ks == 0:
                 out[t * nv * dv + h * dv + v] = o
+            if more:
+                # next token's gates, after this token's work has hidden their loads' latency
+                decay_n = math.exp(neg_a * softplus(an + dtb))
+                beta_n = sigmoid(bn)
             cuda.syncthreads()
         for i in range(SL):
             state[sbase + (ks * SL + i) * dv + v] = S[i]

@@ -7,77 +7,103 @@ import math
 
 from numba import cuda, float32, int32
 
-from .common import (bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, f32_to_bf16, sigmoid, silu,
-                     warp_sum)
+from .common import (FULL_MASK, bf16_to_f32, bf16x2_hi, bf16x2_lo, f32_to_bf16, sigmoid, silu,
+                     warp_max, warp_sum)
 
 THREADS = 256
 
 
 def router_topk(E, K, norm):
+    WARPS = THREADS // 32
+    CHUNK = (E + WARPS - 1) // WARPS        # experts per warp
+    NCAND = WARPS * K
+
+    @cuda.jit(device=True, inline=True)
+    def warp_argmax(v, i):
+        # (value, index) max over the warp, ties -> lower index; every lane gets the result
+        for off in (16, 8, 4, 2, 1):
+            ov = cuda.shfl_xor_sync(FULL_MASK, v, off)
+            oi = cuda.shfl_xor_sync(FULL_MASK, i, off)
+            if ov > v or (ov == v and oi < i):
+                v = ov
+                i = oi
+        return v, i
+
     def router_topk_kernel(ids, weights, logits, stride):
-        # grid (tokens,), block 256: softmax over E, top-K (ties -> lower id), renormalise
+        # grid (tokens,), block 256: softmax over E; each warp takes the top K of its slice of
+        # experts by warp shuffles, then warp 0 takes the top K of the 8*K candidates
+        # (ties -> lower id, like a stable sort); renormalise when `norm`.
         p = cuda.shared.array(E, float32)
-        red_v = cuda.shared.array(THREADS, float32)
-        red_i = cuda.shared.array(THREADS, int32)
+        red = cuda.shared.array(WARPS, float32)
+        cand_v = cuda.shared.array(NCAND, float32)
+        cand_i = cuda.shared.array(NCAND, int32)
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
+        lane = tid & 31
+        w = tid >> 5
         m = float32(-3.0e38)
         for e in range(tid, E, THREADS):
             m = max(m, logits[t * stride + e])
-        red_v[tid] = m
+        m = warp_max(m)
+        if lane == 0:
+            red[w] = m
         cuda.syncthreads()
-        step = THREADS // 2
-        while step > 0:
-            if tid < step:
-                red_v[tid] = max(red_v[tid], red_v[tid + step])
-            cuda.syncthreads()
-            step //= 2
-        m = red_v[0]
+        m = red[0]
+        for j in range(1, WARPS):
+            m = max(m, red[j])
         cuda.syncthreads()
         acc = float32(0.0)
         for e in range(tid, E, THREADS):
             v = math.exp(logits[t * stride + e] - m)
             p[e] = v
             acc += v
-        red_v[tid] = acc
+        acc = warp_sum(acc)
+        if lane == 0:
+            red[w] = acc
         cuda.syncthreads()
-        step = THREADS // 2
-        while step > 0:
-            if tid < step:
-                red_v[tid] += red_v[tid + step]
-            cuda.syncthreads()
-            step //= 2
-        total = red_v[0]
-        cuda.syncthreads()
-        picked = float32(0.0)
+        total = float32(0.0)
+        for j in range(WARPS):
+            total += red[j]
+        e0 = w * CHUNK
+        e1 = min(E, e0 + CHUNK)
         for k in range(K):
             bv = float32(-1.0)
             bi = int32(E)
-            for e in range(tid, E, THREADS):
+            for e in range(e0 + lane, e1, 32):
                 if p[e] > bv:
                     bv = p[e]
                     bi = e
-            red_v[tid] = bv
-            red_i[tid] = bi
-            cuda.syncthreads()
-            step = THREADS // 2
-            while step > 0:
-                if tid < step:
-                    ov = red_v[tid + step]
-                    oi = red_i[tid + step]
-                    if ov > red_v[tid] or (ov == red_v[tid] and oi < red_i[tid]):
-                        red_v[tid] = ov
-                        red_i[tid] = oi
-                cuda.syncthreads()
-                step //= 2
-            if tid == 0:
-                ids[t * K + k] = red_i[0]
-                weights[t * K + k] = red_v[0] / total
-                p[red_i[0]] = float32(-2.0)
-            picked += red_v[0] / total
-            cuda.syncthreads()
-        if norm and tid < K:
-            weights[t * K + tid] = weights[t * K + tid] / picked
+            bv, bi = warp_argmax(bv, bi)
+            if lane == 0:
+                cand_v[w * K + k] = bv
+                cand_i[w * K + k] = bi
+                if bi < E:
+                    p[bi] = float32(-2.0)
+            cuda.syncwarp(FULL_MASK)
+        cuda.syncthreads()
+        if w == 0:
+            picked = float32(0.0)
+            for k in range(K):
+                bv = float32(-3.0)
+                bi = int32(E + 1)
+                slot = int32(0)
+                for c in range(lane, NCAND, 32):
+                    if cand_v[c] > bv or (cand_v[c] == bv and cand_i[c] < bi):
+                        bv = cand_v[c]
+                        bi = cand_i[c]
+                        slot = c
+                bv2, bi2 = warp_argmax(bv, bi)
+                if bi == bi2 and bv == bv2:
+                    cand_v[slot] = float32(-3.0)       # the owning lane retires the winner
+                cuda.syncwarp(FULL_MASK)
+                if lane == 0:
+                    ids[t * K + k] = bi2
+                    weights[t * K + k] = bv2 / total
+                picked += bv2 / total
+            if norm:
+                cuda.syncwarp(FULL_MASK)
+                for k in range(lane, K, 32):
+                    weights[t * K + k] = weights[t * K + k] / picked
     return router_topk_kernel
 
 
@@ -162,33 +188,3 @@ def gather_rows():
             out[p * width + j] = x[src_row[p] * width + j]
     return gather_rows_kernel
 
-
-def router_fp32(H, E):
-    HP = H // 2
-
-    def router_fp32_kernel(logits, stride, w, h, norm_w, eps):
-        # grid (tokens,), block 256: logits[t, e] = W_e . rmsnorm(h_t) with the normalised row in
-        # fp32 (the GEMMs take it in bf16; routing is kept at fp32 input precision because a
-        # rounded input flips near-tie top-k choices). W (bf16 pairs) = the first E rows of w_rs.
-        xs = cuda.shared.array(H, float32)
-        scratch = cuda.shared.array(32, float32)
-        t = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        acc = float32(0.0)
-        for j in range(tid, H, 256):
-            v = h[t * H + j]
-            acc += v * v
-        inv = float32(1.0) / math.sqrt(block_sum(acc, scratch) / float32(H) + eps)
-        for j in range(tid, H, 256):
-            xs[j] = h[t * H + j] * inv * (float32(1.0) + norm_w[j])
-        cuda.syncthreads()
-        lane = tid & 31
-        for e in range(tid >> 5, E, 8):
-            d = float32(0.0)
-            for c in range(lane, HP, 32):
-                p = w[e * HP + c]
-                d += bf16x2_lo(p) * xs[2 * c] + bf16x2_hi(p) * xs[2 * c + 1]
-            d = warp_sum(d)
-            if lane == 0:
-                logits[t * stride + e] = d
-    return router_fp32_kernel

@@ -3,7 +3,7 @@ GEMM's input); the residual add is fused into the GEMM before it (cuBLASLt beta 
 Gated (GDN output): `x * rsqrt(mean x^2 + eps) * w * silu(z)` per value head."""
 import math
 
-from numba import cuda, float32, int32
+from numba import cuda, float32
 
 from .common import block_sum, f32_to_bf16, silu
 

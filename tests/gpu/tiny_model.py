@@ -8,9 +8,12 @@ import numpy as np
 from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
 
 LIN, FULL = "linear_attention", "full_attention"
-# The CUDA router reads the fp32 normalised row (kernels/moe.router_fp32): with bf16 router inputs
-# a CPU emulation moved this model's logits by 7% through near-tie top-k flips.
 ROUTER_SCALE = 3.0
+# The whole-model MoE check routes every token to all experts (top-k = E): any top-k < E made the
+# tiny model chaotic, a 7% logit gap from near-tie flips that bf16 rounding anywhere upstream
+# triggers (a CPU emulation of that rounding alone reproduced it). Selection itself is qualified
+# against the float64 oracle in test_ops_gpu.test_router_topk; the expert paths run the same.
+MOE_EXPERTS = 4
 
 
 def tiny_config(moe: bool = False, tied: bool = False) -> ModelConfig:
@@ -21,7 +24,8 @@ def tiny_config(moe: bool = False, tied: bool = False) -> ModelConfig:
                    mrope_section=(3, 3, 2), mrope_interleaved=True, linear_conv_kernel_dim=4,
                    linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
                    linear_num_value_heads=4, layer_types=layers,
-                   is_moe=moe, num_experts=8 if moe else 0, num_experts_per_tok=2 if moe else 0,
+                   is_moe=moe, num_experts=MOE_EXPERTS if moe else 0,
+                   num_experts_per_tok=MOE_EXPERTS if moe else 0,
                    moe_intermediate_size=32 if moe else 0,
                    shared_expert_intermediate_size=48 if moe else 0, norm_topk_prob=True)
     arch = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"

@@ -35,7 +35,6 @@ SIGS = {
     "moe_combine": ("moe", "moe_combine",
                     ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32")),
     "gather_rows": ("moe", "gather_rows", ("u16*", "u16*", "i32*", "i32")),
-    "router_fp32": ("moe", "router_fp32", ("f32*", "i32", "u32*", "f32*", "f32*", "f32")),
     "argmax": ("sample", "argmax", ("i32*", "f32*", "i32")),
     "gumbel_sample": ("sample", "gumbel_sample", ("i32*", "f32*", "i32", "f32*", "i32*", "i32*")),
 }
@@ -62,7 +61,8 @@ def geometry_specs(cfg: TextConfig) -> dict:
         specs["qk_norm_rope_kv"] = spec("qk_norm_rope_kv", hd=hd, rot=cfg.rotary_dim, nh=nh,
                                         nkv=nkv, sec_t=sec[0], sec_h=sec[1], sec_w=sec[2],
                                         interleaved=bool(cfg.mrope_interleaved))
-        specs["paged_attention"] = spec("paged_attention", hd=hd, G=nh // nkv, nkv=nkv)
+        G = nh // nkv
+        specs["paged_attention"] = spec("paged_attention", hd=hd, G=G, nkv=nkv)
         specs["attn_combine"] = spec("attn_combine", hd=hd, nh=nh)
     if cfg.is_moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -72,7 +72,6 @@ def geometry_specs(cfg: TextConfig) -> dict:
         specs["expert_down"] = spec("expert_down", H=H, inter=inter)
         specs["moe_combine"] = spec("moe_combine", H=H, K=k)
         specs["gather_rows"] = spec("gather_rows")
-        specs["router_fp32"] = spec("router_fp32", H=H, E=E)
     return specs
 
 
@@ -83,14 +82,13 @@ def check_geometry(cfg: TextConfig) -> None:
         rules += [(cfg.head_dim % 64 == 0 and cfg.head_dim <= 1024, "head_dim multiple of 64, <= 1024")]
     if cfg.linear_layer_ids:
         rules += [(cfg.linear_value_head_dim % 32 == 0, "linear_value_head_dim multiple of 32"),
-                  (cfg.linear_key_head_dim % 4 == 0 and cfg.linear_key_head_dim <= 1024,
-                   "linear_key_head_dim multiple of 4, <= 1024"),
+                  (cfg.linear_key_head_dim % 8 == 0 and cfg.linear_key_head_dim <= 1024,
+                   "linear_key_head_dim multiple of 8, <= 1024"),
                   (cfg.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim >= 2")]
     if cfg.is_moe:
         rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
                    "even hidden and moe_intermediate sizes"),
-                  (cfg.num_experts <= 4096, "num_experts <= 4096"),
-                  (cfg.hidden_size <= 8192, "hidden_size <= 8192 (router row in shared memory)")]
+                  (cfg.num_experts <= 4096, "num_experts <= 4096")]
     for ok, rule in rules:
         if not ok:
             raise ValueError(f"backend 'cuda': unsupported geometry, needs {rule}")
