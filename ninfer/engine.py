@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -115,8 +116,12 @@ class Engine:
         if self._is_closed:
             return
         self._is_closed = True
-        if self._core is not None:
-            self._core.shutdown()
+        if self._core is not None and not self._core.shutdown():
+            # The worker is still inside a unit: releasing the model under it would crash it.
+            # Leave model and mapping to the garbage collector instead.
+            warnings.warn("ninfer.Engine.close: the worker did not stop in time; "
+                          "the model is left loaded", RuntimeWarning, stacklevel=2)
+            return
         self.model.close()
         self.artifact.close()
 

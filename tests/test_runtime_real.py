@@ -129,3 +129,30 @@ def test_engine_start_failure_releases_the_model(dense, monkeypatch):
     with pytest.raises(RequestError, match="num_kv_pages"):
         Engine(dense, num_kv_pages=1)            # the Program refuses after the model loaded
     assert len(closed) == 1
+
+
+def test_close_never_releases_the_model_under_a_running_unit(dense, monkeypatch):
+    """If the worker is still inside a forward when the shutdown wait ends, close() must leave the
+    model loaded (releasing it would crash the worker) and say so; the unit then finishes."""
+    import threading
+
+    from ninfer import Engine, SamplingParams
+    engine = Engine(dense, max_concurrency=1)
+    entered, release, closed = threading.Event(), threading.Event(), []
+    real_forward, real_close = engine.model.forward, engine.model.close
+
+    def slow_forward(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return real_forward(*args, **kwargs)
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
+    monkeypatch.setattr(engine.model, "close", lambda: (closed.append(1), real_close()))
+    handle = engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    assert entered.wait(10)
+    monkeypatch.setattr(engine._core, "shutdown",
+                        lambda timeout=30.0, real=engine._core.shutdown: real(timeout=0.05))
+    with pytest.warns(RuntimeWarning, match="did not stop in time"):
+        engine.close()
+    assert closed == []
+    release.set()
+    assert handle.result(timeout=10).finish_reason in ("cancelled", "length")

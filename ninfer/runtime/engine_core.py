@@ -115,13 +115,15 @@ class EngineCore:
             out["health"] = self._health
         return out
 
-    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
-        """Stop the worker; unfinished requests finish as 'cancelled'."""
+    def shutdown(self, timeout: Optional[float] = 30.0) -> bool:
+        """Stop the worker; unfinished requests finish as 'cancelled'. Returns whether the worker
+        has stopped (False if it is still inside a unit after `timeout` seconds)."""
         with self._lock:
             self._is_stopping = True
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _check_available(self) -> None:
         if self._health == "failed":
