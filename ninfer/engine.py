@@ -100,7 +100,9 @@ class Engine:
 
     @property
     def health(self) -> str:
-        """'ready' or 'failed' (generation); scoring engines are always 'ready'."""
+        """'ready', 'failed' (an internal invariant broke) or 'closed'."""
+        if self._is_closed:
+            return "closed"
         return self._core.health if self._core is not None else "ready"
 
     def _generation(self):

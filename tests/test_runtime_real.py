@@ -105,8 +105,10 @@ def test_closed_engine_raises_engine_failed(dense):
     purpose message or an error from inside the released model."""
     from ninfer import Engine, EngineFailedError, SamplingParams
     engine = Engine(dense, max_concurrency=1)
+    assert engine.health == "ready"
     engine.close()
     engine.close()
+    assert engine.health == "closed"
     with pytest.raises(EngineFailedError, match="shut down"):
         engine.submit([1, 2, 3], SamplingParams(max_tokens=1))
     scorer = Engine(dense, purpose="scoring")
