@@ -123,6 +123,7 @@ class GenerationResult:
     num_prompt_tokens: int = 0
     logprobs: Optional[list] = None                      # [TokenLogprob] when asked for
     error: Optional[str] = None
+    stop_sequence: Optional[str] = None                  # the stop string that ended it, if any
     # timing, seconds (monotonic): submit -> first token, and total decode wall time
     time_to_first_token: Optional[float] = None
     prefill_seconds: float = 0.0

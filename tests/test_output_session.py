@@ -194,10 +194,34 @@ def test_held_back_text_released_when_no_longer_a_stop_prefix(fe, byte_ids):
     assert s.text == "Hello STOx " and s.finish_reason == "stop"
 
 
-def test_earliest_of_several_stop_strings_wins(fe):
+def test_earliest_of_several_stop_strings_wins(fe, byte_ids):
     s = session(fe, stop=["world", "lo w", "o"])
     run(s, fe.tokenize("Hello world").tolist(), chunk=2)
-    assert s.text == "Hell"
+    assert s.text == "Hell" and s.stop_sequence == "o"
+    ids = fe.tokenize("Hello world").tolist()
+    s = session(fe, stop=["world", "lo wo", "lo w"])      # complete on one token: first listed
+    run(s, ids)
+    assert s.text == "Hel" and s.stop_sequence == "lo wo"
+    s = session(fe, stop=["world", "lo w", "lo"])         # streamed: "lo" completes first
+    run(s, byte_ids("Hello world"))
+    assert s.text == "Hel" and s.stop_sequence == "lo"
+
+
+def test_stop_sequence_names_the_string_only(fe, byte_ids):
+    """The matched stop string is reported (Anthropic's stop_sequence); stop tokens, EOS and the
+    length limit report none; a preview alone does not set it."""
+    s = session(fe, stop=["END", "STOP"])
+    pv = s.preview(byte_ids("xSTOP"))
+    assert pv.finish_reason == "stop" and s.stop_sequence is None
+    s.commit(pv)
+    assert s.stop_sequence == "STOP" and s.text == "x"
+    s = session(fe, stop=["END"])
+    run(s, fe.tokenize("one").tolist() + [IM_END])
+    assert s.finish_reason == "stop" and s.stop_sequence is None
+    s = session(fe, stop=["END"])
+    run(s, byte_ids("EN"))
+    s.commit(s.preview_finish("length"))
+    assert s.finish_reason == "length" and s.stop_sequence is None and s.text == "EN"
 
 
 def test_stop_string_at_end_of_length_limit_flushes_held_prefix(fe, byte_ids):

@@ -200,7 +200,7 @@ class FakeEngine:
             res.finish_reason = "length"
         elif stop is not None:      # the stop string's tokens were generated, not shown
             res.token_ids.extend(ord(c) for c in stop[:budget])
-            res.finish_reason = "stop"
+            res.finish_reason, res.stop_sequence = "stop", stop
         else:
             res.token_ids.append(EOS)
             res.finish_reason = "stop"

@@ -54,6 +54,7 @@ def final_result(req: Request, reason: str, error) -> GenerationResult:
         tool_calls=list(_safe_attr(session, "tool_calls", []) or []),
         token_ids=list(req.token_ids), finish_reason=reason,
         num_prompt_tokens=req.num_prompt_tokens, logprobs=req.logprobs, error=error,
+        stop_sequence=_safe_attr(session, "stop_sequence", None),
         time_to_first_token=None if first is None else first - req.submit_time,
         prefill_seconds=0.0 if req.admit_time is None else (first or now) - req.admit_time,
         decode_seconds=0.0 if first is None else now - first)

@@ -19,24 +19,6 @@ from .openai_render import result_error
 from .plan import dumps
 
 
-def matched_stop(result: GenerationResult, stops: tuple, engine):
-    """Which stop sequence ended the request, if one did. The Engine reports `stop` for both EOS
-    and stop strings, so look for the earliest stop string in the decoded output unless the last
-    token is an end-of-sequence token."""
-    if result.finish_reason != "stop" or not stops or result.tool_calls or not result.token_ids:
-        return None
-    reported = getattr(result, "stop_sequence", None)
-    if reported:
-        return reported
-    frontend = getattr(engine, "frontend", None)
-    eos = set(getattr(frontend, "eos_token_ids", ()) or ())
-    if result.token_ids[-1] in eos:
-        return None
-    decoded = engine.detokenize(list(result.token_ids))
-    found = [(decoded.find(s), s) for s in stops if s in decoded]
-    return min(found)[1] if found else None
-
-
 def stop_reason(result: GenerationResult, stop_sequence) -> str:
     if result.tool_calls and result.finish_reason == "stop":
         return "tool_use"
@@ -67,7 +49,7 @@ def message_response(plan, gen, model_id: str, message_id: str, engine) -> dict:
     for call in res.tool_calls:
         content.append({"type": "tool_use", "id": call.id, "name": call.name,
                         "input": _tool_input(call)})
-    stop = matched_stop(res, plan.stop, engine)
+    stop = res.stop_sequence
     return {"id": message_id, "type": "message", "role": "assistant", "model": model_id,
             "content": content, "stop_reason": stop_reason(res, stop), "stop_sequence": stop,
             "usage": {"input_tokens": res.num_prompt_tokens,
@@ -148,7 +130,7 @@ class MessageStream:
         if self._index < 0:     # no block at all: an empty text block, as the non-stream body
             out += self._open("text", {"type": "text", "text": ""})
         out += self._close()
-        stop = matched_stop(res, self.plan.stop, self.engine)
+        stop = res.stop_sequence
         out.append(self._event("message_delta", {
             "delta": {"stop_reason": stop_reason(res, stop), "stop_sequence": stop},
             "usage": {"input_tokens": res.num_prompt_tokens, "output_tokens": len(res.token_ids)}}))

@@ -69,6 +69,7 @@ class _State:
     num_tokens: int = 0
     finish_reason: Optional[str] = None
     ended_by_eos: bool = False
+    stop_sequence: Optional[str] = None   # the stop string that ended the output, if one did
     window: tuple = ()                # non-byte-level tokenizers: ids not yet fully decoded
     window_read: int = 0              # how many of `window` already produced their text
 
@@ -173,6 +174,11 @@ class OutputSession:
         return self._state.finish_reason
 
     @property
+    def stop_sequence(self) -> Optional[str]:
+        """The stop string that ended the output (None for stop tokens, EOS and other ends)."""
+        return self._state.stop_sequence
+
+    @property
     def is_finished(self) -> bool:
         return self._state.finish_reason is not None
 
@@ -257,11 +263,13 @@ class OutputSession:
                 self._feed(st, text, False, out)
             return False
         held = st.stop_hold + text
-        cut = min((i for i in (held.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, k) for k, i in enumerate(held.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            cut, k = min(hits)              # the earliest match; on a tie, the first listed stop
             st.stop_hold, st.pending_bytes, st.window, st.window_read = "", b"", (), 0
             self._feed(st, held[:cut], True, out)
             st.finish_reason = "stop"
+            st.stop_sequence = self._stops[k]
             return True
         keep = self._stop_prefix_length(held)
         st.stop_hold = held[len(held) - keep:]
