@@ -3,10 +3,12 @@
     PYTHONPATH=. NINFER_KERNEL_CACHE=<dir> python bench/build_kernel_cache.py [--cc 9.0]
 """
 import argparse
+import json
 import sys
 import time
 
 sys.path.insert(0, "tests/gpu")
+sys.path.insert(0, "tests")
 
 
 def all_specs():
@@ -14,8 +16,12 @@ def all_specs():
     from ninfer.models.qwen3_5.cuda.kernel_set import geometry_specs, spec
     from tiny_model import tiny_config
     out = set()
+    from fixture_utils import fixture_dir, fixture_names
+    from ninfer.models.qwen3_5.config import parse_hf_config
+    fixtures = [parse_hf_config(json.loads((fixture_dir(n) / "config.json").read_text())).text
+                for n in fixture_names()]
     for cfg in [make_config(n).text for n in SHAPES] + \
-            [tiny_config(moe=m).text for m in (False, True)]:
+            [tiny_config(moe=m).text for m in (False, True)] + fixtures:
         out |= set(geometry_specs(cfg).values())
     out |= {spec("random_bf16"), spec("random_f32")}
     # parametrisations of tests/gpu/test_ops_gpu.py

@@ -9,7 +9,7 @@ applies the sigmoid output gate, writing bf16 for o_proj.
 """
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from .common import bf16x2_hi, bf16x2_lo, sigmoid, warp_sum, f32_to_bf16
 
@@ -24,8 +24,8 @@ def paged_attention(hd, G, nkv, GS=0):
     if GS == 0:
         GS = G
     NSUB = G // GS
-    NC = hd // 64            # u32 pairs per lane
-    HP = hd // 2             # u32 per head row
+    HP = hd // 2             # u32 (bf16 pairs) per head row
+    NC = (HP + 31) // 32     # pairs per lane; lanes past HP hold zeros
     nh = G * nkv
     QN = GS * 2 * NC
     NC2 = 2 * NC
@@ -51,8 +51,13 @@ def paged_attention(hd, G, nkv, GS=0):
             qb = (t * nh + h0 + gi) * hd
             for c in range(NC):
                 e = lane + 32 * c
-                qv[(gi * NC + c) * 2] = q[qb + 2 * e] * scale
-                qv[(gi * NC + c) * 2 + 1] = q[qb + 2 * e + 1] * scale
+                q0 = float32(0.0)
+                q1 = float32(0.0)
+                if e < HP:
+                    q0 = q[qb + 2 * e] * scale
+                    q1 = q[qb + 2 * e + 1] * scale
+                qv[(gi * NC + c) * 2] = q0
+                qv[(gi * NC + c) * 2 + 1] = q1
                 acc[(gi * NC + c) * 2] = float32(0.0)
                 acc[(gi * NC + c) * 2 + 1] = float32(0.0)
             mx[gi] = NEG_INF
@@ -71,10 +76,13 @@ def paged_attention(hd, G, nkv, GS=0):
                 page_next = block_tables[r * bt_stride + key_next // page_size]
             rb = ((page * page_size + key % page_size) * nkv + g) * HP
             for c in range(NC):
-                p = k_cache[rb + lane + 32 * c]
+                p = uint32(0)
+                pv = uint32(0)
+                if lane + 32 * c < HP:
+                    p = k_cache[rb + lane + 32 * c]
+                    pv = v_cache[rb + lane + 32 * c]
                 kp[2 * c] = bf16x2_lo(p)
                 kp[2 * c + 1] = bf16x2_hi(p)
-                pv = v_cache[rb + lane + 32 * c]
                 vp[2 * c] = bf16x2_lo(pv)
                 vp[2 * c + 1] = bf16x2_hi(pv)
             for gi in range(GS):
@@ -100,8 +108,9 @@ def paged_attention(hd, G, nkv, GS=0):
                 sh_l[w, gi] = sm[gi]
             for c in range(NC):
                 e = lane + 32 * c
-                sh_acc[w, gi, 2 * e] = acc[gi * 2 * NC + 2 * c]
-                sh_acc[w, gi, 2 * e + 1] = acc[gi * 2 * NC + 2 * c + 1]
+                if e < HP:
+                    sh_acc[w, gi, 2 * e] = acc[gi * 2 * NC + 2 * c]
+                    sh_acc[w, gi, 2 * e + 1] = acc[gi * 2 * NC + 2 * c + 1]
         cuda.syncthreads()
         for idx in range(cuda.threadIdx.x, GS * hd, WARPS * 32):
             gi = idx // hd

@@ -18,7 +18,8 @@ KS = 4
 
 
 def gdn_recurrent(dk, dv, nk, nv):
-    SL = dk // KS          # even: the loops below take two state rows per step
+    SL = dk // KS          # state rows per thread
+    SL2 = SL - SL % 2      # the paired part of the loops below (odd SL: one tail row)
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     QL = (dk + VB * KS - 1) // (VB * KS)     # q/k elements each thread stages per token
@@ -30,6 +31,8 @@ def gdn_recurrent(dk, dv, nk, nv):
         tid = cuda.threadIdx.x
         v = cuda.blockIdx.z * VB + tid // KS
         ks = tid % KS
+        live = v < dv                 # dv < VB: idle columns still join barriers and shuffles
+        vc = min(v, dv - 1)           # clamped column for loads, never stored
         kh = h // ratio
         qs = cuda.shared.array(dk, float32)
         kk = cuda.shared.array(dk, float32)
@@ -41,7 +44,7 @@ def gdn_recurrent(dk, dv, nk, nv):
             if fresh:
                 S[i] = float32(0.0)
             else:
-                S[i] = state[sbase + (ks * SL + i) * dv + v]
+                S[i] = state[sbase + (ks * SL + i) * dv + vc]
         neg_a = -math.exp(a_log[h])
         dtb = dt_bias[h]
         t0 = query_start[r]
@@ -56,7 +59,7 @@ def gdn_recurrent(dk, dv, nk, nv):
                 kn[c] = qkv[t0 * C + nk * dk + kh * dk + m]
         an = proj[t0 * proj_stride + a_off + h]
         bn = proj[t0 * proj_stride + b_off + h]
-        vn = qkv[t0 * C + 2 * nk * dk + h * dv + v]
+        vn = qkv[t0 * C + 2 * nk * dk + h * dv + vc]
         decay_n = math.exp(neg_a * softplus(an + dtb))
         beta_n = sigmoid(bn)
         for t in range(t0, t1):
@@ -79,36 +82,43 @@ def gdn_recurrent(dk, dv, nk, nv):
                         kn[c] = qkv[tn * C + nk * dk + kh * dk + m]
                 an = proj[tn * proj_stride + a_off + h]
                 bn = proj[tn * proj_stride + b_off + h]
-                vn = qkv[tn * C + 2 * nk * dk + h * dv + v]
+                vn = qkv[tn * C + 2 * nk * dk + h * dv + vc]
             # two accumulators per reduction: halves the dependent FMA chain
             p0 = float32(0.0)
             p1 = float32(0.0)
-            for i in range(0, SL, 2):
+            for i in range(0, SL2, 2):
                 S[i] = S[i] * decay
                 S[i + 1] = S[i + 1] * decay
                 p0 += S[i] * kk[ks * SL + i]
                 p1 += S[i + 1] * kk[ks * SL + i + 1]
+            if SL2 < SL:
+                S[SL - 1] = S[SL - 1] * decay
+                p0 += S[SL - 1] * kk[ks * SL + SL - 1]
             part = p0 + p1
             part += cuda.shfl_xor_sync(FULL_MASK, part, 1)
             part += cuda.shfl_xor_sync(FULL_MASK, part, 2)
             delta = (vv - part) * beta
             o0 = float32(0.0)
             o1 = float32(0.0)
-            for i in range(0, SL, 2):
+            for i in range(0, SL2, 2):
                 S[i] = S[i] + kk[ks * SL + i] * delta
                 S[i + 1] = S[i + 1] + kk[ks * SL + i + 1] * delta
                 o0 += S[i] * qs[ks * SL + i]
                 o1 += S[i + 1] * qs[ks * SL + i + 1]
+            if SL2 < SL:
+                S[SL - 1] = S[SL - 1] + kk[ks * SL + SL - 1] * delta
+                o0 += S[SL - 1] * qs[ks * SL + SL - 1]
             o = o0 + o1
             o += cuda.shfl_xor_sync(FULL_MASK, o, 1)
             o += cuda.shfl_xor_sync(FULL_MASK, o, 2)
-            if ks == 0:
+            if ks == 0 and live:
                 out[t * nv * dv + h * dv + v] = o
             if more:
                 # next token's gates, after this token's work has hidden their loads' latency
                 decay_n = math.exp(neg_a * softplus(an + dtb))
                 beta_n = sigmoid(bn)
             cuda.syncthreads()
-        for i in range(SL):
-            state[sbase + (ks * SL + i) * dv + v] = S[i]
+        if live:
+            for i in range(SL):
+                state[sbase + (ks * SL + i) * dv + v] = S[i]
     return gdn_recurrent_kernel

@@ -1,7 +1,7 @@
 """q/k zero-centred RMSNorm + partial rotary (interleaved or sectioned MRoPE), fused with the write of
 k and v into the paged bf16 KV pools.
 
-grid (tokens, nh + nkv), block = head_dim threads. Head h < nh: query h -> q_out (fp32).
+grid (tokens, nh + nkv), block = head_dim rounded up to a warp (threads past head_dim idle). Head h < nh: query h -> q_out (fp32).
 Head h >= nh: kv head g -> k_cache / v_cache at page block_tables[row, pos // P], offset pos % P,
 where pos = context_len + index in row (the sequence index; MRoPE positions only set the angles).
 Rotary (rotate-half over the first `rot` dims): frequency i in [0, rot/2) takes its position from
@@ -28,17 +28,24 @@ def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved):
         j = cuda.threadIdx.x
         pb = t * proj_stride
         is_q = h < nh
-        if is_q:
-            x = proj[pb + h * 2 * hd + j]
-            w = q_norm_w[j]
-        else:
-            g = h - nh
-            x = proj[pb + 2 * nh * hd + g * hd + j]
-            w = k_norm_w[j]
+        live = j < hd
+        g = h - nh
+        x = float32(0.0)
+        w = float32(0.0)
+        if live:
+            if is_q:
+                x = proj[pb + h * 2 * hd + j]
+                w = q_norm_w[j]
+            else:
+                x = proj[pb + 2 * nh * hd + g * hd + j]
+                w = k_norm_w[j]
         tot = block_sum(x * x, scratch)
         x = x / math.sqrt(tot / float32(hd) + eps) * (float32(1.0) + w)
-        xs[j] = x
+        if live:
+            xs[j] = x
         cuda.syncthreads()
+        if not live:
+            return
         y = x
         if j < rot:
             i = j % half

@@ -94,9 +94,8 @@ def test_every_signature_names_known_types():
 
 
 def test_geometry_checks_name_the_dimension():
-    bad = TextConfig(head_dim=48, partial_rotary_factor=0.5, mrope_section=(4, 4, 4),
-                     layer_types=("full_attention",), num_hidden_layers=1)
-    with pytest.raises(ValueError, match="head_dim"):
+    bad = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1, linear_key_head_dim=6)
+    with pytest.raises(DeviceError, match="linear_key_head_dim"):
         check_geometry(bad)
     ok = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4)
     assert "gdn_recurrent" in geometry_specs(ok) and "router_topk" not in geometry_specs(ok)

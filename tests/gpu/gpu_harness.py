@@ -13,6 +13,12 @@ TOL_F32 = 1e-5          # fp32 arithmetic, fp32 inputs
 TOL_BF16_OUT = 8e-3     # fp32 arithmetic, result rounded to bf16
 TOL_ROPE_F32 = 3e-4     # fp32 rotary angles: |pos * inv_freq| < 2048 rad carries ~1e-4 rad error
 TOL_MODEL_BF16 = 3e-2   # whole model: bf16 activations into each GEMM vs the fp32 numpy backend
+# The transformers fixtures are 32-40 wide: rounding only the norm outputs to bf16 in the numpy
+# backend (a CPU emulation) moves their logits by up to 0.031 (dense) and 0.124 (MoE, top-2 of 8
+# routes flipping at near-ties) against the fp32 reference. The CUDA backend also rounds the other
+# GEMM inputs and keeps KV in bf16 (not emulated): measured up to 0.079 (sharded, T=70).
+TOL_FIXTURE_BF16 = 1e-1
+TOL_FIXTURE_BF16_MOE = 1.5e-1
 
 
 def bf16_round(a) -> np.ndarray:

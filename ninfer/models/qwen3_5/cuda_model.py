@@ -147,7 +147,7 @@ class CudaModel:
                 arrs = {}
                 for name, (shape, dt, sources) in plan.items():
                     if tied and name == "lm_head":
-                        arrs[name] = out["embed"]
+                        arrs[name] = arrs["embed"]       # tied: one device copy
                         continue
                     dtype = np.uint16 if dt == wplan.BF16 else np.float32
                     a = self.arena.take(shape, dtype, f"weight {name}")

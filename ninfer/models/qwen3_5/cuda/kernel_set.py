@@ -3,6 +3,7 @@ resolved through the AOT cache into loaded `Kernel`s."""
 from __future__ import annotations
 
 from ....core.cuda.kernels import KernelCache, KernelSpec
+from ....errors import DeviceError
 from ..config import TextConfig
 
 S = KernelSpec.of
@@ -76,22 +77,23 @@ def geometry_specs(cfg: TextConfig) -> dict:
 
 
 def check_geometry(cfg: TextConfig) -> None:
-    """The kernels' layout assumptions; raise ValueError naming the unsupported dimension."""
+    """The kernels' layout assumptions; raise DeviceError naming the unsupported dimension."""
     rules = []
     if cfg.attention_layer_ids:
-        rules += [(cfg.head_dim % 64 == 0 and cfg.head_dim <= 1024, "head_dim multiple of 64, <= 1024")]
+        rules += [(cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024, "an even head_dim <= 1024")]
     if cfg.linear_layer_ids:
-        rules += [(cfg.linear_value_head_dim % 32 == 0, "linear_value_head_dim multiple of 32"),
-                  (cfg.linear_key_head_dim % 8 == 0 and cfg.linear_key_head_dim <= 1024,
-                   "linear_key_head_dim multiple of 8, <= 1024"),
-                  (cfg.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim >= 2")]
+        rules += [(cfg.linear_key_head_dim % 4 == 0 and cfg.linear_key_head_dim <= 1024,
+                   "linear_key_head_dim a multiple of 4, <= 1024"),
+                  (cfg.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim >= 2"),
+                  (max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= 1024,
+                   "GDN head dims <= 1024")]
     if cfg.is_moe:
         rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
                    "even hidden and moe_intermediate sizes"),
                   (cfg.num_experts <= 4096, "num_experts <= 4096")]
     for ok, rule in rules:
         if not ok:
-            raise ValueError(f"backend 'cuda': unsupported geometry, needs {rule}")
+            raise DeviceError(f"backend 'cuda': this model's geometry is not supported, needs {rule}")
 
 
 class KernelSet:

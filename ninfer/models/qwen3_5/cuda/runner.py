@@ -175,7 +175,7 @@ class StepRunner:
             self.launch(st, "conv_state_update", ((C + 127) // 128, b), (128,),
                         (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
                          meta.state_slots))
-        self.launch(st, "gdn_recurrent", (b, nv, dv // 32), (128,),
+        self.launch(st, "gdn_recurrent", (b, nv, (dv + 31) // 32), (128,),
                     (ws.core, ws.mid, ws.proj, P, C + Vd + nv, C + Vd, lw["a_log"], lw["dt_bias"],
                      state.recurrent[l], meta.query_start, meta.context_lens, meta.state_slots))
         self.launch(st, "gated_rmsnorm", (n, nv), (min(128, (dv + 31) // 32 * 32),),
@@ -188,7 +188,7 @@ class StepRunner:
         P = 2 * nh * hd + 2 * nkv * hd
         lay = meta.layout
         self.gemm(st, ws.x.ptr, lw["w_in"].ptr, ws.proj.ptr, n, P, H)
-        self.launch(st, "qk_norm_rope_kv", (n, nh + nkv), (hd,),
+        self.launch(st, "qk_norm_rope_kv", (n, nh + nkv), ((hd + 31) // 32 * 32,),
                     (ws.mid, ws.proj, P, lw["q_norm"], lw["k_norm"], kv.k[a], kv.v[a],
                      meta.positions, lay.n_cap, meta.token_row, meta.query_start,
                      meta.context_lens, meta.block_tables, lay.p_cap, kv.page_size,
