@@ -204,3 +204,28 @@ def test_decode_hot_path_is_one_graph_launch(pair, seqs_of, monkeypatch):
     assert gpu.lt.calls == calls                 # cuBLASLt only inside the graph
     assert tok.shape == (2,) and 0 <= tok.min() and tok.max() < V
     assert gpu.last_host_us > 0
+
+
+def test_forward_from_another_thread(pair, seqs_of):
+    """The Engine worker calls the model from its own thread: the driver context must follow."""
+    import threading
+    _, gpu = pair
+    r = np.random.default_rng(6)
+    V = gpu.config.text.vocab_size
+    s = seqs_of(gpu)
+    prompt = r.integers(0, V, 9)
+    main = gpu.forward(batch_for(s, [0], [prompt], [0]), s.kv, s.state)
+    out, errors = [], []
+
+    def work():
+        try:
+            out.append(gpu.forward(batch_for(s, [1], [prompt], [0]), s.kv, s.state))
+            out.append(gpu.decode_greedy(batch_for(s, [1], [prompt[:1]], [9]), s.kv, s.state))
+        except BaseException as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert np.array_equal(out[0], main)
+    assert out[1].shape == (1,)

@@ -11,6 +11,7 @@ pack metadata into pinned staging, one async H2D copy, one cuGraphLaunch, one D2
 """
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 
@@ -46,8 +47,8 @@ class CudaModel:
         if (artifact is None) == (random_seed is None):
             raise ValueError("CudaModel: give exactly one of artifact / random_seed")
         self.config, self.text = config, config.text
-        cfg = self.text
         self.options = options
+        self._ctx_threads = threading.local()
         self.device = _d.Device(getattr(options, "device_id", 0))
         self.stream = self.device.stream
         self.arena = None
@@ -59,7 +60,13 @@ class CudaModel:
         self.last_host_us = 0.0
         self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
         self._graphs = {}
-        del cfg
+
+    def _current(self) -> None:
+        """Driver contexts are per thread: bind ours in a thread that has not used it yet (the
+        Engine worker calls forward from its own thread)."""
+        if not getattr(self._ctx_threads, "bound", False):
+            self.device.make_current()
+            self._ctx_threads.bound = True
 
     # ---- set-up -------------------------------------------------------------------------------
     def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
@@ -179,6 +186,7 @@ class CudaModel:
 
     # ---- pools --------------------------------------------------------------------------------
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
+        self._current()
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"new_kv_pool: num_pages={num_pages}, page_size={page_size} must be >= 1")
         pool = DeviceKVPool(self, self.text, num_pages, page_size)
@@ -186,6 +194,7 @@ class CudaModel:
         return pool
 
     def new_state_pool(self, num_slots: int) -> DeviceStatePool:
+        self._current()
         if num_slots < 1:
             raise ValueError(f"new_state_pool: num_slots={num_slots} must be >= 1")
         pool = DeviceStatePool(self, self.text, num_slots)
@@ -287,6 +296,7 @@ class CudaModel:
     def forward(self, batch: ForwardBatch, kv, state, *, all_logits: bool = False) -> np.ndarray:
         """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits."""
         self._t_entry = time.perf_counter()
+        self._current()
         V = self.text.vocab_size
         if not all_logits and self._is_decode(batch):
             self._check_decode(batch, kv, state)
@@ -303,6 +313,7 @@ class CudaModel:
     def decode_greedy(self, batch: ForwardBatch, kv, state) -> np.ndarray:
         """Argmax token of each row (device-side), through the graph when the batch is a decode."""
         self._t_entry = time.perf_counter()
+        self._current()
         B = batch.num_rows
         if self._is_decode(batch):
             self._check_decode(batch, kv, state)
@@ -354,6 +365,7 @@ class CudaModel:
         return g
 
     def capture_graphs(self, kv, state, sizes=None) -> int:
+        self._current()
         for B in sizes or range(1, self.b_cap + 1):
             self._graph(B, kv, state)
         return len(self._graphs)
@@ -376,6 +388,8 @@ class CudaModel:
                                        (t3 - t2) * 1e6)
 
     def close(self) -> None:
+        if getattr(self, "device", None) is not None:
+            self._current()
         for g, _, _ in getattr(self, "_graphs", {}).values():
             g.destroy()
         self._graphs = {}

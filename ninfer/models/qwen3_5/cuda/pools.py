@@ -40,6 +40,7 @@ class DeviceKVPool:
         return self._num_pages
 
     def read_pages(self, pages) -> tuple:
+        self._model._current()
         st = self._model.stream
         out = ([], [])
         for src, dst in ((self.k, out[0]), (self.v, out[1])):
@@ -50,6 +51,7 @@ class DeviceKVPool:
         return out
 
     def write_pages(self, pages, data: tuple) -> None:
+        self._model._current()
         st = self._model.stream
         for arrs, host in zip((self.k, self.v), data):
             for a, h in zip(arrs, host):
@@ -81,17 +83,20 @@ class DeviceStatePool:
         return self._num_slots
 
     def zero(self, slot: int) -> None:
+        self._model._current()
         st = self._model.stream
         for a in self.conv + self.recurrent:
             _d.memset_d8_async(a.at(slot), 0, a.nbytes // a.shape[0], st)
         st.synchronize()
 
     def read(self, slot: int) -> tuple:
+        self._model._current()
         st = self._model.stream
         return ([_d.download(c.at(slot), c.shape[1:], np.float32, st) for c in self.conv],
                 [_d.download(r.at(slot), r.shape[1:], np.float32, st) for r in self.recurrent])
 
     def write(self, slot: int, image: tuple) -> None:
+        self._model._current()
         st = self._model.stream
         for arrs, host in zip((self.conv, self.recurrent), image):
             for a, h in zip(arrs, host):
