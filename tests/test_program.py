@@ -359,3 +359,59 @@ def test_replay_of_a_paused_prefill_is_labelled_replay_up_to_the_old_frontier():
     assert kinds == ["replay", "replay", "prefill", "prefill"]
     prog.release(sid)
     prog.assert_all_free()
+
+
+class DeviceGreedyModel(FakeModel):
+    """A backend that can return argmax ids instead of logits (as the CUDA model does); its ids
+    come from the same logits, so only the path differs. Counts which path each call took."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_greedy_calls = 0
+
+    def decode_greedy(self, batch, kv, state):
+        self.num_greedy_calls += 1
+        logits = self.forward(batch, kv, state)
+        self.num_calls -= 1
+        return np.argmax(logits, axis=-1).astype(np.int32)
+
+
+@pytest.mark.parametrize("spec, on_device", [
+    (GREEDY, True),
+    (SamplingSpec(seed=1, logprobs=2), False),           # logprobs need the logits
+    (SamplingSpec(seed=1, repetition_penalty=1.3), False),
+    (SamplingSpec(seed=1, presence_penalty=0.5), False),
+    (SEEDED, False),
+], ids=["plain", "logprobs", "repetition", "presence", "seeded"])
+def test_plain_greedy_rows_take_the_device_argmax_path(spec, on_device):
+    p = prompt(3, 11)
+    want = run_alone(p, spec, 12)
+    model = DeviceGreedyModel()
+    prog = Program(model, opts())
+    sid = prog.bind(p, spec)
+    assert generate(prog, sid, 12) == want
+    prog.release(sid)
+    prog.assert_all_free()
+    # prefill chunks that sample nothing never need logits: they take the argmax path for every
+    # spec; a sampling step needs host logits unless the row is plain greedy
+    assert model.num_greedy_calls > 0
+    assert (model.num_calls == 0) == on_device
+
+
+def test_a_mixed_batch_falls_back_to_host_logits():
+    model = DeviceGreedyModel()
+    prog = Program(model, opts())
+    a, b = prog.bind(prompt(4, 6), GREEDY), prog.bind(prompt(5, 6), SEEDED)
+    for _ in range(4):
+        step(prog, [a, b])
+    assert model.num_greedy_calls == 1 and model.num_calls == 3   # one prefill chunk samples none
+
+
+def test_device_argmax_ids_are_checked():
+    model = DeviceGreedyModel()
+    model.decode_greedy = lambda batch, kv, state: np.array([10 ** 6], np.int32)
+    prog = Program(model, opts())
+    sid = prog.bind(prompt(6, 5), GREEDY)
+    assert prog.reserve_units([sid]) == [True]
+    with pytest.raises(ProgramError, match="decode_greedy returned"):
+        prog.execute([sid])

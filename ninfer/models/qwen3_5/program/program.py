@@ -223,14 +223,35 @@ class Program:
                 unit.forced[:-1]
         batch = self._pack(seqs, units)
         backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
-        logits = self.model.forward(batch, self.kv, self.state)
-        if logits.shape != (len(seqs), self.vocab_size):
-            raise ProgramError(f"model.forward returned {logits.shape}, "
-                               f"expected {(len(seqs), self.vocab_size)}")
-        rows = tuple(self._row_result(seq, unit, logits[r])
-                     for r, (seq, unit) in enumerate(zip(seqs, units)))
+        if self._can_sample_on_device(seqs, units):
+            rows = self._device_greedy_rows(batch, seqs, units)
+        else:
+            logits = self.model.forward(batch, self.kv, self.state)
+            if logits.shape != (len(seqs), self.vocab_size):
+                raise ProgramError(f"model.forward returned {logits.shape}, "
+                                   f"expected {(len(seqs), self.vocab_size)}")
+            rows = tuple(self._row_result(seq, unit, logits[r])
+                         for r, (seq, unit) in enumerate(zip(seqs, units)))
         self._pending = PendingBatch(rows, backups, self._new_id())
         return self._pending
+
+    def _can_sample_on_device(self, seqs, units) -> bool:
+        """A backend with `decode_greedy` (CUDA: argmax inside the decode graph) returns token ids
+        instead of [B, V] logits; usable when no row needs the logits on the host: every sampling
+        row is plain greedy (no penalties, no logprobs) and no row is forced."""
+        if not hasattr(self.model, "decode_greedy"):
+            return False
+        return all(not unit.forced and (not unit.is_sampling or seq.spec.is_plain_greedy)
+                   for seq, unit in zip(seqs, units))
+
+    def _device_greedy_rows(self, batch, seqs, units) -> tuple:
+        tokens = np.asarray(self.model.decode_greedy(batch, self.kv, self.state))
+        if tokens.shape != (len(seqs),) or np.any((tokens < 0) | (tokens >= self.vocab_size)):
+            raise ProgramError(f"model.decode_greedy returned {tokens!r} for {len(seqs)} rows")
+        return tuple(RowResult(seq.seq_id, unit.num_new_tokens,
+                               (int(tokens[r]),) if unit.is_sampling else (), (),
+                               unit.is_replay, is_control=False)
+                     for r, (seq, unit) in enumerate(zip(seqs, units)))
 
     def commit(self, pending: PendingBatch, decisions) -> None:
         """Accept each row's decided prefix: advance frontier, append accepted tokens; cancelled

@@ -73,6 +73,12 @@ class SamplingSpec:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax of the raw logits: greedy, no penalty changes them, no logprobs asked for."""
+        return (self.is_greedy and self.logprobs is None and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0)
+
 
 def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
                     generated_ids: np.ndarray) -> np.ndarray:
