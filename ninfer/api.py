@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -14,6 +14,40 @@ from .errors import RequestError
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 Channel = Literal["content", "reasoning"]
+StructuredKind = Literal["json_schema", "json_object", "tool_call"]
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """Output the sampler is constrained to (a grammar masks every sampled token).
+
+    kind "json_schema": the content is JSON matching `schema`; "json_object": any JSON object;
+    "tool_call": the content is one or more Qwen3.5 XML tool calls of the request's `tools`
+    (only `tool_name` when given: then exactly one call; else `parallel_tool_calls` says whether
+    more than one may follow). A prompt that opened a `<think>` block keeps free reasoning first.
+    """
+
+    kind: StructuredKind
+    schema: Optional[Mapping[str, Any]] = None
+    tool_name: Optional[str] = None
+    parallel_tool_calls: bool = True
+
+    def validate(self) -> "StructuredOutput":
+        if self.kind not in ("json_schema", "json_object", "tool_call"):
+            raise RequestError(f"structured output kind {self.kind!r}: must be 'json_schema', "
+                               "'json_object' or 'tool_call'")
+        if self.kind == "json_schema":
+            if not isinstance(self.schema, Mapping):
+                raise RequestError("structured output 'json_schema' needs a JSON schema object "
+                                   f"(got {type(self.schema).__name__})")
+        elif self.schema is not None:
+            raise RequestError(f"structured output {self.kind!r} takes no schema")
+        if self.tool_name is not None and (self.kind != "tool_call"
+                                           or not isinstance(self.tool_name, str)
+                                           or not self.tool_name):
+            raise RequestError(f"structured output tool_name={self.tool_name!r}: a non-empty "
+                               "function name, only with kind 'tool_call'")
+        return self
 
 
 @dataclass(slots=True)
@@ -33,6 +67,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None    # None -> no logprobs; n >= 0 -> sampled token logprob + top-n
+    structured: Optional[StructuredOutput] = None   # None -> unconstrained
 
     def validate(self) -> "SamplingParams":
         """Raise RequestError naming the first bad field; return self for chaining."""
@@ -68,6 +103,13 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, (int, np.integer))
                                           or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                bad("structured", "must be a StructuredOutput")
+            self.structured.validate()
+            if self.ignore_eos:
+                bad("ignore_eos", "cannot be combined with structured output (the grammar ends "
+                                  "the output with EOS)")
         return self
 
     @property

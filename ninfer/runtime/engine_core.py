@@ -305,7 +305,8 @@ class EngineCore:
         if not reqs:
             return 0
         # no State backups: a cancelled row is released right after the commit, never resumed
-        pending = self.program.execute([r.seq_id for r in reqs], keep_rollback=False)
+        pending = self.program.execute([r.seq_id for r in reqs], keep_rollback=False,
+                                       mask_provider=_mask_provider(reqs))
         now = time.monotonic()
         verdicts = [decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]
@@ -402,3 +403,22 @@ class EngineCore:
         with self._lock:
             self._stats = stats
 
+
+
+def _mask_provider(reqs: list):
+    """The round's mask provider: seq_id -> the OutputSession's grammar mask for its next token
+    (None when unconstrained). None when no row of the unit is constrained."""
+    sessions = {r.seq_id: r.session for r in reqs if r.params.structured is not None}
+    if not sessions:
+        return None
+
+    def provider(seq_id):
+        session = sessions.get(seq_id)
+        if session is None:
+            return None
+        try:
+            return session.token_mask()
+        except Exception:  # noqa: BLE001 - preview then rejects the free token: this request ends
+            log.exception("grammar mask failed")
+            return None
+    return provider

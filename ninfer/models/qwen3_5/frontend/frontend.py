@@ -9,6 +9,7 @@ import numpy as np
 from ....api import SamplingParams
 from ....errors import ArtifactError, RequestError
 from .chat_template import ChatTemplate, builtin_template_source, normalize_tools
+from .grammar import GrammarCompiler
 from .output_session import OutputSession
 from .prompt import THINK_NONE, PreparedPrompt, make_prepared
 from .tokenizer import Tokenizer
@@ -19,8 +20,12 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate,
-                 eos_token_ids: Tuple[int, ...]):
+                 eos_token_ids: Tuple[int, ...], *, tokenizer_json: Optional[bytes] = None):
         self.tokenizer = tokenizer
+        # compiled grammars are per vocabulary: one compiler (llguidance tokenizer + grammar
+        # cache) per Frontend, built on the first structured request
+        self.grammars = None if tokenizer_json is None else GrammarCompiler(
+            tokenizer_json, tokenizer.vocab_size, eos_token_ids, tokenizer.token_id)
         self.template = template
         self._eos = tuple(eos_token_ids)
         self._think_ids = (tokenizer.token_id("<think>"), tokenizer.token_id("</think>"))
@@ -59,7 +64,7 @@ class Frontend:
         specials = {k: v for k, v in specials.items() if v is not None}
         specials.setdefault("eos_token", "<|im_end|>")
         eos = _eos_ids(tokenizer, generation_config or {})
-        return cls(tokenizer, ChatTemplate(source, specials), eos)
+        return cls(tokenizer, ChatTemplate(source, specials), eos, tokenizer_json=tokenizer_json)
 
     # ---- text ------------------------------------------------------------------------------------
     @property
@@ -126,10 +131,17 @@ class Frontend:
         """Tool-call ids derive from (request_id, prompt digest) when a request id is given: a
         replayed request gets the same ids, a client reusing one id across turns does not."""
         seed = None if request_id is None else f"{request_id}/{prepared.digest}"
+        matcher = None
+        if getattr(params, "structured", None) is not None:
+            # compiled here, on the submit thread: a bad schema is this request's RequestError
+            if self.grammars is None:
+                raise RequestError("structured output needs a Frontend built from tokenizer.json")
+            matcher = self.grammars.matcher(params.structured, tools,
+                                            think_open=prepared.starts_in_reasoning)
         return OutputSession(self.tokenizer, params, eos_token_ids=self._eos,
                              starts_in_reasoning=prepared.starts_in_reasoning,
                              think_allowed=prepared.think_state == THINK_NONE, tools=tools,
-                             request_id=seed)
+                             request_id=seed, matcher=matcher)
 
 
 def _is_int(x) -> bool:

@@ -34,6 +34,13 @@ Semantics (the Gateway and the Engine rely on these):
 
 preview() never mutates the session: it runs the tokens on a copy of the small state; commit() adopts
 that copy. Work per token is bounded by the stop-string and tag lengths (no re-decoding).
+
+Constrained decoding (params.structured): the session holds the request's grammar matcher
+(frontend/grammar.py). `token_mask()` is the allowed set of the next token (the sampler applies
+it); preview() checks the accepted tokens against the grammar without consuming them (a token the
+grammar rejects is an error that ends the request, never silently accepted); commit() consumes them.
+The matcher only moves at commit, so pause / Replay (which re-run history without republishing)
+leave it where the published output left it.
 """
 from __future__ import annotations
 
@@ -132,8 +139,9 @@ class _Collector:
 class OutputSession:
     def __init__(self, tokenizer, params: SamplingParams, *, eos_token_ids: Sequence[int] = (),
                  starts_in_reasoning: bool = False, think_allowed: bool = True, tools=None,
-                 request_id: Optional[str] = None):
+                 request_id: Optional[str] = None, matcher=None):
         self._tok = tokenizer
+        self._matcher = matcher
         stop_ids = set(int(t) for t in params.stop_token_ids)
         self._eos_ids = frozenset(int(t) for t in eos_token_ids)
         if not params.ignore_eos:
@@ -198,8 +206,18 @@ class OutputSession:
 
     def snapshot(self) -> tuple:
         """Every piece of session state, for equality checks in tests."""
+        grammar = () if self._matcher is None else (self._matcher.state_key(),)
         return self._state.as_tuple() + (tuple(self._content), tuple(self._reasoning),
-                                         tuple(self._tool_calls))
+                                         tuple(self._tool_calls)) + grammar
+
+    @property
+    def is_constrained(self) -> bool:
+        return self._matcher is not None
+
+    def token_mask(self):
+        """bool [tokenizer vocab] of the tokens the grammar allows next (ids past it are never
+        allowed), or None when the request is unconstrained."""
+        return None if self._matcher is None else self._matcher.mask()
 
     # ---- preview / commit ----------------------------------------------------------------------
     def preview(self, token_ids) -> OutputPreview:
@@ -217,6 +235,10 @@ class OutputSession:
                 break
         st.num_tokens += accepted
         kept = tuple(ids[:accepted])
+        if self._matcher is not None:
+            ok = self._matcher.validate(kept)
+            if ok < len(kept):
+                raise RuntimeError(f"token {kept[ok]} breaks the structured-output grammar")
         return OutputPreview(accepted, out.events(kept, start_channel), st.finish_reason, kept,
                              st, base)
 
@@ -235,6 +257,8 @@ class OutputSession:
         if preview._base is not self._state:
             raise RuntimeError("OutputSession.commit: the preview is stale (the session changed "
                                "since it was computed) or belongs to another session")
+        if self._matcher is not None and preview.token_ids:
+            self._matcher.consume(preview.token_ids)
         self._state = preview._state
         for event in preview.events:
             if isinstance(event, TextDelta):

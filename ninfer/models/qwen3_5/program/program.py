@@ -21,7 +21,7 @@ consumed whole by `commit(decisions)` or `abort_pending()`. Sampling randomness 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -201,9 +201,14 @@ class Program:
             granted.append(self.pages.grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens))
         return granted
 
-    def execute(self, seq_ids, *, forced: Optional[dict] = None,
-                keep_rollback: bool = True) -> PendingBatch:
+    def execute(self, seq_ids, *, forced: Optional[dict] = None, keep_rollback: bool = True,
+                mask_provider: Optional[Callable[[int], Optional[np.ndarray]]] = None
+                ) -> PendingBatch:
         """Run the next unit of every row as one model call; rows must hold their reservation.
+
+        mask_provider (borrowed for this round only): seq_id -> the bool token mask of its next
+        sampled token (constrained decoding) or None; asked once per sampling row, before the
+        forward. A masked row always samples on the host.
 
         keep_rollback=False skips the State backup (a host copy per row, costly on a device):
         a row then cancelled or aborted cannot continue and may only be released (the Engine
@@ -221,28 +226,32 @@ class Program:
             # F[:-1] goes after the committed tokens, where packing reads it (provisional)
             self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + len(unit.forced) - 1] = \
                 unit.forced[:-1]
+        masks = [mask_provider(seq.seq_id) if mask_provider is not None and unit.is_sampling
+                 else None for seq, unit in zip(seqs, units)]
         batch = self._pack(seqs, units)
         backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
-        if self._can_sample_on_device(seqs, units):
+        if self._can_sample_on_device(seqs, units, masks):
             rows = self._device_greedy_rows(batch, seqs, units)
         else:
             logits = self.model.forward(batch, self.kv, self.state)
             if logits.shape != (len(seqs), self.vocab_size):
                 raise ProgramError(f"model.forward returned {logits.shape}, "
                                    f"expected {(len(seqs), self.vocab_size)}")
-            rows = tuple(self._row_result(seq, unit, logits[r])
+            rows = tuple(self._row_result(seq, unit, logits[r], masks[r])
                          for r, (seq, unit) in enumerate(zip(seqs, units)))
         self._pending = PendingBatch(rows, backups, self._new_id())
         return self._pending
 
-    def _can_sample_on_device(self, seqs, units) -> bool:
+    def _can_sample_on_device(self, seqs, units, masks=None) -> bool:
         """A backend with `decode_greedy` (CUDA: argmax inside the decode graph) returns token ids
         instead of [B, V] logits; usable when no row needs the logits on the host: every sampling
-        row is plain greedy (no penalties, no logprobs) and no row is forced."""
+        row is plain greedy (no penalties, no logprobs, no grammar mask) and no row is forced."""
         if not hasattr(self.model, "decode_greedy"):
             return False
-        return all(not unit.forced and (not unit.is_sampling or seq.spec.is_plain_greedy)
-                   for seq, unit in zip(seqs, units))
+        masks = masks or [None] * len(seqs)
+        return all(not unit.forced and (not unit.is_sampling or (seq.spec.is_plain_greedy
+                                                                 and mask is None))
+                   for seq, unit, mask in zip(seqs, units, masks))
 
     def _device_greedy_rows(self, batch, seqs, units) -> tuple:
         tokens = np.asarray(self.model.decode_greedy(batch, self.kv, self.state))
@@ -373,13 +382,14 @@ class Program:
         width = max(1, pages_for(int((starts + counts).max()), self.page_size))
         return ForwardBatch(tokens, positions, query_start, starts, tables[:, :width].copy(), slots)
 
-    def _row_result(self, seq: _Sequence, unit: _Unit, logits: np.ndarray) -> RowResult:
+    def _row_result(self, seq: _Sequence, unit: _Unit, logits: np.ndarray,
+                    mask: Optional[np.ndarray] = None) -> RowResult:
         produced, logprobs = unit.forced, ()
         if unit.is_sampling:
             token, lp = sample_row(logits, seq.spec,
                                    self.token_buf[seq.slot, :seq.num_prompt_tokens],
                                    self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
-                                   position=seq.num_tokens)
+                                   position=seq.num_tokens, mask=mask)
             produced, logprobs = (token,), (() if lp is None else (lp,))
         return RowResult(seq.seq_id, unit.num_new_tokens, produced, logprobs, unit.is_replay,
                          is_control=bool(unit.forced))

@@ -9,6 +9,8 @@ Semantics (per row, in this order; all filter arithmetic in float64):
    prompt + generated, logit > 0 -> logit / p, else logit * p.
 3. presence / frequency penalties (OpenAI, vLLM): over GENERATED tokens only,
    logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0).
+3b. a constrained row (structured output) gets its grammar's mask: every token it does not allow
+   (and every id past the mask, e.g. embedding padding beyond the tokenizer) becomes -inf.
 4. temperature == 0 -> greedy: argmax of the penalised logits (lowest id on ties); steps 5-7 skip.
 5. z = logits / temperature; top_k > 0 keeps the k largest z (ties broken by lower id).
 6. p = softmax over the survivors; top_p < 1 keeps the shortest best-first prefix whose
@@ -59,6 +61,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
+    is_constrained: bool = False      # structured output: a grammar masks every sampled token
 
     @classmethod
     def from_params(cls, params: SamplingParams, seed: int) -> "SamplingSpec":
@@ -67,7 +70,8 @@ class SamplingSpec:
                    presence_penalty=float(params.presence_penalty),
                    frequency_penalty=float(params.frequency_penalty),
                    repetition_penalty=float(params.repetition_penalty),
-                   logprobs=None if params.logprobs is None else int(params.logprobs))
+                   logprobs=None if params.logprobs is None else int(params.logprobs),
+                   is_constrained=getattr(params, "structured", None) is not None)
 
     @property
     def is_greedy(self) -> bool:
@@ -75,9 +79,11 @@ class SamplingSpec:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Argmax of the raw logits: greedy, no penalty changes them, no logprobs asked for."""
+        """Argmax of the raw logits: greedy, no penalty or grammar mask changes them, no logprobs
+        asked for."""
         return (self.is_greedy and self.logprobs is None and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0)
+                and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
+                and not self.is_constrained)
 
 
 def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
@@ -164,10 +170,23 @@ def raw_logprobs(logits: np.ndarray, token_id: int, top_n: int) -> TokenLogprob:
     return TokenLogprob(int(token_id), float(np.float32(lp[token_id])), top)
 
 
+def apply_mask(z: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Step 3b in place on penalised float64 logits [V]: bool mask [n <= V], ids >= n masked."""
+    allowed = np.flatnonzero(mask[:len(z)])
+    if len(allowed) == 0:
+        raise ValueError("the grammar mask allows no token")
+    kept = z[allowed]
+    z.fill(-np.inf)
+    z[allowed] = kept
+    return z
+
+
 def sample_row(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
-               generated_ids: np.ndarray, position: int):
-    """One row: (token_id, TokenLogprob or None)."""
+               generated_ids: np.ndarray, position: int, mask: Optional[np.ndarray] = None):
+    """One row: (token_id, TokenLogprob or None). `mask`: the grammar's allowed tokens (bool)."""
     z = apply_penalties(logits, spec, prompt_ids, generated_ids)
+    if mask is not None:
+        apply_mask(z, mask)
     if spec.is_greedy:
         token = int(np.argmax(z))
     else:

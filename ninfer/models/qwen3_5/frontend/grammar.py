@@ -1,0 +1,255 @@
+"""Constrained decoding: StructuredOutput specs -> llguidance grammars -> per-request matchers.
+
+One GrammarCompiler per Frontend (one vocabulary). It builds the llguidance tokenizer lazily (about
+1.5 s for the 248k Qwen3.5 vocabulary, only when the first structured request arrives), compiles
+each distinct spec once into a prototype matcher (cached, keyed by the spec's canonical JSON), and
+hands every request a `deep_copy` of it (microseconds; the compiled grammar is shared).
+
+Grammars (Lark-like llguidance syntax):
+- a prompt that opened `<think>` (the template's generation prompt with thinking on) starts with
+  free reasoning text closed by the `</think>` token, then optional newlines; otherwise the
+  structured part starts at the first token;
+- json_schema / json_object: `%json {schema}` with fixed separators `", "` / `": "` and no other
+  whitespace (a model free to emit whitespace can emit it forever; the fixed form is what
+  `json.dumps` writes, so real models follow it naturally);
+- tool_call: `<tool_call>\\n<function=NAME>\\n` + parameters + `</function>\\n</tool_call>`, the
+  Qwen3.5 chat template's format (frontend/tool_parser.py parses it back). Parameters follow the
+  tool's JSON schema `properties` in declaration order, required ones mandatory, optional ones
+  optional; a string (or untyped, or string-admitting) value is free text up to the first
+  `</parameter>` (never containing a `<parameter=...>` tag, which would split it), an enum of
+  strings is one of its values, anything else is `%json {property schema}`. A tool with no
+  declared properties takes any `<parameter=NAME>` free-text parameters.
+Every grammar ends the output: once complete, only EOS is allowed.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ....api import StructuredOutput
+from ....errors import RequestError
+from .tool_parser import tool_schemas
+
+_CACHE_SIZE = 128
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# free text of a parameter value: up to (and including) the first </parameter>, never holding a
+# <parameter=NAME> opening that the parser would take for the next parameter
+_VALUE_TERMINAL = (r"PVALUE: /(?s:.*)<\/parameter>\n/ & "
+                   r"~/(?s:.*)<parameter=[^>\n<]*>(?s:.*)/")
+_NAME_TERMINAL = r"PNAME: /[^>\n<]+/"
+
+
+def _lark_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+class GrammarCompiler:
+    """Compiled grammars of one vocabulary. Thread-safe: submit threads compile concurrently."""
+
+    def __init__(self, tokenizer_json: bytes, vocab_size: int, eos_token_ids: Sequence[int],
+                 token_id):
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = int(vocab_size)
+        self._eos = [int(t) for t in eos_token_ids]
+        self._token_id = token_id            # str -> Optional[int] (added tokens)
+        self._lock = threading.Lock()
+        self._lltok = None
+        self._cache: "OrderedDict[str, Any]" = OrderedDict()
+
+    @property
+    def lltokenizer(self):
+        with self._lock:
+            if self._lltok is None:
+                import llguidance
+                text = self._tokenizer_json.decode("utf-8") \
+                    if isinstance(self._tokenizer_json, bytes) else self._tokenizer_json
+                self._lltok = llguidance.LLTokenizer(text, n_vocab=self._vocab_size,
+                                                     eos_token=self._eos)
+            return self._lltok
+
+    def matcher(self, spec: StructuredOutput, tools=None, *, think_open: bool) -> "GrammarMatcher":
+        """A fresh matcher for one request; RequestError naming the problem when the spec does not
+        compile (bad schema, unknown tool)."""
+        lark = self.lark(spec, tools, think_open=think_open)
+        with self._lock:
+            proto = self._cache.get(lark)
+            if proto is not None:
+                self._cache.move_to_end(lark)
+        if proto is None:
+            import llguidance
+            proto = llguidance.LLMatcher(self.lltokenizer, llguidance.LLMatcher.grammar_from_lark(lark),
+                                         log_level=0)
+            if proto.is_error():
+                raise RequestError(f"structured output ({spec.kind}) does not compile: "
+                                   f"{_first_line(proto.get_error())}")
+            with self._lock:
+                self._cache[lark] = proto
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return GrammarMatcher(proto.deep_copy(), self._vocab_size, self._eos)
+
+    # ---- grammar text ------------------------------------------------------------------------
+    def lark(self, spec: StructuredOutput, tools=None, *, think_open: bool) -> str:
+        if spec.kind == "tool_call":
+            body = self._tool_rules(spec, tools)
+        else:
+            schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
+            body = ["body: %json " + _schema_json(_with_options(schema))]
+        if think_open:
+            close = self._tag("</think>")
+            head = [f"start: REASONING {close} NEWLINES body", "REASONING: /(?s:.*)/",
+                    r"NEWLINES: /\n*/"]
+        else:
+            head = ["start: body"]
+        return "\n".join(head + body) + "\n"
+
+    def _tag(self, text: str) -> str:
+        """A tag the vocabulary has as one added token is that token (llguidance treats added
+        tokens as special, never as their text); otherwise its text."""
+        tid = self._token_id(text)
+        return f"<[{tid}]>" if tid is not None else _lark_str(text)
+
+    def _tool_rules(self, spec: StructuredOutput, tools) -> list:
+        schemas = tool_schemas(tools)
+        if not schemas:
+            raise RequestError("structured output 'tool_call' needs at least one tool")
+        if spec.tool_name is not None:
+            if spec.tool_name not in schemas:
+                raise RequestError(f"structured output names tool {spec.tool_name!r}, which is "
+                                   "not among the request's tools")
+            schemas = {spec.tool_name: schemas[spec.tool_name]}
+        many = spec.parallel_tool_calls and spec.tool_name is None
+        rules = ['body: call ("\\n" call)*' if many else "body: call",
+                 "call: " + " | ".join(f"fn{i}" for i in range(len(schemas))),
+                 _VALUE_TERMINAL, _NAME_TERMINAL, "pvalue[lazy]: PVALUE"]
+        open_, close = self._tag("<tool_call>"), self._tag("</tool_call>")
+        for i, (name, schema) in enumerate(schemas.items()):
+            if not name or any(c in name for c in "<>\n"):
+                raise RequestError(f"tool name {name!r} cannot be written as <function=NAME>")
+            params = self._param_rules(f"fn{i}", schema, rules)
+            rules.append(f"fn{i}: {open_} {_lark_str(chr(10) + '<function=' + name + '>' + chr(10))}"
+                         f" {params} \"</function>\\n\" {close}")
+        return rules
+
+    def _param_rules(self, prefix: str, schema, rules: list) -> str:
+        if not isinstance(schema, Mapping):
+            schema = {}
+        props = schema.get("properties")
+        if not isinstance(props, Mapping) or not props:
+            if schema.get("properties") is not None or schema.get("additionalProperties") is False:
+                return ""                   # declared empty: no parameters
+            rules.append(f'{prefix}_any: "<parameter=" PNAME ">\\n" pvalue')
+            return f"{prefix}_any*"
+        required = schema.get("required") or ()
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        parts = []
+        for j, (key, sub) in enumerate(props.items()):
+            if not isinstance(key, str) or not key or any(c in key for c in "<>\n"):
+                raise RequestError(f"tool parameter name {key!r} cannot be written as "
+                                   "<parameter=NAME>")
+            name = f"{prefix}_p{j}"
+            head = _lark_str(f"<parameter={key}>\n")
+            rules.append(f"{name}: {head} {self._value_rule(sub, defs)}")
+            parts.append(name if key in required else f"{name}?")
+        return " ".join(parts)
+
+    def _value_rule(self, schema, defs) -> str:
+        if not isinstance(schema, Mapping):
+            return "pvalue"
+        types = _types(schema)
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            return "(" + " | ".join(_lark_str(v + "\n</parameter>\n") for v in enum) + ")"
+        if not types or "string" in types:
+            return "pvalue"                 # the parser keeps such values as written
+        sub = {**defs, **schema} if defs else dict(schema)
+        return f'%json {_schema_json(_with_options(sub))} "\\n</parameter>\\n"'
+
+
+class GrammarMatcher:
+    """One request's grammar state. The OutputSession validates tokens in preview (no mutation)
+    and consumes them in commit; `mask()` is the next token's allowed set."""
+
+    __slots__ = ("_m", "_vocab_size", "_eos")
+
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._m = matcher
+        self._vocab_size = vocab_size
+        self._eos = frozenset(eos_token_ids)
+
+    def validate(self, token_ids) -> int:
+        """How many of `token_ids` the grammar accepts from the committed state (no mutation)."""
+        ids = list(token_ids)
+        if ids and self._m.is_stopped():
+            # a complete grammar stops the matcher; llguidance's validate_tokens then counts
+            # nothing, although consume_token still takes the EOS that ends the output
+            return int(not self._m.is_error() and ids[0] in self._eos)
+        return int(self._m.validate_tokens(ids))
+
+    def consume(self, token_ids) -> None:
+        # one at a time: consume_tokens refuses the EOS a stopped matcher takes singly
+        for tok in token_ids:
+            if not self._m.consume_token(int(tok)):
+                raise RuntimeError(f"grammar rejected committed token {tok}: "
+                                   f"{_first_line(self._m.get_error())}")
+
+    def mask(self) -> Optional[np.ndarray]:
+        """bool [vocab_size]: the tokens the grammar allows next. None if it allows none (a
+        matcher in error): the row then samples freely and preview rejects the token, which ends
+        only this request instead of failing the sampler."""
+        packed = np.frombuffer(self._m.compute_bitmask(), np.uint8)
+        bits = np.unpackbits(packed, bitorder="little")[:self._vocab_size]
+        return bits.view(np.bool_) if bits.any() else None
+
+    @property
+    def is_accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self._m.is_error())
+
+    def state_key(self) -> tuple:
+        """What tests compare to see that nothing moved: the next-token mask and the flags."""
+        mask = self.mask()
+        return (None if mask is None else mask.tobytes(), self._m.is_accepting(), self._m.is_stopped(),
+                self._m.is_error())
+
+
+def _types(schema: Mapping) -> list:
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    out = []
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            if isinstance(sub, Mapping):
+                out += [t for t in _types(sub) if t not in out]
+            if isinstance(sub, Mapping) and not _types(sub):
+                return []                   # an untyped branch admits anything
+    return out
+
+
+def _with_options(schema: Mapping) -> dict:
+    out = dict(schema)
+    guidance = dict(out.get("x-guidance") or {}) if isinstance(out.get("x-guidance"), Mapping) \
+        else {}
+    out["x-guidance"] = {**_JSON_OPTIONS, **guidance}
+    return out
+
+
+def _schema_json(schema: Mapping) -> str:
+    try:
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"structured output schema is not JSON: {exc}") from None
+
+
+def _first_line(text: str) -> str:
+    return (text or "unknown error").strip().splitlines()[0][:500]
