@@ -6,10 +6,11 @@ Content blocks map onto the Hugging Face chat form:
   assistant text          -> content;  thinking -> reasoning_content;  tool_use -> tool_calls
 Tools `{name, description, input_schema}` become OpenAI-style function tools for the template.
 `thinking` {type: enabled|disabled} switches the template's thinking mode; `budget_tokens` is
-accepted but not enforced.
+accepted but not enforced. `tool_choice` any / tool is enforced by a tool-call grammar.
 """
 from __future__ import annotations
 
+from ..api import StructuredOutput
 from . import fields as F
 from .errors import invalid
 from .openai_schema import sampling_params
@@ -23,7 +24,7 @@ def parse_messages(body, gateway) -> GenPlan:
     messages = anthropic_messages(body)
     tools = _apply_tool_choice(body.get("tool_choice"), _tools(body))
     params = sampling_params(body, gateway, max_tokens=max_tokens, stop_key="stop_sequences",
-                             temperature_hi=1.0)
+                             temperature_hi=1.0, structured=_forced_tool_use(body, tools))
     stream = F.get(body, "stream", "bool", default=False)
     return GenPlan(prompt=messages, params=params, tools=tools,
                    enable_thinking=thinking_enabled(body, gateway), stream=stream,
@@ -180,9 +181,25 @@ def _tools(body: dict):
     return tools
 
 
+def _forced_tool_use(body: dict, tools):
+    """any -> one or more tool_use blocks (one when disable_parallel_tool_use); tool -> exactly
+    one of the named tool. Called after _apply_tool_choice validated the choice."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict) or choice.get("type") not in ("any", "tool"):
+        return None
+    if not tools:
+        raise invalid(f"tool_choice {choice.get('type')!r} needs 'tools'", "tool_choice")
+    single = F.get(choice, "disable_parallel_tool_use", "bool",
+                   param="tool_choice.disable_parallel_tool_use", default=False)
+    if choice["type"] == "tool":
+        return StructuredOutput("tool_call", tool_name=choice.get("name"),
+                                parallel_tool_calls=False)
+    return StructuredOutput("tool_call", parallel_tool_calls=not single)
+
+
 def _apply_tool_choice(choice, tools):
     """auto/any -> every tool; tool -> only the named one; none -> no tools. `any` and `tool`
-    are not enforced by constrained decoding yet."""
+    are also enforced by a grammar (_forced_tool_use)."""
     if choice is None:
         return tools
     if not isinstance(choice, dict):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from ..api import SamplingParams
+from ..api import SamplingParams, StructuredOutput
 from ..errors import RequestError
 from . import fields as F
 from .errors import invalid
@@ -22,10 +22,17 @@ from .plan import GenPlan
 
 def parse_chat(body, gateway) -> GenPlan:
     body = F.json_object(body, "chat completion")
-    _common_checks(body)
+    structured = _common_checks(body)
     messages = chat_messages(F.get(body, "messages", "list", required=True))
     tools = _tools(body)
+    forced = _forced_tool_call(body, tools)
     tools = _apply_tool_choice(body.get("tool_choice"), tools)
+    if forced is not None:
+        if structured is not None:
+            raise invalid("'response_format' json modes and a forced 'tool_choice' cannot be "
+                          "combined (the output is either JSON content or tool calls)",
+                          "response_format")
+        structured = forced
     kwargs = F.get(body, "chat_template_kwargs", "dict", default={})
     thinking = F.get(kwargs, "enable_thinking", "bool", param="chat_template_kwargs.enable_thinking",
                      default=gateway.config.enable_thinking)
@@ -37,7 +44,8 @@ def parse_chat(body, gateway) -> GenPlan:
     if max_tokens is None:
         max_tokens = F.get(body, "max_tokens", "int", lo=1)
     params = sampling_params(body, gateway, max_tokens=max_tokens,
-                             logprobs=(top or 0) if want_logprobs else None)
+                             logprobs=(top or 0) if want_logprobs else None,
+                             structured=structured)
     stream, include_usage = _stream_flags(body)
     return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
                    stream=stream, include_usage=include_usage, want_logprobs=want_logprobs,
@@ -46,7 +54,7 @@ def parse_chat(body, gateway) -> GenPlan:
 
 def parse_completion(body, gateway) -> GenPlan:
     body = F.json_object(body, "completion")
-    _common_checks(body)
+    structured = _common_checks(body)
     prompt = _completion_prompt(body.get("prompt"))
     if F.get(body, "echo", "bool", default=False):
         raise invalid("'echo' is not supported", "echo")
@@ -57,7 +65,8 @@ def parse_completion(body, gateway) -> GenPlan:
     n_logprobs = F.get(body, "logprobs", "int", lo=0, hi=20)
     # OpenAI's documented default for the legacy endpoint
     max_tokens = F.get(body, "max_tokens", "int", lo=1, default=16)
-    params = sampling_params(body, gateway, max_tokens=max_tokens, logprobs=n_logprobs)
+    params = sampling_params(body, gateway, max_tokens=max_tokens, logprobs=n_logprobs,
+                             structured=structured)
     stream, include_usage = _stream_flags(body)
     return GenPlan(prompt=prompt, params=params, enable_thinking=False, stream=stream,
                    include_usage=include_usage, want_logprobs=n_logprobs is not None,
@@ -65,7 +74,7 @@ def parse_completion(body, gateway) -> GenPlan:
 
 
 def sampling_params(body: dict, gateway, *, max_tokens, logprobs=None, stop_key="stop",
-                    temperature_hi=2.0) -> SamplingParams:
+                    temperature_hi=2.0, structured=None) -> SamplingParams:
     """The sampling fields both protocols share; server defaults fill the gaps."""
     cfg = gateway.config
     params = SamplingParams(
@@ -82,6 +91,7 @@ def sampling_params(body: dict, gateway, *, max_tokens, logprobs=None, stop_key=
         seed=F.get(body, "seed", "int", lo=0),
         stop=F.stop_strings(body.get(stop_key), stop_key),
         logprobs=logprobs,
+        structured=structured,
     )
     try:
         return params.validate()
@@ -98,14 +108,53 @@ def _top_k(body: dict, default: int) -> int:
     return top_k
 
 
-def _common_checks(body: dict) -> None:
+def _common_checks(body: dict):
+    """Shared field checks; returns the StructuredOutput `response_format` asks for (or None)."""
     F.get(body, "model", "str")
     if F.get(body, "n", "int", default=1) != 1:
         raise invalid("'n' must be 1 (one choice per request)", "n")
+    return _response_format(body)
+
+
+def _response_format(body: dict):
+    """text -> None; json_object -> any JSON object; json_schema -> JSON matching
+    `json_schema.schema` (enforced by a grammar whether or not `strict` is set; no schema: any
+    JSON value)."""
     fmt = F.get(body, "response_format", "dict")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise invalid(f"response_format type {fmt.get('type')!r} is not supported "
-                      "(constrained decoding is not available yet); use 'text'", "response_format")
+    if fmt is None:
+        return None
+    kind = F.get(fmt, "type", "str", param="response_format.type", default="text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = F.get(fmt, "json_schema", "dict", param="response_format.json_schema",
+                     required=True)
+        F.get(spec, "name", "str", param="response_format.json_schema.name")
+        F.get(spec, "strict", "bool", param="response_format.json_schema.strict")
+        schema = F.get(spec, "schema", "dict", param="response_format.json_schema.schema",
+                       default={})
+        return StructuredOutput("json_schema", schema)
+    raise invalid(f"response_format type {kind!r} must be 'text', 'json_object' or "
+                  "'json_schema'", "response_format.type")
+
+
+def _forced_tool_call(body: dict, tools):
+    """tool_choice 'required' -> one or more calls of any tool (one only when
+    parallel_tool_calls is false); a named function -> exactly one call of it."""
+    choice = body.get("tool_choice")
+    parallel = F.get(body, "parallel_tool_calls", "bool", default=True)
+    if choice == "required":
+        if not tools:
+            raise invalid("tool_choice 'required' needs 'tools'", "tool_choice")
+        return StructuredOutput("tool_call", parallel_tool_calls=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        return StructuredOutput("tool_call", tool_name=choice["function"]["name"],
+                                parallel_tool_calls=False)
+    return None
 
 
 def _stream_flags(body: dict) -> tuple:
@@ -244,7 +293,7 @@ def _tools(body: dict):
 
 def _apply_tool_choice(choice, tools):
     """none -> no tools in the prompt; auto/required -> all tools; a named function -> only that
-    tool. Neither `required` nor a named choice is enforced by constrained decoding yet."""
+    tool. `required` and a named choice are also enforced by a grammar (_forced_tool_call)."""
     if choice is None or choice in ("auto", "required"):
         return tools
     if choice == "none":
