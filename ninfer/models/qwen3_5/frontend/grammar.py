@@ -43,6 +43,30 @@ _VALUE_TERMINAL = (r"PVALUE: /(?s:.*)<\/parameter>\n/ & "
 _NAME_TERMINAL = r"PNAME: /[^>\n<]+/"
 
 
+_LLTOK_LOCK = threading.Lock()
+_LLTOKS: "OrderedDict[tuple, Any]" = OrderedDict()
+
+
+def _shared_lltokenizer(tokenizer_json, vocab_size: int, eos: tuple):
+    """One llguidance tokenizer per (tokenizer.json, vocabulary size, EOS ids) in the process:
+    Engines over the same checkpoint (tests, reloads) skip the ~1.5 s build. Immutable once
+    built, so sharing is safe."""
+    import hashlib
+
+    import llguidance
+    data = tokenizer_json.encode("utf-8") if isinstance(tokenizer_json, str) else tokenizer_json
+    key = (hashlib.blake2b(data, digest_size=16).hexdigest(), vocab_size, eos)
+    with _LLTOK_LOCK:
+        tok = _LLTOKS.get(key)
+        if tok is None:
+            tok = llguidance.LLTokenizer(data.decode("utf-8"), n_vocab=vocab_size,
+                                         eos_token=list(eos))
+            _LLTOKS[key] = tok
+            while len(_LLTOKS) > 4:
+                _LLTOKS.popitem(last=False)
+        return tok
+
+
 def _lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
@@ -64,11 +88,8 @@ class GrammarCompiler:
     def lltokenizer(self):
         with self._lock:
             if self._lltok is None:
-                import llguidance
-                text = self._tokenizer_json.decode("utf-8") \
-                    if isinstance(self._tokenizer_json, bytes) else self._tokenizer_json
-                self._lltok = llguidance.LLTokenizer(text, n_vocab=self._vocab_size,
-                                                     eos_token=self._eos)
+                self._lltok = _shared_lltokenizer(self._tokenizer_json, self._vocab_size,
+                                                  tuple(self._eos))
             return self._lltok
 
     def matcher(self, spec: StructuredOutput, tools=None, *, think_open: bool) -> "GrammarMatcher":
