@@ -172,12 +172,11 @@ def raw_logprobs(logits: np.ndarray, token_id: int, top_n: int) -> TokenLogprob:
 
 def apply_mask(z: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Step 3b in place on penalised float64 logits [V]: bool mask [n <= V], ids >= n masked."""
-    allowed = np.flatnonzero(mask[:len(z)])
-    if len(allowed) == 0:
+    m = np.asarray(mask, np.bool_)[:len(z)]
+    if not m.any():
         raise ValueError("the grammar mask allows no token")
-    kept = z[allowed]
-    z.fill(-np.inf)
-    z[allowed] = kept
+    np.copyto(z[:len(m)], -np.inf, where=~m)      # one pass, whether few or most are allowed
+    z[len(m):] = -np.inf
     return z
 
 
