@@ -5,7 +5,7 @@
         print(engine.generate("Hello", ninfer.SamplingParams(max_tokens=32)).text)
 """
 from .api import (Finished, GenerationResult, GenerationStart, SamplingParams, ScoreResult,
-                  TextDelta, TokenLogprob, ToolCall, ToolCallEvent)
+                  StructuredOutput, TextDelta, TokenLogprob, ToolCall, ToolCallEvent)
 from .errors import (ArtifactError, ConvertError, DeviceError, EngineFailedError, Error,
                      RequestError)
 from .options import EngineOptions
@@ -21,7 +21,7 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "EngineOptions", "SamplingParams", "ScoreResult", "GenerationResult",
+__all__ = ["Engine", "EngineOptions", "SamplingParams", "StructuredOutput", "ScoreResult", "GenerationResult",
            "GenerationStart", "TextDelta", "ToolCall", "ToolCallEvent", "TokenLogprob", "Finished",
            "Error", "ArtifactError", "ConvertError", "DeviceError", "RequestError",
            "EngineFailedError"]
