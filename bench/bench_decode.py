@@ -172,11 +172,22 @@ def decode_batch(B, ctx, page_size, pages_per_row, rng, V):
                         state_slots=np.arange(B, dtype=np.int32))
 
 
-def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False):
+def time_prefill(model, batch, kv, state, reps=2):
+    model.decode_greedy(batch, kv, state)           # warm-up (plans, modules)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model.decode_greedy(batch, kv, state)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False,
+                cores_upto=0):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
-    max_ctx = max(max(contexts), max(prefill_sizes)) + 16
+    max_ctx = max(list(contexts) + list(prefill_sizes)) + 16
     opts = EngineOptions(backend="cuda", max_concurrency=max(batch_sizes), max_context=max_ctx,
                          page_size=page, prefill_chunk=max(prefill_sizes))
     t0 = time.perf_counter()
@@ -225,13 +236,13 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
         toks = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
         table = np.arange(pages_per_row, dtype=np.int32).reshape(1, -1)
         batch = ForwardBatch.single(toks, 0, table, 0)
-        model.decode_greedy(batch, kv, state)           # warm-up (plans, modules)
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            model.decode_greedy(batch, kv, state)
-            times.append(time.perf_counter() - t0)
-        t = min(times)
+        t = time_prefill(model, batch, kv, state)
+        extra = {}
+        if T <= cores_upto:
+            # the same prefill with attention on the CUDA-core kernel (the tensor-core path off)
+            saved, model.attn_tc_min_tokens = model.attn_tc_min_tokens, 1 << 30
+            extra["ms_cores"] = time_prefill(model, batch, kv, state) * 1e3
+            model.attn_tc_min_tokens = saved
         if profile and T == 4096:
             model.runner.profile = []
             model.decode_greedy(batch, kv, state)
@@ -241,7 +252,7 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
         flops = prefill_flops(cfg, T)
         rows.append(dict(shape=name, kind="prefill", T=T, ms=t * 1e3, tok_s=T / t,
                          tflops=flops / t / 1e12, limit_ms=flops / rate * 1e3,
-                         ratio=flops / rate / t))
+                         ratio=flops / rate / t, **extra))
         log(json.dumps(rows[-1]))
     model.close()
     return rows
@@ -256,6 +267,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="per-kernel times of the 4096 prefill")
+    ap.add_argument("--cores-upto", type=int, default=0,
+                    help="also time prefills of up to this many tokens with attention on the "
+                         "CUDA-core kernel (tensor-core path off)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -272,7 +286,8 @@ def main(argv=None):
     for name in args.shapes.split(","):
         try:
             results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
-                                           ints(args.batches), args.steps, log, args.profile)
+                                           ints(args.batches), args.steps, log, args.profile,
+                                           args.cores_upto)
         except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             results["rows"].append(dict(shape=name, kind="error", error=str(exc)))
@@ -296,6 +311,12 @@ def print_table(res):
                   f"{r['limit_ms']:.1f} | {r['ratio']:.2f} |")
         else:
             print(f"| {r['shape']} | error | {r.get('error', '')[:80]} |")
+    cores = [r for r in res["rows"] if r["kind"] == "prefill" and "ms_cores" in r]
+    if cores:
+        print("\nprefill with attention on the CUDA-core kernel (tensor-core path off):")
+        for r in cores:
+            print(f"  {r['shape']} T={r['T']}: {r['ms_cores']:.1f} ms "
+                  f"(tensor cores: {r['ms']:.1f} ms)")
 
 
 if __name__ == "__main__":

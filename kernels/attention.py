@@ -5,7 +5,9 @@ one token: each K/V row is read once for G heads. Query token t of row r (index 
 keys [0, context_len + i]; split s takes a contiguous slice of them, warps interleave over its keys.
 Each lane holds dims {2e, 2e+1} for e = lane + 32c (bf16 pairs read as u32: coalesced).
 Output per split: unnormalised acc and (max, sum) for `attn_combine`, which merges the splits and
-applies the sigmoid output gate, writing bf16 for o_proj.
+applies the sigmoid output gate, writing bf16 for o_proj. `t_base`: the launch covers tokens
+[t_base, t_base + grid.x) of the call (rows left to it by the tensor-core prefill path); part/ml are
+indexed from the launch's first token.
 """
 import math
 
@@ -31,8 +33,10 @@ def paged_attention(hd, G, nkv, GS=0):
     NC2 = 2 * NC
 
     def paged_attention_kernel(part, ml, q, k_cache, v_cache, token_row, query_start,
-                               context_lens, block_tables, bt_stride, page_size, n_splits, scale):
-        t = cuda.blockIdx.x
+                               context_lens, block_tables, bt_stride, page_size, n_splits, scale,
+                               t_base):
+        tl = cuda.blockIdx.x
+        t = t_base + tl
         g = cuda.blockIdx.y // NSUB
         h0 = g * G + (cuda.blockIdx.y % NSUB) * GS
         s = cuda.blockIdx.z
@@ -127,7 +131,7 @@ def paged_attention(hd, G, nkv, GS=0):
                 tot_l += f * sh_l[ww, gi]
                 tot_a += f * sh_acc[ww, gi, dd]
             h = h0 + gi
-            pbase = (t * nh + h) * n_splits + s
+            pbase = (tl * nh + h) * n_splits + s
             part[pbase * hd + dd] = tot_a
             if dd == 0:
                 ml[pbase * 2] = m
@@ -136,12 +140,13 @@ def paged_attention(hd, G, nkv, GS=0):
 
 
 def attn_combine(hd, nh):
-    def attn_combine_kernel(out, part, ml, proj, proj_stride, n_splits):
+    def attn_combine_kernel(out, part, ml, proj, proj_stride, n_splits, t_base):
         # grid (tokens, nh), block hd: merge splits, divide, gate by sigmoid -> bf16 [n, nh*hd]
-        t = cuda.blockIdx.x
+        tl = cuda.blockIdx.x
+        t = t_base + tl
         h = cuda.blockIdx.y
         dd = cuda.threadIdx.x
-        base = (t * nh + h) * n_splits
+        base = (tl * nh + h) * n_splits
         m = NEG_INF
         for s in range(n_splits):
             m = max(m, ml[(base + s) * 2])

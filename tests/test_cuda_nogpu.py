@@ -206,3 +206,49 @@ def test_check_decode_rejects_bad_rows():
     for msg, bb in zip(("token id", "state slots", "needs", "does not cover"), bad):
         with pytest.raises(ValueError, match=msg):
             m._check_decode(bb, KV(), ST())
+
+
+# ---- tensor-core prefill attention: row split, query blocks, the kernels on the simulator -------
+
+def test_split_rows_between_the_two_attention_paths():
+    from ninfer.models.qwen3_5.cuda.runner import split_rows
+    # rows (query_start, tokens, context): 9 | 64 | 63 | 1 | 70, threshold 64
+    rows = [(0, 9, 0), (9, 64, 0), (73, 63, 5), (136, 1, 40), (137, 70, 100)]
+    big, runs = split_rows(rows, 207, 64, 1024)
+    assert big == [1, 4] and runs == [(0, 9), (73, 137)]
+    assert split_rows(rows, 207, 10 ** 9, 1024) == ([], [(0, 207)])      # decode / path off
+    assert split_rows([], 4, 64, 1024) == ([], [(0, 4)])                 # graphs: no row info
+    assert split_rows(rows, 207, 1, 1024) == ([0, 1, 2, 3, 4], [])
+    # a row whose keys exceed the buffers stays on the CUDA-core kernel
+    assert split_rows(rows, 207, 64, 160) == ([1], [(0, 9), (73, 207)])
+
+
+@pytest.mark.parametrize("n,ctx,G,s_cap", [(4096, 0, 6, 1 << 26), (16384, 0, 6, 1 << 26),
+                                           (100, 3000, 4, 4 * 3104), (7, 1, 1, 16)])
+def test_query_blocks_fit_the_s_buffer(n, ctx, G, s_cap):
+    from ninfer.models.qwen3_5.cuda.attention_tc import QB_MAX, pad8, query_block
+    qb = query_block(n, ctx, G, s_cap)
+    assert 1 <= qb <= min(n, QB_MAX)
+    for t0 in range(0, n, qb):
+        t1 = min(n, t0 + qb)
+        assert (t1 - t0) * G * pad8(ctx + t1) <= s_cap
+    # the largest block that fits: one more token would not
+    assert qb in (n, QB_MAX) or (qb + 1) * G * pad8(ctx + n) > s_cap
+
+
+def test_tensor_core_attention_kernels_on_the_simulator():
+    """kernels/attention_tc.py + attend_row's blocking on numba-cuda's CPU simulator against the
+    float64 oracle (two rows, ctx > 0 across pages, padded head rows, several query blocks)."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("numba.cuda")
+    pytest.importorskip("ml_dtypes")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(root))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(root / "tests/gpu/sim_attention_tc.py")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    err = float(res.stdout.strip().splitlines()[-1])
+    # bf16 q, P and output roundings (the GPU op test's TOL_BF16_OUT)
+    assert err < 8e-3, err

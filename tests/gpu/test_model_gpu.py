@@ -88,6 +88,41 @@ def test_prefill_logits_match_numpy(pair, seqs_of):
     assert rel_err(out_all, ref_all) < TOL_MODEL_BF16
 
 
+def test_prefill_tensor_core_attention_matches_numpy(pair, seqs_of):
+    """Rows at the tensor-core threshold T in one batch (T+1 and T on tensor cores, T-1 between
+    them on the CUDA-core kernel, launched from its token offset), then continuing chunks (ctx > 0,
+    starting mid-page: page size 4) with a short row between two long ones; all logits against
+    numpy, and against the same calls with every row on the CUDA-core kernel."""
+    cpu, gpu = pair
+    T = 10
+    r = np.random.default_rng(5)
+    V = cpu.config.text.vocab_size
+    rows = [0, 1, 2]
+    prompts = [r.integers(0, V, n) for n in (T + 1, T - 1, T)]
+    more = [r.integers(0, V, n) for n in (T + 3, 2, T)]
+    ctxs = [len(p) for p in prompts]
+    saved = gpu.attn_tc_min_tokens
+    outs = {}
+    try:
+        for name, tc_min in (("tc", T), ("cores", 10 ** 9)):
+            gpu.attn_tc_min_tokens = tc_min
+            sg = seqs_of(gpu)
+            outs[name] = (gpu.forward(batch_for(sg, rows, prompts, [0, 0, 0]), sg.kv, sg.state,
+                                      all_logits=True),
+                          gpu.forward(batch_for(sg, rows, more, ctxs), sg.kv, sg.state,
+                                      all_logits=True))
+            sg.close()          # the arena holds one test's pools at a time
+    finally:
+        gpu.attn_tc_min_tokens = saved
+    sc = seqs_of(cpu)
+    ref = (cpu.forward(batch_for(sc, rows, prompts, [0, 0, 0]), sc.kv, sc.state, all_logits=True),
+           cpu.forward(batch_for(sc, rows, more, ctxs), sc.kv, sc.state, all_logits=True))
+    for i in range(2):
+        assert outs["tc"][i].shape == ref[i].shape
+        assert rel_err(outs["tc"][i], ref[i]) < TOL_MODEL_BF16
+        assert rel_err(outs["tc"][i], outs["cores"][i]) < TOL_MODEL_BF16
+
+
 def test_greedy_continuation_identical(pair, seqs_of):
     """Free-running greedy on both backends: identical tokens until numpy's top-2 margin drops
     under NEAR_TIE of the logits' spread (below bf16 activation resolution: the CPU run of this

@@ -101,6 +101,11 @@ def test_cublaslt_gemm(g, m, n, k):
     assert rel_err(g.get(y), ref) < TOL_F32 * 10     # exact bf16 products, fp32 sums
     lt.gemm(g.stream, g.put(x).ptr, g.put(w).ptr, y.ptr, m, n, k)
     assert rel_err(g.get(y), bits_to_f64(x) @ bits_to_f64(w).T) < TOL_F32 * 10
+    # w_kn: the second operand stored [k, n] (prefill attention's O = P @ V)
+    wkn = np.ascontiguousarray(w.T)
+    y2 = g.empty((m, n), np.float32)
+    lt.gemm(g.stream, g.put(x).ptr, g.put(wkn).ptr, y2.ptr, m, n, k, w_kn=True)
+    assert rel_err(g.get(y2), bits_to_f64(x) @ bits_to_f64(wkn)) < TOL_F32 * 10
 
 
 # ---- Gated DeltaNet: conv + gating + delta rule -------------------------------------------------
@@ -339,10 +344,77 @@ def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS):
     part = g.empty((n * splits, nh, hd), np.float32)
     ml = g.empty((n * splits, nh, 2), np.float32)
     out = g.empty((n, nh * hd), np.uint16)
-    g.run("paged_attention", (n, nkv * (G // GS), splits), (128,),
-          (part, ml, g.put(q), g.put(kbits), g.put(vbits), g.put(token_row), g.put(qs), g.put(ctx),
-           g.put(bt), p_cap, ps, splits, 1 / math.sqrt(hd)), dict(hd=hd, G=G, nkv=nkv, GS=GS))
-    g.run("attn_combine", (n, nh), (hd,), (out, part, ml, g.put(proj), P, splits), dict(hd=hd, nh=nh))
+    args = [g.put(q), g.put(kbits), g.put(vbits), g.put(token_row), g.put(qs), g.put(ctx), g.put(bt),
+            p_cap, ps, splits, 1 / math.sqrt(hd)]
+    # one launch per token range [t0, t1) (t_base = t0: the runner's runs of short rows); with
+    # several rows, the first row alone, then the rest
+    for t0, t1 in ([(0, int(qs[1])), (int(qs[1]), n)] if b > 1 else [(0, n)]):
+        g.run("paged_attention", (t1 - t0, nkv * (G // GS), splits), (128,),
+              (part, ml, *args, t0), dict(hd=hd, G=G, nkv=nkv, GS=GS))
+        g.run("attn_combine", (t1 - t0, nh), (hd,), (out, part, ml, g.put(proj), P, splits, t0),
+              dict(hd=hd, nh=nh))
+    gate = proj[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, hd:].astype(np.float64)
+    ref = attention_oracle(q.astype(np.float64), bits_to_f64(kbits), bits_to_f64(vbits), bt, ctx,
+                           qs, token_row, ps, gate, G)
+    assert rel_err(bits_to_f64(g.get(out)).reshape(n, nh, hd), ref) < TOL_BF16_OUT
+
+
+# Tensor-core prefill attention (cuda/attention_tc.py): bf16 q and bf16 softmax weights P into
+# the cuBLASLt GEMMs, fp32 accumulation; a CPU emulation of those roundings gives 2.3-2.6e-3 on
+# these shapes, within TOL_BF16_OUT. s_cap: S/P buffer elements (None: the model's default),
+# small values force several query blocks per row (the last one partial).
+@pytest.mark.parametrize("hd,G,nkv,lengths,ctxs,ps,s_cap", [
+    (64, 2, 2, [5], [0], 16, None),                  # one short row from an empty context
+    (64, 2, 2, [1], [7], 16, None),                  # one query token over a partial page
+    (128, 1, 3, [9], [15], 4, None),                 # G = 1, keys cross page boundaries
+    (128, 4, 2, [33, 17], [40, 0], 16, 4 * 80 * 3),  # two rows, 3 query tokens per block
+    (20, 3, 2, [31], [6], 16, 3 * 40 * 7),           # odd_heads' head_dim 20: unaligned GEMM rows
+    (256, 6, 1, [64], [300], 16, 6 * 368 * 5),       # 27B geometry, ctx > 0, 13 blocks
+    (256, 6, 4, [130], [0], 16, None)])              # 27B head counts, one block
+def test_prefill_attention_tensor_core(g, hd, G, nkv, lengths, ctxs, ps, s_cap):
+    from ninfer.core.cuda.cublaslt import CublasLt
+    from ninfer.models.qwen3_5.cuda import attention_tc as tc
+    r = rng(hd * G + sum(ctxs) + len(lengths))
+    nh = G * nkv
+    n, b = sum(lengths), len(lengths)
+    qs, token_row, ctx = _rows(r, lengths, ctxs)
+    num_pages = sum((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 3
+    p_cap = max((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 1
+    perm = r.permutation(num_pages)
+    bt = np.full((b, p_cap), -1, np.int32)
+    used = 0
+    for row in range(b):
+        need = (ctx[row] + lengths[row] + ps - 1) // ps
+        bt[row, :need] = perm[used: used + need]
+        used += need
+    kbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
+    vbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
+    q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)
+    P = 2 * nh * hd + 5
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    sz = tc.buffer_sizes(nh, nkv, hd, n, p_cap * ps)
+    if s_cap is not None:
+        assert s_cap >= G * sz["l_cap"] and s_cap < sz["s"], "s_cap must force query blocks"
+        sz["s"] = sz["p"] = s_cap
+    # poisoned (NaN) buffers: the gather must zero the padded keys, every output be written
+    bufs = {k: g.empty((sz[k],), dt) for k, dt in (("qb", np.uint16), ("o", np.float32),
+                                                   ("kc", np.uint16), ("vc", np.uint16),
+                                                   ("s", np.float32), ("p", np.uint16))}
+    tb = tc.TcBuffers(**{k: a.ptr for k, a in bufs.items()}, t_cap=n, l_cap=sz["l_cap"],
+                      s_cap=sz["s"])
+    out = g.empty((n, nh * hd), np.uint16)
+    ws = g.empty((32 << 20,), np.uint8)
+    lt = CublasLt(ws.ptr, 32 << 20)
+    params = {"q_to_bf16": dict(hd=hd, G=G, nkv=nkv), "kv_gather": dict(hd=hd, nkv=nkv),
+              "causal_softmax": dict(G=G), "attn_gate_tc": dict(hd=hd, G=G, nkv=nkv)}
+    d_q, d_k, d_v, d_bt, d_proj = g.put(q), g.put(kbits), g.put(vbits), g.put(bt), g.put(proj)
+    for row in range(b):
+        tc.attend_row(lambda name, grid, block, args: g.run(name, grid, block, args, params[name]),
+                      lambda x, w, y, m, nn, k, w_kn: lt.gemm(g.stream, x, w, y, m, nn, k, 0.0, w_kn),
+                      tb, hd, G, nkv, 1 / math.sqrt(hd), row=row, q_start=int(qs[row]),
+                      n=lengths[row], ctx=int(ctx[row]), q=d_q.ptr, k_cache=d_k.ptr, v_cache=d_v.ptr,
+                      block_tables=d_bt.ptr, bt_stride=p_cap, page_size=ps, out=out.ptr,
+                      proj=d_proj.ptr, proj_stride=P)
     gate = proj[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, hd:].astype(np.float64)
     ref = attention_oracle(q.astype(np.float64), bits_to_f64(kbits), bits_to_f64(vbits), bt, ctx,
                            qs, token_row, ps, gate, G)

@@ -4,6 +4,9 @@ Row-major Y[M, N] = X[M, K] @ W[N, K]^T is, in cuBLAS's column-major view, the "
 D(N x M) = op_T(A = W as K x N) * B (= X as K x M). Each distinct (M, N, K, beta) gets a plan: the
 descriptors and the algorithm chosen once by the heuristic, against a fixed workspace. Plans are
 made before graph capture (`plan()`), so replay never asks the heuristic.
+
+`w_kn=True` takes the second operand as W[K, N] row-major (`Y = X @ W`), the "NN" product: prefill
+attention's O = P @ V reads the gathered V rows as they are.
 """
 from __future__ import annotations
 
@@ -72,7 +75,7 @@ def alignment(*ptrs) -> int:
 
 
 class Plan:
-    __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta")
+    __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn")
 
 
 class CublasLt:
@@ -124,8 +127,9 @@ class CublasLt:
             self._prefs[align] = pref
         return pref
 
-    def plan(self, m: int, n: int, k: int, beta: float = 0.0, align: int = 256) -> Plan:
-        key = (int(m), int(n), int(k), float(beta), int(align))
+    def plan(self, m: int, n: int, k: int, beta: float = 0.0, align: int = 256,
+             w_kn: bool = False) -> Plan:
+        key = (int(m), int(n), int(k), float(beta), int(align), bool(w_kn))
         p = self._plans.get(key)
         if p is not None:
             return p
@@ -136,12 +140,17 @@ class CublasLt:
         lt_check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
                  "cublasLtMatmulDescCreate")
         opt, opn = ctypes.c_int32(CUBLAS_OP_T), ctypes.c_int32(CUBLAS_OP_N)
-        lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSA, ctypes.byref(opt), 4),
+        lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSA,
+                                                    ctypes.byref(opn if w_kn else opt), 4),
                  "set TRANSA")
         lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSB, ctypes.byref(opn), 4),
                  "set TRANSB")
         a, b, c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), CUDA_R_16BF, k, n, k), "layout A")
+        # W[N, K] row-major is a K x N column-major matrix used transposed; W[K, N] row-major is
+        # N x K column-major, used as it is
+        rows_a, cols_a = (n, k) if w_kn else (k, n)
+        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), CUDA_R_16BF, rows_a, cols_a, rows_a),
+                 "layout A")
         lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), CUDA_R_16BF, k, m, k), "layout B")
         lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n), "layout C")
         res = (HeuristicResult * 1)()
@@ -153,15 +162,17 @@ class CublasLt:
             raise DeviceError(f"cuBLASLt: no algorithm for bf16 GEMM M={m} N={n} K={k}")
         p = Plan()
         p.desc, p.layouts, p.m, p.n, p.k, p.beta = desc, (a, b, c), m, n, k, float(beta)
+        p.w_kn = bool(w_kn)
         p.algo = HeuristicResult()
         ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
         self._plans[key] = p
         return p
 
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
-             beta: float = 0.0) -> None:
-        """y[m, n] (fp32) = x[m, k] (bf16) @ w[n, k]^T (bf16) + beta * y."""
-        p = self.plan(m, n, k, beta, alignment(x_ptr, w_ptr, y_ptr))
+             beta: float = 0.0, w_kn: bool = False) -> None:
+        """y[m, n] (fp32) = x[m, k] (bf16) @ w[n, k]^T (bf16) + beta * y; with w_kn, w is [k, n]
+        and y = x @ w + beta * y."""
+        p = self.plan(m, n, k, beta, alignment(x_ptr, w_ptr, y_ptr), w_kn)
         a, b, c = p.layouts
         beta_c = self._zero if beta == 0.0 else (self._one if beta == 1.0 else ctypes.c_float(beta))
         self.calls += 1
@@ -170,4 +181,4 @@ class CublasLt:
                                          y_ptr, c, ctypes.byref(p.algo.algo),
                                          self.workspace_ptr, self.workspace_bytes,
                                          ctypes.c_void_p(int(stream.handle))),
-                 f"cublasLtMatmul(M={m}, N={n}, K={k})")
+                 f"cublasLtMatmul(M={m}, N={n}, K={k}{', w_kn' if w_kn else ''})")

@@ -29,6 +29,7 @@ from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool
 from .cuda.runner import StepRunner, Workspace, part_rows_needed
+from .cuda import attention_tc
 from .cuda import weights as wplan
 
 LT_WORKSPACE = 32 << 20
@@ -79,6 +80,10 @@ class CudaModel:
         self.b_cap, self.n_cap = b_cap, n_cap
         self.p_cap = (max_context + page_size - 1) // page_size + 1
         self.lg_cap = max(b_cap, min(n_cap, 256))
+        self.max_keys = self.p_cap * page_size
+        # rows of at least this many new tokens take the tensor-core prefill attention
+        # (cuda/attention_tc.py); settable (tests move it to cover both paths)
+        self.attn_tc_min_tokens = attention_tc.TC_MIN_TOKENS
         self.eager_layout = MetaLayout(n_cap, max(b_cap, 8), self.p_cap)
         self.decode_layout = MetaLayout(b_cap, b_cap, self.p_cap)
         tied = artifact is not None and wplan.is_tied(artifact)
@@ -94,7 +99,7 @@ class CudaModel:
                 f"{(need + MEMORY_MARGIN) / 2**30:.2f} GiB (weights, KV/state pools, workspace), "
                 f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB on {self.device.name}")
         self.arena = Arena(need)
-        self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows)
+        self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
                                "metadata")
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
@@ -139,6 +144,10 @@ class CudaModel:
             I = cfg.moe_intermediate_size
             per_tok += 8 * K + 4 * K * (I + H) + 4 * H + K * (2 * H + 8 * I + 2 * I + 8)
         part = part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
+        if cfg.attention_layer_ids:
+            part += attention_tc.nbytes(attention_tc.buffer_sizes(
+                cfg.num_attention_heads, max(cfg.num_key_value_heads, 1), cfg.head_dim, n_cap,
+                self.max_keys))
         head = self.lg_cap * (2 * H + 4 * cfg.vocab_size + 4)
         meta = self.eager_layout.nbytes + self.decode_layout.nbytes
         return _round_up(n_cap * per_tok + part + head + meta + LT_WORKSPACE) + 64 * 256
@@ -331,7 +340,10 @@ class CudaModel:
         self._upload_meta(lay, meta, 0, batch, out_rows)
         n, b = batch.num_tokens, batch.num_rows
         first = min(len(out_rows), self.lg_cap)
-        self.runner.run(self.stream, meta, n, b, first, kv, state)
+        qs = np.asarray(batch.query_start).tolist()
+        ctxs = np.asarray(batch.context_lens).tolist()
+        rows = [(qs[i], qs[i + 1] - qs[i], int(c)) for i, c in enumerate(ctxs)]
+        self.runner.run(self.stream, meta, n, b, first, kv, state, rows=rows)
         V = self.text.vocab_size
         if not want_logits:
             return None

@@ -28,8 +28,14 @@ SIGS = {
                          "i32*", "i32*", "i32*", "i32*", "i32", "i32", "f32", "f32")),
     "paged_attention": ("attention", "paged_attention",
                         ("f32*", "f32*", "f32*", "u32*", "u32*", "i32*", "i32*", "i32*", "i32*",
-                         "i32", "i32", "i32", "f32")),
-    "attn_combine": ("attention", "attn_combine", ("u16*", "f32*", "f32*", "f32*", "i32", "i32")),
+                         "i32", "i32", "i32", "f32", "i32")),
+    "attn_combine": ("attention", "attn_combine",
+                     ("u16*", "f32*", "f32*", "f32*", "i32", "i32", "i32")),
+    "kv_gather": ("attention_tc", "kv_gather",
+                  ("u32*", "u32*", "u32*", "u32*", "i32*", "i32", "i32", "i32", "i32", "i32", "i32")),
+    "q_to_bf16": ("attention_tc", "q_to_bf16", ("u16*", "f32*", "i32", "i32")),
+    "causal_softmax": ("attention_tc", "causal_softmax", ("u16*", "f32*", "i32", "i32", "f32")),
+    "attn_gate_tc": ("attention_tc", "attn_gate_tc", ("u16*", "f32*", "f32*", "i32", "i32", "i32")),
     "router_topk": ("moe", "router_topk", ("i32*", "f32*", "f32*", "i32")),
     "expert_gate_up": ("moe", "expert_gate_up", ("f32*", "u32*", "u32*", "i32*", "i32")),
     "expert_down": ("moe", "expert_down", ("f32*", "f32*", "u32*", "i32*")),
@@ -65,6 +71,10 @@ def geometry_specs(cfg: TextConfig) -> dict:
         G = nh // nkv
         specs["paged_attention"] = spec("paged_attention", hd=hd, G=G, nkv=nkv)
         specs["attn_combine"] = spec("attn_combine", hd=hd, nh=nh)
+        specs["kv_gather"] = spec("kv_gather", hd=hd, nkv=nkv)
+        specs["q_to_bf16"] = spec("q_to_bf16", hd=hd, G=G, nkv=nkv)
+        specs["causal_softmax"] = spec("causal_softmax", G=G)
+        specs["attn_gate_tc"] = spec("attn_gate_tc", hd=hd, G=G, nkv=nkv)
     if cfg.is_moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         H, inter = cfg.hidden_size, cfg.moe_intermediate_size

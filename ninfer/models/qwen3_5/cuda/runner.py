@@ -16,12 +16,14 @@ import numpy as np
 from ....core.cuda import driver as _d
 from ....core.cuda.cublaslt import alignment
 from ..config import FULL_ATTENTION, TextConfig
+from . import attention_tc as tc
 
 
 class Workspace:
     """Fixed activation buffers for up to `n_cap` tokens and `lg_cap` logits rows."""
 
-    def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int):
+    def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
+                 max_keys: int):
         take = arena.take
         H, V = cfg.hidden_size, cfg.vocab_size
         C, Vd, nv = cfg.linear_conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
@@ -52,6 +54,14 @@ class Workspace:
         if cfg.attention_layer_ids:
             self.part = take((part_rows, nh, hd), np.float32, ws)
             self.ml = take((part_rows, nh, 2), np.float32, ws)
+            # tensor-core prefill attention (attention_tc.py): fixed buffers for n_cap tokens
+            # and rows of up to max_keys keys
+            sz = tc.buffer_sizes(nh, nkv, hd, n, max_keys)
+            tb = {k: take((sz[k],), dt, ws) for k, dt in
+                  (("qb", np.uint16), ("o", np.float32), ("kc", np.uint16), ("vc", np.uint16),
+                   ("s", np.float32), ("p", np.uint16))}
+            self.tc = tc.TcBuffers(**{k: a.ptr for k, a in tb.items()}, t_cap=n,
+                                   l_cap=sz["l_cap"], s_cap=sz["s"])
         if cfg.is_moe:
             K, I = cfg.num_experts_per_tok, cfg.moe_intermediate_size
             self.ids = take((n * K,), np.int32, ws)
@@ -80,6 +90,23 @@ def part_rows_needed(n_cap: int, nkv: int, num_sms: int) -> int:
                list(range(1, min(n_cap, 4 * num_sms) + 1)) + [n_cap])
 
 
+def split_rows(rows, n: int, tc_min: int, l_cap: int):
+    """Which rows take the tensor-core prefill attention: those with >= tc_min new tokens whose
+    keys fit its buffers (a KV pool of larger pages than the options planned for can exceed them).
+    Returns (their indices, the token ranges [t0, t1) left to the CUDA-core kernel: runs of
+    consecutive other rows). `rows`: (query_start, new tokens, context) per row, in order."""
+    big = [i for i, (_, ln, ctx) in enumerate(rows)
+           if ln >= tc_min and tc.pad8(ctx + ln) <= l_cap]
+    runs, t0 = [], 0
+    for i in big:
+        if rows[i][0] > t0:
+            runs.append((t0, rows[i][0]))
+        t0 = rows[i][0] + rows[i][1]
+    if t0 < n:
+        runs.append((t0, n))
+    return big, runs
+
+
 class StepRunner:
     """Issues one step's launches. `dry=True` resolves GEMM plans and kernels without launching
     (done before graph capture, so capture never asks cuBLASLt's heuristic or loads a module)."""
@@ -89,6 +116,7 @@ class StepRunner:
         self.cfg: TextConfig = model.text
         self.dry = False
         self.profile = None          # list of (name, start event, end event) when profiling
+        self.rows = None             # host (query_start, tokens, context) per row of the step
 
     # -- primitives --------------------------------------------------------------------------------
     def _timed(self, st, name, fn):
@@ -111,11 +139,11 @@ class StepRunner:
         self.profile = None
         return out
 
-    def gemm(self, st, x, w, y, m, n, k, beta=0.0):
+    def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm"):
         if self.dry:
-            self.m.lt.plan(m, n, k, beta, alignment(x, w, y))
+            self.m.lt.plan(m, n, k, beta, alignment(x, w, y), w_kn)
             return
-        self._timed(st, "gemm", lambda: self.m.lt.gemm(st, x, w, y, m, n, k, beta))
+        self._timed(st, name, lambda: self.m.lt.gemm(st, x, w, y, m, n, k, beta, w_kn))
 
     def launch(self, st, kernel, grid, block, args, smem=0):
         k = getattr(self.m.kernels, kernel)
@@ -124,8 +152,12 @@ class StepRunner:
         self._timed(st, kernel, lambda: k.launch(st, grid, block, args, smem))
 
     # -- the step ----------------------------------------------------------------------------------
-    def run(self, st, meta, n: int, b: int, n_out: int, kv, state, out_start: int = 0):
+    def run(self, st, meta, n: int, b: int, n_out: int, kv, state, out_start: int = 0,
+            rows=None):
+        """`rows`: host (query_start, new tokens, context) per row, for the choice of the prefill
+        attention path; None (decode graphs) -> the CUDA-core kernel for every row."""
         cfg, ws, W = self.cfg, self.m.ws, self.m.weights
+        self.rows = rows
         H = cfg.hidden_size
         self.launch(st, "embed_gather", ((H + 255) // 256, n), (256,),
                     (ws.h, W["embed"], meta.token_ids, H))
@@ -193,14 +225,29 @@ class StepRunner:
                      meta.positions, lay.n_cap, meta.token_row, meta.query_start,
                      meta.context_lens, meta.block_tables, lay.p_cap, kv.page_size,
                      cfg.rope_theta, cfg.rms_norm_eps))
-        splits = attention_splits(n, nkv, self.m.device.num_sms)
-        # all G heads of a kv group per block (splitting them, GS < G, measured 1.45x slower
-        # for the 27B 4096-token prefill: K/V re-reads outweigh the extra resident warps)
-        self.launch(st, "paged_attention", (n, nkv, splits), (128,),
-                    (ws.part, ws.ml, ws.mid, kv.k[a], kv.v[a], meta.token_row, meta.query_start,
-                     meta.context_lens, meta.block_tables, lay.p_cap, kv.page_size, splits,
-                     1.0 / math.sqrt(hd)))
-        self.launch(st, "attn_combine", (n, nh), (hd,), (ws.act, ws.part, ws.ml, ws.proj, P, splits))
+        scale = 1.0 / math.sqrt(hd)
+        big, runs = split_rows(self.rows or [], n, self.m.attn_tc_min_tokens, ws.tc.l_cap)
+        rows = self.rows
+        for r0, r1 in runs:
+            m = r1 - r0
+            splits = attention_splits(m, nkv, self.m.device.num_sms)
+            # all G heads of a kv group per block (splitting them, GS < G, measured 1.45x slower
+            # for the 27B 4096-token prefill: K/V re-reads outweigh the extra resident warps)
+            self.launch(st, "paged_attention", (m, nkv, splits), (128,),
+                        (ws.part, ws.ml, ws.mid, kv.k[a], kv.v[a], meta.token_row,
+                         meta.query_start, meta.context_lens, meta.block_tables, lay.p_cap,
+                         kv.page_size, splits, scale, r0))
+            self.launch(st, "attn_combine", (m, nh), (hd,),
+                        (ws.act, ws.part, ws.ml, ws.proj, P, splits, r0))
+        for i in big:
+            q0, ln, ctx = rows[i]
+            tc.attend_row(lambda name, grid, block, args: self.launch(st, name, grid, block, args),
+                          lambda x, w, y, m, nn, k, w_kn: self.gemm(st, x, w, y, m, nn, k, w_kn=w_kn,
+                                                                    name="attn_gemm"),
+                          ws.tc, hd, nh // nkv, nkv, scale, row=i, q_start=q0, n=ln, ctx=ctx,
+                          q=ws.mid.ptr, k_cache=kv.k[a].ptr, v_cache=kv.v[a].ptr,
+                          block_tables=meta.block_tables, bt_stride=lay.p_cap,
+                          page_size=kv.page_size, out=ws.act.ptr, proj=ws.proj.ptr, proj_stride=P)
         self.gemm(st, ws.act.ptr, lw["w_out"].ptr, ws.h.ptr, n, H, nh * hd, beta=1.0)
 
     def mlp(self, st, n, lw):
