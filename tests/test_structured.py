@@ -473,3 +473,18 @@ def test_anthropic_tool_choice_any_and_tool(client):
 def test_bad_structured_requests_are_400(client, body, fragment):
     r = client.simulate_post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and fragment in r.json["error"]["message"], r.text
+
+
+def test_a_grammar_violation_ends_only_that_request(engine, monkeypatch):
+    """If a token the grammar rejects ever reaches the output (here: masks switched off), the
+    request ends with an error; the Engine stays healthy and the next request is constrained."""
+    from ninfer.models.qwen3_5.frontend.grammar import GrammarMatcher
+    params = SamplingParams(max_tokens=50, temperature=1.0, seed=3,
+                            structured=StructuredOutput("json_schema", SCHEMAS[0]))
+    with monkeypatch.context() as m:
+        m.setattr(GrammarMatcher, "mask", lambda self: None)
+        r = engine.generate(USER, params, enable_thinking=False)
+    assert r.finish_reason == "error" and "grammar" in r.error
+    assert engine.health == "ready"
+    r = engine.generate(USER, params, enable_thinking=False)
+    assert r.finish_reason == "stop" and conforms(json.loads(r.text), SCHEMAS[0])
