@@ -196,6 +196,16 @@ def test_tool_call_grammar_rejects(fe, text):
             s.commit(s.preview([tok]))
 
 
+def test_tool_call_after_free_reasoning(fe):
+    s = session(fe, StructuredOutput("tool_call"), tools=TOOLS, thinking=True)
+    with pytest.raises(RuntimeError, match="grammar"):     # the call comes after </think> only
+        s.preview([fe.token_id("<tool_call>")])
+    feed(s, fe, "I should call <b>get_weather</b>.</think>\n\n" + CALL)
+    s.commit(s.preview([fe.eos_token_ids[0]]))
+    assert s.reasoning_text == "I should call <b>get_weather</b>."
+    assert [c.name for c in s.tool_calls] == ["get_weather"] and s.text == ""
+
+
 def test_named_tool_allows_only_that_function_and_one_call(fe):
     s = session(fe, StructuredOutput("tool_call", tool_name="get_time"), tools=TOOLS)
     with pytest.raises(RuntimeError, match="grammar"):
