@@ -207,3 +207,18 @@ def test_large_vocab_window_matches_the_full_sort_oracle(case):
     z[100:110] = z.max()                                   # ties at the top
     want = oracle_filter(z, spec(**case))
     np.testing.assert_allclose(filtered_probs(z, spec(**case)), want, atol=PROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", [dict(temperature=1.0, top_p=0.9), dict(temperature=2.0, top_p=0.5),
+                                  dict(temperature=1.0, top_p=0.9, min_p=0.3),
+                                  dict(temperature=1.0, top_p=1 - 1e-12)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_wide_nucleus_matches_the_full_sort_oracle(case, seed):
+    """Nuclei far wider than the sorted window take the bucketed path: ties straddling the
+    cut (coarse logits), a long tail below the finely bucketed log-prob span, top_p ~ 1."""
+    rng = np.random.default_rng(seed)
+    z = np.round(rng.standard_normal(20000) * 0.6, 2)      # many exact ties in the nucleus
+    z[:5] += 8.0                                            # a head ...
+    z[-3000:] -= 80.0                                       # ... and a tail e^-80 below it
+    want = oracle_filter(z, spec(**case))
+    np.testing.assert_allclose(filtered_probs(z, spec(**case)), want, atol=PROB_ATOL, rtol=0)
