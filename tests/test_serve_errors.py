@@ -92,6 +92,12 @@ CASES = [
      400, None, "custom tools only"),
     ("count-tokens-no-messages", MSGS + "/count_tokens", {"model": "m"}, 400, None,
      "'messages' is required"),
+    # valid JSON escapes, but no Unicode text: neither tokenizer nor UTF-8 writer can take them
+    ("lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     None, "surrogate"),
+    ("lone-low-surrogate-messages", MSGS,
+     b'{"max_tokens": 4, "messages": [{"role": "user", "content": "\\uDC00"}]}', 400, None,
+     "surrogate"),
 ]
 
 
@@ -208,3 +214,11 @@ def test_engine_failure_during_submit_503(client):
     engine.submit = boom
     err = check_shape(post(client, CHAT, chat()), CHAT, 503, "worker died")
     assert err["error"]["code"] == "engine_failed"
+
+
+def test_escaped_surrogate_pair_is_text(client):
+    """A pair of surrogate escapes is one character (only a lone one is a 400)."""
+    body = b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 \\u00e9"}]}'
+    r = post(client, CHAT, body)
+    assert r.status_code == 200, r.text
+    assert r.json["choices"][0]["message"]["content"] == "echo: \U0001F600 \u00e9"

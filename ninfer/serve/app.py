@@ -95,10 +95,37 @@ def parse_body(data: bytes, limit: int):
         raise ApiError(400, "the request body is empty; expected a JSON object",
                        code="invalid_json")
     try:
-        return json.loads(data)
+        body = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}",
                        code="invalid_json") from exc
+    if _SURROGATE_ESCAPE.search(data):
+        _check_no_lone_surrogates(body)
+    return body
+
+
+# JSON may escape a lone UTF-16 surrogate ("\ud800"); json.loads keeps it, but it is no Unicode
+# text: the tokenizer and the UTF-8 response writer both fail on it (a 500 instead of a 400).
+# Escaped pairs decode to one character, so only bodies with such an escape need the walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_no_lone_surrogates(value) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, "the request body holds a lone UTF-16 surrogate escape "
+                                    "(\\ud800-\\udfff without its pair); it is not Unicode "
+                                    "text", code="invalid_json") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def error_to_reply(req, ex) -> ApiError:
