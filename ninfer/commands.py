@@ -5,6 +5,7 @@ Bad input ends with one `ninfer: error: ...` line and exit status 2 (cli.main pr
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import sys
@@ -259,8 +260,8 @@ def serve_command(args) -> int:
         raise Error(f"--port {args.port}: must be in 1..65535")
     if args.threads is not None and args.threads < 1:
         raise Error(f"--threads {args.threads}: must be >= 1")
-    if args.max_body_mb <= 0:
-        raise Error(f"--max-body-mb {args.max_body_mb}: must be > 0")
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
+        raise Error(f"--max-body-mb {args.max_body_mb}: must be a finite number > 0")
     config = ServeConfig(model_id=args.model_id, api_key=args.api_key or None,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

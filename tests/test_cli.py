@@ -113,6 +113,10 @@ def test_run_bad_messages_file(tmp_path, content, message):
     (["--temperature", "5"], "temperature=5.0: must be in [0, 2]"),
     (["--max-context", "1"], "max_context=1"),
     (["missing.ninfer"], "artifact missing.ninfer: no such file"),
+    (["--max-body-mb", "inf"], "--max-body-mb inf: must be a finite number > 0"),
+    (["--max-body-mb", "nan"], "--max-body-mb nan: must be a finite number > 0"),
+    (["--drain-grace", "nan"], "drain_grace_s=nan: must be a finite number >= 0"),
+    (["--drain-grace", "inf"], "drain_grace_s=inf: must be a finite number >= 0"),
 ])
 def test_serve_bad_input_one_line_error(args, message):
     r = ninfer("serve", *args)

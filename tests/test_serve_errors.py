@@ -222,3 +222,15 @@ def test_escaped_surrogate_pair_is_text(client):
     r = post(client, CHAT, body)
     assert r.status_code == 200, r.text
     assert r.json["choices"][0]["message"]["content"] == "echo: \U0001F600 \u00e9"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("keepalive_s", float("nan")), ("keepalive_s", 0.0), ("keepalive_s", float("inf")),
+    ("drain_grace_s", float("nan")), ("drain_grace_s", float("inf")), ("drain_grace_s", -1.0),
+    ("temperature", float("nan")), ("top_p", 0.0), ("max_body_bytes", 0),
+])
+def test_serve_config_rejects_bad_values(field, value):
+    from ninfer.errors import RequestError
+    from ninfer.serve import ServeConfig
+    with pytest.raises(RequestError, match=field):
+        ServeConfig(**{field: value}).validate()

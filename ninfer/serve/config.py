@@ -1,6 +1,7 @@
 """Gateway settings: fixed for the life of one app (the Engine's own options live in EngineOptions)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,8 +39,9 @@ class ServeConfig:
             bad("top_k", "must be >= 0")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", "must be >= 1")
-        if self.keepalive_s <= 0:
-            bad("keepalive_s", "must be > 0")
-        if self.drain_grace_s < 0:
-            bad("drain_grace_s", "must be >= 0")
+        # not (x > 0) also refuses NaN, which every comparison lets through
+        if not (math.isfinite(self.keepalive_s) and self.keepalive_s > 0):
+            bad("keepalive_s", "must be a finite number > 0")
+        if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
+            bad("drain_grace_s", "must be a finite number >= 0")
         return self
