@@ -61,3 +61,40 @@ def test_config_weights_and_resources(built):
         prompt = frontend.apply_chat_template([{"role": "user", "content": "hi"}])
         assert prompt.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
         assert int(np.max(frontend.tokenize("Hello, 世界 👋"))) < t.vocab_size
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped-byte", "empty"])
+def test_damaged_cache_file_is_rebuilt(built, tmp_path, damage):
+    """A cached file that no longer opens or verifies (a crash mid-copy, a bad disk) is rebuilt,
+    not reported on every later run."""
+    _, good = built
+    data = good.read_bytes()
+    path = demo_path(tmp_path)
+    if damage == "truncated":
+        path.write_bytes(data[:len(data) // 2])
+    elif damage == "flipped-byte":
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0xFF               # inside the embedding's payload
+        path.write_bytes(bytes(flipped))
+    else:
+        path.write_bytes(b"")
+    assert ensure_demo_artifact(tmp_path) == path
+    assert path.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_concurrent_first_use_builds_one_intact_file(built, tmp_path):
+    """Two processes generating the demo at once: each writes its own temporary file and renames
+    it into place, so both succeed and the cache holds one intact file."""
+    import subprocess
+    import sys
+    code = ("import sys, pathlib; from ninfer.demo import ensure_demo_artifact; "
+            "print(ensure_demo_artifact(pathlib.Path(sys.argv[1])))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    path = demo_path(tmp_path)
+    assert [o.strip() for o, _ in outs] == [str(path)] * 2
+    assert path.read_bytes() == built[1].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
