@@ -252,3 +252,146 @@ def test_tensor_core_attention_kernels_on_the_simulator():
     err = float(res.stdout.strip().splitlines()[-1])
     # bf16 q, P and output roundings (the GPU op test's TOL_BF16_OUT)
     assert err < 8e-3, err
+
+
+# ---- review: batch checks agree with the numpy model, geometry limits, cache races, close -------
+
+def _bare_models(layer_types, vocab=10):
+    """A CudaModel and a NumpyModel without weights: only their batch checks are called."""
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.model import NumpyModel
+    cfg = TextConfig(vocab_size=vocab, layer_types=layer_types, num_hidden_layers=len(layer_types))
+    cm, nm = CudaModel.__new__(CudaModel), NumpyModel.__new__(NumpyModel)
+    cm.text = nm.text = cfg
+    cm.p_cap, cm.n_cap, cm.b_cap = 7, 16, 4
+    cm.eager_layout = MetaLayout(16, 8, 7)
+    return cm, nm
+
+
+class _KV:
+    page_size, num_pages = 4, 15
+
+
+class _ST:
+    num_slots = 3
+
+
+def _with(b, **fields):
+    return ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, **fields})
+
+
+def _numpy_error(nm, batch):
+    try:
+        nm._plan(batch, _KV(), _ST())
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_eager_check_rejects_what_the_numpy_model_rejects():
+    hybrid = ("linear_attention",) * 3 + ("full_attention",)
+    cm, nm = _bare_models(hybrid)
+    ok = _decode_batch()
+    prefill = ForwardBatch.single([1, 2, 3, 4, 5], 2, [3, 4], state_slot=1)
+    cm._check(prefill, _KV(), _ST())
+    shared = ok.block_tables.copy()
+    shared[1, 1] = shared[0, 0]          # rows 0 (pos 0) and 1 (pos 5) write page slot (p, 0)/(p, 1)
+    same_slot = shared.copy()
+    same_slot[2, 3] = shared[0, 0]       # row 2 (pos 13 -> page 3, offset 1) collides with row 1
+    bad = [_with(ok, block_tables=same_slot),
+           _with(prefill, query_start=np.array([0, 4], np.int32)),
+           _with(prefill, positions=prefill.positions[:, :4])]
+    cm._check(_with(ok, block_tables=shared), _KV(), _ST())   # same page, distinct slots: fine
+    for batch in bad:
+        want = _numpy_error(nm, batch)
+        assert want is not None
+        with pytest.raises(ValueError) as got:
+            cm._check(batch, _KV(), _ST())
+        assert str(got.value) == want
+
+
+def test_decode_check_rejects_two_rows_writing_one_kv_slot():
+    cm, nm = _bare_models(("linear_attention",) * 3 + ("full_attention",))
+    ok = _decode_batch()
+    t = ok.block_tables.copy()
+    t[2, 3] = t[1, 1]                    # row 2 writes (page, 1) at pos 13; row 1 at pos 5
+    bad = _with(ok, block_tables=t)
+    want = _numpy_error(nm, bad)
+    assert want == "ForwardBatch: two new tokens would write the same KV page slot"
+    with pytest.raises(ValueError, match="same KV page slot"):
+        cm._check_decode(bad, _KV(), _ST())
+
+
+def test_check_of_a_pure_gdn_model_matches_the_numpy_model():
+    cm, nm = _bare_models(("linear_attention",) * 2)
+    good = ForwardBatch.single([1, 2, 3], 0, [], state_slot=0)
+    cm._check(good, _KV(), _ST())
+    for batch in (_with(good, query_start=np.array([0, 2], np.int32)),
+                  _with(good, positions=good.positions[:, :2]),
+                  _with(good, query_start=np.array([1, 3], np.int32))):
+        want = _numpy_error(nm, batch)
+        assert want is not None
+        with pytest.raises(ValueError) as got:
+            cm._check(batch, _KV(), _ST())
+        assert str(got.value) == want
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(num_attention_heads=32, num_key_value_heads=2, head_dim=256), "query heads per kv head"),
+    (dict(is_moe=True, num_experts=4096, num_experts_per_tok=512, hidden_size=64,
+          moe_intermediate_size=64, shared_expert_intermediate_size=64), "router")])
+def test_geometry_refuses_what_overflows_a_kernels_shared_memory(fields, words):
+    cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
+                     num_hidden_layers=4, **fields)
+    with pytest.raises(DeviceError, match=words):
+        check_geometry(cfg)
+
+
+def test_real_geometries_pass_the_checks():
+    # 27B (24/4 heads of 256), 35B-A3B (16/2 of 256, 256 experts top 8), 9B (16/4)
+    for f in (dict(num_attention_heads=24, num_key_value_heads=4, head_dim=256),
+              dict(num_attention_heads=16, num_key_value_heads=2, head_dim=256, is_moe=True,
+                   num_experts=256,
+                   num_experts_per_tok=8, hidden_size=2048, moe_intermediate_size=512,
+                   shared_expert_intermediate_size=512),
+              dict(num_attention_heads=16, num_key_value_heads=4, head_dim=256)):
+        check_geometry(TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
+                                  num_hidden_layers=4, **f))
+
+
+_FAKE_PTX = ".version 8.0\n.target sm_90\n.visible .entry fake_kernel(\n)\n{ ret; }\n"
+
+
+def test_two_caches_writing_one_entry_at_once_both_succeed(tmp_path, monkeypatch):
+    import threading
+    monkeypatch.setattr(K, "compile_spec", lambda spec, cc: _FAKE_PTX)
+    real_replace = K.os.replace
+    both_written = threading.Barrier(2, timeout=10)
+
+    def replace_after_both_wrote(src, dst):
+        both_written.wait()
+        real_replace(src, dst)
+    monkeypatch.setattr(K.os, "replace", replace_after_both_wrote)
+    errors, results = [], []
+
+    def load():
+        try:
+            results.append(K.KernelCache((9, 0), tmp_path).ptx(spec("silu_mul")))
+        except Exception as exc:   # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [_FAKE_PTX, _FAKE_PTX]
+    assert [p.name for p in tmp_path.iterdir()] == [K.cache_key(spec("silu_mul"), (9, 0)) + ".ptx"]
+
+
+def test_a_corrupt_cache_entry_is_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(K, "compile_spec", lambda spec, cc: _FAKE_PTX)
+    cache = K.KernelCache((9, 0), tmp_path)
+    path = tmp_path / (K.cache_key(spec("silu_mul"), (9, 0)) + ".ptx")
+    path.write_text(_FAKE_PTX[:20])          # a truncated file (a crash mid-write, a full disk)
+    assert cache.ptx(spec("silu_mul")) == _FAKE_PTX and cache.compiled == 1
+    assert path.read_text() == _FAKE_PTX

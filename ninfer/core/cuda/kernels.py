@@ -16,11 +16,13 @@ numba import at all.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import pathlib
 import re
+import tempfile
 import threading
 from dataclasses import dataclass, field
 
@@ -130,6 +132,16 @@ def compile_spec(spec: KernelSpec, cc: tuple) -> str:
     return ptx
 
 
+def _read_entry(path: pathlib.Path):
+    """A cached PTX, or None when absent or not one whole kernel (a file cut short by a crash
+    or a full disk before the atomic writes; it is compiled again and replaced)."""
+    try:
+        ptx = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return ptx if len(_ENTRY.findall(ptx)) == 1 and ptx.rstrip().endswith("}") else None
+
+
 class KernelCache:
     """Compile-once, load-once: PTX on disk, modules in this process."""
 
@@ -143,14 +155,23 @@ class KernelCache:
     def ptx(self, spec: KernelSpec) -> str:
         key = cache_key(spec, self.cc)
         path = self.dir / f"{key}.ptx"
-        if path.exists():
-            return path.read_text()
+        cached = _read_entry(path)
+        if cached is not None:
+            return cached
         ptx = compile_spec(spec, self.cc)
         self.compiled += 1
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(ptx)
-        os.replace(tmp, path)
+        # a private temporary name: processes and threads (two models loading at once) may
+        # write the same entry; the rename is atomic, so readers see a whole file or none
+        fd, tmp = tempfile.mkstemp(prefix=f"{key}.", suffix=".tmp", dir=self.dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(ptx)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return ptx
 
     def get(self, spec: KernelSpec) -> "Kernel":

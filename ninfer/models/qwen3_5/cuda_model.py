@@ -23,6 +23,7 @@ from ...core.cuda.cublaslt import CublasLt
 from ...core.cuda.graph import Graph
 from ...core.cuda.kernels import KernelCache
 from ...errors import DeviceError
+from ...ops.attention import kv_slot_mapping
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .cuda.kernel_set import KernelSet
@@ -34,6 +35,7 @@ from .cuda import weights as wplan
 
 LT_WORKSPACE = 32 << 20
 MEMORY_MARGIN = 512 << 20
+_SAME_KV_SLOT = "ForwardBatch: two new tokens would write the same KV page slot"
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
@@ -262,12 +264,22 @@ class CudaModel:
                 raise ValueError("ForwardBatch: a row's block table does not cover its tokens")
             if used.max() >= kv.num_pages:
                 raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
+            # the page each row writes its token into; rows sharing a page must not share a slot
+            ctxs = batch.context_lens.tolist()
+            last = bt[range(B), [c // ps for c in ctxs]].tolist()
+            if len({p * ps + c % ps for p, c in zip(last, ctxs)}) != B:
+                raise ValueError(_SAME_KV_SLOT)
 
     def _check(self, batch: ForwardBatch, kv, state) -> None:
+        """The numpy model's checks (same message for the same bad batch), plus this model's
+        capacities."""
         cfg = self.text
+        n, b = batch.num_tokens, batch.num_rows
         if cfg.attention_layer_ids:
             self._validate_plan(batch, kv.page_size)
-        n, b = batch.num_tokens, batch.num_rows
+        elif batch.positions.shape != (3, n) or np.shape(batch.query_start) != (b + 1,) or \
+                batch.query_start[0] != 0 or batch.query_start[-1] != n:
+            raise ValueError("ForwardBatch: positions / query_start do not match the tokens")
         lengths = batch.row_lengths()
         if b < 1 or np.any(lengths < 1):
             raise ValueError(f"ForwardBatch: every row needs >= 1 new token, got {lengths.tolist()}")
@@ -291,6 +303,10 @@ class CudaModel:
             if need.max() > self.p_cap:
                 raise ValueError(f"ForwardBatch: a row needs {int(need.max())} pages, more than "
                                  f"max_context allows ({self.p_cap})")
+            pages, offsets = kv_slot_mapping(batch.block_tables, batch.context_lens,
+                                             batch.query_start, kv.page_size)
+            if len(np.unique(pages * kv.page_size + offsets)) != n:
+                raise ValueError(_SAME_KV_SLOT)
 
     def _upload_meta(self, layout: MetaLayout, meta: DeviceMeta, host_off: int, batch, out_rows):
         host = self.staging.view(np.int32, host_off, layout.count)

@@ -86,11 +86,21 @@ def geometry_specs(cfg: TextConfig) -> dict:
     return specs
 
 
+# static shared memory a kernel may declare (without the opt-in to more, which numba's static
+# arrays cannot use): a geometry past it would fail at module load with a bare driver error
+STATIC_SMEM_BYTES = 48 * 1024
+
+
 def check_geometry(cfg: TextConfig) -> None:
     """The kernels' layout assumptions; raise DeviceError naming the unsupported dimension."""
     rules = []
     if cfg.attention_layer_ids:
-        rules += [(cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024, "an even head_dim <= 1024")]
+        G = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
+        rules += [(cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024, "an even head_dim <= 1024"),
+                  # paged_attention merges its 4 warps' (G, head_dim) accumulators + (max, sum)
+                  (4 * 4 * G * (cfg.head_dim + 2) <= STATIC_SMEM_BYTES,
+                   f"query heads per kv head x (head_dim + 2) <= 3072 "
+                   f"(got {G} x {cfg.head_dim + 2})")]
     if cfg.linear_layer_ids:
         rules += [(cfg.linear_key_head_dim % 4 == 0 and cfg.linear_key_head_dim <= 1024,
                    "linear_key_head_dim a multiple of 4, <= 1024"),
@@ -100,7 +110,11 @@ def check_geometry(cfg: TextConfig) -> None:
     if cfg.is_moe:
         rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
                    "even hidden and moe_intermediate sizes"),
-                  (cfg.num_experts <= 4096, "num_experts <= 4096")]
+                  (cfg.num_experts <= 4096, "num_experts <= 4096"),
+                  # router_topk: softmax of E experts + 8 warps' K (value, id) candidates
+                  (4 * cfg.num_experts + 8 * 8 * cfg.num_experts_per_tok + 32 <= STATIC_SMEM_BYTES,
+                   f"the router's shared memory (4 * num_experts + 64 * num_experts_per_tok) "
+                   f"<= 48 KiB (got {cfg.num_experts} experts, top {cfg.num_experts_per_tok})")]
     for ok, rule in rules:
         if not ok:
             raise DeviceError(f"backend 'cuda': this model's geometry is not supported, needs {rule}")
