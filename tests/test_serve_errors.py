@@ -95,6 +95,8 @@ CASES = [
     # valid JSON escapes, but no Unicode text: neither tokenizer nor UTF-8 writer can take them
     ("lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
      None, "surrogate"),
+    ("nested-too-deep", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "x": '
+     + b"[" * 1900 + b"]" * 1900 + b"}", 400, None, "nested"),    # < max_body_bytes
     ("lone-low-surrogate-messages", MSGS,
      b'{"max_tokens": 4, "messages": [{"role": "user", "content": "\\uDC00"}]}', 400, None,
      "surrogate"),

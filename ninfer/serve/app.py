@@ -99,6 +99,9 @@ def parse_body(data: bytes, limit: int):
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}",
                        code="invalid_json") from exc
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to parse",
+                       code="invalid_json") from None
     if _SURROGATE_ESCAPE.search(data):
         _check_no_lone_surrogates(body)
     return body
