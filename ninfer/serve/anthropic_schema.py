@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..api import StructuredOutput
 from . import fields as F
 from .errors import invalid
-from .openai_schema import sampling_params
+from .openai_schema import only_tool, sampling_params
 from .plan import GenPlan
 
 
@@ -210,10 +210,5 @@ def _apply_tool_choice(choice, tools):
     if kind == "none":
         return None
     if kind == "tool":
-        name = choice.get("name")
-        chosen = [t for t in tools or () if t["function"]["name"] == name]
-        if not chosen:
-            raise invalid(f"tool_choice names tool {name!r}, which is not in 'tools'",
-                          "tool_choice.name")
-        return chosen
+        return only_tool(tools, choice.get("name"), "tool_choice.name", "tool")
     raise invalid("'tool_choice.type' must be auto, any, tool or none", "tool_choice.type")

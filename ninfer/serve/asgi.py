@@ -16,6 +16,7 @@ import falcon.asgi
 from . import routes
 from .app import (GET_ROUTES, POST_ROUTES, GatewayMiddleware, error_to_reply, parse_body,
                   write_error, write_json)
+from .errors import ApiError
 from .gateway import Gateway
 
 _END = object()
@@ -78,10 +79,8 @@ def build_asgi_app(gw: Gateway, max_threads: int = 64) -> AsgiApp:
     async def handle(req, resp, ex, params):
         write_error(req, resp, error_to_reply(req, ex))
 
-    for exc_type in (Exception, falcon.HTTPError):
+    for exc_type in (Exception, falcon.HTTPError, ApiError):
         app.add_error_handler(exc_type, handle)
-    from .errors import ApiError
-    app.add_error_handler(ApiError, handle)
     for path, fn in POST_ROUTES.items():
         app.add_route(path, _Post(app, fn))
     for path, fn in GET_ROUTES.items():

@@ -300,11 +300,14 @@ def _apply_tool_choice(choice, tools):
         return None
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        chosen = [t for t in tools or () if t["function"]["name"] == name]
-        if not chosen:
-            raise invalid(f"tool_choice names function {name!r}, which is not in 'tools'",
-                          "tool_choice")
-        return chosen
+        return only_tool(tools, choice["function"].get("name"), "tool_choice", "function")
     raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
                   "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+def only_tool(tools, name, param: str, what: str) -> list:
+    """The tools (function form) named `name`; a 400 naming `param` when there is none."""
+    chosen = [t for t in tools or () if t["function"]["name"] == name]
+    if not chosen:
+        raise invalid(f"tool_choice names {what} {name!r}, which is not in 'tools'", param)
+    return chosen

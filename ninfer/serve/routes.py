@@ -88,28 +88,24 @@ def _collect(gen):
 # ---- OpenAI ----------------------------------------------------------------------------------------
 
 def chat_completions(gw, body) -> Reply:
-    plan = parse_chat(body, gw)
-    model_id, response_id = gw.model_id, _new_id("chatcmpl-")
-    text = TokenText(gw.engine())
-    gen = _start(gw, plan, response_id)
-    if plan.stream:
-        return Reply(stream=SseIterator(gen, ChatStream(plan, gen, model_id, response_id, text),
-                                        gw.config.keepalive_s))
-    _collect(gen)
-    return Reply(body=chat_response(plan, gen, model_id, response_id, int(time.time()), text))
+    return _openai_generation(gw, parse_chat(body, gw), "chatcmpl-", ChatStream, chat_response)
 
 
 def completions(gw, body) -> Reply:
-    plan = parse_completion(body, gw)
-    model_id, response_id = gw.model_id, _new_id("cmpl-")
+    return _openai_generation(gw, parse_completion(body, gw), "cmpl-", CompletionStream,
+                              completion_response)
+
+
+def _openai_generation(gw, plan, id_prefix: str, stream_cls, render) -> Reply:
+    """Submit `plan`; a stream Reply, or the whole answer rendered once the request finishes."""
+    model_id, response_id = gw.model_id, _new_id(id_prefix)
     text = TokenText(gw.engine())
     gen = _start(gw, plan, response_id)
     if plan.stream:
-        return Reply(stream=SseIterator(
-            gen, CompletionStream(plan, gen, model_id, response_id, text), gw.config.keepalive_s))
+        return Reply(stream=SseIterator(gen, stream_cls(plan, gen, model_id, response_id, text),
+                                        gw.config.keepalive_s))
     _collect(gen)
-    return Reply(body=completion_response(plan, gen, model_id, response_id, int(time.time()),
-                                          text))
+    return Reply(body=render(plan, gen, model_id, response_id, int(time.time()), text))
 
 
 def models(gw, anthropic: bool = False) -> Reply:
