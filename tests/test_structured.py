@@ -45,12 +45,27 @@ SCHEMAS = [
                 "required": ["x", "y"], "additionalProperties": False}},
      "required": ["tag", "score", "name", "pos"], "additionalProperties": False},
     {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+    # $ref/$defs, optional properties, anyOf, an array of referenced objects
+    {"type": "object", "$defs": {"pt": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["x"], "additionalProperties": False}},
+     "properties": {"a": {"$ref": "#/$defs/pt"},
+                    "b": {"type": "array", "items": {"$ref": "#/$defs/pt"}, "maxItems": 2},
+                    "c": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]}},
+     "required": ["a"], "additionalProperties": False},
 ]
 
 
 # ---- a tiny JSON-schema checker for the keywords the schemas above use ------------------------
 
-def conforms(value, schema) -> bool:
+def conforms(value, schema, root=None) -> bool:
+    root = schema if root is None else root
+    if "$ref" in schema:
+        prefix = "#/$defs/"
+        assert schema["$ref"].startswith(prefix), schema
+        return conforms(value, root["$defs"][schema["$ref"][len(prefix):]], root)
+    if "anyOf" in schema:
+        return any(conforms(value, sub, root) for sub in schema["anyOf"])
     kind = schema.get("type")
     checks = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
               "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
@@ -73,11 +88,11 @@ def conforms(value, schema) -> bool:
             return False
         if schema.get("additionalProperties") is False and any(k not in props for k in value):
             return False
-        return all(conforms(v, props.get(k, {})) for k, v in value.items())
+        return all(conforms(v, props.get(k, {}), root) for k, v in value.items())
     if isinstance(value, list):
         if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
             return False
-        return all(conforms(v, schema.get("items", {})) for v in value)
+        return all(conforms(v, schema.get("items", {}), root) for v in value)
     return True
 
 
@@ -90,6 +105,13 @@ def test_the_checker_can_fail():
                 {**good, "pos": {"x": "1", "y": None}}, {**good, "score": True}):
         assert not conforms(bad, s), bad
     assert not conforms([], SCHEMAS[2]) and not conforms([1, 2, 3, 4], SCHEMAS[2])
+    s = SCHEMAS[3]
+    good = {"a": {"x": 3}, "b": [{"x": 0}], "c": None}
+    assert conforms(good, s) and conforms({"a": {"x": 99}}, s) and conforms({**good, "c": "ab"}, s)
+    for bad in ({"b": []}, {**good, "a": {"x": 100}}, {**good, "a": {"x": 1, "y": 2}},
+                {**good, "b": [{"x": 1}] * 3}, {**good, "b": [{"x": "1"}]}, {**good, "c": 5},
+                {**good, "c": "abcd"}, {**good, "d": 1}):
+        assert not conforms(bad, s), bad
 
 
 # ---- Frontend: grammar + OutputSession --------------------------------------------------------
