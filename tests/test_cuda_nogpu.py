@@ -395,3 +395,110 @@ def test_a_corrupt_cache_entry_is_compiled_again(tmp_path, monkeypatch):
     path.write_text(_FAKE_PTX[:20])          # a truncated file (a crash mid-write, a full disk)
     assert cache.ptx(spec("silu_mul")) == _FAKE_PTX and cache.compiled == 1
     assert path.read_text() == _FAKE_PTX
+
+
+class _FakeDriver:
+    """cuda-python's driver module, as far as Device and module unloading use it: every call
+    is recorded; `fail` names the calls that return an error."""
+
+    class CUdevice_attribute:
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 1
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 2
+        CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 3
+
+    class CUstream_flags:
+        CU_STREAM_NON_BLOCKING = 1
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+        self.values = dict(cuInit=(), cuDeviceGetCount=(1,), cuDeviceGet=(0,),
+                           cuDevicePrimaryCtxRetain=("ctx",), cuDeviceGetAttribute=(9,),
+                           cuDeviceGetName=(b"Fake GPU\0",), cuStreamCreate=("stream",),
+                           cuGetErrorName=(b"CUDA_ERROR_FAKE",))
+
+    def __getattr__(self, name):
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append((name, args))
+            if name in self.fail:
+                return (700,)
+            return (0,) + self.values.get(name, ())
+        return call
+
+
+def test_device_releases_the_primary_context_when_opening_fails(monkeypatch):
+    from ninfer.core.cuda import driver as d
+    fake = _FakeDriver(fail={"cuStreamCreate"})
+    monkeypatch.setattr(d, "_drv", fake)
+    with pytest.raises(DeviceError, match="cuStreamCreate failed: CUDA_ERROR_FAKE"):
+        d.Device(0)
+    names = [c[0] for c in fake.calls]
+    assert names.count("cuDevicePrimaryCtxRetain") == names.count("cuDevicePrimaryCtxRelease") == 1
+
+
+def test_kernel_cache_close_unloads_its_modules(monkeypatch):
+    from ninfer.core.cuda import driver as d
+    fake = _FakeDriver()
+    monkeypatch.setattr(d, "_drv", fake)
+    cache = K.KernelCache((9, 0), "unused")
+    for i, name in enumerate(("silu_mul", "rmsnorm")):
+        cache._loaded[spec(name)] = K.Kernel(f"module{i}", f"fn{i}", spec(name), name)
+    cache.close()
+    cache.close()
+    assert sorted(c[1][0] for c in fake.calls if c[0] == "cuModuleUnload") == ["module0", "module1"]
+
+
+class _FakeLt:
+    def __init__(self):
+        self.destroyed = []
+
+    def __getattr__(self, name):
+        if not name.endswith("Destroy"):
+            raise AttributeError(name)
+        return lambda obj: self.destroyed.append((name, obj)) or 0
+
+
+def test_cublaslt_close_destroys_plans_preferences_and_handle():
+    from ninfer.core.cuda.cublaslt import CublasLt, Plan
+    lt = CublasLt.__new__(CublasLt)
+    lt.lib, lt.handle = _FakeLt(), "handle"
+    p = Plan()
+    p.desc, p.layouts = "desc", ("a", "b", "c")
+    lt._plans, lt._prefs = {(1, 2, 3): p}, {256: "pref256", 16: "pref16"}
+    lt.close()
+    lt.close()
+    assert sorted(lt.lib.destroyed) == sorted(
+        [("cublasLtMatrixLayoutDestroy", x) for x in "abc"] +
+        [("cublasLtMatmulDescDestroy", "desc"), ("cublasLtMatmulPreferenceDestroy", "pref256"),
+         ("cublasLtMatmulPreferenceDestroy", "pref16"), ("cublasLtDestroy", "handle")])
+
+
+def test_model_close_releases_everything_even_after_a_kernel_fault():
+    import threading
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    released = []
+
+    class Part:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def _do(self):
+            released.append(self.name)
+            if self.fails:
+                raise DeviceError(f"{self.name} failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+        close = destroy = free = synchronize = make_current = _do
+    m = CudaModel.__new__(CudaModel)
+    m._ctx_threads = threading.local()
+    m.device, m.stream = Part("context"), Part("stream sync", fails=True)
+    m._graphs = {(1, 0, 0): (Part("graph 1"), None, None), (2, 0, 0): (Part("graph 2"), None, None)}
+    m.lt, m.kernels = Part("cuBLASLt"), Part("modules", fails=True)
+    m.staging, m.out_host, m.route_host = Part("staging"), Part("out_host"), Part("route_host")
+    m.arena = Part("arena")
+    with pytest.raises(DeviceError, match="stream sync failed"):
+        m.close()
+    assert released == ["context", "stream sync", "graph 1", "graph 2", "cuBLASLt", "modules",
+                        "staging", "out_host", "route_host", "arena", "context"]
+    m.close()                                # idempotent: nothing left, nothing raised
+    assert m.device is m.arena is m.lt is m.kernels is None and len(released) == 11

@@ -74,6 +74,10 @@ def alignment(*ptrs) -> int:
     return a
 
 
+_DESTROYERS = ("cublasLtDestroy", "cublasLtMatmulDescDestroy", "cublasLtMatrixLayoutDestroy",
+               "cublasLtMatmulPreferenceDestroy")
+
+
 class Plan:
     __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn")
 
@@ -93,10 +97,12 @@ class CublasLt:
                                                        ctypes.POINTER(i32)]
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, u64, vp, u64, vp, vp, u64, vp, u64, vp, vp,
                                        u64, ctypes.c_size_t, vp]
+        for f in _DESTROYERS:
+            getattr(lib, f).argtypes = [vp]
         for f in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute",
                   "cublasLtMatrixLayoutCreate", "cublasLtMatmulPreferenceCreate",
                   "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
-                  "cublasLtMatmul"):
+                  "cublasLtMatmul") + _DESTROYERS:
             getattr(lib, f).restype = i32
         self.handle = vp()
         lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
@@ -105,6 +111,21 @@ class CublasLt:
         self._plans = {}
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.calls = 0
+
+    def close(self) -> None:
+        """Destroy the plans' descriptors, the preferences and the handle (idempotent)."""
+        lib = self.lib
+        plans, prefs = list(self._plans.values()), list(self._prefs.values())
+        self._plans, self._prefs = {}, {}
+        for p in plans:
+            for layout in p.layouts:
+                lt_check(lib.cublasLtMatrixLayoutDestroy(layout), "cublasLtMatrixLayoutDestroy")
+            lt_check(lib.cublasLtMatmulDescDestroy(p.desc), "cublasLtMatmulDescDestroy")
+        for pref in prefs:
+            lt_check(lib.cublasLtMatmulPreferenceDestroy(pref), "cublasLtMatmulPreferenceDestroy")
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            lt_check(lib.cublasLtDestroy(handle), "cublasLtDestroy")
 
     def _pref(self, align: int):
         """Heuristic preferences for buffers aligned to `align` bytes (sub-views of the grouped

@@ -89,6 +89,15 @@ class Device:
         self.device_id = device_id
         self.dev = check(drv.cuDeviceGet(device_id), "cuDeviceGet")
         self.ctx = check(drv.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
+        try:
+            self._open(drv)
+        except BaseException:
+            drv.cuDevicePrimaryCtxRelease(self.dev)     # the retain would outlive this object
+            raise
+        self._released = False
+
+    def _open(self, drv) -> None:
+        """Bind the context, read the properties, make the stream (undone by the caller)."""
         check(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         attr = drv.CUdevice_attribute
         get = lambda a: check(drv.cuDeviceGetAttribute(a, self.dev), "cuDeviceGetAttribute")  # noqa: E731
@@ -98,7 +107,6 @@ class Device:
         name = check(drv.cuDeviceGetName(128, self.dev), "cuDeviceGetName")
         self.name = name.split(b"\0")[0].decode()
         self.stream = Stream()
-        self._released = False
 
     def make_current(self) -> None:
         check(driver().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
@@ -113,8 +121,10 @@ class Device:
     def close(self) -> None:
         if not self._released:
             self._released = True
-            self.stream.destroy()
-            check(driver().cuDevicePrimaryCtxRelease(self.dev), "cuDevicePrimaryCtxRelease")
+            try:
+                self.stream.destroy()
+            finally:
+                check(driver().cuDevicePrimaryCtxRelease(self.dev), "cuDevicePrimaryCtxRelease")
 
 
 class Stream:

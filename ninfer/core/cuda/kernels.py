@@ -174,6 +174,13 @@ class KernelCache:
             raise
         return ptx
 
+    def close(self) -> None:
+        """Unload this cache's modules (after every graph that launches them is destroyed)."""
+        with self._lock:
+            loaded, self._loaded = list(self._loaded.values()), {}
+        for k in loaded:
+            _d.check(_d.driver().cuModuleUnload(k.module), f"cuModuleUnload({k.name})")
+
     def get(self, spec: KernelSpec) -> "Kernel":
         with self._lock:
             k = self._loaded.get(spec)

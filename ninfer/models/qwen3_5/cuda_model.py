@@ -58,7 +58,10 @@ class CudaModel:
         try:
             self._setup(options, artifact, random_seed, max_tokens, kernel_cache_dir)
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            except Exception:   # noqa: BLE001 - the load error is the one to report
+                pass
             raise
         self.last_host_us = 0.0
         self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
@@ -416,23 +419,38 @@ class CudaModel:
                                        (t3 - t2) * 1e6)
 
     def close(self) -> None:
-        if getattr(self, "device", None) is not None:
-            self._current()
+        """Release what the model holds, users first: graphs, cuBLASLt, modules, pinned host
+        memory, the arena, the context. Every step runs even when an earlier one fails (a kernel
+        fault leaves the context failing every call; releasing it is what lets the process use
+        the GPU again); the first error is raised at the end. Idempotent."""
+        dev = getattr(self, "device", None)
+        if dev is None:
+            return
+        errors = []
+
+        def release(step):
+            try:
+                step()
+            except Exception as exc:   # noqa: BLE001 - collected, the first is raised below
+                errors.append(exc)
+        release(self._current)
+        release(self.stream.synchronize)
         for g, _, _ in getattr(self, "_graphs", {}).values():
-            g.destroy()
+            release(g.destroy)
         self._graphs = {}
+        for part in ("lt", "kernels"):
+            if getattr(self, part, None) is not None:
+                release(getattr(self, part).close)
+                setattr(self, part, None)
         for buf in ("staging", "out_host", "route_host"):
             b = getattr(self, buf, None)
             if b is not None:
-                b.free()
+                release(b.free)
                 setattr(self, buf, None)
         if self.arena is not None:
-            try:
-                self.stream.synchronize()
-            finally:
-                self.arena.close()
-                self.arena = None
-        dev = getattr(self, "device", None)
-        if dev is not None:
-            dev.close()
-            self.device = None
+            release(self.arena.close)
+            self.arena = None
+        release(dev.close)
+        self.device = None
+        if errors:
+            raise errors[0]

@@ -137,6 +137,10 @@ class KernelSet:
             self.__dict__["_k"][name] = k
         return k
 
+    def close(self) -> None:
+        self.__dict__["_k"].clear()
+        self.__dict__["_cache"].close()
+
     def load_all(self) -> None:
         for name in self.specs:
             getattr(self, name)
