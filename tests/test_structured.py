@@ -257,6 +257,11 @@ def test_free_text_values_cannot_hide_a_parameter_tag(fe):
      None, "does not compile"),
     (StructuredOutput("tool_call"), None, "at least one tool"),
     (StructuredOutput("tool_call", tool_name="nope"), TOOLS, "'nope'"),
+    # `required` that is not an array of names (was a TypeError, or a substring test on a str)
+    *[(StructuredOutput("tool_call"), [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": required}}}],
+       "tool 'f': 'required' must be an array of property names")
+      for required in (5, "a", {"a": 1}, [5])],
 ])
 def test_bad_specs_are_request_errors_at_session_creation(fe, spec, tools, fragment):
     with pytest.raises(RequestError, match=fragment):
@@ -501,6 +506,9 @@ def test_anthropic_tool_choice_any_and_tool(client):
         "name": "x", "schema": {"type": "objectx"}}}), "does not compile"),
     (chat(response_format={"type": "json_object"}, tools=TOOLS, tool_choice="required"),
      "cannot be combined"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": 5}}}],
+        tool_choice="required"), "'required' must be an array"),
 ])
 def test_bad_structured_requests_are_400(client, body, fragment):
     r = client.simulate_post("/v1/chat/completions", json=body)

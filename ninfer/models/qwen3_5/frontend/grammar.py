@@ -151,12 +151,12 @@ class GrammarCompiler:
         for i, (name, schema) in enumerate(schemas.items()):
             if not name or any(c in name for c in "<>\n"):
                 raise RequestError(f"tool name {name!r} cannot be written as <function=NAME>")
-            params = self._param_rules(f"fn{i}", schema, rules)
+            params = self._param_rules(f"fn{i}", name, schema, rules)
             rules.append(f"fn{i}: {open_} {_lark_str(chr(10) + '<function=' + name + '>' + chr(10))}"
                          f" {params} \"</function>\\n\" {close}")
         return rules
 
-    def _param_rules(self, prefix: str, schema, rules: list) -> str:
+    def _param_rules(self, prefix: str, tool_name: str, schema, rules: list) -> str:
         if not isinstance(schema, Mapping):
             schema = {}
         props = schema.get("properties")
@@ -166,6 +166,9 @@ class GrammarCompiler:
             rules.append(f'{prefix}_any: "<parameter=" PNAME ">\\n" pvalue')
             return f"{prefix}_any*"
         required = schema.get("required") or ()
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise RequestError(f"tool {tool_name!r}: 'required' must be an array of property "
+                               f"names, got {required!r}")
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
         parts = []
         for j, (key, sub) in enumerate(props.items()):
