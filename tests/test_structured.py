@@ -262,6 +262,9 @@ def test_free_text_values_cannot_hide_a_parameter_tag(fe):
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": required}}}],
        "tool 'f': 'required' must be an array of property names")
       for required in (5, "a", {"a": 1}, [5])],
+    *[(StructuredOutput("tool_call"), [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {key: 5}}}}}], f"'{key}' must be an array")
+      for key in ("anyOf", "oneOf")],
 ])
 def test_bad_specs_are_request_errors_at_session_creation(fe, spec, tools, fragment):
     with pytest.raises(RequestError, match=fragment):

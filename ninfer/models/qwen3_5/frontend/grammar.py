@@ -252,7 +252,11 @@ def _types(schema: Mapping) -> list:
         return [k for k in kind if isinstance(k, str)]
     out = []
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or ():
+        subs = schema.get(key) or ()
+        if not isinstance(subs, list):
+            raise RequestError(f"tool parameter schema: '{key}' must be an array of schemas, "
+                               f"got {subs!r}")
+        for sub in subs:
             if isinstance(sub, Mapping):
                 out += [t for t in _types(sub) if t not in out]
             if isinstance(sub, Mapping) and not _types(sub):
