@@ -502,3 +502,47 @@ def test_model_close_releases_everything_even_after_a_kernel_fault():
                         "staging", "out_host", "route_host", "arena", "context"]
     m.close()                                # idempotent: nothing left, nothing raised
     assert m.device is m.arena is m.lt is m.kernels is None and len(released) == 11
+
+
+class _ArenaModel:
+    """What the device pools use of the model: an arena (on a fake allocation) and a stream."""
+
+    def __init__(self, monkeypatch, nbytes):
+        from ninfer.core.cuda import driver as d
+        from ninfer.core.cuda.arena import Arena
+        monkeypatch.setattr(d, "mem_alloc", lambda n: 1 << 40)
+        monkeypatch.setattr(d, "memset_d8_async", lambda *a: None)
+        self.arena, self.stream = Arena(nbytes), None
+
+
+def _pool_config():
+    return TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",) * 2,
+                      num_hidden_layers=5, num_key_value_heads=2, head_dim=64)
+
+
+def test_dropped_pools_return_their_arena_regions(monkeypatch):
+    import gc
+    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    m = _ArenaModel(monkeypatch, 64 << 20)
+    free = m.arena.free_bytes
+    for _ in range(20):          # scoring: temporary pools per call, never closed
+        kv, st = DeviceKVPool(m, _pool_config(), 64, 16), DeviceStatePool(m, _pool_config(), 1)
+        assert m.arena.free_bytes < free
+        del kv, st
+        gc.collect()
+    assert m.arena.free_bytes == free
+    kv = DeviceKVPool(m, _pool_config(), 64, 16)
+    kv.close()                   # closed, then dropped: each region returned once
+    del kv
+    gc.collect()
+    assert m.arena.free_bytes == free and m.arena._free == [(0, m.arena.capacity)]
+
+
+def test_a_pool_that_does_not_fit_takes_nothing(monkeypatch):
+    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool
+    m = _ArenaModel(monkeypatch, 7 << 17)
+    free = m.arena.free_bytes
+    # 4 arrays of 64 pages x 16 x 2 x 64 bf16 = 256 KiB each: the fourth does not fit
+    with pytest.raises(DeviceError, match="KV pool"):
+        DeviceKVPool(m, _pool_config(), 64, 16)
+    assert m.arena.free_bytes == free

@@ -53,13 +53,27 @@ class Arena:
         self.capacity = _round_up(nbytes)
         self.base = _d.mem_alloc(self.capacity)
         self._free = [(0, self.capacity)]        # sorted (offset, size) holes
+        # arrays whose owner was dropped without give() (a pool's finalizer appends them, at
+        # whatever point the garbage collector runs); take/give return them first, so the hole
+        # list is only ever changed by the thread calling take/give
+        self._dropped = []
         self._closed = False
 
     @property
     def free_bytes(self) -> int:
+        self._return_dropped()
         return sum(s for _, s in self._free)
 
+    def give_later(self, arrays) -> None:
+        """Return `arrays` at the next take/give (safe from a finalizer)."""
+        self._dropped.extend(arrays)
+
+    def _return_dropped(self) -> None:
+        while self._dropped:
+            self._give(self._dropped.pop())
+
     def take(self, shape, dtype, what: str) -> DeviceArray:
+        self._return_dropped()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         nbytes = _round_up(max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1))
         for i, (off, size) in enumerate(self._free):
@@ -76,6 +90,10 @@ class Arena:
 
     def give(self, arr: DeviceArray) -> None:
         """Return a region (pool close); neighbours coalesce."""
+        self._return_dropped()
+        self._give(arr)
+
+    def _give(self, arr: DeviceArray) -> None:
         if arr._region is None:
             return
         off, size = arr._region

@@ -7,6 +7,8 @@ as `state.py` (KV is bf16 on the device; host copies are float32):
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ....core.cuda import driver as _d
@@ -22,16 +24,30 @@ def _bits_f32(u16) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
+def _take_all(arena, shapes, dtype, what: str) -> list:
+    """One arena array per shape, all or none (a pool that does not fit leaks nothing)."""
+    taken = []
+    try:
+        for shape in shapes:
+            taken.append(arena.take(shape, dtype, what))
+    except BaseException:
+        for a in taken:
+            arena.give(a)
+        raise
+    return taken
+
+
 class DeviceKVPool:
     def __init__(self, model, cfg: TextConfig, num_pages: int, page_size: int):
         self.page_size = int(page_size)
         self._model = model
         shape = (int(num_pages), self.page_size, cfg.num_key_value_heads, cfg.head_dim)
         n = len(cfg.attention_layer_ids)
-        take = model.arena.take
-        self.k = [take(shape, np.uint16, f"KV pool ({num_pages} pages)") for _ in range(n)]
-        self.v = [take(shape, np.uint16, f"KV pool ({num_pages} pages)") for _ in range(n)]
+        kv = _take_all(model.arena, [shape] * (2 * n), np.uint16, f"KV pool ({num_pages} pages)")
+        self.k, self.v = kv[:n], kv[n:]
         self._num_pages = int(num_pages)
+        # a pool dropped without close() (scoring's temporary pools) still returns its pages
+        weakref.finalize(self, model.arena.give_later, self.k + self.v)
         for a in self.k + self.v:
             _d.memset_d8_async(a.ptr, 0, a.nbytes, model.stream)
 
@@ -71,10 +87,11 @@ class DeviceStatePool:
         conv = (int(num_slots), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
         rec = (int(num_slots), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                cfg.linear_value_head_dim)
-        take = model.arena.take
-        self.conv = [take(conv, np.float32, f"state pool ({num_slots} slots)") for _ in range(n)]
-        self.recurrent = [take(rec, np.float32, f"state pool ({num_slots} slots)") for _ in range(n)]
+        arrays = _take_all(model.arena, [conv] * n + [rec] * n, np.float32,
+                           f"state pool ({num_slots} slots)")
+        self.conv, self.recurrent = arrays[:n], arrays[n:]
         self._num_slots = int(num_slots)
+        weakref.finalize(self, model.arena.give_later, self.conv + self.recurrent)
         for a in self.conv + self.recurrent:
             _d.memset_d8_async(a.ptr, 0, a.nbytes, model.stream)
 
