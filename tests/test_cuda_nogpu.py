@@ -546,3 +546,61 @@ def test_a_pool_that_does_not_fit_takes_nothing(monkeypatch):
     with pytest.raises(DeviceError, match="KV pool"):
         DeviceKVPool(m, _pool_config(), 64, 16)
     assert m.arena.free_bytes == free
+
+
+class _CountingArena:
+    def __init__(self):
+        self.nbytes = 0
+
+    def take(self, shape, dtype, what):
+        from ninfer.core.cuda.arena import DeviceArray, _round_up
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        self.nbytes += _round_up(max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1))
+        return DeviceArray(1 << 40, shape, dtype)
+
+
+_SHAPES = {   # bench/ shapes (docs/performance.md) and a tiny one
+    "27B": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                linear_num_value_heads=48, vocab_size=248320),
+    "35B-A3B": dict(hidden_size=2048, is_moe=True, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                    linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=248320),
+    "tiny-moe": dict(hidden_size=64, is_moe=True, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=16, vocab_size=300),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
+@pytest.mark.parametrize("b_cap, prefill_chunk, max_context", [(1, 512, 2048), (8, 512, 32768),
+                                                               (4, 4096, 16384), (64, 16, 512)])
+def test_workspace_plan_covers_what_the_workspace_takes(shape, b_cap, prefill_chunk, max_context):
+    from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE, CudaModel
+    from ninfer.models.qwen3_5.cuda.runner import Workspace, part_rows_needed
+    cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
+                     num_hidden_layers=4, **_SHAPES[shape])
+    m = CudaModel.__new__(CudaModel)
+    m.text, page_size, num_sms = cfg, 16, 132
+    n_cap = max(prefill_chunk, b_cap)
+    m.p_cap = (max_context + page_size - 1) // page_size + 1
+    m.lg_cap, m.max_keys = max(b_cap, min(n_cap, 256)), m.p_cap * page_size
+    m.eager_layout = MetaLayout(n_cap, max(b_cap, 8), m.p_cap)
+    m.decode_layout = MetaLayout(b_cap, b_cap, m.p_cap)
+    part_rows = part_rows_needed(n_cap, cfg.num_key_value_heads, num_sms)
+    arena = _CountingArena()
+    Workspace(arena, cfg, n_cap, m.lg_cap, part_rows, m.max_keys)
+    arena.take((m.eager_layout.count + m.decode_layout.count,), np.int32, "metadata")
+    arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
+    assert arena.nbytes <= m._workspace_bytes(n_cap, part_rows)
+
+
+def test_pack_args_refuses_integers_that_would_wrap():
+    for t, bad in (("i32", 2**31), ("i32", -2**31 - 1), ("u32", -1), ("u32", 2**32), ("i64", 2**63)):
+        with pytest.raises(ValueError, match=f"type {t} out of range"):
+            K.pack_args((t,), (bad,))
+    keep, _ = K.pack_args(("i32", "u32", "i64"), (np.int32(-2**31), 2**32 - 1, -2**63))
+    assert [v.value for v in keep[0]] == [-2**31, 2**32 - 1, -2**63]

@@ -45,6 +45,9 @@ ARG_TYPES = {
 }
 
 
+INT_RANGES = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "i64": (-2**63, 2**63 - 1)}
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     module: str                     # file kernels/<module>.py
@@ -202,6 +205,9 @@ def pack_args(sig: tuple, args) -> tuple:
             a = getattr(a, "ptr", a)
             if not isinstance(a, int) or a < 0:
                 raise ValueError(f"kernel argument of type {t} must be a device address, got {a!r}")
+        elif t in INT_RANGES and not INT_RANGES[t][0] <= a <= INT_RANGES[t][1]:
+            # ctypes would wrap it silently (an offset past 2^31 turning negative)
+            raise ValueError(f"kernel argument of type {t} out of range: {a}")
         vals.append(ctype(a))
     ptrs = (ctypes.c_void_p * max(len(vals), 1))(*[ctypes.addressof(v) for v in vals])
     return (vals, ptrs), ctypes.addressof(ptrs)
