@@ -514,6 +514,9 @@ class _ArenaModel:
         monkeypatch.setattr(d, "memset_d8_async", lambda *a: None)
         self.arena, self.stream = Arena(nbytes), None
 
+    def _forget_graphs_of(self, pool):
+        pass
+
 
 def _pool_config():
     return TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",) * 2,
@@ -604,3 +607,30 @@ def test_pack_args_refuses_integers_that_would_wrap():
             K.pack_args((t,), (bad,))
     keep, _ = K.pack_args(("i32", "u32", "i64"), (np.int32(-2**31), 2**32 - 1, -2**63))
     assert [v.value for v in keep[0]] == [-2**31, 2**32 - 1, -2**63]
+
+
+def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
+    import threading
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    fake = _ArenaModel(monkeypatch, 64 << 20)
+    m = CudaModel.__new__(CudaModel)
+    m.arena, m.stream, m._ctx_threads = fake.arena, None, threading.local()
+    m._ctx_threads.bound = True
+    destroyed = []
+
+    class G:
+        def __init__(self, name):
+            self.name = name
+
+        def destroy(self):
+            destroyed.append(self.name)
+    kv1, kv2 = DeviceKVPool(m, _pool_config(), 8, 16), DeviceKVPool(m, _pool_config(), 8, 16)
+    st = DeviceStatePool(m, _pool_config(), 2)
+    m._graphs = {(1, id(kv1), id(st)): (G("kv1 B=1"), kv1, st),
+                 (2, id(kv1), id(st)): (G("kv1 B=2"), kv1, st),
+                 (1, id(kv2), id(st)): (G("kv2 B=1"), kv2, st)}
+    kv1.close()                  # a replay over kv1's returned pages would corrupt their next owner
+    assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2"] and list(m._graphs) == [(1, id(kv2), id(st))]
+    st.close()
+    assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2", "kv2 B=1"] and m._graphs == {}

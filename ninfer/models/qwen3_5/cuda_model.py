@@ -395,6 +395,16 @@ class CudaModel:
         self._graphs[key] = (g, kv, state)
         return g
 
+    def _forget_graphs_of(self, pool) -> None:
+        """Destroy the graphs captured over `pool` (it is closing: its regions go back to the
+        arena, and a replay would write into whatever takes them next)."""
+        graphs = getattr(self, "_graphs", {})
+        stale = [key for key, (_, kv, state) in graphs.items() if pool is kv or pool is state]
+        if stale:
+            self._current()
+        for key in stale:
+            graphs.pop(key)[0].destroy()
+
     def capture_graphs(self, kv, state, sizes=None) -> int:
         self._current()
         for B in sizes or range(1, self.b_cap + 1):

@@ -75,6 +75,7 @@ class DeviceKVPool:
                     _d.upload(a.at(int(p)), _bf16_bits(h[i]), st)
 
     def close(self) -> None:
+        self._model._forget_graphs_of(self)
         for a in self.k + self.v:
             self._model.arena.give(a)
         self.k, self.v = [], []
@@ -120,6 +121,7 @@ class DeviceStatePool:
                 _d.upload(a.at(slot), np.asarray(h, np.float32), st)
 
     def close(self) -> None:
+        self._model._forget_graphs_of(self)
         for a in self.conv + self.recurrent:
             self._model.arena.give(a)
         self.conv, self.recurrent = [], []
