@@ -271,6 +271,23 @@ def test_bad_specs_are_request_errors_at_session_creation(fe, spec, tools, fragm
         session(fe, spec, tools=tools)
 
 
+@pytest.mark.parametrize("a", [{"oneOf": [{"type": "integer"}, {"type": "null"}]},
+                               {"anyOf": [{"type": "string"}], "oneOf": None}])
+def test_one_of_alone_or_any_of_compile(fe, a):
+    params = {"type": "object", "properties": {"a": a}, "required": ["a"]}
+    session(fe, StructuredOutput("tool_call"),
+            tools=[{"type": "function", "function": {"name": "f", "parameters": params}}])
+
+
+@pytest.mark.parametrize("required", [None, [], ["a"]])
+def test_required_may_be_absent_null_or_empty(fe, required):
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    if required is not None:
+        params["required"] = required
+    session(fe, StructuredOutput("tool_call"),
+            tools=[{"type": "function", "function": {"name": "f", "parameters": params}}])
+
+
 @pytest.mark.parametrize("params, fragment", [
     (SamplingParams(structured=StructuredOutput("xml")), "kind"),
     (SamplingParams(structured=StructuredOutput("json_schema")), "schema"),

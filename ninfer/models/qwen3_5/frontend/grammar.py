@@ -165,7 +165,8 @@ class GrammarCompiler:
                 return ""                   # declared empty: no parameters
             rules.append(f'{prefix}_any: "<parameter=" PNAME ">\\n" pvalue')
             return f"{prefix}_any*"
-        required = schema.get("required") or ()
+        required = schema.get("required")
+        required = [] if required is None else required
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise RequestError(f"tool {tool_name!r}: 'required' must be an array of property "
                                f"names, got {required!r}")
@@ -252,7 +253,9 @@ def _types(schema: Mapping) -> list:
         return [k for k in kind if isinstance(k, str)]
     out = []
     for key in ("anyOf", "oneOf"):
-        subs = schema.get(key) or ()
+        subs = schema.get(key)
+        if subs is None:
+            continue
         if not isinstance(subs, list):
             raise RequestError(f"tool parameter schema: '{key}' must be an array of schemas, "
                                f"got {subs!r}")
