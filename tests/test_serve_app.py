@@ -365,6 +365,24 @@ def test_count_tokens(client, engine):
     assert engine.submitted == []      # nothing generated
 
 
+@pytest.mark.parametrize("choice, expected_tools", [
+    (None, ["f", "g"]), ({"type": "auto"}, ["f", "g"]), ({"type": "none"}, []),
+    ({"type": "tool", "name": "g"}, ["g"])])
+def test_count_tokens_counts_the_prompt_the_request_would_send(client, choice, expected_tools):
+    """tool_choice decides which tools the prompt holds, so it decides the count too."""
+    tools = [{"name": n, "input_schema": {"type": "object"}} for n in ("f", "g")]
+    base = msg_body("count me", tools=tools, thinking={"type": "disabled"})
+    if choice is not None:
+        base["tool_choice"] = choice
+    counted = client.simulate_post("/v1/messages/count_tokens", json=base).json["input_tokens"]
+    sent = client.simulate_post(MSGS, json=base).json["usage"]["input_tokens"]
+    assert counted == sent
+    only = msg_body("count me", thinking={"type": "disabled"},
+                    tools=[t for t in tools if t["name"] in expected_tools] or None)
+    assert counted == client.simulate_post("/v1/messages/count_tokens",
+                                           json=only).json["input_tokens"]
+
+
 # ---- operations ------------------------------------------------------------------------------------
 
 def test_health_and_request_id(client):

@@ -32,10 +32,12 @@ def parse_messages(body, gateway) -> GenPlan:
 
 
 def parse_count_tokens(body, gateway) -> tuple:
-    """-> (messages, tools, enable_thinking) for the chat template."""
+    """-> (messages, tools, enable_thinking) for the chat template; `tool_choice` picks the tools
+    as it does for /v1/messages, so the count is that request's `input_tokens`."""
     body = F.json_object(body, "count_tokens")
     F.get(body, "model", "str")
-    return anthropic_messages(body), _tools(body), thinking_enabled(body, gateway)
+    tools = _apply_tool_choice(body.get("tool_choice"), _tools(body))
+    return anthropic_messages(body), tools, thinking_enabled(body, gateway)
 
 
 def thinking_enabled(body: dict, gateway) -> bool:
