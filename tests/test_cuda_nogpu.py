@@ -634,3 +634,50 @@ def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
     assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2"] and list(m._graphs) == [(1, id(kv2), id(st))]
     st.close()
     assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2", "kv2 B=1"] and m._graphs == {}
+
+
+class _Artifact:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def has(self, name):
+        return name in self.tensors
+
+    def tensor(self, name):
+        return self.tensors[name]
+
+
+def test_cuda_weight_reader_refuses_what_the_numpy_reader_refuses():
+    from ninfer.errors import ArtifactError
+    from ninfer.models.qwen3_5.cuda import weights as wplan
+    from ninfer.models.qwen3_5.load import ParamReader, text_param_shapes
+    cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4,
+                     hidden_size=8, is_moe=True, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=6, shared_expert_intermediate_size=4)
+    expected = text_param_shapes(cfg)
+    plan = wplan.layer_plan(cfg, 0)
+    name = "text.layers.0.mlp.experts.gate_up_proj"
+    shape, dt, sources = plan["experts_gu"]
+    r = np.random.default_rng(0)
+    good = r.standard_normal(expected[name]).astype(np.float32)
+    assert wplan.read_host(_Artifact({name: good}), shape, dt, sources, expected).shape == shape
+    transposed = np.ascontiguousarray(good.transpose(0, 2, 1))      # same size, other layout
+    nan = np.where(np.arange(good.size).reshape(good.shape) == 5, np.nan, good)
+    for arr, words in ((transposed, "shape"), (nan, "non-finite")):
+        with pytest.raises(ArtifactError, match=f"{name}.*{words}") as got:
+            wplan.read_host(_Artifact({name: arr}), shape, dt, sources, expected)
+        with pytest.raises(ArtifactError, match=f"{name}.*{words}") as np_got:
+            ParamReader(_Artifact({name: arr}))(name, expected[name])
+        if words == "shape":
+            assert str(got.value) == str(np_got.value)
+    # finite in float32 but past bfloat16's range: inf once stored on the device
+    with pytest.raises(ArtifactError, match="non-finite values \\(in bfloat16\\)"):
+        wplan.read_host(_Artifact({name: np.full(good.shape, 3.4e38, np.float32)}), shape, dt,
+                        sources, expected)
+
+
+def test_attention_biases_are_refused_not_ignored():
+    cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4,
+                     attention_bias=True)
+    with pytest.raises(DeviceError, match="attention_bias"):
+        check_geometry(cfg)

@@ -26,6 +26,7 @@ from ...errors import DeviceError
 from ...ops.attention import kv_slot_mapping
 from .batch import ForwardBatch
 from .config import ModelConfig
+from .load import text_param_shapes
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool
@@ -161,6 +162,7 @@ class CudaModel:
         cfg = self.text
         plans = [("", wplan.model_plan(cfg))] + \
             [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
+        expected = text_param_shapes(cfg)
         out = {"layers": []}
         staging = None
         try:
@@ -173,7 +175,7 @@ class CudaModel:
                     dtype = np.uint16 if dt == wplan.BF16 else np.float32
                     a = self.arena.take(shape, dtype, f"weight {name}")
                     if artifact is not None:
-                        host = wplan.read_host(artifact, shape, dt, sources)
+                        host = wplan.read_host(artifact, shape, dt, sources, expected)
                         if staging is None or staging.nbytes < host.nbytes:
                             if staging is not None:
                                 staging.free()

@@ -96,7 +96,8 @@ def check_geometry(cfg: TextConfig) -> None:
     rules = []
     if cfg.attention_layer_ids:
         G = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
-        rules += [(cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024, "an even head_dim <= 1024"),
+        rules += [(not cfg.attention_bias, "no attention projection biases (attention_bias)"),
+                  (cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024, "an even head_dim <= 1024"),
                   # paged_attention merges its 4 warps' (G, head_dim) accumulators + (max, sum)
                   (4 * 4 * G * (cfg.head_dim + 2) <= STATIC_SMEM_BYTES,
                    f"query heads per kv head x (head_dim + 2) <= 3072 "

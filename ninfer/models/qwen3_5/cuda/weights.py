@@ -79,14 +79,20 @@ def plan_bytes(cfg: TextConfig, tied: bool = False) -> int:
     return total
 
 
-def read_host(artifact, shape, dtype, sources) -> np.ndarray:
-    """Gather one device array's host image from the artifact (bf16 -> uint16 bits, f32)."""
+def read_host(artifact, shape, dtype, sources, expected: dict = None) -> np.ndarray:
+    """Gather one device array's host image from the artifact (bf16 -> uint16 bits, f32).
+    `expected`: logical name -> shape (load.text_param_shapes); the numpy model's reader checks
+    the same shapes and finiteness, so both backends refuse the same artifacts."""
     import ml_dtypes
     parts = []
     for name, rows in sources:
         if hasattr(artifact, "has") and not artifact.has(name):
             raise ArtifactError(f"missing binding {name!r}")
         a = np.asarray(artifact.tensor(name))
+        want = (expected or {}).get(name)
+        if want is not None and tuple(a.shape) != tuple(want):
+            # equal sizes in another layout (experts [E, H, 2I]) would load as wrong numbers
+            raise ArtifactError(f"binding {name!r}: shape {list(a.shape)} != expected {list(want)}")
         if rows is not None and (a.ndim != 2 or a.shape[0] != rows or a.shape[1] != shape[-1]):
             raise ArtifactError(f"binding {name!r}: shape {list(a.shape)} != [{rows}, {shape[-1]}]")
         parts.append(a.reshape(-1))
@@ -95,8 +101,26 @@ def read_host(artifact, shape, dtype, sources) -> np.ndarray:
         raise ArtifactError(f"binding {sources[0][0]!r}: {flat.size} values, expected shape "
                             f"{list(shape)}")
     if dtype == BF16:
-        return np.ascontiguousarray(flat.astype(ml_dtypes.bfloat16).view(np.uint16)).reshape(shape)
-    return np.ascontiguousarray(flat, dtype=np.float32).reshape(shape)
+        host = np.ascontiguousarray(flat.astype(ml_dtypes.bfloat16).view(np.uint16)).reshape(shape)
+        finite = _bf16_all_finite(host)
+    else:
+        host = np.ascontiguousarray(flat, dtype=np.float32).reshape(shape)
+        finite = bool(np.all(np.isfinite(host)))
+    if not finite:
+        names = ", ".join(repr(n) for n, _ in sources)
+        raise ArtifactError(f"binding {names}: contains non-finite values"
+                            + (" (in bfloat16)" if dtype == BF16 else ""))
+    return host
+
+
+def _bf16_all_finite(bits: np.ndarray, chunk: int = 1 << 24) -> bool:
+    """No inf/nan among bf16 bit patterns (exponent all ones; also a float32 too large for
+    bf16), in chunks: an embedding is GBs, the check must not double it."""
+    flat = bits.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        if np.any((flat[i: i + chunk] & 0x7F80) == 0x7F80):
+            return False
+    return True
 
 
 def is_tied(artifact) -> bool:
