@@ -271,6 +271,7 @@ def serve_command(args) -> int:
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          max_tokens=args.max_tokens, enable_thinking=not args.no_thinking,
                          drain_grace_s=args.drain_grace).validate()
+    _check_can_listen(args.host, args.port)
     path, _ = _artifact_or_demo(args.artifact)
     threads = args.threads or min(args.max_concurrency + args.max_queue + 4, 512)
 
@@ -287,3 +288,18 @@ def serve_command(args) -> int:
     serve(engine_factory, config, host=args.host, port=args.port, threads=threads,
           access_log=args.access_log, log_level=args.log_level)
     return 0
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind once (as gunicorn will, SO_REUSEADDR) so that a taken port or an unknown host is one
+    error line before the model loads, not gunicorn's retries. A port taken in between still
+    fails in gunicorn."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:
+        raise Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

@@ -183,3 +183,20 @@ def test_demo_cache_dir_unusable_one_line_error(tmp_path, command):
     errors = [line for line in r.stderr.splitlines() if line.startswith("ninfer: error: ")]
     assert len(errors) == 1 and str(blocker / "cache") in errors[0], r.stderr
     assert "NINFER_CACHE_DIR" in errors[0] and "Traceback" not in r.stderr
+
+
+def test_serve_port_in_use_or_bad_host_one_line_error():
+    """Checked before the model loads: one line, not gunicorn's five retries and log lines."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = ninfer("serve", "--port", port)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], r.stderr
+    r = ninfer("serve", "--host", "999.1.1.1")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot listen on 999.1.1.1:8000" in lines[0], r.stderr
