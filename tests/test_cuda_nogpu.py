@@ -681,3 +681,37 @@ def test_attention_biases_are_refused_not_ignored():
                      attention_bias=True)
     with pytest.raises(DeviceError, match="attention_bias"):
         check_geometry(cfg)
+
+
+def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):
+    from ninfer.core.cuda import driver as d
+    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.state import KVPool, StatePool
+    m = _ArenaModel(monkeypatch, 64 << 20)
+    m._current = lambda: None
+    written = []
+    monkeypatch.setattr(d, "upload", lambda dst, a, st, staging=None: written.append(dst))
+    monkeypatch.setattr(d, "download", lambda src, shape, dt, st: np.zeros(shape, dt))
+    cfg = _pool_config()
+    kv, st = DeviceKVPool(m, cfg, 6, 4), DeviceStatePool(m, cfg, 3)
+    ref_kv, ref_st = KVPool.allocate(cfg, 6, 4), StatePool.allocate(cfg, 3)
+    pages = ref_kv.read_pages([1, 5])
+    kv.write_pages([1, 5], pages)
+    st.write(2, ref_st.read(2))
+    assert len(written) == 2 * 2 * 2 + 2 * 3
+    written.clear()
+    for pool, ref, call in ((kv, ref_kv, lambda p: p.read_pages([2, 6])),
+                            (kv, ref_kv, lambda p: p.write_pages([6, 1], pages)),
+                            (st, ref_st, lambda p: p.read(3)), (st, ref_st, lambda p: p.zero(3)),
+                            (st, ref_st, lambda p: p.write(3, ref_st.read(0)))):
+        with pytest.raises(IndexError):
+            call(ref)                                  # the numpy pool refuses it too
+        with pytest.raises(IndexError, match="out of range"):
+            call(pool)
+    short = ([pages[0][0][:1]] + pages[0][1:], pages[1])          # one page's data for two pages
+    with pytest.raises(ValueError, match="expected"):
+        kv.write_pages([1, 5], short)
+    image = ref_st.read(0)
+    with pytest.raises(ValueError, match="layer arrays"):
+        st.write(0, (image[0][:-1], image[1]))
+    assert written == []                               # nothing reached the device

@@ -24,6 +24,26 @@ def _bits_f32(u16) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
+def _checked_indices(indices, count: int, what: str) -> list:
+    """Plain ints in [0, count): a device address past the pool is another pool's memory (or
+    the weights), where numpy would raise IndexError."""
+    out = [int(i) for i in np.asarray(indices).reshape(-1)]
+    bad = [i for i in out if not 0 <= i < count]
+    if bad:
+        raise IndexError(f"{what} {bad[0]} out of range [0, {count})")
+    return out
+
+
+def _check_image(arrs, host, lead: tuple, what: str) -> None:
+    """`host` holds one array per pool array, each of shape lead + that array's row shape."""
+    if len(host) != len(arrs):
+        raise ValueError(f"{what}: {len(host)} layer arrays for {len(arrs)} layers")
+    for a, h in zip(arrs, host):
+        if np.shape(h) != lead + a.shape[1:]:
+            raise ValueError(f"{what}: array of shape {list(np.shape(h))}, expected "
+                             f"{list(lead + a.shape[1:])}")
+
+
 def _take_all(arena, shapes, dtype, what: str) -> list:
     """One arena array per shape, all or none (a pool that does not fit leaks nothing)."""
     taken = []
@@ -56,6 +76,7 @@ class DeviceKVPool:
         return self._num_pages
 
     def read_pages(self, pages) -> tuple:
+        pages = _checked_indices(pages, self._num_pages, "KV page")
         self._model._current()
         st = self._model.stream
         out = ([], [])
@@ -67,6 +88,9 @@ class DeviceKVPool:
         return out
 
     def write_pages(self, pages, data: tuple) -> None:
+        pages = _checked_indices(pages, self._num_pages, "KV page")
+        for arrs, host in zip((self.k, self.v), data):
+            _check_image(arrs, host, (len(pages),), "KV pages image")
         self._model._current()
         st = self._model.stream
         for arrs, host in zip((self.k, self.v), data):
@@ -101,6 +125,7 @@ class DeviceStatePool:
         return self._num_slots
 
     def zero(self, slot: int) -> None:
+        slot, = _checked_indices(slot, self._num_slots, "state slot")
         self._model._current()
         st = self._model.stream
         for a in self.conv + self.recurrent:
@@ -108,12 +133,16 @@ class DeviceStatePool:
         st.synchronize()
 
     def read(self, slot: int) -> tuple:
+        slot, = _checked_indices(slot, self._num_slots, "state slot")
         self._model._current()
         st = self._model.stream
         return ([_d.download(c.at(slot), c.shape[1:], np.float32, st) for c in self.conv],
                 [_d.download(r.at(slot), r.shape[1:], np.float32, st) for r in self.recurrent])
 
     def write(self, slot: int, image: tuple) -> None:
+        slot, = _checked_indices(slot, self._num_slots, "state slot")
+        for arrs, host in zip((self.conv, self.recurrent), image):
+            _check_image(arrs, host, (), "StateImage")
         self._model._current()
         st = self._model.stream
         for arrs, host in zip((self.conv, self.recurrent), image):
