@@ -444,6 +444,24 @@ def test_wsgi_close_before_first_chunk_frees(engine):
     assert engine.stats()["open_handles"] == 0 and engine.stats()["residents"] == 0
 
 
+def test_request_submitted_while_closing_is_cancelled(engine):
+    """A request that passed the ready check just before close() and was submitted just after
+    its cancel_all() (the race, made deterministic) is cancelled too, not left running."""
+    app = create_app(engine)
+    submit = engine.submit
+
+    def submit_racing_close(*args, **kwargs):
+        handle = submit(*args, **kwargs)
+        app.gateway.close()
+        return handle
+
+    engine.submit = submit_racing_close
+    r = testing.TestClient(app).simulate_post(CHAT, json=chat_body("slow"))
+    assert r.status_code == 200, r.text
+    assert r.json["choices"][0]["finish_reason"] == "cancelled"
+    assert app.gateway.num_in_flight() == 0
+
+
 def test_drain_refuses_new_and_cancels_in_flight(engine):
     app = create_app(engine)
     c = testing.TestClient(app)

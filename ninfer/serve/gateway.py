@@ -46,6 +46,7 @@ class Gateway:
         self._live: set = set()
         self._draining = False
         self._closed = False
+        self._is_cancelling_all = False
         self._load_error: Optional[BaseException] = None
         self._owns_engine = not hasattr(engine, "submit")
         if not self._owns_engine:
@@ -134,7 +135,10 @@ class Gateway:
         gen = Generation(self, handle, request_id, t0)
         with self._lock:
             self._live.add(gen)
+            is_late = self._is_cancelling_all
         self.metrics.in_flight.inc()
+        if is_late:         # submitted after cancel_all() had looked at _live: cancel it too
+            gen.cancel()
         return gen
 
     def _forget(self, gen: "Generation") -> None:
@@ -160,7 +164,9 @@ class Gateway:
         timer.start()
 
     def cancel_all(self) -> None:
+        """Cancel every request in flight, and any that a racing start() still adds."""
         with self._lock:
+            self._is_cancelling_all = True
             live = list(self._live)
         for gen in live:
             gen.cancel()
