@@ -566,3 +566,20 @@ def test_generation_failure(engine, script, status):
     assert events[0][0] == "message_start" and events[-1][0] == "error"
     assert events[-1][1]["type"] == "error"
     assert engine.stats()["open_handles"] == 0
+
+
+def test_asgi_health_answers_while_every_route_thread_is_busy(engine):
+    """Open streams and queued requests each hold a route thread; /health, /metrics and
+    /v1/models run on their own threads so they still answer."""
+    app = create_asgi_app(engine)
+    release = threading.Event()
+    busy = [app.executor.submit(release.wait, 10) for _ in range(app.executor._max_workers)]
+    threading.Timer(5.0, release.set).start()
+    try:
+        t0 = time.monotonic()
+        r = testing.TestClient(app).simulate_get("/health")
+        elapsed = time.monotonic() - t0
+    finally:
+        release.set()
+    assert r.status_code == 200 and elapsed < 2.0, elapsed
+    assert all(f.result(timeout=5) for f in busy)

@@ -1,5 +1,7 @@
 """The ASGI flavour of the app (falcon.asgi). Route logic is the blocking code of `routes`; it runs
-on a private thread pool so eight streams never starve the event loop's default executor.
+on a private thread pool so eight streams never starve the event loop's default executor, and the
+quick GET routes (/health, /metrics, /v1/models) on a second small one, so they answer even when
+every generation thread is held by a stream or a queued request.
 
 Streams use Falcon's `resp.sse`, which watches for the client's disconnect and stops iterating; the
 async generator then closes (its `finally` runs when it is collected or closed), which closes the
@@ -23,7 +25,9 @@ _END = object()
 
 
 class AsgiApp(falcon.asgi.App):
-    __slots__ = ("gateway", "executor")
+    # executor: generation routes (a stream holds a thread while it waits for its next event);
+    # ops_executor: the quick GET routes, so /health answers even when every stream thread is taken
+    __slots__ = ("gateway", "executor", "ops_executor")
 
 
 async def _sse_events(loop, executor, it: routes.SseIterator):
@@ -66,7 +70,7 @@ class _Get:
 
     async def on_get(self, req, resp, **params) -> None:
         loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(self.app.executor,
+        reply = await loop.run_in_executor(self.app.ops_executor,
                                            lambda: self.fn(self.app.gateway, req, **params))
         write_json(resp, reply)
 
@@ -75,6 +79,7 @@ def build_asgi_app(gw: Gateway, max_threads: int = 64) -> AsgiApp:
     app = AsgiApp(middleware=[GatewayMiddleware(gw)])
     app.gateway = gw
     app.executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="ninfer-asgi")
+    app.ops_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ninfer-asgi-ops")
 
     async def handle(req, resp, ex, params):
         write_error(req, resp, error_to_reply(req, ex))
