@@ -715,3 +715,21 @@ def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch
     with pytest.raises(ValueError, match="layer arrays"):
         st.write(0, (image[0][:-1], image[1]))
     assert written == []                               # nothing reached the device
+
+
+def test_graph_whose_instantiation_fails_is_destroyed(monkeypatch):
+    from ninfer.core.cuda import driver as d
+    from ninfer.core.cuda.graph import Graph
+
+    class Drv(_FakeDriver):
+        class CUstreamCaptureMode:
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 2
+    fake = Drv(fail={"cuGraphInstantiate"})
+    fake.values["cuStreamEndCapture"] = ("graph",)
+    monkeypatch.setattr(d, "_drv", fake)
+
+    class Stream:
+        handle = "stream"
+    with pytest.raises(DeviceError, match="cuGraphInstantiate"):
+        Graph(Stream(), lambda st: None)
+    assert ("cuGraphDestroy", ("graph",)) in fake.calls

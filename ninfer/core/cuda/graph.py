@@ -19,7 +19,11 @@ class Graph:
                 drv.cuGraphDestroy(res[1])
             raise
         self.graph = _d.check(drv.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
-        self.exec = _d.check(drv.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+        try:
+            self.exec = _d.check(drv.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+        except BaseException:
+            drv.cuGraphDestroy(self.graph)
+            raise
         self.stream = stream
 
     def launch(self) -> None:
