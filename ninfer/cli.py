@@ -14,7 +14,9 @@ class _Parser(argparse.ArgumentParser):
     """Bad flags end with one line (the subcommand's `--help` has the usage), exit status 2."""
 
     def error(self, message):
-        self.exit(2, f"ninfer: error: {self.prog.split(' ', 2)[-1]}: {message}\n")
+        command = self.prog.split()[3:]         # prog: "python -m ninfer [COMMAND]"
+        where = f"{' '.join(command)}: " if command else ""
+        self.exit(2, f"ninfer: error: {where}{message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

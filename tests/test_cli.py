@@ -200,3 +200,14 @@ def test_serve_port_in_use_or_bad_host_one_line_error():
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot listen on 999.1.1.1:8000" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["bogus"], "ninfer: error: argument COMMAND: invalid choice: 'bogus'"),
+    (["--nope"], "ninfer: error: unrecognized arguments: --nope"),
+    (["run", "--prompt"], "ninfer: error: run: argument --prompt: expected one argument"),
+])
+def test_flag_errors_name_the_subcommand_once(args, line):
+    r = ninfer(*args)
+    assert r.returncode == 2 and r.stderr.strip().startswith(line), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
