@@ -249,6 +249,16 @@ def test_model_id_override(engine):
     assert c.simulate_post(CHAT, json=chat_body()).json["model"] == "my-model"
 
 
+@pytest.mark.parametrize("factory", [create_app, create_asgi_app])
+def test_model_id_with_a_slash_is_retrievable(engine, factory):
+    """Hugging Face style ids ("Qwen/Qwen3.5-9B") are common; the SDKs put them in the path."""
+    c = testing.TestClient(factory(engine, ServeConfig(model_id="Qwen/Qwen3.5-9B")))
+    r = c.simulate_get("/v1/models/Qwen/Qwen3.5-9B")
+    assert r.status_code == 200 and r.json["id"] == "Qwen/Qwen3.5-9B", r.text
+    r = c.simulate_get("/v1/models/Qwen/other")
+    assert r.status_code == 404 and r.json["error"]["code"] == "model_not_found"
+
+
 # ---- Anthropic ---------------------------------------------------------------------------------------
 
 def test_messages_non_stream(client):

@@ -218,7 +218,7 @@ GET_ROUTES = {
     "/health": lambda gw, req: routes.health(gw),
     "/metrics": lambda gw, req: routes.metrics(gw),
     "/v1/models": lambda gw, req: routes.models(gw, bool(req.get_header("anthropic-version"))),
-    "/v1/models/{model_name}": lambda gw, req, model_name: routes.model(
+    "/v1/models/{model_name:path}": lambda gw, req, model_name: routes.model(
         gw, model_name, bool(req.get_header("anthropic-version"))),
 }
 
