@@ -95,6 +95,11 @@ CASES = [
     # valid JSON escapes, but no Unicode text: neither tokenizer nor UTF-8 writer can take them
     ("lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
      None, "surrogate"),
+    # a JSON integer past float range (json.loads keeps it exact) in a number field
+    ("temperature-huge-int", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"temperature": 1' + b"0" * 400 + b"}", 400, "temperature", "finite number"),
+    ("messages-top-p-huge-int", MSGS, b'{"max_tokens": 4, "messages": [{"role": "user", '
+     b'"content": "hi"}], "top_p": -1' + b"0" * 400 + b"}", 400, None, "finite number"),
     ("nested-too-deep", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "x": '
      + b"[" * 1900 + b"]" * 1900 + b"}", 400, None, "nested"),    # < max_body_bytes
     ("lone-low-surrogate-messages", MSGS,

@@ -24,10 +24,11 @@ def get(body: dict, key: str, kind: str, *, param: Optional[str] = None, default
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                raise invalid(f"'{param}' must be an integer, got {value!r}", param)
+                raise invalid(f"'{param}' must be an integer, got {_short(value)}", param)
     elif kind == "number":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise invalid(f"'{param}' must be a finite number, got {value!r}", param)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(_as_float(value)):
+            raise invalid(f"'{param}' must be a finite number, got {_short(value)}", param)
         value = float(value)
     elif kind == "bool":
         if not isinstance(value, bool):
@@ -44,10 +45,24 @@ def get(body: dict, key: str, kind: str, *, param: Optional[str] = None, default
     else:  # pragma: no cover - programming error
         raise ValueError(kind)
     if lo is not None and (value <= lo if lo_open else value < lo):
-        raise invalid(f"'{param}' must be {'>' if lo_open else '>='} {lo}, got {value!r}", param)
+        raise invalid(f"'{param}' must be {'>' if lo_open else '>='} {lo}, got {_short(value)}",
+                      param)
     if hi is not None and value > hi:
-        raise invalid(f"'{param}' must be <= {hi}, got {value!r}", param)
+        raise invalid(f"'{param}' must be <= {hi}, got {_short(value)}", param)
     return value
+
+
+def _as_float(value) -> float:
+    """A JSON integer past float range (json.loads keeps it exact) reads as infinite."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def stop_strings(value: Any, param: str) -> tuple:
