@@ -733,3 +733,10 @@ def test_graph_whose_instantiation_fails_is_destroyed(monkeypatch):
     with pytest.raises(DeviceError, match="cuGraphInstantiate"):
         Graph(Stream(), lambda st: None)
     assert ("cuGraphDestroy", ("graph",)) in fake.calls
+
+
+def test_a_call_larger_than_the_kernel_grid_is_refused_at_load():
+    from ninfer.models.qwen3_5.cuda_model import MAX_TOKENS_PER_CALL, check_capacity
+    check_capacity(MAX_TOKENS_PER_CALL)
+    with pytest.raises(DeviceError, match="prefill_chunk 65536"):
+        check_capacity(MAX_TOKENS_PER_CALL + 1)

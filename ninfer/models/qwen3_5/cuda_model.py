@@ -39,6 +39,16 @@ MEMORY_MARGIN = 512 << 20
 _SAME_KV_SLOT = "ForwardBatch: two new tokens would write the same KV page slot"
 
 
+# embed_gather and moe_combine put a call's tokens on grid.y, which CUDA caps at 65535 blocks
+MAX_TOKENS_PER_CALL = 65535
+
+
+def check_capacity(n_cap: int) -> None:
+    if n_cap > MAX_TOKENS_PER_CALL:
+        raise DeviceError(f"backend 'cuda': prefill_chunk {n_cap} exceeds the {MAX_TOKENS_PER_CALL} "
+                          "tokens one CUDA model call can take (kernel grid limit)")
+
+
 def load_cuda_model(artifact, options) -> "CudaModel":
     return CudaModel(artifact.config, options, artifact=artifact)
 
@@ -83,6 +93,7 @@ class CudaModel:
         page_size = int(getattr(options, "page_size", 16))
         max_context = int(getattr(options, "max_context", 4096))
         n_cap = int(max_tokens or max(getattr(options, "prefill_chunk", 512), b_cap))
+        check_capacity(n_cap)
         self.b_cap, self.n_cap = b_cap, n_cap
         self.p_cap = (max_context + page_size - 1) // page_size + 1
         self.lg_cap = max(b_cap, min(n_cap, 256))
