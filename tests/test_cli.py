@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -211,3 +212,33 @@ def test_flag_errors_name_the_subcommand_once(args, line):
     r = ninfer(*args)
     assert r.returncode == 2 and r.stderr.strip().startswith(line), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_serve_access_log_goes_to_stderr(demo, tmp_path):
+    """--access-log logs each request to stderr (as documented), keeping stdout clean."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer", "serve", "--port", str(port),
+                             "--access-log"], stdout=out, stderr=err, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert httpx.get(url + "/v1/models/no-such-model", timeout=5).status_code == 404
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out.seek(0), err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    assert "/v1/models/no-such-model" in stderr and " 404 " in stderr, stderr
+    assert "/v1/models/no-such-model" not in stdout, stdout

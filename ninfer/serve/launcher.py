@@ -59,7 +59,7 @@ class GunicornServer(BaseApplication):
             "graceful_timeout": int(config.drain_grace_s) + 5,
             "timeout": 120,
             "keepalive": 5,
-            "accesslog": "-" if access_log else None,
+            "accesslog": "/dev/stderr" if access_log else None,     # gunicorn: "-" is stdout
             "loglevel": log_level,
             "proc_name": "ninfer-serve",
             "worker_exit": _worker_exit,
