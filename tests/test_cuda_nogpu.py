@@ -740,3 +740,16 @@ def test_a_call_larger_than_the_kernel_grid_is_refused_at_load():
     check_capacity(MAX_TOKENS_PER_CALL)
     with pytest.raises(DeviceError, match="prefill_chunk 65536"):
         check_capacity(MAX_TOKENS_PER_CALL + 1)
+
+
+def test_call_capacities_cover_a_decode_graph_and_the_logits_rows():
+    from ninfer.models.qwen3_5.cuda_model import call_capacities
+    opts = EngineOptions(backend="cuda", max_concurrency=8, max_context=4096, prefill_chunk=512,
+                         page_size=16)
+    assert call_capacities(opts) == (8, 512, 257, 256)
+    assert call_capacities(opts, max_tokens=4096) == (8, 4096, 257, 256)
+    # fewer tokens per call than decode rows: the graph of B = 8 still fits the workspace
+    assert call_capacities(opts, max_tokens=4)[:2] == (8, 8)
+    small = EngineOptions(backend="cuda", max_concurrency=2, max_context=256, prefill_chunk=4)
+    b, n, p, lg = call_capacities(small)
+    assert (b, n) == (2, 4) and lg >= b and p * small.page_size >= small.max_context + 1

@@ -49,6 +49,19 @@ def check_capacity(n_cap: int) -> None:
                           "tokens one CUDA model call can take (kernel grid limit)")
 
 
+def call_capacities(options, max_tokens: int = None) -> tuple:
+    """(b_cap rows of a decode graph, n_cap tokens of one call, p_cap pages of one row, lg_cap
+    logits rows of one head pass) for `options`; `max_tokens` overrides prefill_chunk (bench)."""
+    b_cap = max(int(getattr(options, "max_concurrency", 4)), 1)
+    page_size = int(getattr(options, "page_size", 16))
+    max_context = int(getattr(options, "max_context", 4096))
+    # a decode graph runs b_cap tokens through the same workspace: never fewer rows than that
+    n_cap = int(max(max_tokens or getattr(options, "prefill_chunk", 512), b_cap))
+    check_capacity(n_cap)
+    p_cap = (max_context + page_size - 1) // page_size + 1
+    return b_cap, n_cap, p_cap, max(b_cap, min(n_cap, 256))
+
+
 def load_cuda_model(artifact, options) -> "CudaModel":
     return CudaModel(artifact.config, options, artifact=artifact)
 
@@ -89,14 +102,10 @@ class CudaModel:
     def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
         cfg = self.text
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir))
-        b_cap = max(int(getattr(options, "max_concurrency", 4)), 1)
         page_size = int(getattr(options, "page_size", 16))
         max_context = int(getattr(options, "max_context", 4096))
-        n_cap = int(max_tokens or max(getattr(options, "prefill_chunk", 512), b_cap))
-        check_capacity(n_cap)
+        b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
         self.b_cap, self.n_cap = b_cap, n_cap
-        self.p_cap = (max_context + page_size - 1) // page_size + 1
-        self.lg_cap = max(b_cap, min(n_cap, 256))
         self.max_keys = self.p_cap * page_size
         # rows of at least this many new tokens take the tensor-core prefill attention
         # (cuda/attention_tc.py); settable (tests move it to cover both paths)
