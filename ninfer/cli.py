@@ -5,6 +5,7 @@ Bad input ends with one line on stderr (`ninfer: error: ...`) and a non-zero exi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import Error
@@ -89,3 +90,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("ninfer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (`| head`): stop quietly, as a SIGPIPE would; stdout to
+        # /dev/null so that the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141

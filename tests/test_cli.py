@@ -242,3 +242,16 @@ def test_serve_access_log_goes_to_stderr(demo, tmp_path):
     stdout, stderr = out.read(), err.read()
     assert "/v1/models/no-such-model" in stderr and " 404 " in stderr, stderr
     assert "/v1/models/no-such-model" not in stdout, stdout
+
+
+def test_run_into_a_closed_pipe_exits_quietly(demo):
+    """`ninfer run ... | head -c 5`: the reader goes away; no traceback, the shell's SIGPIPE
+    status (141)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer", "run", str(demo), "--prompt", "hi",
+                             "--max-new", "300", "--no-thinking"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(5)) == 5
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, stderr
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
