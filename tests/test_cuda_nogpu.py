@@ -683,23 +683,95 @@ def test_attention_biases_are_refused_not_ignored():
         check_geometry(cfg)
 
 
-def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):
-    from ninfer.core.cuda import driver as d
+class _FakeDevice:
+    """Device memory as one byte array behind the driver layer's copy functions, pinned buffers
+    as numpy arrays: the pools' host copies run unchanged on it."""
+    BASE = 1 << 40
+
+    def __init__(self, monkeypatch, nbytes):
+        from types import SimpleNamespace
+        from ninfer.core.cuda import driver as d
+        from ninfer.core.cuda.arena import Arena
+        self.mem, self.host, self.next_host = np.zeros(nbytes, np.uint8), {}, 1 << 20
+        for name, fn in (("mem_alloc", lambda n: self.BASE), ("memset_d8_async", self._memset),
+                         ("copy_dtoh_async", self._dtoh), ("copy_htod_async", self._htod),
+                         ("PinnedBuffer", self._pinned)):
+            monkeypatch.setattr(d, name, fn)
+        self.arena, self.stream = Arena(nbytes), SimpleNamespace(synchronize=lambda: None)
+        self.pinned_allocs = 0
+
+    def _current(self):
+        pass
+
+    def _forget_graphs_of(self, pool):
+        pass
+
+    def _pinned(self, nbytes):
+        from types import SimpleNamespace
+        self.pinned_allocs += 1
+        buf = SimpleNamespace(ptr=self.next_host, nbytes=nbytes, array=np.zeros(nbytes, np.uint8))
+        self.next_host += nbytes + 4096
+        self.host[buf.ptr] = buf.array
+        buf.free = lambda: self.host.pop(buf.ptr)
+        return buf
+
+    def _host(self, ptr, n):
+        base = max(b for b in self.host if b <= ptr)
+        assert ptr - base + n <= self.host[base].size, "copy past a pinned buffer"
+        return self.host[base][ptr - base: ptr - base + n]
+
+    def _dev(self, ptr, n):
+        assert self.BASE <= ptr and ptr - self.BASE + n <= self.mem.size, "copy past the arena"
+        return self.mem[ptr - self.BASE: ptr - self.BASE + n]
+
+    def _memset(self, dst, value, n, stream):
+        self._dev(dst, n)[:] = value
+
+    def _dtoh(self, dst, src, n, stream):
+        self._host(dst, n)[:] = self._dev(src, n)
+
+    def _htod(self, dst, src, n, stream):
+        self._dev(dst, n)[:] = self._host(src, n)
+
+
+def _bf16_exact(r, shape):
+    import ml_dtypes
+    return r.standard_normal(shape).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_pool_host_copies_round_trip_like_the_numpy_pools(monkeypatch):
     from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
     from ninfer.models.qwen3_5.state import KVPool, StatePool
-    m = _ArenaModel(monkeypatch, 64 << 20)
-    m._current = lambda: None
-    written = []
-    monkeypatch.setattr(d, "upload", lambda dst, a, st, staging=None: written.append(dst))
-    monkeypatch.setattr(d, "download", lambda src, shape, dt, st: np.zeros(shape, dt))
-    cfg = _pool_config()
-    kv, st = DeviceKVPool(m, cfg, 6, 4), DeviceStatePool(m, cfg, 3)
+    dev, cfg, r = _FakeDevice(monkeypatch, 64 << 20), _pool_config(), np.random.default_rng(5)
+    kv, st = DeviceKVPool(dev, cfg, 7, 4), DeviceStatePool(dev, cfg, 3)
+    ref_kv, ref_st = KVPool.allocate(cfg, 7, 4), StatePool.allocate(cfg, 3)
+    pages = [5, 1, 3]
+    data = tuple([_bf16_exact(r, (3,) + k.shape[1:]) for k in ref_kv.k] for _ in range(2))
+    image = ([r.standard_normal(c.shape[1:]) for c in ref_st.conv],
+             [r.standard_normal(s.shape[1:]) for s in ref_st.recurrent])
+    for pool_kv, pool_st in ((kv, st), (ref_kv, ref_st)):
+        pool_kv.write_pages(pages, data)
+        pool_st.write(1, image)
+        pool_st.write(2, image)
+        pool_st.zero(2)
+    allocs = dev.pinned_allocs
+    for got, want in zip(kv.read_pages([0, 1, 3, 5, 6]), ref_kv.read_pages([0, 1, 3, 5, 6])):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert dev.pinned_allocs == allocs + 1          # one staging buffer for every page and layer
+    for slot in range(3):
+        for got, want in zip(st.read(slot), ref_st.read(slot)):
+            assert all(np.array_equal(a, np.asarray(b, np.float32)) for a, b in zip(got, want))
+    assert kv.read_pages([])[0][0].shape == (0,) + ref_kv.k[0].shape[1:]
+
+
+def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):
+    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.state import KVPool, StatePool
+    dev, cfg = _FakeDevice(monkeypatch, 64 << 20), _pool_config()
+    kv, st = DeviceKVPool(dev, cfg, 6, 4), DeviceStatePool(dev, cfg, 3)
     ref_kv, ref_st = KVPool.allocate(cfg, 6, 4), StatePool.allocate(cfg, 3)
     pages = ref_kv.read_pages([1, 5])
-    kv.write_pages([1, 5], pages)
-    st.write(2, ref_st.read(2))
-    assert len(written) == 2 * 2 * 2 + 2 * 3
-    written.clear()
+    before = dev.mem.copy()
     for pool, ref, call in ((kv, ref_kv, lambda p: p.read_pages([2, 6])),
                             (kv, ref_kv, lambda p: p.write_pages([6, 1], pages)),
                             (st, ref_st, lambda p: p.read(3)), (st, ref_st, lambda p: p.zero(3)),
@@ -714,7 +786,7 @@ def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch
     image = ref_st.read(0)
     with pytest.raises(ValueError, match="layer arrays"):
         st.write(0, (image[0][:-1], image[1]))
-    assert written == []                               # nothing reached the device
+    assert np.array_equal(dev.mem, before)            # nothing reached the device
 
 
 def test_graph_whose_instantiation_fails_is_destroyed(monkeypatch):

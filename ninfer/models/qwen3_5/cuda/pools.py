@@ -44,6 +44,46 @@ def _check_image(arrs, host, lead: tuple, what: str) -> None:
                              f"{list(lead + a.shape[1:])}")
 
 
+def _copy_rows_out(arrays, rows, stream) -> list:
+    """Host copies of rows `rows` of each device array (one pinned buffer, one sync: a snapshot
+    of a long sequence is thousands of pages)."""
+    sizes = [a.nbytes // a.shape[0] for a in arrays]
+    buf = _d.PinnedBuffer(len(rows) * sum(sizes))
+    try:
+        off = 0
+        for a, size in zip(arrays, sizes):
+            for r in rows:
+                _d.copy_dtoh_async(buf.ptr + off, a.at(r), size, stream)
+                off += size
+        stream.synchronize()
+        out, off = [], 0
+        for a, size in zip(arrays, sizes):
+            n = len(rows) * size
+            out.append(buf.array[off: off + n].view(a.dtype).reshape((len(rows),) + a.shape[1:])
+                       .copy())
+            off += n
+        return out
+    finally:
+        buf.free()
+
+
+def _copy_rows_in(arrays, rows, images, stream) -> None:
+    """Write images[i][j] (host, the array's dtype) into row rows[j] of arrays[i]."""
+    sizes = [a.nbytes // a.shape[0] for a in arrays]
+    buf = _d.PinnedBuffer(len(rows) * sum(sizes))
+    try:
+        off = 0
+        for a, size, image in zip(arrays, sizes, images):
+            n = len(rows) * size
+            buf.array[off: off + n] = np.ascontiguousarray(image, a.dtype).reshape(-1).view(np.uint8)
+            for r in rows:
+                _d.copy_htod_async(a.at(r), buf.ptr + off, size, stream)
+                off += size
+        stream.synchronize()          # the pinned buffer is freed below
+    finally:
+        buf.free()
+
+
 def _take_all(arena, shapes, dtype, what: str) -> list:
     """One arena array per shape, all or none (a pool that does not fit leaks nothing)."""
     taken = []
@@ -78,25 +118,17 @@ class DeviceKVPool:
     def read_pages(self, pages) -> tuple:
         pages = _checked_indices(pages, self._num_pages, "KV page")
         self._model._current()
-        st = self._model.stream
-        out = ([], [])
-        for src, dst in ((self.k, out[0]), (self.v, out[1])):
-            for a in src:
-                rows = [_d.download(a.at(int(p)), a.shape[1:], np.uint16, st) for p in pages]
-                dst.append(_bits_f32(np.stack(rows)) if rows else
-                           np.zeros((0,) + a.shape[1:], np.float32))
-        return out
+        bits = _copy_rows_out(self.k + self.v, pages, self._model.stream)
+        n = len(self.k)
+        return [_bits_f32(b) for b in bits[:n]], [_bits_f32(b) for b in bits[n:]]
 
     def write_pages(self, pages, data: tuple) -> None:
         pages = _checked_indices(pages, self._num_pages, "KV page")
         for arrs, host in zip((self.k, self.v), data):
             _check_image(arrs, host, (len(pages),), "KV pages image")
         self._model._current()
-        st = self._model.stream
-        for arrs, host in zip((self.k, self.v), data):
-            for a, h in zip(arrs, host):
-                for i, p in enumerate(pages):
-                    _d.upload(a.at(int(p)), _bf16_bits(h[i]), st)
+        _copy_rows_in(self.k + self.v, pages, [_bf16_bits(h) for h in list(data[0]) + list(data[1])],
+                      self._model.stream)
 
     def close(self) -> None:
         self._model._forget_graphs_of(self)
@@ -135,19 +167,18 @@ class DeviceStatePool:
     def read(self, slot: int) -> tuple:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
         self._model._current()
-        st = self._model.stream
-        return ([_d.download(c.at(slot), c.shape[1:], np.float32, st) for c in self.conv],
-                [_d.download(r.at(slot), r.shape[1:], np.float32, st) for r in self.recurrent])
+        arrays = _copy_rows_out(self.conv + self.recurrent, [slot], self._model.stream)
+        n = len(self.conv)
+        return [a[0] for a in arrays[:n]], [a[0] for a in arrays[n:]]
 
     def write(self, slot: int, image: tuple) -> None:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
         for arrs, host in zip((self.conv, self.recurrent), image):
             _check_image(arrs, host, (), "StateImage")
         self._model._current()
-        st = self._model.stream
-        for arrs, host in zip((self.conv, self.recurrent), image):
-            for a, h in zip(arrs, host):
-                _d.upload(a.at(slot), np.asarray(h, np.float32), st)
+        _copy_rows_in(self.conv + self.recurrent, [slot],
+                      [np.asarray(h, np.float32)[None] for h in list(image[0]) + list(image[1])],
+                      self._model.stream)
 
     def close(self) -> None:
         self._model._forget_graphs_of(self)
