@@ -825,3 +825,26 @@ def test_call_capacities_cover_a_decode_graph_and_the_logits_rows():
     small = EngineOptions(backend="cuda", max_concurrency=2, max_context=256, prefill_chunk=4)
     b, n, p, lg = call_capacities(small)
     assert (b, n) == (2, 4) and lg >= b and p * small.page_size >= small.max_context + 1
+
+
+def test_cublaslt_plan_that_finds_no_algorithm_destroys_its_descriptors():
+    from ninfer.core.cuda.cublaslt import CublasLt
+    made, destroyed = [], []
+
+    class Lib:
+        def __getattr__(self, name):
+            def call(*args):
+                if name.endswith("Create"):
+                    args[0]._obj.value = 0x1000 + len(made)      # the handle written through byref
+                    made.append(args[0]._obj.value)
+                elif name.endswith("Destroy"):
+                    destroyed.append(args[0].value)
+                return 0                                          # the heuristic finds nothing
+            return call
+    lt = CublasLt.__new__(CublasLt)
+    lt.lib, lt.handle, lt.workspace_bytes, lt._prefs, lt._plans = Lib(), "handle", 1 << 20, {}, {}
+    with pytest.raises(DeviceError, match="no algorithm"):
+        lt.plan(8, 16, 32)
+    pref = lt._prefs[256].value
+    assert sorted(destroyed) == sorted(v for v in made if v != pref) and len(destroyed) == 4
+    assert lt._plans == {}

@@ -158,29 +158,41 @@ class CublasLt:
             raise ValueError(f"gemm: empty shape M={m} N={n} K={k}")
         lib = self.lib
         desc = ctypes.c_void_p()
-        lt_check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                 "cublasLtMatmulDescCreate")
-        opt, opn = ctypes.c_int32(CUBLAS_OP_T), ctypes.c_int32(CUBLAS_OP_N)
-        lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSA,
-                                                    ctypes.byref(opn if w_kn else opt), 4),
-                 "set TRANSA")
-        lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSB, ctypes.byref(opn), 4),
-                 "set TRANSB")
         a, b, c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        # W[N, K] row-major is a K x N column-major matrix used transposed; W[K, N] row-major is
-        # N x K column-major, used as it is
-        rows_a, cols_a = (n, k) if w_kn else (k, n)
-        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), CUDA_R_16BF, rows_a, cols_a, rows_a),
-                 "layout A")
-        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), CUDA_R_16BF, k, m, k), "layout B")
-        lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n), "layout C")
-        res = (HeuristicResult * 1)()
-        count = ctypes.c_int(0)
-        lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, self._pref(align), 1,
-                                                    res, ctypes.byref(count)),
-                 f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k})")
-        if count.value < 1:
-            raise DeviceError(f"cuBLASLt: no algorithm for bf16 GEMM M={m} N={n} K={k}")
+        try:
+            lt_check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                     "cublasLtMatmulDescCreate")
+            opt, opn = ctypes.c_int32(CUBLAS_OP_T), ctypes.c_int32(CUBLAS_OP_N)
+            lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSA,
+                                                        ctypes.byref(opn if w_kn else opt), 4),
+                     "set TRANSA")
+            lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSB, ctypes.byref(opn), 4),
+                     "set TRANSB")
+            # W[N, K] row-major is a K x N column-major matrix used transposed; W[K, N] row-major
+            # is N x K column-major, used as it is
+            rows_a, cols_a = (n, k) if w_kn else (k, n)
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), CUDA_R_16BF, rows_a, cols_a,
+                                                    rows_a), "layout A")
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), CUDA_R_16BF, k, m, k),
+                     "layout B")
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n),
+                     "layout C")
+            res = (HeuristicResult * 1)()
+            count = ctypes.c_int(0)
+            lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
+                                                        self._pref(align), 1, res,
+                                                        ctypes.byref(count)),
+                     f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k})")
+            if count.value < 1:
+                raise DeviceError(f"cuBLASLt: no algorithm for bf16 GEMM M={m} N={n} K={k}")
+        except BaseException:
+            # best effort: the error being raised is the one to report
+            for layout in (a, b, c):
+                if layout.value:
+                    lib.cublasLtMatrixLayoutDestroy(layout)
+            if desc.value:
+                lib.cublasLtMatmulDescDestroy(desc)
+            raise
         p = Plan()
         p.desc, p.layouts, p.m, p.n, p.k, p.beta = desc, (a, b, c), m, n, k, float(beta)
         p.w_kn = bool(w_kn)
