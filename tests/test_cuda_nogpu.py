@@ -848,3 +848,13 @@ def test_cublaslt_plan_that_finds_no_algorithm_destroys_its_descriptors():
     pref = lt._prefs[256].value
     assert sorted(destroyed) == sorted(v for v in made if v != pref) and len(destroyed) == 4
     assert lt._plans == {}
+
+
+def test_negative_context_is_refused_on_both_paths():
+    cm, _ = _bare_models(("linear_attention",) * 3 + ("full_attention",))
+    ok = _decode_batch()
+    bad = _with(ok, context_lens=np.array([0, -1, 13], np.int32))
+    with pytest.raises(ValueError, match="context_lens must be >= 0"):
+        cm._check_decode(bad, _KV(), _ST())
+    with pytest.raises(ValueError, match="context_lens must be >= 0"):
+        cm._check(bad, _KV(), _ST())

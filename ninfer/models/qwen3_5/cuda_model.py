@@ -37,6 +37,9 @@ from .cuda import weights as wplan
 LT_WORKSPACE = 32 << 20
 MEMORY_MARGIN = 512 << 20
 _SAME_KV_SLOT = "ForwardBatch: two new tokens would write the same KV page slot"
+# (the numpy model lets a negative context through; here it indexes before the block table and
+# writes K/V outside the pool)
+_NEGATIVE_CONTEXT = "ForwardBatch: context_lens must be >= 0"
 
 
 # embed_gather and moe_combine put a call's tokens on grid.y, which CUDA caps at 65535 blocks
@@ -269,9 +272,11 @@ class CudaModel:
                 batch.block_tables.shape[0] != B:
             raise ValueError("ForwardBatch: decode rows must bring one token each; query_start, "
                              "positions, state_slots and block_tables must match the rows")
-        ids = batch.token_ids.tolist()
+        ids, ctxs = batch.token_ids.tolist(), batch.context_lens.tolist()
         if min(ids) < 0 or max(ids) >= cfg.vocab_size:
             raise ValueError(f"ForwardBatch: token id out of range [0, {cfg.vocab_size})")
+        if min(ctxs) < 0:
+            raise ValueError(_NEGATIVE_CONTEXT)
         if cfg.linear_layer_ids:
             slots = batch.state_slots.tolist()
             if len(set(slots)) != B or min(slots) < 0 or max(slots) >= state.num_slots:
@@ -279,7 +284,7 @@ class CudaModel:
                                  f"< {state.num_slots}")
         if cfg.attention_layer_ids:
             ps, bt = kv.page_size, batch.block_tables
-            need = [c // ps + 1 for c in batch.context_lens.tolist()]
+            need = [c // ps + 1 for c in ctxs]
             width = max(need)
             if width > bt.shape[1] or width > self.p_cap:
                 raise ValueError(f"ForwardBatch: a row needs {width} pages; its block table has "
@@ -290,7 +295,6 @@ class CudaModel:
             if used.max() >= kv.num_pages:
                 raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
             # the page each row writes its token into; rows sharing a page must not share a slot
-            ctxs = batch.context_lens.tolist()
             last = bt[range(B), [c // ps for c in ctxs]].tolist()
             if len({p * ps + c % ps for p, c in zip(last, ctxs)}) != B:
                 raise ValueError(_SAME_KV_SLOT)
@@ -300,6 +304,8 @@ class CudaModel:
         capacities."""
         cfg = self.text
         n, b = batch.num_tokens, batch.num_rows
+        if b and int(np.min(batch.context_lens)) < 0:
+            raise ValueError(_NEGATIVE_CONTEXT)
         if cfg.attention_layer_ids:
             self._validate_plan(batch, kv.page_size)
         elif batch.positions.shape != (3, n) or np.shape(batch.query_start) != (b + 1,) or \
