@@ -599,3 +599,11 @@ def test_long_stop_string_matches_across_many_tokens(fe):
     s = session(fe, stop=[stop, "zz"])
     run(s, fe.tokenize(text).tolist(), check_purity=False)
     assert s.text == "Intro. " and s.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("schema", [{"anyOf": 5}, {"oneOf": {"type": "integer"}}, {"anyOf": None},
+                                    {"type": 7}, ["not", "a", "mapping"]])
+def test_malformed_parameter_schemas_keep_the_raw_text(schema):
+    """Tool schemas come from clients; a malformed one must not fail the request at parse time."""
+    from ninfer.models.qwen3_5.frontend.tool_parser import convert_value
+    assert convert_value(" 42 ", schema) == " 42 "

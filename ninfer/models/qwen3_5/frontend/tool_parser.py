@@ -108,7 +108,8 @@ def _schema_types(schema) -> list:
         return [k for k in kind if isinstance(k, str)]
     types: list = []
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or ():
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, (list, tuple)) else ():   # a malformed schema types nothing
             types.extend(t for t in _schema_types(sub) if t not in types)
     return types
 
