@@ -24,6 +24,7 @@ class EngineOptions:
     page_size: int = 16                 # tokens per KV page
     num_kv_pages: Optional[int] = None  # None -> enough for max_concurrency * max_context
     host_snapshot_bytes: int = 256 << 20   # host budget for Snapshot pauses (0 -> Replay only)
+    prefix_cache_bytes: int = 256 << 20    # host budget for prefix checkpoints (0 -> no reuse)
     queue_timeout_s: Optional[float] = None
     default_enable_thinking: bool = True
     device_id: int = 0
@@ -62,7 +63,7 @@ class EngineOptions:
 
 # integer options and their least value (max_concurrency has its own range)
 _INT_MINIMA = (("max_context", 2), ("max_queue", 0), ("prefill_chunk", 1), ("page_size", 1),
-               ("host_snapshot_bytes", 0), ("device_id", 0))
+               ("host_snapshot_bytes", 0), ("prefix_cache_bytes", 0), ("device_id", 0))
 
 
 def _is_int(value) -> bool:

@@ -343,7 +343,7 @@ def test_bind_failure_answers_the_request_being_admitted():
     """A request taken off the wait queue is answered even when its Program bind fails."""
     core, _ = make_core(max_concurrency=1)
 
-    def broken_bind(prompt_ids, spec):
+    def broken_bind(prompt_ids, spec, **_):
         raise ProgramError("injected: bind lost its slot")
     core.program.bind = broken_bind
     result = core.submit(prompt(4, 5), SamplingParams(max_tokens=3)).result(timeout=10)

@@ -88,12 +88,14 @@ class EngineCore:
         request_id = request_id or uuid.uuid4().hex
         session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
         channel = _Channel(request_id, self._notify, self._release_outstanding)
+        reusable_at = int(getattr(prepared, "num_reusable_tokens", 0) or 0)
         now = time.monotonic()
         queue_timeout = self.options.queue_timeout_s
         request = Request(request_id, 0, params, prompt_ids, session,
                           SamplingSpec.from_params(params, seed), channel, now,
                           deadline=None if timeout_s is None else now + timeout_s,
-                          queue_deadline=None if queue_timeout is None else now + queue_timeout)
+                          queue_deadline=None if queue_timeout is None else now + queue_timeout,
+                          reusable_at=reusable_at)
         with self._lock:
             self._check_available()
             if self._outstanding >= self._max_outstanding:
@@ -165,6 +167,7 @@ class EngineCore:
         """With no request left, the Program must hold nothing: a leak is a broken invariant."""
         if not (self._waiting or self._residents or self._paused):
             self.program.assert_all_free()
+            self.resources.check_invariants()
 
     def _wait_for_work(self) -> bool:
         with self._lock:
@@ -214,8 +217,14 @@ class EngineCore:
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
                     or not self.program.can_bind(req.num_prompt_tokens):
                 return
+            checkpoint, reused = self.resources.lookup(req.prompt_ids)
+            if not self.program.can_bind(req.num_prompt_tokens, reused):
+                checkpoint, reused = None, 0
             # bind before leaving the queue: a failed bind must leave req where _finish_all sees it
-            req.seq_id = self.program.bind(req.prompt_ids, req.spec)
+            req.seq_id = self.program.bind(req.prompt_ids, req.spec, capture_at=req.reusable_at,
+                                           checkpoint=checkpoint)
+            if checkpoint is not None:
+                self.resources.note_hit(req.prompt_ids, reused)
             self._waiting.popleft()
             req.admit_time = time.monotonic()
             self._make_resident(req)
@@ -311,6 +320,9 @@ class EngineCore:
         verdicts = [decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]
         self.program.commit(pending, [d for d, _, _ in verdicts])
+        for req, (decision, _, _) in zip(reqs, verdicts):
+            if not decision.is_cancelled:
+                self.resources.capture_if_due(req.seq_id)
         for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
             self._settle_row(req, row, decision, preview, error)
         return 1
@@ -399,7 +411,8 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - a failed Program may not answer; stats must
             program_stats = {}
         stats = dict(self._counters, waiting=len(self._waiting), residents=len(self._residents),
-                     paused=len(self._paused), tokens_per_s=rate, **program_stats)
+                     paused=len(self._paused), tokens_per_s=rate, **program_stats,
+                     **self.resources.stats())
         with self._lock:
             self._stats = stats
 

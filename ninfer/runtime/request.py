@@ -55,6 +55,7 @@ class Request:
     last_chunk_cycle: int = -1
     admit_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    reusable_at: int = 0                      # prefix a later prompt may repeat (checkpoint)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -98,6 +98,7 @@ class FakeModel:
 class FakePrepared:
     token_ids: np.ndarray
     text: str = ""
+    num_reusable_tokens: int = 0     # the whole prompt (a later prompt may extend it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +166,14 @@ class FakeFrontend:
 
     def prepare(self, prompt, *, tools=None, enable_thinking=True) -> FakePrepared:
         if isinstance(prompt, str):
-            return FakePrepared(self.tokenize(prompt), prompt)
+            ids = self.tokenize(prompt)
+            return FakePrepared(ids, prompt, len(ids))
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             text = "\n".join(str(m.get("content", "")) for m in prompt)
-            return FakePrepared(self.tokenize(text), text)
-        return FakePrepared(np.asarray(prompt, np.int32))
+            ids = self.tokenize(text)
+            return FakePrepared(ids, text, len(ids))
+        ids = np.asarray(prompt, np.int32)
+        return FakePrepared(ids, "", len(ids))
 
     def new_output_session(self, params, prepared, tools=None, *,
                            request_id=None) -> FakeOutputSession:

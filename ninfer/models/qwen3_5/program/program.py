@@ -44,6 +44,15 @@ class _Sequence:
     replay_until: int = 0        # frontier of the run that was paused (Replay rebuilds to it)
     protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
     is_unusable: bool = False    # rolled back without a State backup: may only be released
+    capture_at: int = 0          # prefix checkpoint position still to capture (0: none)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Checkpoint:
+    token_ids: np.ndarray        # the exact prefix [0, p) the State and KV cover
+    kv_pages: tuple              # KVPool.read_pages of the pages covering [0, p)
+    state_image: tuple           # StatePool.read of the slot at frontier p
+    host_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +87,9 @@ class Program:
         self._page_bytes = _host_bytes(self.kv.read_pages([0]))
         self._state_bytes = _host_bytes(self.state.read(0))
         self._snapshots: dict = {}          # snapshot id -> host bytes (the only host ledger)
+        # prefix checkpoints: their own host budget, so a cache entry never blocks a pause
+        self.cache_budget_bytes = int(getattr(options, "prefix_cache_bytes", 0))
+        self._checkpoints: dict = {}        # checkpoint id -> _Checkpoint (host copies)
         self._seqs: dict = {}
         self._pending: Optional[PendingBatch] = None
         self._next_id = 0
@@ -96,9 +108,9 @@ class Program:
         frontier = self._seqs[seq_id].num_computed_tokens
         return pages_for(frontier, self.page_size) * self._page_bytes + self._state_bytes
 
-    def can_bind(self, num_prompt_tokens: int) -> bool:
-        """A slot and the pages of the first prefill chunk are free."""
-        first = min(self.prefill_chunk, num_prompt_tokens)
+    def can_bind(self, num_prompt_tokens: int, num_reused: int = 0) -> bool:
+        """A slot and the pages of the first prefill chunk (after a reused prefix) are free."""
+        first = num_reused + min(self.prefill_chunk, num_prompt_tokens - num_reused)
         return self.slots.num_free > 0 and pages_for(first, self.page_size) <= self.pages.num_free
 
     def can_resume(self, rs: ResumeState) -> bool:
@@ -106,13 +118,73 @@ class Program:
             pages_for(self._resume_coverage(rs), self.page_size) <= self.pages.num_free
 
     # ---- sequence lifetime ----------------------------------------------------------------------
-    def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec) -> int:
+    def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec, *, capture_at: int = 0,
+             checkpoint: Optional[int] = None) -> int:
+        """A fresh sequence. capture_at > 0: a prefill chunk ends exactly there, so
+        `capture_checkpoint` can copy that prefix. checkpoint: install that prefix checkpoint
+        (its tokens must be a strict prefix of prompt_ids) and start prefill after it."""
         n = len(prompt_ids)
         if not 1 <= n < self.max_context:
             raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
-        seq = self._new_sequence(n, n, 0, spec)
+        ckpt = None if checkpoint is None else self._checkpoints[checkpoint]
+        reused = 0 if ckpt is None else len(ckpt.token_ids)
+        if ckpt is not None and not (reused < n and np.array_equal(ckpt.token_ids,
+                                                                    prompt_ids[:reused])):
+            raise ProgramError(f"bind: checkpoint {checkpoint} is not a strict prefix of the prompt")
+        seq = self._new_sequence(n, n, reused, spec)
         self.token_buf[seq.slot, :n] = prompt_ids
+        seq.capture_at = capture_at if reused < capture_at <= n and self.cache_budget_bytes else 0
+        if ckpt is not None:
+            if not self.pages.grow(seq.slot, reused):
+                raise ProgramError("bind: pages vanished between check and act")
+            self.kv.write_pages(self.pages.pages_of(seq.slot), ckpt.kv_pages)
+            self.state.write(seq.slot, ckpt.state_image)
         return seq.seq_id
+
+    # ---- prefix checkpoints (the ResourceManager keeps the index; the host copies live here) ----
+    def checkpoint_cost(self, num_tokens: int) -> int:
+        return pages_for(num_tokens, self.page_size) * self._page_bytes + self._state_bytes
+
+    @property
+    def cache_bytes_used(self) -> int:
+        return sum(c.host_bytes for c in self._checkpoints.values())
+
+    def capture_due(self, seq_id: int) -> int:
+        """The checkpoint position this sequence's frontier sits on exactly now, else 0."""
+        seq = self._seqs[seq_id]
+        if seq.capture_at and seq.num_computed_tokens == seq.capture_at and not seq.is_unusable:
+            return seq.capture_at
+        return 0
+
+    def prefix_tokens(self, seq_id: int, num_tokens: int) -> np.ndarray:
+        seq = self._seqs[seq_id]
+        return self.token_buf[seq.slot, :num_tokens].copy()
+
+    def capture_checkpoint(self, seq_id: int, *, keep: bool = True) -> Optional[int]:
+        """Copy the State image and the KV pages of [0, frontier) to host: one real execution's
+        exact coverage. keep=False only clears the pending capture. Returns the checkpoint id."""
+        self._no_pending("capture_checkpoint")
+        p = self.capture_due(seq_id)
+        seq = self._seqs[seq_id]
+        seq.capture_at = 0
+        if not p or not keep:
+            return None
+        cost = self.checkpoint_cost(p)
+        if self.cache_bytes_used + cost > self.cache_budget_bytes:
+            raise ProgramError(f"capture_checkpoint: {cost} bytes do not fit the cache budget")
+        pages = self.pages.pages_of(seq.slot)[:pages_for(p, self.page_size)]
+        cid = self._new_id()
+        self._checkpoints[cid] = _Checkpoint(self.token_buf[seq.slot, :p].copy(),
+                                             self.kv.read_pages(pages), self.state.read(seq.slot),
+                                             cost)
+        return cid
+
+    def drop_checkpoint(self, checkpoint: int) -> None:
+        if self._checkpoints.pop(checkpoint, None) is None:
+            raise ProgramError(f"checkpoint {checkpoint} dropped twice or unknown")
+
+    def checkpoint_ids(self) -> list:
+        return list(self._checkpoints)
 
     def release(self, seq_id: int) -> None:
         self._no_pending("release")
@@ -302,7 +374,9 @@ class Program:
     def stats(self) -> dict:
         return {"kv_pages_total": self.pages.num_pages, "kv_pages_used": self.pages.num_used,
                 "state_slots_total": self.num_slots, "state_slots_used": len(self._seqs),
-                "host_snapshot_bytes_used": self.host_bytes_used}
+                "host_snapshot_bytes_used": self.host_bytes_used,
+                "prefix_cache_entries": len(self._checkpoints),
+                "prefix_cache_bytes": self.cache_bytes_used}
 
     def check_invariants(self) -> None:
         """Raise ProgramError if the physical ledgers disagree (leaks, double maps, bad frontiers)."""
@@ -319,9 +393,16 @@ class Program:
                 raise ProgramError(f"sequence {seq.seq_id}: KV frontier not covered by pages")
         if self.host_bytes_used > self.host_budget_bytes:
             raise ProgramError(f"host snapshots use {self.host_bytes_used} > budget")
+        if self.cache_bytes_used > self.cache_budget_bytes:
+            raise ProgramError(f"prefix checkpoints use {self.cache_bytes_used} > budget")
+        for cid, c in self._checkpoints.items():
+            if c.host_bytes != self.checkpoint_cost(len(c.token_ids)) or not c.token_ids.size:
+                raise ProgramError(f"checkpoint {cid}: {c.host_bytes} bytes for "
+                                   f"{len(c.token_ids)} tokens")
 
     def assert_all_free(self) -> None:
-        """Everything returned: no sequence, page, slot, snapshot or pending unit is held."""
+        """Everything returned: no sequence, page, slot, snapshot or pending unit is held.
+        Prefix checkpoints may stay (a cache, not a loan); `drop_checkpoint` returns them."""
         self.check_invariants()
         held = dict(sequences=len(self._seqs), pages=self.pages.num_used,
                     slots=self.num_slots - self.slots.num_free, snapshots=len(self._snapshots),
@@ -359,6 +440,8 @@ class Program:
                 return _Unit(min(self.prefill_chunk, total - 1 - done), False, True)
         elif done < total:
             n = min(self.prefill_chunk, total - done)
+            if done < seq.capture_at < done + n:       # end a chunk exactly at the checkpoint
+                n = seq.capture_at - done
             return _Unit(n, done + n == total, done < seq.replay_until)
         raise ProgramError(f"sequence {seq.seq_id}: no unit at frontier {done} of {total}")
 

@@ -1,0 +1,212 @@
+"""Prefix reuse (continuation checkpoints): a hit installs one real execution's State + KV at the
+exact checkpoint position and must give exactly the tokens of a cold run."""
+import numpy as np
+import pytest
+
+from fixture_utils import convert_fixture
+from ninfer.api import SamplingParams
+from ninfer.models.qwen3_5.program import ProgramError
+from ninfer.runtime import resource_manager
+from runtime_helpers import VOCAB, make_core, prompt, reference_tokens
+
+pytestmark = pytest.mark.timeout(300)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+
+
+def _run(core, ids, params):
+    res = core.submit(np.asarray(ids, np.int32), params).result(timeout=20)
+    assert res.error is None, res.error
+    return list(res.token_ids)
+
+
+def _stats(core):
+    return core.stats()      # published by the worker before each Finished
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_hit_equals_cold_run(params):
+    core, _ = make_core(prefill_chunk=8, page_size=4)
+    first = prompt(1, 13)                      # neither chunk- nor page-aligned
+    second = np.concatenate([first, prompt(2, 9)])
+    assert _run(core, first, params) == reference_tokens(first, params)
+    assert _stats(core)["prefix_cache_entries"] == 1
+    assert _run(core, second, params) == reference_tokens(second, params)
+    stats = _stats(core)
+    assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_tokens_reused"] == 13
+    core.shutdown()
+    core.program.assert_all_free()
+    core.resources.check_invariants()
+
+
+def test_prefix_differing_inside_checkpoint_gets_no_hit():
+    core, _ = make_core()
+    first = prompt(3, 12)
+    _run(core, first, GREEDY)
+    other = first.copy()
+    other[5] = other[5] % (VOCAB - 1) + 1      # differs inside [0, 12)
+    other = np.concatenate([other, prompt(4, 5)])
+    assert _run(core, other, GREEDY) == reference_tokens(other, GREEDY)
+    assert _stats(core)["prefix_cache_hits"] == 0
+    # the same prompt again is not a hit either: one token must remain to prefill
+    assert _run(core, first, GREEDY) == reference_tokens(first, GREEDY)
+    assert _stats(core)["prefix_cache_hits"] == 0
+    core.shutdown()
+
+
+def test_digest_collision_never_gives_a_wrong_hit(monkeypatch):
+    monkeypatch.setattr(resource_manager, "_digest", lambda ids: b"same")
+    core, _ = make_core()
+    a, b = prompt(5, 10), prompt(6, 10)
+    _run(core, a, GREEDY)
+    longer = np.concatenate([b, prompt(7, 4)])
+    assert _run(core, longer, GREEDY) == reference_tokens(longer, GREEDY)
+    assert _stats(core)["prefix_cache_hits"] == 0
+    core.shutdown()
+
+
+def test_lru_eviction_under_a_tiny_budget():
+    probe, _ = make_core()
+    one = probe.program.checkpoint_cost(10)
+    probe.shutdown()
+    core, _ = make_core(prefix_cache_bytes=one)
+    a, c = prompt(8, 10), prompt(9, 10)
+    _run(core, a, GREEDY)
+    _run(core, c, GREEDY)                      # evicts a's checkpoint
+    stats = _stats(core)
+    assert stats["prefix_cache_entries"] == 1 and stats["prefix_cache_bytes"] == one
+    a2, c2 = np.concatenate([a, prompt(10, 3)]), np.concatenate([c, prompt(11, 3)])
+    assert _run(core, a2, GREEDY) == reference_tokens(a2, GREEDY)
+    assert _stats(core)["prefix_cache_hits"] == 0
+    assert _run(core, c2, GREEDY) == reference_tokens(c2, GREEDY)
+    assert _stats(core)["prefix_cache_hits"] == 1
+    core.shutdown()
+    core.resources.check_invariants()
+
+
+def test_disabled_cache_captures_nothing():
+    core, _ = make_core(prefix_cache_bytes=0)
+    a = prompt(12, 10)
+    _run(core, a, GREEDY)
+    _run(core, np.concatenate([a, prompt(13, 3)]), GREEDY)
+    stats = _stats(core)
+    assert stats["prefix_cache_entries"] == 0 and stats["prefix_cache_hits"] == 0
+    core.shutdown()
+
+
+@pytest.mark.parametrize("snapshot_bytes", [0, 1 << 20], ids=["replay", "snapshot"])
+def test_kv_pressure_with_pauses_stays_exact(snapshot_bytes):
+    core, _ = make_core(max_concurrency=4, num_kv_pages=16, page_size=4, prefill_chunk=8,
+                        host_snapshot_bytes=snapshot_bytes)
+    base = prompt(14, 11)
+    _run(core, base, GREEDY)
+    prompts = [np.concatenate([base, prompt(20 + i, 3 + 2 * i)]) for i in range(6)]
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True)
+              for i in range(6)]
+    handles = [core.submit(p, q) for p, q in zip(prompts, params)]
+    got = [list(h.result(timeout=30).token_ids) for h in handles]
+    assert got == [reference_tokens(p, q) for p, q in zip(prompts, params)]
+    stats = _stats(core)
+    # an admission whose reused prefix does not fit the free pages binds cold instead
+    assert stats["pauses"] > 0 and 1 <= stats["prefix_cache_hits"] <= 6
+    core.shutdown()
+    core.program.assert_all_free()
+    core.resources.check_invariants()
+
+
+def test_cancel_right_after_an_install_keeps_the_checkpoint():
+    core, model = make_core(max_concurrency=1)
+    base = prompt(15, 12)
+    _run(core, base, GREEDY)
+    longer = np.concatenate([base, prompt(16, 9)])
+    handle = core.submit(longer, SamplingParams(max_tokens=30, ignore_eos=True))
+    handle.cancel()
+    assert handle.result(timeout=20).finish_reason == "cancelled"
+    assert _run(core, longer, GREEDY) == reference_tokens(longer, GREEDY)
+    stats = _stats(core)
+    assert stats["prefix_cache_entries"] >= 1 and stats["prefix_cache_hits"] >= 1
+    core.shutdown()
+    core.program.assert_all_free()
+    core.resources.check_invariants()
+
+
+def test_clear_returns_everything_and_invariants_catch_a_lost_entry():
+    core, _ = make_core()
+    _run(core, prompt(17, 9), GREEDY)
+    _run(core, prompt(18, 9), GREEDY)
+    core.shutdown()
+    assert core.program.stats()["prefix_cache_entries"] == 2
+    core.program.assert_all_free()                 # a cache is not a leak
+    cid = core.program.checkpoint_ids()[0]
+    core.program.drop_checkpoint(cid)              # behind the index's back
+    with pytest.raises(ProgramError, match="prefix index"):
+        core.resources.check_invariants()
+    with pytest.raises(ProgramError, match="dropped twice"):
+        core.program.drop_checkpoint(cid)
+
+
+def test_clear_prefix_cache():
+    core, _ = make_core()
+    _run(core, prompt(19, 9), GREEDY)
+    core.shutdown()
+    core.resources.clear_prefix_cache()
+    assert core.program.stats()["prefix_cache_entries"] == 0
+    assert core.program.cache_bytes_used == 0
+    core.resources.check_invariants()
+
+
+# ---- the real numpy model (tiny converted fixture) ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return convert_fixture("dense", tmp_path_factory.mktemp("prefix_cache"))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo artifact: random weights but the real Qwen vocabulary and chat template (the
+    converted fixtures' tokenizer lacks <think>, so their reuse boundary is the whole prompt)."""
+    from ninfer.demo import ensure_demo_artifact
+    return ensure_demo_artifact(tmp_path_factory.mktemp("prefix_cache_demo"))
+
+
+def _chat(path, params, **options):
+    from ninfer import Engine
+    turn1 = [{"role": "system", "content": "You answer briefly. " * 8},
+             {"role": "user", "content": "Hello there, how are you today?"}]
+    with Engine(path, max_concurrency=2, prefill_chunk=16, page_size=8, **options) as engine:
+        r1 = engine.generate(turn1, params, enable_thinking=False)
+        turn2 = turn1 + [{"role": "assistant", "content": r1.text},
+                         {"role": "user", "content": "And what about tomorrow?"}]
+        r2 = engine.generate(turn2, params, enable_thinking=False)
+        reusable = engine.frontend.prepare(turn1, enable_thinking=False).num_reusable_tokens
+        return r1, r2, engine.stats(), reusable
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_real_model_chat_turn2_reuses_turn1(demo, kind):
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0) if kind == "greedy" \
+        else SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.95, seed=3)
+    cold = _chat(demo, params, prefix_cache_bytes=0)
+    warm = _chat(demo, params)
+    assert warm[0].error is None and warm[1].error is None
+    assert warm[0].token_ids == cold[0].token_ids and warm[1].token_ids == cold[1].token_ids
+    assert cold[2]["prefix_cache_hits"] == 0
+    assert warm[2]["prefix_cache_hits"] == 1
+    assert warm[2]["prefix_cache_tokens_reused"] == warm[3] > 0
+
+
+def test_real_model_token_prompts_hit_equals_cold(dense):
+    from ninfer import Engine
+    rng = np.random.default_rng(4)
+    base = rng.integers(3, 256, 21).astype(np.int32)
+    longer = np.concatenate([base, rng.integers(3, 256, 10).astype(np.int32)])
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    with Engine(dense, max_concurrency=1, prefix_cache_bytes=0) as engine:
+        cold = engine.generate(longer, params).token_ids
+    with Engine(dense, max_concurrency=1, prefill_chunk=8, page_size=8) as engine:
+        engine.generate(base, params)
+        warm = engine.generate(longer, params).token_ids
+        stats = engine.stats()
+    assert warm == cold
+    assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_tokens_reused"] == 21
