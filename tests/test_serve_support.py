@@ -290,7 +290,9 @@ class ScriptedEngine:
         from ninfer.options import EngineOptions
         from ninfer.runtime.engine_core import EngineCore
 
-        self.options = EngineOptions.from_kwargs(**options)
+        # ScriptedModel rebuilds each row's history from its context-0 chunk: an installed prefix
+        # checkpoint would start a row mid-history, so prefix reuse is off here
+        self.options = EngineOptions.from_kwargs(**{"prefix_cache_bytes": 0, **options})
         self.artifact = Artifact(path)
         self.frontend = Frontend.from_artifact(self.artifact)
         self.model = ScriptedModel(load_model(self.artifact, self.options), self.frontend)
