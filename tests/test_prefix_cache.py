@@ -210,3 +210,28 @@ def test_real_model_token_prompts_hit_equals_cold(dense):
         stats = engine.stats()
     assert warm == cold
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_tokens_reused"] == 21
+
+
+def test_media_prompts_neither_capture_nor_reuse():
+    import dataclasses
+    core, _ = make_core()
+    base = prompt(21, 10)
+    _run(core, base, GREEDY)
+    real_prepare = core.frontend.prepare
+
+    @dataclasses.dataclass(frozen=True)
+    class WithMedia:
+        token_ids: np.ndarray
+        text: str = ""
+        num_reusable_tokens: int = 0
+        media: tuple = ("image",)
+
+    def prepare(p, **kw):
+        got = real_prepare(p, **kw)
+        return WithMedia(got.token_ids, got.text, got.num_reusable_tokens)
+    core.frontend.prepare = prepare
+    longer = np.concatenate([base, prompt(22, 4)])
+    assert _run(core, longer, GREEDY) == reference_tokens(longer, GREEDY)
+    stats = _stats(core)
+    assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_entries"] == 1
+    core.shutdown()

@@ -88,14 +88,17 @@ class EngineCore:
         request_id = request_id or uuid.uuid4().hex
         session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
         channel = _Channel(request_id, self._notify, self._release_outstanding)
-        reusable_at = int(getattr(prepared, "num_reusable_tokens", 0) or 0)
+        # media tokens are placeholders (equal ids, different images): such prompts never reuse
+        may_reuse = not getattr(prepared, "media", ()) \
+            and getattr(prepared, "mrope_positions", None) is None
+        reusable_at = int(getattr(prepared, "num_reusable_tokens", 0) or 0) if may_reuse else 0
         now = time.monotonic()
         queue_timeout = self.options.queue_timeout_s
         request = Request(request_id, 0, params, prompt_ids, session,
                           SamplingSpec.from_params(params, seed), channel, now,
                           deadline=None if timeout_s is None else now + timeout_s,
                           queue_deadline=None if queue_timeout is None else now + queue_timeout,
-                          reusable_at=reusable_at)
+                          reusable_at=reusable_at, may_reuse=may_reuse)
         with self._lock:
             self._check_available()
             if self._outstanding >= self._max_outstanding:
@@ -217,7 +220,8 @@ class EngineCore:
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
                     or not self.program.can_bind(req.num_prompt_tokens):
                 return
-            checkpoint, reused = self.resources.lookup(req.prompt_ids)
+            checkpoint, reused = self.resources.lookup(req.prompt_ids) if req.may_reuse \
+                else (None, 0)
             if not self.program.can_bind(req.num_prompt_tokens, reused):
                 checkpoint, reused = None, 0
             # bind before leaving the queue: a failed bind must leave req where _finish_all sees it

@@ -56,6 +56,7 @@ class Request:
     admit_time: Optional[float] = None
     first_token_time: Optional[float] = None
     reusable_at: int = 0                      # prefix a later prompt may repeat (checkpoint)
+    may_reuse: bool = True                    # text only: may start from a prefix checkpoint
 
     @property
     def num_prompt_tokens(self) -> int:
