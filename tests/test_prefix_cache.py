@@ -235,3 +235,48 @@ def test_media_prompts_neither_capture_nor_reuse():
     stats = _stats(core)
     assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_entries"] == 1
     core.shutdown()
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_stress_shared_prefixes_cancels_tiny_pool_and_cache(seed):
+    """Many concurrent prompts built from a few shared prefixes, on a tiny KV pool (pauses of
+    both kinds) and a cache of about three entries (eviction), with cancels: every kept request
+    equals its cold reference and nothing leaks."""
+    import random
+    max_context = 40
+    probe, _ = make_core()
+    budget = 3 * probe.program.checkpoint_cost(12)
+    probe.shutdown()
+    core, _ = make_core(max_concurrency=4, max_context=max_context, page_size=4, num_kv_pages=12,
+                        prefill_chunk=5, max_queue=200, host_snapshot_bytes=3000,
+                        prefix_cache_bytes=budget)
+    rng = random.Random(seed)
+    roots = [prompt(300 + k, 14) for k in range(4)]
+    plans = []
+    for i in range(80):
+        # checkpoints sit at the end of the fake prompts: bare heads seed them, extensions hit
+        head = roots[rng.randrange(4)][:rng.choice([6, 10, 14])]
+        tail = prompt(400 + i, rng.choice([0, 0, 1, 4, 8]))
+        p = np.concatenate([head, tail]).astype(np.int32)
+        params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True,
+                                **rng.choice([dict(), dict(temperature=1.0, seed=i)]))
+        plans.append((p, params, rng.random() < 0.15))
+    handles = []
+    for p, params, cancel in plans:
+        h = core.submit(p, params)
+        if cancel:
+            h.cancel()
+        handles.append(h)
+    for (p, params, cancel), h in zip(plans, handles):
+        result = h.result(timeout=60)
+        want = reference_tokens(p, params, max_context)
+        assert result.token_ids == want[:len(result.token_ids)]
+        if not cancel:
+            assert result.token_ids == want
+    stats = core.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["pauses"] > 0
+    assert stats["prefix_cache_bytes"] <= budget
+    assert core.health == "ready"
+    core.shutdown()
+    core.program.assert_all_free()
+    core.resources.check_invariants()
