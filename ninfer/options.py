@@ -24,11 +24,20 @@ class EngineOptions:
     page_size: int = 16                 # tokens per KV page
     num_kv_pages: Optional[int] = None  # None -> enough for max_concurrency * max_context
     host_snapshot_bytes: int = 256 << 20   # host budget for Snapshot pauses (0 -> Replay only)
-    prefix_cache_bytes: int = 256 << 20    # host budget for prefix checkpoints (0 -> no reuse)
+    # host budget for prefix checkpoints (0 -> no reuse). None: 256 MiB on the numpy backend, 0 on
+    # cuda, where a host checkpoint costs every request a device-to-host copy of its State and KV
+    prefix_cache_bytes: Optional[int] = None
     queue_timeout_s: Optional[float] = None
     default_enable_thinking: bool = True
     device_id: int = 0
     graphs: bool = True                 # cuda: replay CUDA graphs for decode
+
+    @property
+    def prefix_cache_budget_bytes(self) -> int:
+        """The effective prefix-checkpoint budget (see prefix_cache_bytes)."""
+        if self.prefix_cache_bytes is not None:
+            return int(self.prefix_cache_bytes)
+        return 256 << 20 if self.backend == "numpy" else 0
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":
@@ -55,6 +64,9 @@ class EngineOptions:
         if self.num_kv_pages is not None and (not _is_int(self.num_kv_pages)
                                               or self.num_kv_pages < 1):
             bad("num_kv_pages", "must be an integer >= 1 (or None: sized for max_context)")
+        if self.prefix_cache_bytes is not None and (not _is_int(self.prefix_cache_bytes)
+                                                    or self.prefix_cache_bytes < 0):
+            bad("prefix_cache_bytes", "must be an integer >= 0 (or None: the backend's default)")
         timeout = self.queue_timeout_s
         if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
                                         and timeout > 0):
@@ -63,7 +75,7 @@ class EngineOptions:
 
 # integer options and their least value (max_concurrency has its own range)
 _INT_MINIMA = (("max_context", 2), ("max_queue", 0), ("prefill_chunk", 1), ("page_size", 1),
-               ("host_snapshot_bytes", 0), ("prefix_cache_bytes", 0), ("device_id", 0))
+               ("host_snapshot_bytes", 0), ("device_id", 0))
 
 
 def _is_int(value) -> bool:

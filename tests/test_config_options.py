@@ -37,3 +37,18 @@ def test_good_options_pass():
     opts = EngineOptions.from_kwargs(max_concurrency=8, max_context=2, max_queue=0,
                                      num_kv_pages=1, host_snapshot_bytes=0, queue_timeout_s=0.5)
     assert opts.max_concurrency == 8 and opts.queue_timeout_s == 0.5
+
+
+def test_prefix_cache_default_depends_on_the_backend():
+    """Host checkpoints are cheap on the numpy backend and cost a device-to-host copy per request
+    on cuda, so the default budget is on for one and off for the other; explicit values win."""
+    from ninfer.errors import RequestError
+    from ninfer.options import EngineOptions
+    assert EngineOptions.from_kwargs().prefix_cache_budget_bytes == 256 << 20
+    assert EngineOptions.from_kwargs(backend="cuda").prefix_cache_budget_bytes == 0
+    assert EngineOptions.from_kwargs(backend="cuda",
+                                     prefix_cache_bytes=1 << 20).prefix_cache_budget_bytes == 1 << 20
+    assert EngineOptions.from_kwargs(prefix_cache_bytes=0).prefix_cache_budget_bytes == 0
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(RequestError, match="prefix_cache_bytes"):
+            EngineOptions.from_kwargs(prefix_cache_bytes=bad)

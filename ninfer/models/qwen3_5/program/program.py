@@ -88,7 +88,7 @@ class Program:
         self._state_bytes = _host_bytes(self.state.read(0))
         self._snapshots: dict = {}          # snapshot id -> host bytes (the only host ledger)
         # prefix checkpoints: their own host budget, so a cache entry never blocks a pause
-        self.cache_budget_bytes = int(getattr(options, "prefix_cache_bytes", 0))
+        self.cache_budget_bytes = options.prefix_cache_budget_bytes
         self._checkpoints: dict = {}        # checkpoint id -> _Checkpoint (host copies)
         self._seqs: dict = {}
         self._pending: Optional[PendingBatch] = None
