@@ -11,7 +11,7 @@ import pytest
 from ninfer import EngineOptions, RequestError, ScoreResult
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.runtime.scoring import CausalScoreCore
-from test_model import TOL_MODEL, rel_err, tiny_model
+from test_model import TOL_MODEL, draw_well_routed, rel_err, tiny_model
 
 TOL_LOGPROB = dict(rtol=0, atol=1e-5)     # float32 log-softmax vs its float64 evaluation
 
@@ -48,8 +48,8 @@ def test_score_matches_one_forward_and_float64_log_softmax(model):
 
 @pytest.mark.parametrize("window", [1, 2, 7, 64])
 def test_windows_agree_with_one_piece(model, window):
-    ids = np.random.default_rng().integers(0, model.config.text.vocab_size, size=70)
-    one = CausalScoreCore(model, EngineOptions(prefill_chunk=512, page_size=16)).score(ids, True)
+    ids, one = draw_well_routed(model, 70, lambda ids: CausalScoreCore(
+        model, EngineOptions(prefill_chunk=512, page_size=16)).score(ids, True))
     got = CausalScoreCore(model, EngineOptions(prefill_chunk=window, page_size=3)).score(ids, True)
     assert rel_err(got.logits, one.logits) < TOL_MODEL
     np.testing.assert_allclose(got.logprobs, one.logprobs, rtol=0,
