@@ -180,6 +180,19 @@ def draw_well_routed(model, size, reference, tries=20):
     pytest.fail(f"no input of {tries} random draws routed without a near-tie (< {ROUTER_GAP})")
 
 
+def unless_near_tie(check, tries=10):
+    """Run `check()` (which draws its own fresh inputs); a failure is retried with new inputs only
+    when some token of that draw was routed with a near-tie, so a real bug still fails."""
+    for _ in range(tries):
+        with RouterGaps() as gaps:
+            try:
+                return check()
+            except AssertionError:
+                if gaps.smallest > ROUTER_GAP:
+                    raise
+    pytest.fail(f"{tries} random draws all hit a router near-tie (< {ROUTER_GAP})")
+
+
 def test_router_gap_guard_sees_near_ties():
     """The guard must record gaps, or the MoE comparisons above would be unguarded."""
     model = tiny_model("moe")
@@ -259,6 +272,10 @@ def _batch(rows, ctxs, tables, slots):
 @pytest.mark.parametrize("name", ["dense", "moe", "odd_heads"])
 def test_batched_rows_equal_per_row(name):
     model = tiny_model(name)
+    unless_near_tie(lambda: _check_batched_rows_equal_per_row(model))
+
+
+def _check_batched_rows_equal_per_row(model):
     V, ps = model.config.text.vocab_size, 4
     r = np.random.default_rng()
     # (already in context, new tokens): fresh prefill, decodes, a continued prefill, page edges
