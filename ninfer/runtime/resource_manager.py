@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Optional
 
 import numpy as np
 
