@@ -314,13 +314,12 @@ class Program:
         self._pending = PendingBatch(rows, backups, self._new_id())
         return self._pending
 
-    def _can_sample_on_device(self, seqs, units, masks=None) -> bool:
+    def _can_sample_on_device(self, seqs, units, masks) -> bool:
         """A backend with `decode_greedy` (CUDA: argmax inside the decode graph) returns token ids
         instead of [B, V] logits; usable when no row needs the logits on the host: every sampling
         row is plain greedy (no penalties, no logprobs, no grammar mask) and no row is forced."""
         if not hasattr(self.model, "decode_greedy"):
             return False
-        masks = masks or [None] * len(seqs)
         return all(not unit.forced and (not unit.is_sampling or (seq.spec.is_plain_greedy
                                                                  and mask is None))
                    for seq, unit, mask in zip(seqs, units, masks))
