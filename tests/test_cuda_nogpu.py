@@ -42,6 +42,15 @@ def test_cache_key_depends_on_source_params_signature_arch_version():
     assert len({base, *variants}) == 6
 
 
+def test_cache_key_names_the_toolchain_and_compile_options(monkeypatch):
+    tid = K._toolchain_id()
+    assert "numba-cuda=" in tid and ";numba=" in tid and "opt" in tid and "lineinfo" in tid
+    s = spec("silu_mul")
+    base = K.cache_key(s, (9, 0), source="src")
+    monkeypatch.setattr(K, "COMPILE_OPTIONS", dict(K.COMPILE_OPTIONS, lineinfo=True))
+    assert K.cache_key(s, (9, 0), source="src") != base
+
+
 def test_cache_key_reads_the_kernel_sources():
     s = spec("rmsnorm")
     assert K.cache_key(s, (9, 0)) == K.cache_key(s, (9, 0))

@@ -63,12 +63,23 @@ class KernelSpec:
         return cls(module, factory, tuple(sig), tuple(sorted(params.items())))
 
 
-def _numba_cuda_version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("numba-cuda")
-    except Exception:   # noqa: BLE001 - metadata missing: key still includes everything else
-        return "unknown"
+# compile_spec's options: part of the key, so changing them recompiles
+COMPILE_OPTIONS = dict(opt=True, lineinfo=False)
+
+
+def _toolchain_id() -> str:
+    """The compiler's identity from package metadata (no numba import: a warm cache never loads
+    the compiler). libnvvm itself is not in it: a different NVVM under the same numba-cuda gives
+    PTX that is still valid (the driver JIT-compiles any older PTX), only maybe slower; clear the
+    cache (or point NINFER_KERNEL_CACHE elsewhere) after changing the CUDA toolkit."""
+    from importlib.metadata import PackageNotFoundError, version
+    parts = []
+    for dist in ("numba-cuda", "numba"):
+        try:
+            parts.append(f"{dist}={version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist}=unknown")
+    return ";".join(parts) + f";{sorted(COMPILE_OPTIONS.items())}"
 
 
 def source_text(module: str) -> str:
@@ -83,7 +94,7 @@ def cache_key(spec: KernelSpec, cc: tuple, source: str = None, version: str = No
     h = hashlib.sha256()
     for part in (source if source is not None else source_text(spec.module),
                  spec.module, spec.factory, repr(spec.params), ",".join(spec.sig),
-                 f"sm_{cc[0]}{cc[1]}", version if version is not None else _numba_cuda_version()):
+                 f"sm_{cc[0]}{cc[1]}", version if version is not None else _toolchain_id()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -131,7 +142,7 @@ def compile_spec(spec: KernelSpec, cc: tuple) -> str:
     fn = getattr(mod, spec.factory)(**dict(spec.params))
     sig = tuple(getattr(types, ARG_TYPES[t][1]) if not ARG_TYPES[t][2]
                 else types.CPointer(getattr(types, ARG_TYPES[t][1])) for t in spec.sig)
-    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, opt=True, lineinfo=False)
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, **COMPILE_OPTIONS)
     return ptx
 
 
