@@ -1,28 +1,32 @@
-"""Elementwise kernels: SiLU-mul (SwiGLU), embedding gather, bf16 casts."""
-from numba import cuda
+"""Elementwise kernels: SiLU-mul (SwiGLU), embedding gather, bf16 casts (`f32`: fp32 storage)."""
+from numba import cuda, int64
 
-from .common import bf16_to_f32, f32_to_bf16, silu
+from .common import bf16_to_f32, f32_to_bf16, silu, storage
 
 
-def silu_mul():
+def silu_mul(f32=False):
+    store = storage(f32)[0]
+
     def silu_mul_kernel(out, gu, gu_stride, gu_off, inter):
-        # gu[t, off:off+inter] gate, [off+inter:off+2*inter] up (fp32) -> out [n, inter] bf16
+        # gu[t, off:off+inter] gate, [off+inter:off+2*inter] up (fp32) -> out [n, inter] bf16 / fp32
         # grid (n, ceil(inter/256)): rows on x (up to 2^31 - 1 rows)
         j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
         t = cuda.blockIdx.x
         if j < inter:
             b = t * gu_stride + gu_off
-            out[t * inter + j] = f32_to_bf16(silu(gu[b + j]) * gu[b + inter + j])
+            out[t * inter + j] = store(silu(gu[b + j]) * gu[b + inter + j])
     return silu_mul_kernel
 
 
-def embed_gather():
+def embed_gather(f32=False):
+    load = storage(f32)[1]
+
     def embed_gather_kernel(out, table, ids, hidden):
-        # out [n, hidden] fp32 = table[ids[t]] (bf16); grid (ceil(hidden/256), n)
+        # out [n, hidden] fp32 = table[ids[t]] (bf16 / fp32); grid (ceil(hidden/256), n)
         j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         t = cuda.blockIdx.y
         if j < hidden:
-            out[t * hidden + j] = bf16_to_f32(table[ids[t] * hidden + j])
+            out[t * hidden + j] = load(table[ids[t] * hidden + j])
     return embed_gather_kernel
 
 
@@ -32,3 +36,15 @@ def cast_f32_bf16():
         if i < n:
             out[i] = f32_to_bf16(x[i])
     return cast_kernel
+
+
+def widen_bf16():
+    def widen_kernel(out, x, n):
+        # out[i] = x[i] (bf16 bits -> fp32, exact): the fp32 model's weights, upcast at load;
+        # grid-stride
+        i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+        stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+        while i < n:
+            out[i] = bf16_to_f32(x[i])
+            i += stride
+    return widen_kernel

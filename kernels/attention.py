@@ -1,11 +1,12 @@
 """Paged causal GQA attention over bf16 KV pools (decode and prefill alike), split over keys.
+`f32` (both factories): fp32 KV pools and output, the same arithmetic.
 
 grid (query tokens, kv heads * G/GS, splits), 4 warps. A block serves the G query heads of one kv head for
 one token: each K/V row is read once for G heads. Query token t of row r (index i in the row) sees
 keys [0, context_len + i]; split s takes a contiguous slice of them, warps interleave over its keys.
 Each lane holds dims {2e, 2e+1} for e = lane + 32c (bf16 pairs read as u32: coalesced).
 Output per split: unnormalised acc and (max, sum) for `attn_combine`, which merges the splits and
-applies the sigmoid output gate, writing bf16 for o_proj. `t_base`: the launch covers tokens
+applies the sigmoid output gate, writing bf16 (fp32) for o_proj. `t_base`: the launch covers tokens
 [t_base, t_base + grid.x) of the call (rows left to it by the tensor-core prefill path); part/ml are
 indexed from the launch's first token.
 """
@@ -13,13 +14,36 @@ import math
 
 from numba import cuda, float32, uint32
 
-from .common import bf16x2_hi, bf16x2_lo, sigmoid, warp_sum, f32_to_bf16
+from .common import bf16x2_hi, bf16x2_lo, f32_pair, sigmoid, storage, warp_sum
 
 WARPS = 4
 NEG_INF = float32(-3.0e38)
 
 
-def paged_attention(hd, G, nkv, GS=0):
+def _kv_pairs(f32):
+    """(k0, k1, v0, v1) = K/V pair i when `live`, else zeros."""
+    if f32:
+        @cuda.jit(device=True, inline=True)
+        def kv_f32(k_cache, v_cache, i, live):
+            k0 = k1 = v0 = v1 = float32(0.0)
+            if live:
+                k0, k1 = f32_pair(k_cache, i)
+                v0, v1 = f32_pair(v_cache, i)
+            return k0, k1, v0, v1
+        return kv_f32
+
+    @cuda.jit(device=True, inline=True)
+    def kv_bf16(k_cache, v_cache, i, live):
+        p = uint32(0)
+        pv = uint32(0)
+        if live:
+            p = k_cache[i]
+            pv = v_cache[i]
+        return bf16x2_lo(p), bf16x2_hi(p), bf16x2_lo(pv), bf16x2_hi(pv)
+    return kv_bf16
+
+
+def paged_attention(hd, G, nkv, GS=0, f32=False):
     # GS: query heads per block (a divisor of G; 0 -> G). Fewer heads per block = fewer registers
     # and more resident warps, at the cost of reading each K/V row G/GS times (measured slower for
     # the 27B prefill, so the model uses GS = G; kept and tested for other geometries).
@@ -31,6 +55,7 @@ def paged_attention(hd, G, nkv, GS=0):
     nh = G * nkv
     QN = GS * 2 * NC
     NC2 = 2 * NC
+    kv_pairs = _kv_pairs(f32)
 
     def paged_attention_kernel(part, ml, q, k_cache, v_cache, token_row, query_start,
                                context_lens, block_tables, bt_stride, page_size, n_splits, scale,
@@ -80,15 +105,8 @@ def paged_attention(hd, G, nkv, GS=0):
                 page_next = block_tables[r * bt_stride + key_next // page_size]
             rb = ((page * page_size + key % page_size) * nkv + g) * HP
             for c in range(NC):
-                p = uint32(0)
-                pv = uint32(0)
-                if lane + 32 * c < HP:
-                    p = k_cache[rb + lane + 32 * c]
-                    pv = v_cache[rb + lane + 32 * c]
-                kp[2 * c] = bf16x2_lo(p)
-                kp[2 * c + 1] = bf16x2_hi(p)
-                vp[2 * c] = bf16x2_lo(pv)
-                vp[2 * c + 1] = bf16x2_hi(pv)
+                kp[2 * c], kp[2 * c + 1], vp[2 * c], vp[2 * c + 1] = kv_pairs(
+                    k_cache, v_cache, rb + lane + 32 * c, lane + 32 * c < HP)
             for gi in range(GS):
                 d = float32(0.0)
                 for c in range(NC2):
@@ -139,7 +157,9 @@ def paged_attention(hd, G, nkv, GS=0):
     return paged_attention_kernel
 
 
-def attn_combine(hd, nh):
+def attn_combine(hd, nh, f32=False):
+    store = storage(f32)[0]
+
     def attn_combine_kernel(out, part, ml, proj, proj_stride, n_splits, t_base):
         # grid (tokens, nh), block hd: merge splits, divide, gate by sigmoid -> bf16 [n, nh*hd]
         tl = cuda.blockIdx.x
@@ -160,5 +180,5 @@ def attn_combine(hd, nh):
                 tot_a += f * part[(base + s) * hd + dd]
         o = tot_a / tot_l
         gate = proj[t * proj_stride + h * 2 * hd + hd + dd]
-        out[(t * nh + h) * hd + dd] = f32_to_bf16(o * sigmoid(gate))
+        out[(t * nh + h) * hd + dd] = store(o * sigmoid(gate))
     return attn_combine_kernel

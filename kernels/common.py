@@ -85,3 +85,40 @@ def block_sum(v, scratch):
     if lane < nw:
         t = scratch[lane]
     return warp_sum(t)
+
+
+# ---- storage type of activations, KV and weights: bf16 (default) or fp32 (dtype="float32") ----
+# Kernels whose factory takes `f32` bake the choice in at compile time (the signature's "u16*" /
+# "u32*" become "f32*"); the bf16 variants are the same operations as before the choice existed.
+
+@cuda.jit(device=True, inline=True)
+def f32_same(x):
+    return x
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_round(x):
+    # x rounded to the nearest bf16, kept as fp32
+    return bf16_to_f32(f32_to_bf16(x))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_pair(a, i):
+    # the two values of bf16 pair i (one u32 load)
+    p = a[i]
+    return bf16x2_lo(p), bf16x2_hi(p)
+
+
+@cuda.jit(device=True, inline=True)
+def f32_pair(a, i):
+    # fp32 storage: "pair i" is elements 2i, 2i+1
+    return a[2 * i], a[2 * i + 1]
+
+
+def storage(f32):
+    """(store, load, pair, rounding) of the storage type: fp32 -> bf16 bits (or fp32 as is),
+    bits -> fp32, pair i of a "u32*" array -> two fp32, and the rounding a value takes when
+    stored (bf16) or none."""
+    if f32:
+        return f32_same, f32_same, f32_pair, f32_same
+    return f32_to_bf16, bf16_to_f32, bf16_pair, bf16_round

@@ -1,7 +1,7 @@
 """Counter-based random fills (benchmark weights made on the GPU, no files)."""
 from numba import cuda, float32, uint32, int64
 
-from .common import f32_to_bf16
+from .common import storage
 
 
 def _hash():
@@ -15,8 +15,11 @@ def _hash():
     return mix
 
 
-def random_bf16():
+def random_bf16(f32=False):
+    # `f32`: the same bf16 values, stored as fp32 (a float32 model of the same random weights)
     mix = _hash()
+    to_bits, _, _, rounded = storage(f32)
+    store = rounded if f32 else to_bits
 
     def random_bf16_kernel(out, n, seed, scale, offset):
         # out[i] = offset + scale * U(-1, 1), bf16; grid-stride
@@ -25,7 +28,7 @@ def random_bf16():
         while i < n:
             h = mix(uint32(i & 0xFFFFFFFF) ^ mix(uint32(uint32(seed) + uint32(uint32(i >> 32) * uint32(0x9E3779B9)))))
             u = float32(h >> uint32(8)) * float32(1.0 / 8388608.0) - float32(1.0)
-            out[i] = f32_to_bf16(offset + scale * u)
+            out[i] = store(offset + scale * u)
             i += stride
     return random_bf16_kernel
 

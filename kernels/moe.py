@@ -2,13 +2,13 @@
 experts (decode and small batches: every weight row is read once per (token, slot)).
 
 Router logits, the shared expert's gate/up and its sigmoid gate come from one fused GEMM upstream.
+`f32` (expert kernels): fp32 activations and expert weights instead of bf16 pairs.
 """
 import math
 
 from numba import cuda, float32, int32
 
-from .common import (FULL_MASK, bf16_to_f32, bf16x2_hi, bf16x2_lo, f32_to_bf16, sigmoid, silu,
-                     warp_max, warp_sum)
+from .common import FULL_MASK, sigmoid, silu, storage, warp_max, warp_sum
 
 THREADS = 256
 
@@ -107,8 +107,9 @@ def router_topk(E, K, norm):
     return router_topk_kernel
 
 
-def expert_gate_up(H, inter):
+def expert_gate_up(H, inter, f32=False):
     HP = H // 2
+    _, _, ld_pair, rounded = storage(f32)
 
     def expert_gate_up_kernel(act, x, w, ids, K):
         # grid (n*K, ceil(inter/4)), block 128: warp -> output j: silu(g_j . x) * (u_j . x)
@@ -125,22 +126,23 @@ def expert_gate_up(H, inter):
         g = float32(0.0)
         u = float32(0.0)
         for c in range(lane, HP, 32):
-            xp = x[xb + c]
-            x0 = bf16x2_lo(xp)
-            x1 = bf16x2_hi(xp)
-            gp = w[gb + c]
-            up = w[ub + c]
-            g += bf16x2_lo(gp) * x0 + bf16x2_hi(gp) * x1
-            u += bf16x2_lo(up) * x0 + bf16x2_hi(up) * x1
+            x0, x1 = ld_pair(x, xb + c)
+            g0, g1 = ld_pair(w, gb + c)
+            u0, u1 = ld_pair(w, ub + c)
+            g += g0 * x0 + g1 * x1
+            u += u0 * x0 + u1 * x1
         g = warp_sum(g)
         u = warp_sum(u)
         if lane == 0:
             # rounded to bf16 like the grouped (cuBLASLt) path's GEMM input, so both paths agree
-            act[pair * inter + j] = bf16_to_f32(f32_to_bf16(silu(g) * u))
+            # (fp32 storage: not rounded, like that path's fp32 input)
+            act[pair * inter + j] = rounded(silu(g) * u)
     return expert_gate_up_kernel
 
 
-def expert_down(H, inter):
+def expert_down(H, inter, f32=False):
+    ld_pair = storage(f32)[2]
+
     def expert_down_kernel(y, act, w, ids):
         # grid (n*K, ceil(H/4)), block 128: y[pair, i] = down[e, i, :] . act[pair, :]
         pair = cuda.blockIdx.x
@@ -153,8 +155,8 @@ def expert_down(H, inter):
         ab = pair * inter
         acc = float32(0.0)
         for c in range(lane, inter // 2, 32):
-            p = w[wb + c]
-            acc += bf16x2_lo(p) * act[ab + 2 * c] + bf16x2_hi(p) * act[ab + 2 * c + 1]
+            w0, w1 = ld_pair(w, wb + c)
+            acc += w0 * act[ab + 2 * c] + w1 * act[ab + 2 * c + 1]
         acc = warp_sum(acc)
         if lane == 0:
             y[pair * H + i] = acc
@@ -179,7 +181,8 @@ def moe_combine(H, K):
     return moe_combine_kernel
 
 
-def gather_rows():
+def gather_rows(f32=False):
+    # `f32` only selects the signature (fp32 rows): the copy is the same
     def gather_rows_kernel(out, x, src_row, width):
         # out[p, :] = x[src_row[p], :] (bf16 rows); grid (rows, ceil(width/256))
         j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x

@@ -1,14 +1,16 @@
 """RMSNorms. Zero-centred (`x * rsqrt(mean x^2 + eps) * (1 + w)`) over fp32 rows -> bf16 (the next
-GEMM's input); the residual add is fused into the GEMM before it (cuBLASLt beta = 1).
+GEMM's input; fp32 with `f32`); the residual add is fused into the GEMM before it (cuBLASLt beta = 1).
 Gated (GDN output): `x * rsqrt(mean x^2 + eps) * w * silu(z)` per value head."""
 import math
 
 from numba import cuda, float32
 
-from .common import block_sum, f32_to_bf16, silu
+from .common import block_sum, silu, storage
 
 
-def rmsnorm():
+def rmsnorm(f32=False):
+    store = storage(f32)[0]
+
     def rmsnorm_kernel(out, x, w, row_idx, use_idx, hidden, eps):
         # out[r, :] = norm(x[src, :]), src = row_idx[r] if use_idx else r; grid (rows,)
         scratch = cuda.shared.array(32, float32)
@@ -25,11 +27,13 @@ def rmsnorm():
         inv = float32(1.0) / math.sqrt(tot / float32(hidden) + eps)
         ob = r * hidden
         for j in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
-            out[ob + j] = f32_to_bf16(x[base + j] * inv * (float32(1.0) + w[j]))
+            out[ob + j] = store(x[base + j] * inv * (float32(1.0) + w[j]))
     return rmsnorm_kernel
 
 
-def gated_rmsnorm():
+def gated_rmsnorm(f32=False):
+    store = storage(f32)[0]
+
     def gated_rmsnorm_kernel(out, x, z, z_stride, z_off, w, dv, eps):
         # grid (tokens, value heads); x [n, nv*dv] fp32, z at z[t*z_stride + z_off + h*dv + j]
         scratch = cuda.shared.array(32, float32)
@@ -45,5 +49,5 @@ def gated_rmsnorm():
         inv = float32(1.0) / math.sqrt(tot / float32(dv) + eps)
         zb = t * z_stride + z_off + h * dv
         for j in range(cuda.threadIdx.x, dv, cuda.blockDim.x):
-            out[base + j] = f32_to_bf16(x[base + j] * inv * w[j] * silu(z[zb + j]))
+            out[base + j] = store(x[base + j] * inv * w[j] * silu(z[zb + j]))
     return gated_rmsnorm_kernel

@@ -1,5 +1,5 @@
 """q/k zero-centred RMSNorm + partial rotary (interleaved or sectioned MRoPE), fused with the write of
-k and v into the paged bf16 KV pools.
+k and v into the paged bf16 KV pools (fp32 pools with `f32`).
 
 grid (tokens, nh + nkv), block = head_dim rounded up to a warp (threads past head_dim idle). Head h < nh: query h -> q_out (fp32).
 Head h >= nh: kv head g -> k_cache / v_cache at page block_tables[row, pos // P], offset pos % P,
@@ -12,11 +12,12 @@ import math
 
 from numba import cuda, float32
 
-from .common import block_sum, f32_to_bf16
+from .common import block_sum, storage
 
 
-def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved):
+def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=False):
     half = rot // 2
+    store = storage(f32)[0]
 
     def qk_norm_rope_kv_kernel(q_out, proj, proj_stride, q_norm_w, k_norm_w, k_cache, v_cache,
                                positions, pos_stride, token_row, query_start, context_lens,
@@ -76,6 +77,6 @@ def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved):
             pos = context_lens[r] + t - query_start[r]
             page = block_tables[r * bt_stride + pos // page_size]
             idx = ((page * page_size + pos % page_size) * nkv + g) * hd + j
-            k_cache[idx] = f32_to_bf16(y)
-            v_cache[idx] = f32_to_bf16(proj[pb + 2 * nh * hd + nkv * hd + g * hd + j])
+            k_cache[idx] = store(y)
+            v_cache[idx] = store(proj[pb + 2 * nh * hd + nkv * hd + g * hd + j])
     return qk_norm_rope_kv_kernel

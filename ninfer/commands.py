@@ -20,6 +20,9 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def _engine_flags(p, *, concurrency_default: int) -> None:
     p.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                   help="compute dtype (cuda: default bfloat16; float32 matches the numpy "
+                        "backend exactly at about twice the memory; numpy: float32 only)")
     p.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="prompt + generated tokens per request (default 4096)")
     p.add_argument("--max-concurrency", type=int, default=concurrency_default, metavar="N",
@@ -186,12 +189,14 @@ def run_command(args) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, stop=tuple(args.stop)).validate()
+    from .options import EngineOptions
+    EngineOptions.from_kwargs(backend=args.backend, dtype=args.dtype)   # e.g. numpy + bfloat16
     path, is_demo = _artifact_or_demo(args.artifact)      # after every cheap check
     thinking = args.thinking if args.thinking is not None else not is_demo
 
     from .engine import Engine
     with Engine(path, backend=args.backend, max_context=args.max_context,
-                max_concurrency=args.max_concurrency) as engine:
+                max_concurrency=args.max_concurrency, dtype=args.dtype) as engine:
         t0 = time.monotonic()
         handle = engine.submit(prompt, params, tools=tools, enable_thinking=thinking)
         out = _Printer()
@@ -256,7 +261,7 @@ def serve_command(args) -> int:
     from .options import EngineOptions
     from .serve.config import ServeConfig       # plain data: no falcon/gunicorn import yet
 
-    engine_kwargs = dict(backend=args.backend, max_concurrency=args.max_concurrency,
+    engine_kwargs = dict(backend=args.backend, dtype=args.dtype, max_concurrency=args.max_concurrency,
                          max_context=args.max_context, max_queue=args.max_queue,
                          default_enable_thinking=not args.no_thinking)
     EngineOptions.from_kwargs(**engine_kwargs)          # bad values: one line, before any fork

@@ -31,6 +31,10 @@ class EngineOptions:
     default_enable_thinking: bool = True
     device_id: int = 0
     graphs: bool = True                 # cuda: replay CUDA graphs for decode
+    # compute dtype (like vLLM's --dtype). cuda: None / "bfloat16" -> bf16 weights, activations and
+    # KV with fp32 accumulation; "float32" -> fp32 throughout (exact agreement with the numpy
+    # backend, about 2x the memory). numpy: always float32 (None or "float32")
+    dtype: Optional[str] = None
 
     @property
     def prefix_cache_budget_bytes(self) -> int:
@@ -67,6 +71,11 @@ class EngineOptions:
         if self.prefix_cache_bytes is not None and (not _is_int(self.prefix_cache_bytes)
                                                     or self.prefix_cache_bytes < 0):
             bad("prefix_cache_bytes", "must be an integer >= 0 (or None: the backend's default)")
+        if self.dtype not in (None, "bfloat16", "float32"):
+            bad("dtype", "must be None, 'bfloat16' or 'float32'")
+        if self.backend == "numpy" and self.dtype == "bfloat16":
+            bad("dtype", "the numpy backend computes in float32 only (from the stored weights); "
+                         "use None or 'float32', or backend='cuda' for bfloat16")
         timeout = self.queue_timeout_s
         if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
                                         and timeout > 0):

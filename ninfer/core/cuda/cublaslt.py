@@ -1,4 +1,6 @@
 """cuBLASLt through ctypes: bf16 x bf16 -> fp32 (fp32 compute), row-major `Y = X @ W^T (+ beta*Y)`.
+With `f32=True` (dtype="float32") A and B are fp32 too, under the same strict CUBLAS_COMPUTE_32F:
+IEEE fp32 products, never TF32 (that is CUBLAS_COMPUTE_32F_FAST_TF32, which is not used).
 
 Row-major Y[M, N] = X[M, K] @ W[N, K]^T is, in cuBLAS's column-major view, the "TN" product
 D(N x M) = op_T(A = W as K x N) * B (= X as K x M). Each distinct (M, N, K, beta) gets a plan: the
@@ -17,7 +19,7 @@ import sys
 
 from ...errors import DeviceError
 
-CUBLAS_COMPUTE_32F = 68
+CUBLAS_COMPUTE_32F = 68          # strict fp32 (CUBLAS_COMPUTE_32F_FAST_TF32 = 77 is never used)
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
@@ -83,7 +85,12 @@ class Plan:
 
 
 class CublasLt:
-    def __init__(self, workspace_ptr: int, workspace_bytes: int):
+    f32, ab_type = False, CUDA_R_16BF
+
+    def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False):
+        # f32: X and W are fp32 (dtype="float32"), else bf16; one type for every plan
+        self.f32 = bool(f32)
+        self.ab_type = CUDA_R_32F if self.f32 else CUDA_R_16BF
         lib = self.lib = load_library()
         vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
         lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
@@ -171,9 +178,9 @@ class CublasLt:
             # W[N, K] row-major is a K x N column-major matrix used transposed; W[K, N] row-major
             # is N x K column-major, used as it is
             rows_a, cols_a = (n, k) if w_kn else (k, n)
-            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), CUDA_R_16BF, rows_a, cols_a,
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), self.ab_type, rows_a, cols_a,
                                                     rows_a), "layout A")
-            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), CUDA_R_16BF, k, m, k),
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), self.ab_type, k, m, k),
                      "layout B")
             lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n),
                      "layout C")
@@ -184,7 +191,8 @@ class CublasLt:
                                                         ctypes.byref(count)),
                      f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k})")
             if count.value < 1:
-                raise DeviceError(f"cuBLASLt: no algorithm for bf16 GEMM M={m} N={n} K={k}")
+                raise DeviceError(f"cuBLASLt: no algorithm for {'fp32' if self.f32 else 'bf16'} GEMM "
+                                  f"M={m} N={n} K={k}")
         except BaseException:
             # best effort: the error being raised is the one to report
             for layout in (a, b, c):
@@ -204,7 +212,7 @@ class CublasLt:
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
              beta: float = 0.0, w_kn: bool = False) -> None:
         """y[m, n] (fp32) = x[m, k] (bf16) @ w[n, k]^T (bf16) + beta * y; with w_kn, w is [k, n]
-        and y = x @ w + beta * y."""
+        and y = x @ w + beta * y. (x, w fp32 when the handle was made with f32.)"""
         p = self.plan(m, n, k, beta, alignment(x_ptr, w_ptr, y_ptr), w_kn)
         a, b, c = p.layouts
         beta_c = self._zero if beta == 0.0 else (self._one if beta == 1.0 else ctypes.c_float(beta))

@@ -8,9 +8,14 @@
 
 Decode fast path: a batch whose rows each bring one token, B <= max_concurrency, graphs on ->
 pack metadata into pinned staging, one async H2D copy, one cuGraphLaunch, one D2H + sync.
+
+options.dtype "float32": fp32 weights (the checkpoint's bf16 widened on the device at load),
+activations, KV pools and GEMMs (strict fp32 compute), CUDA-core attention for every row: the
+numpy backend's arithmetic, for exact comparisons. None / "bfloat16": bf16 storage, fp32 math.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 import zlib
@@ -22,7 +27,7 @@ from ...core.cuda.arena import Arena
 from ...core.cuda.cublaslt import CublasLt
 from ...core.cuda.graph import Graph
 from ...core.cuda.kernels import KernelCache
-from ...errors import DeviceError
+from ...errors import DeviceError, RequestError
 from ...ops.attention import kv_slot_mapping
 from .batch import ForwardBatch
 from .config import ModelConfig
@@ -71,6 +76,7 @@ def load_cuda_model(artifact, options) -> "CudaModel":
 
 class CudaModel:
     backend = "cuda"
+    f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
 
     def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
                  max_tokens: int = None, kernel_cache_dir=None):
@@ -104,7 +110,11 @@ class CudaModel:
     # ---- set-up -------------------------------------------------------------------------------
     def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
         cfg = self.text
-        self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir))
+        dtype = getattr(options, "dtype", None)
+        if dtype not in (None, "bfloat16", "float32"):
+            raise RequestError(f"backend 'cuda': dtype={dtype!r} must be None, 'bfloat16' or 'float32'")
+        self.f32 = dtype == "float32"
+        self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32)
         page_size = int(getattr(options, "page_size", 16))
         max_context = int(getattr(options, "max_context", 4096))
         b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
@@ -112,7 +122,8 @@ class CudaModel:
         self.max_keys = self.p_cap * page_size
         # rows of at least this many new tokens take the tensor-core prefill attention
         # (cuda/attention_tc.py); settable (tests move it to cover both paths)
-        self.attn_tc_min_tokens = attention_tc.TC_MIN_TOKENS
+        # (bf16 only: a float32 model runs every row on the CUDA-core kernel)
+        self.attn_tc_min_tokens = math.inf if self.f32 else attention_tc.TC_MIN_TOKENS
         self.eager_layout = MetaLayout(n_cap, max(b_cap, 8), self.p_cap)
         self.decode_layout = MetaLayout(b_cap, b_cap, self.p_cap)
         tied = artifact is not None and wplan.is_tied(artifact)
@@ -120,21 +131,24 @@ class CudaModel:
         part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms)
         pool_reserve = self._pool_reserve(options, page_size, max_context, b_cap)
         ws_bytes = self._workspace_bytes(n_cap, part_rows)
-        need = wplan.plan_bytes(cfg, tied) + ws_bytes + pool_reserve
+        need = wplan.plan_bytes(cfg, tied, self.f32) + ws_bytes + pool_reserve
         free, total = self.device.mem_info()
         if need + MEMORY_MARGIN > free:
             raise DeviceError(
                 f"backend 'cuda': too little device memory for the plan: needs "
-                f"{(need + MEMORY_MARGIN) / 2**30:.2f} GiB (weights, KV/state pools, workspace), "
+                f"{(need + MEMORY_MARGIN) / 2**30:.2f} GiB (weights, KV/state pools, workspace"
+                f"{', all in float32' if self.f32 else ''}), "
                 f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB on {self.device.name}")
         self.arena = Arena(need)
-        self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys)
+        self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
+                            f32=self.f32)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
                                "metadata")
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
         self.decode_meta = DeviceMeta(self.decode_layout, meta.ptr + self.eager_layout.nbytes)
         lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
-        self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE)
+        self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32)
+        self._lt_ws = lt_ws         # idle during the load: the fp32 model's widening scratch
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
         self.route_host = _d.PinnedBuffer(3 * n_cap * max(cfg.num_experts_per_tok, 1) * 4)
@@ -148,7 +162,7 @@ class CudaModel:
         pages = getattr(options, "num_kv_pages", None) or \
             b_cap * ((max_context + page_size - 1) // page_size + 1)
         kv = 2 * len(cfg.attention_layer_ids) * pages * page_size * cfg.num_key_value_heads * \
-            cfg.head_dim * 2
+            cfg.head_dim * (4 if self.f32 else 2)
         slots = 2 * b_cap + 2
         st = len(cfg.linear_layer_ids) * slots * 4 * (
             cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) +
@@ -159,25 +173,26 @@ class CudaModel:
         from ...core.cuda.arena import _round_up
         cfg = self.text
         H = cfg.hidden_size
+        g = 4 if self.f32 else 2          # bytes of a GEMM input element (x, act, xg, gact, xf)
         # generous upper bound of Workspace (every buffer at its widest)
         widest = max(cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads,
                      2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim,
                      2 * cfg.intermediate_size,
                      cfg.num_experts + 2 * cfg.shared_expert_intermediate_size + 1)
-        per_tok = 4 * H + 2 * H + 2 * max(H, cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim,
+        per_tok = 4 * H + g * H + g * max(H, cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim,
                                           cfg.intermediate_size, cfg.shared_expert_intermediate_size) \
             + 4 * widest + 4 * max(cfg.linear_conv_dim, cfg.num_attention_heads * cfg.head_dim) \
             + 4 * cfg.linear_value_dim
         if cfg.is_moe:
             K = cfg.num_experts_per_tok
             I = cfg.moe_intermediate_size
-            per_tok += 8 * K + 4 * K * (I + H) + 4 * H + K * (2 * H + 8 * I + 2 * I + 8)
+            per_tok += 8 * K + 4 * K * (I + H) + 4 * H + K * (g * H + 8 * I + g * I + 8)
         part = part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
-        if cfg.attention_layer_ids:
+        if cfg.attention_layer_ids and not self.f32:
             part += attention_tc.nbytes(attention_tc.buffer_sizes(
                 cfg.num_attention_heads, max(cfg.num_key_value_heads, 1), cfg.head_dim, n_cap,
                 self.max_keys))
-        head = self.lg_cap * (2 * H + 4 * cfg.vocab_size + 4)
+        head = self.lg_cap * (g * H + 4 * cfg.vocab_size + 4)
         meta = self.eager_layout.nbytes + self.decode_layout.nbytes
         return _round_up(n_cap * per_tok + part + head + meta + LT_WORKSPACE) + 64 * 256
 
@@ -195,15 +210,20 @@ class CudaModel:
                     if tied and name == "lm_head":
                         arrs[name] = arrs["embed"]       # tied: one device copy
                         continue
-                    dtype = np.uint16 if dt == wplan.BF16 else np.float32
+                    widen = self.f32 and dt == wplan.BF16
+                    dtype = np.uint16 if dt == wplan.BF16 and not widen else np.float32
                     a = self.arena.take(shape, dtype, f"weight {name}")
                     if artifact is not None:
                         host = wplan.read_host(artifact, shape, dt, sources, expected)
-                        if staging is None or staging.nbytes < host.nbytes:
+                        piece = min(host.nbytes, LT_WORKSPACE) if widen else host.nbytes
+                        if staging is None or staging.nbytes < piece:
                             if staging is not None:
                                 staging.free()
-                            staging = _d.PinnedBuffer(max(host.nbytes, 64 << 20))
-                        _d.upload(a.ptr, host, self.stream, staging)
+                            staging = _d.PinnedBuffer(max(piece, 64 << 20))
+                        if widen:
+                            self._upload_widened(a, host, staging)
+                        else:
+                            _d.upload(a.ptr, host, self.stream, staging)
                     else:
                         self._random_fill(a, name, dt, seed + 7919 * len(out["layers"]) + zlib.crc32(name.encode()))
                     arrs[name] = a
@@ -215,6 +235,19 @@ class CudaModel:
             if staging is not None:
                 staging.free()
         return out
+
+    def _upload_widened(self, a, bits, staging) -> None:
+        """fp32 weight `a` = bf16 `bits` (host uint16), widened on the device (exact): pieces of
+        the cuBLASLt workspace's size go up as bf16 and are widened into place (half the PCIe
+        traffic and host memory of widening on the host)."""
+        flat = bits.reshape(-1)
+        step = LT_WORKSPACE // 2
+        for i in range(0, flat.size, step):
+            piece = flat[i: i + step]
+            # upload synchronises: the previous widening has read the scratch before it is reused
+            _d.upload(self._lt_ws.ptr, piece, self.stream, staging)
+            self.kernels.widen_bf16.launch(self.stream, (min((piece.size + 255) // 256, 65535),),
+                                           (256,), (a.ptr + 4 * i, self._lt_ws, piece.size))
 
     def _random_fill(self, a, name, dt, seed):
         scale, offset = wplan.random_spec(name, a.shape)

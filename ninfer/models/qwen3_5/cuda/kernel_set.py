@@ -5,6 +5,7 @@ from __future__ import annotations
 from ....core.cuda.kernels import KernelCache, KernelSpec
 from ....errors import DeviceError
 from ..config import TextConfig
+from . import gdn_chunk as gc
 
 S = KernelSpec.of
 
@@ -14,6 +15,7 @@ SIGS = {
                       ("u16*", "f32*", "f32*", "i32", "i32", "f32*", "i32", "f32")),
     "silu_mul": ("act", "silu_mul", ("u16*", "f32*", "i32", "i32", "i32")),
     "embed_gather": ("act", "embed_gather", ("f32*", "u16*", "i32*", "i32")),
+    "widen_bf16": ("act", "widen_bf16", ("f32*", "u16*", "i64")),
     "random_bf16": ("fill", "random_bf16", ("u16*", "i64", "u32", "f32", "f32")),
     "random_f32": ("fill", "random_f32", ("f32*", "i64", "u32", "f32", "f32")),
     "conv_silu": ("conv", "conv_silu",
@@ -23,6 +25,11 @@ SIGS = {
     "gdn_recurrent": ("gdn", "gdn_recurrent",
                       ("f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*", "f32*",
                        "i32*", "i32*", "i32*")),
+    "gdn_chunk_prep": ("gdn_chunk", "gdn_chunk_prep",
+                       ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32", "i32", "i32",
+                        "f32*", "f32*", "i32*")),
+    "gdn_chunk_scan": ("gdn_chunk", "gdn_chunk_scan",
+                       ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*")),
     "qk_norm_rope_kv": ("rope_kv", "qk_norm_rope_kv",
                         ("f32*", "f32*", "i32", "f32*", "f32*", "u16*", "u16*", "i32*", "i32",
                          "i32*", "i32*", "i32*", "i32*", "i32", "i32", "f32", "f32")),
@@ -47,13 +54,28 @@ SIGS = {
 }
 
 
-def spec(name: str, **params) -> KernelSpec:
+# kernels with an fp32-storage variant (dtype="float32"): factory parameter f32=True, and every
+# bf16 ("u16*") or bf16-pair ("u32*") argument of theirs becomes "f32*"
+F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather", "random_bf16",
+                          "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
+                          "expert_down", "gather_rows"))
+
+
+def spec(name: str, f32: bool = False, **params) -> KernelSpec:
     module, factory, sig = SIGS[name]
+    if f32:
+        if name not in F32_VARIANTS:
+            raise ValueError(f"kernel {name!r} has no float32 variant")
+        sig = tuple("f32*" if t in ("u16*", "u32*") else t for t in sig)
+        params["f32"] = True
     return S(module, factory, sig, **params)
 
 
-def geometry_specs(cfg: TextConfig) -> dict:
-    """name -> KernelSpec for every kernel the model of `cfg` launches."""
+def geometry_specs(cfg: TextConfig, f32: bool = False) -> dict:
+    """name -> KernelSpec for every kernel the model of `cfg` launches; `f32`: the fp32-storage
+    variants (dtype="float32": no tensor-core prefill attention, weights widened at load)."""
+    if f32:
+        return _f32_specs(cfg)
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     K, dk, dv = cfg.linear_conv_kernel_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -64,6 +86,7 @@ def geometry_specs(cfg: TextConfig) -> dict:
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)
         specs["gdn_recurrent"] = spec("gdn_recurrent", dk=dk, dv=dv, nk=nk, nv=nv)
+        specs.update(gdn_chunk_specs(dk, dv, nk, nv))
     if cfg.attention_layer_ids:
         specs["qk_norm_rope_kv"] = spec("qk_norm_rope_kv", hd=hd, rot=cfg.rotary_dim, nh=nh,
                                         nkv=nkv, sec_t=sec[0], sec_h=sec[1], sec_w=sec[2],
@@ -84,6 +107,28 @@ def geometry_specs(cfg: TextConfig) -> dict:
         specs["moe_combine"] = spec("moe_combine", H=H, K=k)
         specs["gather_rows"] = spec("gather_rows")
     return specs
+
+
+def _f32_specs(cfg: TextConfig) -> dict:
+    specs = {}
+    for name, sp in geometry_specs(cfg).items():
+        if name in F32_VARIANTS:
+            specs[name] = spec(name, True, **dict(sp.params))
+        elif sp.module != "attention_tc":          # the tensor-core path is bf16 only
+            specs[name] = sp
+    specs["widen_bf16"] = spec("widen_bf16")
+    return specs
+
+
+def gdn_chunk_specs(dk, dv, nk, nv) -> dict:
+    """The chunked delta rule's two kernels (prefill); constants from cuda/gdn_chunk.py."""
+    cn = gc.chunk_size(dk)
+    if cn is None:
+        return {}                    # check_geometry refuses such a model
+    return {"gdn_chunk_prep": spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
+                                   NT=gc.PREP_THREADS, KT=gc.PREP_KT),
+            "gdn_chunk_scan": spec("gdn_chunk_scan", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
+                                   VB=gc.SCAN_VB, NC=gc.SCAN_NC, KS=gc.scan_ks(dk))}
 
 
 # static shared memory a kernel may declare (without the opt-in to more, which numba's static
@@ -107,7 +152,12 @@ def check_geometry(cfg: TextConfig) -> None:
                    "linear_key_head_dim a multiple of 4, <= 1024"),
                   (cfg.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim >= 2"),
                   (max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= 1024,
-                   "GDN head dims <= 1024")]
+                   "GDN head dims <= 1024"),
+                  # gdn_chunk_scan stages a [chunk, dk] tile: even 8-token chunks must fit
+                  (gc.chunk_size(cfg.linear_key_head_dim) is not None,
+                   f"the chunked delta rule's shared memory (4 x 8 x (linear_key_head_dim + "
+                   f"{gc.SCAN_VB + 2})) <= 48 KiB (got linear_key_head_dim "
+                   f"{cfg.linear_key_head_dim})")]
     if cfg.is_moe:
         rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
                    "even hidden and moe_intermediate sizes"),
@@ -122,9 +172,9 @@ def check_geometry(cfg: TextConfig) -> None:
 
 
 class KernelSet:
-    def __init__(self, cfg: TextConfig, cache: KernelCache):
+    def __init__(self, cfg: TextConfig, cache: KernelCache, f32: bool = False):
         check_geometry(cfg)
-        self.specs = geometry_specs(cfg)
+        self.specs = geometry_specs(cfg, f32)
         self._cache = cache
         self._k = {}
 

@@ -1,7 +1,7 @@
 """Device KV and State pools, carved from the model's arena. Same layouts and host-facing methods
-as `state.py` (KV is bf16 on the device; host copies are float32):
+as `state.py` (KV is bf16 on the device, fp32 for a dtype="float32" model; host copies are float32):
 
-    k[a], v[a]      [num_pages, page_size, nkv, head_dim]  bf16
+    k[a], v[a]      [num_pages, page_size, nkv, head_dim]  bf16 (fp32)
     conv[l]         [num_slots, conv_dim, K-1]              fp32
     recurrent[l]    [num_slots, nv, dk, dv]                 fp32
 """
@@ -18,6 +18,10 @@ from ..config import TextConfig
 def _bf16_bits(a) -> np.ndarray:
     import ml_dtypes
     return np.ascontiguousarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def _f32_array(a) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32)
 
 
 def _bits_f32(u16) -> np.ndarray:
@@ -103,7 +107,9 @@ class DeviceKVPool:
         self._model = model
         shape = (int(num_pages), self.page_size, cfg.num_key_value_heads, cfg.head_dim)
         n = len(cfg.attention_layer_ids)
-        kv = _take_all(model.arena, [shape] * (2 * n), np.uint16, f"KV pool ({num_pages} pages)")
+        self._f32 = bool(getattr(model, "f32", False))
+        kv = _take_all(model.arena, [shape] * (2 * n), np.float32 if self._f32 else np.uint16,
+                       f"KV pool ({num_pages} pages)")
         self.k, self.v = kv[:n], kv[n:]
         self._num_pages = int(num_pages)
         # a pool dropped without close() (scoring's temporary pools) still returns its pages
@@ -120,6 +126,8 @@ class DeviceKVPool:
         self._model._current()
         bits = _copy_rows_out(self.k + self.v, pages, self._model.stream)
         n = len(self.k)
+        if self._f32:
+            return bits[:n], bits[n:]
         return [_bits_f32(b) for b in bits[:n]], [_bits_f32(b) for b in bits[n:]]
 
     def write_pages(self, pages, data: tuple) -> None:
@@ -127,7 +135,8 @@ class DeviceKVPool:
         for arrs, host in zip((self.k, self.v), data):
             _check_image(arrs, host, (len(pages),), "KV pages image")
         self._model._current()
-        _copy_rows_in(self.k + self.v, pages, [_bf16_bits(h) for h in list(data[0]) + list(data[1])],
+        host = _f32_array if self._f32 else _bf16_bits
+        _copy_rows_in(self.k + self.v, pages, [host(h) for h in list(data[0]) + list(data[1])],
                       self._model.stream)
 
     def close(self) -> None:

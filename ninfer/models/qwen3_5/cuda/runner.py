@@ -4,8 +4,9 @@
               rmsnorm -> GEMM gate|up -> silu_mul  -> GEMM down  (+= residual)] x layers
           -> rmsnorm(selected rows) -> GEMM lm_head -> argmax
 
-The residual stream `h` is fp32; GEMM inputs are bf16 (written by the kernel before the GEMM);
-GEMM outputs are fp32. Every buffer is a fixed workspace region, so a step allocates nothing.
+The residual stream `h` is fp32; GEMM inputs are bf16 (written by the kernel before the GEMM;
+fp32 in a dtype="float32" model); GEMM outputs are fp32. Every buffer is a fixed workspace
+region, so a step allocates nothing.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ class Workspace:
     """Fixed activation buffers for up to `n_cap` tokens and `lg_cap` logits rows."""
 
     def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
-                 max_keys: int):
+                 max_keys: int, f32: bool = False):
         take = arena.take
+        gin = np.float32 if f32 else np.uint16      # GEMM inputs: bf16, or fp32 (dtype="float32")
+        self.gin_bytes = np.dtype(gin).itemsize
         H, V = cfg.hidden_size, cfg.vocab_size
         C, Vd, nv = cfg.linear_conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -45,8 +48,8 @@ class Workspace:
         n = n_cap
         ws = "workspace"
         self.h = take((n, H), np.float32, ws)
-        self.x = take((n, H), np.uint16, ws)
-        self.act = take((n, max(widths_act)), np.uint16, ws)
+        self.x = take((n, H), gin, ws)
+        self.act = take((n, max(widths_act)), gin, ws)
         self.proj = take((n, max(widths_in)), np.float32, ws)
         self.mid = take((n, max(C if cfg.linear_layer_ids else 1,
                                 nh * hd if cfg.attention_layer_ids else 1)), np.float32, ws)
@@ -54,6 +57,9 @@ class Workspace:
         if cfg.attention_layer_ids:
             self.part = take((part_rows, nh, hd), np.float32, ws)
             self.ml = take((part_rows, nh, 2), np.float32, ws)
+            # fp32: no tensor-core prefill attention (bf16 only); l_cap 0 -> split_rows takes no row
+            self.tc = tc.TcBuffers(0, 0, 0, 0, 0, 0, t_cap=0, l_cap=0, s_cap=0)
+        if cfg.attention_layer_ids and not f32:
             # tensor-core prefill attention (attention_tc.py): fixed buffers for n_cap tokens
             # and rows of up to max_keys keys
             sz = tc.buffer_sizes(nh, nkv, hd, n, max_keys)
@@ -70,11 +76,11 @@ class Workspace:
             self.my = take((n * K, H), np.float32, ws)
             self.shared = take((n, H), np.float32, ws)
             # grouped path (prefill): expert-sorted copies of the routed rows
-            self.xg = take((n * K, H), np.uint16, ws)
+            self.xg = take((n * K, H), gin, ws)
             self.gu = take((n * K, 2 * I), np.float32, ws)
-            self.gact = take((n * K, I), np.uint16, ws)
+            self.gact = take((n * K, I), gin, ws)
             self.route = take((2, n * K), np.int32, ws)      # [sorted row -> token | pair -> row]
-        self.xf = take((lg_cap, H), np.uint16, ws)
+        self.xf = take((lg_cap, H), gin, ws)
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
 
@@ -303,11 +309,13 @@ class StepRunner:
         row = 0
         for e in np.nonzero(counts)[0].tolist():
             c = int(counts[e])
-            self.gemm(st, ws.xg.ptr + 2 * H * row, gu_w.at(e), ws.gu.ptr + 8 * I * row, c, 2 * I, H)
+            self.gemm(st, ws.xg.ptr + ws.gin_bytes * H * row, gu_w.at(e), ws.gu.ptr + 8 * I * row,
+                      c, 2 * I, H)
             row += c
         self.launch(st, "silu_mul", (pairs, (I + 255) // 256), (256,), (ws.gact, ws.gu, 2 * I, 0, I))
         row = 0
         for e in np.nonzero(counts)[0].tolist():
             c = int(counts[e])
-            self.gemm(st, ws.gact.ptr + 2 * I * row, dn_w.at(e), ws.my.ptr + 4 * H * row, c, H, I)
+            self.gemm(st, ws.gact.ptr + ws.gin_bytes * I * row, dn_w.at(e), ws.my.ptr + 4 * H * row,
+                      c, H, I)
             row += c

@@ -8,6 +8,7 @@ Per layer (bf16 matrices [out, in], fp32 vectors):
   MoE   w_rs = [router; shared gate_proj; shared up_proj; shared_expert_gate]  -> [E | 2*Is | 1]
         experts_gu [E, 2I, H], experts_down [E, H, I], shared_down [H, Is]
 Sources: an artifact (logical names of docs/internals.md) or a seeded random fill on the GPU.
+A dtype="float32" model holds every bf16 matrix as fp32 (widened on the device at load, exact).
 """
 from __future__ import annotations
 
@@ -68,14 +69,19 @@ def model_plan(cfg: TextConfig) -> dict:
             "norm": ((H,), F32, [("text.norm.weight", None)])}
 
 
-def plan_bytes(cfg: TextConfig, tied: bool = False) -> int:
+def element_bytes(dt: str, f32: bool = False) -> int:
+    """Device bytes of one element of a plan dtype (bf16 matrices are fp32 in a float32 model)."""
+    return 2 if dt == BF16 and not f32 else 4
+
+
+def plan_bytes(cfg: TextConfig, tied: bool = False, f32: bool = False) -> int:
     total = 0
     plans = [model_plan(cfg)] + [layer_plan(cfg, i) for i in range(cfg.num_hidden_layers)]
     for plan in plans:
         for name, (shape, dt, _) in plan.items():
             if tied and name == "lm_head":
                 continue
-            total += (int(np.prod(shape)) * (2 if dt == BF16 else 4) + 255) // 256 * 256
+            total += (int(np.prod(shape)) * element_bytes(dt, f32) + 255) // 256 * 256
     return total
 
 
