@@ -1,42 +1,39 @@
-"""Logits -> token ids on the GPU: greedy argmax and temperature sampling by the Gumbel-max trick
-with a counter-based RNG (seed, step, vocab index) -> reproducible, no RNG state on the device."""
+"""Logits -> token ids on the GPU, the device twin of ninfer/models/qwen3_5/program/sampling.py.
+
+`argmax`: the greedy id of each fp32 row (lowest id on ties); the decode graph's head uses it.
+
+`sample`: one block per row, the host sampler's steps in its order, all filter arithmetic in fp64:
+grammar mask (packed bits) and penalties (a sparse list of (id, generated count) per row) into an
+fp64 copy z of the row, then greedy argmax, or z / T with top-k, top-p, min-p and the inverse-CDF
+draw in ascending id order with u = counter_uniform(seed, position) (splitmix64 in uint64).
+
+Top-k and top-p keep a best-first prefix (value descending, ties by lower id). Their thresholds come
+from a radix select over an order-preserving uint64 key of z / T, 8 bits per pass from the top:
+count-weighted for top-k, probability-mass-weighted (fp64) for top-p. A pass stops early when the
+chosen bin holds exactly what is kept from it; otherwise the last pass leaves the exact threshold
+value, and the tied ids kept at it are found by one pass over CONTIGUOUS id chunks per thread
+with a block prefix scan (so id order is the oracle's tie order). A threshold is then a pair
+(key, last kept id among the ties), a plain predicate every later (coalesced, strided) pass tests.
+"""
 import math
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 THREADS = 1024
+NBINS = 256                 # radix digit of 8 bits
+NPAR = 8                    # fp64 / int32 parameters per row (layout: cuda/sampler.py)
+SIGN = 0x8000000000000000
 
 
-def _mix():
+def _block_argmax(threads):
     @cuda.jit(device=True, inline=True)
-    def mix(x):
-        # numba widens uint32 products to 64 bits: truncate after each step
-        x = uint32(x)
-        x = uint32((x ^ (x >> uint32(16))) * uint32(0x7FEB352D))
-        x = uint32((x ^ (x >> uint32(15))) * uint32(0x846CA68B))
-        return uint32(x ^ (x >> uint32(16)))
-    return mix
-
-
-
-def argmax():
-    def argmax_kernel(out, logits, vocab):
-        # grid (rows,), block 1024; ties -> lowest id
-        red_v = cuda.shared.array(THREADS, float32)
-        red_i = cuda.shared.array(THREADS, int32)
-        r = cuda.blockIdx.x
+    def block_argmax(bv, bi, red_v, red_i):
+        """The block's best (value, id): larger value, lower id on ties. Every thread gets the id."""
         tid = cuda.threadIdx.x
-        bv = float32(-3.4e38)
-        bi = int32(0x7FFFFFFF)
-        for i in range(tid, vocab, THREADS):
-            v = logits[r * vocab + i]
-            if v > bv:
-                bv = v
-                bi = i
         red_v[tid] = bv
         red_i[tid] = bi
         cuda.syncthreads()
-        step = THREADS // 2
+        step = threads // 2
         while step > 0:
             if tid < step:
                 ov = red_v[tid + step]
@@ -46,46 +43,315 @@ def argmax():
                     red_i[tid] = oi
             cuda.syncthreads()
             step //= 2
+        best = red_i[0]
+        cuda.syncthreads()          # the arrays may be reused at once
+        return best
+    return block_argmax
+
+
+def argmax(threads=THREADS):
+    block_argmax = _block_argmax(threads)
+
+    def argmax_kernel(out, logits, vocab):
+        # grid (rows,), block `threads`; np.argmax's rule: the first maximum
+        red_v = cuda.shared.array(threads, float32)
+        red_i = cuda.shared.array(threads, int32)
+        r = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        base = int64(r) * vocab
+        bv = float32(-math.inf)
+        bi = int32(vocab)           # "none yet": a row of -inf still answers its first id
+        for i in range(tid, vocab, threads):
+            v = logits[base + i]
+            if v > bv or bi == vocab:
+                bv = v
+                bi = i
+        best = block_argmax(bv, bi, red_v, red_i)
         if tid == 0:
-            out[r] = red_i[0]
+            out[r] = best
     return argmax_kernel
 
 
-def gumbel_sample():
-    mix = _mix()
+def sample(threads=THREADS):
+    T = threads
+    block_argmax = _block_argmax(threads)
 
-    def gumbel_sample_kernel(out, logits, vocab, temperature, seeds, step):
-        # argmax_i(logits_i / T + Gumbel(seed_r, step, i)); T <= 0 -> greedy
-        red_v = cuda.shared.array(THREADS, float32)
-        red_i = cuda.shared.array(THREADS, int32)
+    @cuda.jit(device=True, inline=True)
+    def key_of(x):
+        # order-preserving: a larger float has a larger key; -0.0 and 0.0 are one value
+        if x == 0.0:
+            return uint64(SIGN)
+        b = uint64(cuda.libdevice.double_as_longlong(x))
+        if b >> uint64(63):
+            return ~b
+        return b | uint64(SIGN)
+
+    @cuda.jit(device=True, inline=True)
+    def splitmix64(z):
+        z = z + uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> uint64(27))) * uint64(0x94D049BB133111EB)
+        return z ^ (z >> uint64(31))
+
+    @cuda.jit(device=True, inline=True)
+    def block_sum(v, red):
+        tid = cuda.threadIdx.x
+        red[tid] = v
+        cuda.syncthreads()
+        step = T // 2
+        while step > 0:
+            if tid < step:
+                red[tid] += red[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        s = red[0]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True, inline=True)
+    def block_max(v, red):
+        tid = cuda.threadIdx.x
+        red[tid] = v
+        cuda.syncthreads()
+        step = T // 2
+        while step > 0:
+            if tid < step:
+                if red[tid + step] > red[tid]:
+                    red[tid] = red[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        s = red[0]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True, inline=True)
+    def block_scan(v, red):
+        """Exclusive prefix sum of v over threads in thread order (Hillis-Steele)."""
+        tid = cuda.threadIdx.x
+        red[tid] = v
+        cuda.syncthreads()
+        off = 1
+        while off < T:
+            t = 0.0
+            if tid >= off:
+                t = red[tid - off]
+            cuda.syncthreads()
+            red[tid] += t
+            cuda.syncthreads()
+            off *= 2
+        ex = 0.0
+        if tid > 0:
+            ex = red[tid - 1]
+        cuda.syncthreads()
+        return ex
+
+    @cuda.jit(device=True, inline=True)
+    def kept_by(kk, i, t_key, t_id):
+        return kk > t_key or (kk == t_key and i <= t_id)
+
+    @cuda.jit(device=True, inline=True)
+    def select(z, base, vocab, temp, m, need, by_mass, tk_key, tk_id, hc, hm, st, red):
+        """Radix select of the best-first prefix that top-k (count `need`) or top-p (mass `need`
+        of the survivors of (tk_key, tk_id)) keeps. Returns (key, last kept id at that key)."""
+        tid = cuda.threadIdx.x
+        prefix = uint64(0)
+        hi = uint64(0)
+        above = 0.0                 # count / mass of survivors with a key above the prefix
+        shift = 56
+        while shift >= 0:
+            for b in range(tid, NBINS, T):
+                hc[b] = 0
+                hm[b] = 0.0
+            cuda.syncthreads()
+            for i in range(tid, vocab, T):
+                x = z[base + i] / temp
+                kk = key_of(x)
+                if (kk & hi) == prefix and kept_by(kk, i, tk_key, tk_id):
+                    d = int32((kk >> uint64(shift)) & uint64(NBINS - 1))
+                    cuda.atomic.add(hc, d, 1)
+                    if by_mass:
+                        cuda.atomic.add(hm, d, math.exp(x - m))
+            cuda.syncthreads()
+            if tid == 0:
+                acc = above
+                chosen = -1
+                low = -1
+                for b in range(NBINS - 1, -1, -1):
+                    if hc[b] > 0:
+                        val = hm[b] if by_mass else float64(hc[b])
+                        if acc + val >= need:
+                            chosen = b
+                            break
+                        low = b
+                        acc += val
+                if chosen < 0:      # rounding left the mass short of the target: keep them all
+                    chosen = low
+                    acc -= hm[low] if by_mass else float64(hc[low])
+                st[0] = acc
+                st[1] = float64(chosen)
+                # the bin holds exactly what is kept from it (top-k) or one token (top-p)
+                st[2] = 1.0 if (hc[chosen] == 1 or (not by_mass and
+                                                   acc + float64(hc[chosen]) == need)) else 0.0
+            cuda.syncthreads()
+            above = st[0]
+            prefix |= uint64(int64(st[1])) << uint64(shift)
+            done = st[2] != 0.0
+            cuda.syncthreads()
+            if done:
+                return prefix, int32(vocab)
+            hi |= uint64(NBINS - 1) << uint64(shift)
+            shift -= 8
+        # exact threshold value; ties at it kept in ascending id order while the prefix allows
+        chunk = (vocab + T - 1) // T
+        lo = tid * chunk
+        hi_i = min(vocab, lo + chunk)
+        mine = 0.0
+        for i in range(lo, hi_i):
+            x = z[base + i] / temp
+            kk = key_of(x)
+            if kk == prefix and kept_by(kk, i, tk_key, tk_id):
+                mine += math.exp(x - m) if by_mass else 1.0
+        before = above + block_scan(mine, red)
+        last = -1.0
+        for i in range(lo, hi_i):
+            x = z[base + i] / temp
+            kk = key_of(x)
+            if kk == prefix and kept_by(kk, i, tk_key, tk_id):
+                if by_mass:
+                    if before < need:       # the mass before it has not reached top_p yet
+                        last = float64(i)
+                    before += math.exp(x - m)
+                else:
+                    before += 1.0
+                    if before <= need:
+                        last = float64(i)
+        return prefix, int32(block_max(last, red))
+
+    def sample_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask):
+        """grid (rows,), block `threads`. fpar [rows, 8] f64: temperature, top_p, min_p,
+        repetition, presence, frequency, -, u (written back); ipar [rows, 8] i32: top_k,
+        penalty word offset, penalty count, mask word offset (-1: none); upar [rows, 2] u64: seed,
+        position; pen: (id, generated count) pairs; mask: bits, little-endian in u32 words."""
+        red = cuda.shared.array(T, float64)
+        red_i = cuda.shared.array(T, int32)
+        hc = cuda.shared.array(NBINS, int32)
+        hm = cuda.shared.array(NBINS, float64)
+        st = cuda.shared.array(4, float64)
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        T = temperature[r]
-        key = mix(uint32(seeds[r]) ^ mix(uint32(uint32(step[r]) * uint32(0x9E3779B9))))
-        bv = float32(-3.4e38)
-        bi = int32(0x7FFFFFFF)
-        for i in range(tid, vocab, THREADS):
-            v = logits[r * vocab + i]
-            if T > float32(0.0):
-                u = (float32(mix(key ^ mix(uint32(i))) >> uint32(8)) + float32(0.5)) \
-                    * float32(1.0 / 16777216.0)
-                v = v / T - math.log(-math.log(u))
-            if v > bv:
-                bv = v
-                bi = i
-        red_v[tid] = bv
-        red_i[tid] = bi
+        base = int64(r) * vocab
+        temp = fpar[r * NPAR + 0]
+        top_p = fpar[r * NPAR + 1]
+        min_p = fpar[r * NPAR + 2]
+        rep = fpar[r * NPAR + 3]
+        pres = fpar[r * NPAR + 4]
+        freq = fpar[r * NPAR + 5]
+        top_k = ipar[r * NPAR + 0]
+        pen_off = ipar[r * NPAR + 1]
+        n_pen = ipar[r * NPAR + 2]
+        mask_off = ipar[r * NPAR + 3]
+
+        # 3b. the grammar mask (ids past it are off: the host packs zero bits there)
+        for i in range(tid, vocab, T):
+            x = float64(logits[base + i])
+            if mask_off >= 0:
+                w = mask[mask_off + (i >> 5)]
+                if (w >> uint32(i & 31)) & uint32(1) == uint32(0):
+                    x = -math.inf
+            z[base + i] = x
         cuda.syncthreads()
-        st = THREADS // 2
-        while st > 0:
-            if tid < st:
-                ov = red_v[tid + st]
-                oi = red_i[tid + st]
-                if ov > red_v[tid] or (ov == red_v[tid] and oi < red_i[tid]):
-                    red_v[tid] = ov
-                    red_i[tid] = oi
+        # 2-3. penalties on the listed distinct ids (a masked -inf stays -inf: they commute)
+        for j in range(tid, n_pen, T):
+            tok = pen[pen_off + 2 * j]
+            cnt = pen[pen_off + 2 * j + 1]
+            x = z[base + tok]
+            if rep != 1.0:
+                if x > 0:
+                    x = x / rep
+                else:
+                    x = x * rep
+            if cnt > 0 and (pres != 0.0 or freq != 0.0):
+                x -= freq * float64(cnt) + pres
+            z[base + tok] = x
+        cuda.syncthreads()
+
+        if temp == 0.0:             # 4. greedy
+            bv = -math.inf
+            bi = int32(vocab)
+            for i in range(tid, vocab, T):
+                v = z[base + i]
+                if v > bv or bi == vocab:
+                    bv = v
+                    bi = i
+            best = block_argmax(bv, bi, red, red_i)
+            if tid == 0:
+                out[r] = best
+            return
+
+        mx = -math.inf
+        for i in range(tid, vocab, T):
+            mx = max(mx, z[base + i])
+        m = block_max(mx, red) / temp       # max(z / T): division by T > 0 keeps the order
+        # 5. top-k
+        tk_key = uint64(0)
+        tk_id = int32(vocab)
+        if top_k > 0 and top_k < vocab:
+            tk_key, tk_id = select(z, base, vocab, temp, m, float64(top_k), False,
+                                   uint64(0), int32(vocab), hc, hm, st, red)
+        # 6. top-p over top-k's renormalised mass
+        tp_key = uint64(0)
+        tp_id = int32(vocab)
+        if top_p < 1.0:
+            s = 0.0
+            for i in range(tid, vocab, T):
+                x = z[base + i] / temp
+                if kept_by(key_of(x), i, tk_key, tk_id):
+                    s += math.exp(x - m)
+            total_k = block_sum(s, red)
+            tp_key, tp_id = select(z, base, vocab, temp, m, top_p * total_k, True,
+                                   tk_key, tk_id, hc, hm, st, red)
+        # 7-8. min-p, then the inverse CDF over kept weights in ascending id order
+        chunk = (vocab + T - 1) // T
+        lo = tid * chunk
+        hi_i = min(vocab, lo + chunk)
+        mine = 0.0
+        for i in range(lo, hi_i):
+            x = z[base + i] / temp
+            kk = key_of(x)
+            w = math.exp(x - m)
+            if kept_by(kk, i, tk_key, tk_id) and kept_by(kk, i, tp_key, tp_id) and \
+                    (min_p <= 0.0 or w >= min_p):
+                mine += w
+        run = block_scan(mine, red)
+        total = block_sum(mine, red)
+        key = splitmix64(splitmix64(upar[2 * r]) ^ upar[2 * r + 1])
+        u = float64(key >> uint64(11)) * (1.0 / 9007199254740992.0)
+        target = u * total
+        first = int32(vocab)
+        last = int32(-1)
+        for i in range(lo, hi_i):
+            x = z[base + i] / temp
+            kk = key_of(x)
+            w = math.exp(x - m)
+            if kept_by(kk, i, tk_key, tk_id) and kept_by(kk, i, tp_key, tp_id) and \
+                    (min_p <= 0.0 or w >= min_p) and w > 0.0:
+                run += w
+                last = i
+                if run > target and first == vocab:
+                    first = i
+        # the first id whose running mass passes u * total; else (rounding) the last kept id
+        red_i[tid] = first
+        cuda.syncthreads()
+        step = T // 2
+        while step > 0:
+            if tid < step and red_i[tid + step] < red_i[tid]:
+                red_i[tid] = red_i[tid + step]
             cuda.syncthreads()
-            st //= 2
+            step //= 2
+        first = red_i[0]
+        cuda.syncthreads()
+        last_all = block_max(float64(last), red)
         if tid == 0:
-            out[r] = red_i[0]
-    return gumbel_sample_kernel
+            out[r] = first if first < vocab else int32(last_all)
+            fpar[r * NPAR + 7] = u
+    return sample_kernel

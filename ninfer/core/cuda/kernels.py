@@ -37,6 +37,7 @@ ARG_TYPES = {
     "u16*": (ctypes.c_uint64, "uint16", True),      # bf16 storage
     "u32*": (ctypes.c_uint64, "uint32", True),      # bf16 pairs (vector loads)
     "u64*": (ctypes.c_uint64, "uint64", True),
+    "f64*": (ctypes.c_uint64, "float64", True),
     "i32*": (ctypes.c_uint64, "int32", True),
     "f32": (ctypes.c_float, "float32", False),
     "i32": (ctypes.c_int32, "int32", False),

@@ -1,0 +1,194 @@
+"""Sampling on the device: the host side of kernels/sample.py.
+
+Per step the host packs each row's request (SampleRow) into pinned staging, in one block laid out
+
+    fpar f64 [rows_cap, 8]   temperature, top_p, min_p, repetition, presence, frequency, -, u (out)
+    ipar i32 [rows_cap, 8]   top_k (0: off), penalty word offset, penalty count, mask word offset
+    upar u64 [rows_cap, 2]   seed, position
+    data u32 [...]           per row, packed back to back: penalty pairs (id, generated count),
+                             then the grammar mask's bits (np.packbits little-endian, V bits)
+
+copies the used prefix of the block with ONE async H2D copy, and launches the `sample` kernel
+(grid = rows) over the fp32 logits rows the model head left in its workspace. The token ids land
+in a device int32 buffer the caller copies back with the sync that ends its step.
+
+Penalty entries are the distinct ids of prompt + generated (repetition penalty) or of generated
+only (presence / frequency alone), each with its generated count. np.unique over a long prompt
+costs ~1 ms per 32K tokens, so a row may name a `cache_key` under which its prompt's unique ids
+are kept (the Program passes (sequence id, prompt length)).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..program.sampling import SamplingSpec
+
+NPAR = 8                     # kernels/sample.py NPAR
+THREADS = 1024
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One row's sampling request: the host sampler's sample_row arguments (no logprobs)."""
+    spec: SamplingSpec
+    position: int
+    prompt_ids: np.ndarray
+    generated_ids: np.ndarray
+    mask: Optional[np.ndarray] = None
+    cache_key: object = None
+
+
+def mask_words(vocab: int) -> int:
+    return (vocab + 31) // 32
+
+
+class SamplerLayout:
+    """Offsets of the per-step block for `rows_cap` rows of `vocab` ids and up to `pen_cap`
+    penalty entries per row."""
+
+    def __init__(self, rows_cap: int, vocab: int, pen_cap: int):
+        self.rows_cap, self.vocab = int(rows_cap), int(vocab)
+        self.pen_cap = int(min(pen_cap, vocab))
+        self.words = mask_words(vocab)
+        self.fpar = 0
+        self.ipar = self.fpar + 8 * NPAR * rows_cap
+        self.upar = self.ipar + 4 * NPAR * rows_cap
+        self.data = self.upar + 8 * 2 * rows_cap
+        self.data_words = rows_cap * (2 * self.pen_cap + self.words)
+        self.nbytes = self.data + 4 * self.data_words
+
+    def views(self, buf: np.ndarray):
+        """Typed views (fpar, ipar, upar, data) of a uint8 buffer of nbytes."""
+        r = self.rows_cap
+        return (buf[self.fpar:self.ipar].view(np.float64).reshape(r, NPAR),
+                buf[self.ipar:self.upar].view(np.int32).reshape(r, NPAR),
+                buf[self.upar:self.data].view(np.uint64).reshape(r, 2),
+                buf[self.data:self.nbytes].view(np.uint32))
+
+
+class PromptCache:
+    """cache_key -> sorted distinct prompt ids (a few sequences' worth; LRU)."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity, self._d = capacity, OrderedDict()
+
+    def unique(self, key, prompt_ids) -> np.ndarray:
+        if key is None:
+            return np.unique(np.asarray(prompt_ids, np.int64))
+        hit = self._d.get(key)
+        if hit is None:
+            hit = np.unique(np.asarray(prompt_ids, np.int64))
+            self._d[key] = hit
+            if len(self._d) > self.capacity:
+                self._d.popitem(last=False)
+        else:
+            self._d.move_to_end(key)
+        return hit
+
+
+def penalty_entries(spec: SamplingSpec, prompt_unique: np.ndarray, generated_ids) -> tuple:
+    """(ids, generated counts) the penalties touch: sampling.apply_penalties' sets."""
+    rep = spec.repetition_penalty != 1.0
+    pf = (spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0) and len(generated_ids)
+    if not rep and not pf:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    gen, counts = np.unique(np.asarray(generated_ids, np.int64), return_counts=True)
+    if not rep:
+        return gen, counts
+    ids = np.union1d(prompt_unique, gen)
+    c = np.zeros(len(ids), np.int64)
+    if pf:                                  # counts only matter when the penalties are on
+        c[np.searchsorted(ids, gen)] = counts
+    return ids, c
+
+
+def pack(layout: SamplerLayout, buf: np.ndarray, rows, cache: PromptCache = None) -> int:
+    """Write the requests of `rows` (SampleRow, or None: plain argmax) into `buf` (uint8, at least
+    layout.nbytes); return how many leading bytes the device needs. Raises ValueError for a
+    grammar mask that allows no token (the host sampler's error) or too many rows / entries."""
+    V = layout.vocab
+    if len(rows) > layout.rows_cap:
+        raise ValueError(f"sampler: {len(rows)} rows exceed its capacity {layout.rows_cap}")
+    fpar, ipar, upar, data = layout.views(buf)
+    used = 0
+    for r, row in enumerate(rows):
+        ipar[r, :] = 0
+        ipar[r, 3] = -1
+        fpar[r, :] = 0.0
+        fpar[r, 1] = 1.0
+        fpar[r, 3] = 1.0
+        upar[r, :] = 0
+        if row is None:
+            continue                                    # temperature 0, nothing else: argmax
+        s = row.spec
+        fpar[r, :6] = (s.temperature, s.top_p, s.min_p, s.repetition_penalty,
+                       s.presence_penalty, s.frequency_penalty)
+        ipar[r, 0] = s.top_k if 0 < s.top_k < V else 0
+        upar[r, 0] = int(s.seed) & 0xFFFFFFFFFFFFFFFF
+        upar[r, 1] = int(row.position) & 0xFFFFFFFFFFFFFFFF
+        if s.repetition_penalty != 1.0:
+            pu = (cache or PromptCache(0)).unique(row.cache_key, row.prompt_ids)
+        else:
+            pu = np.empty(0, np.int64)
+        ids, counts = penalty_entries(s, pu, row.generated_ids)
+        n = len(ids)
+        if n:
+            if n > layout.pen_cap:
+                raise ValueError(f"sampler: {n} penalty entries exceed {layout.pen_cap} per row")
+            if ids[0] < 0 or ids[-1] >= V:
+                raise ValueError(f"sampler: a prompt or generated id is outside [0, {V})")
+            pairs = data[used: used + 2 * n].reshape(n, 2)
+            pairs[:, 0] = ids
+            pairs[:, 1] = counts
+            ipar[r, 1], ipar[r, 2] = used, n
+            used += 2 * n
+        if row.mask is not None:
+            m = np.asarray(row.mask, np.bool_)[:V]
+            if not m.any():
+                raise ValueError("the grammar mask allows no token")
+            bits = np.packbits(m, bitorder="little")
+            w = data[used: used + layout.words]
+            w[:] = 0
+            w.view(np.uint8)[:len(bits)] = bits
+            ipar[r, 3] = used
+            used += layout.words
+    return layout.data + 4 * used
+
+
+class DeviceSampler:
+    """Fixed device buffers (from the model's arena), pinned staging, the launch."""
+
+    def __init__(self, arena, kernels, rows_cap: int, vocab: int, pen_cap: int):
+        from ....core.cuda import driver as _d
+        self._d = _d
+        self.layout = SamplerLayout(rows_cap, vocab, pen_cap)
+        self.block = arena.take((self.layout.nbytes,), np.uint8, "sampler parameters")
+        self.z = arena.take((rows_cap, vocab), np.float64, "sampler fp64 rows")
+        self.staging = _d.PinnedBuffer(self.layout.nbytes)
+        self.kernels = kernels
+        self.cache = PromptCache()
+
+    @staticmethod
+    def device_bytes(rows_cap: int, vocab: int, pen_cap: int) -> int:
+        return SamplerLayout(rows_cap, vocab, pen_cap).nbytes + 8 * rows_cap * vocab + 2 * 256
+
+    def launch(self, stream, logits_ptr: int, tokens_ptr: int, rows) -> None:
+        """Pack, copy, launch (asynchronous on `stream`)."""
+        lay = self.layout
+        buf = self.staging.view(np.uint8, 0, lay.nbytes)
+        nbytes = pack(lay, buf, rows, self.cache)
+        self._d.copy_htod_async(self.block.ptr, self.staging.ptr, nbytes, stream)
+        base = self.block.ptr
+        self.kernels.sample.launch(stream, (len(rows),), (THREADS,),
+                                   (tokens_ptr, logits_ptr, self.z.ptr, lay.vocab,
+                                    base + lay.fpar, base + lay.ipar, base + lay.upar,
+                                    base + lay.data, base + lay.data))
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.free()
+            self.staging = None
