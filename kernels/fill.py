@@ -1,7 +1,7 @@
 """Counter-based random fills (benchmark weights made on the GPU, no files)."""
 from numba import cuda, float32, uint32, int64
 
-from .common import storage
+from .common import bf16_round, f32_to_bf16
 
 
 def _hash():
@@ -18,8 +18,7 @@ def _hash():
 def random_bf16(f32=False):
     # `f32`: the same bf16 values, stored as fp32 (a float32 model of the same random weights)
     mix = _hash()
-    to_bits, _, _, rounded = storage(f32)
-    store = rounded if f32 else to_bits
+    store = bf16_round if f32 else f32_to_bf16
 
     def random_bf16_kernel(out, n, seed, scale, offset):
         # out[i] = offset + scale * U(-1, 1), bf16; grid-stride

@@ -1,0 +1,358 @@
+"""dtype="float32" on the CUDA backend, without a GPU: the option and the CLI flag, the kernel
+variants (specs, PTX for sm_90 at real geometries, the simulator against float64), cuBLASLt's
+types, the memory plan and the fp32 KV pools."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ninfer.core.cuda import kernels as K
+from ninfer.errors import DeviceError, RequestError
+from ninfer.models.qwen3_5.config import TextConfig
+from ninfer.models.qwen3_5.cuda.kernel_set import F32_VARIANTS, SIGS, geometry_specs, spec
+from ninfer.options import EngineOptions
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LT = ("linear_attention",) * 3 + ("full_attention",)
+SHAPES = {
+    "27B": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                linear_num_value_heads=48, vocab_size=248320),
+    "35B-A3B": dict(hidden_size=2048, is_moe=True, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                    linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=248320),
+    "tiny-moe": dict(hidden_size=64, is_moe=True, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                     linear_value_head_dim=16, vocab_size=300),
+}
+
+
+def _cfg(shape):
+    return TextConfig(layer_types=LT, num_hidden_layers=4, **SHAPES[shape])
+
+
+# ---- the option and the flag -----------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, dtype", [("cuda", None), ("cuda", "bfloat16"),
+                                            ("cuda", "float32"), ("numpy", None),
+                                            ("numpy", "float32")])
+def test_dtype_option_accepts(backend, dtype):
+    assert EngineOptions.from_kwargs(backend=backend, dtype=dtype).dtype == dtype
+
+
+@pytest.mark.parametrize("backend, dtype, words", [
+    ("cuda", "float16", "dtype='float16': must be None, 'bfloat16' or 'float32'"),
+    ("numpy", "fp32", "dtype='fp32'"),
+    ("numpy", "bfloat16", "numpy backend computes in float32 only"),
+])
+def test_dtype_option_refuses_with_a_reason(backend, dtype, words):
+    with pytest.raises(RequestError, match=words):
+        EngineOptions.from_kwargs(backend=backend, dtype=dtype)
+
+
+def _ninfer(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "ninfer", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("command, args, message", [
+    ("run", ["--prompt", "x", "--dtype", "bfloat16"], "numpy backend computes in float32 only"),
+    ("run", ["--prompt", "x", "--dtype", "float16"], "invalid choice: 'float16'"),
+    ("serve", ["--dtype", "bfloat16"], "numpy backend computes in float32 only"),
+])
+def test_dtype_flag_bad_input_one_line_error(command, args, message):
+    r = _ninfer(command, *args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_run_flag_reaches_the_engine(monkeypatch):
+    """`run --backend cuda --dtype float32` builds the Engine with dtype='float32'."""
+    import ninfer.engine
+    from ninfer import commands
+    from ninfer.cli import build_parser
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(path, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+    monkeypatch.setattr(ninfer.engine, "Engine", fake_engine)
+    monkeypatch.setattr(commands, "_artifact_or_demo", lambda path: (path, False))
+    args = build_parser().parse_args(["run", "m.ninfer", "--prompt", "x", "--backend", "cuda",
+                                      "--dtype", "float32"])
+    with pytest.raises(Stop):
+        args.handler(args)
+    assert seen["dtype"] == "float32" and seen["backend"] == "cuda"
+    for cmd in (["run", "--prompt", "x"], ["serve"]):
+        assert build_parser().parse_args(cmd).dtype is None          # default: the backend's
+
+
+# ---- kernel variants ---------------------------------------------------------------------------
+
+def test_f32_specs_swap_every_bf16_pointer_and_drop_the_tensor_core_path():
+    for shape in SHAPES:
+        bf, f32 = geometry_specs(_cfg(shape)), geometry_specs(_cfg(shape), True)
+        assert any(s.module == "attention_tc" for s in bf.values())
+        assert not any(s.module == "attention_tc" for s in f32.values())
+        assert "widen_bf16" in f32 and "widen_bf16" not in bf
+        for name, s in f32.items():
+            if name in F32_VARIANTS:
+                assert dict(s.params)["f32"] is True
+                assert "u16*" not in s.sig and "u32*" not in s.sig, name
+                assert len(s.sig) == len(bf[name].sig)
+                assert dict(s.params) == {**dict(bf[name].params), "f32": True}
+            elif name != "widen_bf16":
+                assert s == bf[name]                      # fp32 already: the same kernel
+        for name in F32_VARIANTS & set(bf):
+            assert "f32" not in dict(bf[name].params)    # bf16: the spec of before
+    with pytest.raises(ValueError, match="no float32 variant"):
+        spec("argmax", True)
+    assert set(F32_VARIANTS) <= set(SIGS)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_storage_variant_compiles_to_ptx_for_sm90(shape):
+    """Both dtypes of every kernel with an f32 variant (and the widening kernel) at the real
+    geometry: PTX for sm_90 with one entry; fp32 variants store no 16-bit values."""
+    try:
+        K.compile_spec(spec("silu_mul"), (9, 0))
+    except Exception as exc:   # noqa: BLE001 - no NVVM here: nothing to check
+        pytest.skip(f"numba-cuda cannot compile here: {exc}")
+    cfg = _cfg(shape)
+    bf, f32 = geometry_specs(cfg), geometry_specs(cfg, True)
+    names = sorted((F32_VARIANTS & set(bf)) | {"widen_bf16"})
+    for name in names:
+        for variant, specs in (("bf16", bf), ("f32", f32)):
+            if name not in specs:
+                continue
+            ptx = K.compile_spec(specs[name], (9, 0))
+            assert ".target sm_90" in ptx and K.entry_name(ptx), (name, variant)
+            if variant == "f32" and name != "widen_bf16":
+                assert "st.global.u16" not in ptx and "st.global.b16" not in ptx, name
+    ptx = K.compile_spec(bf["rmsnorm"], (9, 0))
+    assert "st.global.u16" in ptx or "st.global.b16" in ptx     # the check above can fail
+
+
+def test_storage_variants_on_the_simulator():
+    """kernels/{norm,act,moe,attention,fill}.py in both variants on numba-cuda's simulator
+    against float64 (tests/gpu/sim_storage.py)."""
+    pytest.importorskip("numba.cuda")
+    pytest.importorskip("ml_dtypes")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_storage.py")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    err = json.loads(res.stdout.strip().splitlines()[-1])
+    assert err.pop("random_bf16 f32 == bf16") is True       # the same random model in both
+    assert err.pop("widen exact") is True
+    assert err.pop("fill spread") > 0.1
+    for key, e in err.items():
+        kernel, variant = key.split("/")
+        # fp32 storage: fp32 arithmetic only (gpu_harness TOL_F32); bf16: rounded outputs
+        # (TOL_BF16_OUT); an exact copy is exact in both
+        tol = 0.0 if kernel == "embed_gather" else (1e-5 if variant == "f32" else 8e-3)
+        assert e <= tol, (key, e)
+        if variant == "bf16" and kernel in ("rmsnorm", "silu_mul", "paged_attention"):
+            assert e > 1e-4, (key, e)        # bf16 rounding really happened: the variants differ
+    assert len(err) == 12
+
+
+# ---- cuBLASLt ----------------------------------------------------------------------------------
+
+def _fake_lt(f32):
+    from ninfer.core.cuda.cublaslt import CublasLt
+    calls = []
+
+    class Lib:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, args))
+                if name.endswith("Create"):
+                    args[0]._obj.value = 0x1000 + len(calls)
+                if name == "cublasLtMatmulAlgoGetHeuristic":
+                    args[-1]._obj.value = 1
+                return 0
+            return call
+    lt = CublasLt.__new__(CublasLt)
+    lt.lib, lt.handle, lt.workspace_bytes, lt._prefs, lt._plans = Lib(), "handle", 1 << 20, {}, {}
+    if f32:
+        from ninfer.core.cuda import cublaslt as C
+        lt.f32, lt.ab_type = True, C.CUDA_R_32F
+    return lt, calls
+
+
+@pytest.mark.parametrize("f32", [False, True])
+def test_cublaslt_types_and_strict_fp32_compute(f32):
+    from ninfer.core.cuda import cublaslt as C
+    lt, calls = _fake_lt(f32)
+    lt.plan(8, 16, 32)
+    desc = [a for n, a in calls if n == "cublasLtMatmulDescCreate"]
+    assert len(desc) == 1 and desc[0][1:] == (C.CUBLAS_COMPUTE_32F, C.CUDA_R_32F)
+    assert C.CUBLAS_COMPUTE_32F == 68            # CUBLAS_COMPUTE_32F_FAST_TF32 is 77
+    types = [a[1] for n, a in calls if n == "cublasLtMatrixLayoutCreate"]
+    ab = C.CUDA_R_32F if f32 else C.CUDA_R_16BF
+    assert types == [ab, ab, C.CUDA_R_32F]       # A (W), B (X), C/D
+    attrs = [a[1] for n, a in calls if n == "cublasLtMatmulDescSetAttribute"]
+    assert sorted(attrs) == [C.DESC_TRANSA, C.DESC_TRANSB]      # nothing that loosens fp32
+
+
+def test_cublaslt_constructor_takes_the_dtype(monkeypatch):
+    from ninfer.core.cuda import cublaslt as C
+    monkeypatch.setattr(C, "load_library", lambda: _fake_lt(False)[0].lib)
+    assert C.CublasLt(0, 1 << 20).ab_type == C.CUDA_R_16BF
+    assert C.CublasLt(0, 1 << 20, f32=True).ab_type == C.CUDA_R_32F
+
+
+# ---- memory plan -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_weight_plan_bytes_by_dtype(shape):
+    from ninfer.models.qwen3_5.cuda import weights as W
+    cfg = _cfg(shape)
+    plans = [W.model_plan(cfg)] + [W.layer_plan(cfg, i) for i in range(cfg.num_hidden_layers)]
+    for f32 in (False, True):
+        for tied in (False, True):
+            want = sum(-(-int(np.prod(sh)) * (4 if f32 or dt == W.F32 else 2) // 256) * 256
+                       for p in plans for name, (sh, dt, _) in p.items()
+                       if not (tied and name == "lm_head"))
+            assert W.plan_bytes(cfg, tied, f32) == want
+    assert W.plan_bytes(cfg, f32=True) > 1.9 * W.plan_bytes(cfg)
+
+
+def _bare(cfg, f32, b_cap=4, n_cap=512, max_context=4096, page_size=16):
+    from ninfer.models.qwen3_5.cuda.meta import MetaLayout
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    m = CudaModel.__new__(CudaModel)
+    m.text, m.f32 = cfg, f32
+    m.p_cap = (max_context + page_size - 1) // page_size + 1
+    m.lg_cap, m.max_keys = max(b_cap, min(n_cap, 256)), m.p_cap * page_size
+    m.eager_layout = MetaLayout(n_cap, max(b_cap, 8), m.p_cap)
+    m.decode_layout = MetaLayout(b_cap, b_cap, m.p_cap)
+    return m
+
+
+class _CountingArena:
+    def __init__(self):
+        self.nbytes, self.taken = 0, []
+
+    def take(self, shape, dtype, what):
+        from ninfer.core.cuda.arena import DeviceArray, _round_up
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        self.nbytes += _round_up(max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1))
+        a = DeviceArray(1 << 40, shape, dtype)
+        self.taken.append(a)
+        return a
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("b_cap, n_cap, max_context", [(1, 512, 2048), (8, 4096, 32768)])
+def test_float32_workspace_plan_covers_the_workspace(shape, b_cap, n_cap, max_context):
+    from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE
+    from ninfer.models.qwen3_5.cuda.runner import Workspace, part_rows_needed
+    cfg = _cfg(shape)
+    sizes = {}
+    for f32 in (False, True):
+        m = _bare(cfg, f32, b_cap, n_cap, max_context)
+        part_rows = part_rows_needed(n_cap, cfg.num_key_value_heads, 132)
+        arena = _CountingArena()
+        ws = Workspace(arena, cfg, n_cap, m.lg_cap, part_rows, m.max_keys, f32=f32)
+        arena.take((m.eager_layout.count + m.decode_layout.count,), np.int32, "metadata")
+        arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
+        assert arena.nbytes <= m._workspace_bytes(n_cap, part_rows)
+        gin = np.float32 if f32 else np.uint16
+        for name in ("x", "act", "xf") + (("xg", "gact") if cfg.is_moe else ()):
+            assert getattr(ws, name).dtype == gin, name
+        assert (ws.tc.l_cap == 0) == f32                 # no tensor-core buffers in float32
+        sizes[f32] = m._workspace_bytes(n_cap, part_rows)
+    # fp32 GEMM inputs cost more, the tensor-core buffers (bf16 only) less
+    assert sizes[True] != sizes[False]
+
+
+def test_pool_reserve_counts_fp32_kv():
+    from types import SimpleNamespace
+    cfg = _cfg("27B")
+    opts = SimpleNamespace(num_kv_pages=100)
+    bf, f32 = _bare(cfg, False), _bare(cfg, True)
+    kv_bf16 = 2 * len(cfg.attention_layer_ids) * 100 * 16 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert f32._pool_reserve(opts, 16, 4096, 4) - bf._pool_reserve(opts, 16, 4096, 4) == kv_bf16
+
+
+def test_too_little_memory_names_the_float32_plan(monkeypatch):
+    """The memory check uses the dtype's plan: free memory enough for bf16 and not for fp32 ->
+    bf16 passes the check (and reaches the arena), fp32 raises DeviceError before allocating.
+    (A KV pool large enough that fp32 KV outweighs the bf16-only tensor-core buffers.)"""
+    from types import SimpleNamespace
+    from ninfer.core.cuda import driver as d
+    from ninfer.models.qwen3_5 import cuda_model as cm
+    from ninfer.models.qwen3_5.config import ModelConfig
+    cfg = TextConfig(layer_types=LT, num_hidden_layers=4, **SHAPES["tiny-moe"])
+    free = {}
+
+    class Dev:
+        cc, num_sms, name = (9, 0), 132, "FakeGPU"
+        stream = SimpleNamespace(synchronize=lambda: None)
+
+        def __init__(self, device_id):
+            pass
+
+        def mem_info(self):
+            return free["v"], 80 << 30
+
+        def make_current(self):
+            pass
+
+        def close(self):
+            pass
+
+    class ArenaReached(Exception):
+        pass
+
+    def arena(nbytes):
+        raise ArenaReached(nbytes)
+    monkeypatch.setattr(d, "Device", Dev)
+    monkeypatch.setattr(cm, "Arena", arena)
+    config = ModelConfig("Qwen3_5ForCausalLM", cfg)
+    needs = {}
+    for dtype in ("bfloat16", "float32"):
+        free["v"] = 1 << 50
+        with pytest.raises(ArenaReached) as exc:
+            cm.CudaModel(config, SimpleNamespace(dtype=dtype, max_context=8192, num_kv_pages=100000), random_seed=1)
+        needs[dtype] = exc.value.args[0]
+    assert needs["float32"] > needs["bfloat16"]
+    free["v"] = (needs["bfloat16"] + needs["float32"]) // 2 + cm.MEMORY_MARGIN
+    with pytest.raises(ArenaReached):
+        cm.CudaModel(config, SimpleNamespace(dtype="bfloat16", max_context=8192, num_kv_pages=100000), random_seed=1)
+    with pytest.raises(DeviceError, match="too little device memory.*all in float32"):
+        cm.CudaModel(config, SimpleNamespace(dtype="float32", max_context=8192, num_kv_pages=100000), random_seed=1)
+
+
+# ---- fp32 KV pools -----------------------------------------------------------------------------
+
+def test_float32_kv_pool_round_trips_fp32_values(monkeypatch):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_cuda_nogpu import _FakeDevice, _pool_config
+    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool
+    from ninfer.models.qwen3_5.state import KVPool
+    dev, cfg, r = _FakeDevice(monkeypatch, 64 << 20), _pool_config(), np.random.default_rng(3)
+    dev.f32 = True
+    kv = DeviceKVPool(dev, cfg, 5, 4)
+    assert all(a.dtype == np.float32 for a in kv.k + kv.v)
+    ref = KVPool.allocate(cfg, 5, 4)
+    data = tuple([r.standard_normal((2,) + k.shape[1:]).astype(np.float32) for k in ref.k]
+                 for _ in range(2))
+    for pool in (kv, ref):
+        pool.write_pages([4, 1], data)
+    for got, want in zip(kv.read_pages([0, 1, 4]), ref.read_pages([0, 1, 4])):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))     # no bf16 rounding
