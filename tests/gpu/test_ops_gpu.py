@@ -29,59 +29,89 @@ def softplus(x):
     return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
 
 
+# Storage variants (dtype="float32"): the kernels with an `f32` factory parameter run both ways;
+# f32 -> fp32 arrays where the bf16 variant takes bf16 bits, and fp32-only error.
+STORAGE = pytest.mark.parametrize("f32", [False, True], ids=["bf16", "f32"])
+
+
+def store_as(a, f32):
+    """Host image of values in the variant's storage (bf16 bits or fp32)."""
+    return np.ascontiguousarray(a, np.float32) if f32 else bf16_bits(a)
+
+
+def load_from(a, f32):
+    return np.asarray(a, np.float64) if f32 else bits_to_f64(a)
+
+
+def gin(f32):
+    return np.float32 if f32 else np.uint16
+
+
+def out_tol(f32):
+    return TOL_F32 if f32 else TOL_BF16_OUT
+
+
 # ---- norms / elementwise ----------------------------------------------------------------------
 
+@STORAGE
 @pytest.mark.parametrize("rows,H", [(1, 1), (3, 7), (5, 1000), (2, 5120)])
-def test_rmsnorm_zero_centred(g, rows, H):
+def test_rmsnorm_zero_centred(g, rows, H, f32):
     r = rng(rows * H)
     x = r.standard_normal((rows + 2, H)).astype(np.float32)
     w = (0.3 * r.standard_normal(H)).astype(np.float32)
     idx = r.permutation(rows + 2)[:rows].astype(np.int32)
-    out = g.empty((rows, H), np.uint16)
+    out = g.empty((rows, H), gin(f32))
     for use_idx in (0, 1):
-        g.run("rmsnorm", (rows,), (256,), (out, g.put(x), g.put(w), g.put(idx), use_idx, H, 1e-6))
+        g.run("rmsnorm", (rows,), (256,), (out, g.put(x), g.put(w), g.put(idx), use_idx, H, 1e-6),
+              dict(f32=f32))
         src = x[idx] if use_idx else x[:rows]
         src = src.astype(np.float64)
         ref = src / np.sqrt((src ** 2).mean(-1, keepdims=True) + 1e-6) * (1 + w)
-        assert rel_err(bits_to_f64(g.get(out)), ref) < TOL_BF16_OUT
+        assert rel_err(load_from(g.get(out), f32), ref) < out_tol(f32)
 
 
+@STORAGE
 @pytest.mark.parametrize("n,nv,dv", [(1, 1, 32), (3, 4, 128), (2, 3, 64)])
-def test_gated_rmsnorm(g, n, nv, dv):
+def test_gated_rmsnorm(g, n, nv, dv, f32):
     r = rng(n * nv + dv)
     x = r.standard_normal((n, nv * dv)).astype(np.float32)
     zs, zoff = nv * dv + 5, 3
     z = r.standard_normal((n, zs)).astype(np.float32)
     w = (1 + 0.2 * r.standard_normal(dv)).astype(np.float32)
-    out = g.empty((n, nv * dv), np.uint16)
-    g.run("gated_rmsnorm", (n, nv), (min(128, dv),), (out, g.put(x), g.put(z), zs, zoff, g.put(w), dv, 1e-6))
+    out = g.empty((n, nv * dv), gin(f32))
+    g.run("gated_rmsnorm", (n, nv), (min(128, dv),), (out, g.put(x), g.put(z), zs, zoff, g.put(w), dv, 1e-6),
+          dict(f32=f32))
     xh = x.astype(np.float64).reshape(n, nv, dv)
     zz = z[:, zoff: zoff + nv * dv].astype(np.float64).reshape(n, nv, dv)
     ref = xh / np.sqrt((xh ** 2).mean(-1, keepdims=True) + 1e-6) * w * silu(zz)
-    assert rel_err(bits_to_f64(g.get(out)).reshape(n, nv, dv), ref) < TOL_BF16_OUT
+    assert rel_err(load_from(g.get(out), f32).reshape(n, nv, dv), ref) < out_tol(f32)
 
 
+@STORAGE
 @pytest.mark.parametrize("n,inter,off", [(1, 1, 0), (4, 255, 3), (2, 257, 0)])
-def test_silu_mul(g, n, inter, off):
+def test_silu_mul(g, n, inter, off, f32):
     r = rng(inter)
     stride = 2 * inter + off + 1
     gu = r.standard_normal((n, stride)).astype(np.float32)
-    out = g.empty((n, inter), np.uint16)
-    g.run("silu_mul", (n, (inter + 255) // 256), (256,), (out, g.put(gu), stride, off, inter))
+    out = g.empty((n, inter), gin(f32))
+    g.run("silu_mul", (n, (inter + 255) // 256), (256,), (out, g.put(gu), stride, off, inter),
+          dict(f32=f32))
     gg = gu.astype(np.float64)
     ref = silu(gg[:, off: off + inter]) * gg[:, off + inter: off + 2 * inter]
-    assert rel_err(bits_to_f64(g.get(out)), ref) < TOL_BF16_OUT
+    assert rel_err(load_from(g.get(out), f32), ref) < out_tol(f32)
 
 
+@STORAGE
 @pytest.mark.parametrize("n,V,H", [(1, 5, 3), (7, 100, 257)])
-def test_embed_gather(g, n, V, H):
+def test_embed_gather(g, n, V, H, f32):
     r = rng(V * H)
-    table = bf16_bits(r.standard_normal((V, H)))
+    table = store_as(bits_to_f64(bf16_bits(r.standard_normal((V, H)))), f32)   # weights: bf16 values
     ids = r.integers(0, V, n).astype(np.int32)
     ids[0] = V - 1
     out = g.empty((n, H), np.float32)
-    g.run("embed_gather", ((H + 255) // 256, n), (256,), (out, g.put(table), g.put(ids), H))
-    assert np.array_equal(g.get(out), bits_to_f64(table)[ids].astype(np.float32))
+    g.run("embed_gather", ((H + 255) // 256, n), (256,), (out, g.put(table), g.put(ids), H),
+          dict(f32=f32))
+    assert np.array_equal(g.get(out), load_from(table, f32)[ids].astype(np.float32))
 
 
 # ---- GEMM ---------------------------------------------------------------------------------------
@@ -500,23 +530,3 @@ def test_argmax_ties_lowest(g, n, V):
     out = g.empty((n,), np.int32)
     g.run("argmax", (n,), (1024,), (out, g.put(logits), V))
     assert np.array_equal(g.get(out), np.argmax(logits, -1))
-
-
-def test_gumbel_sample_greedy_and_distribution(g):
-    r = rng(7)
-    V, rows = 6, 2048
-    base = np.log(np.array([0.5, 0.2, 0.1, 0.1, 0.05, 0.05]))
-    logits = np.tile(base, (rows, 1)).astype(np.float32)
-    temps = np.ones(rows, np.float32)
-    temps[0] = 0.0                                           # greedy row
-    seeds = r.integers(0, 2**31, rows).astype(np.int32)
-    steps = np.arange(rows, dtype=np.int32)
-    out = g.empty((rows,), np.int32)
-    args = (out, g.put(logits), V, g.put(temps), g.put(seeds), g.put(steps))
-    g.run("gumbel_sample", (rows,), (1024,), args)
-    first = g.get(out)
-    g.run("gumbel_sample", (rows,), (1024,), args)
-    assert np.array_equal(first, g.get(out))                 # counter-based: reproducible
-    assert first[0] == 0
-    freq = np.bincount(first[1:], minlength=V) / (rows - 1)
-    assert np.abs(freq - np.exp(base)).max() < 0.05          # ~4.5 sigma at p=0.5, n=2047

@@ -4,6 +4,7 @@
     load_cuda_model(artifact, options) -> CudaModel
     CudaModel.forward(batch, kv, state, all_logits=False) -> float32 logits (host)
     CudaModel.decode_greedy(batch, kv, state) -> int32 token ids [B] (argmax on the device)
+    CudaModel.sample(batch, kv, state, rows) -> int32 token ids [B] (cuda/sampler.py on the device)
     CudaModel.capture_graphs(kv, state)     # optional: capture B = 1..max_concurrency now
 
 Decode fast path: a batch whose rows each bring one token, B <= max_concurrency, graphs on ->
@@ -36,7 +37,9 @@ from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool
 from .cuda.runner import StepRunner, Workspace, part_rows_needed
+from .cuda.sampler import DeviceSampler
 from .cuda import attention_tc
+from .cuda import gdn_chunk
 from .cuda import weights as wplan
 
 LT_WORKSPACE = 32 << 20
@@ -131,7 +134,10 @@ class CudaModel:
         part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms)
         pool_reserve = self._pool_reserve(options, page_size, max_context, b_cap)
         ws_bytes = self._workspace_bytes(n_cap, part_rows)
-        need = wplan.plan_bytes(cfg, tied, self.f32) + ws_bytes + pool_reserve
+        # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
+        sampler_rows = max(b_cap, 8)
+        need = wplan.plan_bytes(cfg, tied, self.f32) + ws_bytes + pool_reserve + \
+            DeviceSampler.device_bytes(sampler_rows, cfg.vocab_size, max_context)
         free, total = self.device.mem_info()
         if need + MEMORY_MARGIN > free:
             raise DeviceError(
@@ -148,6 +154,8 @@ class CudaModel:
         self.decode_meta = DeviceMeta(self.decode_layout, meta.ptr + self.eager_layout.nbytes)
         lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
         self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32)
+        self.sampler = DeviceSampler(self.arena, self.kernels, sampler_rows, cfg.vocab_size,
+                                     max_context)
         self._lt_ws = lt_ws         # idle during the load: the fp32 model's widening scratch
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
@@ -193,6 +201,9 @@ class CudaModel:
                 cfg.num_attention_heads, max(cfg.num_key_value_heads, 1), cfg.head_dim, n_cap,
                 self.max_keys))
         head = self.lg_cap * (g * H + 4 * cfg.vocab_size + 4)
+        if cfg.linear_layer_ids:       # the chunked delta rule's W, P and decay factors
+            part += gdn_chunk.workspace_bytes(n_cap, cfg.linear_num_value_heads,
+                                              cfg.linear_key_head_dim) + 3 * 256
         meta = self.eager_layout.nbytes + self.decode_layout.nbytes
         return _round_up(n_cap * per_tok + part + head + meta + LT_WORKSPACE) + 64 * 256
 
@@ -415,6 +426,30 @@ class CudaModel:
         self.stream.synchronize()
         return self.out_host.view(np.int32, 0, B).copy()
 
+    def sample(self, batch: ForwardBatch, kv, state, rows) -> np.ndarray:
+        """The step of decode_greedy, then one token per row sampled on the device from the B
+        output logits rows: rows[r] a cuda.sampler.SampleRow (the host sampler's sample_row
+        without logprobs, same token within its decision margins) or None (argmax). int32 [B]."""
+        self._t_entry = time.perf_counter()
+        self._current()
+        B = batch.num_rows
+        if len(rows) != B:
+            raise ValueError(f"sample: {len(rows)} sampling rows for a batch of {B}")
+        cap = min(self.sampler.layout.rows_cap, self.lg_cap)
+        if B > cap:
+            raise ValueError(f"sample: {B} rows exceed the device sampler's {cap}")
+        if self._is_decode(batch):
+            self._check_decode(batch, kv, state)
+            self._decode_launch(batch, kv, state)
+        else:
+            self._check(batch, kv, state)
+            self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
+                        want_logits=False)
+        self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows)
+        _d.copy_dtoh_async(self.out_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
+        self.stream.synchronize()
+        return self.out_host.view(np.int32, 0, B).copy()
+
     def _eager(self, batch, kv, state, out_rows, want_logits: bool = True):
         lay, meta = self.eager_layout, self.eager_meta
         self._upload_meta(lay, meta, 0, batch, out_rows)
@@ -513,6 +548,9 @@ class CudaModel:
             if getattr(self, part, None) is not None:
                 release(getattr(self, part).close)
                 setattr(self, part, None)
+        if getattr(self, "sampler", None) is not None:
+            release(self.sampler.close)
+            self.sampler = None
         for buf in ("staging", "out_host", "route_host"):
             b = getattr(self, buf, None)
             if b is not None:

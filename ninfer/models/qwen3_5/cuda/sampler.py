@@ -25,8 +25,6 @@ from typing import Optional
 
 import numpy as np
 
-from ..program.sampling import SamplingSpec
-
 NPAR = 8                     # kernels/sample.py NPAR
 THREADS = 1024
 
@@ -34,7 +32,7 @@ THREADS = 1024
 @dataclass(frozen=True)
 class SampleRow:
     """One row's sampling request: the host sampler's sample_row arguments (no logprobs)."""
-    spec: SamplingSpec
+    spec: "SamplingSpec"          # program/sampling.py (not imported: the Program imports us)
     position: int
     prompt_ids: np.ndarray
     generated_ids: np.ndarray
@@ -90,7 +88,7 @@ class PromptCache:
         return hit
 
 
-def penalty_entries(spec: SamplingSpec, prompt_unique: np.ndarray, generated_ids) -> tuple:
+def penalty_entries(spec, prompt_unique: np.ndarray, generated_ids) -> tuple:
     """(ids, generated counts) the penalties touch: sampling.apply_penalties' sets."""
     rep = spec.repetition_penalty != 1.0
     pf = (spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0) and len(generated_ids)

@@ -30,6 +30,7 @@ from ....errors import RequestError
 from ..batch import ForwardBatch
 from .pending import PendingBatch, ProgramError, ResumeState, RowDecision, RowResult
 from .pools import PagePool, SlotPool, pages_for
+from ..cuda.sampler import SampleRow
 from .sampling import SamplingSpec, sample_row
 
 
@@ -280,7 +281,7 @@ class Program:
 
         mask_provider (borrowed for this round only): seq_id -> the bool token mask of its next
         sampled token (constrained decoding) or None; asked once per sampling row, before the
-        forward. A masked row always samples on the host.
+        forward. A backend with `sample` applies it on the device; otherwise the host does.
 
         keep_rollback=False skips the State backup (a host copy per row, costly on a device):
         a row then cancelled or aborted cannot continue and may only be released (the Engine
@@ -302,8 +303,11 @@ class Program:
                  else None for seq, unit in zip(seqs, units)]
         batch = self._pack(seqs, units)
         backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
-        if self._can_sample_on_device(seqs, units, masks):
+        on_device = self._can_sample_on_device(seqs, units, masks)
+        if on_device == "greedy":
             rows = self._device_greedy_rows(batch, seqs, units)
+        elif on_device == "sample":
+            rows = self._device_sampled_rows(batch, seqs, units, masks)
         else:
             logits = self.model.forward(batch, self.kv, self.state)
             if logits.shape != (len(seqs), self.vocab_size):
@@ -314,20 +318,40 @@ class Program:
         self._pending = PendingBatch(rows, backups, self._new_id())
         return self._pending
 
-    def _can_sample_on_device(self, seqs, units, masks) -> bool:
-        """A backend with `decode_greedy` (CUDA: argmax inside the decode graph) returns token ids
-        instead of [B, V] logits; usable when no row needs the logits on the host: every sampling
-        row is plain greedy (no penalties, no logprobs, no grammar mask) and no row is forced."""
-        if not hasattr(self.model, "decode_greedy"):
-            return False
-        return all(not unit.forced and (not unit.is_sampling or (seq.spec.is_plain_greedy
-                                                                 and mask is None))
-                   for seq, unit, mask in zip(seqs, units, masks))
+    def _can_sample_on_device(self, seqs, units, masks):
+        """Which device path returns token ids instead of [B, V] logits, or None (host sampling).
+        No row may be forced (a control unit) or ask for logprobs (they need the raw logits on
+        the host). "greedy": `decode_greedy` (CUDA: argmax inside the decode graph), when every
+        sampling row is plain greedy (no penalties, no grammar mask); "sample": `sample` (the
+        whole sampler on the device: penalties, masks, temperature, top-k/top-p/min-p)."""
+        if any(unit.forced or (unit.is_sampling and seq.spec.logprobs is not None)
+               for seq, unit in zip(seqs, units)):
+            return None
+        if hasattr(self.model, "decode_greedy") and all(
+                not unit.is_sampling or (seq.spec.is_plain_greedy and mask is None)
+                for seq, unit, mask in zip(seqs, units, masks)):
+            return "greedy"
+        return "sample" if hasattr(self.model, "sample") else None
 
     def _device_greedy_rows(self, batch, seqs, units) -> tuple:
         tokens = np.asarray(self.model.decode_greedy(batch, self.kv, self.state))
         if tokens.shape != (len(seqs),) or np.any((tokens < 0) | (tokens >= self.vocab_size)):
             raise ProgramError(f"model.decode_greedy returned {tokens!r} for {len(seqs)} rows")
+        return tuple(RowResult(seq.seq_id, unit.num_new_tokens,
+                               (int(tokens[r]),) if unit.is_sampling else (), (),
+                               unit.is_replay, is_control=False)
+                     for r, (seq, unit) in enumerate(zip(seqs, units)))
+
+    def _device_sampled_rows(self, batch, seqs, units, masks) -> tuple:
+        requests = [SampleRow(seq.spec, seq.num_tokens,
+                              self.token_buf[seq.slot, :seq.num_prompt_tokens],
+                              self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
+                              mask, cache_key=(seq.seq_id, seq.num_prompt_tokens))
+                    if unit.is_sampling else None
+                    for seq, unit, mask in zip(seqs, units, masks)]
+        tokens = np.asarray(self.model.sample(batch, self.kv, self.state, requests))
+        if tokens.shape != (len(seqs),) or np.any((tokens < 0) | (tokens >= self.vocab_size)):
+            raise ProgramError(f"model.sample returned {tokens!r} for {len(seqs)} rows")
         return tuple(RowResult(seq.seq_id, unit.num_new_tokens,
                                (int(tokens[r]),) if unit.is_sampling else (), (),
                                unit.is_replay, is_control=False)
