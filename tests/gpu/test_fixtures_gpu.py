@@ -79,3 +79,60 @@ def test_fixture_prefill_and_greedy_on_cuda(name, converted):
         gpu.close()
         cpu.close()
         art.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_float32_free_running_greedy_equals_numpy(name, converted):
+    """dtype="float32": fp32 weights, activations, KV and GEMMs. Every fixture's greedy
+    continuation runs free (each step feeds the model's own argmax, no teacher forcing) on both
+    backends for as many steps as the reference continuation; the tokens must be identical and
+    each step's logits within TOL_MODEL_F32 of the numpy backend's."""
+    import math
+    from gpu_harness import TOL_MODEL_F32
+    from ninfer.artifact import Artifact
+    from ninfer.models.qwen3_5 import load_model
+    ref = load_reference(name)
+    art = Artifact(converted(name))
+    cpu = load_model(art, EngineOptions(backend="numpy"))
+    gpu = load_model(art, EngineOptions(backend="cuda", dtype="float32", max_concurrency=2,
+                                        max_context=256, prefill_chunk=128, page_size=PAGE))
+    try:
+        assert gpu.f32 and gpu.attn_tc_min_tokens == math.inf
+        table = np.arange(16, dtype=np.int32)
+        for seq in ref.sequences:
+            kv_g, st_g = gpu.new_kv_pool(16, PAGE), gpu.new_state_pool(1)
+            kv_c, st_c = cpu.new_kv_pool(16, PAGE), cpu.new_state_pool(1)
+            batch = ForwardBatch.single(seq.ids, 0, table[: -(-len(seq.ids) // PAGE)], 0)
+            err = rel_err(gpu.forward(batch, kv_g, st_g, all_logits=True),
+                          cpu.forward(batch, kv_c, st_c, all_logits=True))
+            assert err < TOL_MODEL_F32, f"{name}: T={len(seq.ids)} prefill logits {err:.2e}"
+            kv_g.close()
+            st_g.close()
+        for cont in ref.continuations:
+            steps = len(cont.tokens)
+            pages = table[: -(-(len(cont.prompt) + steps) // PAGE)]
+            kv_g, st_g = gpu.new_kv_pool(16, PAGE), gpu.new_state_pool(1)
+            kv_c, st_c = cpu.new_kv_pool(16, PAGE), cpu.new_state_pool(1)
+            first = ForwardBatch.single(cont.prompt, 0, pages)
+            lg, lc = gpu.forward(first, kv_g, st_g), cpu.forward(first, kv_c, st_c)
+            got, want, worst = [], [], 0.0
+            for k in range(steps):
+                worst = max(worst, rel_err(lg, lc))
+                assert worst < TOL_MODEL_F32, f"{name}: step {k}: logits {worst:.2e}"
+                tg, tc = int(np.argmax(lg[0])), int(np.argmax(lc[0]))
+                top2 = np.sort(lc[0])[-2:]
+                assert tg == tc, f"{name}: step {k}: cuda {tg} != numpy {tc} (numpy margin " \
+                    f"{top2[1] - top2[0]:.2e}, logits error so far {worst:.2e})"
+                got.append(tg)
+                want.append(tc)
+                if k + 1 < steps:       # decode steps replay the float32 B=1 graph
+                    pos = len(cont.prompt) + k
+                    lg = gpu.forward(ForwardBatch.single([tg], pos, pages), kv_g, st_g)
+                    lc = cpu.forward(ForwardBatch.single([tc], pos, pages), kv_c, st_c)
+            assert got == want and len(got) == steps
+            kv_g.close()
+            st_g.close()
+    finally:
+        gpu.close()
+        cpu.close()
+        art.close()

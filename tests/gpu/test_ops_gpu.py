@@ -138,6 +138,28 @@ def test_cublaslt_gemm(g, m, n, k):
     assert rel_err(g.get(y2), bits_to_f64(x) @ bits_to_f64(wkn)) < TOL_F32 * 10
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 1, 8), (3, 129, 64), (17, 256, 520), (8, 5120, 5120)])
+def test_cublaslt_gemm_float32(g, m, n, k):
+    """dtype="float32": fp32 X and W (not bf16-representable) under strict CUBLAS_COMPUTE_32F.
+    TF32 (10-bit mantissa) would leave ~5e-4 here; fp32 sums leave < 1e-6."""
+    from ninfer.core.cuda.cublaslt import CublasLt
+    r = rng(m * n + k + 1)
+    ws = g.empty((32 << 20,), np.uint8)
+    lt = CublasLt(ws.ptr, 32 << 20, f32=True)
+    try:
+        x = r.standard_normal((m, k)).astype(np.float32)
+        w = (r.standard_normal((n, k)) / math.sqrt(k)).astype(np.float32)
+        y0 = r.standard_normal((m, n)).astype(np.float32)
+        y = g.put(y0)
+        lt.gemm(g.stream, g.put(x).ptr, g.put(w).ptr, y.ptr, m, n, k, beta=1.0)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        assert rel_err(g.get(y), ref + y0) < TOL_F32
+        lt.gemm(g.stream, g.put(x).ptr, g.put(w).ptr, y.ptr, m, n, k)
+        assert rel_err(g.get(y), ref) < TOL_F32
+    finally:
+        lt.close()
+
+
 # ---- Gated DeltaNet: conv + gating + delta rule -------------------------------------------------
 
 def _rows(r, lengths, ctxs):
@@ -286,10 +308,11 @@ def zc_norm(x, w, eps=1e-6):
     return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * (1 + w)
 
 
+@STORAGE
 @pytest.mark.parametrize("hd,rot,nh,nkv,secs,inter", [(64, 16, 4, 2, (3, 3, 2), True),
                                                       (256, 64, 6, 1, (11, 11, 10), True),
                                                       (128, 32, 2, 2, (6, 5, 5), False)])
-def test_qk_norm_rope_kv_write(g, hd, rot, nh, nkv, secs, inter):
+def test_qk_norm_rope_kv_write(g, hd, rot, nh, nkv, secs, inter, f32):
     r = rng(hd + nh)
     lengths, ctxs, ps = [3, 1], [5, 17], 4
     n, b = sum(lengths), len(lengths)
@@ -306,14 +329,14 @@ def test_qk_norm_rope_kv_write(g, hd, rot, nh, nkv, secs, inter):
     n_cap = n + 3
     pos = np.zeros((3, n_cap), np.int32)
     pos[:, :n] = r.integers(0, 2048, (3, n))
-    kc = g.empty((num_pages, ps, nkv, hd), np.uint16, poison=0)
-    vc = g.empty((num_pages, ps, nkv, hd), np.uint16, poison=0)
+    kc = g.empty((num_pages, ps, nkv, hd), gin(f32), poison=0)
+    vc = g.empty((num_pages, ps, nkv, hd), gin(f32), poison=0)
     qout = g.empty((n, nh, hd), np.float32)
     g.run("qk_norm_rope_kv", (n, nh + nkv), (hd,),
           (qout, g.put(proj), P, g.put(qn), g.put(kn), kc, vc, g.put(pos), n_cap, g.put(token_row),
            g.put(qs), g.put(ctx), g.put(bt), p_cap, ps, 1e6, 1e-6),
           dict(hd=hd, rot=rot, nh=nh, nkv=nkv, sec_t=secs[0], sec_h=secs[1], sec_w=secs[2],
-               interleaved=inter))
+               interleaved=inter, f32=f32))
     ang = mrope_angles(pos[:, :n], rot, 1e6, secs, inter)
     pr = proj.astype(np.float64)
     q = pr[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, :hd]
@@ -322,13 +345,15 @@ def test_qk_norm_rope_kv_write(g, hd, rot, nh, nkv, secs, inter):
     k = pr[:, 2 * nh * hd: 2 * nh * hd + nkv * hd].reshape(n, nkv, hd)
     v = pr[:, 2 * nh * hd + nkv * hd:].reshape(n, nkv, hd)
     kref = rope_oracle(zc_norm(k, kn), ang[:, None, :], rot)
-    kcache, vcache = bits_to_f64(g.get(kc)), bits_to_f64(g.get(vc))
+    kcache, vcache = load_from(g.get(kc), f32), load_from(g.get(vc), f32)
+    # fp32 pools: k carries the rotary angles' error, v is copied exactly
+    ktol, vtol = (TOL_ROPE_F32, 0.0) if f32 else (TOL_BF16_OUT, TOL_BF16_OUT)
     for t in range(n):
         row = token_row[t]
         p = ctx[row] + t - qs[row]
         page, off = bt[row, p // ps], p % ps
-        assert rel_err(kcache[page, off], kref[t]) < TOL_BF16_OUT
-        assert rel_err(vcache[page, off], v[t]) < TOL_BF16_OUT
+        assert rel_err(kcache[page, off], kref[t]) < ktol
+        assert rel_err(vcache[page, off], v[t]) <= vtol
 
 
 def attention_oracle(q, kcache, vcache, bt, ctx, qs, token_row, ps, gate, G):
@@ -352,7 +377,8 @@ def attention_oracle(q, kcache, vcache, bt, ctx, qs, token_row, ps, gate, G):
     (64, 2, 2, [1], [0], 1, 2), (64, 2, 2, [1, 1, 1], [0, 31, 100], 7, 2),
     (256, 6, 1, [1], [300], 32, 6), (128, 1, 3, [5, 3], [0, 9], 1, 1), (128, 4, 2, [4], [13], 3, 4),
     (256, 6, 2, [9, 2], [0, 40], 1, 3), (128, 4, 1, [3], [5], 2, 2)])
-def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS):
+@STORAGE
+def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS, f32):
     r = rng(hd * G + sum(ctxs))
     nh, ps = G * nkv, 16
     n, b = sum(lengths), len(lengths)
@@ -366,27 +392,27 @@ def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS):
         need = (ctx[row] + lengths[row] + ps - 1) // ps
         bt[row, :need] = perm[used: used + need]
         used += need
-    kbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
-    vbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
+    kbits = store_as(r.standard_normal((num_pages, ps, nkv, hd)), f32)     # fp32 pools: fp32 K/V
+    vbits = store_as(r.standard_normal((num_pages, ps, nkv, hd)), f32)
     q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)
     P = 2 * nh * hd + 5
     proj = r.standard_normal((n, P)).astype(np.float32)
     part = g.empty((n * splits, nh, hd), np.float32)
     ml = g.empty((n * splits, nh, 2), np.float32)
-    out = g.empty((n, nh * hd), np.uint16)
+    out = g.empty((n, nh * hd), gin(f32))
     args = [g.put(q), g.put(kbits), g.put(vbits), g.put(token_row), g.put(qs), g.put(ctx), g.put(bt),
             p_cap, ps, splits, 1 / math.sqrt(hd)]
     # one launch per token range [t0, t1) (t_base = t0: the runner's runs of short rows); with
     # several rows, the first row alone, then the rest
     for t0, t1 in ([(0, int(qs[1])), (int(qs[1]), n)] if b > 1 else [(0, n)]):
         g.run("paged_attention", (t1 - t0, nkv * (G // GS), splits), (128,),
-              (part, ml, *args, t0), dict(hd=hd, G=G, nkv=nkv, GS=GS))
+              (part, ml, *args, t0), dict(hd=hd, G=G, nkv=nkv, GS=GS, f32=f32))
         g.run("attn_combine", (t1 - t0, nh), (hd,), (out, part, ml, g.put(proj), P, splits, t0),
-              dict(hd=hd, nh=nh))
+              dict(hd=hd, nh=nh, f32=f32))
     gate = proj[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, hd:].astype(np.float64)
-    ref = attention_oracle(q.astype(np.float64), bits_to_f64(kbits), bits_to_f64(vbits), bt, ctx,
-                           qs, token_row, ps, gate, G)
-    assert rel_err(bits_to_f64(g.get(out)).reshape(n, nh, hd), ref) < TOL_BF16_OUT
+    ref = attention_oracle(q.astype(np.float64), load_from(kbits, f32), load_from(vbits, f32), bt,
+                           ctx, qs, token_row, ps, gate, G)
+    assert rel_err(load_from(g.get(out), f32).reshape(n, nh, hd), ref) < out_tol(f32)
 
 
 # Tensor-core prefill attention (cuda/attention_tc.py): bf16 q and bf16 softmax weights P into
@@ -471,12 +497,15 @@ def test_router_topk(g, E, K, norm, n):
     assert rel_err(g.get(wts), ref_w) < TOL_F32
 
 
+@STORAGE
 @pytest.mark.parametrize("H,I,E,K,n", [(64, 32, 4, 2, 1), (2048, 512, 16, 8, 3)])
-def test_grouped_experts_and_combine(g, H, I, E, K, n):
+def test_grouped_experts_and_combine(g, H, I, E, K, n, f32):
     r = rng(H + I + n)
-    x = bf16_bits(r.standard_normal((n, H)))
-    wgu = bf16_bits(r.standard_normal((E, 2 * I, H)) / math.sqrt(H))
-    wd = bf16_bits(r.standard_normal((E, H, I)) / math.sqrt(I))
+    # f32: fp32 activations; the weights keep bf16 values (a checkpoint's, widened at load)
+    x = store_as(r.standard_normal((n, H)), f32)
+    wgu = store_as(bits_to_f64(bf16_bits(r.standard_normal((E, 2 * I, H)) / math.sqrt(H))), f32)
+    wd = store_as(bits_to_f64(bf16_bits(r.standard_normal((E, H, I)) / math.sqrt(I))), f32)
+    pairs = (lambda a: a) if f32 else (lambda a: a.view(np.uint32))
     ids = np.stack([r.permutation(E)[:K] for _ in range(n)]).astype(np.int32)
     wts = r.random((n, K)).astype(np.float32)
     shared = r.standard_normal((n, H)).astype(np.float32)
@@ -485,20 +514,21 @@ def test_grouped_experts_and_combine(g, H, I, E, K, n):
     h0 = r.standard_normal((n, H)).astype(np.float32)
     act, y = g.empty((n * K, I), np.float32), g.empty((n * K, H), np.float32)
     h = g.put(h0)
-    g.run("expert_gate_up", (n * K, (I + 3) // 4), (128,), (act, g.put(x.view(np.uint32)),
-          g.put(wgu.view(np.uint32)), g.put(ids), K), dict(H=H, inter=I))
-    g.run("expert_down", (n * K, (H + 3) // 4), (128,), (y, act, g.put(wd.view(np.uint32)), g.put(ids)),
-          dict(H=H, inter=I))
+    g.run("expert_gate_up", (n * K, (I + 3) // 4), (128,), (act, g.put(pairs(x)),
+          g.put(pairs(wgu)), g.put(ids), K), dict(H=H, inter=I, f32=f32))
+    g.run("expert_down", (n * K, (H + 3) // 4), (128,), (y, act, g.put(pairs(wd)), g.put(ids)),
+          dict(H=H, inter=I, f32=f32))
     g.run("moe_combine", ((H + 255) // 256, n), (256,),
           (h, y, 0, 0, g.put(wts), g.put(shared), g.put(glog), gst), dict(H=H, K=K))
-    xf, gu, dn = bits_to_f64(x), bits_to_f64(wgu), bits_to_f64(wd)
+    xf, gu, dn = load_from(x, f32), load_from(wgu, f32), load_from(wd, f32)
+    rounded = (lambda a: a) if f32 else bf16_round
     ref = h0.astype(np.float64) + shared / (1 + np.exp(-glog[:, :1].astype(np.float64)))
     for t in range(n):
         for k in range(K):
             e = ids[t, k]
-            a = bf16_round(silu(gu[e, :I] @ xf[t]) * (gu[e, I:] @ xf[t]))   # act feeds a bf16 GEMM
+            a = rounded(silu(gu[e, :I] @ xf[t]) * (gu[e, I:] @ xf[t]))   # act feeds a bf16 GEMM
             ref[t] += wts[t, k] * (dn[e] @ a)
-    assert rel_err(g.get(h), ref) < TOL_BF16_OUT
+    assert rel_err(g.get(h), ref) < out_tol(f32)
     # the same combine reading expert-sorted rows through a row map (grouped path)
     perm = r.permutation(n * K).astype(np.int32)
     y_sorted = np.empty_like(g.get(y))
@@ -510,12 +540,14 @@ def test_grouped_experts_and_combine(g, H, I, E, K, n):
     assert np.array_equal(g.get(h2), g.get(h))
 
 
-def test_gather_rows(g):
+@STORAGE
+def test_gather_rows(g, f32):
     r = rng(11)
-    x = bf16_bits(r.standard_normal((9, 300)))
+    x = store_as(r.standard_normal((9, 300)), f32)
     src = r.integers(0, 9, 23).astype(np.int32)
-    out = g.empty((23, 300), np.uint16)
-    g.run("gather_rows", (23, (300 + 255) // 256), (256,), (out, g.put(x), g.put(src), 300))
+    out = g.empty((23, 300), gin(f32))
+    g.run("gather_rows", (23, (300 + 255) // 256), (256,), (out, g.put(x), g.put(src), 300),
+          dict(f32=f32))
     assert np.array_equal(g.get(out), x[src])
 
 
