@@ -89,7 +89,9 @@ class PromptCache:
 
 
 def penalty_entries(spec, prompt_unique: np.ndarray, generated_ids) -> tuple:
-    """(ids, generated counts) the penalties touch: sampling.apply_penalties' sets."""
+    """(distinct ids, generated counts) the penalties touch: sampling.apply_penalties' sets.
+    Not sorted: the sorted prompt ids first, then generated ids the prompt lacks (no merge
+    sort of the prompt per step)."""
     rep = spec.repetition_penalty != 1.0
     pf = (spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0) and len(generated_ids)
     if not rep and not pf:
@@ -97,10 +99,14 @@ def penalty_entries(spec, prompt_unique: np.ndarray, generated_ids) -> tuple:
     gen, counts = np.unique(np.asarray(generated_ids, np.int64), return_counts=True)
     if not rep:
         return gen, counts
-    ids = np.union1d(prompt_unique, gen)
+    pu = np.asarray(prompt_unique, np.int64)
+    pos = np.minimum(np.searchsorted(pu, gen), max(len(pu) - 1, 0))
+    in_prompt = (pu[pos] == gen) if len(pu) else np.zeros(len(gen), np.bool_)
+    ids = np.concatenate([pu, gen[~in_prompt]])
     c = np.zeros(len(ids), np.int64)
     if pf:                                  # counts only matter when the penalties are on
-        c[np.searchsorted(ids, gen)] = counts
+        c[pos[in_prompt]] = counts[in_prompt]
+        c[len(pu):] = counts[~in_prompt]
     return ids, c
 
 
@@ -137,7 +143,7 @@ def pack(layout: SamplerLayout, buf: np.ndarray, rows, cache: PromptCache = None
         if n:
             if n > layout.pen_cap:
                 raise ValueError(f"sampler: {n} penalty entries exceed {layout.pen_cap} per row")
-            if ids[0] < 0 or ids[-1] >= V:
+            if ids.min() < 0 or ids.max() >= V:
                 raise ValueError(f"sampler: a prompt or generated id is outside [0, {V})")
             pairs = data[used: used + 2 * n].reshape(n, 2)
             pairs[:, 0] = ids
