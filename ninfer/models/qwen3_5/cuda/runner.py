@@ -18,6 +18,7 @@ from ....core.cuda import driver as _d
 from ....core.cuda.cublaslt import alignment
 from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
+from . import gdn_chunk as gc
 
 
 class Workspace:
@@ -54,6 +55,12 @@ class Workspace:
         self.mid = take((n, max(C if cfg.linear_layer_ids else 1,
                                 nh * hd if cfg.attention_layer_ids else 1)), np.float32, ws)
         self.core = take((n, max(Vd, 1)), np.float32, ws)
+        if cfg.linear_layer_ids:
+            # chunked delta rule (prefill, cuda/gdn_chunk.py): W, P, per-token decay factors
+            dk = cfg.linear_key_head_dim
+            self.gdn_cn = gc.chunk_size(dk) or gc.CHUNK_SIZES[-1]
+            shp = gc.buffer_shapes(n, nv, dk, self.gdn_cn)
+            self.gdn_w, self.gdn_p, self.gdn_g = (take(shp[k], np.float32, ws) for k in "wpg")
         if cfg.attention_layer_ids:
             self.part = take((part_rows, nh, hd), np.float32, ws)
             self.ml = take((part_rows, nh, 2), np.float32, ws)
@@ -213,9 +220,20 @@ class StepRunner:
             self.launch(st, "conv_state_update", ((C + 127) // 128, b), (128,),
                         (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
                          meta.state_slots))
-        self.launch(st, "gdn_recurrent", (b, nv, (dv + 31) // 32), (128,),
-                    (ws.core, ws.mid, ws.proj, P, C + Vd + nv, C + Vd, lw["a_log"], lw["dt_bias"],
-                     state.recurrent[l], meta.query_start, meta.context_lens, meta.state_slots))
+        if decode:
+            self.launch(st, "gdn_recurrent", (b, nv, (dv + 31) // 32), (128,),
+                        (ws.core, ws.mid, ws.proj, P, C + Vd + nv, C + Vd, lw["a_log"],
+                         lw["dt_bias"], state.recurrent[l], meta.query_start, meta.context_lens,
+                         meta.state_slots))
+        else:
+            # prefill (any row length, 1 included): the chunked form, parallel within chunks
+            gc.launch(lambda name, grid, block, args: self.launch(st, name, grid, block, args),
+                      dk, dv, nv, ws.gdn_cn, b, gc.max_chunks(self.rows, n, b, ws.gdn_cn),
+                      core=ws.core, w=ws.gdn_w, p=ws.gdn_p, g=ws.gdn_g, qkv=ws.mid, proj=ws.proj,
+                      proj_stride=P, a_off=C + Vd + nv, b_off=C + Vd, a_log=lw["a_log"],
+                      dt_bias=lw["dt_bias"], state=state.recurrent[l],
+                      query_start=meta.query_start, context_lens=meta.context_lens,
+                      state_slots=meta.state_slots)
         self.launch(st, "gated_rmsnorm", (n, nv), (min(128, (dv + 31) // 32 * 32),),
                     (ws.act, ws.core, ws.proj, P, C, lw["norm_w"], dv, cfg.rms_norm_eps))
         self.gemm(st, ws.act.ptr, lw["w_out"].ptr, ws.h.ptr, n, H, Vd, beta=1.0)

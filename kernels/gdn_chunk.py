@@ -1,0 +1,271 @@
+"""Gated delta rule for prefill, chunked (WY / UT transform), fp32 state and arithmetic.
+
+The same recurrence as gdn.py (S <- exp(g) S; S <- S + k (beta (v - k^T S))^T; o = S^T q), a chunk
+of Cn tokens at a time; ninfer/ops/delta_rule.py `gated_delta_chunked` is the numpy model. Within a
+chunk (i, j its positions, G_i the cumulative log decay from the chunk start, in float64 so that
+the differences G_i - G_j of large nearby values keep their precision):
+
+    A[i, j] = beta_i k_i.k_j exp(G_i - G_j)  (j < i)     (I + A) U = beta V
+                                                        (I + A) W = beta K exp(G)
+    V' = U - W S ;  O = exp(G) (Q S) + P V'  with P[i, j] = q_i.k_j exp(G_i - G_j)  (j <= i)
+    S <- exp(G_last) S + (K exp(G_last - G))^T V'
+
+gdn_chunk_prep: one block per (row, value head, chunk), fully parallel. Writes U into `core` (the
+output buffer: the scan reads each element before it writes the output there), W, P and the
+per-token factors exp(G_i), exp(G_last - G_i).
+gdn_chunk_scan: one block per (row, value head, VB value columns), sequential over the row's
+chunks. Thread (cg, ks) keeps S[m*KS + ks, cg + c*VB/NC] (m < dk/KS, c < NC) in registers: rows
+interleaved over the KS lanes so that their shared-memory reads of one tile row hit KS different
+banks; each tile value read feeds NC columns.
+"""
+import math
+
+from numba import cuda, float32, float64
+
+from .common import FULL_MASK, sigmoid, softplus
+
+
+def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
+    C = 2 * nk * dk + nv * dv
+    ratio = nv // nk
+    KP = KT + 1                      # padded slice rows: column j of a warp's pairs hits bank j
+    NSL = (dk + KT - 1) // KT
+    PPT = (Cn * Cn + NT - 1) // NT   # (i, j) pairs per thread
+    assert NT >= Cn
+    CC = Cn * Cn                     # shared/local array sizes must be compile-time constants
+    CKP = Cn * KP
+
+    def gdn_chunk_prep_kernel(core, wbuf, pbuf, gbuf, qkv, proj, proj_stride, a_off, b_off,
+                              a_log, dt_bias, query_start):
+        r = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        t0 = query_start[r] + cuda.blockIdx.z * Cn
+        t1 = query_start[r + 1]
+        if t0 >= t1:
+            return                   # whole block: the row has fewer chunks
+        L = min(Cn, t1 - t0)
+        kh = h // ratio
+        G = cuda.shared.array(Cn, float64)
+        gl = cuda.shared.array(Cn, float32)
+        bt = cuda.shared.array(Cn, float32)
+        A = cuda.shared.array(CC, float32)
+        qt = cuda.shared.array(CKP, float32)
+        kt = cuda.shared.array(CKP, float32)
+        if tid < Cn:
+            gv = float32(0.0)
+            bv = float32(0.0)
+            if tid < L:
+                t = t0 + tid
+                # the same fp32 gate as gdn_recurrent
+                gv = -math.exp(a_log[h]) * softplus(proj[t * proj_stride + a_off + h] + dt_bias[h])
+                bv = sigmoid(proj[t * proj_stride + b_off + h])
+            gl[tid] = gv
+            bt[tid] = bv
+        cuda.syncthreads()
+        if tid == 0:
+            acc = float64(0.0)
+            for i in range(Cn):
+                acc += float64(gl[i])
+                G[i] = acc
+        cuda.syncthreads()
+        if tid < L:
+            gb = ((t0 + tid) * nv + h) * 2
+            gbuf[gb] = math.exp(float32(G[tid]))
+            gbuf[gb + 1] = math.exp(float32(G[L - 1] - G[tid]))
+
+        # k_i.k_j and q_i.k_j for j <= i, over dk in slices of KT columns
+        accA = cuda.local.array(PPT, float32)
+        accP = cuda.local.array(PPT, float32)
+        for s in range(PPT):
+            accA[s] = float32(0.0)
+            accP[s] = float32(0.0)
+        for sl in range(NSL):
+            k0 = sl * KT
+            for e in range(tid, Cn * KT, NT):
+                i = e // KT
+                c = e - i * KT
+                qv = float32(0.0)
+                kv = float32(0.0)
+                if i < L and k0 + c < dk:
+                    base = (t0 + i) * C + kh * dk + k0 + c
+                    qv = qkv[base]
+                    kv = qkv[base + nk * dk]
+                qt[i * KP + c] = qv
+                kt[i * KP + c] = kv
+            cuda.syncthreads()
+            for s in range(PPT):
+                e = tid + s * NT
+                if e < Cn * Cn:
+                    i = e // Cn
+                    j = e - i * Cn
+                    if j <= i and i < L:
+                        a0 = float32(0.0)
+                        p0 = float32(0.0)
+                        for c in range(KT):
+                            kj = kt[j * KP + c]
+                            a0 += kt[i * KP + c] * kj
+                            p0 += qt[i * KP + c] * kj
+                        accA[s] += a0
+                        accP[s] += p0
+            cuda.syncthreads()
+        for s in range(PPT):
+            e = tid + s * NT
+            if e < Cn * Cn:
+                i = e // Cn
+                j = e - i * Cn
+                av = float32(0.0)
+                pv = float32(0.0)
+                if j <= i and i < L:
+                    dec = math.exp(float32(G[i] - G[j]))      # exponent <= 0: no overflow
+                    pv = accP[s] * dec
+                    if j < i:
+                        av = bt[i] * accA[s] * dec
+                A[e] = av
+                if i < L:
+                    pbuf[((t0 + i) * nv + h) * Cn + j] = pv
+        cuda.syncthreads()
+
+        # (I + A) X = B by forward substitution, one right-hand-side column per thread:
+        # columns [0, dv) are beta v (-> U, into core), [dv, dv + dk) beta k exp(G) (-> W)
+        X = cuda.local.array(Cn, float32)
+        for col in range(tid, dv + dk, NT):
+            for i in range(L):
+                t = t0 + i
+                if col < dv:
+                    x0 = bt[i] * qkv[t * C + 2 * nk * dk + h * dv + col]
+                else:
+                    x0 = bt[i] * math.exp(float32(G[i])) * qkv[t * C + nk * dk + kh * dk + col - dv]
+                x1 = float32(0.0)
+                for j in range(0, i - 1, 2):       # two accumulators: halves the FMA chain
+                    x0 -= A[i * Cn + j] * X[j]
+                    x1 -= A[i * Cn + j + 1] * X[j + 1]
+                if i % 2 == 1:
+                    x0 -= A[i * Cn + i - 1] * X[i - 1]
+                x = x0 + x1
+                X[i] = x
+                if col < dv:
+                    core[t * nv * dv + h * dv + col] = x
+                else:
+                    wbuf[(t * nv + h) * dk + col - dv] = x
+    return gdn_chunk_prep_kernel
+
+
+def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS):
+    C = 2 * nk * dk + nv * dv
+    ratio = nv // nk
+    SL = dk // KS                    # state rows per thread
+    CG = VB // NC                    # column groups per block: thread columns cg + c * CG
+    NT = CG * KS
+    assert dk % KS == 0 and VB % NC == 0 and NT >= Cn and NT % 32 == 0
+    TILE = Cn * dk                   # shared/local array sizes must be compile-time constants
+    VNS = Cn * VB
+    SLN = SL * NC
+
+    def gdn_chunk_scan_kernel(core, wbuf, pbuf, gbuf, qkv, state, query_start, context_lens,
+                              state_slots):
+        r = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        cg = tid // KS
+        ks = tid % KS
+        v0 = cuda.blockIdx.z * VB + cg
+        kh = h // ratio
+        tile = cuda.shared.array(TILE, float32)
+        vn = cuda.shared.array(VNS, float32)
+        gq = cuda.shared.array(Cn, float32)
+        gk = cuda.shared.array(Cn, float32)
+        S = cuda.local.array(SLN, float32)
+        p = cuda.local.array(NC, float32)
+        slot = state_slots[r]
+        sbase = (slot * nv + h) * dk * dv
+        fresh = context_lens[r] == 0
+        for m in range(SL):
+            for c in range(NC):
+                # columns past dv (dv < VB) follow a real column's values, never stored
+                vc = min(v0 + c * CG, dv - 1)
+                if fresh:
+                    S[m * NC + c] = float32(0.0)
+                else:
+                    S[m * NC + c] = state[sbase + (m * KS + ks) * dv + vc]
+        q0 = query_start[r]
+        q1 = query_start[r + 1]
+        for t0 in range(q0, q1, Cn):
+            L = min(Cn, q1 - t0)
+            for e in range(tid, L * dk, NT):
+                i = e // dk
+                tile[e] = wbuf[((t0 + i) * nv + h) * dk + e - i * dk]
+            if tid < L:
+                gq[tid] = gbuf[((t0 + tid) * nv + h) * 2]
+                gk[tid] = gbuf[((t0 + tid) * nv + h) * 2 + 1]
+            cuda.syncthreads()
+            # V' = U - W S
+            for i in range(L):
+                for c in range(NC):
+                    p[c] = float32(0.0)
+                for m in range(SL):
+                    wv = tile[i * dk + m * KS + ks]
+                    for c in range(NC):
+                        p[c] += wv * S[m * NC + c]
+                for c in range(NC):
+                    x = p[c]
+                    off = 1
+                    while off < KS:
+                        x += cuda.shfl_xor_sync(FULL_MASK, x, off)
+                        off *= 2
+                    if ks == 0:
+                        vc = min(v0 + c * CG, dv - 1)
+                        vn[i * VB + cg + c * CG] = core[(t0 + i) * nv * dv + h * dv + vc] - x
+            cuda.syncthreads()
+            for e in range(tid, L * dk, NT):
+                i = e // dk
+                tile[e] = qkv[(t0 + i) * C + kh * dk + e - i * dk]
+            cuda.syncthreads()
+            # O = exp(G) (Q S) + P V'  (P's columns j <= i split over the KS lanes)
+            for i in range(L):
+                for c in range(NC):
+                    p[c] = float32(0.0)
+                for m in range(SL):
+                    qv = tile[i * dk + m * KS + ks]
+                    for c in range(NC):
+                        p[c] += qv * S[m * NC + c]
+                gi = gq[i]
+                for c in range(NC):
+                    p[c] *= gi
+                prow = ((t0 + i) * nv + h) * Cn
+                for j in range(ks, i + 1, KS):
+                    pij = pbuf[prow + j]
+                    for c in range(NC):
+                        p[c] += pij * vn[j * VB + cg + c * CG]
+                for c in range(NC):
+                    x = p[c]
+                    off = 1
+                    while off < KS:
+                        x += cuda.shfl_xor_sync(FULL_MASK, x, off)
+                        off *= 2
+                    v = v0 + c * CG
+                    if ks == 0 and v < dv:
+                        core[(t0 + i) * nv * dv + h * dv + v] = x
+            cuda.syncthreads()
+            for e in range(tid, L * dk, NT):
+                i = e // dk
+                tile[e] = qkv[(t0 + i) * C + nk * dk + kh * dk + e - i * dk] * gk[i]
+            cuda.syncthreads()
+            # S <- exp(G_last) S + (K exp(G_last - G))^T V'
+            decay = gq[L - 1]
+            for m in range(SL * NC):
+                S[m] = S[m] * decay
+            for i in range(L):
+                for c in range(NC):
+                    p[c] = vn[i * VB + cg + c * CG]
+                for m in range(SL):
+                    kv = tile[i * dk + m * KS + ks]
+                    for c in range(NC):
+                        S[m * NC + c] += kv * p[c]
+            cuda.syncthreads()       # the next chunk overwrites tile, vn, gq, gk
+        for m in range(SL):
+            for c in range(NC):
+                v = v0 + c * CG
+                if v < dv:
+                    state[sbase + (m * KS + ks) * dv + v] = S[m * NC + c]
+    return gdn_chunk_scan_kernel

@@ -1,0 +1,79 @@
+"""Host side of the chunked gated delta rule for prefill (kernels/gdn_chunk.py): the chunk size a
+geometry gets, the kernels' shared-memory budgets, the workspace it needs and its two launches.
+
+A call that is not a decode step runs every row through two kernels:
+  gdn_chunk_prep  grid (row, value head, chunk of the row), fully parallel: gates, the chunk's
+                  cumulative log decay (float64), the WY matrices U (into `core`, in place of the
+                  output), W and the causal intra-chunk matrix P, per-token decay factors
+  gdn_chunk_scan  grid (row, value head, block of SCAN_VB value columns), sequential over the
+                  row's chunks with the state slice in registers
+Chunks never cross a row boundary; a row's last chunk may be partial (a 1-token row is one).
+"""
+from __future__ import annotations
+
+import math
+
+# static shared memory one kernel may declare (numba's static arrays cannot opt in to more)
+STATIC_SMEM_BYTES = 48 * 1024
+CHUNK_SIZES = (64, 32, 16, 8)      # the largest that fits the shared-memory budget is used
+PREP_THREADS = 256
+PREP_KT = 32                        # key/query columns staged per pass when forming K K^T, Q K^T
+SCAN_VB = 32                        # value columns per scan block
+SCAN_NC = 2                         # value columns per scan thread (each shared load feeds NC FMAs)
+
+
+def scan_ks(dk: int) -> int:
+    """Threads sharing one value column's dk state rows (dk is a multiple of 4: check_geometry)."""
+    return 8 if dk % 8 == 0 else 4
+
+
+def scan_threads(dk: int) -> int:
+    return SCAN_VB // SCAN_NC * scan_ks(dk)
+
+
+def scan_smem(cn: int, dk: int) -> int:
+    # one [Cn, dk] tile (W, then q, then decayed k), V' [Cn, VB], two per-token decay factors
+    return 4 * cn * (dk + SCAN_VB + 2)
+
+
+def prep_smem(cn: int) -> int:
+    # A [Cn, Cn], q/k slices [Cn, KT + 1], float64 log decay, fp32 gates and betas
+    return 4 * cn * cn + 2 * 4 * cn * (PREP_KT + 1) + 8 * cn + 2 * 4 * cn
+
+
+def chunk_size(dk: int) -> int | None:
+    """Tokens per chunk for key head dim `dk`; None if not even the smallest chunk fits."""
+    for cn in CHUNK_SIZES:
+        if scan_smem(cn, dk) <= STATIC_SMEM_BYTES and prep_smem(cn) <= STATIC_SMEM_BYTES:
+            return cn
+    return None
+
+
+def buffer_shapes(n: int, nv: int, dk: int, cn: int) -> dict:
+    """Workspace buffers (float32) for up to n tokens: W [n, nv, dk], P [n, nv, Cn] (row i of a
+    chunk's causal q.k decay matrix), decay factors [n, nv, 2] (exp(G_i), exp(G_last - G_i)).
+    U lives in the output buffer `core` itself."""
+    return {"w": (n, nv, dk), "p": (n, nv, cn), "g": (n, nv, 2)}
+
+
+def workspace_bytes(n: int, nv: int, dk: int) -> int:
+    cn = chunk_size(dk) or CHUNK_SIZES[-1]
+    return sum(4 * math.prod(s) for s in buffer_shapes(n, nv, dk, cn).values())
+
+
+def max_chunks(rows, n: int, b: int, cn: int) -> int:
+    """Chunks of the longest row (the prep grid's z); without row info a bound from n and b
+    (every row has at least one token). `rows`: host (query_start, tokens, context) per row."""
+    longest = max((ln for _, ln, _ in rows), default=0) if rows else n - b + 1
+    return max(1, -(-longest // cn))
+
+
+def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *, core, w, p, g,
+           qkv, proj, proj_stride: int, a_off: int, b_off: int, a_log, dt_bias, state,
+           query_start, context_lens, state_slots, prep_threads: int = PREP_THREADS) -> None:
+    """The two launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`
+    must be the prep kernel's NT (the simulator tests compile it smaller)."""
+    launch_fn("gdn_chunk_prep", (b, nv, chunks), (prep_threads,),
+              (core, w, p, g, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, query_start))
+    launch_fn("gdn_chunk_scan", (b, nv, -(-dv // SCAN_VB)), (scan_threads(dk),),
+              (core, w, p, g, qkv, state, query_start, context_lens, state_slots))

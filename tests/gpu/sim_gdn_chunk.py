@@ -1,0 +1,167 @@
+"""The chunked gated delta rule (kernels/gdn_chunk.py) on numba-cuda's CPU simulator (no GPU),
+with the recurrent kernel (kernels/gdn.py) run on the same inputs: both against a float64
+sequential oracle. `tests/test_gdn_chunk_nogpu.py` runs this in a subprocess (the simulator must be
+switched on before numba is imported) and checks the printed JSON errors.
+
+    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_gdn_chunk.py
+"""
+import json
+import math
+import sys
+
+import numpy as np
+
+import threading
+
+from sim_attention_tc import NP, Memory, _fake, cuda   # (also sets the simulator's libdevice shims)
+
+
+def _shfl_xor_sync(self, mask, value, lane_mask):
+    """The simulator has no warp shuffles. This one exchanges through a per-block table between
+    two block-wide barriers, so it is exact only where every thread of the block shuffles at the
+    same point, as in gdn_chunk_scan and gdn_recurrent (their shuffles sit in block-uniform code)."""
+    th = threading.current_thread()
+    table = th._manager.__dict__.setdefault("_shfl_table", {})
+    table[th.thread_id] = value
+    th.syncthreads()
+    out = table[th.thread_id ^ lane_mask]
+    th.syncthreads()
+    return out
+
+
+_fake.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
+
+from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
+from ninfer.models.qwen3_5.cuda import gdn_chunk as gc   # noqa: E402
+from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
+
+
+def softplus(x):
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+
+def oracle(q, k, v, a, b, A_log, dt_bias, S0, ratio):
+    """Sequential gated delta rule in float64 (the gates too). q,k [T, nk, dk], v [T, nv, dv]."""
+    S = S0.astype(np.float64).copy()
+    T, nv = v.shape[0], v.shape[1]
+    o = np.zeros(v.shape)
+    for t in range(T):
+        for h in range(nv):
+            kh = h // ratio
+            S[h] *= np.exp(-np.exp(A_log[h]) * softplus(a[t, h] + dt_bias[h]))
+            delta = (v[t, h] - S[h].T @ k[t, kh]) / (1 + np.exp(-b[t, h]))
+            S[h] += np.outer(k[t, kh], delta)
+            o[t, h] = S[h].T @ q[t, kh]
+    return o, S
+
+
+def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay=False,
+        recurrent=True):
+    """Returns the relative L2 errors of (chunked out, chunked state, recurrent out, recurrent
+    state) against the float64 oracle, and chunked against recurrent (out, state)."""
+    r = np.random.default_rng(seed)
+    mem = Memory(8 << 20)
+    ratio = nv // nk
+    C = 2 * nk * dk + nv * dv
+    n, nb = sum(lengths), len(lengths)
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    qk = r.standard_normal((n, 2 * nk, dk))
+    qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
+    qk[:, :nk] /= math.sqrt(dk)
+    qkv = np.concatenate([qk.reshape(n, -1), r.standard_normal((n, nv * dv))], 1).astype(np.float32)
+    P = C + 2 * nv + 3
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    a_off, b_off = C + 3 + nv, C + 3
+    A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
+    dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
+    if strong_decay:
+        # per-token log decays of -1e-3 .. -60 in one chunk: G reaches the hundreds, where a
+        # float32 cumulative sum would lose ~1e-5 of every nearby pair's decay
+        A_log = np.log(r.uniform(1.0, 16.0, nv)).astype(np.float32)
+        proj[:, a_off:a_off + nv] = r.uniform(-8.0, 4.0, (n, nv)).astype(np.float32)
+    slots = r.permutation(nb + 1)[:nb].astype(np.int32)
+    state0 = (0.3 * r.standard_normal((nb + 1, nv, dk, dv))).astype(np.float32)
+    ctx = np.asarray(ctxs, np.int32)
+
+    ref = np.zeros((n, nv, dv))
+    ref_state = state0.astype(np.float64).copy()
+    for row in range(nb):
+        t0, t1 = qs[row], qs[row + 1]
+        S0 = state0[slots[row]] if ctx[row] > 0 else np.zeros((nv, dk, dv))
+        q = qkv[t0:t1, :nk * dk].reshape(-1, nk, dk).astype(np.float64)
+        k = qkv[t0:t1, nk * dk: 2 * nk * dk].reshape(-1, nk, dk).astype(np.float64)
+        v = qkv[t0:t1, 2 * nk * dk:].reshape(-1, nv, dv).astype(np.float64)
+        o, S = oracle(q, k, v, proj[t0:t1, a_off:a_off + nv], proj[t0:t1, b_off:b_off + nv],
+                      A_log, dt_bias, S0, ratio)
+        ref[t0:t1] = o
+        ref_state[slots[row]] = S
+
+    d = {name: mem.put(a) for name, a in (("qkv", qkv), ("proj", proj), ("a_log", A_log),
+                                           ("dt_bias", dt_bias), ("qs", qs), ("ctx", ctx),
+                                           ("slots", slots))}
+    shapes = gc.buffer_shapes(n, nv, dk, cn)
+    params = {"gdn_chunk_prep": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, NT=prep_threads,
+                                     KT=gc.PREP_KT),
+              "gdn_chunk_scan": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=gc.SCAN_VB,
+                                     NC=gc.SCAN_NC, KS=gc.scan_ks(dk)),
+              "gdn_recurrent": dict(dk=dk, dv=dv, nk=nk, nv=nv)}
+
+    def launch(name, grid, block, args):
+        module, factory, sig = SIGS[name]
+        k = cuda.jit(getattr(_import_kernel_module(module), factory)(**params[name]))
+        conv = [mem.view(int(a), NP[ARG_TYPES[t][1]]) if ARG_TYPES[t][2] else
+                (np.float32(a) if t == "f32" else int(a)) for t, a in zip(sig, args)]
+        k[tuple(grid), tuple(block)](*conv)
+
+    results = {}
+    for path in ("chunked", "recurrent") if recurrent else ("chunked",):
+        state = mem.put(state0)
+        out = mem.alloc(n * nv * dv * 4, 0xFF)                       # NaN poison
+        if path == "chunked":
+            bufs = {k: mem.alloc(4 * int(np.prod(s)), 0xFF) for k, s in shapes.items()}
+            rows = [(int(qs[i]), lengths[i], int(ctx[i])) for i in range(nb)]
+            gc.launch(launch, dk, dv, nv, cn, nb, gc.max_chunks(rows, n, nb, cn),
+                      core=out, w=bufs["w"], p=bufs["p"], g=bufs["g"], qkv=d["qkv"],
+                      proj=d["proj"], proj_stride=P, a_off=a_off, b_off=b_off,
+                      a_log=d["a_log"], dt_bias=d["dt_bias"], state=state,
+                      query_start=d["qs"], context_lens=d["ctx"], state_slots=d["slots"],
+                      prep_threads=prep_threads)
+        else:
+            launch("gdn_recurrent", (nb, nv, -(-dv // 32)), (128,),
+                   (out, d["qkv"], d["proj"], P, C + 3 + nv, C + 3, d["a_log"], d["dt_bias"],
+                    state, d["qs"], d["ctx"], d["slots"]))
+        results[path] = (mem.get(out, (n, nv, dv), np.float32).astype(np.float64),
+                         mem.get(state, state0.shape, np.float32).astype(np.float64))
+
+    def rel(x, y):
+        if not np.all(np.isfinite(x)):
+            return float("nan")
+        return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+    # the slot no row uses must be untouched (bitwise)
+    spare = np.setdiff1d(np.arange(nb + 1), slots)
+    co, cs = results["chunked"]
+    res = {"chunk_out": rel(co, ref), "chunk_state": rel(cs, ref_state),
+           "spare_slot_untouched": bool(np.array_equal(cs[spare], state0[spare]))}
+    if recurrent:
+        ro, rs = results["recurrent"]
+        res.update(rec_out=rel(ro, ref), rec_state=rel(rs, ref_state),
+                   chunk_vs_rec_out=rel(co, ro), chunk_vs_rec_state=rel(cs, rs),
+                   rec_spare_slot_untouched=bool(np.array_equal(rs[spare], state0[spare])))
+    return res
+
+
+CASES = {
+    # dk 12 (4 lanes x 3 odd rows), dv 20 < 32 (idle columns), ratio 3, chunk 4: rows of
+    # 1, Cn-1, Cn, Cn+1 and 3 chunks, fresh and continued states
+    # (the recurrent kernel runs on the same inputs here)
+    "small": dict(dk=12, dv=20, nk=1, nv=3, cn=4, lengths=[1, 3, 4, 5, 11], ctxs=[0, 7, 0, 2, 0]),
+    # dk 16 (8 lanes), dv 40: a full and a partial column block; ratio 2, chunk 8 (rows of
+    # Cn+1, 1, 2 Cn + 1), strong decay, the real prep block size
+    "decay": dict(dk=16, dv=40, nk=1, nv=2, cn=8, lengths=[9, 1, 17], ctxs=[3, 0, 0],
+                  prep_threads=gc.PREP_THREADS, strong_decay=True, recurrent=False),
+}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(CASES)
+    print(json.dumps({name: run(**CASES[name]) for name in names}))

@@ -1,0 +1,169 @@
+"""The chunked gated delta rule (kernels/gdn_chunk.py, cuda/gdn_chunk.py) without a GPU: its
+kernels on numba-cuda's CPU simulator against the float64 oracle and the recurrent kernel, PTX
+for sm_90 at the real head geometries (shared memory within the static limit, the scan's state in
+registers), the host helpers, the geometry refusal and the runner's choice of path."""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ninfer.errors import DeviceError
+from ninfer.models.qwen3_5.config import TextConfig
+from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
+from ninfer.models.qwen3_5.cuda.kernel_set import check_geometry, gdn_chunk_specs, geometry_specs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# fp32 arithmetic against the float64 oracle (tests/gpu/gpu_harness.py TOL_F32)
+TOL_F32 = 1e-5
+
+
+# ---- the kernels on the simulator --------------------------------------------------------------
+
+def _simulate(case):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_gdn_chunk.py"),
+                             case], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_chunked_kernels_on_the_simulator():
+    """Rows of 1, Cn-1, Cn, Cn+1 and 2-3 chunks in one batch, fresh and continued states, dk with
+    4 and 8 lanes (odd rows per lane), dv below and above one 32-column block, 2 and 3 value heads
+    per key head, strong decays (the float64 log-decay sums), NaN-poisoned outputs and buffers."""
+    pytest.importorskip("numba.cuda")
+    pytest.importorskip("ml_dtypes")
+    procs = {case: _simulate(case) for case in ("small", "decay")}     # the two in parallel
+    for case, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        res = json.loads(out.strip().splitlines()[-1])[case]
+        assert res["spare_slot_untouched"], res
+        for key in ("chunk_out", "chunk_state"):
+            assert res[key] < TOL_F32, (case, key, res)
+        if "rec_out" in res:
+            # the recurrent kernel on the same inputs: both agree with the oracle and each other
+            for key in ("rec_out", "rec_state", "chunk_vs_rec_out", "chunk_vs_rec_state"):
+                assert res[key] < TOL_F32, (case, key, res)
+            assert res["rec_spare_slot_untouched"], res
+
+
+# ---- PTX at the real geometries ----------------------------------------------------------------
+
+def _decls(ptx, space):
+    return [int(x) for x in re.findall(rf"\.{space}\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx)]
+
+
+@pytest.mark.parametrize("nv", [48, 32])        # 27B: 16/48 heads of 128; 9B and 35B-A3B: 16/32
+def test_chunked_kernels_compile_to_ptx_at_the_real_geometry(nv):
+    from ninfer.core.cuda import kernels as K
+    specs = gdn_chunk_specs(128, 128, 16, nv)
+    assert set(specs) == {"gdn_chunk_prep", "gdn_chunk_scan"}
+    assert dict(specs["gdn_chunk_scan"].params)["Cn"] == 64
+    try:
+        ptx = {name: K.compile_spec(sp, (9, 0)) for name, sp in specs.items()}
+    except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
+        pytest.skip(f"numba-cuda cannot compile here: {exc}")
+    for name, text in ptx.items():
+        assert ".target sm_90" in text and K.entry_name(text)
+        shared = sum(_decls(text, "shared"))
+        assert 0 < shared <= gc.STATIC_SMEM_BYTES, (name, shared)
+    assert sum(_decls(ptx["gdn_chunk_scan"], "shared")) == gc.scan_smem(64, 128)
+    assert sum(_decls(ptx["gdn_chunk_prep"], "shared")) == gc.prep_smem(64)
+    # the scan keeps its state slice (dk/KS rows x NC columns) in registers: no local memory
+    assert sum(_decls(ptx["gdn_chunk_scan"], "local")) == 0
+
+
+# ---- host helpers, geometry, the runner's path -------------------------------------------------
+
+def test_chunk_size_fits_both_kernels_shared_memory():
+    assert gc.chunk_size(128) == 64
+    assert gc.chunk_size(256) == 32            # a [64, 256] tile would need 74 KiB
+    for dk in range(4, 1025, 4):
+        cn = gc.chunk_size(dk)
+        assert cn in gc.CHUNK_SIZES
+        assert gc.scan_smem(cn, dk) <= gc.STATIC_SMEM_BYTES and gc.prep_smem(cn) <= gc.STATIC_SMEM_BYTES
+        bigger = [c for c in gc.CHUNK_SIZES if c > cn]
+        assert all(gc.scan_smem(c, dk) > gc.STATIC_SMEM_BYTES for c in bigger)
+    assert gc.scan_threads(128) == 128 and gc.scan_threads(12) == 64
+    # the scan's columns of one thread live in one warp-aligned block: NT a multiple of 32
+    assert all(gc.scan_threads(dk) % 32 == 0 for dk in (4, 8, 12, 128))
+
+
+def test_max_chunks_and_workspace():
+    rows = [(0, 1, 0), (1, 64, 5), (65, 65, 0)]
+    assert gc.max_chunks(rows, 130, 3, 64) == 2
+    assert gc.max_chunks([(0, 1, 0)], 1, 1, 64) == 1
+    assert gc.max_chunks(None, 130, 3, 64) == 2          # no row info: the longest possible row
+    assert gc.max_chunks(None, 131, 3, 64) == 3          # (n - b + 1 tokens)
+    shapes = gc.buffer_shapes(4096, 48, 128, 64)
+    assert shapes == {"w": (4096, 48, 128), "p": (4096, 48, 64), "g": (4096, 48, 2)}
+    assert gc.workspace_bytes(4096, 48, 128) == 4 * 4096 * 48 * (128 + 64 + 2)
+
+
+def test_geometry_refuses_a_key_dim_no_chunk_fits(monkeypatch):
+    cfg = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
+                     linear_key_head_dim=128)
+    check_geometry(cfg)
+    assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= set(geometry_specs(cfg))
+    monkeypatch.setattr(gc, "CHUNK_SIZES", (4096,))
+    with pytest.raises(DeviceError, match="chunked delta rule's shared memory"):
+        check_geometry(cfg)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, st, name, grid, block, args, smem=0):
+        self.calls.append((name, tuple(grid), tuple(block), args))
+
+
+class _Buf:
+    def __init__(self, name):
+        self.name, self.ptr = name, hash(name) & 0xFFFFFF
+
+
+@pytest.mark.parametrize("rows,decode", [([(0, 1, 3), (1, 1, 0)], True),
+                                         ([(0, 70, 0), (70, 1, 9)], False),
+                                         ([(0, 1, 0), (1, 1, 0), (2, 2, 0)], False)])
+def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode):
+    from ninfer.models.qwen3_5.cuda.runner import StepRunner
+    cfg = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
+                     linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12,
+                     linear_value_head_dim=40)
+    r = StepRunner.__new__(StepRunner)
+    r.cfg, r.rows, r.dry, r.profile = cfg, rows, False, None
+    ws = type("WS", (), {})()
+    for name in ("x", "proj", "mid", "core", "act", "h", "gdn_w", "gdn_p", "gdn_g"):
+        setattr(ws, name, _Buf(name))
+    ws.gdn_cn = gc.chunk_size(12)
+    r.m = type("M", (), {"ws": ws})()
+    rec = _Recorder()
+    r.launch = rec
+    r.gemm = lambda *a, **k: None
+    meta = type("Meta", (), {k: _Buf(k) for k in ("token_row", "query_start", "context_lens",
+                                                  "state_slots")})()
+    state = type("State", (), {"conv": [_Buf("conv")], "recurrent": [_Buf("rec")]})()
+    lw = {k: _Buf(k) for k in ("w_in", "conv_w", "a_log", "dt_bias", "norm_w", "w_out")}
+    n, b = sum(ln for _, ln, _ in rows), len(rows)
+    r.gdn(None, meta, n, b, lw, state, 0)
+    names = [c[0] for c in rec.calls]
+    if decode:
+        assert "gdn_recurrent" in names and not any(x.startswith("gdn_chunk") for x in names)
+        return
+    assert "gdn_recurrent" not in names
+    prep, scan = (next(c for c in rec.calls if c[0] == k) for k in ("gdn_chunk_prep", "gdn_chunk_scan"))
+    longest = max(ln for _, ln, _ in rows)
+    assert prep[1] == (b, 6, -(-longest // ws.gdn_cn)) and prep[2] == (gc.PREP_THREADS,)
+    assert scan[1] == (b, 6, 2) and scan[2] == (gc.scan_threads(12),)
+    # both read the same qkv / gates / state the recurrent kernel reads, U and O share `core`
+    assert prep[3][0] is ws.core and scan[3][0] is ws.core and prep[3][4] is ws.mid
+    C, Vd, nv = cfg.linear_conv_dim, cfg.linear_value_dim, 6
+    assert prep[3][6:9] == (C + Vd + 2 * nv, C + Vd + nv, C + Vd)
+    assert scan[3][5] is state.recurrent[0]
+    assert names.index("gdn_chunk_prep") < names.index("gdn_chunk_scan") < names.index("gated_rmsnorm")
