@@ -356,3 +356,12 @@ def test_float32_kv_pool_round_trips_fp32_values(monkeypatch):
         pool.write_pages([4, 1], data)
     for got, want in zip(kv.read_pages([0, 1, 4]), ref.read_pages([0, 1, 4])):
         assert all(np.array_equal(a, b) for a, b in zip(got, want))     # no bf16 rounding
+
+
+def test_numpy_loader_refuses_bfloat16_without_validated_options():
+    """load_model with options that skipped EngineOptions.validate still refuses numpy + bf16
+    (it would compute in float32 and say nothing); no artifact is touched before the refusal."""
+    from types import SimpleNamespace
+    from ninfer.models.qwen3_5 import load_model
+    with pytest.raises(RequestError, match="numpy backend computes in float32 only"):
+        load_model(object(), SimpleNamespace(backend="numpy", dtype="bfloat16"))

@@ -1,7 +1,7 @@
 """The Qwen3.5 model family: config, binder and the text model (numpy here, CUDA in cuda_model)."""
 from __future__ import annotations
 
-from ...errors import DeviceError
+from ...errors import DeviceError, RequestError
 
 
 def load_model(artifact, options):
@@ -15,6 +15,10 @@ def load_model(artifact, options):
         return load_cuda_model(artifact, options)
     if backend != "numpy":
         raise DeviceError(f"unknown backend {backend!r}; expected 'numpy' or 'cuda'")
+    if getattr(options, "dtype", None) not in (None, "float32"):
+        # (EngineOptions.validate says the same; this covers options made without it)
+        raise RequestError(f"dtype={options.dtype!r}: the numpy backend computes in float32 only "
+                           "(from the stored weights); use None or 'float32'")
     from .model import NumpyModel
     return NumpyModel.from_artifact(artifact)
 
