@@ -19,7 +19,8 @@ import math
 
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
-THREADS = 1024
+THREADS = 1024              # argmax
+SAMPLE_THREADS = 512        # sample: ~100 registers per thread; 1024 threads would not launch
 NBINS = 256                 # radix digit of 8 bits
 NPAR = 8                    # fp64 / int32 parameters per row (layout: cuda/sampler.py)
 SIGN = 0x8000000000000000
@@ -72,7 +73,7 @@ def argmax(threads=THREADS):
     return argmax_kernel
 
 
-def sample(threads=THREADS):
+def sample(threads=SAMPLE_THREADS):
     T = threads
     block_argmax = _block_argmax(threads)
 

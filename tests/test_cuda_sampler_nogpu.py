@@ -3,6 +3,7 @@ numba-cuda's CPU simulator against the host sampler (tests/gpu/sim_sample.py).""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,23 @@ def test_sampler_kernels_compile_to_ptx_for_sm90(name):
     except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
         pytest.skip(f"numba-cuda cannot compile here: {exc}")
     assert ".target sm_90" in ptx and K.entry_name(ptx)
+    # the block size we launch must fit the register file (64K per SM): ptxas tells, if present
+    import shutil
+    import tempfile
+    from ninfer.models.qwen3_5.cuda import sampler
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(src) + ".cubin"],
+                             capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    threads = sampler.THREADS if name == "sample" else 1024
+    assert regs * threads <= 65536 and "spill" not in res.stderr.replace("0 bytes spill", ""), \
+        (regs, res.stderr)
 
 
 def test_sample_kernel_on_the_simulator_equals_the_host_sampler():

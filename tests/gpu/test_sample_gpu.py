@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sample_cases as sc
-from ninfer.models.qwen3_5.cuda.sampler import PromptCache, SamplerLayout, pack
+from ninfer.models.qwen3_5.cuda.sampler import THREADS, PromptCache, SamplerLayout, pack
 from ninfer.models.qwen3_5.program.sampling import counter_uniform
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ def g(gpu):
     gpu.reset()
 
 
-def _run_sample(g, logits, rows, threads=1024):
+def _run_sample(g, logits, rows, threads=THREADS):
     B, V = logits.shape
     lay = SamplerLayout(B, V, 8192)
     buf = np.zeros(lay.nbytes, np.uint8)

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 NPAR = 8                     # kernels/sample.py NPAR
-THREADS = 1024
+THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget)
 
 
 @dataclass(frozen=True)
