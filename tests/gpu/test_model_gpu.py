@@ -264,3 +264,31 @@ def test_forward_from_another_thread(pair, seqs_of):
     assert not errors, errors
     assert np.array_equal(out[0], main)
     assert out[1].shape == (1,)
+
+
+@pytest.mark.parametrize("cap,launch_rows", [(None, 512), (0, 512), (16, 512), (None, 0)])
+def test_moe_prefill_row_layouts_match_numpy(pair, seqs_of, cap, launch_rows):
+    """The MoE prefill's routed rows (cuda/moe_rows.py) in each layout: the chooser's, one GEMM
+    per expert (cap 0), a 16-row strided batch with every expert overflowing (43 rows each), and
+    the chooser with free launches; logits against numpy every time."""
+    cpu, gpu = pair
+    if not cpu.config.text.is_moe:
+        pytest.skip("dense model")
+    r = np.random.default_rng(11)
+    V = cpu.config.text.vocab_size
+    prompts = [r.integers(0, V, 43), r.integers(0, V, 7)]
+    runner = gpu.runner
+    saved = runner.moe_cap, runner.moe_launch_rows
+    try:
+        runner.moe_cap, runner.moe_launch_rows = cap, launch_rows
+        sc, sg = seqs_of(cpu), seqs_of(gpu)
+        out = gpu.forward(batch_for(sg, [0, 1], prompts, [0, 0]), sg.kv, sg.state)
+        ref = cpu.forward(batch_for(sc, [0, 1], prompts, [0, 0]), sc.kv, sc.state)
+        got_cap, rows, overflow = runner.last_moe_layout
+    finally:
+        runner.moe_cap, runner.moe_launch_rows = saved
+    assert rel_err(out, ref) < TOL_MODEL_BF16
+    E = cpu.config.text.num_experts
+    if cap is not None:
+        assert got_cap == cap and overflow == (E if cap < 50 else 0)
+    assert rows >= 50 * cpu.config.text.num_experts_per_tok

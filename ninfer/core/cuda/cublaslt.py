@@ -9,6 +9,9 @@ made before graph capture (`plan()`), so replay never asks the heuristic.
 
 `w_kn=True` takes the second operand as W[K, N] row-major (`Y = X @ W`), the "NN" product: prefill
 attention's O = P @ V reads the gathered V rows as they are.
+
+`batch=B, strides=(sw, sx, sy)` runs B such products in one strided-batched call, product i on
+w + i*sw, x + i*sx, y + i*sy (strides in elements): the MoE prefill's experts, one launch per layer.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 PREF_MAX_WORKSPACE_BYTES = 1
 PREF_MIN_ALIGNMENT = (5, 6, 7, 8)     # A, B, C, D bytes (uint32, default 256)
+LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6     # int32 count, int64 element stride
 
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED",
                 3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",
@@ -81,7 +85,7 @@ _DESTROYERS = ("cublasLtDestroy", "cublasLtMatmulDescDestroy", "cublasLtMatrixLa
 
 
 class Plan:
-    __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn")
+    __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn", "batch")
 
 
 class CublasLt:
@@ -97,6 +101,7 @@ class CublasLt:
         lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(vp), i32, i32]
         lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, ctypes.c_size_t]
         lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(vp), i32, u64, u64, ctypes.c_int64]
+        lib.cublasLtMatrixLayoutSetAttribute.argtypes = [vp, i32, vp, ctypes.c_size_t]
         lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(vp)]
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, ctypes.c_size_t]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32,
@@ -107,7 +112,8 @@ class CublasLt:
         for f in _DESTROYERS:
             getattr(lib, f).argtypes = [vp]
         for f in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute",
-                  "cublasLtMatrixLayoutCreate", "cublasLtMatmulPreferenceCreate",
+                  "cublasLtMatrixLayoutCreate", "cublasLtMatrixLayoutSetAttribute",
+                  "cublasLtMatmulPreferenceCreate",
                   "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
                   "cublasLtMatmul") + _DESTROYERS:
             getattr(lib, f).restype = i32
@@ -155,14 +161,24 @@ class CublasLt:
             self._prefs[align] = pref
         return pref
 
+    def batch_alignment(self, x_ptr, w_ptr, y_ptr, batch=1, strides=(0, 0, 0)) -> int:
+        """alignment() of every product's operands: the first ones and, for a batch, the
+        second ones (the strides keep the rest on the same alignment)."""
+        if batch <= 1:
+            return alignment(x_ptr, w_ptr, y_ptr)
+        ab = 4 if self.f32 else 2
+        sw, sx, sy = strides
+        return alignment(x_ptr, w_ptr, y_ptr, x_ptr + ab * sx, w_ptr + ab * sw, y_ptr + 4 * sy)
+
     def plan(self, m: int, n: int, k: int, beta: float = 0.0, align: int = 256,
-             w_kn: bool = False) -> Plan:
-        key = (int(m), int(n), int(k), float(beta), int(align), bool(w_kn))
+             w_kn: bool = False, batch: int = 1, strides: tuple = (0, 0, 0)) -> Plan:
+        strides = tuple(int(s) for s in strides) if batch > 1 else (0, 0, 0)
+        key = (int(m), int(n), int(k), float(beta), int(align), bool(w_kn), int(batch), strides)
         p = self._plans.get(key)
         if p is not None:
             return p
-        if min(m, n, k) < 1:
-            raise ValueError(f"gemm: empty shape M={m} N={n} K={k}")
+        if min(m, n, k, batch) < 1:
+            raise ValueError(f"gemm: empty shape M={m} N={n} K={k} batch={batch}")
         lib = self.lib
         desc = ctypes.c_void_p()
         a, b, c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -184,12 +200,21 @@ class CublasLt:
                      "layout B")
             lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n),
                      "layout C")
+            if batch > 1:
+                count_b = ctypes.c_int32(batch)
+                for layout, stride in zip((a, b, c), strides):
+                    st = ctypes.c_int64(stride)
+                    lt_check(lib.cublasLtMatrixLayoutSetAttribute(
+                        layout, LAYOUT_BATCH_COUNT, ctypes.byref(count_b), 4), "set BATCH_COUNT")
+                    lt_check(lib.cublasLtMatrixLayoutSetAttribute(
+                        layout, LAYOUT_STRIDED_BATCH_OFFSET, ctypes.byref(st), 8),
+                        "set STRIDED_BATCH_OFFSET")
             res = (HeuristicResult * 1)()
             count = ctypes.c_int(0)
             lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
                                                         self._pref(align), 1, res,
                                                         ctypes.byref(count)),
-                     f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k})")
+                     f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
             if count.value < 1:
                 raise DeviceError(f"cuBLASLt: no algorithm for {'fp32' if self.f32 else 'bf16'} GEMM "
                                   f"M={m} N={n} K={k}")
@@ -203,17 +228,20 @@ class CublasLt:
             raise
         p = Plan()
         p.desc, p.layouts, p.m, p.n, p.k, p.beta = desc, (a, b, c), m, n, k, float(beta)
-        p.w_kn = bool(w_kn)
+        p.w_kn, p.batch = bool(w_kn), int(batch)
         p.algo = HeuristicResult()
         ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
         self._plans[key] = p
         return p
 
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
-             beta: float = 0.0, w_kn: bool = False) -> None:
+             beta: float = 0.0, w_kn: bool = False, batch: int = 1,
+             strides: tuple = (0, 0, 0)) -> None:
         """y[m, n] (fp32) = x[m, k] (bf16) @ w[n, k]^T (bf16) + beta * y; with w_kn, w is [k, n]
-        and y = x @ w + beta * y. (x, w fp32 when the handle was made with f32.)"""
-        p = self.plan(m, n, k, beta, alignment(x_ptr, w_ptr, y_ptr), w_kn)
+        and y = x @ w + beta * y. (x, w fp32 when the handle was made with f32.) `batch` > 1:
+        `batch` products, the i-th at element offsets i * strides (w, x, y)."""
+        p = self.plan(m, n, k, beta, self.batch_alignment(x_ptr, w_ptr, y_ptr, batch, strides),
+                      w_kn, batch, strides)
         a, b, c = p.layouts
         beta_c = self._zero if beta == 0.0 else (self._one if beta == 1.0 else ctypes.c_float(beta))
         self.calls += 1

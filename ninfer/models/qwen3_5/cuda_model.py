@@ -36,7 +36,7 @@ from .load import text_param_shapes
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool
-from .cuda.runner import StepRunner, Workspace, part_rows_needed
+from .cuda.runner import StepRunner, Workspace, grouped_rows, part_rows_needed
 from .cuda.sampler import DeviceSampler
 from .cuda import attention_tc
 from .cuda import gdn_chunk
@@ -159,7 +159,9 @@ class CudaModel:
         self._lt_ws = lt_ws         # idle during the load: the fp32 model's widening scratch
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
-        self.route_host = _d.PinnedBuffer(3 * n_cap * max(cfg.num_experts_per_tok, 1) * 4)
+        K = max(cfg.num_experts_per_tok, 1)
+        self.route_host = _d.PinnedBuffer(
+            (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)
         self.weights = self._load_weights(artifact, random_seed, tied)
         self.kernels.load_all()
         self.runner = StepRunner(self)
@@ -194,8 +196,12 @@ class CudaModel:
         if cfg.is_moe:
             K = cfg.num_experts_per_tok
             I = cfg.moe_intermediate_size
-            per_tok += 8 * K + 4 * K * (I + H) + 4 * H + K * (g * H + 8 * I + g * I + 8)
-        part = part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
+            # ids, wts, mact, shared per token; the grouped rows (my, xg, gu, gact, route)
+            per_tok += 8 * K + 4 * K * I + 4 * H + 4 * K
+            grouped = grouped_rows(n_cap, K, cfg.num_experts) * (4 * H + g * H + 8 * I + g * I + 4)
+        else:
+            grouped = 0
+        part = grouped + part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
         if cfg.attention_layer_ids and not self.f32:
             part += attention_tc.nbytes(attention_tc.buffer_sizes(
                 cfg.num_attention_heads, max(cfg.num_key_value_heads, 1), cfg.head_dim, n_cap,

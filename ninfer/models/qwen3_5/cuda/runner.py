@@ -18,6 +18,7 @@ from ....core.cuda import driver as _d
 from ....core.cuda.cublaslt import alignment
 from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
+from . import moe_rows
 from . import gdn_chunk as gc
 
 
@@ -80,16 +81,24 @@ class Workspace:
             self.ids = take((n * K,), np.int32, ws)
             self.wts = take((n * K,), np.float32, ws)
             self.mact = take((n * K, I), np.float32, ws)
-            self.my = take((n * K, H), np.float32, ws)
+            # grouped path (prefill): the routed rows in moe_rows.py's layout (padded block +
+            # overflow), at most grouped_rows of them
+            self.grouped_rows = R = grouped_rows(n, K, cfg.num_experts)
+            self.my = take((R, H), np.float32, ws)
             self.shared = take((n, H), np.float32, ws)
-            # grouped path (prefill): expert-sorted copies of the routed rows
-            self.xg = take((n * K, H), gin, ws)
-            self.gu = take((n * K, 2 * I), np.float32, ws)
-            self.gact = take((n * K, I), gin, ws)
-            self.route = take((2, n * K), np.int32, ws)      # [sorted row -> token | pair -> row]
+            self.xg = take((R, H), gin, ws)
+            self.gu = take((R, 2 * I), np.float32, ws)
+            self.gact = take((R, I), gin, ws)
+            self.route = take((R + n * K,), np.int32, ws)    # [row -> token (R) | pair -> row]
         self.xf = take((lg_cap, H), gin, ws)
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
+
+
+def grouped_rows(n: int, top_k: int, num_experts: int) -> int:
+    """Rows of the MoE prefill's routed-row buffers: twice the routed pairs plus one aligned
+    block per expert, room for moe_rows' padding (its cap never takes more)."""
+    return 2 * n * top_k + moe_rows.CAP_ALIGN * num_experts
 
 
 def attention_splits(n: int, nkv: int, num_sms: int) -> int:
@@ -130,6 +139,11 @@ class StepRunner:
         self.dry = False
         self.profile = None          # list of (name, start event, end event) when profiling
         self.rows = None             # host (query_start, tokens, context) per row of the step
+        # MoE prefill row layout (moe_rows.py): the launch-cost weight, a forced block size
+        # (None: chosen per call; tests force 0 = one GEMM per expert, or a small cap = overflow)
+        self.moe_launch_rows = moe_rows.LAUNCH_ROWS
+        self.moe_cap = None
+        self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
 
     # -- primitives --------------------------------------------------------------------------------
     def _timed(self, st, name, fn):
@@ -152,11 +166,13 @@ class StepRunner:
         self.profile = None
         return out
 
-    def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm"):
+    def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm", batch=1,
+             strides=(0, 0, 0)):
+        lt = self.m.lt
         if self.dry:
-            self.m.lt.plan(m, n, k, beta, alignment(x, w, y), w_kn)
+            lt.plan(m, n, k, beta, lt.batch_alignment(x, w, y, batch, strides), w_kn, batch, strides)
             return
-        self._timed(st, name, lambda: self.m.lt.gemm(st, x, w, y, m, n, k, beta, w_kn))
+        self._timed(st, name, lambda: lt.gemm(st, x, w, y, m, n, k, beta, w_kn, batch, strides))
 
     def launch(self, st, kernel, grid, block, args, smem=0):
         k = getattr(self.m.kernels, kernel)
@@ -301,39 +317,43 @@ class StepRunner:
                         (ws.my, ws.mact, lw["experts_down"], ws.ids))
             use_rows = 0
         self.launch(st, "moe_combine", ((H + 255) // 256, n), (256,),
-                    (ws.h, ws.my, ws.route.at(1), use_rows, ws.wts, ws.shared,
+                    (ws.h, ws.my, ws.route.ptr + 4 * ws.grouped_rows, use_rows, ws.wts, ws.shared,
                      ws.proj.ptr + 4 * (E + 2 * Is), P))
 
     def experts_grouped(self, st, n, lw):
-        """Prefill: route on the host (one sync), gather rows by expert, one cuBLASLt GEMM pair
-        per used expert, SwiGLU in between; moe_combine reads the sorted rows through a map."""
+        """Prefill: route on the host (one sync), lay the routed rows out by expert (moe_rows.py:
+        a padded block for one strided-batched GEMM over all experts + per-expert overflow), gather,
+        GEMM gate|up, SwiGLU, GEMM down; moe_combine reads each pair's row through a map."""
         cfg, ws, m = self.cfg, self.m.ws, self.m
         H, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         pairs = n * K
         _d.copy_dtoh_async(m.route_host.ptr, ws.ids.ptr, 4 * pairs, st)
         st.synchronize()
-        host = m.route_host.view(np.int32, 0, 3 * m.n_cap * K)
-        ids = host[:pairs]
-        order = np.argsort(ids, kind="stable")                 # sorted row -> pair
-        counts = np.bincount(ids, minlength=E)
-        src = host[pairs: 2 * pairs]
-        src[:] = order // K                                    # sorted row -> token
-        inv = host[2 * pairs: 3 * pairs]
-        inv[order] = np.arange(pairs, dtype=np.int32)          # pair -> sorted row
-        _d.copy_htod_async(ws.route.ptr, m.route_host.ptr + 4 * pairs, 4 * pairs, st)
-        _d.copy_htod_async(ws.route.at(1), m.route_host.ptr + 8 * pairs, 4 * pairs, st)
-        self.launch(st, "gather_rows", (pairs, (H + 255) // 256), (256,), (ws.xg, ws.x, ws.route, H))
+        R = ws.grouped_rows
+        host = m.route_host.view(np.int32, 0, R + 2 * m.n_cap * K)
+        lay = moe_rows.expert_rows(host[:pairs], K, E, R, launch_rows=self.moe_launch_rows,
+                                   cap=self.moe_cap)
+        self.last_moe_layout = (lay.cap, lay.rows, len(lay.overflow))
+        staged = host[pairs: pairs + lay.rows + pairs]
+        staged[:lay.rows] = lay.src
+        staged[lay.rows:] = lay.row_of_pair
+        base = m.route_host.ptr + 4 * pairs
+        _d.copy_htod_async(ws.route.ptr, base, 4 * lay.rows, st)
+        _d.copy_htod_async(ws.route.ptr + 4 * R, base + 4 * lay.rows, 4 * pairs, st)
+        rows, g = lay.rows, ws.gin_bytes
+        self.launch(st, "gather_rows", (rows, (H + 255) // 256), (256,), (ws.xg, ws.x, ws.route, H))
         gu_w, dn_w = lw["experts_gu"], lw["experts_down"]
-        row = 0
-        for e in np.nonzero(counts)[0].tolist():
-            c = int(counts[e])
-            self.gemm(st, ws.xg.ptr + ws.gin_bytes * H * row, gu_w.at(e), ws.gu.ptr + 8 * I * row,
-                      c, 2 * I, H)
-            row += c
-        self.launch(st, "silu_mul", (pairs, (I + 255) // 256), (256,), (ws.gact, ws.gu, 2 * I, 0, I))
-        row = 0
-        for e in np.nonzero(counts)[0].tolist():
-            c = int(counts[e])
-            self.gemm(st, ws.gact.ptr + ws.gin_bytes * I * row, dn_w.at(e), ws.my.ptr + 4 * H * row,
-                      c, H, I)
-            row += c
+        c = lay.cap
+        if c:
+            self.gemm(st, ws.xg.ptr, gu_w.ptr, ws.gu.ptr, c, 2 * I, H, batch=E,
+                      strides=(2 * I * H, c * H, c * 2 * I), name="expert_gemm")
+        for e, r0, cnt in lay.overflow:
+            self.gemm(st, ws.xg.ptr + g * H * r0, gu_w.at(e), ws.gu.ptr + 8 * I * r0, cnt, 2 * I, H,
+                      name="expert_gemm")
+        self.launch(st, "silu_mul", (rows, (I + 255) // 256), (256,), (ws.gact, ws.gu, 2 * I, 0, I))
+        if c:
+            self.gemm(st, ws.gact.ptr, dn_w.ptr, ws.my.ptr, c, H, I, batch=E,
+                      strides=(H * I, c * I, c * H), name="expert_gemm")
+        for e, r0, cnt in lay.overflow:
+            self.gemm(st, ws.gact.ptr + g * I * r0, dn_w.at(e), ws.my.ptr + 4 * H * r0, cnt, H, I,
+                      name="expert_gemm")
