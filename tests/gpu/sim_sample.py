@@ -1,9 +1,10 @@
 """kernels/sample.py on numba-cuda's CPU simulator (no GPU), against the host sampler.
 
-Random requests (tests/gpu/sample_cases.py) are packed by cuda/sampler.py's `pack` into one byte
-block exactly as the device gets it; the kernels run with a small block (threads=64, or argv[2])
-over the typed views of that block; `rows` random rows follow 36 boundary rows. Prints one JSON line: counts of rows compared, skipped at a
-decision margin, token mismatches, RNG mismatches, argmax mismatches.
+Random requests (tests/gpu/sample_cases.py) go through cuda/sampler.py's DeviceSampler.launch
+itself (its packing, its one H2D copy, its kernel arguments) over a fake flat device memory, fake
+driver and a launcher that runs the kernel on the simulator with a small block (argv[2] threads); `rows` random rows follow 36 boundary rows.
+Prints one JSON line: counts of rows compared, skipped at a decision margin, token mismatches,
+RNG mismatches, argmax mismatches, steps that did not take exactly one H2D copy.
 `tests/test_cuda_sampler_nogpu.py` runs this in a subprocess (the simulator must be switched on
 before numba is imported):
 
@@ -23,8 +24,10 @@ from ninfer.core.cuda import numba_shim   # noqa: E402
 cuda, _ = numba_shim.import_numba_cuda()
 import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 
-from ninfer.core.cuda.kernels import _import_kernel_module   # noqa: E402
-from ninfer.models.qwen3_5.cuda.sampler import SamplerLayout, pack, PromptCache   # noqa: E402
+from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
+from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
+from ninfer.models.qwen3_5.cuda.sampler import (DeviceSampler, PromptCache,   # noqa: E402
+                                                SamplerLayout)
 from ninfer.models.qwen3_5.program.sampling import counter_uniform   # noqa: E402
 import sample_cases as sc   # noqa: E402
 
@@ -33,13 +36,86 @@ _fake.FakeCUDAModule.libdevice = SimpleNamespace(
     double_as_longlong=lambda x: np.array([x], np.float64).view(np.int64)[0])
 
 
+NP = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "uint32": np.uint32,
+      "uint64": np.uint64}
+
+
+class Memory:
+    """Device memory as one byte array; a pointer argument becomes a typed view that ends where
+    the innermost allocation (or registered section) holding it ends."""
+
+    def __init__(self, nbytes):
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.top, self.allocs = 256, []
+
+    def alloc(self, nbytes, sections=()):
+        a = self.top
+        self.top = (a + nbytes + 255) // 256 * 256
+        assert self.top <= len(self.mem), "simulated device memory exhausted"
+        self.allocs.append((a, a + nbytes))
+        bounds = sorted(set(sections) | {0, nbytes})
+        self.allocs += [(a + lo, a + hi) for lo, hi in zip(bounds, bounds[1:])]
+        self.mem[a: a + nbytes] = 0xFF                      # poison
+        return a
+
+    def view(self, a, dt):
+        end = min(hi for lo, hi in self.allocs if lo <= a < hi)
+        return self.mem[a:end].view(dt)
+
+
+class FakePinned:
+    def __init__(self, nbytes):
+        self.arr, self.ptr = np.zeros(nbytes, np.uint8), 1 << 40
+
+    def view(self, dtype, offset=0, count=None):
+        return self.arr[offset:].view(dtype)[:count]
+
+    def free(self):
+        pass
+
+
+class FakeKernel:
+    """Kernel.launch's contract: (stream, grid, block, args) with args per SIGS["sample"]."""
+
+    def __init__(self, mem, fn):
+        self.mem, self.fn = mem, fn
+
+    def launch(self, stream, grid, block, args, smem=0):
+        sig = SIGS["sample"][2]
+        assert len(args) == len(sig), (len(args), sig)
+        conv = [self.mem.view(int(getattr(a, "ptr", a)), NP[ARG_TYPES[t][1]]) if ARG_TYPES[t][2]
+                else int(a) for t, a in zip(sig, args)]
+        self.fn[tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))](*conv)
+
+
+def device_sampler(mem, fn, threads, rows_cap, V, pen_cap):
+    """cuda/sampler.py's DeviceSampler over the fake memory, driver and kernel: its own pack,
+    its one H2D copy and its launch arguments are what run."""
+    s = DeviceSampler.__new__(DeviceSampler)
+    s.layout = lay = SamplerLayout(rows_cap, V, pen_cap)
+    s.block = SimpleNamespace(ptr=mem.alloc(lay.nbytes, (lay.ipar, lay.upar, lay.data)))
+    s.z = SimpleNamespace(ptr=mem.alloc(8 * rows_cap * V))
+    s.staging = FakePinned(lay.nbytes)
+    s.kernels = SimpleNamespace(sample=FakeKernel(mem, fn))
+    s.cache = PromptCache()
+    s.threads = threads
+    s.copies = []
+
+    def copy_htod_async(dst, src, nbytes, stream):
+        assert src == s.staging.ptr and nbytes <= lay.nbytes
+        s.copies.append(nbytes)
+        mem.mem[dst: dst + nbytes] = s.staging.arr[:nbytes]
+    s._d = SimpleNamespace(copy_htod_async=copy_htod_async)
+    return s
+
+
 def run(n_rows, threads, seed):
     mod = _import_kernel_module("sample")
     k_sample = cuda.jit(mod.sample(threads=threads))
     k_argmax = cuda.jit(mod.argmax(threads=threads))
     r = np.random.default_rng(seed)
     stats = dict(rows=0, compared=0, skipped=0, mismatches=[], rng_bad=0, argmax_bad=0,
-                 reasons={})
+                 copies_bad=0, reasons={})
     # batches of up to 4 rows of one vocabulary size (the kernel's rows share V)
     cases = []
     V0 = int(r.integers(200, 400))
@@ -51,25 +127,25 @@ def run(n_rows, threads, seed):
                 for _ in range(int(r.integers(1, 5)))]
         cases.append((V, rows))
         n_random += len(rows)
-    cache = PromptCache()
     for V, rows in cases:
         B = len(rows)
+        mem = Memory(20 * 4 * 2000 * 8 + (1 << 20))
         logits = np.stack([sc.random_logits(r, V, kind) for kind, _ in rows])
-        lay = SamplerLayout(B + 1, V, 4096)
-        buf = np.zeros(lay.nbytes, np.uint8)
-        pack(lay, buf, [row for _, row in rows], cache)
-        fpar, ipar, upar, data = lay.views(buf)
-        z = np.full((B, V), np.nan)
-        out = np.full(B, -7, np.int32)
-        k_sample[(B, 1, 1), (threads, 1, 1)](out, logits.reshape(-1), z.reshape(-1), V,
-                                             fpar.reshape(-1), ipar.reshape(-1),
-                                             upar.reshape(-1), data.view(np.int32), data)
+        d_logits = mem.alloc(logits.nbytes)
+        mem.mem[d_logits: d_logits + logits.nbytes] = logits.view(np.uint8).reshape(-1)
+        d_tokens = mem.alloc(4 * B)
+        sampler = device_sampler(mem, k_sample, threads, B + 1, V, 4096)
+        sampler.launch(None, d_logits, d_tokens, [row for _, row in rows])
+        stats["copies_bad"] += int(len(sampler.copies) != 1)
+        out = mem.view(d_tokens, np.int32)[:B].copy()
+        lay = sampler.layout
+        u = mem.view(sampler.block.ptr + lay.fpar, np.float64).reshape(-1, 8)[:B, 7]
         am = np.full(B, -7, np.int32)
         k_argmax[(B, 1, 1), (threads, 1, 1)](am, logits.reshape(-1), V)
         stats["argmax_bad"] += int(np.sum(am != np.argmax(logits, -1)))
         for b, (_, row) in enumerate(rows):
             stats["rows"] += 1
-            if not row.spec.is_greedy and fpar[b, 7] != counter_uniform(row.spec.seed, row.position):
+            if not row.spec.is_greedy and u[b] != counter_uniform(row.spec.seed, row.position):
                 stats["rng_bad"] += 1
             want, why = sc.oracle(logits[b], row)
             if why is not None:

@@ -174,6 +174,7 @@ class DeviceSampler:
         self.z = arena.take((rows_cap, vocab), np.float64, "sampler fp64 rows")
         self.staging = _d.PinnedBuffer(self.layout.nbytes)
         self.kernels = kernels
+        self.threads = THREADS          # the kernel's block size (its factory's default)
         self.cache = PromptCache()
 
     @staticmethod
@@ -187,7 +188,7 @@ class DeviceSampler:
         nbytes = pack(lay, buf, rows, self.cache)
         self._d.copy_htod_async(self.block.ptr, self.staging.ptr, nbytes, stream)
         base = self.block.ptr
-        self.kernels.sample.launch(stream, (len(rows),), (THREADS,),
+        self.kernels.sample.launch(stream, (len(rows),), (self.threads,),
                                    (tokens_ptr, logits_ptr, self.z.ptr, lay.vocab,
                                     base + lay.fpar, base + lay.ipar, base + lay.upar,
                                     base + lay.data, base + lay.data))
