@@ -16,7 +16,9 @@ per-token factors exp(G_i), exp(G_last - G_i).
 gdn_chunk_scan: one block per (row, value head, VB value columns), sequential over the row's
 chunks. Thread (cg, ks) keeps S[m*KS + ks, cg + c*VB/NC] (m < dk/KS, c < NC) in registers: rows
 interleaved over the KS lanes so that their shared-memory reads of one tile row hit KS different
-banks; each tile value read feeds NC columns.
+banks; each tile value read feeds NC columns; IB chunk rows go together so that their FMA chains
+and shuffle reductions overlap. A chunk's W, U and P are staged in shared memory first (8 loads
+in flight per thread), then q, then the decayed k reuse W's tile.
 """
 import math
 
@@ -151,16 +153,23 @@ def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
     return gdn_chunk_prep_kernel
 
 
-def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS):
+def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     SL = dk // KS                    # state rows per thread
     CG = VB // NC                    # column groups per block: thread columns cg + c * CG
     NT = CG * KS
-    assert dk % KS == 0 and VB % NC == 0 and NT >= Cn and NT % 32 == 0
-    TILE = Cn * dk                   # shared/local array sizes must be compile-time constants
+    assert dk % KS == 0 and VB % NC == 0 and NT >= Cn and NT % 32 == 0 and Cn % IB == 0
+    # shared/local array sizes must be compile-time constants
+    TILE = Cn * dk
     VNS = Cn * VB
+    PTS = Cn * Cn
     SLN = SL * NC
+    ACC = IB * NC
+    LB = 8                           # global loads in flight per thread while staging a tile
+    NTILE = (TILE + NT - 1) // NT
+    NVN = (VNS + NT - 1) // NT
+    NPT = (PTS + NT - 1) // NT
 
     def gdn_chunk_scan_kernel(core, wbuf, pbuf, gbuf, qkv, state, query_start, context_lens,
                               state_slots):
@@ -169,14 +178,18 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS):
         tid = cuda.threadIdx.x
         cg = tid // KS
         ks = tid % KS
-        v0 = cuda.blockIdx.z * VB + cg
+        vb = cuda.blockIdx.z * VB
+        v0 = vb + cg
         kh = h // ratio
-        tile = cuda.shared.array(TILE, float32)
-        vn = cuda.shared.array(VNS, float32)
+        tile = cuda.shared.array(TILE, float32)   # W, then q, then k exp(G_last - G)
+        vn = cuda.shared.array(VNS, float32)      # U, then V' (in place)
+        pt = cuda.shared.array(PTS, float32)
         gq = cuda.shared.array(Cn, float32)
         gk = cuda.shared.array(Cn, float32)
         S = cuda.local.array(SLN, float32)
-        p = cuda.local.array(NC, float32)
+        acc = cuda.local.array(ACC, float32)
+        buf = cuda.local.array(LB, float32)
+        vj = cuda.local.array(NC, float32)
         slot = state_slots[r]
         sbase = (slot * nv + h) * dk * dv
         fresh = context_lens[r] == 0
@@ -192,77 +205,143 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS):
         q1 = query_start[r + 1]
         for t0 in range(q0, q1, Cn):
             L = min(Cn, q1 - t0)
-            for e in range(tid, L * dk, NT):
-                i = e // dk
-                tile[e] = wbuf[((t0 + i) * nv + h) * dk + e - i * dk]
-            if tid < L:
-                gq[tid] = gbuf[((t0 + tid) * nv + h) * 2]
-                gk[tid] = gbuf[((t0 + tid) * nv + h) * 2 + 1]
+            # stage W, U, P and the decay factors; rows past L are zeros, so every product
+            # over the padded rows below stays finite and zero where it is used
+            for s0 in range(0, NTILE, LB):
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    i = e // dk
+                    x = float32(0.0)
+                    if s0 + u < NTILE and i < L:
+                        x = wbuf[((t0 + i) * nv + h) * dk + e - i * dk]
+                    buf[u] = x
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    if s0 + u < NTILE and e < TILE:
+                        tile[e] = buf[u]
+            for s0 in range(0, NVN, LB):
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    i = e // VB
+                    x = float32(0.0)
+                    if s0 + u < NVN and i < L:
+                        x = core[(t0 + i) * nv * dv + h * dv + min(vb + e - i * VB, dv - 1)]
+                    buf[u] = x
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    if s0 + u < NVN and e < VNS:
+                        vn[e] = buf[u]
+            for s0 in range(0, NPT, LB):
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    i = e // Cn
+                    x = float32(0.0)
+                    if s0 + u < NPT and i < L:
+                        x = pbuf[((t0 + i) * nv + h) * Cn + e - i * Cn]
+                    buf[u] = x
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    if s0 + u < NPT and e < PTS:
+                        pt[e] = buf[u]
+            if tid < Cn:
+                x = float32(0.0)
+                y = float32(0.0)
+                if tid < L:
+                    x = gbuf[((t0 + tid) * nv + h) * 2]
+                    y = gbuf[((t0 + tid) * nv + h) * 2 + 1]
+                gq[tid] = x
+                gk[tid] = y
             cuda.syncthreads()
-            # V' = U - W S
-            for i in range(L):
-                for c in range(NC):
-                    p[c] = float32(0.0)
+            # V' = U - W S, IB rows at a time (independent FMA chains and shuffles)
+            for i0 in range(0, L, IB):
+                for x in range(ACC):
+                    acc[x] = float32(0.0)
                 for m in range(SL):
-                    wv = tile[i * dk + m * KS + ks]
-                    for c in range(NC):
-                        p[c] += wv * S[m * NC + c]
-                for c in range(NC):
-                    x = p[c]
-                    off = 1
-                    while off < KS:
-                        x += cuda.shfl_xor_sync(FULL_MASK, x, off)
-                        off *= 2
-                    if ks == 0:
-                        vc = min(v0 + c * CG, dv - 1)
-                        vn[i * VB + cg + c * CG] = core[(t0 + i) * nv * dv + h * dv + vc] - x
+                    for u in range(IB):
+                        wv = tile[(i0 + u) * dk + m * KS + ks]
+                        for c in range(NC):
+                            acc[u * NC + c] += wv * S[m * NC + c]
+                off = 1
+                while off < KS:
+                    for x in range(ACC):
+                        acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], off)
+                    off *= 2
+                if ks == 0:
+                    for u in range(IB):
+                        for c in range(NC):
+                            vn[(i0 + u) * VB + cg + c * CG] -= acc[u * NC + c]
             cuda.syncthreads()
-            for e in range(tid, L * dk, NT):
-                i = e // dk
-                tile[e] = qkv[(t0 + i) * C + kh * dk + e - i * dk]
+            for s0 in range(0, NTILE, LB):
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    i = e // dk
+                    x = float32(0.0)
+                    if s0 + u < NTILE and i < L:
+                        x = qkv[(t0 + i) * C + kh * dk + e - i * dk]
+                    buf[u] = x
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    if s0 + u < NTILE and e < TILE:
+                        tile[e] = buf[u]
             cuda.syncthreads()
-            # O = exp(G) (Q S) + P V'  (P's columns j <= i split over the KS lanes)
-            for i in range(L):
-                for c in range(NC):
-                    p[c] = float32(0.0)
+            # O = exp(G) (Q S) + P V'  (P's columns split over the KS lanes; P[i, j > i] = 0)
+            for i0 in range(0, L, IB):
+                for x in range(ACC):
+                    acc[x] = float32(0.0)
                 for m in range(SL):
-                    qv = tile[i * dk + m * KS + ks]
+                    for u in range(IB):
+                        qv = tile[(i0 + u) * dk + m * KS + ks]
+                        for c in range(NC):
+                            acc[u * NC + c] += qv * S[m * NC + c]
+                for u in range(IB):
+                    gi = gq[i0 + u]
                     for c in range(NC):
-                        p[c] += qv * S[m * NC + c]
-                gi = gq[i]
-                for c in range(NC):
-                    p[c] *= gi
-                prow = ((t0 + i) * nv + h) * Cn
-                for j in range(ks, i + 1, KS):
-                    pij = pbuf[prow + j]
+                        acc[u * NC + c] *= gi
+                for j in range(ks, i0 + IB, KS):
                     for c in range(NC):
-                        p[c] += pij * vn[j * VB + cg + c * CG]
-                for c in range(NC):
-                    x = p[c]
-                    off = 1
-                    while off < KS:
-                        x += cuda.shfl_xor_sync(FULL_MASK, x, off)
-                        off *= 2
-                    v = v0 + c * CG
-                    if ks == 0 and v < dv:
-                        core[(t0 + i) * nv * dv + h * dv + v] = x
+                        vj[c] = vn[j * VB + cg + c * CG]
+                    for u in range(IB):
+                        pij = pt[(i0 + u) * Cn + j]
+                        for c in range(NC):
+                            acc[u * NC + c] += pij * vj[c]
+                off = 1
+                while off < KS:
+                    for x in range(ACC):
+                        acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], off)
+                    off *= 2
+                if ks == 0:
+                    for u in range(IB):
+                        if i0 + u < L:
+                            for c in range(NC):
+                                if v0 + c * CG < dv:
+                                    core[(t0 + i0 + u) * nv * dv + h * dv + v0 + c * CG] = \
+                                        acc[u * NC + c]
             cuda.syncthreads()
-            for e in range(tid, L * dk, NT):
-                i = e // dk
-                tile[e] = qkv[(t0 + i) * C + nk * dk + kh * dk + e - i * dk] * gk[i]
+            for s0 in range(0, NTILE, LB):
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    i = e // dk
+                    x = float32(0.0)
+                    if s0 + u < NTILE and i < L:
+                        x = qkv[(t0 + i) * C + nk * dk + kh * dk + e - i * dk] * gk[i]
+                    buf[u] = x
+                for u in range(LB):
+                    e = tid + (s0 + u) * NT
+                    if s0 + u < NTILE and e < TILE:
+                        tile[e] = buf[u]
             cuda.syncthreads()
             # S <- exp(G_last) S + (K exp(G_last - G))^T V'
             decay = gq[L - 1]
-            for m in range(SL * NC):
+            for m in range(SLN):
                 S[m] = S[m] * decay
             for i in range(L):
                 for c in range(NC):
-                    p[c] = vn[i * VB + cg + c * CG]
+                    vj[c] = vn[i * VB + cg + c * CG]
                 for m in range(SL):
                     kv = tile[i * dk + m * KS + ks]
                     for c in range(NC):
-                        S[m * NC + c] += kv * p[c]
-            cuda.syncthreads()       # the next chunk overwrites tile, vn, gq, gk
+                        S[m * NC + c] += kv * vj[c]
+            cuda.syncthreads()       # the next chunk overwrites tile, vn, pt, gq, gk
         for m in range(SL):
             for c in range(NC):
                 v = v0 + c * CG

@@ -103,7 +103,7 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
     params = {"gdn_chunk_prep": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, NT=prep_threads,
                                      KT=gc.PREP_KT),
               "gdn_chunk_scan": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=gc.SCAN_VB,
-                                     NC=gc.SCAN_NC, KS=gc.scan_ks(dk)),
+                                     NC=gc.SCAN_NC, KS=gc.scan_ks(dk), IB=gc.SCAN_IB),
               "gdn_recurrent": dict(dk=dk, dv=dv, nk=nk, nv=nv)}
 
     def launch(name, grid, block, args):

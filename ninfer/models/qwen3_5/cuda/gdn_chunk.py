@@ -20,6 +20,7 @@ PREP_THREADS = 256
 PREP_KT = 32                        # key/query columns staged per pass when forming K K^T, Q K^T
 SCAN_VB = 32                        # value columns per scan block
 SCAN_NC = 2                         # value columns per scan thread (each shared load feeds NC FMAs)
+SCAN_IB = 4                         # chunk rows a scan thread reduces together
 
 
 def scan_ks(dk: int) -> int:
@@ -32,8 +33,10 @@ def scan_threads(dk: int) -> int:
 
 
 def scan_smem(cn: int, dk: int) -> int:
-    # one [Cn, dk] tile (W, then q, then decayed k), V' [Cn, VB], two per-token decay factors
-    return 4 * cn * (dk + SCAN_VB + 2)
+    # one [Cn, dk] tile (W, then q, then decayed k), U / V' [Cn, VB], P [Cn, Cn], two per-token
+    # decay factors. dk = 128 gets Cn = 32 (64 would need 58 KiB); on CUDA cores the smaller
+    # chunk also halves the per-token work of the in-chunk terms (P V', A, the solve)
+    return 4 * cn * (dk + SCAN_VB + cn + 2)
 
 
 def prep_smem(cn: int) -> int:

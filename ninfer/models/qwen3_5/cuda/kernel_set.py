@@ -129,7 +129,8 @@ def gdn_chunk_specs(dk, dv, nk, nv) -> dict:
     return {"gdn_chunk_prep": spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
                                    NT=gc.PREP_THREADS, KT=gc.PREP_KT),
             "gdn_chunk_scan": spec("gdn_chunk_scan", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
-                                   VB=gc.SCAN_VB, NC=gc.SCAN_NC, KS=gc.scan_ks(dk))}
+                                   VB=gc.SCAN_VB, NC=gc.SCAN_NC, KS=gc.scan_ks(dk),
+                                   IB=gc.SCAN_IB)}
 
 
 # static shared memory a kernel may declare (without the opt-in to more, which numba's static
@@ -157,7 +158,7 @@ def check_geometry(cfg: TextConfig) -> None:
                   # gdn_chunk_scan stages a [chunk, dk] tile: even 8-token chunks must fit
                   (gc.chunk_size(cfg.linear_key_head_dim) is not None,
                    f"the chunked delta rule's shared memory (4 x 8 x (linear_key_head_dim + "
-                   f"{gc.SCAN_VB + 2})) <= 48 KiB (got linear_key_head_dim "
+                   f"{gc.SCAN_VB + 8 + 2})) <= 48 KiB (got linear_key_head_dim "
                    f"{cfg.linear_key_head_dim})")]
     if cfg.is_moe:
         rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
