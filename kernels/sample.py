@@ -151,6 +151,30 @@ def sample(threads=SAMPLE_THREADS):
         return kk > t_key or (kk == t_key and i <= t_id)
 
     @cuda.jit(device=True, inline=True)
+    def kept_weight(x, i, m, t_key, t_id):
+        if kept_by(key_of(x), i, t_key, t_id):
+            return math.exp(x - m)
+        return 0.0
+
+    @cuda.jit(device=True, inline=True)
+    def masked(y, i, mask, mask_off):
+        x = float64(y)
+        if mask_off >= 0:
+            w = mask[mask_off + (i >> 5)]
+            if (w >> uint32(i & 31)) & uint32(1) == uint32(0):
+                x = -math.inf
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def hist_one(x, i, hi, prefix, shift, by_mass, m, tk_key, tk_id, hc, hm):
+        kk = key_of(x)
+        if (kk & hi) == prefix and kept_by(kk, i, tk_key, tk_id):
+            d = int32((kk >> uint64(shift)) & uint64(NBINS - 1))
+            cuda.atomic.add(hc, d, 1)
+            if by_mass:
+                cuda.atomic.add(hm, d, math.exp(x - m))
+
+    @cuda.jit(device=True, inline=True)
     def select(z, base, vocab, temp, m, need, by_mass, tk_key, tk_id, hc, hm, st, red):
         """Radix select of the best-first prefix that top-k (count `need`) or top-p (mass `need`
         of the survivors of (tk_key, tk_id)) keeps. Returns (key, last kept id at that key)."""
@@ -164,14 +188,24 @@ def sample(threads=SAMPLE_THREADS):
                 hc[b] = 0
                 hm[b] = 0.0
             cuda.syncthreads()
-            for i in range(tid, vocab, T):
-                x = z[base + i] / temp
-                kk = key_of(x)
-                if (kk & hi) == prefix and kept_by(kk, i, tk_key, tk_id):
-                    d = int32((kk >> uint64(shift)) & uint64(NBINS - 1))
-                    cuda.atomic.add(hc, d, 1)
-                    if by_mass:
-                        cuda.atomic.add(hm, d, math.exp(x - m))
+            # four loads in flight per thread before the atomics (one block streams the row)
+            i = tid
+            while i + 3 * T < vocab:
+                x0 = z[base + i]
+                x1 = z[base + i + T]
+                x2 = z[base + i + 2 * T]
+                x3 = z[base + i + 3 * T]
+                hist_one(x0 / temp, i, hi, prefix, shift, by_mass, m, tk_key, tk_id, hc, hm)
+                hist_one(x1 / temp, i + T, hi, prefix, shift, by_mass, m, tk_key, tk_id, hc, hm)
+                hist_one(x2 / temp, i + 2 * T, hi, prefix, shift, by_mass, m, tk_key, tk_id,
+                         hc, hm)
+                hist_one(x3 / temp, i + 3 * T, hi, prefix, shift, by_mass, m, tk_key, tk_id,
+                         hc, hm)
+                i += 4 * T
+            while i < vocab:
+                hist_one(z[base + i] / temp, i, hi, prefix, shift, by_mass, m, tk_key, tk_id,
+                         hc, hm)
+                i += T
             cuda.syncthreads()
             if tid == 0:
                 acc = above
@@ -253,13 +287,20 @@ def sample(threads=SAMPLE_THREADS):
         mask_off = ipar[r * NPAR + 3]
 
         # 3b. the grammar mask (ids past it are off: the host packs zero bits there)
-        for i in range(tid, vocab, T):
-            x = float64(logits[base + i])
-            if mask_off >= 0:
-                w = mask[mask_off + (i >> 5)]
-                if (w >> uint32(i & 31)) & uint32(1) == uint32(0):
-                    x = -math.inf
-            z[base + i] = x
+        i = tid
+        while i + 3 * T < vocab:
+            y0 = logits[base + i]
+            y1 = logits[base + i + T]
+            y2 = logits[base + i + 2 * T]
+            y3 = logits[base + i + 3 * T]
+            z[base + i] = masked(y0, i, mask, mask_off)
+            z[base + i + T] = masked(y1, i + T, mask, mask_off)
+            z[base + i + 2 * T] = masked(y2, i + 2 * T, mask, mask_off)
+            z[base + i + 3 * T] = masked(y3, i + 3 * T, mask, mask_off)
+            i += 4 * T
+        while i < vocab:
+            z[base + i] = masked(logits[base + i], i, mask, mask_off)
+            i += T
         cuda.syncthreads()
         # 2-3. penalties on the listed distinct ids (a masked -inf stays -inf: they commute)
         for j in range(tid, n_pen, T):
@@ -290,8 +331,14 @@ def sample(threads=SAMPLE_THREADS):
             return
 
         mx = -math.inf
-        for i in range(tid, vocab, T):
+        i = tid
+        while i + 3 * T < vocab:
+            mx = max(max(mx, z[base + i]), max(z[base + i + T],
+                                               max(z[base + i + 2 * T], z[base + i + 3 * T])))
+            i += 4 * T
+        while i < vocab:
             mx = max(mx, z[base + i])
+            i += T
         m = block_max(mx, red) / temp       # max(z / T): division by T > 0 keeps the order
         # 5. top-k
         tk_key = uint64(0)
@@ -304,10 +351,19 @@ def sample(threads=SAMPLE_THREADS):
         tp_id = int32(vocab)
         if top_p < 1.0:
             s = 0.0
-            for i in range(tid, vocab, T):
-                x = z[base + i] / temp
-                if kept_by(key_of(x), i, tk_key, tk_id):
-                    s += math.exp(x - m)
+            i = tid
+            while i + 3 * T < vocab:
+                x0 = z[base + i] / temp
+                x1 = z[base + i + T] / temp
+                x2 = z[base + i + 2 * T] / temp
+                x3 = z[base + i + 3 * T] / temp
+                s += kept_weight(x0, i, m, tk_key, tk_id) + kept_weight(x1, i + T, m, tk_key, tk_id)
+                s += kept_weight(x2, i + 2 * T, m, tk_key, tk_id) + \
+                    kept_weight(x3, i + 3 * T, m, tk_key, tk_id)
+                i += 4 * T
+            while i < vocab:
+                s += kept_weight(z[base + i] / temp, i, m, tk_key, tk_id)
+                i += T
             total_k = block_sum(s, red)
             tp_key, tp_id = select(z, base, vocab, temp, m, top_p * total_k, True,
                                    tk_key, tk_id, hc, hm, st, red)
