@@ -17,8 +17,9 @@ gdn_chunk_scan: one block per (row, value head, VB value columns), sequential ov
 chunks. Thread (cg, ks) keeps S[m*KS + ks, cg + c*VB/NC] (m < dk/KS, c < NC) in registers: rows
 interleaved over the KS lanes so that their shared-memory reads of one tile row hit KS different
 banks; each tile value read feeds NC columns; IB chunk rows go together so that their FMA chains
-and shuffle reductions overlap. A chunk's W, U and P are staged in shared memory first (8 loads
-in flight per thread), then q, then the decayed k reuse W's tile.
+and shuffle reductions overlap. A chunk's W, U and P are staged in shared memory, then q, then the
+decayed k reuse W's tile; each is loaded into registers while the phase before it computes (the
+next chunk's W, U, P during the state update), so global latency hides behind the FMAs.
 """
 import math
 
@@ -166,8 +167,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
     PTS = Cn * Cn
     SLN = SL * NC
     ACC = IB * NC
-    LB = 8                           # global loads in flight per thread while staging a tile
-    NTILE = (TILE + NT - 1) // NT
+    NTILE = (TILE + NT - 1) // NT    # tile elements per thread (held in registers in flight)
     NVN = (VNS + NT - 1) // NT
     NPT = (PTS + NT - 1) // NT
 
@@ -188,8 +188,11 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
         gk = cuda.shared.array(Cn, float32)
         S = cuda.local.array(SLN, float32)
         acc = cuda.local.array(ACC, float32)
-        buf = cuda.local.array(LB, float32)
         vj = cuda.local.array(NC, float32)
+        # next tile's values, loaded while the current phase computes (software pipeline)
+        bt = cuda.local.array(NTILE, float32)
+        bu = cuda.local.array(NVN, float32)
+        bp = cuda.local.array(NPT, float32)
         slot = state_slots[r]
         sbase = (slot * nv + h) * dk * dv
         fresh = context_lens[r] == 0
@@ -203,55 +206,60 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                     S[m * NC + c] = state[sbase + (m * KS + ks) * dv + vc]
         q0 = query_start[r]
         q1 = query_start[r + 1]
+        # first chunk's W, U, P and decay factors; rows past the chunk's length load as zeros,
+        # so every product over the padded rows below stays finite (and zero where it is used)
+        Ln = min(Cn, q1 - q0)
+        for u in range(NTILE):
+            e = tid + u * NT
+            i = e // dk
+            x = float32(0.0)
+            if i < Ln:
+                x = wbuf[((q0 + i) * nv + h) * dk + e - i * dk]
+            bt[u] = x
+        for u in range(NVN):
+            e = tid + u * NT
+            i = e // VB
+            x = float32(0.0)
+            if i < Ln:
+                x = core[(q0 + i) * nv * dv + h * dv + min(vb + e - i * VB, dv - 1)]
+            bu[u] = x
+        for u in range(NPT):
+            e = tid + u * NT
+            i = e // Cn
+            x = float32(0.0)
+            if i < Ln:
+                x = pbuf[((q0 + i) * nv + h) * Cn + e - i * Cn]
+            bp[u] = x
+        gx = float32(0.0)
+        gy = float32(0.0)
+        if tid < Ln:
+            gx = gbuf[((q0 + tid) * nv + h) * 2]
+            gy = gbuf[((q0 + tid) * nv + h) * 2 + 1]
         for t0 in range(q0, q1, Cn):
             L = min(Cn, q1 - t0)
-            # stage W, U, P and the decay factors; rows past L are zeros, so every product
-            # over the padded rows below stays finite and zero where it is used
-            for s0 in range(0, NTILE, LB):
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    i = e // dk
-                    x = float32(0.0)
-                    if s0 + u < NTILE and i < L:
-                        x = wbuf[((t0 + i) * nv + h) * dk + e - i * dk]
-                    buf[u] = x
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    if s0 + u < NTILE and e < TILE:
-                        tile[e] = buf[u]
-            for s0 in range(0, NVN, LB):
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    i = e // VB
-                    x = float32(0.0)
-                    if s0 + u < NVN and i < L:
-                        x = core[(t0 + i) * nv * dv + h * dv + min(vb + e - i * VB, dv - 1)]
-                    buf[u] = x
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    if s0 + u < NVN and e < VNS:
-                        vn[e] = buf[u]
-            for s0 in range(0, NPT, LB):
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    i = e // Cn
-                    x = float32(0.0)
-                    if s0 + u < NPT and i < L:
-                        x = pbuf[((t0 + i) * nv + h) * Cn + e - i * Cn]
-                    buf[u] = x
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    if s0 + u < NPT and e < PTS:
-                        pt[e] = buf[u]
+            for u in range(NTILE):
+                e = tid + u * NT
+                if e < TILE:
+                    tile[e] = bt[u]
+            for u in range(NVN):
+                e = tid + u * NT
+                if e < VNS:
+                    vn[e] = bu[u]
+            for u in range(NPT):
+                e = tid + u * NT
+                if e < PTS:
+                    pt[e] = bp[u]
             if tid < Cn:
-                x = float32(0.0)
-                y = float32(0.0)
-                if tid < L:
-                    x = gbuf[((t0 + tid) * nv + h) * 2]
-                    y = gbuf[((t0 + tid) * nv + h) * 2 + 1]
-                gq[tid] = x
-                gk[tid] = y
+                gq[tid] = gx
+                gk[tid] = gy
             cuda.syncthreads()
+            for u in range(NTILE):           # q, in flight during V'
+                e = tid + u * NT
+                i = e // dk
+                x = float32(0.0)
+                if i < L:
+                    x = qkv[(t0 + i) * C + kh * dk + e - i * dk]
+                bt[u] = x
             # V' = U - W S, IB rows at a time (independent FMA chains and shuffles)
             for i0 in range(0, L, IB):
                 for x in range(ACC):
@@ -271,19 +279,18 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                         for c in range(NC):
                             vn[(i0 + u) * VB + cg + c * CG] -= acc[u * NC + c]
             cuda.syncthreads()
-            for s0 in range(0, NTILE, LB):
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    i = e // dk
-                    x = float32(0.0)
-                    if s0 + u < NTILE and i < L:
-                        x = qkv[(t0 + i) * C + kh * dk + e - i * dk]
-                    buf[u] = x
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    if s0 + u < NTILE and e < TILE:
-                        tile[e] = buf[u]
+            for u in range(NTILE):
+                e = tid + u * NT
+                if e < TILE:
+                    tile[e] = bt[u]
             cuda.syncthreads()
+            for u in range(NTILE):           # k, in flight during O
+                e = tid + u * NT
+                i = e // dk
+                x = float32(0.0)
+                if i < L:
+                    x = qkv[(t0 + i) * C + nk * dk + kh * dk + e - i * dk]
+                bt[u] = x
             # O = exp(G) (Q S) + P V'  (P's columns split over the KS lanes; P[i, j > i] = 0)
             for i0 in range(0, L, IB):
                 for x in range(ACC):
@@ -317,19 +324,40 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                                     core[(t0 + i0 + u) * nv * dv + h * dv + v0 + c * CG] = \
                                         acc[u * NC + c]
             cuda.syncthreads()
-            for s0 in range(0, NTILE, LB):
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    i = e // dk
-                    x = float32(0.0)
-                    if s0 + u < NTILE and i < L:
-                        x = qkv[(t0 + i) * C + nk * dk + kh * dk + e - i * dk] * gk[i]
-                    buf[u] = x
-                for u in range(LB):
-                    e = tid + (s0 + u) * NT
-                    if s0 + u < NTILE and e < TILE:
-                        tile[e] = buf[u]
+            for u in range(NTILE):
+                e = tid + u * NT
+                if e < TILE:
+                    tile[e] = bt[u] * gk[e // dk]
             cuda.syncthreads()
+            # the next chunk's W, U, P and factors, in flight during the state update
+            tn = t0 + Cn
+            Ln = min(Cn, q1 - tn)            # <= 0 after the last chunk: nothing loads
+            for u in range(NTILE):
+                e = tid + u * NT
+                i = e // dk
+                x = float32(0.0)
+                if i < Ln:
+                    x = wbuf[((tn + i) * nv + h) * dk + e - i * dk]
+                bt[u] = x
+            for u in range(NVN):
+                e = tid + u * NT
+                i = e // VB
+                x = float32(0.0)
+                if i < Ln:
+                    x = core[(tn + i) * nv * dv + h * dv + min(vb + e - i * VB, dv - 1)]
+                bu[u] = x
+            for u in range(NPT):
+                e = tid + u * NT
+                i = e // Cn
+                x = float32(0.0)
+                if i < Ln:
+                    x = pbuf[((tn + i) * nv + h) * Cn + e - i * Cn]
+                bp[u] = x
+            gx = float32(0.0)
+            gy = float32(0.0)
+            if tid < Ln:
+                gx = gbuf[((tn + tid) * nv + h) * 2]
+                gy = gbuf[((tn + tid) * nv + h) * 2 + 1]
             # S <- exp(G_last) S + (K exp(G_last - G))^T V'
             decay = gq[L - 1]
             for m in range(SLN):
