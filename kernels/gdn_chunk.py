@@ -37,6 +37,8 @@ def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
     assert NT >= Cn
     CC = Cn * Cn                     # shared/local array sizes must be compile-time constants
     CKP = Cn * KP
+    NLD = (Cn * KT + NT - 1) // NT   # slice elements each thread loads
+    NCOL = (dv + dk + NT - 1) // NT  # right-hand-side columns per thread
 
     def gdn_chunk_prep_kernel(core, wbuf, pbuf, gbuf, qkv, proj, proj_stride, a_off, b_off,
                               a_log, dt_bias, query_start):
@@ -72,10 +74,14 @@ def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
                 acc += float64(gl[i])
                 G[i] = acc
         cuda.syncthreads()
-        if tid < L:
-            gb = ((t0 + tid) * nv + h) * 2
-            gbuf[gb] = math.exp(float32(G[tid]))
-            gbuf[gb + 1] = math.exp(float32(G[L - 1] - G[tid]))
+        if tid < Cn:
+            eg = float32(0.0)
+            if tid < L:
+                gb = ((t0 + tid) * nv + h) * 2
+                eg = math.exp(float32(G[tid]))
+                gbuf[gb] = eg
+                gbuf[gb + 1] = math.exp(float32(G[L - 1] - G[tid]))
+            gl[tid] = eg             # gl now holds exp(G) (the cumulative sum above has read it)
 
         # k_i.k_j and q_i.k_j for j <= i, over dk in slices of KT columns
         accA = cuda.local.array(PPT, float32)
@@ -85,7 +91,8 @@ def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
             accP[s] = float32(0.0)
         for sl in range(NSL):
             k0 = sl * KT
-            for e in range(tid, Cn * KT, NT):
+            for u in range(NLD):
+                e = tid + u * NT
                 i = e // KT
                 c = e - i * KT
                 qv = float32(0.0)
@@ -94,8 +101,9 @@ def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
                     base = (t0 + i) * C + kh * dk + k0 + c
                     qv = qkv[base]
                     kv = qkv[base + nk * dk]
-                qt[i * KP + c] = qv
-                kt[i * KP + c] = kv
+                if i < Cn:
+                    qt[i * KP + c] = qv
+                    kt[i * KP + c] = kv
             cuda.syncthreads()
             for s in range(PPT):
                 e = tid + s * NT
@@ -130,27 +138,37 @@ def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
         cuda.syncthreads()
 
         # (I + A) X = B by forward substitution, one right-hand-side column per thread:
-        # columns [0, dv) are beta v (-> U, into core), [dv, dv + dk) beta k exp(G) (-> W)
+        # columns [0, dv) are beta v (-> U, into core), [dv, dv + dk) beta k exp(G) (-> W).
+        # The column is loaded whole first (all loads in flight); rows past L stay zero (their
+        # A rows are zero)
         X = cuda.local.array(Cn, float32)
-        for col in range(tid, dv + dk, NT):
-            for i in range(L):
-                t = t0 + i
-                if col < dv:
-                    x0 = bt[i] * qkv[t * C + 2 * nk * dk + h * dv + col]
-                else:
-                    x0 = bt[i] * math.exp(float32(G[i])) * qkv[t * C + nk * dk + kh * dk + col - dv]
+        for cc in range(NCOL):
+            col = tid + cc * NT
+            for i in range(Cn):
+                x = float32(0.0)
+                if col < dv + dk and i < L:
+                    t = t0 + i
+                    if col < dv:
+                        x = bt[i] * qkv[t * C + 2 * nk * dk + h * dv + col]
+                    else:
+                        x = bt[i] * gl[i] * qkv[t * C + nk * dk + kh * dk + col - dv]
+                X[i] = x
+            for i in range(1, Cn):
+                x0 = X[i]
                 x1 = float32(0.0)
                 for j in range(0, i - 1, 2):       # two accumulators: halves the FMA chain
                     x0 -= A[i * Cn + j] * X[j]
                     x1 -= A[i * Cn + j + 1] * X[j + 1]
                 if i % 2 == 1:
                     x0 -= A[i * Cn + i - 1] * X[i - 1]
-                x = x0 + x1
-                X[i] = x
-                if col < dv:
-                    core[t * nv * dv + h * dv + col] = x
-                else:
-                    wbuf[(t * nv + h) * dk + col - dv] = x
+                X[i] = x0 + x1
+            if col < dv + dk:
+                for i in range(L):
+                    t = t0 + i
+                    if col < dv:
+                        core[t * nv * dv + h * dv + col] = X[i]
+                    else:
+                        wbuf[(t * nv + h) * dk + col - dv] = X[i]
     return gdn_chunk_prep_kernel
 
 
