@@ -17,16 +17,19 @@ from sim_attention_tc import NP, Memory, _fake, cuda   # (also sets the simulato
 
 
 def _shfl_xor_sync(self, mask, value, lane_mask):
-    """The simulator has no warp shuffles. This one exchanges through a per-block table between
-    two block-wide barriers, so it is exact only where every thread of the block shuffles at the
-    same point, as in gdn_chunk_scan and gdn_recurrent (their shuffles sit in block-uniform code)."""
+    """The simulator has no warp shuffles. This one exchanges through a per-block table behind a
+    block-wide barrier, so it is exact only where every thread of the block shuffles at the same
+    point, as in gdn_chunk_scan and gdn_recurrent (their shuffles sit in block-uniform code). Two
+    tables alternate: a thread can only write shuffle n + 2's table after the barrier of shuffle
+    n + 1, which every thread reaches after reading shuffle n's."""
     th = threading.current_thread()
-    table = th._manager.__dict__.setdefault("_shfl_table", {})
+    tables = th._manager.__dict__.setdefault("_shfl_tables", ({}, {}))
+    n = getattr(th, "_shfl_count", 0)
+    th._shfl_count = n + 1
+    table = tables[n % 2]
     table[th.thread_id] = value
     th.syncthreads()
-    out = table[th.thread_id ^ lane_mask]
-    th.syncthreads()
-    return out
+    return table[th.thread_id ^ lane_mask]
 
 
 _fake.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
