@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from ninfer.errors import DeviceError
