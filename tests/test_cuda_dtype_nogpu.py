@@ -365,3 +365,53 @@ def test_numpy_loader_refuses_bfloat16_without_validated_options():
     from ninfer.models.qwen3_5 import load_model
     with pytest.raises(RequestError, match="numpy backend computes in float32 only"):
         load_model(object(), SimpleNamespace(backend="numpy", dtype="bfloat16"))
+
+
+@pytest.mark.skipif(os.environ.get("NINFER_SIM_MODEL") != "1",
+                    reason="minutes on the simulator: set NINFER_SIM_MODEL=1")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_whole_model_on_the_simulator_matches_numpy(kind):
+    """CudaModel's whole launch sequence (tests/gpu/sim_model.py: kernels on the simulator,
+    numpy GEMMs, fake device memory) in both dtypes against the numpy backend: float32 within
+    1e-5 (measured 6e-7) and the same greedy token; bfloat16 within its model tolerance. The MoE
+    prefill of 3 tokens takes the grouped (strided-batched GEMM) path, its decode the GEMVs."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_model.py"),
+                          kind, "3", "1"], env=env, capture_output=True, text=True, timeout=3000)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    f, b = out["float32"], out["bfloat16"]
+    assert f["prefill"] < 1e-5 and max(f["steps"]) < 1e-5, f
+    assert f["tokens_cuda"] == f["tokens_numpy"] and f["kv_dtype"] == "float32", f
+    assert 1e-4 < b["prefill"] < 3e-2 and b["kv_dtype"] == "uint16", b     # bf16 really rounds
+    assert f["kv_round_trip"] and b["kv_round_trip"]
+
+
+def test_widening_upload_in_pieces(monkeypatch):
+    """_upload_widened: a weight larger than the scratch (the cuBLASLt workspace) goes up in
+    pieces, each widened into its place; the fp32 result equals the bf16 values exactly."""
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_cuda_nogpu import _FakeDevice
+    from ninfer.models.qwen3_5 import cuda_model as cm
+    monkeypatch.setattr(cm, "LT_WORKSPACE", 64)           # 32 bf16 values per piece
+    dev = _FakeDevice(monkeypatch, 1 << 20)
+    scratch = dev.arena.take((64,), np.uint8, "scratch")
+    dst = dev.arena.take((7, 15), np.float32, "weight")  # 105 values: 4 pieces, the last short
+    pieces = []
+
+    def widen(stream, grid, block, args):
+        out, bits, n = args
+        src = dev._dev(getattr(bits, "ptr", bits), 2 * n).view(np.uint16)
+        dev._dev(out, 4 * n)[:] = (src.astype(np.uint32) << 16).view(np.float32).view(np.uint8)
+        pieces.append(n)
+    m = cm.CudaModel.__new__(cm.CudaModel)
+    m._lt_ws, m.stream = scratch, dev.stream
+    m.kernels = SimpleNamespace(widen_bf16=SimpleNamespace(launch=widen))
+    r = np.random.default_rng(0)
+    bits = (r.standard_normal((7, 15)).astype(np.float32).view(np.uint32) >> 16
+                       ).astype(np.uint16)
+    m._upload_widened(dst, bits, dev._pinned(64))
+    got = dev._dev(dst.ptr, dst.nbytes).view(np.float32).reshape(7, 15)
+    assert pieces == [32, 32, 32, 9]
+    assert np.array_equal(got, (bits.astype(np.uint32) << 16).view(np.float32))

@@ -1,0 +1,243 @@
+"""The CUDA model's whole launch sequence on the CPU: CudaModel with its kernels on numba-cuda's
+simulator, cuBLASLt's GEMMs as numpy products of the stored operands (fp32 accumulation), device
+memory one numpy byte array and fake pinned buffers. It checks the plumbing of each dtype (buffer
+types, offsets, the widening upload, the KV pools) against the numpy backend without a GPU;
+speed and the real cuBLASLt are the GPU tests' business. Prints JSON:
+{"<dtype>": {"prefill": rel err of all logits, "steps": [rel err per decode step],
+             "tokens_cuda": [...], "tokens_numpy": [...]}}
+
+    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_model.py [dense|moe] [prompt tokens] [steps]
+"""
+import json
+import pathlib
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import sim_storage   # noqa: E402,F401  (simulator patches: warp shuffle, libdevice bit casts)
+from sim_storage import cuda, _fake   # noqa: E402
+
+from ninfer.core.cuda import driver as d   # noqa: E402
+from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
+from ninfer.models.qwen3_5 import cuda_model as cm   # noqa: E402
+from ninfer.models.qwen3_5.batch import ForwardBatch   # noqa: E402
+from ninfer.models.qwen3_5.model import NumpyModel   # noqa: E402
+from ninfer.options import EngineOptions   # noqa: E402
+from tiny_model import TinyArtifact, tiny_config   # noqa: E402
+from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray   # noqa: E402
+
+
+def _syncwarp(self, mask=0xFFFFFFFF):
+    sim_storage._shfl_xor_sync(self, mask, 0, 0)      # a warp barrier
+
+
+_fake.FakeCUDAModule.syncwarp = _syncwarp
+NP = {"float32": np.float32, "uint16": np.uint16, "uint32": np.uint32, "int32": np.int32,
+      "uint64": np.uint64}
+
+
+class Machine:
+    """Device memory (one mem_alloc: the model's arena) and host pinned buffers."""
+    BASE, HOST = 1 << 40, 1 << 20
+
+    def __init__(self, nbytes):
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.host, self.next_host = {}, self.HOST
+
+    def dev(self, ptr, n):
+        off = ptr - self.BASE
+        assert 0 <= off and off + n <= self.mem.size, "device access outside the arena"
+        return self.mem[off: off + n]
+
+    def host_bytes(self, ptr, n):
+        base = max(b for b in self.host if b <= ptr)
+        assert ptr - base + n <= self.host[base].size, "host access outside a pinned buffer"
+        return self.host[base][ptr - base: ptr - base + n]
+
+    def pinned(self, nbytes):
+        m = self
+
+        class Pinned:
+            def __init__(self):
+                self.nbytes, self.ptr = int(nbytes), m.next_host
+                self.array = np.zeros(max(self.nbytes, 1), np.uint8)[: self.nbytes]
+                m.host[self.ptr] = self.array
+                m.next_host += self.nbytes + 4096
+
+            def view(self, dtype, offset=0, count=None):
+                dt = np.dtype(dtype)
+                if count is None:
+                    count = (self.nbytes - offset) // dt.itemsize
+                return self.array[offset: offset + count * dt.itemsize].view(dt)
+
+            def free(self):
+                m.host.pop(self.ptr, None)
+        return Pinned()
+
+    def typed(self, ptr, dtype):
+        """A view from `ptr` to the end of device memory (no copy: aliasing as on the GPU)."""
+        dt = np.dtype(dtype)
+        off = ptr - self.BASE
+        assert off % dt.itemsize == 0
+        n = (self.mem.size - off) // dt.itemsize
+        return self.mem[off: off + n * dt.itemsize].view(dt)
+
+
+class Stream:
+    handle = 0
+
+    def synchronize(self):
+        pass
+
+
+def install(machine):
+    stream = Stream()
+
+    class Device:
+        cc, num_sms, name = (9, 0), 2, "simulated GPU"
+
+        def __init__(self, device_id=0):
+            self.stream = stream
+
+        def mem_info(self):
+            return 1 << 40, 1 << 40          # the arena must still fit machine.mem (checked on access)
+
+        def make_current(self):
+            pass
+
+        def close(self):
+            pass
+
+    d.Device = Device
+    d.mem_alloc = lambda n: machine.BASE
+    d.mem_free = lambda p: None
+    d.PinnedBuffer = machine.pinned
+    d.memset_d8_async = lambda dst, v, n, st: machine.dev(dst, n).__setitem__(slice(None), v)
+    d.copy_htod_async = lambda dst, src, n, st: machine.dev(dst, n).__setitem__(
+        slice(None), machine.host_bytes(src, n))
+    d.copy_dtoh_async = lambda dst, src, n, st: machine.host_bytes(dst, n).__setitem__(
+        slice(None), machine.dev(src, n))
+
+    class Kernel:
+        def __init__(self, spec):
+            self.spec, self.fn = spec, None          # made at first launch (load_all: nothing)
+
+        def launch(self, st, grid, block, args, smem=0):
+            if self.spec.factory == "widen_bf16":
+                # the load's widening as numpy: one simulated thread per weight element is
+                # minutes (the kernel itself is checked in sim_storage.py)
+                out, bits, n = int(getattr(args[0], "ptr", args[0])), args[1], int(args[2])
+                u = machine.typed(int(getattr(bits, "ptr", bits)), np.uint16)[:n]
+                machine.typed(out, np.float32)[:n] = (u.astype(np.uint32) << 16).view(np.float32)
+                return
+            if self.fn is None:
+                self.fn = cuda.jit(getattr(_import_kernel_module(self.spec.module),
+                                           self.spec.factory)(**dict(self.spec.params)))
+            conv = []
+            for t, a in zip(self.spec.sig, args):
+                _, nt, is_ptr = ARG_TYPES[t]
+                if is_ptr:
+                    conv.append(FakeCUDAArray(machine.typed(int(getattr(a, "ptr", a)), NP[nt])))
+                else:
+                    conv.append(np.float32(a) if t == "f32" else int(a))
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            b = tuple(block) + (1,) * (3 - len(block))
+            self.fn[g, b](*conv)
+
+    class Cache:
+        def __init__(self, cc, cache_dir=None):
+            self.k = {}
+
+        def get(self, spec):
+            if spec not in self.k:
+                self.k[spec] = Kernel(spec)
+            return self.k[spec]
+
+        def close(self):
+            self.k.clear()
+
+    class Lt:
+        def __init__(self, ws_ptr, ws_bytes, f32=False):
+            self.f32, self.calls = f32, 0
+
+        def plan(self, *a, **k):
+            pass
+
+        def operand(self, ptr, shape):
+            if self.f32:
+                return machine.typed(ptr, np.float32)[: int(np.prod(shape))].reshape(shape)
+            u = machine.typed(ptr, np.uint16)[: int(np.prod(shape))].reshape(shape)
+            return (u.astype(np.uint32) << 16).view(np.float32)
+
+        def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0)):
+            ab = 4 if self.f32 else 2
+            sw, sx, sy = strides
+            for i in range(batch):                       # product i at element offsets i*strides
+                X = self.operand(x + ab * i * sx, (m, k))
+                W = self.operand(w + ab * i * sw, (k, n) if w_kn else (n, k))
+                Y = machine.typed(y + 4 * i * sy, np.float32)[: m * n].reshape(m, n)
+                prod = X @ W if w_kn else X @ W.T        # fp32 accumulation, like COMPUTE_32F
+                Y[:] = prod if beta == 0.0 else beta * Y + prod
+            self.calls += 1
+
+        def batch_alignment(self, *a, **k):
+            return 256
+
+        def close(self):
+            pass
+
+    cm.KernelCache = Cache
+    cm.CublasLt = Lt
+
+
+def run(kind="dense", prompt_len=5, steps=3):
+    machine = Machine(96 << 20)
+    install(machine)
+    art = TinyArtifact(tiny_config(moe=kind == "moe"), seed=3)
+    cpu = NumpyModel.from_artifact(art)
+    r = np.random.default_rng(1)
+    prompt = r.integers(0, art.config.text.vocab_size, prompt_len).astype(np.int32)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        opts = EngineOptions(backend="cuda", dtype=dtype, max_concurrency=1, max_context=64,
+                             prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False)
+        gpu = cm.CudaModel(art.config, opts, artifact=art)
+        pages = np.arange(16, dtype=np.int32)
+        kv_g, st_g = gpu.new_kv_pool(17, 4), gpu.new_state_pool(2)
+        kv_c, st_c = cpu.new_kv_pool(17, 4), cpu.new_state_pool(2)
+        b = ForwardBatch.single(prompt, 0, pages, 1)
+        lg = gpu.forward(b, kv_g, st_g, all_logits=True)
+        lc = cpu.forward(b, kv_c, st_c, all_logits=True)
+        res = {"prefill": float(np.linalg.norm(lg - lc) / np.linalg.norm(lc)), "steps": [],
+               "tokens_cuda": [], "tokens_numpy": [], "margins": []}
+        tg, tc = int(np.argmax(lg[-1])), int(np.argmax(lc[-1]))
+        for k in range(steps):
+            res["tokens_cuda"].append(tg)
+            res["tokens_numpy"].append(tc)
+            pos = prompt_len + k
+            lg = gpu.forward(ForwardBatch.single([tg], pos, pages, 1), kv_g, st_g)
+            lc = cpu.forward(ForwardBatch.single([tc], pos, pages, 1), kv_c, st_c)
+            res["steps"].append(float(np.linalg.norm(lg - lc) / np.linalg.norm(lc)))
+            top = np.sort(lc[0])[-2:]
+            res["margins"].append(float(top[1] - top[0]))
+            tg, tc = int(np.argmax(lg[0])), int(np.argmax(lc[0]))
+        # the pools' host images: fp32 KV survives a round trip exactly in float32
+        img = kv_g.read_pages([0, 1])
+        kv_g.write_pages([0, 1], img)
+        res["kv_round_trip"] = all(np.array_equal(a, b) for a, b in
+                                   zip(img[0] + img[1], kv_g.read_pages([0, 1])[0] +
+                                       kv_g.read_pages([0, 1])[1]))
+        res["kv_dtype"] = str(kv_g.k[0].dtype)
+        kv_g.close()
+        st_g.close()
+        gpu.close()
+        out[dtype] = res
+    return out
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    print(json.dumps(run(a[0] if a else "dense", int(a[1]) if len(a) > 1 else 5,
+                         int(a[2]) if len(a) > 2 else 3)))
