@@ -4,6 +4,9 @@ fresh state, GPU time by CUDA events (median of --reps), plus how far the two ou
 
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py                 # 27B: 16/48 heads of 128
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py --nv 32 --tokens 4096
+    PYTHONPATH=. python3 bench/bench_gdn_chunk.py --tokens 4096 --sweep   # block shapes, chunks
+
+Each line is one configuration; the first is the shipped one (cuda/gdn_chunk.py's constants).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from ninfer.core.cuda import driver as d
 from ninfer.core.cuda.arena import Arena
 from ninfer.core.cuda.kernels import KernelCache
 from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
-from ninfer.models.qwen3_5.cuda.kernel_set import gdn_chunk_specs, spec
+from ninfer.models.qwen3_5.cuda.kernel_set import spec
 
 
 def timed(stream, fn, reps):
@@ -34,7 +37,30 @@ def timed(stream, fn, reps):
     return float(np.median(out))
 
 
-def bench(dev, cache, T, dk, dv, nk, nv, reps, seed=0):
+def scan_variants(dk, sweep):
+    """(chunk, VB, NC, IB, prep NT) to time: the shipped configuration first, then (--sweep) a
+    curated set of variants (~20: each costs a few seconds of compilation) that the kernels'
+    shared memory and thread-count rules accept."""
+    ks = gc.scan_ks(dk)
+    cn0 = gc.chunk_size(dk)
+    out = [(cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, gc.PREP_THREADS)]
+    if not sweep:
+        return out
+    out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, 128))
+    for cn in sorted({cn0, max(cn0 // 2, 8)}, reverse=True):
+        for vb, nc in ((32, 2), (32, 4), (32, 1), (16, 2), (16, 1), (64, 4)):
+            for ib in (4, 8, 2):
+                nt = vb // nc * ks
+                smem = 4 * cn * (dk + vb + cn + 2)
+                v = (cn, vb, nc, ib, gc.PREP_THREADS)
+                if (nt % 32 or nt < cn or nt > 1024 or cn % ib or smem > gc.STATIC_SMEM_BYTES
+                        or v in out or (ib == 2 and nc != 4)):
+                    continue
+                out.append(v)
+    return out
+
+
+def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0):
     st = dev.stream
     r = np.random.default_rng(seed)
     C = 2 * nk * dk + nv * dv
@@ -47,10 +73,9 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, seed=0):
     proj = r.standard_normal((T, P), dtype=np.float32)
     A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
     dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
-    cn = gc.chunk_size(dk)
-    shapes = gc.buffer_shapes(T, nv, dk, cn)
+    cn_max = max(gc.CHUNK_SIZES)
     need = 4 * (qkv.size + proj.size + 2 * T * nv * dv + 2 * nv * dk * dv) + \
-        sum(4 * math.prod(s) for s in shapes.values()) + (1 << 24)
+        sum(4 * math.prod(s) for s in gc.buffer_shapes(T, nv, dk, cn_max).values()) + (1 << 24)
     arena = Arena(need)
     taken = []
 
@@ -60,6 +85,7 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, seed=0):
         taken.append(buf)
         return buf
 
+    rows = []
     try:
         d_qkv, d_proj, d_alog, d_dtb = put(qkv), put(proj), put(A_log), put(dt_bias)
         del qkv, proj
@@ -70,38 +96,52 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, seed=0):
         st_r = put(np.zeros((1, nv, dk, dv), np.float32))
         out_c = arena.take((T, nv * dv), np.float32, "out")
         out_r = arena.take((T, nv * dv), np.float32, "out")
-        bufs = {k: arena.take(s, np.float32, k) for k, s in shapes.items()}
-        specs = gdn_chunk_specs(dk, dv, nk, nv)
-        kern = {k: cache.get(s) for k, s in specs.items()}
+        taken += [out_c, out_r]
+        bufs = {k: arena.take(s, np.float32, k) for k, s in
+                gc.buffer_shapes(T, nv, dk, cn_max).items()}   # big enough for every chunk size
+        taken += list(bufs.values())
         rec = cache.get(spec("gdn_recurrent", dk=dk, dv=dv, nk=nk, nv=nv))
-        chunks = gc.max_chunks([(0, T, 0)], T, 1, cn)
-        prep_args = (out_c, bufs["w"], bufs["p"], bufs["g"], d_qkv, d_proj, P, C + nv, C,
-                     d_alog, d_dtb, d_qs)
-        scan_args = (out_c, bufs["w"], bufs["p"], bufs["g"], d_qkv, st_c, d_qs, d_ctx, d_slot)
-
-        def prep():
-            kern["gdn_chunk_prep"].launch(st, (1, nv, chunks), (gc.PREP_THREADS,), prep_args)
-
-        def scan():
-            kern["gdn_chunk_scan"].launch(st, (1, nv, -(-dv // gc.SCAN_VB)), (gc.scan_threads(dk),),
-                                          scan_args)
 
         def recurrent():
             rec.launch(st, (1, nv, (dv + 31) // 32), (128,),
                        (out_r, d_qkv, d_proj, P, C + nv, C, d_alog, d_dtb, st_r, d_qs, d_ctx, d_slot))
 
-        prep(), scan(), recurrent()                    # warm-up (module load), and the outputs
+        recurrent()
         st.synchronize()
-        oc = d.download(out_c.ptr, out_c.shape, np.float32, st)
         orr = d.download(out_r.ptr, out_r.shape, np.float32, st)
-        diff = float(np.linalg.norm(oc - orr) / max(np.linalg.norm(orr), 1e-30))
-        t_prep = timed(st, prep, reps)
-        t_scan = timed(st, lambda: (prep(), scan()), reps) - t_prep   # scan needs a fresh U
         t_rec = timed(st, recurrent, max(1, reps // 2))
-        return dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, chunk=cn, prep_ms=round(t_prep, 4),
-                    scan_ms=round(t_scan, 4), chunked_ms=round(t_prep + t_scan, 4),
-                    recurrent_ms=round(t_rec, 4), speedup=round(t_rec / (t_prep + t_scan), 2),
-                    rel_diff_vs_recurrent=diff)
+        for cn, vb, nc, ib, prep_nt in scan_variants(dk, sweep):
+            prep_k = cache.get(spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
+                                    NT=prep_nt, KT=gc.PREP_KT))
+            scan_k = cache.get(spec("gdn_chunk_scan", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb,
+                                    NC=nc, KS=gc.scan_ks(dk), IB=ib))
+            chunks = gc.max_chunks([(0, T, 0)], T, 1, cn)
+            nt = vb // nc * gc.scan_ks(dk)
+
+            def prep():
+                prep_k.launch(st, (1, nv, chunks), (prep_nt,),
+                              (out_c, bufs["w"], bufs["p"], bufs["g"], d_qkv, d_proj, P, C + nv, C,
+                               d_alog, d_dtb, d_qs))
+
+            def scan():
+                scan_k.launch(st, (1, nv, -(-dv // vb)), (nt,),
+                              (out_c, bufs["w"], bufs["p"], bufs["g"], d_qkv, st_c, d_qs, d_ctx,
+                               d_slot))
+
+            prep(), scan()
+            st.synchronize()
+            oc = d.download(out_c.ptr, out_c.shape, np.float32, st)
+            diff = float(np.linalg.norm(oc - orr) / max(np.linalg.norm(orr), 1e-30))
+            t_prep = timed(st, prep, reps)
+            t_scan = timed(st, lambda: (prep(), scan()), reps) - t_prep   # scan needs a fresh U
+            rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, chunk=cn, VB=vb, NC=nc, IB=ib,
+                             prep_threads=prep_nt, prep_ms=round(t_prep, 4),
+                             scan_ms=round(t_scan, 4), chunked_ms=round(t_prep + t_scan, 4),
+                             recurrent_ms=round(t_rec, 4),
+                             speedup=round(t_rec / (t_prep + t_scan), 2),
+                             rel_diff_vs_recurrent=diff))
+            print(json.dumps(rows[-1]), flush=True)
+        return rows
     finally:
         for b in taken:
             arena.give(b)
@@ -116,13 +156,15 @@ def main(argv=None):
     ap.add_argument("--nk", type=int, default=16)
     ap.add_argument("--nv", type=int, default=48)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time other chunk sizes / scan block shapes (the fastest with "
+                         "rel_diff_vs_recurrent < 1e-5 is the one to ship in cuda/gdn_chunk.py)")
     args = ap.parse_args(argv)
     dev = d.Device(0)
     cache = KernelCache(dev.cc)
     try:
         for T in (int(x) for x in args.tokens.split(",")):
-            print(json.dumps(bench(dev, cache, T, args.dk, args.dv, args.nk, args.nv, args.reps)),
-                  flush=True)
+            bench(dev, cache, T, args.dk, args.dv, args.nk, args.nv, args.reps, args.sweep)
     finally:
         cache.close()
         dev.close()

@@ -59,7 +59,7 @@ def oracle(q, k, v, a, b, A_log, dt_bias, S0, ratio):
 
 
 def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay=False,
-        recurrent=True):
+        recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB):
     """Returns the relative L2 errors of (chunked out, chunked state, recurrent out, recurrent
     state) against the float64 oracle, and chunked against recurrent (out, state)."""
     r = np.random.default_rng(seed)
@@ -105,8 +105,8 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
     shapes = gc.buffer_shapes(n, nv, dk, cn)
     params = {"gdn_chunk_prep": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, NT=prep_threads,
                                      KT=gc.PREP_KT),
-              "gdn_chunk_scan": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=gc.SCAN_VB,
-                                     NC=gc.SCAN_NC, KS=gc.scan_ks(dk), IB=gc.SCAN_IB),
+              "gdn_chunk_scan": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb, NC=nc,
+                                     KS=gc.scan_ks(dk), IB=ib),
               "gdn_recurrent": dict(dk=dk, dv=dv, nk=nk, nv=nv)}
 
     def launch(name, grid, block, args):
@@ -128,7 +128,8 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
                       proj=d["proj"], proj_stride=P, a_off=a_off, b_off=b_off,
                       a_log=d["a_log"], dt_bias=d["dt_bias"], state=state,
                       query_start=d["qs"], context_lens=d["ctx"], state_slots=d["slots"],
-                      prep_threads=prep_threads)
+                      prep_threads=prep_threads, scan_vb=vb,
+                      scan_nt=vb // nc * gc.scan_ks(dk))
         else:
             launch("gdn_recurrent", (nb, nv, -(-dv // 32)), (128,),
                    (out, d["qkv"], d["proj"], P, C + 3 + nv, C + 3, d["a_log"], d["dt_bias"],
@@ -163,8 +164,15 @@ CASES = {
     # Cn+1, 1, 2 Cn + 1), strong decay, the real prep block size
     "decay": dict(dk=16, dv=40, nk=1, nv=2, cn=8, lengths=[9, 1, 17], ctxs=[3, 0, 0],
                   prep_threads=gc.PREP_THREADS, strong_decay=True, recurrent=False),
+    # the benchmark sweep's other scan variants (run by hand: not part of the CPU suite)
+    "nc4": dict(dk=16, dv=40, nk=1, nv=2, cn=8, lengths=[9, 1, 17], ctxs=[3, 0, 0],
+                recurrent=False, vb=32, nc=4, ib=8),
+    "vb16": dict(dk=12, dv=20, nk=1, nv=3, cn=8, lengths=[1, 9, 17], ctxs=[0, 7, 2],
+                 recurrent=False, vb=16, nc=1, ib=2),
+    "vb16nc2": dict(dk=16, dv=20, nk=1, nv=2, cn=8, lengths=[1, 9, 17], ctxs=[0, 7, 2],
+                    recurrent=False, vb=16, nc=2, ib=4),
 }
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or list(CASES)
+    names = sys.argv[1:] or ["small", "decay"]
     print(json.dumps({name: run(**CASES[name]) for name in names}))

@@ -73,10 +73,12 @@ def max_chunks(rows, n: int, b: int, cn: int) -> int:
 
 def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *, core, w, p, g,
            qkv, proj, proj_stride: int, a_off: int, b_off: int, a_log, dt_bias, state,
-           query_start, context_lens, state_slots, prep_threads: int = PREP_THREADS) -> None:
-    """The two launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`
-    must be the prep kernel's NT (the simulator tests compile it smaller)."""
+           query_start, context_lens, state_slots, prep_threads: int = PREP_THREADS,
+           scan_vb: int = SCAN_VB, scan_nt: int | None = None) -> None:
+    """The two launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`,
+    `scan_vb` and `scan_nt` must match the kernels' NT, VB and VB / NC * KS (the simulator tests
+    and the benchmark's sweep compile other variants)."""
     launch_fn("gdn_chunk_prep", (b, nv, chunks), (prep_threads,),
               (core, w, p, g, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, query_start))
-    launch_fn("gdn_chunk_scan", (b, nv, -(-dv // SCAN_VB)), (scan_threads(dk),),
+    launch_fn("gdn_chunk_scan", (b, nv, -(-dv // scan_vb)), (scan_nt or scan_threads(dk),),
               (core, w, p, g, qkv, state, query_start, context_lens, state_slots))
