@@ -14,6 +14,8 @@ chosen bin holds exactly what is kept from it; otherwise the last pass leaves th
 value, and the tied ids kept at it are found by one pass over CONTIGUOUS id chunks per thread
 with a block prefix scan (so id order is the oracle's tie order). A threshold is then a pair
 (key, last kept id among the ties), a plain predicate every later (coalesced, strided) pass tests.
+A top-k of at most KCAP ids is then gathered (ascending id) into shared memory, where top-p (each
+id's mass before it in best-first order), min-p and the draw finish without more passes.
 """
 import math
 
@@ -22,6 +24,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 THREADS = 1024              # argmax
 SAMPLE_THREADS = 512        # sample: ~100 registers per thread; 1024 threads would not launch
 NBINS = 256                 # radix digit of 8 bits
+KCAP = 1024                 # top-k up to this many ids finishes in shared memory
 NPAR = 8                    # fp64 / int32 parameters per row (layout: cuda/sampler.py)
 SIGN = 0x8000000000000000
 
@@ -29,7 +32,8 @@ SIGN = 0x8000000000000000
 def _block_argmax(threads):
     @cuda.jit(device=True, inline=True)
     def block_argmax(bv, bi, red_v, red_i):
-        """The block's best (value, id): larger value, lower id on ties. Every thread gets the id."""
+        """The block's best (value, id): larger value, lower id on ties; every thread gets the
+        id."""
         tid = cuda.threadIdx.x
         red_v[tid] = bv
         red_i[tid] = bi
@@ -272,6 +276,10 @@ def sample(threads=SAMPLE_THREADS):
         hc = cuda.shared.array(NBINS, int32)
         hm = cuda.shared.array(NBINS, float64)
         st = cuda.shared.array(4, float64)
+        cid = cuda.shared.array(KCAP, int32)        # the compacted top-k (ascending id)
+        cx = cuda.shared.array(KCAP, float64)
+        cw = cuda.shared.array(KCAP, float64)
+        ck = cuda.shared.array(KCAP, float64)
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         base = int64(r) * vocab
@@ -346,56 +354,113 @@ def sample(threads=SAMPLE_THREADS):
         if top_k > 0 and top_k < vocab:
             tk_key, tk_id = select(z, base, vocab, temp, m, float64(top_k), False,
                                    uint64(0), int32(vocab), hc, hm, st, red)
-        # 6. top-p over top-k's renormalised mass
-        tp_key = uint64(0)
-        tp_id = int32(vocab)
-        if top_p < 1.0:
-            s = 0.0
-            i = tid
-            while i + 3 * T < vocab:
-                x0 = z[base + i] / temp
-                x1 = z[base + i + T] / temp
-                x2 = z[base + i + 2 * T] / temp
-                x3 = z[base + i + 3 * T] / temp
-                s += kept_weight(x0, i, m, tk_key, tk_id) + kept_weight(x1, i + T, m, tk_key, tk_id)
-                s += kept_weight(x2, i + 2 * T, m, tk_key, tk_id) + \
-                    kept_weight(x3, i + 3 * T, m, tk_key, tk_id)
-                i += 4 * T
-            while i < vocab:
-                s += kept_weight(z[base + i] / temp, i, m, tk_key, tk_id)
-                i += T
-            total_k = block_sum(s, red)
-            tp_key, tp_id = select(z, base, vocab, temp, m, top_p * total_k, True,
-                                   tk_key, tk_id, hc, hm, st, red)
-        # 7-8. min-p, then the inverse CDF over kept weights in ascending id order
-        chunk = (vocab + T - 1) // T
-        lo = tid * chunk
-        hi_i = min(vocab, lo + chunk)
-        mine = 0.0
-        for i in range(lo, hi_i):
-            x = z[base + i] / temp
-            kk = key_of(x)
-            w = math.exp(x - m)
-            if kept_by(kk, i, tk_key, tk_id) and kept_by(kk, i, tp_key, tp_id) and \
-                    (min_p <= 0.0 or w >= min_p):
-                mine += w
-        run = block_scan(mine, red)
-        total = block_sum(mine, red)
         key = splitmix64(splitmix64(upar[2 * r]) ^ upar[2 * r + 1])
         u = float64(key >> uint64(11)) * (1.0 / 9007199254740992.0)
-        target = u * total
         first = int32(vocab)
         last = int32(-1)
-        for i in range(lo, hi_i):
-            x = z[base + i] / temp
-            kk = key_of(x)
-            w = math.exp(x - m)
-            if kept_by(kk, i, tk_key, tk_id) and kept_by(kk, i, tp_key, tp_id) and \
-                    (min_p <= 0.0 or w >= min_p) and w > 0.0:
-                run += w
-                last = i
-                if run > target and first == vocab:
-                    first = i
+        if top_k > 0 and top_k < vocab and top_k <= KCAP:
+            # top-k kept at most KCAP ids: gather them in ascending id order and finish the row
+            # (top-p, min-p, the draw) in shared memory instead of more passes over the vocabulary
+            chunk = (vocab + T - 1) // T
+            lo = tid * chunk
+            hi_i = min(vocab, lo + chunk)
+            cnt = 0.0
+            for i in range(lo, hi_i):
+                if kept_by(key_of(z[base + i] / temp), i, tk_key, tk_id):
+                    cnt += 1.0
+            pos = int32(block_scan(cnt, red))
+            n = int32(block_sum(cnt, red))
+            for i in range(lo, hi_i):
+                x = z[base + i] / temp
+                if kept_by(key_of(x), i, tk_key, tk_id):
+                    cid[pos] = i
+                    cx[pos] = x
+                    cw[pos] = math.exp(x - m)
+                    pos += 1
+            cuda.syncthreads()
+            s = 0.0
+            for j in range(tid, n, T):
+                s += cw[j]
+            target_p = top_p * block_sum(s, red)
+            for j in range(tid, n, T):
+                w = cw[j]
+                ok = min_p <= 0.0 or w >= min_p
+                if ok and top_p < 1.0:
+                    # 6. kept iff the mass before it in best-first order (larger value, then
+                    # lower id) has not reached top_p
+                    before = 0.0
+                    xj = cx[j]
+                    ij = cid[j]
+                    for q in range(n):
+                        if cx[q] > xj or (cx[q] == xj and cid[q] < ij):
+                            before += cw[q]
+                    ok = before < target_p
+                ck[j] = w if ok else 0.0
+            cuda.syncthreads()
+            cchunk = (n + T - 1) // T
+            clo = tid * cchunk
+            chi = min(n, clo + cchunk)
+            mine = 0.0
+            for j in range(clo, chi):
+                mine += ck[j]
+            run = block_scan(mine, red)
+            total = block_sum(mine, red)
+            target = u * total
+            for j in range(clo, chi):
+                w = ck[j]
+                if w > 0.0:
+                    run += w
+                    last = cid[j]
+                    if run > target and first == vocab:
+                        first = cid[j]
+        else:
+            # 6. top-p over top-k's renormalised mass
+            tp_key = uint64(0)
+            tp_id = int32(vocab)
+            if top_p < 1.0:
+                s = 0.0
+                i = tid
+                while i + 3 * T < vocab:
+                    x0 = z[base + i] / temp
+                    x1 = z[base + i + T] / temp
+                    x2 = z[base + i + 2 * T] / temp
+                    x3 = z[base + i + 3 * T] / temp
+                    s += kept_weight(x0, i, m, tk_key, tk_id) + \
+                        kept_weight(x1, i + T, m, tk_key, tk_id)
+                    s += kept_weight(x2, i + 2 * T, m, tk_key, tk_id) + \
+                        kept_weight(x3, i + 3 * T, m, tk_key, tk_id)
+                    i += 4 * T
+                while i < vocab:
+                    s += kept_weight(z[base + i] / temp, i, m, tk_key, tk_id)
+                    i += T
+                total_k = block_sum(s, red)
+                tp_key, tp_id = select(z, base, vocab, temp, m, top_p * total_k, True,
+                                       tk_key, tk_id, hc, hm, st, red)
+            # 7-8. min-p, then the inverse CDF over kept weights in ascending id order
+            chunk = (vocab + T - 1) // T
+            lo = tid * chunk
+            hi_i = min(vocab, lo + chunk)
+            mine = 0.0
+            for i in range(lo, hi_i):
+                x = z[base + i] / temp
+                kk = key_of(x)
+                w = math.exp(x - m)
+                if kept_by(kk, i, tk_key, tk_id) and kept_by(kk, i, tp_key, tp_id) and \
+                        (min_p <= 0.0 or w >= min_p):
+                    mine += w
+            run = block_scan(mine, red)
+            total = block_sum(mine, red)
+            target = u * total
+            for i in range(lo, hi_i):
+                x = z[base + i] / temp
+                kk = key_of(x)
+                w = math.exp(x - m)
+                if kept_by(kk, i, tk_key, tk_id) and kept_by(kk, i, tp_key, tp_id) and \
+                        (min_p <= 0.0 or w >= min_p) and w > 0.0:
+                    run += w
+                    last = i
+                    if run > target and first == vocab:
+                        first = i
         # the first id whose running mass passes u * total; else (rounding) the last kept id
         red_i[tid] = first
         cuda.syncthreads()

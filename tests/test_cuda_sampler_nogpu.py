@@ -32,7 +32,8 @@ def test_pack_penalties_reproduce_the_host_penalties():
     r = np.random.default_rng(3)
     V = 300
     for spec_ in (SamplingSpec(seed=1, temperature=1.0, repetition_penalty=1.3),
-                  SamplingSpec(seed=1, temperature=1.0, presence_penalty=0.5, frequency_penalty=0.2),
+                  SamplingSpec(seed=1, temperature=1.0, presence_penalty=0.5,
+                               frequency_penalty=0.2),
                   SamplingSpec(seed=1, temperature=1.0, repetition_penalty=0.7,
                                presence_penalty=-0.3, frequency_penalty=0.1)):
         prompt = r.integers(0, V, 80).astype(np.int32)
@@ -125,7 +126,7 @@ def test_sampler_kernels_compile_to_ptx_for_sm90(name):
 
 
 def test_sample_kernel_on_the_simulator_equals_the_host_sampler():
-    """36 boundary rows + 40 random ones (V 200-2000, every filter, penalties, masks, ties)
+    """42 boundary rows + 40 random ones (V 200-2000, every filter, penalties, masks, ties)
     through DeviceSampler.launch (one H2D copy per step) on a 32-thread block: every token equal
     to sample_row's except draws at a named decision margin (sample_cases.EPS), which must be
     rare; u bit-identical to counter_uniform; argmax exact."""
@@ -135,6 +136,6 @@ def test_sample_kernel_on_the_simulator_equals_the_host_sampler():
                           "40", "32", "11"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     st = json.loads(res.stdout.strip().splitlines()[-1])
-    assert st["rows"] >= 76 and st["mismatches"] == [], st
+    assert st["rows"] >= 82 and st["mismatches"] == [], st
     assert st["rng_bad"] == 0 and st["argmax_bad"] == 0 and st["copies_bad"] == 0, st
     assert st["skipped"] <= 0.05 * st["rows"], st

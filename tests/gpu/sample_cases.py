@@ -115,7 +115,10 @@ def boundary_rows(r, V):
              dict(temperature=1.0, top_p=1.0), dict(temperature=1.0, min_p=0.999),
              dict(temperature=1.0, min_p=1.0), dict(temperature=0.5, top_k=3, top_p=0.7, min_p=0.1),
              dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5),
-             dict(temperature=1.0, top_k=5), dict(temperature=2.0, top_p=0.6)]
+             dict(temperature=1.0, top_k=5), dict(temperature=2.0, top_p=0.6),
+             # top-p cutting through tied values inside a small top-k (its shared-memory path)
+             dict(temperature=1.0, top_k=50, top_p=0.31),
+             dict(temperature=1.0, top_k=20, top_p=0.5, min_p=0.5)]
     for kind in ("ties", "flat", "peaked"):
         for e in edges:
             spec = SamplingSpec(seed=int(r.integers(0, 2**62)), **e)
@@ -124,7 +127,8 @@ def boundary_rows(r, V):
                                         r.integers(0, V, 20).astype(np.int32), gen, None)))
     single = np.zeros(V, np.bool_)
     single[V // 3] = True
-    for e in (dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.7, top_k=1, top_p=0.1)):
+    for e in (dict(temperature=1.0), dict(temperature=0.0),
+              dict(temperature=0.7, top_k=1, top_p=0.1)):
         spec = SamplingSpec(seed=5, is_constrained=True, **e)
         out.append(("normal", SampleRow(spec, 77, np.zeros(0, np.int32), np.zeros(0, np.int32),
                                         single)))

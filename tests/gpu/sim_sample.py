@@ -2,7 +2,8 @@
 
 Random requests (tests/gpu/sample_cases.py) go through cuda/sampler.py's DeviceSampler.launch
 itself (its packing, its one H2D copy, its kernel arguments) over a fake flat device memory, fake
-driver and a launcher that runs the kernel on the simulator with a small block (argv[2] threads); `rows` random rows follow 36 boundary rows.
+driver and a launcher that runs the kernel on the simulator with a small block (argv[2]
+threads); `rows` random rows follow 42 boundary rows.
 Prints one JSON line: counts of rows compared, skipped at a decision margin, token mismatches,
 RNG mismatches, argmax mismatches, steps that did not take exactly one H2D copy.
 `tests/test_cuda_sampler_nogpu.py` runs this in a subprocess (the simulator must be switched on
@@ -155,9 +156,10 @@ def run(n_rows, threads, seed):
             stats["compared"] += 1
             if int(out[b]) != want:
                 s = row.spec
-                stats["mismatches"].append(dict(V=V, got=int(out[b]), want=want, T=s.temperature,
-                                                top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                                rep=s.repetition_penalty, mask=row.mask is not None))
+                stats["mismatches"].append(dict(
+                    V=V, got=int(out[b]), want=want, T=s.temperature, top_k=s.top_k,
+                    top_p=s.top_p, min_p=s.min_p, rep=s.repetition_penalty,
+                    mask=row.mask is not None))
     return stats
 
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:       # the Program imports this module: no import back at run time
+    from ..program.sampling import SamplingSpec
 
 NPAR = 8                     # kernels/sample.py NPAR
 THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget)
@@ -32,7 +35,7 @@ THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget
 @dataclass(frozen=True)
 class SampleRow:
     """One row's sampling request: the host sampler's sample_row arguments (no logprobs)."""
-    spec: "SamplingSpec"          # program/sampling.py (not imported: the Program imports us)
+    spec: "SamplingSpec"
     position: int
     prompt_ids: np.ndarray
     generated_ids: np.ndarray
