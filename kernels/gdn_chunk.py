@@ -14,16 +14,17 @@ gdn_chunk_prep: one block per (row, value head, chunk), fully parallel. Writes U
 output buffer: the scan reads each element before it writes the output there), W, P and the
 per-token factors exp(G_i), exp(G_last - G_i).
 gdn_chunk_scan: one block per (row, value head, VB value columns), sequential over the row's
-chunks. Thread (cg, ks) keeps S[m*KS + ks, cg + c*VB/NC] (m < dk/KS, c < NC) in registers: rows
-interleaved over the KS lanes so that their shared-memory reads of one tile row hit KS different
-banks; each tile value read feeds NC columns; IB chunk rows go together so that their FMA chains
+chunks. Thread (cg, ks) keeps dk/KS state rows of columns cg + c*VB/NC (c < NC) in registers:
+rows in groups of 4 adjacent ones interleaved over the KS lanes, so that one 16-byte shared load
+reads a group's tile values and the KS lanes' loads of one tile row hit distinct banks; each tile
+value read feeds NC columns; IB chunk rows go together so that their FMA chains
 and shuffle reductions overlap. A chunk's W, U and P are staged in shared memory, then q, then the
 decayed k reuse W's tile; each is loaded into registers while the phase before it computes (the
 next chunk's W, U, P during the state update), so global latency hides behind the FMAs.
 """
 import math
 
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, uint32
 
 from .common import FULL_MASK, sigmoid, softplus
 
@@ -179,6 +180,11 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
     CG = VB // NC                    # column groups per block: thread columns cg + c * CG
     NT = CG * KS
     assert dk % KS == 0 and VB % NC == 0 and NT >= Cn and NT % 32 == 0 and Cn % IB == 0
+    assert KS in (4, 8)
+    # a thread's state rows come in groups of GS adjacent rows (rows m of group mg:
+    # mg * GS * KS + ks * GS + q): the GS tile values of a group are one 16-byte shared load
+    GS = 4 if SL % 4 == 0 else 1
+    GK = GS * KS
     # shared/local array sizes must be compile-time constants
     TILE = Cn * dk
     VNS = Cn * VB
@@ -195,11 +201,15 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         cg = tid // KS
-        ks = tid % KS
+        ks = tid & (KS - 1)
+        kso = ks * GS                # the thread's first row within each group
+        # unsigned tile offsets: numba's negative-index wrap is then provably dead, which lets
+        # LLVM merge a group's GS adjacent loads into one ld.shared.v4
+        ukso = uint32(kso)
         vb = cuda.blockIdx.z * VB
         v0 = vb + cg
         kh = h // ratio
-        tile = cuda.shared.array(TILE, float32)   # W, then q, then k exp(G_last - G)
+        tile = cuda.shared.array(TILE, float32, alignment=16)   # W, q, then k exp(G_last - G)
         vn = cuda.shared.array(VNS, float32)      # U, then V' (in place)
         pt = cuda.shared.array(PTS, float32)
         gq = cuda.shared.array(Cn, float32)
@@ -221,7 +231,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                 if fresh:
                     S[m * NC + c] = float32(0.0)
                 else:
-                    S[m * NC + c] = state[sbase + (m * KS + ks) * dv + vc]
+                    S[m * NC + c] = state[sbase + ((m // GS) * GK + kso + m % GS) * dv + vc]
         q0 = query_start[r]
         q1 = query_start[r + 1]
         # first chunk's W, U, P and decay factors; rows past the chunk's length load as zeros,
@@ -284,7 +294,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                     acc[x] = float32(0.0)
                 for m in range(SL):
                     for u in range(IB):
-                        wv = tile[(i0 + u) * dk + m * KS + ks]
+                        wv = tile[uint32(i0 + u) * uint32(dk) + ukso + (m // GS) * GK + m % GS]
                         for c in range(NC):
                             acc[u * NC + c] += wv * S[m * NC + c]
                 off = 1
@@ -315,7 +325,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                     acc[x] = float32(0.0)
                 for m in range(SL):
                     for u in range(IB):
-                        qv = tile[(i0 + u) * dk + m * KS + ks]
+                        qv = tile[uint32(i0 + u) * uint32(dk) + ukso + (m // GS) * GK + m % GS]
                         for c in range(NC):
                             acc[u * NC + c] += qv * S[m * NC + c]
                 for u in range(IB):
@@ -384,7 +394,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                 for c in range(NC):
                     vj[c] = vn[i * VB + cg + c * CG]
                 for m in range(SL):
-                    kv = tile[i * dk + m * KS + ks]
+                    kv = tile[uint32(i) * uint32(dk) + ukso + (m // GS) * GK + m % GS]
                     for c in range(NC):
                         S[m * NC + c] += kv * vj[c]
             cuda.syncthreads()       # the next chunk overwrites tile, vn, pt, gq, gk
@@ -392,5 +402,5 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
             for c in range(NC):
                 v = v0 + c * CG
                 if v < dv:
-                    state[sbase + (m * KS + ks) * dv + v] = S[m * NC + c]
+                    state[sbase + ((m // GS) * GK + kso + m % GS) * dv + v] = S[m * NC + c]
     return gdn_chunk_scan_kernel

@@ -32,8 +32,9 @@ def _simulate(case):
 
 def test_chunked_kernels_on_the_simulator():
     """Rows of 1, Cn-1, Cn, Cn+1 and 2-3 chunks in one batch, fresh and continued states, dk with
-    4 and 8 lanes (odd rows per lane), dv below and above one 32-column block, 2 and 3 value heads
-    per key head, strong decays (the float64 log-decay sums), NaN-poisoned outputs and buffers."""
+    4 lanes (3 rows each) and 8 lanes (a group of 4 adjacent rows, as at dk 128), dv below and
+    above one 32-column block, 2 and 3 value heads per key head, strong decays (the float64
+    log-decay sums), NaN-poisoned outputs and buffers."""
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
     procs = {case: _simulate(case) for case in ("small", "decay")}     # the two in parallel

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 import threading
+import traceback
 
 from sim_attention_tc import NP, Memory, _fake, cuda   # (also sets the simulator's libdevice shims)
 
@@ -33,6 +34,24 @@ def _shfl_xor_sync(self, mask, value, lane_mask):
 
 
 _fake.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """FakeCUDAShared.array without its refusal of alignment= (numpy arrays need none); like it,
+    one allocation per calling source line (so this must be called from the kernel's line)."""
+    if isinstance(dtype, _nb_types.Type):
+        dtype = _np_support.as_dtype(dtype)
+    caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+    res = self._allocations.get(caller)
+    if res is None:
+        res = self._allocations[caller] = np.empty(shape, dtype)
+    return res
+
+
+_fake.FakeCUDAShared.array = _shared_array
+
+from numba.cuda import types as _nb_types   # noqa: E402 (the simulator's own imports)
+from numba.cuda.np import numpy_support as _np_support   # noqa: E402
 
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
 from ninfer.models.qwen3_5.cuda import gdn_chunk as gc   # noqa: E402
@@ -160,9 +179,10 @@ CASES = {
     # 1, Cn-1, Cn, Cn+1 and 3 chunks, fresh and continued states
     # (the recurrent kernel runs on the same inputs here)
     "small": dict(dk=12, dv=20, nk=1, nv=3, cn=4, lengths=[1, 3, 4, 5, 11], ctxs=[0, 7, 0, 2, 0]),
-    # dk 16 (8 lanes), dv 40: a full and a partial column block; ratio 2, chunk 8 (rows of
-    # Cn+1, 1, 2 Cn + 1), strong decay, the real prep block size
-    "decay": dict(dk=16, dv=40, nk=1, nv=2, cn=8, lengths=[9, 1, 17], ctxs=[3, 0, 0],
+    # dk 32 (8 lanes x 4 rows: one group of 4 adjacent rows, the real geometry's layout), dv 40:
+    # a full and a partial column block; ratio 2, chunk 8 (rows of Cn+1, 1, 2 Cn + 1), strong
+    # decay, the real prep block size
+    "decay": dict(dk=32, dv=40, nk=1, nv=2, cn=8, lengths=[9, 1, 17], ctxs=[3, 0, 0],
                   prep_threads=gc.PREP_THREADS, strong_decay=True, recurrent=False),
     # the benchmark sweep's other scan variants (run by hand: not part of the CPU suite)
     "nc4": dict(dk=16, dv=40, nk=1, nv=2, cn=8, lengths=[9, 1, 17], ctxs=[3, 0, 0],
