@@ -24,7 +24,10 @@ next chunk's W, U, P during the state update), so global latency hides behind th
 """
 import math
 
-from numba import cuda, float32, float64, uint32
+from numba import config, cuda, float32, float64, uint32
+
+# 16-byte aligned tiles (ld.shared.v4); numba-cuda's CPU simulator refuses alignment= (and needs none)
+TILE_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 from .common import FULL_MASK, sigmoid, softplus
 
@@ -209,7 +212,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
         vb = cuda.blockIdx.z * VB
         v0 = vb + cg
         kh = h // ratio
-        tile = cuda.shared.array(TILE, float32, alignment=16)   # W, q, then k exp(G_last - G)
+        tile = cuda.shared.array(TILE, float32, alignment=TILE_ALIGN)   # W, q, k exp(G_last - G)
         vn = cuda.shared.array(VNS, float32)      # U, then V' (in place)
         pt = cuda.shared.array(PTS, float32)
         gq = cuda.shared.array(Cn, float32)

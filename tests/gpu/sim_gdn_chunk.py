@@ -12,7 +12,6 @@ import sys
 import numpy as np
 
 import threading
-import traceback
 
 from sim_attention_tc import NP, Memory, _fake, cuda   # (also sets the simulator's libdevice shims)
 
@@ -35,23 +34,6 @@ def _shfl_xor_sync(self, mask, value, lane_mask):
 
 _fake.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
 
-
-def _shared_array(self, shape, dtype, alignment=None):
-    """FakeCUDAShared.array without its refusal of alignment= (numpy arrays need none); like it,
-    one allocation per calling source line (so this must be called from the kernel's line)."""
-    if isinstance(dtype, _nb_types.Type):
-        dtype = _np_support.as_dtype(dtype)
-    caller = traceback.extract_stack(sys._getframe())[-2][0:2]
-    res = self._allocations.get(caller)
-    if res is None:
-        res = self._allocations[caller] = np.empty(shape, dtype)
-    return res
-
-
-_fake.FakeCUDAShared.array = _shared_array
-
-from numba.cuda import types as _nb_types   # noqa: E402 (the simulator's own imports)
-from numba.cuda.np import numpy_support as _np_support   # noqa: E402
 
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
 from ninfer.models.qwen3_5.cuda import gdn_chunk as gc   # noqa: E402
