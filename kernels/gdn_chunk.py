@@ -17,8 +17,9 @@ gdn_chunk_scan: one block per (row, value head, VB value columns), sequential ov
 chunks. Thread (cg, ks) keeps dk/KS state rows of columns cg + c*VB/NC (c < NC) in registers:
 rows in groups of 4 adjacent ones interleaved over the KS lanes, so that one 16-byte shared load
 reads a group's tile values and the KS lanes' loads of one tile row hit distinct banks; each tile
-value read feeds NC columns; IB chunk rows go together so that their FMA chains
-and shuffle reductions overlap. A chunk's W, U and P are staged in shared memory, then q, then the
+value read feeds NC columns; IB chunk rows go together so that their FMA chains and shuffle
+reductions overlap (with IB x NC = 8 values over 8 lanes, a reduce-scatter: 7 shuffles, and each
+lane stores one result). A chunk's W, U and P are staged in shared memory, then q, then the
 decayed k reuse W's tile; each is loaded into registers while the phase before it computes (the
 next chunk's W, U, P during the state update), so global latency hides behind the FMAs.
 """
@@ -30,6 +31,27 @@ from numba import config, cuda, float32, float64, uint32
 TILE_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 from .common import FULL_MASK, sigmoid, softplus
+
+
+@cuda.jit(device=True, inline=True)
+def reduce_scatter8(acc, ks):
+    """Sum acc[0..8) over the 8 adjacent lanes ks = 0..7 (lane bits 4, 2, 1): lane ks ends with
+    the total of value ks in acc[0]. Each level sends the half of the values the lane gives away
+    and keeps the other: 4 + 2 + 1 shuffles instead of 8 x 3 for an all-reduce of each."""
+    hi = (ks & 4) != 0
+    for p in range(4):
+        a = acc[p]
+        b = acc[p + 4]
+        acc[p] = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 4)
+    hi = (ks & 2) != 0
+    for p in range(2):
+        a = acc[p]
+        b = acc[p + 2]
+        acc[p] = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 2)
+    hi = (ks & 1) != 0
+    a = acc[0]
+    b = acc[1]
+    acc[0] = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 1)
 
 
 def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
@@ -188,6 +210,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
     # mg * GS * KS + ks * GS + q): the GS tile values of a group are one 16-byte shared load
     GS = 4 if SL % 4 == 0 else 1
     GK = GS * KS
+    RS8 = KS == 8 and IB * NC == 8   # reduce-scatter: lane ks finishes value ks (u, c)
     # shared/local array sizes must be compile-time constants
     TILE = Cn * dk
     VNS = Cn * VB
@@ -300,15 +323,19 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                         wv = tile[uint32(i0 + u) * uint32(dk) + ukso + (m // GS) * GK + m % GS]
                         for c in range(NC):
                             acc[u * NC + c] += wv * S[m * NC + c]
-                off = 1
-                while off < KS:
-                    for x in range(ACC):
-                        acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], off)
-                    off *= 2
-                if ks == 0:
-                    for u in range(IB):
-                        for c in range(NC):
-                            vn[(i0 + u) * VB + cg + c * CG] -= acc[u * NC + c]
+                if RS8:
+                    reduce_scatter8(acc, ks)
+                    vn[(i0 + ks // NC) * VB + cg + (ks % NC) * CG] -= acc[0]
+                else:
+                    off = 1
+                    while off < KS:
+                        for x in range(ACC):
+                            acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], off)
+                        off *= 2
+                    if ks == 0:
+                        for u in range(IB):
+                            for c in range(NC):
+                                vn[(i0 + u) * VB + cg + c * CG] -= acc[u * NC + c]
             cuda.syncthreads()
             for u in range(NTILE):
                 e = tid + u * NT
@@ -342,18 +369,24 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                         pij = pt[(i0 + u) * Cn + j]
                         for c in range(NC):
                             acc[u * NC + c] += pij * vj[c]
-                off = 1
-                while off < KS:
-                    for x in range(ACC):
-                        acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], off)
-                    off *= 2
-                if ks == 0:
-                    for u in range(IB):
-                        if i0 + u < L:
-                            for c in range(NC):
-                                if v0 + c * CG < dv:
-                                    core[(t0 + i0 + u) * nv * dv + h * dv + v0 + c * CG] = \
-                                        acc[u * NC + c]
+                if RS8:
+                    reduce_scatter8(acc, ks)
+                    v = v0 + (ks % NC) * CG
+                    if i0 + ks // NC < L and v < dv:
+                        core[(t0 + i0 + ks // NC) * nv * dv + h * dv + v] = acc[0]
+                else:
+                    off = 1
+                    while off < KS:
+                        for x in range(ACC):
+                            acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], off)
+                        off *= 2
+                    if ks == 0:
+                        for u in range(IB):
+                            if i0 + u < L:
+                                for c in range(NC):
+                                    if v0 + c * CG < dv:
+                                        core[(t0 + i0 + u) * nv * dv + h * dv + v0 + c * CG] = \
+                                            acc[u * NC + c]
             cuda.syncthreads()
             for u in range(NTILE):
                 e = tid + u * NT
