@@ -8,6 +8,10 @@ A call that is not a decode step runs every row through two kernels:
   gdn_chunk_scan  grid (row, value head, block of SCAN_VB value columns), sequential over the
                   row's chunks with the state slice in registers
 Chunks never cross a row boundary; a row's last chunk may be partial (a 1-token row is one).
+
+The constants below were chosen from the PTX (shared memory, no local memory, vector shared loads,
+shuffle counts), not from timings: `bench/bench_gdn_chunk.py --sweep` times the alternatives on a
+GPU against gdn_recurrent.
 """
 from __future__ import annotations
 
