@@ -51,7 +51,7 @@ def expert_rows(ids: np.ndarray, top_k: int, num_experts: int, max_rows: int,
                 launch_rows: int = LAUNCH_ROWS, cap: int = None) -> ExpertRows:
     """Layout for the router's ids [pairs] (pair = token * top_k + k; ids < num_experts).
     `cap` forces a block size (tests); otherwise choose_cap picks it."""
-    ids = np.asarray(ids, np.int64)
+    ids = np.asarray(ids)
     pairs = len(ids)
     if pairs % top_k or (pairs and (ids.min() < 0 or ids.max() >= num_experts)):
         raise ValueError(f"router ids: {pairs} ids for top-{top_k}, or an id outside "
@@ -59,8 +59,11 @@ def expert_rows(ids: np.ndarray, top_k: int, num_experts: int, max_rows: int,
     counts = np.bincount(ids, minlength=num_experts)
     if cap is None:
         cap = choose_cap(counts, max_rows, launch_rows)
-    order = np.argsort(ids, kind="stable")                 # expert-sorted position -> pair
-    e_sorted = ids[order]
+    # a stable sort of ids < 2^15 as int16 is numpy's radix sort: ~10x faster than on int64
+    # (this runs on the host once per MoE layer of every prefill call)
+    key = ids.astype(np.int16) if num_experts <= 1 << 15 else ids
+    order = np.argsort(key, kind="stable")                 # expert-sorted position -> pair
+    e_sorted = ids[order].astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     rank = np.arange(pairs) - starts[e_sorted]             # rank of each sorted pair in its expert
     over = np.maximum(counts - cap, 0)
