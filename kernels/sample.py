@@ -2,38 +2,104 @@
 
 `argmax`: the greedy id of each fp32 row (lowest id on ties); the decode graph's head uses it.
 
-`sample`: one block per row, the host sampler's steps in its order, all filter arithmetic in fp64:
-grammar mask (packed bits) and penalties (a sparse list of (id, generated count) per row) into an
-fp64 copy z of the row, then greedy argmax, or z / T with top-k, top-p, min-p and the inverse-CDF
-draw in ascending id order with u = counter_uniform(seed, position) (splitmix64 in uint64).
+Sampling is three kernels over a grid of (G blocks per row, rows), each block one contiguous
+chunk of ceil(V / G) ids, all filter arithmetic in fp64 (the host sampler's steps, its order):
 
-Top-k and top-p keep a best-first prefix (value descending, ties by lower id). Their thresholds come
-from a radix select over an order-preserving uint64 key of z / T, 8 bits per pass from the top:
-count-weighted for top-k, probability-mass-weighted (fp64) for top-p. A pass stops early when the
-chosen bin holds exactly what is kept from it; otherwise the last pass leaves the exact threshold
-value, and the tied ids kept at it are found by one pass over CONTIGUOUS id chunks per thread
-with a block prefix scan (so id order is the oracle's tie order). A threshold is then a pair
-(key, last kept id among the ties), a plain predicate every later (coalesced, strided) pass tests.
-A top-k of at most KCAP ids is then gathered (ascending id) into shared memory, where top-p (each
-id's mass before it in best-first order), min-p and the draw finish without more passes.
+`sample_prep`: the grammar mask (packed bits) and penalties (a sparse (id, generated count) list;
+a block applies those in its chunk) into an fp64 copy z of the row; the block's (max, lowest id
+at it); zeroes the row's histograms and counters for the next two kernels.
+`sample_stats` (non-greedy rows): m = max(z) / T from the G block maxima; per block the mass
+sum of w = exp(z / T - m) and, when top-k or top-p is on, a histogram over HB bins of
+d = m - z / T (bin width SPAN / HB, everything past SPAN in the last bin) with each bin's count
+and mass, built in shared memory and added to the row's global histogram.
+`sample`: greedy rows take the best of the G block maxima. Every block of a sampled row reads the
+histogram and derives the same plan: bins are monotone in the value, so "every id of bins <= c"
+is a best-first prefix. top-k: c = the bin holding the k-th id; top-p alone: c = the bin where
+the mass counted from the top reaches top_p of the total. If bins <= c hold at most CAP ids
+(SMALL) they are the candidates; else, for top-p alone, if bin c alone holds at most CAP ids
+(WIDE) every id of bins < c is kept and bin c's ids are the candidates; else (FALLBACK) block 0
+finishes the row alone with the radix-select path below. Temperature / min-p alone (ALL) keep
+everything (min-p per id). Each block adds its chunk's kept mass of the surely-kept bins (with
+and without min-p) to per-block partials and appends its candidates' ids to the row's list; the
+last block to finish (a ticket counter) ranks the candidates exactly in best-first order (value
+descending, lower id on ties), applies top-k / top-p / min-p there (top-p: the mass before an id
+has not reached top_p of the total, of top-k's mass when top-k is on), which fixes the last kept
+(key, id); adds the kept candidates to their chunks' partials; finds the chunk where the running
+kept mass passes u * total (u = counter_uniform(seed, position), splitmix64 in uint64) and scans
+that chunk in ascending id order for the first id past it.
+
+The FALLBACK (a tie-heavy or flat row: more than CAP ids in the deciding bin) is one block:
+thresholds from a radix select over an order-preserving uint64 key of z / T, 8 bits per pass from
+the top, count-weighted for top-k, mass-weighted for top-p, stopping early when the chosen bin
+holds exactly what is kept from it; the tied ids kept at an exact threshold are found by one pass
+over contiguous id chunks per thread with a block prefix scan (the oracle's tie order). A top-k of
+at most CAP ids is then gathered into shared memory where top-p, min-p and the draw finish.
 """
 import math
+import threading
+from types import SimpleNamespace
 
-from numba import cuda, float32, float64, int32, int64, uint32, uint64
+from numba import config, cuda, float32, float64, int32, int64, uint32, uint64
 
 THREADS = 1024              # argmax
-SAMPLE_THREADS = 512        # sample: ~100 registers per thread; 1024 threads would not launch
-NBINS = 256                 # radix digit of 8 bits
-KCAP = 1024                 # top-k up to this many ids finishes in shared memory
+SAMPLE_THREADS = 512        # sampling kernels; the finisher needs ~100 registers per thread
+ROW_BLOCKS = 64             # G: blocks per row (B = 1 fills 64 of the H200's 132 SMs)
+HIST_BINS = 1024            # HB: histogram bins of d = m - z / T over [0, SPAN)
+SPAN = 64.0                 # weights below exp(-64) all share the last bin
+KCAP = 1024                 # candidates finished in shared memory (and the fallback's top-k)
+NBINS = 256                 # the fallback's radix digit of 8 bits
 NPAR = 8                    # fp64 / int32 parameters per row (layout: cuda/sampler.py)
 SIGN = 0x8000000000000000
+ALL, SMALL, WIDE, FALLBACK = 0, 1, 2, 3     # plans (written to fpar[r, 6] for the tests)
+
+
+if config.ENABLE_CUDASIM:
+    _LOCK = threading.Lock()
+
+    def atomic_add_at(p, i, v):
+        """The simulator's twin of the intrinsic below (its pointers are numpy arrays)."""
+        with _LOCK:
+            old = p[i]
+            p[i] = old + v
+        return old
+else:
+    from numba import types as _types
+    from numba.cuda import nvvmutils as _nvvm
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def atomic_add_at(typingctx, ptr, idx, val):
+        """p[i] += v atomically in global memory through a raw pointer (our kernels take
+        pointers; numba's cuda.atomic wants arrays); returns the old value. fp64 is the native
+        atom.global.add.f64 (sm_60+)."""
+        dt = ptr.dtype
+        sig = dt(ptr, _types.intp, dt)
+
+        def codegen(context, builder, sig, args):
+            p, i, v = args
+            addr = builder.gep(p, [i])
+            if dt == _types.float64:
+                return builder.call(_nvvm.declare_atomic_add_float64(builder.module), (addr, v))
+            return builder.atomic_rmw("add", addr, v, "monotonic")
+        return sig, codegen
+
+
+def work_f64(blocks=ROW_BLOCKS, nbins=HIST_BINS):
+    """fp64 work words per row: bin masses, block maxima, block masses, kept partials x 2."""
+    return nbins + 4 * blocks
+
+
+def work_i32(blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP):
+    """int32 work words per row: bin counts, block argmax ids, candidate ids, their count,
+    the last-block ticket."""
+    return nbins + blocks + cap + 2
 
 
 def _block_argmax(threads):
     @cuda.jit(device=True, inline=True)
     def block_argmax(bv, bi, red_v, red_i):
         """The block's best (value, id): larger value, lower id on ties; every thread gets the
-        id."""
+        id (and red_v[0] holds the value until the next use of the arrays)."""
         tid = cuda.threadIdx.x
         red_v[tid] = bv
         red_i[tid] = bi
@@ -77,9 +143,14 @@ def argmax(threads=THREADS):
     return argmax_kernel
 
 
-def sample(threads=SAMPLE_THREADS):
-    T = threads
-    block_argmax = _block_argmax(threads)
+def _parts(T, G, HB, cap):
+    """Device functions shared by the three sampling kernels (block size T, G blocks per row,
+    HB histogram bins, cap candidates)."""
+    assert T & (T - 1) == 0 and HB % T == 0 and T % G == 0 and cap >= 1
+    SCALE = HB / SPAN
+    WF, WI = work_f64(G, HB), work_i32(G, HB, cap)
+    PV = HB
+    block_argmax = _block_argmax(T)
 
     @cuda.jit(device=True, inline=True)
     def key_of(x):
@@ -97,6 +168,11 @@ def sample(threads=SAMPLE_THREADS):
         z = (z ^ (z >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> uint64(27))) * uint64(0x94D049BB133111EB)
         return z ^ (z >> uint64(31))
+
+    @cuda.jit(device=True, inline=True)
+    def uniform(upar, r):
+        key = splitmix64(splitmix64(upar[2 * r]) ^ upar[2 * r + 1])
+        return float64(key >> uint64(11)) * (1.0 / 9007199254740992.0)
 
     @cuda.jit(device=True, inline=True)
     def block_sum(v, red):
@@ -170,6 +246,20 @@ def sample(threads=SAMPLE_THREADS):
         return x
 
     @cuda.jit(device=True, inline=True)
+    def bin_of(d):
+        # d = m - z / T >= 0; monotone in z / T (the same fp64 operations everywhere)
+        if d < SPAN:
+            return min(int32(d * SCALE), int32(HB - 1))
+        return int32(HB - 1)
+
+    @cuda.jit(device=True, inline=True)
+    def row_max(wf, fb):
+        mx = -math.inf
+        for q in range(G):
+            mx = max(mx, wf[fb + PV + q])
+        return mx
+
+    @cuda.jit(device=True, inline=True)
     def hist_one(x, i, hi, prefix, shift, by_mass, m, tk_key, tk_id, hc, hm):
         kk = key_of(x)
         if (kk & hi) == prefix and kept_by(kk, i, tk_key, tk_id):
@@ -192,24 +282,9 @@ def sample(threads=SAMPLE_THREADS):
                 hc[b] = 0
                 hm[b] = 0.0
             cuda.syncthreads()
-            # four loads in flight per thread before the atomics (one block streams the row)
-            i = tid
-            while i + 3 * T < vocab:
-                x0 = z[base + i]
-                x1 = z[base + i + T]
-                x2 = z[base + i + 2 * T]
-                x3 = z[base + i + 3 * T]
-                hist_one(x0 / temp, i, hi, prefix, shift, by_mass, m, tk_key, tk_id, hc, hm)
-                hist_one(x1 / temp, i + T, hi, prefix, shift, by_mass, m, tk_key, tk_id, hc, hm)
-                hist_one(x2 / temp, i + 2 * T, hi, prefix, shift, by_mass, m, tk_key, tk_id,
-                         hc, hm)
-                hist_one(x3 / temp, i + 3 * T, hi, prefix, shift, by_mass, m, tk_key, tk_id,
-                         hc, hm)
-                i += 4 * T
-            while i < vocab:
+            for i in range(tid, vocab, T):
                 hist_one(z[base + i] / temp, i, hi, prefix, shift, by_mass, m, tk_key, tk_id,
                          hc, hm)
-                i += T
             cuda.syncthreads()
             if tid == 0:
                 acc = above
@@ -266,100 +341,39 @@ def sample(threads=SAMPLE_THREADS):
                         last = float64(i)
         return prefix, int32(block_max(last, red))
 
-    def sample_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask):
-        """grid (rows,), block `threads`. fpar [rows, 8] f64: temperature, top_p, min_p,
-        repetition, presence, frequency, -, u (written back); ipar [rows, 8] i32: top_k,
-        penalty word offset, penalty count, mask word offset (-1: none); upar [rows, 2] u64: seed,
-        position; pen: (id, generated count) pairs; mask: bits, little-endian in u32 words."""
-        red = cuda.shared.array(T, float64)
-        red_i = cuda.shared.array(T, int32)
-        hc = cuda.shared.array(NBINS, int32)
-        hm = cuda.shared.array(NBINS, float64)
-        st = cuda.shared.array(4, float64)
-        cid = cuda.shared.array(KCAP, int32)        # the compacted top-k (ascending id)
-        cx = cuda.shared.array(KCAP, float64)
-        cw = cuda.shared.array(KCAP, float64)
-        ck = cuda.shared.array(KCAP, float64)
-        r = cuda.blockIdx.x
+    @cuda.jit(device=True, inline=True)
+    def block_min_id(first, red_i):
         tid = cuda.threadIdx.x
-        base = int64(r) * vocab
+        red_i[tid] = first
+        cuda.syncthreads()
+        step = T // 2
+        while step > 0:
+            if tid < step and red_i[tid + step] < red_i[tid]:
+                red_i[tid] = red_i[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        f = red_i[0]
+        cuda.syncthreads()
+        return f
+
+    @cuda.jit(device=True, inline=True)
+    def full_row(out, z, base, vocab, r, fpar, ipar, m, u, hc, hm, st, red, red_i, cid, cx,
+                 cw, ck):
+        """The whole row by one block (FALLBACK): writes out[r]."""
+        tid = cuda.threadIdx.x
         temp = fpar[r * NPAR + 0]
         top_p = fpar[r * NPAR + 1]
         min_p = fpar[r * NPAR + 2]
-        rep = fpar[r * NPAR + 3]
-        pres = fpar[r * NPAR + 4]
-        freq = fpar[r * NPAR + 5]
         top_k = ipar[r * NPAR + 0]
-        pen_off = ipar[r * NPAR + 1]
-        n_pen = ipar[r * NPAR + 2]
-        mask_off = ipar[r * NPAR + 3]
-
-        # 3b. the grammar mask (ids past it are off: the host packs zero bits there)
-        i = tid
-        while i + 3 * T < vocab:
-            y0 = logits[base + i]
-            y1 = logits[base + i + T]
-            y2 = logits[base + i + 2 * T]
-            y3 = logits[base + i + 3 * T]
-            z[base + i] = masked(y0, i, mask, mask_off)
-            z[base + i + T] = masked(y1, i + T, mask, mask_off)
-            z[base + i + 2 * T] = masked(y2, i + 2 * T, mask, mask_off)
-            z[base + i + 3 * T] = masked(y3, i + 3 * T, mask, mask_off)
-            i += 4 * T
-        while i < vocab:
-            z[base + i] = masked(logits[base + i], i, mask, mask_off)
-            i += T
-        cuda.syncthreads()
-        # 2-3. penalties on the listed distinct ids (a masked -inf stays -inf: they commute)
-        for j in range(tid, n_pen, T):
-            tok = pen[pen_off + 2 * j]
-            cnt = pen[pen_off + 2 * j + 1]
-            x = z[base + tok]
-            if rep != 1.0:
-                if x > 0:
-                    x = x / rep
-                else:
-                    x = x * rep
-            if cnt > 0 and (pres != 0.0 or freq != 0.0):
-                x -= freq * float64(cnt) + pres
-            z[base + tok] = x
-        cuda.syncthreads()
-
-        if temp == 0.0:             # 4. greedy
-            bv = -math.inf
-            bi = int32(vocab)
-            for i in range(tid, vocab, T):
-                v = z[base + i]
-                if v > bv or bi == vocab:
-                    bv = v
-                    bi = i
-            best = block_argmax(bv, bi, red, red_i)
-            if tid == 0:
-                out[r] = best
-            return
-
-        mx = -math.inf
-        i = tid
-        while i + 3 * T < vocab:
-            mx = max(max(mx, z[base + i]), max(z[base + i + T],
-                                               max(z[base + i + 2 * T], z[base + i + 3 * T])))
-            i += 4 * T
-        while i < vocab:
-            mx = max(mx, z[base + i])
-            i += T
-        m = block_max(mx, red) / temp       # max(z / T): division by T > 0 keeps the order
-        # 5. top-k
         tk_key = uint64(0)
         tk_id = int32(vocab)
         if top_k > 0 and top_k < vocab:
             tk_key, tk_id = select(z, base, vocab, temp, m, float64(top_k), False,
                                    uint64(0), int32(vocab), hc, hm, st, red)
-        key = splitmix64(splitmix64(upar[2 * r]) ^ upar[2 * r + 1])
-        u = float64(key >> uint64(11)) * (1.0 / 9007199254740992.0)
         first = int32(vocab)
         last = int32(-1)
-        if top_k > 0 and top_k < vocab and top_k <= KCAP:
-            # top-k kept at most KCAP ids: gather them in ascending id order and finish the row
+        if top_k > 0 and top_k < vocab and top_k <= cap:
+            # top-k kept at most cap ids: gather them in ascending id order and finish the row
             # (top-p, min-p, the draw) in shared memory instead of more passes over the vocabulary
             chunk = (vocab + T - 1) // T
             lo = tid * chunk
@@ -419,20 +433,8 @@ def sample(threads=SAMPLE_THREADS):
             tp_id = int32(vocab)
             if top_p < 1.0:
                 s = 0.0
-                i = tid
-                while i + 3 * T < vocab:
-                    x0 = z[base + i] / temp
-                    x1 = z[base + i + T] / temp
-                    x2 = z[base + i + 2 * T] / temp
-                    x3 = z[base + i + 3 * T] / temp
-                    s += kept_weight(x0, i, m, tk_key, tk_id) + \
-                        kept_weight(x1, i + T, m, tk_key, tk_id)
-                    s += kept_weight(x2, i + 2 * T, m, tk_key, tk_id) + \
-                        kept_weight(x3, i + 3 * T, m, tk_key, tk_id)
-                    i += 4 * T
-                while i < vocab:
+                for i in range(tid, vocab, T):
                     s += kept_weight(z[base + i] / temp, i, m, tk_key, tk_id)
-                    i += T
                 total_k = block_sum(s, red)
                 tp_key, tp_id = select(z, base, vocab, temp, m, top_p * total_k, True,
                                        tk_key, tk_id, hc, hm, st, red)
@@ -462,18 +464,431 @@ def sample(threads=SAMPLE_THREADS):
                     if run > target and first == vocab:
                         first = i
         # the first id whose running mass passes u * total; else (rounding) the last kept id
-        red_i[tid] = first
-        cuda.syncthreads()
-        step = T // 2
-        while step > 0:
-            if tid < step and red_i[tid + step] < red_i[tid]:
-                red_i[tid] = red_i[tid + step]
-            cuda.syncthreads()
-            step //= 2
-        first = red_i[0]
-        cuda.syncthreads()
+        first = block_min_id(first, red_i)
         last_all = block_max(float64(last), red)
         if tid == 0:
             out[r] = first if first < vocab else int32(last_all)
+
+    return SimpleNamespace(WF=WF, WI=WI, block_argmax=block_argmax, key_of=key_of, uniform=uniform,
+                           block_sum=block_sum, block_max=block_max, block_scan=block_scan,
+                           kept_by=kept_by, masked=masked, bin_of=bin_of, row_max=row_max,
+                           full_row=full_row, block_min_id=block_min_id)
+
+
+def _offsets(G, HB, cap):
+    # per row: wf = [bin mass HB | block max G | block mass G | kept-bins mass G | same, min-p G]
+    #          wi = [bin count HB | block argmax id G | candidate ids cap | count | ticket]
+    return (0, HB, HB + G, HB + 2 * G, HB + 3 * G,
+            0, HB, HB + G, HB + G + cap, HB + G + cap + 1)
+
+
+def sample_prep(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP):
+    T, G, HB = threads, blocks, nbins
+    F = _parts(T, G, HB, cap)
+    WF, WI = F.WF, F.WI
+    HM, PV, PA, BA, BK, HC, PI, CL, CN, CT = _offsets(G, HB, cap)
+    masked, block_argmax = F.masked, F.block_argmax
+
+    def prep_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask, wf, wi):
+        """grid (G, rows), block T. fpar [rows, 8] f64: temperature, top_p, min_p, repetition,
+        presence, frequency, plan (out), u (out); ipar [rows, 8] i32: top_k, penalty word
+        offset, penalty count, mask word offset (-1: none); upar [rows, 2] u64: seed, position;
+        pen: (id, generated count) pairs; mask: bits, little-endian in u32 words; wf, wi: the
+        rows' work (_offsets)."""
+        red_v = cuda.shared.array(T, float64)
+        red_i = cuda.shared.array(T, int32)
+        g = cuda.blockIdx.x
+        r = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        base = int64(r) * vocab
+        fb = r * WF
+        ib = r * WI
+        chunk = (vocab + G - 1) // G
+        lo = g * chunk
+        hi = min(vocab, lo + chunk)
+        # this block's share of the row's histograms, zeroed for sample_stats' atomics
+        per = (HB + G - 1) // G
+        for b in range(g * per + tid, min(HB, g * per + per), T):
+            wf[fb + HM + b] = 0.0
+            wi[ib + HC + b] = 0
+        if g == 0 and tid == 0:
+            wi[ib + CN] = 0
+            wi[ib + CT] = 0
+        mask_off = ipar[r * NPAR + 3]
+        # 3b. the grammar mask (ids past it are off: the host packs zero bits there)
+        for i in range(lo + tid, hi, T):
+            z[base + i] = masked(logits[base + i], i, mask, mask_off)
+        cuda.syncthreads()
+        # 2-3. penalties on the listed distinct ids of this chunk (a masked -inf stays -inf)
+        rep = fpar[r * NPAR + 3]
+        pres = fpar[r * NPAR + 4]
+        freq = fpar[r * NPAR + 5]
+        pen_off = ipar[r * NPAR + 1]
+        n_pen = ipar[r * NPAR + 2]
+        for j in range(tid, n_pen, T):
+            tok = pen[pen_off + 2 * j]
+            if tok >= lo and tok < hi:
+                cnt = pen[pen_off + 2 * j + 1]
+                x = z[base + tok]
+                if rep != 1.0:
+                    if x > 0:
+                        x = x / rep
+                    else:
+                        x = x * rep
+                if cnt > 0 and (pres != 0.0 or freq != 0.0):
+                    x -= freq * float64(cnt) + pres
+                z[base + tok] = x
+        cuda.syncthreads()
+        bv = -math.inf
+        bi = int32(vocab)           # an empty chunk loses every tie
+        for i in range(lo + tid, hi, T):
+            v = z[base + i]
+            if v > bv or bi == vocab:
+                bv = v
+                bi = i
+        best = block_argmax(bv, bi, red_v, red_i)
+        if tid == 0:
+            wf[fb + PV + g] = red_v[0]
+            wi[ib + PI + g] = best
+    return prep_kernel
+
+
+def sample_stats(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP):
+    T, G, HB = threads, blocks, nbins
+    F = _parts(T, G, HB, cap)
+    WF, WI = F.WF, F.WI
+    HM, PV, PA, BA, BK, HC, PI, CL, CN, CT = _offsets(G, HB, cap)
+    bin_of, row_max, block_sum = F.bin_of, F.row_max, F.block_sum
+
+    def stats_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask, wf, wi):
+        """grid (G, rows), block T; arguments as sample_prep's."""
+        hc = cuda.shared.array(HB, int32)
+        hm = cuda.shared.array(HB, float64)
+        red = cuda.shared.array(T, float64)
+        g = cuda.blockIdx.x
+        r = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        temp = fpar[r * NPAR + 0]
+        if temp == 0.0:
+            return
+        base = int64(r) * vocab
+        fb = r * WF
+        ib = r * WI
+        chunk = (vocab + G - 1) // G
+        lo = g * chunk
+        hi = min(vocab, lo + chunk)
+        m = row_max(wf, fb) / temp          # max(z / T): division by T > 0 keeps the order
+        need = ipar[r * NPAR + 0] > 0 or fpar[r * NPAR + 1] < 1.0
+        if need:
+            for b in range(tid, HB, T):
+                hc[b] = 0
+                hm[b] = 0.0
+            cuda.syncthreads()
+        s = 0.0
+        for i in range(lo + tid, hi, T):
+            x = z[base + i] / temp
+            w = math.exp(x - m)
+            s += w
+            if need:
+                b = bin_of(m - x)
+                cuda.atomic.add(hc, b, 1)
+                cuda.atomic.add(hm, b, w)
+        tot = block_sum(s, red)             # (its barriers also close the histogram)
+        if tid == 0:
+            wf[fb + PA + g] = tot
+        if need:
+            for b in range(tid, HB, T):
+                c = hc[b]
+                if c > 0:
+                    atomic_add_at(wi, ib + HC + b, c)
+                    atomic_add_at(wf, fb + HM + b, hm[b])
+    return stats_kernel
+
+
+def sample(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP):
+    T, G, HB = threads, blocks, nbins
+    F = _parts(T, G, HB, cap)
+    WF, WI = F.WF, F.WI
+    HM, PV, PA, BA, BK, HC, PI, CL, CN, CT = _offsets(G, HB, cap)
+    NBT = HB // T                            # histogram bins per thread (contiguous)
+    bin_of, row_max, block_sum, block_max = F.bin_of, F.row_max, F.block_sum, F.block_max
+    block_scan, key_of, kept_by, uniform = F.block_scan, F.key_of, F.kept_by, F.uniform
+    full_row, block_min_id = F.full_row, F.block_min_id
+
+    def sample_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask, wf, wi):
+        """grid (G, rows), block T; arguments as sample_prep's. Writes out[r], fpar[r, 6]
+        (the plan) and fpar[r, 7] (u)."""
+        red = cuda.shared.array(T, float64)
+        red_i = cuda.shared.array(T, int32)
+        st = cuda.shared.array(8, float64)
+        pa = cuda.shared.array(G, float64)
+        hc = cuda.shared.array(NBINS, int32)        # the fallback's radix histograms
+        hm = cuda.shared.array(NBINS, float64)
+        cid = cuda.shared.array(cap, int32)         # candidates as listed
+        cx = cuda.shared.array(cap, float64)
+        cw = cuda.shared.array(cap, float64)
+        bid = cuda.shared.array(cap, int32)         # ... in best-first order
+        bw = cuda.shared.array(cap, float64)
+        g = cuda.blockIdx.x
+        r = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        fb = r * WF
+        ib = r * WI
+        temp = fpar[r * NPAR + 0]
+        if temp == 0.0:             # 4. greedy: the best block maximum, lower id on ties
+            if g == 0 and tid == 0:
+                bv = wf[fb + PV]
+                bi = wi[ib + PI]
+                for q in range(1, G):
+                    v = wf[fb + PV + q]
+                    i = wi[ib + PI + q]
+                    if v > bv or (v == bv and i < bi):
+                        bv = v
+                        bi = i
+                out[r] = bi
+            return
+        base = int64(r) * vocab
+        top_p = fpar[r * NPAR + 1]
+        min_p = fpar[r * NPAR + 2]
+        top_k = ipar[r * NPAR + 0]
+        has_k = top_k > 0
+        has_p = top_p < 1.0
+        m = row_max(wf, fb) / temp
+        total = 0.0                 # every id's mass, in block order (deterministic)
+        for q in range(G):
+            total += wf[fb + PA + q]
+        # the plan, the same in every block of the row
+        mode = ALL
+        lo_b = int32(HB)            # bins below lo_b: surely kept (min-p aside)
+        hi_b = int32(-1)            # bins lo_b..hi_b: candidates
+        if has_k or has_p:
+            c0 = 0.0
+            m0 = 0.0
+            for b in range(tid * NBT, tid * NBT + NBT):
+                c0 += float64(wi[ib + HC + b])
+                m0 += wf[fb + HM + b]
+            cb0 = block_scan(c0, red)
+            mb = block_scan(m0, red)
+            cb = cb0
+            need_c = float64(top_k)
+            need_m = top_p * total
+            # the first bin where the count (top-k) or mass (top-p) from the top reaches it
+            mine = float64(HB)
+            last_nz = -1.0
+            for b in range(tid * NBT, tid * NBT + NBT):
+                c = float64(wi[ib + HC + b])
+                cb += c
+                mb += wf[fb + HM + b]
+                if c > 0.0:
+                    last_nz = float64(b)
+                    if mine == HB and ((has_k and cb >= need_c) or
+                                       (not has_k and mb >= need_m)):
+                        mine = float64(b)
+            cut = -block_max(-mine, red)
+            if cut >= HB:           # rounding left the mass short: the last nonempty bin
+                cut = block_max(last_nz, red)
+            cut_b = int32(cut)
+            # the count through the cut bin and in it
+            cb = cb0
+            for b in range(tid * NBT, tid * NBT + NBT):
+                c = float64(wi[ib + HC + b])
+                cb += c
+                if b == cut_b:
+                    st[0] = cb
+                    st[1] = c
+            cuda.syncthreads()
+            through = st[0]
+            inside = st[1]
+            cuda.syncthreads()
+            if through <= cap:
+                mode = SMALL
+                lo_b = int32(0)
+                hi_b = cut_b
+            elif not has_k and inside <= cap:
+                mode = WIDE
+                lo_b = cut_b
+                hi_b = cut_b
+            else:
+                mode = FALLBACK
+        if mode == FALLBACK:
+            if g == 0:
+                u = uniform(upar, r)
+                full_row(out, z, base, vocab, r, fpar, ipar, m, u, hc, hm, st, red, red_i,
+                         cid, cx, cw, bw)
+                if tid == 0:
+                    fpar[r * NPAR + 6] = float64(mode)
+                    fpar[r * NPAR + 7] = u
+            return
+        chunk = (vocab + G - 1) // G
+        lo = g * chunk
+        hi = min(vocab, lo + chunk)
+        sa = 0.0                    # mass of this chunk's surely kept ids, without min-p
+        sk = 0.0                    # ... with min-p
+        for i in range(lo + tid, hi, T):
+            x = z[base + i] / temp
+            w = math.exp(x - m)
+            b = int32(0)
+            if mode != ALL:
+                b = bin_of(m - x)
+            if b < lo_b:
+                sa += w
+                if min_p <= 0.0 or w >= min_p:
+                    sk += w
+            elif b <= hi_b:
+                p = atomic_add_at(wi, ib + CN, 1)
+                if p < cap:
+                    wi[ib + CL + p] = i
+        sa = block_sum(sa, red)
+        sk = block_sum(sk, red)
+        if tid == 0:
+            wf[fb + BA + g] = sa
+            wf[fb + BK + g] = sk
+        # the last block of the row to get here finishes it
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            st[2] = 1.0 if atomic_add_at(wi, ib + CT, 1) == G - 1 else 0.0
+        cuda.syncthreads()
+        if st[2] == 0.0:
+            return
+        cuda.threadfence()
+        # other blocks' results: read through atomics (L2), never a stale L1 line
+        if tid == 0:
+            st[7] = float64(min(atomic_add_at(wi, ib + CN, 0), cap))
+        for q in range(tid, G, T):
+            pa[q] = atomic_add_at(wf, fb + BA + q, 0.0)
+        cuda.syncthreads()
+        n = int32(st[7])
+        for j in range(tid, n, T):
+            i = atomic_add_at(wi, ib + CL + j, 0)
+            x = z[base + i] / temp
+            cid[j] = i
+            cx[j] = x
+            cw[j] = math.exp(x - m)
+        cuda.syncthreads()
+        before_all = 0.0            # mass of the surely kept bins (WIDE), in block order
+        for q in range(G):
+            before_all += pa[q]
+        # rank the candidates best-first: larger value, lower id on ties (a total order)
+        for j in range(tid, n, T):
+            xj = cx[j]
+            ij = cid[j]
+            rk = 0
+            for q in range(n):
+                xq = cx[q]
+                if xq > xj or (xq == xj and cid[q] < ij):
+                    rk += 1
+            bid[rk] = ij
+            bw[rk] = cw[j]
+        cuda.syncthreads()
+        cch = (n + T - 1) // T
+        clo = tid * cch
+        chi = min(n, clo + cch)
+        mine = 0.0
+        for j in range(clo, chi):
+            mine += bw[j]
+        ex = block_scan(mine, red)
+        run = ex
+        for j in range(clo, chi):
+            run += bw[j]
+            if j == top_k - 1:
+                st[3] = run         # top-k's mass (SMALL: the top k are all candidates)
+        cuda.syncthreads()
+        target_p = top_p * (st[3] if has_k else total)
+        run = ex + (before_all if mode == WIDE else 0.0)
+        lastr = -1.0
+        for j in range(clo, chi):
+            # 5-6. top-k by rank; top-p: the mass before it has not reached top_p
+            if (not has_k or j < top_k) and (not has_p or run < target_p):
+                lastr = float64(j)
+            run += bw[j]
+        L = int32(block_max(lastr, red)) + 1
+        t_id = int32(-1)
+        t_key = uint64(0)
+        if L > 0:
+            t_id = bid[L - 1]
+            t_key = key_of(z[base + t_id] / temp)
+        # each chunk's kept mass: its surely kept ids (7. min-p per id) plus its kept
+        # candidates, summed in a fixed order (T / G threads per chunk, strided ranks)
+        for j in range(tid, L, T):
+            w = bw[j]
+            cid[j] = bid[j] // chunk
+            cw[j] = w if (min_p <= 0.0 or w >= min_p) else 0.0
+        cuda.syncthreads()
+        q = tid % G
+        s = 0.0
+        for j in range(tid // G, L, T // G):
+            if cid[j] == q:
+                s += cw[j]
+        red[tid] = s
+        cuda.syncthreads()
+        if tid < G:
+            s = atomic_add_at(wf, fb + BK + tid, 0.0)
+            for k in range(T // G):
+                s += red[tid + k * G]
+            pa[tid] = s
+        cuda.syncthreads()
+        u = uniform(upar, r)
+        if tid == 0:
+            kept = 0.0
+            for q in range(G):
+                kept += pa[q]
+            target = u * kept
+            gs = -1
+            lastq = 0
+            acc = 0.0
+            for q in range(G):
+                if pa[q] > 0.0:
+                    lastq = q
+                    if gs < 0 and acc + pa[q] > target:
+                        gs = q
+                        break
+                    acc += pa[q]
+            if gs < 0:              # rounding: the last chunk with kept mass
+                gs = lastq
+                acc = kept - pa[lastq]
+            st[4] = float64(gs)
+            st[5] = acc
+            st[6] = target
+        cuda.syncthreads()
+        gs = int32(st[4])
+        acc = st[5]
+        target = st[6]
+        # 8. the inverse CDF inside chunk gs: contiguous ids per thread, in ascending order
+        lo = gs * chunk
+        hi = min(vocab, lo + chunk)
+        sc = (hi - lo + T - 1) // T
+        a = lo + tid * sc
+        e = min(hi, a + sc)
+        mine = 0.0
+        for i in range(a, e):
+            x = z[base + i] / temp
+            w = math.exp(x - m)
+            b = int32(0)
+            if mode != ALL:
+                b = bin_of(m - x)
+            if (min_p <= 0.0 or w >= min_p) and \
+                    (b < lo_b or (L > 0 and kept_by(key_of(x), i, t_key, t_id))):
+                mine += w
+        run = acc + block_scan(mine, red)
+        first = int32(vocab)
+        last = int32(-1)
+        for i in range(a, e):
+            x = z[base + i] / temp
+            w = math.exp(x - m)
+            b = int32(0)
+            if mode != ALL:
+                b = bin_of(m - x)
+            if w > 0.0 and (min_p <= 0.0 or w >= min_p) and \
+                    (b < lo_b or (L > 0 and kept_by(key_of(x), i, t_key, t_id))):
+                run += w
+                last = i
+                if run > target and first == vocab:
+                    first = i
+        first = block_min_id(first, red_i)
+        last_all = block_max(float64(last), red)
+        if tid == 0:
+            out[r] = first if first < vocab else int32(last_all)
+            fpar[r * NPAR + 6] = float64(mode)
             fpar[r * NPAR + 7] = u
     return sample_kernel

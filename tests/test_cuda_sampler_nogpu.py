@@ -98,7 +98,7 @@ def test_prompt_cache_reuses_unique_ids():
     assert ("s", 4) not in c._d                                                # evicted (LRU)
 
 
-@pytest.mark.parametrize("name", ["sample", "argmax"])
+@pytest.mark.parametrize("name", ["sample_prep", "sample_stats", "sample", "argmax"])
 def test_sampler_kernels_compile_to_ptx_for_sm90(name):
     try:
         ptx = K.compile_spec(spec(name), (9, 0))
@@ -119,8 +119,12 @@ def test_sampler_kernels_compile_to_ptx_for_sm90(name):
                              capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
-    threads = sampler.THREADS if name == "sample" else 1024
-    assert sampler.THREADS == K._import_kernel_module("sample").SAMPLE_THREADS
+    threads = 1024 if name == "argmax" else sampler.THREADS
+    mod = K._import_kernel_module("sample")
+    assert sampler.THREADS == mod.SAMPLE_THREADS and sampler.ROW_BLOCKS == mod.ROW_BLOCKS
+    assert sampler.HIST_BINS == mod.HIST_BINS and sampler.KCAP == mod.KCAP
+    assert sampler.work_words() == (mod.work_f64(), mod.work_i32())
+    assert sampler.work_words(4, 64, 48) == (mod.work_f64(4, 64), mod.work_i32(4, 64, 48))
     assert regs * threads <= 65536 and "spill" not in res.stderr.replace("0 bytes spill", ""), \
         (regs, res.stderr)
 

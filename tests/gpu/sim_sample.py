@@ -1,15 +1,18 @@
 """kernels/sample.py on numba-cuda's CPU simulator (no GPU), against the host sampler.
 
 Random requests (tests/gpu/sample_cases.py) go through cuda/sampler.py's DeviceSampler.launch
-itself (its packing, its one H2D copy, its kernel arguments) over a fake flat device memory, fake
-driver and a launcher that runs the kernel on the simulator with a small block (argv[2]
-threads); `rows` random rows follow 42 boundary rows.
+itself (its packing, its one H2D copy, its three launches and their arguments) over a fake flat
+device memory, fake driver and a launcher that runs the kernels on the simulator with a small
+geometry (argv[2] threads, argv[4] blocks per row, argv[5] histogram bins, argv[6] candidate cap:
+small enough that V 200-2000 takes every plan); `rows` random rows follow 42 boundary rows.
 Prints one JSON line: counts of rows compared, skipped at a decision margin, token mismatches,
-RNG mismatches, argmax mismatches, steps that did not take exactly one H2D copy.
+RNG mismatches, argmax mismatches, steps that did not take exactly one H2D copy, and how many
+sampled rows took each plan (kernels/sample.py ALL, SMALL, WIDE, FALLBACK).
 `tests/test_cuda_sampler_nogpu.py` runs this in a subprocess (the simulator must be switched on
 before numba is imported):
 
-    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_sample.py [rows] [threads] [seed]
+    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_sample.py [rows] [threads] [seed] [blocks]
+        [bins] [cap]
 """
 import json
 import pathlib
@@ -27,8 +30,8 @@ import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
 from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
-from ninfer.models.qwen3_5.cuda.sampler import (DeviceSampler, PromptCache,   # noqa: E402
-                                                SamplerLayout)
+from ninfer.models.qwen3_5.cuda.sampler import (KERNELS, DeviceSampler,   # noqa: E402
+                                                PromptCache, SamplerLayout, work_words)
 from ninfer.models.qwen3_5.program.sampling import counter_uniform   # noqa: E402
 import sample_cases as sc   # noqa: E402
 
@@ -76,30 +79,34 @@ class FakePinned:
 
 
 class FakeKernel:
-    """Kernel.launch's contract: (stream, grid, block, args) with args per SIGS["sample"]."""
+    """Kernel.launch's contract: (stream, grid, block, args) with args per SIGS[name]."""
 
-    def __init__(self, mem, fn):
-        self.mem, self.fn = mem, fn
+    def __init__(self, mem, fn, name):
+        self.mem, self.fn, self.name = mem, fn, name
 
     def launch(self, stream, grid, block, args, smem=0):
-        sig = SIGS["sample"][2]
+        sig = SIGS[self.name][2]
         assert len(args) == len(sig), (len(args), sig)
         conv = [self.mem.view(int(getattr(a, "ptr", a)), NP[ARG_TYPES[t][1]]) if ARG_TYPES[t][2]
                 else int(a) for t, a in zip(sig, args)]
         self.fn[tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))](*conv)
 
 
-def device_sampler(mem, fn, threads, rows_cap, V, pen_cap):
-    """cuda/sampler.py's DeviceSampler over the fake memory, driver and kernel: its own pack,
-    its one H2D copy and its launch arguments are what run."""
+def device_sampler(mem, fns, geo, rows_cap, V, pen_cap):
+    """cuda/sampler.py's DeviceSampler over the fake memory, driver and kernels: its own pack,
+    its one H2D copy and its launches are what run."""
     s = DeviceSampler.__new__(DeviceSampler)
     s.layout = lay = SamplerLayout(rows_cap, V, pen_cap)
     s.block = SimpleNamespace(ptr=mem.alloc(lay.nbytes, (lay.ipar, lay.upar, lay.data)))
     s.z = SimpleNamespace(ptr=mem.alloc(8 * rows_cap * V))
+    wf, wi = work_words(geo["blocks"], geo["nbins"], geo["cap"])
+    s.wf = SimpleNamespace(ptr=mem.alloc(8 * rows_cap * wf))
+    s.wi = SimpleNamespace(ptr=mem.alloc(4 * rows_cap * wi))
     s.staging = FakePinned(lay.nbytes)
-    s.kernels = SimpleNamespace(sample=FakeKernel(mem, fn))
+    s.kernels = SimpleNamespace(**{n: FakeKernel(mem, fns[n], n) for n in KERNELS})
     s.cache = PromptCache()
-    s.threads = threads
+    s.threads = geo["threads"]
+    s.blocks = geo["blocks"]
     s.copies = []
 
     def copy_htod_async(dst, src, nbytes, stream):
@@ -110,13 +117,14 @@ def device_sampler(mem, fn, threads, rows_cap, V, pen_cap):
     return s
 
 
-def run(n_rows, threads, seed):
+def run(n_rows, threads, seed, blocks=4, nbins=64, cap=48):
     mod = _import_kernel_module("sample")
-    k_sample = cuda.jit(mod.sample(threads=threads))
+    geo = dict(threads=threads, blocks=blocks, nbins=nbins, cap=cap)
+    fns = {n: cuda.jit(getattr(mod, n)(**geo)) for n in KERNELS}
     k_argmax = cuda.jit(mod.argmax(threads=threads))
     r = np.random.default_rng(seed)
     stats = dict(rows=0, compared=0, skipped=0, mismatches=[], rng_bad=0, argmax_bad=0,
-                 copies_bad=0, reasons={})
+                 copies_bad=0, reasons={}, plans=[0, 0, 0, 0])
     # batches of up to 4 rows of one vocabulary size (the kernel's rows share V)
     cases = []
     V0 = int(r.integers(200, 400))
@@ -135,19 +143,22 @@ def run(n_rows, threads, seed):
         d_logits = mem.alloc(logits.nbytes)
         mem.mem[d_logits: d_logits + logits.nbytes] = logits.view(np.uint8).reshape(-1)
         d_tokens = mem.alloc(4 * B)
-        sampler = device_sampler(mem, k_sample, threads, B + 1, V, 4096)
+        sampler = device_sampler(mem, fns, geo, B + 1, V, 4096)
         sampler.launch(None, d_logits, d_tokens, [row for _, row in rows])
         stats["copies_bad"] += int(len(sampler.copies) != 1)
         out = mem.view(d_tokens, np.int32)[:B].copy()
         lay = sampler.layout
-        u = mem.view(sampler.block.ptr + lay.fpar, np.float64).reshape(-1, 8)[:B, 7]
+        fpar = mem.view(sampler.block.ptr + lay.fpar, np.float64).reshape(-1, 8)
+        u, plan = fpar[:B, 7], fpar[:B, 6]
         am = np.full(B, -7, np.int32)
         k_argmax[(B, 1, 1), (threads, 1, 1)](am, logits.reshape(-1), V)
         stats["argmax_bad"] += int(np.sum(am != np.argmax(logits, -1)))
         for b, (_, row) in enumerate(rows):
             stats["rows"] += 1
-            if not row.spec.is_greedy and u[b] != counter_uniform(row.spec.seed, row.position):
-                stats["rng_bad"] += 1
+            if not row.spec.is_greedy:
+                if u[b] != counter_uniform(row.spec.seed, row.position):
+                    stats["rng_bad"] += 1
+                stats["plans"][int(plan[b])] += 1
             want, why = sc.oracle(logits[b], row)
             if why is not None:
                 stats["skipped"] += 1
@@ -167,4 +178,5 @@ if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 60
     t = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     s = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    print(json.dumps(run(n, t, s)))
+    geo = [int(a) for a in sys.argv[4:7]]
+    print(json.dumps(run(n, t, s, *geo)))

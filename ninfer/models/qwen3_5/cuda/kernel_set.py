@@ -8,6 +8,8 @@ from ..config import TextConfig
 from . import gdn_chunk as gc
 
 S = KernelSpec.of
+# the three sampling kernels' common arguments (kernels/sample.py, cuda/sampler.py)
+SAMPLE_SIG = ("i32*", "f32*", "f64*", "i32", "f64*", "i32*", "u64*", "i32*", "u32*", "f64*", "i32*")
 
 SIGS = {
     "rmsnorm": ("norm", "rmsnorm", ("u16*", "f32*", "f32*", "i32*", "i32", "i32", "f32")),
@@ -50,8 +52,9 @@ SIGS = {
                     ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32")),
     "gather_rows": ("moe", "gather_rows", ("u16*", "u16*", "i32*", "i32")),
     "argmax": ("sample", "argmax", ("i32*", "f32*", "i32")),
-    "sample": ("sample", "sample",
-               ("i32*", "f32*", "f64*", "i32", "f64*", "i32*", "u64*", "i32*", "u32*")),
+    "sample_prep": ("sample", "sample_prep", SAMPLE_SIG),
+    "sample_stats": ("sample", "sample_stats", SAMPLE_SIG),
+    "sample": ("sample", "sample", SAMPLE_SIG),
 }
 
 
@@ -82,7 +85,8 @@ def geometry_specs(cfg: TextConfig, f32: bool = False) -> dict:
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     sec = tuple(cfg.mrope_section) + (0, 0, 0)
     specs = {n: spec(n) for n in ("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather",
-                                  "argmax", "sample", "random_bf16", "random_f32")}
+                                  "argmax", "sample_prep", "sample_stats", "sample",
+                                  "random_bf16", "random_f32")}
     if cfg.linear_layer_ids:
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)

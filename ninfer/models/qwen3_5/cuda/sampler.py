@@ -8,9 +8,12 @@ Per step the host packs each row's request (SampleRow) into pinned staging, in o
     data u32 [...]           per row, packed back to back: penalty pairs (id, generated count),
                              then the grammar mask's bits (np.packbits little-endian, V bits)
 
-copies the used prefix of the block with ONE async H2D copy, and launches the `sample` kernel
-(grid = rows) over the fp32 logits rows the model head left in its workspace. The token ids land
-in a device int32 buffer the caller copies back with the sync that ends its step.
+copies the used prefix of the block with ONE async H2D copy, and launches the three sampling
+kernels of kernels/sample.py (`sample_prep`, `sample_stats`, `sample`; grid = (ROW_BLOCKS, rows)
+each) over the fp32 logits rows the model head left in its workspace. The token ids land in a
+device int32 buffer the caller copies back with the sync that ends its step. The kernels keep
+per-row work (histograms, per-block partials, candidate ids) in two fixed device arrays;
+`sample_prep` zeroes what the later two accumulate, so nothing is cleared from the host.
 
 Penalty entries are the distinct ids of prompt + generated (repetition penalty) or of generated
 only (presence / frequency alone), each with its generated count. np.unique over a long prompt
@@ -30,6 +33,15 @@ if TYPE_CHECKING:       # the Program imports this module: no import back at run
 
 NPAR = 8                     # kernels/sample.py NPAR
 THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget)
+ROW_BLOCKS = 64              # kernels/sample.py ROW_BLOCKS: blocks per row
+HIST_BINS = 1024             # kernels/sample.py HIST_BINS
+KCAP = 1024                  # kernels/sample.py KCAP
+KERNELS = ("sample_prep", "sample_stats", "sample")
+
+
+def work_words(blocks: int = ROW_BLOCKS, nbins: int = HIST_BINS, cap: int = KCAP) -> tuple:
+    """(fp64, int32) work words per row: kernels/sample.py work_f64 / work_i32."""
+    return nbins + 4 * blocks, nbins + blocks + cap + 2
 
 
 @dataclass(frozen=True)
@@ -175,26 +187,33 @@ class DeviceSampler:
         self.layout = SamplerLayout(rows_cap, vocab, pen_cap)
         self.block = arena.take((self.layout.nbytes,), np.uint8, "sampler parameters")
         self.z = arena.take((rows_cap, vocab), np.float64, "sampler fp64 rows")
+        wf, wi = work_words()
+        self.wf = arena.take((rows_cap, wf), np.float64, "sampler fp64 work")
+        self.wi = arena.take((rows_cap, wi), np.int32, "sampler int32 work")
         self.staging = _d.PinnedBuffer(self.layout.nbytes)
         self.kernels = kernels
-        self.threads = THREADS          # the kernel's block size (its factory's default)
+        self.threads = THREADS          # the kernels' block size (their factories' default)
+        self.blocks = ROW_BLOCKS        # blocks per row (idem)
         self.cache = PromptCache()
 
     @staticmethod
     def device_bytes(rows_cap: int, vocab: int, pen_cap: int) -> int:
-        return SamplerLayout(rows_cap, vocab, pen_cap).nbytes + 8 * rows_cap * vocab + 2 * 256
+        wf, wi = work_words()
+        return (SamplerLayout(rows_cap, vocab, pen_cap).nbytes + 8 * rows_cap * vocab
+                + rows_cap * (8 * wf + 4 * wi) + 4 * 256)
 
     def launch(self, stream, logits_ptr: int, tokens_ptr: int, rows) -> None:
-        """Pack, copy, launch (asynchronous on `stream`)."""
+        """Pack, copy, launch the three kernels (asynchronous on `stream`)."""
         lay = self.layout
         buf = self.staging.view(np.uint8, 0, lay.nbytes)
         nbytes = pack(lay, buf, rows, self.cache)
         self._d.copy_htod_async(self.block.ptr, self.staging.ptr, nbytes, stream)
         base = self.block.ptr
-        self.kernels.sample.launch(stream, (len(rows),), (self.threads,),
-                                   (tokens_ptr, logits_ptr, self.z.ptr, lay.vocab,
-                                    base + lay.fpar, base + lay.ipar, base + lay.upar,
-                                    base + lay.data, base + lay.data))
+        args = (tokens_ptr, logits_ptr, self.z.ptr, lay.vocab, base + lay.fpar, base + lay.ipar,
+                base + lay.upar, base + lay.data, base + lay.data, self.wf.ptr, self.wi.ptr)
+        for name in KERNELS:
+            getattr(self.kernels, name).launch(stream, (self.blocks, len(rows)),
+                                               (self.threads,), args)
 
     def close(self) -> None:
         if self.staging is not None:
