@@ -5,9 +5,8 @@ so the tokens must equal the host path's."""
 import numpy as np
 import pytest
 
-from ninfer.models.qwen3_5.cuda.sampler import SampleRow
 from ninfer.models.qwen3_5.program import Program, ProgramError, RowDecision, SamplingSpec
-from ninfer.models.qwen3_5.program.sampling import sample_row
+from ninfer.models.qwen3_5.program.sampling import SampleRow, sample_row
 from ninfer.runtime.testing import FakeModel
 
 from test_program import GREEDY, SEEDED, generate, opts, prompt, run_alone, step
@@ -146,3 +145,17 @@ def test_device_sampled_ids_are_checked():
     assert prog.reserve_units([sid]) == [True]
     with pytest.raises(ProgramError, match="model.sample returned"):
         prog.execute([sid])
+
+
+def test_the_program_imports_no_backend_module():
+    """The Program is backend-neutral: the device-sampling request type is its own (defined in
+    program/sampling.py); cuda/sampler.py re-exports the same class for the CUDA side."""
+    import subprocess
+    import sys
+    code = ("import sys; import ninfer.models.qwen3_5.program as p; "
+            "bad = sorted(m for m in sys.modules if m.startswith('ninfer.models.qwen3_5.cuda')"
+            " or m.startswith('ninfer.core.cuda')); print(bad); assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    from ninfer.models.qwen3_5.cuda import sampler
+    assert sampler.SampleRow is SampleRow

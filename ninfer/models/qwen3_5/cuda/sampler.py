@@ -23,13 +23,11 @@ are kept (the Program passes (sequence id, prompt length)).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-if TYPE_CHECKING:       # the Program imports this module: no import back at run time
-    from ..program.sampling import SamplingSpec
+# the request type lives with the backend-neutral Program that builds it; re-exported here
+from ..program.sampling import SampleRow  # noqa: F401
 
 NPAR = 8                     # kernels/sample.py NPAR
 THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget)
@@ -42,17 +40,6 @@ KERNELS = ("sample_prep", "sample_stats", "sample")
 def work_words(blocks: int = ROW_BLOCKS, nbins: int = HIST_BINS, cap: int = KCAP) -> tuple:
     """(fp64, int32) work words per row: kernels/sample.py work_f64 / work_i32."""
     return nbins + 4 * blocks, nbins + blocks + cap + 2
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """One row's sampling request: the host sampler's sample_row arguments (no logprobs)."""
-    spec: "SamplingSpec"
-    position: int
-    prompt_ids: np.ndarray
-    generated_ids: np.ndarray
-    mask: Optional[np.ndarray] = None
-    cache_key: object = None
 
 
 def mask_words(vocab: int) -> int:

@@ -30,8 +30,7 @@ from ....errors import RequestError
 from ..batch import ForwardBatch
 from .pending import PendingBatch, ProgramError, ResumeState, RowDecision, RowResult
 from .pools import PagePool, SlotPool, pages_for
-from ..cuda.sampler import SampleRow
-from .sampling import SamplingSpec, sample_row
+from .sampling import SampleRow, SamplingSpec, sample_row
 
 
 @dataclass(slots=True, eq=False)

@@ -86,6 +86,20 @@ class SamplingSpec:
                 and not self.is_constrained)
 
 
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One row's request to a backend that samples on the device (`model.sample`): the host
+    sampler's sample_row arguments (no logprobs). Defined here, with the Program that builds it,
+    so the backend-neutral Program imports no backend module; cuda/sampler.py re-exports it.
+    `cache_key`: names the prompt, so the backend may keep its distinct ids between steps."""
+    spec: SamplingSpec
+    position: int
+    prompt_ids: np.ndarray
+    generated_ids: np.ndarray
+    mask: Optional[np.ndarray] = None
+    cache_key: object = None
+
 def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
                     generated_ids: np.ndarray) -> np.ndarray:
     """Penalised float64 copy of one row's logits [V] (steps 2-3)."""
