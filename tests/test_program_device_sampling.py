@@ -65,7 +65,7 @@ def test_sampling_rows_take_the_device_sampler_with_the_host_arguments(spec):
     assert model.num_calls == 0 and model.num_sample_calls > 0      # never host logits
     assert len(model.requests) == 12
     keys = {req.cache_key for req in model.requests}
-    assert len(keys) == 1 and next(iter(keys))[1] == len(p)
+    assert len(keys) == 1 and next(iter(keys))[-1] == len(p)
     for i, req in enumerate(model.requests):
         assert req.spec == spec and req.mask is None
         assert np.array_equal(req.prompt_ids, p)
@@ -159,3 +159,31 @@ def test_the_program_imports_no_backend_module():
     assert res.returncode == 0, res.stdout + res.stderr
     from ninfer.models.qwen3_5.cuda import sampler
     assert sampler.SampleRow is SampleRow
+
+
+def test_prompt_cache_keys_never_name_another_programs_prompt():
+    """The CUDA sampler keeps each prompt's distinct ids under the row's cache_key, in a cache
+    that lives on the model. Two Programs over one model (sequence ids restart in each) with
+    prompts of the same length must not share a key: the second would get the first's ids and
+    penalise the wrong tokens."""
+    from ninfer.models.qwen3_5.cuda.sampler import PromptCache
+
+    class CachingModel(DeviceSamplingModel):
+        cache = PromptCache()
+
+        def sample(self, batch, kv, state, rows):
+            for row in rows:
+                if row is not None:
+                    assert np.array_equal(self.cache.unique(row.cache_key, row.prompt_ids),
+                                          np.unique(row.prompt_ids)), "stale prompt ids"
+            return super().sample(batch, kv, state, rows)
+
+    spec = SamplingSpec(seed=2, repetition_penalty=1.3)
+    model = CachingModel()
+    for seed in (3, 4):
+        p = prompt(seed, 11)
+        prog = Program(model, opts())
+        sid = prog.bind(p, spec)
+        assert generate(prog, sid, 3) == run_alone(p, spec, 3)
+        prog.release(sid)
+    assert len({req.cache_key for req in model.requests}) == 2

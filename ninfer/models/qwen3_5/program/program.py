@@ -20,6 +20,7 @@ consumed whole by `commit(decisions)` or `abort_pending()`. Sampling randomness 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,6 +32,10 @@ from ..batch import ForwardBatch
 from .pending import PendingBatch, ProgramError, ResumeState, RowDecision, RowResult
 from .pools import PagePool, SlotPool, pages_for
 from .sampling import SampleRow, SamplingSpec, sample_row
+
+# distinguishes Programs in the device sampler's prompt cache keys (it lives on the model, which
+# may outlive a Program or serve several; sequence ids restart in each Program)
+_PROGRAM_IDS = itertools.count(1)
 
 
 @dataclass(slots=True, eq=False)
@@ -93,6 +98,7 @@ class Program:
         self._seqs: dict = {}
         self._pending: Optional[PendingBatch] = None
         self._next_id = 0
+        self._uid = next(_PROGRAM_IDS)
 
     # ---- capacity queries (check / act pairs) ---------------------------------------------------
     @property
@@ -345,7 +351,7 @@ class Program:
         requests = [SampleRow(seq.spec, seq.num_tokens,
                               self.token_buf[seq.slot, :seq.num_prompt_tokens],
                               self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
-                              mask, cache_key=(seq.seq_id, seq.num_prompt_tokens))
+                              mask, cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
                     if unit.is_sampling else None
                     for seq, unit, mask in zip(seqs, units, masks)]
         tokens = np.asarray(self.model.sample(batch, self.kv, self.state, requests))
