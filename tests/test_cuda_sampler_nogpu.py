@@ -130,16 +130,20 @@ def test_sampler_kernels_compile_to_ptx_for_sm90(name):
 
 
 def test_sample_kernel_on_the_simulator_equals_the_host_sampler():
-    """42 boundary rows + 40 random ones (V 200-2000, every filter, penalties, masks, ties)
-    through DeviceSampler.launch (one H2D copy per step) on a 32-thread block: every token equal
-    to sample_row's except draws at a named decision margin (sample_cases.EPS), which must be
-    rare; u bit-identical to counter_uniform; argmax exact."""
+    """42 boundary rows + 8 wide-nucleus rows + 40 random ones (V 200-2000, every filter,
+    penalties, masks, ties) through DeviceSampler.launch (one H2D copy, the three launches) on
+    32-thread blocks, 4 blocks per row, 256 histogram bins and a 32-id candidate cap, so every
+    plan (ALL, SMALL, WIDE, FALLBACK) runs: every token equal to sample_row's except draws at a
+    named decision margin (sample_cases.EPS), which must be rare; u bit-identical to
+    counter_uniform; argmax exact."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_sample.py"),
-                          "40", "32", "11"], env=env, capture_output=True, text=True, timeout=300)
+                          "40", "32", "11", "4", "256", "32"], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     st = json.loads(res.stdout.strip().splitlines()[-1])
-    assert st["rows"] >= 82 and st["mismatches"] == [], st
+    assert st["rows"] >= 90 and st["mismatches"] == [], st
     assert st["rng_bad"] == 0 and st["argmax_bad"] == 0 and st["copies_bad"] == 0, st
     assert st["skipped"] <= 0.05 * st["rows"], st
+    assert min(st["plans"]) >= 1, st          # ALL, SMALL, WIDE, FALLBACK each ran

@@ -75,6 +75,8 @@ def random_logits(r, V, kind):
         return (np.round(r.standard_normal(V) * 2) / 2).astype(np.float32)
     if kind == "flat":
         return np.zeros(V, np.float32)
+    if kind == "tail":                   # a smooth long tail: top-p's nucleus spans many ids
+        return (r.standard_normal(V) * 2.0).astype(np.float32)
     raise ValueError(kind)
 
 
@@ -105,6 +107,21 @@ def random_row(r, V, *, greedy_share=0.15):
         mask = r.random(V - int(r.integers(1, 50))) < 0.8
         mask[0] = True
     return SampleRow(spec, int(r.integers(0, 1 << 40)), prompt, gen, mask)
+
+
+def nucleus_rows(r, V, n):
+    """Top-p alone over a smooth tail (seeded; some with min-p or penalties): the nucleus is
+    wider than a small candidate cap, so the device's cut-bin plan (WIDE) runs."""
+    out = []
+    for _ in range(n):
+        spec = SamplingSpec(seed=int(r.integers(0, 2**62)), temperature=float(r.choice([0.7, 1.0])),
+                            top_p=float(r.choice([0.5, 0.8, 0.9, 0.95])),
+                            min_p=float(r.choice([0.0, 0.0, 0.01])),
+                            repetition_penalty=float(r.choice([1.0, 1.2])))
+        out.append(("tail", SampleRow(spec, int(r.integers(0, 1 << 40)),
+                                      r.integers(0, V, 30).astype(np.int32),
+                                      r.integers(0, V, 10).astype(np.int32), None)))
+    return out
 
 
 def boundary_rows(r, V):

@@ -4,7 +4,8 @@ Random requests (tests/gpu/sample_cases.py) go through cuda/sampler.py's DeviceS
 itself (its packing, its one H2D copy, its three launches and their arguments) over a fake flat
 device memory, fake driver and a launcher that runs the kernels on the simulator with a small
 geometry (argv[2] threads, argv[4] blocks per row, argv[5] histogram bins, argv[6] candidate cap:
-small enough that V 200-2000 takes every plan); `rows` random rows follow 42 boundary rows.
+small enough that V 200-2000 takes every plan); `rows` random rows follow 42 boundary rows
+and 8 wide-nucleus rows.
 Prints one JSON line: counts of rows compared, skipped at a decision margin, token mismatches,
 RNG mismatches, argmax mismatches, steps that did not take exactly one H2D copy, and how many
 sampled rows took each plan (kernels/sample.py ALL, SMALL, WIDE, FALLBACK).
@@ -117,7 +118,7 @@ def device_sampler(mem, fns, geo, rows_cap, V, pen_cap):
     return s
 
 
-def run(n_rows, threads, seed, blocks=4, nbins=64, cap=48):
+def run(n_rows, threads, seed, blocks=4, nbins=256, cap=32):
     mod = _import_kernel_module("sample")
     geo = dict(threads=threads, blocks=blocks, nbins=nbins, cap=cap)
     fns = {n: cuda.jit(getattr(mod, n)(**geo)) for n in KERNELS}
@@ -129,6 +130,9 @@ def run(n_rows, threads, seed, blocks=4, nbins=64, cap=48):
     cases = []
     V0 = int(r.integers(200, 400))
     cases += [(V0, [(k, row)]) for k, row in sc.boundary_rows(r, V0)]
+    V1 = int(r.integers(1500, 2001))
+    rows = sc.nucleus_rows(r, V1, 8)
+    cases += [(V1, rows[i:i + 2]) for i in range(0, len(rows), 2)]
     n_random = 0
     while n_random < n_rows:
         V = int(r.integers(200, 2001)) if r.random() < 0.3 else int(r.integers(200, 600))
@@ -175,6 +179,9 @@ def run(n_rows, threads, seed, blocks=4, nbins=64, cap=48):
 
 
 if __name__ == "__main__":
+    # the simulator runs a block's threads as Python threads meeting at barriers: a short GIL
+    # switch interval makes it ~3x faster (the default 5 ms idles at every barrier)
+    sys.setswitchinterval(1e-4)
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 60
     t = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     s = int(sys.argv[3]) if len(sys.argv) > 3 else 0
