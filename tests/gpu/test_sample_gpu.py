@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import sample_cases as sc
-from ninfer.models.qwen3_5.cuda.sampler import THREADS, PromptCache, SamplerLayout, pack
+from ninfer.models.qwen3_5.cuda.sampler import (KERNELS, ROW_BLOCKS, THREADS, PromptCache,
+                                                SamplerLayout, pack, work_words)
 from ninfer.models.qwen3_5.program.sampling import counter_uniform
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +26,12 @@ def g(gpu):
     gpu.reset()
 
 
-def _run_sample(g, logits, rows, threads=THREADS):
+PLANS = ("ALL", "SMALL", "WIDE", "FALLBACK")      # kernels/sample.py, fpar[r, 6]
+
+
+def _run_sample(g, logits, rows, plans=None):
+    """The three sampling kernels as DeviceSampler launches them (work arrays poisoned: the
+    kernels must zero what they accumulate); returns (tokens, u) and counts plans."""
     B, V = logits.shape
     lay = SamplerLayout(B, V, 8192)
     buf = np.zeros(lay.nbytes, np.uint8)
@@ -33,11 +39,18 @@ def _run_sample(g, logits, rows, threads=THREADS):
     d_buf = g.put(buf)
     out = g.empty((B,), np.int32)
     z = g.empty((B, V), np.float64)
+    wf, wi = work_words()
+    d_wf, d_wi = g.empty((B, wf), np.float64), g.empty((B, wi), np.int32)
     base = d_buf.ptr
-    g.run("sample", (B,), (threads,),
-          (out, g.put(logits), z, V, base + lay.fpar, base + lay.ipar, base + lay.upar,
-           base + lay.data, base + lay.data))
+    args = (out, g.put(logits), z, V, base + lay.fpar, base + lay.ipar, base + lay.upar,
+            base + lay.data, base + lay.data, d_wf, d_wi)
+    for name in KERNELS:
+        g.run(name, (ROW_BLOCKS, B), (THREADS,), args)
     fpar = g.get(d_buf)[lay.fpar:lay.ipar].view(np.float64).reshape(B, 8)
+    if plans is not None:
+        for b, row in enumerate(rows):
+            if row is not None and not row.spec.is_greedy:
+                plans[PLANS[int(fpar[b, 6])]] = plans.get(PLANS[int(fpar[b, 6])], 0) + 1
     return g.get(out), fpar[:, 7]
 
 
@@ -46,11 +59,12 @@ def test_sample_equals_the_host_sampler_at_the_real_vocabulary(g, B):
     r = np.random.default_rng(100 + B)
     compared = skipped = 0
     bad = []
+    plans = {}
     for trial in range(4):
         kinds = [str(r.choice(["normal", "peaked", "peaked", "ties"])) for _ in range(B)]
         logits = np.stack([sc.random_logits(r, V_REAL, k) for k in kinds])
         rows = [sc.random_row(r, V_REAL) for _ in range(B)]
-        got, u = _run_sample(g, logits, rows)
+        got, u = _run_sample(g, logits, rows, plans)
         for b, row in enumerate(rows):
             if not row.spec.is_greedy:
                 assert u[b] == counter_uniform(row.spec.seed, row.position)
@@ -61,8 +75,27 @@ def test_sample_equals_the_host_sampler_at_the_real_vocabulary(g, B):
             compared += 1
             if int(got[b]) != want:
                 bad.append((trial, b, int(got[b]), want, row.spec))
+    print("plans", plans)
     assert not bad, bad
     assert skipped <= max(1, compared // 10), (skipped, compared)
+
+
+def test_sample_wide_nuclei_at_the_real_vocabulary(g):
+    """Top-p alone over smooth tails (sample_cases.nucleus_rows; sigma 2 and 3): the cut-bin
+    plan (WIDE) and the one-block fallback at the real vocabulary, against the oracle."""
+    r = np.random.default_rng(21)
+    plans = {}
+    for trial in range(3):
+        part = sc.nucleus_rows(r, V_REAL, 8)
+        logits = np.stack([sc.random_logits(r, V_REAL, k) * (1.5 if b % 2 else 1.0)
+                           for b, (k, _) in enumerate(part)])
+        got, _ = _run_sample(g, logits, [row for _, row in part], plans)
+        for b, (_, row) in enumerate(part):
+            want, why = sc.oracle(logits[b], row)
+            if why is None:
+                assert int(got[b]) == want, (row.spec, int(got[b]), want)
+    print("plans", plans)
+    assert plans.get("WIDE", 0) >= 1, plans
 
 
 def test_sample_boundary_rows_at_the_real_vocabulary(g):
