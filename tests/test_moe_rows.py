@@ -4,6 +4,8 @@ The layout is checked by what the GPU path does with it: gather x rows by `src`,
 batch over the padded block plus one product per overflow expert, read each pair's output through
 `row_of_pair`. Emulated here in float64 with per-expert matrices, it must equal the direct
 per-pair product, whatever cap the chooser or the test picks."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -87,3 +89,161 @@ def test_bad_router_ids_are_rejected():
         mr.expert_rows(np.array([0, 1, 2]), 2, 8, 100)
     with pytest.raises(ValueError, match="exceed"):
         mr.expert_rows(np.array([0, 0, 0, 0]), 2, 8, 10, cap=16)
+
+
+# ---- StepRunner.experts_grouped: the layout's offsets on the device side, both dtypes -------------
+
+def _bf16(a):
+    u = np.asarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)      # round to nearest even
+
+
+def _f32_of(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class _Mem:
+    """Device memory as one byte array (base 1<<40) and pinned host buffers as byte arrays."""
+    BASE = 1 << 40
+
+    def __init__(self, nbytes):
+        self.mem, self.used, self.host = np.zeros(nbytes, np.uint8), 0, {}
+
+    def take(self, shape, dtype, what=""):
+        from ninfer.core.cuda.arena import DeviceArray, _round_up
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        nbytes = _round_up(max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1))
+        assert self.used + nbytes <= self.mem.size, what
+        a = DeviceArray(self.BASE + self.used, shape, dtype)
+        self.used += nbytes
+        return a
+
+    def bytes(self, ptr, n):
+        for base, buf in self.host.items():
+            if base <= ptr < base + buf.size:
+                assert ptr - base + n <= buf.size, "host access past a pinned buffer"
+                return buf[ptr - base: ptr - base + n]
+        off = ptr - self.BASE
+        assert 0 <= off and off + n <= self.used, "device access outside what was taken"
+        return self.mem[off: off + n]
+
+    def arr(self, a, dtype=None):
+        dt = np.dtype(dtype or a.dtype)
+        return self.bytes(a.ptr, a.nbytes).view(dt)
+
+    def pinned(self, nbytes):
+        mem, base = self, (1 << 30) * (len(self.host) + 1)
+        self.host[base] = np.zeros(nbytes, np.uint8)
+
+        class P:
+            ptr = base
+
+            def view(self, dtype, offset, count):
+                return mem.bytes(base + offset, count * np.dtype(dtype).itemsize).view(dtype)
+        return P()
+
+
+def _grouped_rig(monkeypatch, f32, n, cfg_kw):
+    from ninfer.models.qwen3_5.config import TextConfig
+    from ninfer.models.qwen3_5.cuda import runner as R
+    cfg = TextConfig(layer_types=("linear_attention", "full_attention"), num_hidden_layers=2,
+                     **cfg_kw)
+    mem = _Mem(64 << 20)
+    gin = np.float32 if f32 else np.uint16
+    ws = R.Workspace(mem, cfg, n, 8, 8, 64, f32=f32)
+    K, E, H, I = cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gu_w, dn_w = mem.take((E, 2 * I, H), gin), mem.take((E, H, I), gin)
+
+    def gemm(st, x, w, y, m, nn, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0)):
+        ab = 4 if f32 else 2
+        for i in range(batch):              # product i at element offsets i * strides (w, x, y)
+            def operand(ptr, shape):
+                raw = mem.bytes(ptr, int(np.prod(shape)) * ab).view(gin)
+                return (raw if f32 else _f32_of(raw)).astype(np.float64).reshape(shape)
+            X = operand(x + ab * i * strides[1], (m, k))
+            W = operand(w + ab * i * strides[0], (nn, k))
+            Y = mem.bytes(y + 4 * i * strides[2], 4 * m * nn).view(np.float32).reshape(m, nn)
+            Y[:] = X @ W.T
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, st, grid, block, args, smem=0):
+            if self.name == "gather_rows":
+                out, x, route, width = args
+                rows = grid[0]
+                src = mem.arr(route, np.int32)[:rows]
+                mem.arr(out)[: rows * width].reshape(rows, width)[:] = \
+                    mem.arr(x).reshape(-1, width)[src]
+            elif self.name == "silu_mul":
+                out, gu, stride, off, inter = args
+                rows = grid[0]
+                g = mem.arr(gu).reshape(-1, stride)[:rows].astype(np.float64)
+                a = g[:, off: off + inter] / (1 + np.exp(-g[:, off: off + inter])) * \
+                    g[:, off + inter: off + 2 * inter]
+                mem.arr(out)[: rows * inter] = (a.astype(np.float32) if f32 else
+                                                _bf16(a)).reshape(-1)
+            else:
+                raise AssertionError(self.name)
+
+    drv = SimpleNamespace(
+        copy_dtoh_async=lambda dst, src, nb, st: mem.bytes(dst, nb).__setitem__(
+            slice(None), mem.bytes(src, nb)),
+        copy_htod_async=lambda dst, src, nb, st: mem.bytes(dst, nb).__setitem__(
+            slice(None), mem.bytes(src, nb)))
+    monkeypatch.setattr(R, "_d", drv)
+    m = SimpleNamespace(text=cfg, ws=ws, weights={}, n_cap=n, b_cap=1,
+                        kernels=SimpleNamespace(gather_rows=Kernel("gather_rows"),
+                                                silu_mul=Kernel("silu_mul")),
+                        lt=SimpleNamespace(gemm=gemm))
+    m.route_host = mem.pinned((R.grouped_rows(n, K, E) + 2 * n * K) * 4)
+    runner = R.StepRunner(m)
+    return runner, mem, ws, cfg, {"experts_gu": gu_w, "experts_down": dn_w}
+
+
+@pytest.mark.parametrize("f32", [False, True], ids=["bf16", "f32"])
+@pytest.mark.parametrize("cap", [None, 0, 16, 32])
+def test_experts_grouped_offsets_match_per_pair_products(monkeypatch, f32, cap):
+    """The runner's gather, strided batch, overflow GEMMs (byte offsets of xg / gu / gact / my by
+    element size) and the pair -> row map, run over fake device memory with numpy kernels and
+    GEMMs in float64: each pair's output row equals its expert's SwiGLU product. A skewed
+    routing makes caps 16 / 32 overflow; cap 0 is one product per expert."""
+    n = 40
+    runner, mem, ws, cfg, lw = _grouped_rig(monkeypatch, f32, n, dict(
+        hidden_size=24, is_moe=True, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=10, shared_expert_intermediate_size=12, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=50))
+    rng = np.random.default_rng(5)
+    E, K, H, I = 8, 2, 24, 10
+    ids = _route(rng, n, E, K, skew=2.0).astype(np.int32)
+    counts = np.bincount(ids, minlength=E)
+    assert counts.max() > 32                        # caps 16 and 32 overflow
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    Wgu = rng.standard_normal((E, 2 * I, H)).astype(np.float32) / 4
+    Wdn = rng.standard_normal((E, H, I)).astype(np.float32) / 4
+    enc = (lambda a: a) if f32 else _bf16
+    dec = (lambda a: a.astype(np.float64)) if f32 else (lambda a: _f32_of(a).astype(np.float64))
+    mem.arr(ws.x)[: n * H] = enc(x).reshape(-1)
+    mem.arr(lw["experts_gu"])[:] = enc(Wgu).reshape(-1)
+    mem.arr(lw["experts_down"])[:] = enc(Wdn).reshape(-1)
+    mem.arr(ws.ids)[: n * K] = ids
+    mem.arr(ws.my)[:] = np.nan
+    runner.moe_cap = cap
+    runner.experts_grouped(SimpleNamespace(synchronize=lambda: None), n, lw)
+    got_cap, rows, n_over = runner.last_moe_layout
+    if cap is not None:
+        assert got_cap == cap and n_over == int(np.count_nonzero(counts > cap))
+    R_ = ws.grouped_rows
+    row_of_pair = mem.arr(ws.route, np.int32)[R_: R_ + n * K]
+    my = mem.arr(ws.my).reshape(-1, H)
+    xs, gu, dn = dec(enc(x)), dec(enc(Wgu)), dec(enc(Wdn))
+    for p in range(n * K):
+        e, t = ids[p], p // K
+        g = gu[e] @ xs[t]
+        act = g[:I] / (1 + np.exp(-g[:I])) * g[I:]
+        act = act.astype(np.float32).astype(np.float64) if f32 else dec(_bf16(act))
+        want = dn[e] @ act
+        np.testing.assert_allclose(my[row_of_pair[p]], want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"pair {p} (expert {e}, row {row_of_pair[p]})")
