@@ -99,6 +99,24 @@ def test_run_flag_reaches_the_engine(monkeypatch):
         assert build_parser().parse_args(cmd).dtype is None          # default: the backend's
 
 
+
+def test_serve_flag_reaches_the_engine(monkeypatch):
+    """`serve --backend cuda --dtype float32`: the workers' engine factory builds the Engine
+    with dtype='float32'."""
+    import ninfer.engine
+    import ninfer.serve.launcher as launcher
+    from ninfer import commands
+    from ninfer.cli import build_parser
+    seen = {}
+    monkeypatch.setattr(ninfer.engine, "Engine", lambda path, **kw: seen.update(kw))
+    monkeypatch.setattr(commands, "_artifact_or_demo", lambda path: (path, False))
+    monkeypatch.setattr(commands, "_check_can_listen", lambda host, port: None)
+    monkeypatch.setattr(launcher, "serve", lambda factory, config, **kw: factory())
+    args = build_parser().parse_args(["serve", "m.ninfer", "--backend", "cuda", "--dtype",
+                                      "float32"])
+    assert args.handler(args) == 0
+    assert seen["dtype"] == "float32" and seen["backend"] == "cuda"
+
 # ---- kernel variants ---------------------------------------------------------------------------
 
 def test_f32_specs_swap_every_bf16_pointer_and_drop_the_tensor_core_path():
