@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
+#
+#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [full]     (default: all but full)
+#
+# Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
+# bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
+# only the 27B and 35B-A3B rows the issue's milestones name.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.:bench
+export NINFER_KERNEL_CACHE=${NINFER_KERNEL_CACHE:-$PWD/.kcache}
+parts=${*:-tests gdn sample decode}
+summary=()
+for part in $parts; do
+    t0=$(date +%s)
+    case $part in
+        tests)
+            # (the CPU simulator tests of the other tests/test_cuda_*_nogpu.py files run in CI)
+            timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_cuda_nogpu.py \
+                >"$OUT/tests.log" 2>&1
+            summary+=("tests: $(tail -1 "$OUT/tests.log")") ;;
+        gdn)
+            timeout 150 python3 bench/bench_gdn_chunk.py --tokens 4096 --sweep >"$OUT/gdn.log" 2>&1
+            summary+=("gdn: rc=$? (see gdn.log)") ;;
+        sample)
+            timeout 120 python3 bench/bench_sample.py >"$OUT/sample.log" 2>&1
+            summary+=("sample: rc=$? (see sample.log)") ;;
+        decode)
+            timeout 300 python3 bench/bench_decode.py --shapes 27b,35b-a3b --prefill 512,4096 \
+                --contexts 2048 --batches 1 --profile --out "$OUT/decode.json" >"$OUT/decode.log" 2>&1
+            summary+=("decode: rc=$? (see decode.log)") ;;
+        full)
+            python3 bench/bench_decode.py --profile --out "$OUT/full.json" >"$OUT/full.log" 2>&1
+            summary+=("full: rc=$? (see full.log)") ;;
+        *) echo "unknown part $part"; exit 2 ;;
+    esac
+    summary[-1]="${summary[-1]} [$(( $(date +%s) - t0 )) s]"
+done
+for s in "${summary[@]}"; do echo "$s"; done
