@@ -769,17 +769,29 @@ def sample(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP)
         before_all = 0.0            # mass of the surely kept bins (WIDE), in block order
         for q in range(G):
             before_all += pa[q]
-        # rank the candidates best-first: larger value, lower id on ties (a total order)
-        for j in range(tid, n, T):
+        # rank the candidates best-first: larger value, lower id on ties (a total order); two
+        # per thread share each (value, id) load of the O(n^2) count
+        for j in range(tid, n, 2 * T):
+            j2 = j + T
+            two = j2 < n
             xj = cx[j]
             ij = cid[j]
+            x2 = cx[j2] if two else xj
+            i2 = cid[j2] if two else ij
             rk = 0
+            rk2 = 0
             for q in range(n):
                 xq = cx[q]
-                if xq > xj or (xq == xj and cid[q] < ij):
+                iq = cid[q]
+                if xq > xj or (xq == xj and iq < ij):
                     rk += 1
+                if xq > x2 or (xq == x2 and iq < i2):
+                    rk2 += 1
             bid[rk] = ij
             bw[rk] = cw[j]
+            if two:
+                bid[rk2] = i2
+                bw[rk2] = cw[j2]
         cuda.syncthreads()
         cch = (n + T - 1) // T
         clo = tid * cch
