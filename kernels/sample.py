@@ -44,8 +44,8 @@ from numba import config, cuda, float32, float64, int32, int64, uint32, uint64
 THREADS = 1024              # argmax
 SAMPLE_THREADS = 512        # sampling kernels; the finisher needs ~100 registers per thread
 ROW_BLOCKS = 64             # G: blocks per row (B = 1 fills 64 of the H200's 132 SMs)
-HIST_BINS = 1024            # HB: histogram bins of d = m - z / T over [0, SPAN)
-SPAN = 64.0                 # weights below exp(-64) all share the last bin
+HIST_BINS = 3072            # HB: bins of d = m - z / T over [0, SPAN): width 1/96
+SPAN = 32.0                 # weights below exp(-32) (1.3e-14) all share the last bin
 KCAP = 1024                 # candidates finished in shared memory (and the fallback's top-k)
 NBINS = 256                 # the fallback's radix digit of 8 bits
 NPAR = 8                    # fp64 / int32 parameters per row (layout: cuda/sampler.py)

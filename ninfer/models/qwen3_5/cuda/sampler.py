@@ -32,7 +32,7 @@ from ..program.sampling import SampleRow  # noqa: F401
 NPAR = 8                     # kernels/sample.py NPAR
 THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget)
 ROW_BLOCKS = 64              # kernels/sample.py ROW_BLOCKS: blocks per row
-HIST_BINS = 1024             # kernels/sample.py HIST_BINS
+HIST_BINS = 3072             # kernels/sample.py HIST_BINS
 KCAP = 1024                  # kernels/sample.py KCAP
 KERNELS = ("sample_prep", "sample_stats", "sample")
 
