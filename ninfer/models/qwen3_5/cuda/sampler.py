@@ -2,7 +2,8 @@
 
 Per step the host packs each row's request (SampleRow) into pinned staging, in one block laid out
 
-    fpar f64 [rows_cap, 8]   temperature, top_p, min_p, repetition, presence, frequency, -, u (out)
+    fpar f64 [rows_cap, 8]   temperature, top_p, min_p, repetition, presence, frequency,
+                             plan (out: ALL 0 / SMALL 1 / WIDE 2 / FALLBACK 3), u (out)
     ipar i32 [rows_cap, 8]   top_k (0: off), penalty word offset, penalty count, mask word offset
     upar u64 [rows_cap, 2]   seed, position
     data u32 [...]           per row, packed back to back: penalty pairs (id, generated count),
