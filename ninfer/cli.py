@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text", help="text to score")
     g.add_argument("--ids", help="file of whitespace-separated token ids")
     s.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
+    s.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                   help="compute dtype (cuda: default bfloat16, float32 for reference-precision "
+                        "scores; numpy: float32 only)")
     s.add_argument("--chunk", type=int, default=512, help="scoring window (tokens)")
     s.set_defaults(handler=_score)
 
@@ -58,7 +61,7 @@ def _score(args) -> int:
     import numpy as np
 
     from .engine import Engine
-    with Engine(args.artifact, backend=args.backend, purpose="scoring",
+    with Engine(args.artifact, backend=args.backend, purpose="scoring", dtype=args.dtype,
                 prefill_chunk=args.chunk) as engine:
         if args.text is not None:
             ids = engine.tokenize(args.text)

@@ -323,3 +323,10 @@ def test_cli_convert_then_score_matches_transformers(name, tmp_path):
     assert abs(float(m.group(2)) - want) <= bound, \
         f"{name}: total_logprob {m.group(2)} vs reference {want:.6f} (bound {bound:.2e})"
     assert abs(float(m.group(3)) - np.exp(-want / (T - 1))) <= 1e-3 * np.exp(-want / (T - 1))
+    # --dtype: float32 is the numpy backend's own arithmetic (same output); bfloat16 is refused
+    # there with a one-line error and a non-zero exit
+    f32 = run("score", str(out), "--ids", str(ids_file), "--chunk", "7", "--dtype", "float32")
+    assert f32.returncode == 0 and f32.stdout == score.stdout, f32.stderr
+    bf16 = run("score", str(out), "--ids", str(ids_file), "--dtype", "bfloat16")
+    assert bf16.returncode != 0 and "dtype" in bf16.stderr and len(bf16.stderr.strip().splitlines()) == 1, \
+        bf16.stderr
