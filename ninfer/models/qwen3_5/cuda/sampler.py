@@ -199,9 +199,13 @@ class DeviceSampler:
         base = self.block.ptr
         args = (tokens_ptr, logits_ptr, self.z.ptr, lay.vocab, base + lay.fpar, base + lay.ipar,
                 base + lay.upar, base + lay.data, base + lay.data, self.wf.ptr, self.wi.ptr)
+        # sample_stats does nothing for greedy rows: an all-greedy step (penalties or a mask
+        # make it take this path) skips its launch (~5-7 us of host time)
+        sampled = any(row is not None and row.spec.temperature != 0.0 for row in rows)
         for name in KERNELS:
-            getattr(self.kernels, name).launch(stream, (self.blocks, len(rows)),
-                                               (self.threads,), args)
+            if name != "sample_stats" or sampled:
+                getattr(self.kernels, name).launch(stream, (self.blocks, len(rows)),
+                                                   (self.threads,), args)
 
     def close(self) -> None:
         if self.staging is not None:
