@@ -18,7 +18,7 @@ for part in $parts; do
     case $part in
         tests)
             # (the CPU simulator tests of the other tests/test_cuda_*_nogpu.py files run in CI)
-            timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_cuda_nogpu.py \
+            timeout 400 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/test_cuda_nogpu.py \
                 >"$OUT/tests.log" 2>&1
             summary+=("tests: $(tail -1 "$OUT/tests.log")") ;;
         gdn)
@@ -32,7 +32,7 @@ for part in $parts; do
                 --contexts 2048 --batches 1 --profile --out "$OUT/decode.json" >"$OUT/decode.log" 2>&1
             summary+=("decode: rc=$? (see decode.log)") ;;
         full)
-            python3 bench/bench_decode.py --profile --out "$OUT/full.json" >"$OUT/full.log" 2>&1
+            python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
