@@ -419,31 +419,26 @@ class CudaModel:
     def decode_greedy(self, batch: ForwardBatch, kv, state) -> np.ndarray:
         """Argmax token of each row (device-side), through the graph when the batch is a decode."""
         self._t_entry = time.perf_counter()
-        self._current()
-        B = batch.num_rows
-        if self._is_decode(batch):
-            self._check_decode(batch, kv, state)
-            self._decode_launch(batch, kv, state)
-        else:
-            self._check(batch, kv, state)
-            self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
-                        want_logits=False)
-        _d.copy_dtoh_async(self.out_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
-        self.stream.synchronize()
-        return self.out_host.view(np.int32, 0, B).copy()
+        return self._token_step(batch, kv, state, None)
 
     def sample(self, batch: ForwardBatch, kv, state, rows) -> np.ndarray:
         """The step of decode_greedy, then one token per row sampled on the device from the B
-        output logits rows: rows[r] a cuda.sampler.SampleRow (the host sampler's sample_row
+        output logits rows: rows[r] a program.sampling.SampleRow (the host sampler's sample_row
         without logprobs, same token within its decision margins) or None (argmax). int32 [B]."""
         self._t_entry = time.perf_counter()
-        self._current()
         B = batch.num_rows
         if len(rows) != B:
             raise ValueError(f"sample: {len(rows)} sampling rows for a batch of {B}")
         cap = min(self.sampler.layout.rows_cap, self.lg_cap)
         if B > cap:
             raise ValueError(f"sample: {B} rows exceed the device sampler's {cap}")
+        return self._token_step(batch, kv, state, rows)
+
+    def _token_step(self, batch, kv, state, rows) -> np.ndarray:
+        """One step (graph for a decode batch, eager otherwise) whose result is a token id per row:
+        the head's argmax, or the device sampler's pick over the logits rows when `rows` is given."""
+        self._current()
+        B = batch.num_rows
         if self._is_decode(batch):
             self._check_decode(batch, kv, state)
             self._decode_launch(batch, kv, state)
@@ -451,7 +446,8 @@ class CudaModel:
             self._check(batch, kv, state)
             self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
                         want_logits=False)
-        self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows)
+        if rows is not None:
+            self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows)
         _d.copy_dtoh_async(self.out_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
         self.stream.synchronize()
         return self.out_host.view(np.int32, 0, B).copy()

@@ -339,13 +339,8 @@ class Program:
         return "sample" if hasattr(self.model, "sample") else None
 
     def _device_greedy_rows(self, batch, seqs, units) -> tuple:
-        tokens = np.asarray(self.model.decode_greedy(batch, self.kv, self.state))
-        if tokens.shape != (len(seqs),) or np.any((tokens < 0) | (tokens >= self.vocab_size)):
-            raise ProgramError(f"model.decode_greedy returned {tokens!r} for {len(seqs)} rows")
-        return tuple(RowResult(seq.seq_id, unit.num_new_tokens,
-                               (int(tokens[r]),) if unit.is_sampling else (), (),
-                               unit.is_replay, is_control=False)
-                     for r, (seq, unit) in enumerate(zip(seqs, units)))
+        tokens = self.model.decode_greedy(batch, self.kv, self.state)
+        return self._token_rows(seqs, units, tokens, "decode_greedy")
 
     def _device_sampled_rows(self, batch, seqs, units, masks) -> tuple:
         requests = [SampleRow(seq.spec, seq.num_tokens,
@@ -354,9 +349,15 @@ class Program:
                               mask, cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
                     if unit.is_sampling else None
                     for seq, unit, mask in zip(seqs, units, masks)]
-        tokens = np.asarray(self.model.sample(batch, self.kv, self.state, requests))
+        tokens = self.model.sample(batch, self.kv, self.state, requests)
+        return self._token_rows(seqs, units, tokens, "sample")
+
+    def _token_rows(self, seqs, units, tokens, what: str) -> tuple:
+        """RowResults from a device path's token ids (one per row; rows that do not sample drop
+        theirs)."""
+        tokens = np.asarray(tokens)
         if tokens.shape != (len(seqs),) or np.any((tokens < 0) | (tokens >= self.vocab_size)):
-            raise ProgramError(f"model.sample returned {tokens!r} for {len(seqs)} rows")
+            raise ProgramError(f"model.{what} returned {tokens!r} for {len(seqs)} rows")
         return tuple(RowResult(seq.seq_id, unit.num_new_tokens,
                                (int(tokens[r]),) if unit.is_sampling else (), (),
                                unit.is_replay, is_control=False)
