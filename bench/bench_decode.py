@@ -55,8 +55,28 @@ def make_config(name) -> ModelConfig:
     return ModelConfig(architecture=arch, text=TextConfig(**kw))
 
 
+def copy_bandwidth(dev, arena, nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 5 timed
+    copies of `nbytes` after a warm-up; the two buffers go back to `arena`."""
+    st = dev.stream
+    a = arena.take((nbytes,), np.uint8, "bw src")
+    b = arena.take((nbytes,), np.uint8, "bw dst")
+    d.memset_d8_async(a.ptr, 1, nbytes, st)
+    e0, e1 = d.Event(), d.Event()
+    times = []
+    for _ in range(6):
+        e0.record(st)
+        d.copy_dtod_async(b.ptr, a.ptr, nbytes, st)
+        e1.record(st)
+        e1.synchronize()
+        times.append(e0.elapsed_ms(e1) / 1e3)
+    arena.give(a)
+    arena.give(b)
+    return 2 * nbytes / float(np.median(times[1:]))
+
+
 def measure_ceilings(dev):
-    """Copy bandwidth (read + write bytes) and cuBLASLt bf16 GEMM rate, on random data."""
+    """Copy bandwidth (read + write bytes) and cuBLASLt bf16 GEMM rate (random data)."""
     st = dev.stream
     nbytes = 4 << 30
     arena = Arena(2 * nbytes + (8192 * 8192 * 2) * 2 + 8192 * 8192 * 4 + (64 << 20))
@@ -64,18 +84,8 @@ def measure_ceilings(dev):
         from ninfer.models.qwen3_5.cuda.kernel_set import spec
         from ninfer.core.cuda.kernels import KernelCache
         fill = KernelCache(dev.cc).get(spec("random_bf16"))
-        a = arena.take((nbytes // 2,), np.uint16, "bw src")
-        b = arena.take((nbytes // 2,), np.uint16, "bw dst")
-        fill.launch(st, (65535,), (256,), (a, nbytes // 2, 1, 1.0, 0.0))
+        bw = copy_bandwidth(dev, arena, nbytes)
         e0, e1 = d.Event(), d.Event()
-        times = []
-        for _ in range(6):
-            e0.record(st)
-            d.copy_dtod_async(b.ptr, a.ptr, nbytes, st)
-            e1.record(st)
-            e1.synchronize()
-            times.append(e0.elapsed_ms(e1) / 1e3)
-        bw = 2 * nbytes / float(np.median(times[1:]))
         n = 8192
         x = arena.take((n, n), np.uint16, "gemm x")
         w = arena.take((n, n), np.uint16, "gemm w")

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from bench_decode import copy_bandwidth
 from ninfer.core.cuda import driver as d
 from ninfer.core.cuda.arena import Arena
 from ninfer.core.cuda.kernels import KernelCache
@@ -35,25 +36,6 @@ FILTERS = {
 }
 PROMPT, GENERATED = 4096, 512
 PLANS = ("ALL", "SMALL", "WIDE", "FALLBACK", "greedy")
-
-
-def copy_bandwidth(dev, arena) -> float:
-    st = dev.stream
-    n = 1 << 30
-    a = arena.take((n,), np.uint8, "bw src")
-    b = arena.take((n,), np.uint8, "bw dst")
-    d.memset_d8_async(a.ptr, 1, n, st)
-    e0, e1 = d.Event(), d.Event()
-    times = []
-    for _ in range(6):
-        e0.record(st)
-        d.copy_dtod_async(b.ptr, a.ptr, n, st)
-        e1.record(st)
-        e1.synchronize()
-        times.append(e0.elapsed_ms(e1) / 1e3)
-    arena.give(a)
-    arena.give(b)
-    return 2 * n / float(np.median(times[1:]))
 
 
 def requests(r, B, V, fields, masked):
@@ -78,7 +60,7 @@ def main():
     dev = d.Device(0)
     st = dev.stream
     arena = Arena((2 << 30) + 16 * V * max(Bs) + (64 << 20))
-    bw = copy_bandwidth(dev, arena)
+    bw = copy_bandwidth(dev, arena, 1 << 30)
     cache = KernelCache(dev.cc)
     kern = SimpleNamespace(**{n: cache.get(spec(n)) for n in KERNELS})
     sampler = DeviceSampler(arena, kern, max(Bs), V, PROMPT + GENERATED)

@@ -16,22 +16,10 @@ from ninfer.models.qwen3_5.config import TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import F32_VARIANTS, SIGS, geometry_specs, spec
 from ninfer.options import EngineOptions
 
+from cuda_shapes import SHAPES
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LT = ("linear_attention",) * 3 + ("full_attention",)
-SHAPES = {
-    "27B": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
-                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                linear_num_value_heads=48, vocab_size=248320),
-    "35B-A3B": dict(hidden_size=2048, is_moe=True, num_experts=256, num_experts_per_tok=8,
-                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                    linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=248320),
-    "tiny-moe": dict(hidden_size=64, is_moe=True, num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                     linear_value_head_dim=16, vocab_size=300),
-}
 
 
 def _cfg(shape):

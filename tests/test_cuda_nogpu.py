@@ -17,6 +17,8 @@ from ninfer.models.qwen3_5.cuda.kernel_set import SIGS, check_geometry, geometry
 from ninfer.models.qwen3_5.cuda.meta import MetaLayout
 from ninfer.options import EngineOptions
 
+from cuda_shapes import SHAPES
+
 
 def _gpu_present() -> bool:
     try:
@@ -571,30 +573,16 @@ class _CountingArena:
         return DeviceArray(1 << 40, shape, dtype)
 
 
-_SHAPES = {   # bench/ shapes (docs/performance.md) and a tiny one
-    "27B": dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
-                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                linear_num_value_heads=48, vocab_size=248320),
-    "35B-A3B": dict(hidden_size=2048, is_moe=True, num_experts=256, num_experts_per_tok=8,
-                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                    linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=248320),
-    "tiny-moe": dict(hidden_size=64, is_moe=True, num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                     linear_value_head_dim=16, vocab_size=300),
-}
 
 
-@pytest.mark.parametrize("shape", sorted(_SHAPES))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("b_cap, prefill_chunk, max_context", [(1, 512, 2048), (8, 512, 32768),
                                                                (4, 4096, 16384), (64, 16, 512)])
 def test_workspace_plan_covers_what_the_workspace_takes(shape, b_cap, prefill_chunk, max_context):
     from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE, CudaModel
     from ninfer.models.qwen3_5.cuda.runner import Workspace, part_rows_needed
     cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
-                     num_hidden_layers=4, **_SHAPES[shape])
+                     num_hidden_layers=4, **SHAPES[shape])
     m = CudaModel.__new__(CudaModel)
     m.text, page_size, num_sms = cfg, 16, 132
     n_cap = max(prefill_chunk, b_cap)

@@ -73,9 +73,10 @@ def test_chooser_prefers_one_batch_for_balanced_routing_and_overflow_for_a_hot_e
 
 def test_chooser_respects_the_row_budget_and_falls_back_to_per_expert_products():
     counts = np.array([40, 1, 1, 1])
-    # a block of 48 rows per expert needs 192 rows: over a budget of 60 rows -> no block at all
-    assert mr.choose_cap(counts, max_rows=60, launch_rows=10**6) in (0, 16)
-    assert mr.choose_cap(counts, max_rows=43, launch_rows=10**6) == 0
+    # launches expensive: the largest block the budget allows. 100 rows take a 16-row block
+    # (64 padded + 24 overflow rows), not 32 (136); 60 rows not even that (88) -> no block
+    assert mr.choose_cap(counts, max_rows=100, launch_rows=10**6) == 16
+    assert mr.choose_cap(counts, max_rows=60, launch_rows=10**6) == 0
     # launches free: padding never pays
     assert mr.choose_cap(counts, max_rows=10**6, launch_rows=0) == 0
     # launches expensive, room enough: one batch covering the hot expert

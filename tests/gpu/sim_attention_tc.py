@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ninfer.core.cuda import numba_shim
+from oracles import page_tables
 
 cuda, _ = numba_shim.import_numba_cuda()
 import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
@@ -74,15 +75,7 @@ def run(hd, G, nkv, lengths, ctxs, ps, s_cap=None, seed=0) -> float:
     r = np.random.default_rng(seed)
     nh, n, b = G * nkv, sum(lengths), len(lengths)
     qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    p_cap = max((c + n_ + ps - 1) // ps for c, n_ in zip(ctxs, lengths)) + 1
-    num_pages = b * p_cap + 2
-    perm = r.permutation(num_pages)
-    bt = np.full((b, p_cap), -1, np.int32)
-    used = 0
-    for row in range(b):
-        need = (ctxs[row] + lengths[row] + ps - 1) // ps
-        bt[row, :need] = perm[used: used + need]
-        used += need
+    bt, p_cap, num_pages = page_tables(r, lengths, ctxs, ps)
     kbits = f32_to_bf16(r.standard_normal((num_pages, ps, nkv, hd)))
     vbits = f32_to_bf16(r.standard_normal((num_pages, ps, nkv, hd)))
     q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)

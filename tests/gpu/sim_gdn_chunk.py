@@ -6,13 +6,13 @@ switched on before numba is imported) and checks the printed JSON errors.
     NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_gdn_chunk.py
 """
 import json
-import math
 import sys
 
 import numpy as np
 
 import threading
 
+from oracles import gated_delta_rows, gdn_inputs
 from sim_attention_tc import NP, Memory, _fake, cuda   # (also sets the simulator's libdevice shims)
 
 
@@ -40,65 +40,21 @@ from ninfer.models.qwen3_5.cuda import gdn_chunk as gc   # noqa: E402
 from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
 
 
-def softplus(x):
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
-
-
-def oracle(q, k, v, a, b, A_log, dt_bias, S0, ratio):
-    """Sequential gated delta rule in float64 (the gates too). q,k [T, nk, dk], v [T, nv, dv]."""
-    S = S0.astype(np.float64).copy()
-    T, nv = v.shape[0], v.shape[1]
-    o = np.zeros(v.shape)
-    for t in range(T):
-        for h in range(nv):
-            kh = h // ratio
-            S[h] *= np.exp(-np.exp(A_log[h]) * softplus(a[t, h] + dt_bias[h]))
-            delta = (v[t, h] - S[h].T @ k[t, kh]) / (1 + np.exp(-b[t, h]))
-            S[h] += np.outer(k[t, kh], delta)
-            o[t, h] = S[h].T @ q[t, kh]
-    return o, S
-
-
 def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay=False,
         recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB):
     """Returns the relative L2 errors of (chunked out, chunked state, recurrent out, recurrent
     state) against the float64 oracle, and chunked against recurrent (out, state)."""
     r = np.random.default_rng(seed)
     mem = Memory(8 << 20)
-    ratio = nv // nk
-    C = 2 * nk * dk + nv * dv
     n, nb = sum(lengths), len(lengths)
     qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    qk = r.standard_normal((n, 2 * nk, dk))
-    qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
-    qk[:, :nk] /= math.sqrt(dk)
-    qkv = np.concatenate([qk.reshape(n, -1), r.standard_normal((n, nv * dv))], 1).astype(np.float32)
-    P = C + 2 * nv + 3
-    proj = r.standard_normal((n, P)).astype(np.float32)
-    a_off, b_off = C + 3 + nv, C + 3
-    A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
-    dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
-    if strong_decay:
-        # per-token log decays of -1e-3 .. -60 in one chunk: G reaches the hundreds, where a
-        # float32 cumulative sum would lose ~1e-5 of every nearby pair's decay
-        A_log = np.log(r.uniform(1.0, 16.0, nv)).astype(np.float32)
-        proj[:, a_off:a_off + nv] = r.uniform(-8.0, 4.0, (n, nv)).astype(np.float32)
+    qkv, proj, P, a_off, b_off, A_log, dt_bias = gdn_inputs(r, dk, dv, nk, nv, n, strong_decay)
     slots = r.permutation(nb + 1)[:nb].astype(np.int32)
     state0 = (0.3 * r.standard_normal((nb + 1, nv, dk, dv))).astype(np.float32)
     ctx = np.asarray(ctxs, np.int32)
 
-    ref = np.zeros((n, nv, dv))
-    ref_state = state0.astype(np.float64).copy()
-    for row in range(nb):
-        t0, t1 = qs[row], qs[row + 1]
-        S0 = state0[slots[row]] if ctx[row] > 0 else np.zeros((nv, dk, dv))
-        q = qkv[t0:t1, :nk * dk].reshape(-1, nk, dk).astype(np.float64)
-        k = qkv[t0:t1, nk * dk: 2 * nk * dk].reshape(-1, nk, dk).astype(np.float64)
-        v = qkv[t0:t1, 2 * nk * dk:].reshape(-1, nv, dv).astype(np.float64)
-        o, S = oracle(q, k, v, proj[t0:t1, a_off:a_off + nv], proj[t0:t1, b_off:b_off + nv],
-                      A_log, dt_bias, S0, ratio)
-        ref[t0:t1] = o
-        ref_state[slots[row]] = S
+    ref, ref_state = gated_delta_rows(qkv, proj, a_off, b_off, A_log, dt_bias, state0, slots, ctx,
+                                      qs, nk, nv, dk, dv)
 
     d = {name: mem.put(a) for name, a in (("qkv", qkv), ("proj", proj), ("a_log", A_log),
                                            ("dt_bias", dt_bias), ("qs", qs), ("ctx", ctx),
@@ -133,7 +89,7 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
                       scan_nt=vb // nc * gc.scan_ks(dk))
         else:
             launch("gdn_recurrent", (nb, nv, -(-dv // 32)), (128,),
-                   (out, d["qkv"], d["proj"], P, C + 3 + nv, C + 3, d["a_log"], d["dt_bias"],
+                   (out, d["qkv"], d["proj"], P, a_off, b_off, d["a_log"], d["dt_bias"],
                     state, d["qs"], d["ctx"], d["slots"]))
         results[path] = (mem.get(out, (n, nv, dv), np.float32).astype(np.float64),
                          mem.get(state, state0.shape, np.float32).astype(np.float64))

@@ -2,12 +2,11 @@
 oracle and against gdn_recurrent on the same inputs (outputs and final states), at the real head
 geometries (27B: 16/48 heads of 128; 9B/35B-A3B: 16/32) and small odd ones, rows of 1 to 5000
 tokens across chunk boundaries, fresh and continued states, NaN-poisoned outputs/workspace."""
-import math
-
 import numpy as np
 import pytest
 
 from gpu_harness import TOL_F32, rel_err
+from oracles import gated_delta_rows, gdn_inputs
 from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
 from ninfer.models.qwen3_5.cuda.kernel_set import gdn_chunk_specs
 
@@ -20,53 +19,12 @@ def g(gpu):
     gpu.reset()
 
 
-def softplus(x):
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
-
-
-def oracle(q, k, v, a, b, A_log, dt_bias, S0, ratio):
-    """Sequential gated delta rule in float64, heads vectorised. q,k [T, nk, dk], v [T, nv, dv],
-    a/b [T, nv], S0 [nv, dk, dv]."""
-    S = S0.astype(np.float64).copy()
-    kh = np.arange(v.shape[1]) // ratio
-    decay = np.exp(-np.exp(A_log.astype(np.float64)) * softplus(a + dt_bias.astype(np.float64)))
-    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
-    o = np.zeros(v.shape)
-    for t in range(v.shape[0]):
-        kt, qt = k[t, kh], q[t, kh]                                  # [nv, dk]
-        S *= decay[t][:, None, None]
-        delta = (v[t] - np.einsum("hkv,hk->hv", S, kt)) * beta[t][:, None]
-        S += kt[:, :, None] * delta[:, None, :]
-        o[t] = np.einsum("hkv,hk->hv", S, qt)
-    return o, S
-
-
-def make_inputs(r, dk, dv, nk, nv, lengths, strong_decay=False):
-    n = sum(lengths)
-    qk = r.standard_normal((n, 2 * nk, dk))
-    qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
-    qk[:, :nk] /= math.sqrt(dk)
-    qkv = np.concatenate([qk.reshape(n, -1), r.standard_normal((n, nv * dv))], 1).astype(np.float32)
-    C = 2 * nk * dk + nv * dv
-    P = C + 2 * nv + 3                       # the proj row: gates at an offset, like the model's
-    proj = r.standard_normal((n, P)).astype(np.float32)
-    a_off, b_off = C + 3 + nv, C + 3
-    A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
-    dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
-    if strong_decay:
-        # log decays of -1e-3 .. -60 per token: in-chunk sums in the hundreds (the float64 sums)
-        A_log = np.log(r.uniform(1.0, 16.0, nv)).astype(np.float32)
-        proj[:, a_off:a_off + nv] = r.uniform(-8.0, 4.0, (n, nv))
-    return qkv, proj, P, a_off, b_off, A_log, dt_bias
-
-
 def run_case(g, dk, dv, nk, nv, lengths, ctxs, seed, strong_decay=False):
     r = np.random.default_rng(seed)
-    ratio = nv // nk
     n, nb = sum(lengths), len(lengths)
     qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     ctx = np.asarray(ctxs, np.int32)
-    qkv, proj, P, a_off, b_off, A_log, dt_bias = make_inputs(r, dk, dv, nk, nv, lengths, strong_decay)
+    qkv, proj, P, a_off, b_off, A_log, dt_bias = gdn_inputs(r, dk, dv, nk, nv, n, strong_decay)
     slots = r.permutation(nb + 1)[:nb].astype(np.int32)
     state0 = (0.3 * r.standard_normal((nb + 1, nv, dk, dv))).astype(np.float32)
     d_qkv, d_proj, d_alog, d_dtb, d_qs, d_ctx, d_slots = (
@@ -95,18 +53,8 @@ def run_case(g, dk, dv, nk, nv, lengths, ctxs, seed, strong_decay=False):
     oc, sc = g.get(out_c).reshape(n, nv, dv), g.get(st_c)
     orr, sr = g.get(out_r).reshape(n, nv, dv), g.get(st_r)
 
-    ref = np.zeros((n, nv, dv))
-    ref_state = state0.astype(np.float64).copy()
-    for row in range(nb):
-        t0, t1 = qs[row], qs[row + 1]
-        S0 = state0[slots[row]] if ctx[row] > 0 else np.zeros((nv, dk, dv))
-        q = qkv[t0:t1, :nk * dk].reshape(-1, nk, dk).astype(np.float64)
-        k = qkv[t0:t1, nk * dk: 2 * nk * dk].reshape(-1, nk, dk).astype(np.float64)
-        v = qkv[t0:t1, 2 * nk * dk:].reshape(-1, nv, dv).astype(np.float64)
-        o, S = oracle(q, k, v, proj[t0:t1, a_off:a_off + nv], proj[t0:t1, b_off:b_off + nv],
-                      A_log, dt_bias, S0, ratio)
-        ref[t0:t1] = o
-        ref_state[slots[row]] = S
+    ref, ref_state = gated_delta_rows(qkv, proj, a_off, b_off, A_log, dt_bias, state0, slots, ctx,
+                                      qs, nk, nv, dk, dv)
     assert rel_err(oc, ref) < TOL_F32
     assert rel_err(sc, ref_state) < TOL_F32
     assert rel_err(oc, orr) < TOL_F32

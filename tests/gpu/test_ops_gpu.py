@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from oracles import gated_delta_rows, gdn_inputs, page_tables
 from gpu_harness import (TOL_BF16_OUT, TOL_F32, TOL_ROPE_F32, bf16_bits, bf16_round, bits_to_f64,
                          rel_err)
 
@@ -23,10 +24,6 @@ def rng(seed):
 
 def silu(x):
     return x / (1 + np.exp(-x))
-
-
-def softplus(x):
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
 
 
 # Storage variants (dtype="float32"): the kernels with an `f32` factory parameter run both ways;
@@ -215,44 +212,14 @@ def test_conv_silu_l2norm_and_state(g, lengths, ctxs):
     assert rel_err(g.get(dstate), ref_state) < TOL_F32
 
 
-def gdn_oracle(q, k, v, a, b, A_log, dt_bias, S0, ratio):
-    """Sequential gated delta rule, float64. q,k [T, nk, dk] (already normalised/scaled),
-    v [T, nv, dv], a/b [T, nv]; S0 [nv, dk, dv]."""
-    S = S0.astype(np.float64).copy()
-    T, nv = v.shape[0], v.shape[1]
-    o = np.zeros_like(v, dtype=np.float64)
-    for t in range(T):
-        for h in range(nv):
-            kh = h // ratio
-            gdec = np.exp(-np.exp(A_log[h]) * softplus(a[t, h] + dt_bias[h]))
-            beta = 1 / (1 + np.exp(-b[t, h]))
-            S[h] *= gdec
-            kv = S[h].T @ k[t, kh]
-            delta = (v[t, h] - kv) * beta
-            S[h] += np.outer(k[t, kh], delta)
-            o[t, h] = S[h].T @ q[t, kh]
-    return o, S
-
-
 @pytest.mark.parametrize("lengths,ctxs,dk,dv", [([1], [0], 32, 32), ([1, 1], [4, 0], 128, 128),
                                                 ([5, 1, 9], [0, 3, 2], 64, 32)])
 def test_gdn_recurrent(g, lengths, ctxs, dk, dv):
     nk, nv = 2, 4
-    ratio = nv // nk
-    C = 2 * nk * dk + nv * dv
     r = rng(dk + dv + sum(lengths))
     n, nb = sum(lengths), len(lengths)
     qs, token_row, ctx = _rows(r, lengths, ctxs)
-    qk = r.standard_normal((n, 2 * nk, dk))
-    qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
-    qk[:, :nk] /= math.sqrt(dk)
-    vv = r.standard_normal((n, nv * dv))
-    qkv = np.concatenate([qk.reshape(n, -1), vv], 1).astype(np.float32)
-    P = C + 2 * nv + 3
-    proj = r.standard_normal((n, P)).astype(np.float32)
-    a_off, b_off = C + 3 + nv, C + 3
-    A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
-    dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
+    qkv, proj, P, a_off, b_off, A_log, dt_bias = gdn_inputs(r, dk, dv, nk, nv, n)
     slots = (r.permutation(nb + 1)[:nb]).astype(np.int32)
     state = (0.3 * r.standard_normal((nb + 1, nv, dk, dv))).astype(np.float32)
     out = g.empty((n, nv * dv), np.float32)
@@ -260,18 +227,8 @@ def test_gdn_recurrent(g, lengths, ctxs, dk, dv):
     g.run("gdn_recurrent", (nb, nv, dv // 32), (128,),
           (out, g.put(qkv), g.put(proj), P, a_off, b_off, g.put(A_log), g.put(dt_bias), dstate,
            g.put(qs), g.put(ctx), g.put(slots)), dict(dk=dk, dv=dv, nk=nk, nv=nv))
-    ref = np.zeros((n, nv, dv))
-    ref_state = state.astype(np.float64).copy()
-    for row in range(nb):
-        t0, t1 = qs[row], qs[row + 1]
-        S0 = state[slots[row]] if ctx[row] > 0 else np.zeros((nv, dk, dv))
-        q = qkv[t0:t1, :nk * dk].reshape(-1, nk, dk).astype(np.float64)
-        k = qkv[t0:t1, nk * dk: 2 * nk * dk].reshape(-1, nk, dk).astype(np.float64)
-        v = qkv[t0:t1, 2 * nk * dk:].reshape(-1, nv, dv).astype(np.float64)
-        o, S = gdn_oracle(q, k, v, proj[t0:t1, a_off:a_off + nv], proj[t0:t1, b_off:b_off + nv],
-                          A_log, dt_bias, S0, ratio)
-        ref[t0:t1] = o
-        ref_state[slots[row]] = S
+    ref, ref_state = gated_delta_rows(qkv, proj, a_off, b_off, A_log, dt_bias, state, slots, ctx,
+                                      qs, nk, nv, dk, dv)
     assert rel_err(g.get(out).reshape(n, nv, dv), ref) < 1e-5
     assert rel_err(g.get(dstate), ref_state) < 1e-5
 
@@ -383,15 +340,7 @@ def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS, f32)
     nh, ps = G * nkv, 16
     n, b = sum(lengths), len(lengths)
     qs, token_row, ctx = _rows(r, lengths, ctxs)
-    num_pages = sum((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 3
-    p_cap = max((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 1
-    perm = r.permutation(num_pages)
-    bt = np.full((b, p_cap), -1, np.int32)
-    used = 0
-    for row in range(b):
-        need = (ctx[row] + lengths[row] + ps - 1) // ps
-        bt[row, :need] = perm[used: used + need]
-        used += need
+    bt, p_cap, num_pages = page_tables(r, lengths, ctxs, ps)
     kbits = store_as(r.standard_normal((num_pages, ps, nkv, hd)), f32)     # fp32 pools: fp32 K/V
     vbits = store_as(r.standard_normal((num_pages, ps, nkv, hd)), f32)
     q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)
@@ -434,15 +383,7 @@ def test_prefill_attention_tensor_core(g, hd, G, nkv, lengths, ctxs, ps, s_cap):
     nh = G * nkv
     n, b = sum(lengths), len(lengths)
     qs, token_row, ctx = _rows(r, lengths, ctxs)
-    num_pages = sum((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 3
-    p_cap = max((c + l + ps - 1) // ps for c, l in zip(ctxs, lengths)) + 1
-    perm = r.permutation(num_pages)
-    bt = np.full((b, p_cap), -1, np.int32)
-    used = 0
-    for row in range(b):
-        need = (ctx[row] + lengths[row] + ps - 1) // ps
-        bt[row, :need] = perm[used: used + need]
-        used += need
+    bt, p_cap, num_pages = page_tables(r, lengths, ctxs, ps)
     kbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
     vbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
     q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)

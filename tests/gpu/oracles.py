@@ -1,0 +1,86 @@
+"""float64 numpy oracles and input layouts shared by the GPU tests and the CPU-simulator scripts
+(pure numpy: importable where numba runs as the simulator)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def softplus(x):
+    # torch.nn.functional.softplus with threshold 20
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+
+def gated_delta(q, k, v, a, b, A_log, dt_bias, S0, ratio):
+    """Sequential gated delta rule in float64 (the gates too), heads vectorised.
+    q, k [T, nk, dk] (already normalised / scaled), v [T, nv, dv], a / b [T, nv], S0 [nv, dk, dv];
+    value head h reads key head h // ratio. Returns (o [T, nv, dv], S [nv, dk, dv])."""
+    S = S0.astype(np.float64).copy()
+    kh = np.arange(v.shape[1]) // ratio
+    decay = np.exp(-np.exp(np.asarray(A_log, np.float64)) *
+                   softplus(np.asarray(a, np.float64) + np.asarray(dt_bias, np.float64)))
+    beta = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
+    o = np.zeros(v.shape)
+    for t in range(v.shape[0]):
+        kt, qt = k[t, kh], q[t, kh]                                  # [nv, dk]
+        S *= decay[t][:, None, None]
+        delta = (v[t] - np.einsum("hkv,hk->hv", S, kt)) * beta[t][:, None]
+        S += kt[:, :, None] * delta[:, None, :]
+        o[t] = np.einsum("hkv,hk->hv", S, qt)
+    return o, S
+
+
+def gated_delta_rows(qkv, proj, a_off, b_off, A_log, dt_bias, state, slots, ctx, qs, nk, nv, dk, dv):
+    """The kernels' view of a call: rows [qs[r], qs[r+1]) of qkv ([n, 2*nk*dk + nv*dv]: q | k | v)
+    and of the proj gates (columns a_off / b_off), each row from its state slot (or zeros when
+    ctx[r] == 0). Returns (o [n, nv, dv], the state pool after the call), float64."""
+    n = qkv.shape[0]
+    ref = np.zeros((n, nv, dv))
+    ref_state = state.astype(np.float64).copy()
+    for row in range(len(slots)):
+        t0, t1 = qs[row], qs[row + 1]
+        S0 = state[slots[row]] if ctx[row] > 0 else np.zeros((nv, dk, dv))
+        q = qkv[t0:t1, :nk * dk].reshape(-1, nk, dk).astype(np.float64)
+        k = qkv[t0:t1, nk * dk: 2 * nk * dk].reshape(-1, nk, dk).astype(np.float64)
+        v = qkv[t0:t1, 2 * nk * dk:].reshape(-1, nv, dv).astype(np.float64)
+        ref[t0:t1], ref_state[slots[row]] = gated_delta(
+            q, k, v, proj[t0:t1, a_off:a_off + nv], proj[t0:t1, b_off:b_off + nv], A_log, dt_bias,
+            S0, nv // nk)
+    return ref, ref_state
+
+
+def page_tables(r, lengths, ctxs, ps, spare=3):
+    """Block tables of rows needing ctx + length tokens in pages of ps, over a random permutation
+    of the pool (pages shuffled across rows), -1 past each row's pages; one spare column.
+    Returns (block tables [b, p_cap] int32, p_cap, num_pages)."""
+    need = [(c + n + ps - 1) // ps for c, n in zip(ctxs, lengths)]
+    num_pages = sum(need) + spare
+    p_cap = max(need) + 1
+    perm = r.permutation(num_pages)
+    bt = np.full((len(lengths), p_cap), -1, np.int32)
+    used = 0
+    for row, k in enumerate(need):
+        bt[row, :k] = perm[used: used + k]
+        used += k
+    return bt, p_cap, num_pages
+
+
+def gdn_inputs(r, dk, dv, nk, nv, n, strong_decay=False):
+    """Random inputs of the delta-rule kernels for n tokens, laid out as the model's buffers:
+    qkv [n, 2*nk*dk + nv*dv] (q, k L2-normalised, q also scaled by 1/sqrt(dk)), the proj row with
+    the gates at an offset, A_log, dt_bias. Returns (qkv, proj, P, a_off, b_off, A_log, dt_bias)."""
+    qk = r.standard_normal((n, 2 * nk, dk))
+    qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
+    qk[:, :nk] /= np.sqrt(dk)
+    qkv = np.concatenate([qk.reshape(n, -1), r.standard_normal((n, nv * dv))], 1).astype(np.float32)
+    C = 2 * nk * dk + nv * dv
+    P = C + 2 * nv + 3
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    a_off, b_off = C + 3 + nv, C + 3
+    A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
+    dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
+    if strong_decay:
+        # per-token log decays of -1e-3 .. -60: in-chunk sums in the hundreds, where a float32
+        # cumulative sum would lose ~1e-5 of every nearby pair's decay
+        A_log = np.log(r.uniform(1.0, 16.0, nv)).astype(np.float32)
+        proj[:, a_off:a_off + nv] = r.uniform(-8.0, 4.0, (n, nv)).astype(np.float32)
+    return qkv, proj, P, a_off, b_off, A_log, dt_bias
