@@ -159,7 +159,7 @@ def install(machine):
             self.k.clear()
 
     class Lt:
-        def __init__(self, ws_ptr, ws_bytes, f32=False):
+        def __init__(self, ws_ptr, ws_bytes, f32=False, invariant=False):
             self.f32, self.calls = f32, 0
 
         def plan(self, *a, **k):

@@ -12,6 +12,15 @@ attention's O = P @ V reads the gathered V rows as they are.
 
 `batch=B, strides=(sw, sx, sy)` runs B such products in one strided-batched call, product i on
 w + i*sw, x + i*sx, y + i*sy (strides in elements): the MoE prefill's experts, one launch per layer.
+
+`invariant=True` (the Engine's batch_invariant option): a row's result must not depend on M (the
+decode batch size B). The heuristic picks a kernel per M, and for small M usually a split-K one
+whose split count changes with M, so a row's sum runs in another order at B = 1 and B = 8. Here
+every M <= PIN_M (batch 1) uses the ONE algorithm the heuristic picks for M = PIN_M (same kernel, tile and
+split-K count, so each output element is the same sequence of operations whatever M is), and no
+algorithm reduces split-K partials with atomics (REDUCTION_SCHEME_INPLACE: order varies run to
+run). Larger M (prefill chunks) keep a heuristic plan per M, without atomics: a chunk of a given
+length always runs the same way, and the Program keeps a request's chunk boundaries fixed.
 """
 from __future__ import annotations
 
@@ -28,6 +37,11 @@ CUDA_R_16BF = 14
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 PREF_MAX_WORKSPACE_BYTES = 1
+PREF_REDUCTION_SCHEME_MASK = 3        # uint32 mask of the allowed CUBLASLT_REDUCTION_SCHEME_*
+REDUCTION_NONE, REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE, REDUCTION_OUTPUT_TYPE = 0, 1, 2, 4
+# invariant mode: split-K partials only through a workspace, reduced in a fixed order
+INVARIANT_REDUCTIONS = REDUCTION_COMPUTE_TYPE | REDUCTION_OUTPUT_TYPE
+PIN_M = 8                             # M <= PIN_M (decode batches) share the M = PIN_M algorithm
 PREF_MIN_ALIGNMENT = (5, 6, 7, 8)     # A, B, C, D bytes (uint32, default 256)
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6     # int32 count, int64 element stride
 
@@ -89,11 +103,13 @@ class Plan:
 
 
 class CublasLt:
-    f32, ab_type = False, CUDA_R_16BF
+    f32, ab_type, invariant = False, CUDA_R_16BF, False
 
-    def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False):
+    def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False,
+                 invariant: bool = False):
         # f32: X and W are fp32 (dtype="float32"), else bf16; one type for every plan
         self.f32 = bool(f32)
+        self.invariant = bool(invariant)
         self.ab_type = CUDA_R_32F if self.f32 else CUDA_R_16BF
         lib = self.lib = load_library()
         vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
@@ -107,6 +123,8 @@ class CublasLt:
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32,
                                                        ctypes.POINTER(HeuristicResult),
                                                        ctypes.POINTER(i32)]
+        lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, vp,
+                                                 ctypes.POINTER(HeuristicResult)]
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, u64, vp, u64, vp, vp, u64, vp, u64, vp, vp,
                                        u64, ctypes.c_size_t, vp]
         for f in _DESTROYERS:
@@ -115,7 +133,7 @@ class CublasLt:
                   "cublasLtMatrixLayoutCreate", "cublasLtMatrixLayoutSetAttribute",
                   "cublasLtMatmulPreferenceCreate",
                   "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
-                  "cublasLtMatmul") + _DESTROYERS:
+                  "cublasLtMatmulAlgoCheck", "cublasLtMatmul") + _DESTROYERS:
             getattr(lib, f).restype = i32
         self.handle = vp()
         lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
@@ -153,6 +171,11 @@ class CublasLt:
             lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES,
                                                               ctypes.byref(ws), 8),
                      "set MAX_WORKSPACE_BYTES")
+            if self.invariant:
+                mask = ctypes.c_uint32(INVARIANT_REDUCTIONS)
+                lt_check(lib.cublasLtMatmulPreferenceSetAttribute(
+                    pref, PREF_REDUCTION_SCHEME_MASK, ctypes.byref(mask), 4),
+                    "set REDUCTION_SCHEME_MASK")
             if align < 256:
                 a = ctypes.c_uint32(align)
                 for attr in PREF_MIN_ALIGNMENT:
@@ -179,6 +202,9 @@ class CublasLt:
             return p
         if min(m, n, k, batch) < 1:
             raise ValueError(f"gemm: empty shape M={m} N={n} K={k} batch={batch}")
+        # invariant mode: M <= PIN_M runs the algorithm chosen for M = PIN_M (module docstring)
+        pinned = self.plan(PIN_M, n, k, beta, align, w_kn, batch, strides) \
+            if self.invariant and m < PIN_M and batch == 1 else None
         lib = self.lib
         desc = ctypes.c_void_p()
         a, b, c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -210,14 +236,24 @@ class CublasLt:
                         layout, LAYOUT_STRIDED_BATCH_OFFSET, ctypes.byref(st), 8),
                         "set STRIDED_BATCH_OFFSET")
             res = (HeuristicResult * 1)()
-            count = ctypes.c_int(0)
-            lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
-                                                        self._pref(align), 1, res,
-                                                        ctypes.byref(count)),
-                     f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
-            if count.value < 1:
-                raise DeviceError(f"cuBLASLt: no algorithm for {'fp32' if self.f32 else 'bf16'} GEMM "
-                                  f"M={m} N={n} K={k}")
+            if pinned is not None:
+                ctypes.memmove(ctypes.byref(res[0]), ctypes.byref(pinned.algo),
+                               ctypes.sizeof(HeuristicResult))
+                check = HeuristicResult()
+                lt_check(lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c,
+                                                     ctypes.byref(res[0].algo),
+                                                     ctypes.byref(check)),
+                         f"cublasLtMatmulAlgoCheck(M={m} with the M={PIN_M} algorithm, N={n}, "
+                         f"K={k}): batch_invariant cannot pin this GEMM")
+            else:
+                count = ctypes.c_int(0)
+                lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
+                                                            self._pref(align), 1, res,
+                                                            ctypes.byref(count)),
+                         f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
+                if count.value < 1:
+                    raise DeviceError(f"cuBLASLt: no algorithm for {'fp32' if self.f32 else 'bf16'} "
+                                      f"GEMM M={m} N={n} K={k}")
         except BaseException:
             # best effort: the error being raised is the one to report
             for layout in (a, b, c):

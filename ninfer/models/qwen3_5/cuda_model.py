@@ -63,11 +63,10 @@ def check_capacity(n_cap: int) -> None:
 def call_capacities(options, max_tokens: int = None) -> tuple:
     """(b_cap rows of a decode graph, n_cap tokens of one call, p_cap pages of one row, lg_cap
     logits rows of one head pass) for `options`; `max_tokens` overrides prefill_chunk (bench)."""
-    b_cap = max(int(getattr(options, "max_concurrency", 4)), 1)
-    page_size = int(getattr(options, "page_size", 16))
-    max_context = int(getattr(options, "max_context", 4096))
+    b_cap = max(int(options.max_concurrency), 1)
+    page_size, max_context = int(options.page_size), int(options.max_context)
     # a decode graph runs b_cap tokens through the same workspace: never fewer rows than that
-    n_cap = int(max(max_tokens or getattr(options, "prefill_chunk", 512), b_cap))
+    n_cap = int(max(max_tokens or options.prefill_chunk, b_cap))
     check_capacity(n_cap)
     p_cap = (max_context + page_size - 1) // page_size + 1
     return b_cap, n_cap, p_cap, max(b_cap, min(n_cap, 256))
@@ -78,8 +77,12 @@ def load_cuda_model(artifact, options) -> "CudaModel":
 
 
 class CudaModel:
+    """The contracts.Model of the CUDA backend (argmax and the whole sampler on the device)."""
     backend = "cuda"
+    greedy_on_device = samples_on_device = True
+    checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
+    max_kv_pages = None     # the KV pages the memory plan holds (set at load)
 
     def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
                  max_tokens: int = None, kernel_cache_dir=None):
@@ -88,7 +91,7 @@ class CudaModel:
         self.config, self.text = config, config.text
         self.options = options
         self._ctx_threads = threading.local()
-        self.device = _d.Device(getattr(options, "device_id", 0))
+        self.device = _d.Device(options.device_id)
         self.stream = self.device.stream
         self.arena = None
         try:
@@ -113,13 +116,15 @@ class CudaModel:
     # ---- set-up -------------------------------------------------------------------------------
     def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
         cfg = self.text
-        dtype = getattr(options, "dtype", None)
+        dtype = options.dtype
         if dtype not in (None, "bfloat16", "float32"):
             raise RequestError(f"backend 'cuda': dtype={dtype!r} must be None, 'bfloat16' or 'float32'")
         self.f32 = dtype == "float32"
+        # batch_invariant: a row's logits do not depend on B or its neighbours (pinned GEMM
+        # algorithms, fixed decode attention splits; docs/architecture.md "Load invariance")
+        self.batch_invariant = bool(getattr(options, "batch_invariant", False))
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32)
-        page_size = int(getattr(options, "page_size", 16))
-        max_context = int(getattr(options, "max_context", 4096))
+        page_size = int(options.page_size)
         b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
         self.b_cap, self.n_cap = b_cap, n_cap
         self.max_keys = self.p_cap * page_size
@@ -131,14 +136,20 @@ class CudaModel:
         self.decode_layout = MetaLayout(b_cap, b_cap, self.p_cap)
         tied = artifact is not None and wplan.is_tied(artifact)
         nkv = max(cfg.num_key_value_heads, 1)
-        part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms)
-        pool_reserve = self._pool_reserve(options, page_size, max_context, b_cap)
+        part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms,
+                                     b_cap if self.batch_invariant else 0)
         ws_bytes = self._workspace_bytes(n_cap, part_rows)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
         sampler_rows = max(b_cap, 8)
-        need = wplan.plan_bytes(cfg, tied, self.f32) + ws_bytes + pool_reserve + \
-            DeviceSampler.device_bytes(sampler_rows, cfg.vocab_size, max_context)
+        fixed = wplan.plan_bytes(cfg, tied, self.f32) + ws_bytes + \
+            DeviceSampler.device_bytes(sampler_rows, cfg.vocab_size, options.max_context)
         free, total = self.device.mem_info()
+        num_pages = self._plan_kv_pages(options, fixed, free, page_size, b_cap)
+        need = fixed + self._pool_reserve(num_pages, page_size, b_cap)
+        self.memory_plan = dict(weights=wplan.plan_bytes(cfg, tied, self.f32), workspace=ws_bytes,
+                                kv_pages=num_pages, page_size=page_size,
+                                kv=self._pool_reserve(num_pages, page_size, b_cap),
+                                total=need, free=free, device=self.device.name)
         if need + MEMORY_MARGIN > free:
             raise DeviceError(
                 f"backend 'cuda': too little device memory for the plan: needs "
@@ -153,7 +164,7 @@ class CudaModel:
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
         self.decode_meta = DeviceMeta(self.decode_layout, meta.ptr + self.eager_layout.nbytes)
         lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
-        self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32)
+        self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32, invariant=self.batch_invariant)
         self.sampler = DeviceSampler(self.arena, self.kernels, sampler_rows, cfg.vocab_size,
                                      max_context)
         self._lt_ws = lt_ws         # idle during the load: the fp32 model's widening scratch
@@ -167,10 +178,24 @@ class CudaModel:
         self.runner = StepRunner(self)
         self.stream.synchronize()
 
-    def _pool_reserve(self, options, page_size, max_context, b_cap) -> int:
+    def _plan_kv_pages(self, options, fixed: int, free: int, page_size: int, b_cap: int) -> int:
+        """KV pages of the pool: options.num_kv_pages when given; else every slot at max_context
+        (more could never be used), or fewer when the device memory left after weights, workspace,
+        sampler, State pool and the margin (graphs, driver) holds fewer, down to one sequence."""
+        if options.num_kv_pages:
+            self.max_kv_pages = int(options.num_kv_pages)
+            return self.max_kv_pages
+        per_seq = -(-int(options.max_context) // page_size)
+        want = b_cap * per_seq
+        page_bytes = self._pool_reserve(1, page_size, b_cap) - self._pool_reserve(0, page_size, b_cap)
+        left = free - MEMORY_MARGIN - fixed - self._pool_reserve(0, page_size, b_cap)
+        fit = want if page_bytes == 0 else max(int(left // page_bytes), 0)
+        # fewer than one sequence: keep `want`, and the memory check below says what is short
+        self.max_kv_pages = min(want, fit) if fit >= per_seq else want
+        return self.max_kv_pages
+
+    def _pool_reserve(self, pages, page_size, b_cap) -> int:
         cfg = self.text
-        pages = getattr(options, "num_kv_pages", None) or \
-            b_cap * ((max_context + page_size - 1) // page_size + 1)
         kv = 2 * len(cfg.attention_layer_ids) * pages * page_size * cfg.num_key_value_heads * \
             cfg.head_dim * (4 if self.f32 else 2)
         slots = 2 * b_cap + 2
@@ -396,7 +421,7 @@ class CudaModel:
                            self.stream)
 
     def _is_decode(self, batch) -> bool:
-        return bool(getattr(self.options, "graphs", True)) and 0 < batch.num_rows <= self.b_cap \
+        return self.options.graphs and 0 < batch.num_rows <= self.b_cap \
             and batch.num_tokens == batch.num_rows
 
     def forward(self, batch: ForwardBatch, kv, state, *, all_logits: bool = False) -> np.ndarray:
@@ -405,13 +430,15 @@ class CudaModel:
         self._current()
         V = self.text.vocab_size
         if not all_logits and self._is_decode(batch):
-            self._check_decode(batch, kv, state)
+            if self.checks_batches:
+                self._check_decode(batch, kv, state)
             B = batch.num_rows
             self._decode_launch(batch, kv, state)
             _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, B * V * 4, self.stream)
             self.stream.synchronize()
             return self.out_host.view(np.float32, 0, B * V).reshape(B, V).copy()
-        self._check(batch, kv, state)
+        if self.checks_batches:
+            self._check(batch, kv, state)
         out_rows = np.arange(batch.num_tokens, dtype=np.int32) if all_logits else \
             (np.asarray(batch.query_start[1:], np.int32) - 1)
         return self._eager(batch, kv, state, out_rows)
@@ -440,10 +467,12 @@ class CudaModel:
         self._current()
         B = batch.num_rows
         if self._is_decode(batch):
-            self._check_decode(batch, kv, state)
+            if self.checks_batches:
+                self._check_decode(batch, kv, state)
             self._decode_launch(batch, kv, state)
         else:
-            self._check(batch, kv, state)
+            if self.checks_batches:
+                self._check(batch, kv, state)
             self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
                         want_logits=False)
         if rows is not None:
@@ -502,6 +531,27 @@ class CudaModel:
             self._current()
         for key in stale:
             graphs.pop(key)[0].destroy()
+
+    def warm_up(self, kv, state) -> None:
+        """Capture and replay the decode graph of every B = 1..b_cap, run the device sampler and
+        one eager call of the widest prefill: nothing is built lazily while serving. Rows use
+        pages 0..B-1 and slots 0..B-1 at context 0 (the pools hold nothing yet)."""
+        from ...contracts import SampleRow, SamplingSpec
+        self._current()
+        b_max = min(self.b_cap, kv.num_pages, state.num_slots)
+        for B in range(1, b_max + 1):
+            rows = np.arange(B, dtype=np.int32)
+            batch = ForwardBatch(np.zeros(B, np.int32), np.zeros((3, B), np.int32),
+                                 np.arange(B + 1, dtype=np.int32), np.zeros(B, np.int32),
+                                 rows.reshape(B, 1).copy(), rows)
+            self.decode_greedy(batch, kv, state)
+        empty = np.zeros(0, np.int32)
+        self.sample(ForwardBatch.single([0], 0, [0]), kv, state,
+                    [SampleRow(SamplingSpec(seed=0, temperature=1.0, top_p=0.9), 0, empty, empty)])
+        n = min(self.n_cap, min(kv.num_pages, self.p_cap - 1) * kv.page_size)
+        self.decode_greedy(ForwardBatch.single(np.zeros(n, np.int32), 0,
+                                               np.arange(-(-n // kv.page_size), dtype=np.int32)),
+                           kv, state)
 
     def capture_graphs(self, kv, state, sizes=None) -> int:
         self._current()

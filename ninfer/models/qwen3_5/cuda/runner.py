@@ -107,9 +107,19 @@ def attention_splits(n: int, nkv: int, num_sms: int) -> int:
     return max(1, min(128, math.ceil(4 * num_sms / max(n * nkv, 1))))
 
 
-def part_rows_needed(n_cap: int, nkv: int, num_sms: int) -> int:
-    return max(n * attention_splits(n, nkv, num_sms) for n in
-               list(range(1, min(n_cap, 4 * num_sms) + 1)) + [n_cap])
+def decode_splits(nkv: int, num_sms: int) -> int:
+    """Key splits of every decode token in batch-invariant mode: B = 1's choice for every B (a
+    token's attention sum must run in the same order whatever B is; attention_splits varies
+    with B)."""
+    return attention_splits(1, nkv, num_sms)
+
+
+def part_rows_needed(n_cap: int, nkv: int, num_sms: int, invariant_rows: int = 0) -> int:
+    """Partial-result rows for the largest launch; `invariant_rows`: decode rows (b_cap) that
+    batch-invariant mode runs at decode_splits each."""
+    return max([n * attention_splits(n, nkv, num_sms) for n in
+                list(range(1, min(n_cap, 4 * num_sms) + 1)) + [n_cap]]
+               + [invariant_rows * decode_splits(nkv, num_sms)])
 
 
 def split_rows(rows, n: int, tc_min: int, l_cap: int):
@@ -194,7 +204,7 @@ class StepRunner:
         for i, lw in enumerate(W["layers"]):
             self.rmsnorm(st, ws.x, ws.h, lw["input_norm"], n)
             if cfg.layer_types[i] == FULL_ATTENTION:
-                self.attention(st, meta, n, lw, kv, n_attn)
+                self.attention(st, meta, n, b, lw, kv, n_attn)
                 n_attn += 1
             else:
                 self.gdn(st, meta, n, b, lw, state, n_lin)
@@ -254,7 +264,7 @@ class StepRunner:
                     (ws.act, ws.core, ws.proj, P, C, lw["norm_w"], dv, cfg.rms_norm_eps))
         self.gemm(st, ws.act.ptr, lw["w_out"].ptr, ws.h.ptr, n, H, Vd, beta=1.0)
 
-    def attention(self, st, meta, n, lw, kv, a):
+    def attention(self, st, meta, n, b, lw, kv, a):
         cfg, ws = self.cfg, self.m.ws
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         P = 2 * nh * hd + 2 * nkv * hd
@@ -270,7 +280,10 @@ class StepRunner:
         rows = self.rows
         for r0, r1 in runs:
             m = r1 - r0
-            splits = attention_splits(m, nkv, self.m.device.num_sms)
+            if n == b and self.m.batch_invariant:    # a decode step: splits fixed for every B
+                splits = decode_splits(nkv, self.m.device.num_sms)
+            else:
+                splits = attention_splits(m, nkv, self.m.device.num_sms)
             # all G heads of a kv group per block (splitting them, GS < G, measured 1.45x slower
             # for the 27B 4096-token prefill: K/V re-reads outweigh the extra resident warps)
             self.launch(st, "paged_attention", (m, nkv, splits), (128,),
