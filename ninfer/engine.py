@@ -20,7 +20,9 @@ from .options import EngineOptions
 
 
 class Engine:
-    def __init__(self, path, backend: str = "numpy", purpose: str = "generation", **options):
+    def __init__(self, path, backend: str = "numpy", purpose: str = "generation", *,
+                 chat_template: Optional[str] = None, **options):
+        """`chat_template`: a Jinja chat template source replacing the artifact's."""
         self.options = EngineOptions.from_kwargs(backend=backend, purpose=purpose, **options)
         self._is_closed = False
         self.model = None
@@ -34,7 +36,7 @@ class Engine:
             if self.options.purpose == "scoring" and self.artifact.resource("tokenizer.json") is None:
                 self.frontend = None
             else:
-                self.frontend = Frontend.from_artifact(self.artifact)
+                self.frontend = Frontend.from_artifact(self.artifact, chat_template=chat_template)
             self.model = load_model(self.artifact, self.options)
             self._core = None
             self._scorer = None
@@ -42,8 +44,12 @@ class Engine:
                 from .runtime.scoring import CausalScoreCore
                 self._scorer = CausalScoreCore(self.model, self.options)
             else:
+                from .models.qwen3_5.program import Program
                 from .runtime.engine_core import EngineCore
-                self._core = EngineCore(self.model, self.frontend, self.options)
+                program = Program(self.model, self.options)
+                if self.options.warmup:     # graphs captured, first step run: then "ready"
+                    program.warm_up()
+                self._core = EngineCore(program, self.frontend, self.options)
         except BaseException:
             if self.model is not None:      # a Program that cannot start must not leak the model
                 self.model.close()
@@ -68,6 +74,17 @@ class Engine:
                                                  add_generation_prompt=add_generation_prompt,
                                                  enable_thinking=enable_thinking)
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The checkpoint's recommended sampling (its generation_config.json), as SamplingParams
+        fields; {} when it recommends nothing."""
+        return dict(getattr(self.frontend, "sampling_defaults", None) or {})
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams from the checkpoint's defaults, then `overrides` (vLLM's
+        `get_default_sampling_params`); `submit` uses it when given no params."""
+        return SamplingParams(**{**self.sampling_defaults, **overrides}).validate()
+
     def _frontend(self):
         if self.frontend is None:
             raise RequestError(f"{self.name}: this artifact has no tokenizer; pass token ids")
@@ -85,8 +102,10 @@ class Engine:
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
                tools: Optional[Sequence[dict]] = None, enable_thinking: Optional[bool] = None,
                request_id: Optional[str] = None, timeout_s: Optional[float] = None):
-        """Queue one request; returns a GenerationHandle (iterate events, .result(), .cancel())."""
-        return self._generation().submit(prompt, params or SamplingParams(), tools=tools,
+        """Queue one request; returns a GenerationHandle (iterate events, .result(), .cancel()).
+        No params: the checkpoint's defaults (`default_sampling_params()`)."""
+        params = params if params is not None else self.default_sampling_params()
+        return self._generation().submit(prompt, params, tools=tools,
                                          enable_thinking=enable_thinking, request_id=request_id,
                                          timeout_s=timeout_s)
 

@@ -35,6 +35,17 @@ class EngineOptions:
     # KV with fp32 accumulation; "float32" -> fp32 throughout (exact agreement with the numpy
     # backend, about 2x the memory). numpy: always float32 (None or "float32")
     dtype: Optional[str] = None
+    # cuda: capture every decode graph (B = 1..max_concurrency) and run a warm-up step before the
+    # Engine reports ready (False: capture lazily, on the first decode of each batch size)
+    warmup: bool = True
+    # re-check every batch inside the backend too (the Program validates each batch once, where
+    # it builds it; backends trust those batches unless this is on)
+    debug_checks: bool = False
+    # a request's tokens independent of load: every row's logits bitwise the same whatever B and
+    # the other rows are (cuda: pinned GEMM algorithms, fixed decode attention splits), and Replay
+    # re-runs history the way it first ran (docs/architecture.md "Load invariance"; its cost:
+    # docs/performance.md)
+    batch_invariant: bool = False
 
     @property
     def prefix_cache_budget_bytes(self) -> int:

@@ -17,7 +17,7 @@ def make_core(**kw):
     options = EngineOptions(**{**dict(max_concurrency=4, max_context=64, page_size=4,
                                       prefill_chunk=8), **kw})
     model = FakeModel(VOCAB)
-    return EngineCore(model, FakeFrontend(VOCAB, (EOS,)), options), model
+    return EngineCore(Program(model, options), FakeFrontend(VOCAB, (EOS,)), options), model
 
 
 def prompt(seed, n):

@@ -12,6 +12,7 @@ import pytest
 
 from ninfer.core.cuda import kernels as K
 from ninfer.errors import DeviceError, RequestError
+from ninfer.options import EngineOptions
 from ninfer.models.qwen3_5.config import TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import F32_VARIANTS, SIGS, geometry_specs, spec
 from ninfer.options import EngineOptions
@@ -289,10 +290,9 @@ def test_float32_workspace_plan_covers_the_workspace(shape, b_cap, n_cap, max_co
 def test_pool_reserve_counts_fp32_kv():
     from types import SimpleNamespace
     cfg = _cfg("27B")
-    opts = SimpleNamespace(num_kv_pages=100)
     bf, f32 = _bare(cfg, False), _bare(cfg, True)
     kv_bf16 = 2 * len(cfg.attention_layer_ids) * 100 * 16 * cfg.num_key_value_heads * cfg.head_dim * 2
-    assert f32._pool_reserve(opts, 16, 4096, 4) - bf._pool_reserve(opts, 16, 4096, 4) == kv_bf16
+    assert f32._pool_reserve(100, 16, 4) - bf._pool_reserve(100, 16, 4) == kv_bf16
 
 
 def test_too_little_memory_names_the_float32_plan(monkeypatch):
@@ -334,14 +334,14 @@ def test_too_little_memory_names_the_float32_plan(monkeypatch):
     for dtype in ("bfloat16", "float32"):
         free["v"] = 1 << 50
         with pytest.raises(ArenaReached) as exc:
-            cm.CudaModel(config, SimpleNamespace(dtype=dtype, max_context=8192, num_kv_pages=100000), random_seed=1)
+            cm.CudaModel(config, EngineOptions(backend='cuda', dtype=dtype, max_context=8192, num_kv_pages=100000), random_seed=1)
         needs[dtype] = exc.value.args[0]
     assert needs["float32"] > needs["bfloat16"]
     free["v"] = (needs["bfloat16"] + needs["float32"]) // 2 + cm.MEMORY_MARGIN
     with pytest.raises(ArenaReached):
-        cm.CudaModel(config, SimpleNamespace(dtype="bfloat16", max_context=8192, num_kv_pages=100000), random_seed=1)
+        cm.CudaModel(config, EngineOptions(backend="cuda", dtype="bfloat16", max_context=8192, num_kv_pages=100000), random_seed=1)
     with pytest.raises(DeviceError, match="too little device memory.*all in float32"):
-        cm.CudaModel(config, SimpleNamespace(dtype="float32", max_context=8192, num_kv_pages=100000), random_seed=1)
+        cm.CudaModel(config, EngineOptions(backend="cuda", dtype="float32", max_context=8192, num_kv_pages=100000), random_seed=1)
 
 
 # ---- fp32 KV pools -----------------------------------------------------------------------------

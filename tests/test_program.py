@@ -364,6 +364,7 @@ def test_replay_of_a_paused_prefill_is_labelled_replay_up_to_the_old_frontier():
 class DeviceGreedyModel(FakeModel):
     """A backend that can return argmax ids instead of logits (as the CUDA model does); its ids
     come from the same logits, so only the path differs. Counts which path each call took."""
+    greedy_on_device = True
 
     def __init__(self):
         super().__init__()

@@ -17,6 +17,7 @@ PENALISED = SamplingSpec(seed=5, temperature=0.8, top_k=10, top_p=0.9, min_p=0.0
 
 class DeviceSamplingModel(FakeModel):
     """decode_greedy and sample from the same logits as forward; records every sample request."""
+    greedy_on_device = samples_on_device = True
 
     def __init__(self):
         super().__init__()

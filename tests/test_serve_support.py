@@ -296,7 +296,8 @@ class ScriptedEngine:
         self.artifact = Artifact(path)
         self.frontend = Frontend.from_artifact(self.artifact)
         self.model = ScriptedModel(load_model(self.artifact, self.options), self.frontend)
-        self._core = EngineCore(self.model, self.frontend, self.options)
+        from ninfer.models.qwen3_5.program import Program
+        self._core = EngineCore(Program(self.model, self.options), self.frontend, self.options)
         self.name = "scripted-demo"
 
     def submit(self, prompt, params=None, **kwargs):

@@ -342,6 +342,8 @@ def test_constrained_spec_is_never_plain_greedy():
 
 
 class _DeviceGreedyModel(FakeModel):
+    greedy_on_device = True
+
     def __init__(self):
         super().__init__()
         self.num_greedy_calls = 0

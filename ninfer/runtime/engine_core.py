@@ -24,7 +24,7 @@ from typing import Optional
 
 from ..api import Finished, GenerationStart, SamplingParams, TextDelta
 from ..errors import EngineFailedError, RequestError
-from ..models.qwen3_5.program import Program, RowDecision, SamplingSpec
+from ..contracts import RowDecision, SamplingSpec
 from .handle import GenerationHandle, _Channel
 from .outcome import decide, final_result
 from .request import Request, RequestState, checked_prompt_ids, checked_submit_args
@@ -37,11 +37,13 @@ _RATE_WINDOW_S = 10.0
 
 
 class EngineCore:
-    def __init__(self, model, frontend, options, *, program: Optional[Program] = None):
+    def __init__(self, program, frontend, options):
+        """`program`: the model's Program (the Engine builds it; the runtime never names a model
+        family). It owns the model; this core owns the Program from here on."""
         self.options = options
         self.frontend = frontend
-        self.vocab_size = int(model.config.text.vocab_size)
-        self.program = program if program is not None else Program(model, options)
+        self.vocab_size = int(program.vocab_size)
+        self.program = program
         self.scheduler = Scheduler(max_bypass=options.max_concurrency)
         self.resources = ResourceManager(self.program)
         # reentrant: a handle dropped (and closed) by GC inside a locked region re-enters _notify
@@ -305,7 +307,7 @@ class EngineCore:
 
     def _reserve(self, req: Request) -> bool:
         """Reserve req's next unit, pausing the youngest younger resident while it lacks pages."""
-        while not self.program.reserve_units([req.seq_id])[0]:
+        while not self.program.reserve_units([req.seq_id], forced=self._forced([req]))[0]:
             victim = self.scheduler.choose_victim([self._view(r) for r in self._residents],
                                                   self._view(req))
             self._pause(victim)
@@ -313,12 +315,30 @@ class EngineCore:
                 return False
         return True
 
+    def _forced(self, reqs: list):
+        """Control units due now: seq_id -> the tokens its OutputSession forces (a spent thinking
+        budget's `</think>` + separator), cut to the room max_tokens and max_context leave, for
+        decode-ready rows only. None when no row has any. Reserve and execute ask the same
+        committed session state within one cycle, so both see the same units."""
+        out = {}
+        for req in reqs:
+            tokens = req.session.forced_tokens()
+            if not tokens or self.program.unit_kind(req.seq_id) != "decode":
+                continue
+            done = req.num_generated_tokens
+            room = min(req.params.max_tokens - done,
+                       self.options.max_context - req.num_prompt_tokens - done)
+            if room >= 1:
+                out[req.seq_id] = tuple(tokens[:room])
+        return out or None
+
     # ---- worker: one unit -----------------------------------------------------------------------
     def _run_unit(self, reqs: list) -> int:
         if not reqs:
             return 0
         # no State backups: a cancelled row is released right after the commit, never resumed
         pending = self.program.execute([r.seq_id for r in reqs], keep_rollback=False,
+                                       forced=self._forced(reqs),
                                        mask_provider=_mask_provider(reqs))
         now = time.monotonic()
         verdicts = [decide(req, row, now, self.options.max_context)
@@ -423,9 +443,10 @@ class EngineCore:
 
 
 def _mask_provider(reqs: list):
-    """The round's mask provider: seq_id -> the OutputSession's grammar mask for its next token
-    (None when unconstrained). None when no row of the unit is constrained."""
-    sessions = {r.seq_id: r.session for r in reqs if r.params.structured is not None}
+    """The round's mask provider: seq_id -> the OutputSession's mask for its next token (a
+    grammar's, min_tokens' stop-token ban, a spent thinking budget's `</think>`; None when anything
+    goes). None when no row of the unit needs one."""
+    sessions = {r.seq_id: r.session for r in reqs if r.session.needs_mask}
     if not sessions:
         return None
 

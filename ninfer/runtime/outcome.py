@@ -9,7 +9,7 @@ import logging
 import time
 
 from ..api import GenerationResult
-from ..models.qwen3_5.program import RowDecision
+from ..contracts import RowDecision
 from .request import Request
 
 log = logging.getLogger("ninfer.engine")

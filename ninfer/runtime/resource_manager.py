@@ -14,6 +14,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..contracts import ProgramError
+
 
 def _digest(token_ids: np.ndarray) -> bytes:
     return hashlib.blake2b(np.asarray(token_ids).astype("<i4", copy=False).tobytes(),
@@ -87,7 +89,6 @@ class ResourceManager:
 
     def check_invariants(self) -> None:
         """The index and the Program's checkpoints name the same entries."""
-        from ..models.qwen3_5.program import ProgramError
         ids = sorted(cid for cid, _ in self._index.values())
         if ids != sorted(self.program.checkpoint_ids()):
             raise ProgramError(f"prefix index {ids} != program checkpoints "

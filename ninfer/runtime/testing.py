@@ -32,6 +32,14 @@ class FakeModel:
     """forward(batch, kv, state) with the real contract. Hooks for tests:
     `on_forward(batch)` runs first (block, cancel, inspect); `fail_at_call` raises there."""
 
+    backend = "fake"
+    greedy_on_device = samples_on_device = False    # subclasses add decode_greedy / sample
+    checks_batches = True
+    max_kv_pages = None
+
+    def warm_up(self, kv, state) -> None:
+        pass
+
     def __init__(self, vocab_size: int = 64, logit_scale: float = 2.0):
         self.config = fake_config(vocab_size)
         self.logit_scale = logit_scale
@@ -145,6 +153,11 @@ class FakeOutputSession:
 
     def preview_finish(self, reason) -> FakePreview:
         return FakePreview(0, (), self.finish_reason or reason)
+
+    needs_mask = False              # no grammar, min_tokens or thinking budget here
+
+    def forced_tokens(self) -> tuple:
+        return ()
 
     def commit(self, preview: FakePreview) -> None:
         self.num_commits += 1

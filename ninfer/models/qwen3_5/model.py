@@ -21,7 +21,11 @@ from .state import KVPool, StatePool
 
 
 class NumpyModel:
+    """The contracts.Model of the numpy backend: logits to the host, the host samples."""
     backend = "numpy"
+    greedy_on_device = samples_on_device = False
+    checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
+    max_kv_pages = None         # host memory: the Program's default pool size
 
     def __init__(self, config: ModelConfig, params: dict):
         self.config = config
@@ -68,7 +72,8 @@ class NumpyModel:
 
     def _plan(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> StepPlan:
         cfg = self.text
-        self._check(batch, kv, state)
+        if self.checks_batches:
+            self._check(batch, kv, state)
         lengths = batch.row_lengths()
         if not cfg.attention_layer_ids:           # a pure-GDN model has no KV and no rotary
             return StepPlan(batch=batch, lengths=lengths, cos=None, sin=None, kv_pages=None,
@@ -105,6 +110,9 @@ class NumpyModel:
                                      or slots.max() >= state.num_slots):
             raise ValueError(f"ForwardBatch: state slots {slots.tolist()} must be distinct and "
                              f"< {state.num_slots}")
+
+    def warm_up(self, kv, state) -> None:
+        """Nothing is built lazily on this backend."""
 
     def close(self) -> None:
         self._layers = []

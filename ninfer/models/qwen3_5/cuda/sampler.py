@@ -27,8 +27,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-# the request type lives with the backend-neutral Program that builds it; re-exported here
-from ..program.sampling import SampleRow  # noqa: F401
+# the request type is a backend-neutral contract; re-exported here
+from ....contracts import SampleRow  # noqa: F401
 
 NPAR = 8                     # kernels/sample.py NPAR
 THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget)

@@ -21,6 +21,7 @@ consumed whole by `commit(decisions)` or `abort_pending()`. Sampling randomness 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -29,9 +30,10 @@ import numpy as np
 from .... import _hot
 from ....errors import RequestError
 from ..batch import ForwardBatch
-from .pending import PendingBatch, ProgramError, ResumeState, RowDecision, RowResult
+from ....contracts import (PendingBatch, ProgramError, ResumeState, RowDecision, RowResult,
+                           SampleRow, SamplingSpec)
 from .pools import PagePool, SlotPool, pages_for
-from .sampling import SampleRow, SamplingSpec, sample_row
+from .sampling import sample_row
 
 # distinguishes Programs in the device sampler's prompt cache keys (it lives on the model, which
 # may outlive a Program or serve several; sequence ids restart in each Program)
@@ -78,11 +80,16 @@ class Program:
         self.prefill_chunk = int(options.prefill_chunk)
         self.num_slots = int(options.max_concurrency)
         self.max_pages_per_seq = pages_for(self.max_context, self.page_size)
-        num_pages = options.num_kv_pages or self.num_slots * self.max_pages_per_seq
+        # not given: every slot at max_context, or what the backend's memory holds if fewer
+        num_pages = options.num_kv_pages or min(self.num_slots * self.max_pages_per_seq,
+                                                model.max_kv_pages or math.inf)
         if num_pages < self.max_pages_per_seq:
             raise RequestError(
                 f"Engine option num_kv_pages={num_pages}: one max_context={self.max_context} "
                 f"sequence needs {self.max_pages_per_seq} pages of {self.page_size} tokens")
+        # the one validation of a batch is here, where it is built: the backend trusts it
+        # unless the debug option asks it to check again
+        model.checks_batches = bool(options.debug_checks)
         self.kv = model.new_kv_pool(num_pages, self.page_size)
         self.state = model.new_state_pool(self.num_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
@@ -99,6 +106,16 @@ class Program:
         self._pending: Optional[PendingBatch] = None
         self._next_id = 0
         self._uid = next(_PROGRAM_IDS)
+        # batch_invariant: Replay re-runs history the way it first ran (the prompt in its own
+        # chunks, each generated token as a one-token decode-shaped unit), so its numerics match
+        self.replays_as_run = bool(getattr(options, "batch_invariant", False))
+
+    def warm_up(self) -> None:
+        """Before serving: the backend builds what it would otherwise build on first use (CUDA:
+        the decode graph of every B = 1..max_concurrency) and runs a step through each. The pools
+        hold nothing yet, so what the steps write is overwritten before it is read."""
+        self._no_pending("warm_up")
+        self.model.warm_up(self.kv, self.state)
 
     # ---- capacity queries (check / act pairs) ---------------------------------------------------
     @property
@@ -332,11 +349,11 @@ class Program:
         if any(unit.forced or (unit.is_sampling and seq.spec.logprobs is not None)
                for seq, unit in zip(seqs, units)):
             return None
-        if hasattr(self.model, "decode_greedy") and all(
+        if self.model.greedy_on_device and all(
                 not unit.is_sampling or (seq.spec.is_plain_greedy and mask is None)
                 for seq, unit, mask in zip(seqs, units, masks)):
             return "greedy"
-        return "sample" if hasattr(self.model, "sample") else None
+        return "sample" if self.model.samples_on_device else None
 
     def _device_greedy_rows(self, batch, seqs, units) -> tuple:
         tokens = self.model.decode_greedy(batch, self.kv, self.state)
@@ -466,13 +483,24 @@ class Program:
             if done == total - 1:
                 return _Unit(1, True, False)
             if done < total - 1:
-                return _Unit(min(self.prefill_chunk, total - 1 - done), False, True)
+                return _Unit(self._replay_length(seq), False, True)
         elif done < total:
             n = min(self.prefill_chunk, total - done)
             if done < seq.capture_at < done + n:       # end a chunk exactly at the checkpoint
                 n = seq.capture_at - done
             return _Unit(n, done + n == total, done < seq.replay_until)
         raise ProgramError(f"sequence {seq.seq_id}: no unit at frontier {done} of {total}")
+
+    def _replay_length(self, seq: _Sequence) -> int:
+        """Tokens of the next Replay unit of a sequence that has generated. replays_as_run: the
+        prompt's chunk boundaries as its prefill had them (multiples of prefill_chunk, then the
+        prompt's end), then one generated token per unit, as decode produced them."""
+        done = seq.num_computed_tokens
+        if not self.replays_as_run:
+            return min(self.prefill_chunk, seq.num_tokens - 1 - done)
+        if done < seq.num_prompt_tokens:
+            return min(self.prefill_chunk, seq.num_prompt_tokens - done)
+        return 1
 
     def _resume_coverage(self, rs: ResumeState) -> int:
         """Old frontier + the first real new unit."""

@@ -25,12 +25,12 @@ Semantics (per row, in this order; all filter arithmetic in float64):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from ....api import SamplingParams, TokenLogprob
+from ....api import TokenLogprob
+from ....contracts import SampleRow, SamplingSpec  # noqa: F401 - defined there, used here
 
 _M64 = (1 << 64) - 1
 
@@ -47,58 +47,6 @@ def counter_uniform(seed: int, position: int) -> float:
     x = _splitmix64(_splitmix64(int(seed) & _M64) ^ (int(position) & _M64))
     return (x >> 11) * (1.0 / (1 << 53))
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    """The compiled, immutable sampling parameters of one sequence (seed always resolved)."""
-
-    seed: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: Optional[int] = None
-    is_constrained: bool = False      # structured output: a grammar masks every sampled token
-
-    @classmethod
-    def from_params(cls, params: SamplingParams, seed: int) -> "SamplingSpec":
-        return cls(seed=int(seed), temperature=float(params.temperature), top_k=int(params.top_k),
-                   top_p=float(params.top_p), min_p=float(params.min_p),
-                   presence_penalty=float(params.presence_penalty),
-                   frequency_penalty=float(params.frequency_penalty),
-                   repetition_penalty=float(params.repetition_penalty),
-                   logprobs=None if params.logprobs is None else int(params.logprobs),
-                   is_constrained=getattr(params, "structured", None) is not None)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """Argmax of the raw logits: greedy, no penalty or grammar mask changes them, no logprobs
-        asked for."""
-        return (self.is_greedy and self.logprobs is None and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
-                and not self.is_constrained)
-
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """One row's request to a backend that samples on the device (`model.sample`): the host
-    sampler's sample_row arguments (no logprobs). Defined here, with the Program that builds it,
-    so the backend-neutral Program imports no backend module; cuda/sampler.py re-exports it.
-    `cache_key`: names the prompt, so the backend may keep its distinct ids between steps."""
-    spec: SamplingSpec
-    position: int
-    prompt_ids: np.ndarray
-    generated_ids: np.ndarray
-    mask: Optional[np.ndarray] = None
-    cache_key: object = None
 
 def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
                     generated_ids: np.ndarray) -> np.ndarray:

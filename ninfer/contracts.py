@@ -1,0 +1,179 @@
+"""Backend-neutral contracts: the plain data and the one protocol that the runtime, the Program and
+the backends share. Nothing here imports a model family or a backend, so every layer may import it
+(imports run downward: runtime -> contracts <- models).
+
+    EngineCore ──(RowDecision)──> Program ──(ForwardBatch, SampleRow)──> Model (numpy | cuda)
+         <──(PendingBatch of RowResult, ResumeState)──┘        <──(logits | token ids)──┘
+
+`Model` is what a Program needs from a backend; `Model.samples_on_device` replaces probing the
+backend with hasattr for `decode_greedy` / `sample`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, runtime_checkable
+
+import numpy as np
+
+from .api import SamplingParams
+
+
+class ProgramError(RuntimeError):
+    """The Program's physical bookkeeping or a unit contract was broken: the Engine must fail."""
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """The compiled, immutable sampling parameters of one sequence (seed always resolved)."""
+
+    seed: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
+    is_constrained: bool = False      # structured output: a grammar masks every sampled token
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, seed: int) -> "SamplingSpec":
+        return cls(seed=int(seed), temperature=float(params.temperature), top_k=int(params.top_k),
+                   top_p=float(params.top_p), min_p=float(params.min_p),
+                   presence_penalty=float(params.presence_penalty),
+                   frequency_penalty=float(params.frequency_penalty),
+                   repetition_penalty=float(params.repetition_penalty),
+                   logprobs=None if params.logprobs is None else int(params.logprobs),
+                   is_constrained=params.structured is not None)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax of the raw logits: greedy, no penalty or grammar mask changes them, no logprobs
+        asked for."""
+        return (self.is_greedy and self.logprobs is None and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
+                and not self.is_constrained)
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One row's request to a backend that samples on the device (`Model.sample`): the host
+    sampler's sample_row arguments (no logprobs). `cache_key` names the prompt, so the backend may
+    keep its distinct ids between steps."""
+    spec: SamplingSpec
+    position: int
+    prompt_ids: np.ndarray
+    generated_ids: np.ndarray
+    mask: Optional[np.ndarray] = None
+    cache_key: object = None
+
+
+# ---- unit results and decisions ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    """One row of a PendingBatch: what the unit consumed and produced for one sequence."""
+
+    seq_id: int
+    num_new_tokens: int         # tokens this unit ran through the model (KV/State advance)
+    produced: tuple             # sampled token ids (0 or 1), or a control unit's forced tokens
+    logprobs: tuple             # TokenLogprob per produced token when asked for, else ()
+    is_replay: bool             # rebuilding accepted history; nothing new is produced
+    is_control: bool = False    # produced = the forced tokens (not sampled)
+
+
+@dataclass(frozen=True, slots=True)
+class RowDecision:
+    """The Engine's verdict on one row. A cancelled row accepts 0; otherwise
+    1 <= accepted <= produced when the row produced, and a nonterminal row accepts all."""
+
+    accepted: int
+    is_terminal: bool = False
+    is_cancelled: bool = False
+
+
+class PendingBatch:
+    """The provisional outcome of one unit (move-only: consumed by exactly one commit or abort).
+
+    Membership is frozen at execution; until consumed, the rows' KV beyond their frontier and
+    their State slots are provisional (the Program keeps a backup of each State image)."""
+
+    __slots__ = ("rows", "_backups", "_is_consumed", "_epoch")
+
+    def __init__(self, rows: tuple, backups: list, epoch: int):
+        self.rows = rows
+        self._backups = backups
+        self._is_consumed = False
+        self._epoch = epoch
+
+    @property
+    def is_consumed(self) -> bool:
+        return self._is_consumed
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __repr__(self) -> str:
+        return f"PendingBatch({len(self.rows)} rows, consumed={self._is_consumed})"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResumeState:
+    """What a paused request needs to continue (owned by the Engine while paused).
+
+    `kind` is "replay" (re-execute the accepted history through prefill chunks) or "snapshot"
+    (State and KV of the frontier copied to host memory; revocable back to replay).
+    `token_ids` holds prompt + accepted generated tokens; `num_computed_tokens` is the frontier
+    the sequence had reached when paused."""
+
+    kind: str
+    token_ids: np.ndarray
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    spec: SamplingSpec
+    snapshot_id: Optional[int] = None
+    state_image: Optional[tuple] = None
+    kv_pages: Optional[tuple] = None
+    host_bytes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+# ---- the backend protocol ------------------------------------------------------------------------
+@runtime_checkable
+class Model(Protocol):
+    """What the Program needs from a backend (numpy: NumpyModel, cuda: CudaModel).
+
+    `forward` returns float32 logits [B, V] (the host samples). A backend with
+    `greedy_on_device` also has `decode_greedy(batch, kv, state) -> int32 [B]` (argmax on the
+    device); one with `samples_on_device` has
+    `sample(batch, kv, state, rows: list[SampleRow | None]) -> int32 [B]`.
+    `checks_batches=False` (set by the Program unless its debug option asks otherwise) lets the
+    backend trust the batches it is given: the Program validated them once, when it built them."""
+
+    backend: str
+    greedy_on_device: bool
+    samples_on_device: bool
+    checks_batches: bool
+    max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
+
+    def warm_up(self, kv, state) -> None: ...
+
+    def new_kv_pool(self, num_pages: int, page_size: int): ...
+
+    def new_state_pool(self, num_slots: int): ...
+
+    def forward(self, batch, kv, state, *, all_logits: bool = False) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+__all__ = ["Model", "PendingBatch", "ProgramError", "ResumeState", "RowDecision", "RowResult",
+           "SampleRow", "SamplingSpec"]
