@@ -1,0 +1,186 @@
+"""batch_invariant (issue 19) on the CPU: Replay re-runs history the way it first ran, the pinned
+cuBLASLt plans (a fake library), the decode attention split that does not depend on B.
+The GPU side (bitwise logits, the paused 8-prompt experiment) is tests/gpu/test_load_invariance_gpu.py."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
+from ninfer.options import EngineOptions
+from ninfer.runtime.testing import FakeModel
+
+GREEDY = SamplingSpec(seed=1)
+SEEDED = SamplingSpec(seed=77, temperature=0.9, top_k=20, top_p=0.95)
+
+
+def _opts(**kw):
+    base = dict(max_concurrency=4, max_context=64, page_size=4, prefill_chunk=5)
+    return EngineOptions(**{**base, **kw})
+
+
+def _step(prog, sid):
+    assert prog.reserve_units([sid]) == [True]
+    pending = prog.execute([sid])
+    row = pending.rows[0]
+    prog.commit(pending, [RowDecision(len(row.produced))])
+    return row
+
+
+def _run(prog, sid, num_tokens, pause_at=None):
+    """Generate num_tokens; after `pause_at` of them, pause to Replay and resume. Returns the
+    tokens and the new-token counts of the Replay units."""
+    out, replay_units = [], []
+    while len(out) < num_tokens:
+        if pause_at is not None and len(out) == pause_at:
+            pause_at = None
+            sid = prog.resume(prog.pause(sid, allow_snapshot=False))
+        row = _step(prog, sid)
+        if row.is_replay:
+            replay_units.append(row.num_new_tokens)
+        out += list(row.produced)
+    prog.release(sid)
+    prog.assert_all_free()
+    return out, replay_units
+
+
+@pytest.mark.parametrize("spec", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_replay_reruns_prompt_chunks_then_one_token_per_generated_token(spec):
+    p = np.random.default_rng(3).integers(1, 64, 13).astype(np.int32)
+    prog = Program(FakeModel(), _opts())
+    want, none = _run(prog, prog.bind(p, spec), 20)
+    assert none == []
+    prog = Program(FakeModel(), _opts(batch_invariant=True))
+    got, units = _run(prog, prog.bind(p, spec), 20, pause_at=7)
+    assert got == want
+    # history at the pause: 13 prompt + 7 generated, frontier 19 (the last token is decode's):
+    # the prompt's own chunks (5, 5, 3) as its prefill ran them, then 6 one-token units
+    assert units == [5, 5, 3] + [1] * 6
+    prog = Program(FakeModel(), _opts())
+    got, units = _run(prog, prog.bind(p, spec), 20, pause_at=7)
+    assert got == want and units == [5, 5, 5, 4]          # default: chunks across the boundary
+
+
+def test_replay_of_a_paused_prefill_keeps_its_chunks():
+    p = np.random.default_rng(4).integers(1, 64, 12).astype(np.int32)
+    prog = Program(FakeModel(), _opts(batch_invariant=True))
+    sid = prog.bind(p, GREEDY)
+    _step(prog, sid)                                       # [0, 5) of the prompt
+    sid = prog.resume(prog.pause(sid, allow_snapshot=False))
+    sizes = [_step(prog, sid).num_new_tokens for _ in range(3)]
+    assert sizes == [5, 5, 2]                              # 0-5 replayed, 5-10, 10-12 (+ token)
+    prog.release(sid)
+
+
+# ---- cuBLASLt plans (fake library: records the calls) ---------------------------------------------
+
+def _fake_lt(invariant):
+    from ninfer.core.cuda import cublaslt as C
+    calls = []
+
+    class Lib:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, args))
+                if name.endswith("Create"):
+                    args[0]._obj.value = 0x1000 + len(calls)
+                if name == "cublasLtMatmulAlgoGetHeuristic":
+                    args[-2][0].algo[0] = 100 + len(calls)        # a distinct algorithm per call
+                    args[-1]._obj.value = 1
+                return 0
+            return call
+    lt = C.CublasLt.__new__(C.CublasLt)
+    lt.lib, lt.handle, lt.workspace_bytes, lt._prefs, lt._plans = Lib(), "handle", 1 << 20, {}, {}
+    lt.invariant = invariant
+    return lt, calls
+
+
+def _names(calls, name):
+    return [a for n, a in calls if n == name]
+
+
+def test_invariant_plans_pin_one_algorithm_for_every_small_m():
+    from ninfer.core.cuda import cublaslt as C
+    lt, calls = _fake_lt(True)
+    plans = {m: lt.plan(m, 4096, 2048) for m in range(1, C.PIN_M + 1)}
+    assert len(_names(calls, "cublasLtMatmulAlgoGetHeuristic")) == 1     # asked for M = PIN_M
+    assert len(_names(calls, "cublasLtMatmulAlgoCheck")) == C.PIN_M - 1  # checked for the rest
+    algos = {bytes(p.algo) for p in plans.values()}
+    assert len(algos) == 1 and all(p.m == m for m, p in plans.items())
+    # the preference forbids atomics-reduced split-K
+    masks = [a for a in _names(calls, "cublasLtMatmulPreferenceSetAttribute")
+             if a[1] == C.PREF_REDUCTION_SCHEME_MASK]
+    assert len(masks) == 1 and masks[0][2]._obj.value == C.INVARIANT_REDUCTIONS
+    assert not C.INVARIANT_REDUCTIONS & C.REDUCTION_INPLACE
+    # a prefill M has its own plan; another weight shape its own pinned algorithm
+    big = lt.plan(100, 4096, 2048)
+    other = lt.plan(3, 1024, 2048)
+    assert bytes(big.algo) not in algos and bytes(other.algo) not in algos
+
+
+def test_default_plans_ask_the_heuristic_per_m():
+    from ninfer.core.cuda import cublaslt as C
+    lt, calls = _fake_lt(False)
+    algos = {bytes(lt.plan(m, 4096, 2048).algo) for m in range(1, 9)}
+    assert len(algos) == 8 and not _names(calls, "cublasLtMatmulAlgoCheck")
+    assert not [a for a in _names(calls, "cublasLtMatmulPreferenceSetAttribute")
+                if a[1] == C.PREF_REDUCTION_SCHEME_MASK]
+
+
+# ---- decode attention splits -------------------------------------------------------------------
+
+def _attention_splits_of(invariant, n):
+    from ninfer.models.qwen3_5.cuda import runner as R
+    from ninfer.models.qwen3_5.config import TextConfig
+    cfg = TextConfig(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=256)
+    r = R.StepRunner.__new__(R.StepRunner)
+    r.cfg, r.rows, r.dry, r.profile = cfg, None, False, None
+    ws = SimpleNamespace(x=SimpleNamespace(ptr=0), proj=SimpleNamespace(ptr=0),
+                         act=SimpleNamespace(ptr=0), h=SimpleNamespace(ptr=0), mid=0, part=0,
+                         ml=0, tc=SimpleNamespace(l_cap=0))
+    r.m = SimpleNamespace(ws=ws, batch_invariant=invariant, attn_tc_min_tokens=64,
+                          device=SimpleNamespace(num_sms=132))
+    launches = []
+    r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append((kernel, grid))
+    r.gemm = lambda *a, **k: None
+    meta = SimpleNamespace(layout=SimpleNamespace(n_cap=16, p_cap=4), positions=0, token_row=0,
+                           query_start=0, context_lens=0, block_tables=0)
+    lw = {k: SimpleNamespace(ptr=0) for k in ("w_in", "w_out", "q_norm", "k_norm")}
+    kv = SimpleNamespace(k=[0], v=[0], page_size=16)
+    r.attention(None, meta, n, n, lw, kv, 0)
+    return [grid[2] for kernel, grid in launches if kernel == "paged_attention"]
+
+
+def test_decode_attention_splits_do_not_depend_on_b_when_invariant():
+    from ninfer.models.qwen3_5.cuda import runner as R
+    fixed = {tuple(_attention_splits_of(True, b)) for b in range(1, 9)}
+    assert fixed == {(R.decode_splits(2, 132),)}
+    varying = {tuple(_attention_splits_of(False, b)) for b in range(1, 9)}
+    assert len(varying) > 1                                # what the mode removes
+    # the partial-result buffer holds b_cap rows at the fixed split
+    assert R.part_rows_needed(16, 2, 132, 8) >= 8 * R.decode_splits(2, 132)
+
+
+# ---- the whole Engine on the numpy model --------------------------------------------------------
+
+def test_engine_batch_invariant_under_kv_pressure_equals_alone(tmp_path):
+    """Seeded rows, some asking for logprobs (host sampling), through Replay pauses: the same
+    tokens as each prompt alone; Replay really ran its one-token units."""
+    from fixture_utils import convert_fixture
+    from ninfer import Engine, SamplingParams
+    path = convert_fixture("dense", tmp_path)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 256, n).astype(np.int32) for n in (6, 13, 29, 9, 21, 3)]
+
+    def params(i):
+        return SamplingParams(max_tokens=10, ignore_eos=True, seed=50 + i, temperature=0.9,
+                              top_p=0.9, logprobs=2 if i % 2 else None)
+    with Engine(path, max_concurrency=1, batch_invariant=True) as engine:
+        want = [engine.generate(p, params(i)).token_ids for i, p in enumerate(prompts)]
+    with Engine(path, max_concurrency=4, max_context=56, page_size=8, num_kv_pages=8,
+                prefill_chunk=8, host_snapshot_bytes=0, batch_invariant=True) as engine:
+        handles = [engine.submit(p, params(i)) for i, p in enumerate(prompts)]
+        got = [h.result(timeout=120).token_ids for h in handles]
+        stats = engine.stats()
+    assert got == want
+    assert stats["pauses"] > 0
