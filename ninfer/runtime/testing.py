@@ -102,6 +102,21 @@ class FakeModel:
         pass
 
 
+class NullModel(FakeModel):
+    """A model that costs nothing: every unit "samples" token `token_id` on its device path, so a
+    run through EngineCore measures the host's own per-cycle work (tests/test_host_cost.py)."""
+    greedy_on_device = True
+
+    def __init__(self, vocab_size: int = 64, token_id: int = 1):
+        super().__init__(vocab_size)
+        self.token_id = token_id
+
+    def decode_greedy(self, batch, kv, state):
+        self.num_calls += 1
+        self.batch_sizes.append(batch.num_rows)
+        return np.full(batch.num_rows, self.token_id, np.int32)
+
+
 @dataclass(frozen=True, slots=True)
 class FakePrepared:
     token_ids: np.ndarray
