@@ -166,7 +166,7 @@ class CudaModel:
         lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
         self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32, invariant=self.batch_invariant)
         self.sampler = DeviceSampler(self.arena, self.kernels, sampler_rows, cfg.vocab_size,
-                                     max_context)
+                                     options.max_context)
         self._lt_ws = lt_ws         # idle during the load: the fp32 model's widening scratch
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
