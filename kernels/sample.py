@@ -5,8 +5,9 @@
 Sampling is three kernels over a grid of (G blocks per row, rows), each block one contiguous
 chunk of ceil(V / G) ids, all filter arithmetic in fp64 (the host sampler's steps, its order):
 
-`sample_prep`: the grammar mask (packed bits) and penalties (a sparse (id, generated count) list;
-a block applies those in its chunk) into an fp64 copy z of the row; the block's (max, lowest id
+`sample_prep`: the grammar mask (packed bits), penalties (a sparse (id, generated count) list;
+a block applies those in its chunk) and logit_bias (a sparse (id, fp64 bias) list, added after the
+penalties, as the host does) into an fp64 copy z of the row; the block's (max, lowest id
 at it); zeroes the row's histograms and counters for the next two kernels.
 `sample_stats` (non-greedy rows): m = max(z) / T from the G block maxima; per block the mass
 sum of w = exp(z / T - m) and, when top-k or top-p is on, a histogram over HB bins of
@@ -492,8 +493,9 @@ def sample_prep(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=
     def prep_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask, wf, wi):
         """grid (G, rows), block T. fpar [rows, 8] f64: temperature, top_p, min_p, repetition,
         presence, frequency, plan (out), u (out); ipar [rows, 8] i32: top_k, penalty word
-        offset, penalty count, mask word offset (-1: none); upar [rows, 2] u64: seed, position;
-        pen: (id, generated count) pairs; mask: bits, little-endian in u32 words; wf, wi: the
+        offset, penalty count, mask word offset (-1: none), logit_bias word offset, logit_bias
+        count; upar [rows, 2] u64: seed, position; pen: (id, generated count) pairs and
+        logit_bias (id, bias low word, bias high word) triples; mask: bits, little-endian in u32 words; wf, wi: the
         rows' work (_offsets)."""
         red_v = cuda.shared.array(T, float64)
         red_i = cuda.shared.array(T, int32)
@@ -538,6 +540,15 @@ def sample_prep(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=
                 if cnt > 0 and (pres != 0.0 or freq != 0.0):
                     x -= freq * float64(cnt) + pres
                 z[base + tok] = x
+        cuda.syncthreads()
+        # 3a. logit_bias after the penalties: (id, low word, high word of the float64 bias)
+        bias_off = ipar[r * NPAR + 4]
+        n_bias = ipar[r * NPAR + 5]
+        for j in range(tid, n_bias, T):
+            tok = pen[bias_off + 3 * j]
+            if tok >= lo and tok < hi:
+                z[base + tok] += cuda.libdevice.hiloint2double(int32(pen[bias_off + 3 * j + 2]),
+                                                               int32(pen[bias_off + 3 * j + 1]))
         cuda.syncthreads()
         bv = -math.inf
         bi = int32(vocab)           # an empty chunk loses every tie

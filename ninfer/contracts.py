@@ -37,6 +37,8 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
     is_constrained: bool = False      # structured output: a grammar masks every sampled token
+    # OpenAI logit_bias: ((token id, bias), ...) sorted by id, added after the penalties
+    logit_bias: tuple = ()
 
     @classmethod
     def from_params(cls, params: SamplingParams, seed: int) -> "SamplingSpec":
@@ -46,7 +48,9 @@ class SamplingSpec:
                    frequency_penalty=float(params.frequency_penalty),
                    repetition_penalty=float(params.repetition_penalty),
                    logprobs=None if params.logprobs is None else int(params.logprobs),
-                   is_constrained=params.structured is not None)
+                   is_constrained=params.structured is not None,
+                   logit_bias=tuple(sorted((int(t), float(b)) for t, b in
+                                           (getattr(params, "logit_bias", None) or {}).items())))
 
     @property
     def is_greedy(self) -> bool:
@@ -54,11 +58,11 @@ class SamplingSpec:
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Argmax of the raw logits: greedy, no penalty or grammar mask changes them, no logprobs
-        asked for."""
+        """Argmax of the raw logits: greedy, no penalty, bias or grammar mask changes them, no
+        logprobs asked for."""
         return (self.is_greedy and self.logprobs is None and self.presence_penalty == 0.0
                 and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
-                and not self.is_constrained)
+                and not self.is_constrained and not self.logit_bias)
 
 
 @dataclass(frozen=True)

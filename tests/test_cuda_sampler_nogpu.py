@@ -61,6 +61,35 @@ def test_pack_penalties_reproduce_the_host_penalties():
     assert ids.tolist() == [3, 7] and c.tolist() == [1, 2]
 
 
+def test_pack_logit_bias_triples_reproduce_the_host_bias():
+    """The packed (id, low, high) triples, decoded as the kernel does (hiloint2double), added
+    after the penalties, give apply_penalties' row bit for bit; bad ids are refused."""
+    r = np.random.default_rng(4)
+    V = 257
+    bias = tuple((int(t), float(b)) for t, b in
+                 zip(np.sort(r.choice(V, 9, replace=False)), r.uniform(-100, 100, 9)))
+    sp = SamplingSpec(seed=1, temperature=1.0, repetition_penalty=1.3, logit_bias=bias)
+    prompt, gen = r.integers(0, V, 30).astype(np.int32), r.integers(0, V, 5).astype(np.int32)
+    logits = r.standard_normal(V).astype(np.float32)
+    lay = SamplerLayout(2, V, 100)
+    buf = np.zeros(lay.nbytes, np.uint8)
+    pack(lay, buf, [SampleRow(sp, 9, prompt, gen, None), None], PromptCache())
+    fpar, ipar, upar, data = lay.views(buf)
+    z = logits.astype(np.float64)
+    ids, counts = _unpack_pen(lay, buf, 0)
+    for t in ids:
+        z[t] = z[t] / 1.3 if z[t] > 0 else z[t] * 1.3
+    off, n = ipar[0, 4], ipar[0, 5]
+    triples = data[off: off + 3 * n].reshape(n, 3)
+    for t, lo, hi in triples:
+        z[t] += np.array([lo, hi], np.uint32).view(np.float64)[0]
+    assert n == len(bias) and ipar[1, 5] == 0
+    assert np.array_equal(z, apply_penalties(logits, sp, prompt, gen))
+    for bad in (((V, 1.0),), ((3, 1.0), (3, 2.0))):
+        with pytest.raises(ValueError, match="logit_bias"):
+            pack(lay, buf, [SampleRow(SamplingSpec(seed=0, logit_bias=bad), 0, prompt, gen)])
+
+
 def test_pack_mask_bits_params_and_errors():
     V = 70
     lay = SamplerLayout(3, V, 16)
@@ -130,8 +159,9 @@ def test_sampler_kernels_compile_to_ptx_for_sm90(name):
 
 
 def test_sample_kernel_on_the_simulator_equals_the_host_sampler():
-    """42 boundary rows + 8 wide-nucleus rows + 40 random ones (V 200-2000, every filter,
-    penalties, masks, ties) through DeviceSampler.launch (one H2D copy, the three launches) on
+    """46 boundary rows + 8 wide-nucleus rows + 40 random ones (V 200-2000, every filter,
+    penalties, logit_bias, masks, ties) through DeviceSampler.launch (one H2D copy, the three
+    launches) on
     32-thread blocks, 4 blocks per row, 256 histogram bins and a 32-id candidate cap, so every
     plan (ALL, SMALL, WIDE, FALLBACK) runs: every token equal to sample_row's except draws at a
     named decision margin (sample_cases.EPS), which must be rare; u bit-identical to

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import re
 import uuid
 from typing import Optional
@@ -95,16 +96,31 @@ def parse_body(data: bytes, limit: int):
         raise ApiError(400, "the request body is empty; expected a JSON object",
                        code="invalid_json")
     try:
-        body = json.loads(data)
+        body = json.loads(data, parse_float=_finite_float, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}",
                        code="invalid_json") from exc
+    except ValueError as exc:       # an integer past int()'s digit limit, a float out of range
+        raise ApiError(400, f"the request body holds a number out of range: {exc}",
+                       code="invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply to parse",
                        code="invalid_json") from None
     if _SURROGATE_ESCAPE.search(data):
         _check_no_lone_surrogates(body)
     return body
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):        # 1e400 parses to inf, which no field means
+        raise ValueError(f"{text[:40]} does not fit a 64-bit float")
+    return value
+
+
+def _no_constant(name: str):
+    # json.loads accepts NaN, Infinity and -Infinity, which JSON does not have
+    raise ValueError(f"{name} is not a JSON number")
 
 
 # JSON may escape a lone UTF-16 surrogate ("\ud800"); json.loads keeps it, but it is no Unicode
@@ -213,6 +229,8 @@ class _Get:
     def on_get(self, req, resp, **params) -> None:
         write_json(resp, self.fn(self.gw, req, **params))
 
+    on_head = on_get        # the server drops the body of a HEAD answer, keeps its headers
+
 
 GET_ROUTES = {
     "/health": lambda gw, req: routes.health(gw),
@@ -250,7 +268,11 @@ def create_app(engine, config: Optional[ServeConfig] = None, **overrides) -> App
     return app
 
 
-def create_asgi_app(engine, config: Optional[ServeConfig] = None, **overrides):
-    """The same API as a falcon.asgi app (uvicorn, hypercorn, ...); see `create_app`."""
+def create_asgi_app(engine, config: Optional[ServeConfig] = None, *,
+                    watch_disconnects: bool = False, **overrides):
+    """The same API as a falcon.asgi app (uvicorn, hypercorn, ...); see `create_app`.
+    `watch_disconnects=True` cancels a non-streamed request whose client goes away (what `serve`
+    runs; off by default: Falcon's TestClient disconnects as soon as it has sent a request)."""
     from .asgi import build_asgi_app
-    return build_asgi_app(make_gateway(engine, config, overrides))
+    return build_asgi_app(make_gateway(engine, config, overrides),
+                          watch_disconnects=watch_disconnects)

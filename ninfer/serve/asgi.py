@@ -1,11 +1,16 @@
-"""The ASGI flavour of the app (falcon.asgi). Route logic is the blocking code of `routes`; it runs
-on a private thread pool so eight streams never starve the event loop's default executor, and the
-quick GET routes (/health, /metrics, /v1/models) on a second small one, so they answer even when
-every generation thread is held by a stream or a queued request.
+"""The ASGI flavour of the app (falcon.asgi), the one `python -m ninfer serve` runs (launcher.py).
+
+Route logic is the blocking code of `routes`; it runs on a private thread pool so eight streams
+never starve the event loop's default executor, and the quick GET routes (/health, /metrics,
+/v1/models) on a second small one, so they answer even when every generation thread is held by a
+stream or a queued request. A connection costs a thread only once its whole body has arrived.
 
 Streams use Falcon's `resp.sse`, which watches for the client's disconnect and stops iterating; the
 async generator then closes (its `finally` runs when it is collected or closed), which closes the
-SseIterator and so cancels the request.
+SseIterator and so cancels the request. With `watch_disconnects` (what `serve` runs), a non-streamed
+request watches its connection too while the answer is computed: a client that goes away cancels
+the Generations it started. It is off by default because Falcon's TestClient reports every
+non-streamed request as disconnected as soon as it has sent it.
 """
 from __future__ import annotations
 
@@ -19,15 +24,21 @@ from . import routes
 from .app import (GET_ROUTES, POST_ROUTES, GatewayMiddleware, error_to_reply, parse_body,
                   write_error, write_json)
 from .errors import ApiError
-from .gateway import Gateway
+from .gateway import ClientWatch, Gateway
 
 _END = object()
+_RECEIVE = "ninfer.receive"         # scope key: the ASGI receive callable of the request
 
 
 class AsgiApp(falcon.asgi.App):
     # executor: generation routes (a stream holds a thread while it waits for its next event);
     # ops_executor: the quick GET routes, so /health answers even when every stream thread is taken
-    __slots__ = ("gateway", "executor", "ops_executor")
+    __slots__ = ("gateway", "executor", "ops_executor", "watch_disconnects")
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") == "http":
+            scope[_RECEIVE] = receive           # for _until_disconnect (Falcon keeps it private)
+        await super().__call__(scope, receive, send)
 
 
 async def _sse_events(loop, executor, it: routes.SseIterator):
@@ -45,6 +56,13 @@ async def _sse_events(loop, executor, it: routes.SseIterator):
         await loop.run_in_executor(executor, it.close)
 
 
+async def _until_disconnect(receive) -> None:
+    """Returns when the client closes its connection (the body has been read already, so the
+    server has nothing else to deliver)."""
+    while (await receive()).get("type") != "http.disconnect":
+        pass
+
+
 class _Post:
     def __init__(self, app: AsgiApp, fn):
         self.app, self.fn = app, fn
@@ -52,10 +70,25 @@ class _Post:
     async def on_post(self, req, resp) -> None:
         gw = self.app.gateway
         limit = gw.config.max_body_bytes
-        data = await req.bounded_stream.read(limit + 1)
+        try:
+            data = await asyncio.wait_for(req.bounded_stream.read(limit + 1),
+                                          gw.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{gw.config.body_timeout_s:g} s", code="request_timeout") from None
         body = parse_body(data, limit)
         loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(self.app.executor, self.fn, gw, body)
+        watch = ClientWatch()
+        work = loop.run_in_executor(self.app.executor, gw.run_watched, watch, self.fn, gw, body)
+        if self.app.watch_disconnects:
+            gone = asyncio.ensure_future(_until_disconnect(req.scope[_RECEIVE]))
+            try:
+                await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not work.done():     # the client went away: stop its request, the answer is lost
+                watch.cancel()
+        reply = await work
         if reply.stream is not None:
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
@@ -74,15 +107,21 @@ class _Get:
                                            lambda: self.fn(self.app.gateway, req, **params))
         write_json(resp, reply)
 
+    on_head = on_get        # the server drops the body of a HEAD answer, keeps its headers
 
-def build_asgi_app(gw: Gateway, max_threads: int = 64) -> AsgiApp:
+
+def build_asgi_app(gw: Gateway, max_threads: int = 64, watch_disconnects: bool = False) -> AsgiApp:
     app = AsgiApp(middleware=[GatewayMiddleware(gw)])
     app.gateway = gw
+    app.watch_disconnects = watch_disconnects
     app.executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="ninfer-asgi")
     app.ops_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ninfer-asgi-ops")
 
     async def handle(req, resp, ex, params):
-        write_error(req, resp, error_to_reply(req, ex))
+        err = error_to_reply(req, ex)
+        write_error(req, resp, err)
+        if err.status in (408, 413):    # the rest of the body is never read: end the connection
+            resp.set_header("Connection", "close")
 
     for exc_type in (Exception, falcon.HTTPError, ApiError):
         app.add_error_handler(exc_type, handle)

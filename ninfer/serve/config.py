@@ -21,6 +21,12 @@ class ServeConfig:
     enable_thinking: bool = True            # chat template default; requests may override
     keepalive_s: float = 15.0               # SSE comment sent when a stream is idle this long
     drain_grace_s: float = 30.0             # SIGTERM: in-flight requests get this long, then cancel
+    # transport (the uvicorn worker under gunicorn; see launcher.py)
+    header_timeout_s: float = 10.0          # a request's line + headers must arrive within this
+    body_timeout_s: float = 30.0            # ... and its body within this after the headers (408)
+    idle_timeout_s: float = 5.0             # a keep-alive connection idle this long is closed
+    max_connections: int = 1024             # open connections beyond this get 503 at once
+    max_header_bytes: int = 16 << 10        # request line + headers above this -> 431
 
     def validate(self) -> "ServeConfig":
         def bad(name, rule):
@@ -44,4 +50,11 @@ class ServeConfig:
             bad("keepalive_s", "must be a finite number > 0")
         if not (math.isfinite(self.drain_grace_s) and self.drain_grace_s >= 0):
             bad("drain_grace_s", "must be a finite number >= 0")
+        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                bad(name, "must be a finite number > 0")
+        if self.max_connections < 1:
+            bad("max_connections", "must be >= 1")
+        if self.max_header_bytes < 1024:
+            bad("max_header_bytes", "must be >= 1024")
         return self

@@ -48,6 +48,7 @@ class Gateway:
         self._closed = False
         self._is_cancelling_all = False
         self._load_error: Optional[BaseException] = None
+        self._local = threading.local()         # .watch: the ClientWatch of this thread's request
         self._owns_engine = not hasattr(engine, "submit")
         if not self._owns_engine:
             self._engine, self._state = engine, "ready"
@@ -139,7 +140,19 @@ class Gateway:
         self.metrics.in_flight.inc()
         if is_late:         # submitted after cancel_all() had looked at _live: cancel it too
             gen.cancel()
+        watch = getattr(self._local, "watch", None)
+        if watch is not None:
+            watch.add(gen)
         return gen
+
+    def run_watched(self, watch: "ClientWatch", fn, *args):
+        """fn(*args) on this thread, with every request it starts registered in `watch` (the
+        HTTP layer cancels them when the client disconnects before the answer is ready)."""
+        self._local.watch = watch
+        try:
+            return fn(*args)
+        finally:
+            self._local.watch = None
 
     def _forget(self, gen: "Generation") -> None:
         with self._lock:
@@ -180,6 +193,30 @@ class Gateway:
         self.cancel_all()
         if engine is not None and self._owns_engine:
             engine.close()
+
+
+class ClientWatch:
+    """The Generations one HTTP request started; `cancel()` (the client went away) cancels them
+    and any started later."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._gens: list = []
+        self.is_cancelled = False
+
+    def add(self, gen: "Generation") -> None:
+        with self._lock:
+            self._gens.append(gen)
+            cancelled = self.is_cancelled
+        if cancelled:
+            gen.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.is_cancelled = True
+            gens = list(self._gens)
+        for gen in gens:
+            gen.cancel()
 
 
 class Generation:

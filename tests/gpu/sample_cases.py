@@ -90,7 +90,8 @@ def random_row(r, V, *, greedy_share=0.15):
     freq = float(r.choice([0.0, 0.0, 0.25]))
     spec = SamplingSpec(seed=int(r.integers(0, 2**63)) * 2 + int(r.integers(0, 2)),
                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep)
+                        presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep,
+                        logit_bias=random_bias(r, V) if r.random() < 0.3 else ())
     prompt = r.integers(0, V, int(r.integers(0, 60))).astype(np.int32)
     gen = r.integers(0, V, int(r.integers(0, 30))).astype(np.int32)
     if len(gen) > 3:
@@ -107,6 +108,12 @@ def random_row(r, V, *, greedy_share=0.15):
         mask = r.random(V - int(r.integers(1, 50))) < 0.8
         mask[0] = True
     return SampleRow(spec, int(r.integers(0, 1 << 40)), prompt, gen, mask)
+
+
+def random_bias(r, V):
+    """A logit_bias: a few ids pushed up or down (-100 bans), sorted by id, as SamplingSpec has it."""
+    ids = np.sort(r.choice(V, int(r.integers(1, 12)), replace=False))
+    return tuple((int(t), float(r.choice([-100.0, -3.5, 0.25, 2.0, 7.0, 100.0]))) for t in ids)
 
 
 def nucleus_rows(r, V, n):
@@ -149,4 +156,13 @@ def boundary_rows(r, V):
         spec = SamplingSpec(seed=5, is_constrained=True, **e)
         out.append(("normal", SampleRow(spec, 77, np.zeros(0, np.int32), np.zeros(0, np.int32),
                                         single)))
+    # logit_bias: +100 on one id decides a greedy row and a top-k 1 row; -100 on every id but
+    # two leaves a sampled row those two; a bias on a penalised id applies after the penalty
+    for e, bias in ((dict(temperature=0.0), ((V // 2, 100.0),)),
+                    (dict(temperature=1.0, top_k=1), ((V - 1, 100.0),)),
+                    (dict(temperature=1.0), tuple((t, -100.0) for t in range(V) if t not in (3, 9))),
+                    (dict(temperature=1.0, repetition_penalty=1.5, top_p=0.9), ((0, 2.0), (1, -2.0)))):
+        spec = SamplingSpec(seed=6, logit_bias=bias, **e)
+        out.append(("peaked", SampleRow(spec, 99, np.array([0, 1, 2], np.int32),
+                                        np.array([1], np.int32), None)))
     return out

@@ -4,7 +4,7 @@ Random requests (tests/gpu/sample_cases.py) go through cuda/sampler.py's DeviceS
 itself (its packing, its one H2D copy, its three launches and their arguments) over a fake flat
 device memory, fake driver and a launcher that runs the kernels on the simulator with a small
 geometry (argv[2] threads, argv[4] blocks per row, argv[5] histogram bins, argv[6] candidate cap:
-small enough that V 200-2000 takes every plan); `rows` random rows follow 42 boundary rows
+small enough that V 200-2000 takes every plan); `rows` random rows follow 46 boundary rows (4 with logit_bias)
 and 8 wide-nucleus rows.
 Prints one JSON line: counts of rows compared, skipped at a decision margin, token mismatches,
 RNG mismatches, argmax mismatches, steps that did not take exactly one H2D copy, and how many
@@ -36,9 +36,10 @@ from ninfer.models.qwen3_5.cuda.sampler import (KERNELS, DeviceSampler,   # noqa
 from ninfer.models.qwen3_5.program.sampling import counter_uniform   # noqa: E402
 import sample_cases as sc   # noqa: E402
 
-# the simulator has no libdevice: the one bit cast sample.py uses
+# the simulator has no libdevice: the two bit casts sample.py uses
 _fake.FakeCUDAModule.libdevice = SimpleNamespace(
-    double_as_longlong=lambda x: np.array([x], np.float64).view(np.int64)[0])
+    double_as_longlong=lambda x: np.array([x], np.float64).view(np.int64)[0],
+    hiloint2double=lambda hi, lo: np.array([lo, hi], np.int32).view(np.float64)[0])
 
 
 NP = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "uint32": np.uint32,

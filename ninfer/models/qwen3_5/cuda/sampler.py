@@ -4,9 +4,11 @@ Per step the host packs each row's request (SampleRow) into pinned staging, in o
 
     fpar f64 [rows_cap, 8]   temperature, top_p, min_p, repetition, presence, frequency,
                              plan (out: ALL 0 / SMALL 1 / WIDE 2 / FALLBACK 3), u (out)
-    ipar i32 [rows_cap, 8]   top_k (0: off), penalty word offset, penalty count, mask word offset
+    ipar i32 [rows_cap, 8]   top_k (0: off), penalty word offset, penalty count, mask word offset,
+                             logit_bias word offset, logit_bias count
     upar u64 [rows_cap, 2]   seed, position
     data u32 [...]           per row, packed back to back: penalty pairs (id, generated count),
+                             logit_bias triples (id, low and high word of the float64 bias),
                              then the grammar mask's bits (np.packbits little-endian, V bits)
 
 copies the used prefix of the block with ONE async H2D copy, and launches the three sampling
@@ -59,7 +61,8 @@ class SamplerLayout:
         self.ipar = self.fpar + 8 * NPAR * rows_cap
         self.upar = self.ipar + 4 * NPAR * rows_cap
         self.data = self.upar + 8 * 2 * rows_cap
-        self.data_words = rows_cap * (2 * self.pen_cap + self.words)
+        # logit_bias: at most one entry per id of the vocabulary
+        self.data_words = rows_cap * (2 * self.pen_cap + 3 * self.vocab + self.words)
         self.nbytes = self.data + 4 * self.data_words
 
     def views(self, buf: np.ndarray):
@@ -153,6 +156,17 @@ def pack(layout: SamplerLayout, buf: np.ndarray, rows, cache: PromptCache = None
             pairs[:, 1] = counts
             ipar[r, 1], ipar[r, 2] = used, n
             used += 2 * n
+        bias = s.logit_bias
+        if bias:
+            ids = np.array([t for t, _ in bias], np.int64)
+            values = np.array([b for _, b in bias], np.float64)
+            if ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != len(ids):
+                raise ValueError(f"sampler: logit_bias ids must be distinct and in [0, {V})")
+            triples = data[used: used + 3 * len(ids)].reshape(-1, 3)
+            triples[:, 0] = ids
+            triples[:, 1:] = values.view(np.uint32).reshape(-1, 2)     # little-endian: low, high
+            ipar[r, 4], ipar[r, 5] = used, len(ids)
+            used += 3 * len(ids)
         if row.mask is not None:
             m = np.asarray(row.mask, np.bool_)[:V]
             if not m.any():

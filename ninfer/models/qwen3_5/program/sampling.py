@@ -9,6 +9,7 @@ Semantics (per row, in this order; all filter arithmetic in float64):
    prompt + generated, logit > 0 -> logit / p, else logit * p.
 3. presence / frequency penalties (OpenAI, vLLM): over GENERATED tokens only,
    logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0).
+3a. logit_bias (OpenAI): logit[t] += bias[t] for each listed id (float64, after the penalties).
 3b. a constrained row (structured output) gets its grammar's mask: every token it does not allow
    (and every id past the mask, e.g. embedding padding beyond the tokenizer) becomes -inf.
 4. temperature == 0 -> greedy: argmax of the penalised logits (lowest id on ties); steps 5-7 skip.
@@ -50,7 +51,7 @@ def counter_uniform(seed: int, position: int) -> float:
 
 def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarray,
                     generated_ids: np.ndarray) -> np.ndarray:
-    """Penalised float64 copy of one row's logits [V] (steps 2-3)."""
+    """Penalised and biased float64 copy of one row's logits [V] (steps 2-3a)."""
     out = logits.astype(np.float64)
     if spec.repetition_penalty != 1.0:
         seen = np.unique(np.concatenate([prompt_ids, generated_ids]).astype(np.int64))
@@ -59,7 +60,16 @@ def apply_penalties(logits: np.ndarray, spec: SamplingSpec, prompt_ids: np.ndarr
     if (spec.presence_penalty or spec.frequency_penalty) and len(generated_ids):
         ids, counts = np.unique(np.asarray(generated_ids, np.int64), return_counts=True)
         out[ids] -= spec.frequency_penalty * counts + spec.presence_penalty
+    if spec.logit_bias:
+        ids, values = logit_bias_arrays(spec.logit_bias)
+        out[ids] += values
     return out
+
+
+def logit_bias_arrays(bias) -> tuple:
+    """(ids int64, biases float64) of a spec's logit_bias ((id, bias) pairs, distinct ids)."""
+    ids = np.fromiter((t for t, _ in bias), np.int64, len(bias))
+    return ids, np.fromiter((b for _, b in bias), np.float64, len(bias))
 
 
 _TOP_P_WINDOW = 1024      # top-p first looks at this many best tokens, then falls back to all
