@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="output .ninfer path (written atomically)")
     c.add_argument("--name", help="metadata.name (default: the architecture name)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quantize", choices=("fp8", "int8", "int4"),
+                   help="store the text projections quantized (fp8 blocks of 128x128, int8 / int4 "
+                        "groups of 128; see docs/artifact.md); default: as in the checkpoint")
+    c.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantize: the lm_head too (default: kept 16-bit)")
     c.set_defaults(handler=_convert)
 
     s = sub.add_parser("score", help="score text or token ids: total logprob and perplexity")
@@ -51,8 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(args) -> int:
-    from .convert import convert_checkpoint
-    out = convert_checkpoint(args.src, args.out, name=args.name, progress=not args.quiet)
+    from .convert import Quantize, convert_checkpoint
+    if args.quantize_lm_head and not args.quantize:
+        raise Error("--quantize-lm-head needs --quantize")
+    recipe = Quantize(args.quantize, quantize_lm_head=args.quantize_lm_head) \
+        if args.quantize else None
+    out = convert_checkpoint(args.src, args.out, name=args.name, progress=not args.quiet,
+                             recipe=recipe)
     print(f"wrote {out}")
     return 0
 

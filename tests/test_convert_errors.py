@@ -210,11 +210,11 @@ def test_failure_while_streaming_removes_partial(tmp_path, monkeypatch):
     real = source_mod.CheckpointSource._read_chunks
     seen = []
 
-    def flaky(self, name):
+    def flaky(self, name, *args):
         seen.append(name)
         if len(seen) == 10:
             raise OSError(5, "Input/output error")
-        yield from real(self, name)
+        yield from real(self, name, *args)
 
     monkeypatch.setattr(source_mod.CheckpointSource, "_read_chunks", flaky)
     out = tmp_path / "out.ninfer"

@@ -26,7 +26,10 @@ MIN_ALIGNMENT = 64
 _HEADER = struct.Struct("<8sIIQQIIQQII")
 assert _HEADER.size == HEADER_NBYTES
 
-LAYOUTS = ("row_major",)
+LAYOUTS = ("row_major", "fp8_block", "int8_block", "int4_block")
+# Quantized layouts (docs/artifact.md 3.2.1): the stored element dtype each one requires.
+QUANT_LAYOUTS = {"fp8_block": "float8_e4m3fn", "int8_block": "int8", "int4_block": "uint8"}
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("A16Only", "AllowA8", "AllowA4")
 VIEW_KINDS = ("slice", "elements")
 
@@ -207,7 +210,12 @@ def _validate_objects(entries, alignment, payload_offset, manifest_offset, where
         if not (isinstance(ck, str) and ck.startswith("crc32:") and len(ck) == 14
                 and all(c in "0123456789abcdef" for c in ck[6:])):
             bad(f"checksum {ck!r} is not 'crc32:' + 8 lowercase hex digits")
+        if (o["layout"] in QUANT_LAYOUTS) != ("quant" in o):
+            bad("a quantized layout needs a 'quant' field and only a quantized layout has one")
         objects[o["name"]] = o
+    for name, o in objects.items():
+        if "quant" in o:
+            _validate_quant(name, o, objects, where)
     spans = sorted((o["offset"], o["offset"] + o["nbytes"], n) for n, o in objects.items()
                    if o["nbytes"] > 0)
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
@@ -215,6 +223,75 @@ def _validate_objects(entries, alignment, payload_offset, manifest_offset, where
             raise ArtifactError(f"{where}: object {b!r}: overlaps object {a!r} "
                                 f"(starts at {start_b}, {a!r} ends at {end_a})")
     return objects
+
+
+def quant_scale_shape(shape, block) -> list:
+    """Scale (and zero) shape of a quantized parent of logical `shape` [..., R, C] in blocks
+    [br, bc]: one entry per (possibly partial) block, [..., ceil(R / br), ceil(C / bc)]."""
+    *lead, rows, cols = shape
+    return [*lead, -(-rows // block[0]), -(-cols // block[1])]
+
+
+def quant_data_shape(layout: str, shape) -> list:
+    """Stored shape of a quantized parent: the logical shape, int4 packing two per byte along
+    the last axis."""
+    if layout == "int4_block":
+        return [*shape[:-1], -(-shape[-1] // 2)]
+    return list(shape)
+
+
+def _validate_quant(name: str, o: dict, objects: dict, where: str) -> None:
+    def bad(rule):
+        raise ArtifactError(f"{where}: object {name!r}: quant: {rule}")
+
+    q, layout = o["quant"], o["layout"]
+    if not isinstance(q, dict):
+        bad("must be an object")
+    if o["dtype"] != QUANT_LAYOUTS[layout]:
+        bad(f"layout {layout} stores {QUANT_LAYOUTS[layout]}, the object is {o['dtype']}")
+    shape, block = q.get("shape"), q.get("block")
+    if not (isinstance(shape, list) and len(shape) >= 2 and all(_is_int(d) and d > 0 for d in shape)):
+        bad(f"shape {shape!r} must be a list of >= 2 positive ints (matrices [..., rows, cols])")
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_int(d) and d > 0 for d in block)):
+        bad(f"block {block!r} must be [rows, cols] of positive ints")
+    if o["shape"] != quant_data_shape(layout, shape):
+        bad(f"stored shape {o['shape']} != {quant_data_shape(layout, shape)} for logical shape "
+            f"{shape} in layout {layout}")
+    want = quant_scale_shape(shape, block)
+    for role in ("scale", "zero"):
+        ref = q.get(role)
+        if ref is None:
+            if role == "scale":
+                bad("missing 'scale' object name")
+            continue
+        if role == "zero" and layout != "int4_block":
+            bad(f"layout {layout} is symmetric: it has no zero points")
+        part = objects.get(ref) if isinstance(ref, str) else None
+        if part is None:
+            bad(f"{role} object {ref!r} does not exist")
+        dtypes = SCALE_DTYPES if role == "scale" else ("uint8",)
+        if part["layout"] != "row_major" or part["dtype"] not in dtypes or part["shape"] != want:
+            bad(f"{role} object {ref!r} must be row_major {' / '.join(dtypes)} of shape {want}, "
+                f"is {part['layout']} {part['dtype']} {part['shape']}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized binding as stored: decode with `(q - zero) * scale` per block
+    (docs/artifact.md 3.2.1; `ninfer.models.qwen3_5.quant.dequantize` is the reference decoder).
+    `view` (the binding's, or None) applies to the decoded logical tensor of `shape`."""
+    layout: str
+    shape: tuple            # logical shape of the parent [..., R, C]
+    block: tuple            # (rows, cols) per scale entry
+    data: np.ndarray        # stored elements (int4: uint8, two per byte)
+    scale: np.ndarray
+    zero: np.ndarray | None
+    view: dict | None
+
+
+def logical_shape(o: dict) -> list:
+    """The shape an object presents to bindings: its quant shape when quantized."""
+    return list(o["quant"]["shape"]) if "quant" in o else list(o["shape"])
 
 
 def validate_binding(logical: str, b, objects: dict, where: str) -> None:
@@ -229,7 +306,7 @@ def validate_binding(logical: str, b, objects: dict, where: str) -> None:
     view = b.get("view")
     if view is None:
         return
-    shape = parent["shape"]
+    shape = logical_shape(parent)
     if not isinstance(view, dict) or view.get("kind") not in VIEW_KINDS:
         bad(f"view {view!r} must be an object with kind in {VIEW_KINDS}")
     start, stop = view.get("start"), view.get("stop")
@@ -299,9 +376,9 @@ def binding_shape(b: dict, objects: dict) -> list:
     parent = objects[b["object"]]
     view = b.get("view")
     if view is None:
-        return list(parent["shape"])
+        return logical_shape(parent)
     if view["kind"] == "slice":
-        shape = list(parent["shape"])
+        shape = logical_shape(parent)
         shape[view["axis"]] = view["stop"] - view["start"]
         return shape
     return list(view["shape"])

@@ -112,8 +112,13 @@ class Artifact:
     # -- payload -------------------------------------------------------------------------------
 
     def tensor(self, name: str) -> np.ndarray:
-        """Read-only, zero-copy view of a binding, in its logical shape."""
+        """Read-only, zero-copy view of a binding, in its logical shape. A quantized binding
+        raises (its bytes are not its values): read it with `quantized()`."""
         b = self._binding(name)
+        layout = self._objects[b["object"]]["layout"]
+        if layout != "row_major":
+            raise ArtifactError(f"{self.path}: binding {name!r} is quantized ({layout}): read it "
+                                "with Artifact.quantized() and dequantize")
         arr = self._object_array(b["object"])
         view = b.get("view")
         if view is None:
@@ -123,6 +128,21 @@ class Artifact:
             index[view["axis"]] = slice(view["start"], view["stop"])
             return arr[tuple(index)]
         return arr.reshape(-1)[view["start"]:view["stop"]].reshape(view["shape"])
+
+    def is_quantized(self, name: str) -> bool:
+        return self._objects[self._binding(name)["object"]]["layout"] != "row_major"
+
+    def quantized(self, name: str) -> fmt.QuantizedTensor:
+        """The stored parts of a quantized binding (zero-copy views of the mapping)."""
+        b = self._binding(name)
+        o = self._objects[b["object"]]
+        q = o.get("quant")
+        if q is None:
+            raise ArtifactError(f"{self.path}: binding {name!r} is not quantized")
+        zero = self._object_array(q["zero"]) if q.get("zero") else None
+        return fmt.QuantizedTensor(o["layout"], tuple(q["shape"]), tuple(q["block"]),
+                                   self._object_array(b["object"]), self._object_array(q["scale"]),
+                                   zero, b.get("view"))
 
     def resource(self, name: str) -> bytes | None:
         obj = self._manifest["resources"].get(name)

@@ -101,7 +101,10 @@ class ArtifactWriter:
 
     # -- objects -------------------------------------------------------------------------------
 
-    def begin_object(self, name: str, dtype, shape, layout: str = "row_major") -> ObjectSink:
+    def begin_object(self, name: str, dtype, shape, layout: str = "row_major",
+                     quant: dict | None = None) -> ObjectSink:
+        """`quant`: the quantized-layout fields (docs/artifact.md 3.2.1), checked at finish()
+        once the scale / zero objects it names exist."""
         self._check_open()
         if self._sink is not None:
             raise ArtifactError(f"object {name!r}: object {self._sink._entry['name']!r} is still open")
@@ -120,6 +123,8 @@ class ArtifactWriter:
         entry = {"name": name, "dtype": dtype_name, "shape": shape, "layout": layout,
                  "offset": offset,
                  "nbytes": math.prod(shape) * fmt.DTYPES[dtype_name].itemsize, "checksum": None}
+        if quant is not None:
+            entry["quant"] = dict(quant)
         self._sink = ObjectSink(self, entry)
         return self._sink
 

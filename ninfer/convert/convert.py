@@ -17,6 +17,7 @@ from ..artifact import ArtifactWriter
 from ..errors import ConvertError
 from ..models.qwen3_5.config import TextConfig
 from . import names as N
+from .quantize import SCALE_SUFFIX, Quantize, QuantPlan, plan_release_fp8, write_quantized
 from .recipe import Recipe, ValuePreserving
 from .source import CheckpointSource
 
@@ -27,6 +28,7 @@ class ObjectPlan:
     shape: tuple
     source_dtype: np.dtype
     sources: list                # source tensor names, concatenated in this order (row-major)
+    quant: QuantPlan | None = None   # stored quantized (an FP8 release, or recipe Quantize)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class ConversionPlan:
     tied_lm_head: bool = False
     expert_layout: str | None = None                # "per_expert" | "fused" | None (dense)
     ignored: list = field(default_factory=list)     # source names deliberately not imported
+    scales: dict = field(default_factory=dict)      # FP8 release: weight source -> its scale_inv
 
     @property
     def nbytes(self) -> int:
@@ -50,11 +53,16 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
     recipe = recipe or ValuePreserving()
     src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
     with CheckpointSource(src_dir) as src:
-        plan = plan_conversion(src)
+        plan = plan_conversion(src, recipe)
         metadata = {"recipe": recipe.name, "tied_lm_head": plan.tied_lm_head,
                     "source": {"architecture": src.config.architecture,
                                "expert_layout": plan.expert_layout,
                                "files": sorted({t.file for t in src.tensors.values()})}}
+        if src.quantization is not None:
+            metadata["quantization"] = {"format": "fp8", "from": "checkpoint",
+                                        "block": list(src.quantization["block"])}
+        elif any(o.quant for o in plan.objects):
+            metadata["quantization"] = recipe.describe()
         with ArtifactWriter(out_path, src.config, name=name, metadata=metadata) as writer:
             _write(src, plan, recipe, writer, progress)
     return out_path
@@ -73,7 +81,7 @@ def _natural_key(s: str):
     return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", s)]
 
 
-def plan_conversion(src: CheckpointSource) -> ConversionPlan:
+def plan_conversion(src: CheckpointSource, recipe: Recipe | None = None) -> ConversionPlan:
     """Map and validate every source tensor; read no payload."""
     t = src.config.text
     plan = ConversionPlan()
@@ -95,7 +103,26 @@ def plan_conversion(src: CheckpointSource) -> ConversionPlan:
             base, I = o.name.rsplit(".", 1)[0], o.shape[1] // 2
             plan.views[base + ".gate_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": 0, "stop": I})
             plan.views[base + ".up_proj"] = (o.name, {"kind": "slice", "axis": 1, "start": I, "stop": 2 * I})
+    _plan_quantization(src, plan, recipe or ValuePreserving())
     return plan
+
+
+def _plan_quantization(src: CheckpointSource, plan: ConversionPlan, recipe: Recipe) -> None:
+    """Which objects are stored quantized: those of an FP8 release as they are, or the recipe's
+    choice from an unquantized checkpoint."""
+    if src.quantization is not None:
+        if isinstance(recipe, Quantize):
+            raise ConvertError(f"{src.dir}: the checkpoint is already quantized (FP8); convert it "
+                               "without --quantize (its FP8 weights are imported as they are)")
+        plan_release_fp8(src, plan)
+        return
+    for o in plan.objects:
+        if N.component(o.name) != "text" or len(o.shape) < 2:
+            continue
+        tied_head = plan.tied_lm_head and o.name == "text.embed_tokens.weight"
+        if recipe.selects("text.lm_head.weight" if tied_head else o.name):
+            gate_up = o.name.endswith(".mlp.experts." + N.FUSED_GATE_UP)
+            o.quant = recipe.quant_plan(o.name, o.shape, o.shape[-2] // 2 if gate_up else o.shape[-2])
 
 
 def _collect(src: CheckpointSource, plan: ConversionPlan) -> tuple[dict, dict]:
@@ -103,6 +130,9 @@ def _collect(src: CheckpointSource, plan: ConversionPlan) -> tuple[dict, dict]:
     whole: dict[str, str] = {}
     experts: dict[str, dict] = {}
     for s in sorted(src.tensors, key=_natural_key):
+        if src.quantization is not None and s.endswith(SCALE_SUFFIX):
+            plan.scales[s[:-len(SCALE_SUFFIX)] + ".weight"] = s
+            continue
         lg = N.logical_name(s)
         if lg is None:
             plan.ignored.append(s)
@@ -216,6 +246,10 @@ def _write(src: CheckpointSource, plan: ConversionPlan, recipe: Recipe, writer: 
                desc=f"convert {src.dir.name}", leave=False)
     try:
         for o in plan.objects:
+            if o.quant is not None:
+                write_quantized(src, o, writer, bar.update)
+                writer.bind(o.name, o.name)
+                continue
             dtype, layout = recipe.stored(o.name, o.source_dtype, o.shape)
             with writer.begin_object(o.name, dtype, o.shape, layout) as sink:
                 for s in o.sources:
@@ -229,9 +263,13 @@ def _write(src: CheckpointSource, plan: ConversionPlan, recipe: Recipe, writer: 
         writer.bind(logical, obj)
     for logical, (obj, view) in plan.views.items():
         writer.bind(logical, obj, view)
+    fp8 = {o.name for o in plan.objects if o.quant and o.quant.layout == "fp8_block"}
     for logical in [o.name for o in plan.objects] + list(plan.aliases):
         if N.component(logical) == "text":
             site, position = N.use_site(logical)
-            writer.add_use(site, logical, [position], recipe.activation(logical))
+            # FP8 weights may meet FP8 activations (per token-group of 128), as the release's
+            # dynamic activation scheme does; int8 / int4 are weight-only
+            act = "AllowA8" if plan.aliases.get(logical, logical) in fp8 else recipe.activation(logical)
+            writer.add_use(site, logical, [position], act)
     for rname, data in src.resources().items():
         writer.add_resource(rname, data)

@@ -2,9 +2,9 @@
 
 The converter asks the recipe, per logical parameter, which dtype it stores, hands it the source
 values piece by piece (row blocks, or one expert at a time), and records the activation permission the
-recipe grants each use. `ValuePreserving` keeps the source bytes exactly. A quantizing recipe (later)
-subclasses `Recipe`, returns a packed dtype/layout from `stored`, encodes pieces in `encode`, and may
-grant `AllowA8` / `AllowA4`.
+recipe grants each use. `ValuePreserving` keeps the source bytes exactly. The quantizing recipe
+(`quantize.Quantize`) also `selects` the weights it stores quantized and gives each a `quant_plan`;
+those objects bypass `stored` / `encode` (quantize.write_quantized encodes whole blocks).
 """
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ class Recipe:
 
     def activation(self, logical: str) -> str:
         """Activation permission of the uses of `logical`: A16Only, AllowA8 or AllowA4."""
+        raise NotImplementedError
+
+    def selects(self, logical: str) -> bool:
+        """Whether the text weight `logical` is stored quantized (`quant_plan` says how)."""
+        return False
+
+    def quant_plan(self, logical: str, shape: tuple, segment_rows: int):
         raise NotImplementedError
 
 

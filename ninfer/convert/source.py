@@ -10,6 +10,7 @@ import json
 import math
 import pathlib
 import re
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -67,6 +68,7 @@ class CheckpointSource:
         except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
             raise ConvertError(f"{self.dir / 'config.json'}: malformed config "
                                f"({type(exc).__name__}: {exc})") from exc
+        self.quantization = source_quantization(self.hf_config, self.dir / "config.json")
         self._stack = contextlib.ExitStack()
         self._handles = {}
         try:
@@ -77,25 +79,47 @@ class CheckpointSource:
 
     # -- tensors -------------------------------------------------------------------------------
 
-    def read_chunks(self, name: str):
-        """Yield the tensor in row blocks along axis 0 (the whole tensor when it is small)."""
+    def read_chunks(self, name: str, row_multiple: int = 1):
+        """Yield the tensor in row blocks along axis 0 (the whole tensor when it is small), each
+        block but the last a multiple of `row_multiple` rows (quantization blocks stay whole)."""
         try:
-            yield from self._read_chunks(name)
+            yield from self._read_chunks(name, row_multiple)
         except (SafetensorError, OSError) as exc:
             info = self.tensors[name]
             raise ConvertError(f"{self.dir / info.file}: cannot read tensor {name!r} ({exc})") from exc
 
-    def _read_chunks(self, name: str):
+    def read_whole(self, name: str) -> np.ndarray:
+        """A small tensor (a scale) in one piece."""
+        return np.concatenate(list(self.read_chunks(name)))
+
+    def _read_chunks(self, name: str, row_multiple: int = 1):
         info = self.tensors[name]
         sl = self._handle(info.file).get_slice(name)
         rows = info.shape[0] if info.shape else 0
         row_bytes = info.nbytes // rows if rows else info.nbytes
+        raw = info.dtype.kind == "V" and info.dtype.itemsize == 1       # float8: numpy has none
+        if raw:
+            sl = _RawRows(self.dir / info.file, self._raw_offset(info), info)
         if not info.shape or info.nbytes <= CHUNK_BYTES or row_bytes == 0:
-            yield self._checked(info, self._handle(info.file).get_tensor(name))
+            whole = sl[()] if raw else self._handle(info.file).get_tensor(name)
+            yield self._checked(info, whole)
             return
-        step = max(1, CHUNK_BYTES // row_bytes)
+        step = max(1, CHUNK_BYTES // row_bytes) // row_multiple * row_multiple or row_multiple
         for start in range(0, rows, step):
             yield self._checked(info, sl[start:min(start + step, rows)])
+
+    def _raw_offset(self, info: TensorInfo) -> int:
+        """File offset of a tensor's first byte (safetensors: u64 header size, JSON header with
+        data_offsets relative to the end of the header)."""
+        path = self.dir / info.file
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        begin, end = header[info.name]["data_offsets"]
+        if end - begin != info.nbytes:
+            raise ConvertError(f"{path}: tensor {info.name!r} spans {end - begin} bytes, its "
+                               f"shape needs {info.nbytes}")
+        return 8 + n + begin
 
     def close(self) -> None:
         self._handles.clear()
@@ -235,3 +259,57 @@ class CheckpointSource:
         if not isinstance(data, dict):
             raise ConvertError(f"{p}: expected a JSON object, got {type(data).__name__}")
         return data
+
+
+def source_quantization(hf_config: dict, where) -> dict | None:
+    """The checkpoint's `quantization_config` when the converter can import it value-preserving
+    (block-wise FP8 e4m3 with dynamic activations, as Qwen's FP8 releases), else ConvertError
+    naming the method; None for an unquantized checkpoint."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        qc = (hf_config.get("text_config") or {}).get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConvertError(f"{where}: quantization_config is not an object")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ConvertError(f"{where}: quantization_config.quant_method {method!r} is not supported "
+                           "(the converter imports block-wise FP8 checkpoints, quant_method 'fp8', "
+                           "and unquantized ones; convert the unquantized release, with --quantize "
+                           "for smaller weights)")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ConvertError(f"{where}: FP8 fmt {qc.get('fmt')!r} is not supported (only 'e4m3')")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConvertError(f"{where}: FP8 weight_block_size {block!r} is not [rows, cols] "
+                           "(per-tensor FP8 checkpoints are not supported, block-wise ones are)")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConvertError(f"{where}: FP8 activation_scheme {qc.get('activation_scheme')!r} is "
+                           "not supported (only 'dynamic'; static input scales are not imported)")
+    skip = qc.get("modules_to_not_convert") or []
+    return {"method": "fp8", "block": tuple(block), "modules_to_not_convert": list(skip)}
+
+
+class _RawRows:
+    """Row slices of a tensor read straight from its file, for the dtypes safetensors' numpy
+    reader cannot build (float8_e4m3fn: numpy has no such type; ml_dtypes does)."""
+
+    def __init__(self, path, offset: int, info: TensorInfo):
+        self.path, self.offset, self.info = path, offset, info
+
+    def __getitem__(self, rows):
+        info = self.info
+        if rows == ():                          # the whole tensor
+            start, stop, row_bytes = 0, 1, info.nbytes
+        else:
+            start, stop = rows.start, rows.stop
+            row_bytes = info.nbytes // info.shape[0]
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start * row_bytes)
+            raw = f.read((stop - start) * row_bytes)
+        if len(raw) != (stop - start) * row_bytes:
+            raise OSError(f"short read of {info.name!r} (truncated file?)")
+        shape = info.shape if rows == () else (stop - start, *info.shape[1:])
+        return np.frombuffer(raw, info.dtype).reshape(shape)

@@ -8,6 +8,8 @@ def load_model(artifact, options):
     """Bind the artifact's text parameters on the backend named by `options.backend`."""
     backend = getattr(options, "backend", "numpy")
     if backend == "cuda":
+        from .quant import require_unquantized
+        require_unquantized(artifact, "cuda")     # no quantized kernels yet: refuse, not garbage
         try:
             from .cuda_model import load_cuda_model
         except ImportError as exc:

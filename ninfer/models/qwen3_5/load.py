@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ArtifactError
+from . import quant
 from .config import FULL_ATTENTION, TextConfig
 
 
@@ -23,6 +24,8 @@ class ParamReader:
         art = self._artifact
         if hasattr(art, "has") and not art.has(name):
             raise ArtifactError(f"missing binding {name!r} (expected shape {list(shape)})")
+        if quant.is_quantized(art, name):          # decoded per binding, into a fresh array
+            return self._checked(name, shape, quant.dequantize(art.quantized(name), name))
         raw = art.tensor(name)
         if tuple(raw.shape) != tuple(shape):
             raise ArtifactError(f"binding {name!r}: shape {list(raw.shape)} != expected {list(shape)}")
@@ -30,10 +33,16 @@ class ParamReader:
             if stored.shape == raw.shape and stored.dtype == raw.dtype and \
                     stored.__array_interface__["data"][0] == raw.__array_interface__["data"][0]:
                 return f32
-        f32 = np.ascontiguousarray(raw, dtype=np.float32)
+        f32 = self._checked(name, shape, np.ascontiguousarray(raw, dtype=np.float32))
+        self._converted.append((raw, f32))
+        return f32
+
+    @staticmethod
+    def _checked(name: str, shape: tuple, f32: np.ndarray) -> np.ndarray:
+        if tuple(f32.shape) != tuple(shape):
+            raise ArtifactError(f"binding {name!r}: shape {list(f32.shape)} != expected {list(shape)}")
         if not np.all(np.isfinite(f32)):
             raise ArtifactError(f"binding {name!r}: contains non-finite values")
-        self._converted.append((raw, f32))
         return f32
 
 

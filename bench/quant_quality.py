@@ -1,0 +1,90 @@
+"""Quality of the quantized formats: perplexity of each `--quantize` format against the bf16
+conversion of the same checkpoint, on the same tokens (issue 13's quality gates).
+
+    python bench/quant_quality.py CKPT_DIR --text heldout.txt [--max-tokens 4096]
+    python bench/quant_quality.py tests/fixtures/dense            # no text: the fixture's ids
+
+Prints one row per format: weight bytes (every stored object but the frontend resources), mean NLL, perplexity, its increase over bf16, and the
+mean KL(bf16 || format) of the next-token distributions. Scores with CausalScoring on the numpy
+backend unless --backend cuda (which runs no quantized format yet).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from ninfer import Engine  # noqa: E402
+from ninfer.artifact import Artifact  # noqa: E402
+from ninfer.convert import Quantize, convert_checkpoint  # noqa: E402
+
+# name -> recipe arguments (None: value-preserving); the first rows are the CLI's formats
+FORMATS = {
+    "bf16": None,
+    "fp8": dict(format="fp8"),
+    "int8": dict(format="int8"),
+    "int4": dict(format="int4"),
+    "int8-channel": dict(format="int8", group=None),
+    "int4-sym": dict(format="int4", asymmetric=False),
+}
+
+
+def fixture_ids(ckpt: pathlib.Path) -> np.ndarray:
+    with np.load(ckpt / "reference.npz") as z:
+        return np.concatenate([z[f"prefill_ids_{s}"] for s in range(len(z["prefill_lengths"]))])
+
+
+def score(path, ids, backend: str, chunk: int):
+    with Engine(path, backend=backend, purpose="scoring", prefill_chunk=chunk) as engine:
+        res = engine.score(ids, return_logits=True)
+    logits = res.logits.astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return float(-np.mean(res.logprobs)), logp
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("ckpt", type=pathlib.Path, help="an unquantized HF checkpoint directory")
+    ap.add_argument("--text", type=pathlib.Path, help="held-out text (default: a fixture's ids)")
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--chunk", type=int, default=512)
+    args = ap.parse_args(argv)
+    names = args.formats.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, base = [], None
+        for name in ["bf16"] + [n for n in names if n != "bf16"]:
+            kw = FORMATS[name]
+            path = pathlib.Path(tmp) / f"{name}.ninfer"
+            convert_checkpoint(args.ckpt, path, progress=False,
+                               recipe=Quantize(**kw) if kw else None)
+            if base is None:
+                with Engine(path, purpose="scoring") as engine:
+                    ids = engine.tokenize(args.text.read_text()) if args.text \
+                        else fixture_ids(args.ckpt)
+                ids = np.asarray(ids[:args.max_tokens], np.int32)
+            with Artifact(path) as art:        # weights: every object but the resources
+                nbytes = sum(o["nbytes"] for o in art.manifest["objects"]
+                             if not o["name"].startswith("resource/"))
+            nll, logp = score(path, ids, args.backend, args.chunk)
+            if base is None:
+                base = (nll, logp)
+            kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
+            rows.append((name, nbytes, nll, kl))
+    print(f"{args.ckpt.name}: {len(ids)} tokens, backend {args.backend}")
+    print(f"{'format':14s} {'weight MB':>9s} {'nll':>9s} {'ppl':>10s} {'ppl +%':>8s} {'KL':>9s}")
+    for name, size, nll, kl in rows:
+        inc = (np.exp(nll - base[0]) - 1) * 100
+        print(f"{name:14s} {size / 1e6:9.4f} {nll:9.5f} {np.exp(nll):10.4f} {inc:8.3f} {kl:9.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

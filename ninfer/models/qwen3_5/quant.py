@@ -1,0 +1,110 @@
+"""Quantized weights on the numpy backend: decode each quantized binding to float32 at load.
+
+The encodings are docs/artifact.md 3.2.1; this is their reference decoder:
+
+    value[..., r, c] = (q[..., r, c] - zero[..., r // br, c // bc]) * scale[..., r // br, c // bc]
+
+q: fp8_block float8_e4m3fn, int8_block int8, int4_block the 4-bit unsigned nibble c of byte
+c // 2 (even c: bits 0-3, odd c: bits 4-7); zero: the zero object (int4 asymmetric), 8 for a
+symmetric int4 parent, 0 otherwise. The CUDA backend has no kernels for these layouts yet and
+refuses such an artifact up front (`require_unquantized`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import ArtifactError, DeviceError
+
+# Elements decoded per step: bounds the float32 temporaries of a large parent (an embedding).
+_STEP_ELEMENTS = 1 << 24
+
+
+def dequantize(qt, name: str = "") -> np.ndarray:
+    """float32 values of a QuantizedTensor (`Artifact.quantized(name)`), its view applied."""
+    *lead, rows, cols = qt.shape
+    br, bc = qt.block
+    data = qt.data.reshape(-1, *qt.data.shape[-2:])           # [M, R, C'] over leading dims
+    scale = np.asarray(qt.scale, np.float32).reshape(-1, *qt.scale.shape[-2:])
+    zero = None if qt.zero is None else qt.zero.reshape(-1, *qt.zero.shape[-2:])
+    if zero is not None and int(zero.max(initial=0)) > 15:
+        raise ArtifactError(f"binding {name!r}: int4 zero point {int(zero.max())} > 15")
+    out = np.empty((data.shape[0], rows, cols), np.float32)
+    band = max(br, (_STEP_ELEMENTS // max(cols, 1)) // br * br)     # whole row blocks per step
+    for m in range(data.shape[0]):
+        for r0 in range(0, rows, band):
+            r1 = min(r0 + band, rows)
+            q = _codes(qt.layout, data[m, r0:r1], cols)
+            s = _expand(scale[m, r0 // br: -(-r1 // br)], br, bc, r1 - r0, cols)
+            if zero is not None:
+                q -= _expand(zero[m, r0 // br: -(-r1 // br)], br, bc, r1 - r0, cols)
+            elif qt.layout == "int4_block":
+                q -= 8.0
+            out[m, r0:r1] = q * s
+    out = out.reshape(*lead, rows, cols)
+    if not np.all(np.isfinite(out)):
+        raise ArtifactError(f"binding {name!r}: dequantized values are not all finite")
+    return _apply_view(out, qt.view)
+
+
+def _codes(layout: str, stored: np.ndarray, cols: int) -> np.ndarray:
+    """float32 codes q of one row band."""
+    if layout == "int4_block":
+        low, high = stored & 0x0F, stored >> 4
+        q = np.stack([low, high], axis=-1).reshape(stored.shape[0], -1)[:, :cols]
+        return q.astype(np.float32)
+    if layout in ("fp8_block", "int8_block"):
+        return stored.astype(np.float32)
+    raise ArtifactError(f"unknown quantized layout {layout!r}")
+
+
+def _expand(per_block: np.ndarray, br: int, bc: int, rows: int, cols: int) -> np.ndarray:
+    """Blocks [ceil(rows/br), ceil(cols/bc)] -> one entry per element [rows, cols]."""
+    e = np.repeat(np.repeat(per_block.astype(np.float32), br, axis=0), bc, axis=1)
+    return e[:rows, :cols]
+
+
+def _apply_view(arr: np.ndarray, view: dict | None) -> np.ndarray:
+    if view is None:
+        return arr
+    if view["kind"] == "slice":
+        index = [slice(None)] * arr.ndim
+        index[view["axis"]] = slice(view["start"], view["stop"])
+        return np.ascontiguousarray(arr[tuple(index)])
+    return arr.reshape(-1)[view["start"]:view["stop"]].reshape(view["shape"]).copy()
+
+
+def is_quantized(artifact, name: str) -> bool:
+    """True for a binding stored in a quantized layout (artifacts without the notion: False)."""
+    probe = getattr(artifact, "is_quantized", None)
+    return bool(probe is not None and probe(name))
+
+
+def weight_formats(artifact) -> dict:
+    """{binding: (layout, activation)} of every quantized binding with a use: what a backend
+    must run. The activation permission is the intersection over the binding's uses."""
+    manifest = getattr(artifact, "manifest", None)
+    if manifest is None:
+        return {}
+    order = {"A16Only": 0, "AllowA8": 1, "AllowA4": 2}
+    formats = {}
+    for use in manifest["uses"]:
+        b = use["binding"]
+        if not is_quantized(artifact, b):
+            continue
+        layout = artifact.quantized(b).layout
+        prev = formats.get(b, (layout, use["activation"]))[1]
+        act = min(prev, use["activation"], key=order.__getitem__)
+        formats[b] = (layout, act)
+    return formats
+
+
+def require_unquantized(artifact, backend: str) -> None:
+    """DeviceError naming the formats when `backend` would meet quantized weights it cannot run."""
+    formats = weight_formats(artifact)
+    if formats:
+        layouts = sorted({layout for layout, _ in formats.values()})
+        first = next(iter(formats))
+        raise DeviceError(
+            f"backend {backend!r} cannot run quantized weights yet ({', '.join(layouts)}; "
+            f"{len(formats)} bindings, e.g. {first!r}): use backend 'numpy' (it dequantizes at "
+            "load), or an artifact converted from a bf16 checkpoint without --quantize")
