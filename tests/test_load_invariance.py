@@ -72,7 +72,7 @@ def test_replay_of_a_paused_prefill_keeps_its_chunks():
     prog.release(sid)
 
 
-# ---- cuBLASLt plans (fake library: records the calls) ---------------------------------------------
+# ---- GEMMs: no atomics, one problem shape for every decode batch --------------------------------
 
 def _fake_lt(invariant):
     from ninfer.core.cuda import cublaslt as C
@@ -85,7 +85,6 @@ def _fake_lt(invariant):
                 if name.endswith("Create"):
                     args[0]._obj.value = 0x1000 + len(calls)
                 if name == "cublasLtMatmulAlgoGetHeuristic":
-                    args[-2][0].algo[0] = 100 + len(calls)        # a distinct algorithm per call
                     args[-1]._obj.value = 1
                 return 0
             return call
@@ -95,54 +94,52 @@ def _fake_lt(invariant):
     return lt, calls
 
 
-def _names(calls, name):
-    return [a for n, a in calls if n == name]
-
-
-def test_invariant_plans_pin_one_algorithm_for_every_small_m():
+@pytest.mark.parametrize("invariant", [False, True])
+def test_invariant_preference_forbids_atomic_split_k(invariant):
     from ninfer.core.cuda import cublaslt as C
-    lt, calls = _fake_lt(True)
-    plans = {m: lt.plan(m, 4096, 2048) for m in range(1, C.PIN_M + 1)}
-    assert len(_names(calls, "cublasLtMatmulAlgoGetHeuristic")) == 1     # asked for M = PIN_M
-    assert len(_names(calls, "cublasLtMatmulAlgoCheck")) == C.PIN_M - 1  # checked for the rest
-    algos = {bytes(p.algo) for p in plans.values()}
-    assert len(algos) == 1 and all(p.m == m for m, p in plans.items())
-    # the preference forbids atomics-reduced split-K
-    masks = [a for a in _names(calls, "cublasLtMatmulPreferenceSetAttribute")
-             if a[1] == C.PREF_REDUCTION_SCHEME_MASK]
-    assert len(masks) == 1 and masks[0][2]._obj.value == C.INVARIANT_REDUCTIONS
-    assert not C.INVARIANT_REDUCTIONS & C.REDUCTION_INPLACE
-    # a prefill M has its own plan; another weight shape its own pinned algorithm
-    big = lt.plan(100, 4096, 2048)
-    other = lt.plan(3, 1024, 2048)
-    assert bytes(big.algo) not in algos and bytes(other.algo) not in algos
+    lt, calls = _fake_lt(invariant)
+    lt.plan(8, 4096, 2048)
+    masks = [a for n, a in calls if n == "cublasLtMatmulPreferenceSetAttribute"
+             and a[1] == C.PREF_REDUCTION_SCHEME_MASK]
+    if invariant:
+        assert len(masks) == 1 and masks[0][2]._obj.value == C.INVARIANT_REDUCTIONS
+        assert not C.INVARIANT_REDUCTIONS & C.REDUCTION_INPLACE
+    else:
+        assert masks == []
 
 
-def test_default_plans_ask_the_heuristic_per_m():
-    from ninfer.core.cuda import cublaslt as C
-    lt, calls = _fake_lt(False)
-    algos = {bytes(lt.plan(m, 4096, 2048).algo) for m in range(1, 9)}
-    assert len(algos) == 8 and not _names(calls, "cublasLtMatmulAlgoCheck")
-    assert not [a for a in _names(calls, "cublasLtMatmulPreferenceSetAttribute")
-                if a[1] == C.PREF_REDUCTION_SCHEME_MASK]
+def _runner(invariant):
+    from ninfer.models.qwen3_5.cuda import runner as R
+    from ninfer.models.qwen3_5.config import TextConfig
+    cfg = TextConfig(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=256)
+    r = R.StepRunner.__new__(R.StepRunner)
+    r.cfg, r.rows, r.dry, r.profile, r.invariant = cfg, None, False, None, invariant
+    r.gemms = []
+    lt = SimpleNamespace(gemm=lambda st, x, w, y, m, n, k, *a: r.gemms.append((m, n, k)))
+    ws = SimpleNamespace(x=SimpleNamespace(ptr=0), proj=SimpleNamespace(ptr=0),
+                         act=SimpleNamespace(ptr=0), h=SimpleNamespace(ptr=0), mid=0, part=0,
+                         ml=0, tc=SimpleNamespace(l_cap=0))
+    r.m = SimpleNamespace(ws=ws, lt=lt, attn_tc_min_tokens=64,
+                          device=SimpleNamespace(num_sms=132))
+    return r
+
+
+def test_invariant_gemms_run_every_small_m_as_pin_m():
+    from ninfer.core.cuda.cublaslt import PIN_M
+    for invariant in (False, True):
+        r = _runner(invariant)
+        for m in (1, 3, PIN_M, PIN_M + 1, 100):
+            r.gemm(None, 0, 0, 0, m, 64, 32)
+        want = [max(m, PIN_M) if invariant else m for m in (1, 3, PIN_M, PIN_M + 1, 100)]
+        assert [g[0] for g in r.gemms] == want
 
 
 # ---- decode attention splits -------------------------------------------------------------------
 
 def _attention_splits_of(invariant, n):
-    from ninfer.models.qwen3_5.cuda import runner as R
-    from ninfer.models.qwen3_5.config import TextConfig
-    cfg = TextConfig(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=256)
-    r = R.StepRunner.__new__(R.StepRunner)
-    r.cfg, r.rows, r.dry, r.profile = cfg, None, False, None
-    ws = SimpleNamespace(x=SimpleNamespace(ptr=0), proj=SimpleNamespace(ptr=0),
-                         act=SimpleNamespace(ptr=0), h=SimpleNamespace(ptr=0), mid=0, part=0,
-                         ml=0, tc=SimpleNamespace(l_cap=0))
-    r.m = SimpleNamespace(ws=ws, batch_invariant=invariant, attn_tc_min_tokens=64,
-                          device=SimpleNamespace(num_sms=132))
+    r = _runner(invariant)
     launches = []
     r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append((kernel, grid))
-    r.gemm = lambda *a, **k: None
     meta = SimpleNamespace(layout=SimpleNamespace(n_cap=16, p_cap=4), positions=0, token_row=0,
                            query_start=0, context_lens=0, block_tables=0)
     lw = {k: SimpleNamespace(ptr=0) for k in ("w_in", "w_out", "q_norm", "k_norm")}

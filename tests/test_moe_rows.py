@@ -194,7 +194,7 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
         copy_htod_async=lambda dst, src, nb, st: mem.bytes(dst, nb).__setitem__(
             slice(None), mem.bytes(src, nb)))
     monkeypatch.setattr(R, "_d", drv)
-    m = SimpleNamespace(text=cfg, ws=ws, weights={}, n_cap=n, b_cap=1,
+    m = SimpleNamespace(text=cfg, ws=ws, weights={}, n_cap=n, b_cap=1, batch_invariant=False,
                         kernels=SimpleNamespace(gather_rows=Kernel("gather_rows"),
                                                 silu_mul=Kernel("silu_mul")),
                         lt=SimpleNamespace(gemm=gemm))

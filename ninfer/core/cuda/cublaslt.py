@@ -13,14 +13,13 @@ attention's O = P @ V reads the gathered V rows as they are.
 `batch=B, strides=(sw, sx, sy)` runs B such products in one strided-batched call, product i on
 w + i*sw, x + i*sx, y + i*sy (strides in elements): the MoE prefill's experts, one launch per layer.
 
-`invariant=True` (the Engine's batch_invariant option): a row's result must not depend on M (the
-decode batch size B). The heuristic picks a kernel per M, and for small M usually a split-K one
-whose split count changes with M, so a row's sum runs in another order at B = 1 and B = 8. Here
-every M <= PIN_M (batch 1) uses the ONE algorithm the heuristic picks for M = PIN_M (same kernel, tile and
-split-K count, so each output element is the same sequence of operations whatever M is), and no
-algorithm reduces split-K partials with atomics (REDUCTION_SCHEME_INPLACE: order varies run to
-run). Larger M (prefill chunks) keep a heuristic plan per M, without atomics: a chunk of a given
-length always runs the same way, and the Program keeps a request's chunk boundaries fixed.
+`invariant=True` (the Engine's batch_invariant option): no algorithm reduces split-K partials
+with atomics (REDUCTION_SCHEME_INPLACE: their order varies run to run), so a plan always gives
+the same bits. A row's result must also not depend on M (the decode batch size B): the heuristic
+picks a kernel per M, for small M usually a split-K one whose split changes with M, so the
+step runner runs every M < PIN_M as M = PIN_M (cuda/runner.py StepRunner.gemm): one plan, one
+kernel and one grid for every decode batch. Larger M (prefill chunks) keep a plan per M: a chunk
+of a given length always runs the same way, and the Program keeps a request's chunk boundaries.
 """
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ PREF_REDUCTION_SCHEME_MASK = 3        # uint32 mask of the allowed CUBLASLT_REDU
 REDUCTION_NONE, REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE, REDUCTION_OUTPUT_TYPE = 0, 1, 2, 4
 # invariant mode: split-K partials only through a workspace, reduced in a fixed order
 INVARIANT_REDUCTIONS = REDUCTION_COMPUTE_TYPE | REDUCTION_OUTPUT_TYPE
-PIN_M = 8                             # M <= PIN_M (decode batches) share the M = PIN_M algorithm
+PIN_M = 8                             # invariant mode: decode GEMMs of M < PIN_M rows run as PIN_M
 PREF_MIN_ALIGNMENT = (5, 6, 7, 8)     # A, B, C, D bytes (uint32, default 256)
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6     # int32 count, int64 element stride
 
@@ -123,8 +122,6 @@ class CublasLt:
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32,
                                                        ctypes.POINTER(HeuristicResult),
                                                        ctypes.POINTER(i32)]
-        lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, vp,
-                                                 ctypes.POINTER(HeuristicResult)]
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, u64, vp, u64, vp, vp, u64, vp, u64, vp, vp,
                                        u64, ctypes.c_size_t, vp]
         for f in _DESTROYERS:
@@ -133,7 +130,7 @@ class CublasLt:
                   "cublasLtMatrixLayoutCreate", "cublasLtMatrixLayoutSetAttribute",
                   "cublasLtMatmulPreferenceCreate",
                   "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
-                  "cublasLtMatmulAlgoCheck", "cublasLtMatmul") + _DESTROYERS:
+                  "cublasLtMatmul") + _DESTROYERS:
             getattr(lib, f).restype = i32
         self.handle = vp()
         lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
@@ -202,9 +199,6 @@ class CublasLt:
             return p
         if min(m, n, k, batch) < 1:
             raise ValueError(f"gemm: empty shape M={m} N={n} K={k} batch={batch}")
-        # invariant mode: M <= PIN_M runs the algorithm chosen for M = PIN_M (module docstring)
-        pinned = self.plan(PIN_M, n, k, beta, align, w_kn, batch, strides) \
-            if self.invariant and m < PIN_M and batch == 1 else None
         lib = self.lib
         desc = ctypes.c_void_p()
         a, b, c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -236,24 +230,14 @@ class CublasLt:
                         layout, LAYOUT_STRIDED_BATCH_OFFSET, ctypes.byref(st), 8),
                         "set STRIDED_BATCH_OFFSET")
             res = (HeuristicResult * 1)()
-            if pinned is not None:
-                ctypes.memmove(ctypes.byref(res[0]), ctypes.byref(pinned.algo),
-                               ctypes.sizeof(HeuristicResult))
-                check = HeuristicResult()
-                lt_check(lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c,
-                                                     ctypes.byref(res[0].algo),
-                                                     ctypes.byref(check)),
-                         f"cublasLtMatmulAlgoCheck(M={m} with the M={PIN_M} algorithm, N={n}, "
-                         f"K={k}): batch_invariant cannot pin this GEMM")
-            else:
-                count = ctypes.c_int(0)
-                lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
-                                                            self._pref(align), 1, res,
-                                                            ctypes.byref(count)),
-                         f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
-                if count.value < 1:
-                    raise DeviceError(f"cuBLASLt: no algorithm for {'fp32' if self.f32 else 'bf16'} "
-                                      f"GEMM M={m} N={n} K={k}")
+            count = ctypes.c_int(0)
+            lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
+                                                        self._pref(align), 1, res,
+                                                        ctypes.byref(count)),
+                     f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
+            if count.value < 1:
+                raise DeviceError(f"cuBLASLt: no algorithm for {'fp32' if self.f32 else 'bf16'} GEMM "
+                                  f"M={m} N={n} K={k}")
         except BaseException:
             # best effort: the error being raised is the one to report
             for layout in (a, b, c):

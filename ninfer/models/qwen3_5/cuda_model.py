@@ -25,7 +25,7 @@ import numpy as np
 
 from ...core.cuda import driver as _d
 from ...core.cuda.arena import Arena
-from ...core.cuda.cublaslt import CublasLt
+from ...core.cuda.cublaslt import PIN_M, CublasLt
 from ...core.cuda.graph import Graph
 from ...core.cuda.kernels import KernelCache
 from ...errors import DeviceError, RequestError
@@ -66,7 +66,9 @@ def call_capacities(options, max_tokens: int = None) -> tuple:
     b_cap = max(int(options.max_concurrency), 1)
     page_size, max_context = int(options.page_size), int(options.max_context)
     # a decode graph runs b_cap tokens through the same workspace: never fewer rows than that
-    n_cap = int(max(max_tokens or options.prefill_chunk, b_cap))
+    # (batch_invariant: GEMMs of fewer than PIN_M rows run as PIN_M rows, cuda/runner.py)
+    n_cap = int(max(max_tokens or options.prefill_chunk, b_cap,
+                    PIN_M if options.batch_invariant else 1))
     check_capacity(n_cap)
     p_cap = (max_context + page_size - 1) // page_size + 1
     return b_cap, n_cap, p_cap, max(b_cap, min(n_cap, 256))
@@ -83,6 +85,7 @@ class CudaModel:
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     max_kv_pages = None     # the KV pages the memory plan holds (set at load)
+    batch_invariant = False  # options.batch_invariant (set at load)
 
     def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
                  max_tokens: int = None, kernel_cache_dir=None):
@@ -122,7 +125,7 @@ class CudaModel:
         self.f32 = dtype == "float32"
         # batch_invariant: a row's logits do not depend on B or its neighbours (pinned GEMM
         # algorithms, fixed decode attention splits; docs/architecture.md "Load invariance")
-        self.batch_invariant = bool(getattr(options, "batch_invariant", False))
+        self.batch_invariant = bool(options.batch_invariant)
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32)
         page_size = int(options.page_size)
         b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
@@ -173,7 +176,10 @@ class CudaModel:
         K = max(cfg.num_experts_per_tok, 1)
         self.route_host = _d.PinnedBuffer(
             (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)
+        t_load = time.perf_counter()
         self.weights = self._load_weights(artifact, random_seed, tied)
+        self.stream.synchronize()
+        self.load_seconds = time.perf_counter() - t_load
         self.kernels.load_all()
         self.runner = StepRunner(self)
         self.stream.synchronize()

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ....core.cuda import driver as _d
-from ....core.cuda.cublaslt import alignment
+from ....core.cuda.cublaslt import PIN_M, alignment
 from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
 from . import moe_rows
@@ -141,11 +141,16 @@ def split_rows(rows, n: int, tc_min: int, l_cap: int):
 
 class StepRunner:
     """Issues one step's launches. `dry=True` resolves GEMM plans and kernels without launching
-    (done before graph capture, so capture never asks cuBLASLt's heuristic or loads a module)."""
+    (done before graph capture, so capture never asks cuBLASLt's heuristic or loads a module).
+    `invariant` (the model's batch_invariant): GEMMs of fewer than PIN_M rows run as PIN_M rows,
+    decode attention at decode_splits, so a row's arithmetic does not depend on B."""
+
+    invariant = False
 
     def __init__(self, model):
         self.m = model
         self.cfg: TextConfig = model.text
+        self.invariant = bool(model.batch_invariant)
         self.dry = False
         self.profile = None          # list of (name, start event, end event) when profiling
         self.rows = None             # host (query_start, tokens, context) per row of the step
@@ -179,6 +184,12 @@ class StepRunner:
     def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm", batch=1,
              strides=(0, 0, 0)):
         lt = self.m.lt
+        if self.invariant and m < PIN_M and batch == 1:
+            # one problem shape for every small M: the same kernel, grid and split-K, so each
+            # row's sums run in the same order whatever B is (cuBLASLt picks kernels per M, and
+            # some decide their split at run time); rows m..PIN_M-1 are scratch: the model's
+            # workspaces hold at least PIN_M rows in this mode
+            m = PIN_M
         if self.dry:
             lt.plan(m, n, k, beta, lt.batch_alignment(x, w, y, batch, strides), w_kn, batch, strides)
             return
@@ -280,7 +291,7 @@ class StepRunner:
         rows = self.rows
         for r0, r1 in runs:
             m = r1 - r0
-            if n == b and self.m.batch_invariant:    # a decode step: splits fixed for every B
+            if n == b and self.invariant:     # a decode step: splits fixed for every B
                 splits = decode_splits(nkv, self.m.device.num_sms)
             else:
                 splits = attention_splits(m, nkv, self.m.device.num_sms)
