@@ -52,7 +52,9 @@ class StructuredOutput:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample one request. Defaults are greedy with a 256-token budget."""
+    """How to sample one request. These defaults are greedy with a 256-token budget; a checkpoint's
+    recommended settings (its generation_config.json) come from `Engine.default_sampling_params()`,
+    which `Engine.submit` uses when no params are given (vLLM's convention)."""
 
     max_tokens: int = 256
     temperature: float = 0.0          # 0 -> greedy (argmax)
@@ -68,6 +70,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None    # None -> no logprobs; n >= 0 -> sampled token logprob + top-n
     structured: Optional[StructuredOutput] = None   # None -> unconstrained
+    # token id -> bias added to its logit before any filter (OpenAI's logit_bias; -100 bans it,
+    # +100 all but forces it). Ids must be in the model's vocabulary (checked at submit).
+    logit_bias: Optional[Mapping[int, float]] = None
+    min_tokens: int = 0               # EOS, stop tokens and stop strings are ignored until this many
+    # most tokens of reasoning (the thinking channel): then `</think>` is forced and the answer
+    # follows. None -> unbounded. Needs a prompt that thinks (enable_thinking on).
+    thinking_budget: Optional[int] = None
 
     def validate(self) -> "SamplingParams":
         """Raise RequestError naming the first bad field; return self for chaining."""
@@ -103,6 +112,17 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, (int, np.integer))
                                           or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if not isinstance(self.min_tokens, (int, np.integer)) or isinstance(self.min_tokens, bool) \
+                or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.thinking_budget is not None and (
+                not isinstance(self.thinking_budget, (int, np.integer))
+                or isinstance(self.thinking_budget, bool) or self.thinking_budget < 0):
+            bad("thinking_budget", "must be an integer >= 0 (or None: unbounded)")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 bad("structured", "must be a StructuredOutput")
@@ -115,6 +135,26 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _checked_logit_bias(bias) -> dict:
+    """{token id: bias}; RequestError naming the first bad entry. The vocabulary bound is checked at
+    submit, where the model is known."""
+    if not isinstance(bias, Mapping):
+        raise RequestError(f"sampling parameter logit_bias: must be a mapping of token id to bias, "
+                           f"got {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
+            key = int(key)                  # JSON object keys are strings
+        if not isinstance(key, (int, np.integer)) or isinstance(key, bool) or key < 0:
+            raise RequestError(f"sampling parameter logit_bias: key {key!r} must be a token id "
+                               "(an integer >= 0)")
+        if isinstance(value, bool) or not _finite(value) or not -100 <= value <= 100:
+            raise RequestError(f"sampling parameter logit_bias[{key}]={value!r}: must be a number "
+                               "in [-100, 100]")
+        out[int(key)] = float(value)
+    return out
 
 
 def _finite(x) -> bool:

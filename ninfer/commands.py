@@ -4,12 +4,15 @@ Bad input ends with one `ninfer: error: ...` line and exit status 2 (cli.main pr
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import os
 import pathlib
 import sys
 import time
+import typing
 
 from .errors import Error
 
@@ -17,16 +20,157 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # ---- shared flags --------------------------------------------------------------------------------
+#
+# Every EngineOptions field is a flag of `run` and `serve`, generated from the dataclass (so a new
+# option is a new flag without an edit here): --max-context, --prefix-cache-bytes 512M, --graphs /
+# --no-graphs, ... A flag left out keeps the EngineOptions default (the run/serve concurrency
+# defaults and max_context's model-derived default aside). `purpose` is fixed by the command;
+# `default_enable_thinking` is --thinking / --no-thinking.
+
+_OPTION_HELP = {
+    "backend": "numpy (CPU) or cuda (one NVIDIA GPU)",
+    "max_concurrency": "resident requests, 1..8",
+    "max_context": "prompt + generated tokens per request (default: the model's "
+                   "max_position_embeddings, bounded by the memory its KV cache may take)",
+    "max_queue": "requests waiting beyond max-concurrency before 429",
+    "prefill_chunk": "tokens per prefill / Replay window",
+    "page_size": "tokens per KV page",
+    "num_kv_pages": "KV pages (default: enough for max-concurrency * max-context)",
+    "host_snapshot_bytes": "host memory for Snapshot pauses (0: Replay only); K/M/G suffixes",
+    "prefix_cache_bytes": "host memory for prefix checkpoints (0: no reuse; default 256M on "
+                          "numpy, 0 on cuda); K/M/G suffixes",
+    "queue_timeout_s": "seconds a request may wait in the queue (default: no limit)",
+    "device_id": "cuda device ordinal",
+    "graphs": "cuda: replay CUDA graphs for decode",
+    "dtype": "compute dtype (cuda: default bfloat16; float32 matches the numpy backend exactly "
+             "at about twice the memory; numpy: float32 only)",
+    "warmup": "cuda: capture the decode graphs and run one step before ready",
+    "debug_checks": "re-check every batch inside the backend too",
+    "batch_invariant": "a request's tokens independent of load (pinned algorithms)",
+}
+_NOT_FLAGS = ("purpose", "default_enable_thinking")       # see above
+_FLAG_CHOICES = {"dtype": ("bfloat16", "float32")}        # free strings the options validate
+
+
+def _size(text: str) -> int:
+    """A byte count: 1048576, 512K, 256M, 2G (binary units)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1048576, 512M, 2G)")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size >= 0")
+    return int(value * scale)
+
+
+def _flag_kind(hint):
+    """(argparse type, choices) of one EngineOptions annotation (Optional[...] unwrapped)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    if typing.get_origin(hint) is typing.Literal:
+        return str, typing.get_args(hint)
+    return hint, None
+
 
 def _engine_flags(p, *, concurrency_default: int) -> None:
-    p.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
-                   help="compute dtype (cuda: default bfloat16; float32 matches the numpy "
-                        "backend exactly at about twice the memory; numpy: float32 only)")
-    p.add_argument("--max-context", type=int, default=4096, metavar="N",
-                   help="prompt + generated tokens per request (default 4096)")
-    p.add_argument("--max-concurrency", type=int, default=concurrency_default, metavar="N",
-                   help=f"resident requests, 1..8 (default {concurrency_default})")
+    from .options import EngineOptions
+    hints = typing.get_type_hints(EngineOptions)
+    g = p.add_argument_group("engine options (ninfer.EngineOptions)")
+    for f in dataclasses.fields(EngineOptions):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = concurrency_default if f.name == "max_concurrency" else f.default
+        text = _OPTION_HELP.get(f.name, f"EngineOptions.{f.name}")
+        if f.name != "max_context":
+            text += f" (default {default})"
+        kind, choices = _flag_kind(hints[f.name])
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+            continue
+        choices = _FLAG_CHOICES.get(f.name, choices)
+        if f.name.endswith("_bytes"):
+            kind = _size
+        metavar = "SIZE" if kind is _size else "SECONDS" if f.name.endswith("_s") else "N"
+        g.add_argument(flag, type=kind, choices=choices, default=None, help=text,
+                       metavar=None if choices else metavar)
+
+
+def engine_kwargs(args, *, concurrency_default: int) -> dict:
+    """EngineOptions keyword arguments of the flags given (max_concurrency always)."""
+    from .options import EngineOptions
+    out = {"max_concurrency": concurrency_default}
+    for f in dataclasses.fields(EngineOptions):
+        value = getattr(args, f.name, None)
+        if f.name not in _NOT_FLAGS and value is not None:
+            out[f.name] = value
+    return out
+
+
+def default_max_context(path, kwargs: dict) -> tuple:
+    """(max_context, how it was chosen) when --max-context is not given: the model's
+    max_position_embeddings, bounded so that the KV cache of max_concurrency full-length
+    sequences takes at most half of the memory free now (host memory on numpy, the GPU's on
+    cuda: nvidia-smi), after the weights."""
+    from .artifact import Artifact
+    with Artifact(path) as art:
+        text = art.config.text
+        weights = os.path.getsize(path)
+    limit = int(text.max_position_embeddings)
+    num_full = sum(1 for t in text.layer_types if t == "full_attention")
+    itemsize = 2 if kwargs.get("backend") == "cuda" and kwargs.get("dtype") != "float32" else 4
+    per_token = 2 * num_full * text.num_key_value_heads * text.head_dim * itemsize
+    free = _free_memory(kwargs.get("backend", "numpy"), kwargs.get("device_id", 0))
+    how = f"the model's max_position_embeddings {limit}"
+    if free is not None and per_token:
+        room = max(0, free // 2 - weights) // (per_token * kwargs["max_concurrency"])
+        if room < limit:
+            limit = max(256, int(room) // 256 * 256)
+            how += (f", bounded by the KV cache of {kwargs['max_concurrency']} sequences in half of "
+                    f"{free / (1 << 30):.1f} GiB free memory")
+    return limit, how
+
+
+def _free_memory(backend: str, device_id: int):
+    """Free bytes of the memory the KV cache would live in, or None when unknown."""
+    if backend == "numpy":
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    import subprocess
+    try:        # no CUDA context in this (pre-fork) process: ask nvidia-smi
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,"
+                              "nounits", f"--id={device_id}"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+        return int(out.split()[0]) << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def resolved_engine_kwargs(args, path, *, concurrency_default: int) -> dict:
+    """The Engine's keyword arguments: the flags given, and max_context from the model when not
+    given (said on stderr, as vLLM logs its max_model_len)."""
+    kwargs = engine_kwargs(args, concurrency_default=concurrency_default)
+    if "max_context" not in kwargs:
+        kwargs["max_context"], how = default_max_context(path, kwargs)
+        print(f"ninfer: max_context {kwargs['max_context']} ({how}; --max-context N sets it)",
+              file=sys.stderr)
+    return kwargs
+
+
+def read_chat_template(path):
+    """--chat-template FILE: the Jinja source, or None when not given."""
+    if path is None:
+        return None
+    try:
+        return pathlib.Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Error(f"--chat-template {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _artifact_or_demo(path):
@@ -69,25 +213,44 @@ def add_run_parser(sub) -> None:
     r.add_argument("--system", help="a system message put first (with --prompt)")
     r.add_argument("--raw", action="store_true",
                    help="send --prompt as raw text, without the chat template")
+    r.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template replacing the artifact's")
     _engine_flags(r, concurrency_default=1)
-    r.add_argument("--max-new", type=int, default=256, metavar="N",
-                   help="most tokens to generate (default 256)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--top-k", type=int, default=0, help="0 disables it")
-    r.add_argument("--min-p", type=float, default=0.0)
-    r.add_argument("--repetition-penalty", type=float, default=1.0)
-    r.add_argument("--presence-penalty", type=float, default=0.0)
-    r.add_argument("--frequency-penalty", type=float, default=0.0)
+    sampling_flags(r)
+    r.add_argument("--max-new", type=int, default=None, metavar="N",
+                   help="most tokens to generate (default: the checkpoint's, else 256)")
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
+    r.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                   help="most reasoning tokens; then </think> is forced and the answer follows")
     think = r.add_mutually_exclusive_group()
     think.add_argument("--no-thinking", dest="thinking", action="store_false", default=None,
                        help="ask the chat template for no reasoning")
     think.add_argument("--thinking", dest="thinking", action="store_true",
                        help="ask for reasoning (the default, except with the demo model)")
     r.set_defaults(handler=run_command)
+
+
+_SAMPLING_FLAGS = (("temperature", float, "0 = greedy"), ("top_p", float, ""),
+                   ("top_k", int, "0 disables it"), ("min_p", float, ""),
+                   ("repetition_penalty", float, ""), ("presence_penalty", float, ""),
+                   ("frequency_penalty", float, ""))
+
+
+def sampling_flags(p) -> None:
+    """--temperature ... --frequency-penalty; left out -> the checkpoint's generation_config.json
+    value, else SamplingParams' (greedy)."""
+    for name, kind, text in _SAMPLING_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=(text + "; " if text else "") + "default: the checkpoint's "
+                            "recommendation, else off")
+
+
+def sampling_overrides(args) -> dict:
+    """The SamplingParams fields the sampling flags set."""
+    return {name: getattr(args, name) for name, _, _ in _SAMPLING_FLAGS
+            if getattr(args, name) is not None}
 
 
 def load_messages(path: str):
@@ -181,22 +344,24 @@ def stats_line(res, wall_s: float) -> str:
 def run_command(args) -> int:
     from .api import Finished, SamplingParams, TextDelta, ToolCallEvent
 
-    if args.max_new < 1:
+    if args.max_new is not None and args.max_new < 1:
         raise Error(f"--max-new {args.max_new}: must be >= 1")
     prompt, tools = _run_prompt(args)
-    params = SamplingParams(
-        max_tokens=args.max_new, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.seed, stop=tuple(args.stop)).validate()
+    overrides = dict(sampling_overrides(args), seed=args.seed, stop=tuple(args.stop),
+                     thinking_budget=args.thinking_budget)
+    if args.max_new is not None:
+        overrides["max_tokens"] = args.max_new
+    SamplingParams(**overrides).validate()            # bad values: one line, before loading
     from .options import EngineOptions
-    EngineOptions.from_kwargs(backend=args.backend, dtype=args.dtype)   # e.g. numpy + bfloat16
+    EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
+    template = read_chat_template(args.chat_template)
     path, is_demo = _artifact_or_demo(args.artifact)      # after every cheap check
     thinking = args.thinking if args.thinking is not None else not is_demo
+    kwargs = resolved_engine_kwargs(args, path, concurrency_default=1)
 
     from .engine import Engine
-    with Engine(path, backend=args.backend, max_context=args.max_context,
-                max_concurrency=args.max_concurrency, dtype=args.dtype) as engine:
+    with Engine(path, chat_template=template, **kwargs) as engine:
+        params = engine.default_sampling_params(**overrides)
         t0 = time.monotonic()
         handle = engine.submit(prompt, params, tools=tools, enable_thinking=thinking)
         out = _Printer()
@@ -229,21 +394,28 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="bind port (default 8000)")
     _engine_flags(s, concurrency_default=4)
-    s.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests waiting beyond max-concurrency before 429 (default 64)")
     s.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
                         "(default: $NINFER_API_KEY; unset = no auth)")
     s.add_argument("--model-id", help="model name in responses and /v1/models "
                                       "(default: the artifact's name)")
-    s.add_argument("--temperature", type=float, default=0.0,
-                   help="default for requests that give none (default 0 = greedy)")
-    s.add_argument("--top-p", type=float, default=1.0, help="default top_p (default 1)")
-    s.add_argument("--top-k", type=int, default=0, help="default top_k (default 0 = off)")
+    sampling_flags(s)       # request defaults: a request's own field wins
     s.add_argument("--max-tokens", type=int, default=None,
-                   help="default max_tokens (default: whatever fits in the context)")
+                   help="default max_tokens (default: the checkpoint's, else whatever fits in "
+                        "the context)")
     s.add_argument("--no-thinking", action="store_true",
                    help="chat template default: no reasoning (requests may still ask)")
+    s.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template replacing the artifact's")
+    s.add_argument("--lenient", action="store_true",
+                   help="ignore request fields this server does not implement (default: 400 "
+                        "naming the field)")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="cancel a generation still running this long after it was submitted "
+                        "(default: no limit)")
+    s.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                   help="CORS: let browser pages from ORIGIN (https://host:port, or '*') call "
+                        "the API (repeatable; default: none)")
     s.add_argument("--threads", type=int, default=None,
                    help="HTTP worker threads (default max-concurrency + max-queue + 4)")
     s.add_argument("--max-body-mb", type=float, default=8.0,
@@ -261,10 +433,9 @@ def serve_command(args) -> int:
     from .options import EngineOptions
     from .serve.config import ServeConfig       # plain data: no falcon/gunicorn import yet
 
-    engine_kwargs = dict(backend=args.backend, dtype=args.dtype, max_concurrency=args.max_concurrency,
-                         max_context=args.max_context, max_queue=args.max_queue,
-                         default_enable_thinking=not args.no_thinking)
-    EngineOptions.from_kwargs(**engine_kwargs)          # bad values: one line, before any fork
+    kwargs = dict(engine_kwargs(args, concurrency_default=4),
+                  default_enable_thinking=not args.no_thinking)
+    EngineOptions.from_kwargs(**kwargs)                 # bad values: one line, before any fork
     if not 1 <= args.port <= 65535:
         raise Error(f"--port {args.port}: must be in 1..65535")
     if args.threads is not None and args.threads < 1:
@@ -273,16 +444,21 @@ def serve_command(args) -> int:
         raise Error(f"--max-body-mb {args.max_body_mb}: must be a finite number > 0")
     config = ServeConfig(model_id=args.model_id, api_key=args.api_key or None,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          max_tokens=args.max_tokens, enable_thinking=not args.no_thinking,
-                         drain_grace_s=args.drain_grace).validate()
+                         drain_grace_s=args.drain_grace, lenient=args.lenient,
+                         request_timeout_s=args.request_timeout,
+                         allowed_origins=tuple(args.allowed_origins),
+                         **sampling_overrides(args)).validate()
+    template = read_chat_template(args.chat_template)
     _check_can_listen(args.host, args.port)
     path, _ = _artifact_or_demo(args.artifact)
-    threads = args.threads or min(args.max_concurrency + args.max_queue + 4, 512)
+    kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=4), **kwargs)
+    options = EngineOptions.from_kwargs(**kwargs)
+    threads = args.threads or min(options.max_concurrency + options.max_queue + 4, 512)
 
     def engine_factory():
         from .engine import Engine
-        return Engine(path, **engine_kwargs)
+        return Engine(path, chat_template=template, **kwargs)
 
     try:
         from .serve.launcher import serve

@@ -107,7 +107,7 @@ def test_chat_parameters_reach_the_engine(client, engine):
     r = client.simulate_post(CHAT, json=chat_body(
         max_tokens=5, max_completion_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.1,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, seed=3,
-        stop=["a", "b"], chat_template_kwargs={"enable_thinking": False}, unknown_field=1))
+        stop=["a", "b"], chat_template_kwargs={"enable_thinking": False}))
     assert r.status_code == 200
     prompt, params, tools, thinking = engine.submitted[-1]
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (7, 0.5, 0.9, 40)
@@ -262,7 +262,7 @@ def test_model_id_with_a_slash_is_retrievable(engine, factory):
 # ---- Anthropic ---------------------------------------------------------------------------------------
 
 def test_messages_non_stream(client):
-    r = client.simulate_post(MSGS, json=msg_body("hi"))
+    r = client.simulate_post(MSGS, json=msg_body("hi", thinking={"type": "enabled", "budget_tokens": 32}))
     assert r.status_code == 200
     body = r.json
     assert body["type"] == "message" and body["role"] == "assistant"
@@ -289,8 +289,8 @@ def test_messages_stop_reasons(wsgi):
 
 
 def test_messages_stream_event_sequence(wsgi):
-    full = wsgi.simulate_post(MSGS, json=msg_body("yo")).json
-    r = wsgi.simulate_post(MSGS, json=msg_body("yo", stream=True))
+    full = wsgi.simulate_post(MSGS, json=msg_body("yo", thinking={"type": "enabled", "budget_tokens": 32})).json
+    r = wsgi.simulate_post(MSGS, json=msg_body("yo", stream=True, thinking={"type": "enabled", "budget_tokens": 32}))
     events = sse_events(r.text)
     names = [n for n, _ in events]
     assert all(n == d["type"] for n, d in events)
@@ -358,10 +358,17 @@ def test_messages_blocks_map_to_template_form(client, engine):
 
 
 def test_messages_thinking_switch(wsgi, engine):
+    """Anthropic's API thinks only when asked: no `thinking` field is thinking off."""
     wsgi.simulate_post(MSGS, json=msg_body(thinking={"type": "disabled"}))
     assert engine.submitted[-1][3] is False
-    wsgi.simulate_post(MSGS, json=msg_body(thinking={"type": "enabled", "budget_tokens": 2048}))
-    assert engine.submitted[-1][3] is True
+    wsgi.simulate_post(MSGS, json=msg_body())
+    assert engine.submitted[-1][3] is False
+    r = wsgi.simulate_post(MSGS, json=msg_body(thinking={"type": "enabled", "budget_tokens": 48}))
+    assert r.status_code == 200
+    assert engine.submitted[-1][3] is True and engine.submitted[-1][1].thinking_budget == 48
+    r = wsgi.simulate_post(MSGS, json=msg_body(thinking={"type": "enabled", "budget_tokens": 64}))
+    assert r.status_code == 400 and r.json["error"]["message"].startswith(
+        "'thinking.budget_tokens' (64) must be less than 'max_tokens'")
 
 
 def test_count_tokens(client, engine):

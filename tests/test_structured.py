@@ -525,12 +525,12 @@ def test_anthropic_tool_choice_any_and_tool(client):
 
 @pytest.mark.parametrize("body, fragment", [
     (chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "objectx"}}}), "does not compile"),
+        "name": "x", "schema": {"type": "objectx"}}}), "schema.type' must be one of"),
     (chat(response_format={"type": "json_object"}, tools=TOOLS, tool_choice="required"),
      "cannot be combined"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": 5}}}],
-        tool_choice="required"), "'required' must be an array"),
+        tool_choice="required"), "parameters.required' must be an array"),
 ])
 def test_bad_structured_requests_are_400(client, body, fragment):
     r = client.simulate_post("/v1/chat/completions", json=body)

@@ -5,8 +5,12 @@ Content blocks map onto the Hugging Face chat form:
   user tool_result blocks -> {"role": "tool", "content", "tool_call_id"} (one message each, first)
   assistant text          -> content;  thinking -> reasoning_content;  tool_use -> tool_calls
 Tools `{name, description, input_schema}` become OpenAI-style function tools for the template.
-`thinking` {type: enabled|disabled} switches the template's thinking mode; `budget_tokens` is
-accepted but not enforced. `tool_choice` any / tool is enforced by a tool-call grammar.
+Thinking follows Anthropic's API: the model thinks only when `thinking: {type: "enabled"}` (or
+"adaptive") is sent, and `budget_tokens` bounds the reasoning (enforced: `</think>` is forced when
+it is spent; it must be below max_tokens). Without `thinking` the template's thinking is off.
+Forced tool use (`tool_choice` any / tool) together with thinking is a 400, as Anthropic answers;
+`tool_choice` any / tool is enforced by a tool-call grammar. An unknown top-level field is a 400
+naming it (MESSAGES_FIELDS; `serve --lenient` ignores unknown fields).
 """
 from __future__ import annotations
 
@@ -16,41 +20,65 @@ from .errors import invalid
 from .openai_schema import only_tool, sampling_params
 from .plan import GenPlan
 
+MESSAGES_FIELDS = frozenset((
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "max_tokens", "temperature",
+    "top_p", "top_k", "stop_sequences", "stream", "metadata",
+    # sampling extensions shared with the OpenAI routes (openai_schema.sampling_params)
+    "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "logit_bias", "stop_token_ids", "ignore_eos"))
+# a /v1/messages body may be counted as is: the fields that do not shape the prompt are ignored
+COUNT_TOKENS_FIELDS = MESSAGES_FIELDS
+
 
 def parse_messages(body, gateway) -> GenPlan:
     body = F.json_object(body, "messages")
+    F.check_known(body, MESSAGES_FIELDS, gateway, "messages")
     F.get(body, "model", "str")
-    max_tokens = F.get(body, "max_tokens", "int", required=True, lo=1)
+    F.get(body, "metadata", "dict")             # user_id: no effect on the answer
+    max_tokens = F.get(body, "max_tokens", "int", required=True, lo=1, hi=(1 << 31) - 1)
     messages = anthropic_messages(body)
     tools = _apply_tool_choice(body.get("tool_choice"), _tools(body))
+    forced = _forced_tool_use(body, tools)
+    thinking, budget = thinking_config(body)
+    if thinking and forced is not None:
+        raise invalid("thinking may not be enabled when 'tool_choice' forces tool use "
+                      "(type 'any' or 'tool'); use 'auto' or disable thinking", "tool_choice")
+    if budget is not None and budget >= max_tokens:
+        raise invalid(f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' "
+                      f"({max_tokens})", "thinking.budget_tokens")
     params = sampling_params(body, gateway, max_tokens=max_tokens, stop_key="stop_sequences",
-                             temperature_hi=1.0, structured=_forced_tool_use(body, tools))
+                             temperature_hi=1.0, structured=forced)
+    params.thinking_budget = budget
     stream = F.get(body, "stream", "bool", default=False)
-    return GenPlan(prompt=messages, params=params, tools=tools,
-                   enable_thinking=thinking_enabled(body, gateway), stream=stream,
-                   stop=tuple(params.stop))
+    return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
+                   stream=stream, stop=tuple(params.stop))
 
 
 def parse_count_tokens(body, gateway) -> tuple:
     """-> (messages, tools, enable_thinking) for the chat template; `tool_choice` picks the tools
     as it does for /v1/messages, so the count is that request's `input_tokens`."""
     body = F.json_object(body, "count_tokens")
+    F.check_known(body, COUNT_TOKENS_FIELDS, gateway, "count_tokens")
     F.get(body, "model", "str")
     tools = _apply_tool_choice(body.get("tool_choice"), _tools(body))
-    return anthropic_messages(body), tools, thinking_enabled(body, gateway)
+    return anthropic_messages(body), tools, thinking_config(body)[0]
 
 
-def thinking_enabled(body: dict, gateway) -> bool:
+def thinking_config(body: dict) -> tuple:
+    """(enable_thinking, budget_tokens or None). No `thinking` field: off (Anthropic's API gives
+    thinking blocks only when asked)."""
     thinking = F.get(body, "thinking", "dict")
     if thinking is None:
-        return gateway.config.enable_thinking
+        return False, None
     kind = thinking.get("type")
-    if kind in ("enabled", "adaptive"):
-        F.get(thinking, "budget_tokens", "int", param="thinking.budget_tokens", lo=1)
-        return True
+    if kind == "enabled":
+        return True, F.get(thinking, "budget_tokens", "int", param="thinking.budget_tokens",
+                           lo=1, required=True)
+    if kind == "adaptive":
+        return True, None
     if kind == "disabled":
-        return False
-    raise invalid(f"'thinking.type' must be 'enabled' or 'disabled', got {kind!r}",
+        return False, None
+    raise invalid(f"'thinking.type' must be 'enabled', 'adaptive' or 'disabled', got {kind!r}",
                   "thinking.type")
 
 
@@ -175,6 +203,7 @@ def _tools(body: dict):
                           "(custom tools only)", f"{p}.type")
         name = F.get(t, "name", "str", param=f"{p}.name", required=True)
         schema = F.get(t, "input_schema", "dict", param=f"{p}.input_schema", required=True)
+        F.check_json_schema(schema, f"{p}.input_schema")
         fn = {"name": name, "parameters": schema}
         description = F.get(t, "description", "str", param=f"{p}.description")
         if description is not None:

@@ -35,6 +35,8 @@ POST_ROUTES = {
     "/v1/completions": routes.completions,
     "/v1/messages": routes.messages,
     "/v1/messages/count_tokens": routes.count_tokens,
+    "/tokenize": routes.tokenize,               # vLLM's tokenizer routes
+    "/detokenize": routes.detokenize,
 }
 
 
@@ -61,7 +63,8 @@ class GatewayMiddleware:
         req.context.request_id = given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
         resp.set_header("x-request-id", req.context.request_id)
         cfg = self.gw.config
-        if cfg.api_key and req.path not in _PUBLIC_PATHS:
+        # a CORS preflight (OPTIONS) carries no credentials by design: never ask it for a key
+        if cfg.api_key and req.path not in _PUBLIC_PATHS and req.method != "OPTIONS":
             auth = req.get_header("authorization") or ""
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else req.get_header("x-api-key")
             if not key or not hmac.compare_digest(key.encode(), cfg.api_key.encode()):
@@ -82,6 +85,17 @@ class GatewayMiddleware:
 
     async def process_response_async(self, req, resp, resource, req_succeeded) -> None:
         self.process_response(req, resp, resource, req_succeeded)
+
+
+def middleware_for(gw: Gateway) -> list:
+    """Both app flavours' middleware: the Gateway's, then CORS when origins are allowed (Falcon's
+    CORSMiddleware: preflights answered, Access-Control-Allow-Origin on matching origins)."""
+    out = [GatewayMiddleware(gw)]
+    origins = gw.config.allowed_origins
+    if origins:
+        out.append(falcon.CORSMiddleware(allow_origins="*" if "*" in origins else list(origins),
+                                         expose_headers=["x-request-id"]))
+    return out
 
 
 def _too_large(n, limit) -> ApiError:
@@ -252,7 +266,7 @@ def create_app(engine, config: Optional[ServeConfig] = None, **overrides) -> App
     callable returning one (loaded in the background; the app closes it). `overrides` are
     ServeConfig fields (api_key=..., model_id=...)."""
     gw = make_gateway(engine, config, overrides)
-    app = App(middleware=[GatewayMiddleware(gw)])
+    app = App(middleware=middleware_for(gw))
     app.gateway = gw
     app.req_options.auto_parse_form_urlencoded = False
 

@@ -21,7 +21,7 @@ import falcon
 import falcon.asgi
 
 from . import routes
-from .app import (GET_ROUTES, POST_ROUTES, GatewayMiddleware, error_to_reply, parse_body,
+from .app import (GET_ROUTES, POST_ROUTES, error_to_reply, middleware_for, parse_body,
                   write_error, write_json)
 from .errors import ApiError
 from .gateway import ClientWatch, Gateway
@@ -111,7 +111,7 @@ class _Get:
 
 
 def build_asgi_app(gw: Gateway, max_threads: int = 64, watch_disconnects: bool = False) -> AsgiApp:
-    app = AsgiApp(middleware=[GatewayMiddleware(gw)])
+    app = AsgiApp(middleware=middleware_for(gw))
     app.gateway = gw
     app.watch_disconnects = watch_disconnects
     app.executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="ninfer-asgi")

@@ -13,11 +13,21 @@ class ServeConfig:
     model_id: Optional[str] = None          # None -> the Engine's name
     api_key: Optional[str] = None           # None -> no auth
     max_body_bytes: int = 8 << 20           # request bodies above this -> 413
-    # sampling defaults for requests that leave a field out
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: Optional[int] = None        # None -> whatever fits in the context
+    # sampling defaults for requests that leave a field out; None -> the checkpoint's
+    # generation_config.json value, else SamplingParams' (greedy)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    max_tokens: Optional[int] = None        # None -> the checkpoint's, else what fits the context
+    lenient: bool = False                   # unknown request fields are ignored instead of a 400
+    # a generation still running this long after submit is cancelled (the answer so far, finish
+    # reason "cancelled"); None -> no limit
+    request_timeout_s: Optional[float] = None
+    allowed_origins: tuple = ()             # CORS: origins allowed to call from a browser ("*": any)
     enable_thinking: bool = True            # chat template default; requests may override
     keepalive_s: float = 15.0               # SSE comment sent when a stream is idle this long
     drain_grace_s: float = 30.0             # SIGTERM: in-flight requests get this long, then cancel
@@ -37,12 +47,26 @@ class ServeConfig:
             bad("api_key", "must be a non-empty string")
         if self.max_body_bytes < 1:
             bad("max_body_bytes", "must be >= 1")
-        if not 0 <= self.temperature <= 2:
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
             bad("temperature", "must be in [0, 2]")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
+        if self.top_k is not None and self.top_k < 0:
             bad("top_k", "must be >= 0")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty is not None and not (math.isfinite(self.repetition_penalty)
+                                                        and self.repetition_penalty > 0):
+            bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) is not None and not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if self.request_timeout_s is not None and not (math.isfinite(self.request_timeout_s)
+                                                       and self.request_timeout_s > 0):
+            bad("request_timeout_s", "must be a finite number of seconds > 0 (or None)")
+        if not isinstance(self.allowed_origins, tuple) or not all(
+                isinstance(o, str) and o for o in self.allowed_origins):
+            bad("allowed_origins", "must be a tuple of origins ('https://host:port' or '*')")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", "must be >= 1")
         # not (x > 0) also refuses NaN, which every comparison lets through

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import re
+from typing import Any, Iterable, Optional
 
 from .errors import invalid
 
@@ -20,11 +21,9 @@ def get(body: dict, key: str, kind: str, *, param: Optional[str] = None, default
             raise invalid(f"'{param}' is required", param)
         return default
     if kind == "int":
+        # a JSON integer only: 4.0 or 1e308 is a number, not a count (OpenAI refuses both)
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                raise invalid(f"'{param}' must be an integer, got {_short(value)}", param)
+            raise invalid(f"'{param}' must be an integer, got {_short(value)}", param)
     elif kind == "number":
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(_as_float(value)):
@@ -82,3 +81,96 @@ def json_object(body: Any, what: str) -> dict:
     if not isinstance(body, dict):
         raise invalid(f"{what}: the request body must be a JSON object")
     return body
+
+
+def check_known(body: dict, known: Iterable[str], gateway, what: str) -> None:
+    """A field this server does not implement is a 400 naming it (a client must not get different
+    behaviour silently), unless the server runs with --lenient (then it is ignored)."""
+    if getattr(gateway.config, "lenient", False):
+        return
+    known = frozenset(known)
+    for key in body:
+        if key not in known:
+            raise invalid(f"unknown field '{key}': {what} requests here accept "
+                          f"{', '.join(sorted(known))} (start the server with --lenient to "
+                          "ignore fields it does not implement)", key)
+
+
+_SCHEMA_TYPES = frozenset(("string", "number", "integer", "boolean", "object", "array", "null"))
+_SUB_SCHEMA = ("items", "not", "additionalProperties", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def check_json_schema(schema: Any, param: str, depth: int = 0) -> None:
+    """The structure of a JSON schema (tool parameters, response_format): a 400 naming the first
+    keyword whose value no JSON-schema validator would accept (`{"type": "wat"}`,
+    `"properties": 5`, a `pattern` that is no regular expression). Unknown keywords pass."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise invalid(f"'{param}' must be a JSON schema (an object or a boolean), "
+                      f"got {_short(schema)}", param)
+    if depth > 64:
+        raise invalid(f"'{param}' is nested too deeply", param)
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        if not kinds or not all(isinstance(k, str) and k in _SCHEMA_TYPES for k in kinds):
+            raise invalid(f"'{param}.type' must be one of {sorted(_SCHEMA_TYPES)} or a list of "
+                          f"them, got {_short(kind)}", f"{param}.type")
+    for key in _SUB_SCHEMA:
+        if key in schema:
+            value = schema[key]
+            if key == "items" and isinstance(value, list):      # draft-7 tuple form
+                for i, sub in enumerate(value):
+                    check_json_schema(sub, f"{param}.items[{i}]", depth + 1)
+            else:
+                check_json_schema(value, f"{param}.{key}", depth + 1)
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            value = schema[key]
+            if not isinstance(value, list) or not value:
+                raise invalid(f"'{param}.{key}' must be a non-empty array of schemas", 
+                              f"{param}.{key}")
+            for i, sub in enumerate(value):
+                check_json_schema(sub, f"{param}.{key}[{i}]", depth + 1)
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            value = schema[key]
+            if not isinstance(value, dict):
+                raise invalid(f"'{param}.{key}' must be an object of schemas, got "
+                              f"{_short(value)}", f"{param}.{key}")
+            for name, sub in value.items():
+                check_json_schema(sub, f"{param}.{key}.{name}", depth + 1)
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list)
+                                     and all(isinstance(r, str) for r in required)):
+        raise invalid(f"'{param}.required' must be an array of property names, got "
+                      f"{_short(required)}", f"{param}.required")
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        raise invalid(f"'{param}.enum' must be an array", f"{param}.enum")
+    for key in _COUNTS:
+        value = schema.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise invalid(f"'{param}.{key}' must be an integer >= 0, got {_short(value)}",
+                          f"{param}.{key}")
+    for key in _BOUNDS:
+        value = schema.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(_as_float(value))):
+            raise invalid(f"'{param}.{key}' must be a finite number, got {_short(value)}",
+                          f"{param}.{key}")
+    pattern = schema.get("pattern")
+    if pattern is not None:
+        try:
+            if not isinstance(pattern, str):
+                raise TypeError("not a string")
+            re.compile(pattern)
+        except (re.error, TypeError, RecursionError, OverflowError) as exc:
+            raise invalid(f"'{param}.pattern' is not a regular expression: {exc}",
+                          f"{param}.pattern") from None

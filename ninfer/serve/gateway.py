@@ -118,9 +118,22 @@ class Gateway:
         return getattr(options, "max_context", None)
 
     def tokens_left_default(self) -> int:
-        """max_tokens of a request that names none: the server default or the whole context
-        (the Engine clamps it to what the prompt leaves)."""
-        return self.config.max_tokens or self.max_context() or 4096
+        """max_tokens of a request that names none: the server default, the checkpoint's, or the
+        whole context (the Engine clamps it to what the prompt leaves)."""
+        return (self.config.max_tokens or self.sampling_defaults().get("max_tokens")
+                or self.max_context() or 4096)
+
+    def sampling_defaults(self) -> dict:
+        """SamplingParams fields a request leaves out: the checkpoint's generation_config.json,
+        overridden by the serve flags that were given."""
+        engine = self._engine
+        out = dict(getattr(engine, "sampling_defaults", None) or {})
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "max_tokens"):
+            value = getattr(self.config, name)
+            if value is not None:
+                out[name] = value
+        return out
 
     # ---- requests ---------------------------------------------------------------------------------
     def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None):
@@ -130,7 +143,7 @@ class Gateway:
         t0 = time.monotonic()
         try:
             handle = engine.submit(prompt, params, tools=tools, enable_thinking=enable_thinking,
-                                   request_id=request_id)
+                                   request_id=request_id, timeout_s=self.config.request_timeout_s)
         except Exception as exc:  # noqa: BLE001 - mapped to the client's status
             raise from_engine_error(exc) from exc
         gen = Generation(self, handle, request_id, t0)

@@ -1,13 +1,22 @@
 """OpenAI request bodies (/v1/chat/completions, /v1/completions) -> GenPlan.
 
-Unknown fields are ignored (as OpenAI's server does); a known field with a bad value is a 400 that
-names it. Messages become the Hugging Face chat form the Qwen3.5 template reads:
+Every top-level field is either implemented or refused: an unknown field is a 400 naming it
+(`serve --lenient` ignores unknown fields instead; CHAT_FIELDS / COMPLETION_FIELDS list the
+accepted ones, docs/serving.md documents them). A known field with a bad value is a 400 that names
+it. Sampling fields a request leaves out take the server's defaults (serve flags, then the
+checkpoint's generation_config.json, then greedy). Messages become the Hugging Face chat form the
+Qwen3.5 template reads:
   system/developer -> {"role": "system", "content"}
   user             -> {"role": "user", "content"}
   assistant        -> {"role": "assistant", "content", "reasoning_content"?, "tool_calls"?}
                       (tool call `arguments` JSON strings are parsed into objects)
   tool             -> {"role": "tool", "content", "tool_call_id"}
 Only text content parts are accepted (the vision path is not served yet).
+
+Thinking: `chat_template_kwargs.enable_thinking` switches it; `reasoning_effort` bounds it by a
+budget of reasoning tokens (REASONING_BUDGETS; "none" turns it off). A forced tool choice
+(`required` or a named function) with thinking on is bounded too (FORCED_TOOL_THINKING_BUDGET, at
+most half of max_tokens), so the forced call always comes.
 """
 from __future__ import annotations
 
@@ -19,12 +28,28 @@ from . import fields as F
 from .errors import invalid
 from .plan import GenPlan
 
+# fields a sampling request of either OpenAI endpoint accepts
+_SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+                    "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "n", "stream",
+                    "stream_options", "response_format", "user")
+CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + (
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"))
+COMPLETION_FIELDS = frozenset(_SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "suffix",
+                                                  "best_of"))
+# reasoning_effort -> most reasoning tokens (None: thinking off)
+REASONING_BUDGETS = {"none": None, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+FORCED_TOOL_THINKING_BUDGET = 1024
+_MAX_COUNT = (1 << 31) - 1          # max_tokens and friends above this are a 400, not a clamp
+
 
 def parse_chat(body, gateway) -> GenPlan:
     body = F.json_object(body, "chat completion")
+    F.check_known(body, CHAT_FIELDS, gateway, "chat completion")
     structured = _common_checks(body)
     messages = chat_messages(F.get(body, "messages", "list", required=True))
-    tools = _tools(body)
+    tools = chat_tools(body)
     forced = _forced_tool_call(body, tools)
     tools = _apply_tool_choice(body.get("tool_choice"), tools)
     if forced is not None:
@@ -36,16 +61,30 @@ def parse_chat(body, gateway) -> GenPlan:
     kwargs = F.get(body, "chat_template_kwargs", "dict", default={})
     thinking = F.get(kwargs, "enable_thinking", "bool", param="chat_template_kwargs.enable_thinking",
                      default=gateway.config.enable_thinking)
+    effort = F.get(body, "reasoning_effort", "str")
+    if effort is not None and effort not in REASONING_BUDGETS:
+        raise invalid(f"'reasoning_effort' must be one of {list(REASONING_BUDGETS)}, got "
+                      f"{effort!r}", "reasoning_effort")
+    budget = None
+    if effort == "none":
+        thinking = False
+    elif effort is not None:
+        budget = REASONING_BUDGETS[effort]
     want_logprobs = F.get(body, "logprobs", "bool", default=False)
     top = F.get(body, "top_logprobs", "int", lo=0, hi=20)
     if top is not None and not want_logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    max_tokens = F.get(body, "max_completion_tokens", "int", lo=1)
+    max_tokens = F.get(body, "max_completion_tokens", "int", lo=1, hi=_MAX_COUNT)
     if max_tokens is None:
-        max_tokens = F.get(body, "max_tokens", "int", lo=1)
+        max_tokens = F.get(body, "max_tokens", "int", lo=1, hi=_MAX_COUNT)
     params = sampling_params(body, gateway, max_tokens=max_tokens,
                              logprobs=(top or 0) if want_logprobs else None,
                              structured=structured)
+    if forced is not None and thinking:
+        # the call must come: reasoning before it gets a bounded budget
+        budget = min(budget or FORCED_TOOL_THINKING_BUDGET, params.max_tokens // 2)
+    if thinking and budget is not None:
+        params.thinking_budget = budget
     stream, include_usage = _stream_flags(body)
     return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
                    stream=stream, include_usage=include_usage, want_logprobs=want_logprobs,
@@ -54,6 +93,7 @@ def parse_chat(body, gateway) -> GenPlan:
 
 def parse_completion(body, gateway) -> GenPlan:
     body = F.json_object(body, "completion")
+    F.check_known(body, COMPLETION_FIELDS, gateway, "completion")
     structured = _common_checks(body)
     prompt = _completion_prompt(body.get("prompt"))
     if F.get(body, "echo", "bool", default=False):
@@ -64,7 +104,7 @@ def parse_completion(body, gateway) -> GenPlan:
         raise invalid("'best_of' must be 1 (one completion per request)", "best_of")
     n_logprobs = F.get(body, "logprobs", "int", lo=0, hi=20)
     # OpenAI's documented default for the legacy endpoint
-    max_tokens = F.get(body, "max_tokens", "int", lo=1, default=16)
+    max_tokens = F.get(body, "max_tokens", "int", lo=1, hi=_MAX_COUNT, default=16)
     params = sampling_params(body, gateway, max_tokens=max_tokens, logprobs=n_logprobs,
                              structured=structured)
     stream, include_usage = _stream_flags(body)
@@ -75,21 +115,31 @@ def parse_completion(body, gateway) -> GenPlan:
 
 def sampling_params(body: dict, gateway, *, max_tokens, logprobs=None, stop_key="stop",
                     temperature_hi=2.0, structured=None) -> SamplingParams:
-    """The sampling fields both protocols share; server defaults fill the gaps."""
-    cfg = gateway.config
+    """The sampling fields both protocols share; the server's defaults fill the gaps (serve
+    flags, then the checkpoint's generation_config.json, then SamplingParams' own)."""
+    base = gateway.sampling_defaults()
+    if max_tokens is None:
+        max_tokens = gateway.tokens_left_default()
     params = SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else gateway.tokens_left_default(),
+        max_tokens=max_tokens,
         temperature=F.get(body, "temperature", "number", lo=0, hi=temperature_hi,
-                          default=cfg.temperature),
-        top_p=F.get(body, "top_p", "number", lo=0, lo_open=True, hi=1, default=cfg.top_p),
-        top_k=_top_k(body, cfg.top_k),
-        min_p=F.get(body, "min_p", "number", lo=0, hi=1, default=0.0),
-        presence_penalty=F.get(body, "presence_penalty", "number", lo=-2, hi=2, default=0.0),
-        frequency_penalty=F.get(body, "frequency_penalty", "number", lo=-2, hi=2, default=0.0),
+                          default=min(base.get("temperature", 0.0), temperature_hi)),
+        top_p=F.get(body, "top_p", "number", lo=0, lo_open=True, hi=1,
+                    default=base.get("top_p", 1.0)),
+        top_k=_top_k(body, base.get("top_k", 0)),
+        min_p=F.get(body, "min_p", "number", lo=0, hi=1, default=base.get("min_p", 0.0)),
+        presence_penalty=F.get(body, "presence_penalty", "number", lo=-2, hi=2,
+                               default=base.get("presence_penalty", 0.0)),
+        frequency_penalty=F.get(body, "frequency_penalty", "number", lo=-2, hi=2,
+                                default=base.get("frequency_penalty", 0.0)),
         repetition_penalty=F.get(body, "repetition_penalty", "number", lo=0, lo_open=True,
-                                 default=1.0),
-        seed=F.get(body, "seed", "int", lo=0),
+                                 default=base.get("repetition_penalty", 1.0)),
+        seed=F.get(body, "seed", "int", lo=0, hi=(1 << 63) - 1),
         stop=F.stop_strings(body.get(stop_key), stop_key),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        ignore_eos=F.get(body, "ignore_eos", "bool", default=False),
+        min_tokens=F.get(body, "min_tokens", "int", lo=0, hi=max_tokens, default=0),
+        logit_bias=_logit_bias(body),
         logprobs=logprobs,
         structured=structured,
     )
@@ -99,8 +149,35 @@ def sampling_params(body: dict, gateway, *, max_tokens, logprobs=None, stop_key=
         raise invalid(str(exc)) from exc
 
 
+def _token_ids(body: dict, key: str) -> tuple:
+    ids = F.get(body, key, "list", default=[])
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _MAX_COUNT:
+            raise invalid(f"'{key}[{i}]' must be a token id (an integer >= 0), got {t!r}",
+                          f"{key}[{i}]")
+    return tuple(ids)
+
+
+def _logit_bias(body: dict):
+    """{"token id": bias in [-100, 100]} (OpenAI's form: JSON object keys are strings). Ids outside
+    the vocabulary are a 400 at submit, where the vocabulary is known."""
+    bias = F.get(body, "logit_bias", "dict")
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        param = f"logit_bias.{key}"
+        text = key.strip()
+        if not (text.isdigit() and len(text) <= 10):
+            raise invalid(f"'logit_bias' keys must be token ids (non-negative integers), got "
+                          f"{key!r}", param)
+        out[int(text)] = F.get(bias, key, "number", param=param, lo=-100, hi=100,
+                               required=True)
+    return out
+
+
 def _top_k(body: dict, default: int) -> int:
-    top_k = F.get(body, "top_k", "int", default=default)
+    top_k = F.get(body, "top_k", "int", hi=_MAX_COUNT, default=default)
     if top_k == -1:       # vLLM's spelling of "disabled"
         return 0
     if top_k < 0:
@@ -135,6 +212,7 @@ def _response_format(body: dict):
         F.get(spec, "strict", "bool", param="response_format.json_schema.strict")
         schema = F.get(spec, "schema", "dict", param="response_format.json_schema.schema",
                        default={})
+        F.check_json_schema(schema, "response_format.json_schema.schema")
         return StructuredOutput("json_schema", schema)
     raise invalid(f"response_format type {kind!r} must be 'text', 'json_object' or "
                   "'json_schema'", "response_format.type")
@@ -272,7 +350,8 @@ def _assistant_tool_call(call, param: str) -> dict:
     return out
 
 
-def _tools(body: dict):
+def chat_tools(body: dict):
+    """The request's `tools` (function form), each schema checked; None when there are none."""
     raw = F.get(body, "tools", "list")
     if not raw:
         return None
@@ -286,7 +365,9 @@ def _tools(body: dict):
         fn = t["function"]
         F.get(fn, "name", "str", param=f"{param}.function.name", required=True)
         F.get(fn, "description", "str", param=f"{param}.function.description")
-        F.get(fn, "parameters", "dict", param=f"{param}.function.parameters")
+        schema = F.get(fn, "parameters", "dict", param=f"{param}.function.parameters")
+        if schema is not None:
+            F.check_json_schema(schema, f"{param}.function.parameters")
         tools.append({"type": "function", "function": dict(fn)})
     return tools
 

@@ -16,7 +16,9 @@ from .anthropic_schema import parse_count_tokens, parse_messages
 from .errors import ApiError, from_engine_error
 from .openai_render import (ChatStream, CompletionStream, TokenText, chat_response,
                             completion_response)
-from .openai_schema import parse_chat, parse_completion
+from . import fields as F
+from .errors import invalid
+from .openai_schema import chat_messages, chat_tools, parse_chat, parse_completion
 
 
 @dataclass(slots=True)
@@ -118,6 +120,8 @@ def models(gw, anthropic: bool = False) -> Reply:
     entry = {"id": model_id, "object": "model", "created": gw.created, "owned_by": "ninfer"}
     if gw.max_context():
         entry["max_model_len"] = gw.max_context()
+    # what a request that leaves sampling fields out gets (checkpoint, then serve flags)
+    entry["sampling_defaults"] = gw.sampling_defaults()
     return Reply(body={"object": "list", "data": [entry]})
 
 
@@ -152,6 +156,68 @@ def count_tokens(gw, body) -> Reply:
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
         raise from_engine_error(exc) from exc
     return Reply(body={"input_tokens": n})
+
+
+# ---- tokenizer (vLLM's /tokenize and /detokenize) ---------------------------------------------------
+
+_TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens",
+                              "add_generation_prompt", "chat_template_kwargs", "tools",
+                              "return_token_strs"))
+
+
+def tokenize(gw, body) -> Reply:
+    """{prompt} (text as is) or {messages} (rendered by the chat template) -> {count,
+    max_model_len, tokens, token_strs}. The Qwen3.5 tokenizer adds no special tokens to text, so
+    `add_special_tokens` changes nothing and is accepted for vLLM clients."""
+    body = F.json_object(body, "tokenize")
+    F.check_known(body, _TOKENIZE_FIELDS, gw, "tokenize")
+    F.get(body, "model", "str")
+    F.get(body, "add_special_tokens", "bool")
+    want_strs = F.get(body, "return_token_strs", "bool", default=False)
+    engine = gw.engine()
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        raise invalid("send exactly one of 'prompt' (text) or 'messages' (a chat)",
+                      "prompt" if has_prompt else "messages")
+    try:
+        if has_prompt:
+            text = F.get(body, "prompt", "str", required=True)
+        else:
+            messages = chat_messages(F.get(body, "messages", "list", required=True))
+            kwargs = F.get(body, "chat_template_kwargs", "dict", default={})
+            thinking = F.get(kwargs, "enable_thinking", "bool",
+                             param="chat_template_kwargs.enable_thinking",
+                             default=gw.config.enable_thinking)
+            text = engine.apply_chat_template(
+                messages, tools=chat_tools(body),
+                add_generation_prompt=F.get(body, "add_generation_prompt", "bool", default=True),
+                enable_thinking=thinking)
+        ids = [int(t) for t in engine.tokenize(text)]
+        strs = [engine.detokenize([t]) for t in ids] if want_strs else None
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+        raise from_engine_error(exc) from exc
+    return Reply(body={"count": len(ids), "max_model_len": gw.max_context(), "tokens": ids,
+                       "token_strs": strs})
+
+
+def detokenize(gw, body) -> Reply:
+    """{tokens: [ids]} -> {prompt: text}; an id outside the vocabulary is a 400."""
+    body = F.json_object(body, "detokenize")
+    F.check_known(body, ("model", "tokens"), gw, "detokenize")
+    F.get(body, "model", "str")
+    ids = F.get(body, "tokens", "list", required=True)
+    engine = gw.engine()
+    vocab = getattr(getattr(engine, "frontend", None), "vocab_size", None)
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
+            raise invalid(f"'tokens[{i}]' must be a token id in [0, {vocab or 'vocab'}), got "
+                          f"{t!r}", f"tokens[{i}]")
+    try:
+        return Reply(body={"prompt": engine.detokenize(ids)})
+    except Exception as exc:  # noqa: BLE001
+        raise from_engine_error(exc) from exc
 
 
 # ---- operations ------------------------------------------------------------------------------------

@@ -20,8 +20,11 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate,
-                 eos_token_ids: Tuple[int, ...], *, tokenizer_json: Optional[bytes] = None):
+                 eos_token_ids: Tuple[int, ...], *, tokenizer_json: Optional[bytes] = None,
+                 sampling_defaults: Optional[Mapping[str, Any]] = None):
         self.tokenizer = tokenizer
+        # the checkpoint's recommended sampling (generation_config.json), SamplingParams names
+        self.sampling_defaults = dict(sampling_defaults or {})
         # compiled grammars are per vocabulary: one compiler (llguidance tokenizer + grammar
         # cache) per Frontend, built on the first structured request
         self.grammars = None if tokenizer_json is None else GrammarCompiler(
@@ -30,13 +33,17 @@ class Frontend:
         self._eos = tuple(eos_token_ids)
         self._think_ids = (tokenizer.token_id("<think>"), tokenizer.token_id("</think>"))
         self._im_start_id = tokenizer.token_id("<|im_start|>")
+        # what a spent thinking budget forces: </think> and the template's separator after it
+        self._think_close = () if self._think_ids[1] is None else \
+            (self._think_ids[1],) + tuple(int(t) for t in tokenizer.encode("\n\n"))
         self._media_ids = np.array([i for i in (tokenizer.token_id("<|image_pad|>"),
                                                 tokenizer.token_id("<|video_pad|>"))
                                     if i is not None], dtype=np.int32)
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_artifact(cls, artifact) -> "Frontend":
+    def from_artifact(cls, artifact, *, chat_template: Optional[str] = None) -> "Frontend":
+        """`chat_template`: a Jinja source that replaces the artifact's (CLI --chat-template)."""
         tokenizer_json = artifact.resource("tokenizer.json")
         if tokenizer_json is None:
             raise ArtifactError("artifact has no 'tokenizer.json' resource")
@@ -47,7 +54,7 @@ class Frontend:
             except UnicodeDecodeError as exc:
                 raise ArtifactError(f"resource 'chat_template.jinja' is not UTF-8: {exc}") from None
         return cls.from_resources(
-            tokenizer_json, template,
+            tokenizer_json, chat_template if chat_template is not None else template,
             _json_resource(artifact, "generation_config.json"),
             tokenizer_config=_json_resource(artifact, "tokenizer_config.json"))
 
@@ -64,7 +71,8 @@ class Frontend:
         specials = {k: v for k, v in specials.items() if v is not None}
         specials.setdefault("eos_token", "<|im_end|>")
         eos = _eos_ids(tokenizer, generation_config or {})
-        return cls(tokenizer, ChatTemplate(source, specials), eos, tokenizer_json=tokenizer_json)
+        return cls(tokenizer, ChatTemplate(source, specials), eos, tokenizer_json=tokenizer_json,
+                   sampling_defaults=sampling_defaults(generation_config or {}))
 
     # ---- text ------------------------------------------------------------------------------------
     @property
@@ -131,6 +139,11 @@ class Frontend:
         """Tool-call ids derive from (request_id, prompt digest) when a request id is given: a
         replayed request gets the same ids, a client reusing one id across turns does not."""
         seed = None if request_id is None else f"{request_id}/{prepared.digest}"
+        bias = getattr(params, "logit_bias", None) or {}
+        outside = [t for t in bias if not 0 <= t < self.vocab_size]
+        if outside:
+            raise RequestError(f"logit_bias: token id {outside[0]} is not in the vocabulary "
+                               f"[0, {self.vocab_size})")
         matcher = None
         if getattr(params, "structured", None) is not None:
             # compiled here, on the submit thread: a bad schema is this request's RequestError
@@ -141,7 +154,7 @@ class Frontend:
         return OutputSession(self.tokenizer, params, eos_token_ids=self._eos,
                              starts_in_reasoning=prepared.starts_in_reasoning,
                              think_allowed=prepared.think_state == THINK_NONE, tools=tools,
-                             request_id=seed, matcher=matcher)
+                             request_id=seed, matcher=matcher, think_close=self._think_close)
 
 
 def _is_int(x) -> bool:
@@ -178,6 +191,36 @@ def _token_text(value) -> Optional[str]:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
     return None
+
+
+# generation_config.json keys -> SamplingParams fields (vLLM reads the same ones)
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                    "presence_penalty": "presence_penalty",
+                    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_config: Mapping) -> dict:
+    """The checkpoint's recommended sampling as SamplingParams fields. `do_sample: false` means
+    greedy decoding whatever its temperature says (transformers' rule); a value of the wrong type
+    or out of range is left out (a checkpoint file, not the user's request)."""
+    out = {}
+    for key, name in _GENERATION_KEYS.items():
+        value = generation_config.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    if generation_config.get("do_sample") is False:
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            out.pop(name, None)
+    if out.get("top_k", 0) < 0:          # transformers' "off" spellings
+        out["top_k"] = 0
+    for name in list(out):              # a value SamplingParams refuses is left out, not fatal
+        try:
+            SamplingParams(**{name: out[name]}).validate()
+        except RequestError:
+            del out[name]
+    return out
 
 
 def _eos_ids(tokenizer: Tokenizer, generation_config: Mapping) -> Tuple[int, ...]:

@@ -32,6 +32,14 @@ Semantics (the Gateway and the Engine rely on these):
 - Tool call ids are `call_<nonce>_<index>`; the nonce derives from the request id (and prompt digest,
   see Frontend.new_output_session) when one is given, else it is random.
 
+Request-level controls the session owns:
+- min_tokens: until that many tokens are out, `token_mask()` bans the EOS and stop token ids, and
+  stop strings are not matched (text before the minimum cannot end a match; vLLM's rule).
+- thinking_budget: reasoning tokens are counted while the channel is "reasoning"; once the budget is
+  spent, `forced_tokens()` names `</think>` plus the template's separator ("\n\n"), which the
+  Engine runs as a control unit (forced, not sampled); the output then continues as content.
+  Budget 0 on a prompt that opened `<think>` closes it at once.
+
 preview() never mutates the session: it runs the tokens on a copy of the small state; commit() adopts
 that copy. Work per token is bounded by the stop-string and tag lengths (no re-decoding).
 
@@ -51,6 +59,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ....api import SamplingParams, TextDelta, ToolCall, ToolCallEvent
 from .tool_parser import FUNCTION_OPEN, parse_tool_call, tool_schemas
@@ -74,6 +84,7 @@ class _State:
     call_sep: str = ""                # the newlines dropped before it (restored if it is no call)
     num_tool_calls: int = 0
     num_tokens: int = 0
+    num_reasoning_tokens: int = 0     # tokens run while the channel was "reasoning"
     finish_reason: Optional[str] = None
     ended_by_eos: bool = False
     stop_sequence: Optional[str] = None   # the stop string that ended the output, if one did
@@ -139,9 +150,15 @@ class _Collector:
 class OutputSession:
     def __init__(self, tokenizer, params: SamplingParams, *, eos_token_ids: Sequence[int] = (),
                  starts_in_reasoning: bool = False, think_allowed: bool = True, tools=None,
-                 request_id: Optional[str] = None, matcher=None):
+                 request_id: Optional[str] = None, matcher=None, think_close: tuple = ()):
+        """`think_close`: the token ids a spent thinking budget forces (`</think>` + separator);
+        empty when the vocabulary has no `</think>` token (the budget is then not enforceable)."""
         self._tok = tokenizer
         self._matcher = matcher
+        self._min_tokens = int(getattr(params, "min_tokens", 0) or 0)
+        budget = getattr(params, "thinking_budget", None)
+        self._thinking_budget = None if budget is None or not think_close else int(budget)
+        self._think_close = tuple(int(t) for t in think_close)
         stop_ids = set(int(t) for t in params.stop_token_ids)
         self._eos_ids = frozenset(int(t) for t in eos_token_ids)
         if not params.ignore_eos:
@@ -214,10 +231,44 @@ class OutputSession:
     def is_constrained(self) -> bool:
         return self._matcher is not None
 
+    @property
+    def needs_mask(self) -> bool:
+        """Whether `token_mask()` may return a mask for the next token (a grammar, or a minimum
+        output length not reached yet)."""
+        return self._matcher is not None or bool(self.forced_tokens()) or (
+            self._state.num_tokens < self._min_tokens and bool(self._stop_ids))
+
     def token_mask(self):
-        """bool [tokenizer vocab] of the tokens the grammar allows next (ids past it are never
-        allowed), or None when the request is unconstrained."""
-        return None if self._matcher is None else self._matcher.mask()
+        """bool [tokenizer vocab] of the tokens allowed next (ids past it are never allowed), or
+        None when anything goes: the grammar's mask, with the stop ids banned while fewer than
+        min_tokens are out. A spent thinking budget allows only `</think>` (a row that must sample,
+        e.g. the first token after prefill, cannot take a control unit)."""
+        forced = self.forced_tokens()
+        if forced and 0 <= forced[0] < self._tok.vocab_size:
+            mask = np.zeros(self._tok.vocab_size, np.bool_)
+            mask[forced[0]] = True
+            return mask
+        mask = None if self._matcher is None else self._matcher.mask()
+        if self._state.num_tokens < self._min_tokens and self._stop_ids:
+            banned = [t for t in self._stop_ids if 0 <= t < self._tok.vocab_size]
+            if mask is None:
+                mask = np.ones(self._tok.vocab_size, np.bool_)
+            else:
+                mask = mask.copy()
+            mask[banned] = False
+            if not mask.any():          # only a stop token is allowed: the grammar is done
+                mask[banned] = True
+        return mask
+
+    def forced_tokens(self) -> tuple:
+        """Token ids the next unit must produce without sampling (a control unit), or () to
+        sample: `</think>` + separator once the thinking budget is spent inside reasoning."""
+        st = self._state
+        if (self._thinking_budget is None or st.finish_reason is not None
+                or st.channel != REASONING or st.tool_buf is not None
+                or st.num_reasoning_tokens < self._thinking_budget):
+            return ()
+        return self._think_close
 
     # ---- preview / commit ----------------------------------------------------------------------
     def preview(self, token_ids) -> OutputPreview:
@@ -231,7 +282,9 @@ class OutputSession:
         accepted = 0
         for tok in ids:
             accepted += 1
-            if self._step(st, tok, out):
+            if st.channel == REASONING:
+                st.num_reasoning_tokens += 1
+            if self._step(st, tok, out, st.num_tokens + accepted):
                 break
         st.num_tokens += accepted
         kept = tuple(ids[:accepted])
@@ -269,9 +322,9 @@ class OutputSession:
                 self._tool_calls.append(event.call)
 
     # ---- stage 1: bytes and stops ------------------------------------------------------------
-    def _step(self, st: _State, tok: int, out: _Collector) -> bool:
-        """Run one token; True when it ends the output."""
-        if tok in self._stop_ids:
+    def _step(self, st: _State, tok: int, out: _Collector, num_out: int) -> bool:
+        """Run one token (the `num_out`-th of the output); True when it ends the output."""
+        if tok in self._stop_ids and num_out > self._min_tokens:
             self._flush(st, out)
             st.finish_reason = "stop"
             st.ended_by_eos = tok in self._eos_ids
@@ -282,7 +335,9 @@ class OutputSession:
             st.pending_bytes = data[used:]
         else:
             text = self._window_text(st, tok)
-        if not self._stops:
+        if not self._stops or num_out <= self._min_tokens:
+            text = st.stop_hold + text          # below min_tokens no stop string matches yet
+            st.stop_hold = ""
             if text:
                 self._feed(st, text, False, out)
             return False
