@@ -147,8 +147,9 @@ def test_openai_reasoning_effort_and_forced_tool_call_bound_thinking(oai):
          "reasoning_effort")
     # a forced call on a thinking prompt: the reasoning is bounded (<= max_tokens / 2), the call
     # always comes (the random model would otherwise reason to max_tokens)
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {   # a short call
+        "type": "object", "properties": {"u": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["u"]}}}
     for seed in range(2):
         r = oai.chat.completions.create(model="m", messages=USER, max_tokens=64, tools=[tool],
                                         tool_choice="required", temperature=1.0, seed=seed)
