@@ -193,13 +193,14 @@ def time_prefill(model, batch, kv, state, reps=2):
 
 
 def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False,
-                cores_upto=0):
+                cores_upto=0, invariant=False):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
     max_ctx = max(list(contexts) + list(prefill_sizes)) + 16
     opts = EngineOptions(backend="cuda", max_concurrency=max(batch_sizes), max_context=max_ctx,
-                         page_size=page, prefill_chunk=max(prefill_sizes))
+                         page_size=page, prefill_chunk=max(prefill_sizes),
+                         batch_invariant=invariant)
     t0 = time.perf_counter()
     model = CudaModel(cfg_m, opts, random_seed=1234, max_tokens=max(prefill_sizes))
     model.stream.synchronize()
