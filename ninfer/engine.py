@@ -15,7 +15,7 @@ import numpy as np
 
 from .api import GenerationResult, Prompt, SamplingParams, ScoreResult
 from .artifact import Artifact
-from .errors import EngineFailedError, RequestError
+from .errors import EngineClosedError, RequestError
 from .options import EngineOptions
 
 
@@ -95,7 +95,7 @@ class Engine:
         if self._scorer is None:
             raise RequestError("Engine.score needs an Engine started with purpose='scoring'")
         if self._is_closed:
-            raise EngineFailedError("this Engine is closed")
+            raise EngineClosedError()
         return self._scorer.score(token_ids, return_logits=return_logits)
 
     # ---- generation -------------------------------------------------------------------------------
@@ -104,6 +104,12 @@ class Engine:
                request_id: Optional[str] = None, timeout_s: Optional[float] = None):
         """Queue one request; returns a GenerationHandle (iterate events, .result(), .cancel()).
         No params: the checkpoint's defaults (`default_sampling_params()`)."""
+        if self._is_closed:
+            raise EngineClosedError()
+        if self.frontend is not None:       # lone surrogates, provably over-long text: refused early
+            from .models.qwen3_5.frontend.prompt import max_token_bytes, precheck_prompt
+            precheck_prompt(prompt, self.options.max_context,
+                            max_token_bytes(self.frontend.tokenizer))
         params = params if params is not None else self.default_sampling_params()
         return self._generation().submit(prompt, params, tools=tools,
                                          enable_thinking=enable_thinking, request_id=request_id,
@@ -133,7 +139,7 @@ class Engine:
     # ---- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the worker (pending requests finish as 'cancelled'), then release the model.
-        Idempotent. The stopped EngineCore stays, so a later submit raises EngineFailedError."""
+        Idempotent. A later submit or score raises EngineClosedError (a RequestError, HTTP 503)."""
         if self._is_closed:
             return
         self._is_closed = True

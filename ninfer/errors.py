@@ -29,5 +29,13 @@ class RequestError(Error):
         self.code = code
 
 
+class EngineClosedError(RequestError):
+    """The Engine was closed (`close()`, or the server is shutting down): it takes no new work.
+    The caller's mistake or a shutdown race, not a broken invariant: HTTP 503 "engine_closed"."""
+
+    def __init__(self, message: str = "this Engine is closed"):
+        super().__init__(message, status=503, code="engine_closed")
+
+
 class EngineFailedError(Error):
     """The Engine broke an internal invariant and stopped; every pending and new request sees this."""

@@ -158,14 +158,18 @@ def test_cancel_after_finish_changes_nothing():
     finish_clean(core)
 
 
-def test_events_iterated_again_after_the_end_yield_nothing():
-    """A second pass over a finished handle ends at once (it used to wait forever)."""
+def test_events_iterated_again_raise_at_once():
+    """A second pass over a handle raises RequestError at once (it used to wait forever, later
+    to yield nothing: a silent split of the events between two consumers); result() still works."""
     core, _ = make_core()
     handle = core.submit(prompt(5, 3), SamplingParams(max_tokens=2))
     events, _ = drain(handle)
     assert isinstance(events[-1], Finished)
-    assert list(handle.events(timeout=5)) == []
-    assert list(handle) == []
+    with pytest.raises(RequestError, match="read once"):
+        handle.events(timeout=5)
+    with pytest.raises(RequestError, match="read once"):
+        list(handle)
+    assert handle.result(timeout=5) == events[-1].result
     finish_clean(core)
 
 

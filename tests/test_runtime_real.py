@@ -100,20 +100,23 @@ def test_text_prompts_and_stop_strings_through_the_real_frontend(dense):
         assert chat.finish_reason == "length" and len(chat.token_ids) == 4
 
 
-def test_closed_engine_raises_engine_failed(dense):
-    """After close() (idempotent) generation and scoring raise EngineFailedError, not a stale
-    purpose message or an error from inside the released model."""
-    from ninfer import Engine, EngineFailedError, SamplingParams
+def test_closed_engine_raises_engine_closed(dense):
+    """After close() (idempotent) generation and scoring raise EngineClosedError (a RequestError
+    with HTTP status 503; EngineFailedError is for broken invariants), not a stale purpose
+    message or an error from inside the released model."""
+    from ninfer import Engine, EngineClosedError, EngineFailedError, RequestError, SamplingParams
     engine = Engine(dense, max_concurrency=1)
     assert engine.health == "ready"
     engine.close()
     engine.close()
     assert engine.health == "closed"
-    with pytest.raises(EngineFailedError, match="shut down"):
+    with pytest.raises(EngineClosedError, match="closed") as info:
         engine.submit([1, 2, 3], SamplingParams(max_tokens=1))
+    assert isinstance(info.value, RequestError) and not isinstance(info.value, EngineFailedError)
+    assert (info.value.status, info.value.code) == (503, "engine_closed")
     scorer = Engine(dense, purpose="scoring")
     scorer.close()
-    with pytest.raises(EngineFailedError, match="closed"):
+    with pytest.raises(EngineClosedError, match="closed"):
         scorer.score([1, 2, 3])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import threading
 
 import numpy as np
@@ -20,6 +21,24 @@ from ..models.qwen3_5.config import ModelConfig
 from . import format as fmt
 
 VERIFY_MODES = ("lazy", "eager", "none")
+
+
+def _open_regular(path: str):
+    """Open `path` for reading only if it is a regular file: a FIFO would block open() and read()
+    forever and a device (/dev/zero) never ends. O_NONBLOCK makes opening a FIFO return at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "not a plain file")
+        raise ArtifactError(f"{path}: cannot open: it is {kind}, not a regular .ninfer file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 class Artifact:
@@ -34,10 +53,7 @@ class Artifact:
         self._verified: set[str] = set()
         self._lock = threading.Lock()
         self._mm = None
-        try:
-            self._file = open(self.path, "rb")
-        except OSError as exc:
-            raise ArtifactError(f"{self.path}: cannot open: {exc.strerror or exc}") from exc
+        self._file = _open_regular(self.path)
         try:
             self._open()
         except BaseException:

@@ -6,7 +6,11 @@ worker holds only the channel, so dropping the last handle reference abandons th
 
 Outstanding capacity is released exactly once, when both hold:
     response_done      the worker published Finished
-    consumer_released  result() / iteration returned the end, close(), or the handle was dropped
+    consumer_released  result() / iteration returned the end, cancel(), close(), or the handle
+                       was dropped
+
+A handle's events are read once, by one consumer: a second iteration (also from another thread)
+raises RequestError instead of silently splitting or losing events.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from ..api import Finished, GenerationResult
+from ..errors import RequestError
 
 
 class _Channel:
@@ -27,6 +32,7 @@ class _Channel:
         self.is_cancel_requested = False
         self._is_consumer_released = False
         self._is_capacity_released = False
+        self._is_iterated = False
         self._wake_worker = wake_worker
         self._release_capacity = release_capacity
 
@@ -59,6 +65,14 @@ class _Channel:
     def cancel(self) -> None:
         self.is_cancel_requested = True
         self._wake_worker()
+
+    def claim_iteration(self) -> None:
+        with self._cond:
+            if self._is_iterated:
+                raise RequestError(f"request {self.request_id}: its events are already being (or "
+                                   f"were) iterated; a handle's events can be read once, by one "
+                                   f"consumer (result() still returns the result)")
+            self._is_iterated = True
 
     def release_consumer(self) -> None:
         with self._cond:
@@ -100,7 +114,12 @@ class GenerationHandle:
         return self.events()
 
     def events(self, timeout: Optional[float] = None):
-        """Yield events until Finished (inclusive); `timeout` bounds each wait (TimeoutError)."""
+        """Yield events until Finished (inclusive); `timeout` bounds each wait (TimeoutError).
+        Once per handle: a second call (from any thread) raises RequestError."""
+        self._channel.claim_iteration()
+        return self._events(timeout)
+
+    def _events(self, timeout: Optional[float]):
         while True:
             event = self._channel.next_event(timeout)
             if event is None:                       # an earlier pass already took Finished
@@ -117,8 +136,12 @@ class GenerationHandle:
         return result
 
     def cancel(self) -> None:
+        """Ask the worker to stop the request; the consumer is done with it, so its capacity is
+        released as soon as the engine has settled it (Finished "cancelled"). The events up to
+        then (and result()) can still be read."""
         if not self._channel.is_done:
             self._channel.cancel()
+        self._channel.release_consumer()
 
     def close(self) -> None:
         self.cancel()

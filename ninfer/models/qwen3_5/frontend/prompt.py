@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
+
+from ....errors import RequestError
 
 THINK_NONE, THINK_OPEN, THINK_CLOSED = "none", "open", "closed"
 
@@ -100,3 +103,50 @@ def _last_index(ids: np.ndarray, token_id: Optional[int]) -> int:
         return -1
     hits = np.flatnonzero(ids == token_id)
     return int(hits[-1]) if hits.size else -1
+
+
+# ---- checks before tokenizing ----------------------------------------------------------------------
+
+def max_token_bytes(tokenizer) -> int:
+    """The longest token of a byte-level vocabulary in bytes (0: unknown, no byte bound). Any text
+    of n UTF-8 bytes is then at least ceil(n / this) tokens."""
+    cached = getattr(tokenizer, "_max_token_bytes", None)
+    if cached is None:
+        table = getattr(tokenizer, "token_bytes", None)
+        cached = max(map(len, table), default=0) if table else 0
+        tokenizer._max_token_bytes = cached     # one scan of the vocabulary per tokenizer
+    return cached
+
+
+def precheck_prompt(prompt, max_context: int, token_bytes: int) -> None:
+    """Refuse, before any tokenizing, a prompt that is not Unicode text (a lone UTF-16 surrogate:
+    the tokenizer would raise a bare TypeError) or whose byte length alone proves it longer than
+    max_context (a 5 MB string took seconds to tokenize only to be refused). RequestError."""
+    if isinstance(prompt, str):
+        nbytes = _utf8_length(prompt, "the prompt")
+        if token_bytes and nbytes > (max_context - 1) * token_bytes:
+            at_least = -(-nbytes // token_bytes)
+            raise RequestError(
+                f"prompt has {nbytes} UTF-8 bytes, so at least {at_least} tokens (no token is "
+                f"longer than {token_bytes} bytes); max_context={max_context} allows at most "
+                f"{max_context - 1} prompt tokens (plus at least one generated)",
+                code="context_length_exceeded")
+    elif isinstance(prompt, (list, tuple)):
+        stack = [prompt]
+        while stack:                        # chat messages: every string in them, keys too
+            item = stack.pop()
+            if isinstance(item, str):
+                _utf8_length(item, "a chat message")
+            elif isinstance(item, Mapping):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+
+
+def _utf8_length(text: str, what: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{what} is not valid Unicode text: a lone UTF-16 surrogate "
+                           f"{text[exc.start]!r} at character {exc.start}") from None
