@@ -6,7 +6,7 @@ missing, or a build fails, the install still succeeds and the twin is used at ru
 import glob
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -41,4 +41,9 @@ def hot_extensions():
     return extensions
 
 
-setup(ext_modules=hot_extensions(), cmdclass={"build_ext": OptionalBuildExt})
+# The numba-cuda kernel sources stay in the top-level kernels/ (the design card's place) and ship
+# inside the package as `ninfer.kernels`; core/cuda/kernels.py reads them through importlib, so a
+# wheel and an editable install find the same files.
+setup(packages=find_packages(include=["ninfer", "ninfer.*"]) + ["ninfer.kernels"],
+      package_dir={"ninfer.kernels": "kernels"},
+      ext_modules=hot_extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -29,7 +29,23 @@ from dataclasses import dataclass, field
 from ...errors import DeviceError
 from . import driver as _d
 
-KERNELS_DIR = pathlib.Path(__file__).resolve().parents[3] / "kernels"
+# The sources live in the top-level kernels/ (the design card's place for them); setuptools maps
+# that folder into the package as `ninfer.kernels` (setup.py package_dir), so a wheel and an
+# editable install find them the same way: importlib. A source tree run without an install
+# (PYTHONPATH=.) has no `ninfer.kernels`; it reads the folder beside the package instead.
+_SOURCE_TREE_KERNELS = pathlib.Path(__file__).resolve().parents[3] / "kernels"
+
+
+def _kernel_package():
+    """(importable package name, folder of the sources as a Traversable)."""
+    try:
+        import importlib.resources
+        return "ninfer.kernels", importlib.resources.files("ninfer.kernels")
+    except ModuleNotFoundError:
+        return None, _SOURCE_TREE_KERNELS
+
+
+KERNELS_DIR = _kernel_package()[1]
 
 # C-like argument types: name -> (ctypes type, numba type name, is_pointer)
 ARG_TYPES = {
@@ -86,7 +102,7 @@ def _toolchain_id() -> str:
 def source_text(module: str) -> str:
     files = [KERNELS_DIR / "common.py", KERNELS_DIR / f"{module}.py"]
     try:
-        return "\n".join(f.read_text() for f in files)
+        return "\n".join(f.read_text(encoding="utf-8") for f in files)
     except OSError as exc:
         raise DeviceError(f"kernel source {module!r} not found under {KERNELS_DIR}: {exc}") from exc
 
@@ -122,10 +138,14 @@ _PKG = "ninfer_kernel_sources"
 
 
 def _import_kernel_module(module: str):
-    """Import kernels/<module>.py as a submodule of a private package (no sys.path games)."""
+    """Import kernels/<module>.py: as `ninfer.kernels.<module>` when installed, else as a
+    submodule of a private package over the source tree's folder (no sys.path games)."""
     import importlib
     import importlib.util
     import sys
+    package = _kernel_package()[0]
+    if package is not None:
+        return importlib.import_module(f"{package}.{module}")
     if _PKG not in sys.modules:
         spec = importlib.util.spec_from_file_location(
             _PKG, KERNELS_DIR / "__init__.py", submodule_search_locations=[str(KERNELS_DIR)])

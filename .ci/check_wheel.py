@@ -1,0 +1,53 @@
+"""Run from a fresh virtual environment holding the built wheel, OUTSIDE the source tree: every
+kernel source of the kernel set is found inside the installed package (`ninfer.kernels`) and
+compiles to PTX (numba-cuda needs no GPU for that). Exits non-zero with the first problem."""
+import pathlib
+import sys
+import time
+
+import ninfer
+from ninfer.core.cuda import kernels as K
+from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
+from ninfer.models.qwen3_5.cuda.kernel_set import F32_VARIANTS, SIGS, geometry_specs, spec
+
+CC = (9, 0)
+
+
+def main() -> int:
+    installed = pathlib.Path(ninfer.__file__).resolve().parent
+    if "site-packages" not in installed.parts:
+        print(f"ninfer imported from {installed}: run this from outside the source tree, against "
+              "the installed wheel")
+        return 1
+    package, folder = K._kernel_package()
+    if package != "ninfer.kernels":
+        print(f"the kernel sources are not the installed package ninfer.kernels ({folder})")
+        return 1
+    modules = sorted({module for module, _, _ in SIGS.values()})
+    for module in modules:
+        K.source_text(module)          # raises DeviceError naming the missing file
+    types = tuple(FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(8))
+    dense = TextConfig(num_hidden_layers=8, layer_types=types)
+    moe = TextConfig(hidden_size=2048, num_hidden_layers=8, layer_types=types, is_moe=True,
+                     num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, num_attention_heads=16,
+                     num_key_value_heads=2)
+    specs = set(geometry_specs(dense).values()) | set(geometry_specs(moe).values()) \
+        | set(geometry_specs(dense, f32=True).values())
+    specs |= {spec("widen_bf16")} | {spec(n, f32=True) for n in F32_VARIANTS
+                                     if n in ("rmsnorm", "embed_gather")}
+    compiled = {s.module for s in specs}
+    if set(modules) - compiled:
+        print(f"kernel modules never compiled by this check: {sorted(set(modules) - compiled)}")
+        return 1
+    t0 = time.time()
+    for s in sorted(specs, key=repr):
+        ptx = K.compile_spec(s, CC)
+        K.entry_name(ptx)              # exactly one kernel entry
+    print(f"wheel: {len(modules)} kernel sources found under {folder}; {len(specs)} kernels "
+          f"compiled to PTX for sm_{CC[0]}{CC[1]} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
