@@ -95,7 +95,8 @@ def convert_fixture(name: str, out_dir) -> pathlib.Path:
     return out
 
 
-_ST_DTYPES = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F16": np.float16}
+_ST_DTYPES = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F16": np.float16,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def read_checkpoint_tensors(name: str) -> dict:
