@@ -1,4 +1,4 @@
-"""`python -m ninfer {convert,score,run,serve}`.
+"""`python -m ninfer {convert,score,run,chat,serve}`.
 
 Bad input ends with one line on stderr (`ninfer: error: ...`) and a non-zero exit, never a traceback.
 """
@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk", type=int, default=512, help="scoring window (tokens)")
     s.set_defaults(handler=_score)
 
+    from .chat import add_chat_parser
     from .commands import add_run_parser, add_serve_parser
     add_run_parser(sub)
+    add_chat_parser(sub)
     add_serve_parser(sub)
     return p
 

@@ -1,0 +1,272 @@
+"""`python -m ninfer chat [ARTIFACT]`: an interactive terminal chat (like `ollama run`).
+
+Answers stream as they are generated; reasoning is shown dim (or hidden with --hide-thinking or
+`/think hide`); the conversation is kept across turns, so each turn re-sends the history and the
+Engine's prefix cache reuses what it computed for the last one. Ctrl-C stops the current answer
+(what was generated stays in the history) and returns to the prompt; Ctrl-D or /exit leaves.
+One line is one message; a line of three double quotes starts a block that the next such line
+ends; a line ending in a backslash continues on the next. Commands: /reset, /system TEXT,
+/save FILE, /think show|hide, /set NAME VALUE, /help, /exit.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from .errors import Error
+
+_HELP = """commands:
+  /reset          forget the conversation (keeps the system message)
+  /system TEXT    set the system message (and reset the conversation)
+  /save FILE      write the conversation as JSON (a --messages file for `run`)
+  /think show     show reasoning (dim); /think hide: hide it
+  /set NAME VALUE a sampling parameter (temperature, top_p, max_tokens, min_tokens, seed, ...)
+  /help           this text
+  /exit, Ctrl-D   leave;   Ctrl-C stops the current answer
+multi-line input: a line of three double quotes starts and ends a block; a line ending in a
+backslash continues on the next line"""
+
+
+_SETTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "max_tokens", "min_tokens", "seed", "thinking_budget")
+
+
+def add_chat_parser(sub) -> None:
+    from .commands import _engine_flags, sampling_flags
+    c = sub.add_parser("chat", help="chat interactively in the terminal",
+                       description="Chat in the terminal: streamed answers, history kept across "
+                                   "turns, /help for commands, Ctrl-C stops an answer.")
+    c.add_argument("artifact", nargs="?",
+                   help="a .ninfer file (default: the built-in demo model, random weights)")
+    c.add_argument("--system", help="the system message")
+    c.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template replacing the artifact's")
+    think = c.add_mutually_exclusive_group()
+    think.add_argument("--no-thinking", dest="thinking", action="store_false", default=None,
+                       help="ask the chat template for no reasoning")
+    think.add_argument("--thinking", dest="thinking", action="store_true",
+                       help="ask for reasoning (the default, except with the demo model)")
+    c.add_argument("--hide-thinking", action="store_true",
+                   help="do not print the reasoning (it is still generated)")
+    c.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                   help="most reasoning tokens per answer")
+    c.add_argument("--max-new", type=int, default=None, metavar="N",
+                   help="most tokens per answer (default: the checkpoint's, else 1024)")
+    c.add_argument("--seed", type=int, default=None)
+    _engine_flags(c, concurrency_default=1)
+    sampling_flags(c)
+    c.set_defaults(handler=chat_command)
+
+
+def chat_command(args) -> int:
+    from .api import SamplingParams
+    from .commands import (_artifact_or_demo, engine_kwargs, read_chat_template,
+                           resolved_engine_kwargs, sampling_overrides)
+    from .engine import Engine
+    from .options import EngineOptions
+
+    overrides = dict(sampling_overrides(args), seed=args.seed,
+                     thinking_budget=args.thinking_budget)
+    if args.max_new is not None:
+        overrides["max_tokens"] = args.max_new
+    SamplingParams(**overrides).validate()
+    EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
+    template = read_chat_template(args.chat_template)
+    path, is_demo = _artifact_or_demo(args.artifact)
+    thinking = args.thinking if args.thinking is not None else not is_demo
+    kwargs = resolved_engine_kwargs(args, path, concurrency_default=1)
+    with Engine(path, chat_template=template, **kwargs) as engine:
+        overrides.setdefault("max_tokens", engine.sampling_defaults.get("max_tokens", 1024))
+        session = ChatSession(engine, engine.default_sampling_params(**overrides),
+                              system=args.system, thinking=thinking,
+                              show_thinking=not args.hide_thinking)
+        print(f"ninfer chat: {engine.name} (/help for commands, Ctrl-D to leave)",
+              file=sys.stderr, flush=True)
+        session.loop()
+    return 0
+
+
+class ChatSession:
+    """One terminal conversation. `messages` is the history in the chat-template form."""
+
+    def __init__(self, engine, params, *, system=None, thinking=True, show_thinking=True,
+                 stdin=None, stdout=None):
+        self.engine, self.params = engine, params
+        self.system, self.thinking, self.show_thinking = system, thinking, show_thinking
+        self.stdin = stdin or sys.stdin
+        self.out = stdout or sys.stdout
+        self.dim = self.out.isatty()
+        self.messages: list = []
+
+    # ---- input ------------------------------------------------------------------------------------
+    def _ask(self, prompt: str) -> str:
+        if self.stdin is sys.stdin and self.out is sys.stdout:
+            try:
+                import readline  # noqa: F401 - line editing and history for input()
+            except ImportError:
+                pass
+            return input(prompt)
+        self.out.write(prompt)
+        self.out.flush()
+        line = self.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    def read_message(self):
+        """The next message (multi-line forms joined), or None at end of input."""
+        try:
+            line = self._ask(">>> ")
+            if line.strip() == '"""':
+                lines = []
+                while (line := self._ask("... ")).strip() != '"""':
+                    lines.append(line)
+                return "\n".join(lines)
+            lines = []
+            while line.endswith("\\"):
+                lines.append(line[:-1])
+                line = self._ask("... ")
+            return "\n".join(lines + [line])
+        except EOFError:
+            return None
+
+    def loop(self) -> None:
+        while True:
+            try:
+                text = self.read_message()
+            except KeyboardInterrupt:       # Ctrl-C at the prompt: a fresh prompt, like a shell
+                self.out.write("\n(Ctrl-D or /exit to leave)\n")
+                continue
+            if text is None:
+                self.out.write("\n")
+                return
+            if not text.strip():
+                continue
+            if text.startswith("/"):
+                if not self.command(text):
+                    return
+                continue
+            self.turn(text)
+
+    # ---- commands ---------------------------------------------------------------------------------
+    def command(self, text: str) -> bool:
+        """Run one /command; False when it asks to leave."""
+        name, _, rest = text.partition(" ")
+        rest = rest.strip()
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name == "/reset":
+            self.messages = []
+            self._say("(conversation cleared)")
+        elif name == "/system":
+            self.system, self.messages = (rest or None), []
+            self._say("(system message set; conversation cleared)" if rest
+                      else "(system message removed; conversation cleared)")
+        elif name == "/save" and rest:
+            try:
+                with open(rest, "w", encoding="utf-8") as f:
+                    json.dump({"messages": self.history()}, f, ensure_ascii=False, indent=1)
+            except OSError as exc:
+                self._say(f"(cannot save to {rest}: {exc.strerror or exc})")
+            else:
+                self._say(f"(saved {len(self.history())} messages to {rest})")
+        elif name == "/set":
+            self._set(rest)
+        elif name == "/think" and rest in ("show", "hide"):
+            self.show_thinking = rest == "show"
+            self._say(f"(reasoning {'shown' if self.show_thinking else 'hidden'})")
+        elif name in ("/help", "/?"):
+            self._say(_HELP)
+        else:
+            self._say(f"(unknown command {text!r}; /help lists them)")
+        return True
+
+    def _set(self, rest: str) -> None:
+        """/set NAME VALUE: one sampling parameter for the next answers (VALUE as JSON)."""
+        import dataclasses
+
+        from .errors import RequestError
+        key, _, raw = rest.partition(" ")
+        if key not in _SETTABLE:
+            self._say(f"(/set takes one of {', '.join(_SETTABLE)})")
+            return
+        try:
+            value = json.loads(raw) if raw.strip() else None
+            self.params = dataclasses.replace(self.params, **{key: value}).validate()
+        except (ValueError, RequestError) as exc:
+            self._say(f"(/set {key}: {exc})")
+            return
+        self._say(f"({key} = {value!r})")
+
+    def _say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def history(self) -> list:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    # ---- one turn ---------------------------------------------------------------------------------
+    def turn(self, text: str) -> None:
+        from .api import Finished, TextDelta, ToolCallEvent
+        self.messages.append({"role": "user", "content": text})
+        handle = self.engine.submit(self.history(), self.params, enable_thinking=self.thinking)
+        shown = {"content": "", "reasoning": ""}
+        channel = None
+        result = None
+        try:
+            for event in handle:
+                if isinstance(event, TextDelta) and event.text:
+                    channel = self._show(event.channel, event.text, channel)
+                    shown[event.channel] += event.text
+                elif isinstance(event, ToolCallEvent):
+                    self._say(json.dumps({"tool_call": {"name": event.call.name,
+                                                        "arguments": event.call.arguments}}))
+                elif isinstance(event, Finished):
+                    result = event.result
+        except KeyboardInterrupt:
+            handle.cancel()
+            result = handle.result(timeout=60)
+            rest = result.text[len(shown["content"]):] \
+                if result.text.startswith(shown["content"]) else ""
+            if rest:
+                channel = self._show("content", rest, channel)
+            self._end(channel)
+            self._say("[stopped]")
+            channel = None
+        finally:
+            handle.close()
+        self._end(channel)
+        if result is None:
+            return
+        if result.finish_reason == "error":
+            self.messages.pop()
+            raise Error(f"generation failed: {result.error}")
+        reply = {"role": "assistant", "content": result.text}
+        if result.reasoning_text:
+            reply["reasoning_content"] = result.reasoning_text
+        if result.tool_calls:
+            reply["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+                "name": c.name, "arguments": json.loads(c.arguments)}} for c in result.tool_calls]
+        self.messages.append(reply)
+        if result.finish_reason == "length":
+            self._say(f"[answer cut at {len(result.token_ids)} tokens; --max-new sets the limit]")
+
+    def _show(self, channel: str, text: str, current):
+        if channel == "reasoning":
+            if not self.show_thinking:
+                return current
+            if current != "reasoning":
+                self.out.write("\x1b[2m" if self.dim else "[reasoning] ")
+        elif current == "reasoning":
+            self._end("reasoning")
+        self.out.write(text)
+        self.out.flush()
+        return channel
+
+    def _end(self, channel) -> None:
+        if channel == "reasoning":
+            self.out.write("\x1b[0m\n" if self.dim else "\n")
+        elif channel == "content":
+            self.out.write("\n")
+        self.out.flush()
