@@ -17,6 +17,10 @@ builders it reuses); needs torch + transformers:
    `quant_reference.npz` there: ids_{s} / logits_{s} (s = 0, 1: lengths 5 and 37) of transformers
    in float32 on weights dequantized here, w = fp8 * scale_inv[r // 128, c // 128] (the
    FineGrainedFP8 semantics), written as an unquantized float32 checkpoint and loaded back.
+   (Not transformers' own `FineGrainedFP8Config(dequantize=True)` load: in transformers 5.18 it
+   derives the block as rows // scale_rows, which is wrong for partial blocks such as these; its
+   GPU FP8Linear and vLLM index r // 128 over ceil-sized scales, as here. On dimensions that are
+   multiples of 128 its Fp8Dequantize and ninfer's decoder agree exactly.)
 2. `tests/fixtures/{dense,moe}/quantized.npz`: for fmt in fp8, int8, int4, the fixture converted
    with `python -m ninfer convert --quantize fmt`, its quantized objects decoded here in torch from
    the spec (docs/artifact.md 3.2.1, not ninfer's decoder) into a float32 checkpoint, and
