@@ -47,7 +47,9 @@ def test_conditional_generation_reads_text_config_and_keeps_vision():
     ({"hidden_size": 0}, "hidden_size must be >= 1"),
     ({"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 1e308}},
      "partial_rotary_factor"),
-    ({"rope_parameters": {"rope_theta": 1e6, "mrope_section": [2, 2, 2]}}, "mrope_section"),
+    ({"rope_parameters": {"rope_theta": 1e6, "mrope_section": [2, -1, 2]}}, "mrope_section"),
+    ({"rope_parameters": {"rope_theta": 1e6, "mrope_section": [2, 2]}}, "mrope_section"),
+    ({"rope_parameters": {"rope_theta": 1e6, "mrope_section": "2,2,2"}}, "mrope_section"),
 ])
 def test_bad_configs_are_refused_with_the_rule(patch, words):
     hf = {"architectures": ["Qwen3_5ForCausalLM"], **TEXT, **patch}

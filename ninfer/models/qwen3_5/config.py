@@ -146,6 +146,11 @@ def parse_hf_config(hf: dict) -> ModelConfig:
         return value
 
     rope = dict(text_hf.get("rope_parameters") or text_hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        # yarn / linear / dynamic scaling change the frequencies; the kernels run plain RoPE
+        raise ArtifactError(f"config.json: rope_parameters.rope_type "
+                            f"{rope.get('rope_type', rope.get('type'))!r} is not supported "
+                            "(only 'default' RoPE)")
     rope_theta = rope.get("rope_theta", text_hf.get("rope_theta", defaults.rope_theta))
     partial = rope.get("partial_rotary_factor", text_hf.get("partial_rotary_factor", 0.25))
     n_layers = int(get("num_hidden_layers"))
@@ -163,8 +168,9 @@ def parse_hf_config(hf: dict) -> ModelConfig:
         attention_bias=flag("attention_bias", False), hidden_act=str(get("hidden_act")),
         max_position_embeddings=int(get("max_position_embeddings")),
         rope_theta=float(rope_theta), partial_rotary_factor=float(partial),
-        mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
-        mrope_interleaved=rope.get("mrope_interleaved", True) is not False,
+        mrope_section=_mrope_section(rope.get("mrope_section", (11, 11, 10))),
+        # transformers' Qwen3.5 always interleaves (it ignores mrope_interleaved): so do we
+        mrope_interleaved=True,
         linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
         linear_key_head_dim=int(get("linear_key_head_dim")),
         linear_value_head_dim=int(get("linear_value_head_dim")),
@@ -176,6 +182,14 @@ def parse_hf_config(hf: dict) -> ModelConfig:
     cfg = ModelConfig(architecture=arch, text=text, vision=vision, special_token_ids=special)
     _validate(cfg)
     return cfg
+
+
+def _mrope_section(value) -> tuple:
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise ArtifactError(f"config.json: rope_parameters.mrope_section must be a list of "
+                            f"integers, got {value!r}")
+    return tuple(value)
 
 
 def _layer_types(text_hf: dict, n_layers: int) -> tuple:
@@ -233,9 +247,16 @@ def _validate(cfg: ModelConfig) -> None:
         bad(f"partial_rotary_factor must be in (0, 1], got {t.partial_rotary_factor}")
     if t.rotary_dim % 2 or t.rotary_dim > t.head_dim:
         bad(f"rotary dim {t.rotary_dim} must be even and <= head_dim {t.head_dim}")
-    if sum(t.mrope_section) * 2 != t.rotary_dim and FULL_ATTENTION in t.layer_types:
-        bad(f"mrope_section {list(t.mrope_section)} sums to {sum(t.mrope_section)}, "
-            f"expected rotary_dim/2 = {t.rotary_dim // 2}")
+    if len(t.mrope_section) != 3 or any(s < 0 for s in t.mrope_section):
+        bad(f"mrope_section {list(t.mrope_section)} must be 3 non-negative section sizes (t, h, w)")
+    # interleaved sections (Qwen3.5) index frequencies j % 3 == 1 / 2 below 3*sec, clipped at
+    # rotary_dim/2: transformers slices the same way, so any sizes run (transformers' default
+    # [11, 11, 10] with a small head_dim included). Contiguous sections (Qwen2-VL style) are split
+    # by size, which needs them to cover rotary_dim/2 exactly.
+    if not t.mrope_interleaved and sum(t.mrope_section) * 2 != t.rotary_dim \
+            and FULL_ATTENTION in t.layer_types:
+        bad(f"mrope_section {list(t.mrope_section)} sums to {sum(t.mrope_section)}, expected "
+            f"rotary_dim/2 = {t.rotary_dim // 2} (contiguous sections, mrope_interleaved false)")
     if t.is_moe and not 0 < t.num_experts_per_tok <= t.num_experts:
         bad(f"num_experts_per_tok {t.num_experts_per_tok} out of range for {t.num_experts} experts")
     if t.hidden_act != "silu":
