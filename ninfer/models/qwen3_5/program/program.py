@@ -10,6 +10,8 @@ Units (`next unit` of a sequence, derived from that arithmetic alone):
     prefill  no token generated yet: the next <= prefill_chunk prompt tokens; the chunk that
              reaches the end of the prompt samples the first token
     replay   resumed after a pause: re-run accepted history in chunks up to num_tokens - 1
+             (batch_invariant: the prompt in its prefill's chunks, then one unit per generated
+             token, as decode ran them)
     decode   frontier == num_tokens - 1: run the last accepted token, sample one more
     control  a decode-ready row given forced tokens F by the caller (the Frontend): run the last
              accepted token + F[:-1], produce F without sampling (no RNG, no logprobs)
