@@ -16,6 +16,7 @@ from ninfer.convert import Quantize, convert_checkpoint
 from ninfer.convert.quantize import encode, pack_int4
 from ninfer.errors import ArtifactError, ConvertError, DeviceError
 from ninfer.models.qwen3_5 import load_model
+from ninfer.models.qwen3_5.load import read_text_params
 from ninfer.models.qwen3_5.quant import dequantize
 from ninfer.options import EngineOptions
 
@@ -177,6 +178,9 @@ def test_quantize_lm_head(tmp_path, tied):
         head = dequantize(art.quantized("text.lm_head.weight"))
         src = ckpt.tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
         assert np.abs(head - src.astype(np.float32)).max() <= np.abs(src.astype(np.float32)).max() / 127
+        params = read_text_params(art, art.config.text)
+        assert np.array_equal(params["lm_head"], head)
+        assert (params["lm_head"] is params["embed"]) == tied          # one float32 copy
 
 
 def test_numpy_backend_runs_quantized_and_cuda_refuses(tmp_path):
@@ -388,3 +392,24 @@ def test_docs_decoder_reads_quantized_artifacts(tmp_path):
             assert names
             for b in names:
                 assert np.array_equal(ns["tensor"](b), dequantize(art.quantized(b))), (fmt, b)
+
+
+@pytest.mark.parametrize("recipe", [Quantize("fp8"), Quantize("int4"), None])
+def test_streaming_in_row_bands_changes_nothing(tmp_path, monkeypatch, recipe):
+    """Tensors read in small row bands (whole 128-row fp8 blocks; the FP8 release's codes read
+    straight from the file) give the same objects as read whole."""
+    from ninfer.convert import source as source_mod
+    if recipe is None:
+        ckpt = fp8_release(tmp_path / "ckpt", "Qwen3_5MoeForCausalLM",
+                           dict(BIG, hidden_size=264, moe_intermediate_size=136))
+    else:
+        ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5MoeForCausalLM",
+                                dict(BIG, hidden_size=264, moe_intermediate_size=136),
+                                fused_experts=True)
+    whole = convert_checkpoint(ckpt.path, tmp_path / "whole.ninfer", progress=False, recipe=recipe)
+    monkeypatch.setattr(source_mod, "CHUNK_BYTES", 1024)
+    banded = convert_checkpoint(ckpt.path, tmp_path / "banded.ninfer", progress=False,
+                                recipe=recipe)
+    with Artifact(whole) as a, Artifact(banded) as b:
+        assert a.manifest["objects"] == b.manifest["objects"]
+        assert any(o["layout"] != "row_major" for o in a.manifest["objects"])

@@ -26,6 +26,7 @@ from ..errors import ConvertError
 from .recipe import Recipe
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8_MAX = 448.0
 FP8_BLOCK = (128, 128)
 FORMATS = ("fp8", "int8", "int4")
@@ -72,32 +73,36 @@ class QuantPlan:
 
 def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
     """Segments x [S, n, C] (float) -> (stored [S, n, C'], scale f32 [S, ceil(n/br), ceil(C/bc)],
-    zero uint8 of the scale's shape or None)."""
+    zero uint8 of the scale's shape or None). Works in place on one float32 copy of x."""
     S, n, C = x.shape
     br, bc = block
     nbr, nbc = -(-n // br), -(-C // bc)
-    padded = np.zeros((S, nbr * br, nbc * bc), np.float32)     # zeros change no amax / range
-    padded[:, :n, :C] = x
+    if (n, C) == (nbr * br, nbc * bc):
+        padded = np.array(x, np.float32)                        # a copy: divided in place below
+    else:
+        padded = np.zeros((S, nbr * br, nbc * bc), np.float32)  # zeros change no amax / range
+        padded[:, :n, :C] = x
     blocks = padded.reshape(S, nbr, br, nbc, bc)
+    lo, hi = blocks.min(axis=(2, 4)), blocks.max(axis=(2, 4))
     zero = None
     if layout == "int4_block" and asymmetric:
-        lo = np.minimum(blocks.min(axis=(2, 4)), 0.0)
-        hi = np.maximum(blocks.max(axis=(2, 4)), 0.0)
+        lo, hi = np.minimum(lo, 0.0), np.maximum(hi, 0.0)
         scale = _nonzero((hi - lo) / 15.0)
         zero = np.clip(np.rint(-lo / scale), 0, 15)
-        q = np.clip(np.rint(blocks / _b(scale)) + _b(zero), 0, 15)
+        q = _rint_clip(np.divide(blocks, _b(scale), out=blocks), -np.inf, np.inf)
+        q = _rint_clip(np.add(q, _b(zero), out=q), 0, 15)
         zero = zero.astype(np.uint8)
     else:
-        amax = np.abs(blocks).max(axis=(2, 4))
+        amax = np.maximum(hi, -lo)
         top = {"fp8_block": FP8_MAX, "int8_block": 127.0, "int4_block": 7.0}[layout]
         scale = _nonzero(amax / top)
-        q = blocks / _b(scale)
+        q = np.divide(blocks, _b(scale), out=blocks)
         if layout == "fp8_block":
-            q = np.clip(q, -FP8_MAX, FP8_MAX)
+            np.clip(q, -FP8_MAX, FP8_MAX, out=q)
         elif layout == "int8_block":
-            q = np.clip(np.rint(q), -127, 127)
+            q = _rint_clip(q, -127, 127)
         else:
-            q = np.clip(np.rint(q), -8, 7) + 8
+            q = np.add(_rint_clip(q, -8, 7), 8, out=q)
     q = q.reshape(S, nbr * br, nbc * bc)[:, :n, :C]
     if layout == "fp8_block":
         stored = q.astype(FP8)
@@ -106,6 +111,18 @@ def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
     else:
         stored = pack_int4(q.astype(np.uint8))
     return stored, scale.astype(np.float32), zero
+
+
+def _float32(a: np.ndarray) -> np.ndarray:
+    """Exact widening; bf16 by its bits (ml_dtypes' cast is ~5x slower)."""
+    if a.dtype == BF16:
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def _rint_clip(q: np.ndarray, low: float, high: float) -> np.ndarray:
+    np.rint(q, out=q)
+    return np.clip(q, low, high, out=q)
 
 
 def _nonzero(scale: np.ndarray) -> np.ndarray:
@@ -247,8 +264,7 @@ def write_quantized(src, o, writer, progress) -> None:
             for piece in src.read_chunks(s, row_multiple=br):
                 segs = piece.reshape(-1, qp.segment_rows, piece.shape[-1]) if piece.ndim == 3 \
                     else piece[None]
-                stored, scale, zero = encode(qp.layout, segs.astype(np.float32), qp.block,
-                                             qp.asymmetric)
+                stored, scale, zero = encode(qp.layout, _float32(segs), qp.block, qp.asymmetric)
                 sink.write(stored)
                 for part, out in ((scale, scales), (zero, zeros)):
                     if part is None:

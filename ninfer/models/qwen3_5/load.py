@@ -19,13 +19,14 @@ class ParamReader:
     def __init__(self, artifact):
         self._artifact = artifact
         self._converted = []          # (stored view, float32 copy) for sharing detection
+        self._decoded = {}            # quantized: (object, view) -> float32 values
 
     def __call__(self, name: str, shape: tuple) -> np.ndarray:
         art = self._artifact
         if hasattr(art, "has") and not art.has(name):
             raise ArtifactError(f"missing binding {name!r} (expected shape {list(shape)})")
-        if quant.is_quantized(art, name):          # decoded per binding, into a fresh array
-            return self._checked(name, shape, quant.dequantize(art.quantized(name), name))
+        if quant.is_quantized(art, name):          # decoded to float32 once per object + view
+            return self._checked(name, shape, quant.dequantized(art, name, self._decoded))
         raw = art.tensor(name)
         if tuple(raw.shape) != tuple(shape):
             raise ArtifactError(f"binding {name!r}: shape {list(raw.shape)} != expected {list(shape)}")

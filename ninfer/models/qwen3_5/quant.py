@@ -46,6 +46,16 @@ def dequantize(qt, name: str = "") -> np.ndarray:
     return _apply_view(out, qt.view)
 
 
+def dequantized(artifact, name: str, cache: dict) -> np.ndarray:
+    """The float32 values of quantized binding `name`, decoded once per (object, view) in
+    `cache` (a tied lm_head quantized with its embedding shares one copy)."""
+    info = artifact.binding_info(name)
+    key = (info["object"], repr(info["view"]))
+    if key not in cache:
+        cache[key] = dequantize(artifact.quantized(name), name)
+    return cache[key]
+
+
 def _codes(layout: str, stored: np.ndarray, cols: int) -> np.ndarray:
     """float32 codes q of one row band."""
     if layout == "int4_block":
