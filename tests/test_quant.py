@@ -332,6 +332,22 @@ def test_bad_fp8_tensors(tmp_path):
         assert not (tmp_path / "o.ninfer").exists()
 
 
+def test_float8_without_quantization_config(tmp_path):
+    ckpt = fp8_release(tmp_path / "ckpt", "Qwen3_5ForCausalLM", BIG)
+    cfg = json.loads((ckpt.path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ckpt.path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConvertError, match="weight_scale_inv"):        # the scales: unexpected
+        convert_checkpoint(ckpt.path, tmp_path / "o.ninfer", progress=False)
+    from safetensors.numpy import save_file
+    no_scales = {n: t for n, t in ckpt.tensors.items() if not n.endswith("weight_scale_inv")}
+    for f in ckpt.path.glob("*.safetensors*"):
+        f.unlink()
+    save_file(no_scales, str(ckpt.path / "model.safetensors"))
+    with pytest.raises(ConvertError, match="float8_e4m3fn but config.json has no FP8"):
+        convert_checkpoint(ckpt.path, tmp_path / "o.ninfer", progress=False)
+
+
 def test_quantize_an_fp8_release_and_flag_errors(tmp_path, capsys):
     ckpt = fp8_release(tmp_path / "ckpt", "Qwen3_5ForCausalLM", BIG)
     rc, err = _cli(capsys, ckpt.path, tmp_path / "o.ninfer", "--quantize", "int4")

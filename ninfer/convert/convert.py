@@ -116,6 +116,12 @@ def _plan_quantization(src: CheckpointSource, plan: ConversionPlan, recipe: Reci
                                "without --quantize (its FP8 weights are imported as they are)")
         plan_release_fp8(src, plan)
         return
+    for o in plan.objects:          # float8 codes without a config have no known scales
+        bad = next((s for s in o.sources if src.tensors[s].dtype.itemsize == 1
+                    and src.tensors[s].dtype.kind == "V"), None)
+        if bad is not None:
+            raise ConvertError(f"tensor {bad!r} is {src.tensors[bad].dtype} but config.json has no "
+                               "FP8 quantization_config (its scales cannot be interpreted)")
     for o in plan.objects:
         if N.component(o.name) != "text" or len(o.shape) < 2:
             continue
