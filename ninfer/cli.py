@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_chat_parser(sub)
     add_serve_parser(sub)
+    from .serve.config import add_transport_flags   # issue 17: timeouts, connection cap
+    add_transport_flags(sub.choices["serve"])
     return p
 
 

@@ -431,7 +431,7 @@ def add_serve_parser(sub) -> None:
 
 def serve_command(args) -> int:
     from .options import EngineOptions
-    from .serve.config import ServeConfig       # plain data: no falcon/gunicorn import yet
+    from .serve.config import ServeConfig, transport_overrides   # plain data: no falcon yet
 
     kwargs = dict(engine_kwargs(args, concurrency_default=4),
                   default_enable_thinking=not args.no_thinking)
@@ -448,7 +448,7 @@ def serve_command(args) -> int:
                          drain_grace_s=args.drain_grace, lenient=args.lenient,
                          request_timeout_s=args.request_timeout,
                          allowed_origins=tuple(args.allowed_origins),
-                         **sampling_overrides(args)).validate()
+                         **sampling_overrides(args), **transport_overrides(args)).validate()
     template = read_chat_template(args.chat_template)
     _check_can_listen(args.host, args.port)
     path, _ = _artifact_or_demo(args.artifact)

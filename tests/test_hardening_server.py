@@ -348,3 +348,16 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def test_transport_flags_reach_the_serve_config():
+    from ninfer.cli import build_parser
+    from ninfer.serve.config import ServeConfig, transport_overrides
+    args = build_parser().parse_args(["serve", "--header-timeout", "2.5", "--body-timeout", "7",
+                                      "--idle-timeout", "1", "--max-connections", "64",
+                                      "--max-header-kb", "8"])
+    got = transport_overrides(args)
+    assert got == {"header_timeout_s": 2.5, "body_timeout_s": 7.0, "idle_timeout_s": 1.0,
+                   "max_connections": 64, "max_header_bytes": 8192}
+    ServeConfig(**got).validate()
+    assert transport_overrides(build_parser().parse_args(["serve"])) == {}

@@ -82,3 +82,36 @@ class ServeConfig:
         if self.max_header_bytes < 1024:
             bad("max_header_bytes", "must be >= 1024")
         return self
+
+
+# ---- `python -m ninfer serve` transport flags ----------------------------------------------------
+# (flag, ServeConfig field, type, help); the CLI adds them to `serve` and passes the given ones on
+TRANSPORT_FLAGS = (
+    ("--header-timeout", "header_timeout_s", float,
+     "seconds a request's line and headers may take to arrive (408 after; default 10)"),
+    ("--body-timeout", "body_timeout_s", float,
+     "seconds a request's body may take after its headers (408 after; default 30)"),
+    ("--idle-timeout", "idle_timeout_s", float,
+     "seconds an idle keep-alive connection stays open (default 5)"),
+    ("--max-connections", "max_connections", int,
+     "open connections beyond this get 503 at once (default 1024)"),
+    ("--max-header-kb", "max_header_bytes", float,
+     "largest request line + headers in KiB (431 above it; default 16)"),
+)
+
+
+def add_transport_flags(parser) -> None:
+    group = parser.add_argument_group("transport (slow and idle clients)")
+    for flag, field, kind, text in TRANSPORT_FLAGS:
+        group.add_argument(flag, dest=f"transport_{field}", type=kind, default=None, help=text,
+                           metavar="N")
+
+
+def transport_overrides(args) -> dict:
+    """The ServeConfig fields given by transport flags (ServeConfig.validate checks them)."""
+    out = {}
+    for _, field, _, _ in TRANSPORT_FLAGS:
+        value = getattr(args, f"transport_{field}", None)
+        if value is not None:
+            out[field] = int(value * 1024) if field == "max_header_bytes" else value
+    return out
