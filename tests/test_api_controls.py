@@ -120,3 +120,27 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_submit(engine):
         engine.submit("x", ninfer.SamplingParams(logit_bias={10 ** 6: 1.0}))
     params = ninfer.SamplingParams(logit_bias={"7": 2}).validate()
     assert params.logit_bias == {7: 2.0}              # JSON-style string keys are ids
+
+
+# ---- tool-call grammars bound string parameters -------------------------------------------------
+
+@pytest.mark.parametrize("prop, check", [
+    ({"type": "string", "maxLength": 5}, lambda v: len(v) <= 5),
+    ({"type": "string", "minLength": 3, "maxLength": 4}, lambda v: 3 <= len(v) <= 4),
+    ({"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"},
+     lambda v: __import__("re").fullmatch("[a-z]{2}-[0-9]{3}", v) is not None),
+    ({"type": "string", "const": "fixed"}, lambda v: v == "fixed"),
+])
+def test_forced_tool_call_string_bounds(engine, prop, check):
+    """A random-weight model writes whatever the grammar allows: without the bound the value runs
+    on (free text up to </parameter>), with it every sampled value obeys the schema."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": prop}, "required": ["v"]}}}]
+    structured = ninfer.StructuredOutput("tool_call", tool_name="f")
+    for seed in range(3):
+        params = ninfer.SamplingParams(max_tokens=120, temperature=1.0, seed=seed,
+                                       structured=structured)
+        res = engine.generate(USER, params, tools=tools, enable_thinking=False)
+        assert res.finish_reason == "stop" and len(res.tool_calls) == 1, res
+        value = __import__("json").loads(res.tool_calls[0].arguments)["v"]
+        assert isinstance(value, str) and check(value), value

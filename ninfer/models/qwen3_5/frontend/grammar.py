@@ -16,8 +16,10 @@ Grammars (Lark-like llguidance syntax):
   Qwen3.5 chat template's format (frontend/tool_parser.py parses it back). Parameters follow the
   tool's JSON schema `properties` in declaration order, required ones mandatory, optional ones
   optional; a string (or untyped, or string-admitting) value is free text up to the first
-  `</parameter>` (never containing a `<parameter=...>` tag, which would split it), an enum of
-  strings is one of its values, anything else is `%json {property schema}`. A tool with no
+  `</parameter>` (never containing a `<parameter=...>` tag, which would split it), bounded by the
+  schema's `maxLength` / `minLength` / `pattern` when a string-only property has them; an enum
+  (or const) of strings is one of its values, anything else is `%json {property schema}` (which
+  enforces the JSON-schema bounds llguidance supports: minimum/maximum, item counts, ...). A tool with no
   declared properties takes any `<parameter=NAME>` free-text parameters.
 Every grammar ends the output: once complete, only EOS is allowed.
 """
@@ -178,17 +180,25 @@ class GrammarCompiler:
                                    "<parameter=NAME>")
             name = f"{prefix}_p{j}"
             head = _lark_str(f"<parameter={key}>\n")
-            rules.append(f"{name}: {head} {self._value_rule(sub, defs)}")
+            rules.append(f"{name}: {head} {self._value_rule(sub, defs, rules, name)}")
             parts.append(name if key in required else f"{name}?")
         return " ".join(parts)
 
-    def _value_rule(self, schema, defs) -> str:
+    def _value_rule(self, schema, defs, rules: list, name: str) -> str:
         if not isinstance(schema, Mapping):
             return "pvalue"
         types = _types(schema)
         enum = schema.get("enum")
+        if isinstance(schema.get("const"), str):
+            enum = [schema["const"]]
         if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
             return "(" + " | ".join(_lark_str(v + "\n</parameter>\n") for v in enum) + ")"
+        if types == ["string"]:
+            bounded = _string_terminal(schema)
+            if bounded is not None:          # maxLength / minLength / pattern, on the raw text
+                terminal = name.upper() + "_V"
+                rules += [f"{terminal}: {bounded}", f"{name}_v[lazy]: {terminal}"]
+                return f"{name}_v"
         if not types or "string" in types:
             return "pvalue"                 # the parser keeps such values as written
         sub = {**defs, **schema} if defs else dict(schema)
@@ -243,6 +253,31 @@ class GrammarMatcher:
         mask = self.mask()
         return (None if mask is None else mask.tobytes(), self._m.is_accepting(), self._m.is_stopped(),
                 self._m.is_error())
+
+
+def _string_terminal(schema: Mapping) -> Optional[str]:
+    """The lexeme of a string parameter value with JSON-schema bounds, followed by its closing
+    `\n</parameter>\n` (one lazy lexeme, as PVALUE: the value ends at the first close tag), or
+    None when the schema bounds nothing. Length counts characters (code points) as JSON schema
+    does; `pattern` must match the whole value (llguidance anchors JSON-schema patterns too)."""
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    pattern = schema.get("pattern")
+    is_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    lo = lo if is_count(lo) else None
+    hi = hi if is_count(hi) else None
+    pattern = pattern if isinstance(pattern, str) else None
+    if lo is None and hi is None and pattern is None:
+        return None
+    close = r"\n<\/parameter>\n"
+    parts = []
+    if lo is not None or hi is not None:
+        parts.append(f"/(?s:.{{{lo or 0},{'' if hi is None else hi}}}){close}/")
+    if pattern is not None:
+        core = pattern[1:] if pattern.startswith("^") else pattern
+        core = core[:-1] if core.endswith("$") and not core.endswith("\\$") else core
+        parts.append(f"/(?:{core.replace('/', chr(92) + '/')}){close}/")
+    parts.append(r"~/(?s:.*)<parameter=[^>\n<]*>(?s:.*)/")
+    return " & ".join(parts)
 
 
 def _types(schema: Mapping) -> list:
