@@ -126,6 +126,9 @@ def test_quantize_converts_the_projections_only(tmp_path, variant, arch, moe_int
     with Artifact(out, verify="eager") as art:
         md = art.manifest["metadata"]
         assert md["recipe"] == f"quantize-{fmt}" and md["quantization"]["format"] == fmt
+        assert md["quantization"]["block"] == ([128, 128] if fmt == "fp8" else
+                                               [1, None if variant == "int8-channel" else 128])
+        assert md["quantization"]["asymmetric"] == (variant == "int4")
         uses = {u["binding"]: u["activation"] for u in art.uses}
         n_quant = 0
         for lg, b in art.manifest["bindings"].items():

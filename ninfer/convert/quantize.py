@@ -192,8 +192,8 @@ class Quantize(Recipe):
                          asymmetric=self.format == "int4" and self.asymmetric)
 
     def describe(self) -> dict:
-        return {"format": self.format, "from": "converter",
-                "block": list(FP8_BLOCK) if self.format == "fp8" else [1, self.group or "row"],
+        return {"format": self.format, "from": "converter",     # block [1, null]: whole rows
+                "block": list(FP8_BLOCK) if self.format == "fp8" else [1, self.group],
                 "asymmetric": self.format == "int4" and self.asymmetric,
                 "lm_head": self.quantize_lm_head}
 
