@@ -109,3 +109,43 @@ def test_pack_batch_rejects_span_outside_buffer(impl):
     counts[0] = 2
     with pytest.raises(ValueError):
         _pack(impl, token_buf, tables, slots, starts, counts)
+
+
+def _decode_batch(rng, b, width, mrope=False):
+    from ninfer.models.qwen3_5.batch import ForwardBatch
+    ctx = rng.integers(0, 200, b).astype(np.int32)
+    pos = np.stack([ctx, ctx + 3, ctx + 5]) if mrope else np.broadcast_to(ctx, (3, b))
+    tables = rng.integers(-1, 500, (b, width)).astype(np.int32)
+    return ForwardBatch(rng.integers(0, 1000, b).astype(np.int32), np.ascontiguousarray(pos),
+                        np.arange(b + 1, dtype=np.int32), ctx, tables,
+                        rng.permutation(8)[:b].astype(np.int32))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("b, width, mrope", [(1, 1, False), (3, 5, True), (8, 9, False),
+                                              (8, 12, True)])
+def test_pack_decode_equals_the_general_packer(impl, b, width, mrope):
+    """The decode fast path writes what MetaLayout.pack writes for the same batch (fields beyond
+    row b are 0; block tables padded with -1 or cut at the layout's p_cap), poisoned image."""
+    from ninfer.models.qwen3_5.cuda.meta import MetaLayout
+    lay = MetaLayout(8, 8, 10)
+    batch = _decode_batch(np.random.default_rng(b * 31 + width), b, width, mrope)
+    want = np.zeros(lay.count, np.int32)
+    lay.pack(want, batch, np.arange(b, dtype=np.int32))
+    got = np.full(lay.count, -7, np.int32)
+    words = impl.pack_decode(got, lay.field_offsets, lay.n_cap, lay.p_cap, batch.token_ids,
+                             batch.positions, batch.context_lens, batch.state_slots,
+                             batch.block_tables)
+    assert 4 * words == lay.used_bytes(b)
+    np.testing.assert_array_equal(got[:words], want[:words])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_decode_rejects_too_many_rows(impl):
+    from ninfer.models.qwen3_5.cuda.meta import MetaLayout
+    lay = MetaLayout(2, 2, 4)
+    batch = _decode_batch(np.random.default_rng(0), 3, 4)
+    with pytest.raises(ValueError, match="rows"):
+        impl.pack_decode(np.zeros(lay.count + 64, np.int32), lay.field_offsets, lay.n_cap,
+                         lay.p_cap, batch.token_ids, batch.positions, batch.context_lens,
+                         batch.state_slots, batch.block_tables)

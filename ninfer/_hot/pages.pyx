@@ -50,3 +50,35 @@ def pack_batch(int[:, ::1] token_buf, int[:, ::1] block_tables, int[::1] slots,
         n += c
         out_query_start[r + 1] = n
     return n
+
+
+def pack_decode(int[::1] out, int[::1] offsets, Py_ssize_t n_cap, Py_ssize_t p_cap,
+                int[::1] token_ids, int[:, :] positions, int[::1] context_lens,
+                int[::1] state_slots, int[:, :] block_tables):
+    cdef Py_ssize_t r, axis, p, w, b = token_ids.shape[0]
+    cdef Py_ssize_t o_tab = offsets[7]
+    if positions.shape[0] != 3 or positions.shape[1] < b or context_lens.shape[0] < b \
+            or state_slots.shape[0] < b or block_tables.shape[0] < b:
+        raise ValueError(f"pack_decode: inputs do not hold {b} rows")
+    if b > n_cap:
+        raise ValueError(f"pack_decode: {b} rows exceed the layout's {n_cap}")
+    if o_tab + b * p_cap > out.shape[0]:
+        raise ValueError("pack_decode: the metadata image is too small")
+    w = min(block_tables.shape[1], p_cap)
+    for p in range(o_tab):              # fields beyond row b read 0, as the graph was captured
+        out[p] = 0
+    for r in range(b):
+        out[offsets[0] + r] = token_ids[r]
+        out[offsets[1] + r] = <int>r
+        for axis in range(3):
+            out[offsets[2] + axis * n_cap + r] = positions[axis, r]
+        out[offsets[3] + r] = <int>r
+        out[offsets[4] + r] = <int>r
+        out[offsets[5] + r] = context_lens[r]
+        out[offsets[6] + r] = state_slots[r]
+        for p in range(w):
+            out[o_tab + r * p_cap + p] = block_tables[r, p]
+        for p in range(w, p_cap):
+            out[o_tab + r * p_cap + p] = -1
+    out[offsets[4] + b] = <int>b
+    return o_tab + b * p_cap

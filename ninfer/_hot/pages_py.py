@@ -57,3 +57,34 @@ def pack_batch(token_buf, block_tables, slots, starts, counts,
         n += c
         out_query_start[r + 1] = n
     return n
+
+
+def pack_decode(out, offsets, n_cap, p_cap, token_ids, positions, context_lens, state_slots,
+                block_tables):
+    """Write a decode batch (B rows of one token each) into the device metadata image `out`
+    (int32, cuda/meta.py MetaLayout): offsets[f] = the start of field f in FIELDS order
+    (token_ids, token_row, positions (3 rows of n_cap), out_rows, query_start, context_lens,
+    state_slots, block_tables (B rows of p_cap, -1 padded)); every entry before the block tables
+    that no row fills is 0. Returns the int32 words to copy."""
+    b = len(token_ids)
+    if positions.shape[0] != 3 or positions.shape[1] < b or len(context_lens) < b \
+            or len(state_slots) < b or block_tables.shape[0] < b:
+        raise ValueError(f"pack_decode: inputs do not hold {b} rows")
+    if b > n_cap:
+        raise ValueError(f"pack_decode: {b} rows exceed the layout's {n_cap}")
+    rows = np.arange(b, dtype=np.int32)
+    out[:offsets[7]] = 0                # fields beyond row b read 0, as the graph was captured
+    out[offsets[0]: offsets[0] + b] = token_ids
+    out[offsets[1]: offsets[1] + b] = rows
+    for axis in range(3):
+        s = offsets[2] + axis * n_cap
+        out[s: s + b] = positions[axis, :b]
+    out[offsets[3]: offsets[3] + b] = rows
+    out[offsets[4]: offsets[4] + b + 1] = np.arange(b + 1, dtype=np.int32)
+    out[offsets[5]: offsets[5] + b] = context_lens[:b]
+    out[offsets[6]: offsets[6] + b] = state_slots[:b]
+    w = min(block_tables.shape[1], p_cap)
+    tables = out[offsets[7]: offsets[7] + b * p_cap].reshape(b, p_cap)
+    tables[:, :w] = block_tables[:b, :w]
+    tables[:, w:] = -1
+    return offsets[7] + b * p_cap

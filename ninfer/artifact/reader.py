@@ -215,15 +215,15 @@ class Artifact:
     def _verify_object(self, obj_name: str) -> None:
         if obj_name in self._verified:
             return
+        if self._mm is None:
+            raise ArtifactError(f"{self.path}: artifact is closed")
+        # outside the lock: loader threads check different objects at once (zlib releases the
+        # GIL); two threads checking the same object only do the work twice
+        o = self._objects[obj_name]
+        with memoryview(self._mm) as mv, mv[o["offset"]:o["offset"] + o["nbytes"]] as part:
+            got = fmt.format_checksum(fmt.crc32(part))
+        if got != o["checksum"]:
+            raise ArtifactError(f"{self.path}: object {obj_name!r}: payload checksum mismatch "
+                                f"(manifest {o['checksum']}, data {got}): corrupted payload")
         with self._lock:
-            if obj_name in self._verified:
-                return
-            if self._mm is None:
-                raise ArtifactError(f"{self.path}: artifact is closed")
-            o = self._objects[obj_name]
-            with memoryview(self._mm) as mv, mv[o["offset"]:o["offset"] + o["nbytes"]] as part:
-                got = fmt.format_checksum(fmt.crc32(part))
-            if got != o["checksum"]:
-                raise ArtifactError(f"{self.path}: object {obj_name!r}: payload checksum mismatch "
-                                    f"(manifest {o['checksum']}, data {got}): corrupted payload")
             self._verified.add(obj_name)

@@ -38,6 +38,7 @@ from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool
 from .cuda.runner import StepRunner, Workspace, grouped_rows, part_rows_needed
 from .cuda.sampler import DeviceSampler
+from .cuda.upload import UploadJob, upload_all
 from .cuda import attention_tc
 from .cuda import gdn_chunk
 from .cuda import weights as wplan
@@ -248,40 +249,29 @@ class CudaModel:
         cfg = self.text
         plans = [("", wplan.model_plan(cfg))] + \
             [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
-        expected = text_param_shapes(cfg)
         out = {"layers": []}
-        staging = None
-        try:
-            for idx, plan in plans:
-                arrs = {}
-                for name, (shape, dt, sources) in plan.items():
-                    if tied and name == "lm_head":
-                        arrs[name] = arrs["embed"]       # tied: one device copy
-                        continue
-                    widen = self.f32 and dt == wplan.BF16
-                    dtype = np.uint16 if dt == wplan.BF16 and not widen else np.float32
-                    a = self.arena.take(shape, dtype, f"weight {name}")
-                    if artifact is not None:
-                        host = wplan.read_host(artifact, shape, dt, sources, expected)
-                        piece = min(host.nbytes, LT_WORKSPACE) if widen else host.nbytes
-                        if staging is None or staging.nbytes < piece:
-                            if staging is not None:
-                                staging.free()
-                            staging = _d.PinnedBuffer(max(piece, 64 << 20))
-                        if widen:
-                            self._upload_widened(a, host, staging)
-                        else:
-                            _d.upload(a.ptr, host, self.stream, staging)
-                    else:
-                        self._random_fill(a, name, dt, seed + 7919 * len(out["layers"]) + zlib.crc32(name.encode()))
-                    arrs[name] = a
-                if idx == "":
-                    out.update(arrs)
+        jobs = []           # artifact weights, in arena order: read in parallel, uploaded in order
+        for idx, plan in plans:
+            arrs = {}
+            for name, (shape, dt, sources) in plan.items():
+                if tied and name == "lm_head":
+                    arrs[name] = arrs["embed"]       # tied: one device copy
+                    continue
+                widen = self.f32 and dt == wplan.BF16
+                dtype = np.uint16 if dt == wplan.BF16 and not widen else np.float32
+                a = self.arena.take(shape, dtype, f"weight {name}")
+                if artifact is not None:
+                    jobs.append(UploadJob(a, tuple(shape), dt, tuple(sources), widen))
                 else:
-                    out["layers"].append(arrs)
-        finally:
-            if staging is not None:
-                staging.free()
+                    self._random_fill(a, name, dt, seed + 7919 * len(out["layers"]) + zlib.crc32(name.encode()))
+                arrs[name] = a
+            if idx == "":
+                out.update(arrs)
+            else:
+                out["layers"].append(arrs)
+        if jobs:
+            upload_all(artifact, jobs, self.stream, text_param_shapes(cfg),
+                       lambda job, host, staging: self._upload_widened(job.dst, host, staging))
         return out
 
     def _upload_widened(self, a, bits, staging) -> None:

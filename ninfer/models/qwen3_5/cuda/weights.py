@@ -107,7 +107,9 @@ def read_host(artifact, shape, dtype, sources, expected: dict = None) -> np.ndar
         raise ArtifactError(f"binding {sources[0][0]!r}: {flat.size} values, expected shape "
                             f"{list(shape)}")
     if dtype == BF16:
-        host = np.ascontiguousarray(flat.astype(ml_dtypes.bfloat16).view(np.uint16)).reshape(shape)
+        # (copy=False: a bf16 artifact's view goes straight on; one host pass fewer)
+        host = np.ascontiguousarray(flat.astype(ml_dtypes.bfloat16, copy=False)
+                                    .view(np.uint16)).reshape(shape)
         finite = _bf16_all_finite(host)
     else:
         host = np.ascontiguousarray(flat, dtype=np.float32).reshape(shape)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -117,7 +118,9 @@ class Program:
         the decode graph of every B = 1..max_concurrency) and runs a step through each. The pools
         hold nothing yet, so what the steps write is overwritten before it is read."""
         self._no_pending("warm_up")
+        t0 = time.perf_counter()
         self.model.warm_up(self.kv, self.state)
+        self.warmup_seconds = time.perf_counter() - t0
 
     # ---- capacity queries (check / act pairs) ---------------------------------------------------
     @property

@@ -1,0 +1,408 @@
+"""The benchmark a user sees: the public `ninfer.Engine` on an artifact made by `ninfer convert`.
+
+    PYTHONPATH=.:bench python bench/bench_engine.py --shapes 9b [--workdir /tmp/nb] [--out r.json]
+
+Per shape (bench_decode.SHAPES, random bf16 weights written as a Hugging Face checkpoint, converted
+with `python -m ninfer convert`, artifact read once into the page cache first):
+  load    Engine(path, backend=...) seconds: weights (GB/s of the artifact) and start-up warm-up
+  ttft    submit -> result of a max_tokens=1 request at prompts of --prefill tokens (greedy)
+  decode  B = --batches requests of --gen tokens each (ignore_eos), greedy and sampled
+          (temperature 0.8, top_p 0.95): steady tok/s from engine.stats()' token count, between
+          the first 32 and the last 16 tokens of every row
+and the model-step figure of the same thing in the same process (the Engine's own model and
+pools, no Engine around it: `decode_greedy` / `sample` on a packed batch, the prefill chunks of
+the prompt), so each line shows engine / model step. `--backend numpy --shapes tiny` runs the
+same code on the CPU (a smoke test of the script, not a benchmark).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+
+import ninfer  # noqa: E402
+from ninfer.api import SamplingParams  # noqa: E402
+from ninfer.contracts import SampleRow, SamplingSpec  # noqa: E402
+from ninfer.models.qwen3_5.batch import ForwardBatch  # noqa: E402
+
+TINY = dict(vocab_size=1000, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                             "mrope_interleaved": True})
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+
+
+# ---- the artifact ----------------------------------------------------------------------------------
+def hf_text_config(shape: str) -> dict:
+    if shape == "tiny":
+        return dict(TINY)
+    from bench_decode import SHAPES
+    return {k: v for k, v in SHAPES[shape].items() if k != "is_moe"}
+
+
+def write_checkpoint(path: pathlib.Path, shape: str, shard_bytes: int = 4 << 30) -> None:
+    """A random-weight HF checkpoint of `shape`: bf16 N(0, 0.02) values (a 16M-value random block
+    tiled, so writing 50 GB does not wait on the generator), the tiny test tokenizer."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    from ckpt_helpers import _write_frontend, text_tensor_shapes
+    from ninfer.models.qwen3_5.config import TextConfig
+    text = hf_text_config(shape)
+    arch = "Qwen3_5MoeForCausalLM" if "num_experts" in text else "Qwen3_5ForCausalLM"
+    d = TextConfig()
+    full = dict(vocab_size=d.vocab_size, head_dim=d.head_dim, linear_conv_kernel_dim=4,
+                linear_key_head_dim=d.linear_key_head_dim,
+                linear_value_head_dim=d.linear_value_head_dim, full_attention_interval=4,
+                rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=262144,
+                eos_token_id=95, tie_word_embeddings=False)
+    full.update(text)
+    full["model_type"] = "qwen3_5_moe_text" if "num_experts" in text else "qwen3_5_text"
+    path.mkdir(parents=True, exist_ok=True)
+    shapes = text_tensor_shapes(full, "model.")
+    shapes["lm_head.weight"] = [full["vocab_size"], full["hidden_size"]]
+    block = (np.random.default_rng(0).standard_normal(1 << 24) * 0.02).astype(ml_dtypes.bfloat16)
+    shard, shard_bytes_now, files, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_bytes_now
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(path / name))
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+            shard, shard_bytes_now = {}, 0
+    for name, shp in shapes.items():
+        n = int(np.prod(shp))
+        shard[name] = np.resize(block, n).reshape(shp)
+        shard_bytes_now += 2 * n
+        if shard_bytes_now >= shard_bytes:
+            flush()
+    flush()
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(dict(full, architectures=[arch])))
+    _write_frontend(path, False)
+
+
+def make_artifact(shape: str, workdir: pathlib.Path) -> tuple:
+    """(artifact path, seconds to write the checkpoint, seconds to convert it)."""
+    out = workdir / f"{shape}.ninfer"
+    if out.exists():
+        return out, 0.0, 0.0
+    ckpt = workdir / f"{shape}-hf"
+    t0 = time.perf_counter()
+    write_checkpoint(ckpt, shape)
+    t1 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "ninfer", "convert", "--quiet", str(ckpt), str(out)],
+                   check=True)
+    t2 = time.perf_counter()
+    subprocess.run(["rm", "-rf", str(ckpt)], check=True)      # disk: keep only the artifact
+    return out, t1 - t0, t2 - t1
+
+
+def read_into_page_cache(path: pathlib.Path) -> float:
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(64 << 20)
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+# ---- through the Engine --------------------------------------------------------------------------
+def prompt_ids(n: int, seed: int, vocab: int = 90) -> list:
+    return np.random.default_rng(seed).integers(1, vocab, n).tolist()
+
+
+def engine_ttft(engine, n: int, reps: int = 2) -> float:
+    times = []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        engine.generate(prompt_ids(n, 100 + r), SamplingParams(max_tokens=1, temperature=0.0,
+                                                               ignore_eos=True))
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def engine_decode(engine, B: int, gen: int, sampled: bool) -> float:
+    """Steady tok/s of B concurrent requests: slope of tokens_generated over time, sampled every
+    2 ms, between B*32 and B*(gen-16) tokens."""
+    params = SamplingParams(max_tokens=gen, ignore_eos=True,
+                            **(SAMPLED if sampled else dict(temperature=0.0)))
+    base = engine.stats().get("tokens_generated", 0)
+    handles = [engine.submit(prompt_ids(32, 7 + r), params) for r in range(B)]
+    samples = []
+    done = threading.Event()
+
+    def wait_all():
+        for h in handles:
+            h.result()
+        done.set()
+    threading.Thread(target=wait_all, daemon=True).start()
+    while not done.is_set():
+        samples.append((time.perf_counter(), engine.stats()["tokens_generated"] - base))
+        time.sleep(0.002)
+    lo, hi = B * 32, B * (gen - 16)
+    window = [(t, n) for t, n in samples if lo <= n <= hi]
+    (t0, n0), (t1, n1) = window[0], window[-1]
+    return (n1 - n0) / (t1 - t0)
+
+
+# ---- the model step, same model and pools --------------------------------------------------------
+def model_decode(model, program, B: int, prompt_len: int, steps: int, sampled: bool) -> float:
+    """tok/s of `steps` decode steps of B rows on the Engine's model and pools, each row first
+    prefilled with a real prompt and fed its own tokens back (the sampler sees the logits a
+    real sequence has, as in the Engine)."""
+    ps, kv, state = program.page_size, program.kv, program.state
+    per_row = -(-(prompt_len + steps + 8) // ps)
+    tables = np.arange(B * per_row, dtype=np.int32).reshape(B, per_row)
+    slots = np.arange(B, dtype=np.int32)
+    prompts = [np.array(prompt_ids(prompt_len, 7 + r), np.int32) for r in range(B)]
+    for r, ids in enumerate(prompts):                     # all but the last prompt token
+        n = len(ids) - 1
+        model.decode_greedy(ForwardBatch(ids[:n], np.broadcast_to(np.arange(n, dtype=np.int32),
+                                                                  (3, n)).copy(),
+                                         np.array([0, n], np.int32), np.zeros(1, np.int32),
+                                         tables[r:r + 1].copy(), slots[r:r + 1].copy()), kv, state)
+    tokens = np.array([ids[-1] for ids in prompts], np.int32)
+    empty = np.zeros(0, np.int32)
+    ctx = prompt_len - 1
+
+    def step(tokens, ctx):
+        batch = ForwardBatch(tokens, np.full((3, B), ctx, np.int32),
+                             np.arange(B + 1, dtype=np.int32), np.full(B, ctx, np.int32),
+                             tables, slots)
+        if not sampled:
+            return model.decode_greedy(batch, kv, state)
+        rows = [SampleRow(SamplingSpec(seed=r, **SAMPLED), ctx + 1, prompts[r], empty)
+                for r in range(B)]
+        return model.sample(batch, kv, state, rows)
+    for _ in range(3):
+        tokens = step(tokens, ctx)
+        ctx += 1
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens = step(tokens, ctx)
+        ctx += 1
+    return B * steps / (time.perf_counter() - t0)
+
+
+def model_prefill(model, program, n: int) -> float:
+    """Seconds for the prefill chunks of an n-token prompt, as the Program runs them."""
+    chunk, ps = program.prefill_chunk, program.page_size
+    ids = np.array(prompt_ids(n, 3), np.int32)
+    table = np.arange(-(-n // ps), dtype=np.int32)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            batch = ForwardBatch(ids[a:b], np.broadcast_to(np.arange(a, b, dtype=np.int32),
+                                                           (3, b - a)).copy(),
+                                 np.array([0, b - a], np.int32), np.array([a], np.int32),
+                                 table[None, :-(-b // ps)].copy(), np.array([0], np.int32))
+            model.decode_greedy(batch, program.kv, program.state) if model.greedy_on_device \
+                else model.forward(batch, program.kv, program.state)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+# ---- through the HTTP server (the openai SDK) ------------------------------------------------------
+class HttpServer:
+    """`python -m ninfer serve` in a subprocess, ready when /health answers 200."""
+
+    def __init__(self, path, args, max_context: int):
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "ninfer", "serve", str(path), "--backend", args.backend,
+               "--port", str(self.port), "--max-concurrency", str(max(args.batch_list)),
+               "--max-context", str(max_context), "--prefill-chunk", str(args.prefill_chunk)]
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd)
+        self.url = f"http://127.0.0.1:{self.port}"
+        import urllib.request
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        self.start_s = time.perf_counter() - t0
+        from openai import OpenAI
+        self.client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        self.model = self.client.models.list().data[0].id
+
+    def stream(self, prompt: list, max_tokens: int, sampling: dict) -> tuple:
+        """(seconds to the first chunk, seconds to the end, completion tokens)."""
+        t0 = time.perf_counter()
+        first, usage = None, None
+        for chunk in self.client.completions.create(
+                model=self.model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                **sampling):
+            if first is None:
+                first = time.perf_counter() - t0
+            usage = chunk.usage or usage
+        return first, time.perf_counter() - t0, usage.completion_tokens
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def http_figures(server, args, log) -> dict:
+    out = dict(start_s=server.start_s, ttft={}, decode={})
+    for n in [int(x) for x in args.prefill.split(",") if x]:
+        best = min(server.stream(prompt_ids(n, 200 + r), 1, dict(temperature=0.0))[0]
+                   for r in range(3))
+        out["ttft"][n] = best * 1e3
+        log(f"  HTTP TTFT {n:6d}: {best * 1e3:8.1f} ms")
+    for mode in args.modes.split(","):
+        sampling = SAMPLED if mode == "sampled" else dict(temperature=0.0)
+        for B in args.batch_list:
+            results = [None] * B
+
+            def one(r):
+                results[r] = server.stream(prompt_ids(32, 7 + r), args.gen, sampling)
+            threads = [threading.Thread(target=one, args=(r,)) for r in range(B)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            # decode after every row's first token: tokens after the first / the slowest row's
+            # time from its first chunk to its end
+            rate = sum(n - 1 for _, _, n in results) / max(end - first for first, end, _ in results)
+            out["decode"][f"{mode} B={B}"] = rate
+            log(f"  HTTP decode {mode:7s} B={B}: {rate:8.1f} tok/s")
+    return out
+
+
+# ---- one shape -----------------------------------------------------------------------------------
+def bench_shape(shape, args, log) -> dict:
+    workdir = pathlib.Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    path, t_ckpt, t_convert = make_artifact(shape, workdir)
+    size = path.stat().st_size
+    t_cache = read_into_page_cache(path)
+    log(f"{shape}: artifact {size / 1e9:.2f} GB (checkpoint {t_ckpt:.0f} s, convert "
+        f"{t_convert:.0f} s, page-cache read {size / t_cache / 1e9:.1f} GB/s)")
+    prefills = [int(x) for x in args.prefill.split(",") if x]
+    max_context = max(prefills + [args.gen + 64]) + 64
+    t0 = time.perf_counter()
+    engine = ninfer.Engine(str(path), backend=args.backend, max_concurrency=max(args.batch_list),
+                           max_context=max_context, prefill_chunk=args.prefill_chunk)
+    t_start = time.perf_counter() - t0
+    model, program = engine.model, engine._core.program
+    load_s = getattr(model, "load_seconds", None)
+    res = dict(shape=shape, backend=args.backend, artifact_gb=size / 1e9, start_s=t_start,
+               load_s=load_s, load_gbps=size / load_s / 1e9 if load_s else None,
+               warmup_s=getattr(program, "warmup_seconds", None),
+               plan=getattr(model, "memory_plan", None), ttft={}, decode={})
+    log(f"  Engine start {t_start:.1f} s (weights {load_s or float('nan'):.1f} s = "
+        f"{res['load_gbps'] or float('nan'):.1f} GB/s, warm-up "
+        f"{res['warmup_s'] or float('nan'):.2f} s); plan {res['plan']}")
+    try:
+        for n in prefills:
+            e = engine_ttft(engine, n)
+            m = model_prefill(model, program, n)
+            res["ttft"][n] = dict(engine_ms=e * 1e3, model_ms=m * 1e3, ratio=e / m)
+            log(f"  TTFT {n:6d}: engine {e * 1e3:8.1f} ms  model step {m * 1e3:8.1f} ms  "
+                f"ratio {e / m:.3f}")
+        for mode in args.modes.split(","):
+            sampled = mode == "sampled"
+            if sampled and not model.samples_on_device:
+                continue
+            for B in args.batch_list:
+                e = engine_decode(engine, B, args.gen, sampled)
+                # the same mean context as the Engine's rows (prompt 32 + half of gen)
+                m = model_decode(model, program, B, max(33, 32 + args.gen // 2 - args.steps // 2),
+                                 args.steps, sampled) \
+                    if model.greedy_on_device else float("nan")
+                host_us = (B / e - B / m) * 1e6 if m == m else float("nan")
+                res["decode"][f"{mode} B={B}"] = dict(engine_tok_s=e, model_tok_s=m,
+                                                      ratio=e / m, host_us_per_step=host_us)
+                log(f"  decode {mode:7s} B={B}: engine {e:8.1f} tok/s  model step {m:8.1f} "
+                    f"tok/s  ratio {e / m:.3f}  engine-only host {host_us:6.0f} us/step")
+    finally:
+        engine.close()
+    if args.http:
+        server = HttpServer(path, args, max_context)
+        try:
+            res["http"] = http_figures(server, args, log)
+        finally:
+            server.close()
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="9b")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--workdir", default="/tmp/ninfer-bench")
+    ap.add_argument("--prefill", default="512,4096,32768")
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--gen", type=int, default=576, help="tokens per request (>= 512 + warm-up)")
+    ap.add_argument("--modes", default="greedy,sampled")
+    ap.add_argument("--steps", type=int, default=100, help="model-step decode steps timed")
+    ap.add_argument("--http", action="store_true",
+                    help="also through `ninfer serve` with the openai SDK (completions, streamed)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.batch_list = [int(x) for x in args.batches.split(",")]
+
+    def log(msg):
+        print(msg, flush=True)
+    results = [bench_shape(s, args, log) for s in args.shapes.split(",")]
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print_table(results)
+
+
+def print_table(results):
+    print("\n| shape | what | engine | model step | engine / model |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | load (weights) | {r['load_s'] or 0:.1f} s = "
+              f"{r['load_gbps'] or 0:.1f} GB/s | | |")
+        print(f"| {r['shape']} | Engine start (load + warm-up) | {r['start_s']:.1f} s | | |")
+        for n, t in r["ttft"].items():
+            print(f"| {r['shape']} | TTFT {n} | {t['engine_ms']:.1f} ms | {t['model_ms']:.1f} ms | "
+                  f"{t['ratio']:.3f} |")
+        for k, t in r["decode"].items():
+            print(f"| {r['shape']} | decode {k} | {t['engine_tok_s']:.0f} tok/s | "
+                  f"{t['model_tok_s']:.0f} tok/s | {t['ratio']:.3f} "
+                  f"(host {t['host_us_per_step']:.0f} us/step) |")
+        http = r.get("http")
+        if http:
+            print(f"| {r['shape']} | HTTP server start | {http['start_s']:.1f} s | | |")
+            for n, ms in http["ttft"].items():
+                model = r["ttft"][n]["model_ms"]
+                print(f"| {r['shape']} | HTTP TTFT {n} | {ms:.1f} ms | {model:.1f} ms | "
+                      f"{ms / model:.3f} |")
+            for k, rate in http["decode"].items():
+                model = r["decode"].get(k, {}).get("model_tok_s", float("nan"))
+                print(f"| {r['shape']} | HTTP decode {k} | {rate:.0f} tok/s | {model:.0f} tok/s | "
+                      f"{rate / model:.3f} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
