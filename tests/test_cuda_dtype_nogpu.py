@@ -80,7 +80,7 @@ def test_run_flag_reaches_the_engine(monkeypatch):
     monkeypatch.setattr(ninfer.engine, "Engine", fake_engine)
     monkeypatch.setattr(commands, "_artifact_or_demo", lambda path: (path, False))
     args = build_parser().parse_args(["run", "m.ninfer", "--prompt", "x", "--backend", "cuda",
-                                      "--dtype", "float32"])
+                                      "--dtype", "float32", "--max-context", "256"])
     with pytest.raises(Stop):
         args.handler(args)
     assert seen["dtype"] == "float32" and seen["backend"] == "cuda"
@@ -102,7 +102,7 @@ def test_serve_flag_reaches_the_engine(monkeypatch):
     monkeypatch.setattr(commands, "_check_can_listen", lambda host, port: None)
     monkeypatch.setattr(launcher, "serve", lambda factory, config, **kw: factory())
     args = build_parser().parse_args(["serve", "m.ninfer", "--backend", "cuda", "--dtype",
-                                      "float32"])
+                                      "float32", "--max-context", "256"])
     assert args.handler(args) == 0
     assert seen["dtype"] == "float32" and seen["backend"] == "cuda"
 
