@@ -29,9 +29,10 @@ class Engine:
         self.artifact = Artifact(path)
         try:
             from .models.qwen3_5 import load_model
+            from .models.qwen3_5.load import model_config
             from .models.qwen3_5.frontend import Frontend
 
-            self.config = self.artifact.config
+            self.config = model_config(self.artifact)
             # Scoring token ids needs no tokenizer; generation always does.
             if self.options.purpose == "scoring" and self.artifact.resource("tokenizer.json") is None:
                 self.frontend = None

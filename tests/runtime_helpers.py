@@ -14,8 +14,9 @@ EOS = 0
 
 
 def make_core(**kw):
+    # debug_checks: the whole page ledger is audited whenever the core runs empty
     options = EngineOptions(**{**dict(max_concurrency=4, max_context=64, page_size=4,
-                                      prefill_chunk=8), **kw})
+                                      prefill_chunk=8, debug_checks=True), **kw})
     model = FakeModel(VOCAB)
     return EngineCore(Program(model, options), FakeFrontend(VOCAB, (EOS,)), options), model
 

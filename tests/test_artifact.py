@@ -402,10 +402,22 @@ def test_manifest_not_json(basic):
     expect_error(path, "manifest: not valid UTF-8 JSON")
 
 
+def expect_config_error(path, *fragments):
+    """The container opens it (the config is plain JSON to it); the model family's parser
+    refuses it with an ArtifactError naming the file."""
+    from ninfer.models.qwen3_5.load import model_config
+    with Artifact(path) as art, pytest.raises(ninfer.ArtifactError) as info:
+        model_config(art)
+    msg = str(info.value)
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+    assert str(path) in msg
+
+
 def test_malformed_model_config(basic):
     path, _ = basic
     rewrite_manifest(path, lambda m: m["config"]["text"].update(num_hidden_layers=5))
-    expect_error(path, "model config", "layer_types has 4 entries for 5 layers")
+    expect_config_error(path, "model config", "layer_types has 4 entries for 5 layers")
 
 
 @pytest.mark.parametrize("field,value", [("num_key_value_heads", "2"), ("layer_types", 7),
@@ -413,7 +425,7 @@ def test_malformed_model_config(basic):
 def test_wrongly_typed_model_config(basic, field, value):
     path, _ = basic
     rewrite_manifest(path, lambda m: m["config"]["text"].update({field: value}))
-    expect_error(path, "model config")
+    expect_config_error(path, "model config")
 
 
 @pytest.mark.parametrize("value", [1e308, 0.0, -0.25, 1.5])
@@ -421,7 +433,7 @@ def test_rotary_factor_out_of_range(basic, value):
     """1e308 made rotary_dim int(inf): an OverflowError escaped the reader."""
     path, _ = basic
     rewrite_manifest(path, lambda m: m["config"]["text"].update(partial_rotary_factor=value))
-    expect_error(path, "model config", "partial_rotary_factor")
+    expect_config_error(path, "model config", "partial_rotary_factor")
 
 
 def test_missing_binding_requested(basic):

@@ -108,10 +108,12 @@ def random_text_weights(cfg: ModelConfig, seed: int, tied: bool = False) -> dict
 
 
 class FakeArtifact:
-    """The slice of the Artifact contract the binder uses: .config, .has, .tensor."""
+    """The slice of the Artifact contract the binder uses: .model_config_json, .has, .tensor."""
+    path = "<fake artifact>"
 
     def __init__(self, config: ModelConfig, tensors: dict):
         self.config, self._t = config, tensors
+        self.model_config_json = config.to_json()
 
     def has(self, name):
         return name in self._t

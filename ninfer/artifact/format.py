@@ -349,28 +349,6 @@ def _validate_use(i: int, use, bindings: dict, where: str) -> None:
         bad(f"site {site!r}: activation {use.get('activation')!r} is not one of {ACTIVATIONS}")
 
 
-def check_config_types(config: dict, where: str) -> None:
-    """Each stored TextConfig field has its default's JSON type (ModelConfig.from_json does not
-    type-check, and a string where an int belongs would surface much later as a TypeError)."""
-    from ..models.qwen3_5.config import TextConfig
-    text = config.get("text")
-    if not isinstance(text, dict):
-        raise ArtifactError(f"{where}: manifest model config: 'text' is not an object")
-    default = TextConfig()
-    for f in dataclasses.fields(TextConfig):
-        if f.name not in text:
-            continue
-        v, d = text[f.name], getattr(default, f.name)
-        ok = (isinstance(v, bool) if isinstance(d, bool) else
-              _is_int(v) if isinstance(d, int) else
-              isinstance(v, (int, float)) and not isinstance(v, bool) if isinstance(d, float) else
-              isinstance(v, str) if isinstance(d, str) else
-              isinstance(v, list) if isinstance(d, tuple) else True)
-        if not ok:
-            raise ArtifactError(f"{where}: manifest model config: text.{f.name} is {v!r}, expected "
-                                f"{'a list' if isinstance(d, tuple) else type(d).__name__}")
-
-
 def binding_shape(b: dict, objects: dict) -> list:
     """The logical shape a (valid) binding presents."""
     parent = objects[b["object"]]

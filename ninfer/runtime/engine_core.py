@@ -171,9 +171,11 @@ class EngineCore:
         self._publish_stats()
 
     def _audit_when_empty(self) -> None:
-        """With no request left, the Program must hold nothing: a leak is a broken invariant."""
+        """With no request left, the Program must hold nothing: a leak is a broken invariant.
+        The counts every time; the whole page ledger (ms on a large pool, paid by the next
+        request) with the debug_checks option."""
         if not (self._waiting or self._residents or self._paused):
-            self.program.assert_all_free()
+            self.program.assert_all_free(full=self.options.debug_checks)
             self.resources.check_invariants()
 
     def _wait_for_work(self) -> bool:

@@ -32,7 +32,7 @@ from ...errors import DeviceError, RequestError
 from ...ops.attention import kv_slot_mapping
 from .batch import ForwardBatch
 from .config import ModelConfig
-from .load import text_param_shapes
+from .load import model_config, text_param_shapes
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool
@@ -76,7 +76,7 @@ def call_capacities(options, max_tokens: int = None) -> tuple:
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
-    return CudaModel(artifact.config, options, artifact=artifact)
+    return CudaModel(model_config(artifact), options, artifact=artifact)
 
 
 class CudaModel:

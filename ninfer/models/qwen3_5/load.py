@@ -5,11 +5,47 @@ to float32 once. A missing or mis-shaped binding raises ArtifactError naming the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ...errors import ArtifactError
 from . import quant
-from .config import FULL_ATTENTION, TextConfig
+from .config import FULL_ATTENTION, ModelConfig, TextConfig
+
+
+def model_config(artifact) -> ModelConfig:
+    """This family's parse of the artifact's plain manifest config (the container hands it over
+    as JSON and knows nothing of Qwen); an ArtifactError names the file."""
+    raw = artifact.model_config_json
+    _check_config_types(raw, artifact.path)
+    try:
+        return ModelConfig.from_json(raw)
+    except ArtifactError as exc:
+        raise ArtifactError(f"{artifact.path}: {exc}") from exc
+    except (TypeError, ValueError, AttributeError) as exc:   # wrongly typed config fields
+        raise ArtifactError(f"{artifact.path}: manifest model config: malformed ({exc})") from exc
+
+
+def _check_config_types(config: dict, where: str) -> None:
+    """Each stored TextConfig field has its default's JSON type (ModelConfig.from_json does not
+    type-check, and a string where an int belongs would surface much later as a TypeError)."""
+    text = config.get("text")
+    if not isinstance(text, dict):
+        raise ArtifactError(f"{where}: manifest model config: 'text' is not an object")
+    default = TextConfig()
+    for f in dataclasses.fields(TextConfig):
+        if f.name not in text:
+            continue
+        v, d = text[f.name], getattr(default, f.name)
+        ok = (isinstance(v, bool) if isinstance(d, bool) else
+              (isinstance(v, int) and not isinstance(v, bool)) if isinstance(d, int) else
+              isinstance(v, (int, float)) and not isinstance(v, bool) if isinstance(d, float) else
+              isinstance(v, str) if isinstance(d, str) else
+              isinstance(v, list) if isinstance(d, tuple) else True)
+        if not ok:
+            raise ArtifactError(f"{where}: manifest model config: text.{f.name} is {v!r}, expected "
+                                f"{'a list' if isinstance(d, tuple) else type(d).__name__}")
 
 
 class ParamReader:

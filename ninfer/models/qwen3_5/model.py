@@ -16,7 +16,7 @@ from ... import ops
 from .batch import ForwardBatch
 from .config import FULL_ATTENTION, ModelConfig
 from .layers import DenseMLP, GatedAttention, GatedDeltaNet, SparseMoE, StepPlan
-from .load import read_text_params
+from .load import model_config, read_text_params
 from .state import KVPool, StatePool
 
 
@@ -43,7 +43,7 @@ class NumpyModel:
 
     @classmethod
     def from_artifact(cls, artifact) -> "NumpyModel":
-        cfg = artifact.config
+        cfg = model_config(artifact)
         return cls(cfg, read_text_params(artifact, cfg.text))
 
     # ---- pools ------------------------------------------------------------------------------------
