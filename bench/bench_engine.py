@@ -136,9 +136,10 @@ def engine_ttft(engine, n: int, reps: int = 2) -> float:
     return min(times[1:])
 
 
-def engine_decode(engine, B: int, gen: int, sampled: bool) -> float:
+def engine_decode(engine, B: int, gen: int, sampled: bool) -> tuple:
     """Steady tok/s of B concurrent requests: slope of tokens_generated over time, sampled every
-    2 ms, between B*32 and B*(gen-16) tokens."""
+    2 ms, between B*32 and B*(gen-16) tokens; and the tok/s of that window's first and last
+    thirds (flatness over the run)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True,
                             **(SAMPLED if sampled else dict(temperature=0.0)))
     base = engine.stats().get("tokens_generated", 0)
@@ -157,7 +158,52 @@ def engine_decode(engine, B: int, gen: int, sampled: bool) -> float:
     lo, hi = B * 32, B * (gen - 16)
     window = [(t, n) for t, n in samples if lo <= n <= hi]
     (t0, n0), (t1, n1) = window[0], window[-1]
-    return (n1 - n0) / (t1 - t0)
+
+    def rate_between(a, b):
+        part = [(t, n) for t, n in window if n0 + a * (n1 - n0) <= n <= n0 + b * (n1 - n0)]
+        return (part[-1][1] - part[0][1]) / (part[-1][0] - part[0][0])
+    return (n1 - n0) / (t1 - t0), rate_between(0, 1 / 3), rate_between(2 / 3, 1)
+
+
+def worker_profile(engine, B: int, gen: int, top: int = 25) -> dict:
+    """Where the Engine worker's time goes during a greedy decode of B rows: its stack sampled
+    every ~0.5 ms from another thread (sys._current_frames; no profiler hooks, little overhead).
+    {'leaf': [(function, share)], 'inclusive': [(function, share)]} over the samples."""
+    from collections import Counter
+    worker = engine._core._thread.ident
+    leaf, inclusive, samples = Counter(), Counter(), 0
+    done = threading.Event()
+
+    def sample():
+        nonlocal samples
+        while not done.is_set():
+            frame = sys._current_frames().get(worker)
+            seen = set()
+            if frame is not None:
+                samples += 1
+                leaf[_where(frame)] += 1
+                while frame is not None:
+                    key = _where(frame)
+                    if key not in seen:
+                        inclusive[key] += 1
+                        seen.add(key)
+                    frame = frame.f_back
+            time.sleep(0.0005)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    params = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.0)
+    for h in [engine.submit(prompt_ids(32, 50 + r), params) for r in range(B)]:
+        h.result()
+    done.set()
+    thread.join()
+    n = max(samples, 1)
+    return dict(samples=samples, leaf=[(k, c / n) for k, c in leaf.most_common(top)],
+                inclusive=[(k, c / n) for k, c in inclusive.most_common(top)])
+
+
+def _where(frame) -> str:
+    code = frame.f_code
+    return f"{pathlib.Path(code.co_filename).name}:{code.co_name}"
 
 
 # ---- the model step, same model and pools --------------------------------------------------------
@@ -269,14 +315,14 @@ class HttpServer:
 
 def http_figures(server, args, log) -> dict:
     out = dict(start_s=server.start_s, ttft={}, decode={})
-    for n in [int(x) for x in args.prefill.split(",") if x]:
+    for n in [int(x) for x in args.http_prefill.split(",") if x]:
         best = min(server.stream(prompt_ids(n, 200 + r), 1, dict(temperature=0.0))[0]
                    for r in range(3))
         out["ttft"][n] = best * 1e3
         log(f"  HTTP TTFT {n:6d}: {best * 1e3:8.1f} ms")
-    for mode in args.modes.split(","):
+    for mode in args.http_modes.split(","):
         sampling = SAMPLED if mode == "sampled" else dict(temperature=0.0)
-        for B in args.batch_list:
+        for B in [int(x) for x in args.http_batches.split(",") if x]:
             results = [None] * B
 
             def one(r):
@@ -330,16 +376,25 @@ def bench_shape(shape, args, log) -> dict:
             if sampled and not model.samples_on_device:
                 continue
             for B in args.batch_list:
-                e = engine_decode(engine, B, args.gen, sampled)
+                e, e_first, e_last = engine_decode(engine, B, args.gen, sampled)
                 # the same mean context as the Engine's rows (prompt 32 + half of gen)
                 m = model_decode(model, program, B, max(33, 32 + args.gen // 2 - args.steps // 2),
                                  args.steps, sampled) \
                     if model.greedy_on_device else float("nan")
                 host_us = (B / e - B / m) * 1e6 if m == m else float("nan")
                 res["decode"][f"{mode} B={B}"] = dict(engine_tok_s=e, model_tok_s=m,
-                                                      ratio=e / m, host_us_per_step=host_us)
+                                                      ratio=e / m, host_us_per_step=host_us,
+                                                      first_third_tok_s=e_first,
+                                                      last_third_tok_s=e_last)
                 log(f"  decode {mode:7s} B={B}: engine {e:8.1f} tok/s  model step {m:8.1f} "
-                    f"tok/s  ratio {e / m:.3f}  engine-only host {host_us:6.0f} us/step")
+                    f"tok/s  ratio {e / m:.3f}  engine-only host {host_us:6.0f} us/step  "
+                    f"first/last third {e_first:.0f}/{e_last:.0f} tok/s")
+        if args.profile_host:
+            res["worker_profile"] = {B: worker_profile(engine, B, 256) for B in (1, 8)}
+            for B, prof in res["worker_profile"].items():
+                log(f"  worker stack samples, greedy B={B} ({prof['samples']} samples):")
+                log("    leaf: " + ", ".join(f"{k} {v:.0%}" for k, v in prof["leaf"][:15]))
+                log("    incl: " + ", ".join(f"{k} {v:.0%}" for k, v in prof["inclusive"][:25]))
     finally:
         engine.close()
     if args.http:
@@ -364,6 +419,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=100, help="model-step decode steps timed")
     ap.add_argument("--http", action="store_true",
                     help="also through `ninfer serve` with the openai SDK (completions, streamed)")
+    ap.add_argument("--http-prefill", default="512,4096")
+    ap.add_argument("--http-batches", default="1,8")
+    ap.add_argument("--http-modes", default="greedy,sampled")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="sample the Engine worker's stacks during greedy decodes at B=1 and 8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batch_list = [int(x) for x in args.batches.split(",")]
@@ -389,7 +449,8 @@ def print_table(results):
         for k, t in r["decode"].items():
             print(f"| {r['shape']} | decode {k} | {t['engine_tok_s']:.0f} tok/s | "
                   f"{t['model_tok_s']:.0f} tok/s | {t['ratio']:.3f} "
-                  f"(host {t['host_us_per_step']:.0f} us/step) |")
+                  f"(host {t['host_us_per_step']:.0f} us/step; first/last third "
+                  f"{t['first_third_tok_s']:.0f}/{t['last_third_tok_s']:.0f} tok/s) |")
         http = r.get("http")
         if http:
             print(f"| {r['shape']} | HTTP server start | {http['start_s']:.1f} s | | |")

@@ -33,8 +33,11 @@ def tiny_config(moe: bool = False, tied: bool = False) -> ModelConfig:
 
 
 class TinyArtifact:
+    path = "<tiny artifact>"
+
     def __init__(self, config: ModelConfig, seed: int = 0):
         self.config = config
+        self.model_config_json = config.to_json()     # what a real Artifact hands the model
         t = config.text
         r = np.random.default_rng(seed)
         H, V = t.hidden_size, t.vocab_size

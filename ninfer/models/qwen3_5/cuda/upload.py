@@ -38,8 +38,9 @@ class UploadJob:
 class PinnedRing:
     """A few pinned buffers used in turn for async host -> device copies on one stream."""
 
-    def __init__(self, stream, piece_bytes: int = PIECE_BYTES, num_buffers: int = NUM_BUFFERS):
-        self.stream, self.piece_bytes = stream, int(piece_bytes)
+    def __init__(self, stream, piece_bytes: int = None, num_buffers: int = None):
+        self.stream, self.piece_bytes = stream, int(piece_bytes or PIECE_BYTES)
+        num_buffers = num_buffers or NUM_BUFFERS
         self.buffers, self.events = [], []
         try:
             for _ in range(num_buffers):
