@@ -42,9 +42,9 @@ class EngineOptions:
     # it builds it; backends trust those batches unless this is on)
     debug_checks: bool = False
     # a request's tokens independent of load: every row's logits bitwise the same whatever B and
-    # the other rows are (cuda: one GEMM shape for all decode batches, fixed attention splits), and Replay
-    # re-runs history the way it first ran (docs/architecture.md "Load invariance"; its cost:
-    # docs/performance.md)
+    # the other rows are (cuda: one GEMM shape for all decode batches, fixed attention splits),
+    # and Replay re-runs history the way it first ran (docs/architecture.md "Load invariance";
+    # its cost: docs/performance.md)
     batch_invariant: bool = False
 
     @property

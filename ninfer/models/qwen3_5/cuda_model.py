@@ -124,8 +124,8 @@ class CudaModel:
         if dtype not in (None, "bfloat16", "float32"):
             raise RequestError(f"backend 'cuda': dtype={dtype!r} must be None, 'bfloat16' or 'float32'")
         self.f32 = dtype == "float32"
-        # batch_invariant: a row's logits do not depend on B or its neighbours (pinned GEMM
-        # algorithms, fixed decode attention splits; docs/architecture.md "Load invariance")
+        # batch_invariant: a row's logits do not depend on B or its neighbours (decode GEMMs at
+        # one shape, fixed decode attention splits; docs/architecture.md "Load invariance")
         self.batch_invariant = bool(options.batch_invariant)
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32)
         page_size = int(options.page_size)
