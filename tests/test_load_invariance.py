@@ -181,3 +181,11 @@ def test_engine_batch_invariant_under_kv_pressure_equals_alone(tmp_path):
         stats = engine.stats()
     assert got == want
     assert stats["pauses"] > 0
+
+
+def test_cli_flag_and_help():
+    from ninfer.cli import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["run", "--prompt", "x", "--batch-invariant"]).batch_invariant is True
+    sub = next(a for a in parser._actions if a.choices and "run" in a.choices).choices["run"]
+    assert "--batch-invariant" in sub.format_help()          # help strings are %-formatted
