@@ -1,4 +1,4 @@
-"""`python -m ninfer {convert,score,run,chat,serve}`.
+"""`python -m ninfer {convert,score,eval,run,chat,serve}`.
 
 Bad input ends with one line on stderr (`ninfer: error: ...`) and a non-zero exit, never a traceback.
 """
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .chat import add_chat_parser
     from .commands import add_run_parser, add_serve_parser
+    from .eval import add_eval_parser
+    add_eval_parser(sub)
     add_run_parser(sub)
     add_chat_parser(sub)
     add_serve_parser(sub)

@@ -8,12 +8,21 @@ Generated on first use (seeded, so every machine gets the same bytes) and cached
 `<cache>/demo-v<N>.ninfer` (`$NINFER_CACHE_DIR` or `~/.cache/ninfer`), written atomically;
 a cached file that fails its checksums is rebuilt.
 The tied [vocab, hidden] embedding dominates its ~16 MB.
+
+The trained reference models (`ensure_reference_artifact("dense" | "moe")`, docs/models.md) are what
+`python -m ninfer run` uses with no artifact named: tiny Qwen3.5 models trained on the CPython
+standard library, committed in compact form (ninfer/demo_models/*.npz) and expanded on first use
+through the normal path (a Hugging Face checkpoint directory, then `ninfer convert`), cached as
+`<cache>/ref-<name>-<digest>.ninfer`. The random model above stays for tests that want one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 from typing import Optional
 
 import ml_dtypes
@@ -50,14 +59,53 @@ def demo_path(cache_dir: Optional[pathlib.Path] = None) -> pathlib.Path:
 
 
 def ensure_demo_artifact(cache_dir: Optional[pathlib.Path] = None) -> pathlib.Path:
-    """Path of the demo artifact, generating it first if it is not cached yet."""
-    path = demo_path(cache_dir)
+    """Path of the random demo artifact, generating it first if it is not cached yet."""
+    return _ensure_cached(demo_path(cache_dir), write_demo_artifact)
+
+
+REFERENCE_NOTICE = ("using the built-in reference model: a tiny Qwen3.5 (4.3 M parameters) trained "
+                    "on the CPython standard library; it writes Python-like text, it is not an "
+                    "assistant (convert a real checkpoint for real answers)")
+
+
+def reference_path(name: str = "dense", cache_dir: Optional[pathlib.Path] = None) -> pathlib.Path:
+    """Cache path of a reference model's artifact; its name carries the compact file's digest, so
+    a changed model file is expanded afresh."""
+    from .models.qwen3_5.frontend.vocab import cache_dir as default_cache_dir
+    from .reference_models import model_path
+
+    digest = hashlib.sha256(model_path(name).read_bytes()).hexdigest()[:12]
+    return pathlib.Path(cache_dir or default_cache_dir()) / f"ref-{name}-{digest}.ninfer"
+
+
+def ensure_reference_artifact(name: str = "dense",
+                              cache_dir: Optional[pathlib.Path] = None) -> pathlib.Path:
+    """Path of a trained reference model's artifact ("dense" or "moe"), expanded on first use."""
+    return _ensure_cached(reference_path(name, cache_dir),
+                          lambda out: write_reference_artifact(name, out))
+
+
+def write_reference_artifact(name: str, path) -> pathlib.Path:
+    """Compact file -> Hugging Face checkpoint directory (temporary) -> `.ninfer` at `path`."""
+    from .convert import convert_checkpoint
+    from .reference_models import expand_to_checkpoint, model_path
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"ninfer-ref-{name}-"))
+    try:
+        expand_to_checkpoint(model_path(name), tmp)
+        convert_checkpoint(tmp, path, name=f"ninfer-ref-{name}", progress=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return pathlib.Path(path)
+
+
+def _ensure_cached(path: pathlib.Path, write) -> pathlib.Path:
     if not _is_intact(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         # a private name per process, then one atomic rename: concurrent first runs never meet
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
-            write_demo_artifact(tmp)
+            write(tmp)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
