@@ -48,3 +48,21 @@ def test_spec_from_params_sorts_the_bias_and_leaves_plain_greedy():
     spec = SamplingSpec.from_params(SamplingParams(logit_bias={"7": -1.5, 2: 3}), seed=0)
     assert spec.logit_bias == ((2, 3.0), (7, -1.5))
     assert not spec.is_plain_greedy and SamplingSpec(seed=0).is_plain_greedy
+
+
+def test_engine_applies_logit_bias(tmp_path):
+    """Through the Engine (numpy): +100 on one id makes greedy produce only it; -100 on every id
+    a seeded run produced keeps the same seeded run off all of them."""
+    from fixture_utils import convert_fixture
+    from ninfer import Engine
+    path = convert_fixture("dense", tmp_path)
+    prompt = np.random.default_rng(2).integers(3, 256, 9).astype(np.int32)
+    with Engine(path, max_concurrency=2) as engine:
+        forced = engine.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True,
+                                                        logit_bias={17: 100.0})).token_ids
+        seeded = dict(max_tokens=8, ignore_eos=True, temperature=1.0, seed=4)
+        free = engine.generate(prompt, SamplingParams(**seeded)).token_ids
+        banned = engine.generate(prompt, SamplingParams(
+            **seeded, logit_bias={t: -100.0 for t in free})).token_ids
+    assert forced == [17] * 5
+    assert not set(banned) & set(free)
