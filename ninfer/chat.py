@@ -37,7 +37,7 @@ def add_chat_parser(sub) -> None:
                        description="Chat in the terminal: streamed answers, history kept across "
                                    "turns, /help for commands, Ctrl-C stops an answer.")
     c.add_argument("artifact", nargs="?",
-                   help="a .ninfer file (default: the built-in demo model, random weights)")
+                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
     c.add_argument("--system", help="the system message")
     c.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template replacing the artifact's")

