@@ -292,6 +292,19 @@ def _children(pid):
 def test_worker_exits_with_its_master_and_a_restart_binds(demo_artifact):
     srv = start(demo_artifact)
     [worker] = _children(srv.proc.pid)
+
+    def stream():                   # in flight when the master dies (gthread waited for it)
+        body = chat("[[script:long]]", max_tokens=1500, stream=True)
+        try:
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
+                              timeout=60) as resp:
+                for _ in resp.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    wait_metric(srv, "ninfer_resident_requests", 1.0)
     srv.proc.kill()                 # SIGKILL: the master cannot tell its worker anything
     srv.proc.wait(5)
     t0 = time.monotonic()

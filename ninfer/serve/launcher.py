@@ -190,6 +190,11 @@ class GatewayWorker(Worker):
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
+        for name, source in (("uvicorn.error", self.log.error_log),
+                             ("uvicorn.access", self.log.access_log)):
+            logger = logging.getLogger(name)        # uvicorn's logs go where gunicorn's go
+            logger.handlers, logger.propagate = source.handlers, False
+            logger.setLevel(source.level)
         app = self.wsgi                 # gunicorn's name for the loaded app: ours is ASGI
         self.gateway = app.gateway
         cfg = self.gateway.config
