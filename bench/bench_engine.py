@@ -398,7 +398,11 @@ def bench_shape(shape, args, log) -> dict:
     finally:
         engine.close()
     if args.http:
-        server = HttpServer(path, args, max_context)
+        try:
+            server = HttpServer(path, args, max_context)
+        except RuntimeError as exc:         # e.g. no [serve] extra: keep the Engine figures
+            log(f"  HTTP: not measured ({exc})")
+            return res
         try:
             res["http"] = http_figures(server, args, log)
         finally:
