@@ -1,0 +1,172 @@
+"""Build the vision oracle fixtures: transformers' preprocessing and float32 logits for prompts with
+images and a video, on the tiny multimodal checkpoints `cond_gen` and `moe_cond_gen` (issue 18).
+
+Regenerate (maintainers only; CI reads the committed files) from the repository root with a Python
+that has torch, transformers and Pillow (not the project's runtime):
+
+    python tools/make_vision_fixtures.py              # into tests/fixtures/vision/
+
+The checkpoints are the committed `tests/fixtures/{cond_gen,moe_cond_gen}` (made by
+tools/make_fixtures.py; their tiny vision tower: patch 4, temporal patch 2, merge 2, depth 1,
+16 learned position embeddings) with the tiny vocabulary's vision tokens `<|image_pad|>` 256,
+`<|video_pad|>` 257, `<|vision_start|>` 258, `<|vision_end|>` 259 (the real strings; the real
+vocabulary's ids would need a 248k-row embedding). This script adds, under tests/fixtures/vision/:
+
+    preprocessor_config.json        the image processor config (sizes scaled to the tiny patch)
+    video_preprocessor_config.json  the video processor config
+    reference.npz                   per prompt p in {image, two_images, video}:
+        {p}_text                str      the prompt text with one placeholder per medium
+        {p}_ids                 int32 [T] transformers' processor output (placeholders expanded)
+        {p}_mm_types            int32 [T] 0 text, 1 image, 2 video (the processor's mm_token_type_ids)
+        {p}_positions           int32 [3, T] get_rope_index
+        {p}_pixels              float32 [N, C*2*P*P] pixel_values / pixel_values_videos
+        {p}_grid                int32 [M, 3] image_grid_thw / video_grid_thw
+        {p}_embeds              float32 [N/4, H] the vision tower's merged output (pooler_output)
+        {cond_gen,moe_cond_gen}_{p}_logits float32 [T, V] one full forward, float32
+      image_0 uint8 [37, 53, 3], image_1 uint8 [14, 9, 3]: the images (image uses image_0;
+      two_images both); video uint8 [8, 16, 24, 3] and video_fps: the decoded video (8 frames at
+      4 fps; the processor samples 4 of them at 2 fps).
+
+Images go through transformers' PIL backend (Qwen2VLImageProcessorPil: PIL bicubic resize, then
+rescale / normalize / patchify in numpy) and Qwen3VLProcessor, which expands the placeholders.
+The video goes through Qwen3VLVideoProcessor's frame sampling and its _preprocess with
+do_resize=False: its resize needs torchvision, which has no wheel for this torch here, so the
+video's frames are already of the size smart_resize picks (16x24, multiples of 8): the resize is
+the identity and is not covered by this oracle. The video placeholders come from the processor's
+replace_video_token (timestamps `<t seconds>` per temporal patch).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration, \
+    Qwen3_5MoeForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+OUT = FIXTURES / "vision"
+MODELS = {"cond_gen": Qwen3_5ForConditionalGeneration,
+          "moe_cond_gen": Qwen3_5MoeForConditionalGeneration}
+MEAN = [0.48145466, 0.4578275, 0.40821073]     # per-channel values, so a channel swap shows
+STD = [0.26862954, 0.26130258, 0.27577711]
+IMAGE_CONFIG = dict(image_processor_type="Qwen2VLImageProcessorFast", processor_class="Qwen3VLProcessor",
+                    do_resize=True, resample=3, size=dict(shortest_edge=256, longest_edge=1536),
+                    do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=MEAN,
+                    image_std=STD, do_convert_rgb=True, patch_size=4, temporal_patch_size=2,
+                    merge_size=2)
+VIDEO_CONFIG = dict(video_processor_type="Qwen3VLVideoProcessor", processor_class="Qwen3VLProcessor",
+                    do_resize=True, resample=3, size=dict(shortest_edge=256, longest_edge=8192),
+                    do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=MEAN,
+                    image_std=STD, do_convert_rgb=True, patch_size=4, temporal_patch_size=2,
+                    merge_size=2, fps=2, min_frames=4, max_frames=8, do_sample_frames=True)
+VISION = "<|vision_start|>{}<|vision_end|>"
+PROMPTS = {
+    "image": "qwen delta" + VISION.format("<|image_pad|>") + "net gated ten, tion",
+    "two_images": "num" + VISION.format("<|image_pad|>") + "py in fer" +
+                  VISION.format("<|image_pad|>") + "ence page state",
+    "video": "rou ter" + VISION.format("<|video_pad|>") + "lay er norm",
+}
+
+
+def make_media(rng):
+    img0 = rng.integers(0, 256, size=(37, 53, 3), dtype=np.uint8)     # downscaled to 32x40
+    img1 = rng.integers(0, 256, size=(14, 9, 3), dtype=np.uint8)      # upscaled to 24x16
+    video = rng.integers(0, 256, size=(8, 16, 24, 3), dtype=np.uint8)
+    return [img0, img1], video
+
+
+def video_inputs(vproc, video, fps):
+    meta = VideoMetadata(total_num_frames=len(video), fps=fps, width=video.shape[2],
+                         height=video.shape[1])
+    idx = vproc.sample_frames(meta, fps=VIDEO_CONFIG["fps"])
+    meta.frames_indices = idx
+    # torchvision's normalize, which is (x - mean) / std per channel in the image's dtype
+    vproc.normalize = lambda image, mean, std, inplace=False: \
+        (image - torch.tensor(mean, dtype=image.dtype).view(-1, 1, 1)) \
+        / torch.tensor(std, dtype=image.dtype).view(-1, 1, 1)
+    frames = torch.from_numpy(video[idx]).permute(0, 3, 1, 2).contiguous()   # [F, C, H, W]
+    out = vproc._preprocess([frames], do_resize=False, size=None, resample=None,
+                            do_rescale=True, rescale_factor=VIDEO_CONFIG["rescale_factor"],
+                            do_normalize=True, image_mean=tuple(MEAN), image_std=tuple(STD), patch_size=4,
+                            temporal_patch_size=2, merge_size=2, cap_pixels_per_frame=False)
+    return out["pixel_values_videos"], out["video_grid_thw"], meta
+
+
+def main() -> int:
+    torch.set_num_threads(2)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "preprocessor_config.json").write_text(json.dumps(IMAGE_CONFIG, indent=2) + "\n")
+    (OUT / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG, indent=2) + "\n")
+    cfg = {k: v for k, v in IMAGE_CONFIG.items() if k not in ("image_processor_type", "processor_class")}
+    iproc = Qwen2VLImageProcessorPil(**cfg)
+    vcfg = {k: v for k, v in VIDEO_CONFIG.items() if k not in ("video_processor_type", "processor_class")}
+    vproc = Qwen3VLVideoProcessor(**vcfg)
+    tok = AutoTokenizer.from_pretrained(FIXTURES / "cond_gen")
+    # without torchvision transformers' class check takes the video processor for a dummy
+    Qwen3VLProcessor.check_argument_for_proper_class = lambda self, name, arg: None
+    proc = Qwen3VLProcessor(image_processor=iproc, tokenizer=tok, video_processor=vproc)
+    rng = np.random.default_rng(1818)
+    images, video = make_media(rng)
+    ref: dict = {"image_0": images[0], "image_1": images[1], "video": video,
+                 "video_fps": np.float32(4.0)}
+    inputs = {}
+    for p, text in PROMPTS.items():
+        if p == "video":
+            pix, grid, meta = video_inputs(vproc, video, 4.0)
+            expanded = text.replace("<|vision_start|><|video_pad|><|vision_end|>",
+                                    proc.replace_video_token(
+                                        {"video_grid_thw": grid, "video_metadata": [meta]}, 0))
+            ids = torch.tensor([tok(expanded)["input_ids"]])
+            kw = dict(pixel_values_videos=pix, video_grid_thw=grid)
+        else:
+            imgs = images[:1] if p == "image" else images
+            enc = proc(text=[text], images=imgs, return_tensors="pt")
+            ids, pix, grid = enc["input_ids"], enc["pixel_values"], enc["image_grid_thw"]
+            assert np.array_equal(enc["mm_token_type_ids"][0].numpy(),
+                                  np.where(ids[0].numpy() == 256, 1, 0))
+            kw = dict(pixel_values=pix, image_grid_thw=grid)
+        types = torch.where(ids == 256, 1, torch.where(ids == 257, 2, 0)).int()
+        inputs[p] = (ids, types, kw)
+        ref[f"{p}_text"] = np.asarray(text)
+        ref[f"{p}_ids"] = ids[0].numpy().astype(np.int32)
+        ref[f"{p}_mm_types"] = types[0].numpy().astype(np.int32)
+        ref[f"{p}_pixels"] = pix.numpy().astype(np.float32)
+        ref[f"{p}_grid"] = grid.numpy().astype(np.int32)
+    for name, cls in MODELS.items():
+        model = cls.from_pretrained(FIXTURES / name, dtype=torch.float32,
+                                    attn_implementation="eager",
+                                    experts_implementation="eager").eval()
+        for p, (ids, types, kw) in inputs.items():
+            with torch.no_grad():
+                grid = kw.get("image_grid_thw", kw.get("video_grid_thw"))
+                pos, _ = model.model.get_rope_index(ids, types, kw.get("image_grid_thw"),
+                                                    kw.get("video_grid_thw"))
+                pix = kw.get("pixel_values", kw.get("pixel_values_videos"))
+                embeds = model.model.visual(pix, grid_thw=grid).pooler_output
+                logits = model(input_ids=ids, mm_token_type_ids=types, use_cache=False,
+                               **kw).logits[0]
+                plain = model(input_ids=ids, use_cache=False, position_ids=pos).logits[0]
+            # the media must matter, or the test could pass with the tower left out
+            assert (logits - plain).abs().max() > 1e-2 * logits.abs().max(), (name, p)
+            if name == "cond_gen":
+                ref[f"{p}_positions"] = pos[:, 0].numpy().astype(np.int32)
+                ref[f"{p}_embeds"] = embeds.numpy().astype(np.float32)
+            ref[f"{name}_{p}_logits"] = logits.numpy().astype(np.float32)
+            print(f"{name} {p}: T={ids.shape[1]} grid={grid.tolist()}")
+    ref["versions"] = np.asarray(f"torch {torch.__version__}; transformers "
+                                 f"{transformers.__version__}; numpy {np.__version__}")
+    np.savez_compressed(OUT / "reference.npz", **ref)
+    print(f"reference.npz {(OUT / 'reference.npz').stat().st_size / 1024:.0f} KiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
