@@ -6,7 +6,7 @@ missing, or a build fails, the install still succeeds and the twin is used at ru
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -28,22 +28,20 @@ def hot_extensions():
     if os.environ.get("NINFER_NO_CYTHON"):
         return []
     try:
-        import numpy
         from Cython.Build import cythonize
     except ImportError:
         return []
     sources = sorted(glob.glob("ninfer/_hot/*.pyx"))
     if not sources:
         return []
-    extensions = cythonize(sources, compiler_directives={"language_level": "3"}, quiet=True)
-    for ext in extensions:
-        ext.include_dirs.append(numpy.get_include())
-    return extensions
+    # typed memoryviews only: no numpy headers, so numpy is not a build requirement
+    return cythonize(sources, compiler_directives={"language_level": "3"}, quiet=True)
 
 
 # The numba-cuda kernel sources stay in the top-level kernels/ (the design card's place) and ship
 # inside the package as `ninfer.kernels`; core/cuda/kernels.py reads them through importlib, so a
 # wheel and an editable install find the same files.
-setup(packages=find_packages(include=["ninfer", "ninfer.*"]) + ["ninfer.kernels"],
+setup(packages=find_namespace_packages(include=["ninfer", "ninfer.*"], exclude=["*.__pycache__"])
+      + ["ninfer.kernels"],
       package_dir={"ninfer.kernels": "kernels"},
       ext_modules=hot_extensions(), cmdclass={"build_ext": OptionalBuildExt})
