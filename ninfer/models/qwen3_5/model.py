@@ -55,11 +55,16 @@ class NumpyModel:
 
     # ---- compute ----------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool, *,
-                all_logits: bool = False) -> np.ndarray:
-        """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits."""
+                all_logits: bool = False, media=None) -> np.ndarray:
+        """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits.
+        media: (token indices [k], embeddings [k, H]) that replace those tokens' embeddings (the
+        vision tower's output at the image / video placeholders; vision.py)."""
         plan = self._plan(batch, kv, state)
         cfg = self.text
         h = self._embed[np.asarray(batch.token_ids, np.int64)]                  # [N, H]
+        if media is not None:
+            rows, vectors = media
+            h[np.asarray(rows, np.int64)] = vectors
         for in_norm, mixer, post_norm, mlp in self._layers:
             x = ops.rmsnorm_zero_centred(h, in_norm, cfg.rms_norm_eps)
             pool = kv if isinstance(mixer, GatedAttention) else state

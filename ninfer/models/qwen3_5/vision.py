@@ -1,0 +1,283 @@
+"""The Qwen3.5 vision tower in numpy (the reference for every backend) and MRoPE positions.
+
+Transformers' Qwen3_5VisionModel, step by step:
+- patch embedding: Conv3d with kernel = stride = (temporal patch, patch, patch) on the processor's
+  flattened patches, i.e. one GEMM [N, C*T*P*P] x [C*T*P*P, D] + bias;
+- learned position embeddings: the square side x side table resampled to each frame's (h, w) grid
+  by bilinear interpolation with align_corners=True, in the patches' merge-block order;
+- 2-D rotary: head_dim/4 frequencies for the patch row and as many for the column, laid out
+  [row | col | row | col] over the whole head and applied with rotate_half;
+- blocks: LayerNorm -> qkv -> rotary -> softmax attention within each frame (cu_seqlens: a video's
+  temporal patches attend separately) -> proj; LayerNorm -> fc1 -> gelu(tanh) -> fc2;
+- merger: LayerNorm per patch, each merge x merge block concatenated, fc1 -> exact GELU -> fc2 to
+  the text hidden size: one embedding per `<|image_pad|>` / `<|video_pad|>` token.
+
+`rope_positions` lays out transformers' get_rope_index (Qwen3.5 variant) for a prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ArtifactError
+
+LN_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    num_position_embeddings: int
+    out_hidden_size: int
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VisionConfig":
+        if d.get("deepstack_visual_indexes"):
+            raise ArtifactError("vision_config.deepstack_visual_indexes: deepstack features are "
+                                "not implemented (Qwen3.5 releases have none)")
+        act = d.get("hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ArtifactError(f"vision_config.hidden_act {act!r} is not supported")
+        rope = d.get("rope_parameters") or {}
+        return cls(depth=d["depth"], hidden_size=d["hidden_size"], num_heads=d["num_heads"],
+                   intermediate_size=d["intermediate_size"], in_channels=d.get("in_channels", 3),
+                   patch_size=d["patch_size"], temporal_patch_size=d.get("temporal_patch_size", 2),
+                   spatial_merge_size=d.get("spatial_merge_size", 2),
+                   num_position_embeddings=d["num_position_embeddings"],
+                   out_hidden_size=d["out_hidden_size"], hidden_act=act,
+                   rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def param_shapes(self) -> dict:
+        D, I, M = self.hidden_size, self.intermediate_size, self.spatial_merge_size
+        T, P, C = self.temporal_patch_size, self.patch_size, self.in_channels
+        shapes = {"vision.patch_embed.proj.weight": (D, C, T, P, P),
+                  "vision.patch_embed.proj.bias": (D,),
+                  "vision.pos_embed.weight": (self.num_position_embeddings, D),
+                  "vision.merger.norm.weight": (D,), "vision.merger.norm.bias": (D,),
+                  "vision.merger.linear_fc1.weight": (D * M * M, D * M * M),
+                  "vision.merger.linear_fc1.bias": (D * M * M,),
+                  "vision.merger.linear_fc2.weight": (self.out_hidden_size, D * M * M),
+                  "vision.merger.linear_fc2.bias": (self.out_hidden_size,)}
+        for i in range(self.depth):
+            b = f"vision.blocks.{i}."
+            shapes.update({b + "norm1.weight": (D,), b + "norm1.bias": (D,),
+                           b + "norm2.weight": (D,), b + "norm2.bias": (D,),
+                           b + "attn.qkv.weight": (3 * D, D), b + "attn.qkv.bias": (3 * D,),
+                           b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
+                           b + "mlp.linear_fc1.weight": (I, D), b + "mlp.linear_fc1.bias": (I,),
+                           b + "mlp.linear_fc2.weight": (D, I), b + "mlp.linear_fc2.bias": (D,)})
+        return shapes
+
+
+def read_vision_params(artifact, cfg: VisionConfig) -> dict:
+    """{logical name: float32 array} of the tower, shapes checked against the config."""
+    out = {}
+    for name, shape in cfg.param_shapes().items():
+        if not artifact.has(name):
+            raise ArtifactError(f"missing vision binding {name!r} (expected shape {list(shape)})")
+        arr = np.ascontiguousarray(artifact.tensor(name), dtype=np.float32)
+        if tuple(arr.shape) != shape:
+            raise ArtifactError(f"binding {name!r}: shape {list(arr.shape)} != expected {list(shape)}")
+        out[name] = arr
+    return out
+
+
+# ---- pieces --------------------------------------------------------------------------------------
+
+def layer_norm(x, w, b, eps=LN_EPS):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return ((x - mu) / np.sqrt(var + eps)) * w + b
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + 0.044715 * x ** 3)))
+
+
+def _erf(x):
+    """erf to ~1e-7 absolute (Abramowitz & Stegun 7.1.26 is 1.5e-7; this is W. J. Cody's
+    rational form via the complementary function, in float64)."""
+    x = np.asarray(x, np.float64)
+    t = 1.0 / (1.0 + 0.5 * np.abs(x))
+    y = 1.0 - t * np.exp(-x * x - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (
+        0.09678418 + t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (
+            1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+    return np.where(x >= 0, y, -y)
+
+
+def gelu_erf(x):
+    return (0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))).astype(np.float32)
+
+
+def _block_order(h: int, w: int, m: int) -> tuple:
+    """(row, col) of each patch of an h x w frame in merge-block order."""
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // m, m, w // m, m)
+    return (rows.reshape(shape).transpose(0, 2, 1, 3).ravel(),
+            cols.reshape(shape).transpose(0, 2, 1, 3).ravel())
+
+
+def interpolated_pos_embed(table: np.ndarray, grid_thw, m: int) -> np.ndarray:
+    """Bilinear (align_corners=True) resampling of the side x side table to each grid, [N, D]."""
+    side = int(round(np.sqrt(table.shape[0])))
+    out = []
+    for t, h, w in grid_thw:
+        rows, cols = _block_order(h, w, m)
+        per_axis = []
+        for idx, size in ((rows, h), (cols, w)):
+            src = idx.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+            lo = np.floor(src)
+            taps = np.stack([lo, lo + 1], 1).astype(np.int64)
+            wts = np.clip(1 - np.abs(src[:, None] - taps), 0, None).astype(np.float32)
+            per_axis.append((np.clip(taps, 0, side - 1), wts))
+        (ht, hw), (wt, ww) = per_axis
+        index = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
+        weight = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+        emb = (table[index] * weight[:, :, None]).sum(1)
+        out.append(np.tile(emb, (t, 1)))
+    return np.concatenate(out).astype(np.float32)
+
+
+def vision_rotary(grid_thw, m: int, head_dim: int, theta: float) -> tuple:
+    """cos, sin [N, head_dim] of the 2-D rotary (row frequencies, then column ones, twice)."""
+    quarter = head_dim // 2
+    inv_freq = (1.0 / theta ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter)).astype(
+        np.float32)
+    pos = np.concatenate([np.tile(np.stack(_block_order(h, w, m), 1), (t, 1))
+                          for t, h, w in grid_thw]).astype(np.float32)          # [N, 2]
+    freqs = pos[:, :, None] * inv_freq                                          # [N, 2, hd/4]
+    ang = np.concatenate([freqs[:, 0], freqs[:, 1]], -1)
+    ang = np.concatenate([ang, ang], -1)
+    return np.cos(ang), np.sin(ang)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+# ---- the tower -----------------------------------------------------------------------------------
+
+class VisionTower:
+    """Numpy vision tower: `encode(pixels, grid_thw)` -> float32 [N / merge^2, out_hidden]."""
+
+    def __init__(self, cfg: VisionConfig, params: dict):
+        self.cfg, self.p = cfg, params
+
+    @classmethod
+    def from_artifact(cls, artifact) -> "VisionTower":
+        vision = artifact.config.vision
+        if not vision:
+            raise ArtifactError(f"{artifact.name}: the model has no vision tower (a text-only "
+                                "checkpoint)")
+        cfg = VisionConfig.from_dict(vision)
+        return cls(cfg, read_vision_params(artifact, cfg))
+
+    def encode(self, pixels: np.ndarray, grid_thw) -> np.ndarray:
+        cfg, p = self.cfg, self.p
+        grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
+        n = sum(t * h * w for t, h, w in grid_thw)
+        pixels = np.asarray(pixels, np.float32)
+        if pixels.shape != (n, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2):
+            raise ValueError(f"pixels {list(pixels.shape)} do not match grids {grid_thw}")
+        m = cfg.spatial_merge_size
+        w = p["vision.patch_embed.proj.weight"].reshape(cfg.hidden_size, -1)
+        x = pixels @ w.T + p["vision.patch_embed.proj.bias"]
+        x = x + interpolated_pos_embed(p["vision.pos_embed.weight"], grid_thw, m)
+        cos, sin = vision_rotary(grid_thw, m, cfg.head_dim, cfg.rope_theta)
+        # full attention within each frame: a video's temporal patches are separate sequences
+        bounds = np.cumsum([0] + [h * w for t, h, w in grid_thw for _ in range(t)])
+        for i in range(cfg.depth):
+            x = x + self._attention(layer_norm(x, p[f"vision.blocks.{i}.norm1.weight"],
+                                               p[f"vision.blocks.{i}.norm1.bias"]),
+                                    i, cos, sin, bounds)
+            b = f"vision.blocks.{i}.mlp."
+            hmid = layer_norm(x, p[f"vision.blocks.{i}.norm2.weight"],
+                              p[f"vision.blocks.{i}.norm2.bias"]) @ p[b + "linear_fc1.weight"].T \
+                + p[b + "linear_fc1.bias"]
+            hmid = gelu_tanh(hmid) if cfg.hidden_act == "gelu_pytorch_tanh" else gelu_erf(hmid)
+            x = x + hmid @ p[b + "linear_fc2.weight"].T + p[b + "linear_fc2.bias"]
+        y = layer_norm(x, p["vision.merger.norm.weight"], p["vision.merger.norm.bias"])
+        y = y.reshape(-1, cfg.hidden_size * m * m)
+        y = gelu_erf(y @ p["vision.merger.linear_fc1.weight"].T + p["vision.merger.linear_fc1.bias"])
+        y = y @ p["vision.merger.linear_fc2.weight"].T + p["vision.merger.linear_fc2.bias"]
+        return y.astype(np.float32)
+
+    def _attention(self, x, i, cos, sin, bounds):
+        cfg, p = self.cfg, self.p
+        a = f"vision.blocks.{i}.attn."
+        N, H, hd = len(x), cfg.num_heads, cfg.head_dim
+        qkv = (x @ p[a + "qkv.weight"].T + p[a + "qkv.bias"]).reshape(N, 3, H, hd)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]                              # [N, H, hd]
+        q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+        k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+        out = np.empty_like(q)
+        scale = np.float32(hd ** -0.5)
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            scores = np.einsum("qhd,khd->hqk", q[s:e], k[s:e]) * scale
+            scores = np.exp(scores - scores.max(-1, keepdims=True))
+            scores /= scores.sum(-1, keepdims=True)
+            out[s:e] = np.einsum("hqk,khd->qhd", scores, v[s:e])
+        return out.reshape(N, -1) @ p[a + "proj.weight"].T + p[a + "proj.bias"]
+
+
+# ---- MRoPE positions -----------------------------------------------------------------------------
+
+def rope_positions(mm_types: np.ndarray, grids: list, merge: int, start: int = 0) -> tuple:
+    """transformers' get_rope_index for one sequence: (positions int64 [3, T], next position).
+
+    mm_types: per token 0 text, 1 image, 2 video; grids: the (t, h, w) patch grid of each medium in
+    order (a video's temporal patches are separate frames, each between its own vision start/end).
+    Text runs count up on all three axes; a frame's tokens sit at (base, base + row, base + col),
+    and the text after it resumes at base + max(h, w) / merge. `start` continues a sequence (a later
+    turn): pass the previous call's next position."""
+    mm_types = np.asarray(mm_types)
+    frames = []
+    for kind, (t, h, w) in grids:
+        frames += [(kind, h, w)] * (t if kind == 2 else 1)
+    out = np.zeros((3, len(mm_types)), np.int64)
+    pos, i, f = start, 0, 0
+    while i < len(mm_types):
+        j = i
+        while j < len(mm_types) and mm_types[j] == mm_types[i]:
+            j += 1
+        kind = int(mm_types[i])
+        if kind == 0:
+            out[:, i:j] = pos + np.arange(j - i)
+            pos += j - i
+        else:
+            # one run may hold several media back to back: take frames until it is covered
+            k = i
+            while k < j:
+                if f >= len(frames) or frames[f][0] != kind:
+                    raise ValueError("media placeholders do not match the media given")
+                _, h, w = frames[f]
+                gh, gw = h // merge, w // merge
+                rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+                n = gh * gw
+                if k + n > j:
+                    raise ValueError("media placeholders do not match the media given")
+                out[0, k:k + n] = pos
+                out[1, k:k + n] = pos + rows.ravel()
+                out[2, k:k + n] = pos + cols.ravel()
+                pos += max(gh, gw)
+                k += n
+                f += 1
+        i = j
+    if f != len(frames):
+        raise ValueError("media placeholders do not match the media given")
+    return out, pos
