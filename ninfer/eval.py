@@ -109,6 +109,8 @@ def eval_command(args) -> int:
         raise Error(f"--text {path}: not UTF-8 ({exc})") from None
     if args.max_tokens is not None and args.max_tokens < 1:
         raise Error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.context < 2:
+        raise Error(f"--context must be >= 2, got {args.context}")
     if not pathlib.Path(args.artifact).is_file():
         raise Error(f"artifact {args.artifact}: no such file")
     with Engine(args.artifact, backend=args.backend, purpose="scoring", dtype=args.dtype,

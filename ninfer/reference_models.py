@@ -40,7 +40,8 @@ def model_path(name: str) -> pathlib.Path:
 
 
 def quantize_rows(w: np.ndarray) -> tuple:
-    """Symmetric int8 per row of the last axis: (q int8, scale float32 [...]); zero rows -> scale 1."""
+    """Symmetric int8 per row of the last axis: (q int8, scale float32 [...]); a zero row gets
+    scale 1."""
     w = np.asarray(w, np.float32)
     amax = np.max(np.abs(w), axis=-1)
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)

@@ -155,7 +155,8 @@ def build_model(cfg: dict, num_kept: int):
     class MLP(nn.Module):
         def __init__(self, inter):
             super().__init__()
-            self.gate_proj, self.up_proj, self.down_proj = lin(H, inter), lin(H, inter), lin(inter, H)
+            self.gate_proj, self.up_proj = lin(H, inter), lin(H, inter)
+            self.down_proj = lin(inter, H)
 
         def forward(self, x):
             return self.down_proj(Fn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -240,7 +241,8 @@ def build_model(cfg: dict, num_kept: int):
             return emb.cos(), emb.sin()
 
         def forward(self, idx, with_mtp=True):
-            """idx [B, T] kept indices -> (hidden [B, T, H] final-normed, mtp hidden [B, T-1, H])."""
+            """idx [B, T] kept indices -> (hidden [B, T, H] final-normed,
+            mtp hidden [B, T-1, H])."""
             pos = self.positions(idx.shape[1], idx.device)
             h = self.embed(idx)
             for layer in self.layers:
@@ -319,7 +321,7 @@ def _delta_rule_chunked(q, k, v, g, beta, chunk):
     return o.transpose(1, 2)
 
 
-# ---- export ----------------------------------------------------------------------------------------
+# ---- export --------------------------------------------------------------------------------------
 
 def export_tensors(model) -> dict:
     """{HF checkpoint name: float32 numpy array} (embedding: the kept rows only)."""
@@ -334,7 +336,7 @@ def export_tensors(model) -> dict:
     return out
 
 
-# ---- losses ----------------------------------------------------------------------------------------
+# ---- losses --------------------------------------------------------------------------------------
 
 def lm_loss(model, hidden, target_idx, mask, num_unseen):
     """Mean -log p(target) over the full vocabulary: kept rows' logits, plus num_unseen logits
@@ -358,7 +360,7 @@ def step_losses(model, idx, mask, num_unseen):
     return main, mtp
 
 
-# ---- training --------------------------------------------------------------------------------------
+# ---- training ------------------------------------------------------------------------------------
 
 def windows(ids: np.ndarray, seq: int) -> np.ndarray:
     n = len(ids) // seq
