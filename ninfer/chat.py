@@ -32,50 +32,24 @@ _SETTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
 
 
 def add_chat_parser(sub) -> None:
-    from .commands import _engine_flags, sampling_flags
+    from .commands import generation_flags
     c = sub.add_parser("chat", help="chat interactively in the terminal",
                        description="Chat in the terminal: streamed answers, history kept across "
                                    "turns, /help for commands, Ctrl-C stops an answer.")
-    c.add_argument("artifact", nargs="?",
-                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
     c.add_argument("--system", help="the system message")
-    c.add_argument("--chat-template", metavar="FILE",
-                   help="a Jinja chat template replacing the artifact's")
-    think = c.add_mutually_exclusive_group()
-    think.add_argument("--no-thinking", dest="thinking", action="store_false", default=None,
-                       help="ask the chat template for no reasoning")
-    think.add_argument("--thinking", dest="thinking", action="store_true",
-                       help="ask for reasoning (the default, except with the demo model)")
     c.add_argument("--hide-thinking", action="store_true",
                    help="do not print the reasoning (it is still generated)")
-    c.add_argument("--thinking-budget", type=int, default=None, metavar="N",
-                   help="most reasoning tokens per answer")
-    c.add_argument("--max-new", type=int, default=None, metavar="N",
-                   help="most tokens per answer (default: the checkpoint's, else 1024)")
-    c.add_argument("--seed", type=int, default=None)
-    _engine_flags(c, concurrency_default=1)
-    sampling_flags(c)
+    generation_flags(c, max_new_help="most tokens per answer (default: the checkpoint's, "
+                                     "else 1024)")
     c.set_defaults(handler=chat_command)
 
 
 def chat_command(args) -> int:
-    from .api import SamplingParams
-    from .commands import (_artifact_or_demo, engine_kwargs, read_chat_template,
-                           resolved_engine_kwargs, sampling_overrides)
+    from .commands import generation_setup
     from .engine import Engine
-    from .options import EngineOptions
 
-    overrides = dict(sampling_overrides(args), seed=args.seed,
-                     thinking_budget=args.thinking_budget)
-    if args.max_new is not None:
-        overrides["max_tokens"] = args.max_new
-    SamplingParams(**overrides).validate()
-    EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
-    template = read_chat_template(args.chat_template)
-    path, is_demo = _artifact_or_demo(args.artifact)
-    thinking = args.thinking if args.thinking is not None else not is_demo
-    kwargs = resolved_engine_kwargs(args, path, concurrency_default=1)
-    with Engine(path, chat_template=template, **kwargs) as engine:
+    path, thinking, kwargs, overrides = generation_setup(args)
+    with Engine(path, **kwargs) as engine:
         overrides.setdefault("max_tokens", engine.sampling_defaults.get("max_tokens", 1024))
         session = ChatSession(engine, engine.default_sampling_params(**overrides),
                               system=args.system, thinking=thinking,

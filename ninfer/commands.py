@@ -204,8 +204,6 @@ def add_run_parser(sub) -> None:
     r = sub.add_parser("run", help="generate from a prompt, streaming the answer to stdout",
                        description="Generate from a prompt: the answer streams to stdout; "
                                    "reasoning and a stats line go to stderr.")
-    r.add_argument("artifact", nargs="?",
-                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the user message")
     src.add_argument("--messages", metavar="FILE",
@@ -214,23 +212,52 @@ def add_run_parser(sub) -> None:
     r.add_argument("--system", help="a system message put first (with --prompt)")
     r.add_argument("--raw", action="store_true",
                    help="send --prompt as raw text, without the chat template")
-    r.add_argument("--chat-template", metavar="FILE",
-                   help="a Jinja chat template replacing the artifact's")
-    _engine_flags(r, concurrency_default=1)
-    sampling_flags(r)
-    r.add_argument("--max-new", type=int, default=None, metavar="N",
-                   help="most tokens to generate (default: the checkpoint's, else 256)")
-    r.add_argument("--seed", type=int, default=None)
     r.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
-    r.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+    generation_flags(r, max_new_help="most tokens to generate (default: the checkpoint's, "
+                                     "else 256)")
+    r.set_defaults(handler=run_command)
+
+
+def generation_flags(p, *, max_new_help: str) -> None:
+    """The flags `run` and `chat` share: the artifact, the chat template, every engine option,
+    sampling, seed, the thinking switch and budget."""
+    p.add_argument("artifact", nargs="?",
+                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template replacing the artifact's")
+    _engine_flags(p, concurrency_default=1)
+    sampling_flags(p)
+    p.add_argument("--max-new", type=int, default=None, metavar="N", help=max_new_help)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--thinking-budget", type=int, default=None, metavar="N",
                    help="most reasoning tokens; then </think> is forced and the answer follows")
-    think = r.add_mutually_exclusive_group()
+    think = p.add_mutually_exclusive_group()
     think.add_argument("--no-thinking", dest="thinking", action="store_false", default=None,
                        help="ask the chat template for no reasoning")
     think.add_argument("--thinking", dest="thinking", action="store_true",
                        help="ask for reasoning (the default, except with the demo model)")
-    r.set_defaults(handler=run_command)
+
+
+def generation_setup(args, **overrides) -> tuple:
+    """Every cheap check first (one error line, nothing loaded), then the artifact:
+    (path, enable_thinking, Engine keyword arguments, SamplingParams overrides)."""
+    from .api import SamplingParams
+    from .options import EngineOptions
+    if args.max_new is not None and args.max_new < 1:
+        raise Error(f"--max-new {args.max_new}: must be >= 1")
+    overrides.update(sampling_overrides(args), seed=args.seed,
+                     thinking_budget=args.thinking_budget)
+    if args.max_new is not None:
+        overrides["max_tokens"] = args.max_new
+    SamplingParams(**overrides).validate()
+    EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
+    template = read_chat_template(args.chat_template)
+    path, is_demo = _artifact_or_demo(args.artifact)
+    thinking = args.thinking if args.thinking is not None else not is_demo
+    kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=1),
+                  chat_template=template)
+    return path, thinking, kwargs, overrides
 
 
 _SAMPLING_FLAGS = (("temperature", float, "0 = greedy"), ("top_p", float, ""),
@@ -343,25 +370,13 @@ def stats_line(res, wall_s: float) -> str:
 
 
 def run_command(args) -> int:
-    from .api import Finished, SamplingParams, TextDelta, ToolCallEvent
+    from .api import Finished, TextDelta, ToolCallEvent
 
-    if args.max_new is not None and args.max_new < 1:
-        raise Error(f"--max-new {args.max_new}: must be >= 1")
     prompt, tools = _run_prompt(args)
-    overrides = dict(sampling_overrides(args), seed=args.seed, stop=tuple(args.stop),
-                     thinking_budget=args.thinking_budget)
-    if args.max_new is not None:
-        overrides["max_tokens"] = args.max_new
-    SamplingParams(**overrides).validate()            # bad values: one line, before loading
-    from .options import EngineOptions
-    EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
-    template = read_chat_template(args.chat_template)
-    path, is_demo = _artifact_or_demo(args.artifact)      # after every cheap check
-    thinking = args.thinking if args.thinking is not None else not is_demo
-    kwargs = resolved_engine_kwargs(args, path, concurrency_default=1)
+    path, thinking, kwargs, overrides = generation_setup(args, stop=tuple(args.stop))
 
     from .engine import Engine
-    with Engine(path, chat_template=template, **kwargs) as engine:
+    with Engine(path, **kwargs) as engine:
         params = engine.default_sampling_params(**overrides)
         t0 = time.monotonic()
         handle = engine.submit(prompt, params, tools=tools, enable_thinking=thinking)
