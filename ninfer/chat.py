@@ -6,7 +6,7 @@ Engine's prefix cache reuses what it computed for the last one. Ctrl-C stops the
 (what was generated stays in the history) and returns to the prompt; Ctrl-D or /exit leaves.
 One line is one message; a line of three double quotes starts a block that the next such line
 ends; a line ending in a backslash continues on the next. Commands: /reset, /system TEXT,
-/save FILE, /think show|hide, /set NAME VALUE, /help, /exit.
+/save FILE, /think show|hide, /set NAME VALUE, /stats, /help, /exit.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ _HELP = """commands:
   /save FILE      write the conversation as JSON (a --messages file for `run`)
   /think show     show reasoning (dim); /think hide: hide it
   /set NAME VALUE a sampling parameter (temperature, top_p, max_tokens, min_tokens, seed, ...)
+  /stats          prefix-cache reuse and tokens generated so far
   /help           this text
   /exit, Ctrl-D   leave;   Ctrl-C stops the current answer
 multi-line input: a line of three double quotes starts and ends a block; a line ending in a
@@ -49,6 +50,9 @@ def chat_command(args) -> int:
     from .engine import Engine
 
     path, thinking, kwargs, overrides = generation_setup(args)
+    # each turn re-sends the history: keep prefix checkpoints on every backend (cuda's Engine
+    # default is none), so a turn prefills only what is new
+    kwargs.setdefault("prefix_cache_bytes", 1 << 30)
     with Engine(path, **kwargs) as engine:
         overrides.setdefault("max_tokens", engine.sampling_defaults.get("max_tokens", 1024))
         session = ChatSession(engine, engine.default_sampling_params(**overrides),
@@ -149,6 +153,11 @@ class ChatSession:
         elif name == "/think" and rest in ("show", "hide"):
             self.show_thinking = rest == "show"
             self._say(f"(reasoning {'shown' if self.show_thinking else 'hidden'})")
+        elif name == "/stats":
+            stats = self.engine.stats()
+            self._say(f"(prefix cache: {stats.get('prefix_cache_hits', 0)} hits, "
+                      f"{stats.get('prefix_cache_tokens_reused', 0)} tokens reused; "
+                      f"{stats.get('tokens_generated', 0)} tokens generated)")
         elif name in ("/help", "/?"):
             self._say(_HELP)
         else:

@@ -94,6 +94,10 @@ def test_chat_through_a_pty(demo, tmp_path):
         term.expect("... ")
         term.send("here\r")
         term.expect(">>> ")
+        term.send("/stats\r")                  # turn 3 reused turn 2's prompt from the cache
+        stats = term.expect(" tokens generated)")
+        hits = int(stats.split("prefix cache: ")[1].split(" hits")[0])
+        assert hits >= 1, stats
         term.send(f"/save {saved}\r")
         term.expect("(saved 5 messages")
         term.expect(">>> ")
