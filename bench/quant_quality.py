@@ -2,6 +2,7 @@
 conversion of the same checkpoint, on the same tokens (issue 13's quality gates).
 
     python bench/quant_quality.py CKPT_DIR --text heldout.txt [--max-tokens 4096]
+    python bench/quant_quality.py --reference dense        # a trained reference model (issue 14)
     python bench/quant_quality.py tests/fixtures/dense            # no text: the fixture's ids
 
 Prints one row per format: weight bytes (every stored object but the frontend resources), mean NLL, perplexity, its increase over bf16, and the
@@ -31,6 +32,8 @@ FORMATS = {
     "int4": dict(format="int4"),
     "int8-channel": dict(format="int8", group=None),
     "int4-sym": dict(format="int4", asymmetric=False),
+    "int8+head": dict(format="int8", quantize_lm_head=True),
+    "int4+head": dict(format="int4", quantize_lm_head=True),
 }
 
 
@@ -39,26 +42,40 @@ def fixture_ids(ckpt: pathlib.Path) -> np.ndarray:
         return np.concatenate([z[f"prefill_ids_{s}"] for s in range(len(z["prefill_lengths"]))])
 
 
-def score(path, ids, backend: str, chunk: int):
+def score(path, ids, backend: str, chunk: int, kl_tokens: int):
+    """(mean NLL over all predictions, log-softmax rows of the first kl_tokens positions): the
+    logits of a real vocabulary are 1 MB per token, so the KL uses a prefix."""
     with Engine(path, backend=backend, purpose="scoring", prefill_chunk=chunk) as engine:
         res = engine.score(ids, return_logits=True)
-    logits = res.logits.astype(np.float64)
+    nll = float(-np.mean(res.logprobs, dtype=np.float64))
+    logits = np.array(res.logits[:kl_tokens], np.float64)
+    del res
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    return float(-np.mean(res.logprobs)), logp
+    return nll, logp
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("ckpt", type=pathlib.Path, help="an unquantized HF checkpoint directory")
+    ap.add_argument("ckpt", type=pathlib.Path, nargs="?", help="an unquantized HF checkpoint directory")
+    ap.add_argument("--reference", help="a trained reference model (dense, moe), expanded here; "
+                                        "default text: its held-out file")
     ap.add_argument("--text", type=pathlib.Path, help="held-out text (default: a fixture's ids)")
     ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(FORMATS)}")
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--kl-tokens", type=int, default=256, help="positions the KL averages over")
     args = ap.parse_args(argv)
     names = args.formats.split(",")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.reference:
+            from ninfer import reference_models as rm
+            args.ckpt = rm.expand_to_checkpoint(rm.model_path(args.reference),
+                                                pathlib.Path(tmp) / args.reference)
+            args.text = args.text or rm.MODELS_DIR / "heldout.txt"
+        elif args.ckpt is None:
+            ap.error("give a checkpoint directory or --reference")
         rows, base = [], None
         for name in ["bf16"] + [n for n in names if n != "bf16"]:
             kw = FORMATS[name]
@@ -73,12 +90,13 @@ def main(argv=None) -> int:
             with Artifact(path) as art:        # weights: every object but the resources
                 nbytes = sum(o["nbytes"] for o in art.manifest["objects"]
                              if not o["name"].startswith("resource/"))
-            nll, logp = score(path, ids, args.backend, args.chunk)
+            nll, logp = score(path, ids, args.backend, args.chunk, args.kl_tokens)
             if base is None:
                 base = (nll, logp)
             kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
             rows.append((name, nbytes, nll, kl))
-    print(f"{args.ckpt.name}: {len(ids)} tokens, backend {args.backend}")
+    print(f"{args.ckpt.name}: {len(ids)} tokens (KL over the first {min(len(ids) - 1, args.kl_tokens)})"
+          f", backend {args.backend}")
     print(f"{'format':14s} {'weight MB':>9s} {'nll':>9s} {'ppl':>10s} {'ppl +%':>8s} {'KL':>9s}")
     for name, size, nll, kl in rows:
         inc = (np.exp(nll - base[0]) - 1) * 100
