@@ -144,8 +144,10 @@ def test_cuda_backend_without_gpu_raises_device_error():
     from ninfer.models.qwen3_5 import load_model
 
     class Fake:
-        config = ModelConfig("Qwen3_5ForCausalLM", TextConfig(
-            layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4))
+        path = "<fake artifact>"
+        model_config_json = ModelConfig("Qwen3_5ForCausalLM", TextConfig(
+            layer_types=("linear_attention",) * 3 + ("full_attention",),
+            num_hidden_layers=4)).to_json()
 
         def tensor(self, name):
             raise AssertionError("weights must not be read before the device check")

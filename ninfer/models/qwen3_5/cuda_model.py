@@ -16,6 +16,7 @@ numpy backend's arithmetic, for exact comparisons. None / "bfloat16": bf16 stora
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -43,6 +44,7 @@ from .cuda import attention_tc
 from .cuda import gdn_chunk
 from .cuda import weights as wplan
 
+log = logging.getLogger("ninfer.cuda")
 LT_WORKSPACE = 32 << 20
 MEMORY_MARGIN = 512 << 20
 _SAME_KV_SLOT = "ForwardBatch: two new tokens would write the same KV page slot"
@@ -184,6 +186,11 @@ class CudaModel:
         self.kernels.load_all()
         self.runner = StepRunner(self)
         self.stream.synchronize()
+        p = self.memory_plan
+        log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace %.2f GiB, KV %d "
+                 "pages of %d tokens = %.2f GiB, %.2f GiB in all of %.2f GiB free", p["device"],
+                 p["weights"] / 2**30, self.load_seconds, p["workspace"] / 2**30, p["kv_pages"],
+                 p["page_size"], p["kv"] / 2**30, p["total"] / 2**30, p["free"] / 2**30)
 
     def _plan_kv_pages(self, options, fixed: int, free: int, page_size: int, b_cap: int) -> int:
         """KV pages of the pool: options.num_kv_pages when given; else every slot at max_context
