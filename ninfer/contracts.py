@@ -144,6 +144,7 @@ class ResumeState:
     state_image: Optional[tuple] = None
     kv_pages: Optional[tuple] = None
     host_bytes: int = 0
+    media: Optional[object] = None      # a vision prompt's positions and embeddings (Program)
 
     @property
     def num_tokens(self) -> int:

@@ -252,11 +252,11 @@ def test_non_byte_level_tokenizer_streams_its_full_decode(make, text):
     assert s.text == want and "\ufffd" not in "".join(deltas)
 
 
-def test_prepare_rejects_media_until_vision_exists(fe):
+def test_prepare_rejects_media_without_a_vision_tower(fe):
     msgs = [{"role": "user", "content": [{"type": "image", "image": "x.png"},
                                          {"type": "text", "text": "what is it?"}]}]
     assert "<|image_pad|>" in fe.apply_chat_template(msgs)     # the template still renders it
-    with pytest.raises(RequestError, match="Vision"):
+    with pytest.raises(RequestError, match="vision tower"):     # test_vision_frontend.py: with one
         fe.prepare(msgs)
 
 

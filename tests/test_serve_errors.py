@@ -33,7 +33,7 @@ CASES = [
      "messages[0].role", "wizard"),
     ("image-part", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400,
-     "messages[0].content[0].type", "not supported"),
+     "messages[0].content[0].image_url.url", "data: URL"),
     ("content-not-string", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400,
      "messages[0].content", "string"),
     ("temperature-type", CHAT, chat(temperature="hot"), 400, "temperature", "number"),
@@ -83,7 +83,7 @@ CASES = [
     ("messages-thinking-type", MSGS, msgs(thinking={"type": "maybe"}), 400, None,
      "thinking.type"),
     ("messages-image", MSGS, msgs(messages=[{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]), 400, None, "not supported"),
+        {"type": "image", "source": {}}]}]), 400, None, "base64"),
     ("messages-prefill", MSGS, msgs(messages=U + [{"role": "assistant", "content": "ok"}]), 400,
      None, "prefill"),
     ("messages-tool-no-schema", MSGS, msgs(tools=[{"name": "f"}]), 400, None,

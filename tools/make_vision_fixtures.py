@@ -74,6 +74,22 @@ PROMPTS = {
                   VISION.format("<|image_pad|>") + "ence page state",
     "video": "rou ter" + VISION.format("<|video_pad|>") + "lay er norm",
 }
+# a two-turn chat rendered by ninfer's built-in Qwen3.5 template (thinking off): image_0 in the
+# first user turn; the video then image_1 in the second (tests/test_vision_engine.py sends the same)
+# the last text is the first of CHAT_ENDINGS whose greedy continuation, for both models, has a
+# top-1 / top-2 logit gap >= MIN_MARGIN at every step
+CHAT_ENDINGS = ("ex pert", "rou ter lay", "norm ro pe", "ca che page", "state slot in",
+                "fer ence num", "to ken mo", "gat ed at")
+MIN_MARGIN = 0.002     # >= 30x the numpy backend's logit error here (<= 6e-5; |logits| <= 3.6)
+PLACEHOLDERS = (256, 257, 258, 259)
+
+
+def chat_messages(ending):
+    return [{"role": "user", "content": [{"type": "text", "text": "qwen net"}, {"type": "image"}]},
+            {"role": "assistant", "content": "ta del"},
+            {"role": "user", "content": [{"type": "video"}, {"type": "image"},
+                                         {"type": "text", "text": ending}]}]
+GREEDY_NEW = 8
 
 
 def make_media(rng):
@@ -98,6 +114,60 @@ def video_inputs(vproc, video, fps):
                             do_normalize=True, image_mean=tuple(MEAN), image_std=tuple(STD), patch_size=4,
                             temporal_patch_size=2, merge_size=2, cap_pixels_per_frame=False)
     return out["pixel_values_videos"], out["video_grid_thw"], meta
+
+
+@torch.no_grad()
+def greedy_uncached(model, ids, kw):
+    """Greedy by uncached forwards over the growing text, transformers laying out every position
+    itself (get_rope_index over prompt + generated text). Not generate(): its cached decoding
+    drifts from its own uncached forward on these prompts (a 3rd-token logit gap of 0.05 flipped),
+    so the uncached forward is the oracle. The vision tokens get a -100 logit bias (the test sends
+    the same logit_bias): generated as text, transformers would take them for media."""
+    seq, rows = ids, []
+    for _ in range(GREEDY_NEW):
+        t = torch.where(seq == 256, 1, torch.where(seq == 257, 2, 0)).int()
+        last = model(input_ids=seq, mm_token_type_ids=t, use_cache=False, **kw).logits[0, -1]
+        last[list(PLACEHOLDERS)] -= 100.0          # the test's logit_bias: no vision tokens
+        rows.append(last.double().numpy())
+        seq = torch.cat([seq, last.argmax().view(1, 1)], 1)
+    return seq[0, ids.shape[1]:].numpy(), np.stack(rows)
+
+
+def chat_reference(proc, vproc, images, video) -> dict:
+    from ninfer.models.qwen3_5.frontend import Frontend
+    fe = Frontend.from_resources((FIXTURES / "cond_gen" / "tokenizer.json").read_bytes())
+    models = {name: cls.from_pretrained(FIXTURES / name, dtype=torch.float32,
+                                        attn_implementation="eager",
+                                        experts_implementation="eager").eval()
+              for name, cls in MODELS.items()}
+    pix_v, grid_v, meta = video_inputs(vproc, video, 4.0)
+    for ending in CHAT_ENDINGS:
+        text = fe.apply_chat_template(chat_messages(ending), enable_thinking=False)
+        text = text.replace("<|vision_start|><|video_pad|><|vision_end|>", proc.replace_video_token(
+            {"video_grid_thw": grid_v, "video_metadata": [meta]}, 0))
+        enc = proc(text=[text], images=images, return_tensors="pt")
+        ids = enc["input_ids"]
+        kw = dict(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                  pixel_values_videos=pix_v, video_grid_thw=grid_v)
+        out = {"chat_ending": np.asarray(ending), "chat_ids": ids[0].numpy().astype(np.int32)}
+        for name, model in models.items():
+            tokens, steps = greedy_uncached(model, ids, kw)
+            top2 = np.sort(steps, -1)[:, -2:]
+            margins = top2[:, 1] - top2[:, 0]
+            print(f"{name} chat {ending!r}: T={ids.shape[1]} greedy={tokens.tolist()} "
+                  f"min margin {margins.min():.3f}")
+            if margins.min() < MIN_MARGIN:
+                break
+            out[f"{name}_chat_greedy"] = tokens.astype(np.int32)
+            out[f"{name}_chat_margins"] = margins.astype(np.float32)
+            out[f"{name}_chat_first_logits"] = steps[0].astype(np.float32)
+        else:
+            types = torch.where(ids == 256, 1, torch.where(ids == 257, 2, 0)).int()
+            pos, _ = models["cond_gen"].model.get_rope_index(ids, types, kw["image_grid_thw"],
+                                                             grid_v)
+            out["chat_positions"] = pos[:, 0].numpy().astype(np.int32)
+            return out
+    raise SystemExit(f"no chat ending gives greedy margins >= {MIN_MARGIN}")
 
 
 def main() -> int:
@@ -161,6 +231,7 @@ def main() -> int:
                 ref[f"{p}_embeds"] = embeds.numpy().astype(np.float32)
             ref[f"{name}_{p}_logits"] = logits.numpy().astype(np.float32)
             print(f"{name} {p}: T={ids.shape[1]} grid={grid.tolist()}")
+    ref.update(chat_reference(proc, vproc, images, video))
     ref["versions"] = np.asarray(f"torch {torch.__version__}; transformers "
                                  f"{transformers.__version__}; numpy {np.__version__}")
     np.savez_compressed(OUT / "reference.npz", **ref)

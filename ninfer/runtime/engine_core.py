@@ -91,6 +91,10 @@ class EngineCore:
                                         self.vocab_size)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request_id = request_id or uuid.uuid4().hex
+        media = getattr(prepared, "media", ())
+        if media and not getattr(self.program, "accepts_media", False):
+            raise RequestError("image and video input needs the vision tower, which this backend "
+                               "does not run yet (the numpy backend does)")
         session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
         channel = _Channel(request_id, self._notify, self._release_outstanding)
         # media tokens are placeholders (equal ids, different images): such prompts never reuse
@@ -103,7 +107,8 @@ class EngineCore:
                           SamplingSpec.from_params(params, seed), channel, now,
                           deadline=None if timeout_s is None else now + timeout_s,
                           queue_deadline=None if queue_timeout is None else now + queue_timeout,
-                          reusable_at=reusable_at, may_reuse=may_reuse)
+                          reusable_at=reusable_at, may_reuse=may_reuse,
+                          media=(media, prepared.mrope_positions) if media else None)
         with self._lock:
             self._check_available()
             if self._outstanding >= self._max_outstanding:
@@ -232,7 +237,8 @@ class EngineCore:
                 checkpoint, reused = None, 0
             # bind before leaving the queue: a failed bind must leave req where _finish_all sees it
             req.seq_id = self.program.bind(req.prompt_ids, req.spec, capture_at=req.reusable_at,
-                                           checkpoint=checkpoint)
+                                           checkpoint=checkpoint,
+                                           **({"media": req.media} if req.media else {}))
             if checkpoint is not None:
                 self.resources.note_hit(req.prompt_ids, reused)
             self._waiting.popleft()

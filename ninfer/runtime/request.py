@@ -57,6 +57,7 @@ class Request:
     first_token_time: Optional[float] = None
     reusable_at: int = 0                      # prefix a later prompt may repeat (checkpoint)
     may_reuse: bool = True                    # text only: may start from a prefix checkpoint
+    media: Any = None                         # (Frontend media, MRoPE positions [3, T]) or None
 
     @property
     def num_prompt_tokens(self) -> int:

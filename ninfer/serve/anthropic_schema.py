@@ -140,11 +140,19 @@ def _blocks_text(content, param: str) -> str:
 
 
 def _user_message(content, param: str) -> list:
-    tool_msgs, texts = [], []
+    tool_msgs, texts, images = [], [], []
     for j, block in enumerate(_blocks(content, param)):
         p = f"{param}.{j}"
         if block["type"] == "text":
             texts.append(_block_text(block, p))
+        elif block["type"] == "image":        # base64 source; the Frontend decodes and checks it
+            src = block.get("source")
+            if not isinstance(src, dict) or src.get("type") != "base64" \
+                    or not isinstance(src.get("data"), str):
+                raise invalid(f"'{p}.source' must be {{\"type\": \"base64\", \"media_type\": "
+                              "..., \"data\": ...}} (URL sources are not fetched)", f"{p}.source")
+            images.append(len(texts))
+            texts.append({"type": "image", "source": block["source"]})
         elif block["type"] == "tool_result":
             use_id = F.get(block, "tool_use_id", "str", param=f"{p}.tool_use_id", required=True)
             inner = block.get("content", "")
@@ -154,9 +162,12 @@ def _user_message(content, param: str) -> list:
             tool_msgs.append({"role": "tool", "content": text, "tool_call_id": use_id})
         else:
             raise invalid(f"block type {block['type']!r} at '{p}' is not supported "
-                          "(text and tool_result only)", f"{p}.type")
+                          "(text, image and tool_result only)", f"{p}.type")
     out = tool_msgs
-    if texts or not tool_msgs:
+    if images:               # text and image parts in order
+        out = out + [{"role": "user", "content": [
+            t if isinstance(t, dict) else {"type": "text", "text": t} for t in texts]}]
+    elif texts or not tool_msgs:
         out = out + [{"role": "user", "content": "\n".join(texts)}]
     return out
 

@@ -286,6 +286,29 @@ def text_content(content, param: str, *, allow_none: bool = False) -> str:
     return "\n".join(texts)
 
 
+def user_content(content, param: str):
+    """A user message's content: text as text_content makes it, or, when it holds `image_url`
+    parts, the list of text and image parts in order (the Frontend decodes the images)."""
+    if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return text_content(content, param)
+    parts = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise invalid(f"'{p}.image_url.url' must be a string", f"{p}.image_url.url")
+            if not url.startswith("data:"):
+                raise invalid(f"'{p}.image_url.url': image URLs are not fetched; send the image "
+                              "inline as a data: URL (base64)", f"{p}.image_url.url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": text_content([part], param)})
+    return parts
+
+
 def chat_messages(raw: list) -> list:
     if not raw:
         raise invalid("'messages' must hold at least one message", "messages")
@@ -299,7 +322,7 @@ def chat_messages(raw: list) -> list:
         if role in ("system", "developer"):
             out.append({"role": "system", "content": text_content(m.get("content"), content_param)})
         elif role == "user":
-            out.append({"role": "user", "content": text_content(m.get("content"), content_param)})
+            out.append({"role": "user", "content": user_content(m.get("content"), content_param)})
         elif role == "assistant":
             out.append(_assistant_message(m, param))
         elif role == "tool":

@@ -44,7 +44,24 @@ class NumpyModel:
     @classmethod
     def from_artifact(cls, artifact) -> "NumpyModel":
         cfg = model_config(artifact)
-        return cls(cfg, read_text_params(artifact, cfg.text))
+        model = cls(cfg, read_text_params(artifact, cfg.text))
+        if cfg.vision:
+            from .vision import VisionTower
+            model.vision = VisionTower.from_artifact(artifact)
+        return model
+
+    vision = None                # VisionTower of a multimodal checkpoint
+
+    @property
+    def encode_media(self):
+        """The vision tower's entry for the Program (None for a text-only model)."""
+        return None if self.vision is None else self._encode_media
+
+    def _encode_media(self, prompt_ids, media, positions):
+        from .vision import prompt_media
+        ids = self.config.special_token_ids
+        return prompt_media(self.vision, prompt_ids, media, positions,
+                            (ids.get("image_token_id"), ids.get("video_token_id")))
 
     # ---- pools ------------------------------------------------------------------------------------
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:

@@ -12,7 +12,8 @@ Transformers' Qwen3_5VisionModel, step by step:
 - merger: LayerNorm per patch, each merge x merge block concatenated, fc1 -> exact GELU -> fc2 to
   the text hidden size: one embedding per `<|image_pad|>` / `<|video_pad|>` token.
 
-`rope_positions` lays out transformers' get_rope_index (Qwen3.5 variant) for a prompt.
+The MRoPE positions of a vision prompt (transformers' get_rope_index) are the Frontend's:
+frontend/vision.py rope_positions.
 """
 from __future__ import annotations
 
@@ -235,49 +236,44 @@ class VisionTower:
         return out.reshape(N, -1) @ p[a + "proj.weight"].T + p[a + "proj.bias"]
 
 
-# ---- MRoPE positions -----------------------------------------------------------------------------
+# ---- a vision prompt, ready for the Program ------------------------------------------------------
 
-def rope_positions(mm_types: np.ndarray, grids: list, merge: int, start: int = 0) -> tuple:
-    """transformers' get_rope_index for one sequence: (positions int64 [3, T], next position).
+@dataclass(frozen=True, eq=False)
+class PromptMedia:
+    """What a sequence with media needs at every step: its MRoPE positions and the tower's
+    output at its placeholder tokens. Immutable, so a ResumeState can carry it as is."""
+    positions: np.ndarray        # int32 [3, T] of the prompt
+    delta: int                   # a token at index i >= T sits at i + delta on all three axes
+    rows: np.ndarray             # int64 [k] prompt indices of the placeholders, ascending
+    embeds: np.ndarray           # float32 [k, H]
 
-    mm_types: per token 0 text, 1 image, 2 video; grids: the (t, h, w) patch grid of each medium in
-    order (a video's temporal patches are separate frames, each between its own vision start/end).
-    Text runs count up on all three axes; a frame's tokens sit at (base, base + row, base + col),
-    and the text after it resumes at base + max(h, w) / merge. `start` continues a sequence (a later
-    turn): pass the previous call's next position."""
-    mm_types = np.asarray(mm_types)
-    frames = []
-    for kind, (t, h, w) in grids:
-        frames += [(kind, h, w)] * (t if kind == 2 else 1)
-    out = np.zeros((3, len(mm_types)), np.int64)
-    pos, i, f = start, 0, 0
-    while i < len(mm_types):
-        j = i
-        while j < len(mm_types) and mm_types[j] == mm_types[i]:
-            j += 1
-        kind = int(mm_types[i])
-        if kind == 0:
-            out[:, i:j] = pos + np.arange(j - i)
-            pos += j - i
-        else:
-            # one run may hold several media back to back: take frames until it is covered
-            k = i
-            while k < j:
-                if f >= len(frames) or frames[f][0] != kind:
-                    raise ValueError("media placeholders do not match the media given")
-                _, h, w = frames[f]
-                gh, gw = h // merge, w // merge
-                rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
-                n = gh * gw
-                if k + n > j:
-                    raise ValueError("media placeholders do not match the media given")
-                out[0, k:k + n] = pos
-                out[1, k:k + n] = pos + rows.ravel()
-                out[2, k:k + n] = pos + cols.ravel()
-                pos += max(gh, gw)
-                k += n
-                f += 1
-        i = j
-    if f != len(frames):
-        raise ValueError("media placeholders do not match the media given")
-    return out, pos
+    def positions_for(self, start: int, count: int) -> np.ndarray:
+        idx = np.arange(start, start + count)
+        T = self.positions.shape[1]
+        out = np.broadcast_to(idx + self.delta, (3, count)).astype(np.int32)
+        inside = idx < T
+        out[:, inside] = self.positions[:, idx[inside]]
+        return out
+
+    def rows_in(self, start: int, count: int) -> tuple:
+        """(offsets within [start, start + count), embeddings) of the placeholders there."""
+        a, b = np.searchsorted(self.rows, [start, start + count])
+        return self.rows[a:b] - start, self.embeds[a:b]
+
+
+def prompt_media(tower: VisionTower, prompt_ids, media, positions, pad_ids) -> PromptMedia:
+    """Encode each medium once (equal content: one encoding) and pair the output with the
+    prompt's placeholder tokens."""
+    cache, parts = {}, []
+    for m in media:
+        if m.digest not in cache:
+            cache[m.digest] = tower.encode(m.pixels, [m.grid_thw])
+        parts.append(cache[m.digest])
+    embeds = np.concatenate(parts) if parts else np.zeros((0, tower.cfg.out_hidden_size), np.float32)
+    ids = np.asarray(prompt_ids)
+    rows = np.nonzero(np.isin(ids, [i for i in pad_ids if i is not None]))[0].astype(np.int64)
+    positions = np.asarray(positions, np.int32)
+    if len(rows) != len(embeds) or positions.shape != (3, len(ids)):
+        raise ValueError(f"{len(rows)} placeholder tokens for {len(embeds)} media embeddings")
+    delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
+    return PromptMedia(positions, delta, rows, embeds.astype(np.float32))

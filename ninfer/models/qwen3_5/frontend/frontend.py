@@ -1,6 +1,7 @@
 """Frontend: the request-side owner of text. Pure: no backend, runtime or Engine imports."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
@@ -13,6 +14,7 @@ from .grammar import GrammarCompiler
 from .output_session import OutputSession
 from .prompt import THINK_NONE, PreparedPrompt, make_prepared
 from .tokenizer import Tokenizer
+from .vision import MediaError, VisionPreprocessor, expand_placeholders, rope_positions
 
 _DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -39,6 +41,8 @@ class Frontend:
         self._media_ids = np.array([i for i in (tokenizer.token_id("<|image_pad|>"),
                                                 tokenizer.token_id("<|video_pad|>"))
                                     if i is not None], dtype=np.int32)
+        # the model's vision preprocessing (frontend/vision.py); None: media are refused
+        self.vision = None
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -53,10 +57,12 @@ class Frontend:
                 template = template.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ArtifactError(f"resource 'chat_template.jinja' is not UTF-8: {exc}") from None
-        return cls.from_resources(
+        frontend = cls.from_resources(
             tokenizer_json, chat_template if chat_template is not None else template,
             _json_resource(artifact, "generation_config.json"),
             tokenizer_config=_json_resource(artifact, "tokenizer_config.json"))
+        frontend.vision = VisionPreprocessor.from_artifact(artifact, frontend.tokenizer)
+        return frontend
 
     @classmethod
     def from_resources(cls, tokenizer_json: bytes, chat_template: Optional[str] = None,
@@ -119,10 +125,9 @@ class Frontend:
             text = self.apply_chat_template(list(prompt), tools=tools, enable_thinking=thinking)
             ids = self.tokenizer.encode(text)
             if np.isin(ids, self._media_ids).any():
-                # the template wrote image/video placeholders; filling them needs Vision
-                # preprocessing (patches, MRoPE positions), which this build does not have
-                raise RequestError("image and video content is not supported yet: this build has "
-                                   "no Vision preprocessing (send text content only)")
+                # the template wrote image/video placeholders: preprocess the media, expand the
+                # placeholders, lay out the MRoPE positions (frontend/vision.py)
+                return self._prepare_media(list(prompt), text, thinking)
         elif isinstance(prompt, (list, tuple)) and not prompt:
             raise RequestError("prompt is empty")
         else:
@@ -132,6 +137,27 @@ class Frontend:
             raise RequestError("prompt is empty (it has no tokens)")
         return make_prepared(ids, text=text, enable_thinking=thinking,
                              think_ids=self._think_ids, im_start_id=self._im_start_id)
+
+    def _prepare_media(self, messages: list, text: str, thinking: bool) -> PreparedPrompt:
+        if self.vision is None:
+            raise RequestError("image and video content needs a model with a vision tower "
+                               "(this one is text-only)")
+        try:
+            media = self.vision.process(messages)
+            text = expand_placeholders(text, media)
+        except MediaError as exc:
+            raise RequestError(str(exc)) from None
+        ids = self.tokenizer.encode(text)
+        grids = [(1 if m.kind == "image" else 2, m.grid_thw) for m in media]
+        try:
+            positions, _ = rope_positions(self.vision.token_types(ids), grids, media[0].merge_size)
+        except ValueError:          # the text itself spells placeholder tokens
+            raise RequestError("the prompt text contains image/video placeholder tokens of its "
+                               "own") from None
+        prepared = make_prepared(ids, text=text, enable_thinking=thinking,
+                                 think_ids=self._think_ids, im_start_id=self._im_start_id)
+        return dataclasses.replace(prepared, media=tuple(media),
+                                   mrope_positions=positions.astype(np.int32))
 
     def new_output_session(self, params: SamplingParams, prepared: PreparedPrompt,
                            tools: Optional[Sequence[Mapping[str, Any]]] = None, *,

@@ -55,6 +55,7 @@ class _Sequence:
     protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
     is_unusable: bool = False    # rolled back without a State backup: may only be released
     capture_at: int = 0          # prefix checkpoint position still to capture (0: none)
+    media: object = None         # vision.PromptMedia: MRoPE positions + embeddings, or None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -146,12 +147,21 @@ class Program:
             pages_for(self._resume_coverage(rs), self.page_size) <= self.pages.num_free
 
     # ---- sequence lifetime ----------------------------------------------------------------------
+    @property
+    def accepts_media(self) -> bool:
+        """The model runs a vision tower: bind takes image / video prompts."""
+        return getattr(self.model, "encode_media", None) is not None
+
     def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec, *, capture_at: int = 0,
-             checkpoint: Optional[int] = None) -> int:
+             checkpoint: Optional[int] = None, media=None) -> int:
         """A fresh sequence. capture_at > 0: a prefill chunk ends exactly there, so
         `capture_checkpoint` can copy that prefix. checkpoint: install that prefix checkpoint
-        (its tokens must be a strict prefix of prompt_ids) and start prefill after it."""
+        (its tokens must be a strict prefix of prompt_ids) and start prefill after it.
+        media: (Frontend media, MRoPE positions [3, n]) of a vision prompt: encoded here, once."""
         n = len(prompt_ids)
+        if media is not None and (checkpoint is not None or not self.accepts_media):
+            raise ProgramError("bind: media need a vision model and no prefix checkpoint")
+        encoded = None if media is None else self.model.encode_media(prompt_ids, *media)
         if not 1 <= n < self.max_context:
             raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
         ckpt = None if checkpoint is None else self._checkpoints[checkpoint]
@@ -160,6 +170,7 @@ class Program:
                                                                     prompt_ids[:reused])):
             raise ProgramError(f"bind: checkpoint {checkpoint} is not a strict prefix of the prompt")
         seq = self._new_sequence(n, n, reused, spec)
+        seq.media = encoded
         self.token_buf[seq.slot, :n] = prompt_ids
         seq.capture_at = capture_at if reused < capture_at <= n and self.cache_budget_bytes else 0
         if ckpt is not None:
@@ -232,7 +243,7 @@ class Program:
         num_pages = pages_for(frontier, self.page_size)
         cost = self.snapshot_cost(seq_id)
         common = dict(token_ids=tokens, num_prompt_tokens=seq.num_prompt_tokens,
-                      num_computed_tokens=frontier, spec=seq.spec)
+                      num_computed_tokens=frontier, spec=seq.spec, media=seq.media)
         if allow_snapshot and frontier > 0 and self.host_bytes_used + cost <= self.host_budget_bytes:
             sid = self._new_id()
             rs = ResumeState("snapshot", snapshot_id=sid, host_bytes=cost,
@@ -248,7 +259,8 @@ class Program:
         """Give a Snapshot's host memory back; the request stays resumable by Replay."""
         self.discard(rs)
         return ResumeState("replay", token_ids=rs.token_ids, num_prompt_tokens=rs.num_prompt_tokens,
-                           num_computed_tokens=rs.num_computed_tokens, spec=rs.spec)
+                           num_computed_tokens=rs.num_computed_tokens, spec=rs.spec,
+                           media=rs.media)
 
     def discard(self, rs: ResumeState) -> None:
         """A paused request ends: drop what its ResumeState holds here."""
@@ -268,6 +280,7 @@ class Program:
         seq = self._new_sequence(rs.num_prompt_tokens, rs.num_tokens,
                                  rs.num_computed_tokens if is_snapshot else 0, rs.spec)
         self.token_buf[seq.slot, :rs.num_tokens] = rs.token_ids
+        seq.media = rs.media
         seq.replay_until = 0 if is_snapshot else rs.num_computed_tokens
         seq.protected_tokens = coverage
         if not self.pages.grow(seq.slot, coverage):
@@ -336,7 +349,9 @@ class Program:
         elif on_device == "sample":
             rows = self._device_sampled_rows(batch, seqs, units, masks)
         else:
-            logits = self.model.forward(batch, self.kv, self.state)
+            media = self._media_rows(seqs, units)
+            logits = self.model.forward(batch, self.kv, self.state, media=media) \
+                if media is not None else self.model.forward(batch, self.kv, self.state)
             if logits.shape != (len(seqs), self.vocab_size):
                 raise ProgramError(f"model.forward returned {logits.shape}, "
                                    f"expected {(len(seqs), self.vocab_size)}")
@@ -527,7 +542,24 @@ class Program:
         _hot.pack_batch(self.token_buf, self.pages.block_tables, slots, starts, counts,
                         tokens, positions, query_start, tables)
         width = max(1, pages_for(int((starts + counts).max()), self.page_size))
+        for r, seq in enumerate(seqs):           # vision prompts: MRoPE positions, not text ones
+            if seq.media is not None:
+                a = int(query_start[r])
+                positions[:, a:a + counts[r]] = seq.media.positions_for(int(starts[r]),
+                                                                        int(counts[r]))
         return ForwardBatch(tokens, positions, query_start, starts, tables[:, :width].copy(), slots)
+
+    def _media_rows(self, seqs, units):
+        """(batch rows, embeddings) of the media placeholders this batch computes, or None."""
+        rows, vecs, offset = [], [], 0
+        for seq, unit in zip(seqs, units):
+            if seq.media is not None:
+                r, v = seq.media.rows_in(seq.num_computed_tokens, unit.num_new_tokens)
+                rows.append(r + offset)
+                vecs.append(v)
+            offset += unit.num_new_tokens
+        rows = np.concatenate(rows) if rows else ()
+        return (rows, np.concatenate(vecs)) if len(rows) else None
 
     def _row_result(self, seq: _Sequence, unit: _Unit, logits: np.ndarray,
                     mask: Optional[np.ndarray] = None) -> RowResult:

@@ -1,0 +1,170 @@
+"""Images and video through the numpy Engine (issue 18): a two-turn chat with an image, then a
+video and another image, against transformers' generate() (greedy, float32) on the tiny
+multimodal checkpoints. The artifact is converted from a copy of the fixture checkpoint with the
+processor configs beside it, so this also checks that the converter carries them."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from fixture_utils import FIXTURES_DIR, NUMPY_REL_TOL, assert_logits_close, fixture_dir
+
+VISION_DIR = FIXTURES_DIR / "vision"
+CONFIGS = ("preprocessor_config.json", "video_preprocessor_config.json")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with np.load(VISION_DIR / "reference.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    from ninfer.convert import convert_checkpoint
+
+    root, out = tmp_path_factory.mktemp("vision_engine"), {}
+    for name in ("cond_gen", "moe_cond_gen"):
+        src = root / name
+        shutil.copytree(fixture_dir(name), src)
+        for f in CONFIGS:
+            shutil.copy(VISION_DIR / f, src / f)
+        out[name] = root / f"{name}.ninfer"
+        convert_checkpoint(src, out[name], progress=False)
+    return out
+
+
+def chat(ref):
+    """tools/make_vision_fixtures.py's chat_messages with the media filled in."""
+    return [{"role": "user", "content": [{"type": "text", "text": "qwen net"},
+                                         {"type": "image", "image": ref["image_0"]}]},
+            {"role": "assistant", "content": "ta del"},
+            {"role": "user", "content": [{"type": "video", "video": ref["video"],
+                                          "fps": float(ref["video_fps"])},
+                                         {"type": "image", "image": ref["image_1"]},
+                                         {"type": "text", "text": str(ref["chat_ending"])}]}]
+
+
+def test_converter_carries_the_processor_configs(artifacts):
+    from ninfer.artifact import Artifact
+
+    with Artifact(artifacts["cond_gen"]) as art:
+        for f in CONFIGS:
+            assert art.resource(f) == (VISION_DIR / f).read_bytes()
+
+
+def test_prompt_equals_the_processor_and_get_rope_index(artifacts, ref):
+    """Token ids of the rendered, expanded chat equal Qwen3VLProcessor's; the MRoPE positions
+    equal get_rope_index's across both turns (the second turn's media sit after the first's)."""
+    from ninfer import Engine
+
+    with Engine(artifacts["cond_gen"]) as engine:
+        p = engine.frontend.prepare(chat(ref), enable_thinking=False)
+    assert p.token_ids.tolist() == ref["chat_ids"].tolist()
+    np.testing.assert_array_equal(p.mrope_positions, ref["chat_positions"])
+
+
+@pytest.mark.parametrize("name", ["cond_gen", "moe_cond_gen"])
+def test_greedy_continuation_equals_transformers(name, artifacts, ref):
+    from ninfer import Engine, SamplingParams
+
+    want = ref[f"{name}_chat_greedy"].tolist()
+    # the oracle biased the vision tokens by -100 (as text they would be media to transformers)
+    params = SamplingParams(temperature=0.0, max_tokens=len(want), ignore_eos=True,
+                            logit_bias={t: -100.0 for t in (256, 257, 258, 259)})
+    with Engine(artifacts[name], prefill_chunk=16) as engine:   # media cut across chunks
+        r = engine.generate(chat(ref), params, enable_thinking=False)
+    assert r.num_prompt_tokens == len(ref["chat_ids"])
+    assert r.token_ids == want, f"{name}: {r.token_ids} != transformers {want}"
+
+
+def test_first_step_logits_equal_transformers(artifacts, ref):
+    """The logits after the whole prompt: Frontend -> encode_media -> the model at the MRoPE
+    positions with the tower's output at the placeholders."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.qwen3_5.batch import ForwardBatch
+    from ninfer.models.qwen3_5.frontend import Frontend
+    from ninfer.models.qwen3_5.model import NumpyModel
+
+    with Artifact(artifacts["cond_gen"]) as art:
+        model = NumpyModel.from_artifact(art)
+        p = Frontend.from_artifact(art).prepare(chat(ref), enable_thinking=False)
+        enc = model.encode_media(p.token_ids, p.media, p.mrope_positions)
+        T = p.num_tokens
+        table = np.arange((T + 15) // 16, dtype=np.int32)
+        kv, state = model.new_kv_pool(len(table), 16), model.new_state_pool(1)
+        batch = ForwardBatch(token_ids=p.token_ids, positions=enc.positions_for(0, T),
+                             query_start=np.array([0, T], np.int32),
+                             context_lens=np.array([0], np.int32),
+                             block_tables=table.reshape(1, -1), state_slots=np.array([0], np.int32))
+        got = model.forward(batch, kv, state, media=enc.rows_in(0, T))
+        model.close()
+    keep = np.ones(got.shape[1], bool)
+    keep[[256, 257, 258, 259]] = False          # the oracle's logits carry the -100 bias there
+    assert_logits_close(got[0, keep], ref["cond_gen_chat_first_logits"][keep], "chat first step",
+                        tol=NUMPY_REL_TOL)
+
+
+def test_text_only_model_refuses_images(ref, tmp_path):
+    from ninfer import Engine
+    from ninfer.convert import convert_checkpoint
+    from ninfer.errors import RequestError
+
+    path = tmp_path / "dense.ninfer"
+    convert_checkpoint(fixture_dir("dense"), path, progress=False)
+    with Engine(path) as engine, pytest.raises(RequestError, match="text-only"):
+        engine.generate(chat(ref)[:1])
+
+
+def test_a_backend_without_the_tower_refuses_media(artifacts, ref):
+    """The CUDA backend has no encode_media yet: the Engine says so instead of running the
+    placeholders' own embeddings."""
+    from ninfer import Engine
+    from ninfer.errors import RequestError
+
+    with Engine(artifacts["cond_gen"]) as engine:
+        engine.model.vision = None                  # what a backend without the tower looks like
+        assert not engine._core.program.accepts_media
+        with pytest.raises(RequestError, match="does not run yet"):
+            engine.generate(chat(ref)[:1])
+
+
+@pytest.mark.parametrize("mode", ["replay", "snapshot", "revoked"])
+def test_pause_resume_keeps_the_media(mode, artifacts, ref):
+    """A vision sequence paused mid-prefill and mid-decode (Replay re-prefills through the media;
+    a Snapshot keeps its KV) continues with transformers' greedy tokens."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.qwen3_5.frontend import Frontend
+    from ninfer.models.qwen3_5.model import NumpyModel
+    from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
+    from ninfer.options import EngineOptions
+
+    want = ref["cond_gen_chat_greedy"].tolist()
+    bias = tuple((t, -100.0) for t in (256, 257, 258, 259))
+    with Artifact(artifacts["cond_gen"]) as art:
+        p = Frontend.from_artifact(art).prepare(chat(ref), enable_thinking=False)
+        prog = Program(NumpyModel.from_artifact(art),
+                       EngineOptions(max_concurrency=2, max_context=256, prefill_chunk=24))
+        spec = SamplingSpec(seed=1, logit_bias=bias)          # greedy, the oracle's bias
+        sid = prog.bind(p.token_ids, spec, media=(p.media, p.mrope_positions))
+        out, kinds = [], set()
+        for i in range(100):
+            if len(out) >= len(want):
+                break
+            if i % 2 == 1 and prog.unit_kind(sid) != "replay" and not prog.is_protected(sid):
+                rs = prog.pause(sid, allow_snapshot=mode != "replay")
+                if mode == "revoked":
+                    rs = prog.revoke_snapshot(rs)
+                kinds.add(rs.kind)
+                sid = prog.resume(rs)
+            assert prog.reserve_units([sid]) == [True]
+            pending = prog.execute([sid])
+            prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
+            out += list(pending.rows[0].produced)
+        prog.release(sid)
+        prog.assert_all_free()
+        prog.model.close()
+    assert kinds == {"snapshot" if mode == "snapshot" else "replay"}
+    assert out[:len(want)] == want
