@@ -92,8 +92,8 @@ def test_rope_positions_equal_get_rope_index(prompt, ref):
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_equal_transformers(name, prompt, split, ref, loaded):
-    """Tower -> embeddings at the placeholders -> text model at the MRoPE positions: every position's
-    logits. Chunks of 7 cut images and video frames across prefill steps."""
+    """Tower -> embeddings at the placeholders -> text model at the MRoPE positions: the logits
+    of every position. Chunks of 7 cut images and video frames across prefill steps."""
     from ninfer.models.qwen3_5.frontend.vision import rope_positions
 
     _, tower, model = loaded(name)

@@ -26,7 +26,8 @@ def ref():
 
 @pytest.fixture(scope="module")
 def procs():
-    img = V.VisionProcessing.from_json(json.loads((VISION_DIR / "preprocessor_config.json").read_text()))
+    img = V.VisionProcessing.from_json(
+        json.loads((VISION_DIR / "preprocessor_config.json").read_text()))
     vid = V.VisionProcessing.from_json(
         json.loads((VISION_DIR / "video_preprocessor_config.json").read_text()), video=True)
     return img, vid
@@ -125,7 +126,8 @@ def test_placeholder_expansion_equals_the_processor(ref, procs, prompt):
     if prompt == "video":
         media = [V.process_video(ref["video"], vid, fps=float(ref["video_fps"]))]
     else:
-        media = [V.process_image(ref[f"image_{i}"], img) for i in range(1 + (prompt == "two_images"))]
+        count = 2 if prompt == "two_images" else 1
+        media = [V.process_image(ref[f"image_{i}"], img) for i in range(count)]
     text = V.expand_placeholders(str(ref[f"{prompt}_text"]), media)
     ids = _tokenizer().encode(text, add_special_tokens=False).ids
     assert ids == ref[f"{prompt}_ids"].tolist()

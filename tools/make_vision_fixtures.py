@@ -17,7 +17,7 @@ vocabulary's ids would need a 248k-row embedding). This script adds, under tests
     reference.npz                   per prompt p in {image, two_images, video}:
         {p}_text                str      the prompt text with one placeholder per medium
         {p}_ids                 int32 [T] transformers' processor output (placeholders expanded)
-        {p}_mm_types            int32 [T] 0 text, 1 image, 2 video (the processor's mm_token_type_ids)
+        {p}_mm_types            int32 [T] 0 text, 1 image, 2 video (processor's mm_token_type_ids)
         {p}_positions           int32 [3, T] get_rope_index
         {p}_pixels              float32 [N, C*2*P*P] pixel_values / pixel_values_videos
         {p}_grid                int32 [M, 3] image_grid_thw / video_grid_thw
@@ -57,12 +57,14 @@ MODELS = {"cond_gen": Qwen3_5ForConditionalGeneration,
           "moe_cond_gen": Qwen3_5MoeForConditionalGeneration}
 MEAN = [0.48145466, 0.4578275, 0.40821073]     # per-channel values, so a channel swap shows
 STD = [0.26862954, 0.26130258, 0.27577711]
-IMAGE_CONFIG = dict(image_processor_type="Qwen2VLImageProcessorFast", processor_class="Qwen3VLProcessor",
+IMAGE_CONFIG = dict(image_processor_type="Qwen2VLImageProcessorFast",
+                    processor_class="Qwen3VLProcessor",
                     do_resize=True, resample=3, size=dict(shortest_edge=256, longest_edge=1536),
                     do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=MEAN,
                     image_std=STD, do_convert_rgb=True, patch_size=4, temporal_patch_size=2,
                     merge_size=2)
-VIDEO_CONFIG = dict(video_processor_type="Qwen3VLVideoProcessor", processor_class="Qwen3VLProcessor",
+VIDEO_CONFIG = dict(video_processor_type="Qwen3VLVideoProcessor",
+                    processor_class="Qwen3VLProcessor",
                     do_resize=True, resample=3, size=dict(shortest_edge=256, longest_edge=8192),
                     do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=MEAN,
                     image_std=STD, do_convert_rgb=True, patch_size=4, temporal_patch_size=2,
@@ -111,7 +113,8 @@ def video_inputs(vproc, video, fps):
     frames = torch.from_numpy(video[idx]).permute(0, 3, 1, 2).contiguous()   # [F, C, H, W]
     out = vproc._preprocess([frames], do_resize=False, size=None, resample=None,
                             do_rescale=True, rescale_factor=VIDEO_CONFIG["rescale_factor"],
-                            do_normalize=True, image_mean=tuple(MEAN), image_std=tuple(STD), patch_size=4,
+                            do_normalize=True, image_mean=tuple(MEAN), image_std=tuple(STD),
+                            patch_size=4,
                             temporal_patch_size=2, merge_size=2, cap_pixels_per_frame=False)
     return out["pixel_values_videos"], out["video_grid_thw"], meta
 
@@ -175,9 +178,10 @@ def main() -> int:
     OUT.mkdir(exist_ok=True)
     (OUT / "preprocessor_config.json").write_text(json.dumps(IMAGE_CONFIG, indent=2) + "\n")
     (OUT / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG, indent=2) + "\n")
-    cfg = {k: v for k, v in IMAGE_CONFIG.items() if k not in ("image_processor_type", "processor_class")}
+    names = ("image_processor_type", "video_processor_type", "processor_class")
+    cfg = {k: v for k, v in IMAGE_CONFIG.items() if k not in names}
     iproc = Qwen2VLImageProcessorPil(**cfg)
-    vcfg = {k: v for k, v in VIDEO_CONFIG.items() if k not in ("video_processor_type", "processor_class")}
+    vcfg = {k: v for k, v in VIDEO_CONFIG.items() if k not in names}
     vproc = Qwen3VLVideoProcessor(**vcfg)
     tok = AutoTokenizer.from_pretrained(FIXTURES / "cond_gen")
     # without torchvision transformers' class check takes the video processor for a dummy

@@ -92,7 +92,8 @@ def read_vision_params(artifact, cfg: VisionConfig) -> dict:
             raise ArtifactError(f"missing vision binding {name!r} (expected shape {list(shape)})")
         arr = np.ascontiguousarray(artifact.tensor(name), dtype=np.float32)
         if tuple(arr.shape) != shape:
-            raise ArtifactError(f"binding {name!r}: shape {list(arr.shape)} != expected {list(shape)}")
+            raise ArtifactError(f"binding {name!r}: shape {list(arr.shape)} != expected "
+                                f"{list(shape)}")
         out[name] = arr
     return out
 
@@ -214,7 +215,8 @@ class VisionTower:
             x = x + hmid @ p[b + "linear_fc2.weight"].T + p[b + "linear_fc2.bias"]
         y = layer_norm(x, p["vision.merger.norm.weight"], p["vision.merger.norm.bias"])
         y = y.reshape(-1, cfg.hidden_size * m * m)
-        y = gelu_erf(y @ p["vision.merger.linear_fc1.weight"].T + p["vision.merger.linear_fc1.bias"])
+        y = gelu_erf(y @ p["vision.merger.linear_fc1.weight"].T
+                     + p["vision.merger.linear_fc1.bias"])
         y = y @ p["vision.merger.linear_fc2.weight"].T + p["vision.merger.linear_fc2.bias"]
         return y.astype(np.float32)
 
@@ -269,7 +271,8 @@ def prompt_media(tower: VisionTower, prompt_ids, media, positions, pad_ids) -> P
         if m.digest not in cache:
             cache[m.digest] = tower.encode(m.pixels, [m.grid_thw])
         parts.append(cache[m.digest])
-    embeds = np.concatenate(parts) if parts else np.zeros((0, tower.cfg.out_hidden_size), np.float32)
+    embeds = np.concatenate(parts) if parts else \
+        np.zeros((0, tower.cfg.out_hidden_size), np.float32)
     ids = np.asarray(prompt_ids)
     rows = np.nonzero(np.isin(ids, [i for i in pad_ids if i is not None]))[0].astype(np.int64)
     positions = np.asarray(positions, np.int32)

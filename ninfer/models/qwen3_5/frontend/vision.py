@@ -199,8 +199,9 @@ def resize_bicubic_numpy(img: np.ndarray, height: int, width: int) -> np.ndarray
 # ---- decoding ------------------------------------------------------------------------------------
 
 def to_rgb_array(image, *, max_pixels: int = 1 << 26) -> np.ndarray:
-    """A client's image as uint8 [H, W, 3]: a numpy array (HxWx3 uint8), encoded bytes or a PIL image
-    (Pillow, the `vision` extra, decodes and converts to RGB like transformers' convert_to_rgb)."""
+    """A client's image as uint8 [H, W, 3]: a numpy array (HxWx3 uint8), encoded bytes or a PIL
+    image (Pillow, the `vision` extra, decodes and converts to RGB like transformers'
+    convert_to_rgb)."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         try:
             from PIL import Image
@@ -357,7 +358,8 @@ def expand_placeholders(text: str, media: list) -> str:
         at = text.find(marks[m.kind], pos)
         other = [text.find(v, pos) for k, v in marks.items() if k != m.kind]
         if at < 0 or any(0 <= o < at for o in other):
-            raise MediaError(f"the prompt has no {m.kind} placeholder for {m.kind} #{len(out) // 2 + 1}")
+            raise MediaError(f"the prompt has no {m.kind} placeholder for {m.kind} "
+                             f"#{len(out) // 2 + 1}")
         out += [text[pos:at], m.placeholder()]
         pos = at + len(marks[m.kind])
     rest = text[pos:]

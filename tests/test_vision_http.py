@@ -1,0 +1,101 @@
+"""Images over HTTP with the official SDKs (issue 18): a real `python -m ninfer serve` of the tiny
+multimodal checkpoint (numpy backend); an OpenAI `image_url` data: URL and an Anthropic base64
+image block give the same greedy tokens as the Engine given the decoded array, and a bad image is
+a 400 naming the reason."""
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from fixture_utils import FIXTURES_DIR, fixture_dir
+from test_serve_support import ServerProcess
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+Image = pytest.importorskip("PIL.Image")
+
+VISION_DIR = FIXTURES_DIR / "vision"
+KEY = "k"
+BAN = {str(t): -100 for t in (256, 257, 258, 259)}      # vision tokens never come out as text
+
+
+@pytest.fixture(scope="module")
+def image():
+    with np.load(VISION_DIR / "reference.npz") as z:
+        return z["image_0"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    from ninfer.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("vision_http")
+    shutil.copytree(fixture_dir("cond_gen"), root / "src")
+    for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        shutil.copy(VISION_DIR / f, root / "src" / f)
+    convert_checkpoint(root / "src", root / "cond_gen.ninfer", progress=False)
+    return root / "cond_gen.ninfer"
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    srv = ServerProcess([sys.executable, "-m", "ninfer", "serve", artifact, "--api-key", KEY,
+                         "--max-context", "512", "--no-thinking"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def want(artifact, image):
+    from ninfer import Engine, SamplingParams
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                         {"type": "image", "image": image}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            logit_bias={int(k): v for k, v in BAN.items()})
+    with Engine(artifact) as engine:
+        return engine.generate(msgs, params, enable_thinking=False).text
+
+
+def _png_b64(arr) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_openai_image_url(server, image, want):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    r = client.chat.completions.create(
+        model="m", max_tokens=6, temperature=0, logit_bias=BAN,
+        extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is it"},
+            {"type": "image_url",
+             "image_url": {"url": "data:image/png;base64," + _png_b64(image)}}]}])
+    assert r.choices[0].message.content == want
+
+
+def test_anthropic_base64_image(server, image, want):
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+    r = client.messages.create(
+        model="m", max_tokens=6,
+        extra_body={"temperature": 0, "ignore_eos": True, "logit_bias": BAN},
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is it"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": _png_b64(image)}}]}])
+    assert "".join(b.text for b in r.content if b.type == "text") == want
+
+
+def test_bad_image_is_a_400_with_the_reason(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    bad = base64.b64encode(b"not a picture").decode()
+    with pytest.raises(openai.BadRequestError, match="not decodable"):
+        client.chat.completions.create(model="m", max_tokens=4, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + bad}}]}])
