@@ -194,3 +194,9 @@ def test_builtin_template_fits_its_budget():
     big = [{"role": "user", "content": "word " * 200_000}] * 3
     out = ChatTemplate(builtin_template_source()).render(big, enable_thinking=False)
     assert out.count("word") == 600_000
+
+
+def test_budget_lets_big_numbers_through_as_data():
+    source = "{{ tools[0].maximum|tojson }} {{ tools[0].maximum|string }} {{ 'ab'.center(4) }}"
+    out = ChatTemplate(source, max_output_chars=1 << 20).render(HI, tools=[{"maximum": 10**15}])
+    assert out == "1000000000000000 1000000000000000  ab "

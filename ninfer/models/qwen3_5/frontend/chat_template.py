@@ -87,11 +87,17 @@ def _check_counts(args, kwargs) -> None:
             raise _over(f"an argument of {value} exceeds the size limit {_budget.max_chars}")
 
 
+# filters whose integer arguments are output widths or counts (a big number elsewhere, as in
+# `{{ schema.maximum|tojson }}`, is just data)
+_SIZED_FILTERS = frozenset(["center", "indent", "wordwrap", "truncate", "batch", "slice"])
+
+
 def _budgeted_filter(name: str, fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         _tick()
-        _check_counts(args, kwargs)
+        if name in _SIZED_FILTERS:
+            _check_counts(args[1:], kwargs)
         if name == "replace" and len(args) >= 3 and isinstance(args[0], str):
             text, old, new = str(args[0]), str(args[1]), str(args[2])
             hits = text.count(old) if old else len(text) + 1
@@ -153,7 +159,8 @@ class _BudgetedSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's signature
         _tick()
-        _check_counts(args, kwargs)
+        if isinstance(getattr(__obj, "__self__", None), (str, bytes, list)):
+            _check_counts(args, kwargs)         # 'x'.center(n), .ljust(n), .zfill(n), ...
         result = super().call(__context, __obj, *args, **kwargs)
         _check_size(result)
         return result
