@@ -101,7 +101,7 @@ def assert_idle(srv):
 # ---- slow clients ---------------------------------------------------------------------------------
 
 def test_slow_header_clients_cost_a_socket_and_time_out(server):
-    # 90 connections dribbling a request line used to hold every gthread thread
+    # connections dribbling a request line used to hold every gthread thread (the issue: 90)
     slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(30)]
     stop = threading.Event()
 
