@@ -61,6 +61,16 @@ def test_unknown_fields_are_400_naming_them(oai, claude):
                                         extra_body={"container": "x"}), "container")
 
 
+def test_informational_sdk_fields_are_accepted(oai):
+    # store / metadata / service_tier / prompt_cache_key / safety_identifier are real parameters of
+    # the OpenAI SDK that cannot change the output: refusing them would break ordinary clients
+    out = oai.chat.completions.create(model="m", messages=USER, max_tokens=2, store=False,
+                                      metadata={"k": "v"}, service_tier="auto",
+                                      extra_body={"prompt_cache_key": "s1",
+                                                  "safety_identifier": "u1"})
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
 @pytest.mark.parametrize("value", [4.0, 1e308, 2 ** 40])
 def test_max_tokens_must_be_a_sane_integer(oai, value):
     _bad(lambda: oai.chat.completions.create(model="m", messages=USER, max_tokens=value),

@@ -32,7 +32,10 @@ from .plan import GenPlan
 _SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "n", "stream",
-                    "stream_options", "response_format", "user")
+                    "stream_options", "response_format", "user",
+                    # informational fields the official SDKs send that cannot change the output
+                    # (storage, billing tier, cache routing, abuse tracking): accepted, no effect
+                    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
 CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + (
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"))
