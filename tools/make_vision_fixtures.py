@@ -26,6 +26,13 @@ vocabulary's ids would need a 248k-row embedding). This script adds, under tests
       image_0 uint8 [37, 53, 3], image_1 uint8 [14, 9, 3]: the images (image uses image_0;
       two_images both); video uint8 [8, 16, 24, 3] and video_fps: the decoded video (8 frames at
       4 fps; the processor samples 4 of them at 2 fps).
+      chat_ending str: the last user text of chat_messages(); chat_ids int32 [T]: that two-turn
+      chat rendered by ninfer's built-in template (thinking off), expanded by the processor;
+      chat_positions int32 [3, T]: get_rope_index; {model}_chat_greedy int32 [8],
+      {model}_chat_margins float32 [8], {model}_chat_first_logits float32 [V]: greedy decoding by
+      uncached forwards with the vision tokens biased by -100 (greedy_uncached says why).
+
+A rerun reproduced every array bit for bit (torch 2.13.0+cpu, transformers 5.18.0, Pillow 13.0.0).
 
 Images go through transformers' PIL backend (Qwen2VLImageProcessorPil: PIL bicubic resize, then
 rescale / normalize / patchify in numpy) and Qwen3VLProcessor, which expands the placeholders.

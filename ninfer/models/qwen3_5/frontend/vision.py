@@ -12,6 +12,10 @@ Numerically the same as transformers' Qwen3-VL processors (issue 18):
   video `<{t:.1f} seconds><|vision_start|><|video_pad|>*n<|vision_end|>`, replacing the template's
   `<|vision_start|><|video_pad|><|vision_end|>` as Qwen's processor does.
 
+(transformers 5.18's Qwen3VLProcessor replaces only the `<|video_pad|>`, nesting each frame's
+start/end inside the template's; Qwen's original Qwen3-VL processor replaces the whole triple,
+as here.)
+
 Known difference: transformers' video resize runs torchvision's antialiased bicubic, not PIL's;
 here videos use the PIL resample too (the fixtures' videos are already of the target size).
 """
