@@ -12,6 +12,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=.:bench
 export NINFER_KERNEL_CACHE=${NINFER_KERNEL_CACHE:-$PWD/.kcache}
 parts=${*:-tests gdn sample decode}
+# The Cython hot loop (ninfer/_hot) is built for this machine's Python: an extension built elsewhere
+# (another Python version) is not loaded, and the pure-Python twins would be measured instead.
+python3 setup.py -q build_ext --inplace >"$OUT/hot_build.log" 2>&1
+python3 -c "import ninfer._hot.pages as p; print('ninfer._hot:', p.__file__)" >>"$OUT/hot_build.log" 2>&1
 summary=()
 for part in $parts; do
     t0=$(date +%s)
