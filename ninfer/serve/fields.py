@@ -103,6 +103,7 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_DRAFT4_FLAGS = ("exclusiveMinimum", "exclusiveMaximum")
 
 
 def check_json_schema(schema: Any, param: str, depth: int = 0) -> None:
@@ -161,6 +162,8 @@ def check_json_schema(schema: Any, param: str, depth: int = 0) -> None:
                           f"{param}.{key}")
     for key in _BOUNDS:
         value = schema.get(key)
+        if isinstance(value, bool) and key in _DRAFT4_FLAGS:
+            continue                        # draft-4 / OpenAPI 3.0: a flag on minimum / maximum
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(_as_float(value))):
             raise invalid(f"'{param}.{key}' must be a finite number, got {_short(value)}",
@@ -172,5 +175,17 @@ def check_json_schema(schema: Any, param: str, depth: int = 0) -> None:
                 raise TypeError("not a string")
             re.compile(pattern)
         except (re.error, TypeError, RecursionError, OverflowError) as exc:
-            raise invalid(f"'{param}.pattern' is not a regular expression: {exc}",
-                          f"{param}.pattern") from None
+            if not (isinstance(pattern, str) and _grammar_reads_pattern(pattern)):
+                raise invalid(f"'{param}.pattern' is not a regular expression: {exc}",
+                              f"{param}.pattern") from None
+
+
+def _grammar_reads_pattern(pattern: str) -> bool:
+    """JSON Schema patterns are ECMA-262 regular expressions (\\p{L}, (?<name>...)), which Python's
+    `re` does not read; the grammar engine that enforces them (llguidance) does."""
+    try:
+        from llguidance import LLMatcher
+        grammar = LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+        return not LLMatcher.validate_grammar(grammar)
+    except Exception:  # noqa: BLE001 - no engine or it refuses: not a pattern we can enforce
+        return False
