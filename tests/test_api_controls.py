@@ -129,6 +129,9 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_submit(engine):
     ({"type": "string", "minLength": 3, "maxLength": 4}, lambda v: 3 <= len(v) <= 4),
     ({"type": "string", "pattern": "^[a-z]{2}-[0-9]{3}$"},
      lambda v: __import__("re").fullmatch("[a-z]{2}-[0-9]{3}", v) is not None),
+    # an escaped slash (JavaScript-written patterns) stays one escaped slash in the grammar
+    ({"type": "string", "pattern": r"^https?:\/\/[a-z]{1,8}$"},
+     lambda v: __import__("re").fullmatch("https?://[a-z]{1,8}", v) is not None),
     ({"type": "string", "const": "fixed"}, lambda v: v == "fixed"),
 ])
 def test_forced_tool_call_string_bounds(engine, prop, check):

@@ -26,6 +26,7 @@ Every grammar ends the output: once complete, only EOS is allowed.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Mapping, Optional, Sequence
@@ -275,9 +276,15 @@ def _string_terminal(schema: Mapping) -> Optional[str]:
     if pattern is not None:
         core = pattern[1:] if pattern.startswith("^") else pattern
         core = core[:-1] if core.endswith("$") and not core.endswith("\\$") else core
-        parts.append(f"/(?:{core.replace('/', chr(92) + '/')}){close}/")
+        parts.append(f"/(?:{_escape_slashes(core)}){close}/")
     parts.append(r"~/(?s:.*)<parameter=[^>\n<]*>(?s:.*)/")
     return " & ".join(parts)
+
+
+def _escape_slashes(regex: str) -> str:
+    """`regex` inside a lark /.../ literal: each unescaped `/` escaped; an escaped one (`\\/`, as
+    JavaScript-written patterns have) is left as it is (escaping it again ended the literal)."""
+    return re.sub(r"(\\.)|/", lambda m: m.group(1) or "\\/", regex, flags=re.S)
 
 
 def _types(schema: Mapping) -> list:
