@@ -76,6 +76,22 @@ class NumpyModel:
         """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits.
         media: (token indices [k], embeddings [k, H]) that replace those tokens' embeddings (the
         vision tower's output at the image / video placeholders; vision.py)."""
+        h = self._trunk(batch, kv, state, media)
+        if not all_logits:
+            h = h[np.asarray(batch.query_start[1:], np.int64) - 1]
+        h = ops.rmsnorm_zero_centred(h, self._norm, self.text.rms_norm_eps)
+        return ops.linear(h, self._lm_head).astype(np.float32, copy=False)
+
+    def final_hidden(self, batch: ForwardBatch, kv: KVPool, state: StatePool, *,
+                     media=None) -> np.ndarray:
+        """Like forward(all_logits=True) but the final-normed hidden states [N, H] instead of
+        logits: what the MTP drafter reads (mtp.py; logits = final_hidden @ lm_head^T)."""
+        h = self._trunk(batch, kv, state, media)
+        return ops.rmsnorm_zero_centred(h, self._norm, self.text.rms_norm_eps)
+
+    def _trunk(self, batch, kv, state, media) -> np.ndarray:
+        """The decoder layers over every new token: the residual stream [N, H] before the final
+        norm."""
         plan = self._plan(batch, kv, state)
         cfg = self.text
         h = self._embed[np.asarray(batch.token_ids, np.int64)]                  # [N, H]
@@ -87,10 +103,7 @@ class NumpyModel:
             pool = kv if isinstance(mixer, GatedAttention) else state
             h = h + mixer(x, plan, pool)
             h = h + mlp(ops.rmsnorm_zero_centred(h, post_norm, cfg.rms_norm_eps))
-        if not all_logits:
-            h = h[np.asarray(batch.query_start[1:], np.int64) - 1]
-        h = ops.rmsnorm_zero_centred(h, self._norm, cfg.rms_norm_eps)
-        return ops.linear(h, self._lm_head).astype(np.float32, copy=False)
+        return h
 
     def _plan(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> StepPlan:
         cfg = self.text

@@ -1,0 +1,158 @@
+"""The checkpoint's multi-token-prediction head (`mtp.*`) as a drafter, numpy backend.
+
+One MTP step reads the target's final-normed hidden state h_t of position t and the token
+x_{t+1} that follows it, and predicts x_{t+2}:
+
+    e = embed(x_{t+1})                                   (the target's embedding, shared)
+    u = fc( concat( norm_e(e), norm_h(h_t) ) )           fc: [H, 2H]; embedding half first
+    u = one full-attention decoder layer at position t   (its own KV pages; same MRoPE tables)
+    g = norm(u)                                          (final-normed MTP hidden)
+    logits = g @ lm_head^T                               (the target's lm_head, shared)
+
+This is the order vLLM's Qwen3-Next / Qwen3.5 MTP module runs and the one the reference models were
+trained with (tools/train_reference.py: MTP.forward, position t for the pair (h_t, x_{t+1})). Every
+norm is zero-centred RMSNorm. Drafting k tokens feeds g back as the next step's hidden (as vLLM's
+MTP proposer does): step i reads (g_{i-1}, drafted x) at position t + i.
+
+The drafter's KV pool is separate from the target's (one attention layer) but indexed like it: the
+KV of position t lives at the same page/offset as the target's, so a row's block table serves both.
+Its entries for positions whose hidden came from a draft (not from the target) are provisional:
+they are rewritten when the target's hidden for those positions is known (verify/commit, issue 15).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ... import ops
+from ...errors import ArtifactError
+from .batch import ForwardBatch
+from .config import FULL_ATTENTION, TextConfig
+from .layers import DenseMLP, GatedAttention, SparseMoE, StepPlan
+from .load import ParamReader, _attention, _dense_mlp, _moe, text_param_shapes
+from .state import KVPool
+
+PREFIX = "mtp."
+
+
+def mtp_param_shapes(cfg: TextConfig) -> dict:
+    """{logical name: shape} of the MTP head's own tensors (one decoder layer per
+    mtp_num_hidden_layers; the embedding and lm_head are the target's)."""
+    H = cfg.hidden_size
+    shapes = {PREFIX + "fc.weight": (H, 2 * H), PREFIX + "pre_fc_norm_embedding.weight": (H,),
+              PREFIX + "pre_fc_norm_hidden.weight": (H,), PREFIX + "norm.weight": (H,)}
+    one = dataclasses.replace(cfg, layer_types=(FULL_ATTENTION,), num_hidden_layers=1)
+    layer = {n: s for n, s in text_param_shapes(one).items() if n.startswith("text.layers.0.")}
+    for i in range(cfg.mtp_num_hidden_layers):
+        shapes.update({f"{PREFIX}layers.{i}." + n[len("text.layers.0."):]: s
+                       for n, s in layer.items()})
+    return shapes
+
+
+def read_mtp_params(artifact, cfg: TextConfig) -> dict:
+    """{"fc", "norm_embedding", "norm_hidden", "norm", "layer"} float32; ArtifactError when the
+    artifact has no MTP head (mtp_num_hidden_layers == 0) or a tensor is missing / mis-shaped."""
+    if cfg.mtp_num_hidden_layers < 1:
+        raise ArtifactError(f"{getattr(artifact, 'path', 'artifact')}: the model has no MTP head "
+                            "(mtp_num_hidden_layers is 0)")
+    if cfg.mtp_num_hidden_layers != 1:     # Qwen3.5 ships one; more would need a step schedule
+        raise ArtifactError(f"MTP head with {cfg.mtp_num_hidden_layers} layers is not supported "
+                            "(Qwen3.5 checkpoints have 1)")
+    reader, shapes = ParamReader(artifact), mtp_param_shapes(cfg)
+
+    def read(name: str) -> np.ndarray:
+        return reader(name, shapes[name])
+    p = PREFIX + "layers.0."
+    layer = {"input_norm": read(p + "input_layernorm.weight"),
+             "post_norm": read(p + "post_attention_layernorm.weight")}
+    layer.update(_attention(read, p + "self_attn.", cfg))
+    layer.update(_moe(read, p + "mlp.") if cfg.is_moe else _dense_mlp(read, p + "mlp."))
+    return {"fc": read(PREFIX + "fc.weight"),
+            "norm_embedding": read(PREFIX + "pre_fc_norm_embedding.weight"),
+            "norm_hidden": read(PREFIX + "pre_fc_norm_hidden.weight"),
+            "norm": read(PREFIX + "norm.weight"), "layer": layer}
+
+
+class MtpDrafter:
+    """The MTP head over a target NumpyModel's embedding and lm_head (shared arrays, no copy)."""
+
+    def __init__(self, cfg: TextConfig, params: dict, embed: np.ndarray, lm_head: np.ndarray):
+        self.text, self.p = cfg, params
+        self._embed, self._lm_head = embed, lm_head
+        layer = params["layer"]
+        self._attn = GatedAttention(layer, cfg, 0)          # ordinal 0 of the drafter's pool
+        self._mlp = SparseMoE(layer, cfg) if cfg.is_moe else DenseMLP(layer)
+
+    @classmethod
+    def from_artifact(cls, artifact, target) -> "MtpDrafter":
+        """target: the NumpyModel of the same artifact (its embedding and lm_head are shared)."""
+        cfg = target.text
+        return cls(cfg, read_mtp_params(artifact, cfg), target._embed, target._lm_head)
+
+    def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
+        """One attention layer's KV, paged like the target's."""
+        shape = (num_pages, page_size, self.text.num_key_value_heads, self.text.head_dim)
+        return KVPool(page_size, [np.zeros(shape, np.float32)], [np.zeros(shape, np.float32)])
+
+    def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool) -> tuple:
+        """One MTP step over every new token of the batch. batch.token_ids are the *next* tokens
+        x_{t+1}; batch.positions / context_lens are those of the hidden states' positions t (a
+        row continues its drafter KV from context_lens[r], like the target's). hidden [N, H]:
+        final-normed hidden states (the target's, or the previous MTP step's).
+        Returns (logits [N, V] float32, MTP hidden [N, H] final-normed)."""
+        cfg, p, eps = self.text, self.p, self.text.rms_norm_eps
+        hidden = np.asarray(hidden, np.float32)
+        if hidden.shape != (batch.num_tokens, cfg.hidden_size):
+            raise ValueError(f"MTP: hidden shape {hidden.shape} != "
+                             f"({batch.num_tokens}, {cfg.hidden_size})")
+        batch.validate(kv.page_size)
+        if int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
+            raise ValueError(f"MTP: block table names a page >= {kv.num_pages}")
+        ids = np.asarray(batch.token_ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+            raise ValueError(f"MTP: token id out of range [0, {cfg.vocab_size})")
+        e = ops.rmsnorm_zero_centred(self._embed[ids], p["norm_embedding"], eps)
+        h = ops.rmsnorm_zero_centred(hidden, p["norm_hidden"], eps)
+        u = ops.linear(np.concatenate([e, h], axis=1), p["fc"])
+        u = u + self._attn(ops.rmsnorm_zero_centred(u, p["layer"]["input_norm"], eps),
+                           self._plan(batch, kv), kv)
+        u = u + self._mlp(ops.rmsnorm_zero_centred(u, p["layer"]["post_norm"], eps))
+        g = ops.rmsnorm_zero_centred(u, p["norm"], eps)
+        return ops.linear(g, self._lm_head).astype(np.float32, copy=False), g
+
+    def _plan(self, batch: ForwardBatch, kv: KVPool) -> StepPlan:
+        cfg = self.text
+        cos, sin = ops.mrope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta,
+                                     cfg.mrope_section, cfg.mrope_interleaved)
+        pages, offsets = ops.kv_slot_mapping(batch.block_tables, batch.context_lens,
+                                             batch.query_start, kv.page_size)
+        return StepPlan(batch=batch, lengths=batch.row_lengths(), cos=cos, sin=sin,
+                        kv_pages=pages, kv_offsets=offsets)
+
+    def draft_greedy(self, kv: KVPool, hidden: np.ndarray, next_tokens, context_lens,
+                     block_tables, k: int) -> tuple:
+        """k greedy draft tokens per row, autoregressively on the drafter's own KV.
+        Row r: hidden[r] is the target's final-normed hidden at position t_r = context_lens[r]
+        (the drafter KV holds positions < t_r), next_tokens[r] = x_{t_r + 1}. Step i (0-based)
+        writes drafter KV at t_r + i and predicts x_{t_r + i + 2}.
+        Returns (drafts [B, k] int32, logits [B, k, V] float32)."""
+        if k < 1:
+            raise ValueError(f"MTP: draft k must be >= 1, got {k}")
+        ctx = np.asarray(context_lens, np.int32).copy()
+        tokens = np.asarray(next_tokens, np.int32)
+        tables = np.asarray(block_tables, np.int32).reshape(len(ctx), -1)
+        B = len(ctx)
+        ones = np.ones(B, np.int32)
+        drafts = np.empty((B, k), np.int32)
+        logits = np.empty((B, k, self.text.vocab_size), np.float32)
+        h = np.asarray(hidden, np.float32)
+        for i in range(k):
+            batch = ForwardBatch(token_ids=tokens, positions=ForwardBatch.text_positions(ctx, ones),
+                                 query_start=np.arange(B + 1, dtype=np.int32), context_lens=ctx,
+                                 block_tables=tables, state_slots=np.arange(B, dtype=np.int32))
+            logits[:, i], h = self.forward(batch, h, kv)
+            tokens = np.argmax(logits[:, i], axis=1).astype(np.int32)
+            drafts[:, i] = tokens
+            ctx = ctx + 1
+        return drafts, logits
