@@ -129,3 +129,26 @@ def test_deepstack_config_is_refused():
     assert VisionConfig.from_dict(base).head_dim == 8
     with pytest.raises(ArtifactError, match="deepstack"):
         VisionConfig.from_dict(dict(base, deepstack_visual_indexes=[0]))
+
+
+def test_equal_media_are_encoded_once(ref, loaded, monkeypatch):
+    """The tower caches encodings by content hash: the same image again (a later turn) is not
+    re-encoded; another image is; the cache stays within its byte budget."""
+    from ninfer.models.qwen3_5.frontend.vision import Media
+
+    _, tower, _ = loaded("cond_gen")
+    calls = []
+    real = tower.encode
+    monkeypatch.setattr(tower, "encode", lambda *a: calls.append(1) or real(*a))
+    grid = tuple(int(v) for v in ref["image_grid"][0])
+    a = Media("image", ref["image_pixels"], grid, 2)
+    b = Media("image", ref["image_pixels"].copy(), grid, 2)           # equal content
+    c = Media("image", ref["image_pixels"] + np.float32(0.5), grid, 2)
+    first = tower.encode_medium(a)
+    assert tower.encode_medium(b) is first and len(calls) == 1
+    assert rel_err(first, ref["image_embeds"]) <= 1e-5
+    monkeypatch.setattr(tower, "CACHE_BYTES", first.nbytes)       # room for one encoding
+    assert not np.array_equal(tower.encode_medium(c), first) and len(calls) == 2
+    assert tower._cache_bytes <= first.nbytes                       # c evicted a
+    tower.encode_medium(a)
+    assert len(calls) == 3

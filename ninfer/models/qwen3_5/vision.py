@@ -17,6 +17,7 @@ frontend/vision.py rope_positions.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,8 +178,28 @@ def _rotate_half(x):
 class VisionTower:
     """Numpy vision tower: `encode(pixels, grid_thw)` -> float32 [N / merge^2, out_hidden]."""
 
+    CACHE_BYTES = 64 << 20       # recent encodings kept by content hash (a later turn's image)
+
     def __init__(self, cfg: VisionConfig, params: dict):
         self.cfg, self.p = cfg, params
+        self._cache = OrderedDict()  # Media.digest -> float32 [tokens, out_hidden], LRU order
+        self._cache_bytes = 0
+
+    def encode_medium(self, m) -> np.ndarray:
+        """One Frontend Media's embeddings; equal content (pixels and grid) is encoded once while
+        it stays among the most recent CACHE_BYTES of encodings. The arrays are read-only."""
+        key = m.digest
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        out = self.encode(m.pixels, [m.grid_thw])
+        out.setflags(write=False)
+        self._cache[key] = out
+        self._cache_bytes += out.nbytes
+        while self._cache_bytes > self.CACHE_BYTES and len(self._cache) > 1:
+            self._cache_bytes -= self._cache.popitem(last=False)[1].nbytes
+        return out
 
     @classmethod
     def from_artifact(cls, artifact) -> "VisionTower":
@@ -264,13 +285,9 @@ class PromptMedia:
 
 
 def prompt_media(tower: VisionTower, prompt_ids, media, positions, pad_ids) -> PromptMedia:
-    """Encode each medium once (equal content: one encoding) and pair the output with the
+    """Encode each medium (through the tower's content-hash cache) and pair the output with the
     prompt's placeholder tokens."""
-    cache, parts = {}, []
-    for m in media:
-        if m.digest not in cache:
-            cache[m.digest] = tower.encode(m.pixels, [m.grid_thw])
-        parts.append(cache[m.digest])
+    parts = [tower.encode_medium(m) for m in media]
     embeds = np.concatenate(parts) if parts else \
         np.zeros((0, tower.cfg.out_hidden_size), np.float32)
     ids = np.asarray(prompt_ids)
