@@ -76,7 +76,7 @@ def test_tower_output_equals_transformers(prompt, ref, loaded):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_rope_positions_equal_get_rope_index(prompt, ref):
-    from ninfer.models.qwen3_5.frontend.vision import rope_positions
+    from ninfer.models.qwen3_5.frontend.media import rope_positions
 
     pos, nxt = rope_positions(ref[f"{prompt}_mm_types"], _grids(ref, prompt), 2)
     np.testing.assert_array_equal(pos, ref[f"{prompt}_positions"])
@@ -94,7 +94,7 @@ def test_rope_positions_equal_get_rope_index(prompt, ref):
 def test_logits_equal_transformers(name, prompt, split, ref, loaded):
     """Tower -> embeddings at the placeholders -> text model at the MRoPE positions: the logits
     of every position. Chunks of 7 cut images and video frames across prefill steps."""
-    from ninfer.models.qwen3_5.frontend.vision import rope_positions
+    from ninfer.models.qwen3_5.frontend.media import rope_positions
 
     _, tower, model = loaded(name)
     ids, types = ref[f"{prompt}_ids"], ref[f"{prompt}_mm_types"]

@@ -13,7 +13,7 @@ Transformers' Qwen3_5VisionModel, step by step:
   the text hidden size: one embedding per `<|image_pad|>` / `<|video_pad|>` token.
 
 The MRoPE positions of a vision prompt (transformers' get_rope_index) are the Frontend's:
-frontend/vision.py rope_positions.
+frontend/media.py rope_positions.
 """
 from __future__ import annotations
 

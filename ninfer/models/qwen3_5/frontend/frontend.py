@@ -14,7 +14,8 @@ from .grammar import GrammarCompiler
 from .output_session import OutputSession
 from .prompt import THINK_NONE, PreparedPrompt, make_prepared
 from .tokenizer import Tokenizer
-from .vision import MediaError, VisionPreprocessor, expand_placeholders, rope_positions
+from .media import VisionPreprocessor, rope_positions
+from .vision import MediaError, expand_placeholders
 
 _DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
