@@ -9,7 +9,7 @@
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=.:bench
+export PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH}
 export NINFER_KERNEL_CACHE=${NINFER_KERNEL_CACHE:-$PWD/.kcache}
 parts=${*:-tests gdn sample decode}
 # The Cython hot loop (ninfer/_hot) is built for this machine's Python: an extension built elsewhere
