@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import select
+import signal
 import sys
 import time
 
@@ -22,6 +23,9 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:                       # the child: its controlling terminal is the pty
             try:
+                # a shell's background job (`pytest ... &`) ignores SIGINT, and exec keeps that:
+                # Ctrl-C must reach the chat as it does from a terminal
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execv(argv[0], argv)
             finally:
                 os._exit(127)
