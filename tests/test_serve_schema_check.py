@@ -44,3 +44,19 @@ def test_broken_schemas_are_400_naming_the_keyword(schema, param):
         F.check_json_schema(schema, "p")
     assert info.value.status == 400
     assert info.value.param == param
+
+
+def test_anthropic_informational_service_tier_is_accepted():
+    # the Anthropic SDK's `service_tier` ("auto" / "standard_only") picks a capacity tier, which
+    # cannot change the output: like OpenAI's informational fields it is accepted, not a 400
+    from falcon import testing
+
+    from ninfer.serve.app import create_app
+    from test_serve_support import FakeEngine
+    client = testing.TestClient(create_app(FakeEngine()))
+    body = {"model": "m", "max_tokens": 4, "service_tier": "auto",
+            "messages": [{"role": "user", "content": "hi"}]}
+    resp = client.simulate_post("/v1/messages", json=body)
+    assert resp.status_code == 200, resp.text
+    resp = client.simulate_post("/v1/messages", json={**body, "container": "x"})
+    assert resp.status_code == 400 and "container" in resp.text      # a real behaviour change

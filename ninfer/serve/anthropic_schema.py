@@ -23,6 +23,8 @@ from .plan import GenPlan
 MESSAGES_FIELDS = frozenset((
     "model", "messages", "system", "tools", "tool_choice", "thinking", "max_tokens", "temperature",
     "top_p", "top_k", "stop_sequences", "stream", "metadata",
+    # informational: the capacity tier ("auto" / "standard_only") cannot change the output
+    "service_tier",
     # sampling extensions shared with the OpenAI routes (openai_schema.sampling_params)
     "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "logit_bias", "stop_token_ids", "ignore_eos"))
