@@ -146,7 +146,10 @@ def _checked_logit_bias(bias) -> dict:
     out = {}
     for key, value in bias.items():
         if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
-            key = int(key)                  # JSON object keys are strings
+            try:
+                key = int(key)              # JSON object keys are strings
+            except ValueError:              # isdigit() yet no integer ('\u00b2', '+-7'): refused below
+                pass
         if not isinstance(key, (int, np.integer)) or isinstance(key, bool) or key < 0:
             raise RequestError(f"sampling parameter logit_bias: key {key!r} must be a token id "
                                "(an integer >= 0)")

@@ -108,6 +108,8 @@ def test_min_tokens_holds_back_stop_strings(engine):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(logit_bias={5: 101}), r"logit_bias\[5\]"), (dict(logit_bias={-1: 1}), "token id"),
     (dict(logit_bias={"x": 1}), "token id"), (dict(logit_bias=[1]), "mapping"),
+    # str.isdigit() is true for these, int() refuses them: a RequestError, not a ValueError
+    (dict(logit_bias={"\u00b2": 1}), "token id"), (dict(logit_bias={"+-7": 1}), "token id"),
     (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=3, min_tokens=4), "min_tokens"),
     (dict(thinking_budget=-1), "thinking_budget"), (dict(thinking_budget=True), "thinking_budget")])
 def test_bad_controls_are_request_errors(kwargs, match):

@@ -60,3 +60,17 @@ def test_anthropic_informational_service_tier_is_accepted():
     assert resp.status_code == 200, resp.text
     resp = client.simulate_post("/v1/messages", json={**body, "container": "x"})
     assert resp.status_code == 400 and "container" in resp.text      # a real behaviour change
+
+
+def test_logit_bias_key_that_is_no_ascii_integer_is_400_not_500():
+    # '\u00b2' (superscript two) passes str.isdigit() but not int(): it was an internal error (500)
+    from falcon import testing
+
+    from ninfer.serve.app import create_app
+    from test_serve_support import FakeEngine
+    client = testing.TestClient(create_app(FakeEngine()))
+    resp = client.simulate_post("/v1/chat/completions", json={
+        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+        "logit_bias": {"\u00b2": 1}})
+    assert resp.status_code == 400, resp.text
+    assert resp.json["error"]["param"] == "logit_bias.\u00b2"

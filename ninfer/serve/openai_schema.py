@@ -171,7 +171,7 @@ def _logit_bias(body: dict):
     for key, value in bias.items():
         param = f"logit_bias.{key}"
         text = key.strip()
-        if not (text.isdigit() and len(text) <= 10):
+        if not (text.isascii() and text.isdigit() and len(text) <= 10):   # '\u00b2'.isdigit()
             raise invalid(f"'logit_bias' keys must be token ids (non-negative integers), got "
                           f"{key!r}", param)
         out[int(text)] = F.get(bias, key, "number", param=param, lo=-100, hi=100,
