@@ -374,3 +374,12 @@ def test_transport_flags_reach_the_serve_config():
                    "max_connections": 64, "max_header_bytes": 8192}
     ServeConfig(**got).validate()
     assert transport_overrides(build_parser().parse_args(["serve"])) == {}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0.5"])
+def test_bad_max_header_kb_is_a_one_line_error(value, capsys):
+    # nan / inf reached int() in transport_overrides: a traceback instead of the CLI's error line
+    from ninfer.cli import main
+    assert main(["serve", "/nonexistent", "--max-header-kb", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ninfer: error: ") and "max_header_bytes" in err and "Traceback" not in err

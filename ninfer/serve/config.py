@@ -79,8 +79,8 @@ class ServeConfig:
                 bad(name, "must be a finite number > 0")
         if self.max_connections < 1:
             bad("max_connections", "must be >= 1")
-        if self.max_header_bytes < 1024:
-            bad("max_header_bytes", "must be >= 1024")
+        if not (isinstance(self.max_header_bytes, int) and self.max_header_bytes >= 1024):
+            bad("max_header_bytes", "must be an integer >= 1024")
         return self
 
 
@@ -113,5 +113,7 @@ def transport_overrides(args) -> dict:
     for _, field, _, _ in TRANSPORT_FLAGS:
         value = getattr(args, f"transport_{field}", None)
         if value is not None:
-            out[field] = int(value * 1024) if field == "max_header_bytes" else value
+            if field == "max_header_bytes" and math.isfinite(value):   # nan / inf: validate says
+                value = int(value * 1024)
+            out[field] = value
     return out
