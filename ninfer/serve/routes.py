@@ -150,9 +150,14 @@ def count_tokens(gw, body) -> Reply:
     messages_, tools, thinking = parse_count_tokens(body, gw)
     engine = gw.engine()
     try:
-        prompt = engine.apply_chat_template(messages_, tools=tools, add_generation_prompt=True,
-                                            enable_thinking=thinking)
-        n = len(engine.tokenize(prompt))
+        frontend = getattr(engine, "frontend", None)
+        if hasattr(frontend, "prepare"):    # what a request sends: images expanded to their tokens
+            n = len(frontend.prepare(messages_, tools=tools, enable_thinking=thinking).token_ids)
+        else:
+            prompt = engine.apply_chat_template(messages_, tools=tools,
+                                                add_generation_prompt=True,
+                                                enable_thinking=thinking)
+            n = len(engine.tokenize(prompt))
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
         raise from_engine_error(exc) from exc
     return Reply(body={"input_tokens": n})
