@@ -95,12 +95,14 @@ class MtpDrafter:
         shape = (num_pages, page_size, self.text.num_key_value_heads, self.text.head_dim)
         return KVPool(page_size, [np.zeros(shape, np.float32)], [np.zeros(shape, np.float32)])
 
-    def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool) -> tuple:
+    def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool, *,
+                with_logits: bool = True) -> tuple:
         """One MTP step over every new token of the batch. batch.token_ids are the *next* tokens
         x_{t+1}; batch.positions / context_lens are those of the hidden states' positions t (a
         row continues its drafter KV from context_lens[r], like the target's). hidden [N, H]:
         final-normed hidden states (the target's, or the previous MTP step's).
-        Returns (logits [N, V] float32, MTP hidden [N, H] final-normed)."""
+        Returns (logits [N, V] float32, MTP hidden [N, H] final-normed); logits is None with
+        with_logits=False (filling the drafter KV over a prompt needs no vocabulary product)."""
         cfg, p, eps = self.text, self.p, self.text.rms_norm_eps
         hidden = np.asarray(hidden, np.float32)
         if hidden.shape != (batch.num_tokens, cfg.hidden_size):
@@ -119,6 +121,8 @@ class MtpDrafter:
                            self._plan(batch, kv), kv)
         u = u + self._mlp(ops.rmsnorm_zero_centred(u, p["layer"]["post_norm"], eps))
         g = ops.rmsnorm_zero_centred(u, p["norm"], eps)
+        if not with_logits:
+            return None, g
         return ops.linear(g, self._lm_head).astype(np.float32, copy=False), g
 
     def _plan(self, batch: ForwardBatch, kv: KVPool) -> StepPlan:
