@@ -249,6 +249,11 @@ def test_serve_access_log_goes_to_stderr(demo, tmp_path):
     # uvicorn's access line (serve's worker): 127.0.0.1:PORT - "GET /path HTTP/1.1" 404
     assert re.search(r'"GET /v1/models/no-such-model HTTP/1\.1" 404\b', stderr), stderr
     assert "/v1/models/no-such-model" not in stdout, stdout
+    # every access line whole: stderr here is a regular file, which the server's later log lines
+    # must not overwrite (they did, when the access log reopened /dev/stderr as its own file)
+    for line in stderr.splitlines():
+        if ' HTTP/1.1" ' in line:
+            assert re.match(r'127\.0\.0\.1:\d+ - "', line), stderr
 
 
 def test_run_into_a_closed_pipe_exits_quietly(demo):

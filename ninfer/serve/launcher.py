@@ -195,6 +195,13 @@ class GatewayWorker(Worker):
             logger = logging.getLogger(name)        # uvicorn's logs go where gunicorn's go
             logger.handlers, logger.propagate = source.handlers, False
             logger.setLevel(source.level)
+        if self.cfg.accesslog == "/dev/stderr":
+            # gunicorn opens "/dev/stderr" as a file of its own (O_APPEND): with stderr redirected
+            # to a regular file, the later writes through fd 2 overwrote the access lines
+            access = logging.getLogger("uvicorn.access")
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(access.handlers[0].formatter if access.handlers else None)
+            access.handlers = [handler]
         app = self.wsgi                 # gunicorn's name for the loaded app: ours is ASGI
         self.gateway = app.gateway
         cfg = self.gateway.config
