@@ -1,7 +1,7 @@
 """Greedy MTP draft acceptance on the reference models' held-out text (issue 15), numpy backend.
 
-    PYTHONPATH=.:bench python bench/mtp_acceptance.py [--models dense,moe] [--stride 4] [--k 4]
-        [--json out.json]
+    PYTHONPATH=.:bench python bench/mtp_acceptance.py [--models dense,moe] [--stride 2] [--k 4]
+        [--max-tokens 1022] [--json out.json]
 
 For the held-out text in windows of 512 tokens (<|endoftext|> first, as `ninfer eval` scores it),
 at every `stride`-th position t of a window (the context is the real text x_0..x_t):
@@ -40,9 +40,10 @@ CONTEXT = 512           # the reference models' training length and eval's defau
 PAGE = 16
 
 
-def windows() -> list:
+def windows(max_tokens: int) -> list:
     tok = Tokenizer(cached_qwen3_5_tokenizer_json())
-    ids = np.asarray(tok.encode(dataset_path("heldout").read_text(encoding="utf-8")), np.int32)
+    ids = np.asarray(tok.encode(dataset_path("heldout").read_text(encoding="utf-8")),
+                     np.int32)[:max_tokens]
     sep = tok.token_id(DOC_SEPARATOR)
     step = CONTEXT - 1
     return [np.concatenate([[sep], ids[s:s + step]]).astype(np.int32)
@@ -93,13 +94,15 @@ def summarize(lengths: np.ndarray, k: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="dense,moe")
-    ap.add_argument("--stride", type=int, default=4, help="draft at every N-th position")
+    ap.add_argument("--stride", type=int, default=2, help="draft at every N-th position")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (1..8)")
+    ap.add_argument("--max-tokens", type=int, default=1022,
+                    help="the first N held-out tokens (1022: the two windows the tests record)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
-    if not 1 <= args.k <= 8 or args.stride < 1:
-        ap.error("--k must be 1..8 and --stride >= 1")
-    wins = windows()
+    if not 1 <= args.k <= 8 or args.stride < 1 or args.max_tokens < 2:
+        ap.error("--k must be 1..8, --stride >= 1 and --max-tokens >= 2")
+    wins = windows(args.max_tokens)
     results = {}
     for name in args.models.split(","):
         t0 = time.time()
