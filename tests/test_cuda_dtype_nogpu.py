@@ -18,6 +18,7 @@ from ninfer.models.qwen3_5.cuda.kernel_set import F32_VARIANTS, SIGS, geometry_s
 from ninfer.options import EngineOptions
 
 from cuda_shapes import SHAPES
+from fake_cublaslt import fake_cublaslt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LT = ("linear_attention",) * 3 + ("full_attention",)
@@ -179,25 +180,7 @@ def test_storage_variants_on_the_simulator():
 # ---- cuBLASLt ----------------------------------------------------------------------------------
 
 def _fake_lt(f32):
-    from ninfer.core.cuda.cublaslt import CublasLt
-    calls = []
-
-    class Lib:
-        def __getattr__(self, name):
-            def call(*args):
-                calls.append((name, args))
-                if name.endswith("Create"):
-                    args[0]._obj.value = 0x1000 + len(calls)
-                if name == "cublasLtMatmulAlgoGetHeuristic":
-                    args[-1]._obj.value = 1
-                return 0
-            return call
-    lt = CublasLt.__new__(CublasLt)
-    lt.lib, lt.handle, lt.workspace_bytes, lt._prefs, lt._plans = Lib(), "handle", 1 << 20, {}, {}
-    if f32:
-        from ninfer.core.cuda import cublaslt as C
-        lt.f32, lt.ab_type = True, C.CUDA_R_32F
-    return lt, calls
+    return fake_cublaslt(f32=f32)
 
 
 @pytest.mark.parametrize("f32", [False, True])

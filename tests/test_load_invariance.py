@@ -9,6 +9,7 @@ import pytest
 from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
 from ninfer.options import EngineOptions
 from ninfer.runtime.testing import FakeModel
+from fake_cublaslt import fake_cublaslt
 
 GREEDY = SamplingSpec(seed=1)
 SEEDED = SamplingSpec(seed=77, temperature=0.9, top_k=20, top_p=0.95)
@@ -75,23 +76,7 @@ def test_replay_of_a_paused_prefill_keeps_its_chunks():
 # ---- GEMMs: no atomics, one problem shape for every decode batch --------------------------------
 
 def _fake_lt(invariant):
-    from ninfer.core.cuda import cublaslt as C
-    calls = []
-
-    class Lib:
-        def __getattr__(self, name):
-            def call(*args):
-                calls.append((name, args))
-                if name.endswith("Create"):
-                    args[0]._obj.value = 0x1000 + len(calls)
-                if name == "cublasLtMatmulAlgoGetHeuristic":
-                    args[-1]._obj.value = 1
-                return 0
-            return call
-    lt = C.CublasLt.__new__(C.CublasLt)
-    lt.lib, lt.handle, lt.workspace_bytes, lt._prefs, lt._plans = Lib(), "handle", 1 << 20, {}, {}
-    lt.invariant = invariant
-    return lt, calls
+    return fake_cublaslt(invariant=invariant)
 
 
 @pytest.mark.parametrize("invariant", [False, True])
