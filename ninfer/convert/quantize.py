@@ -23,7 +23,7 @@ import numpy as np
 
 from ..artifact import format as fmt
 from ..errors import ConvertError
-from .recipe import Recipe
+from .recipe import ValuePreserving
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -150,7 +150,7 @@ def per_row(scale_rows: np.ndarray, br: int, rows: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------ the recipe
 
-class Quantize(Recipe):
+class Quantize(ValuePreserving):
     """Quantize the projections of the text model (QUANTIZED_LEAVES; lm_head on request) from a
     16/32-bit checkpoint; every other tensor is stored value-preserving."""
 
@@ -165,15 +165,6 @@ class Quantize(Recipe):
         self.format, self.group, self.asymmetric = format, group, asymmetric
         self.quantize_lm_head = quantize_lm_head
         self.name = f"quantize-{format}"
-
-    def stored(self, logical, source_dtype, shape):
-        return np.dtype(source_dtype), "row_major"
-
-    def encode(self, logical, piece):
-        return piece
-
-    def activation(self, logical):
-        return "A16Only"
 
     def selects(self, logical: str) -> bool:
         """Whether the text weight `logical` is quantized (the converter asks for a tied
