@@ -91,16 +91,15 @@ class EngineCore:
                                         self.vocab_size)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request_id = request_id or uuid.uuid4().hex
-        media = getattr(prepared, "media", ())
-        if media and not getattr(self.program, "accepts_media", False):
+        media = prepared.media
+        if media and not self.program.accepts_media:
             raise RequestError("image and video input needs the vision tower, which this backend "
                                "does not run yet (the numpy backend does)")
         session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
         channel = _Channel(request_id, self._notify, self._release_outstanding)
         # media tokens are placeholders (equal ids, different images): such prompts never reuse
-        may_reuse = not getattr(prepared, "media", ()) \
-            and getattr(prepared, "mrope_positions", None) is None
-        reusable_at = int(getattr(prepared, "num_reusable_tokens", 0) or 0) if may_reuse else 0
+        may_reuse = not media and prepared.mrope_positions is None
+        reusable_at = int(prepared.num_reusable_tokens) if may_reuse else 0
         now = time.monotonic()
         queue_timeout = self.options.queue_timeout_s
         request = Request(request_id, 0, params, prompt_ids, session,

@@ -122,6 +122,8 @@ class FakePrepared:
     token_ids: np.ndarray
     text: str = ""
     num_reusable_tokens: int = 0     # the whole prompt (a later prompt may extend it)
+    media: tuple = ()                # text only (PreparedPrompt's fields the core reads)
+    mrope_positions: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True, slots=True)
