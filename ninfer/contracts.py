@@ -50,7 +50,7 @@ class SamplingSpec:
                    logprobs=None if params.logprobs is None else int(params.logprobs),
                    is_constrained=params.structured is not None,
                    logit_bias=tuple(sorted((int(t), float(b)) for t, b in
-                                           (getattr(params, "logit_bias", None) or {}).items())))
+                                           (params.logit_bias or {}).items())))
 
     @property
     def is_greedy(self) -> bool:

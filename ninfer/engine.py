@@ -79,7 +79,7 @@ class Engine:
     def sampling_defaults(self) -> dict:
         """The checkpoint's recommended sampling (its generation_config.json), as SamplingParams
         fields; {} when it recommends nothing."""
-        return dict(getattr(self.frontend, "sampling_defaults", None) or {})
+        return {} if self.frontend is None else dict(self.frontend.sampling_defaults)
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams from the checkpoint's defaults, then `overrides` (vLLM's

@@ -166,7 +166,7 @@ class Frontend:
         """Tool-call ids derive from (request_id, prompt digest) when a request id is given: a
         replayed request gets the same ids, a client reusing one id across turns does not."""
         seed = None if request_id is None else f"{request_id}/{prepared.digest}"
-        bias = getattr(params, "logit_bias", None) or {}
+        bias = params.logit_bias or {}
         outside = [t for t in bias if not 0 <= t < self.vocab_size]
         if outside:
             raise RequestError(f"logit_bias: token id {outside[0]} is not in the vocabulary "

@@ -155,8 +155,8 @@ class OutputSession:
         empty when the vocabulary has no `</think>` token (the budget is then not enforceable)."""
         self._tok = tokenizer
         self._matcher = matcher
-        self._min_tokens = int(getattr(params, "min_tokens", 0) or 0)
-        budget = getattr(params, "thinking_budget", None)
+        self._min_tokens = int(params.min_tokens)
+        budget = params.thinking_budget
         self._thinking_budget = None if budget is None or not think_close else int(budget)
         self._think_close = tuple(int(t) for t in think_close)
         stop_ids = set(int(t) for t in params.stop_token_ids)
