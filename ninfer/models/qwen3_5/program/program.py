@@ -112,7 +112,7 @@ class Program:
         self._uid = next(_PROGRAM_IDS)
         # batch_invariant: Replay re-runs history the way it first ran (the prompt in its own
         # chunks, each generated token as a one-token decode-shaped unit), so its numerics match
-        self.replays_as_run = bool(getattr(options, "batch_invariant", False))
+        self.replays_as_run = options.batch_invariant
 
     def warm_up(self) -> None:
         """Before serving: the backend builds what it would otherwise build on first use (CUDA:
