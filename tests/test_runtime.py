@@ -442,3 +442,39 @@ def test_submit_from_many_threads():
     for p, r in results.values():
         assert r.token_ids == reference_tokens(p, params)
     finish_clean(core)
+
+
+def test_events_continue_after_a_timeout_or_an_early_exit():
+    """An iteration that ended with a TimeoutError, or that the consumer left early, hands its
+    claim back: a later events() continues with the next unread event (none lost, none twice);
+    leaving the loop at Finished still releases capacity; a finished iteration stays final."""
+    from ninfer.runtime.handle import GenerationHandle, _Channel
+    released = []
+    channel = _Channel("r", lambda: None, lambda: released.append(1))
+    handle = GenerationHandle(channel)
+    with pytest.raises(TimeoutError):
+        next(handle.events(timeout=0.01))
+    channel.publish(GenerationStart("r", 3))
+    channel.publish(TextDelta("content", "a", (1,)))
+    channel.publish(TextDelta("content", "b", (2,)))
+    seen = []
+    for event in handle.events(timeout=0.01):
+        seen.append(event)
+        if len(seen) == 2:
+            break
+    assert [type(e) for e in seen] == [GenerationStart, TextDelta]
+    rest = handle.events(timeout=0.01)
+    with pytest.raises(RequestError, match="read once"):   # one open iteration at a time
+        handle.events()
+    assert next(rest).text == "b"
+    with pytest.raises(TimeoutError):
+        next(rest)
+    from ninfer.api import GenerationResult
+    final = Finished(GenerationResult(**{f: None for f in GenerationResult.__dataclass_fields__}))
+    channel.publish(final)
+    for event in handle.events(timeout=1):
+        assert event is final
+        break                                   # left the loop at Finished
+    assert released == [1]
+    with pytest.raises(RequestError, match="read once"):
+        handle.events()

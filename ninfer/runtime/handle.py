@@ -9,8 +9,10 @@ Outstanding capacity is released exactly once, when both hold:
     consumer_released  result() / iteration returned the end, cancel(), close(), or the handle
                        was dropped
 
-A handle's events are read once, by one consumer: a second iteration (also from another thread)
-raises RequestError instead of silently splitting or losing events.
+A handle's events are read once, by one consumer: a second iteration while one is open (also from
+another thread) raises RequestError instead of silently splitting or losing events. An iteration
+that ended early (a TimeoutError, or the consumer left the loop) hands its claim back, so a later
+events() call continues with the next unread event.
 """
 from __future__ import annotations
 
@@ -74,6 +76,10 @@ class _Channel:
                                    f"consumer (result() still returns the result)")
             self._is_iterated = True
 
+    def unclaim_iteration(self) -> None:
+        with self._cond:
+            self._is_iterated = False
+
     def release_consumer(self) -> None:
         with self._cond:
             self._is_consumer_released = True
@@ -115,19 +121,31 @@ class GenerationHandle:
 
     def events(self, timeout: Optional[float] = None):
         """Yield events until Finished (inclusive); `timeout` bounds each wait (TimeoutError).
-        Once per handle: a second call (from any thread) raises RequestError."""
+        One open iteration per handle: a second call while one is open (from any thread) raises
+        RequestError; after a TimeoutError or an early exit from the loop, events() continues
+        with the next unread event."""
         self._channel.claim_iteration()
         return self._events(timeout)
 
     def _events(self, timeout: Optional[float]):
-        while True:
-            event = self._channel.next_event(timeout)
-            if event is None:                       # an earlier pass already took Finished
-                return
-            yield event
-            if isinstance(event, Finished):
+        event = None
+        try:
+            while True:
+                event = self._channel.next_event(timeout)
+                if event is None:                   # an earlier pass already took Finished
+                    return
+                yield event
+                if isinstance(event, Finished):
+                    return
+        except BaseException:
+            # TimeoutError, or GeneratorExit when the consumer left the loop: nothing was lost
+            # (an event is taken only when it is yielded), so a later events() may go on
+            if not isinstance(event, Finished):
+                self._channel.unclaim_iteration()
+            raise
+        finally:
+            if isinstance(event, Finished):         # also when the loop was left at Finished
                 self._channel.release_consumer()
-                return
 
     def result(self, timeout: Optional[float] = None) -> GenerationResult:
         """Block until the request finishes; raises TimeoutError if `timeout` seconds pass."""
