@@ -206,6 +206,8 @@ class GenerationResult:
     token_ids: list = field(default_factory=list)        # generated token ids (accepted)
     finish_reason: Optional[FinishReason] = None
     num_prompt_tokens: int = 0
+    # prompt tokens the context cache supplied (not prefilled again); set when the request binds
+    num_cached_tokens: int = 0
     logprobs: Optional[list] = None                      # [TokenLogprob] when asked for
     error: Optional[str] = None
     stop_sequence: Optional[str] = None                  # the stop string that ended it, if any

@@ -24,9 +24,15 @@ class EngineOptions:
     page_size: int = 16                 # tokens per KV page
     num_kv_pages: Optional[int] = None  # None -> enough for max_concurrency * max_context
     host_snapshot_bytes: int = 256 << 20   # host budget for Snapshot pauses (0 -> Replay only)
-    # host budget for prefix checkpoints (0 -> no reuse). None: 256 MiB on the numpy backend, 0 on
-    # cuda, where a host checkpoint costs every request a device-to-host copy of its State and KV
-    prefix_cache_bytes: Optional[int] = None
+    # context cache (docs/architecture.md "Context cache"): checkpoints of prompts, finished turns
+    # and long-prompt intervals kept on the device (KV pages shared by reference, State images in
+    # extra State slots) within prefix_cache_device_fraction of the KV pages and State slots, cold
+    # ones demoted to a host tier of prefix_cache_host_bytes (None: 256 MiB). False: no reuse
+    prefix_cache: bool = True
+    prefix_cache_device_fraction: float = 0.5
+    prefix_cache_host_bytes: Optional[int] = None
+    prefix_cache_bytes: Optional[int] = None     # the older name of prefix_cache_host_bytes
+    checkpoint_interval: int = 2048     # tokens between checkpoints inside a long prompt
     queue_timeout_s: Optional[float] = None
     default_enable_thinking: bool = True
     device_id: int = 0
@@ -49,10 +55,21 @@ class EngineOptions:
 
     @property
     def prefix_cache_budget_bytes(self) -> int:
-        """The effective prefix-checkpoint budget (see prefix_cache_bytes)."""
-        if self.prefix_cache_bytes is not None:
-            return int(self.prefix_cache_bytes)
+        """The context cache's host-tier budget in bytes (0 with the cache off)."""
+        if not self.prefix_cache:
+            return 0
+        host = self.prefix_cache_host_bytes if self.prefix_cache_host_bytes is not None \
+            else self.prefix_cache_bytes
+        if host is not None:
+            return int(host)
+        # until the device tier lands, a cuda checkpoint is a device-to-host copy per request
         return 256 << 20 if self.backend == "numpy" else 0
+
+    @property
+    def prefix_cache_device_share(self) -> float:
+        """The share of the KV pages (and of extra State slots) the cache may hold on the device
+        (0 with the cache off)."""
+        return float(self.prefix_cache_device_fraction) if self.prefix_cache else 0.0
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":
@@ -79,9 +96,18 @@ class EngineOptions:
         if self.num_kv_pages is not None and (not _is_int(self.num_kv_pages)
                                               or self.num_kv_pages < 1):
             bad("num_kv_pages", "must be an integer >= 1 (or None: sized for max_context)")
-        if self.prefix_cache_bytes is not None and (not _is_int(self.prefix_cache_bytes)
-                                                    or self.prefix_cache_bytes < 0):
-            bad("prefix_cache_bytes", "must be an integer >= 0 (or None: the backend's default)")
+        for name in ("prefix_cache_host_bytes", "prefix_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                bad(name, "must be an integer >= 0 (or None: 256 MiB)")
+        if None not in (self.prefix_cache_host_bytes, self.prefix_cache_bytes) \
+                and self.prefix_cache_host_bytes != self.prefix_cache_bytes:
+            bad("prefix_cache_bytes", "is the older name of prefix_cache_host_bytes; give one")
+        if not isinstance(self.prefix_cache, (bool, np.bool_)):
+            bad("prefix_cache", "must be true or false")
+        fraction = self.prefix_cache_device_fraction
+        if not (_is_real(fraction) and 0.0 <= fraction <= 1.0):
+            bad("prefix_cache_device_fraction", "must be a number in [0, 1]")
         if self.dtype not in (None, "bfloat16", "float32"):
             bad("dtype", "must be None, 'bfloat16' or 'float32'")
         if self.backend == "numpy" and self.dtype == "bfloat16":
@@ -95,7 +121,8 @@ class EngineOptions:
 
 # integer options and their least value (max_concurrency has its own range)
 _INT_MINIMA = (("max_context", 2), ("max_queue", 0), ("prefill_chunk", 1), ("page_size", 1),
-               ("host_snapshot_bytes", 0), ("device_id", 0))
+               ("host_snapshot_bytes", 0), ("device_id", 0),
+               ("checkpoint_interval", 1))
 
 
 def _is_int(value) -> bool:

@@ -52,3 +52,30 @@ def test_prefix_cache_default_depends_on_the_backend():
     for bad in (-1, 1.5, True, "1"):
         with pytest.raises(RequestError, match="prefix_cache_bytes"):
             EngineOptions.from_kwargs(prefix_cache_bytes=bad)
+
+
+def test_context_cache_options():
+    """prefix_cache / prefix_cache_device_fraction / prefix_cache_host_bytes (the serve flags
+    --no-prefix-cache, --prefix-cache-device-fraction, --prefix-cache-host-bytes); the older
+    prefix_cache_bytes names the same host budget."""
+    from ninfer.errors import RequestError
+    from ninfer.options import EngineOptions
+    opts = EngineOptions.from_kwargs()
+    assert opts.prefix_cache and opts.prefix_cache_device_share == 0.5
+    assert opts.checkpoint_interval == 2048
+    assert EngineOptions.from_kwargs(prefix_cache_host_bytes=1 << 20).prefix_cache_budget_bytes \
+        == 1 << 20
+    assert EngineOptions.from_kwargs(prefix_cache_host_bytes=7,
+                                     prefix_cache_bytes=7).prefix_cache_budget_bytes == 7
+    off = EngineOptions.from_kwargs(prefix_cache=False, prefix_cache_host_bytes=1 << 20)
+    assert off.prefix_cache_budget_bytes == 0 and off.prefix_cache_device_share == 0.0
+    assert EngineOptions.from_kwargs(prefix_cache_device_fraction=0).prefix_cache_device_share == 0
+    with pytest.raises(RequestError, match="older name"):
+        EngineOptions.from_kwargs(prefix_cache_host_bytes=1, prefix_cache_bytes=2)
+    for name, bad in (("prefix_cache_host_bytes", -1), ("prefix_cache_host_bytes", 1.5),
+                      ("prefix_cache_device_fraction", 1.5), ("prefix_cache_device_fraction", -0.1),
+                      ("prefix_cache_device_fraction", float("nan")),
+                      ("prefix_cache_device_fraction", True), ("prefix_cache", 1),
+                      ("checkpoint_interval", 0)):
+        with pytest.raises(RequestError, match=name):
+            EngineOptions.from_kwargs(**{name: bad})

@@ -5,6 +5,7 @@ import pytest
 
 from fixture_utils import convert_fixture
 from ninfer.api import SamplingParams
+from ninfer.errors import RequestError
 from ninfer.models.qwen3_5.program import ProgramError
 from ninfer.runtime import resource_manager
 from runtime_helpers import VOCAB, make_core, prompt, reference_tokens
@@ -31,9 +32,12 @@ def test_hit_equals_cold_run(params):
     second = np.concatenate([first, prompt(2, 9)])
     assert _run(core, first, params) == reference_tokens(first, params)
     assert _stats(core)["prefix_cache_entries"] == 1
-    assert _run(core, second, params) == reference_tokens(second, params)
+    res = core.submit(second, params, session="chat-1").result(timeout=20)
+    assert list(res.token_ids) == reference_tokens(second, params)
+    assert res.num_cached_tokens == 13
     stats = _stats(core)
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_tokens_reused"] == 13
+    assert stats["prefix_cache_lookups"] == 2
     core.shutdown()
     core.program.assert_all_free()
     core.resources.check_invariants()
@@ -51,6 +55,9 @@ def test_prefix_differing_inside_checkpoint_gets_no_hit():
     # the same prompt again is not a hit either: one token must remain to prefill
     assert _run(core, first, GREEDY) == reference_tokens(first, GREEDY)
     assert _stats(core)["prefix_cache_hits"] == 0
+    assert core.submit(first, GREEDY).result(timeout=20).num_cached_tokens == 0
+    with pytest.raises(RequestError, match="session"):
+        core.submit(first, GREEDY, session=7)
     core.shutdown()
 
 

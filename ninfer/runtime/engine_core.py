@@ -81,9 +81,13 @@ class EngineCore:
         return self._health
 
     def submit(self, prompt, params: SamplingParams, *, tools=None, enable_thinking=None,
-               request_id=None, timeout_s=None) -> GenerationHandle:
+               request_id=None, timeout_s=None, session: Optional[str] = None
+               ) -> GenerationHandle:
+        """session: a hint that requests with it continue one conversation (the context cache
+        binds the session's newest checkpoint; OpenAI prompt_cache_key / user, Anthropic
+        metadata.user_id map onto it)."""
         self._check_available()
-        params = checked_submit_args(params, enable_thinking, request_id, timeout_s)
+        params = checked_submit_args(params, enable_thinking, request_id, timeout_s, session)
         if enable_thinking is None:
             enable_thinking = self.options.default_enable_thinking
         prepared = self.frontend.prepare(prompt, tools=tools, enable_thinking=enable_thinking)
@@ -95,6 +99,7 @@ class EngineCore:
         if media and not self.program.accepts_media:
             raise RequestError("image and video input needs the vision tower, which this backend "
                                "does not run yet (the numpy backend does)")
+        cache_session = session
         session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
         channel = _Channel(request_id, self._notify, self._release_outstanding)
         # media tokens are placeholders (equal ids, different images): such prompts never reuse
@@ -107,7 +112,8 @@ class EngineCore:
                           deadline=None if timeout_s is None else now + timeout_s,
                           queue_deadline=None if queue_timeout is None else now + queue_timeout,
                           reusable_at=reusable_at, may_reuse=may_reuse,
-                          media=(media, prepared.mrope_positions) if media else None)
+                          media=(media, prepared.mrope_positions) if media else None,
+                          cache_session=cache_session)
         with self._lock:
             self._check_available()
             if self._outstanding >= self._max_outstanding:
@@ -240,6 +246,7 @@ class EngineCore:
                                            **({"media": req.media} if req.media else {}))
             if checkpoint is not None:
                 self.resources.note_hit(req.prompt_ids, reused)
+                req.num_cached_tokens = reused
             self._waiting.popleft()
             req.admit_time = time.monotonic()
             self._make_resident(req)

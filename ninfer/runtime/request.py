@@ -58,6 +58,9 @@ class Request:
     reusable_at: int = 0                      # prefix a later prompt may repeat (checkpoint)
     may_reuse: bool = True                    # text only: may start from a prefix checkpoint
     media: Any = None                         # (Frontend media, MRoPE positions [3, T]) or None
+    cache_session: Optional[str] = None       # session hint of the context cache (submit's session=)
+    media_digest: bytes = b""                 # identifies a prompt's media in cache keys
+    num_cached_tokens: int = 0                # prompt tokens a cache hit supplied at bind
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,8 +84,11 @@ class Request:
 
 # ---- admission checks (any thread, before a Request exists) -----------------------------------
 
-def checked_submit_args(params, enable_thinking, request_id, timeout_s) -> SamplingParams:
+def checked_submit_args(params, enable_thinking, request_id, timeout_s,
+                        session=None) -> SamplingParams:
     """Validate submit()'s arguments (RequestError naming the bad one); a validated copy of params."""
+    if session is not None and not isinstance(session, str):
+        raise RequestError(f"session={session!r}: must be a string or None")
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     if enable_thinking is not None and not isinstance(enable_thinking, (bool, np.bool_)):

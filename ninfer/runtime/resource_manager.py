@@ -27,6 +27,7 @@ class ResourceManager:
         self.program = program
         self._index: OrderedDict = OrderedDict()   # digest -> (checkpoint id, token ids); LRU first
         self.hits = 0
+        self.lookups = 0
         self.tokens_reused = 0
 
     def settle_finished(self, seq_id: int) -> None:
@@ -43,6 +44,7 @@ class ResourceManager:
         """(checkpoint id, tokens reused) of the longest checkpoint that is a strict prefix of
         the prompt (one token must remain to prefill, for the first sampled token's logits);
         (None, 0) when none. The token ids are compared, never the digest alone."""
+        self.lookups += 1
         n = len(prompt_ids)
         lengths = sorted({len(t) for _, t in self._index.values() if len(t) < n}, reverse=True)
         for p in lengths:
@@ -95,4 +97,7 @@ class ResourceManager:
                                f"{sorted(self.program.checkpoint_ids())}")
 
     def stats(self) -> dict:
-        return {"prefix_cache_hits": self.hits, "prefix_cache_tokens_reused": self.tokens_reused}
+        return {"prefix_cache_hits": self.hits, "prefix_cache_lookups": self.lookups,
+                "prefix_cache_tokens_reused": self.tokens_reused,
+                "prefix_cache_device_bytes": 0,
+                "prefix_cache_host_bytes": self.program.cache_bytes_used}
