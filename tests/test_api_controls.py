@@ -3,6 +3,11 @@ logit_bias validation, through the real Engine on the demo artifact (random weig
 vocabulary and template) and the real Frontend."""
 from __future__ import annotations
 
+import datetime
+import ipaddress
+import re
+import uuid
+
 import pytest
 
 import ninfer
@@ -124,6 +129,14 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_submit(engine):
     assert params.logit_bias == {7: 2.0}              # JSON-style string keys are ids
 
 
+
+def _is_rfc3339_date(v: str) -> bool:
+    if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", v) is None:
+        return False
+    month, day = int(v[5:7]), int(v[8:10])
+    return 1 <= month <= 12 and 1 <= day <= 31
+
+
 # ---- tool-call grammars bound string parameters -------------------------------------------------
 
 @pytest.mark.parametrize("prop, check", [
@@ -135,6 +148,17 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_submit(engine):
     ({"type": "string", "pattern": r"^https?:\/\/[a-z]{1,8}$"},
      lambda v: __import__("re").fullmatch("https?://[a-z]{1,8}", v) is not None),
     ({"type": "string", "const": "fixed"}, lambda v: v == "fixed"),
+    # JSON-schema formats, each checked by an independent parser
+    ({"type": "string", "format": "uuid"}, lambda v: str(uuid.UUID(v)) == v.lower()),
+    ({"type": "string", "format": "ipv4"}, lambda v: str(ipaddress.IPv4Address(v)) == v),
+    ({"type": "string", "format": "date"}, lambda v: _is_rfc3339_date(v)),
+    ({"type": "string", "format": "date-time"},
+     lambda v: _is_rfc3339_date(v[:10]) and v[10] in "Tt"
+     and datetime.datetime.fromisoformat(v.upper().replace("Z", "+00:00")).tzinfo is not None),
+    ({"type": "string", "format": "email", "maxLength": 12},
+     lambda v: len(v) <= 12 and re.fullmatch(r"[^@\s<>]+@[A-Za-z0-9.-]+", v) is not None),
+    # an unknown format is an annotation: the value stays free text (bounded here by maxLength)
+    ({"type": "string", "format": "x-colour", "maxLength": 3}, lambda v: len(v) <= 3),
 ])
 def test_forced_tool_call_string_bounds(engine, prop, check):
     """A random-weight model writes whatever the grammar allows: without the bound the value runs

@@ -17,10 +17,10 @@ Grammars (Lark-like llguidance syntax):
   tool's JSON schema `properties` in declaration order, required ones mandatory, optional ones
   optional; a string (or untyped, or string-admitting) value is free text up to the first
   `</parameter>` (never containing a `<parameter=...>` tag, which would split it), bounded by the
-  schema's `maxLength` / `minLength` / `pattern` when a string-only property has them; an enum
-  (or const) of strings is one of its values, anything else is `%json {property schema}` (which
-  enforces the JSON-schema bounds llguidance supports: minimum/maximum, item counts, ...). A tool with no
-  declared properties takes any `<parameter=NAME>` free-text parameters.
+  schema's `maxLength` / `minLength` / `pattern` / `format` (FORMAT_PATTERNS) when a string-only
+  property has them; an enum (or const) of strings is one of its values, anything else is
+  `%json {property schema}` (which enforces the JSON-schema bounds llguidance supports:
+  minimum/maximum, item counts, ...). A tool with no declared properties takes any `<parameter=NAME>` free-text parameters.
 Every grammar ends the output: once complete, only EOS is allowed.
 """
 from __future__ import annotations
@@ -256,6 +256,27 @@ class GrammarMatcher:
                 self._m.is_error())
 
 
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?" \
+        r"(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+# JSON-schema `format`s a string parameter's value must match (RFC 3339 date / time / date-time
+# without leap seconds, RFC 4122 uuid, dotted-quad ipv4 without leading zeros, RFC 1123 hostname,
+# an addr-spec-shaped email, a scheme-led uri). Other formats are annotations, as JSON schema
+# treats formats by default: not enforced. [0-9], never \d (Unicode digits in llguidance's regex).
+FORMAT_PATTERNS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "[Tt]" + _TIME,
+    "uuid": "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": rf"(?:{_OCTET}\.){{3}}{_OCTET}",
+    "hostname": rf"{_LABEL}(?:\.{_LABEL})*",
+    "email": rf"[A-Za-z0-9.!#$%&'*+/=?^_`{{|}}~-]+@{_LABEL}(?:\.{_LABEL})*",
+    "uri": r"[A-Za-z][A-Za-z0-9+.-]*:[^\s<>]+",
+}
+
+
 def _string_terminal(schema: Mapping) -> Optional[str]:
     """The lexeme of a string parameter value with JSON-schema bounds, followed by its closing
     `\n</parameter>\n` (one lazy lexeme, as PVALUE: the value ends at the first close tag), or
@@ -267,7 +288,9 @@ def _string_terminal(schema: Mapping) -> Optional[str]:
     lo = lo if is_count(lo) else None
     hi = hi if is_count(hi) else None
     pattern = pattern if isinstance(pattern, str) else None
-    if lo is None and hi is None and pattern is None:
+    fmt = FORMAT_PATTERNS.get(schema.get("format")) if isinstance(schema.get("format"), str) \
+        else None
+    if lo is None and hi is None and pattern is None and fmt is None:
         return None
     close = r"\n<\/parameter>\n"
     parts = []
@@ -277,6 +300,8 @@ def _string_terminal(schema: Mapping) -> Optional[str]:
         core = pattern[1:] if pattern.startswith("^") else pattern
         core = core[:-1] if core.endswith("$") and not core.endswith("\\$") else core
         parts.append(f"/(?:{_escape_slashes(core)}){close}/")
+    if fmt is not None:
+        parts.append(f"/(?:{_escape_slashes(fmt)}){close}/")
     parts.append(r"~/(?s:.*)<parameter=[^>\n<]*>(?s:.*)/")
     return " & ".join(parts)
 
