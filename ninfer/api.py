@@ -13,6 +13,8 @@ import numpy as np
 from .errors import RequestError
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+# longest context-cache session hint (submit's `session=`; Anthropic's metadata.user_id limit)
+MAX_SESSION_CHARS = 256
 Channel = Literal["content", "reasoning"]
 StructuredKind = Literal["json_schema", "json_object", "tool_call"]
 
@@ -229,6 +231,7 @@ class GenerationStart:
 
     request_id: str
     num_prompt_tokens: int
+    num_cached_tokens: int = 0       # of those, what the context cache supplied at bind
 
 
 @dataclass(slots=True, frozen=True)

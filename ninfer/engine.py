@@ -102,9 +102,12 @@ class Engine:
     # ---- generation -------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
                tools: Optional[Sequence[dict]] = None, enable_thinking: Optional[bool] = None,
-               request_id: Optional[str] = None, timeout_s: Optional[float] = None):
+               request_id: Optional[str] = None, timeout_s: Optional[float] = None,
+               session: Optional[str] = None):
         """Queue one request; returns a GenerationHandle (iterate events, .result(), .cancel()).
-        No params: the checkpoint's defaults (`default_sampling_params()`)."""
+        No params: the checkpoint's defaults (`default_sampling_params()`). `session`: a hint
+        (a string of at most 256 characters) that requests giving the same one continue one
+        conversation; the context cache then finds its newest checkpoint first."""
         if self._is_closed:
             raise EngineClosedError()
         if self.frontend is not None:       # lone surrogates, provably over-long text: refused early
@@ -114,7 +117,7 @@ class Engine:
         params = params if params is not None else self.default_sampling_params()
         return self._generation().submit(prompt, params, tools=tools,
                                          enable_thinking=enable_thinking, request_id=request_id,
-                                         timeout_s=timeout_s)
+                                         timeout_s=timeout_s, session=session)
 
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                  **kwargs) -> GenerationResult:

@@ -251,7 +251,8 @@ class EngineCore:
             req.admit_time = time.monotonic()
             self._make_resident(req)
             self.scheduler.note_fresh_admitted(len(self._paused))
-            req.channel.publish(GenerationStart(req.request_id, req.num_prompt_tokens))
+            req.channel.publish(GenerationStart(req.request_id, req.num_prompt_tokens,
+                                                req.num_cached_tokens))
 
     def _make_resident(self, req: Request) -> None:
         req.state = RequestState.MATERIALIZING

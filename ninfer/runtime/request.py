@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..api import SamplingParams
+from ..api import MAX_SESSION_CHARS, SamplingParams
 from ..errors import RequestError
 
 
@@ -87,8 +87,9 @@ class Request:
 def checked_submit_args(params, enable_thinking, request_id, timeout_s,
                         session=None) -> SamplingParams:
     """Validate submit()'s arguments (RequestError naming the bad one); a validated copy of params."""
-    if session is not None and not isinstance(session, str):
-        raise RequestError(f"session={session!r}: must be a string or None")
+    if session is not None and (not isinstance(session, str) or len(session) > MAX_SESSION_CHARS):
+        raise RequestError(f"session={session!r:.80}: must be a string of at most "
+                           f"{MAX_SESSION_CHARS} characters, or None")
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     if enable_thinking is not None and not isinstance(enable_thinking, (bool, np.bool_)):
