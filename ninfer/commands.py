@@ -432,6 +432,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
                    help="CORS: let browser pages from ORIGIN (https://host:port, or '*') call "
                         "the API (repeatable; default: none)")
+    s.add_argument("--allow-media-urls", metavar="HOST,...", default=None,
+                   help="fetch http(s) image URLs from these hosts (HOST or HOST:PORT, "
+                        "comma-separated; 20 MiB and 10 s per image, redirects only to listed "
+                        "hosts; default: none, images come inline as data: URLs)")
     s.add_argument("--threads", type=int, default=None,
                    help="HTTP worker threads (default max-concurrency + max-queue + 4)")
     s.add_argument("--max-body-mb", type=float, default=8.0,
@@ -465,6 +469,13 @@ def serve_command(args) -> int:
                          request_timeout_s=args.request_timeout,
                          allowed_origins=tuple(args.allowed_origins),
                          **sampling_overrides(args), **transport_overrides(args)).validate()
+    media_urls = None
+    if args.allow_media_urls is not None:
+        from .models.qwen3_5.frontend.media_fetch import MediaUrlPolicy
+        try:
+            media_urls = MediaUrlPolicy.parse(args.allow_media_urls)
+        except ValueError as exc:
+            raise Error(str(exc)) from None
     template = read_chat_template(args.chat_template)
     _check_can_listen(args.host, args.port)
     path, _ = _artifact_or_demo(args.artifact)
@@ -474,7 +485,10 @@ def serve_command(args) -> int:
 
     def engine_factory():
         from .engine import Engine
-        return Engine(path, chat_template=template, **kwargs)
+        engine = Engine(path, chat_template=template, **kwargs)
+        if media_urls is not None and engine.frontend is not None:
+            engine.frontend.allow_media_urls(media_urls)
+        return engine
 
     try:
         from .serve.launcher import serve

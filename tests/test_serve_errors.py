@@ -32,7 +32,7 @@ CASES = [
     ("bad-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400,
      "messages[0].role", "wizard"),
     ("image-part", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400,
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), 400,
      "messages[0].content[0].image_url.url", "data: URL"),
     ("content-not-string", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400,
      "messages[0].content", "string"),

@@ -118,7 +118,7 @@ def test_explicit_path(fe, ref, tmp_path):
 @pytest.mark.parametrize("part, reason", [
     ({"type": "image", "image": b"\x00garbage"}, "image 1: image is not decodable"),
     ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
-     "not fetched: send the image inline"),
+     "not fetched unless the server is started with --allow-media-urls"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
     ({"type": "image", "image": "/etc/passwd"}, "'path'"),
     ({"type": "image", "image": np.zeros((0, 4, 3), np.uint8)}, "empty"),

@@ -45,7 +45,8 @@ def artifact(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(artifact):
     srv = ServerProcess([sys.executable, "-m", "ninfer", "serve", artifact, "--api-key", KEY,
-                         "--max-context", "512", "--no-thinking"])
+                         "--max-context", "512", "--no-thinking", "--allow-media-urls",
+                         "127.0.0.1"])
     yield srv
     srv.stop()
 
@@ -90,6 +91,52 @@ def test_anthropic_base64_image(server, image, want):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": _png_b64(image)}}]}])
     assert "".join(b.text for b in r.content if b.type == "text") == want
+
+
+@pytest.fixture(scope="module")
+def image_host(image):
+    """A local http server with the image at /a.png (the host the server lists is 127.0.0.1)."""
+    import http.server
+    import threading
+    png = base64.b64decode(_png_b64(image))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200 if self.path == "/a.png" else 404)
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_image_urls_from_listed_hosts_only(server, image_host, want):
+    """serve --allow-media-urls 127.0.0.1: the image at an http URL there gives the inline
+    image's tokens; the same server named 'localhost' is not listed: a 400 naming the option."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    r = client.chat.completions.create(
+        model="m", max_tokens=6, temperature=0, logit_bias=BAN,
+        extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is it"},
+            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{image_host}/a.png"}}]}])
+    assert r.choices[0].message.content == want
+    with pytest.raises(openai.BadRequestError, match="--allow-media-urls"):
+        client.chat.completions.create(model="m", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {
+                "url": f"http://localhost:{image_host}/a.png"}}]}])
+    claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError, match="--allow-media-urls"):
+        claude.messages.create(model="m", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "url", "url": f"http://localhost:{image_host}/a.png"}}]}])
 
 
 def test_bad_image_is_a_400_with_the_reason(server):

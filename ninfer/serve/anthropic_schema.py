@@ -147,12 +147,14 @@ def _user_message(content, param: str) -> list:
         p = f"{param}.{j}"
         if block["type"] == "text":
             texts.append(_block_text(block, p))
-        elif block["type"] == "image":        # base64 source; the Frontend decodes and checks it
+        elif block["type"] == "image":        # the Frontend decodes (or fetches) and checks it
             src = block.get("source")
-            if not isinstance(src, dict) or src.get("type") != "base64" \
-                    or not isinstance(src.get("data"), str):
+            if not isinstance(src, dict) or not (
+                    (src.get("type") == "base64" and isinstance(src.get("data"), str))
+                    or (src.get("type") == "url" and isinstance(src.get("url"), str))):
                 raise invalid(f"'{p}.source' must be {{\"type\": \"base64\", \"media_type\": "
-                              "..., \"data\": ...}} (URL sources are not fetched)", f"{p}.source")
+                              "..., \"data\": ...}} or {\"type\": \"url\", \"url\": ...} "
+                              "(fetched from --allow-media-urls hosts only)", f"{p}.source")
             images.append(len(texts))
             texts.append({"type": "image", "source": block["source"]})
         elif block["type"] == "tool_result":

@@ -303,9 +303,11 @@ def user_content(content, param: str):
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str):
                 raise invalid(f"'{p}.image_url.url' must be a string", f"{p}.image_url.url")
-            if not url.startswith("data:"):
-                raise invalid(f"'{p}.image_url.url': image URLs are not fetched; send the image "
-                              "inline as a data: URL (base64)", f"{p}.image_url.url")
+            # data: URLs, and http(s) URLs the Frontend fetches from --allow-media-urls hosts
+            if not url.startswith(("data:", "http://", "https://")):
+                raise invalid(f"'{p}.image_url.url' must be a data: URL (base64), or an http(s) "
+                              "URL on a server started with --allow-media-urls",
+                              f"{p}.image_url.url")
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             parts.append({"type": "text", "text": text_content([part], param)})

@@ -108,6 +108,12 @@ class Frontend:
                                     enable_thinking=thinking, **template_kwargs)
 
     # ---- requests ----------------------------------------------------------------------------------
+    def allow_media_urls(self, policy) -> None:
+        """Fetch http(s) image URLs under `policy` (media_fetch.MediaUrlPolicy: listed hosts,
+        size and time limits; None: never, the default). `serve --allow-media-urls` sets it."""
+        if self.vision is not None:
+            self.vision = dataclasses.replace(self.vision, urls=policy)
+
     def prepare(self, prompt, *, tools: Optional[list] = None,
                 enable_thinking: Optional[bool] = True) -> PreparedPrompt:
         """str: raw text, tokenized as is; list of messages: rendered by the chat template with a

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .media_fetch import OPTION, MediaUrlPolicy
 from .vision import (IMAGE_PAD, VIDEO_PAD, MediaError, VisionProcessing, process_image,
                      process_video)
 
@@ -97,10 +98,11 @@ def _data_url(url: str) -> bytes:
         raise MediaError("the data: URL's base64 payload is not valid base64") from None
 
 
-def image_payload(part: dict):
+def image_payload(part: dict, urls=None):
     """The image of one part: `image` (bytes, numpy uint8 HxWx3, PIL image or a data: URL),
     `path` (a file the caller names explicitly), OpenAI `image_url` ({"url": "data:..."}) or an
-    Anthropic `source` ({"type": "base64", "data": ...})."""
+    Anthropic `source` ({"type": "base64", "data": ...} or {"type": "url", "url": ...}). http(s)
+    URLs are fetched only under a MediaUrlPolicy (`urls`, media_fetch.py)."""
     if "path" in part and "image" not in part:
         try:
             with open(part["path"], "rb") as f:
@@ -109,8 +111,11 @@ def image_payload(part: dict):
             raise MediaError(f"image path {part['path']!r}: {e.strerror}") from None
     if "source" in part and "image" not in part:
         src = part["source"] or {}
+        if src.get("type") == "url" and isinstance(src.get("url"), str):
+            return _url_image(src["url"], urls)
         if src.get("type") != "base64" or not isinstance(src.get("data"), str):
-            raise MediaError("an image block's source must be {'type': 'base64', 'data': ...}")
+            raise MediaError("an image block's source must be {'type': 'base64', 'data': ...} "
+                             "or {'type': 'url', 'url': ...}")
         return _data_url(f"data:{src.get('media_type', 'image')};base64,{src['data']}")
     value = part.get("image", part.get("image_url"))
     if isinstance(value, dict):
@@ -118,14 +123,24 @@ def image_payload(part: dict):
     if isinstance(value, str):
         if value.startswith("data:"):
             return _data_url(value)
-        if value.startswith(("http://", "https://")):
-            raise MediaError("image URLs are not fetched: send the image inline as a data: URL "
-                             "(base64)")
+        if "://" in value[:16]:
+            return _url_image(value, urls)
         raise MediaError("an image string must be a data: URL; pass a file as "
                          "{'type': 'image', 'path': ...}")
     if value is None:
         raise MediaError("an image part has no image")
     return value
+
+
+def _url_image(url: str, urls) -> bytes:
+    if urls is None:
+        scheme = url.partition("://")[0].lower()
+        if scheme not in ("http", "https"):
+            raise MediaError(f"image URL scheme {scheme!r}: only data: URLs (and http(s) URLs "
+                             f"on a server started with {OPTION}) are accepted")
+        raise MediaError(f"image URLs are not fetched unless the server is started with {OPTION} "
+                         "HOST,...; send the image inline as a data: URL (base64)")
+    return urls.fetch(url)
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,7 @@ class VisionPreprocessor:
     image_token_id: int
     video_token_id: int
     max_media: int = 64
+    urls: "MediaUrlPolicy | None" = None       # http(s) image URLs fetched under this policy
 
     @classmethod
     def from_artifact(cls, artifact, tokenizer) -> "VisionPreprocessor | None":
@@ -168,7 +184,7 @@ class VisionPreprocessor:
         for n, (kind, part) in enumerate(parts, 1):
             try:
                 if kind == "image":
-                    out.append(process_image(image_payload(part), self.image))
+                    out.append(process_image(image_payload(part, self.urls), self.image))
                 else:
                     frames = part.get("video")
                     if isinstance(frames, (str, bytes)):
