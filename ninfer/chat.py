@@ -2,7 +2,8 @@
 
 Answers stream as they are generated; reasoning is shown dim (or hidden with --hide-thinking or
 `/think hide`); the conversation is kept across turns, so each turn re-sends the history and the
-Engine's prefix cache reuses what it computed for the last one. Ctrl-C stops the current answer
+Engine's context cache reuses what it computed for the last one (the conversation is one
+`session=` hint). Ctrl-C stops the current answer
 (what was generated stays in the history) and returns to the prompt; Ctrl-D or /exit leaves.
 One line is one message; a line of three double quotes starts a block that the next such line
 ends; a line ending in a backslash continues on the next. Commands: /reset, /system TEXT,
@@ -21,7 +22,7 @@ _HELP = """commands:
   /save FILE      write the conversation as JSON (a --messages file for `run`)
   /think show     show reasoning (dim); /think hide: hide it
   /set NAME VALUE a sampling parameter (temperature, top_p, max_tokens, min_tokens, seed, ...)
-  /stats          prefix-cache reuse and tokens generated so far
+  /stats          context-cache reuse and tokens generated so far
   /help           this text
   /exit, Ctrl-D   leave;   Ctrl-C stops the current answer
 multi-line input: a line of three double quotes starts and ends a block; a line ending in a
@@ -50,9 +51,6 @@ def chat_command(args) -> int:
     from .engine import Engine
 
     path, thinking, kwargs, overrides = generation_setup(args)
-    # each turn re-sends the history: keep prefix checkpoints on every backend (cuda's Engine
-    # default is none), so a turn prefills only what is new
-    kwargs.setdefault("prefix_cache_bytes", 1 << 30)
     with Engine(path, **kwargs) as engine:
         overrides.setdefault("max_tokens", engine.sampling_defaults.get("max_tokens", 1024))
         session = ChatSession(engine, engine.default_sampling_params(**overrides),
@@ -62,6 +60,11 @@ def chat_command(args) -> int:
               file=sys.stderr, flush=True)
         session.loop()
     return 0
+
+
+def _new_session() -> str:
+    import uuid
+    return f"chat-{uuid.uuid4().hex}"
 
 
 class ChatSession:
@@ -75,6 +78,8 @@ class ChatSession:
         self.out = stdout or sys.stdout
         self.dim = self.out.isatty()
         self.messages: list = []
+        self.session = _new_session()       # the context cache's hint: one per conversation
+        self.last_result = None             # the last turn's GenerationResult
 
     # ---- input ------------------------------------------------------------------------------------
     def _ask(self, prompt: str) -> str:
@@ -134,10 +139,10 @@ class ChatSession:
         if name in ("/exit", "/quit", "/bye"):
             return False
         if name == "/reset":
-            self.messages = []
+            self.messages, self.session = [], _new_session()
             self._say("(conversation cleared)")
         elif name == "/system":
-            self.system, self.messages = (rest or None), []
+            self.system, self.messages, self.session = (rest or None), [], _new_session()
             self._say("(system message set; conversation cleared)" if rest
                       else "(system message removed; conversation cleared)")
         elif name == "/save" and rest:
@@ -154,15 +159,22 @@ class ChatSession:
             self.show_thinking = rest == "show"
             self._say(f"(reasoning {'shown' if self.show_thinking else 'hidden'})")
         elif name == "/stats":
-            stats = self.engine.stats()
-            self._say(f"(prefix cache: {stats.get('prefix_cache_hits', 0)} hits, "
-                      f"{stats.get('prefix_cache_tokens_reused', 0)} tokens reused; "
-                      f"{stats.get('tokens_generated', 0)} tokens generated)")
+            self._say(self._stats())
         elif name in ("/help", "/?"):
             self._say(_HELP)
         else:
             self._say(f"(unknown command {text!r}; /help lists them)")
         return True
+
+    def _stats(self) -> str:
+        stats = self.engine.stats()
+        last = self.last_result
+        turn = "" if last is None else \
+            f" (last turn: {last.num_cached_tokens} of {last.num_prompt_tokens} prompt tokens)"
+        return (f"(prefix cache: {stats.get('prefix_cache_hits', 0)} hits of "
+                f"{stats.get('prefix_cache_lookups', 0)} lookups, "
+                f"{stats.get('prefix_cache_tokens_reused', 0)} tokens reused{turn}; "
+                f"{stats.get('tokens_generated', 0)} tokens generated)")
 
     def _set(self, rest: str) -> None:
         """/set NAME VALUE: one sampling parameter for the next answers (VALUE as JSON)."""
@@ -193,7 +205,8 @@ class ChatSession:
     def turn(self, text: str) -> None:
         from .api import Finished, TextDelta, ToolCallEvent
         self.messages.append({"role": "user", "content": text})
-        handle = self.engine.submit(self.history(), self.params, enable_thinking=self.thinking)
+        handle = self.engine.submit(self.history(), self.params, enable_thinking=self.thinking,
+                                    session=self.session)
         shown = {"content": "", "reasoning": ""}
         channel = None
         result = None
@@ -222,6 +235,7 @@ class ChatSession:
         self._end(channel)
         if result is None:
             return
+        self.last_result = result
         if result.finish_reason == "error":
             self.messages.pop()
             raise Error(f"generation failed: {result.error}")

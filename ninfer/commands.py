@@ -37,8 +37,14 @@ _OPTION_HELP = {
     "page_size": "tokens per KV page",
     "num_kv_pages": "KV pages (default: enough for max-concurrency * max-context)",
     "host_snapshot_bytes": "host memory for Snapshot pauses (0: Replay only); K/M/G suffixes",
-    "prefix_cache_bytes": "host memory for prefix checkpoints (0: no reuse; default 256M on "
-                          "numpy, 0 on cuda); K/M/G suffixes",
+    "prefix_cache": "the context cache: later requests start from the computed prefixes of "
+                    "earlier ones (prompts, finished turns) instead of prefilling them again",
+    "prefix_cache_device_fraction": "share of the KV pages and State slots the context cache "
+                                    "may hold on the device, 0..1",
+    "prefix_cache_host_bytes": "host memory for the context cache's checkpoints (cold ones "
+                               "demoted from the device); K/M/G suffixes (default 256M)",
+    "prefix_cache_bytes": "the older name of --prefix-cache-host-bytes",
+    "checkpoint_interval": "tokens between context-cache checkpoints inside a long prompt",
     "queue_timeout_s": "seconds a request may wait in the queue (default: no limit)",
     "device_id": "cuda device ordinal",
     "graphs": "cuda: replay CUDA graphs for decode",
@@ -86,7 +92,7 @@ def _engine_flags(p, *, concurrency_default: int) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = concurrency_default if f.name == "max_concurrency" else f.default
         text = _OPTION_HELP.get(f.name, f"EngineOptions.{f.name}")
-        if f.name != "max_context":
+        if f.name != "max_context" and default is not None and "(default" not in text:
             text += f" (default {default})"
         kind, choices = _flag_kind(hints[f.name])
         if kind is bool:
@@ -95,7 +101,8 @@ def _engine_flags(p, *, concurrency_default: int) -> None:
         choices = _FLAG_CHOICES.get(f.name, choices)
         if f.name.endswith("_bytes"):
             kind = _size
-        metavar = "SIZE" if kind is _size else "SECONDS" if f.name.endswith("_s") else "N"
+        metavar = "SIZE" if kind is _size else "SECONDS" if f.name.endswith("_s") \
+            else "F" if f.name.endswith("_fraction") else "N"
         g.add_argument(flag, type=kind, choices=choices, default=None, help=text,
                        metavar=None if choices else metavar)
 
@@ -360,12 +367,16 @@ class _Printer:
 
 
 def stats_line(res, wall_s: float) -> str:
+    """Prefill speed counts the tokens prefilled: the prompt less what the context cache gave."""
     n_prompt, n_out = res.num_prompt_tokens, len(res.token_ids)
-    prefill = f"{n_prompt / res.prefill_seconds:.1f} tok/s" if res.prefill_seconds > 0 else "n/a"
+    n_prefilled = n_prompt - res.num_cached_tokens
+    prefill = f"{n_prefilled / res.prefill_seconds:.1f} tok/s" if res.prefill_seconds > 0 \
+        else "n/a"
     decode = (f"{(n_out - 1) / res.decode_seconds:.1f} tok/s"
               if n_out > 1 and res.decode_seconds > 0 else "n/a")
     ttft = f"{res.time_to_first_token * 1000:.0f} ms" if res.time_to_first_token else "n/a"
-    return (f"[prompt {n_prompt} tok, prefill {prefill} | generated {n_out} tok, decode {decode}"
+    return (f"[prompt {n_prompt} tok ({res.num_cached_tokens} cached), prefill {prefill}"
+            f" | generated {n_out} tok, decode {decode}"
             f" | TTFT {ttft} | total {wall_s:.2f} s | finish {res.finish_reason}]")
 
 

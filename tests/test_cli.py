@@ -20,8 +20,9 @@ from ninfer import Engine, SamplingParams
 from ninfer.demo import (DEMO_NOTICE, REFERENCE_NOTICE, ensure_demo_artifact,
                          ensure_reference_artifact)
 
-STATS = re.compile(r"^\[prompt (\d+) tok, prefill [\d.]+ tok/s \| generated (\d+) tok, decode "
-                   r"[\d.]+ tok/s \| TTFT \d+ ms \| total [\d.]+ s \| finish (\w+)\]$")
+STATS = re.compile(r"^\[prompt (\d+) tok \(\d+ cached\), prefill [\d.]+ tok/s "
+                   r"\| generated (\d+) tok, decode [\d.]+ tok/s \| TTFT \d+ ms \| total [\d.]+ s "
+                   r"\| finish (\w+)\]$")
 
 
 def ninfer(*args, timeout=120):

@@ -73,6 +73,7 @@ def test_chat_non_stream_shape_reasoning_and_usage(client):
     # 13 reasoning + 8 content + EOS
     assert body["usage"] == {"prompt_tokens": len("<user>hi\n<assistant>"), "completion_tokens": 22,
                              "total_tokens": len("<user>hi\n<assistant>") + 22,
+                             "prompt_tokens_details": {"cached_tokens": 0},
                              "completion_tokens_details": {"reasoning_tokens": 13}}
 
 

@@ -88,6 +88,7 @@ class FakeEngine:
         self._running: set = set()     # not finished yet
         self._open: set = set()        # not closed yet
         self.submitted = []            # (prompt, params, tools, enable_thinking) of each submit
+        self.sessions = []             # the session hint of each submit
         self.closed = False
 
     # ---- frontend ---------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ class FakeEngine:
                     "open_handles": len(self._open)}
 
     def submit(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None,
-               timeout_s=None):
+               timeout_s=None, session=None):
         if self.health != "ready":
             raise EngineFailedError("fake engine failed")
         params.validate()
@@ -134,6 +135,7 @@ class FakeEngine:
             if len(self._running) >= self.options.max_concurrency + self.options.max_queue:
                 raise RequestError("queue full", status=429, code="queue_full")
             self.submitted.append((prompt, params, tools, enable_thinking))
+            self.sessions.append(session)
         events = self._script(last, params, tools, enable_thinking, n_prompt, request_id)
         delay = self.slow_delay if last == "slow" else self.delay
         handle = FakeHandle(self, request_id, events, delay)

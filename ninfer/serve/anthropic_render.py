@@ -29,6 +29,16 @@ def stop_reason(result: GenerationResult, stop_sequence) -> str:
     return "stop_sequence" if stop_sequence else "end_turn"
 
 
+def usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> dict:
+    """Anthropic's usage: the prompt splits into `cache_read_input_tokens` (what the context cache
+    supplied) and `input_tokens` (the rest, prefilled); their sum is what count_tokens counts.
+    The cache is written as a side effect of every request, never billed as a write:
+    `cache_creation_input_tokens` is 0."""
+    return {"input_tokens": num_prompt_tokens - num_cached_tokens,
+            "output_tokens": num_output_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": num_cached_tokens}
+
+
 def _tool_input(call) -> dict:
     try:
         value = json.loads(call.arguments) if call.arguments else {}
@@ -52,8 +62,7 @@ def message_response(plan, gen, model_id: str, message_id: str, engine) -> dict:
     stop = res.stop_sequence
     return {"id": message_id, "type": "message", "role": "assistant", "model": model_id,
             "content": content, "stop_reason": stop_reason(res, stop), "stop_sequence": stop,
-            "usage": {"input_tokens": res.num_prompt_tokens,
-                      "output_tokens": len(res.token_ids)}}
+            "usage": usage(res.num_prompt_tokens, res.num_cached_tokens, len(res.token_ids))}
 
 
 class MessageStream:
@@ -73,12 +82,12 @@ class MessageStream:
     def start(self) -> list:
         return []
 
-    def _message_start(self, num_prompt_tokens: int) -> list:
+    def _message_start(self, num_prompt_tokens: int, num_cached_tokens: int) -> list:
         self._started = True
         return [self._event("message_start", {"message": {
             "id": self.message_id, "type": "message", "role": "assistant", "model": self.model_id,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0}}})]
+            "usage": usage(num_prompt_tokens, num_cached_tokens, 0)}})]
 
     def _open(self, kind: str, block: dict) -> list:
         out = self._close()
@@ -96,9 +105,10 @@ class MessageStream:
     def on_event(self, event) -> list:
         out = []
         if not self._started:
-            n = event.num_prompt_tokens if isinstance(event, GenerationStart) else \
-                event.result.num_prompt_tokens if isinstance(event, Finished) else 0
-            out += self._message_start(n)
+            head = event if isinstance(event, GenerationStart) else \
+                event.result if isinstance(event, Finished) else None
+            out += self._message_start(head.num_prompt_tokens if head else 0,
+                                       head.num_cached_tokens if head else 0)
         if isinstance(event, TextDelta) and event.text:
             if event.channel == "reasoning":
                 if self._block != "thinking":
@@ -133,7 +143,7 @@ class MessageStream:
         stop = res.stop_sequence
         out.append(self._event("message_delta", {
             "delta": {"stop_reason": stop_reason(res, stop), "stop_sequence": stop},
-            "usage": {"input_tokens": res.num_prompt_tokens, "output_tokens": len(res.token_ids)}}))
+            "usage": usage(res.num_prompt_tokens, res.num_cached_tokens, len(res.token_ids))}))
         out.append(self._event("message_stop", {}))
         return out
 

@@ -36,7 +36,9 @@ def parse_messages(body, gateway) -> GenPlan:
     body = F.json_object(body, "messages")
     F.check_known(body, MESSAGES_FIELDS, gateway, "messages")
     F.get(body, "model", "str")
-    F.get(body, "metadata", "dict")             # user_id: no effect on the answer
+    # metadata.user_id: the context cache's session hint (a hint only: no effect on the answer)
+    session = F.session_hint(F.get(body, "metadata", "dict", default={}), "user_id",
+                             param="metadata.user_id")
     max_tokens = F.get(body, "max_tokens", "int", required=True, lo=1, hi=(1 << 31) - 1)
     messages = anthropic_messages(body)
     tools = _apply_tool_choice(body.get("tool_choice"), _tools(body))
@@ -53,7 +55,7 @@ def parse_messages(body, gateway) -> GenPlan:
     params.thinking_budget = budget
     stream = F.get(body, "stream", "bool", default=False)
     return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
-                   stream=stream, stop=tuple(params.stop))
+                   stream=stream, stop=tuple(params.stop), session=session)
 
 
 def parse_count_tokens(body, gateway) -> tuple:

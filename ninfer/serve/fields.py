@@ -5,6 +5,7 @@ import math
 import re
 from typing import Any, Iterable, Optional
 
+from ..api import MAX_SESSION_CHARS
 from .errors import invalid
 
 _MISSING = object()
@@ -75,6 +76,18 @@ def stop_strings(value: Any, param: str) -> tuple:
     if len(value) > 16:
         raise invalid(f"'{param}' may hold at most 16 sequences, got {len(value)}", param)
     return tuple(value)
+
+
+def session_hint(body: dict, key: str, *, param: Optional[str] = None) -> Optional[str]:
+    """A context-cache session hint (OpenAI `prompt_cache_key` / `user`, Anthropic
+    `metadata.user_id`): a string of at most MAX_SESSION_CHARS characters; absent, null or ""
+    -> no hint."""
+    param = param or key
+    value = get(body, key, "str", param=param)
+    if value is not None and len(value) > MAX_SESSION_CHARS:
+        raise invalid(f"'{param}' may be at most {MAX_SESSION_CHARS} characters, got "
+                      f"{len(value)}", param)
+    return value or None
 
 
 def json_object(body: Any, what: str) -> dict:

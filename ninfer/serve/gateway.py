@@ -136,14 +136,17 @@ class Gateway:
         return out
 
     # ---- requests ---------------------------------------------------------------------------------
-    def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None):
-        """Submit one request; ApiError on a bad or unacceptable request."""
+    def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None,
+              session=None):
+        """Submit one request; ApiError on a bad or unacceptable request. `session`: the
+        context cache's session hint."""
         engine = self.engine()
         request_id = request_id or uuid.uuid4().hex
         t0 = time.monotonic()
         try:
             handle = engine.submit(prompt, params, tools=tools, enable_thinking=enable_thinking,
-                                   request_id=request_id, timeout_s=self.config.request_timeout_s)
+                                   request_id=request_id, timeout_s=self.config.request_timeout_s,
+                                   session=session)
         except Exception as exc:  # noqa: BLE001 - mapped to the client's status
             raise from_engine_error(exc) from exc
         gen = Generation(self, handle, request_id, t0)

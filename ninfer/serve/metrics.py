@@ -6,7 +6,7 @@ histograms are updated by the Gateway as responses stream.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -21,6 +21,19 @@ _NAMED_STATS = {
     "num_paused": ("ninfer_paused_requests", "requests paused under resource pressure"),
 }
 
+# the context cache's Engine.stats() keys, exported by _cache_metrics under names of their own
+_CACHE_COUNTERS = (
+    ("prefix_cache_lookups", "ninfer_prefix_cache_lookups",
+     "requests that looked for a context-cache checkpoint to start from"),
+    ("prefix_cache_hits", "ninfer_prefix_cache_hits",
+     "requests that started from a context-cache checkpoint"),
+    ("prefix_cache_tokens_reused", "ninfer_prefix_cache_reused_tokens",
+     "prompt tokens the context cache supplied (not prefilled again)"),
+)
+_CACHE_BYTES = (("prefix_cache_device_bytes", "device"), ("prefix_cache_host_bytes", "host"))
+_CACHE_KEYS = frozenset([key for key, _, _ in _CACHE_COUNTERS] + [key for key, _ in _CACHE_BYTES]
+                        + ["prefix_cache_entries"])
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -33,9 +46,11 @@ class _EngineCollector:
         healthy.add_metric([], 1.0 if self._gateway.health_state() == "ready" else 0.0)
         yield healthy
         stats = self._gateway.engine_stats()
+        yield from _cache_metrics(stats)
         seen = set()
         for key, value in sorted(stats.items()):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or key in _CACHE_KEYS:
                 continue
             name, doc = _NAMED_STATS.get(key, (f"ninfer_engine_{_clean(key)}",
                                                f"Engine.stats()['{key}']"))
@@ -45,6 +60,31 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+
+
+def _cache_metrics(stats: dict):
+    """The context cache: lookups, hits and reused tokens (counters), the hit rate (hits per
+    lookup so far), checkpoint bytes per tier and entries. Nothing before the Engine is ready
+    (its stats are empty then)."""
+    if "prefix_cache_lookups" not in stats:
+        return
+    for key, name, doc in _CACHE_COUNTERS:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(stats.get(key, 0)))
+        yield c
+    lookups = stats.get("prefix_cache_lookups", 0)
+    rate = GaugeMetricFamily("ninfer_prefix_cache_hit_rate",
+                             "context-cache hits per lookup since start (0 before any lookup)")
+    rate.add_metric([], stats.get("prefix_cache_hits", 0) / lookups if lookups else 0.0)
+    yield rate
+    held = GaugeMetricFamily("ninfer_prefix_cache_bytes",
+                             "bytes the context cache's checkpoints hold, by tier", labels=["tier"])
+    for key, tier in _CACHE_BYTES:
+        held.add_metric([tier], float(stats.get(key, 0)))
+    yield held
+    entries = GaugeMetricFamily("ninfer_prefix_cache_entries", "context-cache checkpoints held")
+    entries.add_metric([], float(stats.get("prefix_cache_entries", 0)))
+    yield entries
 
 
 def _clean(key: str) -> str:

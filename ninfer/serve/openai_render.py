@@ -28,9 +28,12 @@ def result_error(result: GenerationResult, gateway) -> ApiError:
 
 
 def usage(result: GenerationResult, num_reasoning_tokens: int) -> dict:
+    """OpenAI's usage: `prompt_tokens` counts the whole prompt; `cached_tokens` is the part of it
+    the context cache supplied (not prefilled again)."""
     n_prompt, n_out = result.num_prompt_tokens, len(result.token_ids)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
             "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": num_reasoning_tokens}}
 
 

@@ -32,10 +32,12 @@ from .plan import GenPlan
 _SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "n", "stream",
-                    "stream_options", "response_format", "user",
+                    "stream_options", "response_format",
+                    # the context cache's session hint (session_hint below)
+                    "prompt_cache_key", "user",
                     # informational fields the official SDKs send that cannot change the output
-                    # (storage, billing tier, cache routing, abuse tracking): accepted, no effect
-                    "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
+                    # (storage, billing tier, abuse tracking): accepted, no effect
+                    "store", "metadata", "service_tier", "safety_identifier")
 CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + (
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"))
@@ -91,7 +93,7 @@ def parse_chat(body, gateway) -> GenPlan:
     stream, include_usage = _stream_flags(body)
     return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
                    stream=stream, include_usage=include_usage, want_logprobs=want_logprobs,
-                   stop=tuple(params.stop))
+                   stop=tuple(params.stop), session=session_hint(body))
 
 
 def parse_completion(body, gateway) -> GenPlan:
@@ -113,7 +115,17 @@ def parse_completion(body, gateway) -> GenPlan:
     stream, include_usage = _stream_flags(body)
     return GenPlan(prompt=prompt, params=params, enable_thinking=False, stream=stream,
                    include_usage=include_usage, want_logprobs=n_logprobs is not None,
-                   stop=tuple(params.stop))
+                   stop=tuple(params.stop), session=session_hint(body))
+
+
+def session_hint(body: dict):
+    """The context cache's session hint: `prompt_cache_key` (OpenAI's cache-routing key), else
+    `user` (the end user's id); each is checked when present. Only a hint: which checkpoint a
+    request reuses is decided by exact token comparison, so a wrong or shared key costs at most
+    a miss."""
+    key = F.session_hint(body, "prompt_cache_key")
+    user = F.session_hint(body, "user")
+    return key if key is not None else user
 
 
 def sampling_params(body: dict, gateway, *, max_tokens, logprobs=None, stop_key="stop",

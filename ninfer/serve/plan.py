@@ -21,6 +21,7 @@ class GenPlan:
     include_usage: bool = False
     want_logprobs: bool = False
     stop: tuple = field(default_factory=tuple)
+    session: Optional[str] = None       # the context cache's session hint (Engine.submit session=)
 
 
 def dumps(obj) -> bytes:
