@@ -122,7 +122,8 @@ def test_explicit_path(fe, ref, tmp_path):
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
     ({"type": "image", "image": "/etc/passwd"}, "'path'"),
     ({"type": "image", "image": np.zeros((0, 4, 3), np.uint8)}, "empty"),
-    ({"type": "video", "video": "clip.mp4"}, "video 1: video files are not decoded"),
+    ({"type": "video", "video": "clip.mp4"}, "video 1: a video must be a list of frames"),
+    ({"type": "video", "path": "/nonexistent/clip.mp4"}, "video 1: "),
     ({"type": "video", "video": []}, "no frames"),
 ])
 def test_bad_media_is_a_400_with_the_reason(fe, part, reason):

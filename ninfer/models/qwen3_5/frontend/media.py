@@ -10,7 +10,7 @@ import numpy as np
 
 from .media_fetch import OPTION, MediaUrlPolicy
 from .vision import (IMAGE_PAD, VIDEO_PAD, MediaError, VisionProcessing, process_image,
-                     process_video)
+                     process_video, process_video_file)
 
 
 # ---- MRoPE positions -----------------------------------------------------------------------------
@@ -185,11 +185,14 @@ class VisionPreprocessor:
             try:
                 if kind == "image":
                     out.append(process_image(image_payload(part, self.urls), self.image))
+                elif "path" in part and "video" not in part:     # a file the caller names
+                    out.append(process_video_file(part["path"], self.video))
                 else:
                     frames = part.get("video")
                     if isinstance(frames, (str, bytes)):
-                        raise MediaError("video files are not decoded here: pass the frames "
-                                         "(a list of uint8 HxWx3 arrays) and 'fps'")
+                        raise MediaError("a video must be a list of frames (uint8 HxWx3 arrays "
+                                         "or PIL images) with 'fps'; pass a file as "
+                                         "{'type': 'video', 'path': ...}")
                     if frames is None or len(frames) == 0:
                         raise MediaError("a video part has no frames")
                     out.append(process_video(list(frames), self.video, part.get("fps")))

@@ -306,11 +306,62 @@ def sample_frame_indices(total: int, video_fps: float | None, p: VisionProcessin
     unknown), clamped to [min_frames, max_frames] and to the frames there are."""
     if p.num_frames is not None:
         n = p.num_frames
-    else:
+    elif p.fps is not None:
         src_fps = 24.0 if video_fps is None else video_fps
         n = int(total / src_fps * p.fps)
         n = min(max(n, p.min_frames), p.max_frames, total)
+    else:
+        n = min(max(total, p.min_frames), p.max_frames)
     return np.linspace(0, total - 1, n).round().astype(int)
+
+
+def read_video(path, p: VisionProcessing) -> tuple:
+    """A video file -> (sampled frames uint8 [n, H, W, 3], their indices, the stream's fps or
+    None), decoded by PyAV (the `vision` extra) as transformers' read_video_pyav does: the frame
+    count and average rate from the stream, indices by sample_frame_indices, frames decoded up to
+    the last index (a container that does not record its frame count is decoded twice: count,
+    then keep)."""
+    try:
+        import av
+    except ImportError:
+        raise MediaError("decoding video files needs PyAV: pip install 'ninfer[vision]' (or pass "
+                         "the frames as a list of uint8 HxWx3 arrays and 'fps')") from None
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise MediaError("the file has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate
+            fps = float(rate) if rate else None
+            total = int(stream.frames or 0)
+        if total <= 0:
+            with av.open(str(path)) as container:
+                total = sum(1 for _ in container.decode(video=0))
+        if total <= 0:
+            raise MediaError("the video has no frames")
+        idx = sample_frame_indices(total, fps, p) if p.do_sample_frames else np.arange(total)
+        want, frames = set(int(i) for i in idx), {}
+        with av.open(str(path)) as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i > idx[-1]:
+                    break
+                if i in want:
+                    frames[i] = to_rgb_array(frame.to_ndarray(format="rgb24"))
+    except MediaError:
+        raise
+    except FileNotFoundError as e:
+        raise MediaError(f"video path {str(path)!r}: {e.strerror}") from None
+    except Exception as e:                                   # PyAV / FFmpeg raise many kinds
+        raise MediaError(f"video is not decodable: {e}") from None
+    if len(frames) != len(want):
+        raise MediaError(f"the video has fewer frames than its header says ({total})")
+    return np.stack([frames[int(i)] for i in idx]), idx, fps
+
+
+def process_video_file(path, p: VisionProcessing) -> Media:
+    """A video file named explicitly by the caller -> Media (read_video, then as process_video)."""
+    video, idx, fps = read_video(path, p)
+    return _process_sampled(video, idx, p, fps)
 
 
 def process_video(frames, p: VisionProcessing, fps: float | None = None) -> Media:
@@ -324,7 +375,11 @@ def process_video(frames, p: VisionProcessing, fps: float | None = None) -> Medi
     video = np.stack(frames)
     idx = sample_frame_indices(len(video), fps, p) if p.do_sample_frames \
         else np.arange(len(video))
-    video = video[idx]
+    return _process_sampled(video[idx], idx, p, fps)
+
+
+def _process_sampled(video: np.ndarray, idx, p: VisionProcessing, fps) -> Media:
+    """The sampled frames uint8 [n, H, W, 3] (source indices `idx`) -> Media."""
     F, H, W, _ = video.shape
     if p.do_resize:
         h, w = video_smart_resize(F, H, W, p.temporal_patch_size, p.factor, p.min_pixels,
