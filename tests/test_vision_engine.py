@@ -168,3 +168,36 @@ def test_pause_resume_keeps_the_media(mode, artifacts, ref):
         prog.model.close()
     assert kinds == {"snapshot" if mode == "snapshot" else "replay"}
     assert out[:len(want)] == want
+
+
+def test_media_digest_and_a_later_turn_reuses_the_encoding(artifacts, ref, monkeypatch):
+    """PreparedPrompt.media_digest names the media's content in order (b"" for text); the tower
+    encodes each distinct medium once: the second turn re-sends image_0 and adds a video and
+    image_1, so 3 encodings in all, not 4."""
+    from ninfer import Engine, SamplingParams
+
+    def user(*images):
+        return [{"role": "user", "content": [{"type": "text", "text": "qwen net"}] + [
+            {"type": "image", "image": i} for i in images]}]
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    with Engine(artifacts["cond_gen"]) as engine:
+        fe = engine.frontend
+        d = fe.prepare(user(ref["image_0"])).media_digest
+        assert isinstance(d, bytes) and len(d) == 16
+        assert fe.prepare(user(ref["image_0"].copy())).media_digest == d       # content, not id
+        assert fe.prepare(user(ref["image_1"])).media_digest != d
+        flipped = ref["image_0"].copy()
+        flipped[0, 0, 0] ^= 1                                                  # one bit
+        assert fe.prepare(user(flipped)).media_digest != d
+        two = fe.prepare(user(ref["image_0"], ref["image_1"])).media_digest
+        assert fe.prepare(user(ref["image_1"], ref["image_0"])).media_digest != two   # order
+        assert fe.prepare("plain text").media_digest == b""
+        calls = []
+        real = engine.model.vision.encode
+        monkeypatch.setattr(engine.model.vision, "encode",
+                            lambda *a: calls.append(a[1]) or real(*a))
+        engine.generate(chat(ref)[:1], params, enable_thinking=False)
+        assert len(calls) == 1
+        engine.generate(chat(ref), params, enable_thinking=False)
+        assert [tuple(g[0]) for g in calls] == [(1, 8, 10), (2, 4, 6), (1, 6, 4)]

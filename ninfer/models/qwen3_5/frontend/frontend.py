@@ -14,7 +14,7 @@ from .grammar import GrammarCompiler
 from .output_session import OutputSession
 from .prompt import THINK_NONE, PreparedPrompt, make_prepared
 from .tokenizer import Tokenizer
-from .media import VisionPreprocessor, rope_positions
+from .media import VisionPreprocessor, media_digest, rope_positions
 from .vision import MediaError, expand_placeholders
 
 _DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
@@ -164,7 +164,8 @@ class Frontend:
         prepared = make_prepared(ids, text=text, enable_thinking=thinking,
                                  think_ids=self._think_ids, im_start_id=self._im_start_id)
         return dataclasses.replace(prepared, media=tuple(media),
-                                   mrope_positions=positions.astype(np.int32))
+                                   mrope_positions=positions.astype(np.int32),
+                                   media_digest=media_digest(media))
 
     def new_output_session(self, params: SamplingParams, prepared: PreparedPrompt,
                            tools: Optional[Sequence[Mapping[str, Any]]] = None, *,

@@ -61,6 +61,15 @@ def rope_positions(mm_types: np.ndarray, grids: list, merge: int, start: int = 0
     return out, pos
 
 
+def media_digest(media) -> bytes:
+    """blake2b-128 over each medium's kind and content digest (grid and pixels), in order."""
+    import hashlib
+    h = hashlib.blake2b(digest_size=16)
+    for m in media:
+        h.update(m.kind.encode() + bytes.fromhex(m.digest))
+    return h.digest()
+
+
 # ---- chat messages -> media ----------------------------------------------------------------------
 
 def _kind_of_part(part) -> str | None:

@@ -20,6 +20,9 @@ class PreparedPrompt:
     token_ids          int32 [num_tokens], read-only, owned (never a view of the caller's array)
     media              media slots in prompt order; empty for text (Vision fills it later)
     mrope_positions    None for text: position of token i is i on all MRoPE axes; else int32 [3, T]
+    media_digest       blake2b-128 of every medium's kind, grid and pixels in order (b"" for text):
+                       with the token ids it identifies a prompt with media (placeholder tokens
+                       are equal for different images), the key part cache lookups need
     digest             blake2b-128 hex of the token ids (little-endian int32 bytes)
     text               the rendered prompt text when it came from text or messages, else None
     enable_thinking    the flag the template was rendered with
@@ -36,6 +39,7 @@ class PreparedPrompt:
     token_ids: np.ndarray
     media: tuple = ()
     mrope_positions: Optional[np.ndarray] = None
+    media_digest: bytes = b""
     digest: str = ""
     text: Optional[str] = None
     enable_thinking: bool = True

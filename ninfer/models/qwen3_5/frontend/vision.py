@@ -21,6 +21,7 @@ here videos use the PIL resample too (the fixtures' videos are already of the ta
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 from dataclasses import dataclass
@@ -248,9 +249,9 @@ class Media:
     merge_size: int
     timestamps: tuple = ()      # video: seconds per temporal patch
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """Content hash (pixels and grid): equal media give equal embeddings."""
+        """Content hash (pixels and grid): equal media give equal embeddings. Computed once."""
         import hashlib
         h = hashlib.blake2b(np.asarray(self.grid_thw, "<i8").tobytes(), digest_size=16)
         h.update(np.ascontiguousarray(self.pixels, "<f4").tobytes())
