@@ -171,6 +171,12 @@ class Model(Protocol):
 
     def warm_up(self, kv, state) -> None: ...
 
+    # new_kv_pool -> a KV pool: num_pages, read_pages(pages) -> (k list, v list) host float32
+    # copies, write_pages(pages, image), copy_pages(src_pages, dst_pages): page dst[i] becomes a
+    # copy of page src[i] in every layer (lists of one length, the two disjoint; CUDA: device to
+    # device on the model's stream, in order with the steps around it).
+    # new_state_pool -> a State pool: num_slots, zero(slot), read(slot) / write(slot, image) host
+    # copies of one StateImage, copy(src_slot, dst_slot) (the context cache's checkpoints)
     def new_kv_pool(self, num_pages: int, page_size: int): ...
 
     def new_state_pool(self, num_slots: int): ...

@@ -31,7 +31,7 @@ def test_hit_equals_cold_run(params):
     first = prompt(1, 13)                      # neither chunk- nor page-aligned
     second = np.concatenate([first, prompt(2, 9)])
     assert _run(core, first, params) == reference_tokens(first, params)
-    assert _stats(core)["prefix_cache_entries"] == 1
+    assert _stats(core)["prefix_cache_entries"] == 2      # the prompt and its continuation
     res = core.submit(second, params, session="chat-1").result(timeout=20)
     assert list(res.token_ids) == reference_tokens(second, params)
     assert res.num_cached_tokens == 13
@@ -62,7 +62,7 @@ def test_prefix_differing_inside_checkpoint_gets_no_hit():
 
 
 def test_digest_collision_never_gives_a_wrong_hit(monkeypatch):
-    monkeypatch.setattr(resource_manager, "_digest", lambda ids: b"same")
+    monkeypatch.setattr(resource_manager, "_digest", lambda ids, prev=b"": b"same")
     core, _ = make_core()
     a, b = prompt(5, 10), prompt(6, 10)
     _run(core, a, GREEDY)
@@ -73,10 +73,11 @@ def test_digest_collision_never_gives_a_wrong_hit(monkeypatch):
 
 
 def test_lru_eviction_under_a_tiny_budget():
+    """The host tier alone (no device share): one entry fits, the older goes."""
     probe, _ = make_core()
     one = probe.program.checkpoint_cost(10)
     probe.shutdown()
-    core, _ = make_core(prefix_cache_bytes=one)
+    core, _ = make_core(prefix_cache_bytes=one, prefix_cache_device_fraction=0)
     a, c = prompt(8, 10), prompt(9, 10)
     _run(core, a, GREEDY)
     _run(core, c, GREEDY)                      # evicts a's checkpoint
@@ -92,7 +93,7 @@ def test_lru_eviction_under_a_tiny_budget():
 
 
 def test_disabled_cache_captures_nothing():
-    core, _ = make_core(prefix_cache_bytes=0)
+    core, _ = make_core(prefix_cache=False)
     a = prompt(12, 10)
     _run(core, a, GREEDY)
     _run(core, np.concatenate([a, prompt(13, 3)]), GREEDY)
@@ -142,7 +143,7 @@ def test_clear_returns_everything_and_invariants_catch_a_lost_entry():
     _run(core, prompt(17, 9), GREEDY)
     _run(core, prompt(18, 9), GREEDY)
     core.shutdown()
-    assert core.program.stats()["prefix_cache_entries"] == 2
+    assert core.program.stats()["prefix_cache_entries"] == 4     # 2 prompts, 2 continuations
     core.program.assert_all_free()                 # a cache is not a leak
     cid = core.program.checkpoint_ids()[0]
     core.program.drop_checkpoint(cid)              # behind the index's back
@@ -194,7 +195,7 @@ def _chat(path, params, **options):
 def test_real_model_chat_turn2_reuses_turn1(demo, kind):
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0) if kind == "greedy" \
         else SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.95, seed=3)
-    cold = _chat(demo, params, prefix_cache_bytes=0)
+    cold = _chat(demo, params, prefix_cache=False)
     warm = _chat(demo, params)
     assert warm[0].error is None and warm[1].error is None
     assert warm[0].token_ids == cold[0].token_ids and warm[1].token_ids == cold[1].token_ids
@@ -209,7 +210,7 @@ def test_real_model_token_prompts_hit_equals_cold(dense):
     base = rng.integers(3, 256, 21).astype(np.int32)
     longer = np.concatenate([base, rng.integers(3, 256, 10).astype(np.int32)])
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
-    with Engine(dense, max_concurrency=1, prefix_cache_bytes=0) as engine:
+    with Engine(dense, max_concurrency=1, prefix_cache=False) as engine:
         cold = engine.generate(longer, params).token_ids
     with Engine(dense, max_concurrency=1, prefill_chunk=8, page_size=8) as engine:
         engine.generate(base, params)
@@ -247,7 +248,8 @@ def test_media_prompts_neither_capture_nor_reuse():
     longer = np.concatenate([base, prompt(22, 4)])
     assert _run(core, longer, GREEDY) == reference_tokens(longer, GREEDY)
     stats = _stats(core)
-    assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_entries"] == 1
+    # base's prompt and continuation only: the media prompt kept nothing
+    assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_entries"] == 2
     core.shutdown()
 
 

@@ -11,7 +11,8 @@ except ImportError:                       # no compiler / NINFER_NO_CYTHON: same
 
 take_pages = _impl.take_pages
 give_pages = _impl.give_pages
+release_pages = _impl.release_pages
 pack_batch = _impl.pack_batch
 pack_decode = _impl.pack_decode
 
-__all__ = ["take_pages", "give_pages", "pack_batch", "pack_decode", "IS_COMPILED"]
+__all__ = ["take_pages", "give_pages", "release_pages", "pack_batch", "pack_decode", "IS_COMPILED"]

@@ -28,6 +28,29 @@ def give_pages(int[::1] free_stack, Py_ssize_t num_free, int[::1] table_row,
     return num_free + count
 
 
+def release_pages(int[::1] free_stack, Py_ssize_t num_free, int[::1] refcount,
+                  int[::1] table_row, Py_ssize_t start, Py_ssize_t stop):
+    cdef Py_ssize_t i
+    cdef int page
+    if start < 0 or stop < start or stop > table_row.shape[0]:
+        raise ValueError(f"release_pages: entries [{start}, {stop}) outside the table row")
+    for i in range(start, stop):
+        page = table_row[i]
+        if page < 0 or page >= refcount.shape[0] or refcount[page] < 1:
+            raise ValueError(f"release_pages: entries [{start}, {stop}) hold unmapped or "
+                             f"unreferenced pages")
+    for i in range(stop - 1, start - 1, -1):
+        page = table_row[i]
+        refcount[page] -= 1
+        if refcount[page] == 0:
+            if num_free >= free_stack.shape[0]:
+                raise ValueError("release_pages: the free stack is full")
+            free_stack[num_free] = page
+            num_free += 1
+        table_row[i] = -1
+    return num_free
+
+
 def pack_batch(int[:, ::1] token_buf, int[:, ::1] block_tables, int[::1] slots,
                int[::1] starts, int[::1] counts, int[::1] out_tokens, int[:, :] out_positions,
                int[::1] out_query_start, int[:, ::1] out_tables):

@@ -1,6 +1,6 @@
 """Page-table updates and batch packing: the pure-Python twin of `pages.pyx`.
 
-Both modules expose the same three functions with the same arguments and results; `ninfer._hot`
+Both modules expose the same functions with the same arguments and results; `ninfer._hot`
 picks the compiled one when it was built. All arrays are int32 and owned by the caller (the
 Program's workspace), so neither version allocates except the twin's small temporaries.
 
@@ -35,6 +35,28 @@ def give_pages(free_stack, num_free, table_row, start, stop):
         free_stack[num_free:num_free + count] = pages[::-1]
         table_row[start:stop] = -1
     return num_free + count
+
+
+def release_pages(free_stack, num_free, refcount, table_row, start, stop):
+    """Unmap table_row[start:stop] (mark them -1) and drop one reference of each page; a page
+    whose count reaches 0 goes onto the free stack. Returns the new num_free. (Pages may be held
+    by several block tables and by context-cache entries: refcount[page] counts the holders.)"""
+    if start < 0 or stop < start or stop > len(table_row):
+        raise ValueError(f"release_pages: entries [{start}, {stop}) outside the table row")
+    pages = table_row[start:stop]
+    if np.any(pages < 0) or np.any(refcount[pages] < 1):
+        raise ValueError(f"release_pages: entries [{start}, {stop}) hold unmapped or "
+                         f"unreferenced pages")
+    for i in range(stop - 1, start - 1, -1):
+        page = table_row[i]
+        refcount[page] -= 1
+        if refcount[page] == 0:
+            if num_free >= len(free_stack):
+                raise ValueError("release_pages: the free stack is full")
+            free_stack[num_free] = page
+            num_free += 1
+        table_row[i] = -1
+    return num_free
 
 
 def pack_batch(token_buf, block_tables, slots, starts, counts,

@@ -219,8 +219,12 @@ class EngineCore:
         has_protected = any(self.program.is_protected(r.seq_id) for r in self._residents)
         req = self.scheduler.resume_candidate(
             [ResidentView(r, r.ticket, False) for r in self._paused], has_protected)
-        if req is None or len(self._residents) >= self.options.max_concurrency \
-                or not self.program.can_resume(req.resume_state):
+        if req is None or len(self._residents) >= self.options.max_concurrency:
+            return
+        short = self.program.pages_short_to_resume(req.resume_state)
+        if short:                                   # cache pages go before a request waits
+            self.resources.reclaim(self.program.pages.num_free + short)
+        if not self.program.can_resume(req.resume_state):
             return
         kind = req.resume_state.kind
         req.seq_id = self.program.resume(req.resume_state)
@@ -234,19 +238,26 @@ class EngineCore:
         while self._waiting and len(self._residents) < self.options.max_concurrency:
             req = self._waiting[0]
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
-                    or not self.program.can_bind(req.num_prompt_tokens):
+                    or not self.program.slots.num_free:
                 return
-            checkpoint, reused = self.resources.lookup(req.prompt_ids) if req.may_reuse \
+            checkpoint, reused = self.resources.lookup(
+                req.prompt_ids, req.media_digest, req.cache_session) if req.may_reuse \
                 else (None, 0)
-            if not self.program.can_bind(req.num_prompt_tokens, reused):
+            short = self.program.pages_short_to_bind(req.num_prompt_tokens, reused, checkpoint)
+            if short:                               # cache pages go before a request waits
+                self.resources.reclaim(self.program.pages.num_free + short,
+                                       protect=() if checkpoint is None else (checkpoint,))
+            if not self.program.can_bind(req.num_prompt_tokens, reused, checkpoint):
                 checkpoint, reused = None, 0
+                if not self.program.can_bind(req.num_prompt_tokens):
+                    return
             # bind before leaving the queue: a failed bind must leave req where _finish_all sees it
             req.seq_id = self.program.bind(req.prompt_ids, req.spec, capture_at=req.reusable_at,
                                            checkpoint=checkpoint,
                                            **({"media": req.media} if req.media else {}))
-            if checkpoint is not None:
-                self.resources.note_hit(req.prompt_ids, reused)
-                req.num_cached_tokens = reused
+            if req.may_reuse:
+                self.resources.note_bind(checkpoint, reused, req.seq_id)
+            req.num_cached_tokens = reused
             self._waiting.popleft()
             req.admit_time = time.monotonic()
             self._make_resident(req)
@@ -287,7 +298,10 @@ class EngineCore:
                 touch_program: bool = True) -> None:
         """The single terminal transition: release Program resources, then publish Finished."""
         if touch_program and req.seq_id is not None:
-            self.resources.settle_finished(req.seq_id)
+            # a finished answer leaves its continuation (prompt + answer) in the context cache
+            self.resources.settle_finished(
+                req.seq_id, keep=req.may_reuse and reason not in ("cancelled", "error"),
+                session=req.cache_session, order=req.ticket, media_digest=req.media_digest)
         if touch_program and req.resume_state is not None:
             self.resources.settle_paused(req.resume_state)
         was_admitted = req.state != RequestState.WAITING
@@ -325,6 +339,8 @@ class EngineCore:
     def _reserve(self, req: Request) -> bool:
         """Reserve req's next unit, pausing the youngest younger resident while it lacks pages."""
         while not self.program.reserve_units([req.seq_id], forced=self._forced([req]))[0]:
+            if self.resources.reclaim(self.program.pages.num_free + 1):
+                continue                            # cache pages go before any resident pauses
             victim = self.scheduler.choose_victim([self._view(r) for r in self._residents],
                                                   self._view(req))
             self._pause(victim)
@@ -363,7 +379,7 @@ class EngineCore:
         self.program.commit(pending, [d for d, _, _ in verdicts])
         for req, (decision, _, _) in zip(reqs, verdicts):
             if not decision.is_cancelled:
-                self.resources.capture_if_due(req.seq_id)
+                self.resources.capture_if_due(req.seq_id, req.media_digest)
         for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
             self._settle_row(req, row, decision, preview, error)
         return 1
@@ -459,6 +475,8 @@ class EngineCore:
                      **self.resources.stats())
         with self._lock:
             self._stats = stats
+
+
 
 
 

@@ -1,103 +1,318 @@
 """ResourceManager: what happens to a sequence's Program resources when a request settles, and
-the shared prefix index (prefix reuse across requests, e.g. the turns of one chat).
+the context cache's logical side: the shared prefix index, session hints and what to keep.
 
-The index is logical: checkpoint id -> the exact prefix tokens it covers, keyed by a digest of
-those tokens, in LRU order. The Program holds the physical host copies and their bytes; this
-never keeps a second physical ledger. A Gated DeltaNet State is a running summary, valid only at
-the exact position it was captured, so a checkpoint is one real execution's State + KV at one
-prefix length p, and a hit must match the prompt token for token on [0, p).
+The index is logical: checkpoint id -> the exact prefix tokens it covers (+ the prompt's media
+digest), found by a digest chained over page-sized blocks and confirmed token by token. The
+Program holds the checkpoints themselves (device pages by reference, State slot copies, host
+copies: `program/context_cache.py`) and their bytes; this never keeps a second physical ledger.
+A Gated DeltaNet State is a running summary, valid only at the exact position it was captured,
+so a checkpoint is one real execution's State + KV at one prefix length p, and a hit must match
+the prompt token for token on [0, p).
+
+Checkpoints are taken at the end of a prompt's reusable part, every `checkpoint_interval` tokens
+before it, and at the end of every finished request (its continuation: prompt + answer, up to
+the last token it ran). Retention is by cost: the recompute a checkpoint saves per byte it holds
+(tokens covered / bytes), times (1 + the hits it had), divided by (1 + its age in cache events
+since its last use), doubled while a session's newest publication names it. Under the device budget the lowest-ranked device
+checkpoints are demoted to the host tier (dropped when the host budget cannot take them); the
+EngineCore reclaims cache pages before it pauses any resident request.
 """
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from ..contracts import ProgramError
 
 
-def _digest(token_ids: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.asarray(token_ids).astype("<i4", copy=False).tobytes(),
-                           digest_size=16).digest()
+def _digest(token_ids: np.ndarray, prev: bytes = b"") -> bytes:
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(np.asarray(token_ids).astype("<i4", copy=False).tobytes())
+    return h.digest()
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    token_ids: np.ndarray
+    key: bytes
+    last_used: int
+    hits: int = 0
+    session_bound: int = 0       # sessions whose newest publication names this entry
 
 
 class ResourceManager:
     def __init__(self, program):
         self.program = program
-        self._index: OrderedDict = OrderedDict()   # digest -> (checkpoint id, token ids); LRU first
+        self.block = int(program.page_size)
+        self._entries: dict = {}         # checkpoint id -> _Entry
+        self._keys: dict = {}            # key -> checkpoint ids (several only on a collision)
+        self._lengths: dict = {}         # prefix length -> number of entries of that length
+        self._sessions: dict = {}        # session -> (publication order, checkpoint id or None)
+        self._tick = 0
         self.hits = 0
+        self.session_hits = 0
         self.lookups = 0
         self.tokens_reused = 0
 
-    def settle_finished(self, seq_id: int) -> None:
-        """A resident request reached its terminal state: its slot and pages go back (a prefix
-        checkpoint it captured is an independent host copy and stays in the index)."""
-        self.program.release(seq_id)
+    # ---- settling -------------------------------------------------------------------------------
+    def settle_finished(self, seq_id: int, *, keep: bool = False, session: Optional[str] = None,
+                        order: int = 0, media_digest: bytes = b"") -> None:
+        """A resident request reached its terminal state: its slot and pages go back. keep (a
+        request that finished its answer): its continuation becomes a device checkpoint first,
+        published to `session` with publication `order`, when room can be made for it."""
+        cid = None
+        if keep:
+            cid = self._keep_continuation(seq_id, media_digest)
+        if cid is None:
+            self.program.release(seq_id)
+        if session is not None and cid is not None:
+            self.publish(session, order, cid)
 
     def settle_paused(self, resume_state) -> None:
         """A paused request ended: its Snapshot host memory (if any) goes back."""
         self.program.discard(resume_state)
 
+    def _keep_continuation(self, seq_id: int, media_digest: bytes) -> Optional[int]:
+        tokens = self.program.continuation(seq_id)
+        if not len(tokens):
+            return None
+        key = self._key(tokens, media_digest)
+        known = self._find(key, tokens)
+        if known is not None:
+            self._touch(known)
+            self.program.release(seq_id)
+            return known
+        if not self._make_room(seq_id, len(tokens), at_release=True):
+            return None
+        cid = self.program.release(seq_id, keep_frontier=True)
+        self._add(cid, tokens, key)
+        return cid
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def publish(self, session: str, order: int, checkpoint: int) -> bool:
+        """Bind session -> checkpoint unless a request of a later publication order already
+        bound it (an older request finishing late never overwrites a newer binding). Returns
+        whether it bound."""
+        old = self._sessions.get(session)
+        if old is not None and old[0] > order:
+            return False
+        if old is not None and old[1] in self._entries:
+            self._entries[old[1]].session_bound -= 1
+        self._sessions[session] = (order, checkpoint)
+        self._entries[checkpoint].session_bound += 1
+        return True
+
     # ---- prefix index ---------------------------------------------------------------------------
-    def lookup(self, prompt_ids: np.ndarray) -> tuple:
+    def lookup(self, prompt_ids: np.ndarray, media_digest: bytes = b"",
+               session: Optional[str] = None) -> tuple:
         """(checkpoint id, tokens reused) of the longest checkpoint that is a strict prefix of
         the prompt (one token must remain to prefill, for the first sampled token's logits);
-        (None, 0) when none. The token ids are compared, never the digest alone."""
-        self.lookups += 1
+        (None, 0) when none. The token ids are compared, never the digest alone. The session's
+        newest checkpoint is tried first. `note_bind` counts the lookup that admission used."""
+        prompt_ids = np.asarray(prompt_ids)
         n = len(prompt_ids)
-        lengths = sorted({len(t) for _, t in self._index.values() if len(t) < n}, reverse=True)
+        bound = self._sessions.get(session) if session is not None else None
+        best = (None, 0)
+        if bound is not None and bound[1] in self._entries:
+            e = self._entries[bound[1]]
+            p = len(e.token_ids)
+            if p < n and e.key == self._key(prompt_ids[:p], media_digest) \
+                    and np.array_equal(e.token_ids, prompt_ids[:p]):
+                best = (bound[1], p)
+                self.session_hits += 1
+        lengths = sorted((p for p in self._lengths if best[1] < p < n), reverse=True)
+        if not lengths:
+            return best
+        chain = self._chain(prompt_ids[:lengths[0]])
         for p in lengths:
-            entry = self._index.get(_digest(prompt_ids[:p]))
-            if entry is not None and len(entry[1]) == p \
-                    and np.array_equal(entry[1], prompt_ids[:p]):
-                return entry[0], p
-        return None, 0
+            cid = self._find(self._key_from_chain(chain, prompt_ids, p, media_digest),
+                             prompt_ids[:p])
+            if cid is not None:
+                return cid, p
+        return best
 
-    def note_hit(self, prompt_ids: np.ndarray, num_reused: int) -> None:
-        """A bind installed the checkpoint of prompt_ids[:num_reused]: most recently used now."""
-        self._index.move_to_end(_digest(prompt_ids[:num_reused]))
+    def note_bind(self, checkpoint: Optional[int], num_reused: int,
+                  seq_id: Optional[int] = None) -> None:
+        """A bind used a lookup: with a checkpoint (a hit) that one is most recently used now,
+        and a host-tier one moves back to the device from the bound sequence (seq_id) when room
+        can be made."""
+        self.lookups += 1
+        if checkpoint is None:
+            return
+        self._touch(checkpoint)
+        self._entries[checkpoint].hits += 1
         self.hits += 1
         self.tokens_reused += num_reused
+        if seq_id is None:
+            return
+        tokens, on_device, _, _ = self.program.checkpoint_info(checkpoint)
+        if not on_device and self._make_room(seq_id, tokens, protect={checkpoint}):
+            self.program.promote_checkpoint(checkpoint, seq_id)
 
-    def capture_if_due(self, seq_id: int) -> None:
-        """Right after a commit: if the sequence's frontier sits on its checkpoint position, copy
-        it into the cache (evicting least recently used entries to fit), unless already cached."""
+    def capture_if_due(self, seq_id: int, media_digest: bytes = b"") -> None:
+        """Right after a commit: if the sequence's frontier sits on a checkpoint position, keep
+        it on the device (making room by the retention order), else on the host tier if it
+        fits there, unless an equal checkpoint is cached already."""
         p = self.program.capture_due(seq_id)
         if not p:
             return
         tokens = self.program.prefix_tokens(seq_id, p)
-        key = _digest(tokens)
-        cost = self.program.checkpoint_cost(p)
-        entry = self._index.get(key)
-        if entry is not None or cost > self.program.cache_budget_bytes:
-            if entry is not None and np.array_equal(entry[1], tokens):
-                self._index.move_to_end(key)
+        key = self._key(tokens, media_digest)
+        known = self._find(key, tokens)
+        if known is not None:
+            self._touch(known)
             self.program.capture_checkpoint(seq_id, keep=False)
             return
-        while self._index and \
-                self.program.cache_bytes_used + cost > self.program.cache_budget_bytes:
-            self._evict_oldest()
-        cid = self.program.capture_checkpoint(seq_id)
-        self._index[key] = (cid, tokens)
+        if self._make_room(seq_id, p):
+            cid = self.program.capture_checkpoint(seq_id)
+        elif self._make_host_room(self.program.checkpoint_cost(p), self._rank_new(p)):
+            cid = self.program.capture_checkpoint(seq_id, on_device=False)
+        else:
+            self.program.capture_checkpoint(seq_id, keep=False)
+            return
+        self._add(cid, tokens, key)
+
+    def reclaim(self, num_pages: int, protect=()) -> bool:
+        """Free device pages held only by the cache until num_pages are free (before any
+        resident request is paused for pages, and before a bind or resume waits for them):
+        lowest-ranked first, demoted to the host tier or dropped. Returns whether it got there."""
+        while self.program.pages.num_free < num_pages:
+            victims = [c for c in self._entries if c not in protect
+                       and self.program.checkpoint_info(c)[1]
+                       and self.program.checkpoint_info(c)[2] > self.program.cache.state_bytes]
+            if not victims:
+                return False
+            self._evict_device(min(victims, key=self._rank))
+        return True
 
     def clear_prefix_cache(self) -> None:
-        while self._index:
-            self._evict_oldest()
+        for cid in list(self._entries):
+            self._remove(cid)
 
-    def _evict_oldest(self) -> None:
-        _, (cid, _) = self._index.popitem(last=False)
+    # ---- retention ------------------------------------------------------------------------------
+    def _rank(self, cid: int) -> float:
+        tokens, on_device, _, host_bytes = self.program.checkpoint_info(cid)
+        e = self._entries[cid]
+        held = host_bytes if not on_device else \
+            self.program.checkpoint_cost(tokens)          # bytes of its whole coverage
+        return tokens / held * (1 + e.hits) * (2.0 if e.session_bound else 1.0) \
+            / (1 + self._tick - e.last_used)
+
+    def _rank_new(self, num_tokens: int) -> float:
+        return num_tokens / self.program.checkpoint_cost(num_tokens)
+
+    def _make_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False,
+                   protect=()) -> bool:
+        """Make the device tier able to take a capture of [0, num_tokens) of the sequence: a
+        free cache slot, the free pages it takes, and device budget room for the pages it adds
+        (asked again after each eviction: an evicted entry may have shared the sequence's
+        pages, which the capture then adds)."""
+        cache = self.program.cache
+        if not cache.slots.num_slots:
+            return False
+        while True:
+            slot_free, take, adds = self.program.capture_room(seq_id, num_tokens,
+                                                              at_release=at_release)
+            if slot_free and self.program.pages.num_free >= take \
+                    and cache.device_pages_used + adds <= cache.device_page_budget:
+                return True
+            victims = [c for c in self._entries if c not in protect
+                       and self.program.checkpoint_info(c)[1]]
+            if not victims:
+                return False
+            self._evict_device(min(victims, key=self._rank))
+
+    def _evict_device(self, cid: int) -> None:
+        """Demote to the host tier when it fits there (dropping lower-ranked host checkpoints
+        to make it fit), else drop."""
+        tokens = self.program.checkpoint_info(cid)[0]
+        if self._make_host_room(self.program.checkpoint_cost(tokens), self._rank(cid)):
+            self.program.demote_checkpoint(cid)
+        else:
+            self._remove(cid)
+
+    def _make_host_room(self, cost: int, rank: float) -> bool:
+        budget = self.program.cache_budget_bytes
+        if cost > budget:
+            return False
+        while self.program.cache_bytes_used + cost > budget:
+            host = [c for c in self._entries if not self.program.checkpoint_info(c)[1]]
+            victim = min(host, key=self._rank, default=None)
+            if victim is None or self._rank(victim) > rank:
+                return False
+            self._remove(victim)
+        return True
+
+    # ---- index bookkeeping ----------------------------------------------------------------------
+    def _chain(self, token_ids: np.ndarray) -> list:
+        """chain[k] identifies token_ids[:k * block] (chained digests of full blocks)."""
+        chain = [b""]
+        for start in range(0, len(token_ids) - self.block + 1, self.block):
+            chain.append(_digest(token_ids[start:start + self.block], chain[-1]))
+        return chain
+
+    def _key_from_chain(self, chain: list, token_ids: np.ndarray, p: int, media: bytes) -> bytes:
+        full = p // self.block
+        return _digest(token_ids[full * self.block:p], chain[full] + bytes(media))
+
+    def _key(self, token_ids: np.ndarray, media_digest: bytes = b"") -> bytes:
+        return self._key_from_chain(self._chain(token_ids), token_ids, len(token_ids),
+                                    media_digest)
+
+    def _find(self, key: bytes, token_ids: np.ndarray) -> Optional[int]:
+        """The entry of exactly these tokens under key (equal digests of other tokens, a
+        collision, are told apart by the comparison)."""
+        for cid in self._keys.get(key, ()):
+            if np.array_equal(self._entries[cid].token_ids, token_ids):
+                return cid
+        return None
+
+    def _touch(self, cid: int) -> None:
+        self._tick += 1
+        self._entries[cid].last_used = self._tick
+
+    def _add(self, cid: int, tokens: np.ndarray, key: bytes) -> None:
+        self._tick += 1
+        self._entries[cid] = _Entry(np.array(tokens, np.int32), key, self._tick)
+        self._keys.setdefault(key, []).append(cid)
+        self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
+
+    def _remove(self, cid: int) -> None:
+        e = self._entries.pop(cid)
+        self._keys[e.key].remove(cid)
+        if not self._keys[e.key]:
+            del self._keys[e.key]
+        p = len(e.token_ids)
+        self._lengths[p] -= 1
+        if not self._lengths[p]:
+            del self._lengths[p]
         self.program.drop_checkpoint(cid)
 
     def check_invariants(self) -> None:
-        """The index and the Program's checkpoints name the same entries."""
-        ids = sorted(cid for cid, _ in self._index.values())
+        """The index and the Program's checkpoints name the same entries, with the same
+        coverage; keys, lengths and session bindings agree with the entries."""
+        ids = sorted(self._entries)
         if ids != sorted(self.program.checkpoint_ids()):
             raise ProgramError(f"prefix index {ids} != program checkpoints "
                                f"{sorted(self.program.checkpoint_ids())}")
+        lengths: dict = {}
+        for cid, e in self._entries.items():
+            if cid not in self._keys.get(e.key, ()) or \
+                    self.program.checkpoint_info(cid)[0] != len(e.token_ids):
+                raise ProgramError(f"checkpoint {cid}: index key or coverage out of step")
+            lengths[len(e.token_ids)] = lengths.get(len(e.token_ids), 0) + 1
+        bound: dict = {}
+        for _, cid in self._sessions.values():
+            if cid in self._entries:
+                bound[cid] = bound.get(cid, 0) + 1
+        if lengths != self._lengths or \
+                sum(len(v) for v in self._keys.values()) != len(self._entries) or \
+                any(e.session_bound != bound.get(c, 0) for c, e in self._entries.items()):
+            raise ProgramError("prefix index lengths, keys or session bindings out of step")
 
     def stats(self) -> dict:
         return {"prefix_cache_hits": self.hits, "prefix_cache_lookups": self.lookups,
-                "prefix_cache_tokens_reused": self.tokens_reused,
-                "prefix_cache_device_bytes": 0,
-                "prefix_cache_host_bytes": self.program.cache_bytes_used}
+                "prefix_cache_tokens_reused": self.tokens_reused}

@@ -47,6 +47,13 @@ class KVPool:
         for dst, src in zip(self.v, data[1]):
             dst[idx] = src
 
+    def copy_pages(self, src_pages, dst_pages) -> None:
+        """Page dst_pages[i] becomes a copy of src_pages[i] in every layer (the context cache's
+        copy-on-write of a partly filled page); the two lists are disjoint."""
+        src, dst = _copy_indices(src_pages, dst_pages, self.num_pages, "KV page")
+        for a in self.k + self.v:
+            a[dst] = a[src]
+
 
 @dataclass(slots=True)
 class StatePool:
@@ -79,3 +86,26 @@ class StatePool:
             dst[slot] = src
         for dst, src in zip(self.recurrent, image[1]):
             dst[slot] = src
+
+    def copy(self, src_slot: int, dst_slot: int) -> None:
+        """Slot dst_slot's StateImage becomes a copy of src_slot's (a context-cache checkpoint
+        taken or installed without a host round trip)."""
+        (src,), (dst,) = _copy_indices([src_slot], [dst_slot], self.num_slots, "state slot")
+        for a in self.conv + self.recurrent:
+            a[dst] = a[src]
+
+
+def _copy_indices(src, dst, count: int, what: str) -> tuple:
+    """(src, dst) as int64 arrays of one length, in [0, count), the two sets disjoint: the one
+    check of a pool copy's arguments, shared by both backends."""
+    src = np.asarray(src, np.int64).reshape(-1)
+    dst = np.asarray(dst, np.int64).reshape(-1)
+    if len(src) != len(dst):
+        raise ValueError(f"{what} copy: {len(src)} sources for {len(dst)} destinations")
+    for ids in (src, dst):
+        if ids.size and (ids.min() < 0 or ids.max() >= count):
+            raise IndexError(f"{what} copy: ids {ids.tolist()} outside [0, {count})")
+    if len(np.unique(dst)) != len(dst) or np.intersect1d(src, dst).size:
+        raise ValueError(f"{what} copy: destinations {dst.tolist()} repeat or overlap the "
+                         f"sources {src.tolist()}")
+    return src, dst

@@ -13,6 +13,7 @@ import numpy as np
 
 from ....core.cuda import driver as _d
 from ..config import TextConfig
+from ..state import _copy_indices
 
 
 def _bf16_bits(a) -> np.ndarray:
@@ -88,6 +89,15 @@ def _copy_rows_in(arrays, rows, images, stream) -> None:
         buf.free()
 
 
+def _copy_rows(arrays, src_rows, dst_rows, stream) -> None:
+    """Row dst_rows[i] of every array becomes a copy of row src_rows[i]: device to device on
+    the model's stream, so in order with the steps before and after it (nothing waits)."""
+    for a in arrays:
+        size = a.nbytes // a.shape[0]
+        for s, d in zip(src_rows, dst_rows):
+            _d.copy_dtod_async(a.at(d), a.at(s), size, stream)
+
+
 def _take_all(arena, shapes, dtype, what: str) -> list:
     """One arena array per shape, all or none (a pool that does not fit leaks nothing)."""
     taken = []
@@ -139,6 +149,13 @@ class DeviceKVPool:
         _copy_rows_in(self.k + self.v, pages, [host(h) for h in list(data[0]) + list(data[1])],
                       self._model.stream)
 
+    def copy_pages(self, src_pages, dst_pages) -> None:
+        """Page dst_pages[i] becomes a copy of src_pages[i] in every layer (numpy KVPool's
+        contract): one cuMemcpyDtoDAsync per page and layer array."""
+        src, dst = _copy_indices(src_pages, dst_pages, self._num_pages, "KV page")
+        self._model._current()
+        _copy_rows(self.k + self.v, src.tolist(), dst.tolist(), self._model.stream)
+
     def close(self) -> None:
         self._model._forget_graphs_of(self)
         for a in self.k + self.v:
@@ -188,6 +205,12 @@ class DeviceStatePool:
         _copy_rows_in(self.conv + self.recurrent, [slot],
                       [np.asarray(h, np.float32)[None] for h in list(image[0]) + list(image[1])],
                       self._model.stream)
+
+    def copy(self, src_slot: int, dst_slot: int) -> None:
+        """Slot dst_slot's StateImage becomes a copy of src_slot's (numpy StatePool's contract)."""
+        src, dst = _copy_indices([src_slot], [dst_slot], self._num_slots, "state slot")
+        self._model._current()
+        _copy_rows(self.conv + self.recurrent, src.tolist(), dst.tolist(), self._model.stream)
 
     def close(self) -> None:
         self._model._forget_graphs_of(self)

@@ -35,6 +35,7 @@ from ....errors import RequestError
 from ..batch import ForwardBatch
 from ....contracts import (PendingBatch, ProgramError, ResumeState, RowDecision, RowResult,
                            SampleRow, SamplingSpec)
+from .context_cache import CheckpointStore
 from .pools import PagePool, SlotPool, pages_for
 from .sampling import sample_row
 
@@ -54,16 +55,9 @@ class _Sequence:
     replay_until: int = 0        # frontier of the run that was paused (Replay rebuilds to it)
     protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
     is_unusable: bool = False    # rolled back without a State backup: may only be released
-    capture_at: int = 0          # prefix checkpoint position still to capture (0: none)
+    captures: list = None        # checkpoint positions still to capture, ascending (prefill
+                                 # chunks end there; the ResourceManager captures after commit)
     media: object = None         # vision.PromptMedia: MRoPE positions + embeddings, or None
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Checkpoint:
-    token_ids: np.ndarray        # the exact prefix [0, p) the State and KV cover
-    kv_pages: tuple              # KVPool.read_pages of the pages covering [0, p)
-    state_image: tuple           # StatePool.read of the slot at frontier p
-    host_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,18 +88,27 @@ class Program:
         # the one validation of a batch is here, where it is built: the backend trusts it
         # unless the debug option asks it to check again
         model.checks_batches = bool(options.debug_checks)
+        # context cache: State checkpoints live in cache slots after the sequences' (the cuda
+        # memory plan holds 2 * max_concurrency + 2 State images), its pages within a share of
+        # the pool (docs/architecture.md "Context cache")
+        share = options.prefix_cache_device_share
+        num_cache_slots = min(math.ceil(2 * share * self.num_slots), self.num_slots + 2)
         self.kv = model.new_kv_pool(num_pages, self.page_size)
-        self.state = model.new_state_pool(self.num_slots)
+        self.state = model.new_state_pool(self.num_slots + num_cache_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
         self.slots = SlotPool(self.num_slots)
+        self.checkpoint_interval = int(options.checkpoint_interval)
         self.token_buf = np.zeros((self.num_slots, self.max_context), np.int32)
         self.host_budget_bytes = int(options.host_snapshot_bytes)
         self._page_bytes = _host_bytes(self.kv.read_pages([0]))
         self._state_bytes = _host_bytes(self.state.read(0))
         self._snapshots: dict = {}          # snapshot id -> host bytes (the only host ledger)
-        # prefix checkpoints: their own host budget, so a cache entry never blocks a pause
-        self.cache_budget_bytes = options.prefix_cache_budget_bytes
-        self._checkpoints: dict = {}        # checkpoint id -> _Checkpoint (host copies)
+        # checkpoints: their own host budget, so a cache entry never blocks a pause
+        self.cache = CheckpointStore(
+            self.kv, self.state, self.pages, SlotPool(num_cache_slots, first=self.num_slots),
+            page_bytes=self._page_bytes, state_bytes=self._state_bytes,
+            host_budget_bytes=options.prefix_cache_budget_bytes,
+            device_page_budget=int(share * num_pages) if num_cache_slots else 0)
         self._seqs: dict = {}
         self._pending: Optional[PendingBatch] = None
         self._next_id = 0
@@ -137,14 +140,26 @@ class Program:
         frontier = self._seqs[seq_id].num_computed_tokens
         return pages_for(frontier, self.page_size) * self._page_bytes + self._state_bytes
 
-    def can_bind(self, num_prompt_tokens: int, num_reused: int = 0) -> bool:
+    def can_bind(self, num_prompt_tokens: int, num_reused: int = 0,
+                 checkpoint: Optional[int] = None) -> bool:
         """A slot and the pages of the first prefill chunk (after a reused prefix) are free."""
+        return self.slots.num_free > 0 and \
+            self.pages_short_to_bind(num_prompt_tokens, num_reused, checkpoint) == 0
+
+    def pages_short_to_bind(self, num_prompt_tokens: int, num_reused: int = 0,
+                            checkpoint: Optional[int] = None) -> int:
+        """Pages the first prefill chunk lacks (binding `checkpoint`, which covers num_reused
+        tokens: its full pages on the device come shared, not from the free pool)."""
         first = num_reused + min(self.prefill_chunk, num_prompt_tokens - num_reused)
-        return self.slots.num_free > 0 and pages_for(first, self.page_size) <= self.pages.num_free
+        need = pages_for(first, self.page_size) if checkpoint is None \
+            else self.cache.bind_pages_needed(checkpoint, first)
+        return max(0, need - self.pages.num_free)
 
     def can_resume(self, rs: ResumeState) -> bool:
-        return self.slots.num_free > 0 and \
-            pages_for(self._resume_coverage(rs), self.page_size) <= self.pages.num_free
+        return self.slots.num_free > 0 and self.pages_short_to_resume(rs) == 0
+
+    def pages_short_to_resume(self, rs: ResumeState) -> int:
+        return max(0, pages_for(self._resume_coverage(rs), self.page_size) - self.pages.num_free)
 
     # ---- sequence lifetime ----------------------------------------------------------------------
     @property
@@ -154,9 +169,10 @@ class Program:
 
     def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec, *, capture_at: int = 0,
              checkpoint: Optional[int] = None, media=None) -> int:
-        """A fresh sequence. capture_at > 0: a prefill chunk ends exactly there, so
-        `capture_checkpoint` can copy that prefix. checkpoint: install that prefix checkpoint
-        (its tokens must be a strict prefix of prompt_ids) and start prefill after it.
+        """A fresh sequence. capture_at > 0 (the prompt's reusable boundary): prefill chunks end
+        exactly there and at every checkpoint_interval tokens before it, so the context cache
+        can take a checkpoint at each (`capture_checkpoint`). checkpoint: install that one (its
+        tokens a strict prefix of prompt_ids) and start prefill after it.
         media: (Frontend media, MRoPE positions [3, n]) of a vision prompt: encoded here, once."""
         n = len(prompt_ids)
         if media is not None and (checkpoint is not None or not self.accepts_media):
@@ -164,72 +180,125 @@ class Program:
         encoded = None if media is None else self.model.encode_media(prompt_ids, *media)
         if not 1 <= n < self.max_context:
             raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
-        ckpt = None if checkpoint is None else self._checkpoints[checkpoint]
-        reused = 0 if ckpt is None else len(ckpt.token_ids)
+        ckpt = None if checkpoint is None else self.cache.entries[checkpoint]
+        reused = 0 if ckpt is None else ckpt.num_tokens
         if ckpt is not None and not (reused < n and np.array_equal(ckpt.token_ids,
                                                                     prompt_ids[:reused])):
             raise ProgramError(f"bind: checkpoint {checkpoint} is not a strict prefix of the prompt")
         seq = self._new_sequence(n, n, reused, spec)
         seq.media = encoded
         self.token_buf[seq.slot, :n] = prompt_ids
-        seq.capture_at = capture_at if reused < capture_at <= n and self.cache_budget_bytes else 0
+        end = min(int(capture_at), n) if self.cache.is_enabled else 0
+        seq.captures = [q for q in range(self.checkpoint_interval, end, self.checkpoint_interval)
+                        if q > reused] + ([end] if end > reused else [])
         if ckpt is not None:
-            if not self.pages.grow(seq.slot, reused):
-                raise ProgramError("bind: pages vanished between check and act")
-            self.kv.write_pages(self.pages.pages_of(seq.slot), ckpt.kv_pages)
-            self.state.write(seq.slot, ckpt.state_image)
+            self.cache.install(checkpoint, seq.slot)
         return seq.seq_id
 
-    # ---- prefix checkpoints (the ResourceManager keeps the index; the host copies live here) ----
+    # ---- context cache (the ResourceManager keeps the index; the store holds the copies) -------
     def checkpoint_cost(self, num_tokens: int) -> int:
-        return pages_for(num_tokens, self.page_size) * self._page_bytes + self._state_bytes
+        """Host bytes of a checkpoint of num_tokens on the host tier."""
+        return self.cache.host_cost(num_tokens)
 
     @property
     def cache_bytes_used(self) -> int:
-        return sum(c.host_bytes for c in self._checkpoints.values())
+        """Host bytes of the host-tier checkpoints."""
+        return self.cache.host_bytes_used
+
+    @property
+    def cache_budget_bytes(self) -> int:
+        return self.cache.host_budget_bytes
 
     def capture_due(self, seq_id: int) -> int:
         """The checkpoint position this sequence's frontier sits on exactly now, else 0."""
         seq = self._seqs[seq_id]
-        if seq.capture_at and seq.num_computed_tokens == seq.capture_at and not seq.is_unusable:
-            return seq.capture_at
+        while seq.captures and seq.captures[0] < seq.num_computed_tokens:
+            seq.captures.pop(0)                 # passed without a capture (e.g. a control unit)
+        if seq.captures and seq.captures[0] == seq.num_computed_tokens and not seq.is_unusable:
+            return seq.captures[0]
         return 0
 
     def prefix_tokens(self, seq_id: int, num_tokens: int) -> np.ndarray:
         seq = self._seqs[seq_id]
         return self.token_buf[seq.slot, :num_tokens].copy()
 
-    def capture_checkpoint(self, seq_id: int, *, keep: bool = True) -> Optional[int]:
-        """Copy the State image and the KV pages of [0, frontier) to host: one real execution's
-        exact coverage. keep=False only clears the pending capture. Returns the checkpoint id."""
+    def capture_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False) -> tuple:
+        """(cache slot free, free pages the capture takes, pages it adds to the cache's device
+        set) of a device capture of [0, num_tokens) of this sequence."""
+        seq = self._seqs[seq_id]
+        row = self.pages.block_tables[seq.slot, :pages_for(num_tokens, self.page_size)]
+        held = set(self.cache.held_pages().tolist())
+        adds = sum(1 for q in row[:num_tokens // self.page_size] if int(q) not in held)
+        partial = num_tokens % self.page_size != 0
+        return (self.cache.slots.num_free > 0, int(partial and not at_release), adds + partial)
+
+    def capture_checkpoint(self, seq_id: int, *, keep: bool = True,
+                           on_device: bool = True) -> Optional[int]:
+        """Checkpoint [0, frontier) of the sequence: one real execution's exact coverage, on the
+        device (pages by reference, State slot copy; the caller made room: `capture_room`) or
+        as host copies. keep=False only clears the pending capture. Returns the checkpoint id."""
         self._no_pending("capture_checkpoint")
         p = self.capture_due(seq_id)
         seq = self._seqs[seq_id]
-        seq.capture_at = 0
+        if p:
+            seq.captures.pop(0)
         if not p or not keep:
             return None
-        cost = self.checkpoint_cost(p)
-        if self.cache_bytes_used + cost > self.cache_budget_bytes:
-            raise ProgramError(f"capture_checkpoint: {cost} bytes do not fit the cache budget")
-        pages = self.pages.pages_of(seq.slot)[:pages_for(p, self.page_size)]
         cid = self._new_id()
-        self._checkpoints[cid] = _Checkpoint(self.token_buf[seq.slot, :p].copy(),
-                                             self.kv.read_pages(pages), self.state.read(seq.slot),
-                                             cost)
+        capture = self.cache.capture_device if on_device else self.cache.capture_host
+        capture(cid, self.token_buf[seq.slot, :p], self.pages.block_tables[seq.slot], seq.slot)
         return cid
 
-    def drop_checkpoint(self, checkpoint: int) -> None:
-        if self._checkpoints.pop(checkpoint, None) is None:
-            raise ProgramError(f"checkpoint {checkpoint} dropped twice or unknown")
+    def continuation(self, seq_id: int) -> np.ndarray:
+        """The tokens a finished sequence's State and KV cover: [0, frontier), i.e. prompt +
+        accepted answer without its last token (sampled, never run: for a stop it is the
+        end-of-turn token, which the next turn's rendering writes itself). Empty when the
+        sequence cannot give a checkpoint."""
+        seq = self._seqs[seq_id]
+        if seq.is_unusable or seq.media is not None:
+            return np.zeros(0, np.int32)
+        return self.token_buf[seq.slot, :seq.num_computed_tokens].copy()
 
-    def checkpoint_ids(self) -> list:
-        return list(self._checkpoints)
-
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, *, keep_frontier: bool = False) -> Optional[int]:
+        """The sequence ends; its slot and pages go back. keep_frontier: first keep
+        `continuation(seq_id)` as a device checkpoint, taking over its pages (no copy: nobody
+        writes them any more) and copying its State to a cache slot; returns its id."""
         self._no_pending("release")
-        seq = self._seqs.pop(seq_id)
+        seq = self._seqs[seq_id]
+        cid = None
+        if keep_frontier:
+            tokens = self.continuation(seq_id)
+            if not len(tokens) or not self.cache.slots.num_free:
+                raise ProgramError(f"release: sequence {seq_id} cannot keep its continuation")
+            cid = self._new_id()
+            self.cache.capture_device(cid, tokens, self.pages.block_tables[seq.slot], seq.slot,
+                                      own_partial=True)
+        del self._seqs[seq_id]
         self.pages.shrink(seq.slot, 0)
         self.slots.give(seq.slot)
+        return cid
+
+    def demote_checkpoint(self, checkpoint: int) -> None:
+        self.cache.demote(checkpoint)
+
+    def promote_checkpoint(self, checkpoint: int, seq_id: int) -> None:
+        """Move a host checkpoint to the device from the sequence that just installed it."""
+        seq = self._seqs[seq_id]
+        if seq.num_computed_tokens != self.cache.entries[checkpoint].num_tokens:
+            raise ProgramError(f"promote: sequence {seq_id} moved past checkpoint {checkpoint}")
+        self.cache.promote(checkpoint, self.pages.block_tables[seq.slot], seq.slot)
+
+    def checkpoint_info(self, checkpoint: int) -> tuple:
+        """(tokens covered, on the device, device bytes dropping it frees, host bytes)."""
+        c = self.cache.entries[checkpoint]
+        return (c.num_tokens, c.on_device, self.cache.device_bytes_freed_by(checkpoint),
+                c.host_bytes)
+
+    def drop_checkpoint(self, checkpoint: int) -> None:
+        self.cache.drop(checkpoint)
+
+    def checkpoint_ids(self) -> list:
+        return list(self.cache.entries)
 
     def pause(self, seq_id: int, *, allow_snapshot: bool = True) -> ResumeState:
         """Pause at the committed boundary; frees the slot and pages. Snapshot when host budget
@@ -441,8 +510,10 @@ class Program:
         return {"kv_pages_total": self.pages.num_pages, "kv_pages_used": self.pages.num_used,
                 "state_slots_total": self.num_slots, "state_slots_used": len(self._seqs),
                 "host_snapshot_bytes_used": self.host_bytes_used,
-                "prefix_cache_entries": len(self._checkpoints),
-                "prefix_cache_bytes": self.cache_bytes_used}
+                "prefix_cache_entries": len(self.cache.entries),
+                "prefix_cache_bytes": self.cache_bytes_used,
+                "prefix_cache_host_bytes": self.cache_bytes_used,
+                "prefix_cache_device_bytes": self.cache.device_bytes_used}
 
     def check_invariants(self) -> None:
         """Raise ProgramError if the physical ledgers disagree (leaks, double maps, bad frontiers)."""
@@ -450,29 +521,32 @@ class Program:
         if len(live) != len(self._seqs):
             raise ProgramError("two sequences share a StateImage slot")
         self.slots.check(live)
-        self.pages.check(live)
+        self.pages.check(live, held=self.cache.held_pages())
+        self.cache.check()
         for seq in self._seqs.values():
             if not 0 <= seq.num_computed_tokens <= seq.num_tokens <= self.max_context:
                 raise ProgramError(f"sequence {seq.seq_id}: frontier {seq.num_computed_tokens} / "
                                    f"{seq.num_tokens} tokens out of order")
             if self.pages.can_grow(seq.slot, seq.num_computed_tokens) != 0:
                 raise ProgramError(f"sequence {seq.seq_id}: KV frontier not covered by pages")
+            # copy-on-write: the pages a sequence still writes (from its frontier's page on)
+            # are its own; only pages wholly below its frontier may be shared
+            writable = self.pages.block_tables[seq.slot, seq.num_computed_tokens // self.page_size:
+                                               int(self.pages.num_mapped[seq.slot])]
+            if np.any(self.pages.refcount[writable] != 1):
+                raise ProgramError(f"sequence {seq.seq_id}: a page it writes is shared")
         if self.host_bytes_used > self.host_budget_bytes:
             raise ProgramError(f"host snapshots use {self.host_bytes_used} > budget")
-        if self.cache_bytes_used > self.cache_budget_bytes:
-            raise ProgramError(f"prefix checkpoints use {self.cache_bytes_used} > budget")
-        for cid, c in self._checkpoints.items():
-            if c.host_bytes != self.checkpoint_cost(len(c.token_ids)) or not c.token_ids.size:
-                raise ProgramError(f"checkpoint {cid}: {c.host_bytes} bytes for "
-                                   f"{len(c.token_ids)} tokens")
 
     def assert_all_free(self, *, full: bool = True) -> None:
         """Everything returned: no sequence, page, slot, snapshot or pending unit is held.
-        Prefix checkpoints may stay (a cache, not a loan); `drop_checkpoint` returns them.
-        full=False: the counts only, O(1) (the whole-ledger walk costs ms on a large pool)."""
+        Checkpoints may stay (a cache, not a loan), with the pages and cache slots they hold;
+        `drop_checkpoint` returns them.
+        full=False: the counts only (the whole-ledger walk costs ms on a large pool)."""
         if full:
             self.check_invariants()
-        held = dict(sequences=len(self._seqs), pages=self.pages.num_used,
+        held = dict(sequences=len(self._seqs),
+                    pages=self.pages.num_used - self.cache.device_pages_used,
                     slots=self.num_slots - self.slots.num_free, snapshots=len(self._snapshots),
                     pending=int(self._pending is not None))
         if any(held.values()):
@@ -508,8 +582,9 @@ class Program:
                 return _Unit(self._replay_length(seq), False, True)
         elif done < total:
             n = min(self.prefill_chunk, total - done)
-            if done < seq.capture_at < done + n:       # end a chunk exactly at the checkpoint
-                n = seq.capture_at - done
+            nxt = next((q for q in seq.captures or () if q > done), 0)
+            if done < nxt < done + n:                  # end a chunk exactly at a checkpoint
+                n = nxt - done
             return _Unit(n, done + n == total, done < seq.replay_until)
         raise ProgramError(f"sequence {seq.seq_id}: no unit at frontier {done} of {total}")
 

@@ -1,0 +1,238 @@
+"""The context cache's physical primitives: page reference counts (PagePool + the _hot twin),
+the pools' copy ops (numpy, and the CUDA pools on a fake driver: device memory is one numpy
+byte array), and the checkpoint store's tiers and copy-on-write."""
+import importlib
+
+import numpy as np
+import pytest
+
+from ninfer._hot import pages_py
+from ninfer.contracts import ProgramError
+from ninfer.models.qwen3_5.config import TextConfig
+from ninfer.models.qwen3_5.program.pools import PagePool
+from ninfer.models.qwen3_5.state import KVPool, StatePool
+
+try:
+    compiled = importlib.import_module("ninfer._hot.pages")
+except ImportError:
+    compiled = None
+IMPLS = [pytest.param(pages_py, id="python")] + (
+    [pytest.param(compiled, id="compiled")] if compiled is not None else [])
+
+
+def _cfg():
+    return TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",) * 2,
+                      num_hidden_layers=5, num_key_value_heads=2, head_dim=8,
+                      linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+                      linear_value_head_dim=4)
+
+
+# ---- reference counts ----------------------------------------------------------------------------
+def _random_refcount_ops(impl, seed):
+    rng = np.random.default_rng(seed)
+    num_pages, rows, width = 17, 3, 8
+    free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+    num_free = num_pages
+    refcount = np.zeros(num_pages, np.int32)
+    tables = np.full((rows, width), -1, np.int32)
+    mapped = [0] * rows
+    for _ in range(300):
+        r = int(rng.integers(rows))
+        if rng.random() < 0.5:
+            n = int(rng.integers(0, min(num_free, width - mapped[r]) + 1))
+            num_free = impl.take_pages(free, num_free, tables[r], mapped[r], n)
+            refcount[tables[r, mapped[r]:mapped[r] + n]] = 1
+            mapped[r] += n
+        elif rng.random() < 0.5 and mapped[r]:
+            # share row r's first pages into an empty row (a bind of a cache entry)
+            other = next((o for o in range(rows) if not mapped[o]), None)
+            if other is not None:
+                k = int(rng.integers(1, mapped[r] + 1))
+                tables[other, :k] = tables[r, :k]
+                refcount[tables[r, :k]] += 1
+                mapped[other] = k
+        else:
+            keep = int(rng.integers(0, mapped[r] + 1))
+            num_free = impl.release_pages(free, num_free, refcount, tables[r], keep, mapped[r])
+            mapped[r] = keep
+        counted = np.bincount(np.concatenate([tables[i, :mapped[i]] for i in range(rows)]),
+                              minlength=num_pages)
+        assert np.array_equal(counted, refcount)
+        assert sorted(free[:num_free].tolist()) == np.flatnonzero(counted == 0).tolist()
+    return free[:num_free].copy(), tables, refcount
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_release_pages_twin_equals_compiled(seed):
+    (f0, t0, r0), (f1, t1, r1) = [_random_refcount_ops(impl, seed)
+                                  for impl in (pages_py, compiled or pages_py)]
+    for a, b in ((f0, f1), (t0, t1), (r0, r1)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_release_pages_rejects_unreferenced_pages(impl):
+    free = np.zeros(4, np.int32)
+    refcount = np.zeros(4, np.int32)
+    row = np.array([2, -1, -1], np.int32)
+    with pytest.raises(ValueError, match="unreferenced"):
+        impl.release_pages(free, 0, refcount, row, 0, 1)        # page 2 has no holder
+    with pytest.raises(ValueError, match="unmapped"):
+        impl.release_pages(free, 0, refcount, row, 0, 2)
+    refcount[2] = 2
+    assert impl.release_pages(free, 0, refcount, row, 0, 1) == 0   # still held elsewhere
+    assert refcount[2] == 1 and row[0] == -1
+
+
+def test_page_pool_sharing_and_its_audit():
+    pool = PagePool(8, 4, 3, 4)
+    assert pool.grow(0, 10)                      # 3 pages
+    shared = pool.pages_of(0)[:2]
+    pool.hold(shared)                            # a cache entry holds the two full pages
+    pool.map_shared(1, shared)                   # and a second sequence maps them
+    assert pool.grow(1, 12)
+    pool.check({0, 1}, held=shared)
+    assert pool.num_free == 4 and pool.num_sole(shared) == 0
+    pool.shrink(0, 0)
+    pool.shrink(1, 0)
+    assert pool.num_free == 6 and pool.num_sole(shared) == 2
+    pool.check(set(), held=shared)
+    pool.refcount[shared[0]] += 1                # a lost reference: the audit names the page
+    with pytest.raises(ProgramError, match="reference counts"):
+        pool.check(set(), held=shared)
+    pool.refcount[shared[0]] -= 1
+    pool.drop(shared)
+    assert pool.num_free == 8
+    pool.check(set())
+    with pytest.raises(ProgramError, match="free"):
+        pool.map_shared(2, shared)               # free pages cannot be shared
+
+
+# ---- numpy pool copies ---------------------------------------------------------------------------
+def test_numpy_pool_copies_copy_every_layer_and_check_arguments():
+    rng = np.random.default_rng(0)
+    kv, st = KVPool.allocate(_cfg(), 6, 4), StatePool.allocate(_cfg(), 3)
+    for a in kv.k + kv.v + st.conv + st.recurrent:
+        a[...] = rng.standard_normal(a.shape)
+    before = kv.read_pages([0, 1, 2, 3, 4, 5])
+    kv.copy_pages([1, 4], [3, 0])
+    after = kv.read_pages([0, 1, 2, 3, 4, 5])
+    for b, a in zip(before[0] + before[1], after[0] + after[1]):
+        np.testing.assert_array_equal(a[3], b[1])
+        np.testing.assert_array_equal(a[0], b[4])
+        np.testing.assert_array_equal(a[[1, 2, 4, 5]], b[[1, 2, 4, 5]])
+    image = st.read(2)
+    st.copy(2, 0)
+    for a, b in zip(st.read(0)[0] + st.read(0)[1], image[0] + image[1]):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(IndexError):
+        kv.copy_pages([6], [0])
+    with pytest.raises(ValueError, match="overlap"):
+        kv.copy_pages([1], [1])
+    with pytest.raises(ValueError, match="sources"):
+        kv.copy_pages([1, 2], [3])
+    with pytest.raises(IndexError):
+        st.copy(0, 3)
+
+
+# ---- CUDA pool copies on a fake driver ---------------------------------------------------------
+class _Machine:
+    """Device memory as one byte array at BASE; pinned host buffers as numpy arrays."""
+    BASE = 1 << 40
+
+    def __init__(self, monkeypatch, nbytes):
+        from ninfer.core.cuda import driver as d
+        from ninfer.core.cuda.arena import Arena
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.host, self.next_host, self.dtod = {}, 1 << 20, 0
+        dev = self.dev
+        monkeypatch.setattr(d, "mem_alloc", lambda n: self.BASE)
+        monkeypatch.setattr(d, "memset_d8_async",
+                            lambda dst, v, n, st: dev(dst, n).__setitem__(slice(None), v))
+        monkeypatch.setattr(d, "copy_htod_async", lambda dst, src, n, st: dev(dst, n).__setitem__(
+            slice(None), self.host_bytes(src, n)))
+        monkeypatch.setattr(d, "copy_dtoh_async", lambda dst, src, n, st: self.host_bytes(
+            dst, n).__setitem__(slice(None), dev(src, n)))
+        monkeypatch.setattr(d, "copy_dtod_async", self._dtod)
+        monkeypatch.setattr(d, "PinnedBuffer", self._pinned)
+        self.arena, self.stream, self.f32 = Arena(nbytes), _Stream(), False
+
+    def _dtod(self, dst, src, n, st):
+        assert st is self.stream                  # on the model's stream, in order with steps
+        self.dtod += 1
+        self.dev(dst, n)[:] = self.dev(src, n).copy()
+
+    def dev(self, ptr, n):
+        off = ptr - self.BASE
+        assert 0 <= off and off + n <= self.mem.size, "device access outside the arena"
+        return self.mem[off:off + n]
+
+    def host_bytes(self, ptr, n):
+        base = max(b for b in self.host if b <= ptr)
+        return self.host[base][ptr - base:ptr - base + n]
+
+    def _pinned(self, nbytes):
+        m = self
+
+        class Pinned:
+            def __init__(self):
+                self.ptr, self.array = m.next_host, np.zeros(max(int(nbytes), 1), np.uint8)
+                m.host[self.ptr] = self.array
+                m.next_host += int(nbytes) + 4096
+
+            def free(self):
+                m.host.pop(self.ptr, None)
+        return Pinned()
+
+    # what the pools use of the model
+    def _current(self):
+        pass
+
+    def _forget_graphs_of(self, pool):
+        pass
+
+
+class _Stream:
+    handle = 0
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("f32", [False, True], ids=["bf16", "f32"])
+def test_cuda_pool_copies_equal_the_numpy_pools(monkeypatch, f32):
+    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    m = _Machine(monkeypatch, 4 << 20)
+    m.f32 = f32
+    cfg = _cfg()
+    rng = np.random.default_rng(1)
+    kv, st = DeviceKVPool(m, cfg, 6, 4), DeviceStatePool(m, cfg, 3)
+    ref_kv, ref_st = KVPool.allocate(cfg, 6, 4), StatePool.allocate(cfg, 3)
+    # bf16-representable values: the device KV stores bf16, the host image is float32
+    img = tuple([(rng.standard_normal((6,) + a.shape[1:])
+                  .astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+                 for a in ref_kv.k] for _ in range(2))
+    kv.write_pages(range(6), img)
+    ref_kv.write_pages(range(6), img)
+    for s in range(3):
+        image = ([rng.standard_normal(a.shape[1:]).astype(np.float32) for a in ref_st.conv],
+                 [rng.standard_normal(a.shape[1:]).astype(np.float32) for a in ref_st.recurrent])
+        st.write(s, image)
+        ref_st.write(s, image)
+    kv.copy_pages([5, 2], [1, 4])
+    ref_kv.copy_pages([5, 2], [1, 4])
+    st.copy(1, 2)
+    ref_st.copy(1, 2)
+    assert m.dtod == 2 * 2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids)
+    got, want = kv.read_pages(range(6)), ref_kv.read_pages(range(6))
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_array_equal(a, b)
+    for s in range(3):
+        for a, b in zip(st.read(s)[0] + st.read(s)[1], ref_st.read(s)[0] + ref_st.read(s)[1]):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(IndexError):
+        kv.copy_pages([0], [6])                  # past the pool: another pool's memory
+    with pytest.raises(IndexError):
+        st.copy(3, 0)
+    with pytest.raises(ValueError, match="overlap"):
+        st.copy(1, 1)
