@@ -293,8 +293,8 @@ class ScriptedEngine:
         from ninfer.runtime.engine_core import EngineCore
 
         # ScriptedModel rebuilds each row's history from its context-0 chunk: an installed prefix
-        # checkpoint would start a row mid-history, so prefix reuse is off here
-        self.options = EngineOptions.from_kwargs(**{"prefix_cache_bytes": 0, **options})
+        # checkpoint would start a row mid-history, so the context cache is off here
+        self.options = EngineOptions.from_kwargs(**{"prefix_cache": False, **options})
         self.artifact = Artifact(path)
         self.frontend = Frontend.from_artifact(self.artifact)
         self.model = ScriptedModel(load_model(self.artifact, self.options), self.frontend)
