@@ -102,6 +102,8 @@ def test_chat_through_a_pty(demo, tmp_path):
         stats = term.expect(" tokens generated)")
         hits = int(stats.split("prefix cache: ")[1].split(" hits")[0])
         assert hits >= 1, stats
+        cached, of = stats.split("(last turn: ")[1].split(" prompt tokens)")[0].split(" of ")
+        assert 0 < int(cached) < int(of), stats
         term.send(f"/save {saved}\r")
         term.expect("(saved 5 messages")
         term.expect(">>> ")
