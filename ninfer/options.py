@@ -60,10 +60,7 @@ class EngineOptions:
             return 0
         host = self.prefix_cache_host_bytes if self.prefix_cache_host_bytes is not None \
             else self.prefix_cache_bytes
-        if host is not None:
-            return int(host)
-        # until the device tier lands, a cuda checkpoint is a device-to-host copy per request
-        return 256 << 20 if self.backend == "numpy" else 0
+        return 256 << 20 if host is None else int(host)
 
     @property
     def prefix_cache_device_share(self) -> float:

@@ -39,13 +39,14 @@ def test_good_options_pass():
     assert opts.max_concurrency == 8 and opts.queue_timeout_s == 0.5
 
 
-def test_prefix_cache_default_depends_on_the_backend():
-    """Host checkpoints are cheap on the numpy backend and cost a device-to-host copy per request
-    on cuda, so the default budget is on for one and off for the other; explicit values win."""
+def test_prefix_cache_is_on_by_default_on_both_backends():
+    """Checkpoints live on the device first (no copy per request), so the cache is on for both
+    backends, with a 256 MiB host tier; explicit values win."""
     from ninfer.errors import RequestError
     from ninfer.options import EngineOptions
     assert EngineOptions.from_kwargs().prefix_cache_budget_bytes == 256 << 20
-    assert EngineOptions.from_kwargs(backend="cuda").prefix_cache_budget_bytes == 0
+    assert EngineOptions.from_kwargs(backend="cuda").prefix_cache_budget_bytes == 256 << 20
+    assert EngineOptions.from_kwargs(backend="cuda").prefix_cache_device_share == 0.5
     assert EngineOptions.from_kwargs(backend="cuda",
                                      prefix_cache_bytes=1 << 20).prefix_cache_budget_bytes == 1 << 20
     assert EngineOptions.from_kwargs(prefix_cache_bytes=0).prefix_cache_budget_bytes == 0

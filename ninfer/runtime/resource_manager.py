@@ -56,6 +56,9 @@ class ResourceManager:
         self.session_hits = 0
         self.lookups = 0
         self.tokens_reused = 0
+        self.demotions = 0
+        self.promotions = 0
+        self.evictions = 0
 
     # ---- settling -------------------------------------------------------------------------------
     def settle_finished(self, seq_id: int, *, keep: bool = False, session: Optional[str] = None,
@@ -151,6 +154,7 @@ class ResourceManager:
         tokens, on_device, _, _ = self.program.checkpoint_info(checkpoint)
         if not on_device and self._make_room(seq_id, tokens, protect={checkpoint}):
             self.program.promote_checkpoint(checkpoint, seq_id)
+            self.promotions += 1
 
     def capture_if_due(self, seq_id: int, media_digest: bytes = b"") -> None:
         """Right after a commit: if the sequence's frontier sits on a checkpoint position, keep
@@ -191,6 +195,7 @@ class ResourceManager:
     def clear_prefix_cache(self) -> None:
         for cid in list(self._entries):
             self._remove(cid)
+        self._sessions.clear()
 
     # ---- retention ------------------------------------------------------------------------------
     def _rank(self, cid: int) -> float:
@@ -231,6 +236,7 @@ class ResourceManager:
         tokens = self.program.checkpoint_info(cid)[0]
         if self._make_host_room(self.program.checkpoint_cost(tokens), self._rank(cid)):
             self.program.demote_checkpoint(cid)
+            self.demotions += 1
         else:
             self._remove(cid)
 
@@ -290,6 +296,7 @@ class ResourceManager:
         if not self._lengths[p]:
             del self._lengths[p]
         self.program.drop_checkpoint(cid)
+        self.evictions += 1
 
     def check_invariants(self) -> None:
         """The index and the Program's checkpoints name the same entries, with the same
@@ -315,4 +322,6 @@ class ResourceManager:
 
     def stats(self) -> dict:
         return {"prefix_cache_hits": self.hits, "prefix_cache_lookups": self.lookups,
-                "prefix_cache_tokens_reused": self.tokens_reused}
+                "prefix_cache_tokens_reused": self.tokens_reused,
+                "prefix_cache_demotions": self.demotions, "prefix_cache_promotions": self.promotions,
+                "prefix_cache_evictions": self.evictions}

@@ -55,20 +55,26 @@ def test_engine_cuda_scoring_logits(artifact_path):
     assert rel_err(logits, seq.logits[: len(logits)]) < TOL_FIXTURE_BF16
 
 
-def test_engine_cuda_prefix_checkpoint_hit_equals_cold(artifact_path):
-    """A prefix checkpoint captured from device pools (State + KV to host) and installed into a
-    new slot gives the same tokens as a cold run (the cache is opt-in on cuda)."""
+@pytest.mark.parametrize("device_fraction", [0.5, 0.0], ids=["device", "host"])
+def test_engine_cuda_prefix_checkpoint_hit_equals_cold(artifact_path, device_fraction):
+    """A prefix checkpoint kept on the device (pages by reference, a copy of the partly filled
+    page and of the State slot: device-to-device copies) or on the host tier (State + KV to
+    host) and installed into a new slot gives the same tokens as a cold run."""
     rng = np.random.default_rng(4)
     base = rng.integers(3, 256, 21).astype(np.int32)
     longer = np.concatenate([base, rng.integers(3, 256, 10).astype(np.int32)])
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
-    with Engine(artifact_path, backend="cuda", max_concurrency=1, max_context=256) as engine:
-        cold = engine.generate(longer, params).token_ids
-        assert engine.stats()["prefix_cache_entries"] == 0         # off by default on cuda
     with Engine(artifact_path, backend="cuda", max_concurrency=1, max_context=256,
-                prefill_chunk=8, page_size=8, prefix_cache_bytes=64 << 20) as engine:
-        engine.generate(base, params)
+                prefix_cache=False) as engine:
+        cold = engine.generate(longer, params).token_ids
+        assert engine.stats()["prefix_cache_entries"] == 0
+    with Engine(artifact_path, backend="cuda", max_concurrency=1, max_context=256,
+                prefill_chunk=8, page_size=8, prefix_cache_host_bytes=64 << 20,
+                prefix_cache_device_fraction=device_fraction, debug_checks=True) as engine:
+        engine.generate(base, params)           # debug_checks: the worker audits the ledgers
         warm = engine.generate(longer, params).token_ids
         stats = engine.stats()
+        assert engine.health == "ready"
     assert warm == cold
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_tokens_reused"] == 21
+    assert (stats["prefix_cache_device_bytes"] > 0) == (device_fraction > 0)

@@ -1,0 +1,242 @@
+"""Context cache (issue 12): with the cache on, every request gives exactly the tokens of a cold
+run (FakeModel's logits depend on the whole history read back through the KV pages and the State
+slot, so a wrong page, a shared page written twice or a wrong State copy changes tokens), alone
+and with 8 concurrent sessions, through pauses (Snapshot and Replay) and cancellations; turn 2 of
+a chat binds turn 1's continuation; the ledgers end empty."""
+import random
+
+import numpy as np
+import pytest
+
+from ninfer.api import SamplingParams
+from ninfer.contracts import ProgramError
+from runtime_helpers import make_core, prompt, reference_tokens
+
+pytestmark = pytest.mark.timeout(300)
+MAX_CONTEXT = 128
+
+
+def _params(kind, i, max_tokens=6):
+    if kind == "greedy":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=100 + i,
+                          ignore_eos=True)
+
+
+def _chat_rounds(core, num_sessions, turns, kind, *, cancel_rate=0.0, seed=0, sessions=True,
+                 max_context=MAX_CONTEXT):
+    """num_sessions chats of `turns` turns, each round submitted together: turn t's prompt is turn
+    t-1's prompt + its answer + new user tokens. Checks every answer against the cold reference
+    (a cancelled one: a prefix of it); returns the results by session."""
+    rng = random.Random(seed)
+    prompts = [prompt(1000 + s, 9 + s % 4) for s in range(num_sessions)]
+    results = [[] for _ in range(num_sessions)]
+    for t in range(turns):
+        handles = []
+        for s in range(num_sessions):
+            params = _params(kind, 10 * s + t)
+            h = core.submit(prompts[s], params, session=f"s{s}" if sessions else None)
+            cancelled = rng.random() < cancel_rate
+            if cancelled:
+                h.cancel()
+            handles.append((h, params, cancelled))
+        for s, (h, params, cancelled) in enumerate(handles):
+            res = h.result(timeout=60)
+            want = reference_tokens(prompts[s], params, max_context)
+            assert res.error is None, res.error
+            if cancelled:
+                assert res.token_ids == want[:len(res.token_ids)]
+            else:
+                assert res.token_ids == want, (s, t)
+            results[s].append(res)
+            prompts[s] = np.concatenate([prompts[s], np.asarray(res.token_ids, np.int32),
+                                         prompt(2000 + 10 * s + t, 5)]).astype(np.int32)
+    return results
+
+
+def _finish_empty(core):
+    """Shut down, audit, clear the cache: every page, slot and host byte is free."""
+    core.shutdown()
+    prog = core.program
+    prog.check_invariants()
+    core.resources.check_invariants()
+    core.resources.clear_prefix_cache()
+    prog.assert_all_free()
+    assert prog.pages.num_free == prog.pages.num_pages and not prog.pages.refcount.any()
+    assert prog.cache.slots.num_free == prog.cache.slots.num_slots
+    assert prog.cache_bytes_used == 0 and prog.cache.device_bytes_used == 0
+    assert prog.host_bytes_used == 0
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_multi_turn_chat_binds_the_continuation(kind):
+    core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
+    (turns,) = _chat_rounds(core, 1, 3, kind)
+    first_prompt = turns[0].num_prompt_tokens
+    assert turns[0].num_cached_tokens == 0
+    # turn 2 resumes after turn 1's prompt + answer (all but the answer's last token, which
+    # was sampled but never run through the model)
+    assert turns[1].num_cached_tokens == first_prompt + 6 - 1 > first_prompt
+    assert turns[2].num_cached_tokens == turns[1].num_prompt_tokens + 6 - 1
+    stats = core.stats()
+    assert stats["prefix_cache_hits"] == 2 and stats["prefix_cache_lookups"] == 3
+    assert stats["prefix_cache_tokens_reused"] == turns[1].num_cached_tokens + \
+        turns[2].num_cached_tokens
+    assert stats["prefix_cache_device_bytes"] > 0
+    _finish_empty(core)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_cache_on_equals_off_with_8_concurrent_sessions(kind):
+    on, _ = make_core(max_concurrency=4, max_context=MAX_CONTEXT, max_queue=16)
+    off, _ = make_core(max_concurrency=4, max_context=MAX_CONTEXT, max_queue=16,
+                       prefix_cache=False)
+    got_on = _chat_rounds(on, 8, 3, kind)
+    got_off = _chat_rounds(off, 8, 3, kind)
+    assert [[r.token_ids for r in s] for s in got_on] == [[r.token_ids for r in s] for s in got_off]
+    assert all(r.num_cached_tokens == 0 for s in got_off for r in s)
+    assert sum(r.num_cached_tokens > 0 for s in got_on for r in s[1:]) >= 8
+    assert off.stats()["prefix_cache_entries"] == 0
+    _finish_empty(on)
+    _finish_empty(off)
+
+
+@pytest.mark.parametrize("snapshot_bytes", [0, 1 << 20], ids=["replay", "snapshot"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_cache_through_pauses_and_cancellations(snapshot_bytes, kind):
+    """A pool too small for the 4 residents: the cache's pages are reclaimed first, then the
+    youngest pause (Snapshot or Replay); some requests are cancelled."""
+    core, _ = make_core(max_concurrency=4, max_context=64, max_queue=16,
+                        num_kv_pages=16, host_snapshot_bytes=snapshot_bytes)
+    _chat_rounds(core, 8, 3, kind, cancel_rate=0.2, seed=3, max_context=64)
+    stats = core.stats()
+    assert stats["pauses"] > 0 and stats["prefix_cache_hits"] > 0
+    assert (stats["snapshot_pauses"] > 0) == (snapshot_bytes > 0)
+    _finish_empty(core)
+
+
+def test_shared_system_prompt_is_prefilled_once_per_interval():
+    """8 sessions sharing a long system prompt: the interval checkpoints inside it (every
+    checkpoint_interval tokens) serve every later session, so they prefill little of it."""
+    core, model = make_core(max_concurrency=4, max_context=MAX_CONTEXT, max_queue=16,
+                            checkpoint_interval=16, prefill_chunk=64)
+    system = prompt(7, 50)
+    first = np.concatenate([system, prompt(8, 4)]).astype(np.int32)
+    want = reference_tokens(first, _params("greedy", 0), MAX_CONTEXT)
+    assert core.submit(first, _params("greedy", 0)).result(timeout=30).token_ids == want
+    cached = []
+    for s in range(8):
+        p = np.concatenate([system, prompt(20 + s, 6)]).astype(np.int32)
+        res = core.submit(p, _params("greedy", s)).result(timeout=30)
+        assert res.token_ids == reference_tokens(p, _params("greedy", s), MAX_CONTEXT)
+        cached.append(res.num_cached_tokens)
+    assert cached == [48] * 8              # the last interval checkpoint inside the system prompt
+    _finish_empty(core)
+
+
+def test_cache_pages_are_reclaimed_before_any_resident_pauses():
+    """The cache holds most of a small pool after one request; a long fresh prompt needs them:
+    they are demoted to the host tier (or dropped), nobody pauses, and a later prompt extending
+    the first promotes its checkpoint back to the device."""
+    core, _ = make_core(max_concurrency=2, max_context=32, page_size=4, num_kv_pages=10,
+                        prefill_chunk=8, prefix_cache_device_fraction=1.0)
+    a = prompt(50, 18)
+    want_a = reference_tokens(a, _params("greedy", 0, 4), 32)
+    assert core.submit(a, _params("greedy", 0, 4)).result(timeout=20).token_ids == want_a
+    held = core.stats()["kv_pages_used"]
+    assert held >= 5                       # the continuation's pages (+ a partial-page copy)
+    b = prompt(51, 28)
+    res = core.submit(b, _params("greedy", 1, 3)).result(timeout=20)
+    assert res.token_ids == reference_tokens(b, _params("greedy", 1, 3), 32)
+    stats = core.stats()
+    assert stats["pauses"] == 0 and stats["prefix_cache_demotions"] >= 1
+    a2 = np.concatenate([a, np.asarray(want_a, np.int32), prompt(52, 2)]).astype(np.int32)
+    res = core.submit(a2, _params("greedy", 2, 2)).result(timeout=20)
+    assert res.token_ids == reference_tokens(a2, _params("greedy", 2, 2), 32)
+    assert res.num_cached_tokens == len(a) + len(want_a) - 1
+    assert core.stats()["prefix_cache_promotions"] >= 1
+    _finish_empty(core)
+
+
+def test_session_publication_order_keeps_the_newest_binding():
+    core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
+    rm = core.resources
+    a = prompt(30, 10)
+    core.submit(a, _params("greedy", 0), session="chat").result(timeout=20)
+    b = prompt(31, 10)
+    core.submit(b, _params("greedy", 1), session="other").result(timeout=20)
+    core.shutdown()
+    newest = rm._sessions["chat"]
+    cid_other = rm._sessions["other"][1]
+    assert not rm.publish("chat", newest[0] - 1, cid_other)     # older: ignored
+    assert rm._sessions["chat"] == newest
+    assert rm.publish("chat", newest[0] + 1, cid_other)         # newer: rebinds
+    assert rm._sessions["chat"][1] == cid_other
+    rm.check_invariants()
+    # the session's checkpoint is found for its next prompt (and by the shared index too)
+    cont = core.program.cache.entries[newest[1]].token_ids
+    nxt = np.concatenate([cont, prompt(32, 3)]).astype(np.int32)
+    assert rm.lookup(nxt)[1] == len(cont)
+    assert rm.lookup(nxt, session="chat")[1] == len(cont)
+
+
+def test_invariants_catch_shared_writable_pages_and_lost_references():
+    core, _ = make_core(max_concurrency=2, max_context=MAX_CONTEXT)
+    core.submit(prompt(40, 13), _params("greedy", 0)).result(timeout=20)
+    core.shutdown()
+    prog = core.program
+    prog.check_invariants()
+    entry = next(c for c in prog.cache.entries.values() if c.partial >= 0)
+    prog.pages.refcount[entry.partial] += 1       # the partly filled page shared: COW broken
+    with pytest.raises(ProgramError, match="reference counts|copy-on-write"):
+        prog.check_invariants()
+    prog.pages.refcount[entry.partial] -= 1
+    prog.check_invariants()
+    prog.cache.slots._free.append(entry.slot)     # a held cache slot listed free as well
+    with pytest.raises(ProgramError, match="slot ledger"):
+        prog.check_invariants()
+    prog.cache.slots._free.pop()
+    prog.check_invariants()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_stress_sessions_cancels_pauses_evictions_end_empty(seed):
+    """Random sessions continuing or branching, cancels, a tiny KV pool (pauses of both kinds),
+    small device and host budgets (demotion, promotion, eviction): every kept answer equals its
+    cold reference, the worker's audits pass, and everything is free at the end."""
+    rng = random.Random(seed)
+    probe, _ = make_core()
+    host = 4 * probe.program.checkpoint_cost(24)
+    probe.shutdown()
+    core, _ = make_core(max_concurrency=4, max_context=64, num_kv_pages=18, page_size=4,
+                        prefill_chunk=6, max_queue=400, host_snapshot_bytes=4000,
+                        prefix_cache_host_bytes=host, prefix_cache_device_fraction=0.25,
+                        checkpoint_interval=8)
+    histories = {f"s{k}": prompt(500 + k, rng.randint(3, 12)) for k in range(6)}
+    plans = []
+    for i in range(70):
+        name = rng.choice(sorted(histories))
+        base = histories[name]
+        if rng.random() < 0.3:                  # branch from an earlier point of the session
+            base = base[:rng.randint(1, len(base))]
+        p = np.concatenate([base, prompt(600 + i, rng.randint(1, 6))]).astype(np.int32)[:40]
+        params = SamplingParams(max_tokens=rng.randint(1, 8), ignore_eos=True,
+                                **rng.choice([dict(), dict(temperature=1.0, seed=i)]))
+        h = core.submit(p, params, session=name)
+        cancel = rng.random() < 0.15
+        if cancel:
+            h.cancel()
+        plans.append((p, params, cancel, h))
+        if rng.random() < 0.3:                  # let some finish: later turns extend them
+            res = h.result(timeout=60)
+            histories[name] = np.concatenate([p, np.asarray(res.token_ids, np.int32)])[:40]
+    for p, params, cancel, h in plans:
+        res = h.result(timeout=60)
+        want = reference_tokens(p, params, 64)
+        assert res.token_ids == want[:len(res.token_ids)]
+        if not cancel:
+            assert res.token_ids == want
+    stats = core.stats()
+    assert core.health == "ready"
+    assert stats["prefix_cache_hits"] > 0 and stats["pauses"] > 0
+    _finish_empty(core)
