@@ -85,10 +85,14 @@ class RowResult:
 
     seq_id: int
     num_new_tokens: int         # tokens this unit ran through the model (KV/State advance)
-    produced: tuple             # sampled token ids (0 or 1), or a control unit's forced tokens
+    produced: tuple             # sampled token ids (0 or 1; a speculative row 1..k+1), or a
+                                # control unit's forced tokens
     logprobs: tuple             # TokenLogprob per produced token when asked for, else ()
     is_replay: bool             # rebuilding accepted history; nothing new is produced
     is_control: bool = False    # produced = the forced tokens (not sampled)
+    # a speculative verify (program/speculative.py): ran the last token + k drafts, produced the
+    # verified prefix; history advances by the accepted count, the rest rolls back
+    is_speculative: bool = False
 
 
 @dataclass(frozen=True, slots=True)

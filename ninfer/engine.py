@@ -47,7 +47,7 @@ class Engine:
             else:
                 from .models.qwen3_5.program import Program
                 from .runtime.engine_core import EngineCore
-                program = Program(self.model, self.options)
+                program = Program(self.model, self.options, drafter=self._drafter())
                 if self.options.warmup:     # graphs captured, first step run: then "ready"
                     program.warm_up()
                 self._core = EngineCore(program, self.frontend, self.options)
@@ -56,6 +56,18 @@ class Engine:
                 self.model.close()
             self.artifact.close()
             raise
+
+    def _drafter(self):
+        """The MTP drafter when speculative='mtp' (its weights are bound only then), else None."""
+        if self.options.speculative is None:
+            return None
+        from .errors import ArtifactError
+        from .models.qwen3_5.mtp import MtpDrafter
+        try:
+            return MtpDrafter.from_artifact(self.artifact, self.model)
+        except ArtifactError as exc:
+            raise ArtifactError(f"speculative='mtp' needs the checkpoint's MTP head: {exc}") \
+                from None
 
     # ---- identity -------------------------------------------------------------------------------
     @property

@@ -52,6 +52,11 @@ class EngineOptions:
     # and Replay re-runs history the way it first ran (docs/architecture.md "Load invariance";
     # its cost: docs/performance.md)
     batch_invariant: bool = False
+    # speculative decoding (issue 15): None, or "mtp": the checkpoint's MTP head drafts
+    # num_draft_tokens (1..4) tokens per decode step and one target forward verifies them; the
+    # output is the same as without it (docs/architecture.md "Speculative decoding"). numpy only
+    speculative: Optional[str] = None
+    num_draft_tokens: int = 3
 
     @property
     def prefix_cache_budget_bytes(self) -> int:
@@ -110,6 +115,12 @@ class EngineOptions:
         if self.backend == "numpy" and self.dtype == "bfloat16":
             bad("dtype", "the numpy backend computes in float32 only (from the stored weights); "
                          "use None or 'float32', or backend='cuda' for bfloat16")
+        if self.speculative not in (None, "mtp"):
+            bad("speculative", "must be None or 'mtp' (the checkpoint's multi-token-prediction head)")
+        if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 4:
+            bad("num_draft_tokens", "must be an integer in 1..4")
+        if self.speculative is not None and self.backend == "cuda":
+            bad("speculative", "speculative decoding runs on the numpy backend only in this version")
         timeout = self.queue_timeout_s
         if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
                                         and timeout > 0):

@@ -372,7 +372,8 @@ class EngineCore:
         # no State backups: a cancelled row is released right after the commit, never resumed
         pending = self.program.execute([r.seq_id for r in reqs], keep_rollback=False,
                                        forced=self._forced(reqs),
-                                       mask_provider=_mask_provider(reqs))
+                                       mask_provider=_mask_provider(reqs),
+                                       draft_masks=_draft_masks(reqs))
         now = time.monotonic()
         verdicts = [decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]
@@ -478,6 +479,11 @@ class EngineCore:
 
 
 
+def _draft_masks(reqs: list):
+    """Speculative verification's masks: seq_id, draft tokens -> the masks of the positions after
+    each draft prefix, as many as may be sampled (OutputSession.token_masks_along)."""
+    sessions = {r.seq_id: r.session for r in reqs}
+    return lambda seq_id, tokens: sessions[seq_id].token_masks_along(tokens)
 
 
 def _mask_provider(reqs: list):

@@ -26,9 +26,12 @@ def decide(req: Request, row, now: float, max_context: int) -> tuple:
         return RowDecision(0, is_cancelled=True), None, None
     if not row.produced:
         return RowDecision(0), None, None
-    produced = len(row.produced)
+    # a speculative row may produce past the budget: only what max_tokens / max_context leave
+    room = min(req.params.max_tokens - req.num_generated_tokens,
+               max_context - req.num_prompt_tokens - req.num_generated_tokens)
+    produced = min(len(row.produced), max(room, 1))
     try:
-        preview = req.session.preview(list(row.produced))
+        preview = req.session.preview(list(row.produced[:produced]))
         accepted = int(preview.accepted)
         is_stop = preview.finish_reason is not None
         if not 0 <= accepted <= produced or (not is_stop and accepted != produced):

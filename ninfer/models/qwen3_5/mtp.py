@@ -14,10 +14,12 @@ trained with (tools/train_reference.py: MTP.forward, position t for the pair (h_
 norm is zero-centred RMSNorm. Drafting k tokens feeds g back as the next step's hidden (as vLLM's
 MTP proposer does): step i reads (g_{i-1}, drafted x) at position t + i.
 
-The drafter's KV pool is separate from the target's (one attention layer) but indexed like it: the
-KV of position t lives at the same page/offset as the target's, so a row's block table serves both.
+The drafter's KV is one attention layer indexed like the target's: the KV of position t lives at
+the same page/offset as the target's, so a row's block table serves both. Standalone (tests, the
+acceptance bench) it has a pool of its own (`new_kv_pool`); inside a Program it joins the target's
+pool as one more layer (`join_kv_pool`), so pages, Snapshots and prefix checkpoints carry it.
 Its entries for positions whose hidden came from a draft (not from the target) are provisional:
-they are rewritten when the target's hidden for those positions is known (verify/commit, issue 15).
+they are rewritten when the target's hidden for those positions is known (program/speculative.py).
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ class MtpDrafter:
         self._embed, self._lm_head = embed, lm_head
         layer = params["layer"]
         self._attn = GatedAttention(layer, cfg, 0)          # ordinal 0 of the drafter's pool
+        self._joined = False
         self._mlp = SparseMoE(layer, cfg) if cfg.is_moe else DenseMLP(layer)
 
     @classmethod
@@ -94,6 +97,24 @@ class MtpDrafter:
         """One attention layer's KV, paged like the target's."""
         shape = (num_pages, page_size, self.text.num_key_value_heads, self.text.head_dim)
         return KVPool(page_size, [np.zeros(shape, np.float32)], [np.zeros(shape, np.float32)])
+
+    def join_kv_pool(self, kv: KVPool) -> None:
+        """Add the drafter's attention layer to a target's KVPool as its last layer and use it from
+        now on (one pool at a time): one page ledger, and every copy of a page (Snapshot,
+        checkpoint) holds both."""
+        num_target = len(self.text.attention_layer_ids)
+        if not num_target or len(kv.k) != num_target:
+            raise ValueError(f"MTP: join_kv_pool needs a target pool of its {num_target} "
+                             f"attention layers, got {len(kv.k)}")
+        kv.k.append(np.zeros_like(kv.k[0]))
+        kv.v.append(np.zeros_like(kv.v[0]))
+        self._attn = GatedAttention(self.p["layer"], self.text, num_target)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T (the shared lm_head: the target's
+        logits from its final_hidden, or a draft's from an MTP hidden)."""
+        return ops.linear(np.asarray(hidden, np.float32), self._lm_head).astype(np.float32,
+                                                                               copy=False)
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool, *,
                 with_logits: bool = True) -> tuple:
@@ -123,7 +144,7 @@ class MtpDrafter:
         g = ops.rmsnorm_zero_centred(u, p["norm"], eps)
         if not with_logits:
             return None, g
-        return ops.linear(g, self._lm_head).astype(np.float32, copy=False), g
+        return self.logits(g), g
 
     def _plan(self, batch: ForwardBatch, kv: KVPool) -> StepPlan:
         cfg = self.text
@@ -135,28 +156,38 @@ class MtpDrafter:
                         kv_pages=pages, kv_offsets=offsets)
 
     def draft_greedy(self, kv: KVPool, hidden: np.ndarray, next_tokens, context_lens,
-                     block_tables, k: int) -> tuple:
-        """k greedy draft tokens per row, autoregressively on the drafter's own KV.
+                     block_tables, k) -> tuple:
+        """Greedy draft tokens, autoregressively on the drafter's KV; k: one int for every row, or
+        one per row (k[r] >= 1; a row leaves the batch once it has its k[r]).
         Row r: hidden[r] is the target's final-normed hidden at position t_r = context_lens[r]
         (the drafter KV holds positions < t_r), next_tokens[r] = x_{t_r + 1}. Step i (0-based)
         writes drafter KV at t_r + i and predicts x_{t_r + i + 2}.
-        Returns (drafts [B, k] int32, logits [B, k, V] float32)."""
-        if k < 1:
-            raise ValueError(f"MTP: draft k must be >= 1, got {k}")
+        Returns (drafts [B, max k] int32, logits [B, max k, V] float32); entries past a row's own
+        k are -1 / 0."""
         ctx = np.asarray(context_lens, np.int32).copy()
-        tokens = np.asarray(next_tokens, np.int32)
-        tables = np.asarray(block_tables, np.int32).reshape(len(ctx), -1)
         B = len(ctx)
-        ones = np.ones(B, np.int32)
-        drafts = np.empty((B, k), np.int32)
-        logits = np.empty((B, k, self.text.vocab_size), np.float32)
+        ks = np.broadcast_to(np.asarray(k, np.int64), (B,)).copy()
+        if B and ks.min() < 1:
+            raise ValueError(f"MTP: draft k must be >= 1, got {ks.tolist()}")
+        tokens = np.asarray(next_tokens, np.int32).copy()
+        tables = np.asarray(block_tables, np.int32).reshape(B, -1)
+        k_max = int(ks.max(initial=0))
+        drafts = np.full((B, k_max), -1, np.int32)
+        logits = np.zeros((B, k_max, self.text.vocab_size), np.float32)
         h = np.asarray(hidden, np.float32)
-        for i in range(k):
-            batch = ForwardBatch(token_ids=tokens, positions=ForwardBatch.text_positions(ctx, ones),
-                                 query_start=np.arange(B + 1, dtype=np.int32), context_lens=ctx,
-                                 block_tables=tables, state_slots=np.arange(B, dtype=np.int32))
-            logits[:, i], h = self.forward(batch, h, kv)
-            tokens = np.argmax(logits[:, i], axis=1).astype(np.int32)
-            drafts[:, i] = tokens
-            ctx = ctx + 1
+        for i in range(k_max):
+            live = np.flatnonzero(ks > i)                   # rows still drafting
+            n = len(live)
+            batch = ForwardBatch(token_ids=tokens[live],
+                                 positions=ForwardBatch.text_positions(ctx[live], np.ones(n, int)),
+                                 query_start=np.arange(n + 1, dtype=np.int32),
+                                 context_lens=ctx[live], block_tables=tables[live],
+                                 state_slots=np.arange(n, dtype=np.int32))
+            step_logits, g = self.forward(batch, h[live], kv)
+            logits[live, i] = step_logits
+            tokens[live] = np.argmax(step_logits, axis=1).astype(np.int32)
+            drafts[live, i] = tokens[live]
+            h = np.zeros_like(h)
+            h[live] = g
+            ctx[live] += 1
         return drafts, logits

@@ -233,6 +233,15 @@ class GrammarMatcher:
                 raise RuntimeError(f"grammar rejected committed token {tok}: "
                                    f"{_first_line(self._m.get_error())}")
 
+    def fork(self) -> "GrammarMatcher":
+        """An independent copy of the committed state (speculative verification walks drafts on
+        it, `advance`; the request's own matcher does not move)."""
+        return GrammarMatcher(self._m.deep_copy(), self._vocab_size, self._eos)
+
+    def advance(self, token_id: int) -> bool:
+        """Consume one token if the grammar allows it; False (nothing consumed) if not."""
+        return bool(self._m.consume_token(int(token_id)))
+
     def mask(self) -> Optional[np.ndarray]:
         """bool [vocab_size]: the tokens the grammar allows next. None if it allows none (a
         matcher in error): the row then samples freely and preview rejects the token, which ends

@@ -243,13 +243,39 @@ class OutputSession:
         None when anything goes: the grammar's mask, with the stop ids banned while fewer than
         min_tokens are out. A spent thinking budget allows only `</think>` (a row that must sample,
         e.g. the first token after prefill, cannot take a control unit)."""
-        forced = self.forced_tokens()
+        return self._mask_at(self._state, self._matcher)
+
+    def token_masks_along(self, token_ids) -> list:
+        """Speculative verification: the masks `token_mask()` would give once token_ids[:1],
+        token_ids[:2], ... were committed, in order; the list ends before the first prefix that
+        ends the output, that the grammar refuses, or after which the next token is forced (a
+        spent thinking budget), since no sampled position follows those. Mutates nothing."""
+        ids = [int(t) for t in token_ids]
+        if self._matcher is None and self._thinking_budget is None and not self._min_tokens:
+            return [None] * len(ids)            # nothing to walk: anything goes at every position
+        st = self._state.clone()
+        matcher = None if self._matcher is None else self._matcher.fork()
+        masks = []
+        for tok in ids:
+            if st.finish_reason is not None or (matcher is not None and not matcher.advance(tok)):
+                break
+            if st.channel == REASONING:
+                st.num_reasoning_tokens += 1
+            st.num_tokens += 1
+            if self._step(st, tok, _Collector(), st.num_tokens) or self._forced_at(st):
+                break
+            masks.append(self._mask_at(st, matcher))
+        return masks
+
+    def _mask_at(self, st: _State, matcher):
+        """token_mask() of a session state and grammar matcher (the committed ones, or a walk's)."""
+        forced = self._forced_at(st)
         if forced and 0 <= forced[0] < self._tok.vocab_size:
             mask = np.zeros(self._tok.vocab_size, np.bool_)
             mask[forced[0]] = True
             return mask
-        mask = None if self._matcher is None else self._matcher.mask()
-        if self._state.num_tokens < self._min_tokens and self._stop_ids:
+        mask = None if matcher is None else matcher.mask()
+        if st.num_tokens < self._min_tokens and self._stop_ids:
             banned = [t for t in self._stop_ids if 0 <= t < self._tok.vocab_size]
             if mask is None:
                 mask = np.ones(self._tok.vocab_size, np.bool_)
@@ -263,7 +289,9 @@ class OutputSession:
     def forced_tokens(self) -> tuple:
         """Token ids the next unit must produce without sampling (a control unit), or () to
         sample: `</think>` + separator once the thinking budget is spent inside reasoning."""
-        st = self._state
+        return self._forced_at(self._state)
+
+    def _forced_at(self, st: _State) -> tuple:
         if (self._thinking_budget is None or st.finish_reason is not None
                 or st.channel != REASONING or st.tool_buf is not None
                 or st.num_reasoning_tokens < self._thinking_budget):

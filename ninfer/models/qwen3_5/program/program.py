@@ -38,6 +38,7 @@ from ....contracts import (PendingBatch, ProgramError, ResumeState, RowDecision,
 from .context_cache import CheckpointStore
 from .pools import PagePool, SlotPool, pages_for
 from .sampling import sample_row
+from .speculative import MtpSpeculator
 
 # distinguishes Programs in the device sampler's prompt cache keys (it lives on the model, which
 # may outlive a Program or serve several; sequence ids restart in each Program)
@@ -69,7 +70,8 @@ class _Unit:
 
 
 class Program:
-    def __init__(self, model, options):
+    def __init__(self, model, options, *, drafter=None):
+        """drafter: an MtpDrafter of the same model to decode speculatively with (issue 15)."""
         text = model.config.text
         self.model = model
         self.vocab_size = int(text.vocab_size)
@@ -94,6 +96,10 @@ class Program:
         share = options.prefix_cache_device_share
         num_cache_slots = min(math.ceil(2 * share * self.num_slots), self.num_slots + 2)
         self.kv = model.new_kv_pool(num_pages, self.page_size)
+        # speculative decoding: the drafter's KV joins the pool as one more layer (so every page
+        # copy carries it) before anything sizes a page; speculative.py runs the units
+        self.speculator = None if drafter is None else \
+            MtpSpeculator(drafter, options.num_draft_tokens, self.kv)
         self.state = model.new_state_pool(self.num_slots + num_cache_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
         self.slots = SlotPool(self.num_slots)
@@ -266,6 +272,8 @@ class Program:
         self._no_pending("release")
         seq = self._seqs[seq_id]
         cid = None
+        if self.speculator is not None:
+            self.speculator.forget(seq_id)
         if keep_frontier:
             tokens = self.continuation(seq_id)
             if not len(tokens) or not self.cache.slots.num_free:
@@ -384,13 +392,15 @@ class Program:
         return granted
 
     def execute(self, seq_ids, *, forced: Optional[dict] = None, keep_rollback: bool = True,
-                mask_provider: Optional[Callable[[int], Optional[np.ndarray]]] = None
-                ) -> PendingBatch:
+                mask_provider: Optional[Callable[[int], Optional[np.ndarray]]] = None,
+                draft_masks: Optional[Callable[[int, tuple], list]] = None) -> PendingBatch:
         """Run the next unit of every row as one model call; rows must hold their reservation.
 
         mask_provider (borrowed for this round only): seq_id -> the bool token mask of its next
         sampled token (constrained decoding) or None; asked once per sampling row, before the
         forward. A backend with `sample` applies it on the device; otherwise the host does.
+        draft_masks (speculative decoding): seq_id, drafts -> the masks of the positions after
+        each draft prefix, as many as may be sampled (OutputSession.token_masks_along).
 
         keep_rollback=False skips the State backup (a host copy per row, costly on a device):
         a row then cancelled or aborted cannot continue and may only be released (the Engine
@@ -410,6 +420,10 @@ class Program:
                 unit.forced[:-1]
         masks = [mask_provider(seq.seq_id) if mask_provider is not None and unit.is_sampling
                  else None for seq, unit in zip(seqs, units)]
+        if self.speculator is not None:     # drafts, one verify forward, per-position sampling
+            self._pending = self.speculator.execute(self, seqs, units, masks, keep_rollback,
+                                                    draft_masks)
+            return self._pending
         batch = self._pack(seqs, units)
         backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
         on_device = self._can_sample_on_device(seqs, units, masks)
@@ -486,12 +500,15 @@ class Program:
             else:
                 # a control row's accepted prefix fixes how much of what it ran is history;
                 # State consumed all of it, so a shorter prefix leaves the row release-only
-                seq.num_computed_tokens += d.accepted if row.is_control else row.num_new_tokens
+                is_prefix = row.is_control or row.is_speculative
+                seq.num_computed_tokens += d.accepted if is_prefix else row.num_new_tokens
                 seq.is_unusable |= row.is_control and d.accepted < row.num_new_tokens
                 self._append(seq, row.produced[:d.accepted])
                 if seq.num_computed_tokens >= seq.protected_tokens:
                     seq.protected_tokens = 0
             self._trim(seq)
+        if self.speculator is not None:     # State of rejected drafts, the drafter's KV
+            self.speculator.after_commit(self, pending, decisions)
 
     def abort_pending(self, pending: PendingBatch) -> None:
         """Drop the whole unit: State restored, frontiers unchanged, unused pages returned."""
@@ -513,7 +530,8 @@ class Program:
                 "prefix_cache_entries": len(self.cache.entries),
                 "prefix_cache_bytes": self.cache_bytes_used,
                 "prefix_cache_host_bytes": self.cache_bytes_used,
-                "prefix_cache_device_bytes": self.cache.device_bytes_used}
+                "prefix_cache_device_bytes": self.cache.device_bytes_used,
+                **(self.speculator.stats() if self.speculator is not None else {})}
 
     def check_invariants(self) -> None:
         """Raise ProgramError if the physical ledgers disagree (leaks, double maps, bad frontiers)."""

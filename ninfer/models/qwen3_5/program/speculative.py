@@ -1,0 +1,263 @@
+"""Speculative decoding with the checkpoint's MTP head (issue 15), numpy backend: draft, verify,
+commit, roll back. The Program owns it; program.py calls in at construction, `execute`, `commit`,
+`release` and `stats`.
+
+One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sampled, not yet run):
+
+    draft    d_1 was drafted when the last unit committed (feed, below); the drafter (mtp.py)
+             runs k - 1 more steps from (its hidden g_1, d_1) at positions F .. F+k-2, greedy.
+             The drafts go into the token buffer after the committed tokens (provisional).
+    verify   one target forward over [x_{N-1}, d_1 .. d_k] at positions F .. F+k, batched with
+             the unit's other rows (prefill / Replay / control / plain decode rows run as usual).
+             Position j samples t_j exactly as a decode step at that position would: penalties
+             over the tokens before it (d_1 .. d_j included), logit_bias, the grammar mask after
+             d_1 .. d_j (OutputSession.token_masks_along), the draw u(seed, N + j).
+             Stop at the first t_j != d_{j+1}: produced = t_0 .. t_j (1 .. k+1 tokens).
+    commit   the Engine accepts a <= produced tokens (stop, max_tokens, cancel: outcome.decide).
+             Frontier F -> F + a. State: when a < k + 1 the pre-verify backup is restored and the
+             a accepted tokens are run again (recompute); KV past the frontier is left for the
+             next unit to overwrite. Then the feed: the drafter's KV of positions F .. F+a-1 is
+             written from the target's hidden states of this verify and the accepted tokens, and
+             its last step's logits give the next cycle's d_1.
+
+Sampling rule. The drafts are greedy, so the draft distribution q at position j is the point mass
+on d_{j+1}. The standard speculative-sampling rule then reads: accept d with probability
+min(1, p(d) / q(d)) = p(d); on rejection draw from normalize((p - q)+) = p conditioned on "not d".
+We realize it with one draw per position: t = the sampler's token from p with the uniform
+u(seed, position) (the same inverse-CDF draw a non-speculative step makes), accept iff t == d,
+else emit t. P(t == d) = p(d), and t given t != d is distributed as p conditioned on "not d":
+the rule exactly, and the emitted token is the one the non-speculative path would emit. So a
+seeded request gives the same tokens with or without speculation, at any batch size, across
+pauses; greedy (temperature 0) is the special case t = argmax.
+
+The drafter's KV is one more layer of the target's KVPool (MtpDrafter.join_kv_pool): the same
+pages and block tables, so Snapshots and prefix checkpoints carry it. Invariant after every
+commit: the drafter's KV covers exactly the target's frontier (positions < F hold the pairs
+(h_t, x_{t+1}) of the target's hidden states); positions >= F are provisional.
+
+Rollback choice (numpy): restore the pre-verify StateImage and recompute the accepted prefix.
+Per-position State checkpoints would need the GDN layers to write S after every token of a
+verify row ((k+1) x the State bytes per row); recompute needs no model change and costs a target
+forward over the accepted tokens of the rows that rejected a draft (bench/bench_speculative.py
+reports its share). On CUDA the trade-off differs: see docs/architecture.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from ....contracts import PendingBatch, ProgramError, RowResult
+from ..batch import ForwardBatch
+from .sampling import sample_row
+
+MAX_DRAFT_TOKENS = 4
+
+
+@dataclass(slots=True, eq=False)
+class _Row:
+    """What commit needs of one row of the pending unit."""
+    seq_id: int
+    start: int                  # the row's frontier when the unit ran
+    hidden: np.ndarray          # [n, H] the target's final-normed hidden of its new tokens
+    drafts: tuple = ()          # a verify row's drafts d_1 .. d_k (empty: not speculative)
+    backup: object = None       # a verify row's StateImage before the verify
+
+
+class MtpSpeculator:
+    def __init__(self, drafter, num_draft_tokens: int, kv):
+        """drafter: MtpDrafter over the Program's model; kv: the Program's KVPool (the drafter's
+        layer joins it here, before the Program sizes its host copies of a page)."""
+        if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens} outside 1..{MAX_DRAFT_TOKENS}")
+        drafter.join_kv_pool(kv)
+        self.drafter = drafter
+        self.num_draft_tokens = int(num_draft_tokens)
+        self._first: dict = {}        # seq_id -> (d_1, its MTP hidden g_1 [H]) for the next cycle
+        self._rows: dict = {}         # seq_id -> _Row of the pending unit
+        self._epoch: Optional[int] = None
+        k = self.num_draft_tokens
+        self._drafted_at = np.zeros(k, np.int64)      # drafts proposed at position i (1-based)
+        self._accepted_at = np.zeros(k, np.int64)     # ... of them the Engine accepted
+        self._counts = dict(spec_verify_rows=0, spec_emitted_tokens=0, spec_recompute_rows=0,
+                            spec_recompute_tokens=0)
+
+    # ---- execute ---------------------------------------------------------------------------------
+    def execute(self, prog, seqs, units, masks, keep_rollback: bool,
+                draft_masks: Optional[Callable[[int, tuple], list]]) -> PendingBatch:
+        """Run the unit: draft for the decode rows that can, one target forward over every row,
+        sample (verify rows: position by position). Returns the Program's PendingBatch."""
+        drafts = self._draft(prog, seqs, units)
+        units = [dataclasses.replace(u, num_new_tokens=1 + len(drafts[r])) if r in drafts else u
+                 for r, u in enumerate(units)]
+        batch = prog._pack(seqs, units)
+        backups = [prog.state.read(s.slot) if keep_rollback or r in drafts else None
+                   for r, s in enumerate(seqs)]
+        media = prog._media_rows(seqs, units)
+        hidden = prog.model.final_hidden(batch, prog.kv, prog.state, media=media)
+        starts = np.asarray(batch.query_start, np.int64)
+        # logits: every position of a verify row, the last token of the others
+        picks = [np.arange(starts[r], starts[r + 1]) if r in drafts else [starts[r + 1] - 1]
+                 for r in range(len(seqs))]
+        logits = self.drafter.logits(hidden[np.concatenate(picks)])
+        bounds = np.cumsum([0] + [len(p) for p in picks])
+        rows, self._rows = [], {}
+        for r, (seq, unit) in enumerate(zip(seqs, units)):
+            row_logits = logits[bounds[r]:bounds[r + 1]]
+            if r in drafts:
+                rows.append(self._verify_row(prog, seq, drafts[r], row_logits, masks[r],
+                                             draft_masks))
+            else:
+                rows.append(prog._row_result(seq, unit, row_logits[0], masks[r]))
+            self._rows[seq.seq_id] = _Row(seq.seq_id, seq.num_computed_tokens,
+                                          hidden[starts[r]:starts[r + 1]].copy(),
+                                          tuple(drafts.get(r, ())),
+                                          backups[r] if r in drafts else None)
+        pending = PendingBatch(tuple(rows), backups, prog._new_id())
+        self._epoch = pending._epoch
+        return pending
+
+    def _draft_room(self, prog, seq, unit) -> int:
+        """Drafts this row verifies now (0: a plain unit). A decode unit of a text row with a
+        d_1 ready; k capped by max_context; the pages of positions F .. F+k taken now if free
+        (returned by commit's trim), else what the row's pages already hold."""
+        if not unit.is_sampling or unit.forced or unit.is_replay or seq.media is not None \
+                or seq.num_tokens <= seq.num_prompt_tokens or seq.seq_id not in self._first:
+            return 0
+        n = seq.num_tokens
+        k = min(self.num_draft_tokens, prog.max_context - n - 1)
+        if k > 0 and not prog.pages.grow(seq.slot, n + k):
+            k = min(k, len(prog.pages.pages_of(seq.slot)) * prog.page_size - n)
+        return max(k, 0)
+
+    def _draft(self, prog, seqs, units) -> dict:
+        """{row index: int32 [k] drafts} of the rows that speculate; their drafts are written
+        after the committed tokens, where packing reads them."""
+        ks = {r: self._draft_room(prog, seq, unit)
+              for r, (seq, unit) in enumerate(zip(seqs, units))}
+        ks = {r: k for r, k in ks.items() if k > 0}
+        drafts = {r: np.array([self._first[seqs[r].seq_id][0]], np.int32) for r in ks}
+        more = [r for r in ks if ks[r] > 1]
+        if more:
+            sel = [seqs[r] for r in more]
+            tail, _ = self.drafter.draft_greedy(
+                prog.kv, np.stack([self._first[s.seq_id][1] for s in sel]),
+                [self._first[s.seq_id][0] for s in sel],
+                [s.num_computed_tokens for s in sel],
+                prog.pages.block_tables[[s.slot for s in sel]], [ks[r] - 1 for r in more])
+            for i, r in enumerate(more):
+                drafts[r] = np.concatenate([drafts[r], tail[i, :ks[r] - 1]])
+        for r, d in drafts.items():
+            seq = seqs[r]
+            prog.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + len(d)] = d
+        return drafts
+
+    def _verify_row(self, prog, seq, drafts, logits, mask0, draft_masks) -> RowResult:
+        """Sample positions 0 .. k of a verify row as decode steps would, up to the first token
+        that differs from the draft there."""
+        k = len(drafts)
+        later = list(draft_masks(seq.seq_id, tuple(int(d) for d in drafts)))[:k] \
+            if draft_masks is not None else [None] * k
+        num_prompt, n = seq.num_prompt_tokens, seq.num_tokens
+        prompt = prog.token_buf[seq.slot, :num_prompt]
+        produced, logprobs = [], []
+        for j, mask in enumerate([mask0] + later):
+            token, lp = sample_row(logits[j], seq.spec, prompt,
+                                   prog.token_buf[seq.slot, num_prompt:n + j], position=n + j,
+                                   mask=mask)
+            produced.append(token)
+            if lp is not None:
+                logprobs.append(lp)
+            if j == k or token != drafts[j]:
+                break
+        return RowResult(seq.seq_id, 1 + k, tuple(produced), tuple(logprobs), False,
+                         is_speculative=True)
+
+    # ---- commit ----------------------------------------------------------------------------------
+    def after_commit(self, prog, pending: PendingBatch, decisions) -> None:
+        """After the Program advanced the frontiers: fix the State of verify rows that rejected a
+        draft, then feed the drafter every row's newly committed positions."""
+        if pending._epoch != self._epoch:
+            raise ProgramError("speculative: commit of a unit it did not run")
+        rows, self._rows, self._epoch = self._rows, {}, None
+        recompute, feed = [], []
+        for row, d in zip(pending.rows, decisions):
+            seq = prog._seqs.get(row.seq_id)
+            rec = rows[row.seq_id]
+            if d.is_cancelled or seq is None or seq.is_unusable or seq.media is not None:
+                self._first.pop(row.seq_id, None)
+                continue
+            advance = seq.num_computed_tokens - rec.start
+            if row.is_speculative:
+                self._count(rec, row, d.accepted)
+                if advance < row.num_new_tokens:
+                    recompute.append((seq, rec, advance))
+            if advance > 0:
+                feed.append((seq, rec, advance))
+        if recompute:
+            self._recompute(prog, recompute)
+        if feed:
+            self._feed(prog, feed)
+
+    def _count(self, rec: _Row, row: RowResult, accepted: int) -> None:
+        k = len(rec.drafts)
+        matched = 0
+        while matched < min(k, len(row.produced)) and row.produced[matched] == rec.drafts[matched]:
+            matched += 1
+        kept = min(matched, accepted)
+        self._drafted_at[:k] += 1
+        self._accepted_at[:kept] += 1
+        self._counts["spec_verify_rows"] += 1
+        self._counts["spec_emitted_tokens"] += accepted
+
+    def _recompute(self, prog, items) -> None:
+        """Restore the pre-verify State and run the accepted tokens again (their KV too)."""
+        for seq, rec, _ in items:
+            prog.state.write(seq.slot, rec.backup)
+        batch = self._batch(prog, [(seq, rec.start, n) for seq, rec, n in items],
+                            [prog.token_buf[seq.slot, rec.start:rec.start + n]
+                             for seq, rec, n in items])
+        prog.model.final_hidden(batch, prog.kv, prog.state)
+        self._counts["spec_recompute_rows"] += len(items)
+        self._counts["spec_recompute_tokens"] += int(batch.num_tokens)
+
+    def _feed(self, prog, items) -> None:
+        """Drafter KV of positions start .. start+n-1 from the pairs (h_t, x_{t+1}); the last
+        pair's logits are the next cycle's first draft."""
+        batch = self._batch(prog, [(seq, rec.start, n) for seq, rec, n in items],
+                            [prog.token_buf[seq.slot, rec.start + 1:rec.start + 1 + n]
+                             for seq, rec, n in items])
+        hidden = np.concatenate([rec.hidden[:n] for _, rec, n in items])
+        _, g = self.drafter.forward(batch, hidden, prog.kv, with_logits=False)
+        last = np.asarray(batch.query_start[1:], np.int64) - 1
+        first = np.argmax(self.drafter.logits(g[last]), axis=1)
+        for i, (seq, _, _) in enumerate(items):
+            self._first[seq.seq_id] = (int(first[i]), g[last[i]].copy())
+
+    @staticmethod
+    def _batch(prog, rows, tokens) -> ForwardBatch:
+        """Text rows (seq, start, n) with the given tokens at positions start .. start+n-1."""
+        starts = np.array([s for _, s, _ in rows], np.int32)
+        counts = np.array([n for _, _, n in rows], np.int32)
+        query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        slots = np.array([seq.slot for seq, _, _ in rows], np.int32)
+        return ForwardBatch(np.concatenate(tokens).astype(np.int32),
+                            ForwardBatch.text_positions(starts, counts), query_start, starts,
+                            prog.pages.block_tables[slots], slots)
+
+    # ---- lifetime and observation ----------------------------------------------------------------
+    def forget(self, seq_id: int) -> None:
+        """The sequence left the Program (released or paused): its next draft goes with it."""
+        self._first.pop(seq_id, None)
+
+    def stats(self) -> dict:
+        drafted, accepted = int(self._drafted_at.sum()), int(self._accepted_at.sum())
+        return dict(self._counts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+                    spec_num_draft_tokens=self.num_draft_tokens,
+                    spec_drafted_by_position=self._drafted_at.tolist(),
+                    spec_accepted_by_position=self._accepted_at.tolist(),
+                    spec_acceptance_by_position=[
+                        float(a / d) if d else 0.0
+                        for a, d in zip(self._accepted_at, self._drafted_at)])

@@ -1,0 +1,358 @@
+"""Speculative decoding with the MTP head (issue 15; program/speculative.py), numpy backend.
+
+The contract: the tokens are the ones the Engine gives without speculation, for greedy and for
+seeded sampling, alone and batched, through Snapshot and Replay pauses, with stop strings,
+grammars and penalties; only the speed changes. On the trained reference models (a real MTP head,
+acceptance 0.4-0.9) and on two constructed extremes of a tiny random model: an MTP head that never
+agrees with the target (acceptance 0) and one that always does (acceptance 1). Seeded sampling:
+the token distribution of a verified position against the exact one (chi-square)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckpt_helpers import TINY_TEXT, write_checkpoint
+from ninfer import Engine, SamplingParams
+from ninfer.api import StructuredOutput
+from ninfer.artifact import Artifact
+from ninfer.demo import ensure_reference_artifact
+from ninfer.errors import ArtifactError, RequestError
+from ninfer.models.qwen3_5.model import NumpyModel
+from ninfer.models.qwen3_5.mtp import MtpDrafter
+from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
+from ninfer.models.qwen3_5.program.sampling import filtered_probs
+from ninfer.options import EngineOptions
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = ["import os\n\ndef main():\n", "class Parser:\n    def __init__(self", "# utils\n",
+           "for i in range(", "def _check(x):\n    if not", "import sys\nimport re\n\n",
+           "    return self.", "try:\n    import"]
+SEEDED = dict(temperature=0.8, top_p=0.95, seed=11)
+
+
+def _generate(path, prompts, params, **engine_kw):
+    """Token ids (and the Engine's stats) of prompts submitted together."""
+    with Engine(path, **engine_kw) as engine:
+        handles = [engine.submit(p, params[i] if isinstance(params, list) else params,
+                                 enable_thinking=False) for i, p in enumerate(prompts)]
+        results = [h.result(timeout=300) for h in handles]
+        return results, engine.stats()
+
+
+# ---- the trained reference models --------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def ref(request):
+    return ensure_reference_artifact(request.param)
+
+
+def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want, _ = _generate(ref, PROMPTS, params, max_concurrency=8)
+    got, stats = _generate(ref, PROMPTS, params, max_concurrency=8, speculative="mtp",
+                           num_draft_tokens=3)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    for k in (1, 4):                                         # alone, the extreme draft lengths
+        alone, stats = _generate(ref, PROMPTS[:2], params, max_concurrency=1,
+                                 speculative="mtp", num_draft_tokens=k)
+        assert [r.token_ids for r in alone] == [r.token_ids for r in want[:2]]
+        assert len(stats["spec_acceptance_by_position"]) == k
+
+
+def test_seeded_equals_plain_sampling_at_batch_1_and_4(ref):
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, **{**SEEDED, "seed": 50 + i})
+              for i in range(4)]
+    want, _ = _generate(ref, PROMPTS[:4], params, max_concurrency=1)
+    for b in (1, 4):
+        got, stats = _generate(ref, PROMPTS[:4], params, max_concurrency=b, speculative="mtp",
+                               num_draft_tokens=3)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert stats["spec_verify_rows"] > 0
+
+
+@pytest.mark.parametrize("snapshot_bytes", [0, 64 << 20], ids=["replay", "snapshot"])
+def test_equal_through_pauses(snapshot_bytes):
+    path = ensure_reference_artifact("dense")
+    params = [SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, ignore_eos=True, **SEEDED)] * 2
+    want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=1)
+    got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=64,
+                           page_size=8, num_kv_pages=14, prefill_chunk=8,
+                           host_snapshot_bytes=snapshot_bytes, speculative="mtp",
+                           num_draft_tokens=4)
+    assert stats["pauses"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert (stats["snapshot_resumes"] > 0) == (snapshot_bytes > 0)
+    assert (stats["replay_resumes"] > 0) == (snapshot_bytes == 0)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position():
+    path = ensure_reference_artifact("dense")
+    cases = [SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.5, presence_penalty=0.3, logprobs=2),
+             SamplingParams(max_tokens=7, ignore_eos=True, logit_bias={220: 3.0}, **SEEDED)]
+    for params in cases:
+        want, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1)
+        got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative="mtp",
+                           num_draft_tokens=4)
+        assert got[0].token_ids == want[0].token_ids and got[0].text == want[0].text
+        assert got[0].finish_reason == want[0].finish_reason
+        assert len(got[0].token_ids) <= params.max_tokens
+        if params.logprobs:
+            assert [(lp.token_id, round(lp.logprob, 4)) for lp in got[0].logprobs] == \
+                [(lp.token_id, round(lp.logprob, 4)) for lp in want[0].logprobs]
+
+
+def test_stop_string_ends_the_output_where_plain_decoding_does():
+    path = ensure_reference_artifact("dense")
+    free, _ = _generate(path, PROMPTS[:1], SamplingParams(max_tokens=30, ignore_eos=True),
+                        max_concurrency=1)
+    stop = free[0].text[12:15]
+    params = SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop])
+    want, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1)
+    got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative="mtp",
+                       num_draft_tokens=4)
+    assert want[0].finish_reason == "stop" and want[0].stop_sequence == stop
+    assert (got[0].token_ids, got[0].text, got[0].finish_reason) == \
+        (want[0].token_ids, want[0].text, want[0].finish_reason)
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z_]{1,10}$"}, "n": {"type": "integer"}},
+    "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
+def test_grammar_masks_apply_at_every_verified_position(sampling):
+    path = ensure_reference_artifact("dense")
+    params = SamplingParams(max_tokens=60, structured=StructuredOutput("json_schema", SCHEMA),
+                            **sampling)
+    want, _ = _generate(path, PROMPTS[:2], params, max_concurrency=2)
+    got, stats = _generate(path, PROMPTS[:2], params, max_concurrency=2, speculative="mtp",
+                           num_draft_tokens=3)
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+        if g.finish_reason == "stop":
+            assert set(json.loads(g.text)) == {"name", "n"}
+    assert stats["spec_verify_rows"] > 0
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+def test_bad_options_are_refused_with_a_clear_error(tmp_path):
+    for kw, words in [(dict(speculative="eagle"), "'mtp'"),
+                      (dict(speculative="mtp", num_draft_tokens=0), "1..4"),
+                      (dict(speculative="mtp", num_draft_tokens=5), "1..4"),
+                      (dict(speculative="mtp", backend="cuda"), "numpy backend only")]:
+        with pytest.raises(RequestError, match=words):
+            EngineOptions.from_kwargs(**kw)
+    ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM", mtp=False)
+    art = _convert(ckpt.path, tmp_path / "nomtp.ninfer")
+    with pytest.raises(ArtifactError, match="needs the checkpoint's MTP head"):
+        Engine(art, speculative="mtp")
+
+
+# ---- constructed extremes on a tiny random model -----------------------------------------------
+
+H, V = TINY_TEXT["hidden_size"], TINY_TEXT["vocab_size"]
+BF16 = ml_dtypes.bfloat16
+
+
+def _convert(ckpt_dir, out):
+    from ninfer.convert import convert_checkpoint
+    convert_checkpoint(ckpt_dir, out, progress=False)
+    return out
+
+
+def _zeros(*shape):
+    return np.zeros(shape, BF16)
+
+
+def _never_agree(tmp_path):
+    """MTP norm weight -1: its hidden is 0, every draft logit 0, the draft id 0; the target's
+    lm_head row 0 is 0, so its logit 0 never is the argmax while another logit is positive."""
+    rng = np.random.default_rng(3)
+    lm_head = rng.standard_normal((V, H)).astype(BF16)
+    lm_head[0] = 0
+    ckpt = write_checkpoint(tmp_path / "never", "Qwen3_5ForCausalLM", mtp=True, replace={
+        "lm_head.weight": lm_head, "mtp.norm.weight": np.full(H, -1.0, BF16)})
+    return _convert(ckpt.path, tmp_path / "never.ninfer")
+
+
+def _always_agree(tmp_path):
+    """Every mixer and MLP writes 0, so the target's next token is f(x) = argmax(lm_head .
+    norm(embed(x))). The MTP head passes norm(embed(x_{t+1})) through (fc = [I 0], its layer
+    writing 0) to the same final norm: it predicts f of the token it reads, always right."""
+    text = dict(TINY_TEXT, mtp_num_hidden_layers=1)
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(4)]
+    norm = (np.random.default_rng(4).standard_normal(H) * 0.3).astype(BF16)
+    replace = {"model.norm.weight": norm, "mtp.norm.weight": norm,
+               "mtp.fc.weight": np.concatenate([np.eye(H), np.zeros((H, H))], 1).astype(BF16),
+               "mtp.pre_fc_norm_embedding.weight": _zeros(H),
+               "mtp.layers.0.self_attn.o_proj.weight": _zeros(H, text["num_attention_heads"]
+                                                              * text["head_dim"]),
+               "mtp.layers.0.mlp.down_proj.weight": _zeros(H, text["intermediate_size"])}
+    for i, kind in enumerate(types):
+        p = f"model.layers.{i}."
+        replace[p + "mlp.down_proj.weight"] = _zeros(H, text["intermediate_size"])
+        if kind == "full_attention":
+            replace[p + "self_attn.o_proj.weight"] = _zeros(H, text["num_attention_heads"]
+                                                             * text["head_dim"])
+        else:
+            replace[p + "linear_attn.out_proj.weight"] = _zeros(
+                H, text["linear_num_value_heads"] * text["linear_value_head_dim"])
+    ckpt = write_checkpoint(tmp_path / "always", "Qwen3_5ForCausalLM", mtp=True, replace=replace)
+    return _convert(ckpt.path, tmp_path / "always.ninfer")
+
+
+@pytest.fixture(scope="module")
+def extremes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spec_extremes")
+    return {"never": _never_agree(tmp), "always": _always_agree(tmp), "random": _random(tmp)}
+
+
+def _random(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "random", "Qwen3_5ForCausalLM", mtp=True, seed=9)
+    return _convert(ckpt.path, tmp_path / "random.ninfer")
+
+
+def _id_prompts():
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, V - 1, n).astype(np.int32) for n in (1, 5, 12, 30, 3, 17, 8, 2)]
+
+
+def test_an_mtp_head_that_never_agrees_changes_nothing(extremes):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want, _ = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8)
+    got, stats = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8,
+                           speculative="mtp", num_draft_tokens=4)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert stats["spec_draft_tokens"] >= 8 * 4 * 10       # every decode step verified 4 drafts
+    assert stats["spec_accepted_tokens"] == 0
+    assert stats["spec_acceptance_by_position"] == [0.0] * 4
+    assert stats["spec_recompute_rows"] == stats["spec_verify_rows"]   # each one rolled back
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_an_mtp_head_that_always_agrees_is_accepted_in_full(extremes, k):
+    # 1 token from prefill, then cycles of k + 1: max_tokens ends exactly on a cycle
+    params = SamplingParams(max_tokens=1 + 5 * (k + 1), ignore_eos=True)
+    want, _ = _generate(extremes["always"], _id_prompts(), params, max_concurrency=8)
+    got, stats = _generate(extremes["always"], _id_prompts(), params, max_concurrency=8,
+                           speculative="mtp", num_draft_tokens=k)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert stats["spec_verify_rows"] == 8 * 5                 # k + 1 tokens per verify
+    assert stats["spec_draft_tokens"] == stats["spec_accepted_tokens"] == 8 * 5 * k
+    assert stats["spec_acceptance_by_position"] == [1.0] * k
+    assert stats["spec_recompute_rows"] == 0
+
+
+def test_a_random_mtp_head_through_pauses_with_mixed_rows(extremes):
+    """Partial acceptance, prefill chunks and Replay / Snapshot mixed with verify rows."""
+    prompts = _id_prompts()
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, **({} if i % 2 else SEEDED))
+              for i in range(8)]
+    want, _ = _generate(extremes["random"], prompts, params, max_concurrency=1)
+    for snapshot_bytes in (0, 1 << 20):
+        got, stats = _generate(extremes["random"], prompts, params, max_concurrency=8,
+                               max_context=64, page_size=4, num_kv_pages=20, prefill_chunk=5,
+                               host_snapshot_bytes=snapshot_bytes, speculative="mtp",
+                               num_draft_tokens=2)
+        assert stats["pauses"] > 0 and stats["spec_verify_rows"] > 0
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+# ---- the speculative-sampling rule: distribution of a verified position ------------------------
+
+CHI2_ALPHA = 1e-3           # false-failure rate of the chi-square test at a fresh set of seeds
+NUM_SAMPLES = 1200          # sequences sampled (8 per Program step), ~2 s on one core
+SAMPLING = SamplingSpec(seed=0, temperature=1.0, top_k=3)
+
+
+def _chi2_critical(df: int, alpha: float) -> float:
+    """Upper alpha quantile of chi-square(df), Wilson-Hilferty (relative error < 1e-3 here)."""
+    z = {1e-3: 3.090232}[alpha]
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _exact_pair_probs(model, prompt) -> dict:
+    """{(t1, t2, t3): probability} of the first three sampled tokens, by enumeration through
+    plain forwards (each history from scratch)."""
+    def probs(ids):
+        kv, state = model.new_kv_pool(8, 16), model.new_state_pool(1)
+        from ninfer.models.qwen3_5.batch import ForwardBatch
+        logits = model.forward(ForwardBatch.single(ids, 0, np.arange(8)), kv, state)[0]
+        return filtered_probs(logits.astype(np.float64), SAMPLING)
+    out = {}
+    p1 = probs(prompt)
+    for t1 in np.flatnonzero(p1):
+        p2 = probs(np.append(prompt, t1))
+        for t2 in np.flatnonzero(p2):
+            p3 = probs(np.append(prompt, [t1, t2]))
+            for t3 in np.flatnonzero(p3):
+                out[(t1, t2, t3)] = p1[t1] * p2[t2] * p3[t3]
+    return out
+
+
+def _sample_triples(model, drafter, prompt, seeds) -> tuple:
+    """The first three tokens of one seeded sequence per seed, 8 rows per Program."""
+    triples, accepted = [], 0
+    for i in range(0, len(seeds), 8):
+        prog = Program(model, EngineOptions(max_concurrency=8, max_context=32,
+                                            speculative="mtp", num_draft_tokens=2),
+                       drafter=drafter)
+        sids = [prog.bind(prompt, dataclasses.replace(SAMPLING, seed=int(s)))
+                for s in seeds[i:i + 8]]
+        out = {s: [] for s in sids}
+        while any(len(v) < 3 for v in out.values()):
+            live = [s for s in sids if len(out[s]) < 3]
+            assert prog.reserve_units(live) == [True] * len(live)
+            pending = prog.execute(live)
+            prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
+            for row in pending.rows:
+                out[row.seq_id] += row.produced
+        accepted += prog.stats()["spec_accepted_tokens"]
+        triples += [tuple(int(t) for t in out[s][:3]) for s in sids]
+        for s in sids:
+            prog.release(s)
+        prog.assert_all_free()
+    return triples, accepted
+
+
+def test_seeded_sampling_has_the_target_distribution(extremes):
+    """Pearson chi-square of the (t1, t2, t3) counts against the exact target probabilities.
+    t2 and t3 come out of verify rows (accepted drafts or their corrections), so a wrong
+    acceptance rule or a misaligned verify position shows here. The 'always' model's drafts are
+    the target's modes: accepted with probability p(mode) ~ 0.4-0.9, rejected otherwise."""
+    with Artifact(extremes["always"]) as art:
+        model = NumpyModel.from_artifact(art)
+        drafter = MtpDrafter.from_artifact(art, model)
+    prompt = np.array([5, 17, 42], np.int32)
+    exact = _exact_pair_probs(model, prompt)
+    triples, accepted = _sample_triples(model, drafter, prompt, np.arange(NUM_SAMPLES) + 1000)
+    assert accepted > NUM_SAMPLES // 4           # the rule was exercised, not bypassed
+    counts = {}
+    for t in triples:
+        counts[t] = counts.get(t, 0) + 1
+    assert set(counts) <= set(exact), "a triple the target cannot produce"
+    # cells expected >= 5; the rest pooled into one
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if exact[c] * NUM_SAMPLES >= 5]
+    rest_p = 1.0 - sum(exact[c] for c in big)
+    observed = [counts.get(c, 0) for c in big] + [NUM_SAMPLES - sum(counts.get(c, 0) for c in big)]
+    expected = [exact[c] * NUM_SAMPLES for c in big] + [rest_p * NUM_SAMPLES]
+    if expected[-1] < 5:                         # too little pooled mass: fold it into the last
+        observed[-2] += observed.pop()
+        expected[-2] += expected.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(observed) - 1
+    assert df >= 5
+    assert stat < _chi2_critical(df, CHI2_ALPHA), (stat, df)
