@@ -201,3 +201,43 @@ def test_media_digest_and_a_later_turn_reuses_the_encoding(artifacts, ref, monke
         assert len(calls) == 1
         engine.generate(chat(ref), params, enable_thinking=False)
         assert [tuple(g[0]) for g in calls] == [(1, 8, 10), (2, 4, 6), (1, 6, 4)]
+
+
+def test_a_device_greedy_backend_gets_the_media_through_forward(artifacts, ref):
+    """The CUDA model argmaxes on the device (greedy_on_device) and its decode_greedy takes no
+    media. A numpy model dressed the same way (decode_greedy: argmax of a forward without media)
+    still gives transformers' tokens: the Program sends every batch with media rows through
+    forward(media=), the others through decode_greedy."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.qwen3_5.frontend import Frontend
+    from ninfer.models.qwen3_5.model import NumpyModel
+    from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
+    from ninfer.options import EngineOptions
+
+    calls = []
+
+    class DeviceGreedy(NumpyModel):
+        greedy_on_device = True
+
+        def decode_greedy(self, batch, kv, state):
+            calls.append(batch.num_tokens)
+            return self.forward(batch, kv, state).argmax(-1).astype(np.int32)
+
+    want = ref["cond_gen_chat_greedy"].tolist()
+    bias = tuple((t, -100.0) for t in (256, 257, 258, 259))
+    with Artifact(artifacts["cond_gen"]) as art:
+        p = Frontend.from_artifact(art).prepare(chat(ref), enable_thinking=False)
+        prog = Program(DeviceGreedy.from_artifact(art),
+                       EngineOptions(max_concurrency=1, max_context=256, prefill_chunk=16))
+        sid = prog.bind(p.token_ids, SamplingSpec(seed=1, logit_bias=bias),
+                        media=(p.media, p.mrope_positions))
+        out = []
+        while len(out) < len(want):
+            assert prog.reserve_units([sid]) == [True]
+            pending = prog.execute([sid])
+            prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
+            out += list(pending.rows[0].produced)
+        prog.release(sid)
+        prog.model.close()
+    assert calls, "no batch took the device path: the test would not show anything"
+    assert out[:len(want)] == want

@@ -18,10 +18,12 @@ from .config import FULL_ATTENTION, ModelConfig
 from .layers import DenseMLP, GatedAttention, GatedDeltaNet, SparseMoE, StepPlan
 from .load import model_config, read_text_params
 from .state import KVPool, StatePool
+from .vision import MediaEncoding
 
 
-class NumpyModel:
-    """The contracts.Model of the numpy backend: logits to the host, the host samples."""
+class NumpyModel(MediaEncoding):
+    """The contracts.Model of the numpy backend: logits to the host, the host samples. Media:
+    vision.MediaEncoding (the tower's output replaces the placeholders' embeddings)."""
     backend = "numpy"
     greedy_on_device = samples_on_device = False
     checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
@@ -45,23 +47,8 @@ class NumpyModel:
     def from_artifact(cls, artifact) -> "NumpyModel":
         cfg = model_config(artifact)
         model = cls(cfg, read_text_params(artifact, cfg.text))
-        if cfg.vision:
-            from .vision import VisionTower
-            model.vision = VisionTower.from_artifact(artifact)
+        model.load_vision(artifact)
         return model
-
-    vision = None                # VisionTower of a multimodal checkpoint
-
-    @property
-    def encode_media(self):
-        """The vision tower's entry for the Program (None for a text-only model)."""
-        return None if self.vision is None else self._encode_media
-
-    def _encode_media(self, prompt_ids, media, positions):
-        from .vision import prompt_media
-        ids = self.config.special_token_ids
-        return prompt_media(self.vision, prompt_ids, media, positions,
-                            (ids.get("image_token_id"), ids.get("video_token_id")))
 
     # ---- pools ------------------------------------------------------------------------------------
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:

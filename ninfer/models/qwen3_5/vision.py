@@ -259,6 +259,29 @@ class VisionTower:
         return out.reshape(N, -1) @ p[a + "proj.weight"].T + p[a + "proj.bias"]
 
 
+# ---- the models' media entry ---------------------------------------------------------------------
+
+class MediaEncoding:
+    """What both backends' models share for media (a mixin): `vision`, the numpy tower on the
+    host (set by the loader for a multimodal checkpoint), and `encode_media`, the Program's entry.
+    The CUDA model runs this very tower too and takes its output as input embeddings."""
+    vision = None                # VisionTower of a multimodal checkpoint
+
+    def load_vision(self, artifact) -> None:
+        if self.config.vision:
+            self.vision = VisionTower.from_artifact(artifact)
+
+    @property
+    def encode_media(self):
+        """The vision tower's entry for the Program (None for a text-only model)."""
+        return None if self.vision is None else self._encode_media
+
+    def _encode_media(self, prompt_ids, media, positions):
+        ids = self.config.special_token_ids
+        return prompt_media(self.vision, prompt_ids, media, positions,
+                            (ids.get("image_token_id"), ids.get("video_token_id")))
+
+
 # ---- a vision prompt, ready for the Program ------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)

@@ -426,13 +426,15 @@ class Program:
             return self._pending
         batch = self._pack(seqs, units)
         backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
-        on_device = self._can_sample_on_device(seqs, units, masks)
+        media = self._media_rows(seqs, units)
+        # media rows replace embeddings: only forward takes them (not the device token paths)
+        on_device = None if media is not None else \
+            self._can_sample_on_device(seqs, units, masks)
         if on_device == "greedy":
             rows = self._device_greedy_rows(batch, seqs, units)
         elif on_device == "sample":
             rows = self._device_sampled_rows(batch, seqs, units, masks)
         else:
-            media = self._media_rows(seqs, units)
             logits = self.model.forward(batch, self.kv, self.state, media=media) \
                 if media is not None else self.model.forward(batch, self.kv, self.state)
             if logits.shape != (len(seqs), self.vocab_size):
