@@ -88,9 +88,13 @@ class ResourceManager:
             self._touch(known)
             self.program.release(seq_id)
             return known
-        if not self._make_room(seq_id, len(tokens), at_release=True):
+        if self._make_room(seq_id, len(tokens), at_release=True):
+            cid = self.program.release(seq_id, keep_frontier=True)
+        elif self._make_host_room(self.program.checkpoint_cost(len(tokens)),
+                                  self._rank_new(len(tokens))):
+            cid = self.program.release(seq_id, keep_frontier=True, on_device=False)
+        else:
             return None
-        cid = self.program.release(seq_id, keep_frontier=True)
         self._add(cid, tokens, key)
         return cid
 

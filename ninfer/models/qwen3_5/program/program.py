@@ -94,7 +94,8 @@ class Program:
         # memory plan holds 2 * max_concurrency + 2 State images), its pages within a share of
         # the pool (docs/architecture.md "Context cache")
         share = options.prefix_cache_device_share
-        num_cache_slots = min(math.ceil(2 * share * self.num_slots), self.num_slots + 2)
+        num_cache_slots = min(max(2, math.ceil(2 * share * self.num_slots)),
+                              self.num_slots + 2) if share > 0 else 0
         self.kv = model.new_kv_pool(num_pages, self.page_size)
         # speculative decoding: the drafter's KV joins the pool as one more layer (so every page
         # copy carries it) before anything sizes a page; speculative.py runs the units
@@ -265,10 +266,12 @@ class Program:
             return np.zeros(0, np.int32)
         return self.token_buf[seq.slot, :seq.num_computed_tokens].copy()
 
-    def release(self, seq_id: int, *, keep_frontier: bool = False) -> Optional[int]:
+    def release(self, seq_id: int, *, keep_frontier: bool = False,
+                on_device: bool = True) -> Optional[int]:
         """The sequence ends; its slot and pages go back. keep_frontier: first keep
-        `continuation(seq_id)` as a device checkpoint, taking over its pages (no copy: nobody
-        writes them any more) and copying its State to a cache slot; returns its id."""
+        `continuation(seq_id)` as a checkpoint: on the device taking over its pages (no copy:
+        nobody writes them any more) and copying its State to a cache slot, or (on_device=False)
+        as host copies; returns its id."""
         self._no_pending("release")
         seq = self._seqs[seq_id]
         cid = None
@@ -276,11 +279,14 @@ class Program:
             self.speculator.forget(seq_id)
         if keep_frontier:
             tokens = self.continuation(seq_id)
-            if not len(tokens) or not self.cache.slots.num_free:
+            if not len(tokens) or (on_device and not self.cache.slots.num_free):
                 raise ProgramError(f"release: sequence {seq_id} cannot keep its continuation")
             cid = self._new_id()
-            self.cache.capture_device(cid, tokens, self.pages.block_tables[seq.slot], seq.slot,
-                                      own_partial=True)
+            row = self.pages.block_tables[seq.slot]
+            if on_device:
+                self.cache.capture_device(cid, tokens, row, seq.slot, own_partial=True)
+            else:
+                self.cache.capture_host(cid, tokens, row, seq.slot)
         del self._seqs[seq_id]
         self.pages.shrink(seq.slot, 0)
         self.slots.give(seq.slot)
