@@ -34,7 +34,38 @@ FORMATS = {
     "int4-sym": dict(format="int4", asymmetric=False),
     "int8+head": dict(format="int8", quantize_lm_head=True),
     "int4+head": dict(format="int4", quantize_lm_head=True),
+    # calibrated (GPTQ, ninfer/convert/calibrate.py) on --calibration, never the held-out text
+    "int4-gptq": dict(format="int4", calibration=True),
+    "int4-gptq-sym": dict(format="int4", asymmetric=False, calibration=True),
+    "int8-gptq": dict(format="int8", calibration=True),
 }
+CALIBRATION_CHARS = 60_000          # ~ 16K tokens of Python source; the recipe uses the first 8192
+
+
+def stdlib_calibration(heldout: pathlib.Path | None, chars: int = CALIBRATION_CHARS) -> str:
+    """Calibration text for the reference models: standard-library files of their *training*
+    split (tools/reference_corpus.py), every 24th, skipping any file the held-out text contains."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+    import sysconfig
+
+    from reference_corpus import HELD_OUT_EVERY, read_source, stdlib_files
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    held = set()
+    if heldout is not None:
+        held = {line[len("# file: "):] for line in heldout.read_text().splitlines()
+                if line.startswith("# file: ")}
+    parts, size = [], 0
+    for k, p in enumerate(stdlib_files(root)):
+        rel = p.relative_to(root).as_posix()
+        if k % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 or rel in held or k % 24:
+            continue
+        src = read_source(p)
+        if src:
+            parts.append(f"# file: {rel}\n{src}")
+            size += len(parts[-1])
+        if size >= chars:
+            break
+    return "<|endoftext|>".join(parts)[:chars]
 
 
 def fixture_ids(ckpt: pathlib.Path) -> np.ndarray:
@@ -65,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(FORMATS)}")
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--calibration", type=pathlib.Path,
+                    help="calibration text of the -gptq formats (default: standard-library files "
+                         "of the reference models' training split)")
     ap.add_argument("--kl-tokens", type=int, default=256, help="positions the KL averages over")
     args = ap.parse_args(argv)
     names = args.formats.split(",")
@@ -77,8 +111,14 @@ def main(argv=None) -> int:
         elif args.ckpt is None:
             ap.error("give a checkpoint directory or --reference")
         rows, base = [], None
+        calibration = None
+        if any("gptq" in n for n in names):
+            calibration = args.calibration.read_text() if args.calibration else \
+                stdlib_calibration(args.text if args.reference else None)
         for name in ["bf16"] + [n for n in names if n != "bf16"]:
             kw = FORMATS[name]
+            if kw and kw.get("calibration"):
+                kw = dict(kw, calibration=calibration)
             path = pathlib.Path(tmp) / f"{name}.ninfer"
             convert_checkpoint(args.ckpt, path, progress=False,
                                recipe=Quantize(**kw) if kw else None)

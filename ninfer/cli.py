@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
 from .errors import Error
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "groups of 128; see docs/artifact.md); default: as in the checkpoint")
     c.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize: the lm_head too (default: kept 16-bit)")
+    c.add_argument("--calibration", metavar="TEXT_FILE",
+                   help="with --quantize int8/int4: GPTQ error compensation from the model's "
+                        "inputs on this text (numpy forward; small models; docs/artifact.md 6)")
     c.set_defaults(handler=_convert)
 
     s = sub.add_parser("score", help="score text or token ids: total logprob and perplexity")
@@ -65,8 +69,16 @@ def _convert(args) -> int:
     from .convert import Quantize, convert_checkpoint
     if args.quantize_lm_head and not args.quantize:
         raise Error("--quantize-lm-head needs --quantize")
-    recipe = Quantize(args.quantize, quantize_lm_head=args.quantize_lm_head) \
-        if args.quantize else None
+    if args.calibration and args.quantize not in ("int8", "int4"):
+        raise Error("--calibration needs --quantize int8 or int4")
+    calibration = None
+    if args.calibration:
+        try:
+            calibration = pathlib.Path(args.calibration).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise Error(f"--calibration {args.calibration}: cannot read ({exc})") from exc
+    recipe = Quantize(args.quantize, quantize_lm_head=args.quantize_lm_head,
+                      calibration=calibration) if args.quantize else None
     out = convert_checkpoint(args.src, args.out, name=args.name, progress=not args.quiet,
                              recipe=recipe)
     print(f"wrote {out}")

@@ -53,6 +53,8 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
     recipe = recipe or ValuePreserving()
     src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
     with CheckpointSource(src_dir) as src:
+        if src.quantization is None:        # (an FP8 release with a Quantize recipe is refused)
+            recipe.prepare(src_dir)
         plan = plan_conversion(src, recipe)
         metadata = {"recipe": recipe.name, "tied_lm_head": plan.tied_lm_head,
                     "source": {"architecture": src.config.architecture,

@@ -32,6 +32,7 @@ FP8_BLOCK = (128, 128)
 FORMATS = ("fp8", "int8", "int4")
 SCALE_SUFFIX = ".weight_scale_inv"       # an FP8 release: `<module>.weight_scale_inv` per weight
 LAYOUT_OF = {"fp8": "fp8_block", "int8": "int8_block", "int4": "int4_block"}
+CALIBRATION_TOKENS = 8192           # tokens of the calibration text the statistics sum over
 
 # The text weights `--quantize` encodes: every projection of attention, GDN and the MLP / experts.
 # Kept 16-bit: embeddings, norms, conv1d, A_log, dt_bias, the router and shared-expert gate, and
@@ -55,6 +56,7 @@ class QuantPlan:
     rows: int                   # R of the logical [..., R, C]
     asymmetric: bool = False    # int4 with zero points
     scales: list | None = None  # source scale tensors, one per source (import of an FP8 release)
+    hessian: object = None      # calibration: H [C, C], or one H (or None) per expert
 
     @property
     def stored_block(self) -> tuple:
@@ -113,6 +115,35 @@ def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
     return stored, scale.astype(np.float32), zero
 
 
+def encode_calibrated(layout: str, w: np.ndarray, h: np.ndarray, group: int,
+                      asymmetric: bool = False):
+    """One matrix w [n, C] in the int8 / int4 group layout with GPTQ error compensation for
+    inputs of second moment h [C, C] (calibrate.py); returns encode's triple for S = 1."""
+    from .calibrate import gptq_codes
+    bits = 8 if layout == "int8_block" else 4
+    codes, scale, zero = gptq_codes(w, h, group, bits=bits, asymmetric=asymmetric)
+    if layout == "int8_block":
+        stored = codes.astype(np.int8)
+    else:
+        stored = pack_int4((codes if asymmetric else codes + 8).astype(np.uint8))
+    return stored[None], scale[None], None if zero is None else zero[None]
+
+
+def _encode_segments(qp: QuantPlan, segs: np.ndarray, row0: int):
+    """encode() of segments [S, n, C] whose first row is row `row0` of the flattened parent;
+    with calibration statistics (int8 / int4), GPTQ per segment."""
+    h = qp.hessian
+    if h is None or qp.layout == "fp8_block":
+        return encode(qp.layout, segs, qp.block, qp.asymmetric)
+    parts = []
+    for k, seg in enumerate(segs):
+        hk = h[(row0 + k * segs.shape[1]) // qp.rows] if isinstance(h, list) else h
+        parts.append(encode(qp.layout, seg[None], qp.block, qp.asymmetric) if hk is None else
+                     encode_calibrated(qp.layout, seg, hk, qp.block[1], qp.asymmetric))
+    stored, scale, zero = (np.concatenate(p) if p[0] is not None else None for p in zip(*parts))
+    return stored, scale, zero
+
+
 def _float32(a: np.ndarray) -> np.ndarray:
     """Exact widening; bf16 by its bits (ml_dtypes' cast is ~5x slower)."""
     if a.dtype == BF16:
@@ -155,7 +186,8 @@ class Quantize(ValuePreserving):
     16/32-bit checkpoint; every other tensor is stored value-preserving."""
 
     def __init__(self, format: str, *, group: int | None = 128, asymmetric: bool = True,
-                 quantize_lm_head: bool = False):
+                 quantize_lm_head: bool = False, calibration: str | None = None,
+                 calibration_tokens: int = CALIBRATION_TOKENS):
         if format not in FORMATS:
             raise ConvertError(f"--quantize {format!r}: expected one of {', '.join(FORMATS)}")
         if group is not None and (not isinstance(group, int) or group < 1):
@@ -165,6 +197,17 @@ class Quantize(ValuePreserving):
         self.format, self.group, self.asymmetric = format, group, asymmetric
         self.quantize_lm_head = quantize_lm_head
         self.name = f"quantize-{format}"
+        if calibration is not None and format == "fp8":
+            raise ConvertError("--calibration applies to int8 / int4 (fp8 is rounded per block)")
+        self.calibration, self.calibration_tokens = calibration, calibration_tokens
+        self.hessians: dict = {}        # logical -> H (or per expert), filled by prepare()
+
+    def prepare(self, src_dir) -> None:
+        """With a calibration text: the input statistics of every projection (calibrate.py)."""
+        if self.calibration is None:
+            return
+        from .calibrate import hessians_for_checkpoint
+        self.hessians = hessians_for_checkpoint(src_dir, self.calibration, self.calibration_tokens)
 
     def selects(self, logical: str) -> bool:
         """Whether the text weight `logical` is quantized (the converter asks for a tied
@@ -180,13 +223,15 @@ class Quantize(ValuePreserving):
         else:
             block = (1, self.group or shape[-1])
         return QuantPlan(layout, block, segment_rows, shape[-2],
-                         asymmetric=self.format == "int4" and self.asymmetric)
+                         asymmetric=self.format == "int4" and self.asymmetric,
+                         hessian=self.hessians.get(logical))
 
     def describe(self) -> dict:
         return {"format": self.format, "from": "converter",     # block [1, null]: whole rows
                 "block": list(FP8_BLOCK) if self.format == "fp8" else [1, self.group],
                 "asymmetric": self.format == "int4" and self.asymmetric,
-                "lm_head": self.quantize_lm_head}
+                "lm_head": self.quantize_lm_head,
+                "method": "gptq" if self.calibration is not None else "round"}
 
 
 # ------------------------------------------------------------------------------------ FP8 releases
@@ -238,6 +283,7 @@ def write_quantized(src, o, writer, progress) -> None:
     br, bc = qp.block
     sbr = qp.stored_block[0]
     scales, zeros = [], []
+    row0 = 0                                # rows of the flattened [-1, C] parent written so far
     dtype = fmt.DTYPES[fmt.QUANT_LAYOUTS[qp.layout]]
     with writer.begin_object(o.name, dtype, fmt.quant_data_shape(qp.layout, o.shape), qp.layout,
                              quant=qp.manifest(o.name, o.shape)) as sink:
@@ -255,7 +301,8 @@ def write_quantized(src, o, writer, progress) -> None:
             for piece in src.read_chunks(s, row_multiple=br):
                 segs = piece.reshape(-1, qp.segment_rows, piece.shape[-1]) if piece.ndim == 3 \
                     else piece[None]
-                stored, scale, zero = encode(qp.layout, _float32(segs), qp.block, qp.asymmetric)
+                stored, scale, zero = _encode_segments(qp, _float32(segs), row0)
+                row0 += segs.shape[0] * segs.shape[1]
                 sink.write(stored)
                 for part, out in ((scale, scales), (zero, zeros)):
                     if part is None:

@@ -33,6 +33,9 @@ class Recipe:
     def quant_plan(self, logical: str, shape: tuple, segment_rows: int):
         raise NotImplementedError
 
+    def prepare(self, src_dir) -> None:
+        """Called once before planning, with the unquantized checkpoint (calibration)."""
+
 
 class ValuePreserving(Recipe):
     """Store every tensor in its source dtype, byte for byte (bf16 stays bf16, f32 stays f32)."""
