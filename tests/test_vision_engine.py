@@ -119,7 +119,7 @@ def test_text_only_model_refuses_images(ref, tmp_path):
 
 
 def test_a_backend_without_the_tower_refuses_media(artifacts, ref):
-    """The CUDA backend has no encode_media yet: the Engine says so instead of running the
+    """A model without encode_media (no tower): the Engine says so instead of running the
     placeholders' own embeddings."""
     from ninfer import Engine
     from ninfer.errors import RequestError

@@ -34,6 +34,7 @@ from ...ops.attention import kv_slot_mapping
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .load import model_config, text_param_shapes
+from .vision import MediaEncoding
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool
@@ -78,11 +79,15 @@ def call_capacities(options, max_tokens: int = None) -> tuple:
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
-    return CudaModel(model_config(artifact), options, artifact=artifact)
+    model = CudaModel(model_config(artifact), options, artifact=artifact)
+    model.load_vision(artifact)
+    return model
 
 
-class CudaModel:
-    """The contracts.Model of the CUDA backend (argmax and the whole sampler on the device)."""
+class CudaModel(MediaEncoding):
+    """The contracts.Model of the CUDA backend (argmax and the whole sampler on the device).
+    Media: the numpy vision tower on the host (vision.MediaEncoding, the numpy backend's own
+    code); forward(media=) copies its output over the placeholders' embedding rows."""
     backend = "cuda"
     greedy_on_device = samples_on_device = True
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
@@ -427,12 +432,17 @@ class CudaModel:
         return self.options.graphs and 0 < batch.num_rows <= self.b_cap \
             and batch.num_tokens == batch.num_rows
 
-    def forward(self, batch: ForwardBatch, kv, state, *, all_logits: bool = False) -> np.ndarray:
-        """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits."""
+    def forward(self, batch: ForwardBatch, kv, state, *, all_logits: bool = False,
+                media=None) -> np.ndarray:
+        """float32 logits [B, V] for the last new token of each row, or [N, V] with all_logits.
+        media: (token indices [k], embeddings [k, H]) that replace those tokens' embeddings (the
+        vision tower's output at the placeholders): always an eager call, never a graph."""
         self._t_entry = time.perf_counter()
         self._current()
         V = self.text.vocab_size
-        if not all_logits and self._is_decode(batch):
+        if media is not None and len(media[0]) == 0:
+            media = None
+        if media is None and not all_logits and self._is_decode(batch):
             if self.checks_batches:
                 self._check_decode(batch, kv, state)
             B = batch.num_rows
@@ -444,7 +454,36 @@ class CudaModel:
             self._check(batch, kv, state)
         out_rows = np.arange(batch.num_tokens, dtype=np.int32) if all_logits else \
             (np.asarray(batch.query_start[1:], np.int32) - 1)
-        return self._eager(batch, kv, state, out_rows)
+        if media is not None:
+            media = self._checked_media(batch, media)
+        return self._eager(batch, kv, state, out_rows, media=media)
+
+    def _checked_media(self, batch, media) -> tuple:
+        rows, vectors = media
+        rows = np.asarray(rows, np.int64)
+        vectors = np.ascontiguousarray(vectors, np.float32)
+        H = self.text.hidden_size
+        if vectors.shape != (len(rows), H) or (len(rows) and (
+                rows.min() < 0 or rows.max() >= batch.num_tokens or np.any(np.diff(rows) <= 0))):
+            raise ValueError(f"forward: media rows must be ascending token indices < "
+                             f"{batch.num_tokens} with one [H={H}] vector each, got rows "
+                             f"{rows.shape} and vectors {vectors.shape}")
+        return rows, vectors
+
+    def write_media_rows(self, st, media) -> None:
+        """Copy media embeddings over their tokens' rows of the hidden buffer (after the embedding
+        gather, before the first layer; eager calls only): one async copy per run of adjacent
+        rows from a pinned staging buffer. The caller synchronizes before the next call (forward
+        does), so the staging is free again."""
+        rows, vectors = media
+        H = self.text.hidden_size
+        if getattr(self, "_media_host", None) is None:
+            self._media_host = _d.PinnedBuffer(self.n_cap * H * 4)
+        self._media_host.view(np.float32, 0, vectors.size)[:] = vectors.ravel()
+        cut = np.flatnonzero(np.diff(rows) != 1) + 1
+        for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(rows)]):
+            _d.copy_htod_async(self.ws.h.ptr + int(rows[a]) * H * 4,
+                               self._media_host.ptr + a * H * 4, (b - a) * H * 4, st)
 
     def decode_greedy(self, batch: ForwardBatch, kv, state) -> np.ndarray:
         """Argmax token of each row (device-side), through the graph when the batch is a decode."""
@@ -484,7 +523,7 @@ class CudaModel:
         self.stream.synchronize()
         return self.out_host.view(np.int32, 0, B).copy()
 
-    def _eager(self, batch, kv, state, out_rows, want_logits: bool = True):
+    def _eager(self, batch, kv, state, out_rows, want_logits: bool = True, media=None):
         lay, meta = self.eager_layout, self.eager_meta
         self._upload_meta(lay, meta, 0, batch, out_rows)
         n, b = batch.num_tokens, batch.num_rows
@@ -492,7 +531,7 @@ class CudaModel:
         qs = np.asarray(batch.query_start).tolist()
         ctxs = np.asarray(batch.context_lens).tolist()
         rows = [(qs[i], qs[i + 1] - qs[i], int(c)) for i, c in enumerate(ctxs)]
-        self.runner.run(self.stream, meta, n, b, first, kv, state, rows=rows)
+        self.runner.run(self.stream, meta, n, b, first, kv, state, rows=rows, media=media)
         V = self.text.vocab_size
         if not want_logits:
             return None
@@ -606,7 +645,7 @@ class CudaModel:
         if getattr(self, "sampler", None) is not None:
             release(self.sampler.close)
             self.sampler = None
-        for buf in ("staging", "out_host", "route_host"):
+        for buf in ("staging", "out_host", "route_host", "_media_host"):
             b = getattr(self, buf, None)
             if b is not None:
                 release(b.free)

@@ -203,14 +203,17 @@ class StepRunner:
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, st, meta, n: int, b: int, n_out: int, kv, state, out_start: int = 0,
-            rows=None):
+            rows=None, media=None):
         """`rows`: host (query_start, new tokens, context) per row, for the choice of the prefill
-        attention path; None (decode graphs) -> the CUDA-core kernel for every row."""
+        attention path; None (decode graphs) -> the CUDA-core kernel for every row. `media`:
+        (token rows, embeddings) written over the gathered embeddings (eager calls only)."""
         cfg, ws, W = self.cfg, self.m.ws, self.m.weights
         self.rows = rows
         H = cfg.hidden_size
         self.launch(st, "embed_gather", ((H + 255) // 256, n), (256,),
                     (ws.h, W["embed"], meta.token_ids, H))
+        if media is not None and not self.dry:
+            self.m.write_media_rows(st, media)
         n_attn = n_lin = 0
         for i, lw in enumerate(W["layers"]):
             self.rmsnorm(st, ws.x, ws.h, lw["input_norm"], n)

@@ -1,0 +1,104 @@
+"""Images and video on the CUDA backend (issue 18): the numpy vision tower on the host (the numpy
+backend's own code), its output copied over the placeholders' embedding rows of an eager prefill,
+MRoPE's 3-D positions in the rope kernel. On the tiny multimodal fixtures (cond_gen,
+moe_cond_gen) with tests/fixtures/vision's processor configs and transformers' references
+(tools/make_vision_fixtures.py). The CPU-side twin is tests/gpu/sim_media.py on the simulator."""
+import shutil
+
+import numpy as np
+import pytest
+
+from fixture_utils import FIXTURES_DIR, NUMPY_REL_TOL, assert_logits_close, fixture_dir
+from gpu_harness import rel_err
+
+from ninfer.options import EngineOptions
+
+pytestmark = pytest.mark.gpu
+VISION_DIR = FIXTURES_DIR / "vision"
+VISION_TOKENS = (256, 257, 258, 259)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with np.load(VISION_DIR / "reference.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    from ninfer.convert import convert_checkpoint
+    root, out = tmp_path_factory.mktemp("vision_gpu"), {}
+    for name in ("cond_gen", "moe_cond_gen"):
+        shutil.copytree(fixture_dir(name), root / name)
+        for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
+            shutil.copy(VISION_DIR / f, root / name / f)
+        out[name] = root / f"{name}.ninfer"
+        convert_checkpoint(root / name, out[name], progress=False)
+    return out
+
+
+def chat(ref):
+    """tools/make_vision_fixtures.py's two-turn chat: an image, then a video and an image."""
+    return [{"role": "user", "content": [{"type": "text", "text": "qwen net"},
+                                         {"type": "image", "image": ref["image_0"]}]},
+            {"role": "assistant", "content": "ta del"},
+            {"role": "user", "content": [{"type": "video", "video": ref["video"],
+                                          "fps": float(ref["video_fps"])},
+                                         {"type": "image", "image": ref["image_1"]},
+                                         {"type": "text", "text": str(ref["chat_ending"])}]}]
+
+
+@pytest.mark.parametrize("name", ["cond_gen", "moe_cond_gen"])
+def test_cuda_float32_greedy_chat_equals_transformers(name, artifacts, ref):
+    """Engine(backend='cuda', dtype='float32'): the vision chat's greedy tokens equal
+    transformers' (reference margins >= 0.002; float32 CUDA sits ~1e-6 from numpy). Prefill
+    chunks of 16 cut the media across calls."""
+    from ninfer import Engine, SamplingParams
+    want = ref[f"{name}_chat_greedy"].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=len(want), ignore_eos=True,
+                            logit_bias={t: -100.0 for t in VISION_TOKENS})
+    with Engine(artifacts[name], backend="cuda", dtype="float32", max_concurrency=2,
+                max_context=256, prefill_chunk=16) as engine:
+        assert engine._core.program.accepts_media
+        r = engine.generate(chat(ref), params, enable_thinking=False)
+    assert r.num_prompt_tokens == len(ref["chat_ids"])
+    assert r.token_ids == want, f"{name} cuda: {r.token_ids} != transformers {want}"
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 0.1)])
+def test_cuda_media_prefill_logits_equal_numpy(dtype, tol, artifacts, ref):
+    """forward(media=) of the whole chat prompt, every position's logits: CUDA against the numpy
+    backend (float32: the same arithmetic; bfloat16: its storage rounding, measured ~8% on these
+    32-wide fixtures, test_fixtures_gpu), and the numpy first step against transformers."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.qwen3_5 import load_model
+    from ninfer.models.qwen3_5.batch import ForwardBatch
+    from ninfer.models.qwen3_5.frontend import Frontend
+
+    with Artifact(artifacts["cond_gen"]) as art:
+        p = Frontend.from_artifact(art).prepare(chat(ref), enable_thinking=False)
+        cpu = load_model(art, EngineOptions(backend="numpy"))
+        gpu = load_model(art, EngineOptions(backend="cuda", dtype=dtype, max_concurrency=1,
+                                            max_context=256, prefill_chunk=256, page_size=16))
+        enc = gpu.encode_media(p.token_ids, p.media, p.mrope_positions)
+        T = p.num_tokens
+        out = []
+        for model in (cpu, gpu):
+            kv, state = model.new_kv_pool(17, 16), model.new_state_pool(1)
+            batch = ForwardBatch(token_ids=p.token_ids, positions=enc.positions_for(0, T),
+                                 query_start=np.array([0, T], np.int32),
+                                 context_lens=np.array([0], np.int32),
+                                 block_tables=np.arange(16, dtype=np.int32).reshape(1, -1),
+                                 state_slots=np.array([0], np.int32))
+            out.append(model.forward(batch, kv, state, all_logits=True, media=enc.rows_in(0, T)))
+            for pool in (kv, state):
+                if hasattr(pool, "close"):
+                    pool.close()
+        gpu.close()
+        cpu.close()
+    lc, lg = out
+    assert rel_err(lg, lc) < tol, f"{dtype}: rel err {rel_err(lg, lc):.2e}"
+    keep = np.ones(lc.shape[1], bool)
+    keep[list(VISION_TOKENS)] = False
+    assert_logits_close(lc[-1, keep], ref["cond_gen_chat_first_logits"][keep], "numpy first",
+                        tol=NUMPY_REL_TOL)

@@ -1,0 +1,100 @@
+"""Media on the CUDA backend without a GPU (issue 18).
+
+Fast: CudaModel's media plumbing on a fake driver (tests/test_cuda_nogpu.py's _FakeDevice): the
+tower's rows land on the right rows of the hidden buffer, one copy per run of adjacent rows;
+media force an eager call; bad media rows are refused. Slow (minutes, NINFER_SIM_MODEL=1, as the
+whole-model simulator test): tests/gpu/sim_media.py, an image prompt through the CUDA model's whole
+launch sequence on numba-cuda's simulator against the numpy backend, float32."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _model(dev, n_cap=16, H=8):
+    from ninfer.models.qwen3_5 import cuda_model as cm
+    m = cm.CudaModel.__new__(cm.CudaModel)
+    m.text = SimpleNamespace(hidden_size=H, vocab_size=5)
+    m.n_cap, m.stream = n_cap, dev.stream
+    m.ws = SimpleNamespace(h=dev.arena.take((n_cap, H), np.float32, "h"))
+    return m
+
+
+def test_media_rows_land_on_their_hidden_rows(monkeypatch):
+    from test_cuda_nogpu import _FakeDevice
+    dev = _FakeDevice(monkeypatch, 1 << 20)
+
+    def pinned(nbytes):                     # _FakeDevice's pinned buffers, with view()
+        buf = dev._pinned(nbytes)
+        buf.view = lambda dtype, off=0, count=None: buf.array[off:].view(dtype)[:count]
+        return buf
+    monkeypatch.setattr("ninfer.core.cuda.driver.PinnedBuffer", pinned)
+    m = _model(dev)
+    copies = []
+    real = dev._htod
+    monkeypatch.setattr("ninfer.core.cuda.driver.copy_htod_async",
+                        lambda dst, src, n, st: copies.append(n) or real(dst, src, n, st))
+    h = dev._dev(m.ws.h.ptr, 16 * 8 * 4).view(np.float32).reshape(16, 8)
+    h[:] = -7.0                                           # the gathered embeddings (poison)
+    rows = np.array([2, 3, 4, 9, 10, 15])
+    vecs = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
+    batch = SimpleNamespace(num_tokens=16)
+    m.write_media_rows(m.stream, m._checked_media(batch, (rows, vecs)))
+    np.testing.assert_array_equal(h[rows], vecs)
+    untouched = np.setdiff1d(np.arange(16), rows)
+    assert np.all(h[untouched] == -7.0)
+    assert copies == [3 * 32, 2 * 32, 1 * 32]              # one copy per run of adjacent rows
+    for bad_rows, bad_vecs in ((rows[::-1], vecs), (rows, vecs[:, :4]), (rows + 1, vecs),
+                               (np.array([1, 1]), vecs[:2])):
+        with pytest.raises(ValueError, match="media rows"):
+            m._checked_media(batch, (bad_rows, bad_vecs))
+
+
+def test_media_force_an_eager_call(monkeypatch):
+    """A decode-shaped batch (one token per row) with media runs eagerly: a graph replays the
+    embedding gather and would never see the media."""
+    from ninfer.models.qwen3_5.batch import ForwardBatch
+    from ninfer.models.qwen3_5 import cuda_model as cm
+    m = cm.CudaModel.__new__(cm.CudaModel)
+    m.options = SimpleNamespace(graphs=True)
+    m.b_cap, m.checks_batches = 4, False
+    m.text = SimpleNamespace(hidden_size=8, vocab_size=5)
+    m._current = lambda: None
+    seen = []
+    m._eager = lambda batch, kv, state, out_rows, media=None: seen.append(("eager", media))
+
+    class Graph(Exception):
+        pass
+
+    def graph(*a):
+        raise Graph
+    m._decode_launch = graph
+    b = ForwardBatch.single([3], 0, [0])
+    m.forward(b, None, None, media=(np.array([0]), np.ones((1, 8), np.float32)))
+    assert seen[0][0] == "eager" and seen[0][1][0].tolist() == [0]
+    with pytest.raises(Graph):                   # no media rows in this batch: the graph
+        m.forward(b, None, None, media=(np.zeros(0, np.int64), np.zeros((0, 8), np.float32)))
+
+
+@pytest.mark.skipif(os.environ.get("NINFER_SIM_MODEL") != "1",
+                    reason="minutes on the simulator: set NINFER_SIM_MODEL=1")
+def test_image_prompt_on_the_simulator_matches_numpy():
+    """tests/gpu/sim_media.py: one-piece prefill, a prefill cut inside the image and the decode
+    step after it, float32 CUDA on the simulator within 1e-5 of numpy; without the media the
+    numpy logits move by far more (the media matter)."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_media.py")],
+                         env=env, capture_output=True, text=True, timeout=3000)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["prefill"] < 1e-5 and out["chunked"] < 1e-5 and out["decode"] < 1e-5, out
+    assert out["without_media"] > 1e-2, out
