@@ -38,8 +38,10 @@ def _token_chat(path, params, turns=3, **options):
     out = []
     with Engine(path, max_concurrency=2, max_context=256, prefill_chunk=8, page_size=8,
                 checkpoint_interval=8, debug_checks=True, **options) as engine:
+        core = engine._generation()
         for t in range(turns):
-            res = engine.generate(ids, params)
+            # a session: a continuation the device cannot hold goes to the host tier
+            res = core.submit(ids, params, session="chat").result(timeout=120)
             assert res.error is None, res.error
             out.append((list(res.token_ids), res.num_cached_tokens))
             ids = np.concatenate([ids, np.asarray(res.token_ids, np.int32),

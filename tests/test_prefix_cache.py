@@ -292,7 +292,8 @@ def test_stress_shared_prefixes_cancels_tiny_pool_and_cache(seed):
         if not cancel:
             assert result.token_ids == want
     stats = core.stats()
-    assert stats["prefix_cache_hits"] > 0 and stats["pauses"] > 0
+    assert stats["prefix_cache_hits"] > 0, stats
+    assert stats["pauses"] > 0, stats
     assert stats["prefix_cache_bytes"] <= budget
     assert core.health == "ready"
     core.shutdown()

@@ -68,7 +68,7 @@ class ResourceManager:
         published to `session` with publication `order`, when room can be made for it."""
         cid = None
         if keep:
-            cid = self._keep_continuation(seq_id, media_digest)
+            cid = self._keep_continuation(seq_id, media_digest, to_host=session is not None)
         if cid is None:
             self.program.release(seq_id)
         if session is not None and cid is not None:
@@ -78,7 +78,10 @@ class ResourceManager:
         """A paused request ended: its Snapshot host memory (if any) goes back."""
         self.program.discard(resume_state)
 
-    def _keep_continuation(self, seq_id: int, media_digest: bytes) -> Optional[int]:
+    def _keep_continuation(self, seq_id: int, media_digest: bytes, to_host: bool
+                           ) -> Optional[int]:
+        """The continuation as a device checkpoint, or (to_host: a session will continue it)
+        as host copies when the device has no room; None when kept nowhere."""
         tokens = self.program.continuation(seq_id)
         if not len(tokens):
             return None
@@ -90,8 +93,8 @@ class ResourceManager:
             return known
         if self._make_room(seq_id, len(tokens), at_release=True):
             cid = self.program.release(seq_id, keep_frontier=True)
-        elif self._make_host_room(self.program.checkpoint_cost(len(tokens)),
-                                  self._rank_new(len(tokens))):
+        elif to_host and self._make_host_room(self.program.checkpoint_cost(len(tokens)),
+                                              self._rank_new(len(tokens))):
             cid = self.program.release(seq_id, keep_frontier=True, on_device=False)
         else:
             return None
