@@ -131,43 +131,52 @@ def test_a_backend_without_the_tower_refuses_media(artifacts, ref):
             engine.generate(chat(ref)[:1])
 
 
+def _program_greedy(art, model, options, ref, pause=None):
+    """The chat's greedy tokens through a Program directly (the oracle's count, its bias on the
+    vision tokens), and the kinds of the pauses taken: with `pause` ("replay", "snapshot",
+    "revoked") every other step pauses the sequence and resumes it."""
+    from ninfer.models.qwen3_5.frontend import Frontend
+    from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
+
+    want = len(ref["cond_gen_chat_greedy"])
+    p = Frontend.from_artifact(art).prepare(chat(ref), enable_thinking=False)
+    prog = Program(model, options)
+    spec = SamplingSpec(seed=1, logit_bias=tuple((t, -100.0) for t in (256, 257, 258, 259)))
+    sid = prog.bind(p.token_ids, spec, media=(p.media, p.mrope_positions))
+    out, kinds = [], set()
+    for i in range(100):
+        if len(out) >= want:
+            break
+        if pause and i % 2 == 1 and prog.unit_kind(sid) != "replay" and \
+                not prog.is_protected(sid):
+            rs = prog.pause(sid, allow_snapshot=pause != "replay")
+            if pause == "revoked":
+                rs = prog.revoke_snapshot(rs)
+            kinds.add(rs.kind)
+            sid = prog.resume(rs)
+        assert prog.reserve_units([sid]) == [True]
+        pending = prog.execute([sid])
+        prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
+        out += list(pending.rows[0].produced)
+    prog.release(sid)
+    prog.assert_all_free()
+    prog.model.close()
+    return out[:want], kinds
+
+
 @pytest.mark.parametrize("mode", ["replay", "snapshot", "revoked"])
 def test_pause_resume_keeps_the_media(mode, artifacts, ref):
     """A vision sequence paused mid-prefill and mid-decode (Replay re-prefills through the media;
     a Snapshot keeps its KV) continues with transformers' greedy tokens."""
     from ninfer.artifact import Artifact
-    from ninfer.models.qwen3_5.frontend import Frontend
     from ninfer.models.qwen3_5.model import NumpyModel
-    from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
     from ninfer.options import EngineOptions
 
-    want = ref["cond_gen_chat_greedy"].tolist()
-    bias = tuple((t, -100.0) for t in (256, 257, 258, 259))
     with Artifact(artifacts["cond_gen"]) as art:
-        p = Frontend.from_artifact(art).prepare(chat(ref), enable_thinking=False)
-        prog = Program(NumpyModel.from_artifact(art),
-                       EngineOptions(max_concurrency=2, max_context=256, prefill_chunk=24))
-        spec = SamplingSpec(seed=1, logit_bias=bias)          # greedy, the oracle's bias
-        sid = prog.bind(p.token_ids, spec, media=(p.media, p.mrope_positions))
-        out, kinds = [], set()
-        for i in range(100):
-            if len(out) >= len(want):
-                break
-            if i % 2 == 1 and prog.unit_kind(sid) != "replay" and not prog.is_protected(sid):
-                rs = prog.pause(sid, allow_snapshot=mode != "replay")
-                if mode == "revoked":
-                    rs = prog.revoke_snapshot(rs)
-                kinds.add(rs.kind)
-                sid = prog.resume(rs)
-            assert prog.reserve_units([sid]) == [True]
-            pending = prog.execute([sid])
-            prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
-            out += list(pending.rows[0].produced)
-        prog.release(sid)
-        prog.assert_all_free()
-        prog.model.close()
+        out, kinds = _program_greedy(art, NumpyModel.from_artifact(art), EngineOptions(
+            max_concurrency=2, max_context=256, prefill_chunk=24), ref, pause=mode)
     assert kinds == {"snapshot" if mode == "snapshot" else "replay"}
-    assert out[:len(want)] == want
+    assert out == ref["cond_gen_chat_greedy"].tolist()
 
 
 def test_media_digest_and_a_later_turn_reuses_the_encoding(artifacts, ref, monkeypatch):
@@ -209,9 +218,7 @@ def test_a_device_greedy_backend_gets_the_media_through_forward(artifacts, ref):
     still gives transformers' tokens: the Program sends every batch with media rows through
     forward(media=), the others through decode_greedy."""
     from ninfer.artifact import Artifact
-    from ninfer.models.qwen3_5.frontend import Frontend
     from ninfer.models.qwen3_5.model import NumpyModel
-    from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
     from ninfer.options import EngineOptions
 
     calls = []
@@ -223,21 +230,8 @@ def test_a_device_greedy_backend_gets_the_media_through_forward(artifacts, ref):
             calls.append(batch.num_tokens)
             return self.forward(batch, kv, state).argmax(-1).astype(np.int32)
 
-    want = ref["cond_gen_chat_greedy"].tolist()
-    bias = tuple((t, -100.0) for t in (256, 257, 258, 259))
     with Artifact(artifacts["cond_gen"]) as art:
-        p = Frontend.from_artifact(art).prepare(chat(ref), enable_thinking=False)
-        prog = Program(DeviceGreedy.from_artifact(art),
-                       EngineOptions(max_concurrency=1, max_context=256, prefill_chunk=16))
-        sid = prog.bind(p.token_ids, SamplingSpec(seed=1, logit_bias=bias),
-                        media=(p.media, p.mrope_positions))
-        out = []
-        while len(out) < len(want):
-            assert prog.reserve_units([sid]) == [True]
-            pending = prog.execute([sid])
-            prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
-            out += list(pending.rows[0].produced)
-        prog.release(sid)
-        prog.model.close()
+        out, _ = _program_greedy(art, DeviceGreedy.from_artifact(art), EngineOptions(
+            max_concurrency=1, max_context=256, prefill_chunk=16), ref)
     assert calls, "no batch took the device path: the test would not show anything"
-    assert out[:len(want)] == want
+    assert out == ref["cond_gen_chat_greedy"].tolist()

@@ -69,16 +69,20 @@ def _png_b64(arr) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_openai_image_url(server, image, want):
+def _openai_answer(server, url: str) -> str:
+    """The greedy answer of the server to 'what is it' and the image at `url` (OpenAI SDK)."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     r = client.chat.completions.create(
         model="m", max_tokens=6, temperature=0, logit_bias=BAN,
         extra_body={"ignore_eos": True},
         messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is it"},
-            {"type": "image_url",
-             "image_url": {"url": "data:image/png;base64," + _png_b64(image)}}]}])
-    assert r.choices[0].message.content == want
+            {"type": "image_url", "image_url": {"url": url}}]}])
+    return r.choices[0].message.content
+
+
+def test_openai_image_url(server, image, want):
+    assert _openai_answer(server, "data:image/png;base64," + _png_b64(image)) == want
 
 
 def test_anthropic_base64_image(server, image, want):
@@ -120,18 +124,9 @@ def image_host(image):
 def test_image_urls_from_listed_hosts_only(server, image_host, want):
     """serve --allow-media-urls 127.0.0.1: the image at an http URL there gives the inline
     image's tokens; the same server named 'localhost' is not listed: a 400 naming the option."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    r = client.chat.completions.create(
-        model="m", max_tokens=6, temperature=0, logit_bias=BAN,
-        extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": [
-            {"type": "text", "text": "what is it"},
-            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{image_host}/a.png"}}]}])
-    assert r.choices[0].message.content == want
+    assert _openai_answer(server, f"http://127.0.0.1:{image_host}/a.png") == want
     with pytest.raises(openai.BadRequestError, match="--allow-media-urls"):
-        client.chat.completions.create(model="m", max_tokens=4, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {
-                "url": f"http://localhost:{image_host}/a.png"}}]}])
+        _openai_answer(server, f"http://localhost:{image_host}/a.png")
     claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
     with pytest.raises(anthropic.BadRequestError, match="--allow-media-urls"):
         claude.messages.create(model="m", max_tokens=4, messages=[

@@ -9,29 +9,20 @@ gave for its frames (tests/fixtures/vision/reference.npz), so the logits test_vi
 for that video hold for the file too, which the last test checks end to end."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-from fixture_utils import FIXTURES_DIR
 from ninfer.models.qwen3_5.frontend import vision as V
+# the reference and the fixture's processor configs; the artifacts carrying those configs
+from test_vision_engine import artifacts   # noqa: F401 (fixture)
+from test_vision_preprocess import procs, ref   # noqa: F401 (fixtures)
 
 av = pytest.importorskip("av", reason="video files need PyAV (the vision extra)")
 
-VISION_DIR = FIXTURES_DIR / "vision"
-
 
 @pytest.fixture(scope="module")
-def ref():
-    with np.load(VISION_DIR / "reference.npz") as z:
-        return {k: z[k] for k in z.files}
-
-
-@pytest.fixture(scope="module")
-def vid():
-    return V.VisionProcessing.from_json(
-        json.loads((VISION_DIR / "video_preprocessor_config.json").read_text()), video=True)
+def vid(procs):
+    return procs[1]
 
 
 def write_video(path, frames, fps, container="avi", codec="png", pix_fmt="rgb24"):
@@ -102,27 +93,19 @@ def test_bad_video_files_are_media_errors(tmp_path, vid):
         V.read_video(tmp_path / "missing.mp4", vid)
 
 
-def test_video_path_prompt_logits_equal_transformers(tmp_path, ref):
+def test_video_path_prompt_logits_equal_transformers(tmp_path, ref, artifacts):
     """Engine-side end to end: {"type": "video", "path": ...} in chat messages gives the prompt
     transformers' processor builds for the same frames and the logits of the oracle's video
     prompt (the fixture video prompt's text, rendered raw: its placeholder expanded)."""
-    import shutil
-
-    from fixture_utils import NUMPY_REL_TOL, assert_logits_close, fixture_dir
+    from fixture_utils import NUMPY_REL_TOL, assert_logits_close
     from ninfer.artifact import Artifact
-    from ninfer.convert import convert_checkpoint
     from ninfer.models.qwen3_5.batch import ForwardBatch
     from ninfer.models.qwen3_5.frontend import Frontend
     from ninfer.models.qwen3_5.model import NumpyModel
 
     path = tmp_path / "clip.avi"
     write_video(path, ref["video"], int(ref["video_fps"]))
-    src = tmp_path / "src"
-    shutil.copytree(fixture_dir("cond_gen"), src)
-    for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
-        shutil.copy(VISION_DIR / f, src / f)
-    convert_checkpoint(src, tmp_path / "cond_gen.ninfer", progress=False)
-    with Artifact(tmp_path / "cond_gen.ninfer") as art:
+    with Artifact(artifacts["cond_gen"]) as art:
         fe = Frontend.from_artifact(art)
         m = fe.vision.process([{"role": "user", "content": [{"type": "video",
                                                              "path": str(path)}]}])[0]

@@ -3,49 +3,18 @@ backend's own code), its output copied over the placeholders' embedding rows of 
 MRoPE's 3-D positions in the rope kernel. On the tiny multimodal fixtures (cond_gen,
 moe_cond_gen) with tests/fixtures/vision's processor configs and transformers' references
 (tools/make_vision_fixtures.py). The CPU-side twin is tests/gpu/sim_media.py on the simulator."""
-import shutil
-
 import numpy as np
 import pytest
 
-from fixture_utils import FIXTURES_DIR, NUMPY_REL_TOL, assert_logits_close, fixture_dir
+from fixture_utils import NUMPY_REL_TOL, assert_logits_close
 from gpu_harness import TOL_FIXTURE_BF16, rel_err
+# the artifacts with the processor configs, the reference and the chat of the numpy tests
+from test_vision_engine import artifacts, chat, ref   # noqa: F401 (fixtures)
 
 from ninfer.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
-VISION_DIR = FIXTURES_DIR / "vision"
 VISION_TOKENS = (256, 257, 258, 259)
-
-
-@pytest.fixture(scope="module")
-def ref():
-    with np.load(VISION_DIR / "reference.npz") as z:
-        return {k: z[k] for k in z.files}
-
-
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    from ninfer.convert import convert_checkpoint
-    root, out = tmp_path_factory.mktemp("vision_gpu"), {}
-    for name in ("cond_gen", "moe_cond_gen"):
-        shutil.copytree(fixture_dir(name), root / name)
-        for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
-            shutil.copy(VISION_DIR / f, root / name / f)
-        out[name] = root / f"{name}.ninfer"
-        convert_checkpoint(root / name, out[name], progress=False)
-    return out
-
-
-def chat(ref):
-    """tools/make_vision_fixtures.py's two-turn chat: an image, then a video and an image."""
-    return [{"role": "user", "content": [{"type": "text", "text": "qwen net"},
-                                         {"type": "image", "image": ref["image_0"]}]},
-            {"role": "assistant", "content": "ta del"},
-            {"role": "user", "content": [{"type": "video", "video": ref["video"],
-                                          "fps": float(ref["video_fps"])},
-                                         {"type": "image", "image": ref["image_1"]},
-                                         {"type": "text", "text": str(ref["chat_ending"])}]}]
 
 
 @pytest.mark.parametrize("name", ["cond_gen", "moe_cond_gen"])
