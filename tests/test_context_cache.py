@@ -158,6 +158,27 @@ def test_cache_pages_are_reclaimed_before_any_resident_pauses():
     _finish_empty(core)
 
 
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_concurrent_sessions_prefill_a_shared_system_prompt_once(kind):
+    """8 prompts sent at once that share a 60-token system prompt: the first prefills it, the
+    others wait for the checkpoint it is asked to take where they diverge, and bind it."""
+    core, _ = make_core(max_concurrency=8, max_context=MAX_CONTEXT, max_queue=16,
+                        prefill_chunk=8)
+    system = prompt(60, 60)
+    prompts = [np.concatenate([system, prompt(61 + s, 5 + s)]).astype(np.int32) for s in range(8)]
+    params = [_params(kind, s) for s in range(8)]
+    handles = [core.submit(p, q, session=f"agent{s}") for s, (p, q) in
+               enumerate(zip(prompts, params))]
+    results = [h.result(timeout=60) for h in handles]
+    for res, p, q in zip(results, prompts, params):
+        assert res.token_ids == reference_tokens(p, q, MAX_CONTEXT)
+    prefilled = sum(len(p) - r.num_cached_tokens for p, r in zip(prompts, results))
+    unique = len(system) + sum(len(p) - len(system) for p in prompts)
+    assert prefilled <= 1.1 * unique, (prefilled, unique)
+    assert sorted(r.num_cached_tokens for r in results)[1:] == [60] * 7
+    _finish_empty(core)
+
+
 def test_session_publication_order_keeps_the_newest_binding():
     core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
     rm = core.resources

@@ -243,6 +243,9 @@ class EngineCore:
             checkpoint, reused = self.resources.lookup(
                 req.prompt_ids, req.media_digest, req.cache_session) if req.may_reuse \
                 else (None, 0)
+            if req.may_reuse and self.resources.wait_for_inflight(
+                    req.prompt_ids, reused, [r.seq_id for r in self._residents]):
+                return                              # a resident is prefilling our prefix
             short = self.program.pages_short_to_bind(req.num_prompt_tokens, reused, checkpoint)
             if short:                               # cache pages go before a request waits
                 self.resources.reclaim(self.program.pages.num_free + short,

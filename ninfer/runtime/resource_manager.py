@@ -144,6 +144,27 @@ class ResourceManager:
                 return cid, p
         return best
 
+    def wait_for_inflight(self, prompt_ids: np.ndarray, num_reused: int, seq_ids) -> bool:
+        """Whether a prompt should wait for a resident sequence still prefilling the same
+        tokens (8 sessions sent at once with one system prompt: one prefills it, the others
+        bind its checkpoint). When that sequence has not reached where the prompt leaves its
+        tokens (at least a page beyond what the cache gives now), it is asked for a checkpoint
+        exactly there and the prompt waits; the wait ends when it lands, or when the sequence
+        passes the point, pauses or ends."""
+        n = len(prompt_ids)
+        for sid in seq_ids:
+            progress = self.program.prefill_progress(sid)
+            if progress is None:
+                continue
+            frontier, tokens = progress
+            m = min(n - 1, len(tokens))
+            diff = np.flatnonzero(tokens[:m] != prompt_ids[:m])
+            common = int(diff[0]) if diff.size else m
+            if common - num_reused >= self.block and frontier < common \
+                    and self.program.add_capture(sid, common):
+                return True
+        return False
+
     def note_bind(self, checkpoint: Optional[int], num_reused: int,
                   seq_id: Optional[int] = None) -> None:
         """A bind used a lookup: with a checkpoint (a hit) that one is most recently used now,

@@ -239,6 +239,25 @@ class Program:
         partial = num_tokens % self.page_size != 0
         return (self.cache.slots.num_free > 0, int(partial and not at_release), adds + partial)
 
+    def prefill_progress(self, seq_id: int) -> tuple:
+        """(frontier, the prompt's tokens) of a sequence still prefilling its prompt (no
+        Replay), or None."""
+        seq = self._seqs[seq_id]
+        if seq.num_tokens > seq.num_prompt_tokens or seq.num_computed_tokens < seq.replay_until \
+                or seq.is_unusable:
+            return None
+        return seq.num_computed_tokens, self.token_buf[seq.slot, :seq.num_prompt_tokens]
+
+    def add_capture(self, seq_id: int, position: int) -> bool:
+        """Ask a prefilling sequence for one more checkpoint position (where a waiting prompt
+        leaves its prompt): a prefill chunk will end there. False when it is past it."""
+        seq = self._seqs[seq_id]
+        if not self.cache.is_enabled or not \
+                seq.num_computed_tokens < position <= seq.num_prompt_tokens:
+            return False
+        seq.captures = sorted(set(seq.captures or ()) | {int(position)})
+        return True
+
     def capture_checkpoint(self, seq_id: int, *, keep: bool = True,
                            on_device: bool = True) -> Optional[int]:
         """Checkpoint [0, frontier) of the sequence: one real execution's exact coverage, on the
