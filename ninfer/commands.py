@@ -53,8 +53,12 @@ _OPTION_HELP = {
     "warmup": "cuda: capture the decode graphs and run one step before ready",
     "debug_checks": "re-check every batch inside the backend too",
     "batch_invariant": "a request's tokens independent of load (cuda: decode 5-9%% slower)",
+    "speculative": "mtp: speculative decoding with the checkpoint's multi-token-prediction head "
+                   "(the same tokens, fewer target steps; numpy backend only for now)",
+    "num_draft_tokens": "tokens the MTP head drafts per decode step, 1..4 (with --speculative)",
 }
 _NOT_FLAGS = ("purpose", "default_enable_thinking")       # see above
+_FLAG_ALIASES = {"num_draft_tokens": ("--draft-tokens",)}
 _FLAG_CHOICES = {"dtype": ("bfloat16", "float32")}        # free strings the options validate
 
 
@@ -103,8 +107,8 @@ def _engine_flags(p, *, concurrency_default: int) -> None:
             kind = _size
         metavar = "SIZE" if kind is _size else "SECONDS" if f.name.endswith("_s") \
             else "F" if f.name.endswith("_fraction") else "N"
-        g.add_argument(flag, type=kind, choices=choices, default=None, help=text,
-                       metavar=None if choices else metavar)
+        g.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), type=kind, choices=choices,
+                       default=None, help=text, metavar=None if choices else metavar)
 
 
 def engine_kwargs(args, *, concurrency_default: int) -> dict:

@@ -55,7 +55,7 @@ class EngineOptions:
     # speculative decoding (issue 15): None, or "mtp": the checkpoint's MTP head drafts
     # num_draft_tokens (1..4) tokens per decode step and one target forward verifies them; the
     # output is the same as without it (docs/architecture.md "Speculative decoding"). numpy only
-    speculative: Optional[str] = None
+    speculative: Optional[Literal["mtp"]] = None
     num_draft_tokens: int = 3
 
     @property

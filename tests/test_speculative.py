@@ -8,6 +8,7 @@ agrees with the target (acceptance 0) and one that always does (acceptance 1). S
 the token distribution of a verified position against the exact one (chi-square)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -53,7 +54,7 @@ def ref(request):
 
 
 def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref):
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     want, _ = _generate(ref, PROMPTS, params, max_concurrency=8)
     got, stats = _generate(ref, PROMPTS, params, max_concurrency=8, speculative="mtp",
                            num_draft_tokens=3)
@@ -61,14 +62,15 @@ def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref):
     assert [r.text for r in got] == [r.text for r in want]
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
     for k in (1, 4):                                         # alone, the extreme draft lengths
-        alone, stats = _generate(ref, PROMPTS[:2], params, max_concurrency=1,
+        alone, stats = _generate(ref, PROMPTS[:1], params, max_concurrency=1,
                                  speculative="mtp", num_draft_tokens=k)
-        assert [r.token_ids for r in alone] == [r.token_ids for r in want[:2]]
+        assert [r.token_ids for r in alone] == [r.token_ids for r in want[:1]]
         assert len(stats["spec_acceptance_by_position"]) == k
 
 
-def test_seeded_equals_plain_sampling_at_batch_1_and_4(ref):
-    params = [SamplingParams(max_tokens=20, ignore_eos=True, **{**SEEDED, "seed": 50 + i})
+def test_seeded_equals_plain_sampling_at_batch_1_and_4():
+    ref = ensure_reference_artifact("dense")
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, **{**SEEDED, "seed": 50 + i})
               for i in range(4)]
     want, _ = _generate(ref, PROMPTS[:4], params, max_concurrency=1)
     for b in (1, 4):
@@ -81,11 +83,11 @@ def test_seeded_equals_plain_sampling_at_batch_1_and_4(ref):
 @pytest.mark.parametrize("snapshot_bytes", [0, 64 << 20], ids=["replay", "snapshot"])
 def test_equal_through_pauses(snapshot_bytes):
     path = ensure_reference_artifact("dense")
-    params = [SamplingParams(max_tokens=40, ignore_eos=True),
-              SamplingParams(max_tokens=40, ignore_eos=True, **SEEDED)] * 2
+    params = [SamplingParams(max_tokens=26, ignore_eos=True),
+              SamplingParams(max_tokens=26, ignore_eos=True, **SEEDED)] * 2
     want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=1)
-    got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=64,
-                           page_size=8, num_kv_pages=14, prefill_chunk=8,
+    got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=48,
+                           page_size=8, num_kv_pages=10, prefill_chunk=8,
                            host_snapshot_bytes=snapshot_bytes, speculative="mtp",
                            num_draft_tokens=4)
     assert stats["pauses"] > 0 and stats["spec_accepted_tokens"] > 0
@@ -96,9 +98,10 @@ def test_equal_through_pauses(snapshot_bytes):
 
 def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position():
     path = ensure_reference_artifact("dense")
-    cases = [SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
+    cases = [SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
                             frequency_penalty=0.5, presence_penalty=0.3, logprobs=2),
-             SamplingParams(max_tokens=7, ignore_eos=True, logit_bias={220: 3.0}, **SEEDED)]
+             SamplingParams(max_tokens=7, ignore_eos=True, logit_bias={220: 3.0}, **SEEDED),
+             SamplingParams(max_tokens=14, min_tokens=10, logit_bias={248044: 8.0})]
     for params in cases:
         want, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1)
         got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative="mtp",
@@ -113,16 +116,30 @@ def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position():
 
 def test_stop_string_ends_the_output_where_plain_decoding_does():
     path = ensure_reference_artifact("dense")
-    free, _ = _generate(path, PROMPTS[:1], SamplingParams(max_tokens=30, ignore_eos=True),
+    free, _ = _generate(path, PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True),
                         max_concurrency=1)
     stop = free[0].text[12:15]
-    params = SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop])
+    params = SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop])
     want, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1)
     got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative="mtp",
                        num_draft_tokens=4)
     assert want[0].finish_reason == "stop" and want[0].stop_sequence == stop
     assert (got[0].token_ids, got[0].text, got[0].finish_reason) == \
         (want[0].token_ids, want[0].text, want[0].finish_reason)
+
+
+def test_thinking_budget_stops_verification_where_the_control_unit_takes_over():
+    path = ensure_reference_artifact("dense")
+    messages = [{"role": "user", "content": "def main():"}]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=6)
+    with Engine(path, max_concurrency=1) as engine:
+        want = engine.generate(messages, params, enable_thinking=True)
+    with Engine(path, max_concurrency=1, speculative="mtp", num_draft_tokens=4) as engine:
+        got = engine.generate(messages, params, enable_thinking=True)
+        assert engine.stats()["spec_verify_rows"] > 0
+    assert "</think>" in engine.detokenize(want.token_ids)
+    assert (got.token_ids, got.reasoning_text, got.text) == \
+        (want.token_ids, want.reasoning_text, want.text)
 
 
 SCHEMA = {"type": "object", "properties": {
@@ -133,7 +150,7 @@ SCHEMA = {"type": "object", "properties": {
 @pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
 def test_grammar_masks_apply_at_every_verified_position(sampling):
     path = ensure_reference_artifact("dense")
-    params = SamplingParams(max_tokens=60, structured=StructuredOutput("json_schema", SCHEMA),
+    params = SamplingParams(max_tokens=40, structured=StructuredOutput("json_schema", SCHEMA),
                             **sampling)
     want, _ = _generate(path, PROMPTS[:2], params, max_concurrency=2)
     got, stats = _generate(path, PROMPTS[:2], params, max_concurrency=2, speculative="mtp",
@@ -356,3 +373,35 @@ def test_seeded_sampling_has_the_target_distribution(extremes):
     df = len(observed) - 1
     assert df >= 5
     assert stat < _chi2_critical(df, CHI2_ALPHA), (stat, df)
+
+
+def test_metrics_report_drafts_and_acceptance_by_position(extremes):
+    from falcon import testing
+    from ninfer.serve import create_app
+    with Engine(extremes["always"], max_concurrency=2, speculative="mtp",
+                num_draft_tokens=2) as engine:
+        engine.generate(_id_prompts()[2], SamplingParams(max_tokens=7, ignore_eos=True))
+        stats = engine.stats()
+        text = testing.TestClient(create_app(engine)).simulate_get("/metrics").text
+    assert stats["spec_draft_tokens"] == stats["spec_accepted_tokens"] == 4    # 2 verifies
+    lines = set(text.splitlines())
+    assert "ninfer_spec_draft_tokens_total 4.0" in lines
+    assert "ninfer_spec_accepted_tokens_total 4.0" in lines
+    assert "ninfer_spec_emitted_tokens_total 6.0" in lines
+    assert 'ninfer_spec_acceptance{position="1"} 1.0' in lines
+    assert 'ninfer_spec_acceptance{position="2"} 1.0' in lines
+    assert 'ninfer_spec_position_draft_tokens_total{position="2"} 2.0' in lines
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--speculative", "mtp", "--draft-tokens", "9"], "num_draft_tokens=9: must be an integer in 1..4"),
+    (["--speculative", "mtp", "--backend", "cuda"], "numpy backend only"),
+    (["--speculative", "eagle"], "invalid choice: 'eagle'")])
+def test_cli_refuses_bad_speculative_flags_in_one_line(flags, words, capsys):
+    from ninfer.cli import main
+    path = str(ensure_reference_artifact("dense"))
+    with pytest.raises(SystemExit) if "eagle" in flags else contextlib.nullcontext():
+        rc = main(["run", path, "--prompt", "x", "--max-context", "64", *flags])
+        assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ninfer: error:") and words in err[0], err

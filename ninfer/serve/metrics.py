@@ -34,6 +34,16 @@ _CACHE_BYTES = (("prefix_cache_device_bytes", "device"), ("prefix_cache_host_byt
 _CACHE_KEYS = frozenset([key for key, _, _ in _CACHE_COUNTERS] + [key for key, _ in _CACHE_BYTES]
                         + ["prefix_cache_entries"])
 
+# speculative decoding's Engine.stats() keys (Engine(speculative="mtp")), exported by _spec_metrics
+_SPEC_COUNTERS = (
+    ("spec_draft_tokens", "ninfer_spec_draft_tokens", "tokens the MTP head drafted"),
+    ("spec_accepted_tokens", "ninfer_spec_accepted_tokens",
+     "drafted tokens the target verified and the engine accepted"),
+    ("spec_verify_rows", "ninfer_spec_verify_steps", "decode steps that verified drafts"),
+    ("spec_emitted_tokens", "ninfer_spec_emitted_tokens",
+     "tokens those verify steps emitted (accepted drafts + one target token each)"),
+)
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -47,10 +57,11 @@ class _EngineCollector:
         yield healthy
         stats = self._gateway.engine_stats()
         yield from _cache_metrics(stats)
+        yield from _spec_metrics(stats)
         seen = set()
         for key, value in sorted(stats.items()):
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or key in _CACHE_KEYS:
+                    or key in _CACHE_KEYS or key.startswith("spec_"):
                 continue
             name, doc = _NAMED_STATS.get(key, (f"ninfer_engine_{_clean(key)}",
                                                f"Engine.stats()['{key}']"))
@@ -85,6 +96,29 @@ def _cache_metrics(stats: dict):
     entries = GaugeMetricFamily("ninfer_prefix_cache_entries", "context-cache checkpoints held")
     entries.add_metric([], float(stats.get("prefix_cache_entries", 0)))
     yield entries
+
+
+def _spec_metrics(stats: dict):
+    """Speculative decoding (only when the Engine runs it): drafted / accepted tokens, verify
+    steps and their tokens (counters), and per draft position (label position = 1..k) the
+    drafts proposed, accepted, and the acceptance rate so far."""
+    if "spec_draft_tokens" not in stats:
+        return
+    for key, name, doc in _SPEC_COUNTERS:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(stats.get(key, 0)))
+        yield c
+    for key, name, doc, family in (
+            ("spec_drafted_by_position", "ninfer_spec_position_draft_tokens",
+             "drafts proposed at each draft position", CounterMetricFamily),
+            ("spec_accepted_by_position", "ninfer_spec_position_accepted_tokens",
+             "drafts accepted at each draft position", CounterMetricFamily),
+            ("spec_acceptance_by_position", "ninfer_spec_acceptance",
+             "accepted / drafted at each draft position since start", GaugeMetricFamily)):
+        m = family(name, doc, labels=["position"])
+        for i, value in enumerate(stats.get(key, ())):
+            m.add_metric([str(i + 1)], float(value))
+        yield m
 
 
 def _clean(key: str) -> str:
