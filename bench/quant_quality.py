@@ -5,6 +5,8 @@ conversion of the same checkpoint, on the same tokens (issue 13's quality gates)
     python bench/quant_quality.py --reference dense        # a trained reference model (issue 14)
     python bench/quant_quality.py tests/fixtures/dense            # no text: the fixture's ids
 
+    python bench/quant_quality.py --reference dense --formats bf16 --kv-dtype fp8,int8
+
 Prints one row per format: weight bytes (every stored object but the frontend resources), mean NLL, perplexity, its increase over bf16, and the
 mean KL(bf16 || format) of the next-token distributions. Scores with CausalScoring on the numpy
 backend unless --backend cuda (which runs no quantized format yet).
@@ -38,6 +40,9 @@ FORMATS = {
     "int4-gptq": dict(format="int4", calibration=True),
     "int4-gptq-sym": dict(format="int4", asymmetric=False, calibration=True),
     "int8-gptq": dict(format="int8", calibration=True),
+    "int4-g64": dict(format="int4", group=64),
+    "int4-g64-gptq": dict(format="int4", group=64, calibration=True),
+    "int4-g32-gptq": dict(format="int4", group=32, calibration=True),
 }
 CALIBRATION_CHARS = 60_000          # ~ 16K tokens of Python source; the recipe uses the first 8192
 
@@ -73,10 +78,11 @@ def fixture_ids(ckpt: pathlib.Path) -> np.ndarray:
         return np.concatenate([z[f"prefill_ids_{s}"] for s in range(len(z["prefill_lengths"]))])
 
 
-def score(path, ids, backend: str, chunk: int, kl_tokens: int):
+def score(path, ids, backend: str, chunk: int, kl_tokens: int, kv_dtype: str = "bfloat16"):
     """(mean NLL over all predictions, log-softmax rows of the first kl_tokens positions): the
     logits of a real vocabulary are 1 MB per token, so the KL uses a prefix."""
-    with Engine(path, backend=backend, purpose="scoring", prefill_chunk=chunk) as engine:
+    with Engine(path, backend=backend, purpose="scoring", prefill_chunk=chunk,
+                kv_dtype=kv_dtype) as engine:
         res = engine.score(ids, return_logits=True)
     nll = float(-np.mean(res.logprobs, dtype=np.float64))
     logits = np.array(res.logits[:kl_tokens], np.float64)
@@ -99,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", type=pathlib.Path,
                     help="calibration text of the -gptq formats (default: standard-library files "
                          "of the reference models' training split)")
+    ap.add_argument("--kv-dtype", default="",
+                    help="also score the bf16 weights with these KV cache dtypes, e.g. fp8,int8 "
+                         "(rows kv-fp8, kv-int8)")
     ap.add_argument("--kl-tokens", type=int, default=256, help="positions the KL averages over")
     args = ap.parse_args(argv)
     names = args.formats.split(",")
@@ -135,6 +144,11 @@ def main(argv=None) -> int:
                 base = (nll, logp)
             kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
             rows.append((name, nbytes, nll, kl))
+            if name == "bf16":                 # quantized KV cache over the bf16 weights
+                for kv in filter(None, args.kv_dtype.split(",")):
+                    nll, logp = score(path, ids, args.backend, args.chunk, args.kl_tokens, kv)
+                    kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
+                    rows.append((f"kv-{kv}", nbytes, nll, kl))
     print(f"{args.ckpt.name}: {len(ids)} tokens (KL over the first {min(len(ids) - 1, args.kl_tokens)})"
           f", backend {args.backend}")
     print(f"{'format':14s} {'weight MB':>9s} {'nll':>9s} {'ppl':>10s} {'ppl +%':>8s} {'KL':>9s}")

@@ -50,6 +50,9 @@ _OPTION_HELP = {
     "graphs": "cuda: replay CUDA graphs for decode",
     "dtype": "compute dtype (cuda: default bfloat16; float32 matches the numpy backend exactly "
              "at about twice the memory; numpy: float32 only)",
+    "kv_dtype": "KV cache storage: bfloat16 (the backend's unquantized KV), fp8 or int8 "
+                "(numpy backend only for now: one scale per token and kv head, about half "
+                "the bytes of bf16)",
     "warmup": "cuda: capture the decode graphs and run one step before ready",
     "debug_checks": "re-check every batch inside the backend too",
     "batch_invariant": "a request's tokens independent of load (cuda: decode 5-9%% slower)",
@@ -59,7 +62,8 @@ _OPTION_HELP = {
 }
 _NOT_FLAGS = ("purpose", "default_enable_thinking")       # see above
 _FLAG_ALIASES = {"num_draft_tokens": ("--draft-tokens",)}
-_FLAG_CHOICES = {"dtype": ("bfloat16", "float32")}        # free strings the options validate
+_FLAG_CHOICES = {"dtype": ("bfloat16", "float32"),        # free strings the options validate
+                 "kv_dtype": ("bfloat16", "fp8", "int8")}
 
 
 def _size(text: str) -> int:
@@ -134,7 +138,9 @@ def default_max_context(path, kwargs: dict) -> tuple:
     limit = int(text.max_position_embeddings)
     num_full = sum(1 for t in text.layer_types if t == "full_attention")
     itemsize = 2 if kwargs.get("backend") == "cuda" and kwargs.get("dtype") != "float32" else 4
-    per_token = 2 * num_full * text.num_key_value_heads * text.head_dim * itemsize
+    if kwargs.get("kv_dtype", "bfloat16") != "bfloat16":     # 1-byte codes + a float32 scale
+        itemsize = 1 + 4 / text.head_dim                       # per token and head (kv_quant)
+    per_token = int(2 * num_full * text.num_key_value_heads * text.head_dim * itemsize)
     free = _free_memory(kwargs.get("backend", "numpy"), kwargs.get("device_id", 0))
     how = f"the model's max_position_embeddings {limit}"
     if free is not None and per_token:

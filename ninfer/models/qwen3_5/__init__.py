@@ -10,6 +10,9 @@ def load_model(artifact, options):
     if backend == "cuda":
         from .quant import require_unquantized
         require_unquantized(artifact, "cuda")     # no quantized kernels yet: refuse, not garbage
+        if _quantized_kv(options) is not None:    # (validate says the same; options made without)
+            raise DeviceError(f"kv_dtype={options.kv_dtype!r}: the cuda backend has no quantized "
+                              "KV cache yet; use 'bfloat16' or backend 'numpy'")
         try:
             from .cuda_model import load_cuda_model
         except ImportError as exc:
@@ -22,7 +25,15 @@ def load_model(artifact, options):
         raise RequestError(f"dtype={options.dtype!r}: the numpy backend computes in float32 only "
                            "(from the stored weights); use None or 'float32'")
     from .model import NumpyModel
-    return NumpyModel.from_artifact(artifact)
+    model = NumpyModel.from_artifact(artifact)
+    model.kv_dtype = _quantized_kv(options)
+    return model
+
+
+def _quantized_kv(options):
+    """None for the backend's unquantized KV, else "fp8" / "int8"."""
+    kv = getattr(options, "kv_dtype", "bfloat16")
+    return None if kv == "bfloat16" else kv
 
 
 __all__ = ["load_model"]

@@ -28,6 +28,7 @@ class NumpyModel(MediaEncoding):
     greedy_on_device = samples_on_device = False
     checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
     max_kv_pages = None         # host memory: the Program's default pool size
+    kv_dtype = None             # "fp8" / "int8": quantized KV pages (load_model sets it)
 
     def __init__(self, config: ModelConfig, params: dict):
         self.config = config
@@ -52,7 +53,7 @@ class NumpyModel(MediaEncoding):
 
     # ---- pools ------------------------------------------------------------------------------------
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
-        return KVPool.allocate(self.text, num_pages, page_size)
+        return KVPool.allocate(self.text, num_pages, page_size, kv_dtype=self.kv_dtype)
 
     def new_state_pool(self, num_slots: int) -> StatePool:
         return StatePool.allocate(self.text, num_slots)

@@ -2,6 +2,7 @@
 
 KV pool, one pair per full-attention layer (indexed by attention-layer ordinal, not layer id):
     k[a], v[a]: [num_pages, page_size, num_key_value_heads, head_dim]   float32
+                (kv_dtype fp8 / int8: ops/kv_quant.QuantizedPages, codes + per-page scales)
 State pool (the StateImage), one pair per Gated DeltaNet layer (indexed by linear-layer ordinal):
     conv[l]:      [num_slots, linear_conv_dim, linear_conv_kernel_dim - 1]   float32
                   the last K-1 conv *inputs* (pre-activation qkv), oldest first
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...ops.kv_quant import QuantizedPages
 from .config import TextConfig
 
 
@@ -25,34 +27,48 @@ class KVPool:
 
     @classmethod
     def allocate(cls, cfg: TextConfig, num_pages: int, page_size: int,
-                 dtype=np.float32) -> "KVPool":
+                 dtype=np.float32, kv_dtype: str | None = None) -> "KVPool":
+        """kv_dtype "fp8" / "int8": each layer a QuantizedPages (ops/kv_quant.py)."""
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         n = len(cfg.attention_layer_ids)
+        if kv_dtype is not None:
+            return cls(page_size, [QuantizedPages(shape, kv_dtype) for _ in range(n)],
+                       [QuantizedPages(shape, kv_dtype) for _ in range(n)])
         return cls(page_size, [np.zeros(shape, dtype) for _ in range(n)],
                    [np.zeros(shape, dtype) for _ in range(n)])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's pages (codes and scales when quantized)."""
+        return sum(a.nbytes for a in self.k + self.v)
 
     @property
     def num_pages(self) -> int:
         return self.k[0].shape[0] if self.k else 0
 
     def read_pages(self, pages) -> tuple:
-        """Host copy of the given pages (Snapshot): (k list, v list) of [len(pages), ...] arrays."""
+        """Host copy of the given pages (Snapshot): (k list, v list) of [len(pages), ...] arrays
+        (a quantized layer's pages as bytes: kv_quant.QuantizedPages.raw)"""
         idx = np.asarray(pages, dtype=np.int64)
-        return [k[idx].copy() for k in self.k], [v[idx].copy() for v in self.v]
+        return [_read(k, idx) for k in self.k], [_read(v, idx) for v in self.v]
 
     def write_pages(self, pages, data: tuple) -> None:
         idx = np.asarray(pages, dtype=np.int64)
-        for dst, src in zip(self.k, data[0]):
-            dst[idx] = src
-        for dst, src in zip(self.v, data[1]):
-            dst[idx] = src
+        for dst, src in zip(self.k + self.v, list(data[0]) + list(data[1])):
+            if isinstance(dst, QuantizedPages):
+                dst.set_raw(idx, src)
+            else:
+                dst[idx] = src
 
     def copy_pages(self, src_pages, dst_pages) -> None:
         """Page dst_pages[i] becomes a copy of src_pages[i] in every layer (the context cache's
         copy-on-write of a partly filled page); the two lists are disjoint."""
         src, dst = _copy_indices(src_pages, dst_pages, self.num_pages, "KV page")
         for a in self.k + self.v:
-            a[dst] = a[src]
+            if isinstance(a, QuantizedPages):
+                a.copy(src, dst)
+            else:
+                a[dst] = a[src]
 
 
 @dataclass(slots=True)
@@ -93,6 +109,10 @@ class StatePool:
         (src,), (dst,) = _copy_indices([src_slot], [dst_slot], self.num_slots, "state slot")
         for a in self.conv + self.recurrent:
             a[dst] = a[src]
+
+
+def _read(layer, idx) -> np.ndarray:
+    return layer.raw(idx) if isinstance(layer, QuantizedPages) else layer[idx].copy()
 
 
 def _copy_indices(src, dst, count: int, what: str) -> tuple:
