@@ -108,7 +108,8 @@ def layer_norm(x, w, b, eps=LN_EPS):
 
 
 def gelu_tanh(x):
-    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + 0.044715 * x ** 3)))
+    # x * x * x, not x ** 3: float32 pow is 12x slower here (0.55 s vs 0.045 s for 1024 x 4304)
+    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + 0.044715 * x * x * x)))
 
 
 def _erf(x):
