@@ -124,6 +124,7 @@ def test_run_bad_messages_file(tmp_path, content, message):
     (["--max-body-mb", "nan"], "--max-body-mb nan: must be a finite number > 0"),
     (["--drain-grace", "nan"], "drain_grace_s=nan: must be a finite number >= 0"),
     (["--drain-grace", "inf"], "drain_grace_s=inf: must be a finite number >= 0"),
+    (["--allow-media-urls", "a,,b"], "--allow-media-urls 'a,,b': each entry must be a host"),
 ])
 def test_serve_bad_input_one_line_error(args, message):
     r = ninfer("serve", *args)
