@@ -162,13 +162,17 @@ def test_cache_pages_are_reclaimed_before_any_resident_pauses():
 def test_concurrent_sessions_prefill_a_shared_system_prompt_once(kind):
     """8 prompts sent at once that share a 60-token system prompt: the first prefills it, the
     others wait for the checkpoint it is asked to take where they diverge, and bind it."""
-    core, _ = make_core(max_concurrency=8, max_context=MAX_CONTEXT, max_queue=16,
-                        prefill_chunk=8)
+    import threading
+    core, model = make_core(max_concurrency=8, max_context=MAX_CONTEXT, max_queue=16,
+                            prefill_chunk=8)
+    gate = threading.Event()
+    model.on_forward = lambda batch: gate.wait(30)     # all 8 are queued before anything runs
     system = prompt(60, 60)
     prompts = [np.concatenate([system, prompt(61 + s, 5 + s)]).astype(np.int32) for s in range(8)]
     params = [_params(kind, s) for s in range(8)]
     handles = [core.submit(p, q, session=f"agent{s}") for s, (p, q) in
                enumerate(zip(prompts, params))]
+    gate.set()
     results = [h.result(timeout=60) for h in handles]
     for res, p, q in zip(results, prompts, params):
         assert res.token_ids == reference_tokens(p, q, MAX_CONTEXT)
@@ -176,6 +180,22 @@ def test_concurrent_sessions_prefill_a_shared_system_prompt_once(kind):
     unique = len(system) + sum(len(p) - len(system) for p in prompts)
     assert prefilled <= 1.1 * unique, (prefilled, unique)
     assert sorted(r.num_cached_tokens for r in results)[1:] == [60] * 7
+    _finish_empty(core)
+
+
+def test_one_after_another_sessions_checkpoint_where_they_diverge():
+    """Sessions arriving one after another with one 60-token system prompt: the first keeps its
+    prompt and continuation only; the second shares 56 tokens (3.5 blocks) of those with it, so
+    it is asked for a checkpoint at 56 where it leaves them; every later one binds that."""
+    core, _ = make_core(max_concurrency=2, max_context=MAX_CONTEXT, page_size=8)
+    system = prompt(70, 60)
+    cached = []
+    for s in range(5):
+        p = np.concatenate([system, prompt(71 + s, 6)]).astype(np.int32)
+        res = core.submit(p, _params("greedy", s)).result(timeout=30)
+        assert res.token_ids == reference_tokens(p, _params("greedy", s), MAX_CONTEXT)
+        cached.append(res.num_cached_tokens)
+    assert cached == [0, 0, 56, 56, 56]
     _finish_empty(core)
 
 
@@ -194,6 +214,14 @@ def test_session_publication_order_keeps_the_newest_binding():
     assert rm.publish("chat", newest[0] + 1, cid_other)         # newer: rebinds
     assert rm._sessions["chat"][1] == cid_other
     rm.check_invariants()
+    from ninfer.runtime import resource_manager
+    resource_manager.MAX_SESSIONS, keep = 2, resource_manager.MAX_SESSIONS
+    try:                                       # bounded: the least recently published goes
+        rm.publish("third", 99, cid_other)
+        assert list(rm._sessions) == ["chat", "third"]
+        rm.check_invariants()
+    finally:
+        resource_manager.MAX_SESSIONS = keep
     # the session's checkpoint is found for its next prompt (and by the shared index too)
     cont = core.program.cache.entries[newest[1]].token_ids
     nxt = np.concatenate([cont, prompt(32, 3)]).astype(np.int32)

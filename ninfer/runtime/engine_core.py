@@ -260,6 +260,9 @@ class EngineCore:
                                            **({"media": req.media} if req.media else {}))
             if req.may_reuse:
                 self.resources.note_bind(checkpoint, reused, req.seq_id)
+                split = self.resources.divergence(req.prompt_ids, reused)
+                if split:                           # a checkpoint where it leaves a cached one
+                    self.program.add_capture(req.seq_id, split)
             req.num_cached_tokens = reused
             self._waiting.popleft()
             req.admit_time = time.monotonic()

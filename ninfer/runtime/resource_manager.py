@@ -28,6 +28,9 @@ import numpy as np
 from ..contracts import ProgramError
 
 
+MAX_SESSIONS = 4096      # session bindings remembered (least recently published forgotten first)
+
+
 def _digest(token_ids: np.ndarray, prev: bytes = b"") -> bytes:
     h = hashlib.blake2b(prev, digest_size=16)
     h.update(np.asarray(token_ids).astype("<i4", copy=False).tobytes())
@@ -50,6 +53,7 @@ class ResourceManager:
         self._entries: dict = {}         # checkpoint id -> _Entry
         self._keys: dict = {}            # key -> checkpoint ids (several only on a collision)
         self._lengths: dict = {}         # prefix length -> number of entries of that length
+        self._blocks: dict = {}          # chained block digest -> entries whose tokens have it
         self._sessions: dict = {}        # session -> (publication order, checkpoint id or None)
         self._tick = 0
         self.hits = 0
@@ -111,8 +115,14 @@ class ResourceManager:
             return False
         if old is not None and old[1] in self._entries:
             self._entries[old[1]].session_bound -= 1
+        self._sessions.pop(session, None)            # most recently published last
         self._sessions[session] = (order, checkpoint)
         self._entries[checkpoint].session_bound += 1
+        while len(self._sessions) > MAX_SESSIONS:    # forget the least recently published
+            name = next(iter(self._sessions))
+            _, cid = self._sessions.pop(name)
+            if cid in self._entries:
+                self._entries[cid].session_bound -= 1
         return True
 
     # ---- prefix index ---------------------------------------------------------------------------
@@ -164,6 +174,17 @@ class ResourceManager:
                     and self.program.add_capture(sid, common):
                 return True
         return False
+
+    def divergence(self, prompt_ids: np.ndarray, num_reused: int) -> int:
+        """Where the prompt leaves the longest run of full blocks it shares with any cached
+        checkpoint (not a prefix of it: the State there was never computed), when that is at
+        least a block beyond what it reuses; else 0. Checkpointing there lets the next prompt
+        that shares the run (a third agent session after two with one system prompt) bind it."""
+        chain = self._chain(np.asarray(prompt_ids)[:len(prompt_ids) - 1])
+        k = len(chain) - 1
+        while k > 0 and chain[k] not in self._blocks:
+            k -= 1
+        return k * self.block if k * self.block >= num_reused + self.block else 0
 
     def note_bind(self, checkpoint: Optional[int], num_reused: int,
                   seq_id: Optional[int] = None) -> None:
@@ -311,11 +332,17 @@ class ResourceManager:
     def _add(self, cid: int, tokens: np.ndarray, key: bytes) -> None:
         self._tick += 1
         self._entries[cid] = _Entry(np.array(tokens, np.int32), key, self._tick)
+        for d in self._chain(tokens)[1:]:
+            self._blocks[d] = self._blocks.get(d, 0) + 1
         self._keys.setdefault(key, []).append(cid)
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
 
     def _remove(self, cid: int) -> None:
         e = self._entries.pop(cid)
+        for d in self._chain(e.token_ids)[1:]:
+            self._blocks[d] -= 1
+            if not self._blocks[d]:
+                del self._blocks[d]
         self._keys[e.key].remove(cid)
         if not self._keys[e.key]:
             del self._keys[e.key]
@@ -343,6 +370,9 @@ class ResourceManager:
         for _, cid in self._sessions.values():
             if cid in self._entries:
                 bound[cid] = bound.get(cid, 0) + 1
+        if sum(self._blocks.values()) != sum(len(e.token_ids) // self.block
+                                             for e in self._entries.values()):
+            raise ProgramError("prefix index block digests out of step with the entries")
         if lengths != self._lengths or \
                 sum(len(v) for v in self._keys.values()) != len(self._entries) or \
                 any(e.session_bound != bound.get(c, 0) for c, e in self._entries.items()):
