@@ -133,6 +133,8 @@ def install(machine):
         slice(None), machine.host_bytes(src, n))
     d.copy_dtoh_async = lambda dst, src, n, st: machine.host_bytes(dst, n).__setitem__(
         slice(None), machine.dev(src, n))
+    d.copy_dtod_async = lambda dst, src, n, st: machine.dev(dst, n).__setitem__(
+        slice(None), machine.dev(src, n).copy())         # the context cache's pool copies
 
     class Kernel:
         def __init__(self, spec):
