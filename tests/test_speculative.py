@@ -405,3 +405,25 @@ def test_cli_refuses_bad_speculative_flags_in_one_line(flags, words, capsys):
         assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ninfer: error:") and words in err[0], err
+
+
+def test_draft_argmax_equals_the_full_argmax(extremes):
+    """The reduced-vocabulary draft argmax (lm_head rows that are all zero skipped) against
+    np.argmax of the full logits: random hiddens, all live logits negative, ties at 0."""
+    with Artifact(extremes["never"]) as art:
+        model = NumpyModel.from_artifact(art)
+        params = MtpDrafter.from_artifact(art, model).p
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal(H).astype(np.float32)
+    head = rng.standard_normal((V, H)).astype(np.float32)
+    head[[0, 3, 40]] = 0
+    negative = head.copy()
+    negative[[i for i in range(V) if i not in (0, 3, 40)]] = -np.abs(rng.standard_normal(
+        (V - 3, 1))).astype(np.float32) * u                 # every live logit -c * (h . u)
+    for lm_head in (head, negative):
+        drafter = MtpDrafter(model.text, params, model._embed, lm_head)
+        assert drafter._draft_ids is not None and len(drafter._draft_ids) == V - 3
+        hidden = np.concatenate([rng.standard_normal((40, H)), np.zeros((2, H)), u[None] * 2,
+                                 (u - u @ u / (u @ u) * u)[None]]).astype(np.float32)
+        want = np.argmax(hidden @ lm_head.T, axis=1)
+        assert drafter.draft_argmax(hidden).tolist() == want.tolist()

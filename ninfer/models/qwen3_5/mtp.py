@@ -84,8 +84,15 @@ class MtpDrafter:
         self._embed, self._lm_head = embed, lm_head
         layer = params["layer"]
         self._attn = GatedAttention(layer, cfg, 0)          # ordinal 0 of the drafter's pool
-        self._joined = False
         self._mlp = SparseMoE(layer, cfg) if cfg.is_moe else DenseMLP(layer)
+        # lm_head rows that are all zero give logit 0 for any hidden (the reference models'
+        # unseen ids): a draft's argmax searches the others and compares with 0, exactly the full
+        # argmax at a fraction of the product (None: every row counts, as in real checkpoints)
+        live = np.flatnonzero(np.any(lm_head != 0, axis=1))
+        self._draft_ids = live if 0 < len(live) < len(lm_head) else None
+        self._draft_head = None if self._draft_ids is None else np.ascontiguousarray(lm_head[live])
+        zero = np.flatnonzero(~np.any(lm_head != 0, axis=1)) if self._draft_ids is not None else ()
+        self._first_zero_id = int(zero[0]) if len(zero) else -1
 
     @classmethod
     def from_artifact(cls, artifact, target) -> "MtpDrafter":
@@ -113,8 +120,24 @@ class MtpDrafter:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T (the shared lm_head: the target's
         logits from its final_hidden, or a draft's from an MTP hidden)."""
-        return ops.linear(np.asarray(hidden, np.float32), self._lm_head).astype(np.float32,
-                                                                               copy=False)
+        return _head_product(np.asarray(hidden, np.float32), self._lm_head)
+
+    def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
+        """int32 [N]: argmax of logits(hidden) (lowest id on ties), searching only the lm_head
+        rows that are not all zero when some are."""
+        hidden = np.asarray(hidden, np.float32)
+        if self._draft_ids is None:
+            return np.argmax(self.logits(hidden), axis=1).astype(np.int32)
+        live = _head_product(hidden, self._draft_head)                        # [N, K]
+        best = np.argmax(live, axis=1)
+        value = live[np.arange(len(best)), best]
+        out = self._draft_ids[best].astype(np.int64)
+        # the zero rows' logit is 0: they win over a negative best; at a best of exactly 0 the
+        # lowest id among the live ones at 0 and the first zero row wins
+        for i in np.flatnonzero(value <= 0):
+            out[i] = self._first_zero_id if value[i] < 0 else \
+                min(self._first_zero_id, int(self._draft_ids[np.argmax(live[i] == 0)]))
+        return out.astype(np.int32)
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool, *,
                 with_logits: bool = True) -> tuple:
@@ -156,14 +179,14 @@ class MtpDrafter:
                         kv_pages=pages, kv_offsets=offsets)
 
     def draft_greedy(self, kv: KVPool, hidden: np.ndarray, next_tokens, context_lens,
-                     block_tables, k) -> tuple:
+                     block_tables, k, *, with_logits: bool = True) -> tuple:
         """Greedy draft tokens, autoregressively on the drafter's KV; k: one int for every row, or
         one per row (k[r] >= 1; a row leaves the batch once it has its k[r]).
         Row r: hidden[r] is the target's final-normed hidden at position t_r = context_lens[r]
         (the drafter KV holds positions < t_r), next_tokens[r] = x_{t_r + 1}. Step i (0-based)
         writes drafter KV at t_r + i and predicts x_{t_r + i + 2}.
         Returns (drafts [B, max k] int32, logits [B, max k, V] float32); entries past a row's own
-        k are -1 / 0."""
+        k are -1 / 0. with_logits=False: logits is None (drafts by `draft_argmax`)."""
         ctx = np.asarray(context_lens, np.int32).copy()
         B = len(ctx)
         ks = np.broadcast_to(np.asarray(k, np.int64), (B,)).copy()
@@ -173,7 +196,7 @@ class MtpDrafter:
         tables = np.asarray(block_tables, np.int32).reshape(B, -1)
         k_max = int(ks.max(initial=0))
         drafts = np.full((B, k_max), -1, np.int32)
-        logits = np.zeros((B, k_max, self.text.vocab_size), np.float32)
+        logits = np.zeros((B, k_max, self.text.vocab_size), np.float32) if with_logits else None
         h = np.asarray(hidden, np.float32)
         for i in range(k_max):
             live = np.flatnonzero(ks > i)                   # rows still drafting
@@ -183,11 +206,23 @@ class MtpDrafter:
                                  query_start=np.arange(n + 1, dtype=np.int32),
                                  context_lens=ctx[live], block_tables=tables[live],
                                  state_slots=np.arange(n, dtype=np.int32))
-            step_logits, g = self.forward(batch, h[live], kv)
-            logits[live, i] = step_logits
-            tokens[live] = np.argmax(step_logits, axis=1).astype(np.int32)
+            step_logits, g = self.forward(batch, h[live], kv, with_logits=with_logits)
+            if with_logits:
+                logits[live, i] = step_logits
+                tokens[live] = np.argmax(step_logits, axis=1).astype(np.int32)
+            else:
+                tokens[live] = self.draft_argmax(g)
             drafts[live, i] = tokens[live]
             h = np.zeros_like(h)
             h[live] = g
             ctx[live] += 1
         return drafts, logits
+
+
+def _head_product(hidden: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """hidden [N, H] @ head[V, H]^T as float32 [N, V]. A few rows go as head @ hidden^T: BLAS's
+    GEMM with a transposed [V, H] operand packs all of it for each call, which costs 3-4x one
+    matrix-vector pass when N is 2..5 (the verify rows); this form stays near one pass."""
+    if 1 < len(hidden) <= 8:
+        return np.ascontiguousarray((head @ hidden.T).T, dtype=np.float32)
+    return ops.linear(hidden, head).astype(np.float32, copy=False)

@@ -146,7 +146,8 @@ class MtpSpeculator:
                 prog.kv, np.stack([self._first[s.seq_id][1] for s in sel]),
                 [self._first[s.seq_id][0] for s in sel],
                 [s.num_computed_tokens for s in sel],
-                prog.pages.block_tables[[s.slot for s in sel]], [ks[r] - 1 for r in more])
+                prog.pages.block_tables[[s.slot for s in sel]], [ks[r] - 1 for r in more],
+                with_logits=False)
             for i, r in enumerate(more):
                 drafts[r] = np.concatenate([drafts[r], tail[i, :ks[r] - 1]])
         for r, d in drafts.items():
@@ -232,7 +233,7 @@ class MtpSpeculator:
         hidden = np.concatenate([rec.hidden[:n] for _, rec, n in items])
         _, g = self.drafter.forward(batch, hidden, prog.kv, with_logits=False)
         last = np.asarray(batch.query_start[1:], np.int64) - 1
-        first = np.argmax(self.drafter.logits(g[last]), axis=1)
+        first = self.drafter.draft_argmax(g[last])
         for i, (seq, _, _) in enumerate(items):
             self._first[seq.seq_id] = (int(first[i]), g[last[i]].copy())
 
