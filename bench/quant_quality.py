@@ -38,8 +38,10 @@ FORMATS = {
     "int4+head": dict(format="int4", quantize_lm_head=True),
     # calibrated (GPTQ, ninfer/convert/calibrate.py) on --calibration, never the held-out text
     "int4-gptq": dict(format="int4", calibration=True),
+    "int4-gptq-oneshot": dict(format="int4", calibration=True, sequential=False),
     "int4-gptq-sym": dict(format="int4", asymmetric=False, calibration=True),
     "int8-gptq": dict(format="int8", calibration=True),
+    "fp8-gptq": dict(format="fp8", calibration=True),
     "int4-g64": dict(format="int4", group=64),
     "int4-g64-gptq": dict(format="int4", group=64, calibration=True),
     "int4-g32-gptq": dict(format="int4", group=32, calibration=True),

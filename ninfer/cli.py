@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize: the lm_head too (default: kept 16-bit)")
     c.add_argument("--calibration", metavar="TEXT_FILE",
-                   help="with --quantize int8/int4: GPTQ error compensation from the model's "
+                   help="with --quantize: GPTQ error compensation from the model's "
                         "inputs on this text (numpy forward; small models; docs/artifact.md 6)")
     c.set_defaults(handler=_convert)
 
@@ -69,8 +69,8 @@ def _convert(args) -> int:
     from .convert import Quantize, convert_checkpoint
     if args.quantize_lm_head and not args.quantize:
         raise Error("--quantize-lm-head needs --quantize")
-    if args.calibration and args.quantize not in ("int8", "int4"):
-        raise Error("--calibration needs --quantize int8 or int4")
+    if args.calibration and not args.quantize:
+        raise Error("--calibration needs --quantize")
     calibration = None
     if args.calibration:
         try:

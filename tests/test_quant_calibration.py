@@ -24,18 +24,21 @@ def correlated_inputs(rng, tokens, C):
 
 
 @pytest.mark.parametrize("layout, group, asym", [("int4_block", 128, True), ("int4_block", 64, False),
-                                                 ("int4_block", 96, True), ("int8_block", 128, False)])
+                                                 ("int4_block", 96, True), ("int8_block", 128, False),
+                                                 ("fp8_block", (128, 128), False),
+                                                 ("fp8_block", (16, 96), False)])
 def test_gptq_reduces_output_error_and_decodes_by_the_spec(layout, group, asym):
-    rng = np.random.default_rng(group + asym)
+    rng = np.random.default_rng(sum(np.atleast_1d(group)) + asym)
     n, C = 48, 256
     w = rng.standard_normal((n, C)).astype(np.float32)
     x = correlated_inputs(rng, 1024, C)
     h = x.T @ x
     stored, scale, zero = encode_calibrated(layout, w, h, group, asym)
-    assert scale.shape == (1, n, -(-C // group)) and scale.dtype == np.float32
+    block = group if layout == "fp8_block" else (1, group)
+    assert scale.shape == (1, -(-n // block[0]), -(-C // block[1])) and scale.dtype == np.float32
     assert (zero is not None) == asym
-    got = decode64(layout, (1, n, C), (1, group), stored, scale, zero)[0]
-    rtn = decode64(layout, (1, n, C), (1, group), *encode(layout, w[None], (1, group), asym))[0]
+    got = decode64(layout, (1, n, C), block, stored, scale, zero)[0]
+    rtn = decode64(layout, (1, n, C), block, *encode(layout, w[None], block, asym))[0]
     out_err = lambda deq: np.linalg.norm(x @ (deq - w).T)        # noqa: E731
     assert out_err(got) < 0.8 * out_err(rtn), (out_err(got), out_err(rtn))
     # every stored value is on its group's grid: decoding the stored codes reproduces the layer
@@ -43,6 +46,9 @@ def test_gptq_reduces_output_error_and_decodes_by_the_spec(layout, group, asym):
     if layout == "int4_block":
         codes = np.stack([stored[0] & 15, stored[0] >> 4], -1).reshape(n, -1)[:, :C]
         assert codes.max() <= 15
+    elif layout == "fp8_block":         # same block scales as plain rounding, finite codes
+        assert np.array_equal(scale, encode(layout, w[None], block)[1])
+        assert np.all(np.isfinite(stored.astype(np.float32)))
     else:
         assert np.abs(stored.astype(np.int64)).max() <= 127
 
@@ -52,11 +58,16 @@ def test_gptq_without_correlation_is_plain_rounding(monkeypatch):
     monkeypatch.setattr(calibrate, "CLIP_GRID", np.array([1.0]))
     rng = np.random.default_rng(3)
     w = rng.standard_normal((20, 200)).astype(np.float32)
-    for layout, asym in (("int4_block", True), ("int4_block", False), ("int8_block", False)):
-        got = encode_calibrated(layout, w, np.eye(200), 128, asym)
-        want = encode(layout, w[None], (1, 128), asym)
+    for layout, asym in (("int4_block", True), ("int4_block", False), ("int8_block", False),
+                         ("fp8_block", False)):
+        block = (128, 128) if layout == "fp8_block" else (1, 128)
+        got = encode_calibrated(layout, w, np.eye(200), block if layout == "fp8_block" else 128,
+                                asym)
+        want = encode(layout, w[None], block, asym)
         for a, b in zip(got, want):
-            assert (a is None and b is None) or np.array_equal(a, b), layout
+            assert (a is None and b is None) or np.array_equal(
+                a.view(np.uint8) if a.dtype.itemsize == 1 else a,
+                b.view(np.uint8) if b.dtype.itemsize == 1 else b), layout
 
 
 def test_input_hessians_are_the_projection_inputs(tmp_path):
@@ -107,8 +118,6 @@ def test_calibrated_conversion_end_to_end(name, tmp_path):
 
 
 def test_calibration_errors(tmp_path):
-    with pytest.raises(ConvertError, match="int8 / int4"):
-        Quantize("fp8", calibration=TEXT)
     with pytest.raises(ConvertError, match="need at least 2"):
         convert_checkpoint(fixture_dir("dense"), tmp_path / "x.ninfer", progress=False,
                            recipe=Quantize("int4", calibration=""))
@@ -120,7 +129,7 @@ def test_calibration_cli(tmp_path, capsys):
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
     src, out = fixture_dir("dense"), tmp_path / "o.ninfer"
-    for extra, msg in ((["--quantize", "fp8"], "needs --quantize int8 or int4"), ([], "needs"),
+    for extra, msg in (([], "needs --quantize"),
                        (["--quantize", "int4", "--calibration", str(tmp_path / "missing")],
                         "cannot read")):
         argv = ["convert", str(src), str(out), "--quiet", *extra]
@@ -133,3 +142,25 @@ def test_calibration_cli(tmp_path, capsys):
                             "--calibration", str(text)]) == 0
     with Artifact(out) as art:
         assert art.manifest["metadata"]["quantization"]["method"] == "gptq"
+
+
+def test_sequential_calibration_sees_the_quantized_layers_before(tmp_path):
+    """Sequential mode: layer 0's statistics equal one-shot's (it sees only embeddings), later
+    layers' differ (their inputs pass through quantized layers), and the weights the later
+    layers were calibrated against are exactly the ones the artifact stores."""
+    src = fixture_dir("moe")
+    recipe = Quantize("int4", calibration=TEXT, calibration_tokens=64)
+    path = convert_checkpoint(src, tmp_path / "seq.ninfer", progress=False, recipe=recipe)
+    oneshot = calibrate.hessians_for_checkpoint(src, TEXT, 64)
+    first = [n for n in oneshot if n.startswith("text.layers.0.") and ".experts." not in n]
+    later = [n for n in oneshot if n.startswith("text.layers.2.") and ".experts." not in n]
+    assert first and later
+    assert all(np.array_equal(recipe.hessians[n], oneshot[n]) for n in first)
+    assert not any(np.allclose(recipe.hessians[n], oneshot[n]) for n in later)
+    from ninfer.models.qwen3_5.quant import dequantize
+    with Artifact(path) as art, \
+            Artifact(convert_checkpoint(src, tmp_path / "bf16.ninfer", progress=False)) as ref:
+        for name in ("text.layers.1.mlp.experts.gate_up_proj", first[0]):
+            w = np.asarray(ref.tensor(name), np.float32)
+            want = recipe._dequantized(name, w, recipe.hessians[name])
+            assert np.array_equal(dequantize(art.quantized(name), name), want), name

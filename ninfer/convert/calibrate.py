@@ -1,19 +1,22 @@
 """Calibrated quantization (`--calibration FILE`): GPTQ-style error compensation for the
-int8 / int4 group layouts, from the input statistics of each projection on a small text.
+fp8 / int8 / int4 layouts, from the input statistics of each projection on a small text.
 
 1. `input_hessians`: run the unquantized model (numpy backend) over the calibration text and sum,
    per quantized projection, H = sum_t x_t x_t^T of its inputs (float64; MoE experts: per expert,
    over the tokens routed to it, the down projection over its SwiGLU activations). The model's
-   `ops.linear` / `ops.swiglu` / `ops.moe_experts` are wrapped for the duration of that one run
-   (weights are recognised by identity), so the model code itself stays unchanged.
-2. `gptq_codes`: quantize a matrix column by column in the group layout of docs/artifact.md
-   3.2.1, each column's rounding error pushed onto the not yet quantized columns in proportion to
-   H^-1 (Frantar et al., "GPTQ", 2022; no activation reordering, groups in column order). The
-   result is an ordinary int4_block / int8_block object: only the codes differ from plain
-   rounding, so every reader decodes it as before.
+   `ops.linear` / `ops.swiglu` / `ops.moe_experts` are wrapped for the duration of each run
+   (weights are recognised by identity), so the model code itself stays unchanged. Sequential
+   mode (the recipe's default): one forward per layer, layer i's statistics taken with layers < i
+   already running their quantized weights (GPTQ's sequential calibration).
+2. `gptq_codes` / `gptq_fp8`: quantize a matrix column by column in the layout of
+   docs/artifact.md 3.2.1, each column's rounding error pushed onto the not yet quantized columns
+   in proportion to H^-1 (Frantar et al., "GPTQ", 2022; act-order with static groups). The
+   result is an ordinary quantized object: only the codes (and the int group ranges) differ from
+   plain rounding, so every reader decodes it as before.
 
-Cost: one numpy forward of the calibration text plus O(rows * cols^2) per matrix: seconds for the
-reference models, impractical on CPU for multi-billion-parameter checkpoints.
+Cost: one numpy forward of the calibration text per layer plus O(rows * cols^2) per matrix:
+seconds to minutes for the reference models, impractical on CPU for multi-billion-parameter
+checkpoints.
 """
 from __future__ import annotations
 
@@ -103,36 +106,50 @@ def _recording(rec: _Hessians):
         ops.linear, ops.swiglu, ops.moe_experts = linear, swiglu, moe_experts
 
 
-def input_hessians(artifact_path, text: str, max_tokens: int) -> dict:
+def input_hessians(artifact_path, text: str, max_tokens: int, quantize=None) -> dict:
     """{logical weight name: H} from the unquantized artifact run over `text` (its first
-    max_tokens tokens)."""
+    max_tokens tokens). With `quantize(name, w, h) -> w'` (sequential mode) the layers are
+    calibrated one at a time: layer i's statistics come from a forward in which layers < i
+    already run their quantized weights, and layer i's weights are then replaced by `quantize`'s
+    (one forward per layer)."""
     from ..engine import Engine
     with Engine(artifact_path, backend="numpy", purpose="scoring") as engine:
         ids = np.asarray(engine.tokenize(text)[:max_tokens], np.int32)
         if len(ids) < 2:
             raise ConvertError(f"calibration text has {len(ids)} tokens: need at least 2")
-        model = engine._scorer.model
-        names, experts = {}, {}
-        for i, layer in enumerate(model._layers):
-            for p in (layer[1].p, layer[3].p):
-                for key, leaf in _LEAF_OF.items():
-                    if key in p:
-                        names[id(p[key])] = f"text.layers.{i}.{leaf}"
-                        if key.startswith("experts_"):
-                            experts[names[id(p[key])]] = p[key].shape[0]
-        rec = _Hessians(names)
-        with _recording(rec):
-            engine.score(ids)
-    return rec.result(experts)
+        layers = []                 # per layer: [(param dict, key, logical name)]
+        experts = {}
+        for i, layer in enumerate(engine.model._layers):
+            mine = [(p, key, f"text.layers.{i}.{leaf}") for p in (layer[1].p, layer[3].p)
+                    for key, leaf in _LEAF_OF.items() if key in p]
+            experts.update({name: p[key].shape[0] for p, key, name in mine
+                            if key.startswith("experts_")})
+            layers.append(mine)
+        if quantize is None:
+            rec = _Hessians({id(p[key]): name for mine in layers for p, key, name in mine})
+            with _recording(rec):
+                engine.score(ids)
+            return rec.result(experts)
+        out = {}
+        for mine in layers:
+            rec = _Hessians({id(p[key]): name for p, key, name in mine})
+            with _recording(rec):
+                engine.score(ids)
+            hess = rec.result(experts)
+            for p, key, name in mine:
+                if name in hess:
+                    p[key][...] = quantize(name, p[key], hess[name])    # in place: same id
+            out.update(hess)
+    return out
 
 
-def hessians_for_checkpoint(src_dir, text: str, max_tokens: int) -> dict:
+def hessians_for_checkpoint(src_dir, text: str, max_tokens: int, quantize=None) -> dict:
     """Convert `src_dir` value-preserving into a temporary artifact and calibrate on it."""
     from .convert import convert_checkpoint
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "calibration.ninfer"
         convert_checkpoint(src_dir, path, progress=False)
-        return input_hessians(path, text, max_tokens)
+        return input_hessians(path, text, max_tokens, quantize)
 
 
 def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetric: bool):
@@ -146,10 +163,7 @@ def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetri
     column's error compensated on the remaining ones."""
     W = np.array(w, np.float64)
     n, C = W.shape
-    H = np.array(h, np.float64)
-    dead = np.diag(H) <= 0
-    H[dead, dead] = 1.0                      # an input never seen: nothing to compensate
-    H += DAMP * np.mean(np.diag(H)) * np.eye(C)
+    perm, U, diag = _order_and_factor(h)
     qmax = (1 << (bits - 1)) - 1                       # 7 or 127
     low, high = (0, 2 * qmax + 1) if asymmetric else (-qmax - 1 if bits == 4 else -qmax, qmax)
     ngroups = -(-C // group)
@@ -157,13 +171,8 @@ def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetri
     zero = np.zeros((n, ngroups), np.float64)
     for j in range(ngroups):
         c0, c1 = j * group, min((j + 1) * group, C)
-        scale[:, j], zero[:, j] = _group_params(W[:, c0:c1], np.diag(H)[c0:c1], qmax, low, high,
+        scale[:, j], zero[:, j] = _group_params(W[:, c0:c1], diag[c0:c1], qmax, low, high,
                                                 asymmetric)
-    perm = np.argsort(-np.diag(H), kind="stable") if ACT_ORDER else np.arange(C)
-    try:                                               # inv(H) of the permuted inputs = U^T U
-        U = np.linalg.cholesky(np.linalg.inv(H[np.ix_(perm, perm)])).T
-    except np.linalg.LinAlgError as exc:
-        raise ConvertError(f"calibration: input statistics not positive definite ({exc})") from exc
     Wp = W[:, perm]
     s_of, z_of = scale[:, perm // group], zero[:, perm // group]
     codes = np.empty((n, C), np.int64)
@@ -175,8 +184,48 @@ def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetri
     return codes, scale.astype(np.float32), (zero.astype(np.uint8) if asymmetric else None)
 
 
+def gptq_fp8(w: np.ndarray, h: np.ndarray, block: tuple):
+    """w [n, C] float, h [C, C] -> (codes float8_e4m3fn [n, C], scale f32 [ceil(n/br),
+    ceil(C/bc)]) in the fp8_block layout: the block scales of quantize.encode (amax / 448 over
+    each [br, bc] block of w), then GPTQ over the e4m3 grid (act-order, as gptq_codes)."""
+    from .quantize import FP8, FP8_MAX, encode
+    _, scale, _ = encode("fp8_block", np.asarray(w, np.float32)[None], block)
+    scale = scale[0]
+    br, bc = block
+    W = np.array(w, np.float64)
+    n, C = W.shape
+    perm, U, _ = _order_and_factor(h)
+    s_rows = np.repeat(scale.astype(np.float64), br, axis=0)[:n]          # [n, nbc]
+    Wp = W[:, perm]
+    codes = np.empty((n, C), FP8)
+    for i in range(C):
+        s = s_rows[:, perm[i] // bc]
+        q = np.clip(Wp[:, i] / s, -FP8_MAX, FP8_MAX).astype(np.float32).astype(FP8)
+        codes[:, perm[i]] = q
+        err = (Wp[:, i] - q.astype(np.float64) * s) / U[i, i]
+        Wp[:, i + 1:] -= np.outer(err, U[i, i + 1:])
+    return codes, scale
+
+
 ACT_ORDER = True
 CLIP_GRID = np.linspace(1.0, 0.6, 21)      # range shrink factors searched per group
+
+
+def _order_and_factor(h) -> tuple:
+    """(perm, U, diag) of statistics h [C, C]: damped (an input never seen gets 1 on the
+    diagonal: nothing to compensate), the column order (decreasing diag with ACT_ORDER) and the
+    upper Cholesky factor U of inv(H) in that order (inv(H)[perm][:, perm] = U^T U)."""
+    H = np.array(h, np.float64)
+    dead = np.diag(H) <= 0
+    H[dead, dead] = 1.0
+    H += DAMP * np.mean(np.diag(H)) * np.eye(len(H))
+    diag = np.diag(H).copy()
+    perm = np.argsort(-diag, kind="stable") if ACT_ORDER else np.arange(len(H))
+    try:
+        U = np.linalg.cholesky(np.linalg.inv(H[np.ix_(perm, perm)])).T
+    except np.linalg.LinAlgError as exc:
+        raise ConvertError(f"calibration: input statistics not positive definite ({exc})") from exc
+    return perm, U, diag
 
 
 def _group_params(blk, weight, qmax, low, high, asymmetric):

@@ -115,11 +115,15 @@ def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
     return stored, scale.astype(np.float32), zero
 
 
-def encode_calibrated(layout: str, w: np.ndarray, h: np.ndarray, group: int,
+def encode_calibrated(layout: str, w: np.ndarray, h: np.ndarray, group,
                       asymmetric: bool = False):
-    """One matrix w [n, C] in the int8 / int4 group layout with GPTQ error compensation for
-    inputs of second moment h [C, C] (calibrate.py); returns encode's triple for S = 1."""
-    from .calibrate import gptq_codes
+    """One matrix w [n, C] with GPTQ error compensation for inputs of second moment h [C, C]
+    (calibrate.py); returns encode's triple for S = 1. group: the int layouts' group size, or
+    fp8's (br, bc) block."""
+    from .calibrate import gptq_codes, gptq_fp8
+    if layout == "fp8_block":
+        codes, scale = gptq_fp8(w, h, group)
+        return codes[None], scale[None], None
     bits = 8 if layout == "int8_block" else 4
     codes, scale, zero = gptq_codes(w, h, group, bits=bits, asymmetric=asymmetric)
     if layout == "int8_block":
@@ -133,13 +137,14 @@ def _encode_segments(qp: QuantPlan, segs: np.ndarray, row0: int):
     """encode() of segments [S, n, C] whose first row is row `row0` of the flattened parent;
     with calibration statistics (int8 / int4), GPTQ per segment."""
     h = qp.hessian
-    if h is None or qp.layout == "fp8_block":
+    if h is None:
         return encode(qp.layout, segs, qp.block, qp.asymmetric)
     parts = []
     for k, seg in enumerate(segs):
         hk = h[(row0 + k * segs.shape[1]) // qp.rows] if isinstance(h, list) else h
+        group = qp.block if qp.layout == "fp8_block" else qp.block[1]
         parts.append(encode(qp.layout, seg[None], qp.block, qp.asymmetric) if hk is None else
-                     encode_calibrated(qp.layout, seg, hk, qp.block[1], qp.asymmetric))
+                     encode_calibrated(qp.layout, seg, hk, group, qp.asymmetric))
     stored, scale, zero = (np.concatenate(p) if p[0] is not None else None for p in zip(*parts))
     return stored, scale, zero
 
@@ -187,7 +192,7 @@ class Quantize(ValuePreserving):
 
     def __init__(self, format: str, *, group: int | None = 128, asymmetric: bool = True,
                  quantize_lm_head: bool = False, calibration: str | None = None,
-                 calibration_tokens: int = CALIBRATION_TOKENS):
+                 calibration_tokens: int = CALIBRATION_TOKENS, sequential: bool = True):
         if format not in FORMATS:
             raise ConvertError(f"--quantize {format!r}: expected one of {', '.join(FORMATS)}")
         if group is not None and (not isinstance(group, int) or group < 1):
@@ -197,9 +202,8 @@ class Quantize(ValuePreserving):
         self.format, self.group, self.asymmetric = format, group, asymmetric
         self.quantize_lm_head = quantize_lm_head
         self.name = f"quantize-{format}"
-        if calibration is not None and format == "fp8":
-            raise ConvertError("--calibration applies to int8 / int4 (fp8 is rounded per block)")
         self.calibration, self.calibration_tokens = calibration, calibration_tokens
+        self.sequential = sequential    # calibrate layer i on the quantized layers < i
         self.hessians: dict = {}        # logical -> H (or per expert), filled by prepare()
 
     def prepare(self, src_dir) -> None:
@@ -207,7 +211,23 @@ class Quantize(ValuePreserving):
         if self.calibration is None:
             return
         from .calibrate import hessians_for_checkpoint
-        self.hessians = hessians_for_checkpoint(src_dir, self.calibration, self.calibration_tokens)
+        self.hessians = hessians_for_checkpoint(src_dir, self.calibration, self.calibration_tokens,
+                                                self._dequantized if self.sequential else None)
+
+    def _dequantized(self, logical: str, w: np.ndarray, h) -> np.ndarray:
+        """w [..., R, C] float32 as this recipe stores it with statistics h, decoded (what the
+        later layers see during sequential calibration)."""
+        from types import SimpleNamespace
+
+        from ..models.qwen3_5.quant import dequantize
+        rows = w.shape[-2] // 2 if logical.endswith(".mlp.experts.gate_up_proj") else w.shape[-2]
+        qp = self.quant_plan(logical, w.shape, rows)
+        qp.hessian = h
+        segs = w.reshape(-1, rows, w.shape[-1])
+        stored, scale, zero = _encode_segments(qp, segs, 0)
+        qt = SimpleNamespace(shape=segs.shape, block=qp.block, data=stored, scale=scale,
+                             zero=zero, layout=qp.layout, view=None)
+        return dequantize(qt, logical).reshape(w.shape)
 
     def selects(self, logical: str) -> bool:
         """Whether the text weight `logical` is quantized (the converter asks for a tied
