@@ -130,3 +130,42 @@ def test_agent_loop_turn_2_binds_the_continuation(demo):
         res2 = engine.generate(tool_turn, SamplingParams(max_tokens=2, temperature=0.0))
     assert res1.error is None and res2.error is None
     assert res2.num_cached_tokens >= len(p1) + len(generated) - 1
+
+
+def test_image_prompts_reuse_only_with_the_same_media(tmp_path_factory):
+    """One image prompt three times: the second run is asked for a checkpoint where it leaves
+    the full blocks it shares with the first's entries (keyed with the media digest), the third
+    binds it and gives the cold run's tokens; the same token ids with another image never hit."""
+    import shutil
+    from fixture_utils import FIXTURES_DIR, fixture_dir
+    from ninfer.convert import convert_checkpoint
+    vision = FIXTURES_DIR / "vision"
+    src = tmp_path_factory.mktemp("cache_vision") / "cond_gen"
+    shutil.copytree(fixture_dir("cond_gen"), src)
+    for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        shutil.copy(vision / f, src / f)
+    path = src.parent / "cond_gen.ninfer"
+    convert_checkpoint(src, path, progress=False)
+    with np.load(vision / "reference.npz") as z:
+        image = z["image_0"]
+    other = image.copy()                     # the same placeholder ids, other pixels
+    other.reshape(-1)[:64] = 255 - other.reshape(-1)[:64]
+
+    def chat(img):
+        return [{"role": "user", "content": [{"type": "text", "text": "qwen net"},
+                                             {"type": "image", "image": img}]}]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+
+    def run(**options):
+        with Engine(path, max_concurrency=1, prefill_chunk=16, page_size=8, debug_checks=True,
+                    **options) as engine:
+            out = [engine.generate(chat(image), params) for _ in range(3)]
+            out.append(engine.generate(chat(other), params))
+            a, b = engine.frontend.prepare(chat(image)), engine.frontend.prepare(chat(other))
+            assert np.array_equal(a.token_ids, b.token_ids) and a.media_digest != b.media_digest
+            n = a.num_tokens
+            assert engine.health == "ready"
+            return out, n
+    (cold, n), (warm, _) = run(prefix_cache=False), run()
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+    assert [r.num_cached_tokens for r in warm] == [0, 0, (n - 1) // 8 * 8, 0]

@@ -236,6 +236,7 @@ def test_media_prompts_neither_capture_nor_reuse():
         num_reusable_tokens: int = 0
         media: tuple = ("image",)
         mrope_positions: object = None
+        media_digest: bytes = b""          # no digest: a media prompt cannot be keyed
 
     # a vision model's encoder, reduced to text positions and no embeddings to place
     from ninfer.models.qwen3_5.vision import PromptMedia

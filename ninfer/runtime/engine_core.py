@@ -102,8 +102,10 @@ class EngineCore:
         cache_session = session
         session = self.frontend.new_output_session(params, prepared, tools, request_id=request_id)
         channel = _Channel(request_id, self._notify, self._release_outstanding)
-        # media tokens are placeholders (equal ids, different images): such prompts never reuse
-        may_reuse = not media and prepared.mrope_positions is None
+        # media tokens are placeholders (equal ids, different images): a media prompt reuses
+        # only checkpoints keyed with the same media digest (all of its media, in order)
+        digest = bytes(prepared.media_digest) if media else b""
+        may_reuse = not media or bool(digest)
         reusable_at = int(prepared.num_reusable_tokens) if may_reuse else 0
         now = time.monotonic()
         queue_timeout = self.options.queue_timeout_s
@@ -113,7 +115,7 @@ class EngineCore:
                           queue_deadline=None if queue_timeout is None else now + queue_timeout,
                           reusable_at=reusable_at, may_reuse=may_reuse,
                           media=(media, prepared.mrope_positions) if media else None,
-                          cache_session=cache_session)
+                          cache_session=cache_session, media_digest=digest)
         with self._lock:
             self._check_available()
             if self._outstanding >= self._max_outstanding:

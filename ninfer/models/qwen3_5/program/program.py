@@ -182,8 +182,8 @@ class Program:
         tokens a strict prefix of prompt_ids) and start prefill after it.
         media: (Frontend media, MRoPE positions [3, n]) of a vision prompt: encoded here, once."""
         n = len(prompt_ids)
-        if media is not None and (checkpoint is not None or not self.accepts_media):
-            raise ProgramError("bind: media need a vision model and no prefix checkpoint")
+        if media is not None and not self.accepts_media:
+            raise ProgramError("bind: media need a vision model")
         encoded = None if media is None else self.model.encode_media(prompt_ids, *media)
         if not 1 <= n < self.max_context:
             raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
@@ -281,7 +281,7 @@ class Program:
         end-of-turn token, which the next turn's rendering writes itself). Empty when the
         sequence cannot give a checkpoint."""
         seq = self._seqs[seq_id]
-        if seq.is_unusable or seq.media is not None:
+        if seq.is_unusable:
             return np.zeros(0, np.int32)
         return self.token_buf[seq.slot, :seq.num_computed_tokens].copy()
 
