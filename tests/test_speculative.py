@@ -427,3 +427,27 @@ def test_draft_argmax_equals_the_full_argmax(extremes):
                                  (u - u @ u / (u @ u) * u)[None]]).astype(np.float32)
         want = np.argmax(hidden @ lm_head.T, axis=1)
         assert drafter.draft_argmax(hidden).tolist() == want.tolist()
+
+
+def test_context_cache_checkpoints_carry_the_drafter_kv():
+    """A second turn that starts from the first turn's checkpoint (its pages hold the MTP layer's
+    KV too) drafts exactly what a cold start drafts: the same tokens and the same acceptance."""
+    path = ensure_reference_artifact("dense")
+    turn1 = [{"role": "user", "content": "import os\nimport sys\n\ndef main(argv):\n"}]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    def two_turns(**kw):
+        with Engine(path, max_concurrency=2, **kw) as engine:
+            first = engine.generate(turn1, params, enable_thinking=False, session="s")
+            turn2 = turn1 + [{"role": "assistant", "content": first.text},
+                             {"role": "user", "content": "def f(x):"}]
+            before = engine.stats()
+            second = engine.generate(turn2, params, enable_thinking=False, session="s")
+            after = engine.stats()
+        accepted = np.subtract(after["spec_accepted_by_position"],
+                               before["spec_accepted_by_position"]).tolist()
+        return first.token_ids, second.token_ids, second.num_cached_tokens, accepted
+    cold = two_turns(prefix_cache=False, speculative="mtp", num_draft_tokens=2)
+    warm = two_turns(speculative="mtp", num_draft_tokens=2)
+    assert cold[2] == 0 and warm[2] > 0
+    assert warm[:2] == cold[:2] and warm[3] == cold[3] and sum(warm[3]) > 0
