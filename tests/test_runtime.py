@@ -391,13 +391,23 @@ def test_shutdown_cancels_pending_requests():
 
 def test_stats_report_queue_residents_pages_and_rate():
     core, model = make_core(max_concurrency=2, num_kv_pages=40)
-    model.on_forward = lambda batch: time.sleep(0.02)
+    # deterministic under any load: no forward runs before all four are submitted, and the first
+    # two-row forward waits until the test has read the stats (no request can finish before)
+    submitted, observed = threading.Event(), threading.Event()
+
+    def on_forward(batch):
+        assert submitted.wait(10)
+        if batch.num_rows == 2:
+            assert observed.wait(10)
+    model.on_forward = on_forward
     handles = [core.submit(prompt(40 + i, 9), SamplingParams(max_tokens=5, ignore_eos=True))
                for i in range(4)]
-    deadline = time.monotonic() + 5
+    submitted.set()
+    deadline = time.monotonic() + 10
     while core.stats()["residents"] < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
     s = core.stats()
+    observed.set()
     assert s["residents"] == 2 and s["queue_depth"] == 2 and s["outstanding"] == 4
     assert s["kv_pages_total"] == 40 and s["kv_pages_used"] > 0 and s["state_slots_used"] == 2
     for h in handles:
