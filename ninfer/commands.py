@@ -38,7 +38,8 @@ _OPTION_HELP = {
     "num_kv_pages": "KV pages (default: enough for max-concurrency * max-context)",
     "host_snapshot_bytes": "host memory for Snapshot pauses (0: Replay only); K/M/G suffixes",
     "prefix_cache": "the context cache: later requests start from the computed prefixes of "
-                    "earlier ones (prompts, finished turns) instead of prefilling them again",
+                    "earlier ones (prompts, finished turns) instead of prefilling them again "
+                    "(default: on, off with --batch-invariant)",
     "prefix_cache_device_fraction": "share of the KV pages and State slots the context cache "
                                     "may hold on the device, 0..1",
     "prefix_cache_host_bytes": "host memory for the context cache's checkpoints (cold ones "

@@ -27,8 +27,9 @@ class EngineOptions:
     # context cache (docs/architecture.md "Context cache"): checkpoints of prompts, finished turns
     # and long-prompt intervals kept on the device (KV pages shared by reference, State images in
     # extra State slots) within prefix_cache_device_fraction of the KV pages and State slots, cold
-    # ones demoted to a host tier of prefix_cache_host_bytes (None: 256 MiB). False: no reuse
-    prefix_cache: bool = True
+    # ones demoted to a host tier of prefix_cache_host_bytes (None: 256 MiB). False: no reuse;
+    # None: on, except with batch_invariant (a hit moves prefill chunk boundaries with the load)
+    prefix_cache: Optional[bool] = None
     prefix_cache_device_fraction: float = 0.5
     prefix_cache_host_bytes: Optional[int] = None
     prefix_cache_bytes: Optional[int] = None     # the older name of prefix_cache_host_bytes
@@ -63,9 +64,16 @@ class EngineOptions:
     num_draft_tokens: int = 3
 
     @property
+    def uses_prefix_cache(self) -> bool:
+        """The context cache is on: as asked, else on unless batch_invariant."""
+        if self.prefix_cache is not None:
+            return bool(self.prefix_cache)
+        return not self.batch_invariant
+
+    @property
     def prefix_cache_budget_bytes(self) -> int:
         """The context cache's host-tier budget in bytes (0 with the cache off)."""
-        if not self.prefix_cache:
+        if not self.uses_prefix_cache:
             return 0
         host = self.prefix_cache_host_bytes if self.prefix_cache_host_bytes is not None \
             else self.prefix_cache_bytes
@@ -75,7 +83,7 @@ class EngineOptions:
     def prefix_cache_device_share(self) -> float:
         """The share of the KV pages (and of extra State slots) the cache may hold on the device
         (0 with the cache off)."""
-        return float(self.prefix_cache_device_fraction) if self.prefix_cache else 0.0
+        return float(self.prefix_cache_device_fraction) if self.uses_prefix_cache else 0.0
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":
@@ -109,8 +117,14 @@ class EngineOptions:
         if None not in (self.prefix_cache_host_bytes, self.prefix_cache_bytes) \
                 and self.prefix_cache_host_bytes != self.prefix_cache_bytes:
             bad("prefix_cache_bytes", "is the older name of prefix_cache_host_bytes; give one")
-        if not isinstance(self.prefix_cache, (bool, np.bool_)):
-            bad("prefix_cache", "must be true or false")
+        if self.prefix_cache is not None and not isinstance(self.prefix_cache, (bool, np.bool_)):
+            bad("prefix_cache", "must be true or false (or None: on unless batch_invariant)")
+        if self.prefix_cache and self.batch_invariant:
+            # a hit prefills the rest of a prompt in other chunks than a cold run, and whether a
+            # request hits depends on the others: its logits would depend on load after all
+            bad("prefix_cache", "cannot be on with batch_invariant=True (a cache hit changes "
+                                "where prefill chunks split, so tokens would depend on load); "
+                                "leave it unset or False")
         fraction = self.prefix_cache_device_fraction
         if not (_is_real(fraction) and 0.0 <= fraction <= 1.0):
             bad("prefix_cache_device_fraction", "must be a number in [0, 1]")

@@ -62,7 +62,7 @@ def test_context_cache_options():
     from ninfer.errors import RequestError
     from ninfer.options import EngineOptions
     opts = EngineOptions.from_kwargs()
-    assert opts.prefix_cache and opts.prefix_cache_device_share == 0.5
+    assert opts.uses_prefix_cache and opts.prefix_cache_device_share == 0.5
     assert opts.checkpoint_interval == 2048
     assert EngineOptions.from_kwargs(prefix_cache_host_bytes=1 << 20).prefix_cache_budget_bytes \
         == 1 << 20
@@ -80,3 +80,15 @@ def test_context_cache_options():
                       ("checkpoint_interval", 0)):
         with pytest.raises(RequestError, match=name):
             EngineOptions.from_kwargs(**{name: bad})
+
+
+def test_batch_invariant_turns_the_context_cache_off_and_refuses_it_on():
+    """A cache hit changes where prefill chunks split, and whether a request hits depends on the
+    others: batch_invariant's load independence holds only with the cache off."""
+    assert EngineOptions.from_kwargs().uses_prefix_cache
+    opts = EngineOptions.from_kwargs(batch_invariant=True)
+    assert not opts.uses_prefix_cache and opts.prefix_cache_budget_bytes == 0 \
+        and opts.prefix_cache_device_share == 0.0
+    assert not EngineOptions.from_kwargs(batch_invariant=True, prefix_cache=False).uses_prefix_cache
+    with pytest.raises(RequestError, match="batch_invariant"):
+        EngineOptions.from_kwargs(batch_invariant=True, prefix_cache=True)

@@ -318,10 +318,10 @@ def test_cache_flags_reach_engine_options(command):
     assert opts.prefix_cache_host_bytes == 64 << 20
     args = build_parser().parse_args(head + ["--prefix-cache-bytes", "1G"])   # the older name
     opts = EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
-    assert opts.prefix_cache and opts.prefix_cache_budget_bytes == 1 << 30
+    assert opts.uses_prefix_cache and opts.prefix_cache_budget_bytes == 1 << 30
     defaults = EngineOptions.from_kwargs(**engine_kwargs(build_parser().parse_args(head),
                                                          concurrency_default=1))
-    assert defaults.prefix_cache and defaults.prefix_cache_host_bytes is None
+    assert defaults.uses_prefix_cache and defaults.prefix_cache_host_bytes is None
 
 
 @pytest.mark.parametrize("flags", [
