@@ -558,6 +558,7 @@ class Program:
                 "prefix_cache_bytes": self.cache_bytes_used,
                 "prefix_cache_host_bytes": self.cache_bytes_used,
                 "prefix_cache_device_bytes": self.cache.device_bytes_used,
+                "prefix_cache_kv_pages": self.cache.device_pages_used,   # of kv_pages_used
                 **(self.speculator.stats() if self.speculator is not None else {})}
 
     def check_invariants(self) -> None:
