@@ -57,6 +57,9 @@ class CheckpointStore:
         self.host_budget_bytes = int(host_budget_bytes)
         self.device_page_budget = int(device_page_budget)
         self.entries: dict = {}          # checkpoint id -> Checkpoint
+        # (distinct device pages, host bytes) of the entries, or None after a change: the
+        # Engine reads them every cycle (stats) and they change only at capture / drop / tiers
+        self._usage: Optional[tuple] = None
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
@@ -66,9 +69,15 @@ class CheckpointStore:
     def host_cost(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.page_size) * self.page_bytes + self.state_bytes
 
+    def _usage_now(self) -> tuple:
+        if self._usage is None:
+            self._usage = (len(np.unique(self.held_pages())),
+                           sum(c.host_bytes for c in self.entries.values()))
+        return self._usage
+
     @property
     def host_bytes_used(self) -> int:
-        return sum(c.host_bytes for c in self.entries.values())
+        return self._usage_now()[1]
 
     def held_pages(self) -> np.ndarray:
         """Every page reference the device entries hold (a page twice if two entries hold it)."""
@@ -77,7 +86,7 @@ class CheckpointStore:
 
     @property
     def device_pages_used(self) -> int:
-        return len(np.unique(self.held_pages()))
+        return self._usage_now()[0]
 
     @property
     def device_bytes_used(self) -> int:
@@ -120,6 +129,7 @@ class CheckpointStore:
         slot = self.slots.take()
         self.state.copy(seq_slot, slot)
         self.entries[cid] = Checkpoint(np.array(token_ids, np.int32), held, partial, slot)
+        self._usage = None
 
     def capture_host(self, cid: int, token_ids: np.ndarray, table_row: np.ndarray,
                      seq_slot: int) -> None:
@@ -131,6 +141,7 @@ class CheckpointStore:
         self.entries[cid] = Checkpoint(np.array(token_ids, np.int32), np.zeros(0, np.int32),
                                        host_kv=self.kv.read_pages(rows),
                                        host_state=self.state.read(seq_slot), host_bytes=cost)
+        self._usage = None
 
     # ---- install into a fresh sequence ----------------------------------------------------------
     def bind_pages_needed(self, cid: int, num_tokens: int) -> int:
@@ -177,7 +188,7 @@ class CheckpointStore:
             raise ProgramError(f"promote: checkpoint {cid} is on the device already")
         token_ids = c.token_ids
         del self.entries[cid]
-        self.capture_device(cid, token_ids, table_row, seq_slot)
+        self.capture_device(cid, token_ids, table_row, seq_slot)      # (resets the usage)
 
     def drop(self, cid: int) -> None:
         c = self.entries.pop(cid, None)
@@ -185,15 +196,23 @@ class CheckpointStore:
             raise ProgramError(f"checkpoint {cid} dropped twice or unknown")
         if c.on_device:
             self._free_device(c)
+        self._usage = None
 
     def _free_device(self, c: Checkpoint) -> None:
         self.pages.drop(c.device_pages())
         self.slots.give(c.slot)
         c.pages, c.partial, c.slot = np.zeros(0, np.int32), -1, -1
+        self._usage = None              # (demote sets the host bytes first)
 
     # ---- audit ----------------------------------------------------------------------------------
     def check(self) -> None:
         """Entry shapes, tiers, budgets and copy-on-write (a partial page is private)."""
+        if self._usage is not None:
+            held = self._usage
+            self._usage = None
+            if self._usage_now() != held:
+                raise ProgramError(f"cache usage {held} out of step with the entries "
+                                   f"{self._usage}")
         self.slots.check([c.slot for c in self.entries.values() if c.on_device])
         for cid, c in self.entries.items():
             p = c.num_tokens
