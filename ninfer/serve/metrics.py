@@ -79,10 +79,7 @@ def _cache_metrics(stats: dict):
     (its stats are empty then)."""
     if "prefix_cache_lookups" not in stats:
         return
-    for key, name, doc in _CACHE_COUNTERS:
-        c = CounterMetricFamily(name, doc)
-        c.add_metric([], float(stats.get(key, 0)))
-        yield c
+    yield from _counters(stats, _CACHE_COUNTERS)
     lookups = stats.get("prefix_cache_lookups", 0)
     rate = GaugeMetricFamily("ninfer_prefix_cache_hit_rate",
                              "context-cache hits per lookup since start (0 before any lookup)")
@@ -104,10 +101,7 @@ def _spec_metrics(stats: dict):
     drafts proposed, accepted, and the acceptance rate so far."""
     if "spec_draft_tokens" not in stats:
         return
-    for key, name, doc in _SPEC_COUNTERS:
-        c = CounterMetricFamily(name, doc)
-        c.add_metric([], float(stats.get(key, 0)))
-        yield c
+    yield from _counters(stats, _SPEC_COUNTERS)
     for key, name, doc, family in (
             ("spec_drafted_by_position", "ninfer_spec_position_draft_tokens",
              "drafts proposed at each draft position", CounterMetricFamily),
@@ -119,6 +113,14 @@ def _spec_metrics(stats: dict):
         for i, value in enumerate(stats.get(key, ())):
             m.add_metric([str(i + 1)], float(value))
         yield m
+
+
+def _counters(stats: dict, table):
+    """One counter family per (Engine.stats() key, metric name, help) of the table."""
+    for key, name, doc in table:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(stats.get(key, 0)))
+        yield c
 
 
 def _clean(key: str) -> str:
