@@ -21,10 +21,10 @@ import falcon
 import falcon.asgi
 
 from . import routes
-from .app import (GET_ROUTES, POST_ROUTES, error_to_reply, middleware_for, parse_body,
-                  write_error, write_json)
 from .errors import ApiError
 from .gateway import ClientWatch, Gateway
+from .http_common import (GET_ROUTES, POST_ROUTES, error_to_reply, middleware_for, parse_body,
+                          write_error, write_json)
 
 _END = object()
 _RECEIVE = "ninfer.receive"         # scope key: the ASGI receive callable of the request

@@ -36,7 +36,7 @@ from gunicorn.app.base import BaseApplication
 from gunicorn.workers.base import Worker
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .app import make_gateway
+from .http_common import make_gateway
 from .asgi import build_asgi_app
 from .config import ServeConfig
 from .errors import ApiError, flavour_of
