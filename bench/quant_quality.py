@@ -36,7 +36,7 @@ FORMATS = {
     "int4-sym": dict(format="int4", asymmetric=False),
     "int8+head": dict(format="int8", quantize_lm_head=True),
     "int4+head": dict(format="int4", quantize_lm_head=True),
-    # calibrated (GPTQ, ninfer/convert/calibrate.py) on --calibration, never the held-out text
+    # calibrated (GPTQ, ninfer/convert/gptq.py) on --calibration, never the held-out text
     "int4-gptq": dict(format="int4", calibration=True),
     "int4-gptq-oneshot": dict(format="int4", calibration=True, sequential=False),
     "int4-gptq-sym": dict(format="int4", asymmetric=False, calibration=True),

@@ -1,4 +1,4 @@
-"""Calibrated quantization (--calibration, ninfer/convert/calibrate.py): GPTQ codes against plain
+"""Calibrated quantization (--calibration, ninfer/convert/calibrate.py and gptq.py): GPTQ codes against plain
 rounding on the layer-output error they exist to reduce, their consistency with the spec's decode
 (docs/artifact.md 3.2.1), the input statistics collected from a real forward, and the converter
 path end to end on the fixtures (dense and MoE: per-expert statistics)."""
@@ -9,7 +9,8 @@ from test_quant import decode64
 
 from ninfer import Engine
 from ninfer.artifact import Artifact
-from ninfer.convert import Quantize, calibrate, convert_checkpoint
+from ninfer.convert import Quantize, calibrate, convert_checkpoint, gptq
+from ninfer.convert.convert import hessians_for_checkpoint
 from ninfer.convert.quantize import encode, encode_calibrated
 from ninfer.errors import ConvertError
 
@@ -55,7 +56,7 @@ def test_gptq_reduces_output_error_and_decodes_by_the_spec(layout, group, asym):
 
 def test_gptq_without_correlation_is_plain_rounding(monkeypatch):
     """H = I and no clipping search: nothing to compensate, the codes are encode()'s exactly."""
-    monkeypatch.setattr(calibrate, "CLIP_GRID", np.array([1.0]))
+    monkeypatch.setattr(gptq, "CLIP_GRID", np.array([1.0]))
     rng = np.random.default_rng(3)
     w = rng.standard_normal((20, 200)).astype(np.float32)
     for layout, asym in (("int4_block", True), ("int4_block", False), ("int8_block", False),
@@ -151,7 +152,7 @@ def test_sequential_calibration_sees_the_quantized_layers_before(tmp_path):
     src = fixture_dir("moe")
     recipe = Quantize("int4", calibration=TEXT, calibration_tokens=64)
     path = convert_checkpoint(src, tmp_path / "seq.ninfer", progress=False, recipe=recipe)
-    oneshot = calibrate.hessians_for_checkpoint(src, TEXT, 64)
+    oneshot = hessians_for_checkpoint(src, TEXT, 64)
     first = [n for n in oneshot if n.startswith("text.layers.0.") and ".experts." not in n]
     later = [n for n in oneshot if n.startswith("text.layers.2.") and ".experts." not in n]
     assert first and later

@@ -7,8 +7,11 @@ recipe into an ArtifactWriter, which renames its partial file into place only wh
 """
 from __future__ import annotations
 
+import functools
 import os
+import pathlib
 import re
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +20,7 @@ from ..artifact import ArtifactWriter
 from ..errors import ConvertError
 from ..models.qwen3_5.config import TextConfig
 from . import names as N
+from .calibrate import input_hessians
 from .quantize import SCALE_SUFFIX, Quantize, QuantPlan, plan_release_fp8, write_quantized
 from .recipe import Recipe, ValuePreserving
 from .source import CheckpointSource
@@ -54,7 +58,7 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
     src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
     with CheckpointSource(src_dir) as src:
         if src.quantization is None:        # (an FP8 release with a Quantize recipe is refused)
-            recipe.prepare(src_dir)
+            recipe.prepare(functools.partial(hessians_for_checkpoint, src_dir))
         plan = plan_conversion(src, recipe)
         metadata = {"recipe": recipe.name, "tied_lm_head": plan.tied_lm_head,
                     "source": {"architecture": src.config.architecture,
@@ -68,6 +72,15 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
         with ArtifactWriter(out_path, src.config, name=name, metadata=metadata) as writer:
             _write(src, plan, recipe, writer, progress)
     return out_path
+
+
+def hessians_for_checkpoint(src_dir, text: str, max_tokens: int, quantize=None) -> dict:
+    """Convert `src_dir` value-preserving into a temporary artifact and calibrate on it
+    (calibrate.input_hessians)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "calibration.ninfer"
+        convert_checkpoint(src_dir, path, progress=False)
+        return input_hessians(path, text, max_tokens, quantize)
 
 
 def _fspath(path, role: str) -> str:

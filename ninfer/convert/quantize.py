@@ -17,17 +17,18 @@ stored block is [1, bc], each row carrying its block's scale (exact, only more s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 
 from ..artifact import format as fmt
 from ..errors import ConvertError
+from ..models.qwen3_5.quant import dequantize
+from .gptq import FP8, FP8_MAX, gptq_codes, gptq_fp8
 from .recipe import ValuePreserving
 
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
-FP8_MAX = 448.0
 FP8_BLOCK = (128, 128)
 FORMATS = ("fp8", "int8", "int4")
 SCALE_SUFFIX = ".weight_scale_inv"       # an FP8 release: `<module>.weight_scale_inv` per weight
@@ -118,12 +119,11 @@ def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
 def encode_calibrated(layout: str, w: np.ndarray, h: np.ndarray, group,
                       asymmetric: bool = False):
     """One matrix w [n, C] with GPTQ error compensation for inputs of second moment h [C, C]
-    (calibrate.py); returns encode's triple for S = 1. group: the int layouts' group size, or
-    fp8's (br, bc) block."""
-    from .calibrate import gptq_codes, gptq_fp8
+    (calibrate.py, gptq.py); returns encode's triple for S = 1. group: the int layouts' group
+    size, or fp8's (br, bc) block."""
     if layout == "fp8_block":
-        codes, scale = gptq_fp8(w, h, group)
-        return codes[None], scale[None], None
+        _, scale, _ = encode("fp8_block", np.asarray(w, np.float32)[None], group)
+        return gptq_fp8(w, h, group, scale[0])[None], scale, None
     bits = 8 if layout == "int8_block" else 4
     codes, scale, zero = gptq_codes(w, h, group, bits=bits, asymmetric=asymmetric)
     if layout == "int8_block":
@@ -206,20 +206,17 @@ class Quantize(ValuePreserving):
         self.sequential = sequential    # calibrate layer i on the quantized layers < i
         self.hessians: dict = {}        # logical -> H (or per expert), filled by prepare()
 
-    def prepare(self, src_dir) -> None:
-        """With a calibration text: the input statistics of every projection (calibrate.py)."""
+    def prepare(self, measure) -> None:
+        """With a calibration text: the input statistics of every projection, from `measure`
+        (the converter's `hessians_for_checkpoint` bound to the checkpoint)."""
         if self.calibration is None:
             return
-        from .calibrate import hessians_for_checkpoint
-        self.hessians = hessians_for_checkpoint(src_dir, self.calibration, self.calibration_tokens,
-                                                self._dequantized if self.sequential else None)
+        self.hessians = measure(self.calibration, self.calibration_tokens,
+                                self._dequantized if self.sequential else None)
 
     def _dequantized(self, logical: str, w: np.ndarray, h) -> np.ndarray:
         """w [..., R, C] float32 as this recipe stores it with statistics h, decoded (what the
         later layers see during sequential calibration)."""
-        from types import SimpleNamespace
-
-        from ..models.qwen3_5.quant import dequantize
         rows = w.shape[-2] // 2 if logical.endswith(".mlp.experts.gate_up_proj") else w.shape[-2]
         qp = self.quant_plan(logical, w.shape, rows)
         qp.hessian = h

@@ -33,8 +33,10 @@ class Recipe:
     def quant_plan(self, logical: str, shape: tuple, segment_rows: int):
         raise NotImplementedError
 
-    def prepare(self, src_dir) -> None:
-        """Called once before planning, with the unquantized checkpoint (calibration)."""
+    def prepare(self, measure) -> None:
+        """Called once before planning an unquantized checkpoint. `measure(text, max_tokens,
+        quantize=None) -> {logical: H}` gives the input statistics of its projections over a
+        calibration text (convert.hessians_for_checkpoint bound to the checkpoint)."""
 
 
 class ValuePreserving(Recipe):

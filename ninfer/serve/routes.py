@@ -18,6 +18,7 @@ from .openai_render import (ChatStream, CompletionStream, TokenText, chat_respon
                             completion_response)
 from . import fields as F
 from .errors import invalid
+from .metrics import CONTENT_TYPE
 from .openai_schema import chat_messages, chat_tools, parse_chat, parse_completion
 
 
@@ -238,5 +239,4 @@ def health(gw) -> Reply:
 
 
 def metrics(gw) -> Reply:
-    from .metrics import CONTENT_TYPE
     return Reply(body=gw.metrics.render(), content_type=CONTENT_TYPE)
