@@ -1,6 +1,6 @@
 """Vision encode time of the numpy tower (issue 18's benchmark, host side).
 
-Both backends run the vision tower in numpy on the host (ninfer/models/qwen3_5/vision.py; the CUDA
+Both backends run the vision tower in numpy on the host (ninfer/models/qwen3_5/vision_tower.py; the CUDA
 model takes its output as input embeddings), so an image's encode time is a CPU figure whatever
 the GPU. This measures it for one square image at the Qwen3.5 tower shape (transformers'
 Qwen3_5VisionConfig defaults: 27 blocks, hidden 1152, MLP 4304, 16 heads, patch 16, merge 2; the
@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from ninfer.models.qwen3_5.frontend.vision import VisionProcessing, process_image
-from ninfer.models.qwen3_5.vision import VisionConfig, VisionTower
+from ninfer.models.qwen3_5.frontend.image_preprocess import VisionProcessing, process_image
+from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower
 
 
 def tower_flops(cfg: VisionConfig, n: int, frame: int) -> float:

@@ -14,7 +14,7 @@ import pytest
 
 from ninfer.errors import RequestError
 from ninfer.models.qwen3_5.frontend.media_fetch import MediaUrlPolicy
-from ninfer.models.qwen3_5.frontend.vision import MediaError
+from ninfer.models.qwen3_5.frontend.image_preprocess import MediaError
 from test_vision_frontend import FakeArtifact, _user
 
 Image = pytest.importorskip("PIL.Image")

@@ -239,7 +239,7 @@ def test_media_prompts_neither_capture_nor_reuse():
         media_digest: bytes = b""          # no digest: a media prompt cannot be keyed
 
     # a vision model's encoder, reduced to text positions and no embeddings to place
-    from ninfer.models.qwen3_5.vision import PromptMedia
+    from ninfer.models.qwen3_5.vision_tower import PromptMedia
     core.program.model.encode_media = lambda ids, media, positions: PromptMedia(
         np.broadcast_to(np.arange(len(ids), dtype=np.int32), (3, len(ids))), 0,
         np.zeros(0, np.int64), np.zeros((0, 1), np.float32))

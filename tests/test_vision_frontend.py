@@ -14,7 +14,7 @@ import pytest
 from fixture_utils import FIXTURES_DIR, fixture_dir
 from ninfer.errors import RequestError
 from ninfer.models.qwen3_5.frontend import Frontend
-from ninfer.models.qwen3_5.frontend import vision as V
+from ninfer.models.qwen3_5.frontend import image_preprocess as V
 from ninfer.models.qwen3_5.frontend.media import rope_positions
 
 VISION_DIR = FIXTURES_DIR / "vision"

@@ -25,7 +25,7 @@ def ref():
 def loaded(tmp_path_factory):
     from ninfer.artifact import Artifact
     from ninfer.models.qwen3_5.model import NumpyModel
-    from ninfer.models.qwen3_5.vision import VisionTower
+    from ninfer.models.qwen3_5.vision_tower import VisionTower
 
     out, cache = tmp_path_factory.mktemp("vision_art"), {}
 
@@ -113,7 +113,7 @@ def test_logits_equal_transformers(name, prompt, split, ref, loaded):
 def test_text_only_artifact_has_no_tower(tmp_path):
     from ninfer.artifact import Artifact
     from ninfer.errors import ArtifactError
-    from ninfer.models.qwen3_5.vision import VisionTower
+    from ninfer.models.qwen3_5.vision_tower import VisionTower
 
     with Artifact(convert_fixture("dense", tmp_path)) as art:
         with pytest.raises(ArtifactError, match="no vision tower"):
@@ -122,7 +122,7 @@ def test_text_only_artifact_has_no_tower(tmp_path):
 
 def test_deepstack_config_is_refused():
     from ninfer.errors import ArtifactError
-    from ninfer.models.qwen3_5.vision import VisionConfig
+    from ninfer.models.qwen3_5.vision_tower import VisionConfig
 
     base = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, patch_size=4,
                 num_position_embeddings=16, out_hidden_size=32)
@@ -134,7 +134,7 @@ def test_deepstack_config_is_refused():
 def test_equal_media_are_encoded_once(ref, loaded, monkeypatch):
     """The tower caches encodings by content hash: the same image again (a later turn) is not
     re-encoded; another image is; the cache stays within its byte budget."""
-    from ninfer.models.qwen3_5.frontend.vision import Media
+    from ninfer.models.qwen3_5.frontend.image_preprocess import Media
 
     _, tower, _ = loaded("cond_gen")
     calls = []

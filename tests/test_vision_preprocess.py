@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fixture_utils import FIXTURES_DIR, fixture_dir
-from ninfer.models.qwen3_5.frontend import vision as V
+from ninfer.models.qwen3_5.frontend import image_preprocess as V
 
 VISION_DIR = FIXTURES_DIR / "vision"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer.models.qwen3_5.frontend import vision as V
+from ninfer.models.qwen3_5.frontend import image_preprocess as V
 # the reference and the fixture's processor configs; the artifacts carrying those configs
 from test_vision_engine import artifacts   # noqa: F401 (fixture)
 from test_vision_preprocess import procs, ref   # noqa: F401 (fixtures)

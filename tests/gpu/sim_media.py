@@ -27,9 +27,9 @@ import sim_model   # noqa: E402  (simulator patches and the fake device)
 from ninfer.models.qwen3_5 import cuda_model as cm   # noqa: E402
 from ninfer.models.qwen3_5.batch import ForwardBatch   # noqa: E402
 from ninfer.models.qwen3_5.frontend.media import rope_positions   # noqa: E402
-from ninfer.models.qwen3_5.frontend.vision import VisionProcessing, process_image   # noqa: E402
+from ninfer.models.qwen3_5.frontend.image_preprocess import VisionProcessing, process_image   # noqa: E402
 from ninfer.models.qwen3_5.model import NumpyModel   # noqa: E402
-from ninfer.models.qwen3_5.vision import VisionConfig, VisionTower, prompt_media   # noqa: E402
+from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower, prompt_media   # noqa: E402
 from ninfer.options import EngineOptions   # noqa: E402
 from tiny_model import TinyArtifact, tiny_config   # noqa: E402
 

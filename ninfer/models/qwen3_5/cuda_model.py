@@ -34,7 +34,7 @@ from ...ops.attention import kv_slot_mapping
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .load import model_config, text_param_shapes
-from .vision import MediaEncoding
+from .vision_tower import MediaEncoding
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.pools import DeviceKVPool, DeviceStatePool

@@ -18,7 +18,7 @@ from .config import FULL_ATTENTION, ModelConfig
 from .layers import DenseMLP, GatedAttention, GatedDeltaNet, SparseMoE, StepPlan
 from .load import model_config, read_text_params
 from .state import KVPool, StatePool
-from .vision import MediaEncoding
+from .vision_tower import MediaEncoding
 
 
 class NumpyModel(MediaEncoding):

@@ -15,7 +15,7 @@ from .output_session import OutputSession
 from .prompt import THINK_NONE, PreparedPrompt, make_prepared
 from .tokenizer import Tokenizer
 from .media import VisionPreprocessor, media_digest, rope_positions
-from .vision import MediaError, expand_placeholders
+from .image_preprocess import MediaError, expand_placeholders
 
 _DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -42,7 +42,7 @@ class Frontend:
         self._media_ids = np.array([i for i in (tokenizer.token_id("<|image_pad|>"),
                                                 tokenizer.token_id("<|video_pad|>"))
                                     if i is not None], dtype=np.int32)
-        # the model's vision preprocessing (frontend/vision.py); None: media are refused
+        # the model's vision preprocessing (frontend/image_preprocess.py); None: media are refused
         self.vision = None
 
     # ---- construction --------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Frontend:
             ids = self.tokenizer.encode(text)
             if np.isin(ids, self._media_ids).any():
                 # the template wrote image/video placeholders: preprocess the media, expand the
-                # placeholders, lay out the MRoPE positions (frontend/vision.py)
+                # placeholders, lay out the MRoPE positions (frontend/image_preprocess.py)
                 return self._prepare_media(list(prompt), text, thinking)
         elif isinstance(prompt, (list, tuple)) and not prompt:
             raise RequestError("prompt is empty")

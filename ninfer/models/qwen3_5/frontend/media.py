@@ -1,7 +1,7 @@
 """Chat messages -> media for the Frontend (issue 18): which content parts are images and videos,
 their payloads (arrays, bytes, PIL images, explicit paths, data: URLs, Anthropic base64 sources,
 decoded video frames), the checkpoint's processor configs (VisionPreprocessor) and the MRoPE
-positions of a prompt with media (transformers' get_rope_index). The pixel math is vision.py's."""
+positions of a prompt with media (transformers' get_rope_index). The pixel math is image_preprocess.py's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .media_fetch import OPTION, MediaUrlPolicy
-from .vision import (IMAGE_PAD, VIDEO_PAD, MediaError, VisionProcessing, process_image,
+from .image_preprocess import (IMAGE_PAD, VIDEO_PAD, MediaError, VisionProcessing, process_image,
                      process_video, process_video_file)
 
 

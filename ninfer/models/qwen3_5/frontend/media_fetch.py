@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from .vision import MediaError
+from .image_preprocess import MediaError
 
 OPTION = "--allow-media-urls"
 _REDIRECTS = (301, 302, 303, 307, 308)
