@@ -133,8 +133,9 @@ def default_max_context(path, kwargs: dict) -> tuple:
     sequences takes at most half of the memory free now (host memory on numpy, the GPU's on
     cuda: nvidia-smi), after the weights."""
     from .artifact import Artifact
+    from .models import model_config
     with Artifact(path) as art:
-        text = art.config.text
+        text = model_config(art).text
         weights = os.path.getsize(path)
     limit = int(text.max_position_embeddings)
     num_full = sum(1 for t in text.layer_types if t == "full_attention")

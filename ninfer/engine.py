@@ -28,8 +28,8 @@ class Engine:
         self.model = None
         self.artifact = Artifact(path)
         try:
+            from .models import model_config
             from .models.qwen3_5 import load_model
-            from .models.qwen3_5.load import model_config
             from .models.qwen3_5.frontend import Frontend
 
             self.config = model_config(self.artifact)

@@ -13,6 +13,7 @@ import pytest
 import ninfer
 from ninfer.artifact import Artifact, ArtifactWriter
 from ninfer.artifact import format as fmt
+from ninfer.models import model_config
 from ninfer.models.qwen3_5.config import parse_hf_config
 
 CONFIG = parse_hf_config({"architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4,
@@ -81,7 +82,7 @@ def test_round_trip_dtypes_and_shapes(tmp_path, alignment):
                 w.bind(name, name)
     with Artifact(path, verify="eager") as art:
         assert art.name == CONFIG.architecture          # default metadata.name
-        assert art.config == CONFIG
+        assert model_config(art) == CONFIG
         assert sorted(art.binding_names()) == sorted(arrays)
         for name, ref in arrays.items():
             got = art.tensor(name)
@@ -405,9 +406,9 @@ def test_manifest_not_json(basic):
 def expect_config_error(path, *fragments):
     """The container opens it (the config is plain JSON to it); the model family's parser
     refuses it with an ArtifactError naming the file."""
-    from ninfer.models.qwen3_5.load import model_config
+    from ninfer.models.qwen3_5.load import model_config as qwen3_5_model_config
     with Artifact(path) as art, pytest.raises(ninfer.ArtifactError) as info:
-        model_config(art)
+        qwen3_5_model_config(art)
     msg = str(info.value)
     for frag in fragments:
         assert frag in msg, (frag, msg)

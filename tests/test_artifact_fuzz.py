@@ -13,6 +13,7 @@ import pytest
 from ninfer.artifact import Artifact
 from ninfer.artifact import format as fmt
 from ninfer.errors import ArtifactError
+from ninfer.models import model_config
 from test_artifact import write_basic
 
 NUM_MUTANTS = 300
@@ -22,7 +23,7 @@ def snapshot(path) -> dict:
     """Everything a loader reads from the artifact, verified eagerly."""
     with Artifact(path, verify="eager") as art:
         art.verify_all()
-        out = {"config": repr(art.config), "name": art.name, "uses": repr(art.uses)}
+        out = {"config": repr(model_config(art)), "name": art.name, "uses": repr(art.uses)}
         for name in art.binding_names():
             a = art.tensor(name)
             out[f"binding:{name}"] = (str(a.dtype), a.shape, np.ascontiguousarray(a).tobytes())

@@ -12,6 +12,7 @@ import ninfer.cli
 from ninfer.artifact import Artifact
 from ninfer.convert import Recipe, ValuePreserving, convert_checkpoint
 from ninfer.convert import source as source_mod
+from ninfer.models import model_config
 from ninfer.models.qwen3_5.config import parse_hf_config
 
 
@@ -29,7 +30,7 @@ def test_convert_round_trip(tmp_path, arch, sharded, fused, tied):
     assert convert_checkpoint(ckpt.path, out, progress=False) == str(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "m.ninfer"]
     with Artifact(out, verify="eager") as art:
-        assert art.config == parse_hf_config(ckpt.config)
+        assert model_config(art) == parse_hf_config(ckpt.config)
         assert art.name == arch
         check_artifact_matches(art, ckpt.tensors, tied=tied)
         want = ["text", "vision", "mtp"] if "Conditional" in arch else ["text"]
@@ -91,7 +92,7 @@ def test_causal_lm_with_language_model_prefix(tmp_path):
     flat = dict(ckpt.config["text_config"], architectures=["Qwen3_5ForCausalLM"])
     (ckpt.path / "config.json").write_text(json.dumps(flat))
     with Artifact(convert_checkpoint(ckpt.path, tmp_path / "m.ninfer", progress=False)) as art:
-        assert art.config.architecture == "Qwen3_5ForCausalLM"
+        assert model_config(art).architecture == "Qwen3_5ForCausalLM"
         check_artifact_matches(art, ckpt.tensors, tied=False)
 
 
@@ -101,7 +102,7 @@ def test_attention_bias_and_custom_layer_types(tmp_path):
                             {"attention_bias": True, "num_hidden_layers": 5, "layer_types": types})
     assert "model.layers.2.self_attn.q_proj.bias" in ckpt.tensors
     with Artifact(convert_checkpoint(ckpt.path, tmp_path / "m.ninfer", progress=False)) as art:
-        assert list(art.config.text.layer_types) == types
+        assert list(model_config(art).text.layer_types) == types
         check_artifact_matches(art, ckpt.tensors, tied=False)
         uses = {u["binding"]: u for u in art.uses}
         assert uses["text.layers.2.self_attn.q_proj.bias"]["site"] == "text.layers.2.self_attn.q_proj"

@@ -8,6 +8,7 @@ from ckpt_helpers import check_artifact_matches, load_tensors
 
 from ninfer.artifact import Artifact
 from ninfer.convert import convert_checkpoint
+from ninfer.models import model_config
 from ninfer.models.qwen3_5.config import parse_hf_config
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -25,8 +26,8 @@ def test_convert_fixture(tmp_path, fixture):
     out = convert_checkpoint(src, tmp_path / f"{fixture}.ninfer", progress=False)
     tensors = load_tensors(src)
     with Artifact(out, verify="eager") as art:
-        assert art.config == parse_hf_config(hf)
-        tied = art.config.text.tie_word_embeddings or "lm_head.weight" not in tensors
+        assert model_config(art) == parse_hf_config(hf)
+        tied = model_config(art).text.tie_word_embeddings or "lm_head.weight" not in tensors
         check_artifact_matches(art, tensors, tied=tied)
         assert art.resource("config.json") == (src / "config.json").read_bytes()
         assert art.resource("generation_config.json") == (src / "generation_config.json").read_bytes()

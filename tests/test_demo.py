@@ -10,6 +10,7 @@ import pytest
 
 from ninfer.artifact import Artifact
 from ninfer.demo import DEMO_NAME, demo_config, demo_path, ensure_demo_artifact, write_demo_artifact
+from ninfer.models import model_config
 from ninfer.models.qwen3_5.frontend import Frontend, builtin_template_source
 
 
@@ -38,7 +39,7 @@ def test_reproducible_bytes(built, tmp_path):
 def test_config_weights_and_resources(built):
     _, path = built
     with Artifact(path, verify="eager") as art:
-        cfg = art.config
+        cfg = model_config(art)
         assert cfg == demo_config()
         assert art.name == DEMO_NAME
         assert art.manifest["metadata"]["demo"]["weights"] == "random"

@@ -13,6 +13,7 @@ from ckpt_helpers import write_checkpoint
 import ninfer.cli
 from ninfer.artifact import Artifact, ArtifactWriter
 from ninfer.convert import Quantize, convert_checkpoint
+from ninfer.models import model_config
 from ninfer.convert.quantize import encode, pack_int4
 from ninfer.errors import ArtifactError, ConvertError, DeviceError
 from ninfer.models.qwen3_5 import load_model
@@ -181,7 +182,7 @@ def test_quantize_lm_head(tmp_path, tied):
         head = dequantize(art.quantized("text.lm_head.weight"))
         src = ckpt.tensors["model.embed_tokens.weight" if tied else "lm_head.weight"]
         assert np.abs(head - src.astype(np.float32)).max() <= np.abs(src.astype(np.float32)).max() / 127
-        params = read_text_params(art, art.config.text)
+        params = read_text_params(art, model_config(art).text)
         assert np.array_equal(params["lm_head"], head)
         assert (params["lm_head"] is params["embed"]) == tied          # one float32 copy
 

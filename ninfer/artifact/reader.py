@@ -80,7 +80,6 @@ class Artifact:
         self._bindings = manifest["bindings"]
         if not isinstance(manifest.get("config"), dict):
             raise ArtifactError(f"{self.path}: manifest model config: not an object")
-        self._config = None
         if self._verify == "eager":
             self.verify_all()
 
@@ -88,18 +87,10 @@ class Artifact:
 
     @property
     def model_config_json(self) -> dict:
-        """The stored model config as plain JSON: the model family parses it (for Qwen3.5:
-        models.qwen3_5.load.model_config); the container does not know its fields."""
+        """The stored model config as plain JSON: the model family parses it (ninfer.models
+        .model_config finds the family by the config's architecture); the container does not
+        know its fields."""
         return self._manifest["config"]
-
-    @property
-    def config(self):
-        """Transition shim, to be removed once callers use their family's parser: the Qwen3.5
-        parse of model_config_json (models.qwen3_5.load.model_config), imported on first use."""
-        if self._config is None:
-            from ..models.qwen3_5.load import model_config
-            self._config = model_config(self)
-        return self._config
 
     @property
     def name(self) -> str:

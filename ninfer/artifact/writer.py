@@ -13,13 +13,24 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from .. import __version__
 from ..errors import ArtifactError
-from ..models.qwen3_5.config import ModelConfig
 from . import format as fmt
+
+
+@runtime_checkable
+class StoredModelConfig(Protocol):
+    """What the container needs of a model family's config (e.g. the Qwen3.5 ModelConfig): the
+    architecture name (the artifact's default name; ninfer.models finds the family by it when
+    reading) and the plain JSON stored as the manifest's "config"."""
+
+    architecture: str
+
+    def to_json(self) -> dict: ...
 
 
 class ObjectSink:
@@ -71,10 +82,11 @@ class ObjectSink:
 class ArtifactWriter:
     """Writes `<path>.partial` in the destination directory and renames it to `path` at `finish()`."""
 
-    def __init__(self, path, config: ModelConfig, *, name: str | None = None,
+    def __init__(self, path, config: StoredModelConfig, *, name: str | None = None,
                  alignment: int = fmt.DEFAULT_ALIGNMENT, metadata: dict | None = None):
-        if not isinstance(config, ModelConfig):
-            raise ArtifactError(f"ArtifactWriter needs a ModelConfig, got {type(config).__name__}")
+        if not isinstance(config, StoredModelConfig):
+            raise ArtifactError("ArtifactWriter needs a model config (architecture, to_json()), "
+                                f"got {type(config).__name__}")
         if not fmt.is_valid_alignment(alignment):
             raise ArtifactError(f"alignment {alignment} is not a power of two >= {fmt.MIN_ALIGNMENT}")
         self.path = os.fspath(path)

@@ -24,6 +24,7 @@ from sim_patches import fix_shared_array_race   # noqa: E402
 fix_shared_array_race()
 import sim_model   # noqa: E402  (simulator patches and the fake device)
 
+from ninfer.models import model_config   # noqa: E402
 from ninfer.models.qwen3_5 import cuda_model as cm   # noqa: E402
 from ninfer.models.qwen3_5.batch import ForwardBatch   # noqa: E402
 from ninfer.models.qwen3_5.frontend.media import rope_positions   # noqa: E402
@@ -84,12 +85,12 @@ def run():
     sim_model.install(machine)
     art = TinyArtifact(small_config(), seed=3)
     cpu = NumpyModel.from_artifact(art)
-    ids, enc = image_prompt(tiny_tower(art.config.text.hidden_size))
+    ids, enc = image_prompt(tiny_tower(model_config(art).text.hidden_size))
     T = len(ids)
     assert len(set(enc.positions[:, 4].tolist())) > 1        # a media token: distinct t, h, w
     opts = EngineOptions(backend="cuda", dtype="float32", max_concurrency=1, max_context=64,
                          prefill_chunk=16, page_size=PAGE, num_kv_pages=20, graphs=False)
-    gpu = cm.CudaModel(art.config, opts, artifact=art)
+    gpu = cm.CudaModel(model_config(art), opts, artifact=art)
     pages = np.arange(16, dtype=np.int32)
     out = {"tokens": T, "media_rows": enc.rows.tolist(),
            "positions": enc.positions.tolist()}

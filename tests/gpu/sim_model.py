@@ -21,6 +21,7 @@ from sim_storage import cuda, _fake   # noqa: E402
 
 from ninfer.core.cuda import driver as d   # noqa: E402
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
+from ninfer.models import model_config   # noqa: E402
 from ninfer.models.qwen3_5 import cuda_model as cm   # noqa: E402
 from ninfer.models.qwen3_5.batch import ForwardBatch   # noqa: E402
 from ninfer.models.qwen3_5.model import NumpyModel   # noqa: E402
@@ -214,12 +215,12 @@ def run(kind="dense", prompt_len=5, steps=3):
     art = TinyArtifact(tiny_config(moe=kind == "moe"), seed=3)
     cpu = NumpyModel.from_artifact(art)
     r = np.random.default_rng(1)
-    prompt = r.integers(0, art.config.text.vocab_size, prompt_len).astype(np.int32)
+    prompt = r.integers(0, model_config(art).text.vocab_size, prompt_len).astype(np.int32)
     out = {}
     for dtype in ("float32", "bfloat16"):
         opts = EngineOptions(backend="cuda", dtype=dtype, max_concurrency=1, max_context=64,
                              prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False)
-        gpu = cm.CudaModel(art.config, opts, artifact=art)
+        gpu = cm.CudaModel(model_config(art), opts, artifact=art)
         pages = np.arange(16, dtype=np.int32)
         kv_g, st_g = gpu.new_kv_pool(17, 4), gpu.new_state_pool(2)
         kv_c, st_c = cpu.new_kv_pool(17, 4), cpu.new_state_pool(2)

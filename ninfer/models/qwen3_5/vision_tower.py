@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import ArtifactError
+from .load import model_config
 
 LN_EPS = 1e-6
 
@@ -204,7 +205,7 @@ class VisionTower:
 
     @classmethod
     def from_artifact(cls, artifact) -> "VisionTower":
-        vision = artifact.config.vision
+        vision = model_config(artifact).vision
         if not vision:
             raise ArtifactError(f"{artifact.name}: the model has no vision tower (a text-only "
                                 "checkpoint)")
