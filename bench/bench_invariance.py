@@ -48,7 +48,7 @@ def experiment(dtype, invariant, *, shape="2b", logprobs_rows=(), log=print) -> 
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     from ninfer.models.qwen3_5.program import Program
     from ninfer.runtime.engine_core import EngineCore
-    from ninfer.runtime.testing import FakeFrontend
+    from ninfer.models.qwen3_5.fakes import FakeFrontend
     cfg = make_config(shape)
     opts = options(dtype, invariant)
     t0 = time.perf_counter()

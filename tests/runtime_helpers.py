@@ -7,7 +7,7 @@ from ninfer.api import Finished, GenerationStart, TextDelta
 from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
 from ninfer.options import EngineOptions
 from ninfer.runtime.engine_core import EngineCore
-from ninfer.runtime.testing import FakeFrontend, FakeModel
+from ninfer.models.qwen3_5.fakes import FakeFrontend, FakeModel
 
 VOCAB = 64
 EOS = 0

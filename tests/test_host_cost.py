@@ -14,7 +14,7 @@ from ninfer.models.qwen3_5.program import Program
 from ninfer.options import EngineOptions
 from ninfer.runtime import engine_core
 from ninfer.runtime.engine_core import EngineCore
-from ninfer.runtime.testing import FakeFrontend, NullModel
+from ninfer.models.qwen3_5.fakes import FakeFrontend, NullModel
 
 NUM_CYCLES = 3000
 BLOCK = 400

@@ -8,7 +8,7 @@ import pytest
 
 from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
 from ninfer.options import EngineOptions
-from ninfer.runtime.testing import FakeModel
+from ninfer.models.qwen3_5.fakes import FakeModel
 from fake_cublaslt import fake_cublaslt
 
 GREEDY = SamplingSpec(seed=1)

@@ -8,7 +8,7 @@ import pytest
 from ninfer.errors import RequestError
 from ninfer.models.qwen3_5.program import (Program, ProgramError, RowDecision, SamplingSpec)
 from ninfer.options import EngineOptions
-from ninfer.runtime.testing import FakeModel
+from ninfer.models.qwen3_5.fakes import FakeModel
 
 GREEDY = SamplingSpec(seed=1)
 SEEDED = SamplingSpec(seed=77, temperature=0.9, top_k=20, top_p=0.95)

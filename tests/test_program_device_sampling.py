@@ -7,7 +7,7 @@ import pytest
 
 from ninfer.models.qwen3_5.program import Program, ProgramError, RowDecision, SamplingSpec
 from ninfer.models.qwen3_5.program.sampling import SampleRow, sample_row
-from ninfer.runtime.testing import FakeModel
+from ninfer.models.qwen3_5.fakes import FakeModel
 
 from test_program import GREEDY, SEEDED, generate, opts, prompt, run_alone, step
 

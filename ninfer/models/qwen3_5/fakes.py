@@ -1,5 +1,6 @@
 """Small fakes that honour the Model and Frontend contracts (docs/internals.md), for tests of
-the runtime and of layers above it (gateway, CLI) without a real checkpoint.
+the runtime and of layers above it (gateway, CLI) without a real checkpoint. They live in the
+Qwen3.5 family (its config, its KV / State pools) so that the runtime imports no model family.
 
 FakeModel's next-token logits depend on the WHOLE history of a row, read back through the KV
 pool (via the block table) and the State pool, so a paging, State-restore or Replay bug shows up
@@ -12,9 +13,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..api import TextDelta
-from ..models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, TextConfig
-from ..models.qwen3_5.state import KVPool, StatePool
+from ...api import TextDelta
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, TextConfig
+from .state import KVPool, StatePool
 
 _P = 1_000_003                      # modulus: every stored value < 2**24, exact in float32
 
