@@ -21,7 +21,9 @@ USER = [{"role": "user", "content": "Hi"}]
 
 
 class FakeArtifact:
-    """Only what Frontend.from_artifact uses: resource(name) -> bytes | None."""
+    """Only what Frontend.from_artifact uses: resource(name) -> bytes | None and the stored
+    model config (a text-only model: no "vision" part)."""
+    model_config_json: dict = {}
 
     def __init__(self, **resources):
         self._resources = {k.replace("__", "."): v for k, v in resources.items()}

@@ -20,13 +20,10 @@ from ninfer.models.qwen3_5.frontend.media import rope_positions
 VISION_DIR = FIXTURES_DIR / "vision"
 
 
-class _Config:
-    vision = json.loads((fixture_dir("cond_gen") / "config.json").read_text())["vision_config"]
-
-
 class FakeArtifact:
     """What Frontend.from_artifact reads: resources and the model config's vision part."""
-    config = _Config()
+    model_config_json = {"vision": json.loads(
+        (fixture_dir("cond_gen") / "config.json").read_text())["vision_config"]}
 
     def __init__(self, **extra):
         self._res = {"tokenizer.json": (fixture_dir("cond_gen") / "tokenizer.json").read_bytes(),
@@ -142,7 +139,7 @@ def test_too_many_images(fe):
 
 def test_text_only_model_refuses_media(ref):
     class TextOnly(FakeArtifact):
-        config = type("C", (), {"vision": None})()
+        model_config_json = {"vision": None}
     fe = Frontend.from_artifact(TextOnly())
     assert fe.vision is None
     with pytest.raises(RequestError, match="text-only"):

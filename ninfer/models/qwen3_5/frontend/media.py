@@ -166,8 +166,8 @@ class VisionPreprocessor:
     def from_artifact(cls, artifact, tokenizer) -> "VisionPreprocessor | None":
         """None unless the model has a vision tower and the vocabulary its placeholder tokens."""
         import json
-        cfg = getattr(artifact, "config", None)
-        if not getattr(cfg, "vision", None):
+        vision = artifact.model_config_json.get("vision")     # the tower's config, or None
+        if not vision:
             return None
         image_id, video_id = tokenizer.token_id(IMAGE_PAD), tokenizer.token_id(VIDEO_PAD)
         if image_id is None or video_id is None:
@@ -178,8 +178,8 @@ class VisionPreprocessor:
             return json.loads(data) if data else {}
         image_cfg = load("preprocessor_config.json")
         video_cfg = load("video_preprocessor_config.json") or image_cfg
-        merge = cfg.vision.get("spatial_merge_size", 2)
-        patch = cfg.vision.get("patch_size", 16)
+        merge = vision.get("spatial_merge_size", 2)
+        patch = vision.get("patch_size", 16)
         image_cfg = {"patch_size": patch, "merge_size": merge, **image_cfg}
         video_cfg = {"patch_size": patch, "merge_size": merge, **video_cfg}
         return cls(VisionProcessing.from_json(image_cfg),
