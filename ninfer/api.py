@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 
@@ -262,3 +262,36 @@ class Finished:
 Event = Union[GenerationStart, TextDelta, ToolCallEvent, Finished]
 
 Prompt = Union[str, list, np.ndarray]   # text, a message list, or token ids
+
+
+@runtime_checkable
+class ServedEngine(Protocol):
+    """What the Gateway (ninfer/serve) needs of an Engine: ninfer.engine.Engine, or a test's fake.
+    Every member is declared here so the Gateway reads them directly instead of probing."""
+
+    name: str                   # the model id the API reports when the server names none
+    health: str                 # "ready", "failed" or "closed"
+    options: Any                # EngineOptions (the Gateway reads max_context)
+    sampling_defaults: dict     # the checkpoint's recommended SamplingParams fields ({}: none)
+    vocab_size: Optional[int]   # the tokenizer's; None when the engine has no tokenizer
+
+    def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
+               tools: Optional[Sequence[dict]] = None, enable_thinking: Optional[bool] = None,
+               request_id: Optional[str] = None, timeout_s: Optional[float] = None,
+               session: Optional[str] = None): ...
+
+    def stats(self) -> dict: ...
+
+    def tokenize(self, text: str) -> np.ndarray: ...
+
+    def detokenize(self, ids) -> str: ...
+
+    def apply_chat_template(self, messages: list, tools: Optional[list] = None,
+                            add_generation_prompt: bool = True,
+                            enable_thinking: bool = True) -> str: ...
+
+    def count_prompt_tokens(self, messages: list, *, tools: Optional[list] = None,
+                            enable_thinking: bool = True) -> int:
+        """Tokens `messages` take as a request sends them (media expanded to their tokens)."""
+
+    def close(self) -> None: ...

@@ -88,6 +88,17 @@ class Engine:
                                                  add_generation_prompt=add_generation_prompt,
                                                  enable_thinking=enable_thinking)
 
+    def count_prompt_tokens(self, messages: list, *, tools: Optional[list] = None,
+                            enable_thinking: bool = True) -> int:
+        """Tokens `messages` take as a request sends them (images expanded to their tokens)."""
+        return len(self._frontend().prepare(messages, tools=tools,
+                                            enable_thinking=enable_thinking).token_ids)
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """The tokenizer's vocabulary size; None without a tokenizer (scoring from ids)."""
+        return None if self.frontend is None else self.frontend.vocab_size
+
     @property
     def sampling_defaults(self) -> dict:
         """The checkpoint's recommended sampling (its generation_config.json), as SamplingParams

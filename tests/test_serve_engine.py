@@ -76,3 +76,22 @@ def test_queue_full_is_429_and_prompt_too_long_is_400(engine):
     assert "max_context=512" in r.json["error"]["message"]
     assert c.simulate_post(CHAT, json={"messages": [{"role": "user", "content": "hi"}],
                                        "max_tokens": 2}).status_code == 200
+
+
+def test_engines_declare_what_the_gateway_reads(engine):
+    """The Gateway reads api.ServedEngine's members directly (no hasattr probes): the Engine and
+    both test engines declare every one of them, and the count-tokens and vocabulary members give
+    what a request would be charged."""
+    from ninfer import Engine
+    from ninfer.api import ServedEngine
+    from ninfer.demo import ensure_demo_artifact
+    from test_serve_support import FakeEngine
+
+    with Engine(ensure_demo_artifact(), max_context=512, warmup=False) as real:
+        assert isinstance(real, ServedEngine)
+        messages = [{"role": "user", "content": "hello"}]
+        n = len(real.frontend.prepare(messages, enable_thinking=False).token_ids)
+        assert real.count_prompt_tokens(messages, enable_thinking=False) == n
+        assert real.vocab_size == real.frontend.vocab_size
+    assert isinstance(engine, ServedEngine) and isinstance(FakeEngine(), ServedEngine)
+    assert not callable(engine) and not callable(FakeEngine())    # callables are factories

@@ -77,7 +77,11 @@ class FakeHandle:
 
 
 class FakeEngine:
+    """The Engine facade's interface (ninfer.api.ServedEngine) over a scripted answer per prompt."""
+
     name = "fake-model"
+    sampling_defaults: dict = {}    # the fake checkpoint recommends nothing
+    vocab_size = None               # its character "tokenizer" has no fixed vocabulary
 
     def __init__(self, delay=0.0, slow_delay=0.05, **options):
         self.options = FakeOptions(**options)
@@ -108,6 +112,10 @@ class FakeEngine:
         if add_generation_prompt:
             parts.append("<assistant>" + ("" if enable_thinking else "<nothink>"))
         return "".join(parts)
+
+    def count_prompt_tokens(self, messages, *, tools=None, enable_thinking=True):
+        return len(self.tokenize(self.apply_chat_template(messages, tools, True,
+                                                          enable_thinking)))
 
     # ---- generation -------------------------------------------------------------------------------
     def stats(self):
@@ -312,6 +320,16 @@ class ScriptedEngine:
     @property
     def health(self):
         return self._core.health
+
+    sampling_defaults: dict = {}    # the scripted model answers from its script, not by sampling
+
+    @property
+    def vocab_size(self):
+        return self.frontend.vocab_size
+
+    def count_prompt_tokens(self, messages, *, tools=None, enable_thinking=True):
+        return len(self.frontend.prepare(messages, tools=tools,
+                                         enable_thinking=enable_thinking).token_ids)
 
     def tokenize(self, text):
         return self.frontend.tokenize(text)

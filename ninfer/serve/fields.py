@@ -99,7 +99,7 @@ def json_object(body: Any, what: str) -> dict:
 def check_known(body: dict, known: Iterable[str], gateway, what: str) -> None:
     """A field this server does not implement is a 400 naming it (a client must not get different
     behaviour silently), unless the server runs with --lenient (then it is ignored)."""
-    if getattr(gateway.config, "lenient", False):
+    if gateway.config.lenient:
         return
     known = frozenset(known)
     for key in body:

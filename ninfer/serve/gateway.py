@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Optional
 
-from ..api import Finished, GenerationResult, TextDelta, ToolCallEvent
+from ..api import Finished, GenerationResult, ServedEngine, TextDelta, ToolCallEvent
 from .config import ServeConfig
 from .errors import ApiError, from_engine_error
 from .metrics import Metrics
@@ -49,13 +49,15 @@ class Gateway:
         self._is_cancelling_all = False
         self._load_error: Optional[BaseException] = None
         self._local = threading.local()         # .watch: the ClientWatch of this thread's request
-        self._owns_engine = not hasattr(engine, "submit")
-        if not self._owns_engine:
-            self._engine, self._state = engine, "ready"
-        elif callable(engine):
+        # an Engine (api.ServedEngine) is not callable; a factory is, and the Gateway owns what
+        # it returns
+        self._owns_engine = callable(engine)
+        if self._owns_engine:
             self._engine, self._state = None, "loading"
             threading.Thread(target=self._load, args=(engine,), name="ninfer-engine-load",
                              daemon=True).start()
+        elif isinstance(engine, ServedEngine):
+            self._engine, self._state = engine, "ready"
         else:
             raise TypeError("Gateway: engine must be an Engine or a callable returning one")
 
@@ -72,14 +74,14 @@ class Gateway:
                 engine.close()
                 return
             self._engine, self._state = engine, "ready"
-        log.info("engine ready: %s", getattr(engine, "name", "?"))
+        log.info("engine ready: %s", engine.name)
 
     # ---- state ------------------------------------------------------------------------------------
     def health_state(self) -> str:
         """'loading', 'ready', 'draining' or 'failed'."""
         with self._lock:
             state, engine, draining = self._state, self._engine, self._draining
-        if state == "ready" and getattr(engine, "health", "ready") != "ready":
+        if state == "ready" and engine.health != "ready":
             return "failed"
         if state == "ready" and draining:
             return "draining"
@@ -111,11 +113,11 @@ class Gateway:
         if self.config.model_id:
             return self.config.model_id
         engine = self.engine()
-        return str(getattr(engine, "name", None) or "ninfer")
+        return str(engine.name or "ninfer")
 
     def max_context(self) -> Optional[int]:
-        options = getattr(self._engine, "options", None)
-        return getattr(options, "max_context", None)
+        engine = self._engine
+        return None if engine is None else engine.options.max_context
 
     def tokens_left_default(self) -> int:
         """max_tokens of a request that names none: the server default, the checkpoint's, or the
@@ -127,7 +129,7 @@ class Gateway:
         """SamplingParams fields a request leaves out: the checkpoint's generation_config.json,
         overridden by the serve flags that were given."""
         engine = self._engine
-        out = dict(getattr(engine, "sampling_defaults", None) or {})
+        out = {} if engine is None else dict(engine.sampling_defaults)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "max_tokens"):
             value = getattr(self.config, name)

@@ -152,14 +152,7 @@ def count_tokens(gw, body) -> Reply:
     messages_, tools, thinking = parse_count_tokens(body, gw)
     engine = gw.engine()
     try:
-        frontend = getattr(engine, "frontend", None)
-        if hasattr(frontend, "prepare"):    # what a request sends: images expanded to their tokens
-            n = len(frontend.prepare(messages_, tools=tools, enable_thinking=thinking).token_ids)
-        else:
-            prompt = engine.apply_chat_template(messages_, tools=tools,
-                                                add_generation_prompt=True,
-                                                enable_thinking=thinking)
-            n = len(engine.tokenize(prompt))
+        n = engine.count_prompt_tokens(messages_, tools=tools, enable_thinking=thinking)
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
         raise from_engine_error(exc) from exc
     return Reply(body={"input_tokens": n})
@@ -216,7 +209,7 @@ def detokenize(gw, body) -> Reply:
     F.get(body, "model", "str")
     ids = F.get(body, "tokens", "list", required=True)
     engine = gw.engine()
-    vocab = getattr(getattr(engine, "frontend", None), "vocab_size", None)
+    vocab = engine.vocab_size
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
             raise invalid(f"'tokens[{i}]' must be a token id in [0, {vocab or 'vocab'}), got "

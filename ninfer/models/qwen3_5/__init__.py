@@ -5,8 +5,9 @@ from ...errors import DeviceError, RequestError
 
 
 def load_model(artifact, options):
-    """Bind the artifact's text parameters on the backend named by `options.backend`."""
-    backend = getattr(options, "backend", "numpy")
+    """Bind the artifact's text parameters on the backend named by `options.backend`
+    (`options`: EngineOptions; its backend, dtype and kv_dtype are read)."""
+    backend = options.backend
     if backend == "cuda":
         from .quant import require_unquantized
         require_unquantized(artifact, "cuda")     # no quantized kernels yet: refuse, not garbage
@@ -20,7 +21,7 @@ def load_model(artifact, options):
         return load_cuda_model(artifact, options)
     if backend != "numpy":
         raise DeviceError(f"unknown backend {backend!r}; expected 'numpy' or 'cuda'")
-    if getattr(options, "dtype", None) not in (None, "float32"):
+    if options.dtype not in (None, "float32"):
         # (EngineOptions.validate says the same; this covers options made without it)
         raise RequestError(f"dtype={options.dtype!r}: the numpy backend computes in float32 only "
                            "(from the stored weights); use None or 'float32'")
@@ -32,8 +33,7 @@ def load_model(artifact, options):
 
 def _quantized_kv(options):
     """None for the backend's unquantized KV, else "fp8" / "int8"."""
-    kv = getattr(options, "kv_dtype", "bfloat16")
-    return None if kv == "bfloat16" else kv
+    return None if options.kv_dtype == "bfloat16" else options.kv_dtype
 
 
 __all__ = ["load_model"]
