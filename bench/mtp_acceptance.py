@@ -11,7 +11,7 @@ at every `stride`-th position t of a window (the context is the real text x_0..x
      d_1..d_k greedily from (h_t, y_1);
   3. one target verify forward over [y_1, d_1 .. d_{k-1}] from the context's State (a copy,
      restored after) gives the target's greedy tokens z_1..z_k; the accepted prefix is the longest
-     i with d_j == z_j for all j <= i (the seed's accepted-prefix rule, greedy rows).
+     i with d_j == z_j for all j <= i (the accepted-prefix rule of speculative decoding, greedy rows).
 
 This is exactly what one greedy speculative step would accept at that context. Reported per draft
 position i: P(accepted prefix >= i) and P(d_i accepted | d_1..d_{i-1} accepted); per k: the

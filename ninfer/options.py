@@ -1,4 +1,4 @@
-"""Engine start-up options: fixed for the Engine's life (DESIGN.md section 1)."""
+"""Engine start-up options: fixed for the Engine's life (docs/python-api.md)."""
 from __future__ import annotations
 
 import math

@@ -6,7 +6,7 @@ an MTP head) on the corpus of tools/reference_corpus.py, and write their compact
     python tools/train_reference.py check          # CPU: torch model == ninfer's numpy model
 
 torch is allowed here and only here (never in ninfer/). The model below is written from the
-Qwen3.5 equations (docs: DESIGN.md section 4); `check` verifies it against ninfer's numpy model
+Qwen3.5 equations (ninfer/models/qwen3_5/layers.py is their numpy form); `check` verifies it against ninfer's numpy model
 (itself checked against transformers) on a small random config, through the same compact-file ->
 HF checkpoint -> `ninfer convert` path that the demo uses.
 

@@ -1,2 +1,2 @@
 """The runtime: EngineCore (request lifecycle, worker thread), Scheduler, ResourceManager,
-GenerationHandle; CausalScoreCore in scoring.py. See DESIGN.md section 2."""
+GenerationHandle; CausalScoreCore in scoring.py. docs/owners.md states what each owns."""

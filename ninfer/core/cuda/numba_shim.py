@@ -1,4 +1,5 @@
-"""The one import shim for numba-cuda (STYLE.md principle 11).
+"""The one import shim for numba-cuda: every numba.cuda import goes through here, so the
+workaround below lives in one place.
 
 numba-cuda 0.30 still calls `np.row_stack`, which numpy 2.5 removed; alias it to `np.vstack`
 before the first `numba.cuda` import. Only the kernel compiler (cache miss) imports numba.
