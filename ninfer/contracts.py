@@ -155,6 +155,44 @@ class ResumeState:
         return len(self.token_ids)
 
 
+# ---- capacity and the checkpoint store (typed answers of the Program) ---------------------------
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What the Program has free now (`Program.capacity()`): the EngineCore's check before an act
+    that the act itself checks again (bind, resume, reserve)."""
+    free_kv_pages: int
+    free_state_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One context-cache checkpoint as its store holds it (`Program.checkpoints.info`)."""
+    num_tokens: int             # the exact prefix [0, num_tokens) its State and KV cover
+    on_device: bool             # device tier (pages by reference + a cache State slot), else host
+    device_pages_freed: int     # KV pages dropping or demoting it would free now (unshared ones)
+    host_bytes: int             # host tier: bytes of its host copies, else 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """The checkpoint store's usage against its budgets (`Program.checkpoints.usage()`)."""
+    host_bytes_used: int
+    host_budget_bytes: int
+    device_pages_used: int      # distinct KV pages the device checkpoints hold
+    device_page_budget: int
+    device_bytes_used: int      # those pages + the cache State slots in use
+    num_cache_slots: int        # 0: no device tier
+    num_entries: int
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureRoom:
+    """What a device capture of [0, num_tokens) of a sequence needs (`Program.capture_room`)."""
+    is_slot_free: bool          # a cache State slot is free
+    num_pages_taken: int        # free pages it takes (the copy of a partly filled page)
+    num_pages_added: int        # pages it adds to the device checkpoints' distinct set
+
+
 # ---- the backend protocol ------------------------------------------------------------------------
 @runtime_checkable
 class Model(Protocol):

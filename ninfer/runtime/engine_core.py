@@ -28,7 +28,7 @@ from ..contracts import RowDecision, SamplingSpec
 from .handle import GenerationHandle, _Channel
 from .outcome import decide, final_result
 from .request import Request, RequestState, checked_prompt_ids, checked_submit_args
-from .resource_manager import ResourceManager
+from .context_cache import ContextCache
 from .scheduler import ResidentView, Scheduler
 
 log = logging.getLogger("ninfer.engine")
@@ -45,7 +45,7 @@ class EngineCore:
         self.vocab_size = int(program.vocab_size)
         self.program = program
         self.scheduler = Scheduler(max_bypass=options.max_concurrency)
-        self.resources = ResourceManager(self.program)
+        self.context_cache = ContextCache(self.program)
         # reentrant: a handle dropped (and closed) by GC inside a locked region re-enters _notify
         self._lock = threading.RLock()         # inbox, outstanding, health, stopping
         self._wake = threading.Condition(self._lock)
@@ -188,7 +188,7 @@ class EngineCore:
         request) with the debug_checks option."""
         if not (self._waiting or self._residents or self._paused):
             self.program.assert_all_free(full=self.options.debug_checks)
-            self.resources.check_invariants()
+            self.context_cache.check_invariants()
 
     def _wait_for_work(self) -> bool:
         with self._lock:
@@ -225,7 +225,7 @@ class EngineCore:
             return
         short = self.program.pages_short_to_resume(req.resume_state)
         if short:                                   # cache pages go before a request waits
-            self.resources.reclaim(self.program.pages.num_free + short)
+            self.context_cache.reclaim(short)
         if not self.program.can_resume(req.resume_state):
             return
         kind = req.resume_state.kind
@@ -240,18 +240,18 @@ class EngineCore:
         while self._waiting and len(self._residents) < self.options.max_concurrency:
             req = self._waiting[0]
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
-                    or not self.program.slots.num_free:
+                    or not self.program.capacity().free_state_slots:
                 return
-            checkpoint, reused = self.resources.lookup(
+            checkpoint, reused = self.context_cache.lookup(
                 req.prompt_ids, req.media_digest, req.cache_session) if req.may_reuse \
                 else (None, 0)
-            if req.may_reuse and self.resources.wait_for_inflight(
+            if req.may_reuse and self.context_cache.wait_for_inflight(
                     req.prompt_ids, reused, [r.seq_id for r in self._residents]):
                 return                              # a resident is prefilling our prefix
             short = self.program.pages_short_to_bind(req.num_prompt_tokens, reused, checkpoint)
             if short:                               # cache pages go before a request waits
-                self.resources.reclaim(self.program.pages.num_free + short,
-                                       protect=() if checkpoint is None else (checkpoint,))
+                self.context_cache.reclaim(short,
+                                           protect=() if checkpoint is None else (checkpoint,))
             if not self.program.can_bind(req.num_prompt_tokens, reused, checkpoint):
                 checkpoint, reused = None, 0
                 if not self.program.can_bind(req.num_prompt_tokens):
@@ -261,10 +261,7 @@ class EngineCore:
                                            checkpoint=checkpoint,
                                            **({"media": req.media} if req.media else {}))
             if req.may_reuse:
-                self.resources.note_bind(checkpoint, reused, req.seq_id)
-                split = self.resources.divergence(req.prompt_ids, reused)
-                if split:                           # a checkpoint where it leaves a cached one
-                    self.program.add_capture(req.seq_id, split)
+                self.context_cache.bound(req.seq_id, req.prompt_ids, checkpoint, reused)
             req.num_cached_tokens = reused
             self._waiting.popleft()
             req.admit_time = time.monotonic()
@@ -307,11 +304,11 @@ class EngineCore:
         """The single terminal transition: release Program resources, then publish Finished."""
         if touch_program and req.seq_id is not None:
             # a finished answer leaves its continuation (prompt + answer) in the context cache
-            self.resources.settle_finished(
+            self.context_cache.settle_finished(
                 req.seq_id, keep=req.may_reuse and reason not in ("cancelled", "error"),
                 session=req.cache_session, order=req.ticket, media_digest=req.media_digest)
         if touch_program and req.resume_state is not None:
-            self.resources.settle_paused(req.resume_state)
+            self.context_cache.settle_paused(req.resume_state)
         was_admitted = req.state != RequestState.WAITING
         req.seq_id = req.resume_state = None
         for queue in (self._waiting, self._residents, self._paused):
@@ -347,7 +344,7 @@ class EngineCore:
     def _reserve(self, req: Request) -> bool:
         """Reserve req's next unit, pausing the youngest younger resident while it lacks pages."""
         while not self.program.reserve_units([req.seq_id], forced=self._forced([req]))[0]:
-            if self.resources.reclaim(self.program.pages.num_free + 1):
+            if self.context_cache.reclaim(1):
                 continue                            # cache pages go before any resident pauses
             victim = self.scheduler.choose_victim([self._view(r) for r in self._residents],
                                                   self._view(req))
@@ -388,7 +385,7 @@ class EngineCore:
         self.program.commit(pending, [d for d, _, _ in verdicts])
         for req, (decision, _, _) in zip(reqs, verdicts):
             if not decision.is_cancelled:
-                self.resources.capture_if_due(req.seq_id, req.media_digest)
+                self.context_cache.capture_if_due(req.seq_id, req.media_digest)
         for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
             self._settle_row(req, row, decision, preview, error)
         return 1
@@ -481,7 +478,7 @@ class EngineCore:
             program_stats = {}
         stats = dict(self._counters, waiting=len(self._waiting), residents=len(self._residents),
                      paused=len(self._paused), tokens_per_s=rate, **program_stats,
-                     **self.resources.stats())
+                     **self.context_cache.stats())
         with self._lock:
             self._stats = stats
 

@@ -33,10 +33,10 @@ import numpy as np
 from .... import _hot
 from ....errors import RequestError
 from ..batch import ForwardBatch
-from ....contracts import (PendingBatch, ProgramError, ResumeState, RowDecision, RowResult,
-                           SampleRow, SamplingSpec)
-from .context_cache import CheckpointStore
-from .pools import PagePool, SlotPool, pages_for
+from ....contracts import (Capacity, CaptureRoom, PendingBatch, ProgramError, ResumeState,
+                           RowDecision, RowResult, SampleRow, SamplingSpec)
+from .checkpoint_store import CheckpointStore
+from .page_ledger import PagePool, SlotPool, pages_for
 from .sampling import sample_row
 from .speculative import MtpSpeculator
 
@@ -57,7 +57,7 @@ class _Sequence:
     protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
     is_unusable: bool = False    # rolled back without a State backup: may only be released
     captures: list = None        # checkpoint positions still to capture, ascending (prefill
-                                 # chunks end there; the ResourceManager captures after commit)
+                                 # chunks end there; the ContextCache captures after commit)
     media: object = None         # vision.PromptMedia: MRoPE positions + embeddings, or None
 
 
@@ -111,7 +111,7 @@ class Program:
         self._state_bytes = _host_bytes(self.state.read(0))
         self._snapshots: dict = {}          # snapshot id -> host bytes (the only host ledger)
         # checkpoints: their own host budget, so a cache entry never blocks a pause
-        self.cache = CheckpointStore(
+        self.checkpoints = CheckpointStore(
             self.kv, self.state, self.pages, SlotPool(num_cache_slots, first=self.num_slots),
             page_bytes=self._page_bytes, state_bytes=self._state_bytes,
             host_budget_bytes=options.prefix_cache_budget_bytes,
@@ -142,6 +142,9 @@ class Program:
     def host_bytes_free(self) -> int:
         return self.host_budget_bytes - self.host_bytes_used
 
+    def capacity(self) -> Capacity:
+        return Capacity(self.pages.num_free, self.slots.num_free)
+
     def snapshot_cost(self, seq_id: int) -> int:
         """Host bytes a Snapshot pause of this sequence would hold now."""
         frontier = self._seqs[seq_id].num_computed_tokens
@@ -159,7 +162,7 @@ class Program:
         tokens: its full pages on the device come shared, not from the free pool)."""
         first = num_reused + min(self.prefill_chunk, num_prompt_tokens - num_reused)
         need = pages_for(first, self.page_size) if checkpoint is None \
-            else self.cache.bind_pages_needed(checkpoint, first)
+            else self.checkpoints.bind_pages_needed(checkpoint, first)
         return max(0, need - self.pages.num_free)
 
     def can_resume(self, rs: ResumeState) -> bool:
@@ -187,7 +190,7 @@ class Program:
         encoded = None if media is None else self.model.encode_media(prompt_ids, *media)
         if not 1 <= n < self.max_context:
             raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
-        ckpt = None if checkpoint is None else self.cache.entries[checkpoint]
+        ckpt = None if checkpoint is None else self.checkpoints.entries[checkpoint]
         reused = 0 if ckpt is None else ckpt.num_tokens
         if ckpt is not None and not (reused < n and np.array_equal(ckpt.token_ids,
                                                                     prompt_ids[:reused])):
@@ -195,49 +198,42 @@ class Program:
         seq = self._new_sequence(n, n, reused, spec)
         seq.media = encoded
         self.token_buf[seq.slot, :n] = prompt_ids
-        end = min(int(capture_at), n) if self.cache.is_enabled else 0
+        end = min(int(capture_at), n) if self.checkpoints.is_enabled else 0
         seq.captures = [q for q in range(self.checkpoint_interval, end, self.checkpoint_interval)
                         if q > reused] + ([end] if end > reused else [])
         if ckpt is not None:
-            self.cache.install(checkpoint, seq.slot)
+            self.checkpoints.install(checkpoint, seq.slot)
         return seq.seq_id
 
-    # ---- context cache (the ResourceManager keeps the index; the store holds the copies) -------
-    def checkpoint_cost(self, num_tokens: int) -> int:
-        """Host bytes of a checkpoint of num_tokens on the host tier."""
-        return self.cache.host_cost(num_tokens)
-
-    @property
-    def cache_bytes_used(self) -> int:
-        """Host bytes of the host-tier checkpoints."""
-        return self.cache.host_bytes_used
-
-    @property
-    def cache_budget_bytes(self) -> int:
-        return self.cache.host_budget_bytes
-
-    def capture_due(self, seq_id: int) -> int:
-        """The checkpoint position this sequence's frontier sits on exactly now, else 0."""
+    # ---- context cache (runtime/context_cache.py keeps the index; `checkpoints` holds the copies)
+    # `self.checkpoints` (CheckpointStore) answers info / ids / usage / host_cost / demote / drop;
+    # what needs a sequence's pages and slot is here: due_capture, capture_room,
+    # capture_checkpoint, promote_checkpoint, continuation, release(keep_frontier=True),
+    # prefill_progress, add_capture.
+    def due_capture(self, seq_id: int) -> Optional[np.ndarray]:
+        """The tokens [0, p) of the checkpoint position p this sequence's frontier sits on exactly
+        now, else None (`capture_checkpoint` takes it or clears it)."""
         seq = self._seqs[seq_id]
+        p = self._capture_due(seq)
+        return self.token_buf[seq.slot, :p].copy() if p else None
+
+    def _capture_due(self, seq: _Sequence) -> int:
         while seq.captures and seq.captures[0] < seq.num_computed_tokens:
             seq.captures.pop(0)                 # passed without a capture (e.g. a control unit)
         if seq.captures and seq.captures[0] == seq.num_computed_tokens and not seq.is_unusable:
             return seq.captures[0]
         return 0
 
-    def prefix_tokens(self, seq_id: int, num_tokens: int) -> np.ndarray:
-        seq = self._seqs[seq_id]
-        return self.token_buf[seq.slot, :num_tokens].copy()
-
-    def capture_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False) -> tuple:
-        """(cache slot free, free pages the capture takes, pages it adds to the cache's device
-        set) of a device capture of [0, num_tokens) of this sequence."""
+    def capture_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False
+                     ) -> CaptureRoom:
+        """What a device capture of [0, num_tokens) of this sequence needs now."""
         seq = self._seqs[seq_id]
         row = self.pages.block_tables[seq.slot, :pages_for(num_tokens, self.page_size)]
-        held = set(self.cache.held_pages().tolist())
+        held = set(self.checkpoints.held_pages().tolist())
         adds = sum(1 for q in row[:num_tokens // self.page_size] if int(q) not in held)
         partial = num_tokens % self.page_size != 0
-        return (self.cache.slots.num_free > 0, int(partial and not at_release), adds + partial)
+        return CaptureRoom(self.checkpoints.slots.num_free > 0, int(partial and not at_release),
+                           adds + partial)
 
     def prefill_progress(self, seq_id: int) -> tuple:
         """(frontier, the prompt's tokens) of a sequence still prefilling its prompt (no
@@ -252,7 +248,7 @@ class Program:
         """Ask a prefilling sequence for one more checkpoint position (where a waiting prompt
         leaves its prompt): a prefill chunk will end there. False when it is past it."""
         seq = self._seqs[seq_id]
-        if not self.cache.is_enabled or not \
+        if not self.checkpoints.is_enabled or not \
                 seq.num_computed_tokens < position <= seq.num_prompt_tokens:
             return False
         seq.captures = sorted(set(seq.captures or ()) | {int(position)})
@@ -264,14 +260,14 @@ class Program:
         device (pages by reference, State slot copy; the caller made room: `capture_room`) or
         as host copies. keep=False only clears the pending capture. Returns the checkpoint id."""
         self._no_pending("capture_checkpoint")
-        p = self.capture_due(seq_id)
         seq = self._seqs[seq_id]
+        p = self._capture_due(seq)
         if p:
             seq.captures.pop(0)
         if not p or not keep:
             return None
         cid = self._new_id()
-        capture = self.cache.capture_device if on_device else self.cache.capture_host
+        capture = self.checkpoints.capture_device if on_device else self.checkpoints.capture_host
         capture(cid, self.token_buf[seq.slot, :p], self.pages.block_tables[seq.slot], seq.slot)
         return cid
 
@@ -298,40 +294,25 @@ class Program:
             self.speculator.forget(seq_id)
         if keep_frontier:
             tokens = self.continuation(seq_id)
-            if not len(tokens) or (on_device and not self.cache.slots.num_free):
+            if not len(tokens) or (on_device and not self.checkpoints.slots.num_free):
                 raise ProgramError(f"release: sequence {seq_id} cannot keep its continuation")
             cid = self._new_id()
             row = self.pages.block_tables[seq.slot]
             if on_device:
-                self.cache.capture_device(cid, tokens, row, seq.slot, own_partial=True)
+                self.checkpoints.capture_device(cid, tokens, row, seq.slot, own_partial=True)
             else:
-                self.cache.capture_host(cid, tokens, row, seq.slot)
+                self.checkpoints.capture_host(cid, tokens, row, seq.slot)
         del self._seqs[seq_id]
         self.pages.shrink(seq.slot, 0)
         self.slots.give(seq.slot)
         return cid
 
-    def demote_checkpoint(self, checkpoint: int) -> None:
-        self.cache.demote(checkpoint)
-
     def promote_checkpoint(self, checkpoint: int, seq_id: int) -> None:
         """Move a host checkpoint to the device from the sequence that just installed it."""
         seq = self._seqs[seq_id]
-        if seq.num_computed_tokens != self.cache.entries[checkpoint].num_tokens:
+        if seq.num_computed_tokens != self.checkpoints.entries[checkpoint].num_tokens:
             raise ProgramError(f"promote: sequence {seq_id} moved past checkpoint {checkpoint}")
-        self.cache.promote(checkpoint, self.pages.block_tables[seq.slot], seq.slot)
-
-    def checkpoint_info(self, checkpoint: int) -> tuple:
-        """(tokens covered, on the device, device bytes dropping it frees, host bytes)."""
-        c = self.cache.entries[checkpoint]
-        return (c.num_tokens, c.on_device, self.cache.device_bytes_freed_by(checkpoint),
-                c.host_bytes)
-
-    def drop_checkpoint(self, checkpoint: int) -> None:
-        self.cache.drop(checkpoint)
-
-    def checkpoint_ids(self) -> list:
-        return list(self.cache.entries)
+        self.checkpoints.promote(checkpoint, self.pages.block_tables[seq.slot], seq.slot)
 
     def pause(self, seq_id: int, *, allow_snapshot: bool = True) -> ResumeState:
         """Pause at the committed boundary; frees the slot and pages. Snapshot when host budget
@@ -554,11 +535,11 @@ class Program:
         return {"kv_pages_total": self.pages.num_pages, "kv_pages_used": self.pages.num_used,
                 "state_slots_total": self.num_slots, "state_slots_used": len(self._seqs),
                 "host_snapshot_bytes_used": self.host_bytes_used,
-                "prefix_cache_entries": len(self.cache.entries),
-                "prefix_cache_bytes": self.cache_bytes_used,
-                "prefix_cache_host_bytes": self.cache_bytes_used,
-                "prefix_cache_device_bytes": self.cache.device_bytes_used,
-                "prefix_cache_kv_pages": self.cache.device_pages_used,   # of kv_pages_used
+                "prefix_cache_entries": len(self.checkpoints.entries),
+                "prefix_cache_bytes": self.checkpoints.host_bytes_used,
+                "prefix_cache_host_bytes": self.checkpoints.host_bytes_used,
+                "prefix_cache_device_bytes": self.checkpoints.device_bytes_used,
+                "prefix_cache_kv_pages": self.checkpoints.device_pages_used,   # of kv_pages_used
                 **(self.speculator.stats() if self.speculator is not None else {})}
 
     def check_invariants(self) -> None:
@@ -567,8 +548,8 @@ class Program:
         if len(live) != len(self._seqs):
             raise ProgramError("two sequences share a StateImage slot")
         self.slots.check(live)
-        self.pages.check(live, held=self.cache.held_pages())
-        self.cache.check()
+        self.pages.check(live, held=self.checkpoints.held_pages())
+        self.checkpoints.check()
         for seq in self._seqs.values():
             if not 0 <= seq.num_computed_tokens <= seq.num_tokens <= self.max_context:
                 raise ProgramError(f"sequence {seq.seq_id}: frontier {seq.num_computed_tokens} / "
@@ -587,12 +568,12 @@ class Program:
     def assert_all_free(self, *, full: bool = True) -> None:
         """Everything returned: no sequence, page, slot, snapshot or pending unit is held.
         Checkpoints may stay (a cache, not a loan), with the pages and cache slots they hold;
-        `drop_checkpoint` returns them.
+        `checkpoints.drop` returns them.
         full=False: the counts only (the whole-ledger walk costs ms on a large pool)."""
         if full:
             self.check_invariants()
         held = dict(sequences=len(self._seqs),
-                    pages=self.pages.num_used - self.cache.device_pages_used,
+                    pages=self.pages.num_used - self.checkpoints.device_pages_used,
                     slots=self.num_slots - self.slots.num_free, snapshots=len(self._snapshots),
                     pending=int(self._pending is not None))
         if any(held.values()):
