@@ -11,7 +11,7 @@ backend with hasattr for `decode_greedy` / `sample`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -153,6 +153,43 @@ class ResumeState:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+# ---- a unit's plan (EngineCore -> Program), as plain data ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RowView:
+    """What the EngineCore plans with, for one resident sequence (`Program.plan_view`, one call
+    per cycle for all residents)."""
+    seq_id: int
+    kind: str                   # the next unit: "prefill", "replay" or "decode"
+    is_protected: bool          # holds a resume permit (protected resume)
+    is_sampling: bool           # the next unit samples a token (unless the row is given forced tokens)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RowPlan:
+    """One row of a unit: the OutputSession's answers, asked once per cycle by the EngineCore."""
+    seq_id: int
+    forced: Optional[tuple] = None       # a control unit's tokens (decode-ready rows only)
+    mask: Optional[np.ndarray] = None    # bool [V] allowed next tokens of a sampling row, or None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class UnitPlan:
+    """One unit for `Program.launch`: its rows in batch order.
+
+    keep_rollback=False skips the State backup of each row (the Engine releases a cancelled row
+    at once). draft_masks (speculative decoding only) maps (seq_id, drafts) to the masks of the
+    positions after each draft prefix (OutputSession.token_masks_along): the one callable left,
+    because the drafts exist only inside the Program, after the unit is launched; it is pure
+    (mutates no session) and borrowed for this unit only."""
+    rows: tuple                          # RowPlan, in batch order
+    keep_rollback: bool = True
+    draft_masks: Optional[Callable[[int, tuple], list]] = None
+
+    @property
+    def seq_ids(self) -> list:
+        return [r.seq_id for r in self.rows]
 
 
 # ---- capacity and the checkpoint store (typed answers of the Program) ---------------------------

@@ -34,8 +34,10 @@ from .... import _hot
 from ....errors import RequestError
 from ..batch import ForwardBatch
 from ....contracts import (Capacity, CaptureRoom, PendingBatch, ProgramError, ResumeState,
-                           RowDecision, RowResult, SampleRow, SamplingSpec)
+                           RowDecision, RowPlan, RowResult, RowView, SampleRow, SamplingSpec,
+                           UnitPlan)
 from .checkpoint_store import CheckpointStore
+from .inflight import InFlightUnit, Ready
 from .page_ledger import PagePool, SlotPool, pages_for
 from .sampling import sample_row
 from .speculative import MtpSpeculator
@@ -118,6 +120,7 @@ class Program:
             device_page_budget=int(share * num_pages) if num_cache_slots else 0)
         self._seqs: dict = {}
         self._pending: Optional[PendingBatch] = None
+        self._inflight: Optional[InFlightUnit] = None     # launched, not yet collected
         self._next_id = 0
         self._uid = next(_PROGRAM_IDS)
         # batch_invariant: Replay re-runs history the way it first ran (the prompt in its own
@@ -375,48 +378,72 @@ class Program:
         return seq.seq_id
 
     # ---- units ----------------------------------------------------------------------------------
+    def plan_view(self, seq_ids) -> list:
+        """One RowView per sequence: its next unit's kind, protection and whether it samples
+        (the EngineCore's one planning question per cycle)."""
+        views = []
+        for sid in seq_ids:
+            seq = self._seqs[sid]
+            unit = self._next_unit(seq)
+            kind = "replay" if unit.is_replay else \
+                "decode" if seq.num_tokens > seq.num_prompt_tokens else "prefill"
+            views.append(RowView(sid, kind, seq.protected_tokens > 0, unit.is_sampling))
+        return views
+
     def unit_kind(self, seq_id: int) -> str:
         """'prefill', 'replay' or 'decode': what the sequence's next unit is."""
-        unit = self._next_unit(self._seqs[seq_id])
-        if unit.is_replay:
-            return "replay"
-        is_decode = self._seqs[seq_id].num_tokens > self._seqs[seq_id].num_prompt_tokens
-        return "decode" if is_decode else "prefill"
+        return self.plan_view([seq_id])[0].kind
 
     def is_protected(self, seq_id: int) -> bool:
         return self._seqs[seq_id].protected_tokens > 0
 
-    def reserve_units(self, seq_ids, *, forced: Optional[dict] = None) -> list:
+    def has_protected(self) -> bool:
+        """Some sequence is in protected resume (holds its resume permit)."""
+        return any(seq.protected_tokens > 0 for seq in self._seqs.values())
+
+    def reserve_units(self, seq_ids, *, forced: Optional[dict] = None,
+                      stop_at_short: bool = False) -> list:
         """Grant each row the pages of its next unit, all or nothing per row; rows are independent
         (one lacking pages does not stop the others). Returns one bool per row. `forced` maps a
-        decode-ready sequence to the tokens of a control unit."""
+        decode-ready sequence to the tokens of a control unit. stop_at_short: stop at the first
+        row that lacks pages (its False is the list's last entry), so the caller can make room
+        for it before the rows after it reserve, as one call per row would."""
         granted = []
         for sid in seq_ids:
             seq = self._seqs[sid]
             unit = self._unit_of(seq, forced)
             granted.append(self.pages.grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens))
+            if stop_at_short and not granted[-1]:
+                break
         return granted
 
     def execute(self, seq_ids, *, forced: Optional[dict] = None, keep_rollback: bool = True,
-                mask_provider: Optional[Callable[[int], Optional[np.ndarray]]] = None,
+                masks: Optional[dict] = None,
                 draft_masks: Optional[Callable[[int, tuple], list]] = None) -> PendingBatch:
-        """Run the next unit of every row as one model call; rows must hold their reservation.
+        """collect(launch(plan)) of the plan these arguments spell: forced and masks map seq_id
+        -> a control unit's tokens / the bool token mask of its next sampled token."""
+        forced, masks = forced or {}, masks or {}
+        rows = tuple(RowPlan(s, forced.get(s), masks.get(s)) for s in seq_ids)
+        return self.collect(self.launch(UnitPlan(rows, keep_rollback, draft_masks)))
 
-        mask_provider (borrowed for this round only): seq_id -> the bool token mask of its next
-        sampled token (constrained decoding) or None; asked once per sampling row, before the
-        forward. A backend with `sample` applies it on the device; otherwise the host does.
-        draft_masks (speculative decoding): seq_id, drafts -> the masks of the positions after
-        each draft prefix, as many as may be sampled (OutputSession.token_masks_along).
+    def launch(self, plan: UnitPlan) -> InFlightUnit:
+        """Start the next unit of every row as one model call; rows must hold their reservation.
+
+        A row's mask (constrained decoding) applies to its next sampled token; a backend with
+        `sample` applies it on the device, otherwise the host does (in `collect`). Speculative
+        decoding runs the whole unit here (drafts, one verify forward, per-position sampling).
 
         keep_rollback=False skips the State backup (a host copy per row, costly on a device):
         a row then cancelled or aborted cannot continue and may only be released (the Engine
-        releases every cancelled row at once)."""
-        self._no_pending("execute")
-        seqs = [self._seqs[s] for s in seq_ids]
+        releases every cancelled row at once). The unit must be collected before anything else
+        is asked of the Program."""
+        self._no_pending("launch")
+        seqs = [self._seqs[s] for s in plan.seq_ids]
         if not seqs or len({s.slot for s in seqs}) != len(seqs):
-            raise ProgramError(f"execute: bad membership {list(seq_ids)}")
+            raise ProgramError(f"execute: bad membership {plan.seq_ids}")
         if any(s.is_unusable for s in seqs):
             raise ProgramError("execute: a row lost its State in a rollback without backup")
+        forced = {r.seq_id: r.forced for r in plan.rows if r.forced}
         units = [self._unit_of(s, forced) for s in seqs]
         for seq, unit in zip(seqs, units):
             if self.pages.can_grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens) != 0:
@@ -424,31 +451,55 @@ class Program:
             # F[:-1] goes after the committed tokens, where packing reads it (provisional)
             self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + len(unit.forced) - 1] = \
                 unit.forced[:-1]
-        masks = [mask_provider(seq.seq_id) if mask_provider is not None and unit.is_sampling
-                 else None for seq, unit in zip(seqs, units)]
+        masks = [row.mask if unit.is_sampling else None for row, unit in zip(plan.rows, units)]
         if self.speculator is not None:     # drafts, one verify forward, per-position sampling
-            self._pending = self.speculator.execute(self, seqs, units, masks, keep_rollback,
-                                                    draft_masks)
-            return self._pending
-        batch = self._pack(seqs, units)
-        backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
-        media = self._media_rows(seqs, units)
+            pending = self.speculator.execute(self, seqs, units, masks, plan.keep_rollback,
+                                              plan.draft_masks)
+            self._inflight = InFlightUnit(seqs, units, masks, [], "speculative", pending=pending)
+            return self._inflight
+        backups = [self.state.read(s.slot) if plan.keep_rollback else None for s in seqs]
+        self._inflight = self._start_step(seqs, units, masks, backups)
+        return self._inflight
+
+    def _start_step(self, seqs, units, masks, backups) -> InFlightUnit:
+        """The one place a unit's backend call starts (synchronously today: `inflight.Ready`)."""
+        batch = self.pack_rows(seqs, units)
+        media = self.media_rows(seqs, units)
         # media rows replace embeddings: only forward takes them (not the device token paths)
-        on_device = None if media is not None else \
-            self._can_sample_on_device(seqs, units, masks)
-        if on_device == "greedy":
-            rows = self._device_greedy_rows(batch, seqs, units)
-        elif on_device == "sample":
-            rows = self._device_sampled_rows(batch, seqs, units, masks)
+        path = (None if media is not None else self._can_sample_on_device(seqs, units, masks)) \
+            or "logits"
+        if path == "greedy":
+            out = self.model.decode_greedy(batch, self.kv, self.state)
+        elif path == "sample":
+            out = self.model.sample(batch, self.kv, self.state,
+                                    self._sample_requests(seqs, units, masks))
+        elif media is not None:
+            out = self.model.forward(batch, self.kv, self.state, media=media)
         else:
-            logits = self.model.forward(batch, self.kv, self.state, media=media) \
-                if media is not None else self.model.forward(batch, self.kv, self.state)
-            if logits.shape != (len(seqs), self.vocab_size):
-                raise ProgramError(f"model.forward returned {logits.shape}, "
+            out = self.model.forward(batch, self.kv, self.state)
+        return InFlightUnit(seqs, units, masks, backups, path, Ready(out))
+
+    def collect(self, inflight: InFlightUnit) -> PendingBatch:
+        """The launched unit's PendingBatch (to be consumed whole by commit or abort_pending)."""
+        if inflight is not self._inflight:
+            raise ProgramError("collect: not the unit in flight")
+        self._inflight = None
+        if inflight.pending is not None:
+            self._pending = inflight.pending
+            return self._pending
+        seqs, units, masks = inflight.seqs, inflight.units, inflight.masks
+        out = inflight.step.collect()
+        if inflight.path == "greedy":
+            rows = self._token_rows(seqs, units, out, "decode_greedy")
+        elif inflight.path == "sample":
+            rows = self._token_rows(seqs, units, out, "sample")
+        else:
+            if out.shape != (len(seqs), self.vocab_size):
+                raise ProgramError(f"model.forward returned {out.shape}, "
                                    f"expected {(len(seqs), self.vocab_size)}")
-            rows = tuple(self._row_result(seq, unit, logits[r], masks[r])
+            rows = tuple(self.sample_row(seq, unit, out[r], masks[r])
                          for r, (seq, unit) in enumerate(zip(seqs, units)))
-        self._pending = PendingBatch(rows, backups, self._new_id())
+        self._pending = PendingBatch(rows, inflight.backups, self._new_id())
         return self._pending
 
     def _can_sample_on_device(self, seqs, units, masks):
@@ -466,19 +517,13 @@ class Program:
             return "greedy"
         return "sample" if self.model.samples_on_device else None
 
-    def _device_greedy_rows(self, batch, seqs, units) -> tuple:
-        tokens = self.model.decode_greedy(batch, self.kv, self.state)
-        return self._token_rows(seqs, units, tokens, "decode_greedy")
-
-    def _device_sampled_rows(self, batch, seqs, units, masks) -> tuple:
-        requests = [SampleRow(seq.spec, seq.num_tokens,
-                              self.token_buf[seq.slot, :seq.num_prompt_tokens],
-                              self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
-                              mask, cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
-                    if unit.is_sampling else None
-                    for seq, unit, mask in zip(seqs, units, masks)]
-        tokens = self.model.sample(batch, self.kv, self.state, requests)
-        return self._token_rows(seqs, units, tokens, "sample")
+    def _sample_requests(self, seqs, units, masks) -> list:
+        return [SampleRow(seq.spec, seq.num_tokens,
+                          self.token_buf[seq.slot, :seq.num_prompt_tokens],
+                          self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
+                          mask, cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
+                if unit.is_sampling else None
+                for seq, unit, mask in zip(seqs, units, masks)]
 
     def _token_rows(self, seqs, units, tokens, what: str) -> tuple:
         """RowResults from a device path's token ids (one per row; rows that do not sample drop
@@ -525,6 +570,40 @@ class Program:
             seq = self._seqs[row.seq_id]
             self._restore(seq, backup)
             self._trim(seq)
+
+    # ---- speculation hooks (program/speculative.py uses these and nothing private) ---------------
+    # `seq` / `unit` are the records launch hands the speculator (_Sequence: slot, frontier
+    # num_computed_tokens, num_tokens, num_prompt_tokens, spec, media, is_unusable; _Unit:
+    # num_new_tokens, is_sampling, is_replay, forced); they are read, never written, outside.
+    def sequence(self, seq_id: int) -> Optional[_Sequence]:
+        """The live sequence's record, or None once released."""
+        return self._seqs.get(seq_id)
+
+    def token_ids(self, seq: _Sequence, start: int, stop: int) -> np.ndarray:
+        """The sequence's token ids [start, stop) (a view: read it before the next write)."""
+        return self.token_buf[seq.slot, start:stop]
+
+    def write_provisional(self, seq: _Sequence, tokens) -> None:
+        """Tokens after the committed ones, where packing reads them (drafts); commit overwrites
+        what is not accepted."""
+        n = seq.num_tokens
+        if n + len(tokens) > self.max_context:
+            raise ProgramError(f"sequence {seq.seq_id}: provisional tokens overrun max_context")
+        self.token_buf[seq.slot, n:n + len(tokens)] = tokens
+
+    def grow_pages(self, seq: _Sequence, num_tokens: int) -> int:
+        """Map pages so the sequence covers num_tokens if free pages allow (commit's trim returns
+        what stays unused); returns the tokens its pages cover now."""
+        self.pages.grow(seq.slot, num_tokens)
+        return int(self.pages.num_mapped[seq.slot]) * self.page_size
+
+    def block_tables(self, seqs) -> np.ndarray:
+        """[len(seqs), max_pages_per_seq] int32 page tables of the sequences (a copy)."""
+        return self.pages.block_tables[[s.slot for s in seqs]]
+
+    def new_unit_id(self) -> int:
+        """An id for a PendingBatch the speculator builds (its epoch)."""
+        return self._new_id()
 
     # ---- observation ----------------------------------------------------------------------------
     def generated_tokens(self, seq_id: int) -> np.ndarray:
@@ -575,7 +654,7 @@ class Program:
         held = dict(sequences=len(self._seqs),
                     pages=self.pages.num_used - self.checkpoints.device_pages_used,
                     slots=self.num_slots - self.slots.num_free, snapshots=len(self._snapshots),
-                    pending=int(self._pending is not None))
+                    pending=int(self._pending is not None or self._inflight is not None))
         if any(held.values()):
             raise ProgramError(f"resources still held: {held}")
 
@@ -633,7 +712,7 @@ class Program:
             return rs.num_tokens
         return frontier + min(self.prefill_chunk, rs.num_tokens - frontier)
 
-    def _pack(self, seqs, units) -> ForwardBatch:
+    def pack_rows(self, seqs, units) -> ForwardBatch:
         slots = np.array([s.slot for s in seqs], np.int32)
         starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
         counts = np.array([u.num_new_tokens for u in units], np.int32)
@@ -651,7 +730,7 @@ class Program:
                                                                         int(counts[r]))
         return ForwardBatch(tokens, positions, query_start, starts, tables[:, :width].copy(), slots)
 
-    def _media_rows(self, seqs, units):
+    def media_rows(self, seqs, units):
         """(batch rows, embeddings) of the media placeholders this batch computes, or None."""
         rows, vecs, offset = [], [], 0
         for seq, unit in zip(seqs, units):
@@ -663,8 +742,8 @@ class Program:
         rows = np.concatenate(rows) if rows else ()
         return (rows, np.concatenate(vecs)) if len(rows) else None
 
-    def _row_result(self, seq: _Sequence, unit: _Unit, logits: np.ndarray,
-                    mask: Optional[np.ndarray] = None) -> RowResult:
+    def sample_row(self, seq: _Sequence, unit: _Unit, logits: np.ndarray,
+                   mask: Optional[np.ndarray] = None) -> RowResult:
         produced, logprobs = unit.forced, ()
         if unit.is_sampling:
             token, lp = sample_row(logits, seq.spec,
@@ -694,7 +773,7 @@ class Program:
         self.pages.shrink(seq.slot, max(seq.num_computed_tokens, seq.protected_tokens))
 
     def _no_pending(self, what: str) -> None:
-        if self._pending is not None:
+        if self._pending is not None or self._inflight is not None:
             raise ProgramError(f"{what} while a PendingBatch is unconsumed")
 
     def _check_current(self, pending: PendingBatch) -> None:
