@@ -103,6 +103,7 @@ class Program:
         # copy carries it) before anything sizes a page; speculative.py runs the units
         self.speculator = None if drafter is None else \
             MtpSpeculator(drafter, options.num_draft_tokens, self.kv)
+        self.is_speculative = self.speculator is not None
         self.state = model.new_state_pool(self.num_slots + num_cache_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
         self.slots = SlotPool(self.num_slots)
@@ -178,7 +179,7 @@ class Program:
     @property
     def accepts_media(self) -> bool:
         """The model runs a vision tower: bind takes image / video prompts."""
-        return getattr(self.model, "encode_media", None) is not None
+        return self.model.encode_media is not None     # declared by every Model
 
     def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec, *, capture_at: int = 0,
              checkpoint: Optional[int] = None, media=None) -> int:
