@@ -37,7 +37,7 @@ _IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying a
 _RATE_WINDOW_S = 10.0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class _Cycle:
     """One cycle's plan: the units, and what was asked once for all of them."""
     decode: list                 # requests of the decode unit, reserved
