@@ -1,17 +1,22 @@
-"""Backend-neutral contracts: the plain data and the one protocol that the runtime, the Program and
+"""Backend-neutral contracts: the plain data and the protocols that the runtime, the Program and
 the backends share. Nothing here imports a model family or a backend, so every layer may import it
 (imports run downward: runtime -> contracts <- models).
 
     EngineCore ──(RowDecision)──> Program ──(ForwardBatch, SampleRow)──> Model (numpy | cuda)
          <──(PendingBatch of RowResult, ResumeState)──┘        <──(logits | token ids)──┘
 
-`Model` is what a Program needs from a backend; `Model.samples_on_device` replaces probing the
-backend with hasattr for `decode_greedy` / `sample`.
+`Model` is what a Program needs from a backend (and KVPoolProtocol / StatePoolProtocol its pools);
+`ProgramProtocol` what the EngineCore and the ContextCache need of a Program (with
+`CheckpointStoreProtocol`, its checkpoint store); `FrontendProtocol` / `OutputSessionProtocol` what
+the EngineCore needs of the Frontend. Capabilities are declared attributes (`Model.samples_on_device`,
+`Model.encode_media`, `ProgramProtocol.accepts_media` / `is_speculative`), never hasattr probes.
+A unit crosses EngineCore -> Program as plain data: RowView (plan_view), RowPlan / UnitPlan
+(launch), PendingBatch (collect), RowDecision (commit).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import Callable, NamedTuple, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -155,6 +160,238 @@ class ResumeState:
         return len(self.token_ids)
 
 
+# ---- a unit's plan (EngineCore -> Program), as plain data ------------------------------------------
+class RowView(NamedTuple):
+    """What the EngineCore plans with, for one resident sequence (`Program.plan_view`, one call
+    per cycle for all residents). A NamedTuple (immutable, ~10x cheaper to build than a frozen
+    dataclass): one per resident per cycle is on the decode path."""
+    seq_id: int
+    kind: str                   # the next unit: "prefill", "replay" or "decode"
+    is_protected: bool          # holds a resume permit (protected resume)
+    is_sampling: bool           # the next unit samples a token (unless the row is given forced tokens)
+
+
+class RowPlan(NamedTuple):
+    """One row of a unit: the OutputSession's answers, asked once per cycle by the EngineCore
+    (a NamedTuple for the same reason as RowView)."""
+    seq_id: int
+    forced: Optional[tuple] = None       # a control unit's tokens (decode-ready rows only)
+    mask: Optional[np.ndarray] = None    # bool [V] allowed next tokens of a sampling row, or None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class UnitPlan:
+    """One unit for `Program.launch`: its rows in batch order.
+
+    keep_rollback=False skips the State backup of each row (the Engine releases a cancelled row
+    at once). draft_masks (speculative decoding only) maps (seq_id, drafts) to the masks of the
+    positions after each draft prefix (OutputSession.token_masks_along): the one callable left,
+    because the drafts exist only inside the Program, after the unit is launched; it is pure
+    (mutates no session) and borrowed for this unit only."""
+    rows: tuple                          # RowPlan, in batch order
+    keep_rollback: bool = True
+    draft_masks: Optional[Callable[[int, tuple], list]] = None
+
+    @property
+    def seq_ids(self) -> list:
+        return [r.seq_id for r in self.rows]
+
+
+# ---- capacity and the checkpoint store (typed answers of the Program) ---------------------------
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What the Program has free now (`Program.capacity()`): the EngineCore's check before an act
+    that the act itself checks again (bind, resume, reserve)."""
+    free_kv_pages: int
+    free_state_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One context-cache checkpoint as its store holds it (`Program.checkpoints.info`)."""
+    num_tokens: int             # the exact prefix [0, num_tokens) its State and KV cover
+    on_device: bool             # device tier (pages by reference + a cache State slot), else host
+    device_pages_freed: int     # KV pages dropping or demoting it would free now (unshared ones)
+    host_bytes: int             # host tier: bytes of its host copies, else 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """The checkpoint store's usage against its budgets (`Program.checkpoints.usage()`)."""
+    host_bytes_used: int
+    host_budget_bytes: int
+    device_pages_used: int      # distinct KV pages the device checkpoints hold
+    device_page_budget: int
+    device_bytes_used: int      # those pages + the cache State slots in use
+    num_cache_slots: int        # 0: no device tier
+    num_entries: int
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureRoom:
+    """What a device capture of [0, num_tokens) of a sequence needs (`Program.capture_room`)."""
+    is_slot_free: bool          # a cache State slot is free
+    num_pages_taken: int        # free pages it takes (the copy of a partly filled page)
+    num_pages_added: int        # pages it adds to the device checkpoints' distinct set
+
+
+# ---- the pools a backend provides ----------------------------------------------------------------
+@runtime_checkable
+class KVPoolProtocol(Protocol):
+    """Paged KV of every full-attention layer (`Model.new_kv_pool`). Page images are host float32
+    copies: (k list, v list), one array per layer."""
+    num_pages: int
+
+    def read_pages(self, pages) -> tuple: ...
+
+    def write_pages(self, pages, image: tuple) -> None: ...
+
+    def copy_pages(self, src_pages, dst_pages) -> None:
+        """Page dst[i] becomes a copy of page src[i] in every layer (lists of one length, the two
+        disjoint; CUDA: device to device on the model's stream, in order with the steps)."""
+
+
+@runtime_checkable
+class StatePoolProtocol(Protocol):
+    """One StateImage (GDN conv + recurrent state) per slot (`Model.new_state_pool`)."""
+    num_slots: int
+
+    def zero(self, slot: int) -> None: ...
+
+    def read(self, slot: int) -> tuple: ...
+
+    def write(self, slot: int, image: tuple) -> None: ...
+
+    def copy(self, src_slot: int, dst_slot: int) -> None:
+        """The context cache's checkpoints: slot dst becomes a copy of slot src."""
+
+
+# ---- what the EngineCore needs of the Frontend and of an OutputSession ----------------------------
+@runtime_checkable
+class OutputSessionProtocol(Protocol):
+    """One request's output (stop, channels, detokenization, tools, grammar): preview, then commit.
+    Per cycle the EngineCore asks `forced_tokens` of a decode-ready row once, `needs_mask` /
+    `token_mask` of a sampling row once, `preview` once per produced row, then `commit`."""
+    needs_mask: bool
+
+    def forced_tokens(self) -> tuple: ...
+
+    def token_mask(self): ...
+
+    def token_masks_along(self, token_ids) -> list: ...
+
+    def preview(self, token_ids): ...
+
+    def preview_finish(self, reason: str): ...
+
+    def commit(self, preview) -> None: ...
+
+
+@runtime_checkable
+class FrontendProtocol(Protocol):
+    """Tokenizer, chat template, media preprocessing; one OutputSession per request."""
+
+    def prepare(self, prompt, *, tools=None, enable_thinking=True): ...
+
+    def new_output_session(self, params, prepared, tools=None, *, request_id=None): ...
+
+
+# ---- what the runtime needs of the Program ---------------------------------------------------------
+@runtime_checkable
+class CheckpointStoreProtocol(Protocol):
+    """The Program's context-cache store as the runtime's ContextCache sees it (the only physical
+    ledger of checkpoints: their pages, State slots and host bytes)."""
+
+    def info(self, cid: int) -> CheckpointInfo: ...
+
+    def ids(self) -> list: ...
+
+    def usage(self) -> StoreUsage: ...
+
+    def host_cost(self, num_tokens: int) -> int: ...
+
+    def demote(self, cid: int) -> None: ...
+
+    def drop(self, cid: int) -> None: ...
+
+
+@runtime_checkable
+class ProgramProtocol(Protocol):
+    """What the EngineCore and the ContextCache call on a Program (models/qwen3_5/program). Only the
+    Engine worker calls it. Capabilities are declared attributes, never probed."""
+    vocab_size: int
+    accepts_media: bool             # bind takes image / video prompts (a vision tower runs)
+    is_speculative: bool            # decode rows verify drafts (RowResult.is_speculative)
+    host_budget_bytes: int          # Snapshot pauses' host budget
+    host_bytes_free: int
+    checkpoints: CheckpointStoreProtocol
+
+    # capacity (check / act pairs: the act checks again and raises ProgramError)
+    def capacity(self) -> Capacity: ...
+
+    def can_bind(self, num_prompt_tokens: int, num_reused: int = 0, checkpoint=None) -> bool: ...
+
+    def pages_short_to_bind(self, num_prompt_tokens: int, num_reused: int = 0,
+                            checkpoint=None) -> int: ...
+
+    def can_resume(self, rs: ResumeState) -> bool: ...
+
+    def pages_short_to_resume(self, rs: ResumeState) -> int: ...
+
+    def snapshot_cost(self, seq_id: int) -> int: ...
+
+    # sequence lifetime
+    def bind(self, prompt_ids, spec: SamplingSpec, *, capture_at: int = 0, checkpoint=None,
+             media=None) -> int: ...
+
+    def pause(self, seq_id: int, *, allow_snapshot: bool = True) -> ResumeState: ...
+
+    def resume(self, rs: ResumeState) -> int: ...
+
+    def revoke_snapshot(self, rs: ResumeState) -> ResumeState: ...
+
+    def discard(self, rs: ResumeState) -> None: ...
+
+    def release(self, seq_id: int, *, keep_frontier: bool = False, on_device: bool = True): ...
+
+    # units: plan_view once per cycle, reserve, launch -> collect -> commit (or abort_pending)
+    def plan_view(self, seq_ids) -> list: ...
+
+    def has_protected(self) -> bool: ...
+
+    def reserve_units(self, seq_ids, *, forced=None, stop_at_short: bool = False) -> list: ...
+
+    def launch(self, plan: UnitPlan): ...
+
+    def collect(self, inflight) -> PendingBatch: ...
+
+    def commit(self, pending: PendingBatch, decisions) -> None: ...
+
+    def abort_pending(self, pending: PendingBatch) -> None: ...
+
+    # the context cache's sequence-bound hooks
+    def continuation(self, seq_id: int) -> np.ndarray: ...
+
+    def due_capture(self, seq_id: int) -> Optional[np.ndarray]: ...
+
+    def capture_room(self, seq_id: int, num_tokens: int, *,
+                     at_release: bool = False) -> CaptureRoom: ...
+
+    def capture_checkpoint(self, seq_id: int, *, keep: bool = True,
+                           on_device: bool = True) -> Optional[int]: ...
+
+    def promote_checkpoint(self, checkpoint: int, seq_id: int) -> None: ...
+
+    def prefill_progress(self, seq_id: int): ...
+
+    def add_capture(self, seq_id: int, position: int) -> bool: ...
+
+    # observation and audits
+    def stats(self) -> dict: ...
+
+    def assert_all_free(self, *, full: bool = True) -> None: ...
+
+
 # ---- the backend protocol ------------------------------------------------------------------------
 @runtime_checkable
 class Model(Protocol):
@@ -172,23 +409,21 @@ class Model(Protocol):
     samples_on_device: bool
     checks_batches: bool
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
+    # a vision model's (prompt_ids, media, positions) -> vision.PromptMedia; None: text only
+    encode_media: Optional[Callable]
 
     def warm_up(self, kv, state) -> None: ...
 
-    # new_kv_pool -> a KV pool: num_pages, read_pages(pages) -> (k list, v list) host float32
-    # copies, write_pages(pages, image), copy_pages(src_pages, dst_pages): page dst[i] becomes a
-    # copy of page src[i] in every layer (lists of one length, the two disjoint; CUDA: device to
-    # device on the model's stream, in order with the steps around it).
-    # new_state_pool -> a State pool: num_slots, zero(slot), read(slot) / write(slot, image) host
-    # copies of one StateImage, copy(src_slot, dst_slot) (the context cache's checkpoints)
-    def new_kv_pool(self, num_pages: int, page_size: int): ...
+    def new_kv_pool(self, num_pages: int, page_size: int) -> KVPoolProtocol: ...
 
-    def new_state_pool(self, num_slots: int): ...
+    def new_state_pool(self, num_slots: int) -> StatePoolProtocol: ...
 
     def forward(self, batch, kv, state, *, all_logits: bool = False) -> np.ndarray: ...
 
     def close(self) -> None: ...
 
 
-__all__ = ["Model", "PendingBatch", "ProgramError", "ResumeState", "RowDecision", "RowResult",
-           "SampleRow", "SamplingSpec"]
+__all__ = ["Capacity", "CaptureRoom", "CheckpointInfo", "CheckpointStoreProtocol",
+           "FrontendProtocol", "KVPoolProtocol", "Model", "OutputSessionProtocol", "PendingBatch",
+           "ProgramError", "ProgramProtocol", "ResumeState", "RowDecision", "RowPlan", "RowResult",
+           "RowView", "SampleRow", "SamplingSpec", "StatePoolProtocol", "StoreUsage", "UnitPlan"]

@@ -59,12 +59,12 @@ def _finish_empty(core):
     core.shutdown()
     prog = core.program
     prog.check_invariants()
-    core.resources.check_invariants()
-    core.resources.clear_prefix_cache()
+    core.context_cache.check_invariants()
+    core.context_cache.clear_prefix_cache()
     prog.assert_all_free()
     assert prog.pages.num_free == prog.pages.num_pages and not prog.pages.refcount.any()
-    assert prog.cache.slots.num_free == prog.cache.slots.num_slots
-    assert prog.cache_bytes_used == 0 and prog.cache.device_bytes_used == 0
+    assert prog.checkpoints.slots.num_free == prog.checkpoints.slots.num_slots
+    assert prog.checkpoints.usage().host_bytes_used == 0 and prog.checkpoints.device_bytes_used == 0
     assert prog.host_bytes_used == 0
 
 
@@ -201,7 +201,7 @@ def test_one_after_another_sessions_checkpoint_where_they_diverge():
 
 def test_session_publication_order_keeps_the_newest_binding():
     core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
-    rm = core.resources
+    rm = core.context_cache
     a = prompt(30, 10)
     core.submit(a, _params("greedy", 0), session="chat").result(timeout=20)
     b = prompt(31, 10)
@@ -214,16 +214,16 @@ def test_session_publication_order_keeps_the_newest_binding():
     assert rm.publish("chat", newest[0] + 1, cid_other)         # newer: rebinds
     assert rm._sessions["chat"][1] == cid_other
     rm.check_invariants()
-    from ninfer.runtime import resource_manager
-    resource_manager.MAX_SESSIONS, keep = 2, resource_manager.MAX_SESSIONS
+    from ninfer.runtime import context_cache
+    context_cache.MAX_SESSIONS, keep = 2, context_cache.MAX_SESSIONS
     try:                                       # bounded: the least recently published goes
         rm.publish("third", 99, cid_other)
         assert list(rm._sessions) == ["chat", "third"]
         rm.check_invariants()
     finally:
-        resource_manager.MAX_SESSIONS = keep
+        context_cache.MAX_SESSIONS = keep
     # the session's checkpoint is found for its next prompt (and by the shared index too)
-    cont = core.program.cache.entries[newest[1]].token_ids
+    cont = core.program.checkpoints.entries[newest[1]].token_ids
     nxt = np.concatenate([cont, prompt(32, 3)]).astype(np.int32)
     assert rm.lookup(nxt)[1] == len(cont)
     assert rm.lookup(nxt, session="chat")[1] == len(cont)
@@ -235,16 +235,16 @@ def test_invariants_catch_shared_writable_pages_and_lost_references():
     core.shutdown()
     prog = core.program
     prog.check_invariants()
-    entry = next(c for c in prog.cache.entries.values() if c.partial >= 0)
+    entry = next(c for c in prog.checkpoints.entries.values() if c.partial >= 0)
     prog.pages.refcount[entry.partial] += 1       # the partly filled page shared: COW broken
     with pytest.raises(ProgramError, match="reference counts|copy-on-write"):
         prog.check_invariants()
     prog.pages.refcount[entry.partial] -= 1
     prog.check_invariants()
-    prog.cache.slots._free.append(entry.slot)     # a held cache slot listed free as well
+    prog.checkpoints.slots._free.append(entry.slot)     # a held cache slot listed free as well
     with pytest.raises(ProgramError, match="slot ledger"):
         prog.check_invariants()
-    prog.cache.slots._free.pop()
+    prog.checkpoints.slots._free.pop()
     prog.check_invariants()
 
 
@@ -255,7 +255,7 @@ def test_stress_sessions_cancels_pauses_evictions_end_empty(seed):
     cold reference, the worker's audits pass, and everything is free at the end."""
     rng = random.Random(seed)
     probe, _ = make_core()
-    host = 4 * probe.program.checkpoint_cost(24)
+    host = 4 * probe.program.checkpoints.host_cost(24)
     probe.shutdown()
     core, _ = make_core(max_concurrency=4, max_context=64, num_kv_pages=18, page_size=4,
                         prefill_chunk=6, max_queue=400, host_snapshot_bytes=4000,

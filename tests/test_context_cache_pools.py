@@ -9,7 +9,7 @@ import pytest
 from ninfer._hot import pages_py
 from ninfer.contracts import ProgramError
 from ninfer.models.qwen3_5.config import TextConfig
-from ninfer.models.qwen3_5.program.pools import PagePool
+from ninfer.models.qwen3_5.program.page_ledger import PagePool
 from ninfer.models.qwen3_5.state import KVPool, StatePool
 
 try:

@@ -7,7 +7,7 @@ from fixture_utils import convert_fixture
 from ninfer.api import SamplingParams
 from ninfer.errors import RequestError
 from ninfer.models.qwen3_5.program import ProgramError
-from ninfer.runtime import resource_manager
+from ninfer.runtime import context_cache
 from runtime_helpers import VOCAB, make_core, prompt, reference_tokens
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +40,7 @@ def test_hit_equals_cold_run(params):
     assert stats["prefix_cache_lookups"] == 2
     core.shutdown()
     core.program.assert_all_free()
-    core.resources.check_invariants()
+    core.context_cache.check_invariants()
 
 
 def test_prefix_differing_inside_checkpoint_gets_no_hit():
@@ -64,7 +64,7 @@ def test_prefix_differing_inside_checkpoint_gets_no_hit():
 
 
 def test_digest_collision_never_gives_a_wrong_hit(monkeypatch):
-    monkeypatch.setattr(resource_manager, "_digest", lambda ids, prev=b"": b"same")
+    monkeypatch.setattr(context_cache, "_digest", lambda ids, prev=b"": b"same")
     core, _ = make_core()
     a, b = prompt(5, 10), prompt(6, 10)
     _run(core, a, GREEDY)
@@ -77,7 +77,7 @@ def test_digest_collision_never_gives_a_wrong_hit(monkeypatch):
 def test_lru_eviction_under_a_tiny_budget():
     """The host tier alone (no device share): one entry fits, the older goes."""
     probe, _ = make_core()
-    one = probe.program.checkpoint_cost(10)
+    one = probe.program.checkpoints.host_cost(10)
     probe.shutdown()
     core, _ = make_core(prefix_cache_bytes=one, prefix_cache_device_fraction=0)
     a, c = prompt(8, 10), prompt(9, 10)
@@ -91,7 +91,7 @@ def test_lru_eviction_under_a_tiny_budget():
     assert _run(core, c2, GREEDY) == reference_tokens(c2, GREEDY)
     assert _stats(core)["prefix_cache_hits"] == 1
     core.shutdown()
-    core.resources.check_invariants()
+    core.context_cache.check_invariants()
 
 
 def test_disabled_cache_captures_nothing():
@@ -121,7 +121,7 @@ def test_kv_pressure_with_pauses_stays_exact(snapshot_bytes):
     assert stats["pauses"] > 0 and 1 <= stats["prefix_cache_hits"] <= 6
     core.shutdown()
     core.program.assert_all_free()
-    core.resources.check_invariants()
+    core.context_cache.check_invariants()
 
 
 def test_cancel_right_after_an_install_keeps_the_checkpoint():
@@ -137,7 +137,7 @@ def test_cancel_right_after_an_install_keeps_the_checkpoint():
     assert stats["prefix_cache_entries"] >= 1 and stats["prefix_cache_hits"] >= 1
     core.shutdown()
     core.program.assert_all_free()
-    core.resources.check_invariants()
+    core.context_cache.check_invariants()
 
 
 def test_clear_returns_everything_and_invariants_catch_a_lost_entry():
@@ -147,22 +147,22 @@ def test_clear_returns_everything_and_invariants_catch_a_lost_entry():
     core.shutdown()
     assert core.program.stats()["prefix_cache_entries"] == 4     # 2 prompts, 2 continuations
     core.program.assert_all_free()                 # a cache is not a leak
-    cid = core.program.checkpoint_ids()[0]
-    core.program.drop_checkpoint(cid)              # behind the index's back
+    cid = core.program.checkpoints.ids()[0]
+    core.program.checkpoints.drop(cid)              # behind the index's back
     with pytest.raises(ProgramError, match="prefix index"):
-        core.resources.check_invariants()
+        core.context_cache.check_invariants()
     with pytest.raises(ProgramError, match="dropped twice"):
-        core.program.drop_checkpoint(cid)
+        core.program.checkpoints.drop(cid)
 
 
 def test_clear_prefix_cache():
     core, _ = make_core()
     _run(core, prompt(19, 9), GREEDY)
     core.shutdown()
-    core.resources.clear_prefix_cache()
+    core.context_cache.clear_prefix_cache()
     assert core.program.stats()["prefix_cache_entries"] == 0
-    assert core.program.cache_bytes_used == 0
-    core.resources.check_invariants()
+    assert core.program.checkpoints.usage().host_bytes_used == 0
+    core.context_cache.check_invariants()
 
 
 # ---- the real numpy model (tiny converted fixture) ----------------------------------------------
@@ -264,7 +264,7 @@ def test_stress_shared_prefixes_cancels_tiny_pool_and_cache(seed):
     import random
     max_context = 40
     probe, _ = make_core()
-    budget = 3 * probe.program.checkpoint_cost(12)
+    budget = 3 * probe.program.checkpoints.host_cost(12)
     probe.shutdown()
     core, _ = make_core(max_concurrency=4, max_context=max_context, page_size=4, num_kv_pages=12,
                         prefill_chunk=5, max_queue=200, host_snapshot_bytes=3000,
@@ -301,4 +301,4 @@ def test_stress_shared_prefixes_cancels_tiny_pool_and_cache(seed):
     assert core.health == "ready"
     core.shutdown()
     core.program.assert_all_free()
-    core.resources.check_invariants()
+    core.context_cache.check_invariants()

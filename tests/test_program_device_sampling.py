@@ -128,7 +128,7 @@ def test_grammar_masks_reach_the_device_sampler():
         out = []
         while len(out) < 6:
             assert prog.reserve_units([sid]) == [True]
-            pending = prog.execute([sid], mask_provider=lambda s: allowed)
+            pending = prog.execute([sid], masks={sid: allowed})
             prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
             out += list(pending.rows[0].produced)
         results.append(out)

@@ -370,7 +370,7 @@ def test_masked_rows_bypass_the_device_argmax_path():
         return mask
     for _ in range(3):
         assert prog.reserve_units([sid]) == [True]
-        pending = prog.execute([sid], mask_provider=provider)
+        pending = prog.execute([sid], masks={sid: provider(sid)})
         from ninfer.models.qwen3_5.program import RowDecision
         prog.commit(pending, [RowDecision(1)])
         assert pending.rows[0].produced == (only,)

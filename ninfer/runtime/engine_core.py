@@ -13,6 +13,7 @@ Engine: every request finishes with "error" and new submits raise EngineFailedEr
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import itertools
 import logging
 import secrets
@@ -24,16 +25,26 @@ from typing import Optional
 
 from ..api import Finished, GenerationStart, SamplingParams, TextDelta
 from ..errors import EngineFailedError, RequestError
-from ..contracts import RowDecision, SamplingSpec
+from ..contracts import RowDecision, RowPlan, SamplingSpec, UnitPlan
 from .handle import GenerationHandle, _Channel
 from .outcome import decide, final_result
 from .request import Request, RequestState, checked_prompt_ids, checked_submit_args
-from .resource_manager import ResourceManager
+from .context_cache import ContextCache
 from .scheduler import ResidentView, Scheduler
 
 log = logging.getLogger("ninfer.engine")
 _IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying again
 _RATE_WINDOW_S = 10.0
+
+
+@dataclass(slots=True, eq=False)
+class _Cycle:
+    """One cycle's plan: the units, and what was asked once for all of them."""
+    decode: list                 # requests of the decode unit, reserved
+    chunk: list                  # the one prefill / Replay chunk row, reserved, or empty
+    views: dict                  # request -> ResidentView
+    forced: dict                 # seq_id -> a control unit's tokens (OutputSession.forced_tokens)
+    sampling: frozenset          # requests whose next unit samples (unless forced)
 
 
 class EngineCore:
@@ -45,7 +56,7 @@ class EngineCore:
         self.vocab_size = int(program.vocab_size)
         self.program = program
         self.scheduler = Scheduler(max_bypass=options.max_concurrency)
-        self.resources = ResourceManager(self.program)
+        self.context_cache = ContextCache(self.program)
         # reentrant: a handle dropped (and closed) by GC inside a locked region re-enters _notify
         self._lock = threading.RLock()         # inbox, outstanding, health, stopping
         self._wake = threading.Condition(self._lock)
@@ -176,8 +187,8 @@ class EngineCore:
         self._settle_cancellations()
         self._resume_oldest_paused()
         self._admit_fresh()
-        decode, chunk = self._plan_and_reserve()
-        ran = self._run_unit(decode) + self._run_unit(chunk)
+        cycle = self._plan_and_reserve()
+        ran = self._run_unit(cycle.decode, cycle) + self._run_unit(cycle.chunk, cycle)
         self._was_idle = ran == 0
         self._audit_when_empty()
         self._publish_stats()
@@ -188,7 +199,7 @@ class EngineCore:
         request) with the debug_checks option."""
         if not (self._waiting or self._residents or self._paused):
             self.program.assert_all_free(full=self.options.debug_checks)
-            self.resources.check_invariants()
+            self.context_cache.check_invariants()
 
     def _wait_for_work(self) -> bool:
         with self._lock:
@@ -218,14 +229,14 @@ class EngineCore:
                 self._finish(req, "cancelled", "deadline exceeded (timeout_s)")
 
     def _resume_oldest_paused(self) -> None:
-        has_protected = any(self.program.is_protected(r.seq_id) for r in self._residents)
+        has_protected = self.program.has_protected()
         req = self.scheduler.resume_candidate(
             [ResidentView(r, r.ticket, False) for r in self._paused], has_protected)
         if req is None or len(self._residents) >= self.options.max_concurrency:
             return
         short = self.program.pages_short_to_resume(req.resume_state)
         if short:                                   # cache pages go before a request waits
-            self.resources.reclaim(self.program.pages.num_free + short)
+            self.context_cache.reclaim(short)
         if not self.program.can_resume(req.resume_state):
             return
         kind = req.resume_state.kind
@@ -240,18 +251,18 @@ class EngineCore:
         while self._waiting and len(self._residents) < self.options.max_concurrency:
             req = self._waiting[0]
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
-                    or not self.program.slots.num_free:
+                    or not self.program.capacity().free_state_slots:
                 return
-            checkpoint, reused = self.resources.lookup(
+            checkpoint, reused = self.context_cache.lookup(
                 req.prompt_ids, req.media_digest, req.cache_session) if req.may_reuse \
                 else (None, 0)
-            if req.may_reuse and self.resources.wait_for_inflight(
+            if req.may_reuse and self.context_cache.wait_for_inflight(
                     req.prompt_ids, reused, [r.seq_id for r in self._residents]):
                 return                              # a resident is prefilling our prefix
             short = self.program.pages_short_to_bind(req.num_prompt_tokens, reused, checkpoint)
             if short:                               # cache pages go before a request waits
-                self.resources.reclaim(self.program.pages.num_free + short,
-                                       protect=() if checkpoint is None else (checkpoint,))
+                self.context_cache.reclaim(short,
+                                           protect=() if checkpoint is None else (checkpoint,))
             if not self.program.can_bind(req.num_prompt_tokens, reused, checkpoint):
                 checkpoint, reused = None, 0
                 if not self.program.can_bind(req.num_prompt_tokens):
@@ -261,10 +272,7 @@ class EngineCore:
                                            checkpoint=checkpoint,
                                            **({"media": req.media} if req.media else {}))
             if req.may_reuse:
-                self.resources.note_bind(checkpoint, reused, req.seq_id)
-                split = self.resources.divergence(req.prompt_ids, reused)
-                if split:                           # a checkpoint where it leaves a cached one
-                    self.program.add_capture(req.seq_id, split)
+                self.context_cache.bound(req.seq_id, req.prompt_ids, checkpoint, reused)
             req.num_cached_tokens = reused
             self._waiting.popleft()
             req.admit_time = time.monotonic()
@@ -307,11 +315,11 @@ class EngineCore:
         """The single terminal transition: release Program resources, then publish Finished."""
         if touch_program and req.seq_id is not None:
             # a finished answer leaves its continuation (prompt + answer) in the context cache
-            self.resources.settle_finished(
+            self.context_cache.settle_finished(
                 req.seq_id, keep=req.may_reuse and reason not in ("cancelled", "error"),
                 session=req.cache_session, order=req.ticket, media_digest=req.media_digest)
         if touch_program and req.resume_state is not None:
-            self.resources.settle_paused(req.resume_state)
+            self.context_cache.settle_paused(req.resume_state)
         was_admitted = req.state != RequestState.WAITING
         req.seq_id = req.resume_state = None
         for queue in (self._waiting, self._residents, self._paused):
@@ -326,45 +334,64 @@ class EngineCore:
         req.channel.publish(Finished(result))
 
     # ---- worker: planning -----------------------------------------------------------------------
-    def _view(self, req: Request) -> ResidentView:
-        return ResidentView(req, req.ticket, self.program.unit_kind(req.seq_id) == "decode",
-                            self.program.is_protected(req.seq_id), req.last_chunk_cycle)
-
-    def _plan_and_reserve(self) -> tuple:
-        views = [self._view(r) for r in self._residents]
-        plan = self.scheduler.plan(views)
-        members = [v for v in views if v.key in plan.members]
-        granted = set()
-        for req in self.scheduler.reservation_order(members):
-            if req in self._residents and self._reserve(req):
-                granted.add(req)
+    def _plan_and_reserve(self) -> _Cycle:
+        """This cycle's units, every row reserved. One Program question plans every resident."""
+        rows = self.program.plan_view([r.seq_id for r in self._residents])
+        views = {req: ResidentView(req, req.ticket, row.kind == "decode", row.is_protected,
+                                   req.last_chunk_cycle)
+                 for req, row in zip(self._residents, rows)}
+        sampling = frozenset(req for req, row in zip(self._residents, rows) if row.is_sampling)
+        plan = self.scheduler.plan(list(views.values()))
+        forced = self._forced([views[r] for r in plan.members])
+        granted = self._reserve(self.scheduler.reservation_order(
+            [views[r] for r in plan.members]), views, forced)
         decode = [r for r in plan.decode if r in granted and r in self._residents]
         chunk = [plan.chunk] if plan.chunk in granted and plan.chunk in self._residents else []
         for req in chunk:
             req.last_chunk_cycle = self._cycle_no
-        return decode, chunk
+        return _Cycle(decode, chunk, views, forced or {}, sampling)
 
-    def _reserve(self, req: Request) -> bool:
-        """Reserve req's next unit, pausing the youngest younger resident while it lacks pages."""
-        while not self.program.reserve_units([req.seq_id], forced=self._forced([req]))[0]:
-            if self.resources.reclaim(self.program.pages.num_free + 1):
-                continue                            # cache pages go before any resident pauses
-            victim = self.scheduler.choose_victim([self._view(r) for r in self._residents],
-                                                  self._view(req))
-            self._pause(victim)
-            if victim is req:
-                return False
-        return True
+    def _reserve(self, order: list, views: dict, forced) -> set:
+        """Reserve the rows' next units in order: one Program call while pages last; a row that
+        lacks them first takes cache pages, then pauses the youngest younger resident (itself
+        when there is none), before the rows after it reserve."""
+        granted = set()
+        while order:
+            order = [r for r in order if r in self._residents]
+            if not order:
+                break
+            ok = self.program.reserve_units([r.seq_id for r in order], forced=forced,
+                                            stop_at_short=True)
+            num_granted = len(ok) - (not ok[-1])
+            granted.update(order[:num_granted])
+            if num_granted < len(order) and self._reserve_short(order[num_granted], views, forced):
+                granted.add(order[num_granted])
+            order = order[num_granted + 1:]
+        return granted
 
-    def _forced(self, reqs: list):
+    def _reserve_short(self, req: Request, views: dict, forced) -> bool:
+        while True:
+            if not self.context_cache.reclaim(1):   # cache pages go before any resident pauses
+                victim = self.scheduler.choose_victim([views[r] for r in self._residents],
+                                                      views[req])
+                self._pause(victim)
+                if victim is req:
+                    return False
+            if self.program.reserve_units([req.seq_id], forced=forced)[0]:
+                return True
+
+    def _forced(self, views: list):
         """Control units due now: seq_id -> the tokens its OutputSession forces (a spent thinking
         budget's `</think>` + separator), cut to the room max_tokens and max_context leave, for
-        decode-ready rows only. None when no row has any. Reserve and execute ask the same
-        committed session state within one cycle, so both see the same units."""
+        decode-ready rows only. None when no row has any. Asked once per cycle, before the
+        reservation; the execution uses the same answer."""
         out = {}
-        for req in reqs:
+        for view in views:
+            if not view.is_decode:
+                continue
+            req = view.key
             tokens = req.session.forced_tokens()
-            if not tokens or self.program.unit_kind(req.seq_id) != "decode":
+            if not tokens:
                 continue
             done = req.num_generated_tokens
             room = min(req.params.max_tokens - done,
@@ -374,21 +401,27 @@ class EngineCore:
         return out or None
 
     # ---- worker: one unit -----------------------------------------------------------------------
-    def _run_unit(self, reqs: list) -> int:
+    def _run_unit(self, reqs: list, cycle: _Cycle) -> int:
+        """launch -> (host work that needs no result) -> collect -> Frontend preview per row ->
+        Program commit -> captures -> budget, OutputSession commit, publish per row."""
         if not reqs:
             return 0
+        forced = cycle.forced
+        rows = tuple(RowPlan(r.seq_id, forced.get(r.seq_id),
+                             _mask(r) if r in cycle.sampling and r.seq_id not in forced else None)
+                     for r in reqs)
         # no State backups: a cancelled row is released right after the commit, never resumed
-        pending = self.program.execute([r.seq_id for r in reqs], keep_rollback=False,
-                                       forced=self._forced(reqs),
-                                       mask_provider=_mask_provider(reqs),
-                                       draft_masks=_draft_masks(reqs))
+        inflight = self.program.launch(UnitPlan(rows, keep_rollback=False,
+                                                draft_masks=_draft_masks(reqs)))
         now = time.monotonic()
+        self._expire_rate_window(now)           # host work that needs no result of the step
+        pending = self.program.collect(inflight)
         verdicts = [decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]
         self.program.commit(pending, [d for d, _, _ in verdicts])
         for req, (decision, _, _) in zip(reqs, verdicts):
             if not decision.is_cancelled:
-                self.resources.capture_if_due(req.seq_id, req.media_digest)
+                self.context_cache.capture_if_due(req.seq_id, req.media_digest)
         for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
             self._settle_row(req, row, decision, preview, error)
         return 1
@@ -400,8 +433,7 @@ class EngineCore:
                          error or (None if req.is_cancel_requested else "deadline exceeded (timeout_s)"))
             return
         if not row.produced:
-            req.state = RequestState.REPLAY if self.program.unit_kind(req.seq_id) == "replay" \
-                else RequestState.PREFILL
+            req.state = RequestState.REPLAY if row.is_replay else RequestState.PREFILL
             return
         tokens = list(row.produced[:decision.accepted])
         self._account(req, tokens, row.logprobs[:decision.accepted])
@@ -467,12 +499,15 @@ class EngineCore:
                     req.channel.publish(Finished(final_result(req, "error", error)))
         self._publish_stats()
 
-    def _publish_stats(self) -> None:
-        """Once per cycle (and at each terminal transition): O(1) in the run's length."""
-        now = time.monotonic()
+    def _expire_rate_window(self, now: float) -> None:
         window = self._rate_window
         while window and window[0][0] < now - _RATE_WINDOW_S:
             self._rate_tokens -= window.popleft()[1]
+
+    def _publish_stats(self) -> None:
+        """Once per cycle (and at each terminal transition): O(1) in the run's length."""
+        now = time.monotonic()
+        self._expire_rate_window(now)
         span = min(_RATE_WINDOW_S, now - self._start_time)
         rate = self._rate_tokens / span if span > 0 else 0.0
         try:
@@ -481,7 +516,7 @@ class EngineCore:
             program_stats = {}
         stats = dict(self._counters, waiting=len(self._waiting), residents=len(self._residents),
                      paused=len(self._paused), tokens_per_s=rate, **program_stats,
-                     **self.resources.stats())
+                     **self.context_cache.stats())
         with self._lock:
             self._stats = stats
 
@@ -494,21 +529,13 @@ def _draft_masks(reqs: list):
     return lambda seq_id, tokens: sessions[seq_id].token_masks_along(tokens)
 
 
-def _mask_provider(reqs: list):
-    """The round's mask provider: seq_id -> the OutputSession's mask for its next token (a
-    grammar's, min_tokens' stop-token ban, a spent thinking budget's `</think>`; None when anything
-    goes). None when no row of the unit needs one."""
-    sessions = {r.seq_id: r.session for r in reqs if r.session.needs_mask}
-    if not sessions:
+def _mask(req: Request):
+    """The OutputSession's mask for req's next sampled token (a grammar's, min_tokens' stop-token
+    ban, a spent thinking budget's `</think>`), or None when anything goes."""
+    if not req.session.needs_mask:
         return None
-
-    def provider(seq_id):
-        session = sessions.get(seq_id)
-        if session is None:
-            return None
-        try:
-            return session.token_mask()
-        except Exception:  # noqa: BLE001 - preview then rejects the free token: this request ends
-            log.exception("grammar mask failed")
-            return None
-    return provider
+    try:
+        return req.session.token_mask()
+    except Exception:  # noqa: BLE001 - preview then rejects the free token: this request ends
+        log.exception("grammar mask failed")
+        return None

@@ -37,6 +37,7 @@ class FakeModel:
     greedy_on_device = samples_on_device = False    # subclasses add decode_greedy / sample
     checks_batches = True
     max_kv_pages = None
+    encode_media = None                             # text only (contracts.Model)
 
     def warm_up(self, kv, state) -> None:
         pass

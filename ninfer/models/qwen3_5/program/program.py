@@ -33,10 +33,12 @@ import numpy as np
 from .... import _hot
 from ....errors import RequestError
 from ..batch import ForwardBatch
-from ....contracts import (PendingBatch, ProgramError, ResumeState, RowDecision, RowResult,
-                           SampleRow, SamplingSpec)
-from .context_cache import CheckpointStore
-from .pools import PagePool, SlotPool, pages_for
+from ....contracts import (Capacity, CaptureRoom, PendingBatch, ProgramError, ResumeState,
+                           RowDecision, RowPlan, RowResult, RowView, SampleRow, SamplingSpec,
+                           UnitPlan)
+from .checkpoint_store import CheckpointStore
+from .inflight import InFlightUnit, Ready
+from .page_ledger import PagePool, SlotPool, pages_for
 from .sampling import sample_row
 from .speculative import MtpSpeculator
 
@@ -57,7 +59,7 @@ class _Sequence:
     protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
     is_unusable: bool = False    # rolled back without a State backup: may only be released
     captures: list = None        # checkpoint positions still to capture, ascending (prefill
-                                 # chunks end there; the ResourceManager captures after commit)
+                                 # chunks end there; the ContextCache captures after commit)
     media: object = None         # vision.PromptMedia: MRoPE positions + embeddings, or None
 
 
@@ -101,6 +103,7 @@ class Program:
         # copy carries it) before anything sizes a page; speculative.py runs the units
         self.speculator = None if drafter is None else \
             MtpSpeculator(drafter, options.num_draft_tokens, self.kv)
+        self.is_speculative = self.speculator is not None
         self.state = model.new_state_pool(self.num_slots + num_cache_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
         self.slots = SlotPool(self.num_slots)
@@ -111,13 +114,14 @@ class Program:
         self._state_bytes = _host_bytes(self.state.read(0))
         self._snapshots: dict = {}          # snapshot id -> host bytes (the only host ledger)
         # checkpoints: their own host budget, so a cache entry never blocks a pause
-        self.cache = CheckpointStore(
+        self.checkpoints = CheckpointStore(
             self.kv, self.state, self.pages, SlotPool(num_cache_slots, first=self.num_slots),
             page_bytes=self._page_bytes, state_bytes=self._state_bytes,
             host_budget_bytes=options.prefix_cache_budget_bytes,
             device_page_budget=int(share * num_pages) if num_cache_slots else 0)
         self._seqs: dict = {}
         self._pending: Optional[PendingBatch] = None
+        self._inflight: Optional[InFlightUnit] = None     # launched, not yet collected
         self._next_id = 0
         self._uid = next(_PROGRAM_IDS)
         # batch_invariant: Replay re-runs history the way it first ran (the prompt in its own
@@ -142,6 +146,9 @@ class Program:
     def host_bytes_free(self) -> int:
         return self.host_budget_bytes - self.host_bytes_used
 
+    def capacity(self) -> Capacity:
+        return Capacity(self.pages.num_free, self.slots.num_free)
+
     def snapshot_cost(self, seq_id: int) -> int:
         """Host bytes a Snapshot pause of this sequence would hold now."""
         frontier = self._seqs[seq_id].num_computed_tokens
@@ -159,7 +166,7 @@ class Program:
         tokens: its full pages on the device come shared, not from the free pool)."""
         first = num_reused + min(self.prefill_chunk, num_prompt_tokens - num_reused)
         need = pages_for(first, self.page_size) if checkpoint is None \
-            else self.cache.bind_pages_needed(checkpoint, first)
+            else self.checkpoints.bind_pages_needed(checkpoint, first)
         return max(0, need - self.pages.num_free)
 
     def can_resume(self, rs: ResumeState) -> bool:
@@ -172,7 +179,7 @@ class Program:
     @property
     def accepts_media(self) -> bool:
         """The model runs a vision tower: bind takes image / video prompts."""
-        return getattr(self.model, "encode_media", None) is not None
+        return self.model.encode_media is not None     # declared by every Model
 
     def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec, *, capture_at: int = 0,
              checkpoint: Optional[int] = None, media=None) -> int:
@@ -187,7 +194,7 @@ class Program:
         encoded = None if media is None else self.model.encode_media(prompt_ids, *media)
         if not 1 <= n < self.max_context:
             raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
-        ckpt = None if checkpoint is None else self.cache.entries[checkpoint]
+        ckpt = None if checkpoint is None else self.checkpoints.entries[checkpoint]
         reused = 0 if ckpt is None else ckpt.num_tokens
         if ckpt is not None and not (reused < n and np.array_equal(ckpt.token_ids,
                                                                     prompt_ids[:reused])):
@@ -195,49 +202,42 @@ class Program:
         seq = self._new_sequence(n, n, reused, spec)
         seq.media = encoded
         self.token_buf[seq.slot, :n] = prompt_ids
-        end = min(int(capture_at), n) if self.cache.is_enabled else 0
+        end = min(int(capture_at), n) if self.checkpoints.is_enabled else 0
         seq.captures = [q for q in range(self.checkpoint_interval, end, self.checkpoint_interval)
                         if q > reused] + ([end] if end > reused else [])
         if ckpt is not None:
-            self.cache.install(checkpoint, seq.slot)
+            self.checkpoints.install(checkpoint, seq.slot)
         return seq.seq_id
 
-    # ---- context cache (the ResourceManager keeps the index; the store holds the copies) -------
-    def checkpoint_cost(self, num_tokens: int) -> int:
-        """Host bytes of a checkpoint of num_tokens on the host tier."""
-        return self.cache.host_cost(num_tokens)
-
-    @property
-    def cache_bytes_used(self) -> int:
-        """Host bytes of the host-tier checkpoints."""
-        return self.cache.host_bytes_used
-
-    @property
-    def cache_budget_bytes(self) -> int:
-        return self.cache.host_budget_bytes
-
-    def capture_due(self, seq_id: int) -> int:
-        """The checkpoint position this sequence's frontier sits on exactly now, else 0."""
+    # ---- context cache (runtime/context_cache.py keeps the index; `checkpoints` holds the copies)
+    # `self.checkpoints` (CheckpointStore) answers info / ids / usage / host_cost / demote / drop;
+    # what needs a sequence's pages and slot is here: due_capture, capture_room,
+    # capture_checkpoint, promote_checkpoint, continuation, release(keep_frontier=True),
+    # prefill_progress, add_capture.
+    def due_capture(self, seq_id: int) -> Optional[np.ndarray]:
+        """The tokens [0, p) of the checkpoint position p this sequence's frontier sits on exactly
+        now, else None (`capture_checkpoint` takes it or clears it)."""
         seq = self._seqs[seq_id]
+        p = self._capture_due(seq)
+        return self.token_buf[seq.slot, :p].copy() if p else None
+
+    def _capture_due(self, seq: _Sequence) -> int:
         while seq.captures and seq.captures[0] < seq.num_computed_tokens:
             seq.captures.pop(0)                 # passed without a capture (e.g. a control unit)
         if seq.captures and seq.captures[0] == seq.num_computed_tokens and not seq.is_unusable:
             return seq.captures[0]
         return 0
 
-    def prefix_tokens(self, seq_id: int, num_tokens: int) -> np.ndarray:
-        seq = self._seqs[seq_id]
-        return self.token_buf[seq.slot, :num_tokens].copy()
-
-    def capture_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False) -> tuple:
-        """(cache slot free, free pages the capture takes, pages it adds to the cache's device
-        set) of a device capture of [0, num_tokens) of this sequence."""
+    def capture_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False
+                     ) -> CaptureRoom:
+        """What a device capture of [0, num_tokens) of this sequence needs now."""
         seq = self._seqs[seq_id]
         row = self.pages.block_tables[seq.slot, :pages_for(num_tokens, self.page_size)]
-        held = set(self.cache.held_pages().tolist())
+        held = set(self.checkpoints.held_pages().tolist())
         adds = sum(1 for q in row[:num_tokens // self.page_size] if int(q) not in held)
         partial = num_tokens % self.page_size != 0
-        return (self.cache.slots.num_free > 0, int(partial and not at_release), adds + partial)
+        return CaptureRoom(self.checkpoints.slots.num_free > 0, int(partial and not at_release),
+                           adds + partial)
 
     def prefill_progress(self, seq_id: int) -> tuple:
         """(frontier, the prompt's tokens) of a sequence still prefilling its prompt (no
@@ -252,7 +252,7 @@ class Program:
         """Ask a prefilling sequence for one more checkpoint position (where a waiting prompt
         leaves its prompt): a prefill chunk will end there. False when it is past it."""
         seq = self._seqs[seq_id]
-        if not self.cache.is_enabled or not \
+        if not self.checkpoints.is_enabled or not \
                 seq.num_computed_tokens < position <= seq.num_prompt_tokens:
             return False
         seq.captures = sorted(set(seq.captures or ()) | {int(position)})
@@ -264,14 +264,14 @@ class Program:
         device (pages by reference, State slot copy; the caller made room: `capture_room`) or
         as host copies. keep=False only clears the pending capture. Returns the checkpoint id."""
         self._no_pending("capture_checkpoint")
-        p = self.capture_due(seq_id)
         seq = self._seqs[seq_id]
+        p = self._capture_due(seq)
         if p:
             seq.captures.pop(0)
         if not p or not keep:
             return None
         cid = self._new_id()
-        capture = self.cache.capture_device if on_device else self.cache.capture_host
+        capture = self.checkpoints.capture_device if on_device else self.checkpoints.capture_host
         capture(cid, self.token_buf[seq.slot, :p], self.pages.block_tables[seq.slot], seq.slot)
         return cid
 
@@ -298,40 +298,25 @@ class Program:
             self.speculator.forget(seq_id)
         if keep_frontier:
             tokens = self.continuation(seq_id)
-            if not len(tokens) or (on_device and not self.cache.slots.num_free):
+            if not len(tokens) or (on_device and not self.checkpoints.slots.num_free):
                 raise ProgramError(f"release: sequence {seq_id} cannot keep its continuation")
             cid = self._new_id()
             row = self.pages.block_tables[seq.slot]
             if on_device:
-                self.cache.capture_device(cid, tokens, row, seq.slot, own_partial=True)
+                self.checkpoints.capture_device(cid, tokens, row, seq.slot, own_partial=True)
             else:
-                self.cache.capture_host(cid, tokens, row, seq.slot)
+                self.checkpoints.capture_host(cid, tokens, row, seq.slot)
         del self._seqs[seq_id]
         self.pages.shrink(seq.slot, 0)
         self.slots.give(seq.slot)
         return cid
 
-    def demote_checkpoint(self, checkpoint: int) -> None:
-        self.cache.demote(checkpoint)
-
     def promote_checkpoint(self, checkpoint: int, seq_id: int) -> None:
         """Move a host checkpoint to the device from the sequence that just installed it."""
         seq = self._seqs[seq_id]
-        if seq.num_computed_tokens != self.cache.entries[checkpoint].num_tokens:
+        if seq.num_computed_tokens != self.checkpoints.entries[checkpoint].num_tokens:
             raise ProgramError(f"promote: sequence {seq_id} moved past checkpoint {checkpoint}")
-        self.cache.promote(checkpoint, self.pages.block_tables[seq.slot], seq.slot)
-
-    def checkpoint_info(self, checkpoint: int) -> tuple:
-        """(tokens covered, on the device, device bytes dropping it frees, host bytes)."""
-        c = self.cache.entries[checkpoint]
-        return (c.num_tokens, c.on_device, self.cache.device_bytes_freed_by(checkpoint),
-                c.host_bytes)
-
-    def drop_checkpoint(self, checkpoint: int) -> None:
-        self.cache.drop(checkpoint)
-
-    def checkpoint_ids(self) -> list:
-        return list(self.cache.entries)
+        self.checkpoints.promote(checkpoint, self.pages.block_tables[seq.slot], seq.slot)
 
     def pause(self, seq_id: int, *, allow_snapshot: bool = True) -> ResumeState:
         """Pause at the committed boundary; frees the slot and pages. Snapshot when host budget
@@ -394,48 +379,72 @@ class Program:
         return seq.seq_id
 
     # ---- units ----------------------------------------------------------------------------------
+    def plan_view(self, seq_ids) -> list:
+        """One RowView per sequence: its next unit's kind, protection and whether it samples
+        (the EngineCore's one planning question per cycle)."""
+        views = []
+        for sid in seq_ids:
+            seq = self._seqs[sid]
+            unit = self._next_unit(seq)
+            kind = "replay" if unit.is_replay else \
+                "decode" if seq.num_tokens > seq.num_prompt_tokens else "prefill"
+            views.append(RowView(sid, kind, seq.protected_tokens > 0, unit.is_sampling))
+        return views
+
     def unit_kind(self, seq_id: int) -> str:
         """'prefill', 'replay' or 'decode': what the sequence's next unit is."""
-        unit = self._next_unit(self._seqs[seq_id])
-        if unit.is_replay:
-            return "replay"
-        is_decode = self._seqs[seq_id].num_tokens > self._seqs[seq_id].num_prompt_tokens
-        return "decode" if is_decode else "prefill"
+        return self.plan_view([seq_id])[0].kind
 
     def is_protected(self, seq_id: int) -> bool:
         return self._seqs[seq_id].protected_tokens > 0
 
-    def reserve_units(self, seq_ids, *, forced: Optional[dict] = None) -> list:
+    def has_protected(self) -> bool:
+        """Some sequence is in protected resume (holds its resume permit)."""
+        return any(seq.protected_tokens > 0 for seq in self._seqs.values())
+
+    def reserve_units(self, seq_ids, *, forced: Optional[dict] = None,
+                      stop_at_short: bool = False) -> list:
         """Grant each row the pages of its next unit, all or nothing per row; rows are independent
         (one lacking pages does not stop the others). Returns one bool per row. `forced` maps a
-        decode-ready sequence to the tokens of a control unit."""
+        decode-ready sequence to the tokens of a control unit. stop_at_short: stop at the first
+        row that lacks pages (its False is the list's last entry), so the caller can make room
+        for it before the rows after it reserve, as one call per row would."""
         granted = []
         for sid in seq_ids:
             seq = self._seqs[sid]
             unit = self._unit_of(seq, forced)
             granted.append(self.pages.grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens))
+            if stop_at_short and not granted[-1]:
+                break
         return granted
 
     def execute(self, seq_ids, *, forced: Optional[dict] = None, keep_rollback: bool = True,
-                mask_provider: Optional[Callable[[int], Optional[np.ndarray]]] = None,
+                masks: Optional[dict] = None,
                 draft_masks: Optional[Callable[[int, tuple], list]] = None) -> PendingBatch:
-        """Run the next unit of every row as one model call; rows must hold their reservation.
+        """collect(launch(plan)) of the plan these arguments spell: forced and masks map seq_id
+        -> a control unit's tokens / the bool token mask of its next sampled token."""
+        forced, masks = forced or {}, masks or {}
+        rows = tuple(RowPlan(s, forced.get(s), masks.get(s)) for s in seq_ids)
+        return self.collect(self.launch(UnitPlan(rows, keep_rollback, draft_masks)))
 
-        mask_provider (borrowed for this round only): seq_id -> the bool token mask of its next
-        sampled token (constrained decoding) or None; asked once per sampling row, before the
-        forward. A backend with `sample` applies it on the device; otherwise the host does.
-        draft_masks (speculative decoding): seq_id, drafts -> the masks of the positions after
-        each draft prefix, as many as may be sampled (OutputSession.token_masks_along).
+    def launch(self, plan: UnitPlan) -> InFlightUnit:
+        """Start the next unit of every row as one model call; rows must hold their reservation.
+
+        A row's mask (constrained decoding) applies to its next sampled token; a backend with
+        `sample` applies it on the device, otherwise the host does (in `collect`). Speculative
+        decoding runs the whole unit here (drafts, one verify forward, per-position sampling).
 
         keep_rollback=False skips the State backup (a host copy per row, costly on a device):
         a row then cancelled or aborted cannot continue and may only be released (the Engine
-        releases every cancelled row at once)."""
-        self._no_pending("execute")
-        seqs = [self._seqs[s] for s in seq_ids]
+        releases every cancelled row at once). The unit must be collected before anything else
+        is asked of the Program."""
+        self._no_pending("launch")
+        seqs = [self._seqs[s] for s in plan.seq_ids]
         if not seqs or len({s.slot for s in seqs}) != len(seqs):
-            raise ProgramError(f"execute: bad membership {list(seq_ids)}")
+            raise ProgramError(f"execute: bad membership {plan.seq_ids}")
         if any(s.is_unusable for s in seqs):
             raise ProgramError("execute: a row lost its State in a rollback without backup")
+        forced = {r.seq_id: r.forced for r in plan.rows if r.forced}
         units = [self._unit_of(s, forced) for s in seqs]
         for seq, unit in zip(seqs, units):
             if self.pages.can_grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens) != 0:
@@ -443,31 +452,55 @@ class Program:
             # F[:-1] goes after the committed tokens, where packing reads it (provisional)
             self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + len(unit.forced) - 1] = \
                 unit.forced[:-1]
-        masks = [mask_provider(seq.seq_id) if mask_provider is not None and unit.is_sampling
-                 else None for seq, unit in zip(seqs, units)]
+        masks = [row.mask if unit.is_sampling else None for row, unit in zip(plan.rows, units)]
         if self.speculator is not None:     # drafts, one verify forward, per-position sampling
-            self._pending = self.speculator.execute(self, seqs, units, masks, keep_rollback,
-                                                    draft_masks)
-            return self._pending
-        batch = self._pack(seqs, units)
-        backups = [self.state.read(s.slot) if keep_rollback else None for s in seqs]
-        media = self._media_rows(seqs, units)
+            pending = self.speculator.execute(self, seqs, units, masks, plan.keep_rollback,
+                                              plan.draft_masks)
+            self._inflight = InFlightUnit(seqs, units, masks, [], "speculative", pending=pending)
+            return self._inflight
+        backups = [self.state.read(s.slot) if plan.keep_rollback else None for s in seqs]
+        self._inflight = self._start_step(seqs, units, masks, backups)
+        return self._inflight
+
+    def _start_step(self, seqs, units, masks, backups) -> InFlightUnit:
+        """The one place a unit's backend call starts (synchronously today: `inflight.Ready`)."""
+        batch = self.pack_rows(seqs, units)
+        media = self.media_rows(seqs, units)
         # media rows replace embeddings: only forward takes them (not the device token paths)
-        on_device = None if media is not None else \
-            self._can_sample_on_device(seqs, units, masks)
-        if on_device == "greedy":
-            rows = self._device_greedy_rows(batch, seqs, units)
-        elif on_device == "sample":
-            rows = self._device_sampled_rows(batch, seqs, units, masks)
+        path = (None if media is not None else self._can_sample_on_device(seqs, units, masks)) \
+            or "logits"
+        if path == "greedy":
+            out = self.model.decode_greedy(batch, self.kv, self.state)
+        elif path == "sample":
+            out = self.model.sample(batch, self.kv, self.state,
+                                    self._sample_requests(seqs, units, masks))
+        elif media is not None:
+            out = self.model.forward(batch, self.kv, self.state, media=media)
         else:
-            logits = self.model.forward(batch, self.kv, self.state, media=media) \
-                if media is not None else self.model.forward(batch, self.kv, self.state)
-            if logits.shape != (len(seqs), self.vocab_size):
-                raise ProgramError(f"model.forward returned {logits.shape}, "
+            out = self.model.forward(batch, self.kv, self.state)
+        return InFlightUnit(seqs, units, masks, backups, path, Ready(out))
+
+    def collect(self, inflight: InFlightUnit) -> PendingBatch:
+        """The launched unit's PendingBatch (to be consumed whole by commit or abort_pending)."""
+        if inflight is not self._inflight:
+            raise ProgramError("collect: not the unit in flight")
+        self._inflight = None
+        if inflight.pending is not None:
+            self._pending = inflight.pending
+            return self._pending
+        seqs, units, masks = inflight.seqs, inflight.units, inflight.masks
+        out = inflight.step.collect()
+        if inflight.path == "greedy":
+            rows = self._token_rows(seqs, units, out, "decode_greedy")
+        elif inflight.path == "sample":
+            rows = self._token_rows(seqs, units, out, "sample")
+        else:
+            if out.shape != (len(seqs), self.vocab_size):
+                raise ProgramError(f"model.forward returned {out.shape}, "
                                    f"expected {(len(seqs), self.vocab_size)}")
-            rows = tuple(self._row_result(seq, unit, logits[r], masks[r])
+            rows = tuple(self.sample_row(seq, unit, out[r], masks[r])
                          for r, (seq, unit) in enumerate(zip(seqs, units)))
-        self._pending = PendingBatch(rows, backups, self._new_id())
+        self._pending = PendingBatch(rows, inflight.backups, self._new_id())
         return self._pending
 
     def _can_sample_on_device(self, seqs, units, masks):
@@ -485,19 +518,13 @@ class Program:
             return "greedy"
         return "sample" if self.model.samples_on_device else None
 
-    def _device_greedy_rows(self, batch, seqs, units) -> tuple:
-        tokens = self.model.decode_greedy(batch, self.kv, self.state)
-        return self._token_rows(seqs, units, tokens, "decode_greedy")
-
-    def _device_sampled_rows(self, batch, seqs, units, masks) -> tuple:
-        requests = [SampleRow(seq.spec, seq.num_tokens,
-                              self.token_buf[seq.slot, :seq.num_prompt_tokens],
-                              self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
-                              mask, cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
-                    if unit.is_sampling else None
-                    for seq, unit, mask in zip(seqs, units, masks)]
-        tokens = self.model.sample(batch, self.kv, self.state, requests)
-        return self._token_rows(seqs, units, tokens, "sample")
+    def _sample_requests(self, seqs, units, masks) -> list:
+        return [SampleRow(seq.spec, seq.num_tokens,
+                          self.token_buf[seq.slot, :seq.num_prompt_tokens],
+                          self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
+                          mask, cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
+                if unit.is_sampling else None
+                for seq, unit, mask in zip(seqs, units, masks)]
 
     def _token_rows(self, seqs, units, tokens, what: str) -> tuple:
         """RowResults from a device path's token ids (one per row; rows that do not sample drop
@@ -545,6 +572,40 @@ class Program:
             self._restore(seq, backup)
             self._trim(seq)
 
+    # ---- speculation hooks (program/speculative.py uses these and nothing private) ---------------
+    # `seq` / `unit` are the records launch hands the speculator (_Sequence: slot, frontier
+    # num_computed_tokens, num_tokens, num_prompt_tokens, spec, media, is_unusable; _Unit:
+    # num_new_tokens, is_sampling, is_replay, forced); they are read, never written, outside.
+    def sequence(self, seq_id: int) -> Optional[_Sequence]:
+        """The live sequence's record, or None once released."""
+        return self._seqs.get(seq_id)
+
+    def token_ids(self, seq: _Sequence, start: int, stop: int) -> np.ndarray:
+        """The sequence's token ids [start, stop) (a view: read it before the next write)."""
+        return self.token_buf[seq.slot, start:stop]
+
+    def write_provisional(self, seq: _Sequence, tokens) -> None:
+        """Tokens after the committed ones, where packing reads them (drafts); commit overwrites
+        what is not accepted."""
+        n = seq.num_tokens
+        if n + len(tokens) > self.max_context:
+            raise ProgramError(f"sequence {seq.seq_id}: provisional tokens overrun max_context")
+        self.token_buf[seq.slot, n:n + len(tokens)] = tokens
+
+    def grow_pages(self, seq: _Sequence, num_tokens: int) -> int:
+        """Map pages so the sequence covers num_tokens if free pages allow (commit's trim returns
+        what stays unused); returns the tokens its pages cover now."""
+        self.pages.grow(seq.slot, num_tokens)
+        return int(self.pages.num_mapped[seq.slot]) * self.page_size
+
+    def block_tables(self, seqs) -> np.ndarray:
+        """[len(seqs), max_pages_per_seq] int32 page tables of the sequences (a copy)."""
+        return self.pages.block_tables[[s.slot for s in seqs]]
+
+    def new_unit_id(self) -> int:
+        """An id for a PendingBatch the speculator builds (its epoch)."""
+        return self._new_id()
+
     # ---- observation ----------------------------------------------------------------------------
     def generated_tokens(self, seq_id: int) -> np.ndarray:
         seq = self._seqs[seq_id]
@@ -554,11 +615,11 @@ class Program:
         return {"kv_pages_total": self.pages.num_pages, "kv_pages_used": self.pages.num_used,
                 "state_slots_total": self.num_slots, "state_slots_used": len(self._seqs),
                 "host_snapshot_bytes_used": self.host_bytes_used,
-                "prefix_cache_entries": len(self.cache.entries),
-                "prefix_cache_bytes": self.cache_bytes_used,
-                "prefix_cache_host_bytes": self.cache_bytes_used,
-                "prefix_cache_device_bytes": self.cache.device_bytes_used,
-                "prefix_cache_kv_pages": self.cache.device_pages_used,   # of kv_pages_used
+                "prefix_cache_entries": len(self.checkpoints.entries),
+                "prefix_cache_bytes": self.checkpoints.host_bytes_used,
+                "prefix_cache_host_bytes": self.checkpoints.host_bytes_used,
+                "prefix_cache_device_bytes": self.checkpoints.device_bytes_used,
+                "prefix_cache_kv_pages": self.checkpoints.device_pages_used,   # of kv_pages_used
                 **(self.speculator.stats() if self.speculator is not None else {})}
 
     def check_invariants(self) -> None:
@@ -567,8 +628,8 @@ class Program:
         if len(live) != len(self._seqs):
             raise ProgramError("two sequences share a StateImage slot")
         self.slots.check(live)
-        self.pages.check(live, held=self.cache.held_pages())
-        self.cache.check()
+        self.pages.check(live, held=self.checkpoints.held_pages())
+        self.checkpoints.check()
         for seq in self._seqs.values():
             if not 0 <= seq.num_computed_tokens <= seq.num_tokens <= self.max_context:
                 raise ProgramError(f"sequence {seq.seq_id}: frontier {seq.num_computed_tokens} / "
@@ -587,14 +648,14 @@ class Program:
     def assert_all_free(self, *, full: bool = True) -> None:
         """Everything returned: no sequence, page, slot, snapshot or pending unit is held.
         Checkpoints may stay (a cache, not a loan), with the pages and cache slots they hold;
-        `drop_checkpoint` returns them.
+        `checkpoints.drop` returns them.
         full=False: the counts only (the whole-ledger walk costs ms on a large pool)."""
         if full:
             self.check_invariants()
         held = dict(sequences=len(self._seqs),
-                    pages=self.pages.num_used - self.cache.device_pages_used,
+                    pages=self.pages.num_used - self.checkpoints.device_pages_used,
                     slots=self.num_slots - self.slots.num_free, snapshots=len(self._snapshots),
-                    pending=int(self._pending is not None))
+                    pending=int(self._pending is not None or self._inflight is not None))
         if any(held.values()):
             raise ProgramError(f"resources still held: {held}")
 
@@ -652,7 +713,7 @@ class Program:
             return rs.num_tokens
         return frontier + min(self.prefill_chunk, rs.num_tokens - frontier)
 
-    def _pack(self, seqs, units) -> ForwardBatch:
+    def pack_rows(self, seqs, units) -> ForwardBatch:
         slots = np.array([s.slot for s in seqs], np.int32)
         starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
         counts = np.array([u.num_new_tokens for u in units], np.int32)
@@ -670,7 +731,7 @@ class Program:
                                                                         int(counts[r]))
         return ForwardBatch(tokens, positions, query_start, starts, tables[:, :width].copy(), slots)
 
-    def _media_rows(self, seqs, units):
+    def media_rows(self, seqs, units):
         """(batch rows, embeddings) of the media placeholders this batch computes, or None."""
         rows, vecs, offset = [], [], 0
         for seq, unit in zip(seqs, units):
@@ -682,8 +743,8 @@ class Program:
         rows = np.concatenate(rows) if rows else ()
         return (rows, np.concatenate(vecs)) if len(rows) else None
 
-    def _row_result(self, seq: _Sequence, unit: _Unit, logits: np.ndarray,
-                    mask: Optional[np.ndarray] = None) -> RowResult:
+    def sample_row(self, seq: _Sequence, unit: _Unit, logits: np.ndarray,
+                   mask: Optional[np.ndarray] = None) -> RowResult:
         produced, logprobs = unit.forced, ()
         if unit.is_sampling:
             token, lp = sample_row(logits, seq.spec,
@@ -713,7 +774,7 @@ class Program:
         self.pages.shrink(seq.slot, max(seq.num_computed_tokens, seq.protected_tokens))
 
     def _no_pending(self, what: str) -> None:
-        if self._pending is not None:
+        if self._pending is not None or self._inflight is not None:
             raise ProgramError(f"{what} while a PendingBatch is unconsumed")
 
     def _check_current(self, pending: PendingBatch) -> None:

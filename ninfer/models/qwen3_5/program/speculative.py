@@ -1,6 +1,8 @@
 """Speculative decoding with the checkpoint's MTP head (issue 15), numpy backend: draft, verify,
-commit, roll back. The Program owns it; program.py calls in at construction, `execute`, `commit`,
-`release` and `stats`.
+commit, roll back. The Program owns it; program.py calls in at construction, `launch`, `commit`,
+`release` and `stats`; it calls back only through the Program's documented speculation hooks
+(`sequence`, `token_ids`, `write_provisional`, `grow_pages`, `block_tables`, `pack_rows`,
+`media_rows`, `sample_row`, `new_unit_id`) and its public `model`, `kv`, `state`.
 
 One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sampled, not yet run):
 
@@ -92,10 +94,10 @@ class MtpSpeculator:
         drafts = self._draft(prog, seqs, units)
         units = [dataclasses.replace(u, num_new_tokens=1 + len(drafts[r])) if r in drafts else u
                  for r, u in enumerate(units)]
-        batch = prog._pack(seqs, units)
+        batch = prog.pack_rows(seqs, units)
         backups = [prog.state.read(s.slot) if keep_rollback or r in drafts else None
                    for r, s in enumerate(seqs)]
-        media = prog._media_rows(seqs, units)
+        media = prog.media_rows(seqs, units)
         hidden = prog.model.final_hidden(batch, prog.kv, prog.state, media=media)
         starts = np.asarray(batch.query_start, np.int64)
         # logits: every position of a verify row, the last token of the others
@@ -110,12 +112,12 @@ class MtpSpeculator:
                 rows.append(self._verify_row(prog, seq, drafts[r], row_logits, masks[r],
                                              draft_masks))
             else:
-                rows.append(prog._row_result(seq, unit, row_logits[0], masks[r]))
+                rows.append(prog.sample_row(seq, unit, row_logits[0], masks[r]))
             self._rows[seq.seq_id] = _Row(seq.seq_id, seq.num_computed_tokens,
                                           hidden[starts[r]:starts[r + 1]].copy(),
                                           tuple(drafts.get(r, ())),
                                           backups[r] if r in drafts else None)
-        pending = PendingBatch(tuple(rows), backups, prog._new_id())
+        pending = PendingBatch(tuple(rows), backups, prog.new_unit_id())
         self._epoch = pending._epoch
         return pending
 
@@ -128,8 +130,8 @@ class MtpSpeculator:
             return 0
         n = seq.num_tokens
         k = min(self.num_draft_tokens, prog.max_context - n - 1)
-        if k > 0 and not prog.pages.grow(seq.slot, n + k):
-            k = min(k, len(prog.pages.pages_of(seq.slot)) * prog.page_size - n)
+        if k > 0:
+            k = min(k, prog.grow_pages(seq, n + k) - n)
         return max(k, 0)
 
     def _draft(self, prog, seqs, units) -> dict:
@@ -146,13 +148,12 @@ class MtpSpeculator:
                 prog.kv, np.stack([self._first[s.seq_id][1] for s in sel]),
                 [self._first[s.seq_id][0] for s in sel],
                 [s.num_computed_tokens for s in sel],
-                prog.pages.block_tables[[s.slot for s in sel]], [ks[r] - 1 for r in more],
+                prog.block_tables(sel), [ks[r] - 1 for r in more],
                 with_logits=False)
             for i, r in enumerate(more):
                 drafts[r] = np.concatenate([drafts[r], tail[i, :ks[r] - 1]])
         for r, d in drafts.items():
-            seq = seqs[r]
-            prog.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + len(d)] = d
+            prog.write_provisional(seqs[r], d)
         return drafts
 
     def _verify_row(self, prog, seq, drafts, logits, mask0, draft_masks) -> RowResult:
@@ -162,11 +163,11 @@ class MtpSpeculator:
         later = list(draft_masks(seq.seq_id, tuple(int(d) for d in drafts)))[:k] \
             if draft_masks is not None else [None] * k
         num_prompt, n = seq.num_prompt_tokens, seq.num_tokens
-        prompt = prog.token_buf[seq.slot, :num_prompt]
+        prompt = prog.token_ids(seq, 0, num_prompt)
         produced, logprobs = [], []
         for j, mask in enumerate([mask0] + later):
             token, lp = sample_row(logits[j], seq.spec, prompt,
-                                   prog.token_buf[seq.slot, num_prompt:n + j], position=n + j,
+                                   prog.token_ids(seq, num_prompt, n + j), position=n + j,
                                    mask=mask)
             produced.append(token)
             if lp is not None:
@@ -185,7 +186,7 @@ class MtpSpeculator:
         rows, self._rows, self._epoch = self._rows, {}, None
         recompute, feed = [], []
         for row, d in zip(pending.rows, decisions):
-            seq = prog._seqs.get(row.seq_id)
+            seq = prog.sequence(row.seq_id)
             rec = rows[row.seq_id]
             if d.is_cancelled or seq is None or seq.is_unusable or seq.media is not None:
                 self._first.pop(row.seq_id, None)
@@ -218,7 +219,7 @@ class MtpSpeculator:
         for seq, rec, _ in items:
             prog.state.write(seq.slot, rec.backup)
         batch = self._batch(prog, [(seq, rec.start, n) for seq, rec, n in items],
-                            [prog.token_buf[seq.slot, rec.start:rec.start + n]
+                            [prog.token_ids(seq, rec.start, rec.start + n)
                              for seq, rec, n in items])
         prog.model.final_hidden(batch, prog.kv, prog.state)
         self._counts["spec_recompute_rows"] += len(items)
@@ -228,7 +229,7 @@ class MtpSpeculator:
         """Drafter KV of positions start .. start+n-1 from the pairs (h_t, x_{t+1}); the last
         pair's logits are the next cycle's first draft."""
         batch = self._batch(prog, [(seq, rec.start, n) for seq, rec, n in items],
-                            [prog.token_buf[seq.slot, rec.start + 1:rec.start + 1 + n]
+                            [prog.token_ids(seq, rec.start + 1, rec.start + 1 + n)
                              for seq, rec, n in items])
         hidden = np.concatenate([rec.hidden[:n] for _, rec, n in items])
         _, g = self.drafter.forward(batch, hidden, prog.kv, with_logits=False)
@@ -243,10 +244,11 @@ class MtpSpeculator:
         starts = np.array([s for _, s, _ in rows], np.int32)
         counts = np.array([n for _, _, n in rows], np.int32)
         query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        slots = np.array([seq.slot for seq, _, _ in rows], np.int32)
+        seqs = [seq for seq, _, _ in rows]
+        slots = np.array([seq.slot for seq in seqs], np.int32)
         return ForwardBatch(np.concatenate(tokens).astype(np.int32),
                             ForwardBatch.text_positions(starts, counts), query_start, starts,
-                            prog.pages.block_tables[slots], slots)
+                            prog.block_tables(seqs), slots)
 
     # ---- lifetime and observation ----------------------------------------------------------------
     def forget(self, seq_id: int) -> None:

@@ -1,5 +1,6 @@
-"""The Program's context-cache store: the physical side of prefix checkpoints (the
-ResourceManager keeps the logical index and decides what to keep; this holds what is kept).
+"""The Program's checkpoint store: the physical side of prefix checkpoints (the runtime's
+ContextCache, runtime/context_cache.py, keeps the logical index and decides what to keep; this
+holds what is kept and is the only ledger of its pages, State slots and host bytes).
 
 A checkpoint is one real execution's State and KV at one prefix length p (a Gated DeltaNet State
 is valid only at the exact position it was computed). It lives in one of two tiers:
@@ -14,6 +15,10 @@ is valid only at the exact position it was computed). It lives in one of two tie
 
 Demote moves a device checkpoint to the host tier (its device pages and slot go back); promote
 moves a host one back to the device, from the pages and slot of a sequence that just bound it.
+
+The runtime sees this store only through `Program.checkpoints` and its narrow API: `info`, `ids`,
+`usage`, `host_cost`, `demote`, `drop` (typed results: contracts.CheckpointInfo / StoreUsage).
+Capture, install and promote need a sequence's pages and slot, so they go through the Program.
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ from typing import Optional
 
 import numpy as np
 
-from ....contracts import ProgramError
-from .pools import PagePool, SlotPool, pages_for
+from ....contracts import CheckpointInfo, ProgramError, StoreUsage
+from .page_ledger import PagePool, SlotPool, pages_for
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +65,24 @@ class CheckpointStore:
         # (distinct device pages, host bytes) of the entries, or None after a change: the
         # Engine reads them every cycle (stats) and they change only at capture / drop / tiers
         self._usage: Optional[tuple] = None
+
+    # ---- the runtime's narrow API ---------------------------------------------------------------
+    def info(self, cid: int) -> CheckpointInfo:
+        c = self.entries[cid]
+        freed = self.pages.num_sole(c.device_pages()) if c.on_device else 0
+        return CheckpointInfo(c.num_tokens, c.on_device, freed, c.host_bytes)
+
+    def ids(self) -> list:
+        return list(self.entries)
+
+    def usage(self) -> StoreUsage:
+        return StoreUsage(host_bytes_used=self.host_bytes_used,
+                          host_budget_bytes=self.host_budget_bytes,
+                          device_pages_used=self.device_pages_used,
+                          device_page_budget=self.device_page_budget,
+                          device_bytes_used=self.device_bytes_used,
+                          num_cache_slots=self.slots.num_slots,
+                          num_entries=len(self.entries))
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property

@@ -1,10 +1,15 @@
-"""ResourceManager: what happens to a sequence's Program resources when a request settles, and
-the context cache's logical side: the shared prefix index, session hints and what to keep.
+"""ContextCache: the one owner of the context cache's policy: the shared prefix index, session
+hints, what to keep and what to reclaim, and what happens to a sequence's Program resources when
+a request settles. The EngineCore's API is lookup -> bound -> capture_if_due -> reclaim (+
+settle_finished / settle_paused), in the spirit of vLLM's KVCacheManager.
 
 The index is logical: checkpoint id -> the exact prefix tokens it covers (+ the prompt's media
 digest), found by a digest chained over page-sized blocks and confirmed token by token. The
-Program holds the checkpoints themselves (device pages by reference, State slot copies, host
-copies: `program/context_cache.py`) and their bytes; this never keeps a second physical ledger.
+Program's checkpoint store holds the checkpoints themselves (device pages by reference, State
+slot copies, host copies: `program/checkpoint_store.py`) and their bytes, and is the only physical
+ledger; this reads it through `program.checkpoints` (info / ids / usage / host_cost / demote /
+drop: typed answers) and the Program's sequence-bound hooks (due_capture, capture_room,
+capture_checkpoint, promote_checkpoint, continuation, release, prefill_progress, add_capture).
 A Gated DeltaNet State is a running summary, valid only at the exact position it was captured,
 so a checkpoint is one real execution's State + KV at one prefix length p, and a hit must match
 the prompt token for token on [0, p).
@@ -46,9 +51,10 @@ class _Entry:
     session_bound: int = 0       # sessions whose newest publication names this entry
 
 
-class ResourceManager:
+class ContextCache:
     def __init__(self, program):
         self.program = program
+        self.store = program.checkpoints
         self.block = int(program.page_size)
         self._entries: dict = {}         # checkpoint id -> _Entry
         self._keys: dict = {}            # key -> checkpoint ids (several only on a collision)
@@ -97,7 +103,7 @@ class ResourceManager:
             return known
         if self._make_room(seq_id, len(tokens), at_release=True):
             cid = self.program.release(seq_id, keep_frontier=True)
-        elif to_host and self._make_host_room(self.program.checkpoint_cost(len(tokens)),
+        elif to_host and self._make_host_room(self.store.host_cost(len(tokens)),
                                               self._rank_new(len(tokens))):
             cid = self.program.release(seq_id, keep_frontier=True, on_device=False)
         else:
@@ -200,19 +206,29 @@ class ResourceManager:
         self.tokens_reused += num_reused
         if seq_id is None:
             return
-        tokens, on_device, _, _ = self.program.checkpoint_info(checkpoint)
-        if not on_device and self._make_room(seq_id, tokens, protect={checkpoint}):
+        info = self.store.info(checkpoint)
+        if not info.on_device and self._make_room(seq_id, info.num_tokens, protect={checkpoint}):
             self.program.promote_checkpoint(checkpoint, seq_id)
             self.promotions += 1
+
+    def bound(self, seq_id: int, prompt_ids: np.ndarray, checkpoint: Optional[int],
+              num_reused: int) -> None:
+        """Admission bound seq_id with what `lookup` gave (checkpoint None: a miss): count it,
+        promote a host-tier hit, and ask the sequence for a checkpoint where its prompt leaves
+        the cached ones (`divergence`)."""
+        self.note_bind(checkpoint, num_reused, seq_id)
+        split = self.divergence(prompt_ids, num_reused)
+        if split:
+            self.program.add_capture(seq_id, split)
 
     def capture_if_due(self, seq_id: int, media_digest: bytes = b"") -> None:
         """Right after a commit: if the sequence's frontier sits on a checkpoint position, keep
         it on the device (making room by the retention order), else on the host tier if it
         fits there, unless an equal checkpoint is cached already."""
-        p = self.program.capture_due(seq_id)
-        if not p:
+        tokens = self.program.due_capture(seq_id)
+        if tokens is None:
             return
-        tokens = self.program.prefix_tokens(seq_id, p)
+        p = len(tokens)
         key = self._key(tokens, media_digest)
         known = self._find(key, tokens)
         if known is not None:
@@ -221,21 +237,22 @@ class ResourceManager:
             return
         if self._make_room(seq_id, p):
             cid = self.program.capture_checkpoint(seq_id)
-        elif self._make_host_room(self.program.checkpoint_cost(p), self._rank_new(p)):
+        elif self._make_host_room(self.store.host_cost(p), self._rank_new(p)):
             cid = self.program.capture_checkpoint(seq_id, on_device=False)
         else:
             self.program.capture_checkpoint(seq_id, keep=False)
             return
         self._add(cid, tokens, key)
 
-    def reclaim(self, num_pages: int, protect=()) -> bool:
-        """Free device pages held only by the cache until num_pages are free (before any
-        resident request is paused for pages, and before a bind or resume waits for them):
-        lowest-ranked first, demoted to the host tier or dropped. Returns whether it got there."""
-        while self.program.pages.num_free < num_pages:
+    def reclaim(self, num_pages_short: int, protect=()) -> bool:
+        """Free device pages held only by the cache until num_pages_short more pages than now
+        are free (before any resident request is paused for pages, and before a bind or resume
+        waits for them): lowest-ranked first, demoted to the host tier or dropped. Returns
+        whether it got there."""
+        num_pages = self.program.capacity().free_kv_pages + num_pages_short
+        while self.program.capacity().free_kv_pages < num_pages:
             victims = [c for c in self._entries if c not in protect
-                       and self.program.checkpoint_info(c)[1]
-                       and self.program.checkpoint_info(c)[2] > self.program.cache.state_bytes]
+                       and self.store.info(c).device_pages_freed > 0]
             if not victims:
                 return False
             self._evict_device(min(victims, key=self._rank))
@@ -248,15 +265,15 @@ class ResourceManager:
 
     # ---- retention ------------------------------------------------------------------------------
     def _rank(self, cid: int) -> float:
-        tokens, on_device, _, host_bytes = self.program.checkpoint_info(cid)
+        info = self.store.info(cid)
         e = self._entries[cid]
-        held = host_bytes if not on_device else \
-            self.program.checkpoint_cost(tokens)          # bytes of its whole coverage
-        return tokens / held * (1 + e.hits) * (2.0 if e.session_bound else 1.0) \
+        held = info.host_bytes if not info.on_device else \
+            self.store.host_cost(info.num_tokens)         # bytes of its whole coverage
+        return info.num_tokens / held * (1 + e.hits) * (2.0 if e.session_bound else 1.0) \
             / (1 + self._tick - e.last_used)
 
     def _rank_new(self, num_tokens: int) -> float:
-        return num_tokens / self.program.checkpoint_cost(num_tokens)
+        return num_tokens / self.store.host_cost(num_tokens)
 
     def _make_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False,
                    protect=()) -> bool:
@@ -264,17 +281,16 @@ class ResourceManager:
         free cache slot, the free pages it takes, and device budget room for the pages it adds
         (asked again after each eviction: an evicted entry may have shared the sequence's
         pages, which the capture then adds)."""
-        cache = self.program.cache
-        if not cache.slots.num_slots:
+        if not self.store.usage().num_cache_slots:
             return False
         while True:
-            slot_free, take, adds = self.program.capture_room(seq_id, num_tokens,
-                                                              at_release=at_release)
-            if slot_free and self.program.pages.num_free >= take \
-                    and cache.device_pages_used + adds <= cache.device_page_budget:
+            room = self.program.capture_room(seq_id, num_tokens, at_release=at_release)
+            usage = self.store.usage()
+            if room.is_slot_free and self.program.capacity().free_kv_pages >= room.num_pages_taken \
+                    and usage.device_pages_used + room.num_pages_added <= usage.device_page_budget:
                 return True
             victims = [c for c in self._entries if c not in protect
-                       and self.program.checkpoint_info(c)[1]]
+                       and self.store.info(c).on_device]
             if not victims:
                 return False
             self._evict_device(min(victims, key=self._rank))
@@ -282,19 +298,19 @@ class ResourceManager:
     def _evict_device(self, cid: int) -> None:
         """Demote to the host tier when it fits there (dropping lower-ranked host checkpoints
         to make it fit), else drop."""
-        tokens = self.program.checkpoint_info(cid)[0]
-        if self._make_host_room(self.program.checkpoint_cost(tokens), self._rank(cid)):
-            self.program.demote_checkpoint(cid)
+        tokens = self.store.info(cid).num_tokens
+        if self._make_host_room(self.store.host_cost(tokens), self._rank(cid)):
+            self.store.demote(cid)
             self.demotions += 1
         else:
             self._remove(cid)
 
     def _make_host_room(self, cost: int, rank: float) -> bool:
-        budget = self.program.cache_budget_bytes
+        budget = self.store.usage().host_budget_bytes
         if cost > budget:
             return False
-        while self.program.cache_bytes_used + cost > budget:
-            host = [c for c in self._entries if not self.program.checkpoint_info(c)[1]]
+        while self.store.usage().host_bytes_used + cost > budget:
+            host = [c for c in self._entries if not self.store.info(c).on_device]
             victim = min(host, key=self._rank, default=None)
             if victim is None or self._rank(victim) > rank:
                 return False
@@ -350,20 +366,20 @@ class ResourceManager:
         self._lengths[p] -= 1
         if not self._lengths[p]:
             del self._lengths[p]
-        self.program.drop_checkpoint(cid)
+        self.store.drop(cid)
         self.evictions += 1
 
     def check_invariants(self) -> None:
         """The index and the Program's checkpoints name the same entries, with the same
         coverage; keys, lengths and session bindings agree with the entries."""
         ids = sorted(self._entries)
-        if ids != sorted(self.program.checkpoint_ids()):
+        if ids != sorted(self.store.ids()):
             raise ProgramError(f"prefix index {ids} != program checkpoints "
-                               f"{sorted(self.program.checkpoint_ids())}")
+                               f"{sorted(self.store.ids())}")
         lengths: dict = {}
         for cid, e in self._entries.items():
             if cid not in self._keys.get(e.key, ()) or \
-                    self.program.checkpoint_info(cid)[0] != len(e.token_ids):
+                    self.store.info(cid).num_tokens != len(e.token_ids):
                 raise ProgramError(f"checkpoint {cid}: index key or coverage out of step")
             lengths[len(e.token_ids)] = lengths.get(len(e.token_ids), 0) + 1
         bound: dict = {}
