@@ -163,7 +163,11 @@ class Model(Protocol):
     `forward` returns float32 logits [B, V] (the host samples). A backend with
     `greedy_on_device` also has `decode_greedy(batch, kv, state) -> int32 [B]` (argmax on the
     device); one with `samples_on_device` has
-    `sample(batch, kv, state, rows: list[SampleRow | None]) -> int32 [B]`.
+    `sample(batch, kv, state, rows: list[SampleRow | None]) -> int32 [B]`. Both are
+    `launch_tokens(batch, kv, state, rows=None).collect()`: launch_tokens returns at once with a
+    step whose `collect() -> int32 [B]` waits for that step's ids alone (host work may run in
+    between); one step is in flight at a time (collect before the next launch).
+    `batch_limits(kv, state) -> BatchLimits` are the limits its `ForwardBatch.check` uses.
     `checks_batches=False` (set by the Program unless its debug option asks otherwise) lets the
     backend trust the batches it is given: the Program validated them once, when it built them."""
 
