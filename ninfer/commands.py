@@ -134,23 +134,21 @@ def default_max_context(path, kwargs: dict) -> tuple:
     cuda: nvidia-smi), after the weights."""
     from .artifact import Artifact
     from .models import model_config
+    from .models.qwen3_5.memory_plan import default_max_context as plan_max_context
     with Artifact(path) as art:
         text = model_config(art).text
         weights = os.path.getsize(path)
-    limit = int(text.max_position_embeddings)
-    num_full = sum(1 for t in text.layer_types if t == "full_attention")
     itemsize = 2 if kwargs.get("backend") == "cuda" and kwargs.get("dtype") != "float32" else 4
     if kwargs.get("kv_dtype", "bfloat16") != "bfloat16":     # 1-byte codes + a float32 scale
         itemsize = 1 + 4 / text.head_dim                       # per token and head (kv_quant)
-    per_token = int(2 * num_full * text.num_key_value_heads * text.head_dim * itemsize)
     free = _free_memory(kwargs.get("backend", "numpy"), kwargs.get("device_id", 0))
-    how = f"the model's max_position_embeddings {limit}"
-    if free is not None and per_token:
-        room = max(0, free // 2 - weights) // (per_token * kwargs["max_concurrency"])
-        if room < limit:
-            limit = max(256, int(room) // 256 * 256)
-            how += (f", bounded by the KV cache of {kwargs['max_concurrency']} sequences in half of "
-                    f"{free / (1 << 30):.1f} GiB free memory")
+    limit, is_bounded = plan_max_context(text, max_concurrency=kwargs["max_concurrency"],
+                                         kv_itemsize=itemsize, weights_bytes=weights,
+                                         free_bytes=free)
+    how = f"the model's max_position_embeddings {int(text.max_position_embeddings)}"
+    if is_bounded:
+        how += (f", bounded by the KV cache of {kwargs['max_concurrency']} sequences in half of "
+                f"{free / (1 << 30):.1f} GiB free memory")
     return limit, how
 
 

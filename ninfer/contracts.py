@@ -400,7 +400,11 @@ class Model(Protocol):
     `forward` returns float32 logits [B, V] (the host samples). A backend with
     `greedy_on_device` also has `decode_greedy(batch, kv, state) -> int32 [B]` (argmax on the
     device); one with `samples_on_device` has
-    `sample(batch, kv, state, rows: list[SampleRow | None]) -> int32 [B]`.
+    `sample(batch, kv, state, rows: list[SampleRow | None]) -> int32 [B]`. Both are
+    `launch_tokens(batch, kv, state, rows=None).collect()`: launch_tokens returns at once with a
+    step whose `collect() -> int32 [B]` waits for that step's ids alone (host work may run in
+    between); one step is in flight at a time (collect before the next launch).
+    `batch_limits(kv, state) -> BatchLimits` are the limits its `ForwardBatch.check` uses.
     `checks_batches=False` (set by the Program unless its debug option asks otherwise) lets the
     backend trust the batches it is given: the Program validated them once, when it built them."""
 
@@ -423,7 +427,148 @@ class Model(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["Capacity", "CaptureRoom", "CheckpointInfo", "CheckpointStoreProtocol",
-           "FrontendProtocol", "KVPoolProtocol", "Model", "OutputSessionProtocol", "PendingBatch",
-           "ProgramError", "ProgramProtocol", "ResumeState", "RowDecision", "RowPlan", "RowResult",
-           "RowView", "SampleRow", "SamplingSpec", "StatePoolProtocol", "StoreUsage", "UnitPlan"]
+# ---- the model call ------------------------------------------------------------------------------
+_SAME_KV_SLOT = "ForwardBatch: two new tokens would write the same KV page slot"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """What a backend can run without corrupting another row (ForwardBatch.check). None: the rule
+    does not apply (page_size None: no attention layers, so no KV rules; num_state_slots None: no
+    GDN layers, so no State rules; the capacities None: no limit)."""
+    vocab_size: Optional[int] = None
+    page_size: Optional[int] = None
+    num_kv_pages: Optional[int] = None
+    num_state_slots: Optional[int] = None
+    max_rows: Optional[int] = None
+    max_tokens: Optional[int] = None
+    max_pages_per_row: Optional[int] = None
+    rows_need_tokens: bool = True     # every row brings >= 1 new token (and there is a row)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """The plain-data plan of one model call (the Program builds it, a backend runs it).
+
+    Rows are sequences; their new tokens are packed back to back:
+
+        token_ids   [N]        all rows' new tokens, row r at query_start[r]:query_start[r+1]
+        positions   [3, N]     MRoPE (t, h, w) positions; text-only prompts have t == h == w
+        query_start [B+1]      prefix sums of the rows' new-token counts (query_start[0] == 0)
+        context_lens[B]        tokens of each row already in KV / State before this call
+        block_tables[B, P]     KV page ids of each row, in order; -1 pads; must cover
+                               context_lens[r] + new tokens of row r
+        state_slots [B]        StateImage slot of each row (GDN conv + recurrent state)
+
+    A row with context_lens[r] == 0 starts from a zero State (whatever its slot held is ignored
+    and overwritten). After the call the row's KV holds positions [0, context_lens[r] + n_r) and
+    its State has consumed every token in it."""
+    token_ids: np.ndarray
+    positions: np.ndarray
+    query_start: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    state_slots: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def row_lengths(self) -> np.ndarray:
+        return np.diff(self.query_start)
+
+    @staticmethod
+    def text_positions(context_lens, lengths) -> np.ndarray:
+        """[3, N] positions for text-only rows: context_len, context_len+1, ... per row."""
+        pos = np.concatenate([np.arange(c, c + n, dtype=np.int32)
+                              for c, n in zip(context_lens, lengths)]) if len(lengths) else \
+            np.zeros(0, np.int32)
+        return np.broadcast_to(pos, (3, len(pos))).copy()
+
+    @classmethod
+    def single(cls, token_ids, context_len: int, block_table, state_slot: int = 0) -> "ForwardBatch":
+        """One text-only row (scoring, tests)."""
+        ids = np.asarray(token_ids, dtype=np.int32)
+        return cls(token_ids=ids,
+                   positions=cls.text_positions([context_len], [len(ids)]),
+                   query_start=np.array([0, len(ids)], dtype=np.int32),
+                   context_lens=np.array([context_len], dtype=np.int32),
+                   block_tables=np.asarray(block_table, dtype=np.int32).reshape(1, -1),
+                   state_slots=np.array([state_slot], dtype=np.int32))
+
+    def validate(self, page_size: int) -> None:
+        """The layout rules alone (shapes, KV coverage): check() with no model's limits."""
+        self.check(BatchLimits(page_size=page_size, rows_need_tokens=False))
+
+    def check(self, limits: BatchLimits) -> None:
+        """Raise ValueError for a plan a backend with these limits cannot run without corrupting
+        another row. The one home of the batch rules; the Program builds valid batches, so a
+        backend calls this only while its checks_batches is set."""
+        B, N = self.num_rows, self.num_tokens
+        qs = np.asarray(self.query_start)
+        if qs.shape != (B + 1,) or qs[0] != 0 or qs[-1] != N or np.any(qs[1:] < qs[:-1]):
+            raise ValueError(f"ForwardBatch: bad query_start {qs} for {N} tokens")
+        if np.shape(self.positions) != (3, N):
+            raise ValueError(f"ForwardBatch: positions shape {np.shape(self.positions)} != (3, {N})")
+        lengths = qs[1:] - qs[:-1]
+        if limits.rows_need_tokens and (B < 1 or np.any(lengths < 1)):
+            raise ValueError(f"ForwardBatch: every row needs >= 1 new token, got {lengths.tolist()}")
+        if (limits.max_tokens is not None and N > limits.max_tokens) or \
+                (limits.max_rows is not None and B > limits.max_rows):
+            raise ValueError(f"ForwardBatch: {N} tokens / {B} rows exceed the model's capacity "
+                             f"({limits.max_tokens} tokens, {limits.max_rows} rows); split the "
+                             "prefill into chunks")
+        ctxs = np.asarray(self.context_lens)
+        if B and int(ctxs.min()) < 0:
+            # (it would index before the block table and write K/V outside the pool)
+            raise ValueError("ForwardBatch: context_lens must be >= 0")
+        ids = np.asarray(self.token_ids)
+        if limits.vocab_size is not None and ids.size and \
+                (ids.min() < 0 or ids.max() >= limits.vocab_size):
+            raise ValueError(f"ForwardBatch: token id out of range [0, {limits.vocab_size})")
+        bt, slots = np.asarray(self.block_tables), np.asarray(self.state_slots)
+        if (limits.page_size is not None or limits.num_state_slots is not None) and (
+                slots.shape != (B,) or
+                (limits.page_size is not None and (bt.ndim != 2 or bt.shape[0] != B))):
+            raise ValueError("ForwardBatch: block_tables / state_slots do not match the rows")
+        if limits.num_state_slots is not None and B and (
+                len(set(slots.tolist())) != B or slots.min() < 0 or
+                slots.max() >= limits.num_state_slots):
+            raise ValueError(f"ForwardBatch: state slots {slots.tolist()} must be distinct and "
+                             f"< {limits.num_state_slots}")
+        if limits.page_size is not None:
+            self._check_kv(limits, bt, ctxs, lengths)
+
+    def _check_kv(self, limits: BatchLimits, bt, ctxs, lengths) -> None:
+        ps = limits.page_size
+        need = (ctxs + lengths + ps - 1) // ps                    # pages each row must name
+        width = int(need.max(initial=0))
+        if limits.max_pages_per_row is not None and width > limits.max_pages_per_row:
+            raise ValueError(f"ForwardBatch: a row needs {width} pages, more than max_context "
+                             f"allows ({limits.max_pages_per_row})")
+        short = need > bt.shape[1]
+        if width <= bt.shape[1]:
+            short = np.any((bt[:, :width] < 0) & (np.arange(width) < need[:, None]), axis=1)
+        if np.any(short):
+            r = int(np.argmax(short))
+            raise ValueError(f"ForwardBatch: row {r} block table does not cover "
+                             f"{int(ctxs[r] + lengths[r])} tokens")
+        if limits.num_kv_pages is not None and int(bt.max(initial=-1)) >= limits.num_kv_pages:
+            raise ValueError(f"ForwardBatch: block table names a page >= {limits.num_kv_pages}")
+        # the page slot each new token writes: two tokens of one call must not share one
+        tok_row = np.repeat(np.arange(len(lengths)), lengths)
+        tok_pos = np.asarray(ctxs)[tok_row] + (np.arange(self.num_tokens) - self.query_start[tok_row])
+        flat = bt[tok_row, tok_pos // ps].astype(np.int64) * ps + tok_pos % ps
+        if len(np.unique(flat)) != len(flat):
+            raise ValueError(_SAME_KV_SLOT)
+
+
+__all__ = ["BatchLimits", "Capacity", "CaptureRoom", "CheckpointInfo", "CheckpointStoreProtocol",
+           "ForwardBatch", "FrontendProtocol", "KVPoolProtocol", "Model", "OutputSessionProtocol",
+           "PendingBatch", "ProgramError", "ProgramProtocol", "ResumeState", "RowDecision",
+           "RowPlan", "RowResult", "RowView", "SampleRow", "SamplingSpec", "StatePoolProtocol",
+           "StoreUsage", "UnitPlan"]

@@ -62,6 +62,13 @@ def _random_refcount_ops(impl, seed):
     return free[:num_free].copy(), tables, refcount
 
 
+def _pool_dev(fake):
+    """The PoolDevice of a fake model (its arena, stream, bind, graph forgetting, f32)."""
+    from ninfer.models.qwen3_5.cuda.device_pools import PoolDevice
+    return PoolDevice(fake.arena, fake.stream, fake._current, fake._forget_graphs_of,
+                      bool(getattr(fake, "f32", False)))
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_release_pages_twin_equals_compiled(seed):
     (f0, t0, r0), (f1, t1, r1) = [_random_refcount_ops(impl, seed)
@@ -201,12 +208,12 @@ class _Stream:
 
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16", "f32"])
 def test_cuda_pool_copies_equal_the_numpy_pools(monkeypatch, f32):
-    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     m = _Machine(monkeypatch, 4 << 20)
     m.f32 = f32
     cfg = _cfg()
     rng = np.random.default_rng(1)
-    kv, st = DeviceKVPool(m, cfg, 6, 4), DeviceStatePool(m, cfg, 3)
+    kv, st = DeviceKVPool(_pool_dev(m), cfg, 6, 4), DeviceStatePool(_pool_dev(m), cfg, 3)
     ref_kv, ref_st = KVPool.allocate(cfg, 6, 4), StatePool.allocate(cfg, 3)
     # bf16-representable values: the device KV stores bf16, the host image is float32
     img = tuple([(rng.standard_normal((6,) + a.shape[1:])

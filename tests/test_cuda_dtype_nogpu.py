@@ -249,7 +249,7 @@ class _CountingArena:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("b_cap, n_cap, max_context", [(1, 512, 2048), (8, 4096, 32768)])
 def test_float32_workspace_plan_covers_the_workspace(shape, b_cap, n_cap, max_context):
-    from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE
+    from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE, workspace_bytes
     from ninfer.models.qwen3_5.cuda.runner import Workspace, part_rows_needed
     cfg = _cfg(shape)
     sizes = {}
@@ -260,22 +260,27 @@ def test_float32_workspace_plan_covers_the_workspace(shape, b_cap, n_cap, max_co
         ws = Workspace(arena, cfg, n_cap, m.lg_cap, part_rows, m.max_keys, f32=f32)
         arena.take((m.eager_layout.count + m.decode_layout.count,), np.int32, "metadata")
         arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
-        assert arena.nbytes <= m._workspace_bytes(n_cap, part_rows)
+        assert arena.nbytes <= workspace_bytes(
+            cfg, f32=f32, n_cap=n_cap, lg_cap=m.lg_cap, part_rows=part_rows, max_keys=m.max_keys,
+            meta_bytes=m.eager_layout.nbytes + m.decode_layout.nbytes)
         gin = np.float32 if f32 else np.uint16
         for name in ("x", "act", "xf") + (("xg", "gact") if cfg.is_moe else ()):
             assert getattr(ws, name).dtype == gin, name
         assert (ws.tc.l_cap == 0) == f32                 # no tensor-core buffers in float32
-        sizes[f32] = m._workspace_bytes(n_cap, part_rows)
+        sizes[f32] = workspace_bytes(
+            cfg, f32=f32, n_cap=n_cap, lg_cap=m.lg_cap, part_rows=part_rows, max_keys=m.max_keys,
+            meta_bytes=m.eager_layout.nbytes + m.decode_layout.nbytes)
     # fp32 GEMM inputs cost more, the tensor-core buffers (bf16 only) less
     assert sizes[True] != sizes[False]
 
 
 def test_pool_reserve_counts_fp32_kv():
     from types import SimpleNamespace
+    from ninfer.models.qwen3_5.memory_plan import max_state_slots, pool_bytes
     cfg = _cfg("27B")
-    bf, f32 = _bare(cfg, False), _bare(cfg, True)
     kv_bf16 = 2 * len(cfg.attention_layer_ids) * 100 * 16 * cfg.num_key_value_heads * cfg.head_dim * 2
-    assert f32._pool_reserve(100, 16, 4) - bf._pool_reserve(100, 16, 4) == kv_bf16
+    slots = max_state_slots(4)
+    assert pool_bytes(cfg, 100, 16, slots, 4) - pool_bytes(cfg, 100, 16, slots, 2) == kv_bf16
 
 
 def test_too_little_memory_names_the_float32_plan(monkeypatch):
@@ -331,12 +336,12 @@ def test_too_little_memory_names_the_float32_plan(monkeypatch):
 
 def test_float32_kv_pool_round_trips_fp32_values(monkeypatch):
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_cuda_nogpu import _FakeDevice, _pool_config
-    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool
+    from test_cuda_nogpu import _FakeDevice, _pool_config, _pool_dev
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool
     from ninfer.models.qwen3_5.state import KVPool
     dev, cfg, r = _FakeDevice(monkeypatch, 64 << 20), _pool_config(), np.random.default_rng(3)
     dev.f32 = True
-    kv = DeviceKVPool(dev, cfg, 5, 4)
+    kv = DeviceKVPool(_pool_dev(dev), cfg, 5, 4)
     assert all(a.dtype == np.float32 for a in kv.k + kv.v)
     ref = KVPool.allocate(cfg, 5, 4)
     data = tuple([r.standard_normal((2,) + k.shape[1:]).astype(np.float32) for k in ref.k]
@@ -377,13 +382,12 @@ def test_whole_model_on_the_simulator_matches_numpy(kind):
 
 
 def test_widening_upload_in_pieces(monkeypatch):
-    """_upload_widened: a weight larger than the scratch (the cuBLASLt workspace) goes up in
+    """weight_load.upload_widened: a weight larger than the scratch (the cuBLASLt workspace) goes up in
     pieces, each widened into its place; the fp32 result equals the bf16 values exactly."""
     from types import SimpleNamespace
     sys.path.insert(0, str(ROOT / "tests"))
     from test_cuda_nogpu import _FakeDevice
-    from ninfer.models.qwen3_5 import cuda_model as cm
-    monkeypatch.setattr(cm, "LT_WORKSPACE", 64)           # 32 bf16 values per piece
+    from ninfer.models.qwen3_5.cuda.weight_load import WeightLoader, upload_widened
     dev = _FakeDevice(monkeypatch, 1 << 20)
     scratch = dev.arena.take((64,), np.uint8, "scratch")
     dst = dev.arena.take((7, 15), np.float32, "weight")  # 105 values: 4 pieces, the last short
@@ -394,13 +398,13 @@ def test_widening_upload_in_pieces(monkeypatch):
         src = dev._dev(getattr(bits, "ptr", bits), 2 * n).view(np.uint16)
         dev._dev(out, 4 * n)[:] = (src.astype(np.uint32) << 16).view(np.float32).view(np.uint8)
         pieces.append(n)
-    m = cm.CudaModel.__new__(cm.CudaModel)
-    m._lt_ws, m.stream = scratch, dev.stream
-    m.kernels = SimpleNamespace(widen_bf16=SimpleNamespace(launch=widen))
+    kernels = SimpleNamespace(widen_bf16=SimpleNamespace(launch=widen))
+    # a 64-byte scratch: 32 bf16 values per piece
+    loader = WeightLoader(dev.arena, kernels, dev.stream, True, scratch, 64)
     r = np.random.default_rng(0)
     bits = (r.standard_normal((7, 15)).astype(np.float32).view(np.uint32) >> 16
                        ).astype(np.uint16)
-    m._upload_widened(dst, bits, dev._pinned(64))
+    upload_widened(loader, dst, bits, dev._pinned(64))
     got = dev._dev(dst.ptr, dst.nbytes).view(np.float32).reshape(7, 15)
     assert pieces == [32, 32, 32, 9]
     assert np.array_equal(got, (bits.astype(np.uint32) << 16).view(np.float32))

@@ -29,6 +29,13 @@ def _gpu_present() -> bool:
         return False
 
 
+def _pool_dev(fake):
+    """The PoolDevice of a fake model (its arena, stream, bind, graph forgetting, f32)."""
+    from ninfer.models.qwen3_5.cuda.device_pools import PoolDevice
+    return PoolDevice(fake.arena, fake.stream, fake._current, fake._forget_graphs_of,
+                      bool(getattr(fake, "f32", False)))
+
+
 def test_cache_key_depends_on_source_params_signature_arch_version():
     s = spec("conv_silu", K=4, dk=128, dv=128, nk=16, nv=48)
     base = K.cache_key(s, (9, 0), source="src", version="0.30.4")
@@ -207,8 +214,8 @@ def test_check_decode_rejects_bad_rows():
     m = CudaModel.__new__(CudaModel)
     m.text = TextConfig(vocab_size=10, layer_types=("linear_attention",) * 3 + ("full_attention",),
                         num_hidden_layers=4)
-    m.p_cap = 7
-    m._check_decode(_decode_batch(), KV(), ST())
+    m.p_cap, m.n_cap, m.eager_layout = 7, 8, MetaLayout(8, 8, 7)
+    _decode_batch().check(m.batch_limits(KV(), ST()))
     b = _decode_batch()
     bad = [ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "token_ids": np.array([7, 8, 10], np.int32)}),
            ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "state_slots": np.array([1, 1, 0], np.int32)}),
@@ -218,7 +225,7 @@ def test_check_decode_rejects_bad_rows():
     bad.append(ForwardBatch(**{**{f: getattr(b, f) for f in b.__slots__}, "block_tables": t}))
     for msg, bb in zip(("token id", "state slots", "needs", "does not cover"), bad):
         with pytest.raises(ValueError, match=msg):
-            m._check_decode(bb, KV(), ST())
+            bb.check(m.batch_limits(KV(), ST()))
 
 
 # ---- tensor-core prefill attention: row split, query blocks, the kernels on the simulator -------
@@ -306,7 +313,7 @@ def test_eager_check_rejects_what_the_numpy_model_rejects():
     cm, nm = _bare_models(hybrid)
     ok = _decode_batch()
     prefill = ForwardBatch.single([1, 2, 3, 4, 5], 2, [3, 4], state_slot=1)
-    cm._check(prefill, _KV(), _ST())
+    prefill.check(cm.batch_limits(_KV(), _ST()))
     shared = ok.block_tables.copy()
     shared[1, 1] = shared[0, 0]          # rows 0 (pos 0) and 1 (pos 5) write page slot (p, 0)/(p, 1)
     same_slot = shared.copy()
@@ -314,12 +321,12 @@ def test_eager_check_rejects_what_the_numpy_model_rejects():
     bad = [_with(ok, block_tables=same_slot),
            _with(prefill, query_start=np.array([0, 4], np.int32)),
            _with(prefill, positions=prefill.positions[:, :4])]
-    cm._check(_with(ok, block_tables=shared), _KV(), _ST())   # same page, distinct slots: fine
+    _with(ok, block_tables=shared).check(cm.batch_limits(_KV(), _ST()))   # same page, distinct slots: fine
     for batch in bad:
         want = _numpy_error(nm, batch)
         assert want is not None
         with pytest.raises(ValueError) as got:
-            cm._check(batch, _KV(), _ST())
+            batch.check(cm.batch_limits(_KV(), _ST()))
         assert str(got.value) == want
 
 
@@ -332,20 +339,20 @@ def test_decode_check_rejects_two_rows_writing_one_kv_slot():
     want = _numpy_error(nm, bad)
     assert want == "ForwardBatch: two new tokens would write the same KV page slot"
     with pytest.raises(ValueError, match="same KV page slot"):
-        cm._check_decode(bad, _KV(), _ST())
+        bad.check(cm.batch_limits(_KV(), _ST()))
 
 
 def test_check_of_a_pure_gdn_model_matches_the_numpy_model():
     cm, nm = _bare_models(("linear_attention",) * 2)
     good = ForwardBatch.single([1, 2, 3], 0, [], state_slot=0)
-    cm._check(good, _KV(), _ST())
+    good.check(cm.batch_limits(_KV(), _ST()))
     for batch in (_with(good, query_start=np.array([0, 2], np.int32)),
                   _with(good, positions=good.positions[:, :2]),
                   _with(good, query_start=np.array([1, 3], np.int32))):
         want = _numpy_error(nm, batch)
         assert want is not None
         with pytest.raises(ValueError) as got:
-            cm._check(batch, _KV(), _ST())
+            batch.check(cm.batch_limits(_KV(), _ST()))
         assert str(got.value) == want
 
 
@@ -491,6 +498,7 @@ def test_cublaslt_close_destroys_plans_preferences_and_handle():
 def test_model_close_releases_everything_even_after_a_kernel_fault():
     import threading
     from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.cuda.decode_graphs import DecodeGraphs
     released = []
 
     class Part:
@@ -505,8 +513,11 @@ def test_model_close_releases_everything_even_after_a_kernel_fault():
     m = CudaModel.__new__(CudaModel)
     m._ctx_threads = threading.local()
     m.device, m.stream = Part("context"), Part("stream sync", fails=True)
-    m._graphs = {(1, 0, 0): (Part("graph 1"), None, None), (2, 0, 0): (Part("graph 2"), None, None)}
+    m.graphs = DecodeGraphs(None, None, None)
+    m.graphs._graphs = {(1, 0, 0): (Part("graph 1"), None, None),
+                        (2, 0, 0): (Part("graph 2"), None, None)}
     m.lt, m.kernels = Part("cuBLASLt"), Part("modules", fails=True)
+    m.sampler = m.step_done = m.ids_host = m._media_host = None
     m.staging, m.out_host, m.route_host = Part("staging"), Part("out_host"), Part("route_host")
     m.arena = Part("arena")
     with pytest.raises(DeviceError, match="stream sync failed"):
@@ -527,6 +538,9 @@ class _ArenaModel:
         monkeypatch.setattr(d, "memset_d8_async", lambda *a: None)
         self.arena, self.stream = Arena(nbytes), None
 
+    def _current(self):
+        pass
+
     def _forget_graphs_of(self, pool):
         pass
 
@@ -538,16 +552,16 @@ def _pool_config():
 
 def test_dropped_pools_return_their_arena_regions(monkeypatch):
     import gc
-    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     m = _ArenaModel(monkeypatch, 64 << 20)
     free = m.arena.free_bytes
     for _ in range(20):          # scoring: temporary pools per call, never closed
-        kv, st = DeviceKVPool(m, _pool_config(), 64, 16), DeviceStatePool(m, _pool_config(), 1)
+        kv, st = DeviceKVPool(_pool_dev(m), _pool_config(), 64, 16), DeviceStatePool(_pool_dev(m), _pool_config(), 1)
         assert m.arena.free_bytes < free
         del kv, st
         gc.collect()
     assert m.arena.free_bytes == free
-    kv = DeviceKVPool(m, _pool_config(), 64, 16)
+    kv = DeviceKVPool(_pool_dev(m), _pool_config(), 64, 16)
     kv.close()                   # closed, then dropped: each region returned once
     del kv
     gc.collect()
@@ -555,12 +569,12 @@ def test_dropped_pools_return_their_arena_regions(monkeypatch):
 
 
 def test_a_pool_that_does_not_fit_takes_nothing(monkeypatch):
-    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool
     m = _ArenaModel(monkeypatch, 7 << 17)
     free = m.arena.free_bytes
     # 4 arrays of 64 pages x 16 x 2 x 64 bf16 = 256 KiB each: the fourth does not fit
     with pytest.raises(DeviceError, match="KV pool"):
-        DeviceKVPool(m, _pool_config(), 64, 16)
+        DeviceKVPool(_pool_dev(m), _pool_config(), 64, 16)
     assert m.arena.free_bytes == free
 
 
@@ -581,7 +595,7 @@ class _CountingArena:
 @pytest.mark.parametrize("b_cap, prefill_chunk, max_context", [(1, 512, 2048), (8, 512, 32768),
                                                                (4, 4096, 16384), (64, 16, 512)])
 def test_workspace_plan_covers_what_the_workspace_takes(shape, b_cap, prefill_chunk, max_context):
-    from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE, CudaModel
+    from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE, CudaModel, workspace_bytes
     from ninfer.models.qwen3_5.cuda.runner import Workspace, part_rows_needed
     cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
                      num_hidden_layers=4, **SHAPES[shape])
@@ -597,7 +611,9 @@ def test_workspace_plan_covers_what_the_workspace_takes(shape, b_cap, prefill_ch
     Workspace(arena, cfg, n_cap, m.lg_cap, part_rows, m.max_keys)
     arena.take((m.eager_layout.count + m.decode_layout.count,), np.int32, "metadata")
     arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
-    assert arena.nbytes <= m._workspace_bytes(n_cap, part_rows)
+    assert arena.nbytes <= workspace_bytes(
+        cfg, f32=False, n_cap=n_cap, lg_cap=m.lg_cap, part_rows=part_rows, max_keys=m.max_keys,
+        meta_bytes=m.eager_layout.nbytes + m.decode_layout.nbytes)
 
 
 def test_pack_args_refuses_integers_that_would_wrap():
@@ -611,10 +627,12 @@ def test_pack_args_refuses_integers_that_would_wrap():
 def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
     import threading
     from ninfer.models.qwen3_5.cuda_model import CudaModel
-    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.decode_graphs import DecodeGraphs
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     fake = _ArenaModel(monkeypatch, 64 << 20)
     m = CudaModel.__new__(CudaModel)
     m.arena, m.stream, m._ctx_threads = fake.arena, None, threading.local()
+    m.graphs = DecodeGraphs(None, None, None)
     m._ctx_threads.bound = True
     destroyed = []
 
@@ -624,15 +642,15 @@ def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
 
         def destroy(self):
             destroyed.append(self.name)
-    kv1, kv2 = DeviceKVPool(m, _pool_config(), 8, 16), DeviceKVPool(m, _pool_config(), 8, 16)
-    st = DeviceStatePool(m, _pool_config(), 2)
-    m._graphs = {(1, id(kv1), id(st)): (G("kv1 B=1"), kv1, st),
+    kv1, kv2 = DeviceKVPool(_pool_dev(m), _pool_config(), 8, 16), DeviceKVPool(_pool_dev(m), _pool_config(), 8, 16)
+    st = DeviceStatePool(_pool_dev(m), _pool_config(), 2)
+    m.graphs._graphs = {(1, id(kv1), id(st)): (G("kv1 B=1"), kv1, st),
                  (2, id(kv1), id(st)): (G("kv1 B=2"), kv1, st),
                  (1, id(kv2), id(st)): (G("kv2 B=1"), kv2, st)}
     kv1.close()                  # a replay over kv1's returned pages would corrupt their next owner
-    assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2"] and list(m._graphs) == [(1, id(kv2), id(st))]
+    assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2"] and list(m.graphs._graphs) == [(1, id(kv2), id(st))]
     st.close()
-    assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2", "kv2 B=1"] and m._graphs == {}
+    assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2", "kv2 B=1"] and len(m.graphs) == 0
 
 
 class _Artifact:
@@ -739,10 +757,10 @@ def _bf16_exact(r, shape):
 
 
 def test_pool_host_copies_round_trip_like_the_numpy_pools(monkeypatch):
-    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     from ninfer.models.qwen3_5.state import KVPool, StatePool
     dev, cfg, r = _FakeDevice(monkeypatch, 64 << 20), _pool_config(), np.random.default_rng(5)
-    kv, st = DeviceKVPool(dev, cfg, 7, 4), DeviceStatePool(dev, cfg, 3)
+    kv, st = DeviceKVPool(_pool_dev(dev), cfg, 7, 4), DeviceStatePool(_pool_dev(dev), cfg, 3)
     ref_kv, ref_st = KVPool.allocate(cfg, 7, 4), StatePool.allocate(cfg, 3)
     pages = [5, 1, 3]
     data = tuple([_bf16_exact(r, (3,) + k.shape[1:]) for k in ref_kv.k] for _ in range(2))
@@ -764,10 +782,10 @@ def test_pool_host_copies_round_trip_like_the_numpy_pools(monkeypatch):
 
 
 def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):
-    from ninfer.models.qwen3_5.cuda.pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     from ninfer.models.qwen3_5.state import KVPool, StatePool
     dev, cfg = _FakeDevice(monkeypatch, 64 << 20), _pool_config()
-    kv, st = DeviceKVPool(dev, cfg, 6, 4), DeviceStatePool(dev, cfg, 3)
+    kv, st = DeviceKVPool(_pool_dev(dev), cfg, 6, 4), DeviceStatePool(_pool_dev(dev), cfg, 3)
     ref_kv, ref_st = KVPool.allocate(cfg, 6, 4), StatePool.allocate(cfg, 3)
     pages = ref_kv.read_pages([1, 5])
     before = dev.mem.copy()
@@ -854,6 +872,6 @@ def test_negative_context_is_refused_on_both_paths():
     ok = _decode_batch()
     bad = _with(ok, context_lens=np.array([0, -1, 13], np.int32))
     with pytest.raises(ValueError, match="context_lens must be >= 0"):
-        cm._check_decode(bad, _KV(), _ST())
+        bad.check(cm.batch_limits(_KV(), _ST()))
     with pytest.raises(ValueError, match="context_lens must be >= 0"):
-        cm._check(bad, _KV(), _ST())
+        bad.check(cm.batch_limits(_KV(), _ST()))

@@ -24,7 +24,7 @@ def _model(dev, n_cap=16, H=8):
     from ninfer.models.qwen3_5 import cuda_model as cm
     m = cm.CudaModel.__new__(cm.CudaModel)
     m.text = SimpleNamespace(hidden_size=H, vocab_size=5)
-    m.n_cap, m.stream = n_cap, dev.stream
+    m.n_cap, m.stream, m._media_host = n_cap, dev.stream, None
     m.ws = SimpleNamespace(h=dev.arena.take((n_cap, H), np.float32, "h"))
     return m
 

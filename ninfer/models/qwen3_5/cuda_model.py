@@ -3,12 +3,17 @@
 
     load_cuda_model(artifact, options) -> CudaModel
     CudaModel.forward(batch, kv, state, all_logits=False) -> float32 logits (host)
+    CudaModel.launch_tokens(batch, kv, state, rows=None) -> TokenStep (cuda/token_step.py)
     CudaModel.decode_greedy(batch, kv, state) -> int32 token ids [B] (argmax on the device)
     CudaModel.sample(batch, kv, state, rows) -> int32 token ids [B] (cuda/sampler.py on the device)
     CudaModel.capture_graphs(kv, state)     # optional: capture B = 1..max_concurrency now
 
 Decode fast path: a batch whose rows each bring one token, B <= max_concurrency, graphs on ->
-pack metadata into pinned staging, one async H2D copy, one cuGraphLaunch, one D2H + sync.
+pack metadata into pinned staging, one async H2D copy, one cuGraphLaunch, one async D2H copy of
+the B ids and an event after it; collect() waits on that event.
+
+The pieces, each given what it uses: cuda/device_memory.py (the memory plan), cuda/weight_load.py,
+cuda/device_pools.py, cuda/decode_graphs.py, cuda/token_step.py, cuda/runner.py (the layers).
 
 options.dtype "float32": fp32 weights (the checkpoint's bf16 widened on the device at load),
 activations, KV pools and GEMMs (strict fp32 compute), CUDA-core attention for every row: the
@@ -20,62 +25,33 @@ import logging
 import math
 import threading
 import time
-import zlib
 
 import numpy as np
 
+from ...contracts import BatchLimits, ForwardBatch
 from ...core.cuda import driver as _d
 from ...core.cuda.arena import Arena
-from ...core.cuda.cublaslt import PIN_M, CublasLt
-from ...core.cuda.graph import Graph
+from ...core.cuda.cublaslt import CublasLt
 from ...core.cuda.kernels import KernelCache
-from ...errors import DeviceError, RequestError
-from ...ops.attention import kv_slot_mapping
-from .batch import ForwardBatch
+from ...errors import RequestError
 from .config import ModelConfig
-from .load import model_config, text_param_shapes
+from .load import model_config
 from .vision_tower import MediaEncoding
+from .cuda.decode_graphs import DecodeGraphs
+from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGIN,  # noqa: F401
+                                 call_capacities, check_capacity, plan_cuda_memory,
+                                 workspace_bytes)
+from .cuda.device_pools import DeviceKVPool, DeviceStatePool, PoolDevice
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
-from .cuda.pools import DeviceKVPool, DeviceStatePool
 from .cuda.runner import StepRunner, Workspace, grouped_rows, part_rows_needed
 from .cuda.sampler import DeviceSampler
-from .cuda.upload import UploadJob, upload_all
+from .cuda.token_step import TokenStep
+from .cuda.weight_load import WeightLoader, load_weights
 from .cuda import attention_tc
-from .cuda import gdn_chunk
 from .cuda import weights as wplan
 
 log = logging.getLogger("ninfer.cuda")
-LT_WORKSPACE = 32 << 20
-MEMORY_MARGIN = 512 << 20
-_SAME_KV_SLOT = "ForwardBatch: two new tokens would write the same KV page slot"
-# (the numpy model lets a negative context through; here it indexes before the block table and
-# writes K/V outside the pool)
-_NEGATIVE_CONTEXT = "ForwardBatch: context_lens must be >= 0"
-
-
-# embed_gather and moe_combine put a call's tokens on grid.y, which CUDA caps at 65535 blocks
-MAX_TOKENS_PER_CALL = 65535
-
-
-def check_capacity(n_cap: int) -> None:
-    if n_cap > MAX_TOKENS_PER_CALL:
-        raise DeviceError(f"backend 'cuda': prefill_chunk {n_cap} exceeds the {MAX_TOKENS_PER_CALL} "
-                          "tokens one CUDA model call can take (kernel grid limit)")
-
-
-def call_capacities(options, max_tokens: int = None) -> tuple:
-    """(b_cap rows of a decode graph, n_cap tokens of one call, p_cap pages of one row, lg_cap
-    logits rows of one head pass) for `options`; `max_tokens` overrides prefill_chunk (bench)."""
-    b_cap = max(int(options.max_concurrency), 1)
-    page_size, max_context = int(options.page_size), int(options.max_context)
-    # a decode graph runs b_cap tokens through the same workspace: never fewer rows than that
-    # (batch_invariant: GEMMs of fewer than PIN_M rows run as PIN_M rows, cuda/runner.py)
-    n_cap = int(max(max_tokens or options.prefill_chunk, b_cap,
-                    PIN_M if options.batch_invariant else 1))
-    check_capacity(n_cap)
-    p_cap = (max_context + page_size - 1) // page_size + 1
-    return b_cap, n_cap, p_cap, max(b_cap, min(n_cap, 256))
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
@@ -102,9 +78,16 @@ class CudaModel(MediaEncoding):
         self.config, self.text = config, config.text
         self.options = options
         self._ctx_threads = threading.local()
+        # what close() releases: None until made (a failed load closes what it got to)
+        self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
+        self.staging = self.out_host = self.ids_host = self.route_host = self._media_host = None
+        self.step_done = None            # the event recorded after a token step's D2H copy
+        self._in_flight = None           # the launched TokenStep not yet collected
+        self.last_host_us = 0.0
+        self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
+        self._t_entry = 0.0
         self.device = _d.Device(options.device_id)
         self.stream = self.device.stream
-        self.arena = None
         try:
             self._setup(options, artifact, random_seed, max_tokens, kernel_cache_dir)
         except BaseException:
@@ -113,9 +96,6 @@ class CudaModel(MediaEncoding):
             except Exception:   # noqa: BLE001 - the load error is the one to report
                 pass
             raise
-        self.last_host_us = 0.0
-        self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
-        self._graphs = {}
 
     def _current(self) -> None:
         """Driver contexts are per thread: bind ours in a thread that has not used it yet (the
@@ -149,25 +129,19 @@ class CudaModel(MediaEncoding):
         nkv = max(cfg.num_key_value_heads, 1)
         part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms,
                                      b_cap if self.batch_invariant else 0)
-        ws_bytes = self._workspace_bytes(n_cap, part_rows)
+        ws_bytes = workspace_bytes(cfg, f32=self.f32, n_cap=n_cap, lg_cap=self.lg_cap,
+                                   part_rows=part_rows, max_keys=self.max_keys,
+                                   meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
         sampler_rows = max(b_cap, 8)
-        fixed = wplan.plan_bytes(cfg, tied, self.f32) + ws_bytes + \
-            DeviceSampler.device_bytes(sampler_rows, cfg.vocab_size, options.max_context)
         free, total = self.device.mem_info()
-        num_pages = self._plan_kv_pages(options, fixed, free, page_size, b_cap)
-        need = fixed + self._pool_reserve(num_pages, page_size, b_cap)
-        self.memory_plan = dict(weights=wplan.plan_bytes(cfg, tied, self.f32), workspace=ws_bytes,
-                                kv_pages=num_pages, page_size=page_size,
-                                kv=self._pool_reserve(num_pages, page_size, b_cap),
-                                total=need, free=free, device=self.device.name)
-        if need + MEMORY_MARGIN > free:
-            raise DeviceError(
-                f"backend 'cuda': too little device memory for the plan: needs "
-                f"{(need + MEMORY_MARGIN) / 2**30:.2f} GiB (weights, KV/state pools, workspace"
-                f"{', all in float32' if self.f32 else ''}), "
-                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB on {self.device.name}")
-        self.arena = Arena(need)
+        self.memory_plan = plan = plan_cuda_memory(
+            cfg, options, f32=self.f32, weights_bytes=wplan.plan_bytes(cfg, tied, self.f32),
+            workspace_bytes=ws_bytes + DeviceSampler.device_bytes(
+                sampler_rows, cfg.vocab_size, options.max_context),
+            free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN)
+        self.max_kv_pages = plan.num_kv_pages
+        self.arena = Arena(plan.total_bytes)
         self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
                             f32=self.f32)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
@@ -178,140 +152,39 @@ class CudaModel(MediaEncoding):
         self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32, invariant=self.batch_invariant)
         self.sampler = DeviceSampler(self.arena, self.kernels, sampler_rows, cfg.vocab_size,
                                      options.max_context)
-        self._lt_ws = lt_ws         # idle during the load: the fp32 model's widening scratch
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
+        self.ids_host = _d.PinnedBuffer(self.lg_cap * 4)       # a token step's ids (own buffer:
+        self.step_done = _d.Event(timing=False)                 # a forward may run before collect)
         K = max(cfg.num_experts_per_tok, 1)
         self.route_host = _d.PinnedBuffer(
             (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)
         t_load = time.perf_counter()
-        self.weights = self._load_weights(artifact, random_seed, tied)
+        # the cuBLASLt workspace is idle during the load: the fp32 model's widening scratch
+        loader = WeightLoader(self.arena, self.kernels, self.stream, self.f32, lt_ws, LT_WORKSPACE)
+        self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed, tied=tied)
         self.stream.synchronize()
         self.load_seconds = time.perf_counter() - t_load
         self.kernels.load_all()
         self.runner = StepRunner(self)
+        self.graphs = DecodeGraphs(self.stream, self.runner, self.decode_meta)
         self.stream.synchronize()
-        p = self.memory_plan
-        log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace %.2f GiB, KV %d "
-                 "pages of %d tokens = %.2f GiB, %.2f GiB in all of %.2f GiB free", p["device"],
-                 p["weights"] / 2**30, self.load_seconds, p["workspace"] / 2**30, p["kv_pages"],
-                 p["page_size"], p["kv"] / 2**30, p["total"] / 2**30, p["free"] / 2**30)
-
-    def _plan_kv_pages(self, options, fixed: int, free: int, page_size: int, b_cap: int) -> int:
-        """KV pages of the pool: options.num_kv_pages when given; else every slot at max_context
-        (more could never be used), or fewer when the device memory left after weights, workspace,
-        sampler, State pool and the margin (graphs, driver) holds fewer, down to one sequence."""
-        if options.num_kv_pages:
-            self.max_kv_pages = int(options.num_kv_pages)
-            return self.max_kv_pages
-        per_seq = -(-int(options.max_context) // page_size)
-        want = b_cap * per_seq
-        page_bytes = self._pool_reserve(1, page_size, b_cap) - self._pool_reserve(0, page_size, b_cap)
-        left = free - MEMORY_MARGIN - fixed - self._pool_reserve(0, page_size, b_cap)
-        fit = want if page_bytes == 0 else max(int(left // page_bytes), 0)
-        # fewer than one sequence: keep `want`, and the memory check below says what is short
-        self.max_kv_pages = min(want, fit) if fit >= per_seq else want
-        return self.max_kv_pages
-
-    def _pool_reserve(self, pages, page_size, b_cap) -> int:
-        cfg = self.text
-        kv = 2 * len(cfg.attention_layer_ids) * pages * page_size * cfg.num_key_value_heads * \
-            cfg.head_dim * (4 if self.f32 else 2)
-        slots = 2 * b_cap + 2
-        st = len(cfg.linear_layer_ids) * slots * 4 * (
-            cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) +
-            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
-        return kv + st + (64 << 10) * (2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids))
-
-    def _workspace_bytes(self, n_cap, part_rows) -> int:
-        from ...core.cuda.arena import _round_up
-        cfg = self.text
-        H = cfg.hidden_size
-        g = 4 if self.f32 else 2          # bytes of a GEMM input element (x, act, xg, gact, xf)
-        # generous upper bound of Workspace (every buffer at its widest)
-        widest = max(cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads,
-                     2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim,
-                     2 * cfg.intermediate_size,
-                     cfg.num_experts + 2 * cfg.shared_expert_intermediate_size + 1)
-        per_tok = 4 * H + g * H + g * max(H, cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim,
-                                          cfg.intermediate_size, cfg.shared_expert_intermediate_size) \
-            + 4 * widest + 4 * max(cfg.linear_conv_dim, cfg.num_attention_heads * cfg.head_dim) \
-            + 4 * cfg.linear_value_dim
-        if cfg.is_moe:
-            K = cfg.num_experts_per_tok
-            I = cfg.moe_intermediate_size
-            # ids, wts, mact, shared per token; the grouped rows (my, xg, gu, gact, route)
-            per_tok += 8 * K + 4 * K * I + 4 * H + 4 * K
-            grouped = grouped_rows(n_cap, K, cfg.num_experts) * (4 * H + g * H + 8 * I + g * I + 4)
-        else:
-            grouped = 0
-        part = grouped + part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4
-        if cfg.attention_layer_ids and not self.f32:
-            part += attention_tc.nbytes(attention_tc.buffer_sizes(
-                cfg.num_attention_heads, max(cfg.num_key_value_heads, 1), cfg.head_dim, n_cap,
-                self.max_keys))
-        head = self.lg_cap * (g * H + 4 * cfg.vocab_size + 4)
-        if cfg.linear_layer_ids:       # the chunked delta rule's W, P and decay factors
-            part += gdn_chunk.workspace_bytes(n_cap, cfg.linear_num_value_heads,
-                                              cfg.linear_key_head_dim) + 3 * 256
-        meta = self.eager_layout.nbytes + self.decode_layout.nbytes
-        return _round_up(n_cap * per_tok + part + head + meta + LT_WORKSPACE) + 64 * 256
-
-    def _load_weights(self, artifact, seed, tied) -> dict:
-        cfg = self.text
-        plans = [("", wplan.model_plan(cfg))] + \
-            [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
-        out = {"layers": []}
-        jobs = []           # artifact weights, in arena order: read in parallel, uploaded in order
-        for idx, plan in plans:
-            arrs = {}
-            for name, (shape, dt, sources) in plan.items():
-                if tied and name == "lm_head":
-                    arrs[name] = arrs["embed"]       # tied: one device copy
-                    continue
-                widen = self.f32 and dt == wplan.BF16
-                dtype = np.uint16 if dt == wplan.BF16 and not widen else np.float32
-                a = self.arena.take(shape, dtype, f"weight {name}")
-                if artifact is not None:
-                    jobs.append(UploadJob(a, tuple(shape), dt, tuple(sources), widen))
-                else:
-                    self._random_fill(a, name, dt, seed + 7919 * len(out["layers"]) + zlib.crc32(name.encode()))
-                arrs[name] = a
-            if idx == "":
-                out.update(arrs)
-            else:
-                out["layers"].append(arrs)
-        if jobs:
-            upload_all(artifact, jobs, self.stream, text_param_shapes(cfg),
-                       lambda job, host, staging: self._upload_widened(job.dst, host, staging))
-        return out
-
-    def _upload_widened(self, a, bits, staging) -> None:
-        """fp32 weight `a` = bf16 `bits` (host uint16), widened on the device (exact): pieces of
-        the cuBLASLt workspace's size go up as bf16 and are widened into place (half the PCIe
-        traffic and host memory of widening on the host)."""
-        flat = bits.reshape(-1)
-        step = LT_WORKSPACE // 2
-        for i in range(0, flat.size, step):
-            piece = flat[i: i + step]
-            # upload synchronises: the previous widening has read the scratch before it is reused
-            _d.upload(self._lt_ws.ptr, piece, self.stream, staging)
-            self.kernels.widen_bf16.launch(self.stream, (min((piece.size + 255) // 256, 65535),),
-                                           (256,), (a.ptr + 4 * i, self._lt_ws, piece.size))
-
-    def _random_fill(self, a, name, dt, seed):
-        scale, offset = wplan.random_spec(name, a.shape)
-        n = int(np.prod(a.shape))
-        k = self.kernels.random_bf16 if dt == wplan.BF16 else self.kernels.random_f32
-        k.launch(self.stream, (min((n + 255) // 256, 65535),), (256,),
-                 (a, n, seed & 0xFFFFFFFF, scale, offset))
+        log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace and sampler "
+                 "%.2f GiB, KV %d pages of %d tokens + State %d slots = %.2f GiB, %.2f GiB in all "
+                 "of %.2f GiB free", plan.device, plan.weights_bytes / 2**30, self.load_seconds,
+                 plan.workspace_bytes / 2**30, plan.num_kv_pages, plan.page_size,
+                 plan.num_state_slots, plan.pool_bytes / 2**30, plan.total_bytes / 2**30,
+                 plan.free_bytes / 2**30)
 
     # ---- pools --------------------------------------------------------------------------------
+    def _pool_device(self) -> PoolDevice:
+        return PoolDevice(self.arena, self.stream, self._current, self._forget_graphs_of, self.f32)
+
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
         self._current()
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"new_kv_pool: num_pages={num_pages}, page_size={page_size} must be >= 1")
-        pool = DeviceKVPool(self, self.text, num_pages, page_size)
+        pool = DeviceKVPool(self._pool_device(), self.text, num_pages, page_size)
         self.stream.synchronize()
         return pool
 
@@ -319,108 +192,26 @@ class CudaModel(MediaEncoding):
         self._current()
         if num_slots < 1:
             raise ValueError(f"new_state_pool: num_slots={num_slots} must be >= 1")
-        pool = DeviceStatePool(self, self.text, num_slots)
+        pool = DeviceStatePool(self._pool_device(), self.text, num_slots)
         self.stream.synchronize()
         return pool
 
+    def _forget_graphs_of(self, pool) -> None:
+        if self.graphs is not None:
+            self.graphs.forget(pool)
+
     # ---- compute ------------------------------------------------------------------------------
-    @staticmethod
-    def _validate_plan(batch: ForwardBatch, page_size: int) -> None:
-        """ForwardBatch.validate's rules, vectorised (it runs on every decode step)."""
-        B, N = batch.num_rows, batch.num_tokens
-        qs = np.asarray(batch.query_start)
-        if qs.shape != (B + 1,) or qs[0] != 0 or qs[-1] != N or np.any(qs[1:] < qs[:-1]):
-            raise ValueError(f"ForwardBatch: bad query_start {qs} for {N} tokens")
-        if batch.positions.shape != (3, N):
-            raise ValueError(f"ForwardBatch: positions shape {batch.positions.shape} != (3, {N})")
-        bt = np.asarray(batch.block_tables)
-        if bt.ndim != 2 or bt.shape[0] != B or np.shape(batch.state_slots) != (B,):
-            raise ValueError("ForwardBatch: block_tables / state_slots do not match the rows")
-        need = (np.asarray(batch.context_lens) + (qs[1:] - qs[:-1]) + page_size - 1) // page_size
-        width = int(need.max(initial=0))
-        if width > bt.shape[1] or np.any((bt[:, :width] < 0) &
-                                         (np.arange(width) < need[:, None])):
-            r = int(np.argmax(need > bt.shape[1])) if width > bt.shape[1] else \
-                int(np.nonzero(np.any((bt[:, :width] < 0) & (np.arange(width) < need[:, None]), 1))[0][0])
-            raise ValueError(f"ForwardBatch: row {r} block table does not cover "
-                             f"{int(batch.context_lens[r] + qs[r + 1] - qs[r])} tokens")
-
-    def _check_decode(self, batch: ForwardBatch, kv, state) -> None:
-        """_check for rows of one token each, in plain Python over B <= 8 values (it runs on every
-        decode step; numpy calls on tiny arrays cost more than the work)."""
+    def batch_limits(self, kv, state) -> BatchLimits:
+        """ForwardBatch.check's limits of a call over these pools: the numpy model's, plus this
+        model's capacities (a decode graph's B <= b_cap is within them)."""
         cfg = self.text
-        B = batch.num_rows
-        if batch.query_start.tolist() != list(range(B + 1)) or batch.positions.shape != (3, B) or \
-                np.shape(batch.state_slots) != (B,) or batch.block_tables.ndim != 2 or \
-                batch.block_tables.shape[0] != B:
-            raise ValueError("ForwardBatch: decode rows must bring one token each; query_start, "
-                             "positions, state_slots and block_tables must match the rows")
-        ids, ctxs = batch.token_ids.tolist(), batch.context_lens.tolist()
-        if min(ids) < 0 or max(ids) >= cfg.vocab_size:
-            raise ValueError(f"ForwardBatch: token id out of range [0, {cfg.vocab_size})")
-        if min(ctxs) < 0:
-            raise ValueError(_NEGATIVE_CONTEXT)
-        if cfg.linear_layer_ids:
-            slots = batch.state_slots.tolist()
-            if len(set(slots)) != B or min(slots) < 0 or max(slots) >= state.num_slots:
-                raise ValueError(f"ForwardBatch: state slots {slots} must be distinct and "
-                                 f"< {state.num_slots}")
-        if cfg.attention_layer_ids:
-            ps, bt = kv.page_size, batch.block_tables
-            need = [c // ps + 1 for c in ctxs]
-            width = max(need)
-            if width > bt.shape[1] or width > self.p_cap:
-                raise ValueError(f"ForwardBatch: a row needs {width} pages; its block table has "
-                                 f"{bt.shape[1]} (max_context allows {self.p_cap})")
-            used = bt[:, :width]
-            if used.min() < 0 and np.any((used < 0) & (np.arange(width) < np.array(need)[:, None])):
-                raise ValueError("ForwardBatch: a row's block table does not cover its tokens")
-            if used.max() >= kv.num_pages:
-                raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
-            # the page each row writes its token into; rows sharing a page must not share a slot
-            last = bt[range(B), [c // ps for c in ctxs]].tolist()
-            if len({p * ps + c % ps for p, c in zip(last, ctxs)}) != B:
-                raise ValueError(_SAME_KV_SLOT)
-
-    def _check(self, batch: ForwardBatch, kv, state) -> None:
-        """The numpy model's checks (same message for the same bad batch), plus this model's
-        capacities."""
-        cfg = self.text
-        n, b = batch.num_tokens, batch.num_rows
-        if b and int(np.min(batch.context_lens)) < 0:
-            raise ValueError(_NEGATIVE_CONTEXT)
-        if cfg.attention_layer_ids:
-            self._validate_plan(batch, kv.page_size)
-        elif batch.positions.shape != (3, n) or np.shape(batch.query_start) != (b + 1,) or \
-                batch.query_start[0] != 0 or batch.query_start[-1] != n:
-            raise ValueError("ForwardBatch: positions / query_start do not match the tokens")
-        lengths = batch.row_lengths()
-        if b < 1 or np.any(lengths < 1):
-            raise ValueError(f"ForwardBatch: every row needs >= 1 new token, got {lengths.tolist()}")
-        if n > self.n_cap or b > self.eager_layout.b_cap:
-            raise ValueError(f"ForwardBatch: {n} tokens / {b} rows exceed the CUDA model's "
-                             f"capacity ({self.n_cap} tokens, {self.eager_layout.b_cap} rows); "
-                             "split the prefill into chunks")
-        ids = np.asarray(batch.token_ids)
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"ForwardBatch: token id out of range [0, {cfg.vocab_size})")
-        if cfg.linear_layer_ids:
-            slots = np.asarray(batch.state_slots)
-            if len(set(slots.tolist())) != len(slots) or slots.min() < 0 or \
-                    slots.max() >= state.num_slots:
-                raise ValueError(f"ForwardBatch: state slots {slots.tolist()} must be distinct and "
-                                 f"< {state.num_slots}")
-        if cfg.attention_layer_ids:
-            if int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
-                raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
-            need = (np.asarray(batch.context_lens) + lengths + kv.page_size - 1) // kv.page_size
-            if need.max() > self.p_cap:
-                raise ValueError(f"ForwardBatch: a row needs {int(need.max())} pages, more than "
-                                 f"max_context allows ({self.p_cap})")
-            pages, offsets = kv_slot_mapping(batch.block_tables, batch.context_lens,
-                                             batch.query_start, kv.page_size)
-            if len(np.unique(pages * kv.page_size + offsets)) != n:
-                raise ValueError(_SAME_KV_SLOT)
+        return BatchLimits(
+            vocab_size=cfg.vocab_size,
+            page_size=kv.page_size if cfg.attention_layer_ids else None,
+            num_kv_pages=kv.num_pages if cfg.attention_layer_ids else None,
+            num_state_slots=state.num_slots if cfg.linear_layer_ids else None,
+            max_rows=self.eager_layout.b_cap, max_tokens=self.n_cap,
+            max_pages_per_row=self.p_cap)
 
     def _upload_meta(self, layout: MetaLayout, meta: DeviceMeta, host_off: int, batch, out_rows):
         host = self.staging.view(np.int32, host_off, layout.count)
@@ -440,18 +231,16 @@ class CudaModel(MediaEncoding):
         self._t_entry = time.perf_counter()
         self._current()
         V = self.text.vocab_size
+        if self.checks_batches:
+            batch.check(self.batch_limits(kv, state))
         if media is not None and len(media[0]) == 0:
             media = None
         if media is None and not all_logits and self._is_decode(batch):
-            if self.checks_batches:
-                self._check_decode(batch, kv, state)
             B = batch.num_rows
             self._decode_launch(batch, kv, state)
             _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, B * V * 4, self.stream)
             self.stream.synchronize()
             return self.out_host.view(np.float32, 0, B * V).reshape(B, V).copy()
-        if self.checks_batches:
-            self._check(batch, kv, state)
         out_rows = np.arange(batch.num_tokens, dtype=np.int32) if all_logits else \
             (np.asarray(batch.query_start[1:], np.int32) - 1)
         if media is not None:
@@ -477,7 +266,7 @@ class CudaModel(MediaEncoding):
         does), so the staging is free again."""
         rows, vectors = media
         H = self.text.hidden_size
-        if getattr(self, "_media_host", None) is None:
+        if self._media_host is None:
             self._media_host = _d.PinnedBuffer(self.n_cap * H * 4)
         self._media_host.view(np.float32, 0, vectors.size)[:] = vectors.ravel()
         cut = np.flatnonzero(np.diff(rows) != 1) + 1
@@ -485,43 +274,51 @@ class CudaModel(MediaEncoding):
             _d.copy_htod_async(self.ws.h.ptr + int(rows[a]) * H * 4,
                                self._media_host.ptr + a * H * 4, (b - a) * H * 4, st)
 
+    def launch_tokens(self, batch: ForwardBatch, kv, state, rows=None) -> TokenStep:
+        """Launch one step whose result is a token id per row (graph for a decode batch, eager
+        otherwise): the head's argmax, or with `rows` (a program.sampling.SampleRow or None per
+        row) the device sampler's pick over the logits rows; then the async copy of the ids to
+        pinned memory and an event after it. Returns at once; TokenStep.collect() waits on that
+        event. One step in flight: collect the previous one before the next launch."""
+        self._t_entry = time.perf_counter()
+        if self._in_flight is not None:
+            raise RuntimeError("launch_tokens: the previous TokenStep is not collected yet")
+        B = batch.num_rows
+        if rows is not None:
+            if len(rows) != B:
+                raise ValueError(f"sample: {len(rows)} sampling rows for a batch of {B}")
+            cap = min(self.sampler.layout.rows_cap, self.lg_cap)
+            if B > cap:
+                raise ValueError(f"sample: {B} rows exceed the device sampler's {cap}")
+        self._current()
+        if self.checks_batches:
+            batch.check(self.batch_limits(kv, state))
+        if self._is_decode(batch):
+            self._decode_launch(batch, kv, state)
+        else:
+            self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
+                        want_logits=False)
+        if rows is not None:
+            self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows)
+        _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
+        self.step_done.record(self.stream)
+        self._in_flight = step = TokenStep(self.ids_host.view(np.int32, 0, B), self.step_done,
+                                           self._step_collected)
+        return step
+
+    def _step_collected(self, step: TokenStep) -> None:
+        if self._in_flight is step:
+            self._in_flight = None
+
     def decode_greedy(self, batch: ForwardBatch, kv, state) -> np.ndarray:
         """Argmax token of each row (device-side), through the graph when the batch is a decode."""
-        self._t_entry = time.perf_counter()
-        return self._token_step(batch, kv, state, None)
+        return self.launch_tokens(batch, kv, state).collect()
 
     def sample(self, batch: ForwardBatch, kv, state, rows) -> np.ndarray:
         """The step of decode_greedy, then one token per row sampled on the device from the B
         output logits rows: rows[r] a program.sampling.SampleRow (the host sampler's sample_row
         without logprobs, same token within its decision margins) or None (argmax). int32 [B]."""
-        self._t_entry = time.perf_counter()
-        B = batch.num_rows
-        if len(rows) != B:
-            raise ValueError(f"sample: {len(rows)} sampling rows for a batch of {B}")
-        cap = min(self.sampler.layout.rows_cap, self.lg_cap)
-        if B > cap:
-            raise ValueError(f"sample: {B} rows exceed the device sampler's {cap}")
-        return self._token_step(batch, kv, state, rows)
-
-    def _token_step(self, batch, kv, state, rows) -> np.ndarray:
-        """One step (graph for a decode batch, eager otherwise) whose result is a token id per row:
-        the head's argmax, or the device sampler's pick over the logits rows when `rows` is given."""
-        self._current()
-        B = batch.num_rows
-        if self._is_decode(batch):
-            if self.checks_batches:
-                self._check_decode(batch, kv, state)
-            self._decode_launch(batch, kv, state)
-        else:
-            if self.checks_batches:
-                self._check(batch, kv, state)
-            self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
-                        want_logits=False)
-        if rows is not None:
-            self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows)
-        _d.copy_dtoh_async(self.out_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
-        self.stream.synchronize()
-        return self.out_host.view(np.int32, 0, B).copy()
+        return self.launch_tokens(batch, kv, state, rows).collect()
 
     def _eager(self, batch, kv, state, out_rows, want_logits: bool = True, media=None):
         lay, meta = self.eager_layout, self.eager_meta
@@ -548,32 +345,6 @@ class CudaModel(MediaEncoding):
         return result
 
     # ---- graphs -------------------------------------------------------------------------------
-    def _graph(self, B, kv, state) -> Graph:
-        # keyed by pool identity; the entry holds the pools, so their ids cannot be reused
-        key = (B, id(kv), id(state))
-        entry = self._graphs.get(key)
-        if entry is not None:
-            return entry[0]
-        run = lambda st: self.runner.run(st, self.decode_meta, B, B, B, kv, state)  # noqa: E731
-        self.runner.dry = True
-        try:
-            run(self.stream)          # GEMM plans and modules resolved before capture
-        finally:
-            self.runner.dry = False
-        g = Graph(self.stream, run)
-        self._graphs[key] = (g, kv, state)
-        return g
-
-    def _forget_graphs_of(self, pool) -> None:
-        """Destroy the graphs captured over `pool` (it is closing: its regions go back to the
-        arena, and a replay would write into whatever takes them next)."""
-        graphs = getattr(self, "_graphs", {})
-        stale = [key for key, (_, kv, state) in graphs.items() if pool is kv or pool is state]
-        if stale:
-            self._current()
-        for key in stale:
-            graphs.pop(key)[0].destroy()
-
     def warm_up(self, kv, state) -> None:
         """Capture and replay the decode graph of every B = 1..b_cap, run the device sampler and
         one eager call of the widest prefill: nothing is built lazily while serving. Rows use
@@ -598,13 +369,13 @@ class CudaModel(MediaEncoding):
     def capture_graphs(self, kv, state, sizes=None) -> int:
         self._current()
         for B in sizes or range(1, self.b_cap + 1):
-            self._graph(B, kv, state)
-        return len(self._graphs)
+            self.graphs.get(B, kv, state)
+        return len(self.graphs)
 
     def _decode_launch(self, batch, kv, state) -> None:
         t0 = time.perf_counter()
         B = batch.num_rows
-        g = self._graph(B, kv, state)
+        g = self.graphs.get(B, kv, state)
         t1 = time.perf_counter()
         lay, off = self.decode_layout, self.eager_layout.nbytes
         nbytes = lay.pack_decode(self.staging.view(np.int32, off, lay.count), batch)
@@ -612,18 +383,20 @@ class CudaModel(MediaEncoding):
         t2 = time.perf_counter()
         g.launch()
         t3 = time.perf_counter()
-        t_in = getattr(self, "_t_entry", t0)
+        t_in = self._t_entry or t0
         self.last_host_us = (t3 - t_in) * 1e6
         # (checks, graph lookup, metadata pack + async copy, cuGraphLaunch) in microseconds
         self.last_host_breakdown_us = ((t0 - t_in) * 1e6, (t1 - t0) * 1e6, (t2 - t1) * 1e6,
                                        (t3 - t2) * 1e6)
 
+    # ---- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Release what the model holds, users first: graphs, cuBLASLt, modules, pinned host
-        memory, the arena, the context. Every step runs even when an earlier one fails (a kernel
-        fault leaves the context failing every call; releasing it is what lets the process use
-        the GPU again); the first error is raised at the end. Idempotent."""
-        dev = getattr(self, "device", None)
+        """Release what the model holds, users first: graphs, cuBLASLt, modules, the sampler,
+        the step event, pinned host memory, the arena, the context. Every step runs even when an
+        earlier one fails (a kernel fault leaves the context failing every call; releasing it is
+        what lets the process use the GPU again); the first error is raised at the end.
+        Idempotent."""
+        dev = self.device
         if dev is None:
             return
         errors = []
@@ -635,21 +408,20 @@ class CudaModel(MediaEncoding):
                 errors.append(exc)
         release(self._current)
         release(self.stream.synchronize)
-        for g, _, _ in getattr(self, "_graphs", {}).values():
-            release(g.destroy)
-        self._graphs = {}
-        for part in ("lt", "kernels"):
-            if getattr(self, part, None) is not None:
-                release(getattr(self, part).close)
-                setattr(self, part, None)
-        if getattr(self, "sampler", None) is not None:
-            release(self.sampler.close)
-            self.sampler = None
-        for buf in ("staging", "out_host", "route_host", "_media_host"):
-            b = getattr(self, buf, None)
-            if b is not None:
-                release(b.free)
-                setattr(self, buf, None)
+        self._in_flight = None
+        if self.graphs is not None:
+            for g in self.graphs.take_all():
+                release(g.destroy)
+        for part in (self.lt, self.kernels, self.sampler):
+            if part is not None:
+                release(part.close)
+        if self.step_done is not None:
+            release(self.step_done.destroy)
+        self.lt = self.kernels = self.sampler = self.step_done = None
+        for buf in (self.staging, self.out_host, self.ids_host, self.route_host, self._media_host):
+            if buf is not None:
+                release(buf.free)
+        self.staging = self.out_host = self.ids_host = self.route_host = self._media_host = None
         if self.arena is not None:
             release(self.arena.close)
             self.arena = None

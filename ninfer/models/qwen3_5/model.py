@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import ops
-from .batch import ForwardBatch
+from ...contracts import BatchLimits, ForwardBatch
 from .config import FULL_ATTENTION, ModelConfig
 from .layers import DenseMLP, GatedAttention, GatedDeltaNet, SparseMoE, StepPlan
 from .load import model_config, read_text_params
@@ -93,10 +93,19 @@ class NumpyModel(MediaEncoding):
             h = h + mlp(ops.rmsnorm_zero_centred(h, post_norm, cfg.rms_norm_eps))
         return h
 
+    def batch_limits(self, kv: KVPool, state: StatePool) -> BatchLimits:
+        """ForwardBatch.check's limits of a call over these pools."""
+        cfg = self.text
+        return BatchLimits(
+            vocab_size=cfg.vocab_size,
+            page_size=kv.page_size if cfg.attention_layer_ids else None,
+            num_kv_pages=kv.num_pages if cfg.attention_layer_ids else None,
+            num_state_slots=state.num_slots if cfg.linear_layer_ids else None)
+
     def _plan(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> StepPlan:
         cfg = self.text
         if self.checks_batches:
-            self._check(batch, kv, state)
+            batch.check(self.batch_limits(kv, state))
         lengths = batch.row_lengths()
         if not cfg.attention_layer_ids:           # a pure-GDN model has no KV and no rotary
             return StepPlan(batch=batch, lengths=lengths, cos=None, sin=None, kv_pages=None,
@@ -105,34 +114,8 @@ class NumpyModel(MediaEncoding):
                                      cfg.mrope_section, cfg.mrope_interleaved)
         pages, offsets = ops.kv_slot_mapping(batch.block_tables, batch.context_lens,
                                              batch.query_start, kv.page_size)
-        flat = pages * kv.page_size + offsets
-        if len(np.unique(flat)) != len(flat):
-            raise ValueError("ForwardBatch: two new tokens would write the same KV page slot")
         return StepPlan(batch=batch, lengths=lengths, cos=cos, sin=sin, kv_pages=pages,
                         kv_offsets=offsets)
-
-    def _check(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> None:
-        """Raise ValueError for a plan this model cannot run without corrupting another row."""
-        cfg = self.text
-        if cfg.attention_layer_ids:
-            batch.validate(kv.page_size)
-            if int(np.max(batch.block_tables, initial=-1)) >= kv.num_pages:
-                raise ValueError(f"ForwardBatch: block table names a page >= {kv.num_pages}")
-        elif batch.positions.shape != (3, batch.num_tokens) or \
-                batch.query_start.shape != (batch.num_rows + 1,) or batch.query_start[0] != 0 \
-                or batch.query_start[-1] != batch.num_tokens:
-            raise ValueError("ForwardBatch: positions / query_start do not match the tokens")
-        lengths = batch.row_lengths()
-        if np.any(lengths < 1):
-            raise ValueError(f"ForwardBatch: every row needs >= 1 new token, got {lengths.tolist()}")
-        ids = np.asarray(batch.token_ids)
-        if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
-            raise ValueError(f"ForwardBatch: token id out of range [0, {cfg.vocab_size})")
-        slots = np.asarray(batch.state_slots)
-        if cfg.linear_layer_ids and (len(set(slots.tolist())) != len(slots) or slots.min() < 0
-                                     or slots.max() >= state.num_slots):
-            raise ValueError(f"ForwardBatch: state slots {slots.tolist()} must be distinct and "
-                             f"< {state.num_slots}")
 
     def warm_up(self, kv, state) -> None:
         """Nothing is built lazily on this backend."""

@@ -23,7 +23,6 @@ consumed whole by `commit(decisions)` or `abort_pending()`. Sampling randomness 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -31,8 +30,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from .... import _hot
-from ....errors import RequestError
 from ..batch import ForwardBatch
+from ..memory_plan import plan_pools
 from ....contracts import (Capacity, CaptureRoom, PendingBatch, ProgramError, ResumeState,
                            RowDecision, RowPlan, RowResult, RowView, SampleRow, SamplingSpec,
                            UnitPlan)
@@ -81,23 +80,16 @@ class Program:
         self.max_context = int(options.max_context)
         self.prefill_chunk = int(options.prefill_chunk)
         self.num_slots = int(options.max_concurrency)
-        self.max_pages_per_seq = pages_for(self.max_context, self.page_size)
-        # not given: every slot at max_context, or what the backend's memory holds if fewer
-        num_pages = options.num_kv_pages or min(self.num_slots * self.max_pages_per_seq,
-                                                model.max_kv_pages or math.inf)
-        if num_pages < self.max_pages_per_seq:
-            raise RequestError(
-                f"Engine option num_kv_pages={num_pages}: one max_context={self.max_context} "
-                f"sequence needs {self.max_pages_per_seq} pages of {self.page_size} tokens")
+        # pool sizes: memory_plan.py, the arithmetic the CUDA model and the CLI use too
+        plan = plan_pools(options, held_kv_pages=model.max_kv_pages)
+        self.max_pages_per_seq, num_pages = plan.max_pages_per_seq, plan.num_kv_pages
         # the one validation of a batch is here, where it is built: the backend trusts it
         # unless the debug option asks it to check again
         model.checks_batches = bool(options.debug_checks)
-        # context cache: State checkpoints live in cache slots after the sequences' (the cuda
-        # memory plan holds 2 * max_concurrency + 2 State images), its pages within a share of
-        # the pool (docs/architecture.md "Context cache")
+        # context cache: State checkpoints live in cache slots after the sequences', its pages
+        # within a share of the pool (docs/architecture.md "Context cache")
         share = options.prefix_cache_device_share
-        num_cache_slots = min(max(2, math.ceil(2 * share * self.num_slots)),
-                              self.num_slots + 2) if share > 0 else 0
+        num_cache_slots = plan.num_cache_slots
         self.kv = model.new_kv_pool(num_pages, self.page_size)
         # speculative decoding: the drafter's KV joins the pool as one more layer (so every page
         # copy carries it) before anything sizes a page; speculative.py runs the units

@@ -8,6 +8,8 @@ as `state.py` (KV is bf16 on the device, fp32 for a dtype="float32" model; host 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -111,21 +113,33 @@ def _take_all(arena, shapes, dtype, what: str) -> list:
     return taken
 
 
+@dataclass(frozen=True)
+class PoolDevice:
+    """What a device pool uses: the arena its arrays live in, the stream its copies run on,
+    bind() (make the context current in this thread), on_close(pool) (the model destroys the
+    graphs captured over the pool) and f32 (float32 KV instead of bf16)."""
+    arena: object
+    stream: object
+    bind: Callable[[], None]
+    on_close: Callable[[object], None]
+    f32: bool = False
+
+
 class DeviceKVPool:
-    def __init__(self, model, cfg: TextConfig, num_pages: int, page_size: int):
+    def __init__(self, dev: PoolDevice, cfg: TextConfig, num_pages: int, page_size: int):
         self.page_size = int(page_size)
-        self._model = model
+        self._dev = dev
         shape = (int(num_pages), self.page_size, cfg.num_key_value_heads, cfg.head_dim)
         n = len(cfg.attention_layer_ids)
-        self._f32 = bool(getattr(model, "f32", False))
-        kv = _take_all(model.arena, [shape] * (2 * n), np.float32 if self._f32 else np.uint16,
+        self._f32 = bool(dev.f32)
+        kv = _take_all(dev.arena, [shape] * (2 * n), np.float32 if self._f32 else np.uint16,
                        f"KV pool ({num_pages} pages)")
         self.k, self.v = kv[:n], kv[n:]
         self._num_pages = int(num_pages)
         # a pool dropped without close() (scoring's temporary pools) still returns its pages
-        weakref.finalize(self, model.arena.give_later, self.k + self.v)
+        weakref.finalize(self, dev.arena.give_later, self.k + self.v)
         for a in self.k + self.v:
-            _d.memset_d8_async(a.ptr, 0, a.nbytes, model.stream)
+            _d.memset_d8_async(a.ptr, 0, a.nbytes, dev.stream)
 
     @property
     def num_pages(self) -> int:
@@ -133,8 +147,8 @@ class DeviceKVPool:
 
     def read_pages(self, pages) -> tuple:
         pages = _checked_indices(pages, self._num_pages, "KV page")
-        self._model._current()
-        bits = _copy_rows_out(self.k + self.v, pages, self._model.stream)
+        self._dev.bind()
+        bits = _copy_rows_out(self.k + self.v, pages, self._dev.stream)
         n = len(self.k)
         if self._f32:
             return bits[:n], bits[n:]
@@ -144,39 +158,40 @@ class DeviceKVPool:
         pages = _checked_indices(pages, self._num_pages, "KV page")
         for arrs, host in zip((self.k, self.v), data):
             _check_image(arrs, host, (len(pages),), "KV pages image")
-        self._model._current()
+        self._dev.bind()
         host = _f32_array if self._f32 else _bf16_bits
         _copy_rows_in(self.k + self.v, pages, [host(h) for h in list(data[0]) + list(data[1])],
-                      self._model.stream)
+                      self._dev.stream)
 
     def copy_pages(self, src_pages, dst_pages) -> None:
         """Page dst_pages[i] becomes a copy of src_pages[i] in every layer (numpy KVPool's
         contract): one cuMemcpyDtoDAsync per page and layer array."""
         src, dst = _copy_indices(src_pages, dst_pages, self._num_pages, "KV page")
-        self._model._current()
-        _copy_rows(self.k + self.v, src.tolist(), dst.tolist(), self._model.stream)
+        self._dev.bind()
+        _copy_rows(self.k + self.v, src.tolist(), dst.tolist(), self._dev.stream)
 
     def close(self) -> None:
-        self._model._forget_graphs_of(self)
+        self._dev.bind()
+        self._dev.on_close(self)
         for a in self.k + self.v:
-            self._model.arena.give(a)
+            self._dev.arena.give(a)
         self.k, self.v = [], []
 
 
 class DeviceStatePool:
-    def __init__(self, model, cfg: TextConfig, num_slots: int):
-        self._model = model
+    def __init__(self, dev: PoolDevice, cfg: TextConfig, num_slots: int):
+        self._dev = dev
         n = len(cfg.linear_layer_ids)
         conv = (int(num_slots), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
         rec = (int(num_slots), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                cfg.linear_value_head_dim)
-        arrays = _take_all(model.arena, [conv] * n + [rec] * n, np.float32,
+        arrays = _take_all(dev.arena, [conv] * n + [rec] * n, np.float32,
                            f"state pool ({num_slots} slots)")
         self.conv, self.recurrent = arrays[:n], arrays[n:]
         self._num_slots = int(num_slots)
-        weakref.finalize(self, model.arena.give_later, self.conv + self.recurrent)
+        weakref.finalize(self, dev.arena.give_later, self.conv + self.recurrent)
         for a in self.conv + self.recurrent:
-            _d.memset_d8_async(a.ptr, 0, a.nbytes, model.stream)
+            _d.memset_d8_async(a.ptr, 0, a.nbytes, dev.stream)
 
     @property
     def num_slots(self) -> int:
@@ -184,16 +199,16 @@ class DeviceStatePool:
 
     def zero(self, slot: int) -> None:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
-        self._model._current()
-        st = self._model.stream
+        self._dev.bind()
+        st = self._dev.stream
         for a in self.conv + self.recurrent:
             _d.memset_d8_async(a.at(slot), 0, a.nbytes // a.shape[0], st)
         st.synchronize()
 
     def read(self, slot: int) -> tuple:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
-        self._model._current()
-        arrays = _copy_rows_out(self.conv + self.recurrent, [slot], self._model.stream)
+        self._dev.bind()
+        arrays = _copy_rows_out(self.conv + self.recurrent, [slot], self._dev.stream)
         n = len(self.conv)
         return [a[0] for a in arrays[:n]], [a[0] for a in arrays[n:]]
 
@@ -201,19 +216,20 @@ class DeviceStatePool:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
         for arrs, host in zip((self.conv, self.recurrent), image):
             _check_image(arrs, host, (), "StateImage")
-        self._model._current()
+        self._dev.bind()
         _copy_rows_in(self.conv + self.recurrent, [slot],
                       [np.asarray(h, np.float32)[None] for h in list(image[0]) + list(image[1])],
-                      self._model.stream)
+                      self._dev.stream)
 
     def copy(self, src_slot: int, dst_slot: int) -> None:
         """Slot dst_slot's StateImage becomes a copy of src_slot's (numpy StatePool's contract)."""
         src, dst = _copy_indices([src_slot], [dst_slot], self._num_slots, "state slot")
-        self._model._current()
-        _copy_rows(self.conv + self.recurrent, src.tolist(), dst.tolist(), self._model.stream)
+        self._dev.bind()
+        _copy_rows(self.conv + self.recurrent, src.tolist(), dst.tolist(), self._dev.stream)
 
     def close(self) -> None:
-        self._model._forget_graphs_of(self)
+        self._dev.bind()
+        self._dev.on_close(self)
         for a in self.conv + self.recurrent:
-            self._model.arena.give(a)
+            self._dev.arena.give(a)
         self.conv, self.recurrent = [], []

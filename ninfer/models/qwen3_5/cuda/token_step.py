@@ -1,0 +1,37 @@
+"""TokenStep: the token ids of one launched model step, not yet read.
+
+    step = model.launch_tokens(batch, kv, state, rows)   # kernels, sampler, D2H copy, event
+    ...                                                  # host work while the GPU runs
+    ids = step.collect()                                 # int32 [B]: waits on the event only
+
+The ids are copied into pinned host memory by the step's last operation on the stream and an
+event is recorded after that copy; collect() waits on that event (not on the whole stream) and
+returns a copy. One step is in flight at a time: the pinned buffer is reused by the next launch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class TokenStep:
+    __slots__ = ("_host_ids", "_event", "_on_collect", "_ids")
+
+    def __init__(self, host_ids: np.ndarray, event, on_collect):
+        self._host_ids = host_ids         # int32 [B] view of the pinned buffer the copy fills
+        self._event = event
+        self._on_collect = on_collect     # the model's in-flight slot is free again
+        self._ids = None
+
+    @property
+    def is_collected(self) -> bool:
+        return self._ids is not None
+
+    def collect(self) -> np.ndarray:
+        """int32 token ids [B]; waits for this step's copy once, then returns the same ids."""
+        if self._ids is None:
+            try:
+                self._event.synchronize()
+                self._ids = self._host_ids.copy()
+            finally:
+                self._on_collect(self)
+        return self._ids

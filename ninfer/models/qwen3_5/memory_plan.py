@@ -1,0 +1,147 @@
+"""MemoryPlan: how many KV pages and State slots the pools hold, and what they cost in bytes.
+
+One arithmetic for every place that sizes the pools:
+
+    default_max_context(...)   the CLI's max_context when none is given (commands.py)
+    plan_pools(options, ...)   the Program's pool sizes (program/program.py)
+    plan_device_pools(...)     the CUDA model's pages from the free device memory
+                               (cuda/device_memory.py adds the weights and the workspace)
+
+Pools, per sequence slot and per page:
+
+    KV pool     num_kv_pages x page_size tokens x (K, V) x full-attention layers
+    State pool  num_seq_slots (one per running sequence) + num_cache_slots (context-cache
+                checkpoints); each slot one conv state + one recurrent state per GDN layer
+
+Backend-neutral: numbers and options in, numbers out; a backend adds what it alone knows (the
+CUDA arena's alignment slack, its workspace).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ...errors import RequestError
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-int(num_tokens) // int(page_size))
+
+
+def num_cache_slots(num_seq_slots: int, device_share: float) -> int:
+    """State slots of the context cache's checkpoints: 2 * share of the sequence slots, at least
+    2 and at most num_seq_slots + 2 (max_state_slots relies on that bound); 0 when it is off."""
+    if device_share <= 0:
+        return 0
+    return min(max(2, math.ceil(2 * device_share * num_seq_slots)), num_seq_slots + 2)
+
+
+def max_state_slots(num_seq_slots: int) -> int:
+    """The most State slots a Program makes for num_seq_slots sequences (num_cache_slots' bound):
+    what a backend reserves before it knows the cache share."""
+    return 2 * num_seq_slots + 2
+
+
+def kv_bytes_per_token(text, itemsize: float) -> float:
+    """Bytes of one token's K and V over every full-attention layer (itemsize may be fractional:
+    1-byte codes plus a float32 scale per head)."""
+    return 2 * len(text.attention_layer_ids) * text.num_key_value_heads * text.head_dim * itemsize
+
+
+def state_slot_bytes(text) -> int:
+    """Bytes of one State slot (float32 conv + recurrent state of every GDN layer)."""
+    return len(text.linear_layer_ids) * 4 * (
+        text.linear_conv_dim * (text.linear_conv_kernel_dim - 1) +
+        text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim)
+
+
+def pool_bytes(text, num_pages: int, page_size: int, num_state_slots: int, kv_itemsize: int,
+               region_slack_bytes: int = 0) -> int:
+    """Bytes of a KV pool of num_pages and a State pool of num_state_slots; region_slack_bytes
+    per pool array (one K and one V per attention layer, one conv and one recurrent per GDN layer)
+    covers an allocator's alignment."""
+    kv = int(kv_bytes_per_token(text, kv_itemsize)) * num_pages * page_size
+    arrays = 2 * len(text.attention_layer_ids) + 2 * len(text.linear_layer_ids)
+    return kv + state_slot_bytes(text) * num_state_slots + region_slack_bytes * arrays
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    page_size: int
+    max_pages_per_seq: int          # one max_context sequence
+    num_kv_pages: int
+    num_seq_slots: int              # max_concurrency
+    num_cache_slots: int            # context-cache State checkpoints, after the sequences'
+    weights_bytes: int = 0          # the rest: what a backend's plan adds (0: not planned here)
+    workspace_bytes: int = 0
+    pool_bytes: int = 0
+    free_bytes: Optional[int] = None
+    device: str = ""
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.num_seq_slots + self.num_cache_slots
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.workspace_bytes + self.pool_bytes
+
+
+def plan_pools(options, *, held_kv_pages: Optional[int] = None) -> MemoryPlan:
+    """The Program's pools: options.num_kv_pages when given; else every sequence slot at
+    max_context, or the held_kv_pages a backend's memory holds (Model.max_kv_pages) if fewer.
+    Raises RequestError when one max_context sequence would not fit."""
+    page_size, num_seq_slots = int(options.page_size), int(options.max_concurrency)
+    per_seq = pages_for(options.max_context, page_size)
+    num_pages = options.num_kv_pages or min(num_seq_slots * per_seq, held_kv_pages or math.inf)
+    if num_pages < per_seq:
+        raise RequestError(
+            f"Engine option num_kv_pages={num_pages}: one max_context={int(options.max_context)} "
+            f"sequence needs {per_seq} pages of {page_size} tokens")
+    return MemoryPlan(page_size=page_size, max_pages_per_seq=per_seq, num_kv_pages=int(num_pages),
+                      num_seq_slots=num_seq_slots,
+                      num_cache_slots=num_cache_slots(num_seq_slots,
+                                                      options.prefix_cache_device_share))
+
+
+def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_itemsize: int,
+                      margin_bytes: int, region_slack_bytes: int = 0) -> MemoryPlan:
+    """Pools in device memory: options.num_kv_pages when given; else every sequence slot at
+    max_context (more could never be used), or fewer when the memory left after fixed_bytes, the
+    State pool (max_state_slots) and margin_bytes holds fewer, down to one sequence. Fewer than one
+    sequence: every slot's pages are kept, and the caller's memory check says what is short.
+    pool_bytes covers max_state_slots State images (whatever share the Program gives the cache)."""
+    page_size = int(options.page_size)
+    num_seq_slots = max(int(options.max_concurrency), 1)
+    slots = max_state_slots(num_seq_slots)
+    per_seq = pages_for(options.max_context, page_size)
+
+    def reserve(pages):
+        return pool_bytes(text, pages, page_size, slots, kv_itemsize, region_slack_bytes)
+    if options.num_kv_pages:
+        num_pages = int(options.num_kv_pages)
+    else:
+        want = num_seq_slots * per_seq
+        page_bytes = reserve(1) - reserve(0)
+        left = free_bytes - margin_bytes - fixed_bytes - reserve(0)
+        fit = want if page_bytes == 0 else max(int(left // page_bytes), 0)
+        num_pages = min(want, fit) if fit >= per_seq else want
+    return MemoryPlan(page_size=page_size, max_pages_per_seq=per_seq, num_kv_pages=num_pages,
+                      num_seq_slots=num_seq_slots, num_cache_slots=slots - num_seq_slots,
+                      pool_bytes=reserve(num_pages), free_bytes=free_bytes)
+
+
+def default_max_context(text, *, max_concurrency: int, kv_itemsize: float, weights_bytes: int,
+                        free_bytes: Optional[int]) -> tuple:
+    """(max_context, is_bounded): the model's max_position_embeddings, bounded (to a multiple of
+    256, at least 256) so that the KV cache of max_concurrency full-length sequences takes at most
+    half of free_bytes after the weights; free_bytes None: unknown, not bounded."""
+    limit = int(text.max_position_embeddings)
+    per_token = int(kv_bytes_per_token(text, kv_itemsize))
+    if free_bytes is None or not per_token:
+        return limit, False
+    room = max(0, free_bytes // 2 - weights_bytes) // (per_token * max_concurrency)
+    if room >= limit:
+        return limit, False
+    return max(256, int(room) // 256 * 256), True

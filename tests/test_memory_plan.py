@@ -1,0 +1,130 @@
+"""memory_plan.py: the one pool arithmetic gives its three former callers (commands.py's default
+max_context, the Program's pool sizes, the CUDA model's KV pages and pool bytes) the numbers their
+own copies gave; the old arithmetic is restated here as the reference."""
+import math
+import sys
+import pathlib
+
+import pytest
+
+from ninfer.errors import RequestError
+from ninfer.models.qwen3_5.config import TextConfig
+from ninfer.models.qwen3_5.memory_plan import (default_max_context, max_state_slots,
+                                               plan_device_pools, plan_pools, pool_bytes)
+from ninfer.options import EngineOptions
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from cuda_shapes import SHAPES  # noqa: E402
+
+LT = ("linear_attention",) * 3 + ("full_attention",)
+
+
+def _cfg(shape):
+    return TextConfig(layer_types=LT * 2, num_hidden_layers=8, **SHAPES[shape])
+
+
+# ---- the old arithmetic (program.py, cuda_model.py, commands.py before issue 22) ---------------
+def old_program(options, max_kv_pages):
+    per_seq = -(-options.max_context // options.page_size)
+    n = options.max_concurrency
+    num_pages = options.num_kv_pages or min(n * per_seq, max_kv_pages or math.inf)
+    share = options.prefix_cache_device_share
+    cache = min(max(2, math.ceil(2 * share * n)), n + 2) if share > 0 else 0
+    return per_seq, num_pages, cache
+
+
+def old_pool_reserve(cfg, pages, page_size, b_cap, f32):
+    kv = 2 * len(cfg.attention_layer_ids) * pages * page_size * cfg.num_key_value_heads * \
+        cfg.head_dim * (4 if f32 else 2)
+    slots = 2 * b_cap + 2
+    st = len(cfg.linear_layer_ids) * slots * 4 * (
+        cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) +
+        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
+    return kv + st + (64 << 10) * (2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids))
+
+
+def old_cuda_pages(cfg, options, fixed, free, f32, margin=512 << 20):
+    page_size, b_cap = options.page_size, max(options.max_concurrency, 1)
+    if options.num_kv_pages:
+        return options.num_kv_pages
+    per_seq = -(-options.max_context // page_size)
+    want = b_cap * per_seq
+    page_bytes = old_pool_reserve(cfg, 1, page_size, b_cap, f32) - \
+        old_pool_reserve(cfg, 0, page_size, b_cap, f32)
+    left = free - margin - fixed - old_pool_reserve(cfg, 0, page_size, b_cap, f32)
+    fit = want if page_bytes == 0 else max(int(left // page_bytes), 0)
+    return min(want, fit) if fit >= per_seq else want
+
+
+def old_max_context(text, max_concurrency, itemsize, weights, free):
+    limit = int(text.max_position_embeddings)
+    num_full = sum(1 for t in text.layer_types if t == "full_attention")
+    per_token = int(2 * num_full * text.num_key_value_heads * text.head_dim * itemsize)
+    if free is not None and per_token:
+        room = max(0, free // 2 - weights) // (per_token * max_concurrency)
+        if room < limit:
+            limit = max(256, int(room) // 256 * 256)
+    return limit
+
+
+OPTIONS = [dict(max_concurrency=1, max_context=2048, page_size=16),
+           dict(max_concurrency=8, max_context=32768, page_size=16),
+           dict(max_concurrency=4, max_context=1000, page_size=64, prefix_cache=False),
+           dict(max_concurrency=3, max_context=4096, page_size=16, num_kv_pages=1000),
+           dict(max_concurrency=8, max_context=512, page_size=16, prefix_cache_device_fraction=0.9)]
+
+
+def _options(kw):
+    fields = {f for f in EngineOptions.__dataclass_fields__}
+    return EngineOptions(**{k: v for k, v in kw.items() if k in fields})
+
+
+@pytest.mark.parametrize("kw", OPTIONS)
+@pytest.mark.parametrize("held", [None, 10 ** 6, 300])
+def test_program_pools_match_the_old_arithmetic(kw, held):
+    options = _options(kw)
+    per_seq, num_pages, cache = old_program(options, held)
+    if num_pages < per_seq:
+        with pytest.raises(RequestError, match="sequence needs"):
+            plan_pools(options, held_kv_pages=held)
+        return
+    plan = plan_pools(options, held_kv_pages=held)
+    assert (plan.max_pages_per_seq, plan.num_kv_pages, plan.num_cache_slots) == \
+        (per_seq, num_pages, cache)
+    assert plan.num_state_slots <= max_state_slots(options.max_concurrency)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("kw", OPTIONS)
+@pytest.mark.parametrize("free", [1 << 30, 24 << 30, 141 << 30])
+@pytest.mark.parametrize("f32", [False, True])
+def test_cuda_pages_and_pool_bytes_match_the_old_arithmetic(shape, kw, free, f32):
+    cfg, options = _cfg(shape), _options(kw)
+    fixed = 700 << 20
+    plan = plan_device_pools(cfg, options, fixed_bytes=fixed, free_bytes=free,
+                             kv_itemsize=4 if f32 else 2, margin_bytes=512 << 20,
+                             region_slack_bytes=64 << 10)
+    assert plan.num_kv_pages == old_cuda_pages(cfg, options, fixed, free, f32)
+    b_cap = max(options.max_concurrency, 1)
+    assert plan.pool_bytes == old_pool_reserve(cfg, plan.num_kv_pages, options.page_size, b_cap,
+                                               f32)
+    assert plan.num_state_slots == 2 * b_cap + 2
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("itemsize", [2, 4, 1 + 4 / 128])
+@pytest.mark.parametrize("free", [None, 1 << 28, 8 << 30, 1 << 40])
+def test_default_max_context_matches_the_old_arithmetic(shape, itemsize, free):
+    cfg = _cfg(shape)
+    for conc in (1, 8):
+        limit, bounded = default_max_context(cfg, max_concurrency=conc, kv_itemsize=itemsize,
+                                             weights_bytes=100 << 20, free_bytes=free)
+        assert limit == old_max_context(cfg, conc, itemsize, 100 << 20, free)
+        assert free is not None or not bounded
+
+
+def test_pool_bytes_count_every_array_once():
+    cfg = _cfg(sorted(SHAPES)[0])
+    assert pool_bytes(cfg, 0, 16, 0, 2) == 0
+    assert pool_bytes(cfg, 0, 16, 0, 2, region_slack_bytes=1) == \
+        2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids)
