@@ -427,6 +427,26 @@ class Model(Protocol):
     def close(self) -> None: ...
 
 
+class ReadyStep:
+    """A token step that finished when it was launched: collect() returns its output."""
+    __slots__ = ("_value",)
+
+    def __init__(self, value):
+        self._value = value
+
+    def collect(self):
+        return self._value
+
+
+class ImmediateTokenSteps:
+    """`launch_tokens` for a backend whose `decode_greedy` / `sample` compute synchronously (the
+    test fakes): the step is done at launch. The CUDA model launches for real (cuda/token_step.py)."""
+
+    def launch_tokens(self, batch, kv, state, rows=None) -> ReadyStep:
+        return ReadyStep(self.decode_greedy(batch, kv, state) if rows is None
+                         else self.sample(batch, kv, state, rows))
+
+
 # ---- the model call ------------------------------------------------------------------------------
 _SAME_KV_SLOT = "ForwardBatch: two new tokens would write the same KV page slot"
 
@@ -568,7 +588,7 @@ class ForwardBatch:
 
 
 __all__ = ["BatchLimits", "Capacity", "CaptureRoom", "CheckpointInfo", "CheckpointStoreProtocol",
-           "ForwardBatch", "FrontendProtocol", "KVPoolProtocol", "Model", "OutputSessionProtocol",
-           "PendingBatch", "ProgramError", "ProgramProtocol", "ResumeState", "RowDecision",
+           "ForwardBatch", "FrontendProtocol", "ImmediateTokenSteps", "KVPoolProtocol", "Model", "OutputSessionProtocol",
+           "PendingBatch", "ProgramError", "ProgramProtocol", "ReadyStep", "ResumeState", "RowDecision",
            "RowPlan", "RowResult", "RowView", "SampleRow", "SamplingSpec", "StatePoolProtocol",
            "StoreUsage", "UnitPlan"]

@@ -218,12 +218,13 @@ def test_a_device_greedy_backend_gets_the_media_through_forward(artifacts, ref):
     still gives transformers' tokens: the Program sends every batch with media rows through
     forward(media=), the others through decode_greedy."""
     from ninfer.artifact import Artifact
+    from ninfer.contracts import ImmediateTokenSteps
     from ninfer.models.qwen3_5.model import NumpyModel
     from ninfer.options import EngineOptions
 
     calls = []
 
-    class DeviceGreedy(NumpyModel):
+    class DeviceGreedy(ImmediateTokenSteps, NumpyModel):
         greedy_on_device = True
 
         def decode_greedy(self, batch, kv, state):

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ...api import TextDelta
+from ...contracts import ImmediateTokenSteps
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, TextConfig
 from .state import KVPool, StatePool
 
@@ -29,7 +30,7 @@ def fake_config(vocab_size: int = 64) -> ModelConfig:
     return ModelConfig(architecture="Qwen3_5ForCausalLM", text=text)
 
 
-class FakeModel:
+class FakeModel(ImmediateTokenSteps):
     """forward(batch, kv, state) with the real contract. Hooks for tests:
     `on_forward(batch)` runs first (block, cancel, inspect); `fail_at_call` raises there."""
 

@@ -4,25 +4,14 @@
     (the EngineCore does host work that needs no result of the step here)
     collect(unit) -> PendingBatch     wait for the step's output, build the rows
 
-Today every backend call is synchronous, so `step` is a `Ready` value. A backend with a
-non-blocking step (`launch_tokens(...) -> step; step.collect()`) plugs in where
-`Program._start_step` builds it: `step` is then the backend's own handle and nothing else changes.
+`step` is the backend's handle: the CUDA model's TokenStep (kernels, sampler and the copy of the
+ids queued; collect() waits on an event after that copy), or a `contracts.ReadyStep` for the
+paths that compute synchronously (host-sampled logits, speculative units, the test fakes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
-
-
-class Ready:
-    """A step that already finished: collect() returns its output."""
-    __slots__ = ("_value",)
-
-    def __init__(self, value):
-        self._value = value
-
-    def collect(self):
-        return self._value
 
 
 @dataclass(slots=True, eq=False)

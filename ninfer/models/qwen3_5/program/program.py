@@ -33,10 +33,10 @@ from .... import _hot
 from ..batch import ForwardBatch
 from ..memory_plan import plan_pools
 from ....contracts import (Capacity, CaptureRoom, PendingBatch, ProgramError, ResumeState,
-                           RowDecision, RowPlan, RowResult, RowView, SampleRow, SamplingSpec,
-                           UnitPlan)
+                           ReadyStep, RowDecision, RowPlan, RowResult, RowView, SampleRow,
+                           SamplingSpec, UnitPlan)
 from .checkpoint_store import CheckpointStore
-from .inflight import InFlightUnit, Ready
+from .inflight import InFlightUnit
 from .page_ledger import PagePool, SlotPool, pages_for
 from .sampling import sample_row
 from .speculative import MtpSpeculator
@@ -455,22 +455,24 @@ class Program:
         return self._inflight
 
     def _start_step(self, seqs, units, masks, backups) -> InFlightUnit:
-        """The one place a unit's backend call starts (synchronously today: `inflight.Ready`)."""
+        """The one place a unit's backend call starts. The device token paths return at once
+        (`launch_tokens`: the GPU runs while the EngineCore does host work, `collect` waits);
+        host-sampled logits are computed here (`ReadyStep`)."""
         batch = self.pack_rows(seqs, units)
         media = self.media_rows(seqs, units)
         # media rows replace embeddings: only forward takes them (not the device token paths)
         path = (None if media is not None else self._can_sample_on_device(seqs, units, masks)) \
             or "logits"
         if path == "greedy":
-            out = self.model.decode_greedy(batch, self.kv, self.state)
+            step = self.model.launch_tokens(batch, self.kv, self.state)
         elif path == "sample":
-            out = self.model.sample(batch, self.kv, self.state,
-                                    self._sample_requests(seqs, units, masks))
+            step = self.model.launch_tokens(batch, self.kv, self.state,
+                                            self._sample_requests(seqs, units, masks))
         elif media is not None:
-            out = self.model.forward(batch, self.kv, self.state, media=media)
+            step = ReadyStep(self.model.forward(batch, self.kv, self.state, media=media))
         else:
-            out = self.model.forward(batch, self.kv, self.state)
-        return InFlightUnit(seqs, units, masks, backups, path, Ready(out))
+            step = ReadyStep(self.model.forward(batch, self.kv, self.state))
+        return InFlightUnit(seqs, units, masks, backups, path, step)
 
     def collect(self, inflight: InFlightUnit) -> PendingBatch:
         """The launched unit's PendingBatch (to be consumed whole by commit or abort_pending)."""
