@@ -64,9 +64,9 @@ def _random_refcount_ops(impl, seed):
 
 def _pool_dev(fake):
     """The PoolDevice of a fake model (its arena, stream, bind, graph forgetting, f32)."""
-    from ninfer.models.qwen3_5.cuda.device_pools import PoolDevice
+    from ninfer.models.qwen3_5.cuda.device_pools import HostStaging, PoolDevice
     return PoolDevice(fake.arena, fake.stream, fake._current, fake._forget_graphs_of,
-                      bool(getattr(fake, "f32", False)))
+                      HostStaging(), bool(getattr(fake, "f32", False)))
 
 
 @pytest.mark.parametrize("seed", [0, 1])

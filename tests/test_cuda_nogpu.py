@@ -31,9 +31,9 @@ def _gpu_present() -> bool:
 
 def _pool_dev(fake):
     """The PoolDevice of a fake model (its arena, stream, bind, graph forgetting, f32)."""
-    from ninfer.models.qwen3_5.cuda.device_pools import PoolDevice
+    from ninfer.models.qwen3_5.cuda.device_pools import HostStaging, PoolDevice
     return PoolDevice(fake.arena, fake.stream, fake._current, fake._forget_graphs_of,
-                      bool(getattr(fake, "f32", False)))
+                      HostStaging(), bool(getattr(fake, "f32", False)))
 
 
 def test_cache_key_depends_on_source_params_signature_arch_version():
@@ -519,13 +519,14 @@ def test_model_close_releases_everything_even_after_a_kernel_fault():
     m.lt, m.kernels = Part("cuBLASLt"), Part("modules", fails=True)
     m.sampler = m.step_done = m.ids_host = m._media_host = None
     m.staging, m.out_host, m.route_host = Part("staging"), Part("out_host"), Part("route_host")
+    m.pool_staging = Part("pool staging")
     m.arena = Part("arena")
     with pytest.raises(DeviceError, match="stream sync failed"):
         m.close()
     assert released == ["context", "stream sync", "graph 1", "graph 2", "cuBLASLt", "modules",
-                        "staging", "out_host", "route_host", "arena", "context"]
+                        "staging", "out_host", "route_host", "pool staging", "arena", "context"]
     m.close()                                # idempotent: nothing left, nothing raised
-    assert m.device is m.arena is m.lt is m.kernels is None and len(released) == 11
+    assert m.device is m.arena is m.lt is m.kernels is None and len(released) == 12
 
 
 class _ArenaModel:
@@ -875,3 +876,31 @@ def test_negative_context_is_refused_on_both_paths():
         bad.check(cm.batch_limits(_KV(), _ST()))
     with pytest.raises(ValueError, match="context_lens must be >= 0"):
         bad.check(cm.batch_limits(_KV(), _ST()))
+
+
+def test_host_staging_keeps_one_buffer_and_frees_oversized_ones(monkeypatch):
+    """The pools' host copies reuse one pinned buffer (grown to the largest copy up to
+    keep_bytes); a larger copy gets a buffer of its own, freed when given back."""
+    from ninfer.models.qwen3_5.cuda import device_pools
+    live = []
+
+    class Pinned:
+        def __init__(self, nbytes):
+            self.nbytes, self.is_freed = nbytes, False
+            live.append(self)
+
+        def free(self):
+            self.is_freed = True
+    monkeypatch.setattr(device_pools._d, "PinnedBuffer", Pinned)
+    staging = device_pools.HostStaging(keep_bytes=100)
+    a = staging.take(40)
+    staging.give(a)
+    assert staging.take(40) is a and staging.take(10) is a and not a.is_freed
+    b = staging.take(80)                    # grows: the old one is freed
+    assert b is not a and a.is_freed and b.nbytes == 80
+    staging.give(b)
+    big = staging.take(101)                 # past keep_bytes: its own, freed on give
+    staging.give(big)
+    assert big.is_freed and not b.is_freed and staging.take(50) is b
+    staging.free()
+    assert b.is_freed and len(live) == 3

@@ -41,7 +41,7 @@ from .cuda.decode_graphs import DecodeGraphs
 from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGIN,  # noqa: F401
                                  call_capacities, check_capacity, plan_cuda_memory,
                                  workspace_bytes)
-from .cuda.device_pools import DeviceKVPool, DeviceStatePool, PoolDevice
+from .cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging, PoolDevice
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.runner import StepRunner, Workspace, grouped_rows, part_rows_needed
@@ -81,6 +81,7 @@ class CudaModel(MediaEncoding):
         # what close() releases: None until made (a failed load closes what it got to)
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
         self.staging = self.out_host = self.ids_host = self.route_host = self._media_host = None
+        self.pool_staging = HostStaging()         # the pools' host copies (device_pools.py)
         self.step_done = None            # the event recorded after a token step's D2H copy
         self._in_flight = None           # the launched TokenStep not yet collected
         self.last_host_us = 0.0
@@ -178,7 +179,8 @@ class CudaModel(MediaEncoding):
 
     # ---- pools --------------------------------------------------------------------------------
     def _pool_device(self) -> PoolDevice:
-        return PoolDevice(self.arena, self.stream, self._current, self._forget_graphs_of, self.f32)
+        return PoolDevice(self.arena, self.stream, self._current, self._forget_graphs_of,
+                          self.pool_staging, self.f32)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
         self._current()
@@ -422,6 +424,7 @@ class CudaModel(MediaEncoding):
             if buf is not None:
                 release(buf.free)
         self.staging = self.out_host = self.ids_host = self.route_host = self._media_host = None
+        release(self.pool_staging.free)
         if self.arena is not None:
             release(self.arena.close)
             self.arena = None

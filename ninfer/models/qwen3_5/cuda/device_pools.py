@@ -51,11 +51,42 @@ def _check_image(arrs, host, lead: tuple, what: str) -> None:
                              f"{list(lead + a.shape[1:])}")
 
 
-def _copy_rows_out(arrays, rows, stream) -> list:
+class HostStaging:
+    """The pinned host memory the pools' host copies go through, kept between copies: a
+    cuMemHostAlloc + cuMemFreeHost of tens of MB costs milliseconds, and the context cache reads
+    and writes State images and pages (demote, promote, host-tier captures, Snapshots) on the
+    worker thread between decode steps. One buffer, grown to the largest copy up to keep_bytes;
+    a larger copy (a Snapshot of a long sequence) takes a buffer of its own for that call. The
+    copies are synchronous, so one buffer serves every pool of the model."""
+
+    def __init__(self, keep_bytes: int = 256 << 20):
+        self.keep_bytes = int(keep_bytes)
+        self._buf = None
+        self._buf_bytes = 0
+
+    def take(self, nbytes: int):
+        if nbytes > self.keep_bytes:
+            return _d.PinnedBuffer(nbytes)
+        if self._buf is None or self._buf_bytes < nbytes:
+            self.free()
+            self._buf, self._buf_bytes = _d.PinnedBuffer(nbytes), nbytes
+        return self._buf
+
+    def give(self, buf) -> None:
+        if buf is not self._buf:
+            buf.free()
+
+    def free(self) -> None:
+        if self._buf is not None:
+            self._buf.free()
+            self._buf, self._buf_bytes = None, 0
+
+
+def _copy_rows_out(arrays, rows, stream, staging: HostStaging) -> list:
     """Host copies of rows `rows` of each device array (one pinned buffer, one sync: a snapshot
     of a long sequence is thousands of pages)."""
     sizes = [a.nbytes // a.shape[0] for a in arrays]
-    buf = _d.PinnedBuffer(len(rows) * sum(sizes))
+    buf = staging.take(len(rows) * sum(sizes))
     try:
         off = 0
         for a, size in zip(arrays, sizes):
@@ -71,13 +102,13 @@ def _copy_rows_out(arrays, rows, stream) -> list:
             off += n
         return out
     finally:
-        buf.free()
+        staging.give(buf)
 
 
-def _copy_rows_in(arrays, rows, images, stream) -> None:
+def _copy_rows_in(arrays, rows, images, stream, staging: HostStaging) -> None:
     """Write images[i][j] (host, the array's dtype) into row rows[j] of arrays[i]."""
     sizes = [a.nbytes // a.shape[0] for a in arrays]
-    buf = _d.PinnedBuffer(len(rows) * sum(sizes))
+    buf = staging.take(len(rows) * sum(sizes))
     try:
         off = 0
         for a, size, image in zip(arrays, sizes, images):
@@ -86,9 +117,9 @@ def _copy_rows_in(arrays, rows, images, stream) -> None:
             for r in rows:
                 _d.copy_htod_async(a.at(r), buf.ptr + off, size, stream)
                 off += size
-        stream.synchronize()          # the pinned buffer is freed below
+        stream.synchronize()          # the pinned buffer is reused or freed below
     finally:
-        buf.free()
+        staging.give(buf)
 
 
 def _copy_rows(arrays, src_rows, dst_rows, stream) -> None:
@@ -117,11 +148,13 @@ def _take_all(arena, shapes, dtype, what: str) -> list:
 class PoolDevice:
     """What a device pool uses: the arena its arrays live in, the stream its copies run on,
     bind() (make the context current in this thread), on_close(pool) (the model destroys the
-    graphs captured over the pool) and f32 (float32 KV instead of bf16)."""
+    graphs captured over the pool), staging (the pinned memory host copies go through) and f32
+    (float32 KV instead of bf16)."""
     arena: object
     stream: object
     bind: Callable[[], None]
     on_close: Callable[[object], None]
+    staging: HostStaging
     f32: bool = False
 
 
@@ -148,7 +181,7 @@ class DeviceKVPool:
     def read_pages(self, pages) -> tuple:
         pages = _checked_indices(pages, self._num_pages, "KV page")
         self._dev.bind()
-        bits = _copy_rows_out(self.k + self.v, pages, self._dev.stream)
+        bits = _copy_rows_out(self.k + self.v, pages, self._dev.stream, self._dev.staging)
         n = len(self.k)
         if self._f32:
             return bits[:n], bits[n:]
@@ -161,7 +194,7 @@ class DeviceKVPool:
         self._dev.bind()
         host = _f32_array if self._f32 else _bf16_bits
         _copy_rows_in(self.k + self.v, pages, [host(h) for h in list(data[0]) + list(data[1])],
-                      self._dev.stream)
+                      self._dev.stream, self._dev.staging)
 
     def copy_pages(self, src_pages, dst_pages) -> None:
         """Page dst_pages[i] becomes a copy of src_pages[i] in every layer (numpy KVPool's
@@ -208,7 +241,8 @@ class DeviceStatePool:
     def read(self, slot: int) -> tuple:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
         self._dev.bind()
-        arrays = _copy_rows_out(self.conv + self.recurrent, [slot], self._dev.stream)
+        arrays = _copy_rows_out(self.conv + self.recurrent, [slot], self._dev.stream,
+                                self._dev.staging)
         n = len(self.conv)
         return [a[0] for a in arrays[:n]], [a[0] for a in arrays[n:]]
 
@@ -219,7 +253,7 @@ class DeviceStatePool:
         self._dev.bind()
         _copy_rows_in(self.conv + self.recurrent, [slot],
                       [np.asarray(h, np.float32)[None] for h in list(image[0]) + list(image[1])],
-                      self._dev.stream)
+                      self._dev.stream, self._dev.staging)
 
     def copy(self, src_slot: int, dst_slot: int) -> None:
         """Slot dst_slot's StateImage becomes a copy of src_slot's (numpy StatePool's contract)."""
