@@ -32,6 +32,14 @@ TILE_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 from .common import FULL_MASK, sigmoid, softplus
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "gdn_chunk_prep": (
+        "f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*",
+        "i32*"),
+    "gdn_chunk_scan": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*"),
+}
+
 
 @cuda.jit(device=True, inline=True)
 def reduce_scatter8(acc, ks):

@@ -44,6 +44,19 @@ from numba import config, cuda, float32, float64, int32, int64, uint32, uint64
 
 from .common import tree_reductions
 
+# the three sampling kernels' common arguments: out ids, logits, z, vocab, fpar, ipar, upar,
+# pen, mask, wf, wi (prep_kernel's docstring; cuda/sampler.py packs them)
+SAMPLE_ARGS = ("i32*", "f32*", "f64*", "i32", "f64*", "i32*", "u64*", "i32*", "u32*", "f64*",
+               "i32*")
+
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "argmax": ("i32*", "f32*", "i32"),
+    "sample_prep": SAMPLE_ARGS,
+    "sample_stats": SAMPLE_ARGS,
+    "sample": SAMPLE_ARGS,
+}
+
 THREADS = 1024              # argmax
 SAMPLE_THREADS = 512        # sampling kernels; the finisher needs ~100 registers per thread
 ROW_BLOCKS = 64             # G: blocks per row (B = 1 fills 64 of the H200's 132 SMs)
