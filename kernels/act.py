@@ -3,6 +3,13 @@ from numba import cuda, int64
 
 from .common import bf16_to_f32, f32_to_bf16, silu, storage
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "silu_mul": ("u16*", "f32*", "i32", "i32", "i32"),
+    "embed_gather": ("f32*", "u16*", "i32*", "i32"),
+    "widen_bf16": ("f32*", "u16*", "i64"),
+}
+
 
 def silu_mul(f32=False):
     store = storage(f32)[0]

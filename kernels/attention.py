@@ -16,6 +16,14 @@ from numba import cuda, float32, uint32
 
 from .common import bf16x2_hi, bf16x2_lo, f32_pair, sigmoid, storage, warp_sum
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "paged_attention": (
+        "f32*", "f32*", "f32*", "u32*", "u32*", "i32*", "i32*", "i32*", "i32*", "i32", "i32", "i32",
+        "f32", "i32"),
+    "attn_combine": ("u16*", "f32*", "f32*", "f32*", "i32", "i32", "i32"),
+}
+
 WARPS = 4
 NEG_INF = float32(-3.0e38)
 

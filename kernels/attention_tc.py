@@ -17,6 +17,14 @@ from numba import cuda, float32
 
 from .common import f32_to_bf16, sigmoid
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "kv_gather": ("u32*", "u32*", "u32*", "u32*", "i32*", "i32", "i32", "i32", "i32", "i32", "i32"),
+    "q_to_bf16": ("u16*", "f32*", "i32", "i32"),
+    "causal_softmax": ("u16*", "f32*", "i32", "i32", "f32"),
+    "attn_gate_tc": ("u16*", "f32*", "f32*", "i32", "i32", "i32"),
+}
+
 NEG_INF = float32(-3.0e38)
 KB = 8            # keys per kv_gather block
 

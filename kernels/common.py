@@ -1,8 +1,9 @@
-"""Device helpers shared by every kernel: bf16 <-> fp32, warp reductions, activations.
+"""Device helpers shared by every kernel: bf16 <-> fp32, warp and block reductions, activations.
 
 bf16 is stored as uint16 (or pairs in uint32: element 2i in the low half, 2i+1 in the high half).
 """
 import math
+from types import SimpleNamespace
 
 from numba import cuda, float32, int32, uint32
 
@@ -85,6 +86,72 @@ def block_sum(v, scratch):
     if lane < nw:
         t = scratch[lane]
     return warp_sum(t)
+
+
+# ---- block reductions through shared memory in a fixed tree order ----
+
+def tree_reductions(threads):
+    """Block-wide sum, max and argmax for blocks of `threads` threads (a power of two), through a
+    shared array of `threads` entries that the caller passes: at each level thread t < step folds
+    in entry t + step. The order of the operations depends on `threads` only, so a float sum is
+    the same on every run (it is not block_sum's order: a kernel compared with a host reference
+    keeps the one it was checked with). Every thread gets the result, and the arrays may be reused
+    as soon as the call returns."""
+    @cuda.jit(device=True, inline=True)
+    def tree_sum(v, red):
+        tid = cuda.threadIdx.x
+        red[tid] = v
+        cuda.syncthreads()
+        step = threads // 2
+        while step > 0:
+            if tid < step:
+                red[tid] += red[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        s = red[0]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True, inline=True)
+    def tree_max(v, red):
+        tid = cuda.threadIdx.x
+        red[tid] = v
+        cuda.syncthreads()
+        step = threads // 2
+        while step > 0:
+            if tid < step:
+                if red[tid + step] > red[tid]:
+                    red[tid] = red[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        s = red[0]
+        cuda.syncthreads()
+        return s
+
+    @cuda.jit(device=True, inline=True)
+    def tree_argmax(bv, bi, red_v, red_i):
+        """The block's best (value, id): the larger value, the lower id on ties (np.argmax's
+        first maximum when each thread offers its own first maximum); every thread gets the id
+        (and red_v[0] holds the value until the next use of the arrays)."""
+        tid = cuda.threadIdx.x
+        red_v[tid] = bv
+        red_i[tid] = bi
+        cuda.syncthreads()
+        step = threads // 2
+        while step > 0:
+            if tid < step:
+                ov = red_v[tid + step]
+                oi = red_i[tid + step]
+                if ov > red_v[tid] or (ov == red_v[tid] and oi < red_i[tid]):
+                    red_v[tid] = ov
+                    red_i[tid] = oi
+            cuda.syncthreads()
+            step //= 2
+        best = red_i[0]
+        cuda.syncthreads()
+        return best
+
+    return SimpleNamespace(sum=tree_sum, max=tree_max, argmax=tree_argmax)
 
 
 # ---- storage type of activations, KV and weights: bf16 (default) or fp32 (dtype="float32") ----

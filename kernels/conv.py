@@ -10,6 +10,12 @@ from numba import cuda, float32
 
 from .common import block_sum, silu
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "conv_silu": ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*", "i32"),
+    "conv_state_update": ("f32*", "f32*", "i32", "i32*", "i32*", "i32*"),
+}
+
 
 def conv_silu(K, dk, dv, nk, nv):
     C = 2 * nk * dk + nv * dv

@@ -3,6 +3,12 @@ from numba import cuda, float32, uint32, int64
 
 from .common import bf16_round, f32_to_bf16
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "random_bf16": ("u16*", "i64", "u32", "f32", "f32"),
+    "random_f32": ("f32*", "i64", "u32", "f32", "f32"),
+}
+
 
 def _hash():
     @cuda.jit(device=True, inline=True)

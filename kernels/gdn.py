@@ -13,6 +13,13 @@ from numba import cuda, float32
 
 from .common import FULL_MASK, sigmoid, softplus
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "gdn_recurrent": (
+        "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*", "f32*", "i32*", "i32*",
+        "i32*"),
+}
+
 VB = 32
 KS = 4
 

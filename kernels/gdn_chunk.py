@@ -32,6 +32,14 @@ TILE_ALIGN = None if config.ENABLE_CUDASIM else 16
 
 from .common import FULL_MASK, sigmoid, softplus
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "gdn_chunk_prep": (
+        "f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*",
+        "i32*"),
+    "gdn_chunk_scan": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*"),
+}
+
 
 @cuda.jit(device=True, inline=True)
 def reduce_scatter8(acc, ks):
@@ -221,6 +229,41 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
     NVN = (VNS + NT - 1) // NT
     NPT = (PTS + NT - 1) // NT
 
+    @cuda.jit(device=True, inline=True)
+    def prefetch_chunk(bt, bu, bp, wbuf, core, pbuf, gbuf, t0, q1, h, vb, tid):
+        """The chunk at token t0 (of a row ending at q1): this thread's share of W, U and P into
+        the registers bt, bu, bp, and its row's decay factors (exp(G_i), exp(G_last - G_i))
+        returned. Rows past the chunk's length load as zeros, so every product over the padded
+        rows stays finite (and zero where it is used)."""
+        L = min(Cn, q1 - t0)
+        for u in range(NTILE):
+            e = tid + u * NT
+            i = e // dk
+            x = float32(0.0)
+            if i < L:
+                x = wbuf[((t0 + i) * nv + h) * dk + e - i * dk]
+            bt[u] = x
+        for u in range(NVN):
+            e = tid + u * NT
+            i = e // VB
+            x = float32(0.0)
+            if i < L:
+                x = core[(t0 + i) * nv * dv + h * dv + min(vb + e - i * VB, dv - 1)]
+            bu[u] = x
+        for u in range(NPT):
+            e = tid + u * NT
+            i = e // Cn
+            x = float32(0.0)
+            if i < L:
+                x = pbuf[((t0 + i) * nv + h) * Cn + e - i * Cn]
+            bp[u] = x
+        gx = float32(0.0)
+        gy = float32(0.0)
+        if tid < L:
+            gx = gbuf[((t0 + tid) * nv + h) * 2]
+            gy = gbuf[((t0 + tid) * nv + h) * 2 + 1]
+        return gx, gy
+
     def gdn_chunk_scan_kernel(core, wbuf, pbuf, gbuf, qkv, state, query_start, context_lens,
                               state_slots):
         r = cuda.blockIdx.x
@@ -260,35 +303,8 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                     S[m * NC + c] = state[sbase + ((m // GS) * GK + kso + m % GS) * dv + vc]
         q0 = query_start[r]
         q1 = query_start[r + 1]
-        # first chunk's W, U, P and decay factors; rows past the chunk's length load as zeros,
-        # so every product over the padded rows below stays finite (and zero where it is used)
-        Ln = min(Cn, q1 - q0)
-        for u in range(NTILE):
-            e = tid + u * NT
-            i = e // dk
-            x = float32(0.0)
-            if i < Ln:
-                x = wbuf[((q0 + i) * nv + h) * dk + e - i * dk]
-            bt[u] = x
-        for u in range(NVN):
-            e = tid + u * NT
-            i = e // VB
-            x = float32(0.0)
-            if i < Ln:
-                x = core[(q0 + i) * nv * dv + h * dv + min(vb + e - i * VB, dv - 1)]
-            bu[u] = x
-        for u in range(NPT):
-            e = tid + u * NT
-            i = e // Cn
-            x = float32(0.0)
-            if i < Ln:
-                x = pbuf[((q0 + i) * nv + h) * Cn + e - i * Cn]
-            bp[u] = x
-        gx = float32(0.0)
-        gy = float32(0.0)
-        if tid < Ln:
-            gx = gbuf[((q0 + tid) * nv + h) * 2]
-            gy = gbuf[((q0 + tid) * nv + h) * 2 + 1]
+        # the first chunk's W, U, P and decay factors
+        gx, gy = prefetch_chunk(bt, bu, bp, wbuf, core, pbuf, gbuf, q0, q1, h, vb, tid)
         for t0 in range(q0, q1, Cn):
             L = min(Cn, q1 - t0)
             for u in range(NTILE):
@@ -393,35 +409,9 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
                 if e < TILE:
                     tile[e] = bt[u] * gk[e // dk]
             cuda.syncthreads()
-            # the next chunk's W, U, P and factors, in flight during the state update
-            tn = t0 + Cn
-            Ln = min(Cn, q1 - tn)            # <= 0 after the last chunk: nothing loads
-            for u in range(NTILE):
-                e = tid + u * NT
-                i = e // dk
-                x = float32(0.0)
-                if i < Ln:
-                    x = wbuf[((tn + i) * nv + h) * dk + e - i * dk]
-                bt[u] = x
-            for u in range(NVN):
-                e = tid + u * NT
-                i = e // VB
-                x = float32(0.0)
-                if i < Ln:
-                    x = core[(tn + i) * nv * dv + h * dv + min(vb + e - i * VB, dv - 1)]
-                bu[u] = x
-            for u in range(NPT):
-                e = tid + u * NT
-                i = e // Cn
-                x = float32(0.0)
-                if i < Ln:
-                    x = pbuf[((tn + i) * nv + h) * Cn + e - i * Cn]
-                bp[u] = x
-            gx = float32(0.0)
-            gy = float32(0.0)
-            if tid < Ln:
-                gx = gbuf[((tn + tid) * nv + h) * 2]
-                gy = gbuf[((tn + tid) * nv + h) * 2 + 1]
+            # the next chunk's W, U, P and factors, in flight during the state update (after the
+            # last chunk it has no rows: nothing loads)
+            gx, gy = prefetch_chunk(bt, bu, bp, wbuf, core, pbuf, gbuf, t0 + Cn, q1, h, vb, tid)
             # S <- exp(G_last) S + (K exp(G_last - G))^T V'
             decay = gq[L - 1]
             for m in range(SLN):

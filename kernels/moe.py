@@ -10,6 +10,15 @@ from numba import cuda, float32, int32
 
 from .common import FULL_MASK, sigmoid, silu, storage, warp_max, warp_sum
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "router_topk": ("i32*", "f32*", "f32*", "i32"),
+    "expert_gate_up": ("f32*", "u32*", "u32*", "i32*", "i32"),
+    "expert_down": ("f32*", "f32*", "u32*", "i32*"),
+    "moe_combine": ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32"),
+    "gather_rows": ("u16*", "u16*", "i32*", "i32"),
+}
+
 THREADS = 256
 
 

@@ -7,6 +7,12 @@ from numba import cuda, float32
 
 from .common import block_sum, silu, storage
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "rmsnorm": ("u16*", "f32*", "f32*", "i32*", "i32", "i32", "f32"),
+    "gated_rmsnorm": ("u16*", "f32*", "f32*", "i32", "i32", "f32*", "i32", "f32"),
+}
+
 
 def rmsnorm(f32=False):
     store = storage(f32)[0]

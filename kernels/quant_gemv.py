@@ -4,9 +4,12 @@ int8_block layouts of docs/artifact.md 3.2.1, read as packed bytes plus float32 
 NOT wired into the CUDA model and NOT measured on a GPU: tested only on numba-cuda's CPU
 simulator against a float64 decode (tests/gpu/sim_quant_gemv.py). One block of THREADS threads per
 output row: each thread walks the row's columns with stride THREADS, decodes each code, multiplies
-by its block's scale and the input, and the block reduces through shared memory.
+by its block's scale and the input, and the block sums through shared memory (common.py
+`tree_reductions`).
 """
 from numba import cuda, float32, int32
+
+from .common import tree_reductions
 
 THREADS = 128
 
@@ -31,6 +34,7 @@ def quant_gemv(layout, br, bc):
     fp8 = layout == "fp8_block"
     if layout not in ("fp8_block", "int8_block"):
         raise ValueError(f"quant_gemv: layout {layout!r} (fp8_block or int8_block)")
+    tree_sum = tree_reductions(THREADS).sum
 
     def quant_gemv_kernel(y, w, scale, x, rows, cols):
         # w [rows, cols] codes, scale [ceil(rows/br), ceil(cols/bc)] f32, x [cols] f32 -> y [rows]
@@ -47,14 +51,7 @@ def quant_gemv(layout, br, bc):
                 q = e4m3_to_f32(w[base + c]) if fp8 else float32(w[base + c])
                 acc += q * scale[srow + c // bc] * x[c]
                 c += THREADS
-        part[t] = acc
-        cuda.syncthreads()
-        step = THREADS // 2
-        while step > 0:
-            if t < step:
-                part[t] += part[t + step]
-            cuda.syncthreads()
-            step //= 2
+        total = tree_sum(acc, part)
         if t == 0 and r < rows:
-            y[r] = part[0]
+            y[r] = total
     return quant_gemv_kernel

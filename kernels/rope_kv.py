@@ -14,6 +14,13 @@ from numba import cuda, float32
 
 from .common import block_sum, storage
 
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "qk_norm_rope_kv": (
+        "f32*", "f32*", "i32", "f32*", "f32*", "u16*", "u16*", "i32*", "i32", "i32*", "i32*",
+        "i32*", "i32*", "i32", "i32", "f32", "f32"),
+}
+
 
 def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=False):
     half = rot // 2

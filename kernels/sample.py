@@ -42,6 +42,21 @@ from types import SimpleNamespace
 
 from numba import config, cuda, float32, float64, int32, int64, uint32, uint64
 
+from .common import tree_reductions
+
+# the three sampling kernels' common arguments: out ids, logits, z, vocab, fpar, ipar, upar,
+# pen, mask, wf, wi (prep_kernel's docstring; cuda/sampler.py packs them)
+SAMPLE_ARGS = ("i32*", "f32*", "f64*", "i32", "f64*", "i32*", "u64*", "i32*", "u32*", "f64*",
+               "i32*")
+
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "argmax": ("i32*", "f32*", "i32"),
+    "sample_prep": SAMPLE_ARGS,
+    "sample_stats": SAMPLE_ARGS,
+    "sample": SAMPLE_ARGS,
+}
+
 THREADS = 1024              # argmax
 SAMPLE_THREADS = 512        # sampling kernels; the finisher needs ~100 registers per thread
 ROW_BLOCKS = 64             # G: blocks per row (B = 1 fills 64 of the H200's 132 SMs)
@@ -96,33 +111,8 @@ def work_i32(blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP):
     return nbins + blocks + cap + 2
 
 
-def _block_argmax(threads):
-    @cuda.jit(device=True, inline=True)
-    def block_argmax(bv, bi, red_v, red_i):
-        """The block's best (value, id): larger value, lower id on ties; every thread gets the
-        id (and red_v[0] holds the value until the next use of the arrays)."""
-        tid = cuda.threadIdx.x
-        red_v[tid] = bv
-        red_i[tid] = bi
-        cuda.syncthreads()
-        step = threads // 2
-        while step > 0:
-            if tid < step:
-                ov = red_v[tid + step]
-                oi = red_i[tid + step]
-                if ov > red_v[tid] or (ov == red_v[tid] and oi < red_i[tid]):
-                    red_v[tid] = ov
-                    red_i[tid] = oi
-            cuda.syncthreads()
-            step //= 2
-        best = red_i[0]
-        cuda.syncthreads()          # the arrays may be reused at once
-        return best
-    return block_argmax
-
-
 def argmax(threads=THREADS):
-    block_argmax = _block_argmax(threads)
+    tree_argmax = tree_reductions(threads).argmax
 
     def argmax_kernel(out, logits, vocab):
         # grid (rows,), block `threads`; np.argmax's rule: the first maximum
@@ -138,7 +128,7 @@ def argmax(threads=THREADS):
             if v > bv or bi == vocab:
                 bv = v
                 bi = i
-        best = block_argmax(bv, bi, red_v, red_i)
+        best = tree_argmax(bv, bi, red_v, red_i)
         if tid == 0:
             out[r] = best
     return argmax_kernel
@@ -151,7 +141,8 @@ def _parts(T, G, HB, cap):
     SCALE = HB / SPAN
     WF, WI = work_f64(G, HB), work_i32(G, HB, cap)
     PV = HB
-    block_argmax = _block_argmax(T)
+    R = tree_reductions(T)
+    tree_sum, tree_max, tree_argmax = R.sum, R.max, R.argmax
 
     @cuda.jit(device=True, inline=True)
     def key_of(x):
@@ -174,37 +165,6 @@ def _parts(T, G, HB, cap):
     def uniform(upar, r):
         key = splitmix64(splitmix64(upar[2 * r]) ^ upar[2 * r + 1])
         return float64(key >> uint64(11)) * (1.0 / 9007199254740992.0)
-
-    @cuda.jit(device=True, inline=True)
-    def block_sum(v, red):
-        tid = cuda.threadIdx.x
-        red[tid] = v
-        cuda.syncthreads()
-        step = T // 2
-        while step > 0:
-            if tid < step:
-                red[tid] += red[tid + step]
-            cuda.syncthreads()
-            step //= 2
-        s = red[0]
-        cuda.syncthreads()
-        return s
-
-    @cuda.jit(device=True, inline=True)
-    def block_max(v, red):
-        tid = cuda.threadIdx.x
-        red[tid] = v
-        cuda.syncthreads()
-        step = T // 2
-        while step > 0:
-            if tid < step:
-                if red[tid + step] > red[tid]:
-                    red[tid] = red[tid + step]
-            cuda.syncthreads()
-            step //= 2
-        s = red[0]
-        cuda.syncthreads()
-        return s
 
     @cuda.jit(device=True, inline=True)
     def block_scan(v, red):
@@ -340,7 +300,7 @@ def _parts(T, G, HB, cap):
                     before += 1.0
                     if before <= need:
                         last = float64(i)
-        return prefix, int32(block_max(last, red))
+        return prefix, int32(tree_max(last, red))
 
     @cuda.jit(device=True, inline=True)
     def block_min_id(first, red_i):
@@ -384,7 +344,7 @@ def _parts(T, G, HB, cap):
                 if kept_by(key_of(z[base + i] / temp), i, tk_key, tk_id):
                     cnt += 1.0
             pos = int32(block_scan(cnt, red))
-            n = int32(block_sum(cnt, red))
+            n = int32(tree_sum(cnt, red))
             for i in range(lo, hi_i):
                 x = z[base + i] / temp
                 if kept_by(key_of(x), i, tk_key, tk_id):
@@ -396,7 +356,7 @@ def _parts(T, G, HB, cap):
             s = 0.0
             for j in range(tid, n, T):
                 s += cw[j]
-            target_p = top_p * block_sum(s, red)
+            target_p = top_p * tree_sum(s, red)
             for j in range(tid, n, T):
                 w = cw[j]
                 ok = min_p <= 0.0 or w >= min_p
@@ -419,7 +379,7 @@ def _parts(T, G, HB, cap):
             for j in range(clo, chi):
                 mine += ck[j]
             run = block_scan(mine, red)
-            total = block_sum(mine, red)
+            total = tree_sum(mine, red)
             target = u * total
             for j in range(clo, chi):
                 w = ck[j]
@@ -436,7 +396,7 @@ def _parts(T, G, HB, cap):
                 s = 0.0
                 for i in range(tid, vocab, T):
                     s += kept_weight(z[base + i] / temp, i, m, tk_key, tk_id)
-                total_k = block_sum(s, red)
+                total_k = tree_sum(s, red)
                 tp_key, tp_id = select(z, base, vocab, temp, m, top_p * total_k, True,
                                        tk_key, tk_id, hc, hm, st, red)
             # 7-8. min-p, then the inverse CDF over kept weights in ascending id order
@@ -452,7 +412,7 @@ def _parts(T, G, HB, cap):
                         (min_p <= 0.0 or w >= min_p):
                     mine += w
             run = block_scan(mine, red)
-            total = block_sum(mine, red)
+            total = tree_sum(mine, red)
             target = u * total
             for i in range(lo, hi_i):
                 x = z[base + i] / temp
@@ -466,12 +426,12 @@ def _parts(T, G, HB, cap):
                         first = i
         # the first id whose running mass passes u * total; else (rounding) the last kept id
         first = block_min_id(first, red_i)
-        last_all = block_max(float64(last), red)
+        last_all = tree_max(float64(last), red)
         if tid == 0:
             out[r] = first if first < vocab else int32(last_all)
 
-    return SimpleNamespace(WF=WF, WI=WI, block_argmax=block_argmax, key_of=key_of, uniform=uniform,
-                           block_sum=block_sum, block_max=block_max, block_scan=block_scan,
+    return SimpleNamespace(WF=WF, WI=WI, tree_argmax=tree_argmax, key_of=key_of, uniform=uniform,
+                           tree_sum=tree_sum, tree_max=tree_max, block_scan=block_scan,
                            kept_by=kept_by, masked=masked, bin_of=bin_of, row_max=row_max,
                            full_row=full_row, block_min_id=block_min_id)
 
@@ -488,7 +448,7 @@ def sample_prep(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=
     F = _parts(T, G, HB, cap)
     WF, WI = F.WF, F.WI
     HM, PV, PA, BA, BK, HC, PI, CL, CN, CT = _offsets(G, HB, cap)
-    masked, block_argmax = F.masked, F.block_argmax
+    masked, tree_argmax = F.masked, F.tree_argmax
 
     def prep_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask, wf, wi):
         """grid (G, rows), block T. fpar [rows, 8] f64: temperature, top_p, min_p, repetition,
@@ -557,7 +517,7 @@ def sample_prep(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=
             if v > bv or bi == vocab:
                 bv = v
                 bi = i
-        best = block_argmax(bv, bi, red_v, red_i)
+        best = tree_argmax(bv, bi, red_v, red_i)
         if tid == 0:
             wf[fb + PV + g] = red_v[0]
             wi[ib + PI + g] = best
@@ -569,7 +529,7 @@ def sample_stats(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap
     F = _parts(T, G, HB, cap)
     WF, WI = F.WF, F.WI
     HM, PV, PA, BA, BK, HC, PI, CL, CN, CT = _offsets(G, HB, cap)
-    bin_of, row_max, block_sum = F.bin_of, F.row_max, F.block_sum
+    bin_of, row_max, tree_sum = F.bin_of, F.row_max, F.tree_sum
 
     def stats_kernel(out, logits, z, vocab, fpar, ipar, upar, pen, mask, wf, wi):
         """grid (G, rows), block T; arguments as sample_prep's."""
@@ -604,7 +564,7 @@ def sample_stats(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap
                 b = bin_of(m - x)
                 cuda.atomic.add(hc, b, 1)
                 cuda.atomic.add(hm, b, w)
-        tot = block_sum(s, red)             # (its barriers also close the histogram)
+        tot = tree_sum(s, red)              # (its barriers also close the histogram)
         if tid == 0:
             wf[fb + PA + g] = tot
         if need:
@@ -622,7 +582,7 @@ def sample(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP)
     WF, WI = F.WF, F.WI
     HM, PV, PA, BA, BK, HC, PI, CL, CN, CT = _offsets(G, HB, cap)
     NBT = HB // T                            # histogram bins per thread (contiguous)
-    bin_of, row_max, block_sum, block_max = F.bin_of, F.row_max, F.block_sum, F.block_max
+    bin_of, row_max, tree_sum, tree_max = F.bin_of, F.row_max, F.tree_sum, F.tree_max
     block_scan, key_of, kept_by, uniform = F.block_scan, F.key_of, F.kept_by, F.uniform
     full_row, block_min_id = F.full_row, F.block_min_id
 
@@ -695,9 +655,9 @@ def sample(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP)
                     if mine == HB and ((has_k and cb >= need_c) or
                                        (not has_k and mb >= need_m)):
                         mine = float64(b)
-            cut = -block_max(-mine, red)
+            cut = -tree_max(-mine, red)
             if cut >= HB:           # rounding left the mass short: the last nonempty bin
-                cut = block_max(last_nz, red)
+                cut = tree_max(last_nz, red)
             cut_b = int32(cut)
             # the count through the cut bin and in it
             cb = cb0
@@ -749,8 +709,8 @@ def sample(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP)
                 p = atomic_add_at(wi, ib + CN, 1)
                 if p < cap:
                     wi[ib + CL + p] = i
-        sa = block_sum(sa, red)
-        sk = block_sum(sk, red)
+        sa = tree_sum(sa, red)
+        sk = tree_sum(sk, red)
         if tid == 0:
             wf[fb + BA + g] = sa
             wf[fb + BK + g] = sk
@@ -825,7 +785,7 @@ def sample(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP)
             if (not has_k or j < top_k) and (not has_p or run < target_p):
                 lastr = float64(j)
             run += bw[j]
-        L = int32(block_max(lastr, red)) + 1
+        L = int32(tree_max(lastr, red)) + 1
         t_id = int32(-1)
         t_key = uint64(0)
         if L > 0:
@@ -909,7 +869,7 @@ def sample(threads=SAMPLE_THREADS, blocks=ROW_BLOCKS, nbins=HIST_BINS, cap=KCAP)
                 if run > target and first == vocab:
                     first = i
         first = block_min_id(first, red_i)
-        last_all = block_max(float64(last), red)
+        last_all = tree_max(float64(last), red)
         if tid == 0:
             out[r] = first if first < vocab else int32(last_all)
             fpar[r * NPAR + 6] = float64(mode)

@@ -13,7 +13,8 @@ from ninfer.core.cuda.cublaslt import alignment
 from ninfer.errors import DeviceError
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
-from ninfer.models.qwen3_5.cuda.kernel_set import SIGS, check_geometry, geometry_specs, spec
+from ninfer.models.qwen3_5.cuda.kernel_set import (MODULES, SIGS, check_geometry,
+                                                   declared_signatures, geometry_specs, spec)
 from ninfer.models.qwen3_5.cuda.meta import MetaLayout
 from ninfer.options import EngineOptions
 
@@ -109,6 +110,33 @@ def test_every_signature_names_known_types():
         assert (pathlib.Path(K.KERNELS_DIR) / f"{module}.py").exists(), name
         for t in sig:
             assert t in K.ARG_TYPES, (name, t)
+
+
+def test_signatures_read_from_the_text_are_the_kernels_own():
+    """kernel_set reads each module's SIGNATURES without importing it: the parse is the table the
+    module itself holds, no kernel module is left out, and each kernel takes as many arguments as
+    its signature lists (every spec of a dense and a MoE geometry, bf16 and fp32)."""
+    import inspect
+    from ninfer.core.cuda import numba_shim
+    from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION
+    numba_shim.import_numba_cuda()
+    declaring = {f.stem for f in pathlib.Path(K.KERNELS_DIR).glob("*.py")
+                 if "\nSIGNATURES = {" in f.read_text()}
+    assert declaring == set(MODULES)
+    for module in MODULES:
+        assert declared_signatures(module) == K._import_kernel_module(module).SIGNATURES, module
+    types = tuple(FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(8))
+    dense = TextConfig(num_hidden_layers=8, layer_types=types)
+    moe = TextConfig(hidden_size=2048, num_hidden_layers=8, layer_types=types, is_moe=True,
+                     num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, num_attention_heads=16,
+                     num_key_value_heads=2)
+    specs = [s for cfg in (dense, moe) for f32 in (False, True)
+             for s in geometry_specs(cfg, f32).values()]
+    assert {s.factory for s in specs} == set(SIGS)
+    for s in specs:
+        fn = getattr(K._import_kernel_module(s.module), s.factory)(**dict(s.params))
+        assert len(inspect.signature(fn).parameters) == len(s.sig), s.factory
 
 
 def test_geometry_checks_name_the_dimension():

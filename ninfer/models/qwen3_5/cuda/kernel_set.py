@@ -1,61 +1,58 @@
 """The kernels one Qwen3.5 geometry needs: specs (module, factory, signature, baked constants)
-resolved through the AOT cache into loaded `Kernel`s."""
+resolved through the AOT cache into loaded `Kernel`s. The signatures are the kernels' own
+(each kernels/*.py module's SIGNATURES); this module adds the geometry."""
 from __future__ import annotations
 
+import ast
+
+from ....core.cuda import kernels as K
 from ....core.cuda.kernels import KernelCache, KernelSpec
 from ....errors import DeviceError
 from ..config import TextConfig
 from . import gdn_chunk as gc
 
-S = KernelSpec.of
-# the three sampling kernels' common arguments (kernels/sample.py, cuda/sampler.py)
-SAMPLE_SIG = ("i32*", "f32*", "f64*", "i32", "f64*", "i32*", "u64*", "i32*", "u32*", "f64*", "i32*")
+# the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
+# in a SIGNATURES literal beside them (kernels/__init__.py)
+MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "rope_kv", "attention",
+           "attention_tc", "moe", "sample")
 
-SIGS = {
-    "rmsnorm": ("norm", "rmsnorm", ("u16*", "f32*", "f32*", "i32*", "i32", "i32", "f32")),
-    "gated_rmsnorm": ("norm", "gated_rmsnorm",
-                      ("u16*", "f32*", "f32*", "i32", "i32", "f32*", "i32", "f32")),
-    "silu_mul": ("act", "silu_mul", ("u16*", "f32*", "i32", "i32", "i32")),
-    "embed_gather": ("act", "embed_gather", ("f32*", "u16*", "i32*", "i32")),
-    "widen_bf16": ("act", "widen_bf16", ("f32*", "u16*", "i64")),
-    "random_bf16": ("fill", "random_bf16", ("u16*", "i64", "u32", "f32", "f32")),
-    "random_f32": ("fill", "random_f32", ("f32*", "i64", "u32", "f32", "f32")),
-    "conv_silu": ("conv", "conv_silu",
-                  ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*", "i32")),
-    "conv_state_update": ("conv", "conv_state_update",
-                          ("f32*", "f32*", "i32", "i32*", "i32*", "i32*")),
-    "gdn_recurrent": ("gdn", "gdn_recurrent",
-                      ("f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*", "f32*",
-                       "i32*", "i32*", "i32*")),
-    "gdn_chunk_prep": ("gdn_chunk", "gdn_chunk_prep",
-                       ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32", "i32", "i32",
-                        "f32*", "f32*", "i32*")),
-    "gdn_chunk_scan": ("gdn_chunk", "gdn_chunk_scan",
-                       ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*")),
-    "qk_norm_rope_kv": ("rope_kv", "qk_norm_rope_kv",
-                        ("f32*", "f32*", "i32", "f32*", "f32*", "u16*", "u16*", "i32*", "i32",
-                         "i32*", "i32*", "i32*", "i32*", "i32", "i32", "f32", "f32")),
-    "paged_attention": ("attention", "paged_attention",
-                        ("f32*", "f32*", "f32*", "u32*", "u32*", "i32*", "i32*", "i32*", "i32*",
-                         "i32", "i32", "i32", "f32", "i32")),
-    "attn_combine": ("attention", "attn_combine",
-                     ("u16*", "f32*", "f32*", "f32*", "i32", "i32", "i32")),
-    "kv_gather": ("attention_tc", "kv_gather",
-                  ("u32*", "u32*", "u32*", "u32*", "i32*", "i32", "i32", "i32", "i32", "i32", "i32")),
-    "q_to_bf16": ("attention_tc", "q_to_bf16", ("u16*", "f32*", "i32", "i32")),
-    "causal_softmax": ("attention_tc", "causal_softmax", ("u16*", "f32*", "i32", "i32", "f32")),
-    "attn_gate_tc": ("attention_tc", "attn_gate_tc", ("u16*", "f32*", "f32*", "i32", "i32", "i32")),
-    "router_topk": ("moe", "router_topk", ("i32*", "f32*", "f32*", "i32")),
-    "expert_gate_up": ("moe", "expert_gate_up", ("f32*", "u32*", "u32*", "i32*", "i32")),
-    "expert_down": ("moe", "expert_down", ("f32*", "f32*", "u32*", "i32*")),
-    "moe_combine": ("moe", "moe_combine",
-                    ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32")),
-    "gather_rows": ("moe", "gather_rows", ("u16*", "u16*", "i32*", "i32")),
-    "argmax": ("sample", "argmax", ("i32*", "f32*", "i32")),
-    "sample_prep": ("sample", "sample_prep", SAMPLE_SIG),
-    "sample_stats": ("sample", "sample_stats", SAMPLE_SIG),
-    "sample": ("sample", "sample", SAMPLE_SIG),
-}
+
+def declared_signatures(module: str) -> dict:
+    """kernels/<module>.py's SIGNATURES, kernel -> argument types, read from the source text
+    (importing the module would import numba, which a warm kernel cache never needs). A value may
+    be the name of a tuple literal assigned at the module's top level."""
+    try:
+        text = (K.KERNELS_DIR / f"{module}.py").read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DeviceError(f"kernel source {module!r} not found under {K.KERNELS_DIR}: "
+                          f"{exc}") from exc
+    tree = ast.parse(text)
+    assigned = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)}
+    if "SIGNATURES" not in assigned:
+        raise DeviceError(f"kernels/{module}.py declares no SIGNATURES")
+    table = assigned["SIGNATURES"]
+    sigs = {}
+    for key, value in zip(table.keys, table.values):
+        if isinstance(value, ast.Name):          # a shared tuple (sample.py's SAMPLE_ARGS)
+            value = assigned[value.id]
+        sigs[ast.literal_eval(key)] = tuple(ast.literal_eval(value))
+    return sigs
+
+
+def _collect_signatures() -> dict:
+    sigs = {}
+    for module in MODULES:
+        for name, sig in declared_signatures(module).items():
+            if name in sigs:
+                raise DeviceError(f"kernel {name!r} declared by kernels/{sigs[name][0]}.py and "
+                                  f"kernels/{module}.py")
+            sigs[name] = (module, name, sig)
+    return sigs
+
+
+# kernel name -> (module, factory, argument types); the factory has the kernel's name
+SIGS = _collect_signatures()
 
 
 # kernels with an fp32-storage variant (dtype="float32"): factory parameter f32=True, and every
@@ -72,7 +69,7 @@ def spec(name: str, f32: bool = False, **params) -> KernelSpec:
             raise ValueError(f"kernel {name!r} has no float32 variant")
         sig = tuple("f32*" if t in ("u16*", "u32*") else t for t in sig)
         params["f32"] = True
-    return S(module, factory, sig, **params)
+    return KernelSpec.of(module, factory, sig, **params)
 
 
 def geometry_specs(cfg: TextConfig, f32: bool = False) -> dict:
