@@ -239,7 +239,7 @@ def test_snapshot_respects_the_host_budget_and_is_freed():
     model = FakeModel()
     p = prompt(11, 20)
     probe = Program(model, opts())
-    cost = 5 * probe._page_bytes + probe._state_bytes     # 20 tokens -> 5 pages
+    cost = 5 * probe.snapshots.page_bytes + probe.snapshots.state_bytes   # 20 tokens: 5 pages
     prog = Program(model, opts(host_snapshot_bytes=cost))
     a, b = prog.bind(p, GREEDY), prog.bind(prompt(12, 20), GREEDY)
     step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b])
