@@ -42,9 +42,8 @@ class Engine:
             self._core = None
             self._scorer = None
             if self.options.purpose == "scoring":
-                from .models.qwen3_5.batch import ForwardBatch
                 from .runtime.scoring import CausalScoreCore
-                self._scorer = CausalScoreCore(self.model, self.options, ForwardBatch)
+                self._scorer = CausalScoreCore(self.model, self.options)
             else:
                 from .models.qwen3_5.program import Program
                 from .runtime.engine_core import EngineCore

@@ -61,9 +61,10 @@ def _finish_empty(core):
     prog.check_invariants()
     core.context_cache.check_invariants()
     core.context_cache.clear_prefix_cache()
-    prog.assert_all_free()
-    assert prog.pages.num_free == prog.pages.num_pages and not prog.pages.refcount.any()
-    assert prog.checkpoints.slots.num_free == prog.checkpoints.slots.num_slots
+    prog.assert_all_free()      # its audit holds every page's count to its mappings + holds, so
+    stats = prog.stats()        # with no page in use every count is 0
+    assert prog.capacity().free_kv_pages == stats["kv_pages_total"] and stats["kv_pages_used"] == 0
+    assert prog.checkpoints.slots.num_free == prog.checkpoints.usage().num_cache_slots
     assert prog.checkpoints.usage().host_bytes_used == 0 and prog.checkpoints.device_bytes_used == 0
     assert prog.host_bytes_used == 0
 

@@ -40,6 +40,16 @@ def generate(prog, sid, num_tokens):
     return out
 
 
+def pages_used(prog) -> int:
+    return prog.stats()["kv_pages_used"]
+
+
+def mapped_pages(prog, sid) -> np.ndarray:
+    """The physical KV pages the sequence maps now, in token order (unmapped entries are -1)."""
+    row = prog.block_tables([prog.sequence(sid)])[0]
+    return row[row >= 0]
+
+
 def run_alone(p, spec, num_tokens, **kw):
     prog = Program(FakeModel(), opts(**kw))
     sid = prog.bind(p, spec)
@@ -62,8 +72,8 @@ def test_pages_follow_the_frontier():
     sid = prog.bind(prompt(1, 11), GREEDY)
     for _ in range(8):
         step(prog, [sid])
-        seq = prog._seqs[sid]
-        assert prog.pages.num_used == -(-seq.num_computed_tokens // 4)
+        seq = prog.sequence(sid)
+        assert pages_used(prog) == -(-seq.num_computed_tokens // 4)
     prog.release(sid)
     prog.assert_all_free()
 
@@ -89,7 +99,7 @@ def test_reserve_is_atomic_per_row_and_rows_are_independent():
     small = prog.bind(prompt(3, 4), GREEDY)      # 1 page
     other = prog.bind(prompt(4, 30), GREEDY)     # 8 pages: cannot fit after big
     assert prog.reserve_units([big, other, small]) == [True, False, True]
-    assert prog.pages.num_used == 11             # the failed row took nothing
+    assert pages_used(prog) == 11             # the failed row took nothing
     prog.check_invariants()
     with pytest.raises(ProgramError):
         prog.execute([other])                    # not reserved
@@ -108,10 +118,10 @@ def test_abort_pending_restores_state_and_frees_the_reservation():
     out = []
     while len(out) < 10:
         assert prog.reserve_units([sid]) == [True]
-        used = prog.pages.num_used
+        used = pages_used(prog)
         prog.abort_pending(prog.execute([sid]))          # every unit runs twice
         # the unit's reservation went back: only the frontier's pages stay mapped
-        assert prog.pages.num_used == -(-prog._seqs[sid].num_computed_tokens // 4) <= used
+        assert pages_used(prog) == -(-prog.sequence(sid).num_computed_tokens // 4) <= used
         prog.check_invariants()
         out += step(prog, [sid])[0]
     assert out == want
@@ -132,8 +142,8 @@ def test_cancelled_row_rolls_back_while_others_commit():
         # b is "cancelled" every time: it must never advance and a must be unaffected
         prog.commit(pending, [RowDecision(len(ra.produced)), RowDecision(0, is_cancelled=True)])
         out_a += ra.produced
-        assert prog._seqs[b].num_computed_tokens == 0
-        assert prog.pages.num_mapped[prog._seqs[b].slot] == 0     # its reservation went back
+        assert prog.sequence(b).num_computed_tokens == 0
+        assert len(mapped_pages(prog, b)) == 0     # its reservation went back
         prog.check_invariants()
     assert out_a[:8] == want_a
     prog.release(a)
@@ -165,7 +175,7 @@ def test_decisions_that_break_the_accepted_prefix_rule_raise():
 
 def _pause_and_resume(prog, sid, allow_snapshot, revoke=False):
     """Pause, let another sequence take the freed pages and slot, resume elsewhere."""
-    before = set(prog.pages.pages_of(prog._seqs[sid].slot).tolist())
+    before = set(mapped_pages(prog, sid).tolist())
     rs = prog.pause(sid, allow_snapshot=allow_snapshot)
     prog.check_invariants()
     squatter = prog.bind(prompt(99, 8), GREEDY)
@@ -175,7 +185,7 @@ def _pause_and_resume(prog, sid, allow_snapshot, revoke=False):
         assert prog.host_bytes_used == 0
     assert prog.can_resume(rs)
     sid = prog.resume(rs)
-    after = set(prog.pages.pages_of(prog._seqs[sid].slot).tolist())
+    after = set(mapped_pages(prog, sid).tolist())
     assert not before or before != after           # restored into other physical pages
     prog.release(squatter)
     return rs, sid
@@ -212,12 +222,12 @@ def test_replay_units_rebuild_without_producing_and_keep_the_resume_permit():
     rs = prog.pause(sid, allow_snapshot=False)
     assert rs.kind == "replay" and rs.num_tokens == 15 and rs.num_computed_tokens == 14
     sid = prog.resume(rs)
-    assert prog.pages.num_used == 4                     # the permit: pages for all 15 tokens
+    assert pages_used(prog) == 4                        # the permit: pages for all 15 tokens
     kinds = []
     while prog.unit_kind(sid) == "replay":
         kinds.append(prog.is_protected(sid))
         assert step(prog, [sid]) == [[]]                # replay chunks publish nothing
-        assert prog.pages.num_used == 4                 # reservation kept across chunks
+        assert pages_used(prog) == 4                    # reservation kept across chunks
     assert prog.unit_kind(sid) == "decode" and all(kinds) and len(kinds) == 4
     step(prog, [sid])                                   # the first real new unit
     assert not prog.is_protected(sid)
@@ -229,7 +239,7 @@ def test_snapshot_respects_the_host_budget_and_is_freed():
     model = FakeModel()
     p = prompt(11, 20)
     probe = Program(model, opts())
-    cost = 5 * probe._page_bytes + probe._state_bytes     # 20 tokens -> 5 pages
+    cost = 5 * probe.snapshots.page_bytes + probe.snapshots.state_bytes   # 20 tokens: 5 pages
     prog = Program(model, opts(host_snapshot_bytes=cost))
     a, b = prog.bind(p, GREEDY), prog.bind(prompt(12, 20), GREEDY)
     step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b]); step(prog, [a, b])
@@ -250,7 +260,7 @@ def test_check_invariants_detects_a_double_mapped_page():
     prog = Program(FakeModel(), opts())
     a, b = prog.bind(prompt(13, 8), GREEDY), prog.bind(prompt(14, 8), GREEDY)
     step(prog, [a, b])
-    slot_a, slot_b = prog._seqs[a].slot, prog._seqs[b].slot
+    slot_a, slot_b = prog.sequence(a).slot, prog.sequence(b).slot
     prog.pages.block_tables[slot_b, 0] = prog.pages.block_tables[slot_a, 0]
     with pytest.raises(ProgramError):
         prog.check_invariants()
@@ -291,7 +301,7 @@ def test_without_rollback_a_cancelled_row_may_only_be_released():
     assert pending._backups == [None, None]
     prog.commit(pending, [RowDecision(len(pending.rows[0].produced)),
                           RowDecision(0, is_cancelled=True)])
-    assert prog._seqs[b].num_computed_tokens == 0
+    assert prog.sequence(b).num_computed_tokens == 0
     with pytest.raises(ProgramError, match="State"):
         prog.execute([b])
     with pytest.raises(ProgramError, match="State"):

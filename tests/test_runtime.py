@@ -63,7 +63,7 @@ def test_eight_prompts_together_equal_one_at_a_time(sampling):
 def test_kv_pressure_pauses_and_resumes_without_changing_tokens(budget, sampling):
     # 4 residents, 48-token contexts (12 pages each) share 14 pages: constant pressure
     probe = Program(FakeModel(), EngineOptions(max_context=48, page_size=4))
-    one_snapshot = 12 * probe._page_bytes + probe._state_bytes    # room for one at a time
+    one_snapshot = 12 * probe.snapshots.page_bytes + probe.snapshots.state_bytes   # one at a time
     core, model = make_core(max_concurrency=4, max_context=48, num_kv_pages=14, prefill_chunk=4,
                             host_snapshot_bytes={"replay": 0, "snapshot": 1 << 30,
                                                  "mixed": one_snapshot}[budget])

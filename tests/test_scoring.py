@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ninfer import EngineOptions, RequestError, ScoreResult
-from ninfer.models.qwen3_5.batch import ForwardBatch
+from ninfer.contracts import ForwardBatch
 from ninfer.runtime.scoring import CausalScoreCore
 from test_model import TOL_MODEL, draw_well_routed, rel_err, tiny_model
 
@@ -17,7 +17,7 @@ TOL_LOGPROB = dict(rtol=0, atol=1e-5)     # float32 log-softmax vs its float64 e
 
 
 def scorer(model, **options) -> CausalScoreCore:
-    return CausalScoreCore(model, EngineOptions(**options), ForwardBatch)
+    return CausalScoreCore(model, EngineOptions(**options))
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])

@@ -9,15 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..api import ScoreResult
+from ..contracts import ForwardBatch
 from ..errors import RequestError
 
 
 class CausalScoreCore:
-    def __init__(self, model, options, batch_type):
-        """`batch_type`: the model's ForwardBatch class (its `single` builds each window's
-        one-row batch), injected by the Engine: the runtime imports no model family."""
+    def __init__(self, model, options):
         self.model = model
-        self.batch_type = batch_type
         self.window = int(options.prefill_chunk)
         self.page_size = int(options.page_size)
         self.vocab_size = int(model.config.text.vocab_size)
@@ -33,7 +31,7 @@ class CausalScoreCore:
         logits_all = np.empty((T, self.vocab_size), np.float32) if return_logits else None
         for start in range(0, T, self.window):
             end = min(start + self.window, T)
-            batch = self.batch_type.single(ids[start:end], start, block_table, state_slot=0)
+            batch = ForwardBatch.single(ids[start:end], start, block_table, state_slot=0)
             logits = self.model.forward(batch, kv, state, all_logits=True)          # [n, V]
             if logits_all is not None:
                 logits_all[start:end] = logits

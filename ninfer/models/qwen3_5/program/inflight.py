@@ -16,8 +16,8 @@ from typing import Optional
 
 @dataclass(slots=True, eq=False)
 class InFlightUnit:
-    seqs: list                  # the rows' _Sequence records, in batch order
-    units: list                 # their _Unit
+    seqs: list                  # the rows' Sequence records (sequences.py), in batch order
+    units: list                 # their Unit
     masks: list                 # their token masks (None: anything goes)
     backups: list               # State backups (None: no rollback kept)
     path: str                   # "greedy" | "sample" (device token ids) | "logits" (host sampling)

@@ -1,12 +1,8 @@
 """The Program: physical truth of one resident model (KV pages, State slots, units, pause/resume).
 
-Only the Engine worker calls it. A sequence's tokens and its committed frontier live here:
-
-    token_buf[slot]  | prompt ........ | generated (accepted) |
-                     0          num_prompt_tokens        num_tokens
-    KV / State       [0, num_computed_tokens)  = the frontier; the next unit starts there
-
-Units (`next unit` of a sequence, derived from that arithmetic alone):
+Only the Engine worker calls it. A sequence's tokens and its committed frontier live here
+(token_buf, its Sequence record: sequences.py); Units (`next unit` of a sequence, derived from
+that arithmetic alone, in sequences.py):
     prefill  no token generated yet: the next <= prefill_chunk prompt tokens; the chunk that
              reaches the end of the prompt samples the first token
     replay   resumed after a pause: re-run accepted history in chunks up to num_tokens - 1
@@ -19,55 +15,35 @@ Units (`next unit` of a sequence, derived from that arithmetic alone):
 Every unit runs under a reservation (`reserve_units`) and yields a PendingBatch that must be
 consumed whole by `commit(decisions)` or `abort_pending()`. Sampling randomness is keyed by
 (seed, position), so there is no RNG state to roll back.
+
+The Program keeps the public API and the pools; it delegates the unit arithmetic (sequences.py),
+the host Snapshot ledger and images (snapshots.py), packing rows and reading results back
+(packing.py), checkpoints (checkpoint_store.py) and speculative units (speculative.py).
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
-from .... import _hot
-from ..batch import ForwardBatch
+from ....contracts import (Capacity, CaptureRoom, ForwardBatch, PendingBatch, ProgramError,
+                           ResumeState, ReadyStep, RowPlan, RowResult, RowView, SamplingSpec,
+                           UnitPlan)
 from ..memory_plan import plan_pools
-from ....contracts import (Capacity, CaptureRoom, PendingBatch, ProgramError, ResumeState,
-                           ReadyStep, RowDecision, RowPlan, RowResult, RowView, SampleRow,
-                           SamplingSpec, UnitPlan)
+from . import packing
 from .checkpoint_store import CheckpointStore
 from .inflight import InFlightUnit
 from .page_ledger import PagePool, SlotPool, pages_for
-from .sampling import sample_row
+from .sequences import (Sequence, Unit, UnitRules, capture_due, capture_positions,
+                        check_decision, row_kind)
+from .snapshots import SnapshotLedger, capture_image, host_bytes, install_image
 from .speculative import MtpSpeculator
 
 # distinguishes Programs in the device sampler's prompt cache keys (it lives on the model, which
 # may outlive a Program or serve several; sequence ids restart in each Program)
 _PROGRAM_IDS = itertools.count(1)
-
-
-@dataclass(slots=True, eq=False)
-class _Sequence:
-    seq_id: int
-    slot: int
-    num_prompt_tokens: int
-    num_tokens: int
-    num_computed_tokens: int
-    spec: SamplingSpec
-    replay_until: int = 0        # frontier of the run that was paused (Replay rebuilds to it)
-    protected_tokens: int = 0    # KV coverage a resume permit holds until real new progress
-    is_unusable: bool = False    # rolled back without a State backup: may only be released
-    captures: list = None        # checkpoint positions still to capture, ascending (prefill
-                                 # chunks end there; the ContextCache captures after commit)
-    media: object = None         # vision.PromptMedia: MRoPE positions + embeddings, or None
-
-
-@dataclass(frozen=True, slots=True)
-class _Unit:
-    num_new_tokens: int
-    is_sampling: bool
-    is_replay: bool
-    forced: tuple = ()           # control unit: the tokens it produces
 
 
 class Program:
@@ -101,14 +77,14 @@ class Program:
         self.slots = SlotPool(self.num_slots)
         self.checkpoint_interval = int(options.checkpoint_interval)
         self.token_buf = np.zeros((self.num_slots, self.max_context), np.int32)
-        self.host_budget_bytes = int(options.host_snapshot_bytes)
-        self._page_bytes = _host_bytes(self.kv.read_pages([0]))
-        self._state_bytes = _host_bytes(self.state.read(0))
-        self._snapshots: dict = {}          # snapshot id -> host bytes (the only host ledger)
+        page_bytes = host_bytes(self.kv.read_pages([0]))
+        state_bytes = host_bytes(self.state.read(0))
+        self.snapshots = SnapshotLedger(options.host_snapshot_bytes, page_bytes, state_bytes,
+                                        self.page_size)
         # checkpoints: their own host budget, so a cache entry never blocks a pause
         self.checkpoints = CheckpointStore(
             self.kv, self.state, self.pages, SlotPool(num_cache_slots, first=self.num_slots),
-            page_bytes=self._page_bytes, state_bytes=self._state_bytes,
+            page_bytes=page_bytes, state_bytes=state_bytes,
             host_budget_bytes=options.prefix_cache_budget_bytes,
             device_page_budget=int(share * num_pages) if num_cache_slots else 0)
         self._seqs: dict = {}
@@ -116,9 +92,8 @@ class Program:
         self._inflight: Optional[InFlightUnit] = None     # launched, not yet collected
         self._next_id = 0
         self._uid = next(_PROGRAM_IDS)
-        # batch_invariant: Replay re-runs history the way it first ran (the prompt in its own
-        # chunks, each generated token as a one-token decode-shaped unit), so its numerics match
-        self.replays_as_run = options.batch_invariant
+        self.rules = UnitRules(self.prefill_chunk, self.max_context,
+                               replays_as_run=bool(options.batch_invariant))
 
     def warm_up(self) -> None:
         """Before serving: the backend builds what it would otherwise build on first use (CUDA:
@@ -131,20 +106,23 @@ class Program:
 
     # ---- capacity queries (check / act pairs) ---------------------------------------------------
     @property
+    def host_budget_bytes(self) -> int:
+        return self.snapshots.budget_bytes
+
+    @property
     def host_bytes_used(self) -> int:
-        return sum(self._snapshots.values())
+        return self.snapshots.bytes_used
 
     @property
     def host_bytes_free(self) -> int:
-        return self.host_budget_bytes - self.host_bytes_used
+        return self.snapshots.bytes_free
 
     def capacity(self) -> Capacity:
         return Capacity(self.pages.num_free, self.slots.num_free)
 
     def snapshot_cost(self, seq_id: int) -> int:
         """Host bytes a Snapshot pause of this sequence would hold now."""
-        frontier = self._seqs[seq_id].num_computed_tokens
-        return pages_for(frontier, self.page_size) * self._page_bytes + self._state_bytes
+        return self.snapshots.cost(self._seqs[seq_id].num_computed_tokens)
 
     def can_bind(self, num_prompt_tokens: int, num_reused: int = 0,
                  checkpoint: Optional[int] = None) -> bool:
@@ -165,7 +143,8 @@ class Program:
         return self.slots.num_free > 0 and self.pages_short_to_resume(rs) == 0
 
     def pages_short_to_resume(self, rs: ResumeState) -> int:
-        return max(0, pages_for(self._resume_coverage(rs), self.page_size) - self.pages.num_free)
+        return max(0, pages_for(self.rules.resume_coverage(rs), self.page_size)
+                   - self.pages.num_free)
 
     # ---- sequence lifetime ----------------------------------------------------------------------
     @property
@@ -195,8 +174,7 @@ class Program:
         seq.media = encoded
         self.token_buf[seq.slot, :n] = prompt_ids
         end = min(int(capture_at), n) if self.checkpoints.is_enabled else 0
-        seq.captures = [q for q in range(self.checkpoint_interval, end, self.checkpoint_interval)
-                        if q > reused] + ([end] if end > reused else [])
+        seq.captures = capture_positions(self.checkpoint_interval, end, reused)
         if ckpt is not None:
             self.checkpoints.install(checkpoint, seq.slot)
         return seq.seq_id
@@ -210,15 +188,8 @@ class Program:
         """The tokens [0, p) of the checkpoint position p this sequence's frontier sits on exactly
         now, else None (`capture_checkpoint` takes it or clears it)."""
         seq = self._seqs[seq_id]
-        p = self._capture_due(seq)
+        p = capture_due(seq)
         return self.token_buf[seq.slot, :p].copy() if p else None
-
-    def _capture_due(self, seq: _Sequence) -> int:
-        while seq.captures and seq.captures[0] < seq.num_computed_tokens:
-            seq.captures.pop(0)                 # passed without a capture (e.g. a control unit)
-        if seq.captures and seq.captures[0] == seq.num_computed_tokens and not seq.is_unusable:
-            return seq.captures[0]
-        return 0
 
     def capture_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False
                      ) -> CaptureRoom:
@@ -257,7 +228,7 @@ class Program:
         as host copies. keep=False only clears the pending capture. Returns the checkpoint id."""
         self._no_pending("capture_checkpoint")
         seq = self._seqs[seq_id]
-        p = self._capture_due(seq)
+        p = capture_due(seq)
         if p:
             seq.captures.pop(0)
         if not p or not keep:
@@ -320,15 +291,15 @@ class Program:
         tokens = self.token_buf[seq.slot, :seq.num_tokens].copy()
         frontier = seq.num_computed_tokens
         num_pages = pages_for(frontier, self.page_size)
-        cost = self.snapshot_cost(seq_id)
+        cost = self.snapshots.cost(frontier)
         common = dict(token_ids=tokens, num_prompt_tokens=seq.num_prompt_tokens,
                       num_computed_tokens=frontier, spec=seq.spec, media=seq.media)
-        if allow_snapshot and frontier > 0 and self.host_bytes_used + cost <= self.host_budget_bytes:
+        if allow_snapshot and frontier > 0 and self.snapshots.fits(cost):
             sid = self._new_id()
-            rs = ResumeState("snapshot", snapshot_id=sid, host_bytes=cost,
-                             kv_pages=self.kv.read_pages(self.pages.pages_of(seq.slot)[:num_pages]),
-                             state_image=self.state.read(seq.slot), **common)
-            self._snapshots[sid] = cost
+            image = capture_image(self.kv, self.state, self.pages.pages_of(seq.slot)[:num_pages],
+                                  seq.slot)
+            rs = ResumeState("snapshot", snapshot_id=sid, host_bytes=cost, **image, **common)
+            self.snapshots.hold(sid, cost)
         else:
             rs = ResumeState("replay", **common)
         self.release(seq_id)
@@ -344,8 +315,7 @@ class Program:
     def discard(self, rs: ResumeState) -> None:
         """A paused request ends: drop what its ResumeState holds here."""
         if rs.kind == "snapshot":
-            if self._snapshots.pop(rs.snapshot_id, None) is None:
-                raise ProgramError(f"snapshot {rs.snapshot_id} consumed twice")
+            self.snapshots.drop(rs.snapshot_id)
 
     def resume(self, rs: ResumeState) -> int:
         """Bind a paused request again with the full resume permit: pages to rebuild its old
@@ -353,7 +323,7 @@ class Program:
         self._no_pending("resume")
         if not self.can_resume(rs):
             raise ProgramError("resume without capacity (the caller must check can_resume)")
-        coverage = self._resume_coverage(rs)
+        coverage = self.rules.resume_coverage(rs)
         is_snapshot = rs.kind == "snapshot"
         self.discard(rs)
         seq = self._new_sequence(rs.num_prompt_tokens, rs.num_tokens,
@@ -366,8 +336,8 @@ class Program:
             raise ProgramError("resume: pages vanished between check and act")
         if is_snapshot:
             n = pages_for(rs.num_computed_tokens, self.page_size)
-            self.kv.write_pages(self.pages.pages_of(seq.slot)[:n], rs.kv_pages)
-            self.state.write(seq.slot, rs.state_image)
+            install_image(self.kv, self.state, self.pages.pages_of(seq.slot)[:n], seq.slot,
+                          rs.kv_pages, rs.state_image)
         return seq.seq_id
 
     # ---- units ----------------------------------------------------------------------------------
@@ -377,10 +347,9 @@ class Program:
         views = []
         for sid in seq_ids:
             seq = self._seqs[sid]
-            unit = self._next_unit(seq)
-            kind = "replay" if unit.is_replay else \
-                "decode" if seq.num_tokens > seq.num_prompt_tokens else "prefill"
-            views.append(RowView(sid, kind, seq.protected_tokens > 0, unit.is_sampling))
+            unit = self.rules.next_unit(seq)
+            views.append(RowView(sid, row_kind(seq, unit), seq.protected_tokens > 0,
+                                 unit.is_sampling))
         return views
 
     def unit_kind(self, seq_id: int) -> str:
@@ -404,7 +373,7 @@ class Program:
         granted = []
         for sid in seq_ids:
             seq = self._seqs[sid]
-            unit = self._unit_of(seq, forced)
+            unit = self.rules.unit_of(seq, forced)
             granted.append(self.pages.grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens))
             if stop_at_short and not granted[-1]:
                 break
@@ -437,7 +406,7 @@ class Program:
         if any(s.is_unusable for s in seqs):
             raise ProgramError("execute: a row lost its State in a rollback without backup")
         forced = {r.seq_id: r.forced for r in plan.rows if r.forced}
-        units = [self._unit_of(s, forced) for s in seqs]
+        units = [self.rules.unit_of(s, forced) for s in seqs]
         for seq, unit in zip(seqs, units):
             if self.pages.can_grow(seq.slot, seq.num_computed_tokens + unit.num_new_tokens) != 0:
                 raise ProgramError(f"execute: sequence {seq.seq_id} runs without its reservation")
@@ -459,15 +428,16 @@ class Program:
         (`launch_tokens`: the GPU runs while the EngineCore does host work, `collect` waits);
         host-sampled logits are computed here (`ReadyStep`)."""
         batch = self.pack_rows(seqs, units)
-        media = self.media_rows(seqs, units)
+        media = packing.media_rows(seqs, units)
         # media rows replace embeddings: only forward takes them (not the device token paths)
-        path = (None if media is not None else self._can_sample_on_device(seqs, units, masks)) \
-            or "logits"
+        path = (None if media is not None else
+                packing.device_path(self.model, seqs, units, masks)) or "logits"
         if path == "greedy":
             step = self.model.launch_tokens(batch, self.kv, self.state)
         elif path == "sample":
             step = self.model.launch_tokens(batch, self.kv, self.state,
-                                            self._sample_requests(seqs, units, masks))
+                                            packing.sample_requests(self.token_buf, self._uid,
+                                                                    seqs, units, masks))
         elif media is not None:
             step = ReadyStep(self.model.forward(batch, self.kv, self.state, media=media))
         else:
@@ -485,9 +455,9 @@ class Program:
         seqs, units, masks = inflight.seqs, inflight.units, inflight.masks
         out = inflight.step.collect()
         if inflight.path == "greedy":
-            rows = self._token_rows(seqs, units, out, "decode_greedy")
+            rows = packing.token_rows(seqs, units, out, self.vocab_size, "decode_greedy")
         elif inflight.path == "sample":
-            rows = self._token_rows(seqs, units, out, "sample")
+            rows = packing.token_rows(seqs, units, out, self.vocab_size, "sample")
         else:
             if out.shape != (len(seqs), self.vocab_size):
                 raise ProgramError(f"model.forward returned {out.shape}, "
@@ -497,40 +467,6 @@ class Program:
         self._pending = PendingBatch(rows, inflight.backups, self._new_id())
         return self._pending
 
-    def _can_sample_on_device(self, seqs, units, masks):
-        """Which device path returns token ids instead of [B, V] logits, or None (host sampling).
-        No row may be forced (a control unit) or ask for logprobs (they need the raw logits on
-        the host). "greedy": `decode_greedy` (CUDA: argmax inside the decode graph), when every
-        sampling row is plain greedy (no penalties, no grammar mask); "sample": `sample` (the
-        whole sampler on the device: penalties, masks, temperature, top-k/top-p/min-p)."""
-        if any(unit.forced or (unit.is_sampling and seq.spec.logprobs is not None)
-               for seq, unit in zip(seqs, units)):
-            return None
-        if self.model.greedy_on_device and all(
-                not unit.is_sampling or (seq.spec.is_plain_greedy and mask is None)
-                for seq, unit, mask in zip(seqs, units, masks)):
-            return "greedy"
-        return "sample" if self.model.samples_on_device else None
-
-    def _sample_requests(self, seqs, units, masks) -> list:
-        return [SampleRow(seq.spec, seq.num_tokens,
-                          self.token_buf[seq.slot, :seq.num_prompt_tokens],
-                          self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
-                          mask, cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
-                if unit.is_sampling else None
-                for seq, unit, mask in zip(seqs, units, masks)]
-
-    def _token_rows(self, seqs, units, tokens, what: str) -> tuple:
-        """RowResults from a device path's token ids (one per row; rows that do not sample drop
-        theirs)."""
-        tokens = np.asarray(tokens)
-        if tokens.shape != (len(seqs),) or np.any((tokens < 0) | (tokens >= self.vocab_size)):
-            raise ProgramError(f"model.{what} returned {tokens!r} for {len(seqs)} rows")
-        return tuple(RowResult(seq.seq_id, unit.num_new_tokens,
-                               (int(tokens[r]),) if unit.is_sampling else (), (),
-                               unit.is_replay, is_control=False)
-                     for r, (seq, unit) in enumerate(zip(seqs, units)))
-
     def commit(self, pending: PendingBatch, decisions) -> None:
         """Accept each row's decided prefix: advance frontier, append accepted tokens; cancelled
         rows roll back to their committed boundary. Consumes the batch."""
@@ -539,7 +475,7 @@ class Program:
         if len(decisions) != len(pending.rows):
             raise ProgramError(f"commit: {len(decisions)} decisions for {len(pending.rows)} rows")
         for row, d in zip(pending.rows, decisions):
-            _check_decision(row, d)
+            check_decision(row, d)
         self._take_pending(pending)
         for row, d, backup in zip(pending.rows, decisions, pending._backups):
             seq = self._seqs[row.seq_id]
@@ -567,18 +503,18 @@ class Program:
             self._trim(seq)
 
     # ---- speculation hooks (program/speculative.py uses these and nothing private) ---------------
-    # `seq` / `unit` are the records launch hands the speculator (_Sequence: slot, frontier
-    # num_computed_tokens, num_tokens, num_prompt_tokens, spec, media, is_unusable; _Unit:
+    # `seq` / `unit` are the records launch hands the speculator (Sequence: slot, frontier
+    # num_computed_tokens, num_tokens, num_prompt_tokens, spec, media, is_unusable; Unit:
     # num_new_tokens, is_sampling, is_replay, forced); they are read, never written, outside.
-    def sequence(self, seq_id: int) -> Optional[_Sequence]:
+    def sequence(self, seq_id: int) -> Optional[Sequence]:
         """The live sequence's record, or None once released."""
         return self._seqs.get(seq_id)
 
-    def token_ids(self, seq: _Sequence, start: int, stop: int) -> np.ndarray:
+    def token_ids(self, seq: Sequence, start: int, stop: int) -> np.ndarray:
         """The sequence's token ids [start, stop) (a view: read it before the next write)."""
         return self.token_buf[seq.slot, start:stop]
 
-    def write_provisional(self, seq: _Sequence, tokens) -> None:
+    def write_provisional(self, seq: Sequence, tokens) -> None:
         """Tokens after the committed ones, where packing reads them (drafts); commit overwrites
         what is not accepted."""
         n = seq.num_tokens
@@ -586,7 +522,7 @@ class Program:
             raise ProgramError(f"sequence {seq.seq_id}: provisional tokens overrun max_context")
         self.token_buf[seq.slot, n:n + len(tokens)] = tokens
 
-    def grow_pages(self, seq: _Sequence, num_tokens: int) -> int:
+    def grow_pages(self, seq: Sequence, num_tokens: int) -> int:
         """Map pages so the sequence covers num_tokens if free pages allow (commit's trim returns
         what stays unused); returns the tokens its pages cover now."""
         self.pages.grow(seq.slot, num_tokens)
@@ -599,6 +535,18 @@ class Program:
     def new_unit_id(self) -> int:
         """An id for a PendingBatch the speculator builds (its epoch)."""
         return self._new_id()
+
+    def pack_rows(self, seqs, units) -> ForwardBatch:
+        return packing.pack_rows(self.token_buf, self.pages.block_tables, self.page_size, seqs,
+                                 units)
+
+    def media_rows(self, seqs, units):
+        """(batch rows, embeddings) of the media placeholders this batch computes, or None."""
+        return packing.media_rows(seqs, units)
+
+    def sample_row(self, seq: Sequence, unit: Unit, logits: np.ndarray,
+                   mask: Optional[np.ndarray] = None) -> RowResult:
+        return packing.sample_row(self.token_buf, seq, unit, logits, mask)
 
     # ---- observation ----------------------------------------------------------------------------
     def generated_tokens(self, seq_id: int) -> np.ndarray:
@@ -636,8 +584,7 @@ class Program:
                                                int(self.pages.num_mapped[seq.slot])]
             if np.any(self.pages.refcount[writable] != 1):
                 raise ProgramError(f"sequence {seq.seq_id}: a page it writes is shared")
-        if self.host_bytes_used > self.host_budget_bytes:
-            raise ProgramError(f"host snapshots use {self.host_bytes_used} > budget")
+        self.snapshots.check()
 
     def assert_all_free(self, *, full: bool = True) -> None:
         """Everything returned: no sequence, page, slot, snapshot or pending unit is held.
@@ -648,7 +595,7 @@ class Program:
             self.check_invariants()
         held = dict(sequences=len(self._seqs),
                     pages=self.pages.num_used - self.checkpoints.device_pages_used,
-                    slots=self.num_slots - self.slots.num_free, snapshots=len(self._snapshots),
+                    slots=self.num_slots - self.slots.num_free, snapshots=len(self.snapshots),
                     pending=int(self._pending is not None or self._inflight is not None))
         if any(held.values()):
             raise ProgramError(f"resources still held: {held}")
@@ -658,98 +605,13 @@ class Program:
         self._next_id += 1
         return self._next_id
 
-    def _new_sequence(self, num_prompt, num_tokens, num_computed, spec) -> _Sequence:
-        seq = _Sequence(self._new_id(), self.slots.take(), num_prompt, num_tokens, num_computed,
+    def _new_sequence(self, num_prompt, num_tokens, num_computed, spec) -> Sequence:
+        seq = Sequence(self._new_id(), self.slots.take(), num_prompt, num_tokens, num_computed,
                         spec)
         self._seqs[seq.seq_id] = seq
         return seq
 
-    def _unit_of(self, seq: _Sequence, forced: Optional[dict]) -> _Unit:
-        tokens = () if forced is None else tuple(int(t) for t in forced.get(seq.seq_id, ()))
-        if not tokens:
-            return self._next_unit(seq)
-        if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_tokens <= seq.num_prompt_tokens:
-            raise ProgramError(f"control unit on sequence {seq.seq_id}, which is not decode-ready")
-        if seq.num_tokens + len(tokens) > self.max_context:
-            raise ProgramError(f"control unit of {len(tokens)} tokens overruns max_context")
-        return _Unit(len(tokens), False, False, tokens)
-
-    def _next_unit(self, seq: _Sequence) -> _Unit:
-        done, total = seq.num_computed_tokens, seq.num_tokens
-        if total > seq.num_prompt_tokens:              # has generated: replay to total-1, decode
-            if done == total - 1:
-                return _Unit(1, True, False)
-            if done < total - 1:
-                return _Unit(self._replay_length(seq), False, True)
-        elif done < total:
-            n = min(self.prefill_chunk, total - done)
-            nxt = next((q for q in seq.captures or () if q > done), 0)
-            if done < nxt < done + n:                  # end a chunk exactly at a checkpoint
-                n = nxt - done
-            return _Unit(n, done + n == total, done < seq.replay_until)
-        raise ProgramError(f"sequence {seq.seq_id}: no unit at frontier {done} of {total}")
-
-    def _replay_length(self, seq: _Sequence) -> int:
-        """Tokens of the next Replay unit of a sequence that has generated. replays_as_run: the
-        prompt's chunk boundaries as its prefill had them (multiples of prefill_chunk, then the
-        prompt's end), then one generated token per unit, as decode produced them."""
-        done = seq.num_computed_tokens
-        if not self.replays_as_run:
-            return min(self.prefill_chunk, seq.num_tokens - 1 - done)
-        if done < seq.num_prompt_tokens:
-            return min(self.prefill_chunk, seq.num_prompt_tokens - done)
-        return 1
-
-    def _resume_coverage(self, rs: ResumeState) -> int:
-        """Old frontier + the first real new unit."""
-        frontier = rs.num_computed_tokens
-        if rs.num_tokens > rs.num_prompt_tokens:
-            return rs.num_tokens
-        return frontier + min(self.prefill_chunk, rs.num_tokens - frontier)
-
-    def pack_rows(self, seqs, units) -> ForwardBatch:
-        slots = np.array([s.slot for s in seqs], np.int32)
-        starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
-        counts = np.array([u.num_new_tokens for u in units], np.int32)
-        n = int(counts.sum())
-        tokens, positions = np.empty(n, np.int32), np.empty((3, n), np.int32)
-        query_start = np.empty(len(seqs) + 1, np.int32)
-        tables = np.empty((len(seqs), self.max_pages_per_seq), np.int32)
-        _hot.pack_batch(self.token_buf, self.pages.block_tables, slots, starts, counts,
-                        tokens, positions, query_start, tables)
-        width = max(1, pages_for(int((starts + counts).max()), self.page_size))
-        for r, seq in enumerate(seqs):           # vision prompts: MRoPE positions, not text ones
-            if seq.media is not None:
-                a = int(query_start[r])
-                positions[:, a:a + counts[r]] = seq.media.positions_for(int(starts[r]),
-                                                                        int(counts[r]))
-        return ForwardBatch(tokens, positions, query_start, starts, tables[:, :width].copy(), slots)
-
-    def media_rows(self, seqs, units):
-        """(batch rows, embeddings) of the media placeholders this batch computes, or None."""
-        rows, vecs, offset = [], [], 0
-        for seq, unit in zip(seqs, units):
-            if seq.media is not None:
-                r, v = seq.media.rows_in(seq.num_computed_tokens, unit.num_new_tokens)
-                rows.append(r + offset)
-                vecs.append(v)
-            offset += unit.num_new_tokens
-        rows = np.concatenate(rows) if rows else ()
-        return (rows, np.concatenate(vecs)) if len(rows) else None
-
-    def sample_row(self, seq: _Sequence, unit: _Unit, logits: np.ndarray,
-                   mask: Optional[np.ndarray] = None) -> RowResult:
-        produced, logprobs = unit.forced, ()
-        if unit.is_sampling:
-            token, lp = sample_row(logits, seq.spec,
-                                   self.token_buf[seq.slot, :seq.num_prompt_tokens],
-                                   self.token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
-                                   position=seq.num_tokens, mask=mask)
-            produced, logprobs = (token,), (() if lp is None else (lp,))
-        return RowResult(seq.seq_id, unit.num_new_tokens, produced, logprobs, unit.is_replay,
-                         is_control=bool(unit.forced))
-
-    def _append(self, seq: _Sequence, token_ids) -> None:
+    def _append(self, seq: Sequence, token_ids) -> None:
         n = len(token_ids)
         if seq.num_tokens + n > self.max_context:
             raise ProgramError(f"sequence {seq.seq_id}: {seq.num_tokens + n} tokens exceed "
@@ -757,13 +619,13 @@ class Program:
         self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + n] = token_ids
         seq.num_tokens += n
 
-    def _restore(self, seq: _Sequence, backup) -> None:
+    def _restore(self, seq: Sequence, backup) -> None:
         if backup is None:
             seq.is_unusable = True          # State ran ahead of the frontier: release only
         else:
             self.state.write(seq.slot, backup)
 
-    def _trim(self, seq: _Sequence) -> None:
+    def _trim(self, seq: Sequence) -> None:
         """Return pages beyond the frontier unless a resume permit still holds them."""
         self.pages.shrink(seq.slot, max(seq.num_computed_tokens, seq.protected_tokens))
 
@@ -779,24 +641,3 @@ class Program:
         self._check_current(pending)
         pending._is_consumed = True
         self._pending = None
-
-
-def _check_decision(row: RowResult, d: RowDecision) -> None:
-    produced = len(row.produced)
-    if d.is_cancelled:
-        ok = d.accepted == 0
-    elif produced == 0:
-        ok = d.accepted == 0
-    else:
-        ok = 1 <= d.accepted <= produced and (d.is_terminal or d.accepted == produced)
-    if not ok:
-        raise ProgramError(f"decision {d} breaks the accepted-prefix rule for a row that "
-                           f"produced {produced} token(s)")
-
-
-def _host_bytes(arrays) -> int:
-    total = 0
-    for part in arrays:
-        for a in part:
-            total += int(np.asarray(a).nbytes)
-    return total
