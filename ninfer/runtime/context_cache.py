@@ -8,7 +8,7 @@ digest), found by a digest chained over page-sized blocks and confirmed token by
 Program's checkpoint store holds the checkpoints themselves (device pages by reference, State
 slot copies, host copies: `program/checkpoint_store.py`) and their bytes, and is the only physical
 ledger; this reads it through `program.checkpoints` (info / ids / usage / host_cost / demote /
-drop: typed answers) and the Program's sequence-bound hooks (due_capture, capture_room,
+drop: typed answers) and the Program's sequence-bound hooks (due_captures, capture_room,
 capture_checkpoint, promote_checkpoint, continuation, release, prefill_progress, add_capture).
 A Gated DeltaNet State is a running summary, valid only at the exact position it was captured,
 so a checkpoint is one real execution's State + KV at one prefix length p, and a hit must match
@@ -221,13 +221,19 @@ class ContextCache:
         if split:
             self.program.add_capture(seq_id, split)
 
-    def capture_if_due(self, seq_id: int, media_digest: bytes = b"") -> None:
-        """Right after a commit: if the sequence's frontier sits on a checkpoint position, keep
-        it on the device (making room by the retention order), else on the host tier if it
-        fits there, unless an equal checkpoint is cached already."""
-        tokens = self.program.due_capture(seq_id)
-        if tokens is None:
-            return
+    def capture_if_due(self, rows) -> None:
+        """Right after a commit, for the unit's rows ((seq_id, media digest) pairs, one call per
+        unit): each sequence whose frontier sits on a checkpoint position keeps it on the device
+        (making room by the retention order), else on the host tier if it fits there, unless an
+        equal checkpoint is cached already. One Program question finds the due ones."""
+        rows = list(rows)
+        due = self.program.due_captures([seq_id for seq_id, _ in rows])
+        for seq_id, media_digest in rows:
+            tokens = due.get(seq_id)
+            if tokens is not None:
+                self._capture(seq_id, tokens, media_digest)
+
+    def _capture(self, seq_id: int, tokens: np.ndarray, media_digest: bytes) -> None:
         p = len(tokens)
         key = self._key(tokens, media_digest)
         known = self._find(key, tokens)

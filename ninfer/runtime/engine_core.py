@@ -419,9 +419,8 @@ class EngineCore:
         verdicts = [decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]
         self.program.commit(pending, [d for d, _, _ in verdicts])
-        for req, (decision, _, _) in zip(reqs, verdicts):
-            if not decision.is_cancelled:
-                self.context_cache.capture_if_due(req.seq_id, req.media_digest)
+        self.context_cache.capture_if_due([(req.seq_id, req.media_digest) for req, (decision, _, _)
+                                           in zip(reqs, verdicts) if not decision.is_cancelled])
         for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
             self._settle_row(req, row, decision, preview, error)
         return 1

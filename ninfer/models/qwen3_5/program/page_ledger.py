@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .... import _hot
-from .pending import ProgramError
+from ....contracts import ProgramError
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -181,15 +181,19 @@ class Program:
 
     # ---- context cache (runtime/context_cache.py keeps the index; `checkpoints` holds the copies)
     # `self.checkpoints` (CheckpointStore) answers info / ids / usage / host_cost / demote / drop;
-    # what needs a sequence's pages and slot is here: due_capture, capture_room,
+    # what needs a sequence's pages and slot is here: due_captures, capture_room,
     # capture_checkpoint, promote_checkpoint, continuation, release(keep_frontier=True),
     # prefill_progress, add_capture.
-    def due_capture(self, seq_id: int) -> Optional[np.ndarray]:
-        """The tokens [0, p) of the checkpoint position p this sequence's frontier sits on exactly
-        now, else None (`capture_checkpoint` takes it or clears it)."""
-        seq = self._seqs[seq_id]
-        p = capture_due(seq)
-        return self.token_buf[seq.slot, :p].copy() if p else None
+    def due_captures(self, seq_ids) -> dict:
+        """seq_id -> the tokens [0, p) of the checkpoint position p its frontier sits on exactly
+        now, for the sequences that have one (`capture_checkpoint` takes it or clears it)."""
+        due = {}
+        for seq_id in seq_ids:
+            seq = self._seqs[seq_id]
+            p = capture_due(seq)
+            if p:
+                due[seq_id] = self.token_buf[seq.slot, :p].copy()
+        return due
 
     def capture_room(self, seq_id: int, num_tokens: int, *, at_release: bool = False
                      ) -> CaptureRoom:
