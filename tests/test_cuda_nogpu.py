@@ -545,7 +545,7 @@ def test_model_close_releases_everything_even_after_a_kernel_fault():
     m.graphs._graphs = {(1, 0, 0): (Part("graph 1"), None, None),
                         (2, 0, 0): (Part("graph 2"), None, None)}
     m.lt, m.kernels = Part("cuBLASLt"), Part("modules", fails=True)
-    m.sampler = m.step_done = m.ids_host = m._media_host = None
+    m.sampler = m.step_done = m.ids_host = m.media_rows = None
     m.staging, m.out_host, m.route_host = Part("staging"), Part("out_host"), Part("route_host")
     m.pool_staging = Part("pool staging")
     m.arena = Part("arena")
