@@ -524,8 +524,8 @@ def test_cublaslt_close_destroys_plans_preferences_and_handle():
 
 
 def test_model_close_releases_everything_even_after_a_kernel_fault():
-    import threading
     from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.cuda.thread_context import ThreadContext
     from ninfer.models.qwen3_5.cuda.decode_graphs import DecodeGraphs
     released = []
 
@@ -539,8 +539,8 @@ def test_model_close_releases_everything_even_after_a_kernel_fault():
                 raise DeviceError(f"{self.name} failed: CUDA_ERROR_ILLEGAL_ADDRESS")
         close = destroy = free = synchronize = make_current = _do
     m = CudaModel.__new__(CudaModel)
-    m._ctx_threads = threading.local()
     m.device, m.stream = Part("context"), Part("stream sync", fails=True)
+    m._bind_context = ThreadContext(m.device)
     m.graphs = DecodeGraphs(None, None, None)
     m.graphs._graphs = {(1, 0, 0): (Part("graph 1"), None, None),
                         (2, 0, 0): (Part("graph 2"), None, None)}
@@ -654,15 +654,14 @@ def test_pack_args_refuses_integers_that_would_wrap():
 
 
 def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
-    import threading
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     from ninfer.models.qwen3_5.cuda.decode_graphs import DecodeGraphs
-    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging
     fake = _ArenaModel(monkeypatch, 64 << 20)
     m = CudaModel.__new__(CudaModel)
-    m.arena, m.stream, m._ctx_threads = fake.arena, None, threading.local()
+    m.arena, m.stream, m._bind_context = fake.arena, None, lambda: None
     m.graphs = DecodeGraphs(None, None, None)
-    m._ctx_threads.bound = True
+    m.pool_staging, m.f32 = HostStaging(), False
     destroyed = []
 
     class G:
@@ -671,8 +670,9 @@ def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
 
         def destroy(self):
             destroyed.append(self.name)
-    kv1, kv2 = DeviceKVPool(_pool_dev(m), _pool_config(), 8, 16), DeviceKVPool(_pool_dev(m), _pool_config(), 8, 16)
-    st = DeviceStatePool(_pool_dev(m), _pool_config(), 2)
+    # the model's own wiring: its pools' on_close is the graphs' forget (no model reference)
+    kv1, kv2 = DeviceKVPool(m._pool_device(), _pool_config(), 8, 16), DeviceKVPool(m._pool_device(), _pool_config(), 8, 16)
+    st = DeviceStatePool(m._pool_device(), _pool_config(), 2)
     m.graphs._graphs = {(1, id(kv1), id(st)): (G("kv1 B=1"), kv1, st),
                  (2, id(kv1), id(st)): (G("kv1 B=2"), kv1, st),
                  (1, id(kv2), id(st)): (G("kv2 B=1"), kv2, st)}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 
 import numpy as np
@@ -48,6 +47,7 @@ from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.media_rows import MediaRows, checked_media
 from .cuda.runner import StepResources, StepRunner, Workspace, grouped_rows, part_rows_needed
 from .cuda.sampler import DeviceSampler
+from .cuda.thread_context import ThreadContext
 from .cuda.token_step import TokenStep
 from .cuda.weight_load import WeightLoader, load_weights
 from .cuda import attention_tc
@@ -79,7 +79,6 @@ class CudaModel(MediaEncoding):
             raise ValueError("CudaModel: give exactly one of artifact / random_seed")
         self.config, self.text = config, config.text
         self.options = options
-        self._ctx_threads = threading.local()
         # what close() releases: None until made (a failed load closes what it got to)
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
@@ -91,6 +90,7 @@ class CudaModel(MediaEncoding):
         self._t_entry = 0.0
         self.device = _d.Device(options.device_id)
         self.stream = self.device.stream
+        self._bind_context = ThreadContext(self.device)   # shared with the pools
         try:
             self._setup(options, artifact, random_seed, max_tokens, kernel_cache_dir)
         except BaseException:
@@ -112,11 +112,9 @@ class CudaModel(MediaEncoding):
         self.runner.attn_tc_min_tokens = tokens
 
     def _current(self) -> None:
-        """Driver contexts are per thread: bind ours in a thread that has not used it yet (the
-        Engine worker calls forward from its own thread)."""
-        if not getattr(self._ctx_threads, "bound", False):
-            self.device.make_current()
-            self._ctx_threads.bound = True
+        """Bind the driver context in this thread if it has not used it yet (the Engine worker
+        calls forward from its own thread)."""
+        self._bind_context()
 
     # ---- set-up -------------------------------------------------------------------------------
     def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
@@ -195,7 +193,8 @@ class CudaModel(MediaEncoding):
 
     # ---- pools --------------------------------------------------------------------------------
     def _pool_device(self) -> PoolDevice:
-        return PoolDevice(self.arena, self.stream, self._current, self._forget_graphs_of,
+        # a closing pool destroys the graphs captured over it (they would write into its regions)
+        return PoolDevice(self.arena, self.stream, self._bind_context, self.graphs.forget,
                           self.pool_staging, self.f32)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
@@ -213,10 +212,6 @@ class CudaModel(MediaEncoding):
         pool = DeviceStatePool(self._pool_device(), self.text, num_slots)
         self.stream.synchronize()
         return pool
-
-    def _forget_graphs_of(self, pool) -> None:
-        if self.graphs is not None:
-            self.graphs.forget(pool)
 
     # ---- compute ------------------------------------------------------------------------------
     def batch_limits(self, kv, state) -> BatchLimits:
