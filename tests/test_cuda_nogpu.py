@@ -256,6 +256,52 @@ def test_check_decode_rejects_bad_rows():
             bb.check(m.batch_limits(KV(), ST()))
 
 
+def test_runner_launches_by_attribute_and_profiles_under_the_kernel_names(monkeypatch):
+    """StepRunner takes its kernels from StepResources by attribute; a dry run launches nothing;
+    the profile keys launches by the kernel set's names (the spec's factory), as before."""
+    from types import SimpleNamespace
+    from ninfer.models.qwen3_5.cuda import runner as R
+    launched = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.spec = spec(name)
+
+        def launch(self, st, grid, block, args, smem=0):
+            launched.append((self.spec.factory, grid, block))
+
+    class Event:
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, st):
+            pass
+
+        def elapsed_ms(self, other):
+            return 0.5
+
+        def destroy(self):
+            pass
+    monkeypatch.setattr(R._d, "Event", Event)
+    ptr = SimpleNamespace(ptr=0)
+    ws = SimpleNamespace(xf=ptr, h=ptr, logits=ptr, tokens=ptr)
+    lt = SimpleNamespace(gemm=lambda *a: launched.append(("gemm",)))
+    res = R.StepResources(cfg=TextConfig(), ws=ws, weights={"norm": 0, "lm_head": ptr}, lt=lt,
+                          kernels=SimpleNamespace(rmsnorm=Kernel("rmsnorm"),
+                                                  argmax=Kernel("argmax")),
+                          num_sms=132, b_cap=1, n_cap=4, route_host=None, media=None)
+    r = R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
+    meta = SimpleNamespace(out_rows=0)
+    r.profile = []
+    r.head(None, meta, 2)
+    assert launched == [("rmsnorm", (2,), (1024,)), ("gemm",), ("argmax", (2,), (1024,))]
+    assert r.profile_summary() == {"rmsnorm": 0.5, "gemm": 0.5, "argmax": 0.5}
+    launched.clear()
+    r.dry = True
+    r.launch(None, res.kernels.rmsnorm, (1,), (32,), ())
+    assert launched == []
+
+
 # ---- tensor-core prefill attention: row split, query blocks, the kernels on the simulator -------
 
 def test_split_rows_between_the_two_attention_paths():
