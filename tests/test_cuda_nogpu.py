@@ -256,6 +256,52 @@ def test_check_decode_rejects_bad_rows():
             bb.check(m.batch_limits(KV(), ST()))
 
 
+def test_runner_launches_by_attribute_and_profiles_under_the_kernel_names(monkeypatch):
+    """StepRunner takes its kernels from StepResources by attribute; a dry run launches nothing;
+    the profile keys launches by the kernel set's names (the spec's factory), as before."""
+    from types import SimpleNamespace
+    from ninfer.models.qwen3_5.cuda import runner as R
+    launched = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.spec = spec(name)
+
+        def launch(self, st, grid, block, args, smem=0):
+            launched.append((self.spec.factory, grid, block))
+
+    class Event:
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, st):
+            pass
+
+        def elapsed_ms(self, other):
+            return 0.5
+
+        def destroy(self):
+            pass
+    monkeypatch.setattr(R._d, "Event", Event)
+    ptr = SimpleNamespace(ptr=0)
+    ws = SimpleNamespace(xf=ptr, h=ptr, logits=ptr, tokens=ptr)
+    lt = SimpleNamespace(gemm=lambda *a: launched.append(("gemm",)))
+    res = R.StepResources(cfg=TextConfig(), ws=ws, weights={"norm": 0, "lm_head": ptr}, lt=lt,
+                          kernels=SimpleNamespace(rmsnorm=Kernel("rmsnorm"),
+                                                  argmax=Kernel("argmax")),
+                          num_sms=132, b_cap=1, n_cap=4, route_host=None, media=None)
+    r = R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
+    meta = SimpleNamespace(out_rows=0)
+    r.profile = []
+    r.head(None, meta, 2)
+    assert launched == [("rmsnorm", (2,), (1024,)), ("gemm",), ("argmax", (2,), (1024,))]
+    assert r.profile_summary() == {"rmsnorm": 0.5, "gemm": 0.5, "argmax": 0.5}
+    launched.clear()
+    r.dry = True
+    r.launch(None, res.kernels.rmsnorm, (1,), (32,), ())
+    assert launched == []
+
+
 # ---- tensor-core prefill attention: row split, query blocks, the kernels on the simulator -------
 
 def test_split_rows_between_the_two_attention_paths():
@@ -524,8 +570,8 @@ def test_cublaslt_close_destroys_plans_preferences_and_handle():
 
 
 def test_model_close_releases_everything_even_after_a_kernel_fault():
-    import threading
     from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.cuda.thread_context import ThreadContext
     from ninfer.models.qwen3_5.cuda.decode_graphs import DecodeGraphs
     released = []
 
@@ -539,13 +585,13 @@ def test_model_close_releases_everything_even_after_a_kernel_fault():
                 raise DeviceError(f"{self.name} failed: CUDA_ERROR_ILLEGAL_ADDRESS")
         close = destroy = free = synchronize = make_current = _do
     m = CudaModel.__new__(CudaModel)
-    m._ctx_threads = threading.local()
     m.device, m.stream = Part("context"), Part("stream sync", fails=True)
+    m._bind_context = ThreadContext(m.device)
     m.graphs = DecodeGraphs(None, None, None)
     m.graphs._graphs = {(1, 0, 0): (Part("graph 1"), None, None),
                         (2, 0, 0): (Part("graph 2"), None, None)}
     m.lt, m.kernels = Part("cuBLASLt"), Part("modules", fails=True)
-    m.sampler = m.step_done = m.ids_host = m._media_host = None
+    m.sampler = m.step_done = m.ids_host = m.media_rows = None
     m.staging, m.out_host, m.route_host = Part("staging"), Part("out_host"), Part("route_host")
     m.pool_staging = Part("pool staging")
     m.arena = Part("arena")
@@ -654,15 +700,14 @@ def test_pack_args_refuses_integers_that_would_wrap():
 
 
 def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
-    import threading
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     from ninfer.models.qwen3_5.cuda.decode_graphs import DecodeGraphs
-    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging
     fake = _ArenaModel(monkeypatch, 64 << 20)
     m = CudaModel.__new__(CudaModel)
-    m.arena, m.stream, m._ctx_threads = fake.arena, None, threading.local()
+    m.arena, m.stream, m._bind_context = fake.arena, None, lambda: None
     m.graphs = DecodeGraphs(None, None, None)
-    m._ctx_threads.bound = True
+    m.pool_staging, m.f32 = HostStaging(), False
     destroyed = []
 
     class G:
@@ -671,8 +716,9 @@ def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
 
         def destroy(self):
             destroyed.append(self.name)
-    kv1, kv2 = DeviceKVPool(_pool_dev(m), _pool_config(), 8, 16), DeviceKVPool(_pool_dev(m), _pool_config(), 8, 16)
-    st = DeviceStatePool(_pool_dev(m), _pool_config(), 2)
+    # the model's own wiring: its pools' on_close is the graphs' forget (no model reference)
+    kv1, kv2 = DeviceKVPool(m._pool_device(), _pool_config(), 8, 16), DeviceKVPool(m._pool_device(), _pool_config(), 8, 16)
+    st = DeviceStatePool(m._pool_device(), _pool_config(), 2)
     m.graphs._graphs = {(1, id(kv1), id(st)): (G("kv1 B=1"), kv1, st),
                  (2, id(kv1), id(st)): (G("kv1 B=2"), kv1, st),
                  (1, id(kv2), id(st)): (G("kv2 B=1"), kv2, st)}

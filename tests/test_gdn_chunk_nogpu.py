@@ -125,6 +125,14 @@ class _Recorder:
         self.calls.append((name, tuple(grid), tuple(block), args))
 
 
+class _KernelNames:
+    """A kernel set whose kernels are their names: a recorder in place of StepRunner.launch
+    sees which kernel each launch names."""
+
+    def __getattr__(self, name):
+        return name
+
+
 class _Buf:
     def __init__(self, name):
         self.name, self.ptr = name, hash(name) & 0xFFFFFF
@@ -134,17 +142,18 @@ class _Buf:
                                          ([(0, 70, 0), (70, 1, 9)], False),
                                          ([(0, 1, 0), (1, 1, 0), (2, 2, 0)], False)])
 def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode):
-    from ninfer.models.qwen3_5.cuda.runner import StepRunner
+    from ninfer.models.qwen3_5.cuda.runner import StepResources, StepRunner
     cfg = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
                      linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12,
                      linear_value_head_dim=40)
-    r = StepRunner.__new__(StepRunner)
-    r.cfg, r.rows, r.dry, r.profile = cfg, rows, False, None
     ws = type("WS", (), {})()
     for name in ("x", "proj", "mid", "core", "act", "h", "gdn_w", "gdn_p", "gdn_g"):
         setattr(ws, name, _Buf(name))
     ws.gdn_cn = gc.chunk_size(12)
-    r.m = type("M", (), {"ws": ws})()
+    r = StepRunner(StepResources(cfg=cfg, ws=ws, weights={}, lt=None, kernels=_KernelNames(),
+                                 num_sms=1, b_cap=1, n_cap=64, route_host=None, media=None),
+                   invariant=False, attn_tc_min_tokens=64)
+    r.rows = rows
     rec = _Recorder()
     r.launch = rec
     r.gemm = lambda *a, **k: None

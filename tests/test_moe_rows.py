@@ -194,12 +194,13 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
         copy_htod_async=lambda dst, src, nb, st: mem.bytes(dst, nb).__setitem__(
             slice(None), mem.bytes(src, nb)))
     monkeypatch.setattr(R, "_d", drv)
-    m = SimpleNamespace(text=cfg, ws=ws, weights={}, n_cap=n, b_cap=1, batch_invariant=False,
-                        kernels=SimpleNamespace(gather_rows=Kernel("gather_rows"),
-                                                silu_mul=Kernel("silu_mul")),
-                        lt=SimpleNamespace(gemm=gemm))
-    m.route_host = mem.pinned((R.grouped_rows(n, K, E) + 2 * n * K) * 4)
-    runner = R.StepRunner(m)
+    res = R.StepResources(cfg=cfg, ws=ws, weights={}, lt=SimpleNamespace(gemm=gemm),
+                          kernels=SimpleNamespace(gather_rows=Kernel("gather_rows"),
+                                                  silu_mul=Kernel("silu_mul")),
+                          num_sms=1, b_cap=1, n_cap=n,
+                          route_host=mem.pinned((R.grouped_rows(n, K, E) + 2 * n * K) * 4),
+                          media=None)
+    runner = R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
     return runner, mem, ws, cfg, {"experts_gu": gu_w, "experts_down": dn_w}
 
 

@@ -20,13 +20,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _model(dev, n_cap=16, H=8):
-    from ninfer.models.qwen3_5 import cuda_model as cm
-    m = cm.CudaModel.__new__(cm.CudaModel)
-    m.text = SimpleNamespace(hidden_size=H, vocab_size=5)
-    m.n_cap, m.stream, m._media_host = n_cap, dev.stream, None
-    m.ws = SimpleNamespace(h=dev.arena.take((n_cap, H), np.float32, "h"))
-    return m
+def _media_rows(dev, n_cap=16, H=8):
+    """(the writer of a CudaModel of n_cap tokens, hidden size H; its hidden buffer)"""
+    from ninfer.models.qwen3_5.cuda.media_rows import MediaRows
+    h = dev.arena.take((n_cap, H), np.float32, "h")
+    return MediaRows(h, H, n_cap), h
 
 
 def test_media_rows_land_on_their_hidden_rows(monkeypatch):
@@ -38,17 +36,18 @@ def test_media_rows_land_on_their_hidden_rows(monkeypatch):
         buf.view = lambda dtype, off=0, count=None: buf.array[off:].view(dtype)[:count]
         return buf
     monkeypatch.setattr("ninfer.core.cuda.driver.PinnedBuffer", pinned)
-    m = _model(dev)
+    from ninfer.models.qwen3_5.cuda.media_rows import checked_media
+    writer, hidden = _media_rows(dev)
     copies = []
     real = dev._htod
     monkeypatch.setattr("ninfer.core.cuda.driver.copy_htod_async",
                         lambda dst, src, n, st: copies.append(n) or real(dst, src, n, st))
-    h = dev._dev(m.ws.h.ptr, 16 * 8 * 4).view(np.float32).reshape(16, 8)
+    h = dev._dev(hidden.ptr, 16 * 8 * 4).view(np.float32).reshape(16, 8)
     h[:] = -7.0                                           # the gathered embeddings (poison)
     rows = np.array([2, 3, 4, 9, 10, 15])
     vecs = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
     batch = SimpleNamespace(num_tokens=16)
-    m.write_media_rows(m.stream, m._checked_media(batch, (rows, vecs)))
+    writer.write(dev.stream, checked_media(batch, (rows, vecs), 8))
     np.testing.assert_array_equal(h[rows], vecs)
     untouched = np.setdiff1d(np.arange(16), rows)
     assert np.all(h[untouched] == -7.0)
@@ -56,7 +55,7 @@ def test_media_rows_land_on_their_hidden_rows(monkeypatch):
     for bad_rows, bad_vecs in ((rows[::-1], vecs), (rows, vecs[:, :4]), (rows + 1, vecs),
                                (np.array([1, 1]), vecs[:2])):
         with pytest.raises(ValueError, match="media rows"):
-            m._checked_media(batch, (bad_rows, bad_vecs))
+            checked_media(batch, (bad_rows, bad_vecs), 8)
 
 
 def test_media_force_an_eager_call(monkeypatch):

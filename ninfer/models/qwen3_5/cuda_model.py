@@ -13,7 +13,8 @@ pack metadata into pinned staging, one async H2D copy, one cuGraphLaunch, one as
 the B ids and an event after it; collect() waits on that event.
 
 The pieces, each given what it uses: cuda/device_memory.py (the memory plan), cuda/weight_load.py,
-cuda/device_pools.py, cuda/decode_graphs.py, cuda/token_step.py, cuda/runner.py (the layers).
+cuda/device_pools.py, cuda/decode_graphs.py, cuda/token_step.py, cuda/runner.py (the layers),
+cuda/media_rows.py (media embeddings over their rows).
 
 options.dtype "float32": fp32 weights (the checkpoint's bf16 widened on the device at load),
 activations, KV pools and GEMMs (strict fp32 compute), CUDA-core attention for every row: the
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 
 import numpy as np
@@ -44,8 +44,10 @@ from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGI
 from .cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging, PoolDevice
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
-from .cuda.runner import StepRunner, Workspace, grouped_rows, part_rows_needed
+from .cuda.media_rows import MediaRows, checked_media
+from .cuda.runner import StepResources, StepRunner, Workspace, grouped_rows, part_rows_needed
 from .cuda.sampler import DeviceSampler
+from .cuda.thread_context import ThreadContext
 from .cuda.token_step import TokenStep
 from .cuda.weight_load import WeightLoader, load_weights
 from .cuda import attention_tc
@@ -77,10 +79,9 @@ class CudaModel(MediaEncoding):
             raise ValueError("CudaModel: give exactly one of artifact / random_seed")
         self.config, self.text = config, config.text
         self.options = options
-        self._ctx_threads = threading.local()
         # what close() releases: None until made (a failed load closes what it got to)
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
-        self.staging = self.out_host = self.ids_host = self.route_host = self._media_host = None
+        self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
         self.pool_staging = HostStaging()         # the pools' host copies (device_pools.py)
         self.step_done = None            # the event recorded after a token step's D2H copy
         self._in_flight = None           # the launched TokenStep not yet collected
@@ -89,6 +90,7 @@ class CudaModel(MediaEncoding):
         self._t_entry = 0.0
         self.device = _d.Device(options.device_id)
         self.stream = self.device.stream
+        self._bind_context = ThreadContext(self.device)   # shared with the pools
         try:
             self._setup(options, artifact, random_seed, max_tokens, kernel_cache_dir)
         except BaseException:
@@ -98,12 +100,21 @@ class CudaModel(MediaEncoding):
                 pass
             raise
 
+    @property
+    def attn_tc_min_tokens(self):
+        """Rows of at least this many new tokens take the tensor-core prefill attention
+        (cuda/attention_tc.py); the runner's, settable here (tests and the benchmark move it
+        to cover both paths)."""
+        return self.runner.attn_tc_min_tokens
+
+    @attn_tc_min_tokens.setter
+    def attn_tc_min_tokens(self, tokens) -> None:
+        self.runner.attn_tc_min_tokens = tokens
+
     def _current(self) -> None:
-        """Driver contexts are per thread: bind ours in a thread that has not used it yet (the
-        Engine worker calls forward from its own thread)."""
-        if not getattr(self._ctx_threads, "bound", False):
-            self.device.make_current()
-            self._ctx_threads.bound = True
+        """Bind the driver context in this thread if it has not used it yet (the Engine worker
+        calls forward from its own thread)."""
+        self._bind_context()
 
     # ---- set-up -------------------------------------------------------------------------------
     def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
@@ -120,10 +131,6 @@ class CudaModel(MediaEncoding):
         b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
         self.b_cap, self.n_cap = b_cap, n_cap
         self.max_keys = self.p_cap * page_size
-        # rows of at least this many new tokens take the tensor-core prefill attention
-        # (cuda/attention_tc.py); settable (tests move it to cover both paths)
-        # (bf16 only: a float32 model runs every row on the CUDA-core kernel)
-        self.attn_tc_min_tokens = math.inf if self.f32 else attention_tc.TC_MIN_TOKENS
         self.eager_layout = MetaLayout(n_cap, max(b_cap, 8), self.p_cap)
         self.decode_layout = MetaLayout(b_cap, b_cap, self.p_cap)
         tied = artifact is not None and wplan.is_tied(artifact)
@@ -160,6 +167,7 @@ class CudaModel(MediaEncoding):
         K = max(cfg.num_experts_per_tok, 1)
         self.route_host = _d.PinnedBuffer(
             (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)
+        self.media_rows = MediaRows(self.ws.h, cfg.hidden_size, n_cap)
         t_load = time.perf_counter()
         # the cuBLASLt workspace is idle during the load: the fp32 model's widening scratch
         loader = WeightLoader(self.arena, self.kernels, self.stream, self.f32, lt_ws, LT_WORKSPACE)
@@ -167,7 +175,13 @@ class CudaModel(MediaEncoding):
         self.stream.synchronize()
         self.load_seconds = time.perf_counter() - t_load
         self.kernels.load_all()
-        self.runner = StepRunner(self)
+        self.runner = StepRunner(
+            StepResources(cfg=cfg, ws=self.ws, weights=self.weights, lt=self.lt,
+                          kernels=self.kernels, num_sms=self.device.num_sms, b_cap=b_cap,
+                          n_cap=n_cap, route_host=self.route_host, media=self.media_rows),
+            invariant=self.batch_invariant,
+            # (bf16 only: a float32 model runs every row on the CUDA-core kernel)
+            attn_tc_min_tokens=math.inf if self.f32 else attention_tc.TC_MIN_TOKENS)
         self.graphs = DecodeGraphs(self.stream, self.runner, self.decode_meta)
         self.stream.synchronize()
         log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace and sampler "
@@ -179,7 +193,8 @@ class CudaModel(MediaEncoding):
 
     # ---- pools --------------------------------------------------------------------------------
     def _pool_device(self) -> PoolDevice:
-        return PoolDevice(self.arena, self.stream, self._current, self._forget_graphs_of,
+        # a closing pool destroys the graphs captured over it (they would write into its regions)
+        return PoolDevice(self.arena, self.stream, self._bind_context, self.graphs.forget,
                           self.pool_staging, self.f32)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
@@ -197,10 +212,6 @@ class CudaModel(MediaEncoding):
         pool = DeviceStatePool(self._pool_device(), self.text, num_slots)
         self.stream.synchronize()
         return pool
-
-    def _forget_graphs_of(self, pool) -> None:
-        if self.graphs is not None:
-            self.graphs.forget(pool)
 
     # ---- compute ------------------------------------------------------------------------------
     def batch_limits(self, kv, state) -> BatchLimits:
@@ -246,35 +257,8 @@ class CudaModel(MediaEncoding):
         out_rows = np.arange(batch.num_tokens, dtype=np.int32) if all_logits else \
             (np.asarray(batch.query_start[1:], np.int32) - 1)
         if media is not None:
-            media = self._checked_media(batch, media)
+            media = checked_media(batch, media, self.text.hidden_size)
         return self._eager(batch, kv, state, out_rows, media=media)
-
-    def _checked_media(self, batch, media) -> tuple:
-        rows, vectors = media
-        rows = np.asarray(rows, np.int64)
-        vectors = np.ascontiguousarray(vectors, np.float32)
-        H = self.text.hidden_size
-        if vectors.shape != (len(rows), H) or (len(rows) and (
-                rows.min() < 0 or rows.max() >= batch.num_tokens or np.any(np.diff(rows) <= 0))):
-            raise ValueError(f"forward: media rows must be ascending token indices < "
-                             f"{batch.num_tokens} with one [H={H}] vector each, got rows "
-                             f"{rows.shape} and vectors {vectors.shape}")
-        return rows, vectors
-
-    def write_media_rows(self, st, media) -> None:
-        """Copy media embeddings over their tokens' rows of the hidden buffer (after the embedding
-        gather, before the first layer; eager calls only): one async copy per run of adjacent
-        rows from a pinned staging buffer. The caller synchronizes before the next call (forward
-        does), so the staging is free again."""
-        rows, vectors = media
-        H = self.text.hidden_size
-        if self._media_host is None:
-            self._media_host = _d.PinnedBuffer(self.n_cap * H * 4)
-        self._media_host.view(np.float32, 0, vectors.size)[:] = vectors.ravel()
-        cut = np.flatnonzero(np.diff(rows) != 1) + 1
-        for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(rows)]):
-            _d.copy_htod_async(self.ws.h.ptr + int(rows[a]) * H * 4,
-                               self._media_host.ptr + a * H * 4, (b - a) * H * 4, st)
 
     def launch_tokens(self, batch: ForwardBatch, kv, state, rows=None) -> TokenStep:
         """Launch one step whose result is a token id per row (graph for a decode batch, eager
@@ -420,10 +404,10 @@ class CudaModel(MediaEncoding):
         if self.step_done is not None:
             release(self.step_done.destroy)
         self.lt = self.kernels = self.sampler = self.step_done = None
-        for buf in (self.staging, self.out_host, self.ids_host, self.route_host, self._media_host):
+        for buf in (self.staging, self.out_host, self.ids_host, self.route_host, self.media_rows):
             if buf is not None:
                 release(buf.free)
-        self.staging = self.out_host = self.ids_host = self.route_host = self._media_host = None
+        self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
         release(self.pool_staging.free)
         if self.arena is not None:
             release(self.arena.close)

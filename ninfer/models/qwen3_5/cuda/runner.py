@@ -11,6 +11,7 @@ region, so a step allocates nothing.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
 from . import moe_rows
 from . import gdn_chunk as gc
+from .media_rows import MediaRows
 
 
 class Workspace:
@@ -139,6 +141,22 @@ def split_rows(rows, n: int, tc_min: int, l_cap: int):
     return big, runs
 
 
+@dataclass(frozen=True)
+class StepResources:
+    """What a step's launches use, handed over by the model at load (the runner keeps no
+    reference to the model)."""
+    cfg: TextConfig
+    ws: Workspace
+    weights: dict                 # weight_load.load_weights: embed, layers[i], norm, lm_head
+    lt: object                    # CublasLt: every GEMM
+    kernels: object               # KernelSet: the geometry's loaded kernels, by attribute
+    num_sms: int                  # attention key splits per launch
+    b_cap: int                    # an MoE step of more tokens takes the grouped (prefill) path
+    n_cap: int                    # tokens per call
+    route_host: object            # pinned: the grouped MoE path's routing round trip
+    media: MediaRows              # media embeddings over the gathered rows (eager calls)
+
+
 class StepRunner:
     """Issues one step's launches. `dry=True` resolves GEMM plans and kernels without launching
     (done before graph capture, so capture never asks cuBLASLt's heuristic or loads a module).
@@ -147,10 +165,14 @@ class StepRunner:
 
     invariant = False
 
-    def __init__(self, model):
-        self.m = model
-        self.cfg: TextConfig = model.text
-        self.invariant = bool(model.batch_invariant)
+    def __init__(self, res: StepResources, *, invariant: bool, attn_tc_min_tokens):
+        self.res = res
+        self.cfg: TextConfig = res.cfg
+        self.kernels = res.kernels   # launched by attribute: self.kernels.rmsnorm
+        self.invariant = bool(invariant)
+        # rows of at least this many new tokens take the tensor-core prefill attention
+        # (attention_tc.py); settable (tests and the benchmark move it to cover both paths)
+        self.attn_tc_min_tokens = attn_tc_min_tokens
         self.dry = False
         self.profile = None          # list of (name, start event, end event) when profiling
         self.rows = None             # host (query_start, tokens, context) per row of the step
@@ -183,7 +205,7 @@ class StepRunner:
 
     def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm", batch=1,
              strides=(0, 0, 0)):
-        lt = self.m.lt
+        lt = self.res.lt
         if self.invariant and m < PIN_M and batch == 1:
             # one problem shape for every small M: the same kernel, grid and split-K, so each
             # row's sums run in the same order whatever B is (cuBLASLt picks kernels per M, and
@@ -196,10 +218,18 @@ class StepRunner:
         self._timed(st, name, lambda: lt.gemm(st, x, w, y, m, n, k, beta, w_kn, batch, strides))
 
     def launch(self, st, kernel, grid, block, args, smem=0):
-        k = getattr(self.m.kernels, kernel)
+        """`kernel`: one of self.kernels, named by attribute at the call site (taking it
+        resolves the module even on a dry run)."""
         if self.dry:
             return
-        self._timed(st, kernel, lambda: k.launch(st, grid, block, args, smem))
+        # the profile's key is the kernel's name (its spec's factory, as the kernel set names it)
+        name = kernel.spec.factory if self.profile is not None else None
+        self._timed(st, name, lambda: kernel.launch(st, grid, block, args, smem))
+
+    def launch_named(self, st, name, grid, block, args):
+        # the helper modules (gdn_chunk.launch, attention_tc.attend_row) hand their kernels' names
+        # as data: they also drive other kernel sets (the simulator tests, the benchmark's sweep)
+        self.launch(st, getattr(self.kernels, name), grid, block, args)
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, st, meta, n: int, b: int, n_out: int, kv, state, out_start: int = 0,
@@ -207,13 +237,13 @@ class StepRunner:
         """`rows`: host (query_start, new tokens, context) per row, for the choice of the prefill
         attention path; None (decode graphs) -> the CUDA-core kernel for every row. `media`:
         (token rows, embeddings) written over the gathered embeddings (eager calls only)."""
-        cfg, ws, W = self.cfg, self.m.ws, self.m.weights
+        cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         self.rows = rows
         H = cfg.hidden_size
-        self.launch(st, "embed_gather", ((H + 255) // 256, n), (256,),
+        self.launch(st, self.kernels.embed_gather, ((H + 255) // 256, n), (256,),
                     (ws.h, W["embed"], meta.token_ids, H))
         if media is not None and not self.dry:
-            self.m.write_media_rows(st, media)
+            self.res.media.write(st, media)
         n_attn = n_lin = 0
         for i, lw in enumerate(W["layers"]):
             self.rmsnorm(st, ws.x, ws.h, lw["input_norm"], n)
@@ -231,21 +261,21 @@ class StepRunner:
         self.head(st, meta, n_out, out_start)
 
     def head(self, st, meta, n_out: int, out_start: int = 0):
-        cfg, ws, W = self.cfg, self.m.ws, self.m.weights
+        cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         H, V = cfg.hidden_size, cfg.vocab_size
         self.rmsnorm(st, ws.xf, ws.h, W["norm"], n_out, row_idx=meta.out_rows + 4 * out_start)
         self.gemm(st, ws.xf.ptr, W["lm_head"].ptr, ws.logits.ptr, n_out, V, H)
-        self.launch(st, "argmax", (n_out,), (1024,), (ws.tokens, ws.logits, V))
+        self.launch(st, self.kernels.argmax, (n_out,), (1024,), (ws.tokens, ws.logits, V))
 
     def rmsnorm(self, st, out, x, w, rows, row_idx=None):
         H = self.cfg.hidden_size
         block = 1024 if rows <= 64 else 256
-        self.launch(st, "rmsnorm", (rows,), (block,),
+        self.launch(st, self.kernels.rmsnorm, (rows,), (block,),
                     (out, x, w, row_idx if row_idx is not None else 0, int(row_idx is not None),
                      H, self.cfg.rms_norm_eps))
 
     def gdn(self, st, meta, n, b, lw, state, l):
-        cfg, ws = self.cfg, self.m.ws
+        cfg, ws = self.cfg, self.res.ws
         H, C, Vd = cfg.hidden_size, cfg.linear_conv_dim, cfg.linear_value_dim
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -253,62 +283,64 @@ class StepRunner:
         self.gemm(st, ws.x.ptr, lw["w_in"].ptr, ws.proj.ptr, n, P, H)
         blk = (max(dk, dv) + 31) // 32 * 32
         decode = int(n == b)
-        self.launch(st, "conv_silu", (n, 2 * nk + nv), (blk,),
+        self.launch(st, self.kernels.conv_silu, (n, 2 * nk + nv), (blk,),
                     (ws.mid, ws.proj, P, lw["conv_w"], state.conv[l], meta.token_row,
                      meta.query_start, meta.context_lens, meta.state_slots, decode))
         if not decode:
-            self.launch(st, "conv_state_update", ((C + 127) // 128, b), (128,),
+            self.launch(st, self.kernels.conv_state_update, ((C + 127) // 128, b), (128,),
                         (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
                          meta.state_slots))
         if decode:
-            self.launch(st, "gdn_recurrent", (b, nv, (dv + 31) // 32), (128,),
+            self.launch(st, self.kernels.gdn_recurrent, (b, nv, (dv + 31) // 32), (128,),
                         (ws.core, ws.mid, ws.proj, P, C + Vd + nv, C + Vd, lw["a_log"],
                          lw["dt_bias"], state.recurrent[l], meta.query_start, meta.context_lens,
                          meta.state_slots))
         else:
             # prefill (any row length, 1 included): the chunked form, parallel within chunks
-            gc.launch(lambda name, grid, block, args: self.launch(st, name, grid, block, args),
+            gc.launch(lambda name, grid, block, args:
+                      self.launch_named(st, name, grid, block, args),
                       dk, dv, nv, ws.gdn_cn, b, gc.max_chunks(self.rows, n, b, ws.gdn_cn),
                       core=ws.core, w=ws.gdn_w, p=ws.gdn_p, g=ws.gdn_g, qkv=ws.mid, proj=ws.proj,
                       proj_stride=P, a_off=C + Vd + nv, b_off=C + Vd, a_log=lw["a_log"],
                       dt_bias=lw["dt_bias"], state=state.recurrent[l],
                       query_start=meta.query_start, context_lens=meta.context_lens,
                       state_slots=meta.state_slots)
-        self.launch(st, "gated_rmsnorm", (n, nv), (min(128, (dv + 31) // 32 * 32),),
+        self.launch(st, self.kernels.gated_rmsnorm, (n, nv), (min(128, (dv + 31) // 32 * 32),),
                     (ws.act, ws.core, ws.proj, P, C, lw["norm_w"], dv, cfg.rms_norm_eps))
         self.gemm(st, ws.act.ptr, lw["w_out"].ptr, ws.h.ptr, n, H, Vd, beta=1.0)
 
     def attention(self, st, meta, n, b, lw, kv, a):
-        cfg, ws = self.cfg, self.m.ws
+        cfg, ws = self.cfg, self.res.ws
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         P = 2 * nh * hd + 2 * nkv * hd
         lay = meta.layout
         self.gemm(st, ws.x.ptr, lw["w_in"].ptr, ws.proj.ptr, n, P, H)
-        self.launch(st, "qk_norm_rope_kv", (n, nh + nkv), ((hd + 31) // 32 * 32,),
+        self.launch(st, self.kernels.qk_norm_rope_kv, (n, nh + nkv), ((hd + 31) // 32 * 32,),
                     (ws.mid, ws.proj, P, lw["q_norm"], lw["k_norm"], kv.k[a], kv.v[a],
                      meta.positions, lay.n_cap, meta.token_row, meta.query_start,
                      meta.context_lens, meta.block_tables, lay.p_cap, kv.page_size,
                      cfg.rope_theta, cfg.rms_norm_eps))
         scale = 1.0 / math.sqrt(hd)
-        big, runs = split_rows(self.rows or [], n, self.m.attn_tc_min_tokens, ws.tc.l_cap)
+        big, runs = split_rows(self.rows or [], n, self.attn_tc_min_tokens, ws.tc.l_cap)
         rows = self.rows
         for r0, r1 in runs:
             m = r1 - r0
             if n == b and self.invariant:     # a decode step: splits fixed for every B
-                splits = decode_splits(nkv, self.m.device.num_sms)
+                splits = decode_splits(nkv, self.res.num_sms)
             else:
-                splits = attention_splits(m, nkv, self.m.device.num_sms)
+                splits = attention_splits(m, nkv, self.res.num_sms)
             # all G heads of a kv group per block (splitting them, GS < G, measured 1.45x slower
             # for the 27B 4096-token prefill: K/V re-reads outweigh the extra resident warps)
-            self.launch(st, "paged_attention", (m, nkv, splits), (128,),
+            self.launch(st, self.kernels.paged_attention, (m, nkv, splits), (128,),
                         (ws.part, ws.ml, ws.mid, kv.k[a], kv.v[a], meta.token_row,
                          meta.query_start, meta.context_lens, meta.block_tables, lay.p_cap,
                          kv.page_size, splits, scale, r0))
-            self.launch(st, "attn_combine", (m, nh), (hd,),
+            self.launch(st, self.kernels.attn_combine, (m, nh), (hd,),
                         (ws.act, ws.part, ws.ml, ws.proj, P, splits, r0))
         for i in big:
             q0, ln, ctx = rows[i]
-            tc.attend_row(lambda name, grid, block, args: self.launch(st, name, grid, block, args),
+            tc.attend_row(lambda name, grid, block, args: self.launch_named(st, name, grid, block,
+                                                                          args),
                           lambda x, w, y, m, nn, k, w_kn: self.gemm(st, x, w, y, m, nn, k, w_kn=w_kn,
                                                                     name="attn_gemm"),
                           ws.tc, hd, nh // nkv, nkv, scale, row=i, q_start=q0, n=ln, ctx=ctx,
@@ -318,32 +350,34 @@ class StepRunner:
         self.gemm(st, ws.act.ptr, lw["w_out"].ptr, ws.h.ptr, n, H, nh * hd, beta=1.0)
 
     def mlp(self, st, n, lw):
-        cfg, ws = self.cfg, self.m.ws
+        cfg, ws = self.cfg, self.res.ws
         H, I = cfg.hidden_size, cfg.intermediate_size
         self.gemm(st, ws.x.ptr, lw["w_gu"].ptr, ws.proj.ptr, n, 2 * I, H)
-        self.launch(st, "silu_mul", (n, (I + 255) // 256), (256,), (ws.act, ws.proj, 2 * I, 0, I))
+        self.launch(st, self.kernels.silu_mul, (n, (I + 255) // 256), (256,),
+                    (ws.act, ws.proj, 2 * I, 0, I))
         self.gemm(st, ws.act.ptr, lw["w_down"].ptr, ws.h.ptr, n, H, I, beta=1.0)
 
     def moe(self, st, n, lw):
-        cfg, ws = self.cfg, self.m.ws
+        cfg, ws = self.cfg, self.res.ws
         H, E, K = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
         I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         P = E + 2 * Is + 1
         self.gemm(st, ws.x.ptr, lw["w_rs"].ptr, ws.proj.ptr, n, P, H)
-        self.launch(st, "router_topk", (n,), (256,), (ws.ids, ws.wts, ws.proj, P))
-        self.launch(st, "silu_mul", (n, (Is + 255) // 256), (256,), (ws.act, ws.proj, P, E, Is))
+        self.launch(st, self.kernels.router_topk, (n,), (256,), (ws.ids, ws.wts, ws.proj, P))
+        self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
+                    (ws.act, ws.proj, P, E, Is))
         self.gemm(st, ws.act.ptr, lw["shared_down"].ptr, ws.shared.ptr, n, H, Is)
-        if n > self.m.b_cap and not self.dry:
+        if n > self.res.b_cap and not self.dry:
             self.experts_grouped(st, n, lw)
             use_rows = 1
         else:
             # decode / small batches (and every graph): warp-per-row GEMVs over the K experts
-            self.launch(st, "expert_gate_up", (n * K, (I + 3) // 4), (128,),
+            self.launch(st, self.kernels.expert_gate_up, (n * K, (I + 3) // 4), (128,),
                         (ws.mact, ws.x, lw["experts_gu"], ws.ids, K))
-            self.launch(st, "expert_down", (n * K, (H + 3) // 4), (128,),
+            self.launch(st, self.kernels.expert_down, (n * K, (H + 3) // 4), (128,),
                         (ws.my, ws.mact, lw["experts_down"], ws.ids))
             use_rows = 0
-        self.launch(st, "moe_combine", ((H + 255) // 256, n), (256,),
+        self.launch(st, self.kernels.moe_combine, ((H + 255) // 256, n), (256,),
                     (ws.h, ws.my, ws.route.ptr + 4 * ws.grouped_rows, use_rows, ws.wts, ws.shared,
                      ws.proj.ptr + 4 * (E + 2 * Is), P))
 
@@ -351,24 +385,25 @@ class StepRunner:
         """Prefill: route on the host (one sync), lay the routed rows out by expert (moe_rows.py:
         a padded block for one strided-batched GEMM over all experts + per-expert overflow), gather,
         GEMM gate|up, SwiGLU, GEMM down; moe_combine reads each pair's row through a map."""
-        cfg, ws, m = self.cfg, self.m.ws, self.m
+        cfg, ws, res = self.cfg, self.res.ws, self.res
         H, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         pairs = n * K
-        _d.copy_dtoh_async(m.route_host.ptr, ws.ids.ptr, 4 * pairs, st)
+        _d.copy_dtoh_async(res.route_host.ptr, ws.ids.ptr, 4 * pairs, st)
         st.synchronize()
         R = ws.grouped_rows
-        host = m.route_host.view(np.int32, 0, R + 2 * m.n_cap * K)
+        host = res.route_host.view(np.int32, 0, R + 2 * res.n_cap * K)
         lay = moe_rows.expert_rows(host[:pairs], K, E, R, launch_rows=self.moe_launch_rows,
                                    cap=self.moe_cap)
         self.last_moe_layout = (lay.cap, lay.rows, len(lay.overflow))
         staged = host[pairs: pairs + lay.rows + pairs]
         staged[:lay.rows] = lay.src
         staged[lay.rows:] = lay.row_of_pair
-        base = m.route_host.ptr + 4 * pairs
+        base = res.route_host.ptr + 4 * pairs
         _d.copy_htod_async(ws.route.ptr, base, 4 * lay.rows, st)
         _d.copy_htod_async(ws.route.ptr + 4 * R, base + 4 * lay.rows, 4 * pairs, st)
         rows, g = lay.rows, ws.gin_bytes
-        self.launch(st, "gather_rows", (rows, (H + 255) // 256), (256,), (ws.xg, ws.x, ws.route, H))
+        self.launch(st, self.kernels.gather_rows, (rows, (H + 255) // 256), (256,),
+                    (ws.xg, ws.x, ws.route, H))
         gu_w, dn_w = lw["experts_gu"], lw["experts_down"]
         c = lay.cap
         if c:
@@ -377,7 +412,8 @@ class StepRunner:
         for e, r0, cnt in lay.overflow:
             self.gemm(st, ws.xg.ptr + g * H * r0, gu_w.at(e), ws.gu.ptr + 8 * I * r0, cnt, 2 * I, H,
                       name="expert_gemm")
-        self.launch(st, "silu_mul", (rows, (I + 255) // 256), (256,), (ws.gact, ws.gu, 2 * I, 0, I))
+        self.launch(st, self.kernels.silu_mul, (rows, (I + 255) // 256), (256,),
+                    (ws.gact, ws.gu, 2 * I, 0, I))
         if c:
             self.gemm(st, ws.gact.ptr, dn_w.ptr, ws.my.ptr, c, H, I, batch=E,
                       strides=(H * I, c * I, c * H), name="expert_gemm")

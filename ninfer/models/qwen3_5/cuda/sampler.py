@@ -37,7 +37,7 @@ THREADS = 512                # kernels/sample.py SAMPLE_THREADS (register budget
 ROW_BLOCKS = 64              # kernels/sample.py ROW_BLOCKS: blocks per row
 HIST_BINS = 3072             # kernels/sample.py HIST_BINS
 KCAP = 1024                  # kernels/sample.py KCAP
-KERNELS = ("sample_prep", "sample_stats", "sample")
+KERNELS = ("sample_prep", "sample_stats", "sample")   # in launch order (DeviceSampler.launch)
 
 
 def work_words(blocks: int = ROW_BLOCKS, nbins: int = HIST_BINS, cap: int = KCAP) -> tuple:
@@ -216,10 +216,10 @@ class DeviceSampler:
         # sample_stats does nothing for greedy rows: an all-greedy step (penalties or a mask
         # make it take this path) skips its launch (~5-7 us of host time)
         sampled = any(row is not None and row.spec.temperature != 0.0 for row in rows)
-        for name in KERNELS:
-            if name != "sample_stats" or sampled:
-                getattr(self.kernels, name).launch(stream, (self.blocks, len(rows)),
-                                                   (self.threads,), args)
+        k = self.kernels
+        for kernel in ((k.sample_prep, k.sample_stats, k.sample) if sampled else
+                       (k.sample_prep, k.sample)):
+            kernel.launch(stream, (self.blocks, len(rows)), (self.threads,), args)
 
     def close(self) -> None:
         if self.staging is not None:
