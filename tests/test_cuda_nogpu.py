@@ -112,6 +112,7 @@ def test_every_signature_names_known_types():
             assert t in K.ARG_TYPES, (name, t)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
 def test_signatures_read_from_the_text_are_the_kernels_own():
     """kernel_set reads each module's SIGNATURES without importing it: the parse is the table the
     module itself holds, no kernel module is left out, and each kernel takes as many arguments as
