@@ -13,7 +13,6 @@ Engine: every request finishes with "error" and new submits raise EngineFailedEr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import itertools
 import logging
 import secrets
@@ -37,7 +36,7 @@ _IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying a
 _RATE_WINDOW_S = 10.0
 
 
-@dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Cycle:
     """One cycle's plan: the units, and what was asked once for all of them."""
     decode: list                 # requests of the decode unit, reserved
@@ -402,8 +401,10 @@ class EngineCore:
 
     # ---- worker: one unit -----------------------------------------------------------------------
     def _run_unit(self, reqs: list, cycle: _Cycle) -> int:
-        """launch -> (host work that needs no result) -> collect -> Frontend preview per row ->
-        Program commit -> captures -> budget, OutputSession commit, publish per row."""
+        """launch -> collect -> Frontend preview per row -> Program commit -> captures ->
+        budget, OutputSession commit, publish per row. Every host step after launch needs the
+        step's tokens, so collect follows launch at once; overlapping them needs the pipelined
+        decode (docs/architecture.md "A decode step's path")."""
         if not reqs:
             return 0
         forced = cycle.forced
@@ -411,11 +412,11 @@ class EngineCore:
                              _mask(r) if r in cycle.sampling and r.seq_id not in forced else None)
                      for r in reqs)
         # no State backups: a cancelled row is released right after the commit, never resumed
+        draft_masks = _draft_masks(reqs) if self.program.is_speculative else None
         inflight = self.program.launch(UnitPlan(rows, keep_rollback=False,
-                                                draft_masks=_draft_masks(reqs)))
-        now = time.monotonic()
-        self._expire_rate_window(now)           # host work that needs no result of the step
+                                                draft_masks=draft_masks))
         pending = self.program.collect(inflight)
+        now = time.monotonic()
         verdicts = [decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]
         self.program.commit(pending, [d for d, _, _ in verdicts])

@@ -1,12 +1,13 @@
 """A launched unit between `Program.launch` and `Program.collect`.
 
     launch(plan) -> InFlightUnit      validate, pack, start the backend's step
-    (the EngineCore does host work that needs no result of the step here)
+    (host work that needs no result of the step may run here; the EngineCore has none yet)
     collect(unit) -> PendingBatch     wait for the step's output, build the rows
 
 `step` is the backend's handle: the CUDA model's TokenStep (kernels, sampler and the copy of the
 ids queued; collect() waits on an event after that copy), or a `contracts.ReadyStep` for the
-paths that compute synchronously (host-sampled logits, speculative units, the test fakes).
+paths that compute synchronously (host-sampled logits, the test fakes). A speculative unit
+finishes inside launch and carries its PendingBatch in `pending`.
 """
 from __future__ import annotations
 
