@@ -235,6 +235,22 @@ class CaptureRoom:
     num_pages_added: int        # pages it adds to the device checkpoints' distinct set
 
 
+# ---- what a model family loads from ---------------------------------------------------------------
+class WeightSource(Protocol):
+    """What a model family's loaders read from an artifact: ninfer.artifact.Artifact, and
+    fakes.TensorArtifact for tests. Every method exists on every source (no probing): a source
+    without quantized bindings answers is_quantized False and lists no uses."""
+    path: str
+    model_config_json: dict
+
+    def has(self, name: str) -> bool: ...
+    def tensor(self, name: str) -> np.ndarray: ...        # read-only, logical shape
+    def is_quantized(self, name: str) -> bool: ...
+    def quantized(self, name: str): ...                   # artifact.format.QuantizedTensor
+    @property
+    def manifest(self) -> dict: ...                       # "uses": [{binding, activation}]
+
+
 # ---- the pools a backend provides ----------------------------------------------------------------
 @runtime_checkable
 class KVPoolProtocol(Protocol):

@@ -16,6 +16,7 @@ from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import (MODULES, SIGS, check_geometry,
                                                    declared_signatures, geometry_specs, spec)
 from ninfer.models.qwen3_5.cuda.meta import MetaLayout
+from ninfer.models.qwen3_5.fakes import TensorArtifact
 from ninfer.options import EngineOptions
 
 from cuda_shapes import SHAPES
@@ -179,16 +180,13 @@ def test_meta_layout_pack():
 def test_cuda_backend_without_gpu_raises_device_error():
     from ninfer.models.qwen3_5 import load_model
 
-    class Fake:
-        path = "<fake artifact>"
-        model_config_json = ModelConfig("Qwen3_5ForCausalLM", TextConfig(
-            layer_types=("linear_attention",) * 3 + ("full_attention",),
-            num_hidden_layers=4)).to_json()
-
+    class Fake(TensorArtifact):
         def tensor(self, name):
             raise AssertionError("weights must not be read before the device check")
+    cfg = ModelConfig("Qwen3_5ForCausalLM", TextConfig(
+        layer_types=("linear_attention",) * 3 + ("full_attention",), num_hidden_layers=4))
     with pytest.raises(DeviceError, match="backend 'cuda'"):
-        load_model(Fake(), EngineOptions(backend="cuda"))
+        load_model(Fake(cfg, {}), EngineOptions(backend="cuda"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
@@ -729,15 +727,6 @@ def test_closing_a_pool_destroys_the_graphs_captured_over_it(monkeypatch):
     assert sorted(destroyed) == ["kv1 B=1", "kv1 B=2", "kv2 B=1"] and len(m.graphs) == 0
 
 
-class _Artifact:
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def has(self, name):
-        return name in self.tensors
-
-    def tensor(self, name):
-        return self.tensors[name]
 
 
 def test_cuda_weight_reader_refuses_what_the_numpy_reader_refuses():
@@ -748,6 +737,10 @@ def test_cuda_weight_reader_refuses_what_the_numpy_reader_refuses():
                      hidden_size=8, is_moe=True, num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=6, shared_expert_intermediate_size=4)
     expected = text_param_shapes(cfg)
+    model_cfg = ModelConfig("Qwen3_5MoeForCausalLM", cfg)
+
+    def _Artifact(tensors):
+        return TensorArtifact(model_cfg, tensors)
     plan = wplan.layer_plan(cfg, 0)
     name = "text.layers.0.mlp.experts.gate_up_proj"
     shape, dt, sources = plan["experts_gu"]

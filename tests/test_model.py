@@ -16,6 +16,7 @@ from ninfer.models.qwen3_5 import load_model
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import (FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig,
                                           TextConfig)
+from ninfer.models.qwen3_5.fakes import TensorArtifact
 
 # max |diff| / max |ref| between two float32 evaluations of the same logits that sum in different
 # orders (chunked vs recurrent delta rule, one vs many matmuls). Op-level differences are ~1e-7;
@@ -115,26 +116,9 @@ def random_text_weights(cfg: ModelConfig, seed: int, tied: bool = False) -> dict
     return bf
 
 
-class FakeArtifact:
-    """The slice of the Artifact contract the binder uses: .model_config_json, .has, .tensor."""
+class FakeArtifact(TensorArtifact):
+    """Weights built in memory, as the binder reads them from an artifact."""
     path = "<fake artifact>"
-
-    def __init__(self, config: ModelConfig, tensors: dict):
-        self.config, self._t = config, tensors
-        self.model_config_json = config.to_json()
-
-    def has(self, name):
-        return name in self._t
-
-    def binding_names(self):
-        return sorted(self._t)
-
-    def tensor(self, name):
-        if name not in self._t:
-            raise ArtifactError(f"no binding {name!r}")
-        v = self._t[name].view()
-        v.flags.writeable = False
-        return v
 
 
 def tiny_model(name="dense", seed=None, tied=False, **over):

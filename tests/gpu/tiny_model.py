@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
+from ninfer.models.qwen3_5.fakes import TensorArtifact
 
 LIN, FULL = "linear_attention", "full_attention"
 ROUTER_SCALE = 3.0
@@ -32,12 +33,10 @@ def tiny_config(moe: bool = False, tied: bool = False) -> ModelConfig:
     return ModelConfig(architecture=arch, text=t)
 
 
-class TinyArtifact:
+class TinyArtifact(TensorArtifact):
     path = "<tiny artifact>"
 
     def __init__(self, config: ModelConfig, seed: int = 0):
-        self.config = config
-        self.model_config_json = config.to_json()     # what a real Artifact hands the model
         t = config.text
         r = np.random.default_rng(seed)
         H, V = t.hidden_size, t.vocab_size
@@ -96,16 +95,4 @@ class TinyArtifact:
                 mat(m + "gate_proj.weight", I, H)
                 mat(m + "up_proj.weight", I, H)
                 mat(m + "down_proj.weight", H, I)
-        self._t = T
-
-    def has(self, name):
-        return name in self._t
-
-    def tensor(self, name):
-        return self._t[name]
-
-    def binding_names(self):
-        return list(self._t)
-
-    def close(self):
-        pass
+        super().__init__(config, T)

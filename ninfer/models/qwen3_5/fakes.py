@@ -15,6 +15,7 @@ import numpy as np
 
 from ...api import TextDelta
 from ...contracts import ImmediateTokenSteps
+from ...errors import ArtifactError
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, TextConfig
 from .state import KVPool, StatePool
 
@@ -28,6 +29,42 @@ def fake_config(vocab_size: int = 64) -> ModelConfig:
                       linear_value_head_dim=1, linear_num_key_heads=1, linear_num_value_heads=1,
                       layer_types=(LINEAR_ATTENTION, FULL_ATTENTION), eos_token_id=(0,))
     return ModelConfig(architecture="Qwen3_5ForCausalLM", text=text)
+
+
+class TensorArtifact:
+    """contracts.WeightSource over a dict of plain (row-major) tensors: the artifact of model
+    tests that build weights in memory. `tensor` hands out read-only views, like the mapped file."""
+    path = "<tensor artifact>"
+
+    def __init__(self, config: ModelConfig, tensors: dict):
+        self.config, self._t = config, tensors
+        self.model_config_json = config.to_json()
+        self.manifest = {"uses": []}
+
+    def has(self, name: str) -> bool:
+        return name in self._t
+
+    def binding_names(self) -> list:
+        return sorted(self._t)
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self._t:
+            raise ArtifactError(f"no binding {name!r}")
+        v = self._t[name].view()
+        v.flags.writeable = False
+        return v
+
+    def is_quantized(self, name: str) -> bool:
+        return False
+
+    def quantized(self, name: str):
+        raise ArtifactError(f"binding {name!r} is not quantized")
+
+    def resource(self, name: str):
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 class FakeModel(ImmediateTokenSteps):

@@ -59,9 +59,9 @@ class ParamReader:
 
     def __call__(self, name: str, shape: tuple) -> np.ndarray:
         art = self._artifact
-        if hasattr(art, "has") and not art.has(name):
+        if not art.has(name):
             raise ArtifactError(f"missing binding {name!r} (expected shape {list(shape)})")
-        if quant.is_quantized(art, name):          # decoded to float32 once per object + view
+        if art.is_quantized(name):          # decoded to float32 once per object + view
             return self._checked(name, shape, quant.dequantized(art, name, self._decoded))
         raw = art.tensor(name)
         if tuple(raw.shape) != tuple(shape):

@@ -83,23 +83,16 @@ def _apply_view(arr: np.ndarray, view: dict | None) -> np.ndarray:
     return arr.reshape(-1)[view["start"]:view["stop"]].reshape(view["shape"]).copy()
 
 
-def is_quantized(artifact, name: str) -> bool:
-    """True for a binding stored in a quantized layout (artifacts without the notion: False)."""
-    probe = getattr(artifact, "is_quantized", None)
-    return bool(probe is not None and probe(name))
 
 
 def weight_formats(artifact) -> dict:
     """{binding: (layout, activation)} of every quantized binding with a use: what a backend
     must run. The activation permission is the intersection over the binding's uses."""
-    manifest = getattr(artifact, "manifest", None)
-    if manifest is None:
-        return {}
     order = {"A16Only": 0, "AllowA8": 1, "AllowA4": 2}
     formats = {}
-    for use in manifest["uses"]:
+    for use in artifact.manifest["uses"]:
         b = use["binding"]
-        if not is_quantized(artifact, b):
+        if not artifact.is_quantized(b):
             continue
         layout = artifact.quantized(b).layout
         prev = formats.get(b, (layout, use["activation"]))[1]

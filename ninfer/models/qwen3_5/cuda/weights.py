@@ -92,7 +92,7 @@ def read_host(artifact, shape, dtype, sources, expected: dict = None) -> np.ndar
     import ml_dtypes
     parts = []
     for name, rows in sources:
-        if hasattr(artifact, "has") and not artifact.has(name):
+        if not artifact.has(name):
             raise ArtifactError(f"missing binding {name!r}")
         a = np.asarray(artifact.tensor(name))
         want = (expected or {}).get(name)
