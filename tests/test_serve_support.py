@@ -93,6 +93,7 @@ class FakeEngine:
         self._open: set = set()        # not closed yet
         self.submitted = []            # (prompt, params, tools, enable_thinking) of each submit
         self.sessions = []             # the session hint of each submit
+        self.shared = []               # the share_prompt flag of each submit (OpenAI n)
         self.closed = False
 
     # ---- frontend ---------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class FakeEngine:
                 raise RequestError("queue full", status=429, code="queue_full")
             self.submitted.append((prompt, params, tools, enable_thinking))
             self.sessions.append(session)
+            self.shared.append(share_prompt)
         events = self._script(last, params, tools, enable_thinking, n_prompt, request_id)
         delay = self.slow_delay if last == "slow" else self.delay
         handle = FakeHandle(self, request_id, events, delay)
