@@ -1,4 +1,5 @@
-"""OpenAI request bodies (/v1/chat/completions, /v1/completions) -> GenPlan.
+"""OpenAI request bodies (/v1/chat/completions, /v1/completions) -> GenPlan; /v1/embeddings ->
+(inputs, encoding_format, dimensions).
 
 Every top-level field is either implemented or refused: an unknown field is a 400 naming it
 (`serve --lenient` ignores unknown fields instead; CHAT_FIELDS / COMPLETION_FIELDS list the
