@@ -192,6 +192,10 @@ def test_echo_logprobs_of_token_id_prompt(oai, scorer):
     assert out.choices[0].text.startswith("hello there world")
     np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], scorer.score(ids).logprobs,
                                atol=1e-4)
+    with pytest.raises(openai.BadRequestError) as info:      # an id past the vocabulary
+        oai.completions.create(model="m", prompt=[ids[0], 10 ** 9], echo=True, logprobs=0,
+                               max_tokens=2)
+    assert "vocabulary" in info.value.body["message"]
 
 
 # ---- embeddings ------------------------------------------------------------------------------------
