@@ -9,6 +9,7 @@ import time
 
 from ..api import Finished, GenerationResult, TextDelta, ToolCallEvent
 from .errors import ApiError
+from .gateway import ChoiceGroup
 from .plan import dumps
 
 DONE = (None, b"[DONE]")
@@ -109,7 +110,7 @@ def _chat_choice(plan, gen, index: int, text: TokenText) -> dict:
 
 def choices_of(gen) -> list:
     """The Generations of a response: a ChoiceGroup's, or the one Generation."""
-    return getattr(gen, "gens", None) or [gen]
+    return gen.gens if isinstance(gen, ChoiceGroup) else [gen]
 
 
 def choices_usage(gens: list, reasoning: bool = True) -> dict:
