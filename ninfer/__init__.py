@@ -7,7 +7,7 @@
 from .api import (Finished, GenerationResult, GenerationStart, SamplingParams, ScoreResult,
                   StructuredOutput, TextDelta, TokenLogprob, ToolCall, ToolCallEvent)
 from .errors import (ArtifactError, ConvertError, DeviceError, EngineClosedError,
-                     EngineFailedError, Error, RequestError)
+                     EngineFailedError, Error, NotSupportedError, RequestError)
 from .options import EngineOptions
 
 __version__ = "0.1.0"
@@ -24,4 +24,4 @@ def __getattr__(name):
 __all__ = ["Engine", "EngineOptions", "SamplingParams", "StructuredOutput", "ScoreResult", "GenerationResult",
            "GenerationStart", "TextDelta", "ToolCall", "ToolCallEvent", "TokenLogprob", "Finished",
            "Error", "ArtifactError", "ConvertError", "DeviceError", "RequestError",
-           "EngineClosedError", "EngineFailedError"]
+           "EngineClosedError", "EngineFailedError", "NotSupportedError"]

@@ -4,6 +4,7 @@ Plain, slotted data. The Engine worker produces results and events; other thread
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
@@ -15,6 +16,8 @@ from .errors import RequestError
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 # longest context-cache session hint (submit's `session=`; Anthropic's metadata.user_id limit)
 MAX_SESSION_CHARS = 256
+# most choices one request may ask for (Engine.submit_n, OpenAI `n`): each is a request of its own
+MAX_CHOICES = 16
 Channel = Literal["content", "reasoning"]
 StructuredKind = Literal["json_schema", "json_object", "tool_call"]
 
@@ -166,13 +169,31 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float, np.floating, np.integer)) and math.isfinite(x)
 
 
+def choice_params(params: SamplingParams, n: int) -> list:
+    """The SamplingParams of n choices of one prompt: copies, choice i seeded `seed + i` when
+    `params.seed` is set (vLLM's convention: reproducible, yet the choices differ), each drawing
+    its own seed otherwise. RequestError when n is not in [1, MAX_CHOICES]."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"n={n!r}: the number of choices must be an integer in "
+                           f"[1, {MAX_CHOICES}]")
+    out = []
+    for i in range(int(n)):
+        p = copy.copy(params)
+        if params.seed is not None:     # kept in the 63-bit range a seed may take
+            p.seed = (int(params.seed) + i) & ((1 << 63) - 1)
+        out.append(p)
+    return out
+
+
 @dataclass(slots=True, frozen=True)
 class ScoreResult:
     """`logprobs[i] = log p(token[i+1] | token[:i+1])`, float32 [T-1]; `logits` float32 [T, vocab]
-    when asked for."""
+    when asked for; `top[i]`: ((token id, logprob), ...) of the k likeliest tokens at position i
+    (best first) when asked for `top_logprobs=k`."""
 
     logprobs: np.ndarray
     logits: Optional[np.ndarray] = None
+    top: Optional[tuple] = None
 
     @property
     def total_logprob(self) -> float:
@@ -278,7 +299,7 @@ class ServedEngine(Protocol):
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
                tools: Optional[Sequence[dict]] = None, enable_thinking: Optional[bool] = None,
                request_id: Optional[str] = None, timeout_s: Optional[float] = None,
-               session: Optional[str] = None): ...
+               session: Optional[str] = None, share_prompt: bool = False): ...
 
     def stats(self) -> dict: ...
 
@@ -293,5 +314,13 @@ class ServedEngine(Protocol):
     def count_prompt_tokens(self, messages: list, *, tools: Optional[list] = None,
                             enable_thinking: bool = True) -> int:
         """Tokens `messages` take as a request sends them (media expanded to their tokens)."""
+
+    def score(self, token_ids, return_logits: bool = False, top_logprobs: int = 0
+              ) -> ScoreResult: ...
+
+    def embedding_input_ids(self, item) -> np.ndarray:
+        """The token ids `embed` pools for one input (text: tokenized, `<|endoftext|>` added)."""
+
+    def embed(self, inputs, *, dimensions: Optional[int] = None) -> np.ndarray: ...
 
     def close(self) -> None: ...

@@ -5,6 +5,7 @@
             ├─ Model (config, bound read-only parameters)                      models/qwen3_5/
             └─ purpose "generation": EngineCore (worker thread, Scheduler, Program)   runtime/
                purpose "scoring":    CausalScoreCore (serial, temporary State/KV)     runtime/scoring.py
+               (generation, numpy: a SideScorer beside the worker for score / embed)
 """
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .api import GenerationResult, Prompt, SamplingParams, ScoreResult
+from .api import GenerationResult, Prompt, SamplingParams, ScoreResult, choice_params
 from .artifact import Artifact
 from .errors import EngineClosedError, RequestError
+
+# OpenAI's limit on the inputs of one embeddings request
+MAX_EMBEDDING_INPUTS = 2048
 from .options import EngineOptions
 
 
@@ -45,6 +49,9 @@ class Engine:
                 from .runtime.scoring import CausalScoreCore
                 self._scorer = CausalScoreCore(self.model, self.options)
             else:
+                # score / embed beside generation (numpy only; else NotSupportedError at the call)
+                from .runtime.scoring import SideScorer
+                self._scorer = SideScorer(self.model, self.options)
                 from .models.qwen3_5.program import Program
                 from .runtime.engine_core import EngineCore
                 program = Program(self.model, self.options, drafter=self._drafter())
@@ -114,23 +121,89 @@ class Engine:
             raise RequestError(f"{self.name}: this artifact has no tokenizer; pass token ids")
         return self.frontend
 
-    # ---- scoring ----------------------------------------------------------------------------------
-    def score(self, token_ids, return_logits: bool = False) -> ScoreResult:
-        if self._scorer is None:
-            raise RequestError("Engine.score needs an Engine started with purpose='scoring'")
+    # ---- scoring and embeddings -------------------------------------------------------------------
+    def score(self, token_ids, return_logits: bool = False, top_logprobs: int = 0) -> ScoreResult:
+        """log p(token[i+1] | token[:i+1]) of a whole sequence (ScoreResult). `top_logprobs` k:
+        also the k likeliest tokens at each position. A generation Engine scores beside its
+        worker on the numpy backend; elsewhere NotSupportedError (use purpose='scoring')."""
         if self._is_closed:
             raise EngineClosedError()
-        return self._scorer.score(token_ids, return_logits=return_logits)
+        return self._scorer.score(token_ids, return_logits=return_logits,
+                                  top_logprobs=top_logprobs)
+
+    def embedding_input_ids(self, item) -> np.ndarray:
+        """The token ids `embed` pools for one input: text is tokenized and `<|endoftext|>`
+        appended (Qwen3-Embedding's input convention, where the last token is that end of text);
+        token ids are taken as given (the caller owns them). RequestError for an empty input, a
+        bad id or one longer than max_context."""
+        if isinstance(item, str):
+            if not item:
+                raise RequestError("embed: an input text must not be empty")
+            ids = [int(t) for t in self._frontend().tokenize(item)]
+            eot = self._frontend().token_id("<|endoftext|>")
+            if eot is not None:
+                ids.append(int(eot))
+        else:
+            arr = np.asarray(item) if not isinstance(item, np.ndarray) else item
+            if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+                raise RequestError("embed: an input must be a non-empty string or a non-empty "
+                                   "list of token ids")
+            ids = [int(t) for t in arr]
+            vocab = int(self.config.text.vocab_size)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"embed: token id {bad[0]} is outside the vocabulary "
+                                   f"[0, {vocab})")
+        if len(ids) > self.options.max_context:
+            raise RequestError(f"embed: an input of {len(ids)} tokens is longer than the context "
+                               f"({self.options.max_context} tokens)")
+        return np.asarray(ids, np.int32)
+
+    def embed(self, inputs, *, dimensions: Optional[int] = None) -> np.ndarray:
+        """Embeddings, float32 [len(inputs), H] (or [.., dimensions]), each row of unit L2 norm:
+        the final-normed hidden state at each input's last token (last-token pooling, as
+        Qwen3-Embedding pools; `embedding_input_ids` says which tokens). `inputs`: a string, a
+        list of token ids, or a list of either. `dimensions` d: the first d components,
+        renormalised (Matryoshka truncation). The numpy backend computes them; another backend
+        raises NotSupportedError. Meaningful for an embedding checkpoint; a chat model's vectors
+        are its hidden states all the same."""
+        if self._is_closed:
+            raise EngineClosedError()
+        if isinstance(inputs, (str, np.ndarray)) or (
+                isinstance(inputs, (list, tuple)) and inputs
+                and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                        for t in inputs)):
+            inputs = [inputs]
+        if not isinstance(inputs, (list, tuple)) or not inputs:
+            raise RequestError("embed: inputs must be a string, a list of token ids, or a "
+                               "non-empty list of those")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise RequestError(f"embed: {len(inputs)} inputs; at most {MAX_EMBEDDING_INPUTS} "
+                               "per call")
+        hidden = int(self.config.text.hidden_size)
+        if dimensions is not None and (isinstance(dimensions, bool)
+                                       or not isinstance(dimensions, (int, np.integer))
+                                       or not 1 <= dimensions <= hidden):
+            raise RequestError(f"embed: dimensions={dimensions!r} must be an integer in "
+                               f"[1, {hidden}] (the model's hidden size)")
+        ids = [self.embedding_input_ids(item) for item in inputs]
+        vectors = np.stack([self._scorer.embed(x) for x in ids])
+        if dimensions is not None:
+            vectors = vectors[:, :int(dimensions)]
+        norms = np.linalg.norm(vectors.astype(np.float64), axis=1, keepdims=True)
+        return (vectors / np.where(norms > 0, norms, 1.0)).astype(np.float32)
 
     # ---- generation -------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
                tools: Optional[Sequence[dict]] = None, enable_thinking: Optional[bool] = None,
                request_id: Optional[str] = None, timeout_s: Optional[float] = None,
-               session: Optional[str] = None):
+               session: Optional[str] = None, share_prompt: bool = False):
         """Queue one request; returns a GenerationHandle (iterate events, .result(), .cancel()).
         No params: the checkpoint's defaults (`default_sampling_params()`). `session`: a hint
         (a string of at most 256 characters) that requests giving the same one continue one
-        conversation; the context cache then finds its newest checkpoint first."""
+        conversation; the context cache then finds its newest checkpoint first. `share_prompt`:
+        more requests with this exact prompt follow (`submit_n` sets it on the first): its
+        prefill leaves the checkpoint they start from."""
         if self._is_closed:
             raise EngineClosedError()
         if self.frontend is not None:       # lone surrogates, provably over-long text: refused early
@@ -140,12 +213,38 @@ class Engine:
         params = params if params is not None else self.default_sampling_params()
         return self._generation().submit(prompt, params, tools=tools,
                                          enable_thinking=enable_thinking, request_id=request_id,
-                                         timeout_s=timeout_s, session=session)
+                                         timeout_s=timeout_s, session=session,
+                                         share_prompt=share_prompt)
 
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                  **kwargs) -> GenerationResult:
         """Blocking: submit and wait for the result."""
         return self.submit(prompt, params, **kwargs).result()
+
+    def submit_n(self, prompt: Prompt, params: Optional[SamplingParams] = None, n: int = 2,
+                 **kwargs) -> list:
+        """n choices of one prompt: n requests (GenerationHandles, choice i at index i), choice i
+        seeded `params.seed + i` when a seed is given (`choice_params`). Submitted in order, so
+        the context cache prefills the shared prompt once: the first leaves a checkpoint one
+        token short of the prompt's end (`share_prompt`), and the others start from it, waiting
+        for it while the first is still prefilling (prompts longer than a KV page;
+        `result.num_cached_tokens` shows it; with the context cache off each prefills its own).
+        A failed submit cancels the ones before it. `request_id` r names the choices r-0, r-1..."""
+        params = params if params is not None else self.default_sampling_params()
+        per_choice = choice_params(params, n)
+        base_id = kwargs.pop("request_id", None)
+        handles = []
+        try:
+            for i, p in enumerate(per_choice):
+                rid = None if base_id is None else f"{base_id}-{i}"
+                handles.append(self.submit(prompt, p, request_id=rid,
+                                           share_prompt=i == 0 and n > 1, **kwargs))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+                h.close()
+            raise
+        return handles
 
     def stats(self) -> dict:
         return self._generation().stats() if self._core is not None else {}

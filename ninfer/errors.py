@@ -29,6 +29,15 @@ class RequestError(Error):
         self.code = code
 
 
+class NotSupportedError(RequestError):
+    """This Engine cannot do what was asked on its backend or model (embeddings on the CUDA
+    backend, say); the message names why. HTTP 400 "not_supported", as vLLM answers a task its
+    model does not serve (not a 5xx: the SDKs would retry it, and it cannot succeed)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=400, code="not_supported")
+
+
 class EngineClosedError(RequestError):
     """The Engine was closed (`close()`, or the server is shutting down): it takes no new work.
     The caller's mistake or a shutdown race, not a broken invariant: HTTP 503 "engine_closed"."""

@@ -11,6 +11,7 @@ from ninfer.serve import create_app, create_asgi_app
 from test_serve_support import FakeEngine
 
 CHAT, COMP, MSGS = "/v1/chat/completions", "/v1/completions", "/v1/messages"
+EMB = "/v1/embeddings"
 U = [{"role": "user", "content": "hi"}]
 
 
@@ -45,7 +46,8 @@ CASES = [
     ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens", ">= 1"),
     ("max-completion-tokens-type", CHAT, chat(max_completion_tokens="many"), 400,
      "max_completion_tokens", "integer"),
-    ("n-two", CHAT, chat(n=2), 400, "n", "must be 1"),
+    ("n-over-cap", CHAT, chat(n=17), 400, "n", "<= 16"),
+    ("n-zero", CHAT, chat(n=0), 400, "n", ">= 1"),
     ("seed-negative", CHAT, chat(seed=-1), 400, "seed", ">= 0"),
     ("stop-empty", CHAT, chat(stop=[""]), 400, "stop", "non-empty"),
     ("stream-type", CHAT, chat(stream="yes"), 400, "stream", "boolean"),
@@ -73,8 +75,23 @@ CASES = [
      None, "the context holds 1024"),
     ("completion-prompt-missing", COMP, {"model": "m"}, 400, "prompt", "string"),
     ("completion-prompt-bad-ids", COMP, {"prompt": [1, -2]}, 400, "prompt", "token ids"),
-    ("completion-echo", COMP, {"prompt": "a", "echo": True}, 400, "echo", "not supported"),
-    ("completion-best-of", COMP, {"prompt": "a", "best_of": 3}, 400, "best_of", "must be 1"),
+    ("completion-echo-type", COMP, {"prompt": "a", "echo": "yes"}, 400, "echo", "boolean"),
+    ("completion-best-of", COMP, {"prompt": "a", "best_of": 3}, 400, "best_of",
+     "not supported"),
+    ("completion-n-over-cap", COMP, {"prompt": "a", "n": 100}, 400, "n", "<= 16"),
+    # FakeEngine cannot score: echo's prompt logprobs are a 400 naming why, never a 5xx
+    ("completion-echo-logprobs-unsupported", COMP, {"prompt": "ab", "echo": True, "logprobs": 1},
+     400, None, "does not score"),
+    ("embeddings-input-missing", EMB, {"model": "m"}, 400, "input", "non-empty"),
+    ("embeddings-input-empty-string", EMB, {"input": ["a", ""]}, 400, "input[1]", "empty"),
+    ("embeddings-input-mixed", EMB, {"input": ["a", 5]}, 400, "input[1]", "token ids"),
+    ("embeddings-bad-token", EMB, {"input": [[1, -2]]}, 400, "input[0]", "token ids"),
+    ("embeddings-format", EMB, {"input": "a", "encoding_format": "int8"}, 400,
+     "encoding_format", "'base64'"),
+    ("embeddings-dimensions", EMB, {"input": "a", "dimensions": 0}, 400, "dimensions", ">= 1"),
+    ("embeddings-unknown-field", EMB, {"input": "a", "pooling": "mean"}, 400, "pooling",
+     "unknown"),
+    ("embeddings-unsupported", EMB, {"input": "a"}, 400, None, "does not embed"),
     ("messages-max-tokens-missing", MSGS, {"model": "m", "messages": U}, 400, None,
      "'max_tokens' is required"),
     ("messages-role-system", MSGS, msgs(messages=[{"role": "system", "content": "x"}]), 400,

@@ -142,6 +142,19 @@ def test_completions(oai):
     assert streamed == SCRIPTS["fox"]
 
 
+def test_n_choices_stream_on_both_servers(oai):
+    """n = 2 through each server flavour: every choice runs the script; the merged stream names
+    each chunk's choice and ends once, after both."""
+    kw = dict(model="any", messages=user("[[script:fox]]"), n=2, extra_body=NO_THINK)
+    full = oai.chat.completions.create(**kw)
+    assert [c.message.content for c in full.choices] == [SCRIPTS["fox"]] * 2
+    text = {0: "", 1: ""}
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text[c.index] += c.delta.content or ""
+    assert text == {0: SCRIPTS["fox"], 1: SCRIPTS["fox"]}
+
+
 def test_openai_errors(oai, server):
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model="any", messages=user("word " * 2000), max_tokens=4)

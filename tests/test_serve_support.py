@@ -22,7 +22,7 @@ import numpy as np
 
 from ninfer.api import (Finished, GenerationResult, GenerationStart, TextDelta, TokenLogprob,
                         ToolCall, ToolCallEvent)
-from ninfer.errors import EngineFailedError, RequestError
+from ninfer.errors import EngineFailedError, NotSupportedError, RequestError
 
 EOS = 0
 
@@ -93,6 +93,7 @@ class FakeEngine:
         self._open: set = set()        # not closed yet
         self.submitted = []            # (prompt, params, tools, enable_thinking) of each submit
         self.sessions = []             # the session hint of each submit
+        self.shared = []               # the share_prompt flag of each submit (OpenAI n)
         self.closed = False
 
     # ---- frontend ---------------------------------------------------------------------------------
@@ -117,6 +118,16 @@ class FakeEngine:
         return len(self.tokenize(self.apply_chat_template(messages, tools, True,
                                                           enable_thinking)))
 
+    # ---- scoring and embeddings: a backend that cannot (the real ones run on the demo server) --
+    def score(self, token_ids, return_logits=False, top_logprobs=0):
+        raise NotSupportedError("the fake engine does not score")
+
+    def embedding_input_ids(self, item):
+        return self.tokenize(item) if isinstance(item, str) else np.asarray(item, np.int32)
+
+    def embed(self, inputs, *, dimensions=None):
+        raise NotSupportedError("the fake engine does not embed")
+
     # ---- generation -------------------------------------------------------------------------------
     def stats(self):
         with self._lock:
@@ -124,7 +135,7 @@ class FakeEngine:
                     "open_handles": len(self._open)}
 
     def submit(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None,
-               timeout_s=None, session=None):
+               timeout_s=None, session=None, share_prompt=False):
         if self.health != "ready":
             raise EngineFailedError("fake engine failed")
         params.validate()
@@ -144,6 +155,7 @@ class FakeEngine:
                 raise RequestError("queue full", status=429, code="queue_full")
             self.submitted.append((prompt, params, tools, enable_thinking))
             self.sessions.append(session)
+            self.shared.append(share_prompt)
         events = self._script(last, params, tools, enable_thinking, n_prompt, request_id)
         delay = self.slow_delay if last == "slow" else self.delay
         handle = FakeHandle(self, request_id, events, delay)
@@ -309,6 +321,20 @@ class ScriptedEngine:
         from ninfer.models.qwen3_5.program import Program
         self._core = EngineCore(Program(self.model, self.options), self.frontend, self.options)
         self.name = "scripted-demo"
+        # score / embed as the Engine offers them beside generation (its own methods, below)
+        from ninfer.models import model_config
+        from ninfer.runtime.scoring import SideScorer
+        self.config = model_config(self.artifact)
+        self._scorer = SideScorer(self.model, self.options)
+        self._is_closed = False
+
+    def _frontend(self):
+        return self.frontend
+
+    from ninfer.engine import Engine as _Engine
+    score, embed = _Engine.score, _Engine.embed
+    embedding_input_ids = _Engine.embedding_input_ids
+    del _Engine
 
     def submit(self, prompt, params=None, **kwargs):
         from ninfer.api import SamplingParams

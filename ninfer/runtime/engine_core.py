@@ -91,11 +91,13 @@ class EngineCore:
         return self._health
 
     def submit(self, prompt, params: SamplingParams, *, tools=None, enable_thinking=None,
-               request_id=None, timeout_s=None, session: Optional[str] = None
-               ) -> GenerationHandle:
+               request_id=None, timeout_s=None, session: Optional[str] = None,
+               share_prompt: bool = False) -> GenerationHandle:
         """session: a hint that requests with it continue one conversation (the context cache
         binds the session's newest checkpoint; OpenAI prompt_cache_key / user, Anthropic
-        metadata.user_id map onto it)."""
+        metadata.user_id map onto it). share_prompt: requests with this same prompt follow (the
+        choices of OpenAI `n`): its prefill leaves a checkpoint one token short of the prompt's
+        end, so theirs starts there."""
         self._check_available()
         params = checked_submit_args(params, enable_thinking, request_id, timeout_s, session)
         if enable_thinking is None:
@@ -125,7 +127,8 @@ class EngineCore:
                           queue_deadline=None if queue_timeout is None else now + queue_timeout,
                           reusable_at=reusable_at, may_reuse=may_reuse,
                           media=(media, prepared.mrope_positions) if media else None,
-                          cache_session=cache_session, media_digest=digest)
+                          cache_session=cache_session, media_digest=digest,
+                          share_prompt=bool(share_prompt))
         with self._lock:
             self._check_available()
             if self._outstanding >= self._max_outstanding:
@@ -272,6 +275,8 @@ class EngineCore:
                                            **({"media": req.media} if req.media else {}))
             if req.may_reuse:
                 self.context_cache.bound(req.seq_id, req.prompt_ids, checkpoint, reused)
+                if req.share_prompt:    # (False when the cache gave that much already)
+                    self.program.add_capture(req.seq_id, req.num_prompt_tokens - 1)
             req.num_cached_tokens = reused
             self._waiting.popleft()
             req.admit_time = time.monotonic()

@@ -61,6 +61,9 @@ class Request:
     cache_session: Optional[str] = None       # session hint of the context cache (submit's session=)
     media_digest: bytes = b""                 # identifies a prompt's media in cache keys
     num_cached_tokens: int = 0                # prompt tokens a cache hit supplied at bind
+    # more requests with this exact prompt follow (OpenAI n): checkpoint it one token short of
+    # its end, the longest prefix they can reuse (their last prompt token gives their logits)
+    share_prompt: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,7 @@ under uvicorn). Both are thin: they read bodies, call `routes`, and write Replie
     GET  /metrics                    Prometheus text
     GET  /v1/models, /v1/models/{id} OpenAI list (Anthropic's shape with an anthropic-version header)
     POST /v1/chat/completions, /v1/completions          OpenAI
+    POST /v1/embeddings                                  OpenAI (numpy backend; else a 400)
     POST /v1/messages, /v1/messages/count_tokens        Anthropic
 """
 from __future__ import annotations

@@ -139,19 +139,23 @@ class Gateway:
 
     # ---- requests ---------------------------------------------------------------------------------
     def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None,
-              session=None):
+              session=None, sink: Optional[queue.Queue] = None, index: int = 0,
+              share_prompt: bool = False):
         """Submit one request; ApiError on a bad or unacceptable request. `session`: the
-        context cache's session hint."""
+        context cache's session hint. `sink`: a queue shared by the choices of one response
+        (ChoiceGroup), which gets this request's events tagged with `index`; `share_prompt`:
+        the first of them (Engine.submit's)."""
         engine = self.engine()
         request_id = request_id or uuid.uuid4().hex
         t0 = time.monotonic()
         try:
             handle = engine.submit(prompt, params, tools=tools, enable_thinking=enable_thinking,
                                    request_id=request_id, timeout_s=self.config.request_timeout_s,
-                                   session=session)
+                                   session=session,
+                                   **({"share_prompt": True} if share_prompt else {}))
         except Exception as exc:  # noqa: BLE001 - mapped to the client's status
             raise from_engine_error(exc) from exc
-        gen = Generation(self, handle, request_id, t0)
+        gen = Generation(self, handle, request_id, t0, sink=sink, index=index)
         with self._lock:
             self._live.add(gen)
             is_late = self._is_cancelling_all
@@ -240,8 +244,10 @@ class ClientWatch:
 class Generation:
     """One submitted request as the HTTP thread sees it."""
 
-    def __init__(self, gateway: Gateway, handle, request_id: str, t_submit: float):
+    def __init__(self, gateway: Gateway, handle, request_id: str, t_submit: float, *,
+                 sink: Optional[queue.Queue] = None, index: int = 0):
         self.gateway = gateway
+        self.index = index
         self.handle = handle
         self.request_id = request_id
         self.result: Optional[GenerationResult] = None
@@ -251,6 +257,9 @@ class Generation:
         self._t_last: Optional[float] = None
         self._released = False
         self._events: queue.Queue = queue.Queue()
+        # one response's choices share a sink: items go there as (index, item) (ChoiceGroup)
+        self._put = self._events.put if sink is None else \
+            (lambda item: sink.put((index, item)))
         threading.Thread(target=self._pump, name=f"ninfer-pump-{request_id[:8]}",
                          daemon=True).start()
 
@@ -258,13 +267,13 @@ class Generation:
         try:
             for event in self.handle:
                 self._observe(event)      # here, not in the consumer: a vanished client counts too
-                self._events.put(event)
+                self._put(event)
                 if isinstance(event, Finished):
                     break
         except BaseException as exc:  # noqa: BLE001 - handed to the HTTP thread
-            self._events.put(_PumpFailure(exc))
+            self._put(_PumpFailure(exc))
         finally:
-            self._events.put(_END)
+            self._put(_END)
 
     def next_event(self, timeout: Optional[float] = None):
         """The next event; None on timeout; raises ApiError if the engine fails; StopIteration
@@ -273,6 +282,11 @@ class Generation:
             item = self._events.get(timeout=timeout)
         except queue.Empty:
             return None
+        return self.interpret(item)
+
+    def interpret(self, item):
+        """A queued item as next_event returns it (the event; StopIteration at the end; ApiError
+        for a failure)."""
         if item is _END:
             if self.result is None:
                 raise ApiError(500, "the engine ended the request without a result",
@@ -349,3 +363,44 @@ class Generation:
         except Exception:  # noqa: BLE001
             log.exception("closing request %s", self.request_id)
         self.gateway._forget(self)
+
+
+class ChoiceGroup:
+    """The n Generations of one response (OpenAI `n`), read as one: `next_event` returns
+    (choice index, event) in arrival order, None on timeout, and raises StopIteration once every
+    choice has ended (ApiError when one fails); `release()` releases them all (cancelling the
+    unfinished ones: a client that leaves stops every choice)."""
+
+    def __init__(self, gens: list, sink: queue.Queue):
+        self.gens, self._sink = gens, sink
+        self._open = len(gens)
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.gens[0].gateway
+
+    def next_event(self, timeout: Optional[float] = None):
+        while True:
+            if not self._open:
+                raise StopIteration
+            try:
+                index, item = self._sink.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            try:
+                return index, self.gens[index].interpret(item)
+            except StopIteration:
+                self._open -= 1
+
+    def collect(self) -> list:
+        """Consume every choice; their results in choice order."""
+        while True:
+            try:
+                self.next_event()
+            except StopIteration:
+                break
+        return [gen.result for gen in self.gens]
+
+    def release(self) -> None:
+        for gen in self.gens:
+            gen.release()

@@ -30,6 +30,7 @@ _PUBLIC_PATHS = ("/health",)
 POST_ROUTES = {
     "/v1/chat/completions": routes.chat_completions,
     "/v1/completions": routes.completions,
+    "/v1/embeddings": routes.embeddings,
     "/v1/messages": routes.messages,
     "/v1/messages/count_tokens": routes.count_tokens,
     "/tokenize": routes.tokenize,               # vLLM's tokenizer routes

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (/v1/chat/completions, /v1/completions) -> GenPlan.
+"""OpenAI request bodies (/v1/chat/completions, /v1/completions) -> GenPlan; /v1/embeddings ->
+(inputs, encoding_format, dimensions).
 
 Every top-level field is either implemented or refused: an unknown field is a 400 naming it
 (`serve --lenient` ignores unknown fields instead; CHAT_FIELDS / COMPLETION_FIELDS list the
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import json
 
-from ..api import SamplingParams, StructuredOutput
+from ..api import MAX_CHOICES, SamplingParams, StructuredOutput
 from ..errors import RequestError
 from . import fields as F
 from .errors import invalid
@@ -91,9 +92,10 @@ def parse_chat(body, gateway) -> GenPlan:
     if thinking and budget is not None:
         params.thinking_budget = budget
     stream, include_usage = _stream_flags(body)
-    return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
+    plan = GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
                    stream=stream, include_usage=include_usage, want_logprobs=want_logprobs,
                    stop=tuple(params.stop), session=session_hint(body))
+    return _with_choices(body, plan)
 
 
 def parse_completion(body, gateway) -> GenPlan:
@@ -101,21 +103,31 @@ def parse_completion(body, gateway) -> GenPlan:
     F.check_known(body, COMPLETION_FIELDS, gateway, "completion")
     structured = _common_checks(body)
     prompt = _completion_prompt(body.get("prompt"))
-    if F.get(body, "echo", "bool", default=False):
-        raise invalid("'echo' is not supported", "echo")
     if F.get(body, "suffix", "str"):
         raise invalid("'suffix' is not supported", "suffix")
-    if F.get(body, "best_of", "int", default=1) != 1:
-        raise invalid("'best_of' must be 1 (one completion per request)", "best_of")
     n_logprobs = F.get(body, "logprobs", "int", lo=0, hi=20)
     # OpenAI's documented default for the legacy endpoint
     max_tokens = F.get(body, "max_tokens", "int", lo=1, hi=_MAX_COUNT, default=16)
     params = sampling_params(body, gateway, max_tokens=max_tokens, logprobs=n_logprobs,
                              structured=structured)
     stream, include_usage = _stream_flags(body)
-    return GenPlan(prompt=prompt, params=params, enable_thinking=False, stream=stream,
+    plan = GenPlan(prompt=prompt, params=params, enable_thinking=False, stream=stream,
                    include_usage=include_usage, want_logprobs=n_logprobs is not None,
                    stop=tuple(params.stop), session=session_hint(body))
+    plan.echo = F.get(body, "echo", "bool", default=False)
+    return _with_choices(body, plan)
+
+
+def _with_choices(body: dict, plan: GenPlan) -> GenPlan:
+    """`n` choices (1..MAX_CHOICES, each a request of its own: routes submit them with
+    choice_params' seeds); `best_of` (completions) is refused unless it equals n: ranking extra
+    samples by their likelihood is not implemented."""
+    plan.n = F.get(body, "n", "int", lo=1, hi=MAX_CHOICES, default=1)
+    best_of = F.get(body, "best_of", "int")
+    if best_of is not None and best_of != plan.n:
+        raise invalid(f"'best_of' is not supported (it must be absent or equal 'n' = {plan.n}): "
+                      "ask for 'n' choices instead", "best_of")
+    return plan
 
 
 def session_hint(body: dict):
@@ -203,8 +215,6 @@ def _top_k(body: dict, default: int) -> int:
 def _common_checks(body: dict):
     """Shared field checks; returns the StructuredOutput `response_format` asks for (or None)."""
     F.get(body, "model", "str")
-    if F.get(body, "n", "int", default=1) != 1:
-        raise invalid("'n' must be 1 (one choice per request)", "n")
     return _response_format(body)
 
 
@@ -432,3 +442,42 @@ def only_tool(tools, name, param: str, what: str) -> list:
     if not chosen:
         raise invalid(f"tool_choice names {what} {name!r}, which is not in 'tools'", param)
     return chosen
+
+
+# ---- /v1/embeddings ------------------------------------------------------------------------------
+
+EMBEDDING_FIELDS = frozenset(("model", "input", "encoding_format", "dimensions", "user"))
+
+
+def parse_embeddings(body, gateway) -> tuple:
+    """-> (inputs, encoding_format, dimensions): `input` a string, an array of strings, an array
+    of token ids or an array of those arrays (OpenAI's four forms); `encoding_format` "float"
+    (default) or "base64" (little-endian float32, what the openai SDK asks for and decodes);
+    `dimensions` (Matryoshka truncation, checked against the model's size at embed)."""
+    body = F.json_object(body, "embeddings")
+    F.check_known(body, EMBEDDING_FIELDS, gateway, "embeddings")
+    F.get(body, "model", "str")
+    F.get(body, "user", "str")
+    raw = body.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_token(t) for t in raw)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise invalid("'input' must be a non-empty string, an array of strings, an array of "
+                      "token ids or an array of token id arrays", "input")
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            if not item:
+                raise invalid(f"'input[{i}]' must not be empty", f"input[{i}]")
+        elif not (isinstance(item, list) and item and all(_is_token(t) for t in item)):
+            raise invalid(f"'input[{i}]' must be a non-empty string or a non-empty array of "
+                          "token ids", f"input[{i}]")
+    fmt = F.get(body, "encoding_format", "str", default="float")
+    if fmt not in ("float", "base64"):
+        raise invalid(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
+                      "encoding_format")
+    dimensions = F.get(body, "dimensions", "int", lo=1, hi=_MAX_COUNT)
+    return raw, fmt, dimensions
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_COUNT

@@ -22,6 +22,8 @@ class GenPlan:
     want_logprobs: bool = False
     stop: tuple = field(default_factory=tuple)
     session: Optional[str] = None       # the context cache's session hint (Engine.submit session=)
+    n: int = 1                          # choices (OpenAI `n`): one request each, one prefill
+    echo: bool = False                  # completions: the prompt leads each choice's text
 
 
 def dumps(obj) -> bytes:

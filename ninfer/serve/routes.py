@@ -5,21 +5,25 @@ the client goes away: that cancels an unfinished request and releases its Engine
 """
 from __future__ import annotations
 
+import base64
+import queue
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from ..api import Finished
+from ..api import Finished, choice_params
 from .anthropic_render import MessageStream, message_response
 from .anthropic_schema import parse_count_tokens, parse_messages
 from .errors import ApiError, from_engine_error
-from .openai_render import (ChatStream, CompletionStream, TokenText, chat_response,
-                            completion_response)
+from .openai_render import (DONE, ChatStream, ChoicesStream, CompletionStream, Echo, TokenText,
+                            chat_response, completion_response)
 from . import fields as F
 from .errors import invalid
+from .gateway import ChoiceGroup
 from .metrics import CONTENT_TYPE
-from .openai_schema import chat_messages, chat_tools, parse_chat, parse_completion
+from .openai_schema import (chat_messages, chat_tools, parse_chat, parse_completion,
+                            parse_embeddings)
 
 
 @dataclass(slots=True)
@@ -63,8 +67,10 @@ class SseIterator:
         if event is None:
             self._pending.append((None, None))          # keep-alive comment
             return
-        self._pending += self._renderer.on_event(event)
-        if isinstance(event, Finished):
+        messages = self._renderer.on_event(event)
+        self._pending += messages
+        # a ChoiceGroup's events are (index, event): its renderer ends with [DONE] instead
+        if isinstance(event, Finished) or DONE in messages:
             self._done = True
 
     def close(self) -> None:
@@ -96,20 +102,78 @@ def chat_completions(gw, body) -> Reply:
 
 
 def completions(gw, body) -> Reply:
-    return _openai_generation(gw, parse_completion(body, gw), "cmpl-", CompletionStream,
-                              completion_response)
-
-
-def _openai_generation(gw, plan, id_prefix: str, stream_cls, render) -> Reply:
-    """Submit `plan`; a stream Reply, or the whole answer rendered once the request finishes."""
-    model_id, response_id = gw.model_id, _new_id(id_prefix)
+    plan = parse_completion(body, gw)
     text = TokenText(gw.engine())
+    extra = {"echo": _echo(gw, plan, text)} if plan.echo else {}
+    return _openai_generation(gw, plan, "cmpl-", CompletionStream, completion_response,
+                              text=text, **extra)
+
+
+def _openai_generation(gw, plan, id_prefix: str, stream_cls, render, *, text=None,
+                       **extra) -> Reply:
+    """Submit `plan`; a stream Reply, or the whole answer rendered once the request finishes.
+    `extra`: keywords for the renderers (echo)."""
+    model_id, response_id = gw.model_id, _new_id(id_prefix)
+    text = text or TokenText(gw.engine())
+    if plan.n > 1:
+        return _openai_choices(gw, plan, model_id, response_id, stream_cls, render, text, extra)
     gen = _start(gw, plan, response_id)
     if plan.stream:
-        return Reply(stream=SseIterator(gen, stream_cls(plan, gen, model_id, response_id, text),
-                                        gw.config.keepalive_s))
+        return Reply(stream=SseIterator(gen, stream_cls(plan, gen, model_id, response_id, text,
+                                                        **extra), gw.config.keepalive_s))
     _collect(gen)
-    return Reply(body=render(plan, gen, model_id, response_id, int(time.time()), text))
+    return Reply(body=render(plan, gen, model_id, response_id, int(time.time()), text, **extra))
+
+
+def _openai_choices(gw, plan, model_id, response_id, stream_cls, render, text, extra) -> Reply:
+    """OpenAI `n` > 1: n requests of one prompt (choice_params seeds choice i with seed + i),
+    submitted in order, so the context cache prefills the shared prompt once (a queued request
+    waits for the checkpoint of a resident one still prefilling its prompt); their events merged
+    into one response. A failed submit releases (cancels) the choices already started."""
+    sink: queue.Queue = queue.Queue()
+    gens = []
+    try:
+        for i, params in enumerate(choice_params(plan.params, plan.n)):
+            gens.append(gw.start(plan.prompt, params, tools=plan.tools,
+                                 enable_thinking=plan.enable_thinking,
+                                 request_id=f"{response_id}-{i}", session=plan.session,
+                                 sink=sink, index=i, share_prompt=i == 0))
+    except BaseException:
+        for gen in gens:
+            gen.release()
+        raise
+    group = ChoiceGroup(gens, sink)
+    if plan.stream:
+        streams = [stream_cls(plan, g, model_id, response_id, text, index=i, solo=False, **extra)
+                   for i, g in enumerate(gens)]
+        return Reply(stream=SseIterator(group, ChoicesStream(streams, group),
+                                        gw.config.keepalive_s))
+    try:
+        group.collect()
+    finally:
+        group.release()
+    return Reply(body=render(plan, group, model_id, response_id, int(time.time()), text,
+                             **extra))
+
+
+def _echo(gw, plan, text: TokenText) -> Echo:
+    """The prompt that leads each choice (`echo`), with its tokens' logprobs when `logprobs` is
+    asked for: Engine.score over the prompt (NotSupportedError -> a 400 naming why on a backend
+    that cannot score beside generation)."""
+    engine = gw.engine()
+    prompt = plan.prompt
+    try:
+        ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_text = prompt if isinstance(prompt, str) else engine.detokenize(ids)
+        if not plan.want_logprobs:
+            return Echo(prompt_text, None, None, text)
+        scores = engine.score(ids, top_logprobs=plan.params.logprobs or 0) \
+            if len(ids) >= 2 else None
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bad id or an unsupported backend: the client's
+        raise from_engine_error(exc) from exc
+    return Echo(prompt_text, ids, scores, text)
 
 
 def models(gw, anthropic: bool = False) -> Reply:
@@ -156,6 +220,29 @@ def count_tokens(gw, body) -> Reply:
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
         raise from_engine_error(exc) from exc
     return Reply(body={"input_tokens": n})
+
+
+def embeddings(gw, body) -> Reply:
+    """OpenAI /v1/embeddings: each input's final hidden state at its last token, L2-normalised
+    (Engine.embed; Qwen3-Embedding's last-token pooling); `dimensions` truncates and
+    renormalises; `encoding_format` "base64" sends the float32 bytes (little-endian)."""
+    inputs, fmt, dimensions = parse_embeddings(body, gw)
+    engine = gw.engine()
+    try:
+        ids = [engine.embedding_input_ids(item) for item in inputs]
+        vectors = engine.embed(ids, dimensions=dimensions)
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - bad input, or a backend that cannot embed
+        raise from_engine_error(exc) from exc
+    data = []
+    for i, vec in enumerate(vectors):
+        value = base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii") \
+            if fmt == "base64" else [float(x) for x in vec]
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    n_tokens = sum(len(x) for x in ids)
+    return Reply(body={"object": "list", "data": data, "model": gw.model_id,
+                       "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
 
 # ---- tokenizer (vLLM's /tokenize and /detokenize) ---------------------------------------------------

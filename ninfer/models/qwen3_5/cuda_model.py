@@ -72,6 +72,9 @@ class CudaModel(MediaEncoding):
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     max_kv_pages = None     # the KV pages the memory plan holds (set at load)
     batch_invariant = False  # options.batch_invariant (set at load)
+    # the numpy model's final_hidden (embeddings, MTP): this model's hidden states stay on the
+    # device, so it offers none (Engine.embed answers NotSupportedError)
+    final_hidden = None
 
     def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
                  max_tokens: int = None, kernel_cache_dir=None):
