@@ -27,7 +27,7 @@ GBNF = 'root ::= "(" pair ("," pair)? ")"\npair ::= [xyz] "=" ("yes" | "no")\n'
 GRAMMAR_RE = r"\([xyz]=(yes|no)(,[xyz]=(yes|no))?\)"
 
 
-# ---- validation -----------------------------------------------------------------------------------
+# ---- validation ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec, fragment", [
     (StructuredOutput("regex", pattern="a(b"), "'regex' does not compile: unclosed group"),

@@ -5,11 +5,11 @@ never starve the event loop's default executor, and the quick GET routes (/healt
 /v1/models) on a second small one, so they answer even when every generation thread is held by a
 stream or a queued request. A connection costs a thread only once its whole body has arrived.
 
-Streams use Falcon's `resp.sse`, whose watcher task reads the connection while the stream runs. Falcon
-checks that watcher only after each event it sends, and a queued request sends nothing until its
-next keep-alive (`keepalive_s`, 15 s): so the app notes the disconnect itself (every `receive` of a
-request goes through AsgiApp, which sets the request's "gone" event), and the stream's wait for its
-next event races that event. A client that leaves ends the async generator at once; its `finally`
+Streams use Falcon's `resp.sse`, whose watcher task reads the connection while the stream runs.
+Falcon checks that watcher only after each event it sends, and a queued request sends nothing
+until its next keep-alive (`keepalive_s`, 15 s): so the app notes the disconnect itself (every
+`receive` of a request goes through AsgiApp, which sets the request's "gone" event), and the
+stream's wait for its next event races that event. A client that leaves ends the async generator at once; its `finally`
 closes the SseIterator, which cancels the request (a queued one leaves the Engine's queue).
 With `watch_disconnects` (what `serve` runs), a non-streamed request watches its connection too
 while the answer is computed: a client that goes away cancels the Generations it started. It is
