@@ -19,7 +19,8 @@ MAX_SESSION_CHARS = 256
 # most choices one request may ask for (Engine.submit_n, OpenAI `n`): each is a request of its own
 MAX_CHOICES = 16
 Channel = Literal["content", "reasoning"]
-StructuredKind = Literal["json_schema", "json_object", "tool_call"]
+StructuredKind = Literal["json_schema", "json_object", "tool_call", "regex", "choice", "grammar"]
+STRUCTURED_KINDS = ("json_schema", "json_object", "tool_call", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,18 +30,26 @@ class StructuredOutput:
     kind "json_schema": the content is JSON matching `schema`; "json_object": any JSON object;
     "tool_call": the content is one or more Qwen3.5 XML tool calls of the request's `tools`
     (only `tool_name` when given: then exactly one call; else `parallel_tool_calls` says whether
-    more than one may follow). A prompt that opened a `<think>` block keeps free reasoning first.
+    more than one may follow); "regex": the whole content matches `pattern` (Rust `regex`
+    syntax, as llguidance reads it: no look-around, no backreferences; `^` / `$` are implied);
+    "choice": the content is exactly one of the strings `choices`; "grammar": the content is a
+    sentence of `grammar`, a Lark grammar (llguidance's dialect, rule `start`) or a GBNF one
+    (llama.cpp's, rule `root`). A prompt that opened a `<think>` block keeps free reasoning first.
+    `validate()` compiles a pattern or grammar, so a bad one is a RequestError there.
     """
 
     kind: StructuredKind
     schema: Optional[Mapping[str, Any]] = None
     tool_name: Optional[str] = None
     parallel_tool_calls: bool = True
+    pattern: Optional[str] = None
+    choices: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
 
     def validate(self) -> "StructuredOutput":
-        if self.kind not in ("json_schema", "json_object", "tool_call"):
-            raise RequestError(f"structured output kind {self.kind!r}: must be 'json_schema', "
-                               "'json_object' or 'tool_call'")
+        if self.kind not in STRUCTURED_KINDS:
+            raise RequestError(f"structured output kind {self.kind!r}: must be one of "
+                               + ", ".join(repr(k) for k in STRUCTURED_KINDS))
         if self.kind == "json_schema":
             if not isinstance(self.schema, Mapping):
                 raise RequestError("structured output 'json_schema' needs a JSON schema object "
@@ -52,7 +61,77 @@ class StructuredOutput:
                                            or not self.tool_name):
             raise RequestError(f"structured output tool_name={self.tool_name!r}: a non-empty "
                                "function name, only with kind 'tool_call'")
+        for name, kind in (("pattern", "regex"), ("choices", "choice"), ("grammar", "grammar")):
+            if getattr(self, name) is not None and self.kind != kind:
+                raise RequestError(f"structured output {self.kind!r} takes no {name} (only "
+                                   f"kind {kind!r} does)")
+        if self.kind == "regex":
+            _check_text(self.pattern, "regex", "pattern")
+            _check_compiles("regex", self.pattern)
+        elif self.kind == "grammar":
+            _check_text(self.grammar, "grammar", "grammar")
+            _check_compiles("grammar", self.grammar)
+        elif self.kind == "choice":
+            choices = self.choices
+            if isinstance(choices, str) or not isinstance(choices, (Sequence, np.ndarray)) \
+                    or len(choices) == 0:
+                raise RequestError("structured output 'choice' needs choices: a non-empty list "
+                                   f"of strings (got {choices!r:.80})")
+            for i, choice in enumerate(choices):
+                if not isinstance(choice, str) or not choice:
+                    raise RequestError(f"structured output 'choice': choices[{i}]={choice!r:.80} "
+                                       "must be a non-empty string")
+            object.__setattr__(self, "choices", tuple(choices))   # frozen: one immutable copy
         return self
+
+
+def _check_text(value, kind: str, name: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise RequestError(f"structured output {kind!r} needs {name}: a non-empty string "
+                           f"(got {value!r:.80})")
+
+
+def _check_compiles(kind: str, text: str) -> None:
+    """RequestError when llguidance cannot compile the regex or grammar (no vocabulary needed:
+    the Frontend compiles it again against its tokenizer)."""
+    import llguidance
+    try:
+        if kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(text)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(grammar_as_lark(text))
+        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    except RequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - llguidance's own refusals (ValueError, ...)
+        error = str(exc)
+    if error:
+        raise RequestError(f"structured output {kind!r} does not compile: "
+                           f"{grammar_error_line(error, regex_only=kind == 'regex')}")
+
+
+def grammar_as_lark(text: str) -> str:
+    """A `grammar` in llguidance's Lark dialect: Lark as given, GBNF (`root ::= ...`) converted
+    by llguidance's converter; RequestError when the GBNF does not convert."""
+    from llguidance.gbnf_to_lark import any_to_lark
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # noqa: BLE001 - the converter raises plain Exceptions
+        raise RequestError(f"structured output 'grammar' does not compile (as GBNF): "
+                           f"{grammar_error_line(str(exc))}") from None
+
+
+def grammar_error_line(error: str, *, regex_only: bool = False) -> str:
+    """One line of an llguidance error. A regex's: the parser's reason (`unclosed group`), with
+    the grammar position before it unless the regex is the whole spec (`regex_only`: the
+    position is then in llguidance's wrapper, not in the user's text)."""
+    lines = [ln.strip() for ln in (error or "unknown error").strip().splitlines() if ln.strip()]
+    head = lines[0] if lines else "unknown error"
+    detail = next((ln[len("error:"):].strip() for ln in lines if ln.startswith("error:")), None)
+    if detail:
+        head = detail if regex_only else \
+            head.replace("regex parse error:", "").strip().rstrip(":") + ": " + detail
+    return head[:500]
 
 
 @dataclass(slots=True)

@@ -69,6 +69,18 @@ def test_engine_refuses_non_regular_files(tmp_path, kind):
     assert "not a regular" in str(exc)
 
 
+@pytest.mark.parametrize("path", ["/proc/self/mem", "/proc/self/pagemap",
+                                  "/sys/kernel/mm/transparent_hugepage/enabled"])
+def test_engine_refuses_special_files_the_kernel_will_not_read(path):
+    """Regular files by fstat that fail on read or mmap (EIO, EINVAL, ENODEV): ArtifactError
+    naming the path, not a bare OSError."""
+    if not os.path.isfile(path):
+        pytest.skip(f"no {path} here")
+    exc = _with_timeout(lambda: Engine(path))
+    assert isinstance(exc, ArtifactError), repr(exc)
+    assert str(exc).startswith(f"{path}: ") and isinstance(exc.__cause__, OSError), exc
+
+
 # ---- handles ------------------------------------------------------------------------------------
 
 def test_cancel_alone_releases_capacity(engine):

@@ -55,6 +55,12 @@ class Artifact:
         self._file = _open_regular(self.path)
         try:
             self._open()
+        except OSError as exc:
+            # a "regular" file the kernel will not read or map: /proc/self/mem (EIO),
+            # /proc/self/pagemap (EINVAL), /sys attributes (ENODEV), a failing disk
+            self.close()
+            raise ArtifactError(f"{self.path}: cannot read it as a .ninfer file: "
+                                f"{exc.strerror or exc}") from exc
         except BaseException:
             self.close()
             raise

@@ -5,12 +5,21 @@ never starve the event loop's default executor, and the quick GET routes (/healt
 /v1/models) on a second small one, so they answer even when every generation thread is held by a
 stream or a queued request. A connection costs a thread only once its whole body has arrived.
 
-Streams use Falcon's `resp.sse`, which watches for the client's disconnect and stops iterating; the
-async generator then closes (its `finally` runs when it is collected or closed), which closes the
-SseIterator and so cancels the request. With `watch_disconnects` (what `serve` runs), a non-streamed
-request watches its connection too while the answer is computed: a client that goes away cancels
-the Generations it started. It is off by default because Falcon's TestClient reports every
-non-streamed request as disconnected as soon as it has sent it.
+Streams use Falcon's `resp.sse`, whose watcher task reads the connection while the stream runs.
+Falcon checks that watcher only after each event it sends, and a queued request sends nothing
+until its next keep-alive (`keepalive_s`, 15 s): so the app notes the disconnect itself (every
+`receive` of a request goes through AsgiApp, which sets the request's "gone" event), and the
+stream's wait for its next event races that event. A client that leaves ends the async generator at once; its `finally`
+closes the SseIterator, which cancels the request (a queued one leaves the Engine's queue).
+With `watch_disconnects` (what `serve` runs), a non-streamed request watches its connection too
+while the answer is computed: a client that goes away cancels the Generations it started. It is
+off by default because Falcon's TestClient reports every non-streamed request as disconnected as
+soon as it has sent it.
+
+A body over `max_body_bytes` is answered 413 only after the rest of it has been read and dropped
+(up to DISCARD_BYTES more, within `body_timeout_s`): a client that writes its whole body before it
+reads (Python's http.client, requests) would otherwise see the server close a socket holding
+unread data, which the kernel turns into a connection reset instead of the 413.
 """
 from __future__ import annotations
 
@@ -28,6 +37,9 @@ from .http_common import (GET_ROUTES, POST_ROUTES, error_to_reply, middleware_fo
 
 _END = object()
 _RECEIVE = "ninfer.receive"         # scope key: the ASGI receive callable of the request
+_GONE = "ninfer.gone"               # scope key: an asyncio.Event set once the client has left
+# how much of a body over the limit is still read (and dropped) so the client can read its 413
+DISCARD_BYTES = 64 << 20
 
 
 class AsgiApp(falcon.asgi.App):
@@ -37,14 +49,36 @@ class AsgiApp(falcon.asgi.App):
 
     async def __call__(self, scope, receive, send):
         if scope.get("type") == "http":
-            scope[_RECEIVE] = receive           # for _until_disconnect (Falcon keeps it private)
+            receive = _noting_disconnect(scope, receive)
         await super().__call__(scope, receive, send)
 
 
-async def _sse_events(loop, executor, it: routes.SseIterator):
+def _noting_disconnect(scope, receive):
+    """`receive` that also sets scope[_GONE] once it returns the client's disconnect."""
+    gone = scope[_GONE] = asyncio.Event()
+
+    async def noting_receive():
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            gone.set()
+        return message
+    scope[_RECEIVE] = noting_receive        # for _until_disconnect (Falcon keeps it private)
+    return noting_receive
+
+
+async def _sse_events(loop, executor, it: routes.SseIterator, gone: asyncio.Event):
+    """The SSE events of `it`; ends as soon as `gone` is set (Falcon's watcher task, which reads
+    the connection during the stream, sets it through AsgiApp's receive), not at the next write."""
+    gone_wait = asyncio.ensure_future(gone.wait())
     try:
         while True:
-            msg = await loop.run_in_executor(executor, next, it, _END)
+            pending = loop.run_in_executor(executor, next, it, _END)
+            await asyncio.wait((pending, gone_wait), return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                # the client left while the request waits (queued, or between events); the
+                # thread still in next() returns once close() below has cancelled the request
+                return
+            msg = pending.result()
             if msg is _END:
                 return
             name, data = msg
@@ -53,6 +87,7 @@ async def _sse_events(loop, executor, it: routes.SseIterator):
             else:
                 yield falcon.asgi.SSEvent(event=name, data=data)
     finally:
+        gone_wait.cancel()
         await loop.run_in_executor(executor, it.close)
 
 
@@ -92,9 +127,30 @@ class _Post:
         if reply.stream is not None:
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.sse = _sse_events(loop, self.app.executor, reply.stream)
+            resp.sse = _sse_events(loop, self.app.executor, reply.stream, req.scope[_GONE])
         else:
             write_json(resp, reply)
+
+
+async def _discard_body(req, limit: int, timeout_s: float) -> None:
+    """Read and drop what is left of a body over the limit, at most DISCARD_BYTES more and within
+    `timeout_s`, so the 413 is not lost to a reset (module docstring). A declared length beyond
+    that is not read at all: such a client sees the 413 and a closed connection."""
+    declared = req.content_length
+    if declared is not None and declared > limit + DISCARD_BYTES:
+        return
+
+    async def drain():
+        budget = DISCARD_BYTES
+        while budget > 0:
+            chunk = await req.stream.read(min(budget, 1 << 20))
+            if not chunk:
+                return
+            budget -= len(chunk)
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except (asyncio.TimeoutError, ValueError):     # ValueError: Falcon's stream refused a read
+        pass            # a slow or odd client: the 413 and a closed connection, as before
 
 
 class _Get:
@@ -119,6 +175,8 @@ def build_asgi_app(gw: Gateway, max_threads: int = 64, watch_disconnects: bool =
 
     async def handle(req, resp, ex, params):
         err = error_to_reply(req, ex)
+        if err.status == 413:
+            await _discard_body(req, gw.config.max_body_bytes, gw.config.body_timeout_s)
         write_error(req, resp, err)
         if err.status in (408, 413):    # the rest of the body is never read: end the connection
             resp.set_header("Connection", "close")

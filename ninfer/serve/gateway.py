@@ -3,7 +3,8 @@ metrics, and shutdown.
 
 Gateway threads only submit and read their own handle; the Engine worker stays the only mutator.
 Each Generation pumps its handle's events into a queue from a small thread, so the HTTP thread can
-wait with a timeout (SSE keep-alives notice a vanished client while the request is still queued).
+wait with a timeout (the SSE keep-alive writes; the WSGI app notices a vanished client only when it
+writes, while the ASGI app sees the disconnect at once and releases the Generation, asgi.py).
 Whoever consumes a Generation must call `release()` at the end: a request not yet finished is
 cancelled, and the handle is closed so the Engine frees its capacity.
 """

@@ -28,6 +28,7 @@ from ..errors import RequestError
 from . import fields as F
 from .errors import invalid
 from .plan import GenPlan
+from .structured_outputs import GUIDED_FIELDS, guided_output
 
 # fields a sampling request of either OpenAI endpoint accepts
 _SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -39,6 +40,7 @@ _SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "min
                     # informational fields the official SDKs send that cannot change the output
                     # (storage, billing tier, abuse tracking): accepted, no effect
                     "store", "metadata", "service_tier", "safety_identifier")
+_SAMPLING_FIELDS += GUIDED_FIELDS       # vLLM's constraints: structured_outputs.py
 CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + (
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"))
@@ -53,15 +55,16 @@ _MAX_COUNT = (1 << 31) - 1          # max_tokens and friends above this are a 40
 def parse_chat(body, gateway) -> GenPlan:
     body = F.json_object(body, "chat completion")
     F.check_known(body, CHAT_FIELDS, gateway, "chat completion")
-    structured = _common_checks(body)
+    structured = guided_output(body, gateway, _common_checks(body))
     messages = chat_messages(F.get(body, "messages", "list", required=True))
     tools = chat_tools(body)
     forced = _forced_tool_call(body, tools)
     tools = _apply_tool_choice(body.get("tool_choice"), tools)
     if forced is not None:
         if structured is not None:
-            raise invalid("'response_format' json modes and a forced 'tool_choice' cannot be "
-                          "combined (the output is either JSON content or tool calls)",
+            raise invalid("an output constraint ('response_format' json modes, "
+                          "'structured_outputs', 'guided_*') and a forced 'tool_choice' cannot be "
+                          "combined (the output is either constrained content or tool calls)",
                           "response_format")
         structured = forced
     kwargs = F.get(body, "chat_template_kwargs", "dict", default={})
@@ -101,7 +104,7 @@ def parse_chat(body, gateway) -> GenPlan:
 def parse_completion(body, gateway) -> GenPlan:
     body = F.json_object(body, "completion")
     F.check_known(body, COMPLETION_FIELDS, gateway, "completion")
-    structured = _common_checks(body)
+    structured = guided_output(body, gateway, _common_checks(body))
     prompt = _completion_prompt(body.get("prompt"))
     if F.get(body, "suffix", "str"):
         raise invalid("'suffix' is not supported", "suffix")

@@ -21,6 +21,8 @@ Grammars (Lark-like llguidance syntax):
   property has them; an enum (or const) of strings is one of its values, anything else is
   `%json {property schema}` (which enforces the JSON-schema bounds llguidance supports:
   minimum/maximum, item counts, ...). A tool with no declared properties takes any `<parameter=NAME>` free-text parameters.
+- regex / choice / grammar (text_rules): the regex as one lexeme, the choices as literals, a Lark
+  (or converted GBNF) grammar nested whole with `%lark {...}`.
 Every grammar ends the output: once complete, only EOS is allowed.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ....api import StructuredOutput
+from ....api import StructuredOutput, grammar_as_lark
 from ....errors import RequestError
 from .tool_parser import tool_schemas
 
@@ -120,6 +122,8 @@ class GrammarCompiler:
     def lark(self, spec: StructuredOutput, tools=None, *, think_open: bool) -> str:
         if spec.kind == "tool_call":
             body = self._tool_rules(spec, tools)
+        elif spec.kind in TEXT_KINDS:
+            body = text_rules(spec)
         else:
             schema = spec.schema if spec.kind == "json_schema" else {"type": "object"}
             body = ["body: %json " + _schema_json(_with_options(schema))]
@@ -204,6 +208,22 @@ class GrammarCompiler:
             return "pvalue"                 # the parser keeps such values as written
         sub = {**defs, **schema} if defs else dict(schema)
         return f'%json {_schema_json(_with_options(sub))} "\\n</parameter>\\n"'
+
+
+TEXT_KINDS = ("regex", "choice", "grammar")
+
+
+def text_rules(spec: StructuredOutput) -> list:
+    """The `body` rule of a regex / choice / grammar spec (StructuredOutput.validate has checked
+    that it compiles). A regex is one lexeme matched whole (its `^` / `$` change nothing); the
+    choices are literal strings; a grammar is nested whole (`%lark {...}`: its own rule names and
+    `start`, GBNF converted first), so it never clashes with the reasoning prefix's rules."""
+    import llguidance
+    if spec.kind == "regex":
+        return [f"body: /{llguidance.regex_to_lark(spec.pattern)}/"]
+    if spec.kind == "choice":
+        return ["body: " + " | ".join(_lark_str(c) for c in spec.choices)]
+    return ["body: %lark {", grammar_as_lark(spec.grammar).rstrip("\n"), "}"]
 
 
 class GrammarMatcher:
