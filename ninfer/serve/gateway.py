@@ -17,6 +17,7 @@ import uuid
 from typing import Optional
 
 from ..api import Finished, GenerationResult, ServedEngine, TextDelta, ToolCallEvent
+from ..errors import ContextLengthError
 from .config import ServeConfig
 from .errors import ApiError, from_engine_error
 from .metrics import Metrics
@@ -121,7 +122,8 @@ class Gateway:
 
     def tokens_left_default(self) -> int:
         """max_tokens of a request that names none: the server default, the checkpoint's, or the
-        whole context (the Engine clamps it to what the prompt leaves)."""
+        whole context (openai_schema.sampling_params bounds it by --max-tokens-cap and sends it
+        with clamp_max_tokens: the Engine cuts it to what the prompt leaves)."""
         return (self.config.max_tokens or self.sampling_defaults().get("max_tokens")
                 or self.max_context() or 4096)
 
@@ -139,9 +141,10 @@ class Gateway:
 
     # ---- requests ---------------------------------------------------------------------------------
     def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None,
-              session=None):
+              session=None, max_tokens_param: str = "max_tokens"):
         """Submit one request; ApiError on a bad or unacceptable request. `session`: the
-        context cache's session hint."""
+        context cache's session hint; `max_tokens_param`: the request field that set max_tokens
+        (named by the 400 when prompt + max_tokens exceed the context)."""
         engine = self.engine()
         request_id = request_id or uuid.uuid4().hex
         t0 = time.monotonic()
@@ -149,6 +152,9 @@ class Gateway:
             handle = engine.submit(prompt, params, tools=tools, enable_thinking=enable_thinking,
                                    request_id=request_id, timeout_s=self.config.request_timeout_s,
                                    session=session)
+        except ContextLengthError as exc:
+            raise ApiError(400, exc.describe(max_tokens_param), param=max_tokens_param,
+                           code=exc.code) from exc
         except Exception as exc:  # noqa: BLE001 - mapped to the client's status
             raise from_engine_error(exc) from exc
         gen = Generation(self, handle, request_id, t0)

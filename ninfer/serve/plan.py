@@ -22,6 +22,7 @@ class GenPlan:
     want_logprobs: bool = False
     stop: tuple = field(default_factory=tuple)
     session: Optional[str] = None       # the context cache's session hint (Engine.submit session=)
+    max_tokens_param: str = "max_tokens"    # the field that set max_tokens (named by its 400s)
 
 
 def dumps(obj) -> bytes:
