@@ -6,8 +6,9 @@
 """
 from .api import (Finished, GenerationResult, GenerationStart, SamplingParams, ScoreResult,
                   StructuredOutput, TextDelta, TokenLogprob, ToolCall, ToolCallEvent)
-from .errors import (ArtifactError, ConvertError, DeviceError, EngineClosedError,
-                     EngineFailedError, Error, NotSupportedError, RequestError)
+from .errors import (ArtifactError, ContextLengthError, ConvertError, DeviceError,
+                     EngineClosedError, EngineFailedError, Error, NotSupportedError,
+                     RequestError)
 from .options import EngineOptions
 
 __version__ = "0.1.0"
@@ -24,4 +25,4 @@ def __getattr__(name):
 __all__ = ["Engine", "EngineOptions", "SamplingParams", "StructuredOutput", "ScoreResult", "GenerationResult",
            "GenerationStart", "TextDelta", "ToolCall", "ToolCallEvent", "TokenLogprob", "Finished",
            "Error", "ArtifactError", "ConvertError", "DeviceError", "RequestError",
-           "EngineClosedError", "EngineFailedError", "NotSupportedError"]
+           "EngineClosedError", "EngineFailedError", "NotSupportedError", "ContextLengthError"]

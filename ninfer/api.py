@@ -161,6 +161,11 @@ class SamplingParams:
     # most tokens of reasoning (the thinking channel): then `</think>` is forced and the answer
     # follows. None -> unbounded. Needs a prompt that thinks (enable_thinking on).
     thinking_budget: Optional[int] = None
+    # False: prompt + max_tokens over the Engine's max_context is a RequestError
+    # (errors.ContextLengthError, naming the numbers), as OpenAI and vLLM answer. True: max_tokens
+    # is an upper bound only, cut to what the context leaves (the server's default for a request
+    # that names no max_tokens).
+    clamp_max_tokens: bool = False
 
     def validate(self) -> "SamplingParams":
         """Raise RequestError naming the first bad field; return self for chaining."""
@@ -207,6 +212,8 @@ class SamplingParams:
                 not isinstance(self.thinking_budget, (int, np.integer))
                 or isinstance(self.thinking_budget, bool) or self.thinking_budget < 0):
             bad("thinking_budget", "must be an integer >= 0 (or None: unbounded)")
+        if not isinstance(self.clamp_max_tokens, (bool, np.bool_)):
+            bad("clamp_max_tokens", "must be true or false")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 bad("structured", "must be a StructuredOutput")

@@ -267,6 +267,8 @@ def generation_setup(args, **overrides) -> tuple:
                      thinking_budget=args.thinking_budget)
     if args.max_new is not None:
         overrides["max_tokens"] = args.max_new
+    else:           # a default budget is an upper bound: cut to what the context leaves
+        overrides["clamp_max_tokens"] = True
     SamplingParams(**overrides).validate()
     EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
     template = read_chat_template(args.chat_template)
@@ -440,6 +442,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-tokens", type=int, default=None,
                    help="default max_tokens (default: the checkpoint's, else whatever fits in "
                         "the context)")
+    s.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
+                   help="most tokens one request may ask for: a larger max_tokens is a 400 "
+                        "naming N, a request naming none gets at most N (default: no cap but "
+                        "the context)")
     s.add_argument("--no-thinking", action="store_true",
                    help="chat template default: no reasoning (requests may still ask)")
     s.add_argument("--chat-template", metavar="FILE",
@@ -485,7 +491,8 @@ def serve_command(args) -> int:
         raise Error(f"--max-body-mb {args.max_body_mb}: must be a finite number > 0")
     config = ServeConfig(model_id=args.model_id, api_key=args.api_key or None,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                         max_tokens=args.max_tokens, enable_thinking=not args.no_thinking,
+                         max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
+                         enable_thinking=not args.no_thinking,
                          drain_grace_s=args.drain_grace, lenient=args.lenient,
                          request_timeout_s=args.request_timeout,
                          allowed_origins=tuple(args.allowed_origins),

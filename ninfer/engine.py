@@ -199,7 +199,9 @@ class Engine:
                request_id: Optional[str] = None, timeout_s: Optional[float] = None,
                session: Optional[str] = None, share_prompt: bool = False):
         """Queue one request; returns a GenerationHandle (iterate events, .result(), .cancel()).
-        No params: the checkpoint's defaults (`default_sampling_params()`). `session`: a hint
+        No params: the checkpoint's defaults (`default_sampling_params()`), max_tokens cut to
+        what the context leaves; params whose prompt + max_tokens exceed max_context raise
+        ContextLengthError (unless `clamp_max_tokens`). `session`: a hint
         (a string of at most 256 characters) that requests giving the same one continue one
         conversation; the context cache then finds its newest checkpoint first. `share_prompt`:
         more requests with this exact prompt follow (`submit_n` sets it on the first): its
@@ -210,7 +212,8 @@ class Engine:
             from .models.qwen3_5.frontend.prompt import max_token_bytes, precheck_prompt
             precheck_prompt(prompt, self.options.max_context,
                             max_token_bytes(self.frontend.tokenizer))
-        params = params if params is not None else self.default_sampling_params()
+        if params is None:      # nothing named: a default max_tokens is an upper bound only
+            params = self.default_sampling_params(clamp_max_tokens=True)
         return self._generation().submit(prompt, params, tools=tools,
                                          enable_thinking=enable_thinking, request_id=request_id,
                                          timeout_s=timeout_s, session=session,

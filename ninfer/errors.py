@@ -38,6 +38,24 @@ class NotSupportedError(RequestError):
         super().__init__(message, status=400, code="not_supported")
 
 
+class ContextLengthError(RequestError):
+    """prompt + max_tokens exceed the Engine's max_context (a request that sets
+    `SamplingParams.clamp_max_tokens` is cut to the context instead). HTTP 400
+    "context_length_exceeded"; the Gateway names the field the client used (`describe`)."""
+
+    def __init__(self, max_tokens: int, num_prompt_tokens: int, max_context: int):
+        self.max_tokens = int(max_tokens)
+        self.num_prompt_tokens = int(num_prompt_tokens)
+        self.max_context = int(max_context)
+        super().__init__(self.describe("max_tokens"), code="context_length_exceeded")
+
+    def describe(self, param: str) -> str:
+        room = self.max_context - self.num_prompt_tokens
+        return (f"{param}={self.max_tokens} + {self.num_prompt_tokens} prompt tokens exceeds the "
+                f"context of {self.max_context} tokens (at most {room} tokens fit after this "
+                f"prompt)")
+
+
 class EngineClosedError(RequestError):
     """The Engine was closed (`close()`, or the server is shutting down): it takes no new work.
     The caller's mistake or a shutdown race, not a broken invariant: HTTP 503 "engine_closed"."""

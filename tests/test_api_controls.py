@@ -57,6 +57,35 @@ def test_engine_defaults_fill_params_and_submit_without_params_uses_them(engine,
         engine.default_sampling_params(top_k=-2)
 
 
+# ---- limits (issue 23) -------------------------------------------------------------------------
+
+def test_max_tokens_past_the_context_raises_context_length_error(engine):
+    n = len(engine.frontend.prepare(USER, enable_thinking=False).token_ids)
+    for submit in (engine.generate, engine.submit):
+        with pytest.raises(ninfer.ContextLengthError) as info:
+            submit(USER, ninfer.SamplingParams(max_tokens=10**9), enable_thinking=False)
+        err = info.value
+        assert isinstance(err, RequestError) and (err.status, err.code) == \
+            (400, "context_length_exceeded")
+        assert (err.max_tokens, err.num_prompt_tokens, err.max_context) == (10**9, n, 512)
+        assert str(err) == (f"max_tokens=1000000000 + {n} prompt tokens exceeds the context of "
+                            f"512 tokens (at most {512 - n} tokens fit after this prompt)")
+    assert engine.stats()["outstanding"] == 0          # refused before it was queued
+    fits = engine.generate(USER, ninfer.SamplingParams(max_tokens=512 - n, ignore_eos=True),
+                           enable_thinking=False)
+    assert fits.finish_reason == "length" and len(fits.token_ids) == 512 - n
+
+
+def test_clamped_max_tokens_ends_at_the_context(engine, monkeypatch):
+    res = engine.generate("The sea", ninfer.SamplingParams(max_tokens=10**9, ignore_eos=True,
+                                                           clamp_max_tokens=True))
+    assert res.finish_reason == "length" and res.num_prompt_tokens + len(res.token_ids) == 512
+    # no params: the checkpoint's default budget is an upper bound only, never refused
+    monkeypatch.setattr(engine.frontend, "sampling_defaults", {"max_tokens": 10**6})
+    res = engine.generate("The sea")
+    assert res.num_prompt_tokens + len(res.token_ids) <= 512
+
+
 # ---- thinking budget ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", [0, 1, 4])
@@ -116,7 +145,8 @@ def test_min_tokens_holds_back_stop_strings(engine):
     # str.isdigit() is true for these, int() refuses them: a RequestError, not a ValueError
     (dict(logit_bias={"\u00b2": 1}), "token id"), (dict(logit_bias={"+-7": 1}), "token id"),
     (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=3, min_tokens=4), "min_tokens"),
-    (dict(thinking_budget=-1), "thinking_budget"), (dict(thinking_budget=True), "thinking_budget")])
+    (dict(thinking_budget=-1), "thinking_budget"), (dict(thinking_budget=True), "thinking_budget"),
+    (dict(clamp_max_tokens="yes"), "clamp_max_tokens")])
 def test_bad_controls_are_request_errors(kwargs, match):
     with pytest.raises(RequestError, match=match):
         ninfer.SamplingParams(**kwargs).validate()

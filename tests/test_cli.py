@@ -125,6 +125,7 @@ def test_run_bad_messages_file(tmp_path, content, message):
     (["--drain-grace", "nan"], "drain_grace_s=nan: must be a finite number >= 0"),
     (["--drain-grace", "inf"], "drain_grace_s=inf: must be a finite number >= 0"),
     (["--allow-media-urls", "a,,b"], "--allow-media-urls 'a,,b': each entry must be a host"),
+    (["--max-tokens-cap", "0"], "max_tokens_cap=0: must be >= 1"),
 ])
 def test_serve_bad_input_one_line_error(args, message):
     r = ninfer("serve", *args)

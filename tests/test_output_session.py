@@ -409,15 +409,38 @@ def test_literal_tool_call_tag_in_prose_is_text_and_not_held(fe):
     assert s.text == prose and s.tool_calls == []
 
 
-def test_truncated_call_at_length_limit_comes_back_as_text(fe):
-    partial = "Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+@pytest.mark.parametrize("reason", ["length", "cancelled", "error"])
+def test_call_cut_by_the_end_is_dropped_and_complete_calls_stand(fe, reason):
+    """Issue 23: a call cut by the length limit (or a cancel) is no answer: the complete calls
+    before it stand, no raw `<tool_call>` markup reaches the text, and the finish reason says
+    why the output ended."""
+    partial = ("Checking.\n\n" + WEATHER_CALL + "\n<tool_call>\n<function=get_weather>\n"
+               "<parameter=city>\nPar")
     s = session(fe, tools=TOOLS)
-    run(s, fe.tokenize(partial).tolist())
-    assert s.text == "Checking."
-    pv = s.preview_finish("length")
+    events, _ = run(s, fe.tokenize(partial).tolist())
+    assert s.text == "Checking." and len(calls(events)) == 1
+    pv = s.preview_finish(reason)
+    assert all(not isinstance(e, TextDelta) or e.text == "" for e in pv.events)
     s.commit(pv)
-    assert s.text == partial and s.tool_calls == []       # separator newlines included
-    assert pv.finish_reason == "length" and s.finish_reason == "length"
+    assert s.text == "Checking." and "<tool_call>" not in s.text
+    assert [json.loads(c.arguments) for c in s.tool_calls] == [{"city": "Paris", "days": 3}]
+    assert pv.finish_reason == reason and s.finish_reason == reason
+
+
+@pytest.mark.parametrize("cut", ["<tool_call>", "<tool_call>\n", "<tool_call>\n<func",
+                                 "<tool_call>\n{\"name\": \"get_we"])
+def test_a_bare_open_call_at_the_length_limit_leaves_no_markup(fe, cut):
+    s = session(fe, tools=TOOLS)
+    run(s, fe.tokenize("Sure.\n" + cut).tolist())
+    s.commit(s.preview_finish("length"))
+    assert s.text == "Sure." and s.tool_calls == []
+
+
+def test_text_after_a_call_then_the_length_limit_is_kept(fe):
+    s = session(fe, tools=TOOLS)
+    run(s, fe.tokenize(WEATHER_CALL + "\nDone, and the <b>rest").tolist())
+    s.commit(s.preview_finish("length"))
+    assert s.text == "Done, and the <b>rest" and len(s.tool_calls) == 1
 
 
 def test_call_open_at_stop_token_comes_back_as_text(fe):
@@ -447,13 +470,54 @@ def test_missing_closing_parameter_and_function_are_tolerated(fe):
     "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\nsome junk\n</function>",
     "<function=>\n</function>",
     "<function=get_weather>\n<parameter=city>\nA\n</parameter>\n<parameter=city>\nB\n</parameter>",
-    "{\"name\": \"get_weather\", \"arguments\": {}}",      # the older JSON form is not Qwen3.5's
+    # the Qwen3 JSON form, malformed: not JSON, no name, arguments not an object, extra keys
+    "{name: get_weather}",
+    "{\"arguments\": {}}",
+    "{\"name\": \"get_weather\", \"arguments\": [1]}",
+    "{\"name\": \"get_weather\", \"arguments\": \"[1]\"}",
+    "{\"name\": \"get_weather\", \"arguments\": {}, \"id\": 3}",
+    "{\"name\": \"\", \"arguments\": {}}",
+    "{\"name\": \"a\", \"arguments\": {}, \"parameters\": {}}",
 ])
 def test_malformed_call_comes_back_as_text(fe, body):
     out = "Before. <tool_call>\n" + body + "\n</tool_call> After."
     s = session(fe, tools=TOOLS)
     events, _ = run(s, fe.tokenize(out).tolist() + [IM_END])
     assert calls(events) == [] and s.text == out
+
+
+@pytest.mark.parametrize("body, args", [
+    ('{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+     {"city": "Paris", "days": 3}),
+    # arguments JSON-encoded (as OpenAI sends them), the `parameters` spelling, none at all
+    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Lyon\\"}"}', {"city": "Lyon"}),
+    ('{"name": "get_weather", "parameters": {"days": 2}}', {"days": 2}),
+    ('{"name": "get_weather"}', {}),
+])
+@pytest.mark.parametrize("mode", ["tokenizer", "bytes"])
+def test_qwen3_json_call_is_parsed_as_a_fallback(fe, byte_ids, body, args, mode):
+    """Issue 23: Qwen3-style `{"name": ..., "arguments": {...}}` inside <tool_call> is a call,
+    streamed token by token (or byte by byte) like the XML form, text around it kept."""
+    out = "Let me look.\n\n<tool_call>\n" + body + "\n</tool_call>\n" + WEATHER_CALL
+    ids = (byte_ids(out) if mode == "bytes" else fe.tokenize(out).tolist()) + [IM_END]
+    s = session(fe, tools=TOOLS)
+    events, _ = run(s, ids)
+    first, second = calls(events)
+    assert (first.call.name, json.loads(first.call.arguments)) == ("get_weather", args)
+    assert (first.index, second.index) == (0, 1)
+    assert json.loads(second.call.arguments) == {"city": "Paris", "days": 3}
+    assert s.text == "Let me look." and s.finish_reason == "stop"
+
+
+def test_qwen3_json_call_parser_unit():
+    from ninfer.models.qwen3_5.frontend.tool_parser import parse_tool_call
+    schemas = {"f": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+    assert parse_tool_call('\n{"name": "f", "arguments": {"n": 1, "s": "x"}}\n', schemas) == \
+        ("f", {"n": 1, "s": "x"})
+    assert parse_tool_call('{"name": " f ", "arguments": null}', schemas) == ("f", {})
+    for bad in ('{"name": "f", "arguments": {"n": 1}', '{"name": ["f"]}', '["f", {}]',
+                '{"name": "a<b"}', '{"name": "f", "arguments": 5}'):
+        assert parse_tool_call(bad, schemas) is None, bad
 
 
 def test_without_tools_markup_is_text(fe):
@@ -580,16 +644,15 @@ def test_parsed_turn_renders_back_to_the_generated_text(fe):
     assert history == prepared.text + generated + "<|im_end|>\n"
 
 
-@pytest.mark.parametrize("tail, final", [(" tag in prose.", None), ("\n<function=f>\nx", "length"),
+@pytest.mark.parametrize("tail, final", [(" tag in prose.", None), ("\n<function=f>\nx", "eos"),
                                          ("\n<function=>\n</tool_call> after", None)])
 def test_newlines_before_a_non_call_are_kept(fe, tail, final):
     """The newline run before <tool_call> is a separator only if a call follows; for prose, a
-    truncated or a malformed call it comes back with the text."""
+    call left unclosed at EOS or a malformed call it comes back with the text (a call cut by
+    the length limit is dropped with it: test_call_cut_by_the_end_is_dropped...)."""
     out = "See:\n\n<tool_call>" + tail
     s = session(fe, tools=TOOLS)
-    run(s, fe.tokenize(out).tolist())
-    if final:
-        s.commit(s.preview_finish(final))
+    run(s, fe.tokenize(out).tolist() + ([IM_END] if final == "eos" else []))
     assert s.text == out and s.tool_calls == []
 
 

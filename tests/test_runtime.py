@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ninfer.api import Finished, GenerationStart, SamplingParams, TextDelta
-from ninfer.errors import EngineFailedError, RequestError
+from ninfer.errors import ContextLengthError, EngineFailedError, RequestError
 from ninfer.models.qwen3_5.program import Program, ProgramError
 from ninfer.options import EngineOptions
 from ninfer.models.qwen3_5.fakes import FakeModel
@@ -186,8 +186,27 @@ def test_stop_token_finishes_with_stop():
 
 
 def test_max_context_ends_with_length():
+    # clamp_max_tokens: max_tokens is only an upper bound (the server's default for a request
+    # that names none); the output ends where the context does
     core, _ = make_core(max_context=20)
-    result = core.submit(prompt(5, 15), SamplingParams(max_tokens=100, ignore_eos=True)).result(10)
+    result = core.submit(prompt(5, 15), SamplingParams(max_tokens=100, ignore_eos=True,
+                                                       clamp_max_tokens=True)).result(10)
+    assert result.finish_reason == "length" and len(result.token_ids) == 5
+    finish_clean(core)
+
+
+def test_max_tokens_past_the_context_is_refused_naming_the_numbers():
+    core, _ = make_core(max_context=20)
+    with pytest.raises(ContextLengthError) as info:
+        core.submit(prompt(5, 15), SamplingParams(max_tokens=6, ignore_eos=True))
+    err = info.value
+    assert isinstance(err, RequestError) and err.status == 400
+    assert err.code == "context_length_exceeded"
+    assert (err.max_tokens, err.num_prompt_tokens, err.max_context) == (6, 15, 20)
+    assert str(err) == ("max_tokens=6 + 15 prompt tokens exceeds the context of 20 tokens "
+                        "(at most 5 tokens fit after this prompt)")
+    # exactly filling the context is fine, and nothing was queued by the refusal
+    result = core.submit(prompt(5, 15), SamplingParams(max_tokens=5, ignore_eos=True)).result(10)
     assert result.finish_reason == "length" and len(result.token_ids) == 5
     finish_clean(core)
 
@@ -261,7 +280,8 @@ def test_overload_is_429_and_capacity_is_released_exactly_once():
     a = core.submit(prompt(8, 4), SamplingParams(max_tokens=2, ignore_eos=True))
     b = core.submit(prompt(9, 4), SamplingParams(max_tokens=2, ignore_eos=True))
     with pytest.raises(RequestError) as err:
-        core.submit(prompt(10, 4), SamplingParams())
+        # a max_tokens that fits the 64-token context: prompt + max_tokens over it is a 400
+        core.submit(prompt(10, 4), SamplingParams(max_tokens=8))
     assert err.value.status == 429
     gate.opened.set()
     a.result(timeout=10)

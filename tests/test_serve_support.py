@@ -12,6 +12,7 @@ by the last user message:
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import sys
 import threading
@@ -249,11 +250,30 @@ SCRIPTS = {
     "tool": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
     "fox": "The quick brown fox jumps over the lazy dog.",
+    # three parallel calls (a max_tokens inside the third cuts it: issue 23)
+    "calls3": "\n".join(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n" + city + "\n</parameter>\n"
+        "<parameter=days>\n" + days + "\n</parameter>\n</function>\n</tool_call>"
+        for city, days in (("Paris", "3"), ("Lyon", "1"), ("Rome", "2"))),
+    # one call, then the newline a model writes before another call, then EOS
+    "call_nl": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                "</function>\n</tool_call>\n"),
+    # the Qwen3 JSON form inside <tool_call>, which the parser takes as a fallback
+    "jsoncall": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+                 "\n</tool_call>"),
+    # one call of a tool with a free-text (string) parameter
+    "say": ("<tool_call>\n<function=say>\n<parameter=text>\nhello, world\n</parameter>\n"
+            "</function>\n</tool_call>"),
+    "json": '{"city": "Paris", "days": 3}',
     "long": " ".join(f"w{i}" for i in range(400)),
 }
 SCRIPTS.update({f"client{i}": f"I am client {i}: " + " ".join(f"c{i}t{j}" for j in range(12))
                 for i in range(8)})
 _MARKER = re.compile(r"\[\[script:(\w+)\]\]")
+SAY_TOOL = {"type": "function", "function": {
+    "name": "say", "description": "Say a text aloud",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                   "required": ["text"]}}}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -388,8 +408,12 @@ class ServerProcess:
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile("w+")      # a file, not a pipe: it never fills up
+        # the checkout under test first on the path: the script's own directory (tests/) comes
+        # first otherwise, and `ninfer` would resolve to whatever installation the venv has
+        root = str(pathlib.Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([str(a) for a in argv] + ["--port", str(self.port)],
-                                     env={**os.environ, **(env or {})},
+                                     env={**os.environ, "PYTHONPATH": path, **(env or {})},
                                      stdout=self._log, stderr=subprocess.STDOUT, text=True)
         self._wait_ready(ready_timeout)
 
@@ -454,9 +478,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-queue", type=int, default=8)
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-tokens-cap", type=int, default=None)
     args = p.parse_args(argv)
     config = ServeConfig(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                         drain_grace_s=2.0)
+                         drain_grace_s=2.0, max_tokens_cap=args.max_tokens_cap)
 
     def factory():
         return ScriptedEngine(args.artifact, max_concurrency=args.max_concurrency,

@@ -238,6 +238,32 @@ def test_named_tool_allows_only_that_function_and_one_call(fe):
     assert np.flatnonzero(s.token_mask()).tolist() == sorted(fe.eos_token_ids)
 
 
+def test_parallel_calls_may_stop_after_any_call_and_after_its_newline(fe):
+    """Issue 23: `required` let a model stop only straight after `</tool_call>`; the newline it
+    writes before another call committed it to one more, so it ran into the length limit."""
+    s = session(fe, StructuredOutput("tool_call"), tools=TOOLS)
+    eos, call_open = set(fe.eos_token_ids), fe.token_id("<tool_call>")
+    feed(s, fe, CALL)
+    after_call = set(np.flatnonzero(s.token_mask()).tolist())
+    assert eos <= after_call and fe.token_id("</tool_call>") not in after_call
+    feed(s, fe, "\n")
+    assert set(np.flatnonzero(s.token_mask()).tolist()) == eos | {call_open}
+    with pytest.raises(RuntimeError, match="grammar"):      # one newline, not a run of them
+        s.preview(fe.tokenize("\n").tolist())
+    s.commit(s.preview([fe.eos_token_ids[0]]))
+    assert len(s.tool_calls) == 1 and s.text == "" and s.finish_reason == "stop"
+
+
+def test_parallel_tool_calls_false_allows_exactly_one_call(fe):
+    s = session(fe, StructuredOutput("tool_call", parallel_tool_calls=False), tools=TOOLS)
+    feed(s, fe, CALL)
+    assert np.flatnonzero(s.token_mask()).tolist() == sorted(fe.eos_token_ids)
+    with pytest.raises(RuntimeError, match="grammar"):
+        s.preview(fe.tokenize("\n").tolist())
+    s.commit(s.preview([fe.eos_token_ids[0]]))
+    assert len(s.tool_calls) == 1
+
+
 def test_free_text_values_cannot_hide_a_parameter_tag(fe):
     tools = [{"type": "function", "function": {"name": "say", "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
@@ -401,7 +427,9 @@ def demo():
 @pytest.fixture(scope="module")
 def engine(demo):
     from ninfer import Engine
-    with Engine(demo, max_concurrency=4, max_context=512) as e:
+    # room for the tool tests' 350-token prompts + max_tokens 200 (prompt + max_tokens over
+    # the context is a 400 since issue 23)
+    with Engine(demo, max_concurrency=4, max_context=1024) as e:
         yield e
 
 

@@ -27,7 +27,8 @@ from ..errors import EngineFailedError, RequestError
 from ..contracts import RowDecision, RowPlan, SamplingSpec, UnitPlan
 from .handle import GenerationHandle, _Channel
 from .outcome import decide, final_result
-from .request import Request, RequestState, checked_prompt_ids, checked_submit_args
+from .request import (Request, RequestState, check_output_room, checked_prompt_ids,
+                      checked_submit_args)
 from .context_cache import ContextCache
 from .scheduler import ResidentView, Scheduler
 
@@ -105,6 +106,7 @@ class EngineCore:
         prepared = self.frontend.prepare(prompt, tools=tools, enable_thinking=enable_thinking)
         prompt_ids = checked_prompt_ids(prepared.token_ids, self.options.max_context,
                                         self.vocab_size)
+        check_output_room(params, len(prompt_ids), self.options.max_context)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request_id = request_id or uuid.uuid4().hex
         media = prepared.media

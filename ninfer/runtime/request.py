@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..api import MAX_SESSION_CHARS, SamplingParams
-from ..errors import RequestError
+from ..errors import ContextLengthError, RequestError
 
 
 class RequestState(enum.IntEnum):
@@ -104,6 +104,14 @@ def checked_submit_args(params, enable_thinking, request_id, timeout_s,
                                       and math.isfinite(timeout_s) and timeout_s > 0):
         raise RequestError(f"timeout_s={timeout_s!r}: must be a finite number > 0")
     return dataclasses.replace(params).validate()     # a copy: validate() normalises fields
+
+
+def check_output_room(params, num_prompt_tokens: int, max_context: int) -> None:
+    """prompt + max_tokens must fit max_context (OpenAI's and vLLM's rule: a request asking more
+    than the context holds is refused before it runs, not cut short after minutes), unless the
+    request asked for the clamp (`clamp_max_tokens`: the output then ends at the context)."""
+    if not params.clamp_max_tokens and num_prompt_tokens + params.max_tokens > max_context:
+        raise ContextLengthError(params.max_tokens, num_prompt_tokens, max_context)
 
 
 def checked_prompt_ids(ids, max_context: int, vocab_size: int) -> np.ndarray:

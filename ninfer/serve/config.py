@@ -23,6 +23,9 @@ class ServeConfig:
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     max_tokens: Optional[int] = None        # None -> the checkpoint's, else what fits the context
+    # operators' bound on max_tokens: a request asking more is a 400 naming it; one that names
+    # none gets at most this many (None: no bound but the context)
+    max_tokens_cap: Optional[int] = None
     lenient: bool = False                   # unknown request fields are ignored instead of a 400
     # a generation still running this long after submit is cancelled (the answer so far, finish
     # reason "cancelled"); None -> no limit
@@ -69,6 +72,8 @@ class ServeConfig:
             bad("allowed_origins", "must be a tuple of origins ('https://host:port' or '*')")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", "must be >= 1")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            bad("max_tokens_cap", "must be >= 1")
         # not (x > 0) also refuses NaN, which every comparison lets through
         if not (math.isfinite(self.keepalive_s) and self.keepalive_s > 0):
             bad("keepalive_s", "must be a finite number > 0")

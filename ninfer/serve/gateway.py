@@ -18,6 +18,7 @@ import uuid
 from typing import Optional
 
 from ..api import Finished, GenerationResult, ServedEngine, TextDelta, ToolCallEvent
+from ..errors import ContextLengthError
 from .config import ServeConfig
 from .errors import ApiError, from_engine_error
 from .metrics import Metrics
@@ -122,7 +123,8 @@ class Gateway:
 
     def tokens_left_default(self) -> int:
         """max_tokens of a request that names none: the server default, the checkpoint's, or the
-        whole context (the Engine clamps it to what the prompt leaves)."""
+        whole context (openai_schema.sampling_params bounds it by --max-tokens-cap and sends it
+        with clamp_max_tokens: the Engine cuts it to what the prompt leaves)."""
         return (self.config.max_tokens or self.sampling_defaults().get("max_tokens")
                 or self.max_context() or 4096)
 
@@ -141,11 +143,12 @@ class Gateway:
     # ---- requests ---------------------------------------------------------------------------------
     def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None,
               session=None, sink: Optional[queue.Queue] = None, index: int = 0,
-              share_prompt: bool = False):
+              share_prompt: bool = False, max_tokens_param: str = "max_tokens"):
         """Submit one request; ApiError on a bad or unacceptable request. `session`: the
         context cache's session hint. `sink`: a queue shared by the choices of one response
         (ChoiceGroup), which gets this request's events tagged with `index`; `share_prompt`:
-        the first of them (Engine.submit's)."""
+        the first of them (Engine.submit's). `max_tokens_param`: the request field that set
+        max_tokens (named by the 400 when prompt + max_tokens exceed the context)."""
         engine = self.engine()
         request_id = request_id or uuid.uuid4().hex
         t0 = time.monotonic()
@@ -154,6 +157,9 @@ class Gateway:
                                    request_id=request_id, timeout_s=self.config.request_timeout_s,
                                    session=session,
                                    **({"share_prompt": True} if share_prompt else {}))
+        except ContextLengthError as exc:
+            raise ApiError(400, exc.describe(max_tokens_param), param=max_tokens_param,
+                           code=exc.code) from exc
         except Exception as exc:  # noqa: BLE001 - mapped to the client's status
             raise from_engine_error(exc) from exc
         gen = Generation(self, handle, request_id, t0, sink=sink, index=index)

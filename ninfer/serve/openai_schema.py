@@ -17,7 +17,7 @@ Only text content parts are accepted (the vision path is not served yet).
 Thinking: `chat_template_kwargs.enable_thinking` switches it; `reasoning_effort` bounds it by a
 budget of reasoning tokens (REASONING_BUDGETS; "none" turns it off). A forced tool choice
 (`required` or a named function) with thinking on is bounded too (FORCED_TOOL_THINKING_BUDGET, at
-most half of max_tokens), so the forced call always comes.
+most half of max_tokens), so the reasoning leaves room for the forced call.
 """
 from __future__ import annotations
 
@@ -83,10 +83,12 @@ def parse_chat(body, gateway) -> GenPlan:
     top = F.get(body, "top_logprobs", "int", lo=0, hi=20)
     if top is not None and not want_logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    max_tokens = F.get(body, "max_completion_tokens", "int", lo=1, hi=_MAX_COUNT)
+    max_param = "max_completion_tokens"
+    max_tokens = F.get(body, max_param, "int", lo=1, hi=_MAX_COUNT)
     if max_tokens is None:
-        max_tokens = F.get(body, "max_tokens", "int", lo=1, hi=_MAX_COUNT)
-    params = sampling_params(body, gateway, max_tokens=max_tokens,
+        max_param = "max_tokens"
+        max_tokens = F.get(body, max_param, "int", lo=1, hi=_MAX_COUNT)
+    params = sampling_params(body, gateway, max_tokens=max_tokens, max_tokens_param=max_param,
                              logprobs=(top or 0) if want_logprobs else None,
                              structured=structured)
     if forced is not None and thinking:
@@ -97,7 +99,8 @@ def parse_chat(body, gateway) -> GenPlan:
     stream, include_usage = _stream_flags(body)
     plan = GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
                    stream=stream, include_usage=include_usage, want_logprobs=want_logprobs,
-                   stop=tuple(params.stop), session=session_hint(body))
+                   stop=tuple(params.stop), session=session_hint(body),
+                   max_tokens_param=max_param)
     return _with_choices(body, plan)
 
 
@@ -109,10 +112,10 @@ def parse_completion(body, gateway) -> GenPlan:
     if F.get(body, "suffix", "str"):
         raise invalid("'suffix' is not supported", "suffix")
     n_logprobs = F.get(body, "logprobs", "int", lo=0, hi=20)
-    # OpenAI's documented default for the legacy endpoint
-    max_tokens = F.get(body, "max_tokens", "int", lo=1, hi=_MAX_COUNT, default=16)
+    max_tokens = F.get(body, "max_tokens", "int", lo=1, hi=_MAX_COUNT)
+    # a missing max_tokens is OpenAI's documented default for the legacy endpoint, 16
     params = sampling_params(body, gateway, max_tokens=max_tokens, logprobs=n_logprobs,
-                             structured=structured)
+                             structured=structured, default_max_tokens=16)
     stream, include_usage = _stream_flags(body)
     plan = GenPlan(prompt=prompt, params=params, enable_thinking=False, stream=stream,
                    include_usage=include_usage, want_logprobs=n_logprobs is not None,
@@ -144,14 +147,27 @@ def session_hint(body: dict):
 
 
 def sampling_params(body: dict, gateway, *, max_tokens, logprobs=None, stop_key="stop",
-                    temperature_hi=2.0, structured=None) -> SamplingParams:
+                    temperature_hi=2.0, structured=None, max_tokens_param="max_tokens",
+                    default_max_tokens=None) -> SamplingParams:
     """The sampling fields both protocols share; the server's defaults fill the gaps (serve
-    flags, then the checkpoint's generation_config.json, then SamplingParams' own)."""
+    flags, then the checkpoint's generation_config.json, then SamplingParams' own).
+
+    max_tokens: the request's (None: it named none). One it names must fit under
+    --max-tokens-cap (else a 400 here) and, with the prompt, in the context (else the Engine's
+    ContextLengthError, a 400 naming the numbers); a missing one is the default
+    (`default_max_tokens`, else the server's), at most the cap, cut to what the context leaves."""
     base = gateway.sampling_defaults()
-    if max_tokens is None:
-        max_tokens = gateway.tokens_left_default()
+    cap = gateway.config.max_tokens_cap
+    clamp = max_tokens is None
+    if clamp:
+        max_tokens = default_max_tokens or gateway.tokens_left_default()
+        max_tokens = max_tokens if cap is None else min(max_tokens, cap)
+    elif cap is not None and max_tokens > cap:
+        raise invalid(f"'{max_tokens_param}' is {max_tokens}, over this server's cap of {cap} "
+                      "tokens (serve --max-tokens-cap)", max_tokens_param)
     params = SamplingParams(
         max_tokens=max_tokens,
+        clamp_max_tokens=clamp,
         temperature=F.get(body, "temperature", "number", lo=0, hi=temperature_hi,
                           default=min(base.get("temperature", 0.0), temperature_hi)),
         top_p=F.get(body, "top_p", "number", lo=0, lo_open=True, hi=1,

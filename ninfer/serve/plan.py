@@ -24,6 +24,7 @@ class GenPlan:
     session: Optional[str] = None       # the context cache's session hint (Engine.submit session=)
     n: int = 1                          # choices (OpenAI `n`): one request each, one prefill
     echo: bool = False                  # completions: the prompt leads each choice's text
+    max_tokens_param: str = "max_tokens"    # the field that set max_tokens (named by its 400s)
 
 
 def dumps(obj) -> bytes:

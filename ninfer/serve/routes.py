@@ -85,7 +85,7 @@ def _new_id(prefix: str) -> str:
 def _start(gw, plan, response_id: str):
     return gw.start(plan.prompt, plan.params, tools=plan.tools,
                     enable_thinking=plan.enable_thinking, request_id=response_id,
-                    session=plan.session)
+                    session=plan.session, max_tokens_param=plan.max_tokens_param)
 
 
 def _collect(gen):

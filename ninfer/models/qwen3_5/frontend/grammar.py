@@ -21,6 +21,8 @@ Grammars (Lark-like llguidance syntax):
   property has them; an enum (or const) of strings is one of its values, anything else is
   `%json {property schema}` (which enforces the JSON-schema bounds llguidance supports:
   minimum/maximum, item counts, ...). A tool with no declared properties takes any `<parameter=NAME>` free-text parameters.
+  One call when the spec names a tool or forbids parallel calls, else one or more separated by a
+  newline; after the last of several, at most one newline, then EOS.
 - regex / choice / grammar (text_rules): the regex as one lexeme, the choices as literals, a Lark
   (or converted GBNF) grammar nested whole with `%lark {...}`.
 Every grammar ends the output: once complete, only EOS is allowed.
@@ -151,7 +153,11 @@ class GrammarCompiler:
                                    "not among the request's tools")
             schemas = {spec.tool_name: schemas[spec.tool_name]}
         many = spec.parallel_tool_calls and spec.tool_name is None
-        rules = ['body: call ("\\n" call)*' if many else "body: call",
+        # parallel calls: after each complete call the model may stop (EOS), also after the
+        # newline it would write before another call (that newline used to commit it to one
+        # more call, so a model fond of newlines ran call after call into the length limit).
+        # One call: only EOS follows it.
+        rules = ['body: call ("\\n" call)* "\\n"?' if many else "body: call",
                  "call: " + " | ".join(f"fn{i}" for i in range(len(schemas))),
                  _VALUE_TERMINAL, _NAME_TERMINAL, "pvalue[lazy]: PVALUE"]
         open_, close = self._tag("<tool_call>"), self._tag("</tool_call>")

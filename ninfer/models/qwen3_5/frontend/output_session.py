@@ -27,8 +27,11 @@ Semantics (the Gateway and the Engine rely on these):
   at `</tool_call>` the body is parsed (tool_parser.py) and a ToolCallEvent is emitted, or, if the
   body is malformed, the whole `<tool_call>...</tool_call>` text comes back as content. A call inside
   reasoning is reasoning text (the model has not committed to it; vLLM's reasoning-then-tools parsing
-  agrees). A `<tool_call>` not followed by `<function=` is text as soon as that is known. A call still
-  open when the output ends (length, cancel, stop) comes back as content text.
+  agrees). A `<tool_call>` followed by neither `<function=` nor a JSON object (the Qwen3 form,
+  parsed as a fallback) is text as soon as that is known. A call still open when the output is cut
+  (length, cancel, error) is dropped: the complete calls stand, finish_reason says why it ended,
+  and no raw markup reaches the content; one still open at a stop (EOS, stop token or string: the
+  model ended it unclosed) comes back as content text.
 - Tool call ids are `call_<nonce>_<index>`; the nonce derives from the request id (and prompt digest,
   see Frontend.new_output_session) when one is given, else it is random.
 
@@ -325,12 +328,14 @@ class OutputSession:
 
     def preview_finish(self, reason: str) -> OutputPreview:
         """Flush everything held back when generation ends without a stop (length, cancelled,
-        error): a partial character becomes U+FFFD, an open tool call comes back as text."""
+        error): a partial character becomes U+FFFD; a tool call still open is dropped (the
+        output was cut inside it: the complete calls before it stand, and its raw markup is no
+        answer to show as text)."""
         base = self._state
         if base.finish_reason is not None:
             return OutputPreview(0, [], base.finish_reason, (), base, base)
         st, out = base.clone(), _Collector()
-        self._flush(st, out)
+        self._flush(st, out, drop_open_call=True)
         st.finish_reason = reason
         return OutputPreview(0, out.events((), st.channel), reason, (), st, base)
 
@@ -408,7 +413,7 @@ class OutputSession:
         st.window, st.window_read = ids[st.window_read:], len(ids) - st.window_read
         return full[len(prefix):]
 
-    def _flush(self, st: _State, out: _Collector) -> None:
+    def _flush(self, st: _State, out: _Collector, drop_open_call: bool = False) -> None:
         tail = codecs.utf_8_decode(st.pending_bytes, "replace", True)[0]
         if st.window:
             prefix = self._tok.decode_window(st.window[:st.window_read])
@@ -416,7 +421,7 @@ class OutputSession:
             st.window, st.window_read = (), 0
         held = st.stop_hold + tail
         st.pending_bytes, st.stop_hold = b"", ""
-        self._feed(st, held, True, out)
+        self._feed(st, held, True, out, drop_open_call)
 
     # ---- stage 2: channels and tool calls ------------------------------------------------------
     def _tags(self, st: _State) -> Tuple[str, ...]:
@@ -425,7 +430,8 @@ class OutputSession:
         tags = (CALL_OPEN,) if self._tools_enabled else ()
         return tags + (THINK_OPEN,) if st.think_allowed else tags
 
-    def _feed(self, st: _State, text: str, final: bool, out: _Collector) -> None:
+    def _feed(self, st: _State, text: str, final: bool, out: _Collector,
+              drop_open_call: bool = False) -> None:
         buf, st.parse_hold = st.parse_hold + text, ""
         while buf:
             if st.tool_buf is not None:
@@ -448,9 +454,10 @@ class OutputSession:
                 st.channel = REASONING if tag == THINK_OPEN else CONTENT
                 st.think_allowed = False
                 st.strip_newlines = True
-        if final and st.tool_buf is not None:        # truncated call: back as text
+        if final and st.tool_buf is not None:
             raw, st.tool_buf = st.call_sep + CALL_OPEN + st.tool_buf, None
-            self._emit(st, raw, out)
+            if not drop_open_call:              # a stop inside the call: back as text
+                self._emit(st, raw, out)
 
     def _feed_call(self, st: _State, text: str, out: _Collector) -> str:
         """Extend the open call with `text`; returns the text left to parse after the call closed
@@ -520,5 +527,7 @@ def _hold_length(text: str, tags: Tuple[str, ...]) -> int:
 
 
 def _could_be_call(body: str) -> bool:
+    """Whether the text after `<tool_call>` may still be a call: the XML `<function=` form, or
+    a JSON object (the Qwen3 form the parser takes as a fallback)."""
     head = body.lstrip()
-    return head.startswith(FUNCTION_OPEN) or FUNCTION_OPEN.startswith(head)
+    return head.startswith((FUNCTION_OPEN, "{")) or FUNCTION_OPEN.startswith(head)

@@ -12,6 +12,10 @@ Lenient where a peer model commonly slips and nothing is lost: a missing `</para
 runs to the next `<parameter=` or `</function>`), a stray `</parameter>` between parameters, a
 missing `</function>`. Strict where accepting would drop text: anything else outside a value, a
 repeated parameter name, a missing or empty function name -> not a call (the caller keeps the text).
+
+Fallback: a body that is a JSON object `{"name": NAME, "arguments": {...}}` (the Qwen3 / Hermes
+format a model fine-tuned on it may still write inside `<tool_call>`; `arguments` may also be a
+JSON-encoded string, or be spelled `parameters`) is a call too; its arguments are kept as written.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ def parse_tool_call(body: str, schemas: Mapping[str, Mapping[str, Any]]
     """`body` is the text between `<tool_call>` and `</tool_call>`. Returns (name, typed arguments)
     or None when the body is not a well-formed call."""
     text = body.strip()
+    if text.startswith("{"):
+        return _parse_json_call(text)
     if not text.startswith(FUNCTION_OPEN):
         return None
     end = text.find(">")
@@ -49,6 +55,29 @@ def parse_tool_call(body: str, schemas: Mapping[str, Mapping[str, Any]]
         return None
     props = _properties(schemas.get(name))
     return name, {key: convert_value(value, props.get(key)) for key, value in raw.items()}
+
+
+def _parse_json_call(text: str) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """The Qwen3 JSON form; None unless it is exactly a name and an arguments object."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not set(obj) <= {"name", "arguments", "parameters"} \
+            or ("arguments" in obj and "parameters" in obj):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip() or any(c in name for c in "<>\n"):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):                   # arguments JSON-encoded, as OpenAI sends them
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            return None
+    if args is None:
+        args = {}
+    return (name.strip(), args) if isinstance(args, dict) else None
 
 
 def _parse_parameters(text: str) -> Optional[Dict[str, str]]:
