@@ -55,13 +55,12 @@ def probe(device_id: int = 0) -> tuple:
     return True, f"CUDA device {device_id} of {count}"
 
 
-def choose_backend(requested, device_id: int = 0, *, probe_fn=None) -> str:
-    """The backend to run: `requested` unless it is "auto" (or None), which becomes "cuda" when
-    the GPU is usable, else "numpy"; the choice and its reason go to stderr as one line."""
+def choose_backend(requested, device_id: int = 0, *, probe_fn=None) -> tuple:
+    """(backend, note): `requested` unless it is "auto" (or None), which becomes "cuda" when the
+    GPU is usable, else "numpy"; `note` is the line saying so (None for an explicit backend),
+    which the CLI prints on stderr once the rest of the flags are known to be good."""
     if requested not in (None, "auto"):
-        return requested
+        return requested, None
     usable, why = (probe_fn or probe)(device_id)
     choice = "cuda" if usable else "numpy"
-    print(f"ninfer: backend {choice} (auto: {why}; --backend numpy|cuda sets it)",
-          file=sys.stderr)
-    return choice
+    return choice, f"backend {choice} (auto: {why}; --backend numpy|cuda sets it)"

@@ -103,12 +103,13 @@ def add_backend_flag(p) -> None:
 def _score(args) -> int:
     import numpy as np
 
-    from .commands import _artifact_or_demo, settle_backend
+    from .commands import _artifact_or_demo, say_backend, settle_backend
     from .engine import Engine
     if args.chunk < 1:
         raise Error(f"--chunk {args.chunk}: must be >= 1")
+    note = settle_backend(args)
     path, _ = _artifact_or_demo(args.artifact)
-    settle_backend(args)
+    say_backend(note)
     with Engine(path, backend=args.backend, purpose="scoring", dtype=args.dtype,
                 prefill_chunk=args.chunk) as engine:
         if args.text is not None:

@@ -167,12 +167,27 @@ def check_engine_flags(kwargs: dict) -> None:
     raise first
 
 
-def settle_backend(args) -> None:
-    """--backend auto (or left out) -> cuda or numpy, said on stderr (ninfer/backend_auto.py);
-    called after the cheap checks, so that a bad flag stays one line."""
+def settle_backend(args, *, concurrency_default: int = 1):
+    """--backend auto (or left out) -> cuda or numpy (ninfer/backend_auto.py), then the engine
+    flags checked against the backend chosen (a flag the chosen backend refuses is one error
+    line that names the choice). Returns the line that says what auto chose (None when the
+    backend was named), for the caller to print once the model is found."""
     from .backend_auto import choose_backend
-    args.backend = choose_backend(getattr(args, "backend", None),
-                                  getattr(args, "device_id", None) or 0)
+    from .errors import RequestError
+    args.backend, note = choose_backend(getattr(args, "backend", None),
+                                        getattr(args, "device_id", None) or 0)
+    try:
+        check_engine_flags(engine_kwargs(args, concurrency_default=concurrency_default))
+    except RequestError as exc:
+        if note is None:
+            raise
+        raise Error(f"{exc}; {note}") from None
+    return note
+
+
+def say_backend(note) -> None:
+    if note:
+        print(f"ninfer: {note}", file=sys.stderr)
 
 
 def default_max_context(path, kwargs: dict) -> tuple:
@@ -323,8 +338,9 @@ def generation_setup(args, **overrides) -> tuple:
     SamplingParams(**overrides).validate()
     check_engine_flags(engine_kwargs(args, concurrency_default=1))
     template = read_chat_template(args.chat_template)
+    note = settle_backend(args)
     path, _ = _artifact_or_demo(args.artifact)
-    settle_backend(args)
+    say_backend(note)
     # None: the Engine's default, the model's own (the reference models: off)
     kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=1),
                   chat_template=template, default_enable_thinking=args.thinking)
@@ -552,8 +568,9 @@ def serve_command(args) -> int:
             raise Error(str(exc)) from None
     template = read_chat_template(args.chat_template)
     _check_can_listen(args.host, args.port)
+    note = settle_backend(args, concurrency_default=4)
     path, _ = _artifact_or_demo(args.artifact)
-    settle_backend(args)
+    say_backend(note)
     kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=4),
                   default_enable_thinking=args.thinking)     # None: the model's default
     options = EngineOptions.from_kwargs(**kwargs)

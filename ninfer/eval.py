@@ -113,9 +113,10 @@ def eval_command(args) -> int:
         raise Error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.context < 2:
         raise Error(f"--context must be >= 2, got {args.context}")
-    from .commands import _artifact_or_demo, settle_backend
+    from .commands import _artifact_or_demo, say_backend, settle_backend
+    note = settle_backend(args)
     artifact, _ = _artifact_or_demo(args.artifact)
-    settle_backend(args)
+    say_backend(note)
     with Engine(artifact, backend=args.backend, purpose="scoring", dtype=args.dtype,
                 prefill_chunk=args.context) as engine:
         res = evaluate(engine, text, context=args.context, max_tokens=args.max_tokens)

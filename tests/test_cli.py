@@ -318,21 +318,18 @@ def test_kv_dtype_says_what_each_backend_stores():
         assert kwargs.get("kv_dtype") == stored
 
 
-def test_backend_auto_picks_the_gpu_when_usable(monkeypatch, capsys):
+def test_backend_auto_picks_the_gpu_when_usable(monkeypatch):
     from ninfer import backend_auto
     assert backend_auto.choose_backend("auto", probe_fn=lambda d: (True, "CUDA device 0 of 1")) \
-        == "cuda"
-    assert capsys.readouterr().err == ("ninfer: backend cuda (auto: CUDA device 0 of 1; "
-                                       "--backend numpy|cuda sets it)\n")
-    assert backend_auto.choose_backend(None, probe_fn=lambda d: (False, "no CUDA device found")) \
-        == "numpy"
-    assert "ninfer: backend numpy (auto: no CUDA device found;" in capsys.readouterr().err
+        == ("cuda", "backend cuda (auto: CUDA device 0 of 1; --backend numpy|cuda sets it)")
+    choice, note = backend_auto.choose_backend(None,
+                                               probe_fn=lambda d: (False, "no CUDA device found"))
+    assert choice == "numpy" and note.startswith("backend numpy (auto: no CUDA device found;")
 
     def never(device_id):
         raise AssertionError("an explicit backend needs no probe")
     for name in ("numpy", "cuda"):
-        assert backend_auto.choose_backend(name, probe_fn=never) == name
-    assert capsys.readouterr().err == ""
+        assert backend_auto.choose_backend(name, probe_fn=never) == (name, None)
     # the probe: the extra first, then the device count (a child process; faked here)
     monkeypatch.setattr(backend_auto, "cuda_extra_missing", lambda: ["numba_cuda"])
     assert backend_auto.probe() == (False, "the [cuda] extra is not installed")
@@ -342,6 +339,18 @@ def test_backend_auto_picks_the_gpu_when_usable(monkeypatch, capsys):
     assert backend_auto.probe(1) == (False, "no CUDA device 1 (1 found)")
     monkeypatch.setattr(backend_auto, "cuda_device_count", lambda: (0, "no usable NVIDIA driver"))
     assert backend_auto.probe() == (False, "no usable NVIDIA driver")
+
+
+def test_a_flag_the_chosen_backend_refuses_is_one_line_naming_the_choice():
+    """--dtype bfloat16 is cuda's; auto on this GPU-less machine chose numpy: one error line that
+    says so, before any model is built."""
+    r = ninfer("run", "--prompt", "x", "--dtype", "bfloat16")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "numpy backend computes in float32 only" in lines[0]
+    assert "; backend numpy (auto: " in lines[0]
+    r = ninfer("run", "--prompt", "x", "--dtype", "bfloat16", "--backend", "numpy")
+    assert r.returncode == 2 and "auto" not in r.stderr
 
 
 def test_no_gpu_here_the_real_probe_says_numpy():
