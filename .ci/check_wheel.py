@@ -19,6 +19,12 @@ def main() -> int:
         print(f"ninfer imported from {installed}: run this from outside the source tree, against "
               "the installed wheel")
         return 1
+    # the default model runs from a plain install: its compact files and tokenizer ranks ship
+    for data in ("demo_models/dense.npz", "demo_models/heldout.txt",
+                 "models/qwen3_5/frontend/qwen3_5_bpe_ranks.xz"):
+        if not (installed / data).is_file():
+            print(f"{data} is not in the installed package")
+            return 1
     package, folder = K._kernel_package()
     if package != "ninfer.kernels":
         print(f"the kernel sources are not the installed package ninfer.kernels ({folder})")

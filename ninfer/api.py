@@ -378,7 +378,8 @@ class ServedEngine(Protocol):
 
     name: str                   # the model id the API reports when the server names none
     health: str                 # "ready", "failed" or "closed"
-    options: Any                # EngineOptions (the Gateway reads max_context)
+    options: Any                # EngineOptions (the Gateway reads max_context and
+                                # default_enable_thinking)
     sampling_defaults: dict     # the checkpoint's recommended SamplingParams fields ({}: none)
     vocab_size: Optional[int]   # the tokenizer's; None when the engine has no tokenizer
 
@@ -395,10 +396,10 @@ class ServedEngine(Protocol):
 
     def apply_chat_template(self, messages: list, tools: Optional[list] = None,
                             add_generation_prompt: bool = True,
-                            enable_thinking: bool = True) -> str: ...
+                            enable_thinking: Optional[bool] = None) -> str: ...
 
     def count_prompt_tokens(self, messages: list, *, tools: Optional[list] = None,
-                            enable_thinking: bool = True) -> int:
+                            enable_thinking: Optional[bool] = None) -> int:
         """Tokens `messages` take as a request sends them (media expanded to their tokens)."""
 
     def score(self, token_ids, return_logits: bool = False, top_logprobs: int = 0

@@ -3,14 +3,15 @@
 Answers stream as they are generated; reasoning is shown dim (or hidden with --hide-thinking or
 `/think hide`); the conversation is kept across turns, so each turn re-sends the history and the
 Engine's context cache reuses what it computed for the last one (the conversation is one
-`session=` hint). Ctrl-C stops the current answer
-(what was generated stays in the history) and returns to the prompt; Ctrl-D or /exit leaves.
+`session=` hint). Ctrl-C stops the current answer at once (what was shown stays in the history;
+nothing more of it prints) and returns to the prompt; Ctrl-D or /exit leaves.
 One line is one message; a line of three double quotes starts a block that the next such line
 ends; a line ending in a backslash continues on the next. Commands: /reset, /system TEXT,
 /save FILE, /think show|hide, /set NAME VALUE, /stats, /help, /exit.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -80,6 +81,7 @@ class ChatSession:
         self.messages: list = []
         self.session = _new_session()       # the context cache's hint: one per conversation
         self.last_result = None             # the last turn's GenerationResult
+        self._channel = None                # the channel being written ("content", "reasoning")
 
     # ---- input ------------------------------------------------------------------------------------
     def _ask(self, prompt: str) -> str:
@@ -178,8 +180,6 @@ class ChatSession:
 
     def _set(self, rest: str) -> None:
         """/set NAME VALUE: one sampling parameter for the next answers (VALUE as JSON)."""
-        import dataclasses
-
         from .errors import RequestError
         key, _, raw = rest.partition(" ")
         if key not in _SETTABLE:
@@ -208,31 +208,34 @@ class ChatSession:
         handle = self.engine.submit(self.history(), self.params, enable_thinking=self.thinking,
                                     session=self.session)
         shown = {"content": "", "reasoning": ""}
-        channel = None
+        calls = []                          # the tool calls shown
+        self._channel = None
         result = None
         try:
             for event in handle:
                 if isinstance(event, TextDelta) and event.text:
-                    channel = self._show(event.channel, event.text, channel)
+                    # counted before it is written: a Ctrl-C inside the write must not make the
+                    # rest below print it a second time
                     shown[event.channel] += event.text
+                    self._show(event.channel, event.text)
                 elif isinstance(event, ToolCallEvent):
+                    calls.append(event.call)
                     self._say(json.dumps({"tool_call": {"name": event.call.name,
                                                         "arguments": event.call.arguments}}))
                 elif isinstance(event, Finished):
                     result = event.result
         except KeyboardInterrupt:
             handle.cancel()
-            result = handle.result(timeout=60)
-            rest = result.text[len(shown["content"]):] \
-                if result.text.startswith(shown["content"]) else ""
-            if rest:
-                channel = self._show("content", rest, channel)
-            self._end(channel)
+            # Tokens the Engine committed before the cancel took hold are dropped: the answer
+            # ends where the screen does, so "[stopped]" is the last line of this turn and the
+            # history holds what the user saw.
+            result = dataclasses.replace(handle.result(timeout=60), text=shown["content"],
+                                         reasoning_text=shown["reasoning"], tool_calls=calls)
+            self._end()
             self._say("[stopped]")
-            channel = None
         finally:
             handle.close()
-        self._end(channel)
+        self._end()
         if result is None:
             return
         self.last_result = result
@@ -249,19 +252,24 @@ class ChatSession:
         if result.finish_reason == "length":
             self._say(f"[answer cut at {len(result.token_ids)} tokens; --max-new sets the limit]")
 
-    def _show(self, channel: str, text: str, current):
+    def _show(self, channel: str, text: str) -> None:
+        """Write a piece of the answer; `self._channel` is set before the write, so that `_end`
+        closes what was started even when a Ctrl-C lands inside it."""
         if channel == "reasoning":
             if not self.show_thinking:
-                return current
-            if current != "reasoning":
+                return
+            if self._channel != "reasoning":
+                self._channel = "reasoning"
                 self.out.write("\x1b[2m" if self.dim else "[reasoning] ")
-        elif current == "reasoning":
-            self._end("reasoning")
+        elif self._channel == "reasoning":
+            self._end()
+        self._channel = channel
         self.out.write(text)
         self.out.flush()
-        return channel
 
-    def _end(self, channel) -> None:
+    def _end(self) -> None:
+        """End the line of the channel being written (the reasoning's dim style too), if any."""
+        channel, self._channel = getattr(self, "_channel", None), None
         if channel == "reasoning":
             self.out.write("\x1b[0m\n" if self.dim else "\n")
         elif channel == "content":

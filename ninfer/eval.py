@@ -80,7 +80,8 @@ def evaluate(engine, text: str, *, context: int = 512, max_tokens: int | None = 
 
 def add_eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="perplexity and bits per byte of a text or a shipped dataset")
-    e.add_argument("artifact")
+    e.add_argument("artifact", nargs="?",
+                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", metavar="FILE", help="a UTF-8 text file")
     src.add_argument("--dataset", metavar="NAME",
@@ -90,7 +91,8 @@ def add_eval_parser(sub) -> None:
                         "models' training length)")
     e.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="score only the first N tokens of the text")
-    e.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
+    from .cli import add_backend_flag
+    add_backend_flag(e)
     e.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                    help="compute dtype (cuda: default bfloat16; numpy: float32 only)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
@@ -111,9 +113,11 @@ def eval_command(args) -> int:
         raise Error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.context < 2:
         raise Error(f"--context must be >= 2, got {args.context}")
-    if not pathlib.Path(args.artifact).is_file():
-        raise Error(f"artifact {args.artifact}: no such file")
-    with Engine(args.artifact, backend=args.backend, purpose="scoring", dtype=args.dtype,
+    from .commands import _artifact_or_demo, say_backend, settle_backend
+    note = settle_backend(args)
+    artifact, _ = _artifact_or_demo(args.artifact)
+    say_backend(note)
+    with Engine(artifact, backend=args.backend, purpose="scoring", dtype=args.dtype,
                 prefill_chunk=args.context) as engine:
         res = evaluate(engine, text, context=args.context, max_tokens=args.max_tokens)
     if args.json:

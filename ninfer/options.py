@@ -35,7 +35,9 @@ class EngineOptions:
     prefix_cache_bytes: Optional[int] = None     # the older name of prefix_cache_host_bytes
     checkpoint_interval: int = 2048     # tokens between checkpoints inside a long prompt
     queue_timeout_s: Optional[float] = None
-    default_enable_thinking: bool = True
+    # the chat template's enable_thinking for a request that does not say: None -> the model's
+    # default (the artifact's metadata.defaults.enable_thinking; True for an artifact without it)
+    default_enable_thinking: Optional[bool] = None
     device_id: int = 0
     graphs: bool = True                 # cuda: replay CUDA graphs for decode
     # compute dtype (like vLLM's --dtype). cuda: None / "bfloat16" -> bf16 weights, activations and
@@ -128,6 +130,9 @@ class EngineOptions:
         fraction = self.prefix_cache_device_fraction
         if not (_is_real(fraction) and 0.0 <= fraction <= 1.0):
             bad("prefix_cache_device_fraction", "must be a number in [0, 1]")
+        if self.default_enable_thinking is not None \
+                and not isinstance(self.default_enable_thinking, (bool, np.bool_)):
+            bad("default_enable_thinking", "must be true or false (or None: the model's default)")
         if self.dtype not in (None, "bfloat16", "float32"):
             bad("dtype", "must be None, 'bfloat16' or 'float32'")
         if self.backend == "numpy" and self.dtype == "bfloat16":

@@ -139,3 +139,68 @@ def test_chat_through_a_pty(demo, tmp_path):
             os.kill(term.pid, 9)
         except ProcessLookupError:
             pass
+
+
+class _Interrupting:
+    """A terminal whose n-th write of answer text is where Ctrl-C lands (after the text is out)."""
+
+    def __init__(self, at: int):
+        self.at, self.writes, self.text = at, 0, ""
+
+    def isatty(self):
+        return False
+
+    def flush(self):
+        pass
+
+    def write(self, text):
+        self.text += text
+        if text.startswith("tok"):
+            self.writes += 1
+            if self.writes == self.at:
+                raise KeyboardInterrupt
+
+
+class _Handle:
+    """Streams tok0 tok1 ...; once cancelled, its result holds two tokens more than were read
+    (what an Engine commits between the Ctrl-C and the cancel taking hold)."""
+
+    def __init__(self):
+        self.sent = 0
+
+    def __iter__(self):
+        from ninfer.api import TextDelta
+        while True:
+            yield TextDelta("content", f"tok{self.sent} ")
+            self.sent += 1
+
+    def cancel(self):
+        pass
+
+    def result(self, timeout=None):
+        from ninfer.api import GenerationResult
+        text = "".join(f"tok{i} " for i in range(self.sent + 2))
+        return GenerationResult(text=text, finish_reason="cancelled")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_ctrl_c_prints_nothing_after_stopped(at):
+    """Issue 23: a token still printed after "[stopped]". Nothing of the answer prints after the
+    Ctrl-C (not the tokens committed since, not the interrupted piece a second time), and the
+    history holds exactly what the screen shows."""
+    from ninfer.api import SamplingParams
+    from ninfer.chat import ChatSession
+
+    class FakeEngine:
+        def submit(self, *args, **kwargs):
+            return _Handle()
+
+    out = _Interrupting(at)
+    session = ChatSession(FakeEngine(), SamplingParams(), stdout=out)
+    session.turn("go")
+    shown = "".join(f"tok{i} " for i in range(at))
+    assert out.text == shown + "\n[stopped]\n"
+    assert session.messages[-1] == {"role": "assistant", "content": shown}

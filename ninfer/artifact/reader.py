@@ -103,6 +103,13 @@ class Artifact:
         return self._manifest["metadata"]["name"]
 
     @property
+    def defaults(self) -> dict:
+        """metadata.defaults: the model's defaults for how it is run (e.g. `enable_thinking`);
+        {} for an artifact that carries none (the engine's own defaults then apply)."""
+        return {k: v for k, v in self._manifest["metadata"].get("defaults", {}).items()
+                if k in fmt.DEFAULT_KEYS}
+
+    @property
     def manifest(self) -> dict:
         return self._manifest
 

@@ -51,9 +51,10 @@ class ConversionPlan:
 
 
 def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: bool = True,
-                       recipe: Recipe | None = None) -> str:
+                       recipe: Recipe | None = None, defaults: dict | None = None) -> str:
     """Convert `src_dir` into `out_path`. Raises ConvertError (bad source) or ArtifactError (cannot
-    write); either way no file is left at `out_path` (an existing one is untouched)."""
+    write); either way no file is left at `out_path` (an existing one is untouched). `defaults`:
+    the model's run defaults stored as metadata.defaults (e.g. {"enable_thinking": False})."""
     recipe = recipe or ValuePreserving()
     src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
     with CheckpointSource(src_dir) as src:
@@ -69,6 +70,8 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
                                         "block": list(src.quantization["block"])}
         elif any(o.quant for o in plan.objects):
             metadata["quantization"] = recipe.describe()
+        if defaults:
+            metadata["defaults"] = dict(defaults)
         with ArtifactWriter(out_path, src.config, name=name, metadata=metadata) as writer:
             _write(src, plan, recipe, writer, progress)
     return out_path

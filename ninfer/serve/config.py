@@ -31,7 +31,9 @@ class ServeConfig:
     # reason "cancelled"); None -> no limit
     request_timeout_s: Optional[float] = None
     allowed_origins: tuple = ()             # CORS: origins allowed to call from a browser ("*": any)
-    enable_thinking: bool = True            # chat template default; requests may override
+    # chat template default; requests may override. None -> the Engine's (the model's own default:
+    # its artifact's metadata.defaults.enable_thinking, else on)
+    enable_thinking: Optional[bool] = None
     keepalive_s: float = 15.0               # SSE comment sent when a stream is idle this long
     drain_grace_s: float = 30.0             # SIGTERM: in-flight requests get this long, then cancel
     # transport (the uvicorn worker under gunicorn; see launcher.py)

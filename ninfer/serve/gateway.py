@@ -121,6 +121,16 @@ class Gateway:
         engine = self._engine
         return None if engine is None else engine.options.max_context
 
+    def default_thinking(self) -> bool:
+        """enable_thinking of a request that does not say: the server's flag when given, else the
+        Engine's default (the model's own: its artifact's metadata.defaults, else on)."""
+        if self.config.enable_thinking is not None:
+            return bool(self.config.enable_thinking)
+        engine = self._engine           # None while loading: the request gets its 503 anyway
+        value = None if engine is None else getattr(engine.options, "default_enable_thinking",
+                                                    None)
+        return True if value is None else bool(value)
+
     def tokens_left_default(self) -> int:
         """max_tokens of a request that names none: the server default, the checkpoint's, or the
         whole context (openai_schema.sampling_params bounds it by --max-tokens-cap and sends it

@@ -69,7 +69,7 @@ def parse_chat(body, gateway) -> GenPlan:
         structured = forced
     kwargs = F.get(body, "chat_template_kwargs", "dict", default={})
     thinking = F.get(kwargs, "enable_thinking", "bool", param="chat_template_kwargs.enable_thinking",
-                     default=gateway.config.enable_thinking)
+                     default=gateway.default_thinking())
     effort = F.get(body, "reasoning_effort", "str")
     if effort is not None and effort not in REASONING_BUDGETS:
         raise invalid(f"'reasoning_effort' must be one of {list(REASONING_BUDGETS)}, got "

