@@ -23,7 +23,7 @@ litellm = pytest.importorskip("litellm", reason=_WHY)
 ChatOpenAI = pytest.importorskip("langchain_openai", reason=_WHY).ChatOpenAI
 
 import openai                                                  # noqa: E402
-from pydantic import BaseModel                                 # noqa: E402
+from pydantic import BaseModel, Field                          # noqa: E402
 
 from test_serve_support import ServerProcess                   # noqa: E402
 
@@ -32,16 +32,20 @@ MAX_TOKENS = 96           # the demo model is tiny: answers are cut, which the c
 RAW_XML = ("<tool_call>", "<function=", "<parameter=", "</tool_call>")
 
 
+# Bounded integers: the tiny demo model, asked for an unbounded JSON integer, writes
+# "10000000..." until the length limit (the grammar allows any number of digits), and its string
+# values never close. The bounds make the grammar end the number, as a real model would itself.
 class Add(BaseModel):
     """Add two integers."""
-    a: int
-    b: int
+    a: int = Field(ge=-99, le=99)
+    b: int = Field(ge=-99, le=99)
 
 
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}},
+    "parameters": {"type": "object",
+                   "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                  "b": {"type": "integer", "minimum": -99, "maximum": 99}},
                    "required": ["a", "b"]}}}
 ASK = [{"role": "user", "content": "Add 2 and 3."}]
 
