@@ -166,6 +166,9 @@ class SamplingParams:
     # is an upper bound only, cut to what the context leaves (the server's default for a request
     # that names no max_tokens).
     clamp_max_tokens: bool = False
+    # False: the output ends with its first complete tool call (OpenAI parallel_tool_calls=false,
+    # Anthropic disable_parallel_tool_use), also when the model may choose not to call (auto)
+    parallel_tool_calls: bool = True
 
     def validate(self) -> "SamplingParams":
         """Raise RequestError naming the first bad field; return self for chaining."""
@@ -214,6 +217,8 @@ class SamplingParams:
             bad("thinking_budget", "must be an integer >= 0 (or None: unbounded)")
         if not isinstance(self.clamp_max_tokens, (bool, np.bool_)):
             bad("clamp_max_tokens", "must be true or false")
+        if not isinstance(self.parallel_tool_calls, (bool, np.bool_)):
+            bad("parallel_tool_calls", "must be true or false")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 bad("structured", "must be a StructuredOutput")

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ninfer.api import SamplingParams, TextDelta, ToolCallEvent
+from ninfer.errors import RequestError
 from ninfer.models.qwen3_5.frontend import Frontend
 from ninfer.models.qwen3_5.frontend.vocab import cached_qwen3_5_tokenizer_json
 
@@ -407,6 +408,33 @@ def test_literal_tool_call_tag_in_prose_is_text_and_not_held(fe):
     assert "<tool_call> tag" in s.text           # released as soon as no `<function=` can follow
     run(s, ids[-2:])
     assert s.text == prose and s.tool_calls == []
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("stops", [(), ("Lyon",)])
+def test_parallel_tool_calls_false_ends_the_output_with_the_first_call(fe, chunk, stops):
+    """parallel_tool_calls False (OpenAI; Anthropic disable_parallel_tool_use) also when the
+    model chose to call (auto, no grammar): the first complete call ends the output, the token
+    closing it is the last one accepted, and nothing after it is text or a call."""
+    out = "Let me check.\n" + WEATHER_CALL + "\n" + call_text("get_weather", city="Lyon") + \
+        "\nmore text"
+    ids = fe.tokenize(out).tolist() + [IM_END]
+    close = len(fe.tokenize("Let me check.\n" + WEATHER_CALL).tolist())
+    assert fe.detokenize(ids[:close]).endswith("</tool_call>")     # the split is a token edge
+    s = session(fe, tools=TOOLS, parallel_tool_calls=False, stop=stops)
+    events, accepted = run(s, ids, chunk=chunk)
+    assert accepted == close and s.finish_reason == "stop" and s.stop_sequence is None
+    assert [json.loads(c.call.arguments) for c in calls(events)] == [{"city": "Paris", "days": 3}]
+    assert s.text == "Let me check."
+    # parallel calls allowed: both calls and the text after them
+    s = session(fe, tools=TOOLS, stop=stops)
+    run(s, ids, chunk=chunk)
+    assert len(s.tool_calls) == (1 if stops else 2)
+
+
+def test_parallel_tool_calls_must_be_a_bool():
+    with pytest.raises(RequestError, match="parallel_tool_calls"):
+        SamplingParams(parallel_tool_calls="no").validate()
 
 
 @pytest.mark.parametrize("reason", ["length", "cancelled", "error"])

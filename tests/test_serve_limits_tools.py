@@ -232,6 +232,37 @@ def test_forced_single_call_stops_after_it(oai, choice):
     assert r.usage.completion_tokens < 40
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_with_parallel_tool_calls_false_returns_one_call(oai, stream):
+    """parallel_tool_calls false without a forced call (auto): the model chooses to call, and
+    its first complete call ends the answer (no grammar forces anything here)."""
+    kw = dict(model="m", messages=CALLS3, tools=[WEATHER_TOOL], tool_choice="auto",
+              parallel_tool_calls=False, max_tokens=300, extra_body=NO_THINK)
+    if stream:
+        chunks = list(oai.chat.completions.create(**kw, stream=True))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        args = [json.loads(tc.function.arguments) for c in chunks
+                for tc in c.choices[0].delta.tool_calls or ()]
+        assert finish == ["tool_calls"] and args == [PARIS]
+    else:
+        r = oai.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == \
+            [PARIS]
+        assert r.usage.completion_tokens < 40
+        kw["parallel_tool_calls"] = True                # the same script, calls allowed
+        assert len(oai.chat.completions.create(**kw).choices[0].message.tool_calls) == 3
+
+
+def test_anthropic_auto_with_disable_parallel_tool_use_returns_one_block(claude):
+    msg = claude.messages.create(
+        model="m", max_tokens=300, messages=CALLS3,
+        tools=[{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert msg.stop_reason == "tool_use"
+    assert [(b.type, b.input) for b in msg.content] == [("tool_use", PARIS)]
+
+
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
 def test_openai_call_cut_by_the_length_limit(oai, cut_budget, tool_choice):
     kw = dict(model="m", messages=CALLS3, tools=[WEATHER_TOOL], tool_choice=tool_choice,

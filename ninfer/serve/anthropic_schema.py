@@ -53,6 +53,7 @@ def parse_messages(body, gateway) -> GenPlan:
     params = sampling_params(body, gateway, max_tokens=max_tokens, stop_key="stop_sequences",
                              temperature_hi=1.0, structured=forced)
     params.thinking_budget = budget
+    params.parallel_tool_calls = not _disables_parallel_calls(body.get("tool_choice"))
     stream = F.get(body, "stream", "bool", default=False)
     return GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
                    stream=stream, stop=tuple(params.stop), session=session)
@@ -237,12 +238,19 @@ def _forced_tool_use(body: dict, tools):
         return None
     if not tools:
         raise invalid(f"tool_choice {choice.get('type')!r} needs 'tools'", "tool_choice")
-    single = F.get(choice, "disable_parallel_tool_use", "bool",
-                   param="tool_choice.disable_parallel_tool_use", default=False)
+    single = _disables_parallel_calls(choice)
     if choice["type"] == "tool":
         return StructuredOutput("tool_call", tool_name=choice.get("name"),
                                 parallel_tool_calls=False)
     return StructuredOutput("tool_call", parallel_tool_calls=not single)
+
+
+def _disables_parallel_calls(choice) -> bool:
+    """tool_choice.disable_parallel_tool_use (auto, any, tool): at most one tool_use block."""
+    if not isinstance(choice, dict):
+        return False
+    return F.get(choice, "disable_parallel_tool_use", "bool",
+                 param="tool_choice.disable_parallel_tool_use", default=False)
 
 
 def _apply_tool_choice(choice, tools):

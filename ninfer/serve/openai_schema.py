@@ -96,6 +96,7 @@ def parse_chat(body, gateway) -> GenPlan:
         budget = min(budget or FORCED_TOOL_THINKING_BUDGET, params.max_tokens // 2)
     if thinking and budget is not None:
         params.thinking_budget = budget
+    params.parallel_tool_calls = F.get(body, "parallel_tool_calls", "bool", default=True)
     stream, include_usage = _stream_flags(body)
     plan = GenPlan(prompt=messages, params=params, tools=tools, enable_thinking=thinking,
                    stream=stream, include_usage=include_usage, want_logprobs=want_logprobs,

@@ -31,7 +31,9 @@ Semantics (the Gateway and the Engine rely on these):
   parsed as a fallback) is text as soon as that is known. A call still open when the output is cut
   (length, cancel, error) is dropped: the complete calls stand, finish_reason says why it ended,
   and no raw markup reaches the content; one still open at a stop (EOS, stop token or string: the
-  model ended it unclosed) comes back as content text.
+  model ended it unclosed) comes back as content text. With params.parallel_tool_calls False the
+  first complete call ends the output (finish_reason "stop"; the token closing it is the last
+  accepted), whether the grammar forced the call or the model chose it.
 - Tool call ids are `call_<nonce>_<index>`; the nonce derives from the request id (and prompt digest,
   see Frontend.new_output_session) when one is given, else it is random.
 
@@ -173,6 +175,7 @@ class OutputSession:
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._schemas = tool_schemas(tools)
         self._tools_enabled = bool(tools)
+        self._one_call = not params.parallel_tool_calls     # the first complete call ends it
         seed = request_id.encode("utf-8") if request_id is not None else os.urandom(16)
         self._nonce = hashlib.blake2b(seed, digest_size=6).hexdigest()
         # think_allowed on the reasoning channel: a redundant <think> the model repeats right after
@@ -373,7 +376,7 @@ class OutputSession:
             st.stop_hold = ""
             if text:
                 self._feed(st, text, False, out)
-            return False
+            return st.finish_reason is not None     # a call that ends the output (_one_call)
         held = st.stop_hold + text
         hits = [(i, k) for k, i in enumerate(held.find(s) for s in self._stops) if i >= 0]
         if hits:
@@ -387,6 +390,9 @@ class OutputSession:
         st.stop_hold = held[len(held) - keep:]
         if len(held) > keep:
             self._feed(st, held[:len(held) - keep], False, out)
+        if st.finish_reason is not None:         # a call that ended the output (_one_call)
+            st.stop_hold = ""
+            return True
         return False
 
     def _stop_prefix_length(self, text: str) -> int:
@@ -485,6 +491,9 @@ class OutputSession:
             out.call(ToolCallEvent(index=index, call=call))
             st.num_tool_calls += 1
             st.think_allowed = False
+            if self._one_call:                       # what follows the call is not generated
+                st.finish_reason = "stop"
+                return ""
         return body[end + len(CALL_CLOSE):]
 
     def _emit(self, st: _State, text: str, out: _Collector) -> None:
