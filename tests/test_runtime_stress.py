@@ -26,8 +26,9 @@ def test_stress_random_cancels_abandons_tiny_pool(seed):
     plans = []
     for i in range(NUM_REQUESTS):
         sampling = rng.choice([dict(), dict(temperature=1.0, top_k=20, seed=rng.randrange(1 << 30))])
+        # prompt + max_tokens may pass the 32-token context: clamped, the output ends there
         params = SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.7,
-                                **sampling)
+                                clamp_max_tokens=True, **sampling)
         fate = rng.choices(["keep", "cancel", "cancel_later", "abandon"], [6, 1, 1, 1])[0]
         plans.append((prompt(1000 + i, rng.randint(1, 20)), params, fate, rng.random() * 0.02))
 
