@@ -57,9 +57,8 @@ def main():
     cache = KernelCache(cc)
     t0 = time.time()
     specs = all_specs()
-    for s in specs:
-        cache.ptx(s)
-    print(f"{len(specs)} kernels, {cache.compiled} compiled in {time.time() - t0:.1f}s -> {cache.dir}")
+    compiled = cache.start_precompile(specs).wait()       # one process per CPU
+    print(f"{len(specs)} kernels, {compiled} compiled in {time.time() - t0:.1f}s -> {cache.dir}")
 
 
 if __name__ == "__main__":

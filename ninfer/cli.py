@@ -1,4 +1,4 @@
-"""`python -m ninfer {convert,score,eval,run,chat,serve}`.
+"""`python -m ninfer {convert,score,eval,run,chat,serve,warmup}`.
 
 Bad input ends with one line on stderr (`ninfer: error: ...`) and a non-zero exit, never a traceback.
 """
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_chat_parser(sub)
     add_serve_parser(sub)
+    from .warmup import add_warmup_parser
+    add_warmup_parser(sub)
     from .serve.config import add_transport_flags   # issue 17: timeouts, connection cap
     add_transport_flags(sub.choices["serve"])
     return p

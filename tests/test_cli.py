@@ -422,3 +422,43 @@ def test_readme_main_job_prints_what_it_shows():
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     assert r.stdout == shown and shown.strip()
+
+
+# ---- warmup: the kernel cache filled ahead of a first start -----------------------------------
+
+def test_warmup_fills_the_kernel_cache_for_the_models_geometry(tmp_path, monkeypatch, capsys):
+    """In-process (--workers 0) with the compiler faked: what lands is one entry per kernel of
+    the model's set, keyed for the asked architecture and dtype; a second run compiles nothing.
+    The real compiler in worker processes: tests/test_cuda_nogpu.py."""
+    from ninfer.artifact import Artifact
+    from ninfer.cli import main
+    from ninfer.core.cuda import kernels as K
+    from ninfer.demo import ensure_reference_artifact
+    from ninfer.models import model_config
+    from ninfer.models.qwen3_5.cuda.kernel_set import geometry_specs
+    from test_cuda_nogpu import _FAKE_PTX
+    monkeypatch.setattr(K, "compile_spec", lambda spec, cc: _FAKE_PTX)
+    with Artifact(ensure_reference_artifact()) as art:
+        cfg = model_config(art).text
+    for dtype, f32 in (("bfloat16", False), ("float32", True)):
+        want = {K.cache_key(sp, (8, 9)) + ".ptx" for sp in geometry_specs(cfg, f32).values()}
+        argv = ["warmup", "--arch", "sm_89", "--workers", "0", "--cache-dir", str(tmp_path),
+                "--dtype", dtype]
+        assert main(argv) == 0
+        assert want <= {p.name for p in tmp_path.iterdir()}
+        assert f"kernels for sm_89 ({dtype}): " in capsys.readouterr().out
+    assert main(argv) == 0
+    assert f"0 compiled, {len(want)} already cached" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arch", "9x"], "--arch 9x: expected a compute capability such as 90, sm_90 or 9.0"),
+    (["--arch", "90", "--workers", "-1"], "--workers -1: must be >= 0"),
+    (["missing.ninfer", "--arch", "90"], "artifact missing.ninfer: no such file"),
+])
+def test_warmup_bad_input_one_line_error(args, message):
+    r = ninfer("warmup", *args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("ninfer: error: ") and message in lines[0], r.stderr
+    assert r.stdout == ""

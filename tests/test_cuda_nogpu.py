@@ -481,6 +481,33 @@ def test_two_caches_writing_one_entry_at_once_both_succeed(tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == [K.cache_key(spec("silu_mul"), (9, 0)) + ".ptx"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
+def test_precompile_compiles_the_missing_kernels_in_other_processes(tmp_path):
+    """A cold start compiles the set's kernels side by side in compile_worker processes; one that
+    fails is named; what compiled is cached for the next start; another arch shares nothing."""
+    good = [spec("silu_mul"), spec("rmsnorm")]
+    bad = K.KernelSpec.of("norm", "no_such_factory", ("f32*",))
+    cache = K.KernelCache((9, 0), tmp_path)
+    assert cache.missing(good + good) == good                     # each once, in order
+    job = cache.start_precompile(good + [bad], workers=2)
+    with pytest.raises(DeviceError, match="1 kernel.*norm.no_such_factory"):
+        job.wait()
+    for sp in good:
+        ptx = (tmp_path / f"{K.cache_key(sp, (9, 0))}.ptx").read_text()
+        assert ".target sm_90" in ptx and K.entry_name(ptx) and ptx.rstrip().endswith("}")
+    assert cache.missing(good) == [] and cache.start_precompile(good).wait() == 0
+    assert cache.ptx(good[0]) and cache.compiled == 0              # a disk hit, not a compile
+    assert K.KernelCache((8, 0), tmp_path).missing(good) == good   # sm_80 never loads sm_90's
+
+
+def test_precompile_here_counts_and_skips_what_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(K, "compile_spec", lambda spec, cc: _FAKE_PTX)
+    cache = K.KernelCache((9, 0), tmp_path)
+    cache.ptx(spec("silu_mul"))
+    job = cache.start_precompile([spec("silu_mul"), spec("rmsnorm"), spec("argmax")], workers=0)
+    assert job.wait() == 2 and cache.compiled == 3 and cache.missing([spec("argmax")]) == []
+
+
 def test_a_corrupt_cache_entry_is_compiled_again(tmp_path, monkeypatch):
     monkeypatch.setattr(K, "compile_spec", lambda spec, cc: _FAKE_PTX)
     cache = K.KernelCache((9, 0), tmp_path)

@@ -177,6 +177,88 @@ def _read_entry(path: pathlib.Path):
     return ptx if len(_ENTRY.findall(ptx)) == 1 and ptx.rstrip().endswith("}") else None
 
 
+def _write_entry(directory: pathlib.Path, key: str, ptx: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    # a private temporary name: processes and threads (two models loading at once, the workers of
+    # a precompile) may write the same entry; the rename is atomic, so readers see a whole file
+    # or none
+    fd, tmp = tempfile.mkstemp(prefix=f"{key}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(ptx)
+        os.replace(tmp, directory / f"{key}.ptx")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _compile_entry(spec: KernelSpec, cc: tuple, directory: str):
+    """Compile `spec` into the cache (in a compile_worker process). Returns None, or the error
+    as text, naming nothing: the caller knows which kernel it asked for."""
+    try:
+        _write_entry(pathlib.Path(directory), cache_key(spec, cc), compile_spec(spec, cc))
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported by Precompile.wait, naming the kernel
+        return f"{type(exc).__name__}: {exc}"
+
+
+class Precompile:
+    """Kernels compiling into the cache in other processes (KernelCache.start_precompile).
+
+    Each process is a fresh `python -m ninfer.core.cuda.compile_worker` fed its share of the specs
+    as JSON: unlike multiprocessing's spawn, it never re-imports the caller's main script (an
+    Engine made at the top level of a user's script without a __main__ guard would start itself
+    again), and it imports ninfer from the caller's own sys.path."""
+
+    def __init__(self, specs: list, cache: "KernelCache"):
+        self.specs, self._cache = specs, cache
+        self._procs = []          # (Popen, its specs, stdout file, stderr file)
+
+    def start(self, batches: list, cc: tuple, directory: pathlib.Path) -> None:
+        import json
+        import subprocess
+        import sys
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        for batch in batches:
+            job = json.dumps({"cc": list(cc), "dir": str(directory),
+                              "specs": [[sp.module, sp.factory, list(sp.sig), list(sp.params)]
+                                        for sp in batch]})
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            proc = subprocess.Popen([sys.executable, "-m", "ninfer.core.cuda.compile_worker"],
+                                    stdin=subprocess.PIPE, stdout=out, stderr=err, text=True,
+                                    env=env)
+            proc.stdin.write(job)
+            proc.stdin.close()
+            self._procs.append((proc, batch, out, err))
+
+    def wait(self) -> int:
+        """Block until every kernel is compiled; the number compiled. A kernel that failed to
+        compile raises DeviceError naming it."""
+        import json
+        failed = []
+        procs, self._procs = self._procs, []
+        for proc, batch, out, err in procs:
+            proc.wait()
+            out.seek(0)
+            err.seek(0)
+            try:
+                errors = json.loads(out.read().strip().splitlines()[-1])["errors"]
+            except (IndexError, ValueError, KeyError, TypeError):
+                tail = err.read()[-2000:].strip()
+                errors = [[i, f"the compiler process exited {proc.returncode}: {tail}"]
+                          for i in range(len(batch))]
+            out.close()
+            err.close()
+            failed += [f"{batch[i].module}.{batch[i].factory}{dict(batch[i].params)}: {text}"
+                       for i, text in errors]
+        if failed:
+            raise DeviceError(f"{len(failed)} kernel(s) failed to compile: " + "; ".join(failed))
+        if procs:
+            self._cache.compiled += len(self.specs)
+        return len(self.specs)
+
+
 class KernelCache:
     """Compile-once, load-once: PTX on disk, modules in this process."""
 
@@ -189,25 +271,34 @@ class KernelCache:
 
     def ptx(self, spec: KernelSpec) -> str:
         key = cache_key(spec, self.cc)
-        path = self.dir / f"{key}.ptx"
-        cached = _read_entry(path)
+        cached = _read_entry(self.dir / f"{key}.ptx")
         if cached is not None:
             return cached
         ptx = compile_spec(spec, self.cc)
         self.compiled += 1
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # a private temporary name: processes and threads (two models loading at once) may
-        # write the same entry; the rename is atomic, so readers see a whole file or none
-        fd, tmp = tempfile.mkstemp(prefix=f"{key}.", suffix=".tmp", dir=self.dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(ptx)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        _write_entry(self.dir, key, ptx)
         return ptx
+
+    def missing(self, specs) -> list:
+        """The specs (each once, in order) whose PTX is not in the cache, or not whole."""
+        return [sp for sp in dict.fromkeys(specs)
+                if _read_entry(self.dir / f"{cache_key(sp, self.cc)}.ptx") is None]
+
+    def start_precompile(self, specs, workers: int = None) -> "Precompile":
+        """Compile the missing ones of `specs` into the cache in `workers` processes (default:
+        one per missing spec, at most one per CPU; 0: here, now, one after another). numba's
+        compiler is pure Python and holds the GIL, so processes are what runs them side by
+        side, and the caller (loading weights) keeps its own thread. `wait()` on the result."""
+        todo = self.missing(specs)
+        workers = min(len(todo), os.cpu_count() or 1) if workers is None \
+            else min(workers, len(todo))
+        job = Precompile(todo, self)
+        if workers == 0:
+            for sp in todo:
+                self.ptx(sp)
+        else:
+            job.start([todo[i::workers] for i in range(workers)], self.cc, self.dir)
+        return job
 
     def close(self) -> None:
         """Unload this cache's modules (after every graph that launches them is destroyed)."""

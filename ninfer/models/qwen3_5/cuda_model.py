@@ -130,6 +130,8 @@ class CudaModel(MediaEncoding):
         # one shape, fixed decode attention splits; docs/architecture.md "Load invariance")
         self.batch_invariant = bool(options.batch_invariant)
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32)
+        # a cold cache compiles while the weights load (other processes: numba holds the GIL)
+        precompile = self.kernels.start_precompile()
         page_size = int(options.page_size)
         b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
         self.b_cap, self.n_cap = b_cap, n_cap
@@ -177,7 +179,10 @@ class CudaModel(MediaEncoding):
         self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed, tied=tied)
         self.stream.synchronize()
         self.load_seconds = time.perf_counter() - t_load
+        t_kernels = time.perf_counter()
+        self.kernels_compiled = precompile.wait()
         self.kernels.load_all()
+        self.kernel_seconds = time.perf_counter() - t_kernels      # beyond the weights' time
         self.runner = StepRunner(
             StepResources(cfg=cfg, ws=self.ws, weights=self.weights, lt=self.lt,
                           kernels=self.kernels, num_sms=self.device.num_sms, b_cap=b_cap,

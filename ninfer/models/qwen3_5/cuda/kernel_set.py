@@ -195,6 +195,11 @@ class KernelSet:
         self.__dict__["_k"].clear()
         self.__dict__["_cache"].close()
 
+    def start_precompile(self, workers: int = None):
+        """Compile this set's missing kernels in other processes (KernelCache.start_precompile)
+        while the caller goes on; `wait()` on the result before `load_all`."""
+        return self.__dict__["_cache"].start_precompile(self.specs.values(), workers)
+
     def load_all(self) -> None:
         for name in self.specs:
             getattr(self, name)
