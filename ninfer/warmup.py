@@ -1,8 +1,8 @@
 """`python -m ninfer warmup [ARTIFACT] [--arch 90]`: compile the CUDA kernels a model needs into
 the kernel cache ahead of its first start, no GPU needed with --arch (a container build, a CI
-step). The cache is the one Engine(backend="cuda") reads: `$NINFER_KERNEL_CACHE`, else
-~/.cache/ninfer/kernels; its entries are keyed by kernel source, geometry, architecture and
-compiler version (docs/gpu.md), so a warm-up for one GPU never serves another.
+step). The cache is the one Engine(backend="cuda") reads: `$NINFER_KERNEL_CACHE`, else `kernels`
+under `$NINFER_CACHE_DIR` or ~/.cache/ninfer. Its entries are keyed by kernel source, geometry,
+architecture and compiler version (docs/gpu.md), so a warm-up for one GPU never serves another.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def add_warmup_parser(sub) -> None:
     w.add_argument("--workers", type=int, default=None, metavar="N",
                    help="compiler processes (default: one per kernel to compile, at most one "
                         "per CPU)")
-    w.add_argument("--cache-dir", help="default: $NINFER_KERNEL_CACHE, else "
-                                       "~/.cache/ninfer/kernels")
+    w.add_argument("--cache-dir", help="default: $NINFER_KERNEL_CACHE, else kernels/ under "
+                                       "$NINFER_CACHE_DIR or ~/.cache/ninfer")
     w.set_defaults(handler=warmup_command)
 
 

@@ -508,6 +508,18 @@ def test_precompile_here_counts_and_skips_what_is_cached(tmp_path, monkeypatch):
     assert job.wait() == 2 and cache.compiled == 3 and cache.missing([spec("argmax")]) == []
 
 
+def test_kernel_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("NINFER_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
+    assert K.default_cache_dir() == tmp_path / "kernels"         # beside the demo model
+    monkeypatch.setenv("NINFER_KERNEL_CACHE", str(tmp_path / "k"))
+    assert K.default_cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("NINFER_KERNEL_CACHE")
+    monkeypatch.delenv("NINFER_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert K.default_cache_dir() == tmp_path / ".cache" / "ninfer" / "kernels"
+
+
 def test_a_corrupt_cache_entry_is_compiled_again(tmp_path, monkeypatch):
     monkeypatch.setattr(K, "compile_spec", lambda spec, cc: _FAKE_PTX)
     cache = K.KernelCache((9, 0), tmp_path)

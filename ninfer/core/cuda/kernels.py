@@ -118,10 +118,14 @@ def cache_key(spec: KernelSpec, cc: tuple, source: str = None, version: str = No
 
 
 def default_cache_dir() -> pathlib.Path:
+    """$NINFER_KERNEL_CACHE, else `kernels` in ninfer's cache folder ($NINFER_CACHE_DIR, else
+    ~/.cache/ninfer: where the demo model and the tokenizer cache live too)."""
     env = os.environ.get("NINFER_KERNEL_CACHE")
     if env:
         return pathlib.Path(env)
-    return pathlib.Path(os.path.expanduser("~")) / ".cache" / "ninfer" / "kernels"
+    root = os.environ.get("NINFER_CACHE_DIR")
+    base = pathlib.Path(root) if root else pathlib.Path(os.path.expanduser("~")) / ".cache" / "ninfer"
+    return base / "kernels"
 
 
 _ENTRY = re.compile(r"\.visible\s+\.entry\s+([A-Za-z0-9_$]+)\s*\(")
