@@ -124,8 +124,9 @@ def default_cache_dir() -> pathlib.Path:
     if env:
         return pathlib.Path(env)
     root = os.environ.get("NINFER_CACHE_DIR")
-    base = pathlib.Path(root) if root else pathlib.Path(os.path.expanduser("~")) / ".cache" / "ninfer"
-    return base / "kernels"
+    if root:
+        return pathlib.Path(root) / "kernels"
+    return pathlib.Path(os.path.expanduser("~")) / ".cache" / "ninfer" / "kernels"
 
 
 _ENTRY = re.compile(r"\.visible\s+\.entry\s+([A-Za-z0-9_$]+)\s*\(")
