@@ -48,11 +48,12 @@ def add_chat_parser(sub) -> None:
 
 
 def chat_command(args) -> int:
-    from .commands import generation_setup
+    from .commands import generation_setup, startup_line
     from .engine import Engine
 
     path, thinking, kwargs, overrides = generation_setup(args)
     with Engine(path, **kwargs) as engine:
+        print(startup_line(engine), file=sys.stderr)
         overrides.setdefault("max_tokens", engine.sampling_defaults.get("max_tokens", 1024))
         session = ChatSession(engine, engine.default_sampling_params(**overrides),
                               system=args.system, thinking=thinking,

@@ -185,6 +185,16 @@ def settle_backend(args, *, concurrency_default: int = 1):
     return note
 
 
+def startup_line(engine) -> str:
+    """Where the Engine's start went (Engine.startup_seconds), for stderr and the server's log."""
+    s = engine.startup_seconds
+    inner = ", ".join(f"{k} {v:.1f} s" for k, v in s.items()
+                      if k not in ("total", "tokenizer", "model", "warm_up"))
+    return (f"ninfer: started in {s['total']:.1f} s: tokenizer {s['tokenizer']:.1f} s, model "
+            f"{s['model']:.1f} s" + (f" ({inner})" if inner else "")
+            + f", warm-up {s['warm_up']:.1f} s")
+
+
 def say_backend(note) -> None:
     if note:
         print(f"ninfer: {note}", file=sys.stderr)
@@ -470,6 +480,7 @@ def run_command(args) -> int:
 
     from .engine import Engine
     with Engine(path, **kwargs) as engine:
+        print(startup_line(engine), file=sys.stderr)
         params = engine.default_sampling_params(**overrides)
         t0 = time.monotonic()
         handle = engine.submit(prompt, params, tools=tools, enable_thinking=thinking)
@@ -586,6 +597,7 @@ def serve_command(args) -> int:
     def engine_factory():
         from .engine import Engine
         engine = Engine(path, chat_template=template, **kwargs)
+        print(startup_line(engine), file=sys.stderr, flush=True)
         if media_urls is not None and engine.frontend is not None:
             engine.frontend.allow_media_urls(media_urls)
         return engine

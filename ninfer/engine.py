@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from typing import Optional, Sequence
 
@@ -28,6 +29,7 @@ class Engine:
     def __init__(self, path, backend: str = "numpy", purpose: str = "generation", *,
                  chat_template: Optional[str] = None, **options):
         """`chat_template`: a Jinja chat template source replacing the artifact's."""
+        t_start = time.perf_counter()
         self.options = EngineOptions.from_kwargs(backend=backend, purpose=purpose, **options)
         self._is_closed = False
         self.model = None
@@ -41,12 +43,15 @@ class Engine:
             from .models.qwen3_5.frontend import Frontend
 
             self.config = model_config(self.artifact)
+            t_frontend = time.perf_counter()
             # Scoring token ids needs no tokenizer; generation always does.
             if self.options.purpose == "scoring" and self.artifact.resource("tokenizer.json") is None:
                 self.frontend = None
             else:
                 self.frontend = Frontend.from_artifact(self.artifact, chat_template=chat_template)
+            t_model = time.perf_counter()
             self.model = load_model(self.artifact, self.options)
+            t_warm = time.perf_counter()
             self._core = None
             self._scorer = None
             if self.options.purpose == "scoring":
@@ -59,9 +64,15 @@ class Engine:
                 from .models.qwen3_5.program import Program
                 from .runtime.engine_core import EngineCore
                 program = Program(self.model, self.options, drafter=self._drafter())
+                t_warm = time.perf_counter()
                 if self.options.warmup:     # graphs captured, first step run: then "ready"
                     program.warm_up()
                 self._core = EngineCore(program, self.frontend, self.options)
+            t_end = time.perf_counter()
+            # what `run`, `chat` and `serve` print as the start-up line (startup_line)
+            self.startup_seconds = {"total": t_end - t_start, "tokenizer": t_model - t_frontend,
+                                    "model": t_warm - t_model,
+                                    **self.model.load_phases, "warm_up": t_end - t_warm}
         except BaseException:
             if self.model is not None:      # a Program that cannot start must not leak the model
                 self.model.close()

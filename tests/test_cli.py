@@ -462,3 +462,19 @@ def test_warmup_bad_input_one_line_error(args, message):
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("ninfer: error: ") and message in lines[0], r.stderr
     assert r.stdout == ""
+
+
+def test_run_says_where_the_start_went():
+    """The start-up line (Engine.startup_seconds): the phases are measured, not made up: each
+    within the whole, the weights within the model's load."""
+    r = ninfer("run", "--raw", "--max-new", "2", "--prompt", "def f(x):")
+    assert r.returncode == 0, r.stderr
+    line, = [ln for ln in r.stderr.splitlines() if ln.startswith("ninfer: started in ")]
+    assert re.fullmatch(r"ninfer: started in [\d.]+ s: tokenizer [\d.]+ s, model [\d.]+ s "
+                        r"\(weights [\d.]+ s\), warm-up [\d.]+ s", line), line
+    from ninfer.demo import ensure_reference_artifact
+    with Engine(ensure_reference_artifact()) as engine:
+        s = engine.startup_seconds
+    assert set(s) == {"total", "tokenizer", "model", "weights", "warm_up"}
+    assert all(v >= 0 for v in s.values()) and s["weights"] <= s["model"]
+    assert s["tokenizer"] + s["model"] + s["warm_up"] <= s["total"]

@@ -72,6 +72,7 @@ class CudaModel(MediaEncoding):
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     max_kv_pages = None     # the KV pages the memory plan holds (set at load)
     batch_invariant = False  # options.batch_invariant (set at load)
+    load_phases: dict = {}   # {"weights", "kernels"} seconds (set at load; contracts.Model)
     # the numpy model's final_hidden (embeddings, MTP): this model's hidden states stay on the
     # device, so it offers none (Engine.embed answers NotSupportedError)
     final_hidden = None
@@ -183,6 +184,7 @@ class CudaModel(MediaEncoding):
         self.kernels_compiled = precompile.wait()
         self.kernels.load_all()
         self.kernel_seconds = time.perf_counter() - t_kernels      # beyond the weights' time
+        self.load_phases = {"weights": self.load_seconds, "kernels": self.kernel_seconds}
         self.runner = StepRunner(
             StepResources(cfg=cfg, ws=self.ws, weights=self.weights, lt=self.lt,
                           kernels=self.kernels, num_sms=self.device.num_sms, b_cap=b_cap,

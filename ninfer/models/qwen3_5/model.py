@@ -10,6 +10,8 @@ equals the per-row calls.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ... import ops
@@ -29,6 +31,7 @@ class NumpyModel(MediaEncoding):
     checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
     max_kv_pages = None         # host memory: the Program's default pool size
     kv_dtype = None             # "fp8" / "int8": quantized KV pages (load_model sets it)
+    load_phases: dict = {}      # from_artifact: {"weights": seconds} (never mutated: replaced)
 
     def __init__(self, config: ModelConfig, params: dict):
         self.config = config
@@ -47,8 +50,10 @@ class NumpyModel(MediaEncoding):
     @classmethod
     def from_artifact(cls, artifact) -> "NumpyModel":
         cfg = model_config(artifact)
+        t0 = time.perf_counter()
         model = cls(cfg, read_text_params(artifact, cfg.text))
         model.load_vision(artifact)
+        model.load_phases = {"weights": time.perf_counter() - t0}
         return model
 
     # ---- pools ------------------------------------------------------------------------------------
