@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -98,7 +99,13 @@ def test_serve_flag_reaches_the_engine(monkeypatch):
     from ninfer import commands
     from ninfer.cli import build_parser
     seen = {}
-    monkeypatch.setattr(ninfer.engine, "Engine", lambda path, **kw: seen.update(kw))
+    started = types.SimpleNamespace(startup_seconds={"total": 1.0, "tokenizer": 0.1,
+                                                     "model": 0.8, "warm_up": 0.1})
+
+    def engine(path, **kw):
+        seen.update(kw)
+        return started
+    monkeypatch.setattr(ninfer.engine, "Engine", engine)
     monkeypatch.setattr(commands, "_artifact_or_demo", lambda path: (path, False))
     monkeypatch.setattr(commands, "_check_can_listen", lambda host, port: None)
     monkeypatch.setattr(launcher, "serve", lambda factory, config, **kw: factory())
