@@ -14,7 +14,7 @@ import math
 
 from numba import cuda, float32, uint32
 
-from .common import bf16x2_hi, bf16x2_lo, f32_pair, sigmoid, storage, warp_sum
+from .common import bf16x2_hi, bf16x2_lo, f32_pair, inlined, sigmoid, storage, warp_sum
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -31,7 +31,7 @@ NEG_INF = float32(-3.0e38)
 def _kv_pairs(f32):
     """(k0, k1, v0, v1) = K/V pair i when `live`, else zeros."""
     if f32:
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def kv_f32(k_cache, v_cache, i, live):
             k0 = k1 = v0 = v1 = float32(0.0)
             if live:
@@ -40,7 +40,7 @@ def _kv_pairs(f32):
             return k0, k1, v0, v1
         return kv_f32
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def kv_bf16(k_cache, v_cache, i, live):
         p = uint32(0)
         pv = uint32(0)

@@ -5,27 +5,37 @@ bf16 is stored as uint16 (or pairs in uint32: element 2i in the low half, 2i+1 i
 import math
 from types import SimpleNamespace
 
-from numba import cuda, float32, int32, uint32
+from numba import config, cuda, float32, int32, uint32
 
 FULL_MASK = 0xFFFFFFFF
 
 
-@cuda.jit(device=True, inline=True)
+def inlined(fn):
+    """A device function NVVM always inlines (`forceinline`: its LLVM IR gets alwaysinline, the
+    same PTX as numba's IR-level `inline=True`, which copied and re-typed the callee's IR at every
+    call site and made the sampler's kernel ~13 s to compile, now ~3.5 s). numba's CPU simulator
+    has no such option: there it is a plain device function."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
+
+@inlined
 def bf16_to_f32(u):
     return cuda.libdevice.int_as_float(int32((int32(u) & 0xFFFF) << 16))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def bf16x2_lo(p):
     return cuda.libdevice.int_as_float(int32((p & uint32(0xFFFF)) << uint32(16)))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def bf16x2_hi(p):
     return cuda.libdevice.int_as_float(int32(p & uint32(0xFFFF0000)))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def f32_to_bf16(x):
     # round to nearest even (finite inputs)
     u = uint32(cuda.libdevice.float_as_int(x))
@@ -33,7 +43,7 @@ def f32_to_bf16(x):
     return u >> uint32(16)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def warp_sum(v):
     v += cuda.shfl_xor_sync(FULL_MASK, v, 16)
     v += cuda.shfl_xor_sync(FULL_MASK, v, 8)
@@ -43,7 +53,7 @@ def warp_sum(v):
     return v
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def warp_max(v):
     v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 16))
     v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 8))
@@ -53,17 +63,17 @@ def warp_max(v):
     return v
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def sigmoid(x):
     return float32(1.0) / (float32(1.0) + math.exp(-x))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def silu(x):
     return x / (float32(1.0) + math.exp(-x))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def softplus(x):
     # torch.nn.functional.softplus with threshold 20
     if x > float32(20.0):
@@ -71,7 +81,7 @@ def softplus(x):
     return math.log1p(math.exp(x))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def block_sum(v, scratch):
     """Sum over the block (blockDim.x a multiple of 32, <= 1024); scratch: shared float32[32]."""
     lane = cuda.threadIdx.x & 31
@@ -97,7 +107,7 @@ def tree_reductions(threads):
     the same on every run (it is not block_sum's order: a kernel compared with a host reference
     keeps the one it was checked with). Every thread gets the result, and the arrays may be reused
     as soon as the call returns."""
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def tree_sum(v, red):
         tid = cuda.threadIdx.x
         red[tid] = v
@@ -112,7 +122,7 @@ def tree_reductions(threads):
         cuda.syncthreads()
         return s
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def tree_max(v, red):
         tid = cuda.threadIdx.x
         red[tid] = v
@@ -128,7 +138,7 @@ def tree_reductions(threads):
         cuda.syncthreads()
         return s
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def tree_argmax(bv, bi, red_v, red_i):
         """The block's best (value, id): the larger value, the lower id on ties (np.argmax's
         first maximum when each thread offers its own first maximum); every thread gets the id
@@ -158,25 +168,25 @@ def tree_reductions(threads):
 # Kernels whose factory takes `f32` bake the choice in at compile time (the signature's "u16*" /
 # "u32*" become "f32*"); the bf16 variants are the same operations as before the choice existed.
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def f32_same(x):
     return x
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def bf16_round(x):
     # x rounded to the nearest bf16, kept as fp32
     return bf16_to_f32(f32_to_bf16(x))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def bf16_pair(a, i):
     # the two values of bf16 pair i (one u32 load)
     p = a[i]
     return bf16x2_lo(p), bf16x2_hi(p)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def f32_pair(a, i):
     # fp32 storage: "pair i" is elements 2i, 2i+1
     return a[2 * i], a[2 * i + 1]

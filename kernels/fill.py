@@ -1,7 +1,7 @@
 """Counter-based random fills (benchmark weights made on the GPU, no files)."""
 from numba import cuda, float32, uint32, int64
 
-from .common import bf16_round, f32_to_bf16
+from .common import bf16_round, f32_to_bf16, inlined
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -11,7 +11,7 @@ SIGNATURES = {
 
 
 def _hash():
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def mix(x):
         # splitmix-style 32-bit finaliser
         x = uint32(x)   # numba widens uint32 products to 64 bits: truncate after each step

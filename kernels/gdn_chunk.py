@@ -30,7 +30,7 @@ from numba import config, cuda, float32, float64, uint32
 # 16-byte aligned tiles (ld.shared.v4); numba-cuda's CPU simulator refuses alignment= (and needs none)
 TILE_ALIGN = None if config.ENABLE_CUDASIM else 16
 
-from .common import FULL_MASK, sigmoid, softplus
+from .common import FULL_MASK, inlined, sigmoid, softplus
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -41,7 +41,7 @@ SIGNATURES = {
 }
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def reduce_scatter8(acc, ks):
     """Sum acc[0..8) over the 8 adjacent lanes ks = 0..7 (lane bits 4, 2, 1): lane ks ends with
     the total of value ks in acc[0]. Each level sends the half of the values the lane gives away
@@ -229,7 +229,7 @@ def gdn_chunk_scan(dk, dv, nk, nv, Cn, VB, NC, KS, IB):
     NVN = (VNS + NT - 1) // NT
     NPT = (PTS + NT - 1) // NT
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def prefetch_chunk(bt, bu, bp, wbuf, core, pbuf, gbuf, t0, q1, h, vb, tid):
         """The chunk at token t0 (of a row ending at q1): this thread's share of W, U and P into
         the registers bt, bu, bp, and its row's decay factors (exp(G_i), exp(G_last - G_i))

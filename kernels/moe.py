@@ -8,7 +8,7 @@ import math
 
 from numba import cuda, float32, int32
 
-from .common import FULL_MASK, sigmoid, silu, storage, warp_max, warp_sum
+from .common import FULL_MASK, inlined, sigmoid, silu, storage, warp_max, warp_sum
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -27,7 +27,7 @@ def router_topk(E, K, norm):
     CHUNK = (E + WARPS - 1) // WARPS        # experts per warp
     NCAND = WARPS * K
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def warp_argmax(v, i):
         # (value, index) max over the warp, ties -> lower index; every lane gets the result
         for off in (16, 8, 4, 2, 1):

@@ -9,12 +9,12 @@ by its block's scale and the input, and the block sums through shared memory (co
 """
 from numba import cuda, float32, int32
 
-from .common import tree_reductions
+from .common import inlined, tree_reductions
 
 THREADS = 128
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def e4m3_to_f32(b):
     """OCP FP8 E4M3 byte -> float32 (bias 7; exponent 0: subnormal m * 2^-9; the NaN code
     S.1111.111 is never written by the converter)."""

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 
 from numba import config, cuda, float32, float64, int32, int64, uint32, uint64
 
-from .common import tree_reductions
+from .common import inlined, tree_reductions
 
 # the three sampling kernels' common arguments: out ids, logits, z, vocab, fpar, ipar, upar,
 # pen, mask, wf, wi (prep_kernel's docstring; cuda/sampler.py packs them)
@@ -144,7 +144,7 @@ def _parts(T, G, HB, cap):
     R = tree_reductions(T)
     tree_sum, tree_max, tree_argmax = R.sum, R.max, R.argmax
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def key_of(x):
         # order-preserving: a larger float has a larger key; -0.0 and 0.0 are one value
         if x == 0.0:
@@ -154,19 +154,19 @@ def _parts(T, G, HB, cap):
             return ~b
         return b | uint64(SIGN)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def splitmix64(z):
         z = z + uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> uint64(30))) * uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> uint64(27))) * uint64(0x94D049BB133111EB)
         return z ^ (z >> uint64(31))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def uniform(upar, r):
         key = splitmix64(splitmix64(upar[2 * r]) ^ upar[2 * r + 1])
         return float64(key >> uint64(11)) * (1.0 / 9007199254740992.0)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def block_scan(v, red):
         """Exclusive prefix sum of v over threads in thread order (Hillis-Steele)."""
         tid = cuda.threadIdx.x
@@ -187,17 +187,17 @@ def _parts(T, G, HB, cap):
         cuda.syncthreads()
         return ex
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def kept_by(kk, i, t_key, t_id):
         return kk > t_key or (kk == t_key and i <= t_id)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def kept_weight(x, i, m, t_key, t_id):
         if kept_by(key_of(x), i, t_key, t_id):
             return math.exp(x - m)
         return 0.0
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def masked(y, i, mask, mask_off):
         x = float64(y)
         if mask_off >= 0:
@@ -206,21 +206,21 @@ def _parts(T, G, HB, cap):
                 x = -math.inf
         return x
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def bin_of(d):
         # d = m - z / T >= 0; monotone in z / T (the same fp64 operations everywhere)
         if d < SPAN:
             return min(int32(d * SCALE), int32(HB - 1))
         return int32(HB - 1)
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def row_max(wf, fb):
         mx = -math.inf
         for q in range(G):
             mx = max(mx, wf[fb + PV + q])
         return mx
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def hist_one(x, i, hi, prefix, shift, by_mass, m, tk_key, tk_id, hc, hm):
         kk = key_of(x)
         if (kk & hi) == prefix and kept_by(kk, i, tk_key, tk_id):
@@ -229,7 +229,7 @@ def _parts(T, G, HB, cap):
             if by_mass:
                 cuda.atomic.add(hm, d, math.exp(x - m))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def select(z, base, vocab, temp, m, need, by_mass, tk_key, tk_id, hc, hm, st, red):
         """Radix select of the best-first prefix that top-k (count `need`) or top-p (mass `need`
         of the survivors of (tk_key, tk_id)) keeps. Returns (key, last kept id at that key)."""
@@ -302,7 +302,7 @@ def _parts(T, G, HB, cap):
                         last = float64(i)
         return prefix, int32(tree_max(last, red))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def block_min_id(first, red_i):
         tid = cuda.threadIdx.x
         red_i[tid] = first
@@ -317,7 +317,7 @@ def _parts(T, G, HB, cap):
         cuda.syncthreads()
         return f
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def full_row(out, z, base, vocab, r, fpar, ipar, m, u, hc, hm, st, red, red_i, cid, cx,
                  cw, ck):
         """The whole row by one block (FALLBACK): writes out[r]."""

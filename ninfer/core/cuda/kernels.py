@@ -168,7 +168,8 @@ def compile_spec(spec: KernelSpec, cc: tuple) -> str:
     fn = getattr(mod, spec.factory)(**dict(spec.params))
     sig = tuple(getattr(types, ARG_TYPES[t][1]) if not ARG_TYPES[t][2]
                 else types.CPointer(getattr(types, ARG_TYPES[t][1])) for t in spec.sig)
-    ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, **COMPILE_OPTIONS)
+    with numba_shim.target_device(cc):
+        ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, **COMPILE_OPTIONS)
     return ptx
 
 
