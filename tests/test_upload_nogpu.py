@@ -1,6 +1,8 @@
 """cuda/upload.py on a fake driver: every weight lands byte for byte at its device address, in
-pieces through the pinned ring (a buffer is reused only after its copy's event), with parallel
-readers; a reader's error reaches the caller and leaves no buffer behind."""
+pieces through each loader thread's pinned ring (a buffer is reused only after its copy's event),
+with parallel loaders; a loader's error reaches the caller and leaves no buffer behind."""
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -101,14 +103,19 @@ def test_every_weight_lands_at_its_address(monkeypatch, workers):
     for name, a in tensors.items():
         jobs.append(up.UploadJob(Dst(ptr), (a.size,), wplan.BF16, ((name, None),)))
         ptr += a.nbytes
+    bound = []
     up.upload_all(FakeArtifact(tensors), jobs, Stream(dev), {}, None, workers=workers,
-                  progress=False)
+                  progress=False, bind_context=lambda: bound.append(threading.get_ident()))
     assert not dev.queue
     for job, a in zip(jobs, tensors.values()):
         got = dev.mem[job.dst.ptr: job.dst.ptr + a.nbytes]
         np.testing.assert_array_equal(got, a.view(np.uint8))
     assert dev.mem[ptr:].tolist() == [0xAB] * 64              # nothing written past the weights
-    assert len(dev.freed) == up.NUM_BUFFERS                   # the ring's buffers went back
+    # each loader thread bound the model's context once, before its ring's first copy; every
+    # pinned buffer went back
+    assert 1 <= len(bound) == len(set(bound)) <= workers
+    assert threading.get_ident() not in bound
+    assert sorted(dev.freed) == sorted(dev.pinned) and len(dev.freed) == len(bound) * up.NUM_BUFFERS
 
 
 def test_a_reader_error_reaches_the_caller_and_frees_the_ring(monkeypatch):
@@ -120,22 +127,22 @@ def test_a_reader_error_reaches_the_caller_and_frees_the_ring(monkeypatch):
     with pytest.raises(ArtifactError, match="checksum"):
         up.upload_all(FakeArtifact(tensors, bad={"w2"}), jobs, Stream(dev), {}, None, workers=2,
                       progress=False)
-    assert len(dev.freed) == up.NUM_BUFFERS
+    assert dev.pinned and sorted(dev.freed) == sorted(dev.pinned)
 
 
-def test_a_widened_weight_goes_through_the_callers_path_after_a_drain(monkeypatch):
+def test_a_widened_weight_goes_through_the_callers_path(monkeypatch):
     rng = np.random.default_rng(2)
     tensors = _weights(rng, [300, 50])
     dev = FakeDevice(4096)
     dev.install(monkeypatch)
     seen = []
 
-    def widen(job, host, staging):
-        assert not dev.queue                       # earlier copies finished before the widening
+    def widen(job, host):
         seen.append((job.sources[0][0], host.view(np.uint16).copy()))
     jobs = [up.UploadJob(Dst(0), (300,), wplan.BF16, (("w0", None),)),
             up.UploadJob(Dst(600), (50,), wplan.BF16, (("w1", None),), widen=True)]
     up.upload_all(FakeArtifact(tensors), jobs, Stream(dev), {}, widen, workers=2, progress=False)
+    assert not dev.queue
     assert [n for n, _ in seen] == ["w1"]
     np.testing.assert_array_equal(seen[0][1], tensors["w1"].view(np.uint16))
     np.testing.assert_array_equal(dev.mem[:600], tensors["w0"].view(np.uint8))

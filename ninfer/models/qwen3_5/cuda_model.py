@@ -176,7 +176,8 @@ class CudaModel(MediaEncoding):
         self.media_rows = MediaRows(self.ws.h, cfg.hidden_size, n_cap)
         t_load = time.perf_counter()
         # the cuBLASLt workspace is idle during the load: the fp32 model's widening scratch
-        loader = WeightLoader(self.arena, self.kernels, self.stream, self.f32, lt_ws, LT_WORKSPACE)
+        loader = WeightLoader(self.arena, self.kernels, self.stream, self.f32, lt_ws, LT_WORKSPACE,
+                              self._bind_context)
         self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed, tied=tied)
         self.stream.synchronize()
         self.load_seconds = time.perf_counter() - t_load

@@ -1,18 +1,23 @@
 """Weights from the mapped artifact to the device at page-cache speed.
 
-    reader threads (N)                      the loading thread, in plan order
-    read_host: checksum, finiteness,  -->   64 MiB piece -> pinned buffer k -> async H2D on the
-    dtype view (zlib and numpy release      model's stream, event k recorded; buffer k is reused
-    the GIL: the passes run in parallel)    only after event k (k cycles over a few buffers)
+    loader threads (N), one tensor each at a time              the calling thread
+    read_host: checksum, finiteness, dtype view (zlib and  -->  waits for the tensors in plan
+    numpy release the GIL); then its pieces go through the      order (a bounded window ahead),
+    thread's own pinned ring: copy into pinned buffer k,        widens the fp32 model's
+    async H2D on the model's stream, event k; buffer k is       weights, syncs once at the end
+    reused only after event k
 
-Reads run at most `ahead` tensors in front of the uploads, so host memory stays bounded (a tensor
-is a zero-copy view of the mapping unless its sources are concatenated). The copies into pinned
-memory overlap the previous pieces' transfers; nothing is synchronised per tensor.
+Every pass over the bytes runs in the loader threads side by side (one thread copying into pinned
+memory tops out near 7 GB/s on an H200 host; 15 reach ~50). Reads run at most `ahead` tensors in
+front of the caller, so host memory stays bounded (a tensor is a zero-copy view of the mapping
+unless its sources are concatenated). Copies from several threads share the one stream: their
+destinations are disjoint, so their order does not matter; nothing is synchronised per tensor.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,8 +27,8 @@ import numpy as np
 from ....core.cuda import driver as _d
 from . import weights as wplan
 
-PIECE_BYTES = 64 << 20
-NUM_BUFFERS = 3
+PIECE_BYTES = 16 << 20
+NUM_BUFFERS = 2           # per loader thread: one filling while the other's copy runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +83,39 @@ class PinnedRing:
 
 
 def default_workers() -> int:
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+    return max(1, min(16, (os.cpu_count() or 2) - 1))
 
 
-def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *,
+class _ThreadRings:
+    """One PinnedRing per loader thread, made on the thread's first tensor (after it has bound
+    the model's context: the driver's current context is per thread); closed together."""
+
+    def __init__(self, stream, bind_context):
+        self.stream, self.bind_context = stream, bind_context
+        self._local, self._lock, self.rings = threading.local(), threading.Lock(), []
+
+    def mine(self) -> PinnedRing:
+        ring = getattr(self._local, "ring", None)
+        if ring is None:
+            if self.bind_context is not None:
+                self.bind_context()
+            ring = PinnedRing(self.stream)
+            with self._lock:
+                self.rings.append(ring)
+            self._local.ring = ring
+        return ring
+
+    def close(self) -> None:
+        for ring in self.rings:
+            ring.close()
+        self.rings = []
+
+
+def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *, bind_context=None,
                workers: int = None, progress: bool = None) -> None:
-    """Read every job's host image in parallel and upload it in order. `widen_one(job, host,
-    staging)` uploads an fp32-widened job synchronously (after the ring has drained).
+    """Read and upload every job, in parallel (module docstring). `widen_one(job, host)` uploads
+    an fp32-widened job synchronously, on the calling thread. `bind_context`: makes the
+    model's context current (called once in each loader thread before its first copy).
     progress: a bar on stderr (default: when stderr is a terminal)."""
     workers = workers or default_workers()
     ahead = 2 * workers
@@ -94,9 +125,15 @@ def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *,
     if show:
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False)
-    ring = PinnedRing(stream)
+    rings = _ThreadRings(stream, bind_context)
     pending: deque = deque()
     todo = iter(jobs)
+
+    def load_one(job):
+        host = wplan.read_host(artifact, job.shape, job.dtype, job.sources, expected)
+        if not job.widen:
+            rings.mine().put(job.dst.ptr, host)
+        return host
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="ninfer-load") as pool:
             try:
@@ -105,25 +142,21 @@ def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *,
                         job = next(todo, None)
                         if job is None:
                             return
-                        pending.append((job, pool.submit(wplan.read_host, artifact, job.shape,
-                                                         job.dtype, job.sources, expected)))
+                        pending.append((job, pool.submit(load_one, job)))
                 refill()
                 while pending:
                     job, future = pending.popleft()
                     host = future.result()
                     refill()
                     if job.widen:
-                        ring.drain()
-                        widen_one(job, host, ring.buffers[0])
-                    else:
-                        ring.put(job.dst.ptr, host)
+                        widen_one(job, host)
                     if bar is not None:
                         bar.update(host.nbytes)
             finally:
                 for _, future in pending:
                     future.cancel()
-        ring.drain()
     finally:
-        ring.close()
+        stream.synchronize()        # every thread's copies have read their buffers
+        rings.close()
         if bar is not None:
             bar.close()

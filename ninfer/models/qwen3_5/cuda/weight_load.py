@@ -19,13 +19,15 @@ from .upload import UploadJob, upload_all
 @dataclass(frozen=True)
 class WeightLoader:
     """What loading needs: the arena the weights live in, the kernels (widen, random fills),
-    the stream, and a device scratch of scratch_bytes (the cuBLASLt workspace, idle at load)."""
+    the stream, a device scratch of scratch_bytes (the cuBLASLt workspace, idle at load), and
+    what makes the model's context current in a loader thread."""
     arena: object
     kernels: object
     stream: object
     f32: bool
     scratch: object
     scratch_bytes: int
+    bind_context: object = None
 
 
 def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
@@ -54,8 +56,18 @@ def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
         else:
             out["layers"].append(arrs)
     if jobs:
-        upload_all(artifact, jobs, loader.stream, text_param_shapes(cfg),
-                   lambda job, host, staging: upload_widened(loader, job.dst, host, staging))
+        staging = []            # the fp32 model's pinned buffer for widening, made on first use
+
+        def widen_one(job, host):
+            if not staging:
+                staging.append(_d.PinnedBuffer(loader.scratch_bytes))
+            upload_widened(loader, job.dst, host, staging[0])
+        try:
+            upload_all(artifact, jobs, loader.stream, text_param_shapes(cfg), widen_one,
+                       bind_context=loader.bind_context)
+        finally:
+            for buf in staging:
+                buf.free()
     return out
 
 

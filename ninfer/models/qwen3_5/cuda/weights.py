@@ -121,12 +121,18 @@ def read_host(artifact, shape, dtype, sources, expected: dict = None) -> np.ndar
     return host
 
 
-def _bf16_all_finite(bits: np.ndarray, chunk: int = 1 << 24) -> bool:
+def _bf16_all_finite(bits: np.ndarray, chunk: int = 1 << 18) -> bool:
     """No inf/nan among bf16 bit patterns (exponent all ones; also a float32 too large for
-    bf16), in chunks: an embedding is GBs, the check must not double it."""
+    bf16). In chunks that stay in the CPU's cache, through one reused buffer: over whole GB-sized
+    tensors the temporaries went to memory and the scan ran at ~2 GB/s a thread, now several
+    times that (bench/bench_load.py)."""
     flat = bits.reshape(-1)
+    scratch = np.empty(min(chunk, flat.size), np.uint16)
     for i in range(0, flat.size, chunk):
-        if np.any((flat[i: i + chunk] & 0x7F80) == 0x7F80):
+        part = flat[i: i + chunk]
+        exp = scratch[: part.size]
+        np.bitwise_and(part, 0x7F80, out=exp)
+        if exp.max() == 0x7F80:
             return False
     return True
 
