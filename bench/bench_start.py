@@ -1,0 +1,88 @@
+"""How long a user waits for `ninfer.Engine(path, backend="cuda")`, each start in a fresh process.
+
+    PYTHONPATH=. python bench/bench_start.py ARTIFACT [--warm 2] [--out r.json]
+
+First start: an empty kernel cache (a new temporary $NINFER_CACHE_DIR, NINFER_KERNEL_CACHE unset),
+as on a fresh machine or container; then --warm starts that find the cache this one filled (a
+second process). The artifact is read into the page cache before the first start. Each line is
+Engine.startup_seconds (total, tokenizer, model: weights and kernels, warm-up) with the weights'
+GB/s; the driver's JIT cache (~/.nv/ComputeCache) is pointed into the same temporary folder, so
+"fresh" means fresh for it too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import ninfer
+t1 = time.perf_counter()
+e = ninfer.Engine(sys.argv[1], backend="cuda", **json.loads(sys.argv[2]))
+s = dict(e.startup_seconds, import_s=t1 - t0, kernels_compiled=e.model.kernels_compiled)
+e.close()
+print("STARTUP " + json.dumps(s))
+"""
+
+
+def read_into_page_cache(path: pathlib.Path) -> float:
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(64 << 20)
+        while f.readinto(buf):
+            pass
+    return path.stat().st_size / (time.perf_counter() - t0) / 1e9
+
+
+def one_start(path, cache_root, options) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NINFER_KERNEL_CACHE"}
+    env.update(NINFER_CACHE_DIR=str(cache_root), CUDA_CACHE_PATH=str(cache_root / "nv"))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path), json.dumps(options)], env=env,
+                         capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"start failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    line = [x for x in out.stdout.splitlines() if x.startswith("STARTUP ")][-1]
+    return dict(json.loads(line[len("STARTUP "):]), process_s=wall)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("artifact")
+    ap.add_argument("--warm", type=int, default=2, help="starts after the cold one")
+    ap.add_argument("--options", default='{"max_concurrency": 8, "max_context": 8192}')
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    path = pathlib.Path(args.artifact)
+    size = path.stat().st_size
+    print(f"{path.name}: {size / 1e9:.2f} GB, page-cache read {read_into_page_cache(path):.1f} GB/s",
+          flush=True)
+    options = json.loads(args.options)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ninfer-start-") as tmp:
+        for i in range(1 + args.warm):
+            r = one_start(path, pathlib.Path(tmp), options)
+            r["kind"] = "empty cache" if i == 0 else "second process"
+            r["weights_gbps"] = size / r["weights"] / 1e9
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print("\n| start | Engine() | process | import | weights | kernels (compiled) | warm-up |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['total']:.1f} s | {r['process_s']:.1f} s | "
+              f"{r['import_s']:.1f} s | {r['weights']:.1f} s = {r['weights_gbps']:.1f} GB/s | "
+              f"{r.get('kernels', 0):.1f} s ({r['kernels_compiled']}) | {r['warm_up']:.1f} s |")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
