@@ -1,16 +1,16 @@
 """Weights from the mapped artifact to the device at page-cache speed.
 
     loader threads (N), one tensor each at a time              the calling thread
-    read_host: checksum, finiteness, dtype view (zlib and  -->  waits for the tensors in plan
-    numpy release the GIL); then its pieces go through the      order (a bounded window ahead),
-    thread's own pinned ring: copy into pinned buffer k,        widens the fp32 model's
-    async H2D on the model's stream, event k; buffer k is       weights, syncs once at the end
-    reused only after event k
+    read_host: checksum, finiteness, dtype view (zlib and  -->  keeps a bounded window of
+    numpy release the GIL); then its pieces go through the      tensors submitted, in plan
+    thread's own pinned ring: copy into pinned buffer k,        order, refilled as any one
+    async H2D on the model's stream, event k; buffer k is       finishes; widens the fp32
+    reused only after event k                                   model's weights; syncs once
 
 Every pass over the bytes runs in the loader threads side by side (one thread copying into pinned
-memory tops out near 7 GB/s on an H200 host; 15 reach ~50). Reads run at most `ahead` tensors in
-front of the caller, so host memory stays bounded (a tensor is a zero-copy view of the mapping
-unless its sources are concatenated). Copies from several threads share the one stream: their
+memory tops out near 7 GB/s on an H200 host; 15 reach ~50). At most `ahead` tensors are in
+flight, so host memory stays bounded (a tensor is a zero-copy view of the mapping unless its
+sources are concatenated). Copies from several threads share the one stream: their
 destinations are disjoint, so their order does not matter; nothing is synchronised per tensor.
 """
 from __future__ import annotations
@@ -18,8 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,14 +125,14 @@ def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *, bind_
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False)
     rings = _ThreadRings(stream, bind_context)
-    pending: deque = deque()
+    pending: set = set()
     todo = iter(jobs)
 
     def load_one(job):
         host = wplan.read_host(artifact, job.shape, job.dtype, job.sources, expected)
         if not job.widen:
             rings.mine().put(job.dst.ptr, host)
-        return host
+        return job, host
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="ninfer-load") as pool:
             try:
@@ -142,18 +141,22 @@ def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *, bind_
                         job = next(todo, None)
                         if job is None:
                             return
-                        pending.append((job, pool.submit(load_one, job)))
+                        pending.add(pool.submit(load_one, job))
                 refill()
                 while pending:
-                    job, future = pending.popleft()
-                    host = future.result()
+                    # whichever finishes first: waiting in plan order left the threads idle
+                    # behind one large tensor (the 2 GB embedding) with the window full
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        pending.discard(future)
+                        job, host = future.result()
+                        if job.widen:
+                            widen_one(job, host)
+                        if bar is not None:
+                            bar.update(host.nbytes)
                     refill()
-                    if job.widen:
-                        widen_one(job, host)
-                    if bar is not None:
-                        bar.update(host.nbytes)
             finally:
-                for _, future in pending:
+                for future in pending:
                     future.cancel()
     finally:
         stream.synchronize()        # every thread's copies have read their buffers
