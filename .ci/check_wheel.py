@@ -1,8 +1,12 @@
 """Run from a fresh virtual environment holding the built wheel, OUTSIDE the source tree: every
 kernel source of the kernel set is found inside the installed package (`ninfer.kernels`) and
-compiles to PTX (numba-cuda needs no GPU for that). Exits non-zero with the first problem."""
+compiles to PTX (numba-cuda needs no GPU for that), and the wheel's kernel pack serves every
+kernel of the release geometries for sm_90, sm_89 and sm_80 without compiling. Exits non-zero
+with the first problem."""
+import json
 import pathlib
 import sys
+import tempfile
 import time
 
 import ninfer
@@ -52,6 +56,37 @@ def main() -> int:
         K.entry_name(ptx)              # exactly one kernel entry
     print(f"wheel: {len(modules)} kernel sources found under {folder}; {len(specs)} kernels "
           f"compiled to PTX for sm_{CC[0]}{CC[1]} in {time.time() - t0:.0f} s")
+    return check_pack()
+
+
+def check_pack() -> int:
+    from ninfer.models.qwen3_5.releases import release_specs
+    index = K.pack_dir() / "index.json"
+    if not index.is_file():
+        print(f"the wheel has no kernel pack ({index} missing)")
+        return 1
+    archs = json.loads(index.read_text())["archs"]
+    specs = release_specs()
+
+    def no_compile(spec, cc):
+        raise AssertionError(f"{spec.factory} for {cc} compiled: not served by the pack")
+    K.compile_spec = no_compile
+    for arch in ("sm_90", "sm_89", "sm_80"):
+        if arch not in archs:
+            print(f"the kernel pack lacks {arch} (has {archs})")
+            return 1
+        cc = (int(arch[3]), int(arch[4]))
+        with tempfile.TemporaryDirectory() as empty:
+            cache = K.KernelCache(cc, empty)
+            if cache.missing(specs):
+                print(f"the kernel pack lacks {len(cache.missing(specs))} release kernels "
+                      f"for {arch}")
+                return 1
+            for sp in specs:
+                if f".target {arch}" not in cache.ptx(sp):
+                    print(f"the pack's {sp.factory} for {arch} is not {arch} PTX")
+                    return 1
+    print(f"wheel: the kernel pack serves all {len(specs)} release kernels for {archs}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`python -m ninfer warmup [ARTIFACT] [--arch 90]`: compile the CUDA kernels a model needs into
+"""`python -m ninfer warmup [ARTIFACT | --releases] [--arch 90]`: compile the CUDA kernels a model needs into
 the kernel cache ahead of its first start, no GPU needed with --arch (a container build, a CI
 step). The cache is the one Engine(backend="cuda") reads: `$NINFER_KERNEL_CACHE`, else `kernels`
 under `$NINFER_CACHE_DIR` or ~/.cache/ninfer. Its entries are keyed by kernel source, geometry,
@@ -25,6 +25,9 @@ def add_warmup_parser(sub) -> None:
     w.add_argument("--workers", type=int, default=None, metavar="N",
                    help="compiler processes (default: one per kernel to compile, at most one "
                         "per CPU)")
+    w.add_argument("--releases", action="store_true",
+                   help="compile the kernels of every Qwen3.5 release geometry (0.8B ... 35B-A3B) "
+                        "instead of one artifact's: a machine or image that will run any of them")
     w.add_argument("--cache-dir", help="default: $NINFER_KERNEL_CACHE, else kernels/ under "
                                        "$NINFER_CACHE_DIR or ~/.cache/ninfer")
     w.set_defaults(handler=warmup_command)
@@ -60,14 +63,25 @@ def warmup_command(args) -> int:
     if args.workers is not None and args.workers < 0:
         raise Error(f"--workers {args.workers}: must be >= 0 (0: compile in this process)")
     cc = parse_arch(args.arch) if args.arch else _this_gpu_arch()
+    cache = KernelCache(cc, args.cache_dir)
+    t0 = time.perf_counter()
+    if args.releases:
+        if args.artifact or args.dtype != "bfloat16":
+            raise Error("--releases: the release geometries' bfloat16 kernels; give no artifact "
+                        "and no --dtype")
+        from .models.qwen3_5.releases import release_specs
+        specs = release_specs()
+        compiled = cache.start_precompile(specs, args.workers).wait()
+        print(f"kernels of the Qwen3.5 releases for sm_{cc[0]}{cc[1]}: {compiled} compiled, "
+              f"{len(specs) - compiled} already cached or shipped, in {cache.dir} "
+              f"({time.perf_counter() - t0:.1f} s)")
+        return 0
     path, _ = _artifact_or_demo(args.artifact)
     with Artifact(path) as artifact:
         cfg = model_config(artifact).text
-    cache = KernelCache(cc, args.cache_dir)
     kernels = KernelSet(cfg, cache, f32=args.dtype == "float32")  # refuses what cuda refuses
-    t0 = time.perf_counter()
     compiled = kernels.start_precompile(args.workers).wait()
     print(f"kernels for sm_{cc[0]}{cc[1]} ({args.dtype}): {compiled} compiled, "
-          f"{len(kernels.specs) - compiled} already cached, in {cache.dir} "
+          f"{len(kernels.specs) - compiled} already cached or shipped, in {cache.dir} "
           f"({time.perf_counter() - t0:.1f} s)")
     return 0

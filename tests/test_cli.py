@@ -451,7 +451,25 @@ def test_warmup_fills_the_kernel_cache_for_the_models_geometry(tmp_path, monkeyp
     assert f"0 compiled, {len(want)} already cached" in capsys.readouterr().out
 
 
+def test_warmup_releases_fills_the_cache_with_every_release_geometry(tmp_path, monkeypatch,
+                                                                      capsys):
+    from ninfer.cli import main
+    from ninfer.core.cuda import kernels as K
+    from ninfer.models.qwen3_5.releases import release_specs
+    from test_cuda_nogpu import _FAKE_PTX
+    monkeypatch.setattr(K, "compile_spec", lambda spec, cc: _FAKE_PTX)
+    monkeypatch.setattr(K, "pack_dir", lambda: tmp_path / "no-pack")
+    specs = release_specs()
+    assert main(["warmup", "--releases", "--arch", "90", "--workers", "0", "--cache-dir",
+                 str(tmp_path / "c")]) == 0
+    assert {p.name for p in (tmp_path / "c").iterdir()} == \
+        {K.cache_key(sp, (9, 0)) + ".ptx" for sp in specs}
+    assert f"for sm_90: {len(specs)} compiled, 0 already" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--releases", "x.ninfer", "--arch", "90"], "--releases: the release geometries' bfloat16 "
+                                                 "kernels; give no artifact and no --dtype"),
     (["--arch", "9x"], "--arch 9x: expected a compute capability such as 90, sm_90 or 9.0"),
     (["--arch", "90", "--workers", "-1"], "--workers -1: must be >= 0"),
     (["missing.ninfer", "--arch", "90"], "artifact missing.ninfer: no such file"),

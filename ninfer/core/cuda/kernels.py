@@ -6,6 +6,8 @@ the factory's parameters, and a C-like signature (`"f32*"`, `"u16*"`, `"i32"`, `
 
     spec --key--> <cache>/<key>.ptx   key = sha256(source files, factory, params, signature, arch,
                                                    numba-cuda version)
+         miss --> the kernel pack shipped in a release wheel: ninfer/kernels/prebuilt/<pack key>.ptx
+                  (pack key: the same without the compiler version; any numba-cuda's PTX is valid)
          miss --> numba.cuda.compile_ptx(fn, sig, cc=arch)  (only place numba is imported)
          load --> cuModuleLoadData -> cuModuleGetFunction -> Kernel
     Kernel.launch(grid, block, args) packs the arguments with ctypes and calls cuLaunchKernel;
@@ -117,6 +119,51 @@ def cache_key(spec: KernelSpec, cc: tuple, source: str = None, version: str = No
     return h.hexdigest()[:32]
 
 
+def pack_key(spec: KernelSpec, cc: tuple, source: str = None) -> str:
+    """The name of `spec`'s PTX in the kernel pack: cache_key without the compiler's identity
+    (the pack was compiled elsewhere; its PTX is valid under any numba-cuda, and the driver
+    JIT-compiles it for the GPU at hand)."""
+    return cache_key(spec, cc, source, version="pack")
+
+
+def pack_dir():
+    """The kernel pack: PTX of the Qwen3.5 release geometries' kernels, in the package beside the
+    sources (ninfer/kernels/prebuilt). setup.py builds it into a wheel when NINFER_KERNEL_PACK
+    names architectures (docs/gpu.md); a source checkout has none unless built there."""
+    return KERNELS_DIR / "prebuilt"
+
+
+def pack_entry(spec: KernelSpec, cc: tuple):
+    """The pack's PTX for `spec` on `cc`, or None (absent, or not one whole kernel)."""
+    try:
+        ptx = (pack_dir() / f"{pack_key(spec, cc)}.ptx").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return ptx if _whole_kernel(ptx) else None
+
+
+def build_pack(specs, archs, out_dir, workers: int = None) -> int:
+    """Compile every spec for every architecture into `out_dir` as a kernel pack (pack keys, an
+    index.json naming the compiler); the number of kernels written. Compiles in parallel
+    processes through a private cache, so nothing is read from or left in the user's."""
+    import json
+    import shutil
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = list(dict.fromkeys(specs))
+    with tempfile.TemporaryDirectory(prefix="ninfer-pack-") as tmp:
+        for cc in archs:
+            cache = KernelCache(cc, tmp)
+            cache.start_precompile(specs, workers).wait()
+            for sp in specs:
+                shutil.copyfile(cache.dir / f"{cache_key(sp, cc)}.ptx",
+                                out / f"{pack_key(sp, cc)}.ptx")
+    (out / "index.json").write_text(json.dumps(
+        {"toolchain": _toolchain_id(), "archs": [f"sm_{a}{b}" for a, b in archs],
+         "kernels": len(specs) * len(archs)}, indent=1))
+    return len(specs) * len(archs)
+
+
 def default_cache_dir() -> pathlib.Path:
     """$NINFER_KERNEL_CACHE, else `kernels` in ninfer's cache folder ($NINFER_CACHE_DIR, else
     ~/.cache/ninfer: where the demo model and the tokenizer cache live too)."""
@@ -180,7 +227,11 @@ def _read_entry(path: pathlib.Path):
         ptx = path.read_text()
     except (OSError, UnicodeDecodeError):
         return None
-    return ptx if len(_ENTRY.findall(ptx)) == 1 and ptx.rstrip().endswith("}") else None
+    return ptx if _whole_kernel(ptx) else None
+
+
+def _whole_kernel(ptx: str) -> bool:
+    return len(_ENTRY.findall(ptx)) == 1 and ptx.rstrip().endswith("}")
 
 
 def _write_entry(directory: pathlib.Path, key: str, ptx: str) -> None:
@@ -274,21 +325,32 @@ class KernelCache:
         self._loaded: dict = {}
         self._lock = threading.Lock()
         self.compiled = 0       # cache misses this process
+        self.from_pack = 0      # kernels the pack served this process
+
+    def _cached(self, spec: KernelSpec):
+        """The cache's PTX for `spec`, else the pack's, else None."""
+        cached = _read_entry(self.dir / f"{cache_key(spec, self.cc)}.ptx")
+        if cached is None:
+            cached = pack_entry(spec, self.cc)
+            self.from_pack += cached is not None
+        return cached
 
     def ptx(self, spec: KernelSpec) -> str:
-        key = cache_key(spec, self.cc)
-        cached = _read_entry(self.dir / f"{key}.ptx")
+        cached = self._cached(spec)
         if cached is not None:
             return cached
+        key = cache_key(spec, self.cc)
         ptx = compile_spec(spec, self.cc)
         self.compiled += 1
         _write_entry(self.dir, key, ptx)
         return ptx
 
     def missing(self, specs) -> list:
-        """The specs (each once, in order) whose PTX is not in the cache, or not whole."""
+        """The specs (each once, in order) whose PTX is neither in the cache (whole) nor in the
+        pack."""
         return [sp for sp in dict.fromkeys(specs)
-                if _read_entry(self.dir / f"{cache_key(sp, self.cc)}.ptx") is None]
+                if _read_entry(self.dir / f"{cache_key(sp, self.cc)}.ptx") is None
+                and pack_entry(sp, self.cc) is None]
 
     def start_precompile(self, specs, workers: int = None) -> "Precompile":
         """Compile the missing ones of `specs` into the cache in `workers` processes (default:
