@@ -153,7 +153,7 @@ def build_pack(specs, archs, out_dir, workers: int = None) -> int:
     specs = list(dict.fromkeys(specs))
     with tempfile.TemporaryDirectory(prefix="ninfer-pack-") as tmp:
         for cc in archs:
-            cache = KernelCache(cc, tmp)
+            cache = KernelCache(cc, tmp, use_pack=False)
             cache.start_precompile(specs, workers).wait()
             for sp in specs:
                 shutil.copyfile(cache.dir / f"{cache_key(sp, cc)}.ptx",
@@ -319,8 +319,9 @@ class Precompile:
 class KernelCache:
     """Compile-once, load-once: PTX on disk, modules in this process."""
 
-    def __init__(self, cc: tuple, cache_dir=None):
+    def __init__(self, cc: tuple, cache_dir=None, use_pack: bool = True):
         self.cc = tuple(cc)
+        self.use_pack = use_pack    # False: building a pack (compile what the cache lacks)
         self.dir = pathlib.Path(cache_dir) if cache_dir else default_cache_dir()
         self._loaded: dict = {}
         self._lock = threading.Lock()
@@ -330,7 +331,7 @@ class KernelCache:
     def _cached(self, spec: KernelSpec):
         """The cache's PTX for `spec`, else the pack's, else None."""
         cached = _read_entry(self.dir / f"{cache_key(spec, self.cc)}.ptx")
-        if cached is None:
+        if cached is None and self.use_pack:
             cached = pack_entry(spec, self.cc)
             self.from_pack += cached is not None
         return cached
@@ -350,7 +351,7 @@ class KernelCache:
         pack."""
         return [sp for sp in dict.fromkeys(specs)
                 if _read_entry(self.dir / f"{cache_key(sp, self.cc)}.ptx") is None
-                and pack_entry(sp, self.cc) is None]
+                and not (self.use_pack and pack_entry(sp, self.cc) is not None)]
 
     def start_precompile(self, specs, workers: int = None) -> "Precompile":
         """Compile the missing ones of `specs` into the cache in `workers` processes (default:
