@@ -92,3 +92,81 @@ def test_every_release_geometry_is_one_the_cuda_backend_runs(name):
     cfg = release_config(name)
     check_geometry(cfg)                 # raises DeviceError for a geometry cuda refuses
     assert set(geometry_specs(cfg).values()) <= set(release_specs())
+
+
+# ---- loading modules in threads, beside the weights --------------------------------------------
+class _LoadingDriver:
+    """cuModuleLoadData / GetFunction / Unload, recorded, with the loading threads' overlap."""
+
+    def __init__(self, fail=None):
+        import threading
+        self.loaded, self.unloaded, self.fail = [], [], fail
+        self._lock, self.active, self.most = threading.Lock(), 0, 0
+
+    def cuModuleLoadData(self, image):
+        import time
+        with self._lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        time.sleep(0.02)                       # the driver's JIT, long enough to overlap
+        with self._lock:
+            self.active -= 1
+            self.loaded.append(image)
+        return (1 if self.fail and self.fail.encode() in image else 0), f"mod{len(self.loaded)}"
+
+    def cuModuleGetFunction(self, module, name):
+        return 0, f"fn:{module}"
+
+    def cuModuleUnload(self, module):
+        self.unloaded.append(module)
+        return (0,)
+
+
+def _fake_driver(monkeypatch, fake):
+    from ninfer.core.cuda import driver as d
+    monkeypatch.setattr(d, "driver", lambda: fake)
+
+    def check(result, what=""):
+        if result[0]:
+            raise DeviceError(f"{what}: failed")
+        return result[1] if len(result) > 1 else None
+    monkeypatch.setattr(d, "check", check)
+
+
+def _ptx_named(sp, cc):
+    return _PTX.replace(".entry k(", f".entry {sp.factory}(")
+
+
+def test_modules_load_side_by_side_once_each(tmp_path, monkeypatch):
+    from ninfer.models.qwen3_5.cuda.kernel_set import KernelSet
+    from ninfer.models.qwen3_5.releases import release_config
+    fake = _LoadingDriver()
+    _fake_driver(monkeypatch, fake)
+    monkeypatch.setattr(K, "compile_spec", _ptx_named)
+    cache = K.KernelCache((9, 0), tmp_path)
+    ks = KernelSet(release_config("9b"), cache)
+    for sp in ks.specs.values():               # cached: nothing for compiler processes
+        cache.ptx(sp)
+    bound = []
+    loading = ks.start_loading(lambda: bound.append(1), threads=4)
+    getattr(ks, "rmsnorm")                     # the caller needs one meanwhile (random fills)
+    assert loading.wait() == 0
+    assert fake.most > 1 and 1 <= len(bound) <= 4
+    # every module loaded, each kept once: a module two threads loaded at once is unloaded
+    assert len(fake.loaded) - len(fake.unloaded) == len(ks.specs)
+    assert {ks.__dict__["_cache"].get(sp).name for sp in ks.specs.values()} == \
+        {f"{sp.module}.{sp.factory}" for sp in ks.specs.values()}
+
+
+def test_a_module_that_fails_to_load_reaches_the_caller(tmp_path, monkeypatch):
+    from ninfer.models.qwen3_5.cuda.kernel_set import KernelSet
+    from ninfer.models.qwen3_5.releases import release_config
+    _fake_driver(monkeypatch, _LoadingDriver(fail="gdn_recurrent"))
+    monkeypatch.setattr(K, "compile_spec", _ptx_named)
+    cache = K.KernelCache((9, 0), tmp_path)
+    ks = KernelSet(release_config("9b"), cache)
+    for sp in ks.specs.values():
+        cache.ptx(sp)
+    loading = ks.start_loading(None, threads=3)
+    with pytest.raises(DeviceError, match="cuModuleLoadData.*gdn_recurrent"):
+        loading.wait()

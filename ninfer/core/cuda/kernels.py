@@ -377,13 +377,19 @@ class KernelCache:
             _d.check(_d.driver().cuModuleUnload(k.module), f"cuModuleUnload({k.name})")
 
     def get(self, spec: KernelSpec) -> "Kernel":
+        """The loaded kernel. Loading (the driver JIT-compiles the PTX for this GPU: ~0.2 s a
+        module on a cold driver cache) runs outside the lock, so threads load different modules
+        side by side; two threads loading the same one keep the first and unload the other."""
         with self._lock:
             k = self._loaded.get(spec)
-            if k is None:
-                ptx = self.ptx(spec)
-                k = Kernel.from_ptx(ptx, spec)
-                self._loaded[spec] = k
+        if k is not None:
             return k
+        k = Kernel.from_ptx(self.ptx(spec), spec)
+        with self._lock:
+            first = self._loaded.setdefault(spec, k)
+        if first is not k:
+            _d.check(_d.driver().cuModuleUnload(k.module), f"cuModuleUnload({k.name})")
+        return first
 
 
 def pack_args(sig: tuple, args) -> tuple:

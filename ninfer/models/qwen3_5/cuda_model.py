@@ -22,6 +22,8 @@ numpy backend's arithmetic, for exact comparisons. None / "bfloat16": bf16 stora
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import time
@@ -131,8 +133,9 @@ class CudaModel(MediaEncoding):
         # one shape, fixed decode attention splits; docs/architecture.md "Load invariance")
         self.batch_invariant = bool(options.batch_invariant)
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32)
-        # a cold cache compiles while the weights load (other processes: numba holds the GIL)
-        precompile = self.kernels.start_precompile()
+        # kernels compile (other processes: numba holds the GIL) and load (the driver JIT-compiles
+        # each module's PTX, in threads) while the weights load
+        kernel_loading = self.kernels.start_loading(self._bind_context)
         page_size = int(options.page_size)
         b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
         self.b_cap, self.n_cap = b_cap, n_cap
@@ -178,12 +181,18 @@ class CudaModel(MediaEncoding):
         # the cuBLASLt workspace is idle during the load: the fp32 model's widening scratch
         loader = WeightLoader(self.arena, self.kernels, self.stream, self.f32, lt_ws, LT_WORKSPACE,
                               self._bind_context)
-        self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed, tied=tied)
-        self.stream.synchronize()
+        try:
+            self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed,
+                                        tied=tied)
+            self.stream.synchronize()
+        except BaseException:
+            # the kernels' thread finishes before close() unloads what it loads
+            with contextlib.suppress(BaseException):
+                kernel_loading.wait()
+            raise
         self.load_seconds = time.perf_counter() - t_load
         t_kernels = time.perf_counter()
-        self.kernels_compiled = precompile.wait()
-        self.kernels.load_all()
+        self.kernels_compiled = kernel_loading.wait()
         self.kernel_seconds = time.perf_counter() - t_kernels      # beyond the weights' time
         self.load_phases = {"weights": self.load_seconds, "kernels": self.kernel_seconds}
         self.runner = StepRunner(

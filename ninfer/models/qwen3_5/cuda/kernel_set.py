@@ -200,6 +200,43 @@ class KernelSet:
         while the caller goes on; `wait()` on the result before `load_all`."""
         return self.__dict__["_cache"].start_precompile(self.specs.values(), workers)
 
-    def load_all(self) -> None:
-        for name in self.specs:
-            getattr(self, name)
+    def load_all(self, threads: int = 1, bind_context=None) -> None:
+        """Load every kernel's module now; `threads` > 1: side by side (each thread first calls
+        `bind_context`, which makes the model's context current there)."""
+        if threads <= 1:
+            for name in self.specs:
+                getattr(self, name)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(threads, initializer=bind_context,
+                                thread_name_prefix="ninfer-kernels") as pool:
+            list(pool.map(lambda name: getattr(self, name), list(self.specs)))
+
+    def start_loading(self, bind_context, threads: int = 8) -> "KernelLoading":
+        """Compile what is missing (other processes) and load every module (`threads` threads),
+        in the background: the caller loads the weights meanwhile, then `wait()`s."""
+        return KernelLoading(self, self.start_precompile(), bind_context, threads)
+
+
+class KernelLoading:
+    """A KernelSet's compile-then-load running in one background thread (start_loading)."""
+
+    def __init__(self, kernels: KernelSet, precompile, bind_context, threads: int):
+        import threading
+        self._error, self.compiled = None, 0
+
+        def run():
+            try:
+                self.compiled = precompile.wait()
+                kernels.load_all(threads, bind_context)
+            except BaseException as exc:   # noqa: BLE001 - re-raised by wait() on the caller
+                self._error = exc
+        self._thread = threading.Thread(target=run, name="ninfer-kernel-load", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> int:
+        """Block until every kernel is loaded; the number compiled. Raises what loading raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.compiled
