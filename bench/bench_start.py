@@ -5,8 +5,8 @@
 First start: an empty kernel cache (a new temporary $NINFER_CACHE_DIR, NINFER_KERNEL_CACHE unset),
 as on a fresh machine or container; then --warm starts that find the cache this one filled (a
 second process). The artifact is read into the page cache before the first start. Each line is
-Engine.startup_seconds (total, tokenizer, model: weights and kernels, warm-up) with the weights'
-GB/s; the driver's JIT cache (~/.nv/ComputeCache) is pointed into the same temporary folder, so
+Engine.startup_seconds (total, tokenizer, model: setup, weights and kernels; pools; warm-up:
+graphs) with the weights' GB/s; the driver's JIT cache (~/.nv/ComputeCache) is pointed into the same temporary folder, so
 "fresh" means fresh for it too.
 """
 from __future__ import annotations
@@ -74,12 +74,16 @@ def main(argv=None):
             r["weights_gbps"] = size / r["weights"] / 1e9
             rows.append(r)
             print(json.dumps(r), flush=True)
-    print("\n| start | Engine() | process | import | weights | kernels (compiled) | warm-up |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| start | Engine() | process | import | setup | weights | kernels (compiled) | "
+          "pools | warm-up (graphs) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['total']:.1f} s | {r['process_s']:.1f} s | "
-              f"{r['import_s']:.1f} s | {r['weights']:.1f} s = {r['weights_gbps']:.1f} GB/s | "
-              f"{r.get('kernels', 0):.1f} s ({r['kernels_compiled']}) | {r['warm_up']:.1f} s |")
+              f"{r['import_s']:.1f} s | {r.get('setup', float('nan')):.1f} s | "
+              f"{r['weights']:.1f} s = {r['weights_gbps']:.1f} GB/s | "
+              f"{r.get('kernels', 0):.1f} s ({r['kernels_compiled']}) | "
+              f"{r.get('pools', float('nan')):.1f} s | {r['warm_up']:.1f} s "
+              f"({r.get('graphs', float('nan')):.1f} s) |")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
 

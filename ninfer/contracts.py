@@ -431,9 +431,11 @@ class Model(Protocol):
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
     # a vision model's (prompt_ids, media, positions) -> vision.PromptMedia; None: text only
     encode_media: Optional[Callable]
-    # seconds of the load's phases the backend measured ("weights", "kernels": the kernels' wait
-    # beyond the weights'); the Engine reports them in Engine.startup_seconds
+    # seconds of the load's phases the backend measured ("setup": device, memory, libraries;
+    # "weights"; "kernels": their wait beyond the weights') and of warm_up's ("graphs": capture);
+    # the Engine reports them in Engine.startup_seconds
     load_phases: dict
+    warm_up_phases: dict
 
     def warm_up(self, kv, state) -> None: ...
 

@@ -51,7 +51,8 @@ class Engine:
                 self.frontend = Frontend.from_artifact(self.artifact, chat_template=chat_template)
             t_model = time.perf_counter()
             self.model = load_model(self.artifact, self.options)
-            t_warm = time.perf_counter()
+            t_pools = t_warm = time.perf_counter()      # scoring: no pools, no warm-up
+            warmed = False
             self._core = None
             self._scorer = None
             if self.options.purpose == "scoring":
@@ -63,16 +64,21 @@ class Engine:
                 self._scorer = SideScorer(self.model, self.options)
                 from .models.qwen3_5.program import Program
                 from .runtime.engine_core import EngineCore
+                t_pools = time.perf_counter()
                 program = Program(self.model, self.options, drafter=self._drafter())
                 t_warm = time.perf_counter()
                 if self.options.warmup:     # graphs captured, first step run: then "ready"
                     program.warm_up()
+                    warmed = True
                 self._core = EngineCore(program, self.frontend, self.options)
             t_end = time.perf_counter()
             # what `run`, `chat` and `serve` print as the start-up line (startup_line)
+            # (flat: model's phases within "model", warm-up's within "warm_up"; pools = the
+            # Program's KV and state pools, made and zeroed)
             self.startup_seconds = {"total": t_end - t_start, "tokenizer": t_model - t_frontend,
-                                    "model": t_warm - t_model,
-                                    **self.model.load_phases, "warm_up": t_end - t_warm}
+                                    "model": t_pools - t_model, **self.model.load_phases,
+                                    "pools": t_warm - t_pools, "warm_up": t_end - t_warm,
+                                    **(self.model.warm_up_phases if warmed else {})}
         except BaseException:
             if self.model is not None:      # a Program that cannot start must not leak the model
                 self.model.close()

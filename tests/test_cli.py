@@ -489,10 +489,10 @@ def test_run_says_where_the_start_went():
     assert r.returncode == 0, r.stderr
     line, = [ln for ln in r.stderr.splitlines() if ln.startswith("ninfer: started in ")]
     assert re.fullmatch(r"ninfer: started in [\d.]+ s: tokenizer [\d.]+ s, model [\d.]+ s "
-                        r"\(weights [\d.]+ s\), warm-up [\d.]+ s", line), line
+                        r"\(weights [\d.]+ s\), pools [\d.]+ s, warm-up [\d.]+ s", line), line
     from ninfer.demo import ensure_reference_artifact
     with Engine(ensure_reference_artifact()) as engine:
         s = engine.startup_seconds
-    assert set(s) == {"total", "tokenizer", "model", "weights", "warm_up"}
+    assert set(s) == {"total", "tokenizer", "model", "weights", "pools", "warm_up"}
     assert all(v >= 0 for v in s.values()) and s["weights"] <= s["model"]
-    assert s["tokenizer"] + s["model"] + s["warm_up"] <= s["total"]
+    assert s["tokenizer"] + s["model"] + s["pools"] + s["warm_up"] <= s["total"]

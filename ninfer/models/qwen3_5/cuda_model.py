@@ -74,7 +74,8 @@ class CudaModel(MediaEncoding):
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     max_kv_pages = None     # the KV pages the memory plan holds (set at load)
     batch_invariant = False  # options.batch_invariant (set at load)
-    load_phases: dict = {}   # {"weights", "kernels"} seconds (set at load; contracts.Model)
+    load_phases: dict = {}   # {"setup", "weights", "kernels"} seconds (set at load; contracts.Model)
+    warm_up_phases: dict = {}   # {"graphs": seconds capturing the decode graphs} (warm_up)
     # the numpy model's final_hidden (embeddings, MTP): this model's hidden states stay on the
     # device, so it offers none (Engine.embed answers NotSupportedError)
     final_hidden = None
@@ -94,6 +95,7 @@ class CudaModel(MediaEncoding):
         self.last_host_us = 0.0
         self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
         self._t_entry = 0.0
+        self._t_begin = time.perf_counter()
         self.device = _d.Device(options.device_id)
         self.stream = self.device.stream
         self._bind_context = ThreadContext(self.device)   # shared with the pools
@@ -194,7 +196,8 @@ class CudaModel(MediaEncoding):
         t_kernels = time.perf_counter()
         self.kernels_compiled = kernel_loading.wait()
         self.kernel_seconds = time.perf_counter() - t_kernels      # beyond the weights' time
-        self.load_phases = {"weights": self.load_seconds, "kernels": self.kernel_seconds}
+        self.load_phases = {"setup": t_load - self._t_begin, "weights": self.load_seconds,
+                            "kernels": self.kernel_seconds}
         self.runner = StepRunner(
             StepResources(cfg=cfg, ws=self.ws, weights=self.weights, lt=self.lt,
                           kernels=self.kernels, num_sms=self.device.num_sms, b_cap=b_cap,
@@ -358,6 +361,9 @@ class CudaModel(MediaEncoding):
         from ...contracts import SampleRow, SamplingSpec
         self._current()
         b_max = min(self.b_cap, kv.num_pages, state.num_slots)
+        t0 = time.perf_counter()
+        self.capture_graphs(kv, state, range(1, b_max + 1))
+        self.warm_up_phases = {"graphs": time.perf_counter() - t0}
         for B in range(1, b_max + 1):
             rows = np.arange(B, dtype=np.int32)
             batch = ForwardBatch(np.zeros(B, np.int32), np.zeros((3, B), np.int32),

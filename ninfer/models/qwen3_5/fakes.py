@@ -74,6 +74,7 @@ class FakeModel(ImmediateTokenSteps):
     backend = "fake"
     greedy_on_device = samples_on_device = False    # subclasses add decode_greedy / sample
     load_phases: dict = {}
+    warm_up_phases: dict = {}
     checks_batches = True
     max_kv_pages = None
     encode_media = None                             # text only (contracts.Model)

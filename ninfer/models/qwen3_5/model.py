@@ -32,6 +32,7 @@ class NumpyModel(MediaEncoding):
     max_kv_pages = None         # host memory: the Program's default pool size
     kv_dtype = None             # "fp8" / "int8": quantized KV pages (load_model sets it)
     load_phases: dict = {}      # from_artifact: {"weights": seconds} (never mutated: replaced)
+    warm_up_phases: dict = {}   # nothing to capture on numpy
 
     def __init__(self, config: ModelConfig, params: dict):
         self.config = config
