@@ -192,12 +192,15 @@ _WARM_UP_PHASES = ("graphs",)
 
 def startup_line(engine) -> str:
     """Where the Engine's start went (Engine.startup_seconds), for stderr and the server's log:
-    ninfer: started in 6.5 s: tokenizer 0.0 s, model 4.1 s (setup 2.2 s, weights 1.8 s,
-    kernels 0.0 s), pools 0.3 s, warm-up 0.4 s (graphs 0.3 s)"""
+    ninfer: started in 6.5 s: tokenizer 0.0 s, model 4.1 s (setup 2.2 s, weights 1.8 s =
+    10.1 GB/s, kernels 0.0 s), pools 0.3 s, warm-up 0.4 s (graphs 0.3 s)"""
     s = engine.startup_seconds
 
+    rate = engine.stats().get("weights_load_gb_per_s")
+
     def parts(names):
-        inner = ", ".join(f"{k} {s[k]:.1f} s" for k in names if k in s)
+        inner = ", ".join(f"{k} {s[k]:.1f} s" + (f" = {rate:.1f} GB/s" if k == "weights" and rate
+                                                 else "") for k in names if k in s)
         return f" ({inner})" if inner else ""
     return (f"ninfer: started in {s['total']:.1f} s: tokenizer {s['tokenizer']:.1f} s, model "
             f"{s['model']:.1f} s{parts(_MODEL_PHASES)}"

@@ -79,6 +79,12 @@ class Engine:
                                     "model": t_pools - t_model, **self.model.load_phases,
                                     "pools": t_warm - t_pools, "warm_up": t_end - t_warm,
                                     **(self.model.warm_up_phases if warmed else {})}
+            # stats() and the start-up line: the artifact's payload over the weights' phase
+            weights_s = self.startup_seconds.get("weights", 0.0)
+            self._start_stats = {"startup_seconds": self.startup_seconds["total"]}
+            if weights_s > 0:
+                self._start_stats["weights_load_gb_per_s"] = \
+                    self.artifact.payload_bytes / weights_s / 1e9
         except BaseException:
             if self.model is not None:      # a Program that cannot start must not leak the model
                 self.model.close()
@@ -280,7 +286,11 @@ class Engine:
         return handles
 
     def stats(self) -> dict:
-        return self._generation().stats() if self._core is not None else {}
+        """The worker's counters and gauges (generation), and how the start went:
+        `startup_seconds` (Engine.startup_seconds' total) and `weights_load_gb_per_s`."""
+        out = self._generation().stats() if self._core is not None else {}
+        out.update(self._start_stats)
+        return out
 
     @property
     def health(self) -> str:

@@ -489,10 +489,16 @@ def test_run_says_where_the_start_went():
     assert r.returncode == 0, r.stderr
     line, = [ln for ln in r.stderr.splitlines() if ln.startswith("ninfer: started in ")]
     assert re.fullmatch(r"ninfer: started in [\d.]+ s: tokenizer [\d.]+ s, model [\d.]+ s "
-                        r"\(weights [\d.]+ s\), pools [\d.]+ s, warm-up [\d.]+ s", line), line
+                        r"\(weights [\d.]+ s = [\d.]+ GB/s\), pools [\d.]+ s, warm-up [\d.]+ s",
+                        line), line
     from ninfer.demo import ensure_reference_artifact
     with Engine(ensure_reference_artifact()) as engine:
         s = engine.startup_seconds
+        stats = engine.stats()
+        payload = engine.artifact.payload_bytes
+    # stats() carries the start: its total, and the weights' rate over the artifact's payload
+    assert stats["startup_seconds"] == s["total"]
+    assert stats["weights_load_gb_per_s"] == pytest.approx(payload / s["weights"] / 1e9)
     assert set(s) == {"total", "tokenizer", "model", "weights", "pools", "warm_up"}
     assert all(v >= 0 for v in s.values()) and s["weights"] <= s["model"]
     assert s["tokenizer"] + s["model"] + s["pools"] + s["warm_up"] <= s["total"]

@@ -100,7 +100,8 @@ def test_serve_flag_reaches_the_engine(monkeypatch):
     from ninfer.cli import build_parser
     seen = {}
     started = types.SimpleNamespace(startup_seconds={"total": 1.0, "tokenizer": 0.1,
-                                                     "model": 0.8, "warm_up": 0.1})
+                                                     "model": 0.8, "warm_up": 0.1},
+                                    stats=lambda: {"startup_seconds": 1.0})
 
     def engine(path, **kw):
         seen.update(kw)

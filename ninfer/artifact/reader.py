@@ -123,6 +123,11 @@ class Artifact:
     def object_names(self) -> list:
         return list(self._objects)
 
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of every stored object (weights, scales): what loading all of them reads."""
+        return sum(o["nbytes"] for o in self._objects.values())
+
     def resource_names(self) -> list:
         return list(self._manifest["resources"])
 
