@@ -179,7 +179,7 @@ class Frontend:
             raise RequestError(f"logit_bias: token id {outside[0]} is not in the vocabulary "
                                f"[0, {self.vocab_size})")
         matcher = None
-        if getattr(params, "structured", None) is not None:
+        if params.structured is not None:
             # compiled here, on the submit thread: a bad schema is this request's RequestError
             if self.grammars is None:
                 raise RequestError("structured output needs a Frontend built from tokenizer.json")
