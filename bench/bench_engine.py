@@ -52,12 +52,9 @@ def hf_text_config(shape: str) -> dict:
     return {k: v for k, v in SHAPES[shape].items() if k != "is_moe"}
 
 
-def write_checkpoint(path: pathlib.Path, shape: str, shard_bytes: int = 4 << 30) -> None:
-    """A random-weight HF checkpoint of `shape`: bf16 N(0, 0.02) values (a 16M-value random block
-    tiled, so writing 50 GB does not wait on the generator), the tiny test tokenizer."""
-    import ml_dtypes
-    from safetensors.numpy import save_file
-    from ckpt_helpers import _write_frontend, text_tensor_shapes
+def checkpoint_plan(shape: str) -> tuple:
+    """(full HF text config, architecture, {tensor name: shape}) of `shape`'s random checkpoint."""
+    from ckpt_helpers import text_tensor_shapes
     from ninfer.models.qwen3_5.config import TextConfig
     text = hf_text_config(shape)
     arch = "Qwen3_5MoeForCausalLM" if "num_experts" in text else "Qwen3_5ForCausalLM"
@@ -69,10 +66,36 @@ def write_checkpoint(path: pathlib.Path, shape: str, shard_bytes: int = 4 << 30)
                 eos_token_id=95, tie_word_embeddings=False)
     full.update(text)
     full["model_type"] = "qwen3_5_moe_text" if "num_experts" in text else "qwen3_5_text"
-    path.mkdir(parents=True, exist_ok=True)
     shapes = text_tensor_shapes(full, "model.")
     shapes["lm_head.weight"] = [full["vocab_size"], full["hidden_size"]]
-    block = (np.random.default_rng(0).standard_normal(1 << 24) * 0.02).astype(ml_dtypes.bfloat16)
+    return full, arch, shapes
+
+
+RANDOM_VALUES = 1 << 24           # the random block every weight tiles
+
+
+def random_block():
+    """bf16 N(0, 0.02) values; weights tile it (writing 50 GB does not wait on the generator)."""
+    import ml_dtypes
+    return (np.random.default_rng(0).standard_normal(RANDOM_VALUES) * 0.02) \
+        .astype(ml_dtypes.bfloat16)
+
+
+def write_frontend_only(path: pathlib.Path, shape: str) -> None:
+    """config.json and the tiny test tokenizer: a checkpoint folder without weights."""
+    from ckpt_helpers import _write_frontend
+    full, arch, _ = checkpoint_plan(shape)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(full, architectures=[arch])))
+    _write_frontend(path, False)
+
+
+def write_checkpoint(path: pathlib.Path, shape: str, shard_bytes: int = 4 << 30) -> None:
+    """A random-weight HF checkpoint of `shape` (random_block tiled), the tiny test tokenizer."""
+    from safetensors.numpy import save_file
+    _, _, shapes = checkpoint_plan(shape)
+    write_frontend_only(path, shape)
+    block = random_block()
     shard, shard_bytes_now, files, weight_map = {}, 0, [], {}
 
     def flush():
@@ -92,21 +115,54 @@ def write_checkpoint(path: pathlib.Path, shape: str, shard_bytes: int = 4 << 30)
     flush()
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(dict(full, architectures=[arch])))
-    _write_frontend(path, False)
 
 
-def make_artifact(shape: str, workdir: pathlib.Path) -> tuple:
-    """(artifact path, seconds to write the checkpoint, seconds to convert it)."""
+def random_source(shape: str):
+    """A CheckpointSource class whose tensors are write_checkpoint's, made as they are read:
+    convert_checkpoint(folder of write_frontend_only, out, open_source=...) writes the same
+    artifact with no checkpoint on disk (27B and 35B-A3B do not fit the device's disk twice)."""
+    import ml_dtypes
+    from ninfer.convert.source import CheckpointSource, TensorInfo
+    _, _, shapes = checkpoint_plan(shape)
+
+    class RandomSource(CheckpointSource):
+        def _index_tensors(self) -> dict:
+            self._block = np.concatenate([random_block()] * 2)
+            return {n: TensorInfo(n, "random", np.dtype(ml_dtypes.bfloat16), shp)
+                    for n, shp in shapes.items()}
+
+        def _read_chunks(self, name: str, row_multiple: int = 1):
+            shp = self.tensors[name].shape
+            rows = shp[0] if shp else 1
+            row = int(np.prod(shp[1:])) if len(shp) > 1 else 1
+            step = max(row_multiple, (RANDOM_VALUES // max(row, 1)) // row_multiple * row_multiple)
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                start, count = (r0 * row) % RANDOM_VALUES, (r1 - r0) * row
+                flat = self._block[start: start + count] if count <= RANDOM_VALUES else \
+                    np.resize(np.roll(self._block[:RANDOM_VALUES], -start), count)
+                yield flat.reshape((r1 - r0,) + tuple(shp[1:])) if shp else flat.reshape(())
+    return RandomSource
+
+
+def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False) -> tuple:
+    """(artifact path, seconds to write the checkpoint, seconds to convert it). `direct`: no
+    checkpoint on disk (random_source); the artifact is the same."""
     out = workdir / f"{shape}.ninfer"
     if out.exists():
         return out, 0.0, 0.0
     ckpt = workdir / f"{shape}-hf"
     t0 = time.perf_counter()
-    write_checkpoint(ckpt, shape)
-    t1 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "ninfer", "convert", "--quiet", str(ckpt), str(out)],
-                   check=True)
+    if direct:
+        from ninfer.convert.convert import convert_checkpoint
+        write_frontend_only(ckpt, shape)
+        t1 = time.perf_counter()
+        convert_checkpoint(ckpt, out, progress=False, open_source=random_source(shape))
+    else:
+        write_checkpoint(ckpt, shape)
+        t1 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "ninfer", "convert", "--quiet", str(ckpt), str(out)],
+                       check=True)
     t2 = time.perf_counter()
     subprocess.run(["rm", "-rf", str(ckpt)], check=True)      # disk: keep only the artifact
     return out, t1 - t0, t2 - t1
@@ -393,7 +449,7 @@ def http_figures(server, args, log) -> dict:
 def bench_shape(shape, args, log) -> dict:
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    path, t_ckpt, t_convert = make_artifact(shape, workdir)
+    path, t_ckpt, t_convert = make_artifact(shape, workdir, args.direct)
     size = path.stat().st_size
     t_cache = read_into_page_cache(path)
     log(f"{shape}: artifact {size / 1e9:.2f} GB (checkpoint {t_ckpt:.0f} s, convert "
@@ -464,6 +520,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default="9b")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
+    ap.add_argument("--direct", action="store_true",
+                    help="write the artifact with no checkpoint on disk (27B, 35B-A3B: use a "
+                         "--workdir in /dev/shm when the disk is smaller than the artifact)")
     ap.add_argument("--prefill", default="512,4096,32768")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--batches", default="1,2,4,8")

@@ -51,13 +51,16 @@ class ConversionPlan:
 
 
 def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: bool = True,
-                       recipe: Recipe | None = None, defaults: dict | None = None) -> str:
+                       recipe: Recipe | None = None, defaults: dict | None = None,
+                       open_source=CheckpointSource) -> str:
     """Convert `src_dir` into `out_path`. Raises ConvertError (bad source) or ArtifactError (cannot
     write); either way no file is left at `out_path` (an existing one is untouched). `defaults`:
-    the model's run defaults stored as metadata.defaults (e.g. {"enable_thinking": False})."""
+    the model's run defaults stored as metadata.defaults (e.g. {"enable_thinking": False}).
+    `open_source`: how `src_dir` is opened (a CheckpointSource subclass; bench_engine's random
+    source makes tensors as they are read, so a 70 GB model needs no checkpoint on disk)."""
     recipe = recipe or ValuePreserving()
     src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
-    with CheckpointSource(src_dir) as src:
+    with open_source(src_dir) as src:
         if src.quantization is None:        # (an FP8 release with a Quantize recipe is refused)
             recipe.prepare(functools.partial(hessians_for_checkpoint, src_dir))
         plan = plan_conversion(src, recipe)
