@@ -6,8 +6,8 @@ First start: an empty kernel cache (a new temporary $NINFER_CACHE_DIR, NINFER_KE
 as on a fresh machine or container; then --warm starts that find the cache this one filled (a
 second process). The artifact is read into the page cache before the first start. Each line is
 Engine.startup_seconds (total, tokenizer, model: setup, weights and kernels; pools; warm-up:
-graphs) with the weights' GB/s; the driver's JIT cache (~/.nv/ComputeCache) is pointed into the same temporary folder, so
-"fresh" means fresh for it too.
+graphs) with the weights' GB/s; the driver's JIT cache (~/.nv/ComputeCache) is pointed into the
+same temporary folder, so "fresh" means fresh for it too.
 """
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     path = pathlib.Path(args.artifact)
     size = path.stat().st_size
-    print(f"{path.name}: {size / 1e9:.2f} GB, page-cache read {read_into_page_cache(path):.1f} GB/s",
-          flush=True)
+    rate = read_into_page_cache(path)
+    print(f"{path.name}: {size / 1e9:.2f} GB, page-cache read {rate:.1f} GB/s", flush=True)
     options = json.loads(args.options)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ninfer-start-") as tmp:

@@ -1,8 +1,9 @@
-"""`python -m ninfer warmup [ARTIFACT | --releases] [--arch 90]`: compile the CUDA kernels a model needs into
-the kernel cache ahead of its first start, no GPU needed with --arch (a container build, a CI
-step). The cache is the one Engine(backend="cuda") reads: `$NINFER_KERNEL_CACHE`, else `kernels`
-under `$NINFER_CACHE_DIR` or ~/.cache/ninfer. Its entries are keyed by kernel source, geometry,
-architecture and compiler version (docs/gpu.md), so a warm-up for one GPU never serves another.
+"""`python -m ninfer warmup [ARTIFACT | --releases] [--arch 90]`: compile the CUDA kernels a model
+needs (or every Qwen3.5 release's) into the kernel cache ahead of its first start, no GPU needed
+with --arch (a container build, a CI step). The cache is the one Engine(backend="cuda") reads:
+`$NINFER_KERNEL_CACHE`, else `kernels` under `$NINFER_CACHE_DIR` or ~/.cache/ninfer. Its entries
+are keyed by kernel source, geometry, architecture and compiler version (docs/gpu.md), so a
+warm-up for one GPU never serves another.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def add_warmup_parser(sub) -> None:
                    help="compiler processes (default: one per kernel to compile, at most one "
                         "per CPU)")
     w.add_argument("--releases", action="store_true",
-                   help="compile the kernels of every Qwen3.5 release geometry (0.8B ... 35B-A3B) "
-                        "instead of one artifact's: a machine or image that will run any of them")
+                   help="compile the kernels of every Qwen3.5 release geometry (0.8B ... "
+                        "397B-A17B) instead of one artifact's: a machine or image that will run "
+                        "any of them")
     w.add_argument("--cache-dir", help="default: $NINFER_KERNEL_CACHE, else kernels/ under "
                                        "$NINFER_CACHE_DIR or ~/.cache/ninfer")
     w.set_defaults(handler=warmup_command)

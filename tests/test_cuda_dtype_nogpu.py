@@ -371,12 +371,13 @@ def test_numpy_loader_refuses_bfloat16_without_validated_options():
 
 @pytest.mark.skipif(os.environ.get("NINFER_SIM_MODEL") != "1",
                     reason="minutes on the simulator: set NINFER_SIM_MODEL=1")
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "dense-split"])
 def test_whole_model_on_the_simulator_matches_numpy(kind):
     """CudaModel's whole launch sequence (tests/gpu/sim_model.py: kernels on the simulator,
     numpy GEMMs, fake device memory) in both dtypes against the numpy backend: float32 within
     1e-5 (measured 6e-7) and the same greedy token; bfloat16 within its model tolerance. The MoE
-    prefill of 3 tokens takes the grouped (strided-batched GEMM) path, its decode the GEMVs."""
+    prefill of 3 tokens takes the grouped (strided-batched GEMM) path, its decode the GEMVs.
+    dense-split: paged attention with a kv head's query heads in two blocks (GS < G)."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_model.py"),
                           kind, "3", "1"], env=env, capture_output=True, text=True, timeout=3000)

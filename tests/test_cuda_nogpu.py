@@ -430,7 +430,7 @@ def test_check_of_a_pure_gdn_model_matches_the_numpy_model():
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(num_attention_heads=32, num_key_value_heads=2, head_dim=256), "query heads per kv head"),
+    (dict(head_dim=1026), "an even head_dim <= 1024"),
     (dict(is_moe=True, num_experts=4096, num_experts_per_tok=512, hidden_size=64,
           moe_intermediate_size=64, shared_expert_intermediate_size=64), "router")])
 def test_geometry_refuses_what_overflows_a_kernels_shared_memory(fields, words):
@@ -441,8 +441,10 @@ def test_geometry_refuses_what_overflows_a_kernels_shared_memory(fields, words):
 
 
 def test_real_geometries_pass_the_checks():
-    # 27B (24/4 heads of 256), 35B-A3B (16/2 of 256, 256 experts top 8), 9B (16/4)
+    # 27B (24/4 heads of 256), 35B-A3B (16/2 of 256, 256 experts top 8), 9B (16/4); 122B-A10B
+    # and 397B-A17B (32/2: paged attention in blocks of 8 of a group's 16 heads)
     for f in (dict(num_attention_heads=24, num_key_value_heads=4, head_dim=256),
+              dict(num_attention_heads=32, num_key_value_heads=2, head_dim=256),
               dict(num_attention_heads=16, num_key_value_heads=2, head_dim=256, is_moe=True,
                    num_experts=256,
                    num_experts_per_tok=8, hidden_size=2048, moe_intermediate_size=512,

@@ -333,7 +333,8 @@ def attention_oracle(q, kcache, vcache, bt, ctx, qs, token_row, ps, gate, G):
 @pytest.mark.parametrize("hd,G,nkv,lengths,ctxs,splits,GS", [
     (64, 2, 2, [1], [0], 1, 2), (64, 2, 2, [1, 1, 1], [0, 31, 100], 7, 2),
     (256, 6, 1, [1], [300], 32, 6), (128, 1, 3, [5, 3], [0, 9], 1, 1), (128, 4, 2, [4], [13], 3, 4),
-    (256, 6, 2, [9, 2], [0, 40], 1, 3), (128, 4, 1, [3], [5], 2, 2)])
+    (256, 6, 2, [9, 2], [0, 40], 1, 3), (128, 4, 1, [3], [5], 2, 2),
+    (256, 16, 2, [1, 3], [70, 0], 4, 8)])          # 122B-A10B / 397B-A17B: G = 16 in two blocks
 @STORAGE
 def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS, f32):
     r = rng(hd * G + sum(ctxs))

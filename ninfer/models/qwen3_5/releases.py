@@ -46,8 +46,7 @@ def release_config(name: str) -> TextConfig:
 
 
 def runs_on_cuda(name: str) -> bool:
-    """Whether the CUDA backend takes this geometry (122B-A10B and 397B-A17B, 16 query heads per
-    kv head, do not fit paged attention's static shared memory yet: cuda refuses them)."""
+    """Whether the CUDA backend takes this geometry (check_geometry): every release does."""
     from ...errors import DeviceError
     from .cuda.kernel_set import check_geometry
     try:

@@ -94,7 +94,9 @@ def geometry_specs(cfg: TextConfig, f32: bool = False) -> dict:
                                         nkv=nkv, sec_t=sec[0], sec_h=sec[1], sec_w=sec[2],
                                         interleaved=bool(cfg.mrope_interleaved))
         G = nh // nkv
-        specs["paged_attention"] = spec("paged_attention", hd=hd, G=G, nkv=nkv)
+        GS = paged_attention_group(G, hd)
+        specs["paged_attention"] = spec("paged_attention", hd=hd, G=G, nkv=nkv,
+                                        **({"GS": GS} if GS != G else {}))
         specs["attn_combine"] = spec("attn_combine", hd=hd, nh=nh)
         specs["kv_gather"] = spec("kv_gather", hd=hd, nkv=nkv)
         specs["q_to_bf16"] = spec("q_to_bf16", hd=hd, G=G, nkv=nkv)
@@ -109,6 +111,17 @@ def geometry_specs(cfg: TextConfig, f32: bool = False) -> dict:
         specs["moe_combine"] = spec("moe_combine", H=H, K=k)
         specs["gather_rows"] = spec("gather_rows")
     return specs
+
+
+def paged_attention_group(G: int, hd: int) -> int:
+    """Query heads per paged-attention block (the kernel's GS): all G heads of a kv head when
+    their 4 warps' merge fits the static shared memory (each K/V row read once: fastest), else
+    the largest divisor of G that fits (122B-A10B and 397B-A17B: G = 16 at head_dim 256 -> 8;
+    the kv head's K/V rows are then read G/GS times). 0: not even one head fits."""
+    for gs in range(G, 0, -1):
+        if G % gs == 0 and 4 * 4 * gs * (hd + 2) <= STATIC_SMEM_BYTES:
+            return gs
+    return 0
 
 
 def _f32_specs(cfg: TextConfig) -> dict:
@@ -143,13 +156,10 @@ def check_geometry(cfg: TextConfig) -> None:
     """The kernels' layout assumptions; raise DeviceError naming the unsupported dimension."""
     rules = []
     if cfg.attention_layer_ids:
-        G = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
         rules += [(not cfg.attention_bias, "no attention projection biases (attention_bias)"),
-                  (cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024, "an even head_dim <= 1024"),
-                  # paged_attention merges its 4 warps' (G, head_dim) accumulators + (max, sum)
-                  (4 * 4 * G * (cfg.head_dim + 2) <= STATIC_SMEM_BYTES,
-                   f"query heads per kv head x (head_dim + 2) <= 3072 "
-                   f"(got {G} x {cfg.head_dim + 2})")]
+                  # (paged attention then fits at least one query head per block in its static
+                  # shared memory: paged_attention_group splits larger groups)
+                  (cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024, "an even head_dim <= 1024")]
     if cfg.linear_layer_ids:
         rules += [(cfg.linear_key_head_dim % 4 == 0 and cfg.linear_key_head_dim <= 1024,
                    "linear_key_head_dim a multiple of 4, <= 1024"),

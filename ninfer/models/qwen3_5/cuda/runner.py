@@ -21,6 +21,7 @@ from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
 from . import moe_rows
 from . import gdn_chunk as gc
+from .kernel_set import paged_attention_group
 from .media_rows import MediaRows
 
 
@@ -167,6 +168,11 @@ class StepRunner:
 
     def __init__(self, res: StepResources, *, invariant: bool, attn_tc_min_tokens):
         self.res = res
+        # paged attention's blocks per kv head: G / GS (the GS its kernel was compiled with)
+        cfg = res.cfg
+        G = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
+        self.attn_subgroups = G // paged_attention_group(G, cfg.head_dim) \
+            if cfg.attention_layer_ids else 1
         self.cfg: TextConfig = res.cfg
         self.kernels = res.kernels   # launched by attribute: self.kernels.rmsnorm
         self.invariant = bool(invariant)
@@ -329,9 +335,11 @@ class StepRunner:
                 splits = decode_splits(nkv, self.res.num_sms)
             else:
                 splits = attention_splits(m, nkv, self.res.num_sms)
-            # all G heads of a kv group per block (splitting them, GS < G, measured 1.45x slower
-            # for the 27B 4096-token prefill: K/V re-reads outweigh the extra resident warps)
-            self.launch(st, self.kernels.paged_attention, (m, nkv, splits), (128,),
+            # all G heads of a kv group per block where they fit (splitting them, GS < G,
+            # measured 1.45x slower for the 27B 4096-token prefill: K/V re-reads outweigh the
+            # extra resident warps); G/GS blocks per kv head where they do not (G = 16)
+            self.launch(st, self.kernels.paged_attention, (m, nkv * self.attn_subgroups, splits),
+                        (128,),
                         (ws.part, ws.ml, ws.mid, kv.k[a], kv.v[a], meta.token_row,
                          meta.query_start, meta.context_lens, meta.block_tables, lay.p_cap,
                          kv.page_size, splits, scale, r0))
