@@ -214,6 +214,8 @@ class KernelSet:
         """Load every kernel's module now; `threads` > 1: side by side (each thread first calls
         `bind_context`, which makes the model's context current there)."""
         if threads <= 1:
+            if bind_context is not None:
+                bind_context()
             for name in self.specs:
                 getattr(self, name)
             return
