@@ -69,10 +69,6 @@ class PinnedRing:
             self._in_flight[k] = True
             self._next = (k + 1) % len(self.buffers)
 
-    def drain(self) -> None:
-        self.stream.synchronize()
-        self._in_flight = [False] * len(self.buffers)
-
     def close(self) -> None:
         for e in self.events:
             e.destroy()
