@@ -20,6 +20,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_engine import read_into_page_cache  # noqa: E402
+
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -30,15 +33,6 @@ s = dict(e.startup_seconds, import_s=t1 - t0, kernels_compiled=e.model.kernels_c
 e.close()
 print("STARTUP " + json.dumps(s))
 """
-
-
-def read_into_page_cache(path: pathlib.Path) -> float:
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(64 << 20)
-        while f.readinto(buf):
-            pass
-    return path.stat().st_size / (time.perf_counter() - t0) / 1e9
 
 
 def one_start(path, cache_root, options) -> dict:
@@ -63,7 +57,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     path = pathlib.Path(args.artifact)
     size = path.stat().st_size
-    rate = read_into_page_cache(path)
+    rate = size / read_into_page_cache(path) / 1e9
     print(f"{path.name}: {size / 1e9:.2f} GB, page-cache read {rate:.1f} GB/s", flush=True)
     options = json.loads(args.options)
     rows = []
