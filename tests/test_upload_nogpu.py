@@ -14,18 +14,29 @@ from ninfer.models.qwen3_5.cuda import weights as wplan
 
 class FakeDevice:
     """Device memory as one byte array; copies are deferred until the stream syncs or an event
-    after them is waited on (as async copies are), so a buffer rewritten too early shows."""
+    after them is waited on (as async copies are), so a buffer rewritten too early shows. The
+    queue is one stream's: loader threads enqueue and wait on it at once, so it is locked (as
+    the driver's is); an event waits for the copies enqueued before it was recorded."""
 
     def __init__(self, nbytes):
         self.mem = np.full(nbytes, 0xAB, np.uint8)
         self.queue, self.pinned, self.freed = [], {}, []
         self.next_host = 1 << 20
+        self.lock = threading.RLock()
+        self.done = 0           # copies run so far (queue positions are done + index)
+
+    def enqueue(self, item):
+        with self.lock:
+            self.queue.append(item)
+            return self.done + len(self.queue)      # the count an event recorded now waits for
 
     def run_queue(self, upto=None):
-        n = len(self.queue) if upto is None else upto
-        for dst, src, size in self.queue[:n]:
-            self.mem[dst: dst + size] = self.pinned[src][:size]      # reads the buffer NOW
-        del self.queue[:n]
+        with self.lock:
+            n = len(self.queue) if upto is None else max(0, upto - self.done)
+            for dst, src, size in self.queue[:n]:
+                self.mem[dst: dst + size] = self.pinned[src][:size]      # reads the buffer NOW
+            del self.queue[:n]
+            self.done += n
 
     def install(self, monkeypatch):
         dev = self
@@ -45,7 +56,8 @@ class FakeDevice:
                 self.mark = 0
 
             def record(self, stream):
-                self.mark = len(dev.queue)
+                with dev.lock:
+                    self.mark = dev.done + len(dev.queue)
 
             def synchronize(self):
                 dev.run_queue(self.mark)
@@ -54,7 +66,7 @@ class FakeDevice:
                 pass
 
         def copy(dst, src, n, stream):
-            dev.queue.append((dst, src, n))
+            dev.enqueue((dst, src, n))
         monkeypatch.setattr(up._d, "PinnedBuffer", Pinned)
         monkeypatch.setattr(up._d, "Event", Event)
         monkeypatch.setattr(up._d, "copy_htod_async", copy)
