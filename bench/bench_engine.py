@@ -339,6 +339,10 @@ class HttpServer:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd)
         self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_ready()
+        self.start_s = time.perf_counter() - t0
+
+    def _wait_ready(self) -> None:
         import urllib.request
         while True:
             if self.proc.poll() is not None:
@@ -349,7 +353,6 @@ class HttpServer:
                         break
             except OSError:
                 time.sleep(0.2)
-        self.start_s = time.perf_counter() - t0
         with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as r:
             self.model = json.loads(r.read())["data"][0]["id"]
 
@@ -398,6 +401,30 @@ class HttpServer:
                                            stream=True, temperature=0.0):
             return time.perf_counter() - t0
 
+    def decode_rate(self, B: int, gen: int, sampling: dict) -> tuple:
+        """(tok/s of B streamed requests of `gen` tokens, seconds to B rows' first token).
+        decode = B rows' tokens after the first / (the last row's end - the time B such
+        requests take to their first token, measured alone on fresh prompts). Not from the
+        stream's chunks: a token whose text is empty (ids the bench artifact's small test
+        tokenizer cannot spell, frequent when sampling) sends no chunk, so chunk times would
+        credit a whole run of them to one instant."""
+        def together(max_tokens, seed):
+            results = [None] * B
+
+            def one(r):
+                results[r] = self.stream(prompt_ids(32, seed + r), max_tokens, sampling)
+            threads = [threading.Thread(target=one, args=(r,)) for r in range(B)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return results
+        first_token = max(end for _, end, _ in together(1, 500 + 8 * B))
+        results = together(gen, 7)
+        rate = sum(n - 1 for _, _, n in results) / \
+            (max(end for _, end, _ in results) - first_token)
+        return rate, first_token
+
     def close(self):
         self.proc.terminate()
         self.proc.wait(30)
@@ -419,26 +446,7 @@ def http_figures(server, args, log) -> dict:
     for mode in args.http_modes.split(","):
         sampling = SAMPLED if mode == "sampled" else dict(temperature=0.0)
         for B in [int(x) for x in args.http_batches.split(",") if x]:
-            def together(max_tokens, seed):
-                results = [None] * B
-
-                def one(r):
-                    results[r] = server.stream(prompt_ids(32, seed + r), max_tokens, sampling)
-                threads = [threading.Thread(target=one, args=(r,)) for r in range(B)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                return results
-            # decode = B rows' tokens after the first / (the last row's end - the time B such
-            # requests take to their first token, measured alone on fresh prompts). Not from the
-            # stream's chunks: a token whose text is empty (ids the bench artifact's small test
-            # tokenizer cannot spell, frequent when sampling) sends no chunk, so chunk times
-            # would credit a whole run of them to one instant
-            first_token = max(end for _, end, _ in together(1, 500 + 8 * B))
-            results = together(args.gen, 7)
-            rate = sum(n - 1 for _, _, n in results) / \
-                (max(end for _, end, _ in results) - first_token)
+            rate, first_token = server.decode_rate(B, args.gen, sampling)
             out["decode"][f"{mode} B={B}"] = rate
             log(f"  HTTP decode {mode:7s} B={B}: {rate:8.1f} tok/s (first token of {B} rows "
                 f"{first_token * 1e3:.1f} ms)")

@@ -610,7 +610,10 @@ def serve_command(args) -> int:
     def engine_factory():
         from .engine import Engine
         engine = Engine(path, chat_template=template, **kwargs)
-        print(startup_line(engine), file=sys.stderr, flush=True)
+        # one write: this runs in the loading thread while the access log writes /health lines
+        # to the same stream, and print() writes the text and its newline separately
+        sys.stderr.write(startup_line(engine) + "\n")
+        sys.stderr.flush()
         if media_urls is not None and engine.frontend is not None:
             engine.frontend.allow_media_urls(media_urls)
         return engine

@@ -140,6 +140,8 @@ def test_prepare_token_ids_inside_think(fe):
     ("", "empty"), ([], "empty"), (np.array([], dtype=np.int32), "empty"),
     ([5, -1], "outside the vocabulary"), (np.array([248077]), "outside the vocabulary"),
     (3.5, "prompt must be"), ({"role": "user"}, "prompt must be"), ([1, "a"], "prompt must be"),
+    ([1, True], "prompt must be"), ([np.int64(3), 2.0], "prompt must be"),
+    ([1, {"role": "user", "content": "x"}], "prompt must be"),
     ([{"role": "user", "content": "x"}, {"role": "system", "content": "late"}], "beginning"),
 ])
 def test_prepare_rejects_bad_prompts(fe, bad, match):

@@ -75,6 +75,8 @@ CASES = [
      None, "the context holds 1024"),
     ("completion-prompt-missing", COMP, {"model": "m"}, 400, "prompt", "string"),
     ("completion-prompt-bad-ids", COMP, {"prompt": [1, -2]}, 400, "prompt", "token ids"),
+    ("completion-prompt-bool-id", COMP, {"prompt": [1, True]}, 400, "prompt", "token ids"),
+    ("completion-prompt-float-id", COMP, {"prompt": [1, 2.0]}, 400, "prompt", "token ids"),
     ("completion-echo-type", COMP, {"prompt": "a", "echo": "yes"}, 400, "echo", "boolean"),
     ("completion-best-of", COMP, {"prompt": "a", "best_of": 3}, 400, "best_of",
      "not supported"),

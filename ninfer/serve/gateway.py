@@ -2,9 +2,10 @@
 metrics, and shutdown.
 
 Gateway threads only submit and read their own handle; the Engine worker stays the only mutator.
-Each Generation pumps its handle's events into a queue from a small thread, so the HTTP thread can
-wait with a timeout (the SSE keep-alive writes; the WSGI app notices a vanished client only when it
-writes, while the ASGI app sees the disconnect at once and releases the Generation, asgi.py).
+Each Generation pumps its handle's events into an EventQueue from a small thread, so the WSGI
+thread can wait with a timeout (the SSE keep-alive writes; it notices a vanished client only when
+it writes), and the ASGI app's event loop is woken by the queue's listener instead of waiting in a
+thread (it sees the disconnect at once and releases the Generation, asgi.py).
 Whoever consumes a Generation must call `release()` at the end: a request not yet finished is
 cancelled, and the handle is closed so the Engine frees its capacity.
 """
@@ -15,7 +16,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 from ..api import Finished, GenerationResult, ServedEngine, TextDelta, ToolCallEvent
 from ..errors import ContextLengthError
@@ -26,6 +27,22 @@ from .metrics import Metrics
 log = logging.getLogger("ninfer.serve")
 
 _END = object()
+
+
+class EventQueue(queue.Queue):
+    """The events of a Generation (or of a ChoiceGroup's choices). `listener`, when set, is called
+    after every put, from the pumping thread: the ASGI app sets one that wakes its event loop, so
+    no thread has to wait in get() for each event of a stream (asgi.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.listener: Optional[Callable[[], None]] = None
+
+    def put(self, item, block: bool = True, timeout: Optional[float] = None) -> None:
+        super().put(item, block, timeout)
+        listener = self.listener
+        if listener is not None:
+            listener()
 
 
 class _PumpFailure:
@@ -152,7 +169,7 @@ class Gateway:
 
     # ---- requests ---------------------------------------------------------------------------------
     def start(self, prompt, params, *, tools=None, enable_thinking=None, request_id=None,
-              session=None, sink: Optional[queue.Queue] = None, index: int = 0,
+              session=None, sink: Optional[EventQueue] = None, index: int = 0,
               share_prompt: bool = False, max_tokens_param: str = "max_tokens"):
         """Submit one request; ApiError on a bad or unacceptable request. `session`: the
         context cache's session hint. `sink`: a queue shared by the choices of one response
@@ -273,7 +290,7 @@ class Generation:
         self._t_submit = t_submit
         self._t_last: Optional[float] = None
         self._released = False
-        self._events: queue.Queue = queue.Queue()
+        self._events = EventQueue()
         # one response's choices share a sink: items go there as (index, item) (ChoiceGroup)
         self._put = self._events.put if sink is None else \
             (lambda item: sink.put((index, item)))
@@ -292,9 +309,13 @@ class Generation:
         finally:
             self._put(_END)
 
+    def set_listener(self, listener: Optional[Callable[[], None]]) -> None:
+        """Call `listener` (from another thread) whenever an event arrives (EventQueue)."""
+        self._events.listener = listener
+
     def next_event(self, timeout: Optional[float] = None):
-        """The next event; None on timeout; raises ApiError if the engine fails; StopIteration
-        after the Finished event."""
+        """The next event; None on timeout (0: only what has arrived, never waits); raises
+        ApiError if the engine fails; StopIteration after the Finished event."""
         try:
             item = self._events.get(timeout=timeout)
         except queue.Empty:
@@ -388,9 +409,12 @@ class ChoiceGroup:
     choice has ended (ApiError when one fails); `release()` releases them all (cancelling the
     unfinished ones: a client that leaves stops every choice)."""
 
-    def __init__(self, gens: list, sink: queue.Queue):
+    def __init__(self, gens: list, sink: EventQueue):
         self.gens, self._sink = gens, sink
         self._open = len(gens)
+
+    def set_listener(self, listener: Optional[Callable[[], None]]) -> None:
+        self._sink.listener = listener
 
     @property
     def gateway(self) -> Gateway:

@@ -295,8 +295,9 @@ def _completion_prompt(prompt):
         if not prompt:
             raise invalid("'prompt' must not be empty", "prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    # JSON's numbers are int or float, so exactly {int} is ids (no bool); by types, not per id
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int} and \
+            min(prompt) >= 0:
         return list(prompt)
     raise invalid("'prompt' must be a non-empty string or an array of token ids "
                   "(one prompt per request)", "prompt")

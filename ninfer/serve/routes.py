@@ -6,9 +6,9 @@ the client goes away: that cancels an unfinished request and releases its Engine
 from __future__ import annotations
 
 import base64
-import queue
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +20,7 @@ from .openai_render import (DONE, ChatStream, ChoicesStream, CompletionStream, E
                             chat_response, completion_response)
 from . import fields as F
 from .errors import invalid
-from .gateway import ChoiceGroup
+from .gateway import ChoiceGroup, EventQueue
 from .metrics import CONTENT_TYPE
 from .openai_schema import (chat_messages, chat_tools, parse_chat, parse_completion,
                             parse_embeddings)
@@ -36,11 +36,13 @@ class Reply:
 
 class SseIterator:
     """Pulls events from a Generation and yields SSE messages; `close()` always releases it,
-    also when iteration never started (a client that vanished before the first byte)."""
+    also when iteration never started (a client that vanished before the first byte).
+    Iterating blocks (keep-alive messages (None, None) when nothing comes for `keepalive_s`);
+    `poll()` with `set_listener()` serve an event loop instead (asgi.py)."""
 
     def __init__(self, gen, renderer, keepalive_s: float):
         self._gen, self._renderer, self._keepalive = gen, renderer, keepalive_s
-        self._pending = list(renderer.start())
+        self._pending = deque(renderer.start())
         self._done = False
 
     def __iter__(self):
@@ -51,27 +53,43 @@ class SseIterator:
             if self._done:
                 self.close()
                 raise StopIteration
-            self._pull()
-        return self._pending.pop(0)
+            if not self._pull(self._keepalive):
+                self._pending.append((None, None))      # keep-alive comment
+        return self._pending.popleft()
 
-    def _pull(self) -> None:
+    def poll(self):
+        """The next message if one is ready, else None; never waits. StopIteration at the end."""
+        while not self._pending:
+            if self._done:
+                self.close()
+                raise StopIteration
+            if not self._pull(0.0):
+                return None
+        return self._pending.popleft()
+
+    def set_listener(self, listener) -> None:
+        """Call `listener` (from another thread) whenever a message may be ready; None: stop."""
+        self._gen.set_listener(listener)
+
+    def _pull(self, timeout: float) -> bool:
+        """Render the next event into _pending; False if none came within `timeout`."""
         try:
-            event = self._gen.next_event(timeout=self._keepalive)
+            event = self._gen.next_event(timeout=timeout)
         except StopIteration:
             self._done = True
-            return
+            return True
         except ApiError as err:
             self._pending += self._renderer.on_error(err)
             self._done = True
-            return
+            return True
         if event is None:
-            self._pending.append((None, None))          # keep-alive comment
-            return
+            return False
         messages = self._renderer.on_event(event)
         self._pending += messages
         # a ChoiceGroup's events are (index, event): its renderer ends with [DONE] instead
         if isinstance(event, Finished) or DONE in messages:
             self._done = True
+        return True
 
     def close(self) -> None:
         self._done = True
@@ -130,7 +148,7 @@ def _openai_choices(gw, plan, model_id, response_id, stream_cls, render, text, e
     submitted in order, so the context cache prefills the shared prompt once (a queued request
     waits for the checkpoint of a resident one still prefilling its prompt); their events merged
     into one response. A failed submit releases (cancels) the choices already started."""
-    sink: queue.Queue = queue.Queue()
+    sink = EventQueue()
     gens = []
     try:
         for i, params in enumerate(choice_params(plan.params, plan.n)):

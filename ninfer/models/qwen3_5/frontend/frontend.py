@@ -125,7 +125,7 @@ class Frontend:
             text = prompt
             ids = self.tokenizer.encode(text)
         elif isinstance(prompt, np.ndarray) or (isinstance(prompt, (list, tuple)) and prompt and
-                                                all(_is_int(t) for t in prompt)):
+                                                _all_ints(prompt)):
             ids = self.tokenizer.check_ids(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping)
                                                                   for m in prompt):
@@ -193,6 +193,13 @@ class Frontend:
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _all_ints(items) -> bool:
+    """Every item an int or numpy integer (no bool), judged by the items' few distinct types: a
+    per-item isinstance cost ~1 ms of a 4,096-id prompt's time to first token."""
+    return all(issubclass(t, (int, np.integer)) and not issubclass(t, bool)
+               for t in set(map(type, items)))
 
 
 def _json_resource(artifact, name: str) -> Optional[dict]:
