@@ -41,7 +41,9 @@ TINY = dict(vocab_size=1000, hidden_size=32, intermediate_size=48, num_hidden_la
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
                              "mrope_interleaved": True})
-SAMPLED = dict(temperature=0.8, top_p=0.95)
+# top_k 20 as Qwen3.5's generation_config (and the bench artifact's), so the Engine's rows and
+# the HTTP server's (which applies the checkpoint's defaults) sample alike
+SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=20)
 
 
 # ---- the artifact ----------------------------------------------------------------------------------
@@ -477,6 +479,8 @@ def bench_shape(shape, args, log) -> dict:
     log(f"  Engine start {t_start:.1f} s (weights {load_s or float('nan'):.1f} s = "
         f"{res['load_gbps'] or float('nan'):.1f} GB/s, warm-up "
         f"{res['warmup_s'] or float('nan'):.2f} s); plan {res['plan']}")
+    log("  set-up phases: " + ", ".join(f"{k} {v:.2f} s"
+                                        for k, v in getattr(model, "setup_phases", {}).items()))
     try:
         for n in prefills:
             e = engine_ttft(engine, n)

@@ -96,7 +96,9 @@ class CudaModel(MediaEncoding):
         self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
         self._t_entry = 0.0
         self._t_begin = time.perf_counter()
+        self.setup_phases = {}           # what "setup" spent, by part (bench/bench_start.py)
         self.device = _d.Device(options.device_id)
+        self._lap("context")
         self.stream = self.device.stream
         self._bind_context = ThreadContext(self.device)   # shared with the pools
         try:
@@ -125,6 +127,10 @@ class CudaModel(MediaEncoding):
         self._bind_context()
 
     # ---- set-up -------------------------------------------------------------------------------
+    def _lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.setup_phases[name] = now - self._t_begin - sum(self.setup_phases.values())
+
     def _setup(self, options, artifact, random_seed, max_tokens, kernel_cache_dir):
         cfg = self.text
         dtype = options.dtype
@@ -138,6 +144,7 @@ class CudaModel(MediaEncoding):
         # kernels compile (other processes: numba holds the GIL) and load (the driver JIT-compiles
         # each module's PTX, in threads) while the weights load
         kernel_loading = self.kernels.start_loading(self._bind_context)
+        self._lap("kernel lookup")
         page_size = int(options.page_size)
         b_cap, n_cap, self.p_cap, self.lg_cap = call_capacities(options, max_tokens)
         self.b_cap, self.n_cap = b_cap, n_cap
@@ -160,7 +167,9 @@ class CudaModel(MediaEncoding):
                 sampler_rows, cfg.vocab_size, options.max_context),
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN)
         self.max_kv_pages = plan.num_kv_pages
+        self._lap("plan")
         self.arena = Arena(plan.total_bytes)
+        self._lap("arena")
         self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
                             f32=self.f32)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
@@ -169,8 +178,10 @@ class CudaModel(MediaEncoding):
         self.decode_meta = DeviceMeta(self.decode_layout, meta.ptr + self.eager_layout.nbytes)
         lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
         self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32, invariant=self.batch_invariant)
+        self._lap("cublaslt")
         self.sampler = DeviceSampler(self.arena, self.kernels, sampler_rows, cfg.vocab_size,
                                      options.max_context)
+        self._lap("sampler")
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
         self.ids_host = _d.PinnedBuffer(self.lg_cap * 4)       # a token step's ids (own buffer:
@@ -179,6 +190,7 @@ class CudaModel(MediaEncoding):
         self.route_host = _d.PinnedBuffer(
             (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)
         self.media_rows = MediaRows(self.ws.h, cfg.hidden_size, n_cap)
+        self._lap("pinned buffers")
         t_load = time.perf_counter()
         # the cuBLASLt workspace is idle during the load: the fp32 model's widening scratch
         loader = WeightLoader(self.arena, self.kernels, self.stream, self.f32, lt_ws, LT_WORKSPACE,
