@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(handler=_score)
 
     from .chat import add_chat_parser
-    from .commands import add_run_parser, add_serve_parser
+    from .run_command import add_run_parser
+    from .serve_command import add_serve_parser
     from .eval import add_eval_parser
     add_eval_parser(sub)
     add_run_parser(sub)

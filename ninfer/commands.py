@@ -1,4 +1,6 @@
-"""Parsers and handlers of `run` and `serve` (the Gateway/CLI owner; the HTTP app is ninfer/serve/).
+"""What the commands share: the engine-option flags, the backend and max_context settled from them,
+the start-up line, and the generation flags of `run` and `chat` (their handlers: run_command.py,
+serve_command.py, chat.py; the HTTP app is ninfer/serve/).
 
 Bad input ends with one `ninfer: error: ...` line and exit status 2 (cli.main prints it).
 """
@@ -6,17 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import pathlib
 import sys
-import time
 import typing
 
 from .errors import Error
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # ---- shared flags --------------------------------------------------------------------------------
@@ -298,26 +297,7 @@ def _artifact_or_demo(path):
     return p, False
 
 
-# ---- run -----------------------------------------------------------------------------------------
-
-def add_run_parser(sub) -> None:
-    r = sub.add_parser("run", help="generate from a prompt, streaming the answer to stdout",
-                       description="Generate from a prompt: the answer streams to stdout; "
-                                   "reasoning and a stats line go to stderr.")
-    src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the user message")
-    src.add_argument("--messages", metavar="FILE",
-                     help="JSON chat: a list of {role, content} messages, or "
-                          "{\"messages\": [...], \"tools\": [...]}")
-    r.add_argument("--system", help="a system message put first (with --prompt)")
-    r.add_argument("--raw", action="store_true",
-                   help="send --prompt as raw text, without the chat template")
-    r.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop string (repeatable)")
-    generation_flags(r, max_new_help="most tokens to generate (default: the checkpoint's, "
-                                     "else 256)")
-    r.set_defaults(handler=run_command)
-
+# ---- the flags and set-up `run` and `chat` share ------------------------------------------------
 
 def generation_flags(p, *, max_new_help: str) -> None:
     """The flags `run` and `chat` share: the artifact, the chat template, every engine option,
@@ -391,254 +371,3 @@ def sampling_overrides(args) -> dict:
     """The SamplingParams fields the sampling flags set."""
     return {name: getattr(args, name) for name, _, _ in _SAMPLING_FLAGS
             if getattr(args, name) is not None}
-
-
-def load_messages(path: str):
-    """(messages, tools) from a --messages file; Error naming the file and the problem."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise Error(f"--messages {path}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Error(f"--messages {path}: not valid JSON ({exc})") from None
-    tools = None
-    if isinstance(doc, dict):
-        tools = doc.get("tools")
-        doc = doc.get("messages")
-        if tools is not None and not (isinstance(tools, list)
-                                      and all(isinstance(t, dict) for t in tools)):
-            raise Error(f"--messages {path}: 'tools' must be a list of objects")
-    if not isinstance(doc, list) or not doc:
-        raise Error(f"--messages {path}: expected a non-empty list of messages "
-                    "(or an object with a 'messages' list)")
-    for i, m in enumerate(doc):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise Error(f"--messages {path}: message {i} needs a 'role' in {list(_ROLES)}")
-        content = m.get("content")
-        if not (isinstance(content, str) or (content is None and m["role"] == "assistant")):
-            raise Error(f"--messages {path}: message {i} needs a string 'content'")
-    return doc, tools
-
-
-def _run_prompt(args):
-    if args.messages is not None:
-        if args.system is not None or args.raw:
-            raise Error("--system and --raw go with --prompt, not --messages")
-        return load_messages(args.messages)
-    if args.raw:
-        if args.system is not None:
-            raise Error("--system needs the chat template; it cannot go with --raw")
-        return args.prompt, None
-    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-    return messages + [{"role": "user", "content": args.prompt}], None
-
-
-class _Printer:
-    """Answer to stdout as it streams; reasoning to stderr (dim on a terminal, else prefixed)."""
-
-    def __init__(self):
-        self.dim = sys.stderr.isatty()
-        self.channel = None
-
-    def text(self, channel: str, text: str) -> None:
-        if channel == "reasoning":
-            if self.channel != "reasoning":
-                sys.stderr.write("\x1b[2m" if self.dim else "[reasoning] ")
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        else:
-            self._end_reasoning()
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        self.channel = channel
-
-    def tool_call(self, call) -> None:
-        self._end_reasoning()
-        print(json.dumps({"tool_call": {"name": call.name, "arguments": call.arguments}},
-                         ensure_ascii=False), flush=True)
-        self.channel = "tool"
-
-    def _end_reasoning(self) -> None:
-        if self.channel == "reasoning":
-            sys.stderr.write("\x1b[0m\n" if self.dim else "\n")
-            sys.stderr.flush()
-
-    def end(self) -> None:
-        self._end_reasoning()
-        if self.channel == "content":
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-
-
-def stats_line(res, wall_s: float) -> str:
-    """Prefill speed counts the tokens prefilled: the prompt less what the context cache gave."""
-    n_prompt, n_out = res.num_prompt_tokens, len(res.token_ids)
-    n_prefilled = n_prompt - res.num_cached_tokens
-    prefill = f"{n_prefilled / res.prefill_seconds:.1f} tok/s" if res.prefill_seconds > 0 \
-        else "n/a"
-    decode = (f"{(n_out - 1) / res.decode_seconds:.1f} tok/s"
-              if n_out > 1 and res.decode_seconds > 0 else "n/a")
-    ttft = f"{res.time_to_first_token * 1000:.0f} ms" if res.time_to_first_token else "n/a"
-    return (f"[prompt {n_prompt} tok ({res.num_cached_tokens} cached), prefill {prefill}"
-            f" | generated {n_out} tok, decode {decode}"
-            f" | TTFT {ttft} | total {wall_s:.2f} s | finish {res.finish_reason}]")
-
-
-def run_command(args) -> int:
-    from .api import Finished, TextDelta, ToolCallEvent
-
-    prompt, tools = _run_prompt(args)
-    path, thinking, kwargs, overrides = generation_setup(args, stop=tuple(args.stop))
-
-    from .engine import Engine
-    with Engine(path, **kwargs) as engine:
-        print(startup_line(engine), file=sys.stderr)
-        params = engine.default_sampling_params(**overrides)
-        t0 = time.monotonic()
-        handle = engine.submit(prompt, params, tools=tools, enable_thinking=thinking)
-        out = _Printer()
-        result = None
-        try:
-            for event in handle:
-                if isinstance(event, TextDelta) and event.text:
-                    out.text(event.channel, event.text)
-                elif isinstance(event, ToolCallEvent):
-                    out.tool_call(event.call)
-                elif isinstance(event, Finished):
-                    result = event.result
-        finally:
-            handle.close()
-            out.end()
-    if result is None or result.finish_reason == "error":
-        raise Error(f"generation failed: {result.error if result else 'no result'}")
-    print(stats_line(result, time.monotonic() - t0), file=sys.stderr)
-    return 0
-
-
-# ---- serve ---------------------------------------------------------------------------------------
-
-def add_serve_parser(sub) -> None:
-    s = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API (gunicorn)",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/messages, "
-                                   "/v1/models, /health and /metrics (see docs/serving.md).")
-    s.add_argument("artifact", nargs="?",
-                   help="a .ninfer file (default: the built-in demo model, trained on Python)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="bind port (default 8000)")
-    _engine_flags(s, concurrency_default=4)
-    s.add_argument("--api-key", default=os.environ.get("NINFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
-                        "(default: $NINFER_API_KEY; unset = no auth)")
-    s.add_argument("--model-id", help="model name in responses and /v1/models "
-                                      "(default: the artifact's name)")
-    sampling_flags(s)       # request defaults: a request's own field wins
-    s.add_argument("--max-tokens", type=int, default=None,
-                   help="default max_tokens (default: the checkpoint's, else whatever fits in "
-                        "the context)")
-    s.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
-                   help="most tokens one request may ask for: a larger max_tokens is a 400 "
-                        "naming N, a request naming none gets at most N (default: no cap but "
-                        "the context)")
-    thinking_flags(s, what="requests that do not say (chat_template_kwargs.enable_thinking) get")
-    s.add_argument("--chat-template", metavar="FILE",
-                   help="a Jinja chat template replacing the artifact's")
-    s.add_argument("--lenient", action="store_true",
-                   help="ignore request fields this server does not implement (default: 400 "
-                        "naming the field)")
-    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                   help="cancel a generation still running this long after it was submitted "
-                        "(default: no limit)")
-    s.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
-                   help="CORS: let browser pages from ORIGIN (https://host:port, or '*') call "
-                        "the API (repeatable; default: none)")
-    s.add_argument("--allow-media-urls", metavar="HOST,...", default=None,
-                   help="fetch http(s) image URLs from these hosts (HOST or HOST:PORT, "
-                        "comma-separated; 20 MiB and 10 s per image, redirects only to listed "
-                        "hosts; default: none, images come inline as data: URLs)")
-    s.add_argument("--threads", type=int, default=None,
-                   help="HTTP worker threads (default max-concurrency + max-queue + 4)")
-    s.add_argument("--max-body-mb", type=float, default=8.0,
-                   help="largest request body, MiB (default 8)")
-    s.add_argument("--drain-grace", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, in-flight requests get this long before they are "
-                        "cancelled (default 30)")
-    s.add_argument("--access-log", action="store_true", help="log each request to stderr")
-    s.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error", "critical"),
-                   help="the server's (gunicorn and uvicorn) log lines on stderr at this level "
-                        "and above (default info)")
-    s.set_defaults(handler=serve_command)
-
-
-def serve_command(args) -> int:
-    from .options import EngineOptions
-    from .serve.config import ServeConfig, transport_overrides   # plain data: no falcon yet
-
-    check_engine_flags(engine_kwargs(args, concurrency_default=4))   # one line, before any fork
-    if not 1 <= args.port <= 65535:
-        raise Error(f"--port {args.port}: must be in 1..65535")
-    if args.threads is not None and args.threads < 1:
-        raise Error(f"--threads {args.threads}: must be >= 1")
-    if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
-        raise Error(f"--max-body-mb {args.max_body_mb}: must be a finite number > 0")
-    config = ServeConfig(model_id=args.model_id, api_key=args.api_key or None,
-                         max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                         max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
-                         enable_thinking=args.thinking,
-                         drain_grace_s=args.drain_grace, lenient=args.lenient,
-                         request_timeout_s=args.request_timeout,
-                         allowed_origins=tuple(args.allowed_origins),
-                         **sampling_overrides(args), **transport_overrides(args)).validate()
-    media_urls = None
-    if args.allow_media_urls is not None:
-        from .models.qwen3_5.frontend.media_fetch import MediaUrlPolicy
-        try:
-            media_urls = MediaUrlPolicy.parse(args.allow_media_urls)
-        except ValueError as exc:
-            raise Error(str(exc)) from None
-    template = read_chat_template(args.chat_template)
-    _check_can_listen(args.host, args.port)
-    note = settle_backend(args, concurrency_default=4)
-    path, _ = _artifact_or_demo(args.artifact)
-    say_backend(note)
-    kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=4),
-                  default_enable_thinking=args.thinking)     # None: the model's default
-    options = EngineOptions.from_kwargs(**kwargs)
-    threads = args.threads or min(options.max_concurrency + options.max_queue + 4, 512)
-
-    def engine_factory():
-        from .engine import Engine
-        engine = Engine(path, chat_template=template, **kwargs)
-        # one write: this runs in the loading thread while the access log writes /health lines
-        # to the same stream, and print() writes the text and its newline separately
-        sys.stderr.write(startup_line(engine) + "\n")
-        sys.stderr.flush()
-        if media_urls is not None and engine.frontend is not None:
-            engine.frontend.allow_media_urls(media_urls)
-        return engine
-
-    try:
-        from .serve.launcher import serve
-    except ImportError as exc:
-        raise Error(f"serve needs the [serve] extra ({exc}); pip install 'ninfer[serve]'") from None
-    print(f"ninfer: serving {path} on http://{args.host}:{args.port} "
-          f"(OpenAI /v1/chat/completions, Anthropic /v1/messages)", file=sys.stderr)
-    serve(engine_factory, config, host=args.host, port=args.port, threads=threads,
-          access_log=args.access_log, log_level=args.log_level)
-    return 0
-
-
-def _check_can_listen(host: str, port: int) -> None:
-    """Bind once (as gunicorn will, SO_REUSEADDR) so that a taken port or an unknown host is one
-    error line before the model loads, not gunicorn's retries. A port taken in between still
-    fails in gunicorn."""
-    import socket
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-    except OSError as exc:
-        raise Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

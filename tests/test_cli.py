@@ -369,7 +369,7 @@ def test_every_command_defaults_to_auto_and_passes_the_choice_on(monkeypatch, ar
     Engine and say so; --backend numpy is kept as given."""
     import ninfer.engine
     import ninfer.serve.launcher as launcher
-    from ninfer import backend_auto, commands
+    from ninfer import backend_auto, commands, serve_command
     from ninfer.cli import build_parser
     seen = {}
 
@@ -380,8 +380,9 @@ def test_every_command_defaults_to_auto_and_passes_the_choice_on(monkeypatch, ar
         seen.update(kwargs)
         raise Stop
     monkeypatch.setattr(ninfer.engine, "Engine", fake_engine)
-    monkeypatch.setattr(commands, "_artifact_or_demo", lambda path: (path, False))
-    monkeypatch.setattr(commands, "_check_can_listen", lambda host, port: None)
+    for module in (commands, serve_command):       # run / chat / score, and serve
+        monkeypatch.setattr(module, "_artifact_or_demo", lambda path: (path, False))
+    monkeypatch.setattr(serve_command, "_check_can_listen", lambda host, port: None)
     monkeypatch.setattr(commands, "_free_memory", lambda backend, device_id: None)
     monkeypatch.setattr(launcher, "serve", lambda factory, config, **kw: factory())
     monkeypatch.setattr(backend_auto, "probe", lambda device_id=0: (True, "CUDA device 0 of 1"))

@@ -96,7 +96,7 @@ def test_serve_flag_reaches_the_engine(monkeypatch):
     with dtype='float32'."""
     import ninfer.engine
     import ninfer.serve.launcher as launcher
-    from ninfer import commands
+    from ninfer import serve_command
     from ninfer.cli import build_parser
     seen = {}
     started = types.SimpleNamespace(startup_seconds={"total": 1.0, "tokenizer": 0.1,
@@ -107,8 +107,8 @@ def test_serve_flag_reaches_the_engine(monkeypatch):
         seen.update(kw)
         return started
     monkeypatch.setattr(ninfer.engine, "Engine", engine)
-    monkeypatch.setattr(commands, "_artifact_or_demo", lambda path: (path, False))
-    monkeypatch.setattr(commands, "_check_can_listen", lambda host, port: None)
+    monkeypatch.setattr(serve_command, "_artifact_or_demo", lambda path: (path, False))
+    monkeypatch.setattr(serve_command, "_check_can_listen", lambda host, port: None)
     monkeypatch.setattr(launcher, "serve", lambda factory, config, **kw: factory())
     args = build_parser().parse_args(["serve", "m.ninfer", "--backend", "cuda", "--dtype",
                                       "float32", "--max-context", "256"])
