@@ -11,12 +11,10 @@ Engine = tokens_generated slope; HTTP = tokens after the first / (last end - B f
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -51,7 +49,6 @@ def sleep_engine(step_s: float, token: int, **options):
         from ninfer.models import model_config
         return SleepModel(model_config(artifact).text.vocab_size, token)
     family.load_model = load_model
-    import ninfer.engine
     return Engine(path, backend="numpy", **options)
 
 

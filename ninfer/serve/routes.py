@@ -49,21 +49,20 @@ class SseIterator:
         return self
 
     def __next__(self):
-        while not self._pending:
-            if self._done:
-                self.close()
-                raise StopIteration
-            if not self._pull(self._keepalive):
-                self._pending.append((None, None))      # keep-alive comment
-        return self._pending.popleft()
+        msg = self._next(self._keepalive)
+        return (None, None) if msg is None else msg     # None: a keep-alive comment
 
     def poll(self):
         """The next message if one is ready, else None; never waits. StopIteration at the end."""
+        return self._next(0.0)
+
+    def _next(self, timeout: float):
+        """The next message; None if no event came within `timeout`; StopIteration at the end."""
         while not self._pending:
             if self._done:
                 self.close()
                 raise StopIteration
-            if not self._pull(0.0):
+            if not self._pull(timeout):
                 return None
         return self._pending.popleft()
 
