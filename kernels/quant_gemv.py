@@ -1,57 +1,245 @@
-"""Weight-only quantized GEMV (issue 13, decode): y = W x with W stored in the fp8_block /
-int8_block layouts of docs/artifact.md 3.2.1, read as packed bytes plus float32 block scales.
+"""Weight-only quantized products on packed weights (docs/artifact.md 3.2.1): the decode GEMV
+and the prefill path's dequantization into a bf16 (fp32) tile for cuBLASLt.
 
-NOT wired into the CUDA model and NOT measured on a GPU: tested only on numba-cuda's CPU
-simulator against a float64 decode (tests/gpu/sim_quant_gemv.py). One block of THREADS threads per
-output row: each thread walks the row's columns with stride THREADS, decodes each code, multiplies
-by its block's scale and the input, and the block sums through shared memory (common.py
-`tree_reductions`).
+    value[r, c] = (q[r, c] - zero[r // br, c // bc]) * scale[r // br, c // bc]
+
+q: fp8_block e4m3 bytes, int8_block two's-complement bytes, int4_block nibbles (even column in
+the low nibble); zero: the zero object for asymmetric int4, 8 for symmetric int4, 0 otherwise.
+
+`qgemv`: y[b, r] = sum_c value(r, c) * x[b, c] (+ beta * y[b, r]) for BM rows b of x at once
+(a decode batch of up to 8 tokens reads each weight byte once). A warp owns ROWS output rows;
+its lanes walk the packed rows in 8-byte words (8 codes, 16 for int4), consecutive lanes on
+consecutive words (coalesced), and the ROWS words are loaded before any is used (loads in
+flight). The codes become float32 without a conversion instruction: an int8 or int4 code is
+or-ed into the mantissa of 2^23 and 2^23 + offset subtracted (exact); an e4m3 byte's exponent
+and mantissa bits go under float32's (sign kept) and one multiply by 2^120 rebias it, which is
+also exact for e4m3 subnormals. Each word's products are summed, then scaled once (a word never
+straddles a scale block: the "vector" path needs bc a multiple of the word's codes). Rows of
+other shapes (K not a multiple of 8 / 16, odd blocks) take the scalar path: one code at a time.
+Expert mode (topk > 0): grid.y is the (token, slot) pair p, the weights those of expert ids[p]
+(w_stride bytes and s_stride scales apart), x row p // topk (x_per_pair 0) or p, y row p.
+
+Rows b >= m and r >= n are computed from clamped indices and never written, so no lane
+branches inside the loop.
 """
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, int64, uint32, uint64
 
-from .common import inlined, tree_reductions
+from .common import f32_to_bf16, inlined, warp_sum
 
 THREADS = 128
+WARPS = THREADS // 32
+ROWS = 2                            # output rows per warp
+BMS = (1, 2, 4, 8)                  # compiled batch widths; m rows run on the smallest >= m
+LAYOUTS = ("fp8_block", "int8_block", "int4_block")
+DEQUANT_THREADS = 256
+
+_QGEMV_ARGS = ("f32*", "u16*", "u64*", "u8*", "u64*", "f32*", "u8*", "i32", "i32", "i32", "i32",
+               "i32", "i32", "i32", "f32", "i32", "i32*", "i32", "i32", "i64", "i64")
+SIGNATURES = {
+    "qgemv": _QGEMV_ARGS,
+    "dequant": ("u16*", "u8*", "f32*", "u8*", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
+                "i64", "i64"),
+}
+
+TWO_23 = 8388608.0
+E4M3_REBIAS = 2.0 ** 120            # float32 exponent bias 127 - e4m3's 7
 
 
-@inlined
-def e4m3_to_f32(b):
-    """OCP FP8 E4M3 byte -> float32 (bias 7; exponent 0: subnormal m * 2^-9; the NaN code
-    S.1111.111 is never written by the converter)."""
-    b = int32(b) & 0xFF
-    e = (b >> 3) & 15
-    m = b & 7
-    if e == 0:
-        v = float32(m) * float32(1.0 / 512.0)
+def codes_per_word(layout: str) -> int:
+    return 16 if layout == "int4_block" else 8
+
+
+def row_bytes(layout: str, k: int) -> int:
+    return (k + 1) // 2 if layout == "int4_block" else k
+
+
+def vector_ok(layout: str, k: int, bc: int) -> bool:
+    """The kernels' word path: rows of whole 8-byte words, no word across a scale block."""
+    e = codes_per_word(layout)
+    return k % e == 0 and bc % e == 0
+
+
+def _decoder(layout: str, asym: bool):
+    """code (uint32 0..255 or 0..15), offset (float32) -> float32 value before scaling."""
+    if layout == "fp8_block":
+        @inlined
+        def decode(c, off):
+            bits = ((c & uint32(0x7F)) << uint32(20)) | ((c & uint32(0x80)) << uint32(24))
+            return cuda.libdevice.int_as_float(int32(bits)) * float32(E4M3_REBIAS)
+    elif layout == "int8_block":
+        @inlined
+        def decode(c, off):
+            # c ^ 0x80 = signed value + 128; 2^23 + that, less 2^23 + 128
+            bits = uint32(0x4B000000) | (c ^ uint32(0x80))
+            return cuda.libdevice.int_as_float(int32(bits)) - off
+    elif layout == "int4_block":
+        @inlined
+        def decode(c, off):
+            bits = uint32(0x4B000000) | c
+            return cuda.libdevice.int_as_float(int32(bits)) - off
     else:
-        v = float32(8 + m) * float32(1 << e) * float32(1.0 / 1024.0)     # (1 + m/8) 2^(e-7)
-    return -v if b & 0x80 else v
+        raise ValueError(f"quantized layout {layout!r} (one of {', '.join(LAYOUTS)})")
+    return decode
 
 
-def quant_gemv(layout, br, bc):
-    """Kernel y[r] = sum_c value(r, c) * x[c], value = code * scale[r // br, c // bc].
-    layout "fp8_block": w uint8 bytes (e4m3); "int8_block": w int8. Grid (rows,), block THREADS."""
-    fp8 = layout == "fp8_block"
-    if layout not in ("fp8_block", "int8_block"):
-        raise ValueError(f"quant_gemv: layout {layout!r} (fp8_block or int8_block)")
-    tree_sum = tree_reductions(THREADS).sum
+def _offset(layout: str):
+    """offset(zero array, scale index, asym) -> float32 subtracted from a decoded code."""
+    if layout == "int4_block":
+        @inlined
+        def offset(zero, si, asym):
+            z = int32(zero[si]) if asym else int32(8)
+            return float32(TWO_23) + float32(z)
+    else:
+        base = float32(TWO_23 + 128.0) if layout == "int8_block" else float32(0.0)
 
-    def quant_gemv_kernel(y, w, scale, x, rows, cols):
-        # w [rows, cols] codes, scale [ceil(rows/br), ceil(cols/bc)] f32, x [cols] f32 -> y [rows]
-        r = cuda.blockIdx.x
-        t = cuda.threadIdx.x
-        part = cuda.shared.array(THREADS, float32)
-        nbc = (cols + bc - 1) // bc
-        acc = float32(0.0)
-        if r < rows:
-            srow = (r // br) * nbc
-            base = r * cols
-            c = t
-            while c < cols:
-                q = e4m3_to_f32(w[base + c]) if fp8 else float32(w[base + c])
-                acc += q * scale[srow + c // bc] * x[c]
-                c += THREADS
-        total = tree_sum(acc, part)
-        if t == 0 and r < rows:
-            y[r] = total
-    return quant_gemv_kernel
+        @inlined
+        def offset(zero, si, asym):
+            return base
+    return offset
+
+
+def qgemv(layout, bm, asym=False, f32=False, rows=ROWS):
+    """The decode GEMV for one layout and batch width BM (module docstring). Grid
+    (ceil(n / (WARPS * rows)), pairs or 1), block THREADS. `rows`: output rows per warp
+    (bench/bench_quant.py --rows sweeps it; the model runs ROWS)."""
+    ROWS = rows
+    int4 = layout == "int4_block"
+    E = codes_per_word(layout)
+    HALVES = E // 8                  # 8-code groups per word
+    MASK = 0xF if int4 else 0xFF
+    NACC = ROWS * bm                 # accumulators: (output row, batch row)
+    NX = 8 * bm                      # x values of one 8-code group, per batch row
+    decode = _decoder(layout, asym)
+    offset = _offset(layout)
+
+    @inlined
+    def x_group(xs, o, x, xw, xi):
+        # xs[o .. o + 8) = x[xi .. xi + 8) as float32 (xi a multiple of 8)
+        if f32:
+            for j in range(8):
+                xs[o + j] = x[xi + j]
+        else:
+            for q in range(2):
+                v = xw[(xi >> 2) + q]
+                for j in range(4):
+                    bits = uint32((v >> uint64(16 * j)) & uint64(0xFFFF)) << uint32(16)
+                    xs[o + 4 * q + j] = cuda.libdevice.int_as_float(int32(bits))
+
+    @inlined
+    def x_at(x, i):
+        if f32:
+            return x[i]
+        return cuda.libdevice.int_as_float(int32((int32(x[i]) & 0xFFFF) << 16))
+
+    def qgemv_kernel(y, x, xw, w8, w, scale, zero, m, n, k, ldy, br, bc, sc_cols, beta, vec,
+                     ids, topk, x_per_pair, w_stride, s_stride):
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        r0 = (cuda.blockIdx.x * WARPS + (tid >> 5)) * ROWS
+        if r0 >= n:
+            return
+        p = cuda.blockIdx.y
+        wbyte = int64(0)
+        sbase = int64(0)
+        xrow0 = int64(0)
+        yrow0 = int64(0)
+        if topk > 0:                                    # expert mode
+            e = int64(ids[p])
+            wbyte = e * w_stride
+            sbase = e * s_stride
+            xrow0 = int64(p) if x_per_pair else int64(p // topk)
+            yrow0 = int64(p)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0.0)
+        rb = int64((k + 1) // 2 if int4 else k)
+        if vec:
+            row_words = rb >> 3
+            words = cuda.local.array(ROWS, uint64)
+            svals = cuda.local.array(ROWS, float32)
+            offs = cuda.local.array(ROWS, float32)
+            xs = cuda.local.array(NX, float32)
+            part = cuda.local.array(bm, float32)
+            for wi in range(lane, row_words, 32):
+                c0 = wi * E
+                scol = c0 // bc
+                for rr in range(ROWS):
+                    r = min(r0 + rr, n - 1)
+                    words[rr] = w[(wbyte >> 3) + r * row_words + wi]
+                    si = sbase + (r // br) * sc_cols + scol
+                    svals[rr] = scale[si]
+                    offs[rr] = offset(zero, si, asym)
+                for h in range(HALVES):
+                    for b in range(bm):
+                        xrow = xrow0 + min(b, m - 1)
+                        x_group(xs, 8 * b, x, xw, xrow * k + c0 + 8 * h)
+                    for rr in range(ROWS):
+                        half = uint32((words[rr] >> uint64(32 * h)) & uint64(0xFFFFFFFF)) \
+                            if int4 else uint32(0)
+                        for b in range(bm):
+                            part[b] = float32(0.0)
+                        for j in range(8):
+                            if int4:
+                                c = (half >> uint32(4 * j)) & uint32(MASK)
+                            else:
+                                c = uint32((words[rr] >> uint64(8 * j)) & uint64(MASK))
+                            qv = decode(c, offs[rr])
+                            for b in range(bm):
+                                part[b] += qv * xs[8 * b + j]
+                        for b in range(bm):
+                            acc[rr * bm + b] += part[b] * svals[rr]
+        else:
+            for c in range(lane, k, 32):
+                scol = c // bc
+                for rr in range(ROWS):
+                    r = min(r0 + rr, n - 1)
+                    byte = uint32(w8[wbyte + r * rb + (c >> 1 if int4 else c)])
+                    code = (byte >> uint32(4 * (c & 1))) & uint32(MASK) if int4 else byte
+                    si = sbase + (r // br) * sc_cols + scol
+                    qv = decode(code, offset(zero, si, asym)) * scale[si]
+                    for b in range(bm):
+                        acc[rr * bm + b] += qv * x_at(x, (xrow0 + min(b, m - 1)) * k + c)
+        for rr in range(ROWS):
+            r = r0 + rr
+            for b in range(bm):
+                v = warp_sum(acc[rr * bm + b])
+                if lane == 0 and r < n and b < m:
+                    yi = (yrow0 + b) * ldy + r
+                    if beta != float32(0.0):
+                        v += beta * y[yi]
+                    y[yi] = v
+    qgemv_kernel.__name__ = "qgemv"
+    return qgemv_kernel
+
+
+def dequant(layout, asym=False, f32=False):
+    """out[z, i, c] = value of expert e0 + z, row r0 + i, column c, for `rows` rows (bf16 bits,
+    or fp32 with f32): the prefill path's weight tile for cuBLASLt. Grid (ceil(k /
+    DEQUANT_THREADS), rows, experts), block DEQUANT_THREADS; an expert's codes and scales are
+    w_stride bytes and s_stride scales after the previous one's (0 for a plain matrix)."""
+    int4 = layout == "int4_block"
+    MASK = 0xF if int4 else 0xFF
+    decode = _decoder(layout, asym)
+    offset = _offset(layout)
+
+    def dequant_kernel(out, w8, scale, zero, r0, rows, k, br, bc, sc_cols, e0, w_stride,
+                       s_stride):
+        c = cuda.blockIdx.x * DEQUANT_THREADS + cuda.threadIdx.x
+        i = cuda.blockIdx.y
+        z = int64(cuda.blockIdx.z)
+        if c >= k or i >= rows:
+            return
+        e = int64(e0) + z
+        r = int64(r0 + i)
+        rb = int64((k + 1) // 2 if int4 else k)
+        byte = uint32(w8[e * w_stride + r * rb + (c >> 1 if int4 else c)])
+        code = (byte >> uint32(4 * (c & 1))) & uint32(MASK) if int4 else byte
+        si = e * s_stride + (r // br) * sc_cols + c // bc
+        v = decode(code, offset(zero, si, asym)) * scale[si]
+        o = (z * rows + i) * k + c
+        if f32:
+            out[o] = v
+        else:
+            out[o] = f32_to_bf16(v)
+    dequant_kernel.__name__ = "dequant"
+    return dequant_kernel

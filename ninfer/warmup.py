@@ -79,9 +79,12 @@ def warmup_command(args) -> int:
               f"({time.perf_counter() - t0:.1f} s)")
         return 0
     path, _ = _artifact_or_demo(args.artifact)
+    from .models.qwen3_5.cuda import qweights
+    from .models.qwen3_5.cuda.weight_load import quant_plans
     with Artifact(path) as artifact:
         cfg = model_config(artifact).text
-    kernels = KernelSet(cfg, cache, f32=args.dtype == "float32")  # refuses what cuda refuses
+        quant = qweights.formats(quant_plans(cfg, artifact).values())    # packed weights' kernels
+    kernels = KernelSet(cfg, cache, f32=args.dtype == "float32", quant=quant)  # refuses as cuda does
     compiled = kernels.start_precompile(args.workers).wait()
     print(f"kernels for sm_{cc[0]}{cc[1]} ({args.dtype}): {compiled} compiled, "
           f"{len(kernels.specs) - compiled} already cached or shipped, in {cache.dir} "

@@ -133,8 +133,10 @@ def test_signatures_read_from_the_text_are_the_kernels_own():
                      num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                      shared_expert_intermediate_size=512, num_attention_heads=16,
                      num_key_value_heads=2)
+    quant = {(lay, asym) for lay in ("fp8_block", "int8_block", "int4_block")
+             for asym in (False, True)}
     specs = [s for cfg in (dense, moe) for f32 in (False, True)
-             for s in geometry_specs(cfg, f32).values()]
+             for s in geometry_specs(cfg, f32, quant).values()]
     assert {s.factory for s in specs} == set(SIGS)
     for s in specs:
         fn = getattr(K._import_kernel_module(s.module), s.factory)(**dict(s.params))

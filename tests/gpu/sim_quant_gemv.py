@@ -1,6 +1,9 @@
-"""kernels/quant_gemv.py on numba-cuda's CPU simulator against a float64 decode of the same
-stored bytes (docs/artifact.md 3.2.1), for fp8_block [128, 128] (every e4m3 code, subnormals
-included) and int8_block [1, g]; ragged rows / columns. Prints {"<case>": relative error} as JSON.
+"""kernels/quant_gemv.py on numba-cuda's CPU simulator against a float64 decode of the same stored
+bytes (docs/artifact.md 3.2.1): the decode GEMV (`qgemv`) for every layout, batch widths 1..8
+with fewer rows than the width, odd output rows, the word path and the scalar path (K not a
+multiple of the word, blocks not whole words), beta = 0 over poisoned outputs and beta = 1,
+bf16 and fp32 inputs, expert mode; and the prefill tile (`dequant`), bf16 and fp32. Every e4m3
+code but NaN is decoded. Prints {"<case>": relative error (or a count)} as JSON.
 
     NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_quant_gemv.py
 """
@@ -12,62 +15,180 @@ import numpy as np
 from ninfer.core.cuda import numba_shim
 
 cuda, _ = numba_shim.import_numba_cuda()
-from sim_patches import fix_shared_array_race   # noqa: E402
-fix_shared_array_race()
+import sim_storage   # noqa: E402,F401  (simulator patches: warp shuffle, libdevice bit casts)
 
 from ninfer.convert.quantize import encode                  # noqa: E402
 from ninfer.core.cuda.kernels import _import_kernel_module  # noqa: E402
 
 FP8 = ml_dtypes.float8_e4m3fn
+BF16 = ml_dtypes.bfloat16
+mod = _import_kernel_module("quant_gemv")
+_KERNELS = {}
 
 
-def decode64(stored, scale, br, bc, rows, cols):
-    s = np.repeat(np.repeat(scale.astype(np.float64), br, 0), bc, 1)[:rows, :cols]
-    return stored.astype(np.float64) * s
+def kernel(factory, *args):
+    key = (factory,) + args
+    if key not in _KERNELS:
+        _KERNELS[key] = cuda.jit(getattr(mod, factory)(*args))
+    return _KERNELS[key]
 
 
-def run_case(layout, block, rows, cols, rng, codes=None):
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    w[:, 0] *= 25.0
-    stored, scale, _ = encode(layout, w[None], block)
-    stored, scale = stored[0], scale[0]
-    if codes is not None:                    # every fp8 code but NaN, in the first row block
-        flat = stored.view(np.uint8).reshape(-1).copy()
+def make(layout, block, rows, cols, rng, asym=False, experts=1, codes=None):
+    """(stored uint8 [experts, rows, C'], scale f32, zero uint8 or None, float64 values)."""
+    w = rng.standard_normal((experts, rows, cols)).astype(np.float32)
+    w[..., 0] *= 25.0
+    stored, scale, zero = encode(layout, w, block, asymmetric=asym)
+    stored = np.ascontiguousarray(stored).view(np.uint8)
+    if codes is not None:
+        flat = stored.reshape(-1)
         flat[: codes.size] = codes
-        stored = flat.view(FP8).reshape(stored.shape)
-    x = rng.standard_normal(cols).astype(np.float32)
-    y = np.full(rows, np.nan, np.float32)             # poisoned: every row must be written
-    dev_w = stored.view(np.uint8) if layout == "fp8_block" else stored
-    mod = _import_kernel_module("quant_gemv")
-    kern = cuda.jit(mod.quant_gemv(layout, *block))
-    kern[(rows, 1, 1), (mod.THREADS, 1, 1)](y, dev_w.reshape(-1), scale.reshape(-1), x, rows, cols)
-    ref = decode64(stored, scale, *block, rows, cols) @ x.astype(np.float64)
-    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    return stored, scale.astype(np.float32), zero, decode64(layout, stored, scale, zero, block,
+                                                            rows, cols)
 
 
-def decode_all(codes):
-    """e4m3_to_f32 of each code, through a one-thread-per-code kernel."""
-    mod = _import_kernel_module("quant_gemv")
+def decode64(layout, stored, scale, zero, block, rows, cols):
+    br, bc = block
+    if layout == "fp8_block":
+        q = stored.view(FP8).astype(np.float64)
+    elif layout == "int8_block":
+        q = stored.view(np.int8).astype(np.float64)
+    else:
+        q = np.stack([stored & 15, stored >> 4], -1).reshape(*stored.shape[:-1], -1)[..., :cols]
+        q = q.astype(np.float64)
 
-    @cuda.jit
-    def decode_kernel(out, b, n):
-        i = cuda.grid(1)
-        if i < n:
-            out[i] = mod.e4m3_to_f32(b[i])
-    out = np.full(codes.size, np.nan, np.float32)
-    decode_kernel[(2, 1, 1), (128, 1, 1)](out, codes, codes.size)
-    return out
+    def expand(a):
+        return np.repeat(np.repeat(a.astype(np.float64), br, -2), bc, -1)[..., :rows, :cols]
+    z = expand(zero) if zero is not None else (8.0 if layout == "int4_block" else 0.0)
+    return (q - z) * expand(scale)
+
+
+def words(a):
+    """uint8 -> the same bytes as uint64 (padded to whole words)."""
+    flat = a.reshape(-1)
+    pad = (-flat.size) % 8
+    return np.concatenate([flat, np.zeros(pad, np.uint8)]).view(np.uint64)
+
+
+def x_arrays(x, f32):
+    if f32:
+        return x.astype(np.float32).reshape(-1), np.zeros(1, np.uint64)
+    bits = x.astype(BF16).view(np.uint16).reshape(-1)
+    pad = (-bits.size) % 4
+    bits = np.concatenate([bits, np.zeros(pad, np.uint16)])
+    return bits, bits.view(np.uint64)
+
+
+def x_values(x, f32):
+    return x.astype(np.float64) if f32 else x.astype(BF16).astype(np.float64)
+
+
+def gemv_case(layout, block, n, k, m, bm, rng, asym=False, beta=0.0, f32=False, codes=None):
+    stored, scale, zero, val = make(layout, block, n, k, rng, asym, codes=codes)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xa, xw = x_arrays(x, f32)
+    ldy = n + 3
+    y = np.full((bm + 1, ldy), np.nan, np.float32)      # poisoned: rows b < m, r < n written
+    y0 = rng.standard_normal((m, n)).astype(np.float32)
+    if beta:
+        y[:m, :n] = y0
+    vec = int(mod.vector_ok(layout, k, block[1]))
+    kern = kernel("qgemv", layout, bm, asym, f32)
+    grid = (-(-n // (mod.WARPS * mod.ROWS)), 1, 1)
+    zarr = zero.reshape(-1) if zero is not None else np.zeros(1, np.uint8)
+    kern[grid, (mod.THREADS, 1, 1)](y.reshape(-1), xa, xw, stored.reshape(-1), words(stored),
+                                    scale.reshape(-1), zarr, m, n, k, ldy, block[0], block[1],
+                                    scale.shape[-1], beta, vec, np.zeros(1, np.int32), 0, 0, 0, 0)
+    ref = x_values(x, f32) @ val[0].T + beta * y0.astype(np.float64)
+    got = y[:m, :n]
+    untouched = bool(np.isnan(y[m:]).all() and np.isnan(y[:m, n:]).all())
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if np.isfinite(got).all() else 1.0
+    return err if untouched else 2.0
+
+
+def experts_case(layout, block, n, k, rng, asym=False, x_per_pair=0, f32=False):
+    E, topk, tokens = 3, 2, 3
+    stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=E)
+    ids = np.array([2, 0, 1, 2, 0, 0], np.int32)[: tokens * topk]
+    pairs = ids.size
+    xrows = pairs if x_per_pair else tokens
+    x = rng.standard_normal((xrows, k)).astype(np.float32)
+    xa, xw = x_arrays(x, f32)
+    y = np.full((pairs, n), np.nan, np.float32)
+    vec = int(mod.vector_ok(layout, k, block[1]))
+    kern = kernel("qgemv", layout, 1, asym, f32)
+    grid = (-(-n // (mod.WARPS * mod.ROWS)), pairs, 1)
+    zarr = zero.reshape(-1) if zero is not None else np.zeros(1, np.uint8)
+    kern[grid, (mod.THREADS, 1, 1)](y.reshape(-1), xa, xw, stored.reshape(-1), words(stored),
+                                    scale.reshape(-1), zarr, 1, n, k, n, block[0], block[1],
+                                    scale.shape[-1], 0.0, vec, ids, topk, x_per_pair,
+                                    stored[0].size, scale[0].size)
+    xv = x_values(x, f32)
+    ref = np.stack([val[ids[p]] @ xv[p if x_per_pair else p // topk] for p in range(pairs)])
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) if np.isfinite(y).all() else 1.0
+
+
+def dequant_case(layout, block, n, k, rng, asym=False, f32=False, r0=1, e0=1, experts=1):
+    """Rows r0.. of experts e0 .. e0 + experts of a stack of 3."""
+    stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=3)
+    rows = n - r0
+    size = experts * rows * k
+    out = np.full(size + 5, np.nan if f32 else 0xFFFF, np.float32 if f32 else np.uint16)
+    kern = kernel("dequant", layout, asym, f32)
+    zarr = zero.reshape(-1) if zero is not None else np.zeros(1, np.uint8)
+    grid = (-(-k // mod.DEQUANT_THREADS), rows, experts)
+    kern[grid, (mod.DEQUANT_THREADS, 1, 1)](out, stored.reshape(-1), scale.reshape(-1), zarr,
+                                            r0, rows, k, block[0], block[1], scale.shape[-1],
+                                            e0, stored[0].size, scale[0].size)
+    got = out[:size].reshape(experts, rows, k)
+    want = val[e0: e0 + experts, r0:]
+    if f32:
+        ok = np.isnan(out[size:]).all()
+        return float((np.abs(got - want) / np.abs(want).max()).max()) if ok else 2.0
+    ok = (out[size:] == 0xFFFF).all()
+    exact = want.astype(np.float32).astype(BF16).view(np.uint16)
+    return int(np.count_nonzero(got != exact)) if ok else -1
 
 
 def main():
     rng = np.random.default_rng(13)
     codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
-    want = codes.view(FP8).astype(np.float32)
-    out = {"decode/every_code_max_abs_diff": float(np.abs(decode_all(codes) - want).max()),
-           "fp8/128x128/every_code": run_case("fp8_block", (128, 128), 3, 300, rng, codes),
-           "fp8/128x128/ragged": run_case("fp8_block", (128, 128), 130, 129, rng),
-           "int8/1x128": run_case("int8_block", (1, 128), 5, 300, rng),
-           "int8/1x64/ragged": run_case("int8_block", (1, 64), 7, 97, rng)}
+    out = {}
+    # every e4m3 code (subnormals, both zeros, 448) through the word path and the scalar path
+    out["fp8/every_code/word"] = gemv_case("fp8_block", (128, 128), 3, 256, 1, 1, rng, codes=codes)
+    out["fp8/every_code/scalar"] = gemv_case("fp8_block", (128, 128), 3, 300, 1, 1, rng,
+                                             codes=codes)
+    for bm, m in ((1, 1), (2, 2), (4, 3), (8, 8), (8, 5)):
+        out[f"fp8/128x128/bm{bm}/m{m}"] = gemv_case("fp8_block", (128, 128), 9 if bm < 8 else 3,
+                                                    256 if bm < 4 else 128, m, bm, rng)
+        out[f"int4/asym/1x128/bm{bm}/m{m}"] = gemv_case("int4_block", (1, 128), 3, 128, m, bm, rng,
+                                                        asym=True)
+    out["fp8/1x128/odd_rows"] = gemv_case("fp8_block", (1, 128), 130, 136, 2, 2, rng)
+    out["fp8/beta1"] = gemv_case("fp8_block", (128, 128), 9, 128, 3, 4, rng, beta=1.0)
+    out["fp8/f32"] = gemv_case("fp8_block", (128, 128), 9, 128, 2, 2, rng, f32=True)
+    out["int8/1x128"] = gemv_case("int8_block", (1, 128), 5, 384, 1, 1, rng)
+    out["int8/1x64/scalar_k97"] = gemv_case("int8_block", (1, 64), 7, 97, 2, 2, rng)
+    out["int8/row/k200"] = gemv_case("int8_block", (1, 200), 3, 200, 1, 1, rng)
+    out["int8/1x12/scalar_block"] = gemv_case("int8_block", (1, 12), 3, 48, 1, 1, rng)
+    out["int8/beta1/f32"] = gemv_case("int8_block", (1, 128), 5, 128, 2, 2, rng, beta=1.0,
+                                      f32=True)
+    out["int4/sym/1x128"] = gemv_case("int4_block", (1, 128), 5, 256, 1, 1, rng)
+    out["int4/asym/1x32"] = gemv_case("int4_block", (1, 32), 3, 160, 2, 2, rng, asym=True)
+    out["int4/asym/scalar_odd_k"] = gemv_case("int4_block", (1, 64), 3, 99, 1, 1, rng, asym=True)
+    out["int4/sym/scalar_k24"] = gemv_case("int4_block", (1, 32), 3, 24, 4, 4, rng)
+    out["int4/asym/f32"] = gemv_case("int4_block", (1, 128), 3, 128, 1, 1, rng, asym=True,
+                                     f32=True)
+    out["experts/fp8"] = experts_case("fp8_block", (128, 128), 5, 128, rng)
+    out["experts/int4/per_pair"] = experts_case("int4_block", (1, 64), 5, 128, rng, asym=True,
+                                                x_per_pair=1)
+    out["experts/int8/scalar"] = experts_case("int8_block", (1, 32), 3, 36, rng, f32=True)
+    # dequant: bf16 bits equal the float64 decode rounded to bf16 (mismatch count); fp32: max
+    # error relative to the largest value
+    out["dequant/fp8/bf16_mismatches"] = dequant_case("fp8_block", (128, 128), 5, 300, rng)
+    out["dequant/int4/asym/bf16_mismatches"] = dequant_case("int4_block", (1, 32), 4, 99, rng,
+                                                            asym=True, e0=0, experts=3)
+    out["dequant/int8/f32_rel"] = dequant_case("int8_block", (1, 64), 4, 130, rng, f32=True)
+    out["dequant/int4/sym/f32_rel"] = dequant_case("int4_block", (1, 128), 3, 256, rng, f32=True,
+                                                   r0=0, e0=0)
     print(json.dumps(out))
 
 

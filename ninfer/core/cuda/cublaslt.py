@@ -191,9 +191,11 @@ class CublasLt:
         return alignment(x_ptr, w_ptr, y_ptr, x_ptr + ab * sx, w_ptr + ab * sw, y_ptr + 4 * sy)
 
     def plan(self, m: int, n: int, k: int, beta: float = 0.0, align: int = 256,
-             w_kn: bool = False, batch: int = 1, strides: tuple = (0, 0, 0)) -> Plan:
+             w_kn: bool = False, batch: int = 1, strides: tuple = (0, 0, 0), ldc: int = 0) -> Plan:
         strides = tuple(int(s) for s in strides) if batch > 1 else (0, 0, 0)
-        key = (int(m), int(n), int(k), float(beta), int(align), bool(w_kn), int(batch), strides)
+        ldc = int(ldc) or int(n)
+        key = (int(m), int(n), int(k), float(beta), int(align), bool(w_kn), int(batch), strides,
+               ldc)
         p = self._plans.get(key)
         if p is not None:
             return p
@@ -218,7 +220,8 @@ class CublasLt:
                                                     rows_a), "layout A")
             lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), self.ab_type, k, m, k),
                      "layout B")
-            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, n),
+            # (ldc > n: Y's columns [0, n) of wider rows, a segment of a fused output)
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, ldc),
                      "layout C")
             if batch > 1:
                 count_b = ctypes.c_int32(batch)
@@ -256,12 +259,13 @@ class CublasLt:
 
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
              beta: float = 0.0, w_kn: bool = False, batch: int = 1,
-             strides: tuple = (0, 0, 0)) -> None:
+             strides: tuple = (0, 0, 0), ldc: int = 0) -> None:
         """y[m, n] (fp32) = x[m, k] (bf16) @ w[n, k]^T (bf16) + beta * y; with w_kn, w is [k, n]
         and y = x @ w + beta * y. (x, w fp32 when the handle was made with f32.) `batch` > 1:
-        `batch` products, the i-th at element offsets i * strides (w, x, y)."""
+        `batch` products, the i-th at element offsets i * strides (w, x, y). `ldc`: y's row
+        stride in elements (default n)."""
         p = self.plan(m, n, k, beta, self.batch_alignment(x_ptr, w_ptr, y_ptr, batch, strides),
-                      w_kn, batch, strides)
+                      w_kn, batch, strides, ldc)
         a, b, c = p.layouts
         beta_c = self._zero if beta == 0.0 else (self._one if beta == 1.0 else ctypes.c_float(beta))
         self.calls += 1

@@ -55,6 +55,7 @@ ARG_TYPES = {
     "u16*": (ctypes.c_uint64, "uint16", True),      # bf16 storage
     "u32*": (ctypes.c_uint64, "uint32", True),      # bf16 pairs (vector loads)
     "u64*": (ctypes.c_uint64, "uint64", True),
+    "u8*": (ctypes.c_uint64, "uint8", True),        # packed quantized codes
     "f64*": (ctypes.c_uint64, "float64", True),
     "i32*": (ctypes.c_uint64, "int32", True),
     "f32": (ctypes.c_float, "float32", False),

@@ -51,7 +51,8 @@ from .cuda.runner import StepResources, StepRunner, Workspace, grouped_rows, par
 from .cuda.sampler import DeviceSampler
 from .cuda.thread_context import ThreadContext
 from .cuda.token_step import TokenStep
-from .cuda.weight_load import WeightLoader, load_weights
+from .cuda.weight_load import WeightLoader, load_weights, quant_plans
+from .cuda import qweights as qw
 from .cuda import attention_tc
 from .cuda import weights as wplan
 
@@ -140,7 +141,10 @@ class CudaModel(MediaEncoding):
         # batch_invariant: a row's logits do not depend on B or its neighbours (decode GEMMs at
         # one shape, fixed decode attention splits; docs/architecture.md "Load invariance")
         self.batch_invariant = bool(options.batch_invariant)
-        self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32)
+        # matrices held as packed codes (cuda/qweights.py): their formats pick kernels
+        self.qplans = quant_plans(cfg, artifact)
+        self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32,
+                                 qw.formats(self.qplans.values()))
         # kernels compile (other processes: numba holds the GIL) and load (the driver JIT-compiles
         # each module's PTX, in threads) while the weights load
         kernel_loading = self.kernels.start_loading(self._bind_context)
@@ -155,14 +159,17 @@ class CudaModel(MediaEncoding):
         nkv = max(cfg.num_key_value_heads, 1)
         part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms,
                                      b_cap if self.batch_invariant else 0)
+        wq = qw.slab_elements(self.qplans.values(), n_cap)      # the prefill dequant tile
         ws_bytes = workspace_bytes(cfg, f32=self.f32, n_cap=n_cap, lg_cap=self.lg_cap,
                                    part_rows=part_rows, max_keys=self.max_keys,
-                                   meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes)
+                                   meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes) \
+            + wq * (4 if self.f32 else 2)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
         sampler_rows = max(b_cap, 8)
         free, total = self.device.mem_info()
         self.memory_plan = plan = plan_cuda_memory(
-            cfg, options, f32=self.f32, weights_bytes=wplan.plan_bytes(cfg, tied, self.f32),
+            cfg, options, f32=self.f32,
+            weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans),
             workspace_bytes=ws_bytes + DeviceSampler.device_bytes(
                 sampler_rows, cfg.vocab_size, options.max_context),
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN)
@@ -171,7 +178,7 @@ class CudaModel(MediaEncoding):
         self.arena = Arena(plan.total_bytes)
         self._lap("arena")
         self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
-                            f32=self.f32)
+                            f32=self.f32, wq_elements=wq)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
                                "metadata")
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
@@ -197,7 +204,7 @@ class CudaModel(MediaEncoding):
                               self._bind_context)
         try:
             self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed,
-                                        tied=tied)
+                                        tied=tied, qplans=self.qplans)
             self.stream.synchronize()
         except BaseException:
             # the kernels' thread finishes before close() unloads what it loads

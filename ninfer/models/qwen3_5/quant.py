@@ -6,14 +6,14 @@ The encodings are docs/artifact.md 3.2.1; this is their reference decoder:
 
 q: fp8_block float8_e4m3fn, int8_block int8, int4_block the 4-bit unsigned nibble c of byte
 c // 2 (even c: bits 0-3, odd c: bits 4-7); zero: the zero object (int4 asymmetric), 8 for a
-symmetric int4 parent, 0 otherwise. The CUDA backend has no kernels for these layouts yet and
-refuses such an artifact up front (`require_unquantized`).
+symmetric int4 parent, 0 otherwise. The CUDA backend runs the packed codes themselves
+(cuda/qweights.py, kernels/quant_gemv.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ArtifactError, DeviceError
+from ...errors import ArtifactError
 
 # Elements decoded per step: bounds the float32 temporaries of a large parent (an embedding).
 _STEP_ELEMENTS = 1 << 24
@@ -99,15 +99,3 @@ def weight_formats(artifact) -> dict:
         act = min(prev, use["activation"], key=order.__getitem__)
         formats[b] = (layout, act)
     return formats
-
-
-def require_unquantized(artifact, backend: str) -> None:
-    """DeviceError naming the formats when `backend` would meet quantized weights it cannot run."""
-    formats = weight_formats(artifact)
-    if formats:
-        layouts = sorted({layout for layout, _ in formats.values()})
-        first = next(iter(formats))
-        raise DeviceError(
-            f"backend {backend!r} cannot run quantized weights yet ({', '.join(layouts)}; "
-            f"{len(formats)} bindings, e.g. {first!r}): use backend 'numpy' (it dequantizes at "
-            "load), or an artifact converted from a bf16 checkpoint without --quantize")

@@ -10,11 +10,12 @@ from ....core.cuda.kernels import KernelCache, KernelSpec
 from ....errors import DeviceError
 from ..config import TextConfig
 from . import gdn_chunk as gc
+from . import qweights as qw
 
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
 MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "rope_kv", "attention",
-           "attention_tc", "moe", "sample")
+           "attention_tc", "moe", "sample", "quant_gemv")
 
 
 def declared_signatures(module: str) -> dict:
@@ -59,7 +60,7 @@ SIGS = _collect_signatures()
 # bf16 ("u16*") or bf16-pair ("u32*") argument of theirs becomes "f32*"
 F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather", "random_bf16",
                           "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
-                          "expert_down", "gather_rows"))
+                          "expert_down", "gather_rows", "qgemv", "dequant"))
 
 
 def spec(name: str, f32: bool = False, **params) -> KernelSpec:
@@ -72,9 +73,31 @@ def spec(name: str, f32: bool = False, **params) -> KernelSpec:
     return KernelSpec.of(module, factory, sig, **params)
 
 
-def geometry_specs(cfg: TextConfig, f32: bool = False) -> dict:
+def qgemv_name(layout: str, bm: int, asym: bool) -> str:
+    return f"qgemv_{layout}_{bm}" + ("_z" if asym else "")
+
+
+def dequant_name(layout: str, asym: bool) -> str:
+    return f"dequant_{layout}" + ("_z" if asym else "")
+
+
+def quant_specs(quant, f32: bool = False) -> dict:
+    """The packed-weight kernels of each (layout, asym) in `quant` (cuda/qweights.py formats)."""
+    specs = {}
+    for layout, asym in sorted(quant):
+        for bm in qw.BMS:
+            specs[qgemv_name(layout, bm, asym)] = spec("qgemv", f32, layout=layout, bm=bm,
+                                                       asym=bool(asym))
+        specs[dequant_name(layout, asym)] = spec("dequant", f32, layout=layout, asym=bool(asym))
+    return specs
+
+
+def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset()) -> dict:
     """name -> KernelSpec for every kernel the model of `cfg` launches; `f32`: the fp32-storage
-    variants (dtype="float32": no tensor-core prefill attention, weights widened at load)."""
+    variants (dtype="float32": no tensor-core prefill attention, weights widened at load);
+    `quant`: the (layout, asym) formats of its packed weights."""
+    if quant:
+        return {**geometry_specs(cfg, f32), **quant_specs(quant, f32)}
     if f32:
         return _f32_specs(cfg)
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -185,9 +208,10 @@ def check_geometry(cfg: TextConfig) -> None:
 
 
 class KernelSet:
-    def __init__(self, cfg: TextConfig, cache: KernelCache, f32: bool = False):
+    def __init__(self, cfg: TextConfig, cache: KernelCache, f32: bool = False,
+                 quant=frozenset()):
         check_geometry(cfg)
-        self.specs = geometry_specs(cfg, f32)
+        self.specs = geometry_specs(cfg, f32, quant)
         self._cache = cache
         self._k = {}
 

@@ -21,7 +21,8 @@ from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
 from . import moe_rows
 from . import gdn_chunk as gc
-from .kernel_set import paged_attention_group
+from . import qweights as qw
+from .kernel_set import dequant_name, paged_attention_group, qgemv_name
 from .media_rows import MediaRows
 
 
@@ -29,7 +30,7 @@ class Workspace:
     """Fixed activation buffers for up to `n_cap` tokens and `lg_cap` logits rows."""
 
     def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
-                 max_keys: int, f32: bool = False):
+                 max_keys: int, f32: bool = False, wq_elements: int = 0):
         take = arena.take
         gin = np.float32 if f32 else np.uint16      # GEMM inputs: bf16, or fp32 (dtype="float32")
         self.gin_bytes = np.dtype(gin).itemsize
@@ -93,6 +94,8 @@ class Workspace:
             self.gu = take((R, 2 * I), np.float32, ws)
             self.gact = take((R, I), gin, ws)
             self.route = take((R + n * K,), np.int32, ws)    # [row -> token (R) | pair -> row]
+        # packed weights' prefill tile (cuda/qweights.py): a slab of rows dequantized for cuBLASLt
+        self.wq = take((wq_elements,), gin, ws) if wq_elements else None
         self.xf = take((lg_cap, H), gin, ws)
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
@@ -210,7 +213,7 @@ class StepRunner:
         return out
 
     def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm", batch=1,
-             strides=(0, 0, 0)):
+             strides=(0, 0, 0), ldc=0):
         lt = self.res.lt
         if self.invariant and m < PIN_M and batch == 1:
             # one problem shape for every small M: the same kernel, grid and split-K, so each
@@ -219,9 +222,54 @@ class StepRunner:
             # workspaces hold at least PIN_M rows in this mode
             m = PIN_M
         if self.dry:
-            lt.plan(m, n, k, beta, lt.batch_alignment(x, w, y, batch, strides), w_kn, batch, strides)
+            lt.plan(m, n, k, beta, lt.batch_alignment(x, w, y, batch, strides), w_kn, batch, strides,
+                    ldc)
             return
-        self._timed(st, name, lambda: lt.gemm(st, x, w, y, m, n, k, beta, w_kn, batch, strides))
+        self._timed(st, name, lambda: lt.gemm(st, x, w, y, m, n, k, beta, w_kn, batch, strides,
+                                              ldc))
+
+    def linear(self, st, x, w, y, m, n, k, beta=0.0, name="gemm"):
+        """y[m, n] (fp32) = x[m, k] @ w^T (+ beta * y): a bf16 matrix through cuBLASLt, a
+        packed one (qweights.QMatrix) segment by segment (qlinear)."""
+        if isinstance(w, qw.QMatrix):
+            self.qlinear(st, x, w, y, m, n, k, beta)
+        else:
+            self.gemm(st, x, w.ptr, y, m, n, k, beta, name=name)
+
+    def qlinear(self, st, x, w, y, m, n, k, beta):
+        """Each segment writes its columns [row0, row0 + rows) of y (row stride n): bf16 rows
+        through cuBLASLt; codes as GEMVs over the packed bytes for up to GEMV_MAX_ROWS rows (all
+        decode rows in batch-invariant mode: a row's sums never depend on B), else slabs
+        dequantized into the workspace tile and multiplied through cuBLASLt."""
+        g = self.res.ws.gin_bytes
+        gemv_rows = max(qw.GEMV_MAX_ROWS, self.res.b_cap) if self.invariant else qw.GEMV_MAX_ROWS
+        for seg in w.segments:
+            yp = y + 4 * seg.row0
+            if seg.layout == qw.BF16:
+                self.gemm(st, x, seg.w.ptr, yp, m, seg.rows, k, beta, name="gemm", ldc=n)
+            elif m <= gemv_rows:
+                vec = int(qw.vector_ok(seg.layout, k, seg.block[1]))
+                for b0 in range(0, m, qw.GEMV_BATCH):
+                    mb = min(qw.GEMV_BATCH, m - b0)
+                    bm = next(b for b in qw.BMS if b >= mb)
+                    self.launch(st, getattr(self.kernels, qgemv_name(seg.layout, bm, seg.asym)),
+                                (-(-seg.rows // (qw.WARPS * qw.ROWS)), 1), (qw.THREADS,),
+                                (yp + 4 * n * b0, x + g * k * b0, x + g * k * b0, seg.w, seg.w,
+                                 seg.scale, seg.zero.ptr if seg.zero is not None else 0, mb,
+                                 seg.rows, k, n, seg.block[0], seg.block[1],
+                                 seg.scale.shape[-1], beta, vec, 0, 0, 0, 0, 0))
+            else:
+                tile = self.res.ws.wq
+                step = qw.slab_rows(seg, tile.shape[0])
+                for r0 in range(0, seg.rows, step):
+                    rows = min(step, seg.rows - r0)
+                    self.launch(st, getattr(self.kernels, dequant_name(seg.layout, seg.asym)),
+                                (-(-k // qw.DEQUANT_THREADS), rows), (qw.DEQUANT_THREADS,),
+                                (tile, seg.w, seg.scale,
+                                 seg.zero.ptr if seg.zero is not None else 0, r0, rows, k,
+                                 seg.block[0], seg.block[1], seg.scale.shape[-1], 0, 0, 0))
+                    self.gemm(st, x, tile.ptr, yp + 4 * r0, m, rows, k, beta, name="gemm",
+                              ldc=n)
 
     def launch(self, st, kernel, grid, block, args, smem=0):
         """`kernel`: one of self.kernels, named by attribute at the call site (taking it
@@ -270,7 +318,7 @@ class StepRunner:
         cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         H, V = cfg.hidden_size, cfg.vocab_size
         self.rmsnorm(st, ws.xf, ws.h, W["norm"], n_out, row_idx=meta.out_rows + 4 * out_start)
-        self.gemm(st, ws.xf.ptr, W["lm_head"].ptr, ws.logits.ptr, n_out, V, H)
+        self.linear(st, ws.xf.ptr, W["lm_head"], ws.logits.ptr, n_out, V, H)
         self.launch(st, self.kernels.argmax, (n_out,), (1024,), (ws.tokens, ws.logits, V))
 
     def rmsnorm(self, st, out, x, w, rows, row_idx=None):
@@ -286,7 +334,7 @@ class StepRunner:
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         P = C + Vd + 2 * nv
-        self.gemm(st, ws.x.ptr, lw["w_in"].ptr, ws.proj.ptr, n, P, H)
+        self.linear(st, ws.x.ptr, lw["w_in"], ws.proj.ptr, n, P, H)
         blk = (max(dk, dv) + 31) // 32 * 32
         decode = int(n == b)
         self.launch(st, self.kernels.conv_silu, (n, 2 * nk + nv), (blk,),
@@ -313,14 +361,14 @@ class StepRunner:
                       state_slots=meta.state_slots)
         self.launch(st, self.kernels.gated_rmsnorm, (n, nv), (min(128, (dv + 31) // 32 * 32),),
                     (ws.act, ws.core, ws.proj, P, C, lw["norm_w"], dv, cfg.rms_norm_eps))
-        self.gemm(st, ws.act.ptr, lw["w_out"].ptr, ws.h.ptr, n, H, Vd, beta=1.0)
+        self.linear(st, ws.act.ptr, lw["w_out"], ws.h.ptr, n, H, Vd, beta=1.0)
 
     def attention(self, st, meta, n, b, lw, kv, a):
         cfg, ws = self.cfg, self.res.ws
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         P = 2 * nh * hd + 2 * nkv * hd
         lay = meta.layout
-        self.gemm(st, ws.x.ptr, lw["w_in"].ptr, ws.proj.ptr, n, P, H)
+        self.linear(st, ws.x.ptr, lw["w_in"], ws.proj.ptr, n, P, H)
         self.launch(st, self.kernels.qk_norm_rope_kv, (n, nh + nkv), ((hd + 31) // 32 * 32,),
                     (ws.mid, ws.proj, P, lw["q_norm"], lw["k_norm"], kv.k[a], kv.v[a],
                      meta.positions, lay.n_cap, meta.token_row, meta.query_start,
@@ -355,29 +403,32 @@ class StepRunner:
                           q=ws.mid.ptr, k_cache=kv.k[a].ptr, v_cache=kv.v[a].ptr,
                           block_tables=meta.block_tables, bt_stride=lay.p_cap,
                           page_size=kv.page_size, out=ws.act.ptr, proj=ws.proj.ptr, proj_stride=P)
-        self.gemm(st, ws.act.ptr, lw["w_out"].ptr, ws.h.ptr, n, H, nh * hd, beta=1.0)
+        self.linear(st, ws.act.ptr, lw["w_out"], ws.h.ptr, n, H, nh * hd, beta=1.0)
 
     def mlp(self, st, n, lw):
         cfg, ws = self.cfg, self.res.ws
         H, I = cfg.hidden_size, cfg.intermediate_size
-        self.gemm(st, ws.x.ptr, lw["w_gu"].ptr, ws.proj.ptr, n, 2 * I, H)
+        self.linear(st, ws.x.ptr, lw["w_gu"], ws.proj.ptr, n, 2 * I, H)
         self.launch(st, self.kernels.silu_mul, (n, (I + 255) // 256), (256,),
                     (ws.act, ws.proj, 2 * I, 0, I))
-        self.gemm(st, ws.act.ptr, lw["w_down"].ptr, ws.h.ptr, n, H, I, beta=1.0)
+        self.linear(st, ws.act.ptr, lw["w_down"], ws.h.ptr, n, H, I, beta=1.0)
 
     def moe(self, st, n, lw):
         cfg, ws = self.cfg, self.res.ws
         H, E, K = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
         I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         P = E + 2 * Is + 1
-        self.gemm(st, ws.x.ptr, lw["w_rs"].ptr, ws.proj.ptr, n, P, H)
+        self.linear(st, ws.x.ptr, lw["w_rs"], ws.proj.ptr, n, P, H)
         self.launch(st, self.kernels.router_topk, (n,), (256,), (ws.ids, ws.wts, ws.proj, P))
         self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
                     (ws.act, ws.proj, P, E, Is))
-        self.gemm(st, ws.act.ptr, lw["shared_down"].ptr, ws.shared.ptr, n, H, Is)
+        self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
         if n > self.res.b_cap and not self.dry:
             self.experts_grouped(st, n, lw)
             use_rows = 1
+        elif isinstance(lw["experts_gu"], qw.QMatrix):
+            self.experts_packed(st, n, lw)
+            use_rows = 0
         else:
             # decode / small batches (and every graph): warp-per-row GEMVs over the K experts
             self.launch(st, self.kernels.expert_gate_up, (n * K, (I + 3) // 4), (128,),
@@ -388,6 +439,61 @@ class StepRunner:
         self.launch(st, self.kernels.moe_combine, ((H + 255) // 256, n), (256,),
                     (ws.h, ws.my, ws.route.ptr + 4 * ws.grouped_rows, use_rows, ws.wts, ws.shared,
                      ws.proj.ptr + 4 * (E + 2 * Is), P))
+
+    def experts_packed(self, st, n, lw):
+        """Decode with packed experts: one GEMV launch per projection over every (token, slot)
+        pair (grid.y), each reading its expert's codes: gate|up -> SwiGLU -> down into ws.my."""
+        cfg, ws = self.cfg, self.res.ws
+        H, K, I = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        pairs = n * K
+        self._expert_gemv(st, lw["experts_gu"], ws.x, ws.gu, pairs, 2 * I, H, K, 0)
+        self.launch(st, self.kernels.silu_mul, (pairs, (I + 255) // 256), (256,),
+                    (ws.gact, ws.gu, 2 * I, 0, I))
+        self._expert_gemv(st, lw["experts_down"], ws.gact, ws.my, pairs, H, I, K, 1)
+
+    def _expert_gemv(self, st, w, x, y, pairs, n, k, top_k, x_per_pair):
+        (seg,) = w.segments
+        self.launch(st, getattr(self.kernels, qgemv_name(seg.layout, 1, seg.asym)),
+                    (-(-n // (qw.WARPS * qw.ROWS)), pairs), (qw.THREADS,),
+                    (y, x, x, seg.w, seg.w, seg.scale,
+                     seg.zero.ptr if seg.zero is not None else 0, 1, n, k, n, seg.block[0],
+                     seg.block[1], seg.scale.shape[-1], 0.0,
+                     int(qw.vector_ok(seg.layout, k, seg.block[1])), self.res.ws.ids, top_k,
+                     x_per_pair, seg.rows * seg.row_bytes, seg.scale.shape[-2] * seg.scale.shape[-1]))
+
+    def _expert_gemm(self, st, w, x, y, c, n, k, overflow, g):
+        """The grouped path's products of one projection: bf16 experts through one strided-
+        batched GEMM over the padded block + one per overflowing expert; packed experts
+        dequantized into the workspace tile a slab of experts at a time (qweights.py)."""
+        E = self.cfg.num_experts
+        if not isinstance(w, qw.QMatrix):
+            if c:
+                self.gemm(st, x.ptr, w.ptr, y.ptr, c, n, k, batch=E,
+                          strides=(n * k, c * k, c * n), name="expert_gemm")
+            for e, r0, cnt in overflow:
+                self.gemm(st, x.ptr + g * k * r0, w.at(e), y.ptr + 4 * n * r0, cnt, n, k,
+                          name="expert_gemm")
+            return
+        (seg,) = w.segments
+        tile = self.res.ws.wq
+        per = max(1, tile.shape[0] // (n * k))          # experts per slab
+        kern = getattr(self.kernels, dequant_name(seg.layout, seg.asym))
+        w_stride, s_stride = seg.rows * seg.row_bytes, seg.scale.shape[-2] * seg.scale.shape[-1]
+
+        def dequant(e0, count):
+            self.launch(st, kern, (-(-k // qw.DEQUANT_THREADS), n, count), (qw.DEQUANT_THREADS,),
+                        (tile, seg.w, seg.scale, seg.zero.ptr if seg.zero is not None else 0, 0,
+                         n, k, seg.block[0], seg.block[1], seg.scale.shape[-1], e0, w_stride,
+                         s_stride))
+        for e0 in range(0, E if c else 0, per):
+            cnt = min(per, E - e0)
+            dequant(e0, cnt)
+            self.gemm(st, x.ptr + g * k * c * e0, tile.ptr, y.ptr + 4 * n * c * e0, c, n, k,
+                      batch=cnt, strides=(n * k, c * k, c * n), name="expert_gemm")
+        for e, r0, cnt in overflow:
+            dequant(e, 1)
+            self.gemm(st, x.ptr + g * k * r0, tile.ptr, y.ptr + 4 * n * r0, cnt, n, k,
+                      name="expert_gemm")
 
     def experts_grouped(self, st, n, lw):
         """Prefill: route on the host (one sync), lay the routed rows out by expert (moe_rows.py:
@@ -412,19 +518,7 @@ class StepRunner:
         rows, g = lay.rows, ws.gin_bytes
         self.launch(st, self.kernels.gather_rows, (rows, (H + 255) // 256), (256,),
                     (ws.xg, ws.x, ws.route, H))
-        gu_w, dn_w = lw["experts_gu"], lw["experts_down"]
-        c = lay.cap
-        if c:
-            self.gemm(st, ws.xg.ptr, gu_w.ptr, ws.gu.ptr, c, 2 * I, H, batch=E,
-                      strides=(2 * I * H, c * H, c * 2 * I), name="expert_gemm")
-        for e, r0, cnt in lay.overflow:
-            self.gemm(st, ws.xg.ptr + g * H * r0, gu_w.at(e), ws.gu.ptr + 8 * I * r0, cnt, 2 * I, H,
-                      name="expert_gemm")
+        self._expert_gemm(st, lw["experts_gu"], ws.xg, ws.gu, lay.cap, 2 * I, H, lay.overflow, g)
         self.launch(st, self.kernels.silu_mul, (rows, (I + 255) // 256), (256,),
                     (ws.gact, ws.gu, 2 * I, 0, I))
-        if c:
-            self.gemm(st, ws.gact.ptr, dn_w.ptr, ws.my.ptr, c, H, I, batch=E,
-                      strides=(H * I, c * I, c * H), name="expert_gemm")
-        for e, r0, cnt in lay.overflow:
-            self.gemm(st, ws.gact.ptr + g * I * r0, dn_w.at(e), ws.my.ptr + 4 * H * r0, cnt, H, I,
-                      name="expert_gemm")
+        self._expert_gemm(st, lw["experts_down"], ws.gact, ws.my, lay.cap, H, I, lay.overflow, g)

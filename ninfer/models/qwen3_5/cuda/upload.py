@@ -34,9 +34,13 @@ NUM_BUFFERS = 2           # per loader thread: one filling while the other's cop
 class UploadJob:
     dst: object             # arena array (has .ptr)
     shape: tuple
-    dtype: str              # wplan.BF16 / F32: the stored kind read_host converts from
-    sources: tuple
+    dtype: str              # wplan.BF16 / F32: the stored kind read_host converts from; RAW:
+    sources: tuple          # `host()` gives the bytes as they go up (quantized codes, scales)
     widen: bool = False     # fp32 model: bf16 bits widened on the device (caller's path)
+    host: object = None     # RAW: () -> the host array (checked there, in a loader thread)
+
+
+RAW = "raw"
 
 
 class PinnedRing:
@@ -114,7 +118,8 @@ def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *, bind_
     progress: a bar on stderr (default: when stderr is a terminal)."""
     workers = workers or default_workers()
     ahead = 2 * workers
-    total = sum(int(np.prod(j.shape)) * (2 if j.dtype == wplan.BF16 else 4) for j in jobs)
+    size = {wplan.BF16: 2, wplan.F32: 4, RAW: 1}      # RAW jobs' shape is their byte count
+    total = sum(int(np.prod(j.shape)) * size[j.dtype] for j in jobs)
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
@@ -125,7 +130,8 @@ def upload_all(artifact, jobs: list, stream, expected: dict, widen_one, *, bind_
     todo = iter(jobs)
 
     def load_one(job):
-        host = wplan.read_host(artifact, job.shape, job.dtype, job.sources, expected)
+        host = job.host() if job.dtype == RAW else \
+            wplan.read_host(artifact, job.shape, job.dtype, job.sources, expected)
         if not job.widen:
             rings.mine().put(job.dst.ptr, host)
         return job, host

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ....core.cuda import driver as _d
+from ....errors import DeviceError
 from ..load import text_param_shapes
+from . import qweights as qw
 from . import weights as wplan
-from .upload import UploadJob, upload_all
+from .upload import RAW, UploadJob, upload_all
 
 
 @dataclass(frozen=True)
@@ -30,22 +32,51 @@ class WeightLoader:
     bind_context: object = None
 
 
-def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
-                 tied: bool = False) -> dict:
+def quant_plans(cfg, artifact) -> dict:
+    """{(layer index or "", name): segments} of every weight-plan matrix with a quantized
+    source (qweights.py); empty for an unquantized artifact or random weights."""
+    out = {}
+    if artifact is None:
+        return out
     plans = [("", wplan.model_plan(cfg))] + \
         [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
+    for idx, plan in plans:
+        for name, (shape, dt, sources) in plan.items():
+            if dt != wplan.BF16 or name == "embed":
+                continue        # vectors; the embedding is gathered (dequantized at load)
+            segs = qw.matrix_plan(artifact, shape, sources)
+            if segs is not None:
+                out[(idx, name)] = segs
+        if ((idx, "experts_gu") in out) != ((idx, "experts_down") in out):
+            raise DeviceError(f"backend 'cuda': layer {idx}'s experts are packed in one projection "
+                              "only (gate_up or down); the kernels need both or neither")
+    return out
+
+
+def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
+                 tied: bool = False, qplans: dict = None) -> dict:
+    plans = [("", wplan.model_plan(cfg))] + \
+        [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
+    qplans = qplans or {}
     out = {"layers": []}
     jobs = []           # artifact weights, in arena order: read in parallel, uploaded in order
     for idx, plan in plans:
         arrs = {}
         for name, (shape, dt, sources) in plan.items():
-            if tied and name == "lm_head":
+            if tied and name == "lm_head" and (idx, name) not in qplans:
                 arrs[name] = arrs["embed"]       # tied: one device copy
+                continue
+            if (idx, name) in qplans:
+                arrs[name] = _quantized_matrix(loader, shape, qplans[(idx, name)], artifact, jobs)
                 continue
             widen = loader.f32 and dt == wplan.BF16
             dtype = np.uint16 if dt == wplan.BF16 and not widen else np.float32
             a = loader.arena.take(shape, dtype, f"weight {name}")
             if artifact is not None:
+                if widen and any(artifact.has(n) and artifact.is_quantized(n) for n, _ in sources):
+                    # decoded at load (an embedding sharing a quantized lm_head's object): the
+                    # float32 model takes the decoded float32 values as they are, not via bf16
+                    dt, widen = wplan.F32, False
                 jobs.append(UploadJob(a, tuple(shape), dt, tuple(sources), widen))
             else:
                 random_fill(loader, a, name, dt,
@@ -69,6 +100,50 @@ def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
             for buf in staging:
                 buf.free()
     return out
+
+
+class _At:
+    """An upload destination inside an arena array (a source's rows within a segment)."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+
+def _quantized_matrix(loader: WeightLoader, shape, segs, artifact, jobs) -> qw.QMatrix:
+    """Arena regions of a QMatrix's segments, and the jobs that fill them: bf16 segments
+    through read_host (widened for a float32 model), codes / scales / zeros as stored."""
+    out = []
+    for seg in segs:
+        if seg.layout == qw.BF16:
+            widen = loader.f32
+            w = loader.arena.take((seg.experts, seg.rows, seg.k),
+                                  np.float32 if widen else np.uint16, "weight segment")
+            esize = 4 if widen else 2
+            for part in seg.parts:
+                jobs.append(UploadJob(_At(w.ptr + esize * part.row0 * seg.k), (part.rows, seg.k),
+                                      wplan.BF16, ((part.name, part.rows),), widen))
+            out.append(qw.QSegment(seg, w))
+            continue
+        sshape = seg.scale_shape
+        w = loader.arena.take((seg.experts * seg.rows * seg.row_bytes,), np.uint8, "weight codes")
+        scale = loader.arena.take(sshape, np.float32, "weight scales")
+        zero = loader.arena.take(sshape, np.uint8, "weight zero points") if seg.asym else None
+        br, sc_cols = seg.block[0], sshape[-1]
+        for part in seg.parts:
+            s0 = part.row0 // br * sc_cols          # merged parts start on whole row blocks
+            ns = -(-part.rows // br) * sc_cols * seg.experts
+            jobs.append(UploadJob(_At(w.ptr + part.row0 * seg.row_bytes),
+                                  (seg.experts * part.rows * seg.row_bytes,), RAW, (),
+                                  host=lambda p=part, lay=seg.layout:
+                                  qw.codes_host(artifact, p, lay)))
+            jobs.append(UploadJob(_At(scale.ptr + 4 * s0), (4 * ns,), RAW, (),
+                                  host=lambda p=part: qw.scale_host(artifact, p)))
+            if zero is not None:
+                jobs.append(UploadJob(_At(zero.ptr + s0), (ns,), RAW, (),
+                                      host=lambda p=part: qw.zero_host(artifact, p)))
+        out.append(qw.QSegment(seg, w, scale, zero))
+    return qw.QMatrix(tuple(shape), tuple(out))
 
 
 def upload_widened(loader: WeightLoader, a, bits, staging) -> None:

@@ -74,11 +74,20 @@ def element_bytes(dt: str, f32: bool = False) -> int:
     return 2 if dt == BF16 and not f32 else 4
 
 
-def plan_bytes(cfg: TextConfig, tied: bool = False, f32: bool = False) -> int:
+def plan_bytes(cfg: TextConfig, tied: bool = False, f32: bool = False,
+               qplans: dict = None) -> int:
+    """Device bytes of the weights; `qplans` (weight_load.quant_plans): the matrices held as
+    packed codes (qweights.py), counted by their segments."""
     total = 0
-    plans = [model_plan(cfg)] + [layer_plan(cfg, i) for i in range(cfg.num_hidden_layers)]
-    for plan in plans:
+    qplans = qplans or {}
+    plans = [("", model_plan(cfg))] + [(i, layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
+    for idx, plan in plans:
         for name, (shape, dt, _) in plan.items():
+            segs = qplans.get((idx, name))
+            if segs is not None:
+                total += sum(s.nbytes() if s.layout != "bf16" or not f32 else 2 * s.nbytes()
+                             for s in segs)
+                continue
             if tied and name == "lm_head":
                 continue
             total += (int(np.prod(shape)) * element_bytes(dt, f32) + 255) // 256 * 256
@@ -94,7 +103,13 @@ def read_host(artifact, shape, dtype, sources, expected: dict = None) -> np.ndar
     for name, rows in sources:
         if not artifact.has(name):
             raise ArtifactError(f"missing binding {name!r}")
-        a = np.asarray(artifact.tensor(name))
+        if artifact.is_quantized(name):
+            # a quantized binding the kernels do not read packed (the embedding of a model whose
+            # tied lm_head was quantized): its values, decoded as the numpy backend decodes them
+            from ..quant import dequantize
+            a = dequantize(artifact.quantized(name), name)
+        else:
+            a = np.asarray(artifact.tensor(name))
         want = (expected or {}).get(name)
         if want is not None and tuple(a.shape) != tuple(want):
             # equal sizes in another layout (experts [E, H, 2I]) would load as wrong numbers

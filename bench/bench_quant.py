@@ -1,0 +1,136 @@
+"""Packed-weight kernels on the GPU at Qwen3.5 layer shapes (kernels/quant_gemv.py):
+
+  decode  the GEMV over packed bytes for B = 1, 2, 4, 8 rows: microseconds, GB/s of the bytes
+          it reads (codes + scales + zero points) and that over the device copy rate; beside
+          it cuBLASLt's bf16 product of the same shape (M = B), the path a bf16 model takes.
+  prefill dequantize the matrix into bf16 (slabs, as the runner does) + the bf16 GEMM at
+          M = 4096 rows, against the bf16 GEMM alone.
+
+    python bench/bench_quant.py [--shapes 9b,27b] [--copy-gbs 4250] [--reps 50]
+
+Prints one table; every figure is the median of `reps` launches timed with CUDA events.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+
+from ninfer.core.cuda import driver as d
+from ninfer.core.cuda.arena import Arena
+from ninfer.core.cuda.cublaslt import CublasLt
+from ninfer.core.cuda.kernels import KernelCache
+from ninfer.models.qwen3_5.cuda import qweights as qw
+from ninfer.models.qwen3_5.cuda.kernel_set import dequant_name, quant_specs, qgemv_name, spec
+
+# (name, N, K): the projections of each shape (fused as the CUDA model holds them)
+SHAPES = {
+    "9b": [("gdn w_in", 12288 + 4096 + 64, 4096), ("w_gu", 2 * 12288, 4096),
+           ("w_down", 4096, 12288), ("gdn w_out", 4096, 4096)],
+    "27b": [("gdn w_in", 16384 + 6144 + 96, 5120), ("w_gu", 2 * 17408, 5120),
+            ("w_down", 5120, 17408), ("gdn w_out", 5120, 6144)],
+}
+FORMATS = [("fp8_block", (128, 128), False), ("int8_block", (1, 128), False),
+           ("int4_block", (1, 128), True)]
+
+
+def timed(stream, fn, reps):
+    ts = []
+    for _ in range(reps):
+        e0, e1 = d.Event(), d.Event()
+        e0.record(stream)
+        fn()
+        e1.record(stream)
+        e1.synchronize()
+        ts.append(e0.elapsed_ms(e1) * 1e3)
+        e0.destroy()
+        e1.destroy()
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="9b,27b")
+    ap.add_argument("--copy-gbs", type=float, default=4250.0, help="device copy rate, GB/s")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--prefill-m", type=int, default=4096)
+    ap.add_argument("--rows", default=str(qw.ROWS),
+                    help="output rows per warp of the GEMV to time, comma-separated (the model "
+                         f"runs {qw.ROWS})")
+    args = ap.parse_args()
+    dev = d.Device(0)
+    st = dev.stream
+    cache = KernelCache(dev.cc)
+    arena = Arena(12 << 30)
+    lt_ws = arena.take((32 << 20,), np.uint8, "lt")
+    lt = CublasLt(lt_ws.ptr, 32 << 20)
+    kset = quant_specs({(lay, asym) for lay, _, asym in FORMATS})
+    M = args.prefill_m
+    rows = []
+    for shape in args.shapes.split(","):
+        for name, N, K in SHAPES[shape]:
+            x = arena.take((M, K), np.uint16, "x")
+            d.memset_d8_async(x.ptr, 0x3C, x.nbytes, st)             # bf16 ~0.011
+            y = arena.take((M, N), np.float32, "y")
+            wb = arena.take((N, K), np.uint16, "w bf16")
+            d.memset_d8_async(wb.ptr, 0x3C, wb.nbytes, st)
+            tile = arena.take((qw.SLAB_ELEMENTS,), np.uint16, "tile")
+            bf16_decode = {B: timed(st, lambda B=B: lt.gemm(st, x.ptr, wb.ptr, y.ptr, B, N, K),
+                                    args.reps) for B in (1, 8)}
+            bf16_prefill = timed(st, lambda: lt.gemm(st, x.ptr, wb.ptr, y.ptr, M, N, K), 10)
+            for layout, block, asym in FORMATS:
+                rb = qw.SegmentPlan(0, N, K, layout, block, asym).row_bytes
+                sshape = (-(-N // block[0]), -(-K // block[1]))
+                w = arena.take((N * rb,), np.uint8, "codes")
+                d.memset_d8_async(w.ptr, 0x31, w.nbytes, st)
+                s = arena.take(sshape, np.float32, "scale")
+                d.memset_d8_async(s.ptr, 0x3C, s.nbytes, st)
+                z = arena.take(sshape, np.uint8, "zero") if asym else None
+                if z is not None:
+                    d.memset_d8_async(z.ptr, 0x07, z.nbytes, st)
+                nbytes = w.nbytes + s.nbytes + (z.nbytes if z is not None else 0)
+                vec = int(qw.vector_ok(layout, K, block[1]))
+                for B, R in [(B, int(r)) for B in qw.BMS for r in args.rows.split(",")]:
+                    kern = cache.get(kset[qgemv_name(layout, B, asym)] if R == qw.ROWS else
+                                     spec("qgemv", layout=layout, bm=B, asym=asym, rows=R))
+                    us = timed(st, lambda: kern.launch(
+                        st, (-(-N // (qw.WARPS * R)), 1), (qw.THREADS,),
+                        (y, x, x, w, w, s, z.ptr if z is not None else 0, B, N, K, N, block[0],
+                         block[1], sshape[1], 0.0, vec, 0, 0, 0, 0, 0)), args.reps)
+                    gbs = nbytes / us / 1e3
+                    rows.append((shape, name, layout, f"B={B}/{R}", f"{us:8.1f}", f"{gbs:7.0f}",
+                                 f"{gbs / args.copy_gbs:5.2f}",
+                                 f"{bf16_decode[B]:8.1f}" if B in bf16_decode else "",
+                                 f"{bf16_decode[B] / us:5.2f}" if B in bf16_decode else ""))
+                # ("B=b/r": b batch rows, r output rows per warp)
+                dq = cache.get(kset[dequant_name(layout, asym)])
+                seg = qw.SegmentPlan(0, N, K, layout, block, asym)
+                step = qw.slab_rows(seg, qw.SLAB_ELEMENTS)
+
+                def prefill():
+                    for r0 in range(0, N, step):
+                        n = min(step, N - r0)
+                        dq.launch(st, (-(-K // qw.DEQUANT_THREADS), n), (qw.DEQUANT_THREADS,),
+                                  (tile, w, s, z.ptr if z is not None else 0, r0, n, K, block[0],
+                                   block[1], sshape[1], 0, 0, 0))
+                        lt.gemm(st, x.ptr, tile.ptr, y.ptr + 4 * r0, M, n, K, ldc=N)
+                us = timed(st, prefill, 10)
+                rows.append((shape, name, layout, f"M={M}", f"{us:8.1f}", "", "",
+                             f"{bf16_prefill:8.1f}", f"{bf16_prefill / us:5.2f}"))
+                for a in (z, s, w):
+                    if a is not None:
+                        arena.give(a)
+            for a in (tile, wb, y, x):
+                arena.give(a)
+    print(f"{'shape':5} {'matrix':10} {'layout':11} {'rows':7} {'us':>8} {'GB/s':>7} {'/copy':>5} "
+          f"{'bf16 us':>8} {'bf16/q':>6}")
+    for r in rows:
+        print(f"{r[0]:5} {r[1]:10} {r[2]:11} {r[3]:7} {r[4]} {r[5]:>7} {r[6]:>5} {r[7]:>8} {r[8]:>6}")
+    lt.close()
+    arena.close()
+    dev.close()
+
+
+if __name__ == "__main__":
+    main()

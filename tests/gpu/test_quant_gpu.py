@@ -1,0 +1,156 @@
+"""Packed quantized weights on the GPU (cuda/qweights.py, kernels/quant_gemv.py): the kernels at
+layer-sized shapes against float64 decodes of the same bytes, and whole models converted with
+--quantize (and the synthetic FP8 release) against the numpy backend on the same artifact:
+float32 logits within TOL_MODEL_F32 and free-running greedy token for token; bfloat16 logits
+within the fixtures' bf16 tolerance."""
+import numpy as np
+import pytest
+
+from gpu_harness import (TOL_F32, TOL_FIXTURE_BF16, TOL_FIXTURE_BF16_MOE, TOL_MODEL_F32, Harness,
+                         bf16_bits, rel_err)
+
+from ninfer.models.qwen3_5.batch import ForwardBatch
+from ninfer.models.qwen3_5.cuda import qweights as qw
+from ninfer.models.qwen3_5.cuda.kernel_set import dequant_name, quant_specs, qgemv_name
+from ninfer.options import EngineOptions
+
+pytestmark = pytest.mark.gpu
+PAGE = 16
+FORMATS = [("fp8_block", (128, 128), False), ("int8_block", (1, 128), False),
+           ("int4_block", (1, 128), True), ("int4_block", (1, 64), False)]
+
+
+@pytest.fixture(scope="module")
+def h():
+    harness = Harness()
+    yield harness
+    harness.close()
+
+
+def _encoded(layout, block, asym, n, k, rng):
+    import ml_dtypes
+    from ninfer.convert.quantize import encode
+    w = rng.standard_normal((1, n, k)).astype(np.float32)
+    stored, scale, zero = encode(layout, w, block, asymmetric=asym)
+    stored = np.ascontiguousarray(stored[0]).view(np.uint8)
+    scale = scale[0].astype(np.float32)
+    if layout == "fp8_block":
+        q = stored.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    elif layout == "int8_block":
+        q = stored.view(np.int8).astype(np.float32)
+    else:
+        q = np.stack([stored & 15, stored >> 4], -1).reshape(n, -1)[:, :k].astype(np.float32)
+    br, bc = block
+    z = np.float32(8 if layout == "int4_block" else 0) if zero is None else \
+        np.repeat(np.repeat(zero[0].astype(np.float32), br, 0), bc, 1)[:n, :k]
+    s = np.repeat(np.repeat(scale, br, 0), bc, 1)[:n, :k]
+    value32 = (q - z) * s                          # the kernels' float32 decode, exactly
+    return stored, scale, None if zero is None else zero[0], value32
+
+
+@pytest.mark.parametrize("layout,block,asym", FORMATS)
+def test_qgemv_and_dequant_at_layer_shapes(h, layout, block, asym):
+    rng = np.random.default_rng(7)
+    n, k = 1030, 4096                      # partial last warp; 32 scale blocks per row
+    stored, scale, zero, value = _encoded(layout, block, asym, n, k, rng)
+    ks = quant_specs({(layout, asym)})
+    w, s = h.put(stored.reshape(-1)), h.put(scale)
+    z = h.put(zero) if zero is not None else None
+    for m in (1, 3, 8):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        xb = h.put(bf16_bits(x))
+        ldy = n + 2
+        y = h.empty((m + 1, ldy), np.float32)
+        bm = next(b for b in qw.BMS if b >= m)
+        name = qgemv_name(layout, bm, asym)
+        h.cache.get(ks[name]).launch(
+            h.stream, (-(-n // (qw.WARPS * qw.ROWS)), 1), (qw.THREADS,),
+            (y, xb, xb, w, w, s, z.ptr if z is not None else 0, m, n, k, ldy, block[0], block[1],
+             scale.shape[-1], 0.0, int(qw.vector_ok(layout, k, block[1])), 0, 0, 0, 0, 0))
+        out = h.get(y)
+        xv = (bf16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        ref = xv @ value.astype(np.float64).T
+        assert rel_err(out[:m, :n], ref) < TOL_F32, (layout, m)
+        assert np.isnan(out[m:]).all() and np.isnan(out[:m, n:]).all()   # nothing else written
+    rows, r0 = 300, 128
+    tile = h.empty((rows * k,), np.uint16)
+    h.cache.get(ks[dequant_name(layout, asym)]).launch(
+        h.stream, (-(-k // qw.DEQUANT_THREADS), rows), (qw.DEQUANT_THREADS,),
+        (tile, w, s, z.ptr if z is not None else 0, r0, rows, k, block[0], block[1],
+         scale.shape[-1], 0, 0, 0))
+    assert np.array_equal(h.get(tile).reshape(rows, k), bf16_bits(value[r0:r0 + rows]))
+    h.reset()
+
+
+def _quantized_fixture(tmp_path_factory, kind):
+    from fixture_utils import fixture_dir
+    from ninfer.convert import convert_checkpoint
+    from ninfer.convert.quantize import Quantize
+    out = tmp_path_factory.mktemp("ninfer_quant") / f"{kind}.ninfer"
+    if kind == "fp8_release":
+        convert_checkpoint(fixture_dir("fp8_dense"), out, progress=False)
+        return out
+    source, recipe = KINDS[kind]
+    convert_checkpoint(fixture_dir(source), out, progress=False, recipe=Quantize(*recipe[:1],
+                                                                                 **recipe[1]))
+    return out
+
+
+# kind -> (fixture, (format, Quantize options)); the tied one quantizes lm_head and so the
+# embedding object it shares (the embedding is then decoded at load, lm_head runs packed)
+KINDS = {"fp8_release": None, "fp8": ("dense", ("fp8", {})), "int8": ("dense", ("int8", {})),
+         "int4": ("dense", ("int4", {})), "int4_sym": ("dense", ("int4", {"asymmetric": False})),
+         "int8_head_tied": ("dense_tied", ("int8", {"quantize_lm_head": True})),
+         "moe_fp8": ("moe", ("fp8", {})), "moe_int4": ("moe", ("int4", {}))}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_quantized_model_on_cuda_equals_numpy(tmp_path_factory, kind):
+    """float32: prefill logits (T <= 32: the GEMVs; longer: the dequantized tiles) within
+    TOL_MODEL_F32 of the numpy backend and 12 free-running greedy steps token for token (the
+    decode graph's GEMVs); bfloat16: logits within the fixtures' bf16 tolerance."""
+    from ninfer.artifact import Artifact
+    from ninfer.models.qwen3_5 import load_model
+    art = Artifact(_quantized_fixture(tmp_path_factory, kind))
+    cpu = load_model(art, EngineOptions(backend="numpy"))
+    opts = dict(backend="cuda", max_concurrency=2, max_context=256, prefill_chunk=128,
+                page_size=PAGE)
+    models = [load_model(art, EngineOptions(dtype="float32", **opts)),
+              load_model(art, EngineOptions(**opts))]
+    try:
+        assert models[0].qplans, "no packed weights: the test would not test them"
+        rng = np.random.default_rng(3)
+        table = np.arange(16, dtype=np.int32)
+        bf16_tol = TOL_FIXTURE_BF16_MOE if cpu.config.is_moe else TOL_FIXTURE_BF16
+        for gpu, tol in zip(models, (TOL_MODEL_F32, bf16_tol)):
+            for T in (5, 31, 70):
+                ids = rng.integers(3, 200, T).tolist()
+                kv_g, st_g = gpu.new_kv_pool(16, PAGE), gpu.new_state_pool(1)
+                kv_c, st_c = cpu.new_kv_pool(16, PAGE), cpu.new_state_pool(1)
+                batch = ForwardBatch.single(ids, 0, table[: -(-T // PAGE)], 0)
+                err = rel_err(gpu.forward(batch, kv_g, st_g, all_logits=True),
+                              cpu.forward(batch, kv_c, st_c, all_logits=True))
+                assert err < tol, f"{kind} f32={gpu.f32}: T={T} prefill logits {err:.2e}"
+                kv_g.close()
+                st_g.close()
+        gpu = models[0]
+        prompt = rng.integers(3, 200, 9).tolist()
+        pages = table[:2]
+        kv_g, st_g = gpu.new_kv_pool(16, PAGE), gpu.new_state_pool(1)
+        kv_c, st_c = cpu.new_kv_pool(16, PAGE), cpu.new_state_pool(1)
+        first = ForwardBatch.single(prompt, 0, pages)
+        lg, lc = gpu.forward(first, kv_g, st_g), cpu.forward(first, kv_c, st_c)
+        for step in range(12):
+            assert rel_err(lg, lc) < TOL_MODEL_F32, f"{kind}: step {step}"
+            tg, tc = int(np.argmax(lg[0])), int(np.argmax(lc[0]))
+            assert tg == tc, f"{kind}: step {step}: cuda {tg} != numpy {tc}"
+            pos = len(prompt) + step
+            lg = gpu.forward(ForwardBatch.single([tg], pos, pages), kv_g, st_g)
+            lc = cpu.forward(ForwardBatch.single([tc], pos, pages), kv_c, st_c)
+        kv_g.close()
+        st_g.close()
+    finally:
+        for m in models:
+            m.close()
+        cpu.close()
+        art.close()
