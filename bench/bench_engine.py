@@ -147,10 +147,12 @@ def random_source(shape: str):
     return RandomSource
 
 
-def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False) -> tuple:
+def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
+                  quantize: str = None) -> tuple:
     """(artifact path, seconds to write the checkpoint, seconds to convert it). `direct`: no
-    checkpoint on disk (random_source); the artifact is the same."""
-    out = workdir / f"{shape}.ninfer"
+    checkpoint on disk (random_source); the artifact is the same. `quantize`: fp8 / int8 /
+    int4, as `convert --quantize` (direct only)."""
+    out = workdir / (f"{shape}-{quantize}.ninfer" if quantize else f"{shape}.ninfer")
     if out.exists():
         return out, 0.0, 0.0
     ckpt = workdir / f"{shape}-hf"
@@ -159,8 +161,14 @@ def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False) -> tu
         from ninfer.convert.convert import convert_checkpoint
         write_frontend_only(ckpt, shape)
         t1 = time.perf_counter()
-        convert_checkpoint(ckpt, out, progress=False, open_source=random_source(shape))
+        extra = {}
+        if quantize:
+            from ninfer.convert.quantize import Quantize
+            extra["recipe"] = Quantize(quantize)
+        convert_checkpoint(ckpt, out, progress=False, open_source=random_source(shape), **extra)
     else:
+        if quantize:
+            raise SystemExit("--quantize: with --direct only")
         write_checkpoint(ckpt, shape)
         t1 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "ninfer", "convert", "--quiet", str(ckpt), str(out)],
@@ -459,7 +467,7 @@ def http_figures(server, args, log) -> dict:
 def bench_shape(shape, args, log) -> dict:
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    path, t_ckpt, t_convert = make_artifact(shape, workdir, args.direct)
+    path, t_ckpt, t_convert = make_artifact(shape, workdir, args.direct, args.quantize)
     size = path.stat().st_size
     t_cache = read_into_page_cache(path)
     log(f"{shape}: artifact {size / 1e9:.2f} GB (checkpoint {t_ckpt:.0f} s, convert "
@@ -535,6 +543,8 @@ def main(argv=None):
     ap.add_argument("--direct", action="store_true",
                     help="write the artifact with no checkpoint on disk (27B, 35B-A3B: use a "
                          "--workdir in /dev/shm when the disk is smaller than the artifact)")
+    ap.add_argument("--quantize", default=None, choices=("fp8", "int8", "int4"),
+                    help="convert the random weights with --quantize (needs --direct)")
     ap.add_argument("--prefill", default="512,4096,32768")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--batches", default="1,2,4,8")

@@ -28,7 +28,7 @@ from .common import f32_to_bf16, inlined, warp_sum
 
 THREADS = 128
 WARPS = THREADS // 32
-ROWS = 2                            # output rows per warp
+ROWS = 4                            # output rows per warp (2, 8: slower on the H200)
 BMS = (1, 2, 4, 8)                  # compiled batch widths; m rows run on the smallest >= m
 LAYOUTS = ("fp8_block", "int8_block", "int4_block")
 DEQUANT_THREADS = 256
@@ -98,32 +98,97 @@ def _offset(layout: str):
     return offset
 
 
+def _half_decoder(layout: str):
+    """(32 bits of a word, code index j in it) -> a float32 the kernel sums against x, before
+    its per-half-word correction: j a constant (an unrolled loop), 4 byte codes or 8 nibbles per
+    half word. e4m3 comes out 2^-120 times its value (the sum is multiplied back); an int4 code c
+    comes out 1 + c/16 and an int8 code (signed s, u = s + 128) 1 + u/256, exact, one shift and
+    one logic op each: sum (c - z) x = 16 sum (1 + c/16) x - (16 + z) sum x, and
+    sum s x = 256 sum (1 + u/256) x - 384 sum x, with sum x shared by every row of the warp."""
+    if layout == "fp8_block":
+        @inlined
+        def dec(half, j):
+            # the byte to the top (its sign on bit 31), an arithmetic shift by 4 puts exponent
+            # and mantissa under float32's (bits 30-20; the sign copies in 30-27 are masked off)
+            t = int32(half << uint32(24 - 8 * j)) >> int32(4)
+            return cuda.libdevice.int_as_float(t & int32(E4M3_MASK))
+    elif layout == "int8_block":
+        @inlined
+        def dec(half, j):
+            # byte j to bits 22-15 under 1.0's exponent; flipping bit 22 adds 128 (xor: disjoint)
+            bits = (((half >> uint32(8 * j)) & uint32(0xFF)) << uint32(15)) ^ uint32(0x3FC00000)
+            return cuda.libdevice.int_as_float(int32(bits))
+    else:
+        @inlined
+        def dec(half, j):
+            bits = (((half >> uint32(4 * j)) & uint32(0xF)) << uint32(19)) | uint32(0x3F800000)
+            return cuda.libdevice.int_as_float(int32(bits))
+    return dec
+
+
+E4M3_MASK = 0x87F00000 - (1 << 32)    # sign, exponent, mantissa bits of the rebiased float (int32)
+
+
+def _word_offset(layout: str):
+    """offset(zero array, scale index, asym) -> the half-word decoders' `off` (sum of x times it
+    is subtracted): 16 + z for int4, 384 for int8, 0 for fp8."""
+    if layout == "int4_block":
+        @inlined
+        def offset(zero, si, asym):
+            z = int32(zero[si]) if asym else int32(8)
+            return float32(16 + z)
+    else:
+        base = float32(384.0 if layout == "int8_block" else 0.0)
+
+        @inlined
+        def offset(zero, si, asym):
+            return base
+    return offset
+
+
 def qgemv(layout, bm, asym=False, f32=False, rows=ROWS):
     """The decode GEMV for one layout and batch width BM (module docstring). Grid
     (ceil(n / (WARPS * rows)), pairs or 1), block THREADS. `rows`: output rows per warp
     (bench/bench_quant.py --rows sweeps it; the model runs ROWS)."""
     ROWS = rows
     int4 = layout == "int4_block"
+    fp8 = layout == "fp8_block"
     E = codes_per_word(layout)
-    HALVES = E // 8                  # 8-code groups per word
+    CPH = E // 2                     # codes per 32-bit half word
+    CB = 4 if int4 else 8            # bits per code
     MASK = 0xF if int4 else 0xFF
     NACC = ROWS * bm                 # accumulators: (output row, batch row)
-    NX = 8 * bm                      # x values of one 8-code group, per batch row
+    NX = CPH * bm                    # x values of one half word's codes, per batch row
+    # per half word: sum = MULT * sum(dec * x) - off * sum(x) (off: 384 int8, 16 + z int4). The
+    # float32 variant (dtype="float32", the numpy backend's arithmetic up to summation order)
+    # decodes each code exactly instead: the correction cancels (int8: ~10 ulp of the sum)
+    FAST = not f32
+    MULT = float32(E4M3_REBIAS if fp8 else (16.0 if int4 else 256.0))
     decode = _decoder(layout, asym)
+    dec = _half_decoder(layout)
     offset = _offset(layout)
+    word_offset = _word_offset(layout)
 
     @inlined
     def x_group(xs, o, x, xw, xi):
-        # xs[o .. o + 8) = x[xi .. xi + 8) as float32 (xi a multiple of 8)
+        # xs[o .. o + CPH) = x[xi .. xi + CPH) as float32 (xi a multiple of 4); returns their sum
         if f32:
-            for j in range(8):
+            for j in range(CPH):
                 xs[o + j] = x[xi + j]
         else:
-            for q in range(2):
+            for q in range(CPH // 4):
                 v = xw[(xi >> 2) + q]
-                for j in range(4):
-                    bits = uint32((v >> uint64(16 * j)) & uint64(0xFFFF)) << uint32(16)
-                    xs[o + 4 * q + j] = cuda.libdevice.int_as_float(int32(bits))
+                lo = uint32(v & uint64(0xFFFFFFFF))
+                hi = uint32(v >> uint64(32))
+                xs[o + 4 * q] = cuda.libdevice.int_as_float(int32(lo << uint32(16)))
+                xs[o + 4 * q + 1] = cuda.libdevice.int_as_float(int32(lo & uint32(0xFFFF0000)))
+                xs[o + 4 * q + 2] = cuda.libdevice.int_as_float(int32(hi << uint32(16)))
+                xs[o + 4 * q + 3] = cuda.libdevice.int_as_float(int32(hi & uint32(0xFFFF0000)))
+        t = float32(0.0)
+        if FAST and not fp8:
+            for j in range(CPH):
+                t += xs[o + j]
+        return t
 
     @inlined
     def x_at(x, i):
@@ -155,39 +220,59 @@ def qgemv(layout, bm, asym=False, f32=False, rows=ROWS):
         rb = int64((k + 1) // 2 if int4 else k)
         if vec:
             row_words = rb >> 3
+            # per row: its first word and first scale; per batch row: its first x element
+            wrow = cuda.local.array(ROWS, int64)
+            srow = cuda.local.array(ROWS, int64)
+            xrow = cuda.local.array(bm, int64)
+            for rr in range(ROWS):
+                r = min(r0 + rr, n - 1)
+                wrow[rr] = (wbyte >> 3) + r * row_words
+                srow[rr] = sbase + (r // br) * sc_cols
+            for b in range(bm):
+                xrow[b] = (xrow0 + min(b, m - 1)) * k
+            sh = 0                                      # bc a power of two: a shift per word
+            while (1 << sh) < bc:
+                sh += 1
+            pow2 = (1 << sh) == bc
             words = cuda.local.array(ROWS, uint64)
             svals = cuda.local.array(ROWS, float32)
             offs = cuda.local.array(ROWS, float32)
             xs = cuda.local.array(NX, float32)
+            sx = cuda.local.array(bm, float32)
             part = cuda.local.array(bm, float32)
             for wi in range(lane, row_words, 32):
                 c0 = wi * E
-                scol = c0 // bc
+                scol = (c0 >> sh) if pow2 else c0 // bc
                 for rr in range(ROWS):
-                    r = min(r0 + rr, n - 1)
-                    words[rr] = w[(wbyte >> 3) + r * row_words + wi]
-                    si = sbase + (r // br) * sc_cols + scol
+                    words[rr] = w[wrow[rr] + wi]
+                    si = srow[rr] + scol
                     svals[rr] = scale[si]
-                    offs[rr] = offset(zero, si, asym)
-                for h in range(HALVES):
+                    offs[rr] = word_offset(zero, si, asym) if FAST else offset(zero, si, asym)
+                for q in range(2):
                     for b in range(bm):
-                        xrow = xrow0 + min(b, m - 1)
-                        x_group(xs, 8 * b, x, xw, xrow * k + c0 + 8 * h)
+                        sx[b] = x_group(xs, CPH * b, x, xw, xrow[b] + c0 + CPH * q)
                     for rr in range(ROWS):
-                        half = uint32((words[rr] >> uint64(32 * h)) & uint64(0xFFFFFFFF)) \
-                            if int4 else uint32(0)
+                        if q == 0:
+                            half = uint32(words[rr] & uint64(0xFFFFFFFF))
+                        else:
+                            half = uint32(words[rr] >> uint64(32))
                         for b in range(bm):
                             part[b] = float32(0.0)
-                        for j in range(8):
-                            if int4:
-                                c = (half >> uint32(4 * j)) & uint32(MASK)
+                        for j in range(CPH):
+                            if FAST:
+                                qv = dec(half, j)
                             else:
-                                c = uint32((words[rr] >> uint64(8 * j)) & uint64(MASK))
-                            qv = decode(c, offs[rr])
+                                qv = decode((half >> uint32(CB * j)) & uint32(MASK), offs[rr])
                             for b in range(bm):
-                                part[b] += qv * xs[8 * b + j]
+                                part[b] += qv * xs[CPH * b + j]
                         for b in range(bm):
-                            acc[rr * bm + b] += part[b] * svals[rr]
+                            if not FAST:
+                                v = part[b]
+                            elif fp8:
+                                v = part[b] * MULT
+                            else:
+                                v = part[b] * MULT - offs[rr] * sx[b]
+                            acc[rr * bm + b] += v * svals[rr]
         else:
             for c in range(lane, k, 32):
                 scol = c // bc

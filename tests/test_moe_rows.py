@@ -155,7 +155,8 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
     K, E, H, I = cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     gu_w, dn_w = mem.take((E, 2 * I, H), gin), mem.take((E, H, I), gin)
 
-    def gemm(st, x, w, y, m, nn, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0)):
+    def gemm(st, x, w, y, m, nn, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0), ldc=0):
+        ldc = ldc or nn                     # y's row stride (CublasLt.gemm's ldc)
         ab = 4 if f32 else 2
         for i in range(batch):              # product i at element offsets i * strides (w, x, y)
             def operand(ptr, shape):
@@ -163,8 +164,10 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
                 return (raw if f32 else _f32_of(raw)).astype(np.float64).reshape(shape)
             X = operand(x + ab * i * strides[1], (m, k))
             W = operand(w + ab * i * strides[0], (nn, k))
-            Y = mem.bytes(y + 4 * i * strides[2], 4 * m * nn).view(np.float32).reshape(m, nn)
-            Y[:] = X @ W.T
+            Y = mem.bytes(y + 4 * i * strides[2], 4 * ((m - 1) * ldc + nn)).view(np.float32)
+            R = X @ W.T
+            for r in range(m):
+                Y[r * ldc: r * ldc + nn] = R[r]
 
     class Kernel:
         def __init__(self, name):

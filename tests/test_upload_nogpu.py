@@ -92,6 +92,9 @@ class FakeArtifact:
     def has(self, name):
         return name in self.tensors
 
+    def is_quantized(self, name):
+        return False
+
     def tensor(self, name):
         if name in self.bad:
             raise ArtifactError(f"object {name!r}: payload checksum mismatch")

@@ -29,7 +29,7 @@ GEMV_BATCH = 8              # rows one GEMV launch reads each weight byte for (k
 SLAB_ELEMENTS = 1 << 26     # the prefill tile: at most this many dequantized elements (128 MiB bf16)
 # kernels/quant_gemv.py's launch geometry (the kernels' module imports numba; a warm start does
 # not: tests/test_quant_weights_nogpu.py checks the two agree)
-THREADS, WARPS, ROWS, DEQUANT_THREADS = 128, 4, 2, 256
+THREADS, WARPS, ROWS, DEQUANT_THREADS = 128, 4, 4, 256
 BMS = (1, 2, 4, 8)
 
 
