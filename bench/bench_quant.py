@@ -13,10 +13,10 @@ Prints one table; every figure is the median of `reps` launches timed with CUDA 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import numpy as np
 
+from bench_gdn_chunk import timed as timed_ms
 from ninfer.core.cuda import driver as d
 from ninfer.core.cuda.arena import Arena
 from ninfer.core.cuda.cublaslt import CublasLt
@@ -36,17 +36,8 @@ FORMATS = [("fp8_block", (128, 128), False), ("int8_block", (1, 128), False),
 
 
 def timed(stream, fn, reps):
-    ts = []
-    for _ in range(reps):
-        e0, e1 = d.Event(), d.Event()
-        e0.record(stream)
-        fn()
-        e1.record(stream)
-        e1.synchronize()
-        ts.append(e0.elapsed_ms(e1) * 1e3)
-        e0.destroy()
-        e1.destroy()
-    return statistics.median(ts)
+    """Median microseconds of `fn` over `reps` runs (bench_gdn_chunk.timed is in ms)."""
+    return timed_ms(stream, fn, reps) * 1e3
 
 
 def main():
