@@ -46,6 +46,9 @@ def main() -> int:
         | set(geometry_specs(dense, f32=True).values())
     specs |= {spec("widen_bf16")} | {spec(n, f32=True) for n in F32_VARIANTS
                                      if n in ("rmsnorm", "embed_gather")}
+    # packed-weight kernels (an artifact's formats pick them): one of each
+    specs |= {spec("qgemv", layout="int4_block", bm=2, asym=True),
+              spec("dequant", layout="fp8_block", asym=False)}
     compiled = {s.module for s in specs}
     if set(modules) - compiled:
         print(f"kernel modules never compiled by this check: {sorted(set(modules) - compiled)}")
