@@ -1,12 +1,15 @@
 """Packed-weight kernels on the GPU at Qwen3.5 layer shapes (kernels/quant_gemv.py):
 
-  decode  the GEMV over packed bytes for B = 1, 2, 4, 8 rows: microseconds, GB/s of the bytes
-          it reads (codes + scales + zero points) and that over the device copy rate; beside
-          it cuBLASLt's bf16 product of the same shape (M = B), the path a bf16 model takes.
+  decode  the GEMVs over packed bytes for B = 1, 2, 4, 8 rows: microseconds, GB/s of the bytes
+          they read (codes + scales + zero points) and that over the device copy rate; beside
+          them cuBLASLt's bf16 product of the same shape (M = B), the path a bf16 model takes.
+          "B=b/r": the CUDA-core qgemv, r output rows per warp (the float32 model's and odd
+          shapes' path); "mma B=b wW uU": the tensor-core qmma (a bf16 model's), W warps per
+          block, U steps unrolled (--mma sweeps them).
   prefill dequantize the matrix into bf16 (slabs, as the runner does) + the bf16 GEMM at
           M = 4096 rows, against the bf16 GEMM alone.
 
-    python bench/bench_quant.py [--shapes 9b,27b] [--copy-gbs 4250] [--reps 50]
+    python bench/bench_quant.py [--shapes 9b,27b] [--copy-gbs 4250] [--reps 50] [--mma 4:4,8:2]
 
 Prints one table; every figure is the median of `reps` launches timed with CUDA events.
 """
@@ -22,7 +25,8 @@ from ninfer.core.cuda.arena import Arena
 from ninfer.core.cuda.cublaslt import CublasLt
 from ninfer.core.cuda.kernels import KernelCache
 from ninfer.models.qwen3_5.cuda import qweights as qw
-from ninfer.models.qwen3_5.cuda.kernel_set import dequant_name, quant_specs, qgemv_name, spec
+from ninfer.models.qwen3_5.cuda.kernel_set import (dequant_name, qgemv_name, qmma_name,
+                                                    quant_specs, spec)
 
 # (name, N, K): the projections of each shape (fused as the CUDA model holds them)
 SHAPES = {
@@ -49,6 +53,10 @@ def main():
     ap.add_argument("--rows", default=str(qw.ROWS),
                     help="output rows per warp of the GEMV to time, comma-separated (the model "
                          f"runs {qw.ROWS})")
+    ap.add_argument("--mma", default=f"{qw.MMA_WARPS}:4",
+                    help="qmma geometries to time, warps:unroll comma-separated (the model runs "
+                         f"{qw.MMA_WARPS}:4)")
+    ap.add_argument("--gemv-batches", default="1,8", help="B of the qgemv rows ('' for none)")
     args = ap.parse_args()
     dev = d.Device(0)
     st = dev.stream
@@ -82,7 +90,8 @@ def main():
                     d.memset_d8_async(z.ptr, 0x07, z.nbytes, st)
                 nbytes = w.nbytes + s.nbytes + (z.nbytes if z is not None else 0)
                 vec = int(qw.vector_ok(layout, K, block[1]))
-                for B, R in [(B, int(r)) for B in qw.BMS for r in args.rows.split(",")]:
+                gemv_b = [int(b) for b in args.gemv_batches.split(",") if b]
+                for B, R in [(B, int(r)) for B in gemv_b for r in args.rows.split(",")]:
                     kern = cache.get(kset[qgemv_name(layout, B, asym)] if R == qw.ROWS else
                                      spec("qgemv", layout=layout, bm=B, asym=asym, rows=R))
                     us = timed(st, lambda: kern.launch(
@@ -94,7 +103,19 @@ def main():
                                  f"{gbs / args.copy_gbs:5.2f}",
                                  f"{bf16_decode[B]:8.1f}" if B in bf16_decode else "",
                                  f"{bf16_decode[B] / us:5.2f}" if B in bf16_decode else ""))
-                # ("B=b/r": b batch rows, r output rows per warp)
+                for geo in args.mma.split(","):
+                    W, U = (int(v) for v in geo.split(":"))
+                    kern = cache.get(kset[qmma_name(layout, asym)] if (W, U) == (qw.MMA_WARPS, 4)
+                                     else spec("qmma", layout=layout, asym=asym, warps=W, unroll=U))
+                    for B in (1, 8):
+                        us = timed(st, lambda: kern.launch(
+                            st, (-(-N // qw.MMA_ROWS), 1), (32 * W,),
+                            (y, x, w, s, z.ptr if z is not None else 0, B, N, K, N, block[0],
+                             block[1], sshape[1], 0.0, 0, 0, 0, 0, 0)), args.reps)
+                        gbs = nbytes / us / 1e3
+                        rows.append((shape, name, layout, f"mma B={B} w{W}u{U}", f"{us:8.1f}",
+                                     f"{gbs:7.0f}", f"{gbs / args.copy_gbs:5.2f}",
+                                     f"{bf16_decode[B]:8.1f}", f"{bf16_decode[B] / us:5.2f}"))
                 dq = cache.get(kset[dequant_name(layout, asym)])
                 seg = qw.SegmentPlan(0, N, K, layout, block, asym)
                 step = qw.slab_rows(seg, qw.SLAB_ELEMENTS)
@@ -114,10 +135,10 @@ def main():
                         arena.give(a)
             for a in (tile, wb, y, x):
                 arena.give(a)
-    print(f"{'shape':5} {'matrix':10} {'layout':11} {'rows':7} {'us':>8} {'GB/s':>7} {'/copy':>5} "
+    print(f"{'shape':5} {'matrix':10} {'layout':11} {'rows':15} {'us':>8} {'GB/s':>7} {'/copy':>5} "
           f"{'bf16 us':>8} {'bf16/q':>6}")
     for r in rows:
-        print(f"{r[0]:5} {r[1]:10} {r[2]:11} {r[3]:7} {r[4]} {r[5]:>7} {r[6]:>5} {r[7]:>8} {r[8]:>6}")
+        print(f"{r[0]:5} {r[1]:10} {r[2]:11} {r[3]:15} {r[4]} {r[5]:>7} {r[6]:>5} {r[7]:>8} {r[8]:>6}")
     lt.close()
     arena.close()
     dev.close()

@@ -25,6 +25,7 @@ branches inside the loop.
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .common import f32_to_bf16, inlined, warp_sum
+from .ptx import cvt_bf16x2, fma_bf16x2, ld_v4, mma_bf16, prmt
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -39,7 +40,11 @@ SIGNATURES = {
     "qgemv": _QGEMV_ARGS,
     "dequant": ("u16*", "u8*", "f32*", "u8*", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
                 "i64", "i64"),
+    "qmma": ("f32*", "u32*", "u32*", "f32*", "u8*", "i32", "i32", "i32", "i32", "i32", "i32",
+             "i32", "f32", "i32*", "i32", "i32", "i64", "i64"),
 }
+MMA_WARPS = 4                       # warps of a qmma block, splitting K
+MMA_UNROLL = 4                      # steps whose 16-byte loads a warp issues before using any
 
 TWO_23 = 8388608.0
 E4M3_REBIAS = 2.0 ** 120            # float32 exponent bias 127 - e4m3's 7
@@ -328,3 +333,214 @@ def dequant(layout, asym=False, f32=False):
             out[o] = f32_to_bf16(v)
     dequant_kernel.__name__ = "dequant"
     return dequant_kernel
+
+
+def mma_chunk(layout: str) -> int:
+    """Codes of one lane's 16-byte load in `qmma` (a row's 4 lanes cover 4 chunks per step)."""
+    return 32 if layout == "int4_block" else 16
+
+
+def mma_ok(layout: str, k: int, bc: int) -> bool:
+    """`qmma` runs rows of whole chunks whose every step (4 chunks of K) lies in one scale
+    block (its products are scaled after the tensor core sums them)."""
+    c = mma_chunk(layout)
+    return k % c == 0 and bc % (4 * c) == 0
+
+
+# bf16x2 constants of qmma's decoders
+_ONE2 = 0x3F803F80                  # (1, 1)
+_NEG0 = 0x80008000                  # (-0, -0): fma(a, b, -0) = a * b exactly rounded
+_REBIAS2 = 0x7B807B80               # (2^120, 2^120)
+_INT4_BASE = 0x43004300             # (128, 128): a nibble or-ed in is 128 + c, exact
+_E4M3_EM = 0x07F007F0               # exponent and mantissa of two e4m3 bytes moved under bf16's
+_SIGN2 = 0x80008000
+
+
+def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
+    """The decode GEMV on tensor cores: y[b, r] = sum_c value(r, c) x[b, c] (+ beta y[b, r]) for
+    up to 8 rows b of bf16 x, every row for the cost of one (mma.sync m16n8k16: 16 weight rows
+    by the 8 batch rows of one n tile; unused batch lanes hold zeros). Grid (ceil(n / 16),
+    pairs or 1), block 32 * `warps`.
+
+    A block owns 16 output rows; its warps split K in steps of 4 chunks (`mma_chunk` codes each:
+    one 16-byte load per lane and row), `unroll` steps' loads issued before the first is used.
+    Lane (g, t) = (lane / 4, lane % 4) loads chunk t of rows g and g + 8 and the matching x of
+    batch row g, and the codes become bf16 pairs in registers, with no conversion instruction:
+      int4  a word of 8 nibbles -> (c0, c4), (c1, c5), (c2, c6), (c3, c7): each nibble or-ed
+            into 128.0's mantissa, then fma(v, 1, -(128 + z)) = c - z exactly; x pairs are
+            permuted (prmt) to the same (j, j + 4) order. The mma's k slots may hold any
+            columns as long as A and B agree.
+      fp8   a byte pair spread (prmt) to the top of two halves, shifted so e4m3's exponent and
+            mantissa sit under bf16's (its sign already in place): 2^-120 times the value,
+            exact for subnormals too; one fma by 2^120 rebiases it (all exact).
+      int8  byte ^ 0x80 or-ed into 2^23's mantissa, less 2^23 + 128 (float32), two rounded
+            into a bf16 pair (exact: |s| <= 128 needs 8 significant bits).
+    The tensor core sums each step in fp32; the step is then scaled (mma_ok: a step never
+    straddles a scale block) and added to the lane's four accumulators. The warps' partial
+    sums meet in shared memory and are added in warp order: a row's result never depends on
+    the other rows of the batch (batch-invariant).
+    Expert mode (topk > 0): as qgemv's, one batch row per (token, slot) pair."""
+    int4 = layout == "int4_block"
+    fp8 = layout == "fp8_block"
+    if layout not in LAYOUTS:
+        raise ValueError(f"quantized layout {layout!r} (one of {', '.join(LAYOUTS)})")
+    CHUNK = mma_chunk(layout)
+    STEP = 4 * CHUNK                    # K per warp step
+    U = unroll
+    INT8_OFF = float32(TWO_23 + 128.0)
+
+    @inlined
+    def int4_pair(wd, sh, nz):
+        return fma_bf16x2(((wd >> uint32(sh)) & uint32(0x000F000F)) | uint32(_INT4_BASE),
+                          uint32(_ONE2), nz)
+
+    @inlined
+    def fp8_pair(wd, sel):
+        v = prmt(wd, uint32(0), uint32(sel))
+        e = ((v >> uint32(4)) & uint32(_E4M3_EM)) | (v & uint32(_SIGN2))
+        return fma_bf16x2(e, uint32(_REBIAS2), uint32(_NEG0))
+
+    @inlined
+    def int8_val(u, j):
+        bits = ((u >> uint32(8 * j)) & uint32(0xFF)) | uint32(0x4B000000)
+        return cuda.libdevice.int_as_float(int32(bits)) - INT8_OFF
+
+    def qmma_kernel(y, x, w, scale, zero, m, n, k, ldy, br, bc, sc_cols, beta, ids, topk,
+                    x_per_pair, w_stride, s_stride):
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        wid = tid >> 5
+        g = lane >> 2
+        t = lane & 3
+        p = cuda.blockIdx.y
+        wbase = int64(0)
+        sbase = int64(0)
+        xrow0 = int64(0)
+        yrow0 = int64(0)
+        mm = m
+        if topk > 0:                                    # expert mode
+            e = int64(ids[p])
+            wbase = e * (w_stride >> 2)
+            sbase = e * s_stride
+            xrow0 = int64(p) if x_per_pair else int64(p // topk)
+            yrow0 = int64(p)
+            mm = 1
+        row0 = cuda.blockIdx.x * 16
+        ra = int64(min(row0 + g, n - 1))
+        rb = int64(min(row0 + g + 8, n - 1))
+        row_words = int64(k >> 3) if int4 else int64(k >> 2)
+        wa0 = wbase + ra * row_words + 4 * t
+        wb0 = wbase + rb * row_words + 4 * t
+        sa = sbase + (ra // br) * sc_cols
+        sb = sbase + (rb // br) * sc_cols
+        xon = g < mm
+        xi0 = (xrow0 + min(g, mm - 1)) * (k >> 1) + t * (CHUNK // 2)
+        nsteps = (k + STEP - 1) // STEP
+        acc0 = float32(0.0)
+        acc1 = float32(0.0)
+        acc2 = float32(0.0)
+        acc3 = float32(0.0)
+        wa = cuda.local.array((U, 4), uint32)
+        wb = cuda.local.array((U, 4), uint32)
+        for s0 in range(wid * U, nsteps, warps * U):
+            for u in range(U):
+                s = s0 + u
+                if s < nsteps and s * STEP + t * CHUNK < k:
+                    a0, a1, a2, a3 = ld_v4(w, wa0 + 16 * s)
+                    b0, b1, b2, b3 = ld_v4(w, wb0 + 16 * s)
+                else:
+                    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
+                wa[u, 0] = a0
+                wa[u, 1] = a1
+                wa[u, 2] = a2
+                wa[u, 3] = a3
+                wb[u, 0] = b0
+                wb[u, 1] = b1
+                wb[u, 2] = b2
+                wb[u, 3] = b3
+            for u in range(U):
+                s = s0 + u
+                if s < nsteps:
+                    grp = (s * STEP) // bc
+                    xok = xon and s * STEP + t * CHUNK < k
+                    xi = xi0 + int64(s) * (STEP // 2)
+                    d0 = float32(0.0)
+                    d1 = float32(0.0)
+                    d2 = float32(0.0)
+                    d3 = float32(0.0)
+                    if int4:
+                        za = int32(zero[sa + grp]) if asym else int32(8)
+                        zb = int32(zero[sb + grp]) if asym else int32(8)
+                        ha = uint32(cuda.libdevice.float_as_int(float32(-128 - za))) >> uint32(16)
+                        hb = uint32(cuda.libdevice.float_as_int(float32(-128 - zb))) >> uint32(16)
+                        nza = ha | (ha << uint32(16))
+                        nzb = hb | (hb << uint32(16))
+                        for j in range(4):
+                            if xok:
+                                x0, x1, x2, x3 = ld_v4(x, xi + 4 * j)
+                            else:
+                                x0 = x1 = x2 = x3 = uint32(0)
+                            qa = wa[u, j]
+                            qb = wb[u, j]
+                            d0, d1, d2, d3 = mma_bf16(
+                                int4_pair(qa, 0, nza), int4_pair(qb, 0, nzb),
+                                int4_pair(qa, 4, nza), int4_pair(qb, 4, nzb),
+                                prmt(x0, x2, uint32(0x5410)), prmt(x0, x2, uint32(0x7632)),
+                                d0, d1, d2, d3)
+                            d0, d1, d2, d3 = mma_bf16(
+                                int4_pair(qa, 8, nza), int4_pair(qb, 8, nzb),
+                                int4_pair(qa, 12, nza), int4_pair(qb, 12, nzb),
+                                prmt(x1, x3, uint32(0x5410)), prmt(x1, x3, uint32(0x7632)),
+                                d0, d1, d2, d3)
+                    else:
+                        for jj in range(2):
+                            if xok:
+                                x0, x1, x2, x3 = ld_v4(x, xi + 4 * jj)
+                            else:
+                                x0 = x1 = x2 = x3 = uint32(0)
+                            for h in range(2):
+                                qa = wa[u, 2 * jj + h]
+                                qb = wb[u, 2 * jj + h]
+                                if fp8:
+                                    pa0 = fp8_pair(qa, 0x1404)
+                                    pa1 = fp8_pair(qa, 0x3424)
+                                    pb0 = fp8_pair(qb, 0x1404)
+                                    pb1 = fp8_pair(qb, 0x3424)
+                                else:
+                                    ua = qa ^ uint32(0x80808080)
+                                    ub = qb ^ uint32(0x80808080)
+                                    pa0 = cvt_bf16x2(int8_val(ua, 1), int8_val(ua, 0))
+                                    pa1 = cvt_bf16x2(int8_val(ua, 3), int8_val(ua, 2))
+                                    pb0 = cvt_bf16x2(int8_val(ub, 1), int8_val(ub, 0))
+                                    pb1 = cvt_bf16x2(int8_val(ub, 3), int8_val(ub, 2))
+                                xb0 = x0 if h == 0 else x2
+                                xb1 = x1 if h == 0 else x3
+                                d0, d1, d2, d3 = mma_bf16(pa0, pb0, pa1, pb1, xb0, xb1,
+                                                          d0, d1, d2, d3)
+                    fa = scale[sa + grp]
+                    fb = scale[sb + grp]
+                    acc0 += d0 * fa
+                    acc1 += d1 * fa
+                    acc2 += d2 * fb
+                    acc3 += d3 * fb
+        red = cuda.shared.array((warps, 4, 32), float32)
+        red[wid, 0, lane] = acc0
+        red[wid, 1, lane] = acc1
+        red[wid, 2, lane] = acc2
+        red[wid, 3, lane] = acc3
+        cuda.syncthreads()
+        for o in range(tid, 128, 32 * warps):
+            i = o >> 5
+            ln = o & 31
+            v = float32(0.0)
+            for q in range(warps):
+                v += red[q, i, ln]
+            b = 2 * (ln & 3) + (i & 1)
+            r = row0 + (ln >> 2) + 8 * (i >> 1)
+            if r < n and b < mm:
+                yi = (yrow0 + b) * ldy + r
+                if beta != float32(0.0):
+                    v += beta * y[yi]
+                y[yi] = v
+    qmma_kernel.__name__ = "qmma"
+    return qmma_kernel

@@ -83,8 +83,10 @@ def test_launch_geometry_matches_the_kernels():
     from ninfer.core.cuda.kernels import _import_kernel_module
     numba_shim.import_numba_cuda()
     k = _import_kernel_module("quant_gemv")
-    assert (k.THREADS, k.WARPS, k.ROWS, k.DEQUANT_THREADS, k.BMS) == \
-        (qw.THREADS, qw.WARPS, qw.ROWS, qw.DEQUANT_THREADS, qw.BMS)
+    assert (k.THREADS, k.WARPS, k.ROWS, k.DEQUANT_THREADS, k.BMS, k.MMA_WARPS) == \
+        (qw.THREADS, qw.WARPS, qw.ROWS, qw.DEQUANT_THREADS, qw.BMS, qw.MMA_WARPS)
     for layout in k.LAYOUTS:
-        for kk, bc in ((256, 128), (136, 128), (99, 64), (48, 12), (4096, 4096)):
+        for kk, bc in ((256, 128), (136, 128), (99, 64), (48, 12), (4096, 4096), (96, 128),
+                       (4096, 64), (4096, 32), (160, 128)):
             assert k.vector_ok(layout, kk, bc) == qw.vector_ok(layout, kk, bc)
+            assert k.mma_ok(layout, kk, bc) == qw.mma_ok(layout, kk, bc)

@@ -127,6 +127,45 @@ def experts_case(layout, block, n, k, rng, asym=False, x_per_pair=0, f32=False):
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) if np.isfinite(y).all() else 1.0
 
 
+def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=2, experts=0,
+             codes=None):
+    """qmma (bf16 x only): rows 1..8 of x, or expert mode over 3 experts (x_per_pair when
+    experts == 2). Its weights are exact in bf16 and summed in fp32, so it meets the float64
+    reference as closely as qgemv."""
+    E = 3 if experts else 1
+    stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=E, codes=codes)
+    words32 = np.ascontiguousarray(stored).reshape(-1).view(np.uint32)
+    zarr = zero.reshape(-1) if zero is not None else np.zeros(1, np.uint8)
+    kern = kernel("qmma", layout, asym, warps, unroll)
+    if experts:
+        topk, ids = 2, np.array([2, 0, 1, 2, 0, 0], np.int32)
+        pairs = ids.size
+        xrows = pairs if experts == 2 else pairs // topk
+    else:
+        topk, ids, pairs, xrows = 0, np.zeros(1, np.int32), 1, m
+    x = rng.standard_normal((xrows, k)).astype(np.float32)
+    xb = x.astype(BF16).view(np.uint16).reshape(-1).view(np.uint32)
+    ldy = n + 3
+    rows_out = pairs if experts else m
+    y = np.full((rows_out + 1, ldy), np.nan, np.float32)    # poisoned: only [rows_out, n] written
+    y0 = rng.standard_normal((rows_out, n)).astype(np.float32)
+    if beta:
+        y[:rows_out, :n] = y0
+    kern[(-(-n // 16), pairs, 1), (32 * warps, 1, 1)](
+        y.reshape(-1), xb, words32, scale.reshape(-1), zarr, m, n, k, ldy, block[0], block[1],
+        scale.shape[-1], beta, ids, topk, int(experts == 2), stored[0].size, scale[0].size)
+    xv = x_values(x, False)
+    if experts:
+        ref = np.stack([val[ids[q]] @ xv[q if experts == 2 else q // topk] for q in range(pairs)])
+    else:
+        ref = xv @ val[0].T
+    ref = ref + beta * y0.astype(np.float64)
+    got = y[:rows_out, :n]
+    untouched = bool(np.isnan(y[rows_out:]).all() and np.isnan(y[:rows_out, n:]).all())
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if np.isfinite(got).all() else 1.0
+    return err if untouched else 2.0
+
+
 def dequant_case(layout, block, n, k, rng, asym=False, f32=False, r0=1, e0=1, experts=1):
     """Rows r0.. of experts e0 .. e0 + experts of a stack of 3."""
     stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=3)
@@ -181,6 +220,17 @@ def main():
     out["experts/int4/per_pair"] = experts_case("int4_block", (1, 64), 5, 128, rng, asym=True,
                                                 x_per_pair=1)
     out["experts/int8/scalar"] = experts_case("int8_block", (1, 32), 3, 36, rng, f32=True)
+    # qmma: every e4m3 code; batch rows 1..8 with partial tiles of 16 rows, K with chunks past
+    # its end, one and several steps per warp; beta; asymmetric int4; expert mode
+    out["mma/fp8/every_code"] = mma_case("fp8_block", (128, 128), 3, 256, 1, rng, codes=codes)
+    out["mma/fp8/m1"] = mma_case("fp8_block", (128, 128), 20, 320, 1, rng)
+    out["mma/fp8/m8/beta1"] = mma_case("fp8_block", (128, 128), 20, 192, 8, rng, beta=1.0)
+    out["mma/int8/m3"] = mma_case("int8_block", (1, 64), 17, 256, 3, rng, warps=1, unroll=1)
+    out["mma/int4/asym/m5"] = mma_case("int4_block", (1, 128), 33, 384, 5, rng, asym=True)
+    out["mma/int4/sym/k96"] = mma_case("int4_block", (1, 128), 9, 96, 2, rng, warps=4, unroll=1)
+    out["mma/experts/fp8"] = mma_case("fp8_block", (128, 128), 18, 128, 1, rng, experts=1)
+    out["mma/experts/int4/per_pair"] = mma_case("int4_block", (1, 128), 7, 256, 1, rng,
+                                                asym=True, experts=2)
     # dequant: bf16 bits equal the float64 decode rounded to bf16 (mismatch count); fp32: max
     # error relative to the largest value
     out["dequant/fp8/bf16_mismatches"] = dequant_case("fp8_block", (128, 128), 5, 300, rng)

@@ -11,7 +11,7 @@ from gpu_harness import (TOL_F32, TOL_FIXTURE_BF16, TOL_FIXTURE_BF16_MOE, TOL_MO
 
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.cuda import qweights as qw
-from ninfer.models.qwen3_5.cuda.kernel_set import dequant_name, quant_specs, qgemv_name
+from ninfer.models.qwen3_5.cuda.kernel_set import dequant_name, qgemv_name, qmma_name, quant_specs
 from ninfer.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
@@ -72,6 +72,16 @@ def test_qgemv_and_dequant_at_layer_shapes(h, layout, block, asym):
         ref = xv @ value.astype(np.float64).T
         assert rel_err(out[:m, :n], ref) < TOL_F32, (layout, m)
         assert np.isnan(out[m:]).all() and np.isnan(out[:m, n:]).all()   # nothing else written
+        if qw.mma_ok(layout, k, block[1]):
+            # the tensor-core GEMV: weights exact in bf16, products summed in fp32
+            y = h.empty((m + 1, ldy), np.float32)
+            h.cache.get(ks[qmma_name(layout, asym)]).launch(
+                h.stream, (-(-n // qw.MMA_ROWS), 1), (32 * qw.MMA_WARPS,),
+                (y, xb, w, s, z.ptr if z is not None else 0, m, n, k, ldy, block[0], block[1],
+                 scale.shape[-1], 0.0, 0, 0, 0, 0, 0))
+            out = h.get(y)
+            assert rel_err(out[:m, :n], ref) < TOL_F32, (layout, m, "qmma")
+            assert np.isnan(out[m:]).all() and np.isnan(out[:m, n:]).all()
     rows, r0 = 300, 128
     tile = h.empty((rows * k,), np.uint16)
     h.cache.get(ks[dequant_name(layout, asym)]).launch(
@@ -131,6 +141,13 @@ def test_quantized_model_on_cuda_equals_numpy(tmp_path_factory, kind):
                 err = rel_err(gpu.forward(batch, kv_g, st_g, all_logits=True),
                               cpu.forward(batch, kv_c, st_c, all_logits=True))
                 assert err < tol, f"{kind} f32={gpu.f32}: T={T} prefill logits {err:.2e}"
+                if not gpu.f32 and T == 5:
+                    # bf16 decode steps (the graphs' GEMVs: on tensor cores) on numpy's tokens
+                    for step in range(4):
+                        tok = int(rng.integers(3, 200))
+                        one = ForwardBatch.single([tok], T + step, table[:1])
+                        err = rel_err(gpu.forward(one, kv_g, st_g), cpu.forward(one, kv_c, st_c))
+                        assert err < tol, f"{kind}: bf16 decode step {step} logits {err:.2e}"
                 kv_g.close()
                 st_g.close()
         gpu = models[0]

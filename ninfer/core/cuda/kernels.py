@@ -103,7 +103,8 @@ def _toolchain_id() -> str:
 
 
 def source_text(module: str) -> str:
-    files = [KERNELS_DIR / "common.py", KERNELS_DIR / f"{module}.py"]
+    # every kernel may import the shared helpers (common.py) and the inline-PTX intrinsics (ptx.py)
+    files = [KERNELS_DIR / "common.py", KERNELS_DIR / "ptx.py", KERNELS_DIR / f"{module}.py"]
     try:
         return "\n".join(f.read_text(encoding="utf-8") for f in files)
     except OSError as exc:

@@ -81,10 +81,18 @@ def dequant_name(layout: str, asym: bool) -> str:
     return f"dequant_{layout}" + ("_z" if asym else "")
 
 
+def qmma_name(layout: str, asym: bool) -> str:
+    return f"qmma_{layout}" + ("_z" if asym else "")
+
+
 def quant_specs(quant, f32: bool = False) -> dict:
-    """The packed-weight kernels of each (layout, asym) in `quant` (cuda/qweights.py formats)."""
+    """The packed-weight kernels of each (layout, asym) in `quant` (cuda/qweights.py formats):
+    the CUDA-core GEMV (every shape, and the float32 model's exact decode), the tensor-core one
+    (bf16 models, qweights.mma_ok shapes) and the prefill tile's dequantization."""
     specs = {}
     for layout, asym in sorted(quant):
+        if not f32:
+            specs[qmma_name(layout, asym)] = spec("qmma", layout=layout, asym=bool(asym))
         for bm in qw.BMS:
             specs[qgemv_name(layout, bm, asym)] = spec("qgemv", f32, layout=layout, bm=bm,
                                                        asym=bool(asym))

@@ -31,12 +31,21 @@ SLAB_ELEMENTS = 1 << 26     # the prefill tile: at most this many dequantized el
 # not: tests/test_quant_weights_nogpu.py checks the two agree)
 THREADS, WARPS, ROWS, DEQUANT_THREADS = 128, 4, 4, 256
 BMS = (1, 2, 4, 8)
+MMA_WARPS = 4               # kernels/quant_gemv.qmma: block of 4 warps over 16 output rows
+MMA_ROWS = 16
 
 
 def vector_ok(layout: str, k: int, bc: int) -> bool:
     """kernels/quant_gemv.vector_ok: rows of whole 8-byte words, no word across a scale block."""
     e = 16 if layout == "int4_block" else 8
     return k % e == 0 and bc % e == 0
+
+
+def mma_ok(layout: str, k: int, bc: int) -> bool:
+    """kernels/quant_gemv.mma_ok: the tensor-core GEMV (bf16 models) takes rows of whole 16-byte
+    chunks (32 int4 / 16 byte codes) whose steps of 4 chunks never straddle a scale block."""
+    c = 32 if layout == "int4_block" else 16
+    return k % c == 0 and bc % (4 * c) == 0
 
 
 @dataclass(frozen=True)

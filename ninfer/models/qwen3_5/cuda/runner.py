@@ -22,7 +22,7 @@ from . import attention_tc as tc
 from . import moe_rows
 from . import gdn_chunk as gc
 from . import qweights as qw
-from .kernel_set import dequant_name, paged_attention_group, qgemv_name
+from .kernel_set import dequant_name, paged_attention_group, qgemv_name, qmma_name
 from .media_rows import MediaRows
 
 
@@ -239,14 +239,24 @@ class StepRunner:
     def qlinear(self, st, x, w, y, m, n, k, beta):
         """Each segment writes its columns [row0, row0 + rows) of y (row stride n): bf16 rows
         through cuBLASLt; codes as GEMVs over the packed bytes for up to GEMV_MAX_ROWS rows (all
-        decode rows in batch-invariant mode: a row's sums never depend on B), else slabs
-        dequantized into the workspace tile and multiplied through cuBLASLt."""
+        decode rows in batch-invariant mode: a row's sums never depend on B), on tensor cores
+        (qmma) for a bf16 model where the shape allows (qweights.mma_ok), else on CUDA cores
+        (qgemv: the float32 model's exact decode, odd shapes); more rows: slabs dequantized into
+        the workspace tile and multiplied through cuBLASLt."""
         g = self.res.ws.gin_bytes
         gemv_rows = max(qw.GEMV_MAX_ROWS, self.res.b_cap) if self.invariant else qw.GEMV_MAX_ROWS
         for seg in w.segments:
             yp = y + 4 * seg.row0
             if seg.layout == qw.BF16:
                 self.gemm(st, x, seg.w.ptr, yp, m, seg.rows, k, beta, name="gemm", ldc=n)
+            elif m <= gemv_rows and g == 2 and qw.mma_ok(seg.layout, k, seg.block[1]):
+                for b0 in range(0, m, qw.GEMV_BATCH):
+                    self.launch(st, getattr(self.kernels, qmma_name(seg.layout, seg.asym)),
+                                (-(-seg.rows // qw.MMA_ROWS), 1), (32 * qw.MMA_WARPS,),
+                                (yp + 4 * n * b0, x + g * k * b0, seg.w, seg.scale,
+                                 seg.zero.ptr if seg.zero is not None else 0,
+                                 min(qw.GEMV_BATCH, m - b0), seg.rows, k, n, seg.block[0],
+                                 seg.block[1], seg.scale.shape[-1], beta, 0, 0, 0, 0, 0))
             elif m <= gemv_rows:
                 vec = int(qw.vector_ok(seg.layout, k, seg.block[1]))
                 for b0 in range(0, m, qw.GEMV_BATCH):
@@ -453,13 +463,22 @@ class StepRunner:
 
     def _expert_gemv(self, st, w, x, y, pairs, n, k, top_k, x_per_pair):
         (seg,) = w.segments
+        w_stride = seg.rows * seg.row_bytes
+        s_stride = seg.scale.shape[-2] * seg.scale.shape[-1]
+        zero = seg.zero.ptr if seg.zero is not None else 0
+        if self.res.ws.gin_bytes == 2 and qw.mma_ok(seg.layout, k, seg.block[1]):
+            self.launch(st, getattr(self.kernels, qmma_name(seg.layout, seg.asym)),
+                        (-(-n // qw.MMA_ROWS), pairs), (32 * qw.MMA_WARPS,),
+                        (y, x, seg.w, seg.scale, zero, 1, n, k, n, seg.block[0], seg.block[1],
+                         seg.scale.shape[-1], 0.0, self.res.ws.ids, top_k, x_per_pair,
+                         w_stride, s_stride))
+            return
         self.launch(st, getattr(self.kernels, qgemv_name(seg.layout, 1, seg.asym)),
                     (-(-n // (qw.WARPS * qw.ROWS)), pairs), (qw.THREADS,),
                     (y, x, x, seg.w, seg.w, seg.scale,
-                     seg.zero.ptr if seg.zero is not None else 0, 1, n, k, n, seg.block[0],
-                     seg.block[1], seg.scale.shape[-1], 0.0,
+                     zero, 1, n, k, n, seg.block[0], seg.block[1], seg.scale.shape[-1], 0.0,
                      int(qw.vector_ok(seg.layout, k, seg.block[1])), self.res.ws.ids, top_k,
-                     x_per_pair, seg.rows * seg.row_bytes, seg.scale.shape[-2] * seg.scale.shape[-1]))
+                     x_per_pair, w_stride, s_stride))
 
     def _expert_gemm(self, st, w, x, y, c, n, k, overflow, g):
         """The grouped path's products of one projection: bf16 experts through one strided-

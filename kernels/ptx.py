@@ -1,0 +1,141 @@
+"""Single PTX instructions numba-cuda has no name for, as numba intrinsics (inline asm), each
+with a twin for numba's CPU simulator that computes the same bits with numpy.
+
+    prmt(a, b, sel)       prmt.b32: byte i of the result is byte sel[4i+3:4i] of the 8-byte b:a
+    fma_bf16x2(a, b, c)   fma.rn.bf16x2 on two bf16 lanes (low half = element 0); sm_80+
+    cvt_bf16x2(hi, lo)    cvt.rn.bf16x2.f32: two floats -> bf16 pair (round to nearest even)
+    ld_v4(p, i)           ld.global.nc.v4.u32 of p[i .. i + 4) (i a multiple of 4: 16 bytes)
+    mma_bf16(a0..a3, b0, b1, c0..c3)
+                          mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a warp's
+                          D[16, 8] = A[16, 16] B[16, 8] + C in fp32. Lane l (g = l / 4, t = l % 4)
+                          holds A rows g and g + 8 at columns 2t, 2t + 1 (a0, a1) and 2t + 8,
+                          2t + 9 (a2, a3), B rows 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of
+                          column g, and D rows g (d0, d1), g + 8 (d2, d3) at columns 2t, 2t + 1.
+                          sm_80+.
+
+The mma twin makes the 32 lanes of a simulated warp (Python threads of one block) meet at a
+barrier, as the real instruction needs the whole warp; every kernel here calls it with whole warps.
+"""
+import threading
+
+import numpy as np
+from numba import config
+
+if config.ENABLE_CUDASIM:
+    def _bf16(bits):
+        return float(np.array([(int(bits) & 0xFFFF) << 16], np.uint32).view(np.float32)[0])
+
+    def _to_bf16(v):
+        import ml_dtypes
+        return int(np.array([v], np.float64).astype(ml_dtypes.bfloat16).view(np.uint16)[0])
+
+    def prmt(a, b, sel):
+        src = (int(b) << 32) | int(a)
+        out = 0
+        for i in range(4):
+            j = (int(sel) >> (4 * i)) & 7
+            out |= ((src >> (8 * j)) & 0xFF) << (8 * i)
+        return np.uint32(out)
+
+    def fma_bf16x2(a, b, c):
+        out = 0
+        for h in range(2):
+            s = 16 * h
+            # bf16 products are exact in float64, and so is one add of a bf16 to them here
+            v = _bf16(int(a) >> s) * _bf16(int(b) >> s) + _bf16(int(c) >> s)
+            out |= _to_bf16(v) << s
+        return np.uint32(out)
+
+    def cvt_bf16x2(hi, lo):
+        return np.uint32((_to_bf16(np.float32(hi)) << 16) | _to_bf16(np.float32(lo)))
+
+    def ld_v4(p, i):
+        return p[i], p[i + 1], p[i + 2], p[i + 3]
+
+    _WARPS, _LOCK = {}, threading.Lock()
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        t = threading.current_thread()
+        key = (id(t._manager), tuple(t.blockIdx), t.thread_id // 32)
+        with _LOCK:
+            bar, frags = _WARPS.setdefault(key, (threading.Barrier(32, timeout=300), [None] * 32))
+        lane = t.thread_id % 32
+        frags[lane] = (a0, a1, a2, a3, b0, b1)
+        bar.wait()
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        for ln, (f0, f1, f2, f3, g0, g1) in enumerate(frags):
+            g, q = ln // 4, ln % 4
+            for reg, r, c in ((f0, g, 2 * q), (f1, g + 8, 2 * q), (f2, g, 2 * q + 8),
+                              (f3, g + 8, 2 * q + 8)):
+                A[r, c], A[r, c + 1] = _bf16(reg), _bf16(int(reg) >> 16)
+            for reg, k in ((g0, 2 * q), (g1, 2 * q + 8)):
+                B[k, g], B[k + 1, g] = _bf16(reg), _bf16(int(reg) >> 16)
+        bar.wait()
+        D = A @ B
+        g, q = lane // 4, lane % 4
+        return (np.float32(D[g, 2 * q] + c0), np.float32(D[g, 2 * q + 1] + c1),
+                np.float32(D[g + 8, 2 * q] + c2), np.float32(D[g + 8, 2 * q + 1] + c3))
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I32, _F32 = ir.IntType(32), ir.FloatType()
+
+    def _asm(builder, ret, args, text, constraints):
+        ftype = ir.FunctionType(ret, [a.type for a in args])
+        return builder.asm(ftype, text, constraints, list(args), side_effect=False)
+
+    @intrinsic
+    def prmt(typingctx, a, b, sel):
+        u = types.uint32
+        sig = u(u, u, u)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, args, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+        return sig, codegen
+
+    @intrinsic
+    def fma_bf16x2(typingctx, a, b, c):
+        u = types.uint32
+        sig = u(u, u, u)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, args, "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
+        return sig, codegen
+
+    @intrinsic
+    def cvt_bf16x2(typingctx, hi, lo):
+        f = types.float32
+        sig = types.uint32(f, f)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, args, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+        return sig, codegen
+
+    @intrinsic
+    def ld_v4(typingctx, p, i):
+        sig = types.UniTuple(types.uint32, 4)(p, types.int64)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            res = _asm(builder, ir.LiteralStructType([_I32] * 4), [addr],
+                       "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, j) for j in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        u, f = types.uint32, types.float32
+        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+        def codegen(context, builder, sig, args):
+            res = _asm(builder, ir.LiteralStructType([_F32] * 4), args,
+                       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+                       "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                       "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, j) for j in range(4)])
+        return sig, codegen
