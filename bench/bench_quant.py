@@ -123,9 +123,10 @@ def main():
                 def prefill():
                     for r0 in range(0, N, step):
                         n = min(step, N - r0)
-                        dq.launch(st, (-(-K // qw.DEQUANT_THREADS), n), (qw.DEQUANT_THREADS,),
-                                  (tile, w, s, z.ptr if z is not None else 0, r0, n, K, block[0],
-                                   block[1], sshape[1], 0, 0, 0))
+                        dq.launch(st, (-(-(rb // 8) // qw.DEQUANT_THREADS), n, 1),
+                                  (qw.DEQUANT_THREADS,),
+                                  (tile, tile, w, w, s, z.ptr if z is not None else 0, r0, n, K,
+                                   block[0], block[1], sshape[1], 0, 0, 0, vec))
                         lt.gemm(st, x.ptr, tile.ptr, y.ptr + 4 * r0, M, n, K, ldc=N)
                 us = timed(st, prefill, 10)
                 rows.append((shape, name, layout, f"M={M}", f"{us:8.1f}", "", "",

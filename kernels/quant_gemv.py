@@ -38,8 +38,8 @@ _QGEMV_ARGS = ("f32*", "u16*", "u64*", "u8*", "u64*", "f32*", "u8*", "i32", "i32
                "i32", "i32", "i32", "f32", "i32", "i32*", "i32", "i32", "i64", "i64")
 SIGNATURES = {
     "qgemv": _QGEMV_ARGS,
-    "dequant": ("u16*", "u8*", "f32*", "u8*", "i32", "i32", "i32", "i32", "i32", "i32", "i32",
-                "i64", "i64"),
+    "dequant": ("u16*", "u64*", "u8*", "u64*", "f32*", "u8*", "i32", "i32", "i32", "i32", "i32",
+                "i32", "i32", "i64", "i64", "i32"),
     "qmma": ("f32*", "u32*", "u32*", "f32*", "u8*", "i32", "i32", "i32", "i32", "i32", "i32",
              "i32", "f32", "i32*", "i32", "i32", "i64", "i64"),
 }
@@ -304,33 +304,58 @@ def qgemv(layout, bm, asym=False, f32=False, rows=ROWS):
 
 def dequant(layout, asym=False, f32=False):
     """out[z, i, c] = value of expert e0 + z, row r0 + i, column c, for `rows` rows (bf16 bits,
-    or fp32 with f32): the prefill path's weight tile for cuBLASLt. Grid (ceil(k /
-    DEQUANT_THREADS), rows, experts), block DEQUANT_THREADS; an expert's codes and scales are
-    w_stride bytes and s_stride scales after the previous one's (0 for a plain matrix)."""
+    or fp32 with f32): the prefill path's weight tile for cuBLASLt. An expert's codes and scales
+    are w_stride bytes and s_stride scales after the previous one's (0 for a plain matrix).
+    `vec` (vector_ok): a thread per 8-byte word of codes, its 8 or 16 values stored as 4-value
+    words (`outw`, the same buffer); else a thread per code. Grid (ceil(words or k /
+    DEQUANT_THREADS), rows, experts), block DEQUANT_THREADS."""
     int4 = layout == "int4_block"
+    E = codes_per_word(layout)
     MASK = 0xF if int4 else 0xFF
+    CB = 4 if int4 else 8
     decode = _decoder(layout, asym)
     offset = _offset(layout)
 
-    def dequant_kernel(out, w8, scale, zero, r0, rows, k, br, bc, sc_cols, e0, w_stride,
-                       s_stride):
-        c = cuda.blockIdx.x * DEQUANT_THREADS + cuda.threadIdx.x
+    def dequant_kernel(out, outw, w8, w, scale, zero, r0, rows, k, br, bc, sc_cols, e0, w_stride,
+                       s_stride, vec):
+        t = cuda.blockIdx.x * DEQUANT_THREADS + cuda.threadIdx.x
         i = cuda.blockIdx.y
         z = int64(cuda.blockIdx.z)
-        if c >= k or i >= rows:
-            return
         e = int64(e0) + z
         r = int64(r0 + i)
         rb = int64((k + 1) // 2 if int4 else k)
+        o = (z * rows + i) * k
+        if vec:
+            if t >= rb >> 3:
+                return
+            word = w[((e * w_stride) >> 3) + r * (rb >> 3) + t]
+            c0 = int64(t) * E
+            si = e * s_stride + (r // br) * sc_cols + c0 // bc
+            s = scale[si]
+            off = offset(zero, si, asym)
+            for q in range(E // 4):          # 4 values per output word
+                packed = uint64(0)
+                for j in range(4):
+                    code = uint32((word >> uint64(CB * (4 * q + j))) & uint64(MASK))
+                    v = decode(code, off) * s
+                    if f32:
+                        out[o + c0 + 4 * q + j] = v
+                    else:
+                        packed |= uint64(f32_to_bf16(v)) << uint64(16 * j)
+                if not f32:
+                    outw[((o + c0) >> 2) + q] = packed
+            return
+        c = t
+        if c >= k or i >= rows:
+            return
         byte = uint32(w8[e * w_stride + r * rb + (c >> 1 if int4 else c)])
         code = (byte >> uint32(4 * (c & 1))) & uint32(MASK) if int4 else byte
         si = e * s_stride + (r // br) * sc_cols + c // bc
         v = decode(code, offset(zero, si, asym)) * scale[si]
-        o = (z * rows + i) * k + c
         if f32:
-            out[o] = v
+            out[o + c] = v
         else:
-            out[o] = f32_to_bf16(v)
+            out[o + c] = f32_to_bf16(v)
     dequant_kernel.__name__ = "dequant"
     return dequant_kernel
 

@@ -167,17 +167,26 @@ def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=
 
 
 def dequant_case(layout, block, n, k, rng, asym=False, f32=False, r0=1, e0=1, experts=1):
-    """Rows r0.. of experts e0 .. e0 + experts of a stack of 3."""
+    """Rows r0.. of experts e0 .. e0 + experts of a stack of 3 (the word path where vector_ok)."""
     stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=3)
     rows = n - r0
     size = experts * rows * k
-    out = np.full(size + 5, np.nan if f32 else 0xFFFF, np.float32 if f32 else np.uint16)
+    out = np.full(-(-(size + 8) // 4) * 4, np.nan if f32 else 0xFFFF,
+                  np.float32 if f32 else np.uint16)
     kern = kernel("dequant", layout, asym, f32)
     zarr = zero.reshape(-1) if zero is not None else np.zeros(1, np.uint8)
-    grid = (-(-k // mod.DEQUANT_THREADS), rows, experts)
-    kern[grid, (mod.DEQUANT_THREADS, 1, 1)](out, stored.reshape(-1), scale.reshape(-1), zarr,
-                                            r0, rows, k, block[0], block[1], scale.shape[-1],
-                                            e0, stored[0].size, scale[0].size)
+    vec = mod.vector_ok(layout, k, block[1])
+    units = stored.shape[-1] // 8 if vec else k
+    grid = (-(-units // mod.DEQUANT_THREADS), rows, experts)
+    # the simulator copies each argument: a bf16 word-path kernel gets the buffer as words only
+    # (on the GPU `out` and `outw` are one buffer)
+    words_out = vec and not f32
+    outw = out.view(np.uint64) if words_out else np.zeros(1, np.uint64)
+    out_arg = np.zeros(1, out.dtype) if words_out else out
+    kern[grid, (mod.DEQUANT_THREADS, 1, 1)](out_arg, outw, stored.reshape(-1), words(stored),
+                                            scale.reshape(-1), zarr, r0, rows, k, block[0],
+                                            block[1], scale.shape[-1], e0, stored[0].size,
+                                            scale[0].size, int(vec))
     got = out[:size].reshape(experts, rows, k)
     want = val[e0: e0 + experts, r0:]
     if f32:
@@ -237,6 +246,12 @@ def main():
     out["dequant/int4/asym/bf16_mismatches"] = dequant_case("int4_block", (1, 32), 4, 99, rng,
                                                             asym=True, e0=0, experts=3)
     out["dequant/int8/f32_rel"] = dequant_case("int8_block", (1, 64), 4, 130, rng, f32=True)
+    out["dequant/fp8/word/bf16_mismatches"] = dequant_case("fp8_block", (128, 128), 5, 256, rng,
+                                                           e0=0, experts=2)
+    out["dequant/int4/word/bf16_mismatches"] = dequant_case("int4_block", (1, 64), 3, 128, rng,
+                                                            asym=True)
+    out["dequant/int8/word/f32_rel"] = dequant_case("int8_block", (1, 128), 3, 256, rng,
+                                                    f32=True)
     out["dequant/int4/sym/f32_rel"] = dequant_case("int4_block", (1, 128), 3, 256, rng, f32=True,
                                                    r0=0, e0=0)
     print(json.dumps(out))

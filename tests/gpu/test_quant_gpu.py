@@ -83,12 +83,14 @@ def test_qgemv_and_dequant_at_layer_shapes(h, layout, block, asym):
             assert rel_err(out[:m, :n], ref) < TOL_F32, (layout, m, "qmma")
             assert np.isnan(out[m:]).all() and np.isnan(out[:m, n:]).all()
     rows, r0 = 300, 128
-    tile = h.empty((rows * k,), np.uint16)
-    h.cache.get(ks[dequant_name(layout, asym)]).launch(
-        h.stream, (-(-k // qw.DEQUANT_THREADS), rows), (qw.DEQUANT_THREADS,),
-        (tile, w, s, z.ptr if z is not None else 0, r0, rows, k, block[0], block[1],
-         scale.shape[-1], 0, 0, 0))
-    assert np.array_equal(h.get(tile).reshape(rows, k), bf16_bits(value[r0:r0 + rows]))
+    for vec in (1, 0):                     # a thread per word, a thread per code
+        tile = h.empty((rows * k,), np.uint16)
+        units = stored.shape[-1] // 8 if vec else k
+        h.cache.get(ks[dequant_name(layout, asym)]).launch(
+            h.stream, (-(-units // qw.DEQUANT_THREADS), rows, 1), (qw.DEQUANT_THREADS,),
+            (tile, tile, w, w, s, z.ptr if z is not None else 0, r0, rows, k, block[0], block[1],
+             scale.shape[-1], 0, 0, 0, vec))
+        assert np.array_equal(h.get(tile).reshape(rows, k), bf16_bits(value[r0:r0 + rows]))
     h.reset()
 
 

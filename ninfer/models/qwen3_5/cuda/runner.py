@@ -273,13 +273,22 @@ class StepRunner:
                 step = qw.slab_rows(seg, tile.shape[0])
                 for r0 in range(0, seg.rows, step):
                     rows = min(step, seg.rows - r0)
-                    self.launch(st, getattr(self.kernels, dequant_name(seg.layout, seg.asym)),
-                                (-(-k // qw.DEQUANT_THREADS), rows), (qw.DEQUANT_THREADS,),
-                                (tile, seg.w, seg.scale,
-                                 seg.zero.ptr if seg.zero is not None else 0, r0, rows, k,
-                                 seg.block[0], seg.block[1], seg.scale.shape[-1], 0, 0, 0))
+                    self.dequant(st, seg, k, r0, rows)
                     self.gemm(st, x, tile.ptr, yp + 4 * r0, m, rows, k, beta, name="gemm",
                               ldc=n)
+
+    def dequant(self, st, seg, k, r0, rows, e0=0, experts=1):
+        """Rows [r0, r0 + rows) of experts [e0, e0 + experts) of a packed segment, decoded into
+        the workspace tile (bf16; fp32 in a float32 model), expert after expert."""
+        vec = qw.vector_ok(seg.layout, k, seg.block[1])
+        units = seg.row_bytes // 8 if vec else k          # a thread per word, or per code
+        tile = self.res.ws.wq
+        self.launch(st, getattr(self.kernels, dequant_name(seg.layout, seg.asym)),
+                    (-(-units // qw.DEQUANT_THREADS), rows, experts), (qw.DEQUANT_THREADS,),
+                    (tile, tile, seg.w, seg.w, seg.scale,
+                     seg.zero.ptr if seg.zero is not None else 0, r0, rows, k, seg.block[0],
+                     seg.block[1], seg.scale.shape[-1], e0, seg.rows * seg.row_bytes,
+                     seg.scale.shape[-2] * seg.scale.shape[-1], int(vec)))
 
     def launch(self, st, kernel, grid, block, args, smem=0):
         """`kernel`: one of self.kernels, named by attribute at the call site (taking it
@@ -496,14 +505,9 @@ class StepRunner:
         (seg,) = w.segments
         tile = self.res.ws.wq
         per = max(1, tile.shape[0] // (n * k))          # experts per slab
-        kern = getattr(self.kernels, dequant_name(seg.layout, seg.asym))
-        w_stride, s_stride = seg.rows * seg.row_bytes, seg.scale.shape[-2] * seg.scale.shape[-1]
 
         def dequant(e0, count):
-            self.launch(st, kern, (-(-k // qw.DEQUANT_THREADS), n, count), (qw.DEQUANT_THREADS,),
-                        (tile, seg.w, seg.scale, seg.zero.ptr if seg.zero is not None else 0, 0,
-                         n, k, seg.block[0], seg.block[1], seg.scale.shape[-1], e0, w_stride,
-                         s_stride))
+            self.dequant(st, seg, k, 0, n, e0, count)
         for e0 in range(0, E if c else 0, per):
             cnt = min(per, E - e0)
             dequant(e0, cnt)
