@@ -44,7 +44,7 @@ SIGNATURES = {
              "i32", "f32", "i32*", "i32", "i32", "i64", "i64"),
 }
 MMA_WARPS = 4                       # warps of a qmma block, splitting K
-MMA_UNROLL = 4                      # steps whose 16-byte loads a warp issues before using any
+MMA_UNROLL = 2                      # steps a warp loads at once (two sets in flight: pipelined)
 
 TWO_23 = 8388608.0
 E4M3_REBIAS = 2.0 ** 120            # float32 exponent bias 127 - e4m3's 7
@@ -411,6 +411,7 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
         raise ValueError(f"quantized layout {layout!r} (one of {', '.join(LAYOUTS)})")
     CHUNK = mma_chunk(layout)
     STEP = 4 * CHUNK                    # K per warp step
+    XW = CHUNK // 2                     # x words (bf16 pairs) of one lane's chunk
     U = unroll
     INT8_OFF = float32(TWO_23 + 128.0)
 
@@ -429,6 +430,114 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
     def int8_val(u, j):
         bits = ((u >> uint32(8 * j)) & uint32(0xFF)) | uint32(0x4B000000)
         return cuda.libdevice.int_as_float(int32(bits)) - INT8_OFF
+
+    @inlined
+    def load_set(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa, sb,
+                 zero, bc):
+        # every load of U steps (codes, x, scales, zero points) into registers
+        for u in range(U):
+            s = min(s0 + u, nsteps - 1)             # a step past the end: loaded, unused
+            kin = s * STEP + t * CHUNK < k
+            if kin:
+                a0, a1, a2, a3 = ld_v4(w, wa0 + 16 * s)
+                b0, b1, b2, b3 = ld_v4(w, wb0 + 16 * s)
+            else:
+                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
+            wa[u, 0] = a0
+            wa[u, 1] = a1
+            wa[u, 2] = a2
+            wa[u, 3] = a3
+            wb[u, 0] = b0
+            wb[u, 1] = b1
+            wb[u, 2] = b2
+            wb[u, 3] = b3
+            xi = xi0 + int64(s) * (STEP // 2)
+            for q in range(XW // 4):
+                if xon and kin:
+                    x0, x1, x2, x3 = ld_v4(x, xi + 4 * q)
+                else:
+                    x0 = x1 = x2 = x3 = uint32(0)
+                xr[u, 4 * q] = x0
+                xr[u, 4 * q + 1] = x1
+                xr[u, 4 * q + 2] = x2
+                xr[u, 4 * q + 3] = x3
+            grp = (s * STEP) // bc
+            fs[u, 0] = scale[sa + grp]
+            fs[u, 1] = scale[sb + grp]
+            if int4:
+                zs[u, 0] = int32(zero[sa + grp]) if asym else int32(8)
+                zs[u, 1] = int32(zero[sb + grp]) if asym else int32(8)
+
+    @inlined
+    def compute_set(wa, wb, xr, fs, zs, s0, nsteps, acc0, acc1, acc2, acc3):
+        for u in range(U):
+            if s0 + u < nsteps:
+                # two independent tensor-core chains (even and odd words), added at the end
+                d0 = d1 = d2 = d3 = float32(0.0)
+                e0 = e1 = e2 = e3 = float32(0.0)
+                if int4:
+                    ha = uint32(cuda.libdevice.float_as_int(float32(-128 - zs[u, 0]))) >> uint32(16)
+                    hb = uint32(cuda.libdevice.float_as_int(float32(-128 - zs[u, 1]))) >> uint32(16)
+                    nza = ha | (ha << uint32(16))
+                    nzb = hb | (hb << uint32(16))
+                    for j in range(4):
+                        x0 = xr[u, 4 * j]
+                        x1 = xr[u, 4 * j + 1]
+                        x2 = xr[u, 4 * j + 2]
+                        x3 = xr[u, 4 * j + 3]
+                        qa = wa[u, j]
+                        qb = wb[u, j]
+                        if j % 2 == 0:
+                            d0, d1, d2, d3 = mma_bf16(
+                                int4_pair(qa, 0, nza), int4_pair(qb, 0, nzb),
+                                int4_pair(qa, 4, nza), int4_pair(qb, 4, nzb),
+                                prmt(x0, x2, uint32(0x5410)), prmt(x0, x2, uint32(0x7632)),
+                                d0, d1, d2, d3)
+                            d0, d1, d2, d3 = mma_bf16(
+                                int4_pair(qa, 8, nza), int4_pair(qb, 8, nzb),
+                                int4_pair(qa, 12, nza), int4_pair(qb, 12, nzb),
+                                prmt(x1, x3, uint32(0x5410)), prmt(x1, x3, uint32(0x7632)),
+                                d0, d1, d2, d3)
+                        else:
+                            e0, e1, e2, e3 = mma_bf16(
+                                int4_pair(qa, 0, nza), int4_pair(qb, 0, nzb),
+                                int4_pair(qa, 4, nza), int4_pair(qb, 4, nzb),
+                                prmt(x0, x2, uint32(0x5410)), prmt(x0, x2, uint32(0x7632)),
+                                e0, e1, e2, e3)
+                            e0, e1, e2, e3 = mma_bf16(
+                                int4_pair(qa, 8, nza), int4_pair(qb, 8, nzb),
+                                int4_pair(qa, 12, nza), int4_pair(qb, 12, nzb),
+                                prmt(x1, x3, uint32(0x5410)), prmt(x1, x3, uint32(0x7632)),
+                                e0, e1, e2, e3)
+                else:
+                    for j in range(4):
+                        qa = wa[u, j]
+                        qb = wb[u, j]
+                        if fp8:
+                            pa0 = fp8_pair(qa, 0x1404)
+                            pa1 = fp8_pair(qa, 0x3424)
+                            pb0 = fp8_pair(qb, 0x1404)
+                            pb1 = fp8_pair(qb, 0x3424)
+                        else:
+                            ua = qa ^ uint32(0x80808080)
+                            ub = qb ^ uint32(0x80808080)
+                            pa0 = cvt_bf16x2(int8_val(ua, 1), int8_val(ua, 0))
+                            pa1 = cvt_bf16x2(int8_val(ua, 3), int8_val(ua, 2))
+                            pb0 = cvt_bf16x2(int8_val(ub, 1), int8_val(ub, 0))
+                            pb1 = cvt_bf16x2(int8_val(ub, 3), int8_val(ub, 2))
+                        if j % 2 == 0:
+                            d0, d1, d2, d3 = mma_bf16(pa0, pb0, pa1, pb1, xr[u, 2 * j],
+                                                      xr[u, 2 * j + 1], d0, d1, d2, d3)
+                        else:
+                            e0, e1, e2, e3 = mma_bf16(pa0, pb0, pa1, pb1, xr[u, 2 * j],
+                                                      xr[u, 2 * j + 1], e0, e1, e2, e3)
+                fa = fs[u, 0]
+                fb = fs[u, 1]
+                acc0 += (d0 + e0) * fa
+                acc1 += (d1 + e1) * fa
+                acc2 += (d2 + e2) * fb
+                acc3 += (d3 + e3) * fb
+        return acc0, acc1, acc2, acc3
 
     def qmma_kernel(y, x, w, scale, zero, m, n, k, ldy, br, bc, sc_cols, beta, ids, topk,
                     x_per_pair, w_stride, s_stride):
@@ -465,89 +574,38 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
         acc1 = float32(0.0)
         acc2 = float32(0.0)
         acc3 = float32(0.0)
+        # two register sets, software-pipelined: the loads of the warp's next U steps are in
+        # flight while the tensor cores work on the current ones
         wa = cuda.local.array((U, 4), uint32)
         wb = cuda.local.array((U, 4), uint32)
-        for s0 in range(wid * U, nsteps, warps * U):
-            for u in range(U):
-                s = s0 + u
-                if s < nsteps and s * STEP + t * CHUNK < k:
-                    a0, a1, a2, a3 = ld_v4(w, wa0 + 16 * s)
-                    b0, b1, b2, b3 = ld_v4(w, wb0 + 16 * s)
-                else:
-                    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
-                wa[u, 0] = a0
-                wa[u, 1] = a1
-                wa[u, 2] = a2
-                wa[u, 3] = a3
-                wb[u, 0] = b0
-                wb[u, 1] = b1
-                wb[u, 2] = b2
-                wb[u, 3] = b3
-            for u in range(U):
-                s = s0 + u
-                if s < nsteps:
-                    grp = (s * STEP) // bc
-                    xok = xon and s * STEP + t * CHUNK < k
-                    xi = xi0 + int64(s) * (STEP // 2)
-                    d0 = float32(0.0)
-                    d1 = float32(0.0)
-                    d2 = float32(0.0)
-                    d3 = float32(0.0)
-                    if int4:
-                        za = int32(zero[sa + grp]) if asym else int32(8)
-                        zb = int32(zero[sb + grp]) if asym else int32(8)
-                        ha = uint32(cuda.libdevice.float_as_int(float32(-128 - za))) >> uint32(16)
-                        hb = uint32(cuda.libdevice.float_as_int(float32(-128 - zb))) >> uint32(16)
-                        nza = ha | (ha << uint32(16))
-                        nzb = hb | (hb << uint32(16))
-                        for j in range(4):
-                            if xok:
-                                x0, x1, x2, x3 = ld_v4(x, xi + 4 * j)
-                            else:
-                                x0 = x1 = x2 = x3 = uint32(0)
-                            qa = wa[u, j]
-                            qb = wb[u, j]
-                            d0, d1, d2, d3 = mma_bf16(
-                                int4_pair(qa, 0, nza), int4_pair(qb, 0, nzb),
-                                int4_pair(qa, 4, nza), int4_pair(qb, 4, nzb),
-                                prmt(x0, x2, uint32(0x5410)), prmt(x0, x2, uint32(0x7632)),
-                                d0, d1, d2, d3)
-                            d0, d1, d2, d3 = mma_bf16(
-                                int4_pair(qa, 8, nza), int4_pair(qb, 8, nzb),
-                                int4_pair(qa, 12, nza), int4_pair(qb, 12, nzb),
-                                prmt(x1, x3, uint32(0x5410)), prmt(x1, x3, uint32(0x7632)),
-                                d0, d1, d2, d3)
-                    else:
-                        for jj in range(2):
-                            if xok:
-                                x0, x1, x2, x3 = ld_v4(x, xi + 4 * jj)
-                            else:
-                                x0 = x1 = x2 = x3 = uint32(0)
-                            for h in range(2):
-                                qa = wa[u, 2 * jj + h]
-                                qb = wb[u, 2 * jj + h]
-                                if fp8:
-                                    pa0 = fp8_pair(qa, 0x1404)
-                                    pa1 = fp8_pair(qa, 0x3424)
-                                    pb0 = fp8_pair(qb, 0x1404)
-                                    pb1 = fp8_pair(qb, 0x3424)
-                                else:
-                                    ua = qa ^ uint32(0x80808080)
-                                    ub = qb ^ uint32(0x80808080)
-                                    pa0 = cvt_bf16x2(int8_val(ua, 1), int8_val(ua, 0))
-                                    pa1 = cvt_bf16x2(int8_val(ua, 3), int8_val(ua, 2))
-                                    pb0 = cvt_bf16x2(int8_val(ub, 1), int8_val(ub, 0))
-                                    pb1 = cvt_bf16x2(int8_val(ub, 3), int8_val(ub, 2))
-                                xb0 = x0 if h == 0 else x2
-                                xb1 = x1 if h == 0 else x3
-                                d0, d1, d2, d3 = mma_bf16(pa0, pb0, pa1, pb1, xb0, xb1,
-                                                          d0, d1, d2, d3)
-                    fa = scale[sa + grp]
-                    fb = scale[sb + grp]
-                    acc0 += d0 * fa
-                    acc1 += d1 * fa
-                    acc2 += d2 * fb
-                    acc3 += d3 * fb
+        xr = cuda.local.array((U, XW), uint32)
+        fs = cuda.local.array((U, 2), float32)
+        zs = cuda.local.array((U, 2), int32)
+        wa2 = cuda.local.array((U, 4), uint32)
+        wb2 = cuda.local.array((U, 4), uint32)
+        xr2 = cuda.local.array((U, XW), uint32)
+        fs2 = cuda.local.array((U, 2), float32)
+        zs2 = cuda.local.array((U, 2), int32)
+        stride = warps * U
+        s0 = wid * U
+        if s0 < nsteps:
+            load_set(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa,
+                     sb, zero, bc)
+        while s0 < nsteps:
+            if s0 + stride < nsteps:
+                load_set(wa2, wb2, xr2, fs2, zs2, s0 + stride, nsteps, k, t, w, wa0, wb0, x, xi0,
+                         xon, scale, sa, sb, zero, bc)
+            acc0, acc1, acc2, acc3 = compute_set(wa, wb, xr, fs, zs, s0, nsteps, acc0, acc1,
+                                                 acc2, acc3)
+            s0 += stride
+            if s0 >= nsteps:
+                break
+            if s0 + stride < nsteps:
+                load_set(wa, wb, xr, fs, zs, s0 + stride, nsteps, k, t, w, wa0, wb0, x, xi0, xon,
+                         scale, sa, sb, zero, bc)
+            acc0, acc1, acc2, acc3 = compute_set(wa2, wb2, xr2, fs2, zs2, s0, nsteps, acc0, acc1,
+                                                 acc2, acc3)
+            s0 += stride
         red = cuda.shared.array((warps, 4, 32), float32)
         red[wid, 0, lane] = acc0
         red[wid, 1, lane] = acc1

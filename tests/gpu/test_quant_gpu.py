@@ -94,6 +94,36 @@ def test_qgemv_and_dequant_at_layer_shapes(h, layout, block, asym):
     h.reset()
 
 
+@pytest.mark.parametrize("layout,block,asym", [f for f in FORMATS if f[1][1] % 128 == 0])
+def test_qmma_expert_mode(h, layout, block, asym):
+    """The tensor-core GEMV over (token, slot) pairs, each reading its expert's codes: a 35B-A3B
+    gate|up (n = 2 x 512, k = 2048) with x per token, and its down (x per pair)."""
+    rng = np.random.default_rng(11)
+    E, topk, tokens = 5, 2, 3
+    ids = np.array([4, 0, 2, 4, 1, 3], np.int32)
+    pairs = tokens * topk
+    for n, k, per_pair in ((1024, 2048, 0), (2048, 512, 1)):
+        enc = [_encoded(layout, block, asym, n, k, rng) for _ in range(E)]
+        stored = np.stack([e[0] for e in enc])
+        scale = np.stack([e[1] for e in enc])
+        w, s = h.put(stored.reshape(-1)), h.put(scale.reshape(-1))
+        z = h.put(np.stack([e[2] for e in enc]).reshape(-1)) if asym else None
+        x = rng.standard_normal((pairs if per_pair else tokens, k)).astype(np.float32)
+        xb = h.put(bf16_bits(x))
+        y = h.empty((pairs + 1, n), np.float32)
+        h.cache.get(quant_specs({(layout, asym)})[qmma_name(layout, asym)]).launch(
+            h.stream, (-(-n // qw.MMA_ROWS), pairs), (32 * qw.MMA_WARPS,),
+            (y, xb, w, s, z.ptr if z is not None else 0, 1, n, k, n, block[0], block[1],
+             scale.shape[-1], 0.0, h.put(ids), topk, per_pair, stored[0].size, scale[0].size))
+        out = h.get(y)
+        xv = (bf16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        ref = np.stack([enc[ids[q]][3].astype(np.float64) @ xv[q if per_pair else q // topk]
+                        for q in range(pairs)])
+        assert rel_err(out[:pairs], ref) < TOL_F32, (layout, n, k)
+        assert np.isnan(out[pairs:]).all()
+        h.reset()
+
+
 def _quantized_fixture(tmp_path_factory, kind):
     from fixture_utils import fixture_dir
     from ninfer.convert import convert_checkpoint
@@ -143,8 +173,10 @@ def test_quantized_model_on_cuda_equals_numpy(tmp_path_factory, kind):
                 err = rel_err(gpu.forward(batch, kv_g, st_g, all_logits=True),
                               cpu.forward(batch, kv_c, st_c, all_logits=True))
                 assert err < tol, f"{kind} f32={gpu.f32}: T={T} prefill logits {err:.2e}"
-                if not gpu.f32 and T == 5:
+                if not gpu.f32 and T == 5 and not cpu.config.is_moe:
                     # bf16 decode steps (the graphs' GEMVs: on tensor cores) on numpy's tokens
+                    # (dense only: in one MoE token a bf16 routing flip moves the logits by
+                    # ~30%, as in transformers' own bf16; test_qmma_expert_mode covers experts)
                     for step in range(4):
                         tok = int(rng.integers(3, 200))
                         one = ForwardBatch.single([tok], T + step, table[:1])
