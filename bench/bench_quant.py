@@ -65,9 +65,9 @@ def main():
     ap.add_argument("--rows", default=str(qw.ROWS),
                     help="output rows per warp of the GEMV to time, comma-separated (the model "
                          f"runs {qw.ROWS})")
-    ap.add_argument("--mma", default=f"{qw.MMA_WARPS}:2",
+    ap.add_argument("--mma", default=f"{qw.MMA_WARPS}:4",
                     help="qmma geometries to time, warps:unroll comma-separated (the model runs "
-                         f"{qw.MMA_WARPS}:2)")
+                         f"{qw.MMA_WARPS}:4)")
     ap.add_argument("--gemv-batches", default="1,8", help="B of the qgemv rows ('' for none)")
     args = ap.parse_args()
     dev = d.Device(0)
@@ -122,7 +122,7 @@ def main():
                                  f"{bf16_decode[B] / us:5.2f}" if B in bf16_decode else ""))
                 for geo in args.mma.split(","):
                     W, U = (int(v) for v in geo.split(":"))
-                    kern = cache.get(kset[qmma_name(layout, asym)] if (W, U) == (qw.MMA_WARPS, 2)
+                    kern = cache.get(kset[qmma_name(layout, asym)] if (W, U) == (qw.MMA_WARPS, 4)
                                      else spec("qmma", layout=layout, asym=asym, warps=W, unroll=U))
                     for B in (1, 8):
                         us = timed(st, [lambda w=w: kern.launch(

@@ -44,7 +44,7 @@ SIGNATURES = {
              "i32", "f32", "i32*", "i32", "i32", "i64", "i64"),
 }
 MMA_WARPS = 4                       # warps of a qmma block, splitting K
-MMA_UNROLL = 2                      # steps a warp loads at once (two sets in flight: pipelined)
+MMA_UNROLL = 4                      # steps whose loads a warp issues before using any
 
 TWO_23 = 8388608.0
 E4M3_REBIAS = 2.0 ** 120            # float32 exponent bias 127 - e4m3's 7
@@ -574,38 +574,18 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
         acc1 = float32(0.0)
         acc2 = float32(0.0)
         acc3 = float32(0.0)
-        # two register sets, software-pipelined: the loads of the warp's next U steps are in
-        # flight while the tensor cores work on the current ones
         wa = cuda.local.array((U, 4), uint32)
         wb = cuda.local.array((U, 4), uint32)
         xr = cuda.local.array((U, XW), uint32)
         fs = cuda.local.array((U, 2), float32)
         zs = cuda.local.array((U, 2), int32)
-        wa2 = cuda.local.array((U, 4), uint32)
-        wb2 = cuda.local.array((U, 4), uint32)
-        xr2 = cuda.local.array((U, XW), uint32)
-        fs2 = cuda.local.array((U, 2), float32)
-        zs2 = cuda.local.array((U, 2), int32)
-        stride = warps * U
-        s0 = wid * U
-        if s0 < nsteps:
+        for s0 in range(wid * U, nsteps, warps * U):
+            # every load of the U steps first, then the math: nothing waits on memory between
+            # two tensor-core chains
             load_set(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa,
                      sb, zero, bc)
-        while s0 < nsteps:
-            if s0 + stride < nsteps:
-                load_set(wa2, wb2, xr2, fs2, zs2, s0 + stride, nsteps, k, t, w, wa0, wb0, x, xi0,
-                         xon, scale, sa, sb, zero, bc)
             acc0, acc1, acc2, acc3 = compute_set(wa, wb, xr, fs, zs, s0, nsteps, acc0, acc1,
                                                  acc2, acc3)
-            s0 += stride
-            if s0 >= nsteps:
-                break
-            if s0 + stride < nsteps:
-                load_set(wa, wb, xr, fs, zs, s0 + stride, nsteps, k, t, w, wa0, wb0, x, xi0, xon,
-                         scale, sa, sb, zero, bc)
-            acc0, acc1, acc2, acc3 = compute_set(wa2, wb2, xr2, fs2, zs2, s0, nsteps, acc0, acc1,
-                                                 acc2, acc3)
-            s0 += stride
         red = cuda.shared.array((warps, 4, 32), float32)
         red[wid, 0, lane] = acc0
         red[wid, 1, lane] = acc1

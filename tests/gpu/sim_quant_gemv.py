@@ -237,9 +237,9 @@ def main():
     out["mma/int8/m3"] = mma_case("int8_block", (1, 64), 17, 256, 3, rng, warps=1, unroll=1)
     out["mma/int4/asym/m5"] = mma_case("int4_block", (1, 128), 33, 384, 5, rng, asym=True)
     out["mma/int4/sym/k96"] = mma_case("int4_block", (1, 128), 9, 96, 2, rng, warps=4, unroll=1)
-    out["mma/int4/pipelined_5_sets"] = mma_case("int4_block", (1, 128), 16, 640, 2, rng,
+    out["mma/int4/5_sets_per_warp"] = mma_case("int4_block", (1, 128), 16, 640, 2, rng,
                                                 warps=1, unroll=1)
-    out["mma/fp8/pipelined_odd_sets"] = mma_case("fp8_block", (128, 128), 16, 448, 1, rng,
+    out["mma/fp8/odd_sets_per_warp"] = mma_case("fp8_block", (128, 128), 16, 448, 1, rng,
                                                  warps=1, unroll=2)
     out["mma/experts/fp8"] = mma_case("fp8_block", (128, 128), 18, 128, 1, rng, experts=1)
     out["mma/experts/int4/per_pair"] = mma_case("int4_block", (1, 128), 7, 256, 1, rng,
