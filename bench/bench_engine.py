@@ -148,11 +148,12 @@ def random_source(shape: str):
 
 
 def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
-                  quantize: str = None) -> tuple:
+                  quantize: str = None, lm_head: bool = False) -> tuple:
     """(artifact path, seconds to write the checkpoint, seconds to convert it). `direct`: no
     checkpoint on disk (random_source); the artifact is the same. `quantize`: fp8 / int8 /
-    int4, as `convert --quantize` (direct only)."""
-    out = workdir / (f"{shape}-{quantize}.ninfer" if quantize else f"{shape}.ninfer")
+    int4, as `convert --quantize` (direct only); `lm_head`: lm_head too (--quantize-lm-head)."""
+    tag = (f"-{quantize}" if quantize else "") + ("-head" if lm_head else "")
+    out = workdir / f"{shape}{tag}.ninfer"
     if out.exists():
         return out, 0.0, 0.0
     ckpt = workdir / f"{shape}-hf"
@@ -164,7 +165,7 @@ def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
         extra = {}
         if quantize:
             from ninfer.convert.quantize import Quantize
-            extra["recipe"] = Quantize(quantize)
+            extra["recipe"] = Quantize(quantize, quantize_lm_head=lm_head)
         convert_checkpoint(ckpt, out, progress=False, open_source=random_source(shape), **extra)
     else:
         if quantize:
@@ -467,7 +468,8 @@ def http_figures(server, args, log) -> dict:
 def bench_shape(shape, args, log) -> dict:
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    path, t_ckpt, t_convert = make_artifact(shape, workdir, args.direct, args.quantize)
+    path, t_ckpt, t_convert = make_artifact(shape, workdir, args.direct, args.quantize,
+                                            args.quantize_lm_head)
     size = path.stat().st_size
     t_cache = read_into_page_cache(path)
     log(f"{shape}: artifact {size / 1e9:.2f} GB (checkpoint {t_ckpt:.0f} s, convert "
@@ -545,6 +547,8 @@ def main(argv=None):
                          "--workdir in /dev/shm when the disk is smaller than the artifact)")
     ap.add_argument("--quantize", default=None, choices=("fp8", "int8", "int4"),
                     help="convert the random weights with --quantize (needs --direct)")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="with --quantize: lm_head too (as convert --quantize-lm-head)")
     ap.add_argument("--prefill", default="512,4096,32768")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--batches", default="1,2,4,8")
