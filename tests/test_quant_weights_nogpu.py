@@ -90,3 +90,82 @@ def test_launch_geometry_matches_the_kernels():
                        (4096, 64), (4096, 32), (160, 128)):
             assert k.vector_ok(layout, kk, bc) == qw.vector_ok(layout, kk, bc)
             assert k.mma_ok(layout, kk, bc) == qw.mma_ok(layout, kk, bc)
+
+
+def test_runner_picks_the_packed_kernel_by_dtype_shape_and_rows(monkeypatch):
+    """StepRunner.qlinear / _expert_gemv: a bf16 segment is a cuBLASLt GEMM over its columns;
+    codes take the tensor-core GEMV (qmma) in a bf16 model where mma_ok, 8 rows of x per launch,
+    the CUDA-core one (qgemv) in a float32 model or for other blocks, and more than 32 rows
+    dequantize slabs into the tile and multiply through cuBLASLt. Each launch writes its
+    segment's columns (y + 4 * row0) of its rows (y + 4 * n * b0)."""
+    from types import SimpleNamespace
+    from ninfer.models.qwen3_5.config import TextConfig
+    from ninfer.models.qwen3_5.cuda import runner as R
+    from ninfer.models.qwen3_5.cuda.kernel_set import spec
+    launched = []
+
+    class Kernels:
+        def __getattr__(self, name):
+            class K:
+                def launch(self, st, grid, block, args, smem=0):
+                    launched.append((name, grid, block,
+                                     tuple(getattr(a, "ptr", a) for a in args)))
+            K.spec = spec("qmma" if name.startswith("qmma") else
+                          "dequant" if name.startswith("dequant") else "qgemv")
+            return K()
+
+    def gemm(st, x, w, y, m, n, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0), ldc=0):
+        launched.append(("gemm", m, n, k, y, ldc))
+
+    def arr(ptr, *shape):
+        return SimpleNamespace(ptr=ptr, shape=shape)
+
+    K = 4096
+    segs = (qw.QSegment(qw.SegmentPlan(0, 64, K, qw.BF16), arr(1000)),
+            qw.QSegment(qw.SegmentPlan(64, 256, K, "int4_block", (1, 128), True), arr(2000),
+                        arr(3000, 1, 256, K // 128), arr(4000)),
+            qw.QSegment(qw.SegmentPlan(320, 32, K, "int4_block", (1, 64), False), arr(5000),
+                        arr(6000, 1, 32, K // 64)))
+    w = qw.QMatrix((352, K), segs)
+    N = 352
+
+    def runner(gin):
+        ws = SimpleNamespace(gin_bytes=gin, wq=SimpleNamespace(ptr=7000, shape=(1 << 20,)),
+                             ids=SimpleNamespace(ptr=8000))
+        res = R.StepResources(cfg=TextConfig(), ws=ws, weights={}, lt=SimpleNamespace(gemm=gemm),
+                              kernels=Kernels(), num_sms=132, b_cap=8, n_cap=64,
+                              route_host=None, media=None)
+        return R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
+
+    y, x = 10 ** 6, 2 * 10 ** 6
+    # bf16 model, 9 decode rows: the bf16 columns, then qmma for 8 + 1 rows, qgemv (g64) likewise
+    launched.clear()
+    runner(2).qlinear(None, x, w, y, 9, N, K, 0.0)
+    names = [c[0] for c in launched]
+    assert names == ["gemm", "qmma_int4_block_z", "qmma_int4_block_z", "qgemv_int4_block_8",
+                     "qgemv_int4_block_1"]
+    assert launched[0] == ("gemm", 9, 64, K, y, N)
+    q0, q1 = launched[1], launched[2]
+    assert q0[1] == (256 // qw.MMA_ROWS, 1) and q0[2] == (32 * qw.MMA_WARPS,)
+    # (y, x, codes, scale, zero, m, n, k, ldy, br, bc, sc_cols, beta, ids, topk, ...)
+    assert q0[3][:12] == (y + 4 * 64, x, 2000, 3000, 4000, 8, 256, K, N, 1, 128, K // 128)
+    assert q1[3][:2] == (y + 4 * 64 + 4 * N * 8, x + 2 * K * 8) and q1[3][5] == 1
+    assert launched[3][3][0] == y + 4 * 320 and launched[3][3][7] == 8
+    # float32 model: never the tensor-core GEMV
+    launched.clear()
+    runner(4).qlinear(None, x, w, y, 3, N, K, 0.0)
+    assert [c[0] for c in launched] == ["gemm", "qgemv_int4_block_4_z", "qgemv_int4_block_4"]
+    # a prefill chunk of 40 rows: slabs dequantized, then cuBLASLt
+    launched.clear()
+    runner(2).qlinear(None, x, w, y, 40, N, K, 0.0)
+    assert [c[0] for c in launched] == ["gemm", "dequant_int4_block_z", "gemm", "dequant_int4_block",
+                                        "gemm"]
+    # routed experts (decode): qmma in expert mode over the (token, slot) pairs
+    ex = qw.QMatrix((8, 512, K), (qw.QSegment(qw.SegmentPlan(0, 512, K, "fp8_block", (128, 128),
+                                                             experts=8), arr(9000),
+                                              arr(9500, 8, 4, K // 128)),))
+    launched.clear()
+    runner(2)._expert_gemv(None, ex, x, y, 6, 512, K, 2, 0)
+    (name, grid, block, args), = launched
+    assert name == "qmma_fp8_block" and grid == (512 // qw.MMA_ROWS, 6)
+    assert args[5] == 1 and args[13:] == (8000, 2, 0, 512 * K, 4 * (K // 128))
