@@ -148,11 +148,11 @@ def random_source(shape: str):
 
 
 def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
-                  quantize: str = None, lm_head: bool = False) -> tuple:
+                  quantize: str = None, lm_head: str = None) -> tuple:
     """(artifact path, seconds to write the checkpoint, seconds to convert it). `direct`: no
     checkpoint on disk (random_source); the artifact is the same. `quantize`: fp8 / int8 /
-    int4, as `convert --quantize` (direct only); `lm_head`: lm_head too (--quantize-lm-head)."""
-    tag = (f"-{quantize}" if quantize else "") + ("-head" if lm_head else "")
+    int4, as `convert --quantize` (direct only); `lm_head`: lm_head too, in that format."""
+    tag = (f"-{quantize}" if quantize else "") + (f"-head-{lm_head}" if lm_head else "")
     out = workdir / f"{shape}{tag}.ninfer"
     if out.exists():
         return out, 0.0, 0.0
@@ -165,7 +165,7 @@ def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
         extra = {}
         if quantize:
             from ninfer.convert.quantize import Quantize
-            extra["recipe"] = Quantize(quantize, quantize_lm_head=lm_head)
+            extra["recipe"] = Quantize(quantize, quantize_lm_head=lm_head or False)
         convert_checkpoint(ckpt, out, progress=False, open_source=random_source(shape), **extra)
     else:
         if quantize:
@@ -547,8 +547,8 @@ def main(argv=None):
                          "--workdir in /dev/shm when the disk is smaller than the artifact)")
     ap.add_argument("--quantize", default=None, choices=("fp8", "int8", "int4"),
                     help="convert the random weights with --quantize (needs --direct)")
-    ap.add_argument("--quantize-lm-head", action="store_true",
-                    help="with --quantize: lm_head too (as convert --quantize-lm-head)")
+    ap.add_argument("--quantize-lm-head", default=None, choices=("fp8", "int8", "int4"),
+                    help="with --quantize: lm_head too, in this format (convert --lm-head-format)")
     ap.add_argument("--prefill", default="512,4096,32768")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--batches", default="1,2,4,8")

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "groups of 128; see docs/artifact.md); default: as in the checkpoint")
     c.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize: the lm_head too (default: kept 16-bit)")
+    c.add_argument("--lm-head-format", choices=("fp8", "int8", "int4"),
+                   help="with --quantize: the lm_head quantized in this format (e.g. int8 beside "
+                        "an int4 body, as decode reads the whole head every token)")
     c.add_argument("--calibration", metavar="TEXT_FILE",
                    help="with --quantize: GPTQ error compensation from the model's "
                         "inputs on this text (numpy forward; small models; docs/artifact.md 6)")
@@ -75,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _convert(args) -> int:
     from .convert import Quantize, convert_checkpoint
-    if args.quantize_lm_head and not args.quantize:
-        raise Error("--quantize-lm-head needs --quantize")
+    if (args.quantize_lm_head or args.lm_head_format) and not args.quantize:
+        raise Error(f"--{'lm-head-format' if args.lm_head_format else 'quantize-lm-head'} "
+                    "needs --quantize")
     if args.calibration and not args.quantize:
         raise Error("--calibration needs --quantize")
     calibration = None
@@ -85,7 +89,8 @@ def _convert(args) -> int:
             calibration = pathlib.Path(args.calibration).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise Error(f"--calibration {args.calibration}: cannot read ({exc})") from exc
-    recipe = Quantize(args.quantize, quantize_lm_head=args.quantize_lm_head,
+    head = args.lm_head_format or args.quantize_lm_head
+    recipe = Quantize(args.quantize, quantize_lm_head=head,
                       calibration=calibration) if args.quantize else None
     defaults = None if args.default_thinking is None \
         else {"enable_thinking": args.default_thinking == "on"}

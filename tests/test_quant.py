@@ -187,6 +187,25 @@ def test_quantize_lm_head(tmp_path, tied):
         assert (params["lm_head"] is params["embed"]) == tied          # one float32 copy
 
 
+def test_lm_head_in_a_format_of_its_own(tmp_path, capsys):
+    """--quantize int4 --lm-head-format int8: the body int4, the head int8 [1, 128] (what decode
+    reads whole every token), said in metadata.quantization; the numpy reader decodes both."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM", BIG)
+    out = tmp_path / "q.ninfer"
+    rc, _ = _cli(capsys, ckpt.path, out, "--quantize", "int4", "--lm-head-format", "int8")
+    assert rc == 0
+    with Artifact(out) as art:
+        assert art.quantized("text.lm_head.weight").layout == "int8_block"
+        assert art.quantized("text.layers.0.mlp.down_proj.weight").layout == "int4_block"
+        q = art.manifest["metadata"]["quantization"]
+        assert (q["format"], q["lm_head"], q["lm_head_format"]) == ("int4", True, "int8")
+        head = dequantize(art.quantized("text.lm_head.weight"))
+        src = ckpt.tensors["lm_head.weight"].astype(np.float32)
+        assert np.abs(head - src).max() <= np.abs(src).max() / 127
+        params = read_text_params(art, model_config(art).text)
+        assert np.array_equal(params["lm_head"], head)
+
+
 def test_numpy_backend_runs_quantized(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5MoeForCausalLM", BIG)
     out = convert_checkpoint(ckpt.path, tmp_path / "q.ninfer", progress=False, recipe=Quantize("int4"))
@@ -355,8 +374,12 @@ def test_quantize_an_fp8_release_and_flag_errors(tmp_path, capsys):
     assert rc == 2 and "already quantized (FP8)" in err
     rc, err = _cli(capsys, ckpt.path, tmp_path / "o.ninfer", "--quantize-lm-head")
     assert rc == 2 and "--quantize-lm-head needs --quantize" in err
+    rc, err = _cli(capsys, ckpt.path, tmp_path / "o.ninfer", "--lm-head-format", "int8")
+    assert rc == 2 and "--lm-head-format needs --quantize" in err
     with pytest.raises(ConvertError, match="expected one of fp8, int8, int4"):
         Quantize("nf4")
+    with pytest.raises(ConvertError, match="--quantize-lm-head 'nf4'"):
+        Quantize("int4", quantize_lm_head="nf4")
 
 
 # ---- manifest rules ----------------------------------------------------------------------------

@@ -188,7 +188,9 @@ def per_row(scale_rows: np.ndarray, br: int, rows: int) -> np.ndarray:
 
 class Quantize(ValuePreserving):
     """Quantize the projections of the text model (QUANTIZED_LEAVES; lm_head on request) from a
-    16/32-bit checkpoint; every other tensor is stored value-preserving."""
+    16/32-bit checkpoint; every other tensor is stored value-preserving. `quantize_lm_head`:
+    False, True (the recipe's format) or a format of its own ("int8" beside an int4 body: the
+    head is read whole every decode step, and 8 bits there cost little quality)."""
 
     def __init__(self, format: str, *, group: int | None = 128, asymmetric: bool = True,
                  quantize_lm_head: bool = False, calibration: str | None = None,
@@ -199,8 +201,12 @@ class Quantize(ValuePreserving):
             raise ConvertError(f"quantization group {group!r}: expected a positive int or None")
         if format == "int4" and group is None:
             raise ConvertError("int4 needs a group size (per-channel int4 loses too much)")
+        head = format if quantize_lm_head is True else quantize_lm_head
+        if head not in (False, None) and head not in FORMATS:
+            raise ConvertError(f"--quantize-lm-head {head!r}: expected one of {', '.join(FORMATS)}")
         self.format, self.group, self.asymmetric = format, group, asymmetric
-        self.quantize_lm_head = quantize_lm_head
+        self.lm_head_format = head or None         # None: lm_head stays 16-bit
+        self.quantize_lm_head = self.lm_head_format is not None
         self.name = f"quantize-{format}"
         self.calibration, self.calibration_tokens = calibration, calibration_tokens
         self.sequential = sequential    # calibrate layer i on the quantized layers < i
@@ -234,13 +240,10 @@ class Quantize(ValuePreserving):
         return logical.startswith("text.layers.") and logical.split(".", 3)[3] in QUANTIZED_LEAVES
 
     def quant_plan(self, logical: str, shape: tuple, segment_rows: int) -> QuantPlan:
-        layout = LAYOUT_OF[self.format]
-        if self.format == "fp8":
-            block = FP8_BLOCK
-        else:
-            block = (1, self.group or shape[-1])
-        return QuantPlan(layout, block, segment_rows, shape[-2],
-                         asymmetric=self.format == "int4" and self.asymmetric,
+        fmt = self.lm_head_format if logical == "text.lm_head.weight" else self.format
+        block = FP8_BLOCK if fmt == "fp8" else (1, self.group or shape[-1])
+        return QuantPlan(LAYOUT_OF[fmt], block, segment_rows, shape[-2],
+                         asymmetric=fmt == "int4" and self.asymmetric,
                          hessian=self.hessians.get(logical))
 
     def describe(self) -> dict:
@@ -248,6 +251,8 @@ class Quantize(ValuePreserving):
                 "block": list(FP8_BLOCK) if self.format == "fp8" else [1, self.group],
                 "asymmetric": self.format == "int4" and self.asymmetric,
                 "lm_head": self.quantize_lm_head,
+                **({"lm_head_format": self.lm_head_format}
+                   if self.lm_head_format not in (None, self.format) else {}),
                 "method": "gptq" if self.calibration is not None else "round"}
 
 

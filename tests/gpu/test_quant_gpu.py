@@ -143,6 +143,7 @@ def _quantized_fixture(tmp_path_factory, kind):
 KINDS = {"fp8_release": None, "fp8": ("dense", ("fp8", {})), "int8": ("dense", ("int8", {})),
          "int4": ("dense", ("int4", {})), "int4_sym": ("dense", ("int4", {"asymmetric": False})),
          "int8_head_tied": ("dense_tied", ("int8", {"quantize_lm_head": True})),
+         "int4_head_int8": ("dense", ("int4", {"quantize_lm_head": "int8"})),
          "moe_fp8": ("moe", ("fp8", {})), "moe_int4": ("moe", ("int4", {}))}
 
 
