@@ -15,7 +15,7 @@ from ninfer.artifact import Artifact, ArtifactWriter
 from ninfer.convert import Quantize, convert_checkpoint
 from ninfer.models import model_config
 from ninfer.convert.quantize import encode, pack_int4
-from ninfer.errors import ArtifactError, ConvertError, DeviceError
+from ninfer.errors import ArtifactError, ConvertError
 from ninfer.models.qwen3_5 import load_model
 from ninfer.models.qwen3_5.load import read_text_params
 from ninfer.models.qwen3_5.quant import dequantize
