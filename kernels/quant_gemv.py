@@ -421,6 +421,19 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
                           uint32(_ONE2), nz)
 
     @inlined
+    def int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3, c0, c1, c2, c3):
+        # one 8-nibble word of rows g (qa) and g + 8 (qb): pairs (c0, c4), (c1, c5) in the first
+        # mma, (c2, c6), (c3, c7) in the second, x permuted to the same order
+        c0, c1, c2, c3 = mma_bf16(int4_pair(qa, 0, nza), int4_pair(qb, 0, nzb),
+                                  int4_pair(qa, 4, nza), int4_pair(qb, 4, nzb),
+                                  prmt(x0, x2, uint32(0x5410)), prmt(x0, x2, uint32(0x7632)),
+                                  c0, c1, c2, c3)
+        return mma_bf16(int4_pair(qa, 8, nza), int4_pair(qb, 8, nzb),
+                        int4_pair(qa, 12, nza), int4_pair(qb, 12, nzb),
+                        prmt(x1, x3, uint32(0x5410)), prmt(x1, x3, uint32(0x7632)),
+                        c0, c1, c2, c3)
+
+    @inlined
     def fp8_pair(wd, sel):
         v = prmt(wd, uint32(0), uint32(sel))
         e = ((v >> uint32(4)) & uint32(_E4M3_EM)) | (v & uint32(_SIGN2))
@@ -488,27 +501,11 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
                         qa = wa[u, j]
                         qb = wb[u, j]
                         if j % 2 == 0:
-                            d0, d1, d2, d3 = mma_bf16(
-                                int4_pair(qa, 0, nza), int4_pair(qb, 0, nzb),
-                                int4_pair(qa, 4, nza), int4_pair(qb, 4, nzb),
-                                prmt(x0, x2, uint32(0x5410)), prmt(x0, x2, uint32(0x7632)),
-                                d0, d1, d2, d3)
-                            d0, d1, d2, d3 = mma_bf16(
-                                int4_pair(qa, 8, nza), int4_pair(qb, 8, nzb),
-                                int4_pair(qa, 12, nza), int4_pair(qb, 12, nzb),
-                                prmt(x1, x3, uint32(0x5410)), prmt(x1, x3, uint32(0x7632)),
-                                d0, d1, d2, d3)
+                            d0, d1, d2, d3 = int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3,
+                                                           d0, d1, d2, d3)
                         else:
-                            e0, e1, e2, e3 = mma_bf16(
-                                int4_pair(qa, 0, nza), int4_pair(qb, 0, nzb),
-                                int4_pair(qa, 4, nza), int4_pair(qb, 4, nzb),
-                                prmt(x0, x2, uint32(0x5410)), prmt(x0, x2, uint32(0x7632)),
-                                e0, e1, e2, e3)
-                            e0, e1, e2, e3 = mma_bf16(
-                                int4_pair(qa, 8, nza), int4_pair(qb, 8, nzb),
-                                int4_pair(qa, 12, nza), int4_pair(qb, 12, nzb),
-                                prmt(x1, x3, uint32(0x5410)), prmt(x1, x3, uint32(0x7632)),
-                                e0, e1, e2, e3)
+                            e0, e1, e2, e3 = int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3,
+                                                           e0, e1, e2, e3)
                 else:
                     for j in range(4):
                         qa = wa[u, j]
