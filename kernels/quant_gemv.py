@@ -64,6 +64,14 @@ def vector_ok(layout: str, k: int, bc: int) -> bool:
     return k % e == 0 and bc % e == 0
 
 
+@inlined
+def store_y(y, i, v, beta):
+    """y[i] = v + beta * y[i]; beta 0 never reads y (the output may hold anything)."""
+    if beta != float32(0.0):
+        v += beta * y[i]
+    y[i] = v
+
+
 def _decoder(layout: str, asym: bool):
     """code (uint32 0..255 or 0..15), offset (float32) -> float32 value before scaling."""
     if layout == "fp8_block":
@@ -294,10 +302,7 @@ def qgemv(layout, bm, asym=False, f32=False, rows=ROWS):
             for b in range(bm):
                 v = warp_sum(acc[rr * bm + b])
                 if lane == 0 and r < n and b < m:
-                    yi = (yrow0 + b) * ldy + r
-                    if beta != float32(0.0):
-                        v += beta * y[yi]
-                    y[yi] = v
+                    store_y(y, (yrow0 + b) * ldy + r, v, beta)
     qgemv_kernel.__name__ = "qgemv"
     return qgemv_kernel
 
@@ -598,9 +603,6 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
             b = 2 * (ln & 3) + (i & 1)
             r = row0 + (ln >> 2) + 8 * (i >> 1)
             if r < n and b < mm:
-                yi = (yrow0 + b) * ldy + r
-                if beta != float32(0.0):
-                    v += beta * y[yi]
-                y[yi] = v
+                store_y(y, (yrow0 + b) * ldy + r, v, beta)
     qmma_kernel.__name__ = "qmma"
     return qmma_kernel
