@@ -3,6 +3,8 @@ with a twin for numba's CPU simulator that computes the same bits with numpy.
 
     prmt(a, b, sel)       prmt.b32: byte i of the result is byte sel[4i+3:4i] of the 8-byte b:a
     fma_bf16x2(a, b, c)   fma.rn.bf16x2 on two bf16 lanes (low half = element 0); sm_80+
+    and_or(a, b, c)       lop3.b32 with lut 0xEA: (a & b) | c in one instruction (ptxas splits
+                          the and and the or of two constants into two)
     cvt_bf16x2(hi, lo)    cvt.rn.bf16x2.f32: two floats -> bf16 pair (round to nearest even)
     ld_v4(p, i)           ld.global.nc.v4.u32 of p[i .. i + 4) (i a multiple of 4: 16 bytes)
     mma_bf16(a0..a3, b0, b1, c0..c3)
@@ -45,6 +47,9 @@ if config.ENABLE_CUDASIM:
             v = _bf16(int(a) >> s) * _bf16(int(b) >> s) + _bf16(int(c) >> s)
             out |= _to_bf16(v) << s
         return np.uint32(out)
+
+    def and_or(a, b, c):
+        return np.uint32((int(a) & int(b)) | int(c))
 
     def cvt_bf16x2(hi, lo):
         return np.uint32((_to_bf16(np.float32(hi)) << 16) | _to_bf16(np.float32(lo)))
@@ -103,6 +108,15 @@ else:
 
         def codegen(context, builder, sig, args):
             return _asm(builder, _I32, args, "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
+        return sig, codegen
+
+    @intrinsic
+    def and_or(typingctx, a, b, c):
+        u = types.uint32
+        sig = u(u, u, u)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, args, "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
         return sig, codegen
 
     @intrinsic

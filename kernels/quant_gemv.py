@@ -25,7 +25,7 @@ branches inside the loop.
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .common import f32_to_bf16, inlined, warp_sum
-from .ptx import cvt_bf16x2, fma_bf16x2, ld_v4, mma_bf16, prmt
+from .ptx import and_or, cvt_bf16x2, fma_bf16x2, ld_v4, mma_bf16, prmt
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -372,9 +372,11 @@ def mma_chunk(layout: str) -> int:
 
 def mma_ok(layout: str, k: int, bc: int) -> bool:
     """`qmma` runs rows of whole chunks whose every step (4 chunks of K) lies in one scale
-    block (its products are scaled after the tensor core sums them)."""
+    block (its products are scaled after the tensor core sums them), a power of two of steps
+    per block (a step's block is a shift)."""
     c = mma_chunk(layout)
-    return k % c == 0 and bc % (4 * c) == 0
+    spb = bc // (4 * c)
+    return k % c == 0 and bc % (4 * c) == 0 and spb & (spb - 1) == 0
 
 
 # bf16x2 constants of qmma's decoders
@@ -382,6 +384,8 @@ _ONE2 = 0x3F803F80                  # (1, 1)
 _NEG0 = 0x80008000                  # (-0, -0): fma(a, b, -0) = a * b exactly rounded
 _REBIAS2 = 0x7B807B80               # (2^120, 2^120)
 _INT4_BASE = 0x43004300             # (128, 128): a nibble or-ed in is 128 + c, exact
+_NEG128_2 = 0xC300C300              # (-128, -128)
+_NIB2 = 0x000F000F
 _E4M3_EM = 0x07F007F0               # exponent and mantissa of two e4m3 bytes moved under bf16's
 _SIGN2 = 0x80008000
 
@@ -422,7 +426,7 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
 
     @inlined
     def int4_pair(wd, sh, nz):
-        return fma_bf16x2(((wd >> uint32(sh)) & uint32(0x000F000F)) | uint32(_INT4_BASE),
+        return fma_bf16x2(and_or(wd >> uint32(sh), uint32(_NIB2), uint32(_INT4_BASE)),
                           uint32(_ONE2), nz)
 
     @inlined
@@ -441,7 +445,7 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
     @inlined
     def fp8_pair(wd, sel):
         v = prmt(wd, uint32(0), uint32(sel))
-        e = ((v >> uint32(4)) & uint32(_E4M3_EM)) | (v & uint32(_SIGN2))
+        e = and_or(v >> uint32(4), uint32(_E4M3_EM), v & uint32(_SIGN2))
         return fma_bf16x2(e, uint32(_REBIAS2), uint32(_NEG0))
 
     @inlined
@@ -450,54 +454,71 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
         return cuda.libdevice.int_as_float(int32(bits)) - INT8_OFF
 
     @inlined
-    def load_set(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa, sb,
-                 zero, bc):
-        # every load of U steps (codes, x, scales, zero points) into registers
-        for u in range(U):
-            s = min(s0 + u, nsteps - 1)             # a step past the end: loaded, unused
-            kin = s * STEP + t * CHUNK < k
-            if kin:
-                a0, a1, a2, a3 = ld_v4(w, wa0 + 16 * s)
-                b0, b1, b2, b3 = ld_v4(w, wb0 + 16 * s)
+    def load_step(wa, wb, xr, fs, zs, u, w, pa, pb, x, px, xon, scale, zero, ia, ib, kin):
+        # one step's loads into slot u: codes at word pa / pb, x at px, scale / zero at ia / ib
+        if kin:
+            a0, a1, a2, a3 = ld_v4(w, pa)
+            b0, b1, b2, b3 = ld_v4(w, pb)
+        else:
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
+        wa[u, 0] = a0
+        wa[u, 1] = a1
+        wa[u, 2] = a2
+        wa[u, 3] = a3
+        wb[u, 0] = b0
+        wb[u, 1] = b1
+        wb[u, 2] = b2
+        wb[u, 3] = b3
+        for q in range(XW // 4):
+            if xon and kin:
+                x0, x1, x2, x3 = ld_v4(x, px + 4 * q)
             else:
-                a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
-            wa[u, 0] = a0
-            wa[u, 1] = a1
-            wa[u, 2] = a2
-            wa[u, 3] = a3
-            wb[u, 0] = b0
-            wb[u, 1] = b1
-            wb[u, 2] = b2
-            wb[u, 3] = b3
-            xi = xi0 + int64(s) * (STEP // 2)
-            for q in range(XW // 4):
-                if xon and kin:
-                    x0, x1, x2, x3 = ld_v4(x, xi + 4 * q)
-                else:
-                    x0 = x1 = x2 = x3 = uint32(0)
-                xr[u, 4 * q] = x0
-                xr[u, 4 * q + 1] = x1
-                xr[u, 4 * q + 2] = x2
-                xr[u, 4 * q + 3] = x3
-            grp = (s * STEP) // bc
-            fs[u, 0] = scale[sa + grp]
-            fs[u, 1] = scale[sb + grp]
-            if int4:
-                zs[u, 0] = int32(zero[sa + grp]) if asym else int32(8)
-                zs[u, 1] = int32(zero[sb + grp]) if asym else int32(8)
+                x0 = x1 = x2 = x3 = uint32(0)
+            xr[u, 4 * q] = x0
+            xr[u, 4 * q + 1] = x1
+            xr[u, 4 * q + 2] = x2
+            xr[u, 4 * q + 3] = x3
+        fs[u, 0] = scale[ia]
+        fs[u, 1] = scale[ib]
+        if int4:
+            zs[u, 0] = uint32(zero[ia]) if asym else uint32(8)
+            zs[u, 1] = uint32(zero[ib]) if asym else uint32(8)
 
     @inlined
-    def compute_set(wa, wb, xr, fs, zs, s0, nsteps, acc0, acc1, acc2, acc3):
+    def load_full(wa, wb, xr, fs, zs, s0, w, wa0, wb0, x, xi0, xon, scale, sa, sb, zero, gsh):
+        # U steps that lie inside K for every lane: no bounds tests, and the code / x addresses
+        # are one base per set plus constant offsets (immediates of the loads)
+        pa = wa0 + 16 * s0
+        pb = wb0 + 16 * s0
+        px = xi0 + (STEP // 2) * s0
         for u in range(U):
-            if s0 + u < nsteps:
+            grp = (s0 + u) >> gsh
+            load_step(wa, wb, xr, fs, zs, u, w, pa + 16 * u, pb + 16 * u, x,
+                      px + (STEP // 2) * u, xon, scale, zero, sa + grp, sb + grp, True)
+
+    @inlined
+    def load_tail(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa,
+                  sb, zero, gsh):
+        # the last steps: K may end inside a step (a lane's chunk past it loads zeros) and a
+        # step past the end is loaded from a valid address and never used
+        for u in range(U):
+            s = min(s0 + u, nsteps - 1)
+            grp = s >> gsh
+            load_step(wa, wb, xr, fs, zs, u, w, wa0 + 16 * s, wb0 + 16 * s, x,
+                      xi0 + (STEP // 2) * s, xon, scale, zero, sa + grp, sb + grp,
+                      s * STEP + t * CHUNK < k)
+
+    @inlined
+    def compute_set(wa, wb, xr, fs, zs, nvalid, acc0, acc1, acc2, acc3):
+        for u in range(U):
+            if u < nvalid:
                 # two independent tensor-core chains (even and odd words), added at the end
                 d0 = d1 = d2 = d3 = float32(0.0)
                 e0 = e1 = e2 = e3 = float32(0.0)
                 if int4:
-                    ha = uint32(cuda.libdevice.float_as_int(float32(-128 - zs[u, 0]))) >> uint32(16)
-                    hb = uint32(cuda.libdevice.float_as_int(float32(-128 - zs[u, 1]))) >> uint32(16)
-                    nza = ha | (ha << uint32(16))
-                    nzb = hb | (hb << uint32(16))
+                    # bf16 of -(128 + z) is 0xC300 | z (z < 128), in both halves
+                    nza = uint32(_NEG128_2) | (zs[u, 0] * uint32(0x10001))
+                    nzb = uint32(_NEG128_2) | (zs[u, 1] * uint32(0x10001))
                     for j in range(4):
                         x0 = xr[u, 4 * j]
                         x1 = xr[u, 4 * j + 1]
@@ -572,6 +593,8 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
         xon = g < mm
         xi0 = (xrow0 + min(g, mm - 1)) * (k >> 1) + t * (CHUNK // 2)
         nsteps = (k + STEP - 1) // STEP
+        nfull = k // STEP                               # steps inside K for every lane
+        gsh = 31 - cuda.clz(int32(bc // STEP))          # a step's scale block: s >> gsh
         acc0 = float32(0.0)
         acc1 = float32(0.0)
         acc2 = float32(0.0)
@@ -580,14 +603,20 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
         wb = cuda.local.array((U, 4), uint32)
         xr = cuda.local.array((U, XW), uint32)
         fs = cuda.local.array((U, 2), float32)
-        zs = cuda.local.array((U, 2), int32)
-        for s0 in range(wid * U, nsteps, warps * U):
-            # every load of the U steps first, then the math: nothing waits on memory between
-            # two tensor-core chains
-            load_set(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa,
-                     sb, zero, bc)
-            acc0, acc1, acc2, acc3 = compute_set(wa, wb, xr, fs, zs, s0, nsteps, acc0, acc1,
+        zs = cuda.local.array((U, 2), uint32)
+        # every load of U steps first, then the math: nothing waits on memory between two
+        # tensor-core chains
+        s0 = wid * U
+        while s0 + U <= nfull:
+            load_full(wa, wb, xr, fs, zs, s0, w, wa0, wb0, x, xi0, xon, scale, sa, sb, zero, gsh)
+            acc0, acc1, acc2, acc3 = compute_set(wa, wb, xr, fs, zs, U, acc0, acc1, acc2, acc3)
+            s0 += warps * U
+        while s0 < nsteps:
+            load_tail(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa,
+                      sb, zero, gsh)
+            acc0, acc1, acc2, acc3 = compute_set(wa, wb, xr, fs, zs, nsteps - s0, acc0, acc1,
                                                  acc2, acc3)
+            s0 += warps * U
         red = cuda.shared.array((warps, 4, 32), float32)
         red[wid, 0, lane] = acc0
         red[wid, 1, lane] = acc1
