@@ -5,7 +5,8 @@
           them cuBLASLt's bf16 product of the same shape (M = B), the path a bf16 model takes.
           "B=b/r": the CUDA-core qgemv, r output rows per warp (the float32 model's and odd
           shapes' path); "mma B=b wW uU": the tensor-core qmma (a bf16 model's), W warps per
-          block, U steps unrolled (--mma sweeps them).
+          block, U steps unrolled (--mma sweeps them; a suffix l: plain loads instead of
+          streaming ones, p: the loads alone, no math, to time the access pattern itself).
   prefill dequantize the matrix into bf16 (slabs, as the runner does) + the bf16 GEMM at
           M = 4096 rows, against the bf16 GEMM alone.
 
@@ -65,9 +66,10 @@ def main():
     ap.add_argument("--rows", default=str(qw.ROWS),
                     help="output rows per warp of the GEMV to time, comma-separated (the model "
                          f"runs {qw.ROWS})")
-    ap.add_argument("--mma", default=f"{qw.MMA_WARPS}:4",
-                    help="qmma geometries to time, warps:unroll comma-separated (the model runs "
-                         f"{qw.MMA_WARPS}:4)")
+    ap.add_argument("--mma", default=qw.MMA_GEOMETRY,
+                    help="qmma geometries to time, warps:unroll[:flags] comma-separated, flags l "
+                         "(plain loads, not streaming) and p (probe: loads only); the model runs "
+                         f"{qw.MMA_GEOMETRY}")
     ap.add_argument("--gemv-batches", default="1,8", help="B of the qgemv rows ('' for none)")
     args = ap.parse_args()
     dev = d.Device(0)
@@ -121,16 +123,18 @@ def main():
                                  f"{bf16_decode[B]:8.1f}" if B in bf16_decode else "",
                                  f"{bf16_decode[B] / us:5.2f}" if B in bf16_decode else ""))
                 for geo in args.mma.split(","):
-                    W, U = (int(v) for v in geo.split(":"))
-                    kern = cache.get(kset[qmma_name(layout, asym)] if (W, U) == (qw.MMA_WARPS, 4)
-                                     else spec("qmma", layout=layout, asym=asym, warps=W, unroll=U))
-                    for B in (1, 8):
+                    W, U, *flags = geo.split(":")
+                    W, U, flags = int(W), int(U), "".join(flags)
+                    kern = cache.get(kset[qmma_name(layout, asym)] if geo == qw.MMA_GEOMETRY
+                                     else spec("qmma", layout=layout, asym=asym, warps=W, unroll=U,
+                                               stream="l" not in flags, probe="p" in flags))
+                    for B in (1, 8) if "p" not in flags else (1,):
                         us = timed(st, [lambda w=w: kern.launch(
                             st, (-(-N // qw.MMA_ROWS), 1), (32 * W,),
                             (y, x, w, s, zp, B, N, K, N, block[0], block[1], sshape[1], 0.0, 0,
                              0, 0, 0, 0)) for w in ws], args.reps)
                         gbs = nbytes / us / 1e3
-                        rows.append((shape, name, layout, f"mma B={B} w{W}u{U}", f"{us:8.1f}",
+                        rows.append((shape, name, layout, f"mma B={B} w{W}u{U}{flags}", f"{us:8.1f}",
                                      f"{gbs:7.0f}", f"{gbs / args.copy_gbs:5.2f}",
                                      f"{bf16_decode[B]:8.1f}", f"{bf16_decode[B] / us:5.2f}"))
                 dq = cache.get(kset[dequant_name(layout, asym)])

@@ -7,6 +7,8 @@ with a twin for numba's CPU simulator that computes the same bits with numpy.
                           the and and the or of two constants into two)
     cvt_bf16x2(hi, lo)    cvt.rn.bf16x2.f32: two floats -> bf16 pair (round to nearest even)
     ld_v4(p, i)           ld.global.nc.v4.u32 of p[i .. i + 4) (i a multiple of 4: 16 bytes)
+    ld_v4_stream(p, i)    the same for bytes read once: not kept in L1, and L2 fetches the
+                          whole 256-byte span from memory (the rest of it is read next)
     mma_bf16(a0..a3, b0, b1, c0..c3)
                           mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a warp's
                           D[16, 8] = A[16, 16] B[16, 8] + C in fp32. Lane l (g = l / 4, t = l % 4)
@@ -56,6 +58,8 @@ if config.ENABLE_CUDASIM:
 
     def ld_v4(p, i):
         return p[i], p[i + 1], p[i + 2], p[i + 3]
+
+    ld_v4_stream = ld_v4
 
     _WARPS, _LOCK = {}, threading.Lock()
 
@@ -128,17 +132,23 @@ else:
             return _asm(builder, _I32, args, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
         return sig, codegen
 
-    @intrinsic
-    def ld_v4(typingctx, p, i):
-        sig = types.UniTuple(types.uint32, 4)(p, types.int64)
+    def _ld_v4(qualifiers):
+        def ld(typingctx, p, i):
+            sig = types.UniTuple(types.uint32, 4)(p, types.int64)
 
-        def codegen(context, builder, sig, args):
-            addr = builder.gep(args[0], [args[1]])
-            res = _asm(builder, ir.LiteralStructType([_I32] * 4), [addr],
-                       "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(res, j) for j in range(4)])
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                addr = builder.gep(args[0], [args[1]])
+                res = _asm(builder, ir.LiteralStructType([_I32] * 4), [addr],
+                           f"ld.global.nc{qualifiers}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
+                           "=r,=r,=r,=r,l")
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(res, j) for j in range(4)])
+            return sig, codegen
+        ld.__name__ = "ld_v4" + qualifiers.replace(".", "_").replace(":", "_")
+        return intrinsic(ld)
+
+    ld_v4 = _ld_v4("")
+    ld_v4_stream = _ld_v4(".L1::no_allocate.L2::256B")
 
     @intrinsic
     def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

@@ -25,7 +25,7 @@ branches inside the loop.
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .common import f32_to_bf16, inlined, warp_sum
-from .ptx import and_or, cvt_bf16x2, fma_bf16x2, ld_v4, mma_bf16, prmt
+from .ptx import and_or, cvt_bf16x2, fma_bf16x2, ld_v4, ld_v4_stream, mma_bf16, prmt
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -390,7 +390,8 @@ _E4M3_EM = 0x07F007F0               # exponent and mantissa of two e4m3 bytes mo
 _SIGN2 = 0x80008000
 
 
-def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
+def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
+         probe=False):
     """The decode GEMV on tensor cores: y[b, r] = sum_c value(r, c) x[b, c] (+ beta y[b, r]) for
     up to 8 rows b of bf16 x, every row for the cost of one (mma.sync m16n8k16: 16 weight rows
     by the 8 batch rows of one n tile; unused batch lanes hold zeros). Grid (ceil(n / 16),
@@ -413,8 +414,13 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
     straddles a scale block) and added to the lane's four accumulators. The warps' partial
     sums meet in shared memory and are added in warp order: a row's result never depends on
     the other rows of the batch (batch-invariant).
-    Expert mode (topk > 0): as qgemv's, one batch row per (token, slot) pair."""
+    Expert mode (topk > 0): as qgemv's, one batch row per (token, slot) pair.
+    stream: the codes are loaded with ld_v4_stream (no L1 allocation, 256-byte L2 fetches):
+    2-10% faster on the H200 than plain loads, which `stream=False` keeps for comparison.
+    probe (bench only): the loads without the math (y gets a checksum of the codes), the
+    access pattern's own speed."""
     int4 = layout == "int4_block"
+    wload = ld_v4_stream if stream else ld_v4
     fp8 = layout == "fp8_block"
     if layout not in LAYOUTS:
         raise ValueError(f"quantized layout {layout!r} (one of {', '.join(LAYOUTS)})")
@@ -457,8 +463,8 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
     def load_step(wa, wb, xr, fs, zs, u, w, pa, pb, x, px, xon, scale, zero, ia, ib, kin):
         # one step's loads into slot u: codes at word pa / pb, x at px, scale / zero at ia / ib
         if kin:
-            a0, a1, a2, a3 = ld_v4(w, pa)
-            b0, b1, b2, b3 = ld_v4(w, pb)
+            a0, a1, a2, a3 = wload(w, pa)
+            b0, b1, b2, b3 = wload(w, pb)
         else:
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
         wa[u, 0] = a0
@@ -511,7 +517,14 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL):
     @inlined
     def compute_set(wa, wb, xr, fs, zs, nvalid, acc0, acc1, acc2, acc3):
         for u in range(U):
-            if u < nvalid:
+            if probe:
+                if u < nvalid:
+                    v = (wa[u, 0] ^ wa[u, 1] ^ wa[u, 2] ^ wa[u, 3] ^ wb[u, 0] ^ wb[u, 1]
+                         ^ wb[u, 2] ^ wb[u, 3] ^ zs[u, 0] ^ zs[u, 1])
+                    for q in range(XW):
+                        v ^= xr[u, q]
+                    acc0 += float32(v & uint32(0xFF)) * fs[u, 0]
+            elif u < nvalid:
                 # two independent tensor-core chains (even and odd words), added at the end
                 d0 = d1 = d2 = d3 = float32(0.0)
                 e0 = e1 = e2 = e3 = float32(0.0)

@@ -33,6 +33,7 @@ THREADS, WARPS, ROWS, DEQUANT_THREADS = 128, 4, 4, 256
 BMS = (1, 2, 4, 8)
 MMA_WARPS = 4               # kernels/quant_gemv.qmma: block of 4 warps over 16 output rows
 MMA_ROWS = 16
+MMA_GEOMETRY = f"{MMA_WARPS}:4"  # warps:unroll of the model's qmma (bench_quant --mma)
 
 
 def vector_ok(layout: str, k: int, bc: int) -> bool:
