@@ -6,7 +6,8 @@
           "B=b/r": the CUDA-core qgemv, r output rows per warp (the float32 model's and odd
           shapes' path); "mma B=b wW uU": the tensor-core qmma (a bf16 model's), W warps per
           block, U steps unrolled (--mma sweeps them; a suffix l: plain loads instead of
-          streaming ones, p: the loads alone, no math, to time the access pattern itself).
+          streaming ones, p: the loads alone, no math, to time the access pattern itself, d: two
+          16-row tiles per block sharing x).
   prefill dequantize the matrix into bf16 (slabs, as the runner does) + the bf16 GEMM at
           M = 4096 rows, against the bf16 GEMM alone.
 
@@ -68,7 +69,8 @@ def main():
                          f"runs {qw.ROWS})")
     ap.add_argument("--mma", default=qw.MMA_GEOMETRY,
                     help="qmma geometries to time, warps:unroll[:flags] comma-separated, flags l "
-                         "(plain loads, not streaming) and p (probe: loads only); the model runs "
+                         "(plain loads, not streaming), p (probe: loads only), d (two 16-row tiles "
+                         "per block); the model runs "
                          f"{qw.MMA_GEOMETRY}")
     ap.add_argument("--gemv-batches", default="1,8", help="B of the qgemv rows ('' for none)")
     args = ap.parse_args()
@@ -127,10 +129,12 @@ def main():
                     W, U, flags = int(W), int(U), "".join(flags)
                     kern = cache.get(kset[qmma_name(layout, asym)] if geo == qw.MMA_GEOMETRY
                                      else spec("qmma", layout=layout, asym=asym, warps=W, unroll=U,
-                                               stream="l" not in flags, probe="p" in flags))
+                                               stream="l" not in flags, probe="p" in flags,
+                                               tiles=2 if "d" in flags else 1))
                     for B in (1, 8) if "p" not in flags else (1,):
                         us = timed(st, [lambda w=w: kern.launch(
-                            st, (-(-N // qw.MMA_ROWS), 1), (32 * W,),
+                            st, (-(-N // (qw.MMA_ROWS * (2 if "d" in flags else 1))), 1),
+                            (32 * W,),
                             (y, x, w, s, zp, B, N, K, N, block[0], block[1], sshape[1], 0.0, 0,
                              0, 0, 0, 0)) for w in ws], args.reps)
                         gbs = nbytes / us / 1e3

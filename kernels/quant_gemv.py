@@ -391,7 +391,7 @@ _SIGN2 = 0x80008000
 
 
 def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
-         probe=False):
+         probe=False, tiles=1):
     """The decode GEMV on tensor cores: y[b, r] = sum_c value(r, c) x[b, c] (+ beta y[b, r]) for
     up to 8 rows b of bf16 x, every row for the cost of one (mma.sync m16n8k16: 16 weight rows
     by the 8 batch rows of one n tile; unused batch lanes hold zeros). Grid (ceil(n / 16),
@@ -408,7 +408,7 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
       fp8   a byte pair spread (prmt) to the top of two halves, shifted so e4m3's exponent and
             mantissa sit under bf16's (its sign already in place): 2^-120 times the value,
             exact for subnormals too; one fma by 2^120 rebiases it (all exact).
-      int8  byte ^ 0x80 or-ed into 2^23's mantissa, less 2^23 + 128 (float32), two rounded
+      int8  byte ^ 0x80 put under 2^23's exponent (one prmt), less 2^23 + 128 (float32), two rounded
             into a bf16 pair (exact: |s| <= 128 needs 8 significant bits).
     The tensor core sums each step in fp32; the step is then scaled (mma_ok: a step never
     straddles a scale block) and added to the lane's four accumulators. The warps' partial
@@ -417,6 +417,7 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
     Expert mode (topk > 0): as qgemv's, one batch row per (token, slot) pair.
     stream: the codes are loaded with ld_v4_stream (no L1 allocation, 256-byte L2 fetches):
     2-10% faster on the H200 than plain loads, which `stream=False` keeps for comparison.
+    tiles: 16-row tiles per block (grid ceil(n / (16 tiles))), every x fragment used by each.
     probe (bench only): the loads without the math (y gets a checksum of the codes), the
     access pattern's own speed."""
     int4 = layout == "int4_block"
@@ -428,6 +429,10 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
     STEP = 4 * CHUNK                    # K per warp step
     XW = CHUNK // 2                     # x words (bf16 pairs) of one lane's chunk
     U = unroll
+    T = tiles                           # 16-row tiles per block, sharing each x fragment
+    R = 2 * T                           # rows per lane
+    ROWS_PER_BLOCK = 16 * T
+    NACC = 4 * T                        # a lane's accumulators: 2 rows x 2 batch columns per tile
     INT8_OFF = float32(TWO_23 + 128.0)
 
     @inlined
@@ -456,25 +461,23 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
 
     @inlined
     def int8_val(u, j):
-        bits = ((u >> uint32(8 * j)) & uint32(0xFF)) | uint32(0x4B000000)
+        # byte j of u (an offset code, 0..255) under 2^23's exponent byte in one prmt: 2^23 + u_j
+        bits = prmt(u, uint32(0x4B000000), uint32(0x7540 + j))
         return cuda.libdevice.int_as_float(int32(bits)) - INT8_OFF
 
     @inlined
-    def load_step(wa, wb, xr, fs, zs, u, w, pa, pb, x, px, xon, scale, zero, ia, ib, kin):
-        # one step's loads into slot u: codes at word pa / pb, x at px, scale / zero at ia / ib
-        if kin:
-            a0, a1, a2, a3 = wload(w, pa)
-            b0, b1, b2, b3 = wload(w, pb)
-        else:
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
-        wa[u, 0] = a0
-        wa[u, 1] = a1
-        wa[u, 2] = a2
-        wa[u, 3] = a3
-        wb[u, 0] = b0
-        wb[u, 1] = b1
-        wb[u, 2] = b2
-        wb[u, 3] = b3
+    def load_step(wq, xr, fs, zs, u, w, wr, off, x, px, xon, scale, zero, sr, grp, kin):
+        # one step's loads into slot u: the lane's R rows' codes at words wr[i] + off, x at px,
+        # scales / zero points at sr[i] + grp
+        for i in range(R):
+            if kin:
+                q0, q1, q2, q3 = wload(w, wr[i] + off)
+            else:
+                q0 = q1 = q2 = q3 = uint32(0)
+            wq[u, i, 0] = q0
+            wq[u, i, 1] = q1
+            wq[u, i, 2] = q2
+            wq[u, i, 3] = q3
         for q in range(XW // 4):
             if xon and kin:
                 x0, x1, x2, x3 = ld_v4(x, px + 4 * q)
@@ -484,61 +487,60 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
             xr[u, 4 * q + 1] = x1
             xr[u, 4 * q + 2] = x2
             xr[u, 4 * q + 3] = x3
-        fs[u, 0] = scale[ia]
-        fs[u, 1] = scale[ib]
-        if int4:
-            zs[u, 0] = uint32(zero[ia]) if asym else uint32(8)
-            zs[u, 1] = uint32(zero[ib]) if asym else uint32(8)
+        for i in range(R):
+            fs[u, i] = scale[sr[i] + grp]
+            if int4:
+                zs[u, i] = uint32(zero[sr[i] + grp]) if asym else uint32(8)
 
     @inlined
-    def load_full(wa, wb, xr, fs, zs, s0, w, wa0, wb0, x, xi0, xon, scale, sa, sb, zero, gsh):
+    def load_full(wq, xr, fs, zs, s0, w, wr, x, xi0, xon, scale, sr, zero, gsh):
         # U steps that lie inside K for every lane: no bounds tests, and the code / x addresses
         # are one base per set plus constant offsets (immediates of the loads)
-        pa = wa0 + 16 * s0
-        pb = wb0 + 16 * s0
         px = xi0 + (STEP // 2) * s0
         for u in range(U):
-            grp = (s0 + u) >> gsh
-            load_step(wa, wb, xr, fs, zs, u, w, pa + 16 * u, pb + 16 * u, x,
-                      px + (STEP // 2) * u, xon, scale, zero, sa + grp, sb + grp, True)
+            load_step(wq, xr, fs, zs, u, w, wr, 16 * (s0 + u), x, px + (STEP // 2) * u, xon,
+                      scale, zero, sr, (s0 + u) >> gsh, True)
 
     @inlined
-    def load_tail(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa,
-                  sb, zero, gsh):
+    def load_tail(wq, xr, fs, zs, s0, nsteps, k, t, w, wr, x, xi0, xon, scale, sr, zero, gsh):
         # the last steps: K may end inside a step (a lane's chunk past it loads zeros) and a
         # step past the end is loaded from a valid address and never used
         for u in range(U):
             s = min(s0 + u, nsteps - 1)
-            grp = s >> gsh
-            load_step(wa, wb, xr, fs, zs, u, w, wa0 + 16 * s, wb0 + 16 * s, x,
-                      xi0 + (STEP // 2) * s, xon, scale, zero, sa + grp, sb + grp,
-                      s * STEP + t * CHUNK < k)
+            load_step(wq, xr, fs, zs, u, w, wr, 16 * s, x, xi0 + (STEP // 2) * s, xon, scale,
+                      zero, sr, s >> gsh, s * STEP + t * CHUNK < k)
 
     @inlined
-    def compute_set(wa, wb, xr, fs, zs, nvalid, acc0, acc1, acc2, acc3):
+    def compute_set(wq, xr, fs, zs, nvalid, acc):
         for u in range(U):
             if probe:
                 if u < nvalid:
-                    v = (wa[u, 0] ^ wa[u, 1] ^ wa[u, 2] ^ wa[u, 3] ^ wb[u, 0] ^ wb[u, 1]
-                         ^ wb[u, 2] ^ wb[u, 3] ^ zs[u, 0] ^ zs[u, 1])
+                    v = uint32(0)
+                    for i in range(R):
+                        v ^= wq[u, i, 0] ^ wq[u, i, 1] ^ wq[u, i, 2] ^ wq[u, i, 3] ^ zs[u, i]
                     for q in range(XW):
                         v ^= xr[u, q]
-                    acc0 += float32(v & uint32(0xFF)) * fs[u, 0]
-            elif u < nvalid:
+                    acc[0] += float32(v & uint32(0xFF)) * fs[u, 0]
+                continue
+            if u >= nvalid:
+                continue
+            for tl in range(T):
+                ia = 2 * tl                         # the tile's rows g and g + 8
+                ib = 2 * tl + 1
                 # two independent tensor-core chains (even and odd words), added at the end
                 d0 = d1 = d2 = d3 = float32(0.0)
                 e0 = e1 = e2 = e3 = float32(0.0)
                 if int4:
                     # bf16 of -(128 + z) is 0xC300 | z (z < 128), in both halves
-                    nza = uint32(_NEG128_2) | (zs[u, 0] * uint32(0x10001))
-                    nzb = uint32(_NEG128_2) | (zs[u, 1] * uint32(0x10001))
+                    nza = uint32(_NEG128_2) | (zs[u, ia] * uint32(0x10001))
+                    nzb = uint32(_NEG128_2) | (zs[u, ib] * uint32(0x10001))
                     for j in range(4):
                         x0 = xr[u, 4 * j]
                         x1 = xr[u, 4 * j + 1]
                         x2 = xr[u, 4 * j + 2]
                         x3 = xr[u, 4 * j + 3]
-                        qa = wa[u, j]
-                        qb = wb[u, j]
+                        qa = wq[u, ia, j]
+                        qb = wq[u, ib, j]
                         if j % 2 == 0:
                             d0, d1, d2, d3 = int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3,
                                                            d0, d1, d2, d3)
@@ -547,8 +549,8 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
                                                            e0, e1, e2, e3)
                 else:
                     for j in range(4):
-                        qa = wa[u, j]
-                        qb = wb[u, j]
+                        qa = wq[u, ia, j]
+                        qb = wq[u, ib, j]
                         if fp8:
                             pa0 = fp8_pair(qa, 0x1404)
                             pa1 = fp8_pair(qa, 0x3424)
@@ -567,13 +569,12 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
                         else:
                             e0, e1, e2, e3 = mma_bf16(pa0, pb0, pa1, pb1, xr[u, 2 * j],
                                                       xr[u, 2 * j + 1], e0, e1, e2, e3)
-                fa = fs[u, 0]
-                fb = fs[u, 1]
-                acc0 += (d0 + e0) * fa
-                acc1 += (d1 + e1) * fa
-                acc2 += (d2 + e2) * fb
-                acc3 += (d3 + e3) * fb
-        return acc0, acc1, acc2, acc3
+                fa = fs[u, ia]
+                fb = fs[u, ib]
+                acc[4 * tl] += (d0 + e0) * fa
+                acc[4 * tl + 1] += (d1 + e1) * fa
+                acc[4 * tl + 2] += (d2 + e2) * fb
+                acc[4 * tl + 3] += (d3 + e3) * fb
 
     def qmma_kernel(y, x, w, scale, zero, m, n, k, ldy, br, bc, sc_cols, beta, ids, topk,
                     x_per_pair, w_stride, s_stride):
@@ -595,55 +596,49 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
             xrow0 = int64(p) if x_per_pair else int64(p // topk)
             yrow0 = int64(p)
             mm = 1
-        row0 = cuda.blockIdx.x * 16
-        ra = int64(min(row0 + g, n - 1))
-        rb = int64(min(row0 + g + 8, n - 1))
+        row0 = cuda.blockIdx.x * ROWS_PER_BLOCK
         row_words = int64(k >> 3) if int4 else int64(k >> 2)
-        wa0 = wbase + ra * row_words + 4 * t
-        wb0 = wbase + rb * row_words + 4 * t
-        sa = sbase + (ra // br) * sc_cols
-        sb = sbase + (rb // br) * sc_cols
+        wr = cuda.local.array(R, int64)                 # the lane's rows: first code word
+        sr = cuda.local.array(R, int64)                 # and first scale
+        for i in range(R):
+            r = int64(min(row0 + 16 * (i // 2) + g + 8 * (i % 2), n - 1))
+            wr[i] = wbase + r * row_words + 4 * t
+            sr[i] = sbase + (r // br) * sc_cols
         xon = g < mm
         xi0 = (xrow0 + min(g, mm - 1)) * (k >> 1) + t * (CHUNK // 2)
         nsteps = (k + STEP - 1) // STEP
         nfull = k // STEP                               # steps inside K for every lane
         gsh = 31 - cuda.clz(int32(bc // STEP))          # a step's scale block: s >> gsh
-        acc0 = float32(0.0)
-        acc1 = float32(0.0)
-        acc2 = float32(0.0)
-        acc3 = float32(0.0)
-        wa = cuda.local.array((U, 4), uint32)
-        wb = cuda.local.array((U, 4), uint32)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0.0)
+        wq = cuda.local.array((U, R, 4), uint32)
         xr = cuda.local.array((U, XW), uint32)
-        fs = cuda.local.array((U, 2), float32)
-        zs = cuda.local.array((U, 2), uint32)
+        fs = cuda.local.array((U, R), float32)
+        zs = cuda.local.array((U, R), uint32)
         # every load of U steps first, then the math: nothing waits on memory between two
         # tensor-core chains
         s0 = wid * U
         while s0 + U <= nfull:
-            load_full(wa, wb, xr, fs, zs, s0, w, wa0, wb0, x, xi0, xon, scale, sa, sb, zero, gsh)
-            acc0, acc1, acc2, acc3 = compute_set(wa, wb, xr, fs, zs, U, acc0, acc1, acc2, acc3)
+            load_full(wq, xr, fs, zs, s0, w, wr, x, xi0, xon, scale, sr, zero, gsh)
+            compute_set(wq, xr, fs, zs, U, acc)
             s0 += warps * U
         while s0 < nsteps:
-            load_tail(wa, wb, xr, fs, zs, s0, nsteps, k, t, w, wa0, wb0, x, xi0, xon, scale, sa,
-                      sb, zero, gsh)
-            acc0, acc1, acc2, acc3 = compute_set(wa, wb, xr, fs, zs, nsteps - s0, acc0, acc1,
-                                                 acc2, acc3)
+            load_tail(wq, xr, fs, zs, s0, nsteps, k, t, w, wr, x, xi0, xon, scale, sr, zero, gsh)
+            compute_set(wq, xr, fs, zs, nsteps - s0, acc)
             s0 += warps * U
-        red = cuda.shared.array((warps, 4, 32), float32)
-        red[wid, 0, lane] = acc0
-        red[wid, 1, lane] = acc1
-        red[wid, 2, lane] = acc2
-        red[wid, 3, lane] = acc3
+        red = cuda.shared.array((warps, NACC, 32), float32)
+        for i in range(NACC):
+            red[wid, i, lane] = acc[i]
         cuda.syncthreads()
-        for o in range(tid, 128, 32 * warps):
+        for o in range(tid, 128 * T, 32 * warps):
             i = o >> 5
             ln = o & 31
             v = float32(0.0)
             for q in range(warps):
                 v += red[q, i, ln]
             b = 2 * (ln & 3) + (i & 1)
-            r = row0 + (ln >> 2) + 8 * (i >> 1)
+            r = row0 + 16 * (i >> 2) + (ln >> 2) + 8 * ((i >> 1) & 1)
             if r < n and b < mm:
                 store_y(y, (yrow0 + b) * ldy + r, v, beta)
     qmma_kernel.__name__ = "qmma"

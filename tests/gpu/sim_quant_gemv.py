@@ -128,7 +128,7 @@ def experts_case(layout, block, n, k, rng, asym=False, x_per_pair=0, f32=False):
 
 
 def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=2, experts=0,
-             codes=None):
+             codes=None, tiles=1):
     """qmma (bf16 x only): rows 1..8 of x, or expert mode over 3 experts (x_per_pair when
     experts == 2). Its weights are exact in bf16 and summed in fp32, so it meets the float64
     reference as closely as qgemv."""
@@ -136,7 +136,7 @@ def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=
     stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=E, codes=codes)
     words32 = np.ascontiguousarray(stored).reshape(-1).view(np.uint32)
     zarr = zero.reshape(-1) if zero is not None else np.zeros(1, np.uint8)
-    kern = kernel("qmma", layout, asym, warps, unroll)
+    kern = kernel("qmma", layout, asym, warps, unroll, True, False, tiles)
     if experts:
         topk, ids = 2, np.array([2, 0, 1, 2, 0, 0], np.int32)
         pairs = ids.size
@@ -151,7 +151,7 @@ def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=
     y0 = rng.standard_normal((rows_out, n)).astype(np.float32)
     if beta:
         y[:rows_out, :n] = y0
-    kern[(-(-n // 16), pairs, 1), (32 * warps, 1, 1)](
+    kern[(-(-n // (16 * tiles)), pairs, 1), (32 * warps, 1, 1)](
         y.reshape(-1), xb, words32, scale.reshape(-1), zarr, m, n, k, ldy, block[0], block[1],
         scale.shape[-1], beta, ids, topk, int(experts == 2), stored[0].size, scale[0].size)
     xv = x_values(x, False)
@@ -244,6 +244,11 @@ def main():
     out["mma/experts/fp8"] = mma_case("fp8_block", (128, 128), 18, 128, 1, rng, experts=1)
     out["mma/experts/int4/per_pair"] = mma_case("int4_block", (1, 128), 7, 256, 1, rng,
                                                 asym=True, experts=2)
+    # two 16-row tiles per block: a partial second tile, and a block past the last row
+    out["mma/tiles2/int4/asym/m3"] = mma_case("int4_block", (1, 128), 40, 384, 3, rng,
+                                              asym=True, tiles=2)
+    out["mma/tiles2/fp8/m8/tail"] = mma_case("fp8_block", (128, 128), 20, 448, 8, rng, warps=1,
+                                             unroll=2, tiles=2)
     # dequant: bf16 bits equal the float64 decode rounded to bf16 (mismatch count); fp32: max
     # error relative to the largest value
     out["dequant/fp8/bf16_mismatches"] = dequant_case("fp8_block", (128, 128), 5, 300, rng)
