@@ -40,7 +40,7 @@ SHAPES = {
             ("w_down", 5120, 17408), ("gdn w_out", 5120, 6144)],
 }
 FORMATS = [("fp8_block", (128, 128), False), ("int8_block", (1, 128), False),
-           ("int4_block", (1, 128), True)]
+           ("int4_block", (1, 128), True), ("int4_block", (1, 64), True)]
 
 
 L2_SPAN = 256 << 20     # weight bytes cycled through per timing: several times the H200's L2
@@ -80,7 +80,7 @@ def main():
     arena = Arena(12 << 30)
     lt_ws = arena.take((32 << 20,), np.uint8, "lt")
     lt = CublasLt(lt_ws.ptr, 32 << 20)
-    kset = quant_specs({(lay, asym) for lay, _, asym in FORMATS})
+    kset = quant_specs({(lay, asym, qw.mma_split(lay, blk[1])) for lay, blk, asym in FORMATS})
     M = args.prefill_m
     rows = []
     for shape in args.shapes.split(","):
@@ -97,6 +97,8 @@ def main():
                                          for wb in wbs], args.reps) for B in (1, 8)}
             bf16_prefill = timed(st, [lambda: lt.gemm(st, x.ptr, wbs[0].ptr, y.ptr, M, N, K)], 10)
             for layout, block, asym in FORMATS:
+                split = qw.mma_split(layout, block[1])
+                label = layout if split == 1 else f"{layout[:4]}/g{block[1]}"
                 rb = qw.SegmentPlan(0, N, K, layout, block, asym).row_bytes
                 sshape = (-(-N // block[0]), -(-K // block[1]))
                 ncq = max(2, -(-L2_SPAN // (N * rb)))
@@ -120,15 +122,18 @@ def main():
                         (y, x, x, w, w, s, zp, B, N, K, N, block[0], block[1], sshape[1], 0.0,
                          vec, 0, 0, 0, 0, 0)) for w in ws], args.reps)
                     gbs = nbytes / us / 1e3
-                    rows.append((shape, name, layout, f"B={B}/{R}", f"{us:8.1f}", f"{gbs:7.0f}",
+                    rows.append((shape, name, label, f"B={B}/{R}", f"{us:8.1f}", f"{gbs:7.0f}",
                                  f"{gbs / args.copy_gbs:5.2f}",
                                  f"{bf16_decode[B]:8.1f}" if B in bf16_decode else "",
                                  f"{bf16_decode[B] / us:5.2f}" if B in bf16_decode else ""))
                 for geo in args.mma.split(","):
                     W, U, *flags = geo.split(":")
                     W, U, flags = int(W), int(U), "".join(flags)
-                    kern = cache.get(kset[qmma_name(layout, asym)] if geo == qw.MMA_GEOMETRY
+                    extra = {"split": split} if split > 1 else {}
+                    kern = cache.get(kset[qmma_name(layout, asym, split)]
+                                     if geo == qw.MMA_GEOMETRY
                                      else spec("qmma", layout=layout, asym=asym, warps=W, unroll=U,
+                                               **extra,
                                                stream="l" not in flags, probe="p" in flags,
                                                tiles=2 if "d" in flags else 1))
                     for B in (1, 8) if "p" not in flags else (1,):
@@ -138,7 +143,7 @@ def main():
                             (y, x, w, s, zp, B, N, K, N, block[0], block[1], sshape[1], 0.0, 0,
                              0, 0, 0, 0)) for w in ws], args.reps)
                         gbs = nbytes / us / 1e3
-                        rows.append((shape, name, layout, f"mma B={B} w{W}u{U}{flags}", f"{us:8.1f}",
+                        rows.append((shape, name, label, f"mma B={B} w{W}u{U}{flags}", f"{us:8.1f}",
                                      f"{gbs:7.0f}", f"{gbs / args.copy_gbs:5.2f}",
                                      f"{bf16_decode[B]:8.1f}", f"{bf16_decode[B] / us:5.2f}"))
                 dq = cache.get(kset[dequant_name(layout, asym)])
@@ -155,7 +160,7 @@ def main():
                                    sshape[1], 0, 0, 0, vec))
                         lt.gemm(st, x.ptr, tile.ptr, y.ptr + 4 * r0, M, n, K, ldc=N)
                 us = timed(st, [prefill], 10)
-                rows.append((shape, name, layout, f"M={M}", f"{us:8.1f}", "", "",
+                rows.append((shape, name, label, f"M={M}", f"{us:8.1f}", "", "",
                              f"{bf16_prefill:8.1f}", f"{bf16_prefill / us:5.2f}"))
                 for a in [z, s] + ws[::-1]:
                     if a is not None:

@@ -6,9 +6,11 @@ with a twin for numba's CPU simulator that computes the same bits with numpy.
     and_or(a, b, c)       lop3.b32 with lut 0xEA: (a & b) | c in one instruction (ptxas splits
                           the and and the or of two constants into two)
     cvt_bf16x2(hi, lo)    cvt.rn.bf16x2.f32: two floats -> bf16 pair (round to nearest even)
-    ld_v4(p, i)           ld.global.nc.v4.u32 of p[i .. i + 4) (i a multiple of 4: 16 bytes)
+    ld_v4(p, i)           ld.global.nc.v4.u32 of p[i .. i + 4) (i a multiple of 4: 16 bytes);
+                          ld_v2 (8 bytes), ld_1 (one word) likewise
     ld_v4_stream(p, i)    the same for bytes read once: not kept in L1, and L2 fetches the
-                          whole 256-byte span from memory (the rest of it is read next)
+                          whole 256-byte span from memory (the rest of it is read next);
+                          ld_v2_stream, ld_stream likewise
     mma_bf16(a0..a3, b0, b1, c0..c3)
                           mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a warp's
                           D[16, 8] = A[16, 16] B[16, 8] + C in fp32. Lane l (g = l / 4, t = l % 4)
@@ -56,10 +58,16 @@ if config.ENABLE_CUDASIM:
     def cvt_bf16x2(hi, lo):
         return np.uint32((_to_bf16(np.float32(hi)) << 16) | _to_bf16(np.float32(lo)))
 
+    def ld_1(p, i):
+        return p[i]
+
+    def ld_v2(p, i):
+        return p[i], p[i + 1]
+
     def ld_v4(p, i):
         return p[i], p[i + 1], p[i + 2], p[i + 3]
 
-    ld_v4_stream = ld_v4
+    ld_stream, ld_v2_stream, ld_v4_stream = ld_1, ld_v2, ld_v4
 
     _WARPS, _LOCK = {}, threading.Lock()
 
@@ -132,23 +140,31 @@ else:
             return _asm(builder, _I32, args, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
         return sig, codegen
 
-    def _ld_v4(qualifiers):
+    def _ld(qualifiers, n):
+        # ld.global.nc of n (1, 2, 4) consecutive u32 words at p[i]: a tuple of n
+        vec = f".v{n}" if n > 1 else ""
+        outs = ", ".join(f"${j}" for j in range(n))
+        text = f"ld.global.nc{qualifiers}{vec}.u32 " + (f"{{{outs}}}" if n > 1 else outs) \
+            + f", [${n}];"
+        constraints = ",".join(["=r"] * n + ["l"])
+
         def ld(typingctx, p, i):
-            sig = types.UniTuple(types.uint32, 4)(p, types.int64)
+            sig = (types.UniTuple(types.uint32, n) if n > 1 else types.uint32)(p, types.int64)
 
             def codegen(context, builder, sig, args):
                 addr = builder.gep(args[0], [args[1]])
-                res = _asm(builder, ir.LiteralStructType([_I32] * 4), [addr],
-                           f"ld.global.nc{qualifiers}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
-                           "=r,=r,=r,=r,l")
+                if n == 1:
+                    return _asm(builder, _I32, [addr], text, constraints)
+                res = _asm(builder, ir.LiteralStructType([_I32] * n), [addr], text, constraints)
                 return context.make_tuple(builder, sig.return_type,
-                                          [builder.extract_value(res, j) for j in range(4)])
+                                          [builder.extract_value(res, j) for j in range(n)])
             return sig, codegen
-        ld.__name__ = "ld_v4" + qualifiers.replace(".", "_").replace(":", "_")
+        ld.__name__ = f"ld_{n}" + qualifiers.replace(".", "_").replace(":", "_")
         return intrinsic(ld)
 
-    ld_v4 = _ld_v4("")
-    ld_v4_stream = _ld_v4(".L1::no_allocate.L2::256B")
+    _STREAM = ".L1::no_allocate.L2::256B"
+    ld_1, ld_v2, ld_v4 = _ld("", 1), _ld("", 2), _ld("", 4)
+    ld_stream, ld_v2_stream, ld_v4_stream = _ld(_STREAM, 1), _ld(_STREAM, 2), _ld(_STREAM, 4)
 
     @intrinsic
     def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

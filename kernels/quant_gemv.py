@@ -25,7 +25,8 @@ branches inside the loop.
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .common import f32_to_bf16, inlined, warp_sum
-from .ptx import and_or, cvt_bf16x2, fma_bf16x2, ld_v4, ld_v4_stream, mma_bf16, prmt
+from .ptx import (and_or, cvt_bf16x2, fma_bf16x2, ld_1, ld_stream, ld_v2, ld_v2_stream, ld_v4,
+                  ld_v4_stream, mma_bf16, prmt)
 
 THREADS = 128
 WARPS = THREADS // 32
@@ -370,11 +371,21 @@ def mma_chunk(layout: str) -> int:
     return 32 if layout == "int4_block" else 16
 
 
+def mma_split(layout: str, bc: int) -> int:
+    """Scale blocks per `qmma` step (4 chunks of K): 1 when a block holds whole steps, else
+    step / bc (blocks of 64 or 32 int4 codes; 32 or 16 byte codes)."""
+    step = 4 * mma_chunk(layout)
+    return step // bc if 0 < bc < step and step % bc == 0 else 1
+
+
 def mma_ok(layout: str, k: int, bc: int) -> bool:
     """`qmma` runs rows of whole chunks whose every step (4 chunks of K) lies in one scale
     block (its products are scaled after the tensor core sums them), a power of two of steps
-    per block (a step's block is a shift)."""
+    per block (a step's block is a shift); or steps of 2 or 4 whole blocks (K a multiple of
+    the block), each summed on its own."""
     c = mma_chunk(layout)
+    if 0 < bc < 4 * c:
+        return mma_split(layout, bc) in (2, 4) and k % bc == 0
     spb = bc // (4 * c)
     return k % c == 0 and bc % (4 * c) == 0 and spb & (spb - 1) == 0
 
@@ -391,7 +402,7 @@ _SIGN2 = 0x80008000
 
 
 def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
-         probe=False, tiles=1):
+         probe=False, tiles=1, split=1):
     """The decode GEMV on tensor cores: y[b, r] = sum_c value(r, c) x[b, c] (+ beta y[b, r]) for
     up to 8 rows b of bf16 x, every row for the cost of one (mma.sync m16n8k16: 16 weight rows
     by the 8 batch rows of one n tile; unused batch lanes hold zeros). Grid (ceil(n / 16),
@@ -418,16 +429,27 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
     stream: the codes are loaded with ld_v4_stream (no L1 allocation, 256-byte L2 fetches):
     2-10% faster on the H200 than plain loads, which `stream=False` keeps for comparison.
     tiles: 16-row tiles per block (grid ceil(n / (16 tiles))), every x fragment used by each.
+    split (`mma_split`: 2 or 4 scale blocks per step, blocks narrower than a step): a lane's
+    words of a row are then the same word of each block's 4-lane slice (8-byte or 4-byte loads,
+    still 64 contiguous bytes per row and step over the 4 lanes), so each block's products are
+    summed by mmas of their own and scaled apart.
     probe (bench only): the loads without the math (y gets a checksum of the codes), the
     access pattern's own speed."""
     int4 = layout == "int4_block"
     wload = ld_v4_stream if stream else ld_v4
+    wload2 = ld_v2_stream if stream else ld_v2
+    wload1 = ld_stream if stream else ld_1
     fp8 = layout == "fp8_block"
     if layout not in LAYOUTS:
         raise ValueError(f"quantized layout {layout!r} (one of {', '.join(LAYOUTS)})")
     CHUNK = mma_chunk(layout)
     STEP = 4 * CHUNK                    # K per warp step
     XW = CHUNK // 2                     # x words (bf16 pairs) of one lane's chunk
+    S = split                           # scale blocks per step
+    W = 4 // S                          # a lane's words of one row in one block
+    XPW = 4 if layout == "int4_block" else 2  # x words per code word
+    XG = W * XPW                        # a lane's x words in one block
+    BCS = STEP // S                     # codes of a block (S > 1)
     U = unroll
     T = tiles                           # 16-row tiles per block, sharing each x fragment
     R = 2 * T                           # rows per lane
@@ -466,49 +488,77 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
         return cuda.libdevice.int_as_float(int32(bits)) - INT8_OFF
 
     @inlined
-    def load_step(wq, xr, fs, zs, u, w, wr, off, x, px, xon, scale, zero, sr, grp, kin):
-        # one step's loads into slot u: the lane's R rows' codes at words wr[i] + off, x at px,
-        # scales / zero points at sr[i] + grp
-        for i in range(R):
-            if kin:
-                q0, q1, q2, q3 = wload(w, wr[i] + off)
-            else:
-                q0 = q1 = q2 = q3 = uint32(0)
-            wq[u, i, 0] = q0
-            wq[u, i, 1] = q1
-            wq[u, i, 2] = q2
-            wq[u, i, 3] = q3
-        for q in range(XW // 4):
-            if xon and kin:
-                x0, x1, x2, x3 = ld_v4(x, px + 4 * q)
-            else:
-                x0 = x1 = x2 = x3 = uint32(0)
-            xr[u, 4 * q] = x0
-            xr[u, 4 * q + 1] = x1
-            xr[u, 4 * q + 2] = x2
-            xr[u, 4 * q + 3] = x3
-        for i in range(R):
-            fs[u, i] = scale[sr[i] + grp]
-            if int4:
-                zs[u, i] = uint32(zero[sr[i] + grp]) if asym else uint32(8)
+    def load_words(p, i):
+        # W consecutive code words at p[i]: 16, 8 or 4 bytes in one load
+        if W == 4:
+            return wload(p, i)
+        if W == 2:
+            a, b = wload2(p, i)
+            return a, b, uint32(0), uint32(0)
+        return wload1(p, i), uint32(0), uint32(0), uint32(0)
 
     @inlined
-    def load_full(wq, xr, fs, zs, s0, w, wr, x, xi0, xon, scale, sr, zero, gsh):
+    def load_step(wq, xr, fs, zs, u, w, wr, off, x, px, xon, scale, zero, sr, blk, kleft, t,
+                  full):
+        # one step's loads into slot u: the lane's R rows' codes at words wr[i] + off (+ each
+        # block's slice), x at px, scales / zero points at sr[i] + blk (+ block); kleft: codes of
+        # K from the step's start (full: all of them)
+        for b in range(S):
+            if S == 1:
+                kin = full or t * CHUNK < kleft
+            else:
+                kin = full or b * BCS < kleft
+            for i in range(R):
+                if kin:
+                    q0, q1, q2, q3 = load_words(w, wr[i] + off + b * 4 * W)
+                else:
+                    q0 = q1 = q2 = q3 = uint32(0)
+                wq[u, i, b * W] = q0
+                if W > 1:
+                    wq[u, i, b * W + 1] = q1
+                if W > 2:
+                    wq[u, i, b * W + 2] = q2
+                    wq[u, i, b * W + 3] = q3
+            for q in range(XG // 4 if XG >= 4 else 1):
+                if xon and kin:
+                    if XG >= 4:
+                        x0, x1, x2, x3 = ld_v4(x, px + b * 4 * XG + 4 * q)
+                    else:
+                        x0, x1 = ld_v2(x, px + b * 4 * XG)
+                        x2 = x3 = uint32(0)
+                else:
+                    x0 = x1 = x2 = x3 = uint32(0)
+                xr[u, b * XG + 4 * q] = x0
+                xr[u, b * XG + 4 * q + 1] = x1
+                if XG >= 4:
+                    xr[u, b * XG + 4 * q + 2] = x2
+                    xr[u, b * XG + 4 * q + 3] = x3
+            for i in range(R):
+                # (a block past K has no scale: its codes are zeros, any finite factor does)
+                fs[u, i, b] = scale[sr[i] + blk + b] if kin or S == 1 else float32(0.0)
+                if int4:
+                    zs[u, i, b] = uint32(zero[sr[i] + blk + b]) if asym and (kin or S == 1) \
+                        else uint32(8)
+
+    @inlined
+    def load_full(wq, xr, fs, zs, s0, w, wr, x, xi0, xon, scale, sr, zero, gsh, t):
         # U steps that lie inside K for every lane: no bounds tests, and the code / x addresses
         # are one base per set plus constant offsets (immediates of the loads)
         px = xi0 + (STEP // 2) * s0
         for u in range(U):
+            blk = (s0 + u) * S if S > 1 else (s0 + u) >> gsh
             load_step(wq, xr, fs, zs, u, w, wr, 16 * (s0 + u), x, px + (STEP // 2) * u, xon,
-                      scale, zero, sr, (s0 + u) >> gsh, True)
+                      scale, zero, sr, blk, STEP, t, True)
 
     @inlined
     def load_tail(wq, xr, fs, zs, s0, nsteps, k, t, w, wr, x, xi0, xon, scale, sr, zero, gsh):
-        # the last steps: K may end inside a step (a lane's chunk past it loads zeros) and a
-        # step past the end is loaded from a valid address and never used
+        # the last steps: K may end inside a step (a lane's chunk or a block past it loads
+        # zeros) and a step past the end is loaded from a valid address and never used
         for u in range(U):
             s = min(s0 + u, nsteps - 1)
+            blk = s * S if S > 1 else s >> gsh
             load_step(wq, xr, fs, zs, u, w, wr, 16 * s, x, xi0 + (STEP // 2) * s, xon, scale,
-                      zero, sr, s >> gsh, s * STEP + t * CHUNK < k)
+                      zero, sr, blk, k - s * STEP, t, False)
 
     @inlined
     def compute_set(wq, xr, fs, zs, nvalid, acc):
@@ -517,40 +567,43 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
                 if u < nvalid:
                     v = uint32(0)
                     for i in range(R):
-                        v ^= wq[u, i, 0] ^ wq[u, i, 1] ^ wq[u, i, 2] ^ wq[u, i, 3] ^ zs[u, i]
+                        for b in range(S):
+                            v ^= zs[u, i, b]
+                        for j in range(4):
+                            v ^= wq[u, i, j]
                     for q in range(XW):
                         v ^= xr[u, q]
-                    acc[0] += float32(v & uint32(0xFF)) * fs[u, 0]
+                    acc[0] += float32(v & uint32(0xFF)) * fs[u, 0, 0]
                 continue
             if u >= nvalid:
                 continue
             for tl in range(T):
                 ia = 2 * tl                         # the tile's rows g and g + 8
                 ib = 2 * tl + 1
-                # two independent tensor-core chains (even and odd words), added at the end
-                d0 = d1 = d2 = d3 = float32(0.0)
-                e0 = e1 = e2 = e3 = float32(0.0)
-                if int4:
-                    # bf16 of -(128 + z) is 0xC300 | z (z < 128), in both halves
-                    nza = uint32(_NEG128_2) | (zs[u, ia] * uint32(0x10001))
-                    nzb = uint32(_NEG128_2) | (zs[u, ib] * uint32(0x10001))
-                    for j in range(4):
-                        x0 = xr[u, 4 * j]
-                        x1 = xr[u, 4 * j + 1]
-                        x2 = xr[u, 4 * j + 2]
-                        x3 = xr[u, 4 * j + 3]
+                for b in range(S):
+                    # two independent tensor-core chains (even and odd words), added at the end
+                    d0 = d1 = d2 = d3 = float32(0.0)
+                    e0 = e1 = e2 = e3 = float32(0.0)
+                    if int4:
+                        # bf16 of -(128 + z) is 0xC300 | z (z < 128), in both halves
+                        nza = uint32(_NEG128_2) | (zs[u, ia, b] * uint32(0x10001))
+                        nzb = uint32(_NEG128_2) | (zs[u, ib, b] * uint32(0x10001))
+                    for jj in range(W):
+                        j = b * W + jj
                         qa = wq[u, ia, j]
                         qb = wq[u, ib, j]
-                        if j % 2 == 0:
-                            d0, d1, d2, d3 = int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3,
-                                                           d0, d1, d2, d3)
-                        else:
-                            e0, e1, e2, e3 = int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3,
-                                                           e0, e1, e2, e3)
-                else:
-                    for j in range(4):
-                        qa = wq[u, ia, j]
-                        qb = wq[u, ib, j]
+                        if int4:
+                            x0 = xr[u, 4 * j]
+                            x1 = xr[u, 4 * j + 1]
+                            x2 = xr[u, 4 * j + 2]
+                            x3 = xr[u, 4 * j + 3]
+                            if jj % 2 == 0:
+                                d0, d1, d2, d3 = int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3,
+                                                               d0, d1, d2, d3)
+                            else:
+                                e0, e1, e2, e3 = int4_word_mma(qa, qb, nza, nzb, x0, x1, x2, x3,
+                                                               e0, e1, e2, e3)
+                            continue
                         if fp8:
                             pa0 = fp8_pair(qa, 0x1404)
                             pa1 = fp8_pair(qa, 0x3424)
@@ -563,18 +616,18 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
                             pa1 = cvt_bf16x2(int8_val(ua, 3), int8_val(ua, 2))
                             pb0 = cvt_bf16x2(int8_val(ub, 1), int8_val(ub, 0))
                             pb1 = cvt_bf16x2(int8_val(ub, 3), int8_val(ub, 2))
-                        if j % 2 == 0:
+                        if jj % 2 == 0:
                             d0, d1, d2, d3 = mma_bf16(pa0, pb0, pa1, pb1, xr[u, 2 * j],
                                                       xr[u, 2 * j + 1], d0, d1, d2, d3)
                         else:
                             e0, e1, e2, e3 = mma_bf16(pa0, pb0, pa1, pb1, xr[u, 2 * j],
                                                       xr[u, 2 * j + 1], e0, e1, e2, e3)
-                fa = fs[u, ia]
-                fb = fs[u, ib]
-                acc[4 * tl] += (d0 + e0) * fa
-                acc[4 * tl + 1] += (d1 + e1) * fa
-                acc[4 * tl + 2] += (d2 + e2) * fb
-                acc[4 * tl + 3] += (d3 + e3) * fb
+                    fa = fs[u, ia, b]
+                    fb = fs[u, ib, b]
+                    acc[4 * tl] += (d0 + e0) * fa
+                    acc[4 * tl + 1] += (d1 + e1) * fa
+                    acc[4 * tl + 2] += (d2 + e2) * fb
+                    acc[4 * tl + 3] += (d3 + e3) * fb
 
     def qmma_kernel(y, x, w, scale, zero, m, n, k, ldy, br, bc, sc_cols, beta, ids, topk,
                     x_per_pair, w_stride, s_stride):
@@ -602,25 +655,25 @@ def qmma(layout, asym=False, warps=MMA_WARPS, unroll=MMA_UNROLL, stream=True,
         sr = cuda.local.array(R, int64)                 # and first scale
         for i in range(R):
             r = int64(min(row0 + 16 * (i // 2) + g + 8 * (i % 2), n - 1))
-            wr[i] = wbase + r * row_words + 4 * t
+            wr[i] = wbase + r * row_words + W * t
             sr[i] = sbase + (r // br) * sc_cols
         xon = g < mm
-        xi0 = (xrow0 + min(g, mm - 1)) * (k >> 1) + t * (CHUNK // 2)
+        xi0 = (xrow0 + min(g, mm - 1)) * (k >> 1) + t * XG
         nsteps = (k + STEP - 1) // STEP
         nfull = k // STEP                               # steps inside K for every lane
-        gsh = 31 - cuda.clz(int32(bc // STEP))          # a step's scale block: s >> gsh
+        gsh = 31 - cuda.clz(int32(max(bc // STEP, 1)))  # a step's scale block: s >> gsh (S = 1)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = float32(0.0)
         wq = cuda.local.array((U, R, 4), uint32)
         xr = cuda.local.array((U, XW), uint32)
-        fs = cuda.local.array((U, R), float32)
-        zs = cuda.local.array((U, R), uint32)
+        fs = cuda.local.array((U, R, S), float32)
+        zs = cuda.local.array((U, R, S), uint32)
         # every load of U steps first, then the math: nothing waits on memory between two
         # tensor-core chains
         s0 = wid * U
         while s0 + U <= nfull:
-            load_full(wq, xr, fs, zs, s0, w, wr, x, xi0, xon, scale, sr, zero, gsh)
+            load_full(wq, xr, fs, zs, s0, w, wr, x, xi0, xon, scale, sr, zero, gsh, t)
             compute_set(wq, xr, fs, zs, U, acc)
             s0 += warps * U
         while s0 < nsteps:

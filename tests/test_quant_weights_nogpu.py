@@ -37,7 +37,7 @@ def test_segments_of_an_int4_conversion(int4_dense):
         assert all(s.asym and s.block == (1, 128) for segs in plans.values() for s in segs
                    if s.layout != "bf16")
         assert ("", "lm_head") not in plans and ("", "embed") not in plans
-        assert qw.formats(plans.values()) == {("int4_block", True)}
+        assert qw.formats(plans.values()) == {("int4_block", True, 1)}
         packed, bf16 = W.plan_bytes(cfg, qplans=plans), W.plan_bytes(cfg)
         assert packed < 0.7 * bf16
         # the prefill tile exists only when a call can exceed the GEMV's rows
@@ -87,9 +87,11 @@ def test_launch_geometry_matches_the_kernels():
         (qw.THREADS, qw.WARPS, qw.ROWS, qw.DEQUANT_THREADS, qw.BMS, qw.MMA_WARPS)
     for layout in k.LAYOUTS:
         for kk, bc in ((256, 128), (136, 128), (99, 64), (48, 12), (4096, 4096), (96, 128),
-                       (4096, 64), (4096, 32), (160, 128)):
+                       (4096, 64), (4096, 32), (160, 128), (4096, 384), (4096, 16), (100, 32),
+                       (160, 32), (96, 64), (4096, 8), (4096, 256)):
             assert k.vector_ok(layout, kk, bc) == qw.vector_ok(layout, kk, bc)
-            assert k.mma_ok(layout, kk, bc) == qw.mma_ok(layout, kk, bc)
+            assert k.mma_ok(layout, kk, bc) == qw.mma_ok(layout, kk, bc), (layout, kk, bc)
+            assert k.mma_split(layout, bc) == qw.mma_split(layout, bc), (layout, bc)
 
 
 def test_runner_picks_the_packed_kernel_by_dtype_shape_and_rows(monkeypatch):
@@ -125,9 +127,11 @@ def test_runner_picks_the_packed_kernel_by_dtype_shape_and_rows(monkeypatch):
             qw.QSegment(qw.SegmentPlan(64, 256, K, "int4_block", (1, 128), True), arr(2000),
                         arr(3000, 1, 256, K // 128), arr(4000)),
             qw.QSegment(qw.SegmentPlan(320, 32, K, "int4_block", (1, 64), False), arr(5000),
-                        arr(6000, 1, 32, K // 64)))
-    w = qw.QMatrix((352, K), segs)
-    N = 352
+                        arr(6000, 1, 32, K // 64)),
+            qw.QSegment(qw.SegmentPlan(352, 16, K, "int4_block", (1, 96), False), arr(5500),
+                        arr(6500, 1, 16, -(-K // 96))))
+    w = qw.QMatrix((368, K), segs)
+    N = 368
 
     def runner(gin):
         ws = SimpleNamespace(gin_bytes=gin, wq=SimpleNamespace(ptr=7000, shape=(1 << 20,)),
@@ -138,28 +142,31 @@ def test_runner_picks_the_packed_kernel_by_dtype_shape_and_rows(monkeypatch):
         return R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
 
     y, x = 10 ** 6, 2 * 10 ** 6
-    # bf16 model, 9 decode rows: the bf16 columns, then qmma for 8 + 1 rows, qgemv (g64) likewise
+    # bf16 model, 9 decode rows: the bf16 columns, then qmma for 8 + 1 rows, its two-blocks-per-
+    # step variant for g64 likewise, and qgemv for g96 (no whole number of blocks per step)
     launched.clear()
     runner(2).qlinear(None, x, w, y, 9, N, K, 0.0)
     names = [c[0] for c in launched]
-    assert names == ["gemm", "qmma_int4_block_z", "qmma_int4_block_z", "qgemv_int4_block_8",
-                     "qgemv_int4_block_1"]
+    assert names == ["gemm", "qmma_int4_block_z", "qmma_int4_block_z", "qmma_int4_block_s2",
+                     "qmma_int4_block_s2", "qgemv_int4_block_8", "qgemv_int4_block_1"]
     assert launched[0] == ("gemm", 9, 64, K, y, N)
     q0, q1 = launched[1], launched[2]
     assert q0[1] == (256 // qw.MMA_ROWS, 1) and q0[2] == (32 * qw.MMA_WARPS,)
     # (y, x, codes, scale, zero, m, n, k, ldy, br, bc, sc_cols, beta, ids, topk, ...)
     assert q0[3][:12] == (y + 4 * 64, x, 2000, 3000, 4000, 8, 256, K, N, 1, 128, K // 128)
     assert q1[3][:2] == (y + 4 * 64 + 4 * N * 8, x + 2 * K * 8) and q1[3][5] == 1
-    assert launched[3][3][0] == y + 4 * 320 and launched[3][3][7] == 8
+    assert launched[3][3][0] == y + 4 * 320 and launched[3][3][10] == 64
+    assert launched[5][3][0] == y + 4 * 352 and launched[5][3][7] == 8
     # float32 model: never the tensor-core GEMV
     launched.clear()
     runner(4).qlinear(None, x, w, y, 3, N, K, 0.0)
-    assert [c[0] for c in launched] == ["gemm", "qgemv_int4_block_4_z", "qgemv_int4_block_4"]
+    assert [c[0] for c in launched] == ["gemm", "qgemv_int4_block_4_z", "qgemv_int4_block_4",
+                                        "qgemv_int4_block_4"]
     # a prefill chunk of 40 rows: slabs dequantized, then cuBLASLt
     launched.clear()
     runner(2).qlinear(None, x, w, y, 40, N, K, 0.0)
     assert [c[0] for c in launched] == ["gemm", "dequant_int4_block_z", "gemm", "dequant_int4_block",
-                                        "gemm"]
+                                        "gemm", "dequant_int4_block", "gemm"]
     # routed experts (decode): qmma in expert mode over the (token, slot) pairs
     ex = qw.QMatrix((8, 512, K), (qw.QSegment(qw.SegmentPlan(0, 512, K, "fp8_block", (128, 128),
                                                              experts=8), arr(9000),

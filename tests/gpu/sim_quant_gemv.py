@@ -136,7 +136,9 @@ def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=
     stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=E, codes=codes)
     words32 = np.ascontiguousarray(stored).reshape(-1).view(np.uint32)
     zarr = zero.reshape(-1) if zero is not None else np.zeros(1, np.uint8)
-    kern = kernel("qmma", layout, asym, warps, unroll, True, False, tiles)
+    assert mod.mma_ok(layout, k, block[1]), (layout, k, block)
+    kern = kernel("qmma", layout, asym, warps, unroll, True, False, tiles,
+                  mod.mma_split(layout, block[1]))
     if experts:
         topk, ids = 2, np.array([2, 0, 1, 2, 0, 0], np.int32)
         pairs = ids.size
@@ -249,6 +251,13 @@ def main():
                                               asym=True, tiles=2)
     out["mma/tiles2/fp8/m8/tail"] = mma_case("fp8_block", (128, 128), 20, 448, 8, rng, warps=1,
                                              unroll=2, tiles=2)
+    # scale blocks narrower than a step (2 or 4 per step), with a last step of fewer blocks
+    out["mma/int4/g64/asym/m4"] = mma_case("int4_block", (1, 64), 19, 320, 4, rng, asym=True)
+    out["mma/int4/g32/sym/m2"] = mma_case("int4_block", (1, 32), 17, 160, 2, rng, warps=1,
+                                          unroll=2)
+    out["mma/int8/g32/m3"] = mma_case("int8_block", (1, 32), 18, 224, 3, rng, warps=2,
+                                      unroll=2)
+    out["mma/int8/g16/experts"] = mma_case("int8_block", (1, 16), 9, 80, 1, rng, experts=1)
     # dequant: bf16 bits equal the float64 decode rounded to bf16 (mismatch count); fp32: max
     # error relative to the largest value
     out["dequant/fp8/bf16_mismatches"] = dequant_case("fp8_block", (128, 128), 5, 300, rng)

@@ -53,7 +53,8 @@ def test_qgemv_and_dequant_at_layer_shapes(h, layout, block, asym):
     rng = np.random.default_rng(7)
     n, k = 1030, 4096                      # partial last warp; 32 scale blocks per row
     stored, scale, zero, value = _encoded(layout, block, asym, n, k, rng)
-    ks = quant_specs({(layout, asym)})
+    split = qw.mma_split(layout, block[1])
+    ks = quant_specs({(layout, asym, split)})
     w, s = h.put(stored.reshape(-1)), h.put(scale)
     z = h.put(zero) if zero is not None else None
     for m in (1, 3, 8):
@@ -75,7 +76,7 @@ def test_qgemv_and_dequant_at_layer_shapes(h, layout, block, asym):
         if qw.mma_ok(layout, k, block[1]):
             # the tensor-core GEMV: weights exact in bf16, products summed in fp32
             y = h.empty((m + 1, ldy), np.float32)
-            h.cache.get(ks[qmma_name(layout, asym)]).launch(
+            h.cache.get(ks[qmma_name(layout, asym, split)]).launch(
                 h.stream, (-(-n // qw.MMA_ROWS), 1), (32 * qw.MMA_WARPS,),
                 (y, xb, w, s, z.ptr if z is not None else 0, m, n, k, ldy, block[0], block[1],
                  scale.shape[-1], 0.0, 0, 0, 0, 0, 0))
@@ -94,7 +95,7 @@ def test_qgemv_and_dequant_at_layer_shapes(h, layout, block, asym):
     h.reset()
 
 
-@pytest.mark.parametrize("layout,block,asym", [f for f in FORMATS if f[1][1] % 128 == 0])
+@pytest.mark.parametrize("layout,block,asym", FORMATS)
 def test_qmma_expert_mode(h, layout, block, asym):
     """The tensor-core GEMV over (token, slot) pairs, each reading its expert's codes: a 35B-A3B
     gate|up (n = 2 x 512, k = 2048) with x per token, and its down (x per pair)."""
@@ -111,7 +112,8 @@ def test_qmma_expert_mode(h, layout, block, asym):
         x = rng.standard_normal((pairs if per_pair else tokens, k)).astype(np.float32)
         xb = h.put(bf16_bits(x))
         y = h.empty((pairs + 1, n), np.float32)
-        h.cache.get(quant_specs({(layout, asym)})[qmma_name(layout, asym)]).launch(
+        split = qw.mma_split(layout, block[1])
+        h.cache.get(quant_specs({(layout, asym, split)})[qmma_name(layout, asym, split)]).launch(
             h.stream, (-(-n // qw.MMA_ROWS), pairs), (32 * qw.MMA_WARPS,),
             (y, xb, w, s, z.ptr if z is not None else 0, 1, n, k, n, block[0], block[1],
              scale.shape[-1], 0.0, h.put(ids), topk, per_pair, stored[0].size, scale[0].size))

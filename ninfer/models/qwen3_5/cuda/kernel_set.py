@@ -81,18 +81,22 @@ def dequant_name(layout: str, asym: bool) -> str:
     return f"dequant_{layout}" + ("_z" if asym else "")
 
 
-def qmma_name(layout: str, asym: bool) -> str:
-    return f"qmma_{layout}" + ("_z" if asym else "")
+def qmma_name(layout: str, asym: bool, split: int = 1) -> str:
+    return f"qmma_{layout}" + ("_z" if asym else "") + (f"_s{split}" if split > 1 else "")
 
 
 def quant_specs(quant, f32: bool = False) -> dict:
-    """The packed-weight kernels of each (layout, asym) in `quant` (cuda/qweights.py formats):
-    the CUDA-core GEMV (every shape, and the float32 model's exact decode), the tensor-core one
-    (bf16 models, qweights.mma_ok shapes) and the prefill tile's dequantization."""
+    """The packed-weight kernels of each (layout, asym[, split]) in `quant` (cuda/qweights.py
+    formats): the CUDA-core GEMV (every shape, and the float32 model's exact decode), the
+    tensor-core one (bf16 models, qweights.mma_ok shapes; `split` scale blocks per step, 1 when
+    left out) and the prefill tile's dequantization."""
     specs = {}
-    for layout, asym in sorted(quant):
+    for layout, asym, *rest in sorted(quant):
+        split = rest[0] if rest else 1
         if not f32:
-            specs[qmma_name(layout, asym)] = spec("qmma", layout=layout, asym=bool(asym))
+            params = {"split": split} if split > 1 else {}
+            specs[qmma_name(layout, asym, split)] = spec("qmma", layout=layout, asym=bool(asym),
+                                                         **params)
         for bm in qw.BMS:
             specs[qgemv_name(layout, bm, asym)] = spec("qgemv", f32, layout=layout, bm=bm,
                                                        asym=bool(asym))
@@ -103,7 +107,7 @@ def quant_specs(quant, f32: bool = False) -> dict:
 def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset()) -> dict:
     """name -> KernelSpec for every kernel the model of `cfg` launches; `f32`: the fp32-storage
     variants (dtype="float32": no tensor-core prefill attention, weights widened at load);
-    `quant`: the (layout, asym) formats of its packed weights."""
+    `quant`: the (layout, asym, split) formats of its packed weights."""
     if quant:
         return {**geometry_specs(cfg, f32), **quant_specs(quant, f32)}
     if f32:

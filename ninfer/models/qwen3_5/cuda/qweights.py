@@ -42,11 +42,22 @@ def vector_ok(layout: str, k: int, bc: int) -> bool:
     return k % e == 0 and bc % e == 0
 
 
+def mma_split(layout: str, bc: int) -> int:
+    """kernels/quant_gemv.mma_split: scale blocks per qmma step (4 chunks of 32 int4 / 16 byte
+    codes), 1 when a block holds whole steps."""
+    step = 128 if layout == "int4_block" else 64
+    return step // bc if 0 < bc < step and step % bc == 0 else 1
+
+
 def mma_ok(layout: str, k: int, bc: int) -> bool:
     """kernels/quant_gemv.mma_ok: the tensor-core GEMV (bf16 models) takes rows of whole 16-byte
-    chunks (32 int4 / 16 byte codes) whose steps of 4 chunks never straddle a scale block."""
+    chunks (32 int4 / 16 byte codes) whose steps of 4 chunks lie in one scale block, a power of
+    two of steps per block; or steps of 2 or 4 whole blocks (K a multiple of the block)."""
     c = 32 if layout == "int4_block" else 16
-    return k % c == 0 and bc % (4 * c) == 0
+    if 0 < bc < 4 * c:
+        return mma_split(layout, bc) in (2, 4) and k % bc == 0
+    spb = bc // (4 * c)
+    return k % c == 0 and bc % (4 * c) == 0 and spb & (spb - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -157,8 +168,10 @@ def _mergeable(a: SegmentPlan, b: SegmentPlan) -> bool:
 
 
 def formats(plans) -> frozenset:
-    """{(layout, asym)} of every segment of codes among `plans` (the kernels to load)."""
-    return frozenset((s.layout, s.asym) for segs in plans for s in segs if s.layout != BF16)
+    """{(layout, asym, split)} of every segment of codes among `plans` (the kernels to load;
+    split: `mma_split` of its scale block width, which selects the tensor-core GEMV's variant)."""
+    return frozenset((s.layout, s.asym, mma_split(s.layout, s.block[1]))
+                     for segs in plans for s in segs if s.layout != BF16)
 
 
 def slab_elements(plans, n_cap: int, f32: bool = False) -> int:

@@ -251,7 +251,8 @@ class StepRunner:
                 self.gemm(st, x, seg.w.ptr, yp, m, seg.rows, k, beta, name="gemm", ldc=n)
             elif m <= gemv_rows and g == 2 and qw.mma_ok(seg.layout, k, seg.block[1]):
                 for b0 in range(0, m, qw.GEMV_BATCH):
-                    self.launch(st, getattr(self.kernels, qmma_name(seg.layout, seg.asym)),
+                    self.launch(st, getattr(self.kernels, qmma_name(
+                                    seg.layout, seg.asym, qw.mma_split(seg.layout, seg.block[1]))),
                                 (-(-seg.rows // qw.MMA_ROWS), 1), (32 * qw.MMA_WARPS,),
                                 (yp + 4 * n * b0, x + g * k * b0, seg.w, seg.scale,
                                  seg.zero.ptr if seg.zero is not None else 0,
@@ -476,7 +477,8 @@ class StepRunner:
         s_stride = seg.scale.shape[-2] * seg.scale.shape[-1]
         zero = seg.zero.ptr if seg.zero is not None else 0
         if self.res.ws.gin_bytes == 2 and qw.mma_ok(seg.layout, k, seg.block[1]):
-            self.launch(st, getattr(self.kernels, qmma_name(seg.layout, seg.asym)),
+            self.launch(st, getattr(self.kernels, qmma_name(
+                            seg.layout, seg.asym, qw.mma_split(seg.layout, seg.block[1]))),
                         (-(-n // qw.MMA_ROWS), pairs), (32 * qw.MMA_WARPS,),
                         (y, x, seg.w, seg.scale, zero, 1, n, k, n, seg.block[0], seg.block[1],
                          seg.scale.shape[-1], 0.0, self.res.ws.ids, top_k, x_per_pair,
