@@ -33,6 +33,7 @@ FP8_BLOCK = (128, 128)
 FORMATS = ("fp8", "int8", "int4")
 SCALE_SUFFIX = ".weight_scale_inv"       # an FP8 release: `<module>.weight_scale_inv` per weight
 LAYOUT_OF = {"fp8": "fp8_block", "int8": "int8_block", "int4": "int4_block"}
+INT4_GROUP_UNIT = 32                # an int4 group is whole 16-byte chunks of codes
 CALIBRATION_TOKENS = 8192           # tokens of the calibration text the statistics sum over
 
 # The text weights `--quantize` encodes: every projection of attention, GDN and the MLP / experts.
@@ -58,6 +59,7 @@ class QuantPlan:
     asymmetric: bool = False    # int4 with zero points
     scales: list | None = None  # source scale tensors, one per source (import of an FP8 release)
     hessian: object = None      # calibration: H [C, C], or one H (or None) per expert
+    cross: object = None        # sequential calibration: x_float^T x [C, C] (gptq.gptq_codes)
 
     @property
     def stored_block(self) -> tuple:
@@ -117,15 +119,15 @@ def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
 
 
 def encode_calibrated(layout: str, w: np.ndarray, h: np.ndarray, group,
-                      asymmetric: bool = False):
+                      asymmetric: bool = False, cross: np.ndarray | None = None):
     """One matrix w [n, C] with GPTQ error compensation for inputs of second moment h [C, C]
     (calibrate.py, gptq.py); returns encode's triple for S = 1. group: the int layouts' group
-    size, or fp8's (br, bc) block."""
+    size, or fp8's (br, bc) block. cross: the int layouts' input-shift statistics (gptq_codes)."""
     if layout == "fp8_block":
         _, scale, _ = encode("fp8_block", np.asarray(w, np.float32)[None], group)
         return gptq_fp8(w, h, group, scale[0])[None], scale, None
     bits = 8 if layout == "int8_block" else 4
-    codes, scale, zero = gptq_codes(w, h, group, bits=bits, asymmetric=asymmetric)
+    codes, scale, zero = gptq_codes(w, h, group, bits=bits, asymmetric=asymmetric, cross=cross)
     if layout == "int8_block":
         stored = codes.astype(np.int8)
     else:
@@ -144,7 +146,8 @@ def _encode_segments(qp: QuantPlan, segs: np.ndarray, row0: int):
         hk = h[(row0 + k * segs.shape[1]) // qp.rows] if isinstance(h, list) else h
         group = qp.block if qp.layout == "fp8_block" else qp.block[1]
         parts.append(encode(qp.layout, seg[None], qp.block, qp.asymmetric) if hk is None else
-                     encode_calibrated(qp.layout, seg, hk, group, qp.asymmetric))
+                     encode_calibrated(qp.layout, seg, hk, group, qp.asymmetric,
+                                       None if isinstance(h, list) else qp.cross))
     stored, scale, zero = (np.concatenate(p) if p[0] is not None else None for p in zip(*parts))
     return stored, scale, zero
 
@@ -201,6 +204,9 @@ class Quantize(ValuePreserving):
             raise ConvertError(f"quantization group {group!r}: expected a positive int or None")
         if format == "int4" and group is None:
             raise ConvertError("int4 needs a group size (per-channel int4 loses too much)")
+        if format == "int4" and group % INT4_GROUP_UNIT:
+            raise ConvertError(f"int4 group {group}: expected a multiple of {INT4_GROUP_UNIT} "
+                               "(the GPU kernels read whole chunks of 32 codes)")
         head = format if quantize_lm_head is True else quantize_lm_head
         if head not in (False, None) and head not in FORMATS:
             raise ConvertError(f"--quantize-lm-head {head!r}: expected one of {', '.join(FORMATS)}")
@@ -211,6 +217,7 @@ class Quantize(ValuePreserving):
         self.calibration, self.calibration_tokens = calibration, calibration_tokens
         self.sequential = sequential    # calibrate layer i on the quantized layers < i
         self.hessians: dict = {}        # logical -> H (or per expert), filled by prepare()
+        self.cross: dict = {}           # logical -> x_float^T x (sequential; not experts)
 
     def prepare(self, measure) -> None:
         """With a calibration text: the input statistics of every projection, from `measure`
@@ -218,7 +225,14 @@ class Quantize(ValuePreserving):
         if self.calibration is None:
             return
         self.hessians = measure(self.calibration, self.calibration_tokens,
-                                self._dequantized if self.sequential else None)
+                                self._calibrated if self.sequential else None)
+
+    def _calibrated(self, logical: str, w: np.ndarray, h, cross) -> np.ndarray:
+        """Sequential calibration's callback: keep the cross statistics, return the decoded
+        weight."""
+        if cross is not None:
+            self.cross[logical] = cross
+        return self._dequantized(logical, w, h)
 
     def _dequantized(self, logical: str, w: np.ndarray, h) -> np.ndarray:
         """w [..., R, C] float32 as this recipe stores it with statistics h, decoded (what the
@@ -244,7 +258,7 @@ class Quantize(ValuePreserving):
         block = FP8_BLOCK if fmt == "fp8" else (1, self.group or shape[-1])
         return QuantPlan(LAYOUT_OF[fmt], block, segment_rows, shape[-2],
                          asymmetric=fmt == "int4" and self.asymmetric,
-                         hessian=self.hessians.get(logical))
+                         hessian=self.hessians.get(logical), cross=self.cross.get(logical))
 
     def describe(self) -> dict:
         return {"format": self.format, "from": "converter",     # block [1, null]: whole rows
