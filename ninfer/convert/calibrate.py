@@ -44,16 +44,11 @@ _LEAF_OF = {
 
 
 class _Hessians:
-    """Sums x x^T per weight (by identity) and, for experts, per expert; counts tokens. With
-    `keep`, also keeps every input (float32, call by call); with `reference` (a kept record of the
-    same calls on the unquantized model), also sums the cross statistics x_ref^T x per weight."""
+    """Sums x x^T per weight (by identity) and, for experts, per expert; counts tokens."""
 
-    def __init__(self, names_by_id: dict, keep: bool = False, reference: dict | None = None):
+    def __init__(self, names_by_id: dict):
         self.names = names_by_id
         self.sums: dict = {}            # (logical, expert or None) -> [H float64, tokens]
-        self.inputs: dict | None = {} if keep else None     # logical -> [x float32 per call]
-        self.reference, self.calls = reference, {}
-        self.cross: dict = {}           # logical -> sum x_ref^T x (not experts: routing differs)
 
     def add(self, weight, x, expert=None) -> None:
         name = self.names.get(id(weight))
@@ -63,14 +58,6 @@ class _Hessians:
         entry = self.sums.setdefault((name, expert), [0.0, 0])
         entry[0] = entry[0] + x.T @ x
         entry[1] += len(x)
-        if expert is not None:
-            return
-        if self.inputs is not None:
-            self.inputs.setdefault(name, []).append(x.astype(np.float32))
-        if self.reference is not None and name in self.reference:
-            k = self.calls[name] = self.calls.get(name, -1) + 1
-            self.cross[name] = self.cross.get(name, 0.0) + \
-                self.reference[name][k].T.astype(np.float64) @ x
 
     def result(self, num_experts: dict) -> dict:
         """{logical: H [C, C] or (for experts) list of H-or-None per expert}."""
@@ -116,16 +103,18 @@ def _recording(rec: _Hessians):
         ops.linear, ops.swiglu, ops.moe_experts = linear, swiglu, moe_experts
 
 
+def _forward(engine, ids) -> None:
+    """Run the layers over ids (the projections' inputs are all that is recorded): the
+    embedding path stops at the final norm, sparing the vocabulary-wide logits of scoring."""
+    engine.embed(ids)
+
+
 def input_hessians(artifact_path, text: str, max_tokens: int, quantize=None) -> dict:
     """{logical weight name: H} from the unquantized artifact run over `text` (its first
-    max_tokens tokens). With `quantize(name, w, h, cross) -> w'` (sequential mode) the layers are
+    max_tokens tokens). With `quantize(name, w, h) -> w'` (sequential mode) the layers are
     calibrated one at a time: layer i's statistics come from a forward in which layers < i
     already run their quantized weights, and layer i's weights are then replaced by `quantize`'s
-    (one forward per layer, the first also keeping every input). cross (None for experts and
-    layer 0): sum over the calibration tokens of x_float^T x, x_float the weight's input in the
-    unquantized model (layer 0's forward, before any weight changes), x its input in layer i's
-    forward: what GPTQ needs to aim at the unquantized model's outputs rather than at w applied
-    to the already shifted inputs (gptq.gptq_codes)."""
+    (one forward per layer)."""
     with Engine(artifact_path, backend="numpy", purpose="scoring") as engine:
         ids = np.asarray(engine.tokenize(text)[:max_tokens], np.int32)
         if len(ids) < 2:
@@ -138,23 +127,19 @@ def input_hessians(artifact_path, text: str, max_tokens: int, quantize=None) -> 
             experts.update({name: p[key].shape[0] for p, key, name in mine
                             if key.startswith("experts_")})
             layers.append(mine)
-        every = {id(p[key]): name for mine in layers for p, key, name in mine}
-        rec = _Hessians(every, keep=quantize is not None)
-        with _recording(rec):
-            engine.score(ids)
         if quantize is None:
+            rec = _Hessians({id(p[key]): name for mine in layers for p, key, name in mine})
+            with _recording(rec):
+                _forward(engine, ids)
             return rec.result(experts)
-        reference, out = rec.inputs, {}
-        for i, mine in enumerate(layers):
-            if i:                       # layer 0's inputs are the unquantized forward's
-                rec = _Hessians({id(p[key]): name for p, key, name in mine}, reference=reference)
-                with _recording(rec):
-                    engine.score(ids)
+        out = {}
+        for mine in layers:
+            rec = _Hessians({id(p[key]): name for p, key, name in mine})
+            with _recording(rec):
+                _forward(engine, ids)
             hess = rec.result(experts)
             for p, key, name in mine:
-                if name in hess:                                        # in place: same id
-                    p[key][...] = quantize(name, p[key], hess[name], rec.cross.get(name))
-                    out[name] = hess[name]
-            for _, _, name in mine:
-                reference.pop(name, None)                # done with: free its inputs
+                if name in hess:
+                    p[key][...] = quantize(name, p[key], hess[name])    # in place: same id
+            out.update(hess)
     return out

@@ -18,8 +18,7 @@ DAMP = 0.01                 # H += DAMP * mean(diag H) * I: GPTQ's damping (H is
                             # when the calibration has fewer tokens than inputs, or for an expert)
 
 
-def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetric: bool,
-               cross: np.ndarray | None = None):
+def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetric: bool):
     """w [n, C] float, h [C, C] -> (codes int [n, C], scale f32 [n, ceil(C/group)], zero uint8
     of the scale's shape or None). Codes and group parameters follow quantize.encode's rules
     (asymmetric int4: range includes 0, zero = rint(-lo / s); symmetric: s = amax / qmax).
@@ -31,8 +30,8 @@ def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetri
     CLIP_GRID for a whole row; every candidate is run through GPTQ and each row keeps the one of
     least output error (w - w') H (w - w')^T. REFIT passes then re-solve each row's scales by
     least squares for its codes and run GPTQ again, a row keeping whichever is better."""
+    W = np.array(w, np.float64)
     perm, U, H = _order_and_factor(h)
-    W = _target(np.array(w, np.float64), h, H, cross)
     grid = _Grid(bits, asymmetric, group)
     cands = [_clipped_params(W, np.diag(H), grid)]
     if JOINT_CLIP:
@@ -75,20 +74,6 @@ ACT_ORDER = True
 CLIP_GRID = np.linspace(1.0, 0.6, 21)      # range shrink factors searched per group
 JOINT_CLIP = True       # also try each factor for whole rows, judged by GPTQ's own result
 REFIT = 2               # least-squares scale refits, each followed by a GPTQ pass
-
-
-SHIFT = 1.0             # weight of the input-shift correction (0: aim at w itself)
-
-
-def _target(W, h, H, cross):
-    """The weights to quantize. Sequential calibration measures this layer's inputs x after the
-    quantized layers before it, while the unquantized model's were x_float; the least-squares
-    best weights for x -> x_float w^T are w (x_float^T x) (x^T x)^-1 = w + w (cross - h) H^-1
-    (H: h damped): GPTQ then also undoes the error the earlier layers left, as far as a linear
-    map of this layer's inputs can."""
-    if cross is None or not SHIFT:
-        return W
-    return W + SHIFT * np.linalg.solve(H, (np.asarray(cross, np.float64) - h).T @ W.T).T
 
 
 class _Grid:

@@ -59,7 +59,6 @@ class QuantPlan:
     asymmetric: bool = False    # int4 with zero points
     scales: list | None = None  # source scale tensors, one per source (import of an FP8 release)
     hessian: object = None      # calibration: H [C, C], or one H (or None) per expert
-    cross: object = None        # sequential calibration: x_float^T x [C, C] (gptq.gptq_codes)
 
     @property
     def stored_block(self) -> tuple:
@@ -119,15 +118,15 @@ def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
 
 
 def encode_calibrated(layout: str, w: np.ndarray, h: np.ndarray, group,
-                      asymmetric: bool = False, cross: np.ndarray | None = None):
+                      asymmetric: bool = False):
     """One matrix w [n, C] with GPTQ error compensation for inputs of second moment h [C, C]
     (calibrate.py, gptq.py); returns encode's triple for S = 1. group: the int layouts' group
-    size, or fp8's (br, bc) block. cross: the int layouts' input-shift statistics (gptq_codes)."""
+    size, or fp8's (br, bc) block."""
     if layout == "fp8_block":
         _, scale, _ = encode("fp8_block", np.asarray(w, np.float32)[None], group)
         return gptq_fp8(w, h, group, scale[0])[None], scale, None
     bits = 8 if layout == "int8_block" else 4
-    codes, scale, zero = gptq_codes(w, h, group, bits=bits, asymmetric=asymmetric, cross=cross)
+    codes, scale, zero = gptq_codes(w, h, group, bits=bits, asymmetric=asymmetric)
     if layout == "int8_block":
         stored = codes.astype(np.int8)
     else:
@@ -146,8 +145,7 @@ def _encode_segments(qp: QuantPlan, segs: np.ndarray, row0: int):
         hk = h[(row0 + k * segs.shape[1]) // qp.rows] if isinstance(h, list) else h
         group = qp.block if qp.layout == "fp8_block" else qp.block[1]
         parts.append(encode(qp.layout, seg[None], qp.block, qp.asymmetric) if hk is None else
-                     encode_calibrated(qp.layout, seg, hk, group, qp.asymmetric,
-                                       None if isinstance(h, list) else qp.cross))
+                     encode_calibrated(qp.layout, seg, hk, group, qp.asymmetric))
     stored, scale, zero = (np.concatenate(p) if p[0] is not None else None for p in zip(*parts))
     return stored, scale, zero
 
@@ -217,7 +215,6 @@ class Quantize(ValuePreserving):
         self.calibration, self.calibration_tokens = calibration, calibration_tokens
         self.sequential = sequential    # calibrate layer i on the quantized layers < i
         self.hessians: dict = {}        # logical -> H (or per expert), filled by prepare()
-        self.cross: dict = {}           # logical -> x_float^T x (sequential; not experts)
 
     def prepare(self, measure) -> None:
         """With a calibration text: the input statistics of every projection, from `measure`
@@ -225,14 +222,7 @@ class Quantize(ValuePreserving):
         if self.calibration is None:
             return
         self.hessians = measure(self.calibration, self.calibration_tokens,
-                                self._calibrated if self.sequential else None)
-
-    def _calibrated(self, logical: str, w: np.ndarray, h, cross) -> np.ndarray:
-        """Sequential calibration's callback: keep the cross statistics, return the decoded
-        weight."""
-        if cross is not None:
-            self.cross[logical] = cross
-        return self._dequantized(logical, w, h)
+                                self._dequantized if self.sequential else None)
 
     def _dequantized(self, logical: str, w: np.ndarray, h) -> np.ndarray:
         """w [..., R, C] float32 as this recipe stores it with statistics h, decoded (what the
@@ -258,7 +248,7 @@ class Quantize(ValuePreserving):
         block = FP8_BLOCK if fmt == "fp8" else (1, self.group or shape[-1])
         return QuantPlan(LAYOUT_OF[fmt], block, segment_rows, shape[-2],
                          asymmetric=fmt == "int4" and self.asymmetric,
-                         hessian=self.hessians.get(logical), cross=self.cross.get(logical))
+                         hessian=self.hessians.get(logical))
 
     def describe(self) -> dict:
         return {"format": self.format, "from": "converter",     # block [1, null]: whole rows
