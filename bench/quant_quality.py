@@ -7,8 +7,9 @@ conversion of the same checkpoint, on the same tokens (issue 13's quality gates)
 
     python bench/quant_quality.py --reference dense --formats bf16 --kv-dtype fp8,int8
 
-Prints one row per format: weight bytes (every stored object but the frontend resources), mean NLL, perplexity, its increase over bf16, and the
-mean KL(bf16 || format) of the next-token distributions. Scores with CausalScoring on the numpy
+Prints one row per format: weight bytes (every stored object but the frontend resources), mean NLL, perplexity, its increase over bf16 with the
+standard error of that increase (paired per-token NLL differences: how much of it the text's
+length can resolve), and the mean KL(bf16 || format) of the next-token distributions. Scores with CausalScoring on the numpy
 backend unless --backend cuda (which runs no quantized format yet).
 """
 from __future__ import annotations
@@ -81,12 +82,12 @@ def fixture_ids(ckpt: pathlib.Path) -> np.ndarray:
 
 
 def score(path, ids, backend: str, chunk: int, kl_tokens: int, kv_dtype: str = "bfloat16"):
-    """(mean NLL over all predictions, log-softmax rows of the first kl_tokens positions): the
-    logits of a real vocabulary are 1 MB per token, so the KL uses a prefix."""
+    """(per-prediction NLL, log-softmax rows of the first kl_tokens positions): the logits of a
+    real vocabulary are 1 MB per token, so the KL uses a prefix."""
     with Engine(path, backend=backend, purpose="scoring", prefill_chunk=chunk,
                 kv_dtype=kv_dtype) as engine:
         res = engine.score(ids, return_logits=True)
-    nll = float(-np.mean(res.logprobs, dtype=np.float64))
+    nll = -np.asarray(res.logprobs, np.float64)
     logits = np.array(res.logits[:kl_tokens], np.float64)
     del res
     logp = logits - logits.max(-1, keepdims=True)
@@ -145,18 +146,21 @@ def main(argv=None) -> int:
             if base is None:
                 base = (nll, logp)
             kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
-            rows.append((name, nbytes, nll, kl))
+            rows.append((name, nbytes, nll - base[0], nll.mean(), kl))
             if name == "bf16":                 # quantized KV cache over the bf16 weights
                 for kv in filter(None, args.kv_dtype.split(",")):
                     nll, logp = score(path, ids, args.backend, args.chunk, args.kl_tokens, kv)
                     kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
-                    rows.append((f"kv-{kv}", nbytes, nll, kl))
+                    rows.append((f"kv-{kv}", nbytes, nll - base[0], nll.mean(), kl))
     print(f"{args.ckpt.name}: {len(ids)} tokens (KL over the first {min(len(ids) - 1, args.kl_tokens)})"
           f", backend {args.backend}")
-    print(f"{'format':14s} {'weight MB':>9s} {'nll':>9s} {'ppl':>10s} {'ppl +%':>8s} {'KL':>9s}")
-    for name, size, nll, kl in rows:
-        inc = (np.exp(nll - base[0]) - 1) * 100
-        print(f"{name:14s} {size / 1e6:9.4f} {nll:9.5f} {np.exp(nll):10.4f} {inc:8.3f} {kl:9.2e}")
+    print(f"{'format':18s} {'weight MB':>9s} {'nll':>9s} {'ppl':>10s} {'ppl +%':>8s} {'+- se':>6s} "
+          f"{'KL':>9s}")
+    for name, size, diff, nll, kl in rows:
+        inc = (np.exp(diff.mean()) - 1) * 100
+        se = 100 * diff.std() / np.sqrt(len(diff))
+        print(f"{name:18s} {size / 1e6:9.4f} {nll:9.5f} {np.exp(nll):10.4f} {inc:8.3f} {se:6.2f} "
+              f"{kl:9.2e}")
     return 0
 
 

@@ -115,7 +115,8 @@ def input_hessians(artifact_path, text: str, max_tokens: int, quantize=None) -> 
     calibrated one at a time: layer i's statistics come from a forward in which layers < i
     already run their quantized weights, and layer i's weights are then replaced by `quantize`'s
     (one forward per layer)."""
-    with Engine(artifact_path, backend="numpy", purpose="scoring") as engine:
+    with Engine(artifact_path, backend="numpy", purpose="scoring",     # embed checks the length
+                max_context=max(2, max_tokens)) as engine:
         ids = np.asarray(engine.tokenize(text)[:max_tokens], np.int32)
         if len(ids) < 2:
             raise ConvertError(f"calibration text has {len(ids)} tokens: need at least 2")
