@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "groups of 128; see docs/artifact.md); default: as in the checkpoint")
     c.add_argument("--group-size", type=int, choices=(32, 64, 128), metavar="{32,64,128}",
                    help="with --quantize int8 / int4: columns per scale group, 32, 64 or 128 "
-                        "(default 128; see docs/artifact.md 6)")
+                        "(default 128; 64 for int4 with --calibration; docs/artifact.md 6)")
     c.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize: the lm_head too (default: kept 16-bit)")
     c.add_argument("--lm-head-format", choices=("fp8", "int8", "int4"),

@@ -111,3 +111,15 @@ def test_group_size_errors(tmp_path, capsys):
     for bad in (48, 100, 0, "64"):
         with pytest.raises(ConvertError, match="group"):
             Quantize("int4", group=bad)
+
+
+def test_default_group_sizes():
+    """int4 with a calibration text defaults to the measured CALIBRATED_INT4_GROUP, everything
+    else to 128; an explicit group always wins."""
+    from ninfer.convert import quantize
+    assert quantize.CALIBRATED_INT4_GROUP % quantize.INT4_GROUP_UNIT == 0
+    cases = {("int4", "text", "auto"): quantize.CALIBRATED_INT4_GROUP, ("int4", None, "auto"): 128,
+             ("int8", "text", "auto"): 128, ("int4", "text", 128): 128, ("int8", None, None): None}
+    for (fmt, cal, group), want in cases.items():
+        recipe = Quantize(fmt, calibration=cal, group=group)
+        assert recipe.group == want and recipe.describe()["block"] == [1, want], (fmt, cal, group)
