@@ -6,6 +6,7 @@ conversion of the same checkpoint, on the same tokens (issue 13's quality gates)
     python bench/quant_quality.py tests/fixtures/dense            # no text: the fixture's ids
 
     python bench/quant_quality.py --reference dense --formats bf16 --kv-dtype fp8,int8
+    python bench/quant_quality.py --reference dense --formats bf16,int4-gptq --gptq REFIT=0
 
 Prints one row per format: weight bytes (every stored object but the frontend resources), mean NLL, perplexity, its increase over bf16 with the
 standard error of that increase (paired per-token NLL differences: how much of it the text's
@@ -37,13 +38,16 @@ FORMATS = {
     "int4-sym": dict(format="int4", asymmetric=False),
     "int8+head": dict(format="int8", quantize_lm_head=True),
     "int4+head": dict(format="int4", quantize_lm_head=True),
-    # calibrated (GPTQ, ninfer/convert/gptq.py) on --calibration, never the held-out text
+    # calibrated (GPTQ, ninfer/convert/gptq.py) on --calibration, never the held-out text;
+    # int4-gptq: the recipe's default group (quantize.CALIBRATED_INT4_GROUP)
     "int4-gptq": dict(format="int4", calibration=True),
-    "int4-gptq-oneshot": dict(format="int4", calibration=True, sequential=False),
-    "int4-gptq-sym": dict(format="int4", asymmetric=False, calibration=True),
+    "int4-gptq-oneshot": dict(format="int4", group=128, calibration=True, sequential=False),
+    "int4-gptq-sym": dict(format="int4", group=128, asymmetric=False, calibration=True),
     "int8-gptq": dict(format="int8", calibration=True),
     "fp8-gptq": dict(format="fp8", calibration=True),
     "int4-g64": dict(format="int4", group=64),
+    "int4-g32": dict(format="int4", group=32),
+    "int4-g128-gptq": dict(format="int4", group=128, calibration=True),
     "int4-g64-gptq": dict(format="int4", group=64, calibration=True),
     "int4-g32-gptq": dict(format="int4", group=32, calibration=True),
 }
@@ -76,6 +80,16 @@ def stdlib_calibration(heldout: pathlib.Path | None, chars: int = CALIBRATION_CH
     return "<|endoftext|>".join(parts)[:chars]
 
 
+def set_gptq_knobs(spec: str) -> None:
+    """NAME=VALUE,... -> the module constants of ninfer/convert/gptq.py (numbers only)."""
+    from ninfer.convert import gptq
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if not name.isupper() or not isinstance(getattr(gptq, name, None), (bool, int, float)):
+            raise SystemExit(f"--gptq {item!r}: no numeric knob {name!r} in gptq.py")
+        setattr(gptq, name, type(getattr(gptq, name))(float(value)))
+
+
 def fixture_ids(ckpt: pathlib.Path) -> np.ndarray:
     with np.load(ckpt / "reference.npz") as z:
         return np.concatenate([z[f"prefill_ids_{s}"] for s in range(len(z["prefill_lengths"]))])
@@ -102,6 +116,12 @@ def main(argv=None) -> int:
                                         "default text: its held-out file")
     ap.add_argument("--text", type=pathlib.Path, help="held-out text (default: a fixture's ids)")
     ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--skip-tokens", type=int, default=0,
+                    help="score the text from this token on (a second, disjoint slice)")
+    ap.add_argument("--gptq", default="",
+                    help="GPTQ ablations: comma-separated NAME=VALUE of ninfer/convert/gptq.py's "
+                         "knobs, e.g. JOINT_CLIP=0,REFIT=0 (the GPTQ before issue 24 step 5), "
+                         "ACT_ORDER=0, DAMP=0.1")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(FORMATS)}")
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--chunk", type=int, default=512)
@@ -114,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kl-tokens", type=int, default=256, help="positions the KL averages over")
     args = ap.parse_args(argv)
     names = args.formats.split(",")
+    set_gptq_knobs(args.gptq)
     with tempfile.TemporaryDirectory() as tmp:
         if args.reference:
             from ninfer import reference_models as rm
@@ -138,7 +159,8 @@ def main(argv=None) -> int:
                 with Engine(path, purpose="scoring") as engine:
                     ids = engine.tokenize(args.text.read_text()) if args.text \
                         else fixture_ids(args.ckpt)
-                ids = np.asarray(ids[:args.max_tokens], np.int32)
+                ids = np.asarray(ids[args.skip_tokens:args.skip_tokens + args.max_tokens],
+                                 np.int32)
             with Artifact(path) as art:        # weights: every object but the resources
                 nbytes = sum(o["nbytes"] for o in art.manifest["objects"]
                              if not o["name"].startswith("resource/"))
