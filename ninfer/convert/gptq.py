@@ -28,9 +28,8 @@ def gptq_codes(w: np.ndarray, h: np.ndarray, group: int, *, bits: int, asymmetri
     Candidate parameters: each group's range shrunk by the factor of CLIP_GRID that least
     increases the diag(h)-weighted error of plain rounding, and (JOINT_CLIP) one factor of
     CLIP_GRID for a whole row; every candidate is run through GPTQ and each row keeps the one of
-    least output error (w - w') H (w - w')^T. REFIT passes (off by default) then re-solve each
-    row's scales by least squares for its codes and run GPTQ again, a row keeping whichever is
-    better."""
+    least output error (w - w') H (w - w')^T. REFIT passes then re-solve each row's scales by
+    least squares for its codes and run GPTQ again, a row keeping whichever is better."""
     W = np.array(w, np.float64)
     perm, U, H = _order_and_factor(h)
     grid = _Grid(bits, asymmetric, group)
@@ -74,8 +73,7 @@ def gptq_fp8(w: np.ndarray, h: np.ndarray, block: tuple, scale: np.ndarray) -> n
 ACT_ORDER = True
 CLIP_GRID = np.linspace(1.0, 0.6, 21)      # range shrink factors searched per group
 JOINT_CLIP = True       # also try each factor for whole rows, judged by GPTQ's own result
-REFIT = 0               # least-squares scale refits, each followed by a GPTQ pass (2 measured
-                        # a lower layer error but a higher perplexity: docs/performance.md)
+REFIT = 2               # least-squares scale refits, each followed by a GPTQ pass
 
 
 class _Grid:
