@@ -8,9 +8,10 @@ conversion of the same checkpoint, on the same tokens (issue 13's quality gates)
     python bench/quant_quality.py --reference dense --formats bf16 --kv-dtype fp8,int8
     python bench/quant_quality.py --reference dense --formats bf16,int4-gptq --gptq REFIT=0
 
-Prints one row per format: weight bytes (every stored object but the frontend resources), mean NLL, perplexity, its increase over bf16 with the
-standard error of that increase (paired per-token NLL differences: how much of it the text's
-length can resolve), and the mean KL(bf16 || format) of the next-token distributions. Scores with CausalScoring on the numpy
+Prints one row per format: weight bytes (every stored object but the frontend resources), mean
+NLL, perplexity, its increase over bf16 with the standard error of that increase (paired
+per-token NLL differences: how much of it the text's length can resolve), and the mean
+KL(bf16 || format) of the next-token distributions. Scores with CausalScoring on the numpy
 backend unless --backend cuda (which runs no quantized format yet).
 """
 from __future__ import annotations
@@ -128,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", type=pathlib.Path,
                     help="calibration text of the -gptq formats (default: standard-library files "
                          "of the reference models' training split)")
+    ap.add_argument("--calibration-tokens", type=int, default=None,
+                    help="tokens of the calibration text the -gptq formats use (default: the "
+                         "recipe's, 8192)")
     ap.add_argument("--kv-dtype", default="",
                     help="also score the bf16 weights with these KV cache dtypes, e.g. fp8,int8 "
                          "(rows kv-fp8, kv-int8)")
@@ -152,6 +156,8 @@ def main(argv=None) -> int:
             kw = FORMATS[name]
             if kw and kw.get("calibration"):
                 kw = dict(kw, calibration=calibration)
+                if args.calibration_tokens:
+                    kw["calibration_tokens"] = args.calibration_tokens
             path = pathlib.Path(tmp) / f"{name}.ninfer"
             convert_checkpoint(args.ckpt, path, progress=False,
                                recipe=Quantize(**kw) if kw else None)

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--quantize", choices=("fp8", "int8", "int4"),
                    help="store the text projections quantized (fp8 blocks of 128x128, int8 / int4 "
-                        "groups of 128; see docs/artifact.md); default: as in the checkpoint")
+                        "groups of --group-size; see docs/artifact.md); default: as in the "
+                        "checkpoint")
     c.add_argument("--group-size", type=int, choices=(32, 64, 128), metavar="{32,64,128}",
                    help="with --quantize int8 / int4: columns per scale group, 32, 64 or 128 "
                         "(default 128; 64 for int4 with --calibration; docs/artifact.md 6)")

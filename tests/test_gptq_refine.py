@@ -113,6 +113,8 @@ def test_group_size_errors(tmp_path, capsys):
     for bad in (48, 100, 0, "64"):
         with pytest.raises(ConvertError, match="group"):
             Quantize("int4", group=bad)
+    with pytest.raises(ConvertError, match="int4 group 48"):       # an int4 head beside int8
+        Quantize("int8", group=48, quantize_lm_head="int4")
 
 
 def test_default_group_sizes():

@@ -34,8 +34,8 @@ FORMATS = ("fp8", "int8", "int4")
 SCALE_SUFFIX = ".weight_scale_inv"       # an FP8 release: `<module>.weight_scale_inv` per weight
 LAYOUT_OF = {"fp8": "fp8_block", "int8": "int8_block", "int4": "int4_block"}
 GROUP = 128                         # int8 / int4 columns per scale group, by default
-CALIBRATED_INT4_GROUP = 64          # ... for int4 with --calibration (docs/performance.md:
-                                    # lower KL and ppl on held-out texts than 128 or 32)
+CALIBRATED_INT4_GROUP = 64          # ... for int4 with --calibration: measured, docs/
+                                    # performance.md "int4, issue 24 step 5"
 INT4_GROUP_UNIT = 32                # an int4 group is whole 16-byte chunks of codes
 CALIBRATION_TOKENS = 8192           # tokens of the calibration text the statistics sum over
 
@@ -210,12 +210,12 @@ class Quantize(ValuePreserving):
             raise ConvertError(f"quantization group {group!r}: expected a positive int or None")
         if format == "int4" and group is None:
             raise ConvertError("int4 needs a group size (per-channel int4 loses too much)")
-        if format == "int4" and group % INT4_GROUP_UNIT:
-            raise ConvertError(f"int4 group {group}: expected a multiple of {INT4_GROUP_UNIT} "
-                               "(the GPU kernels read whole chunks of 32 codes)")
         head = format if quantize_lm_head is True else quantize_lm_head
         if head not in (False, None) and head not in FORMATS:
             raise ConvertError(f"--quantize-lm-head {head!r}: expected one of {', '.join(FORMATS)}")
+        if "int4" in (format, head) and group is not None and group % INT4_GROUP_UNIT:
+            raise ConvertError(f"int4 group {group}: expected a multiple of {INT4_GROUP_UNIT} "
+                               "(the GPU kernels read whole chunks of 32 codes)")
         self.format, self.group, self.asymmetric = format, group, asymmetric
         self.lm_head_format = head or None         # None: lm_head stays 16-bit
         self.quantize_lm_head = self.lm_head_format is not None
