@@ -33,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--quantize", choices=("fp8", "int8", "int4"),
                    help="store the text projections quantized (fp8 blocks of 128x128, int8 / int4 "
-                        "groups of 128; see docs/artifact.md); default: as in the checkpoint")
+                        "groups of --group-size; see docs/artifact.md); default: as in the "
+                        "checkpoint")
+    c.add_argument("--group-size", type=int, choices=(32, 64, 128), metavar="{32,64,128}",
+                   help="with --quantize int8 / int4: columns per scale group, 32, 64 or 128 "
+                        "(default 128; 64 for int4 with --calibration; docs/artifact.md 6)")
     c.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantize: the lm_head too (default: kept 16-bit)")
     c.add_argument("--lm-head-format", choices=("fp8", "int8", "int4"),
@@ -83,6 +87,8 @@ def _convert(args) -> int:
                     "needs --quantize")
     if args.calibration and not args.quantize:
         raise Error("--calibration needs --quantize")
+    if args.group_size is not None and args.quantize not in ("int8", "int4"):
+        raise Error("--group-size needs --quantize int8 or int4 (fp8 has 128x128 blocks)")
     calibration = None
     if args.calibration:
         try:
@@ -90,8 +96,9 @@ def _convert(args) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise Error(f"--calibration {args.calibration}: cannot read ({exc})") from exc
     head = args.lm_head_format or args.quantize_lm_head
-    recipe = Quantize(args.quantize, quantize_lm_head=head,
-                      calibration=calibration) if args.quantize else None
+    group = {} if args.group_size is None else {"group": args.group_size}
+    recipe = Quantize(args.quantize, quantize_lm_head=head, calibration=calibration,
+                      **group) if args.quantize else None
     defaults = None if args.default_thinking is None \
         else {"enable_thinking": args.default_thinking == "on"}
     out = convert_checkpoint(args.src, args.out, name=args.name, progress=not args.quiet,

@@ -55,8 +55,10 @@ def test_gptq_reduces_output_error_and_decodes_by_the_spec(layout, group, asym):
 
 
 def test_gptq_without_correlation_is_plain_rounding(monkeypatch):
-    """H = I and no clipping search: nothing to compensate, the codes are encode()'s exactly."""
+    """H = I and no clipping search or scale refit: nothing to compensate, the codes are
+    encode()'s exactly."""
     monkeypatch.setattr(gptq, "CLIP_GRID", np.array([1.0]))
+    monkeypatch.setattr(gptq, "REFIT", 0)
     rng = np.random.default_rng(3)
     w = rng.standard_normal((20, 200)).astype(np.float32)
     for layout, asym in (("int4_block", True), ("int4_block", False), ("int8_block", False),

@@ -103,13 +103,20 @@ def _recording(rec: _Hessians):
         ops.linear, ops.swiglu, ops.moe_experts = linear, swiglu, moe_experts
 
 
+def _forward(engine, ids) -> None:
+    """Run the layers over ids (the projections' inputs are all that is recorded): the
+    embedding path stops at the final norm, sparing the vocabulary-wide logits of scoring."""
+    engine.embed(ids)
+
+
 def input_hessians(artifact_path, text: str, max_tokens: int, quantize=None) -> dict:
     """{logical weight name: H} from the unquantized artifact run over `text` (its first
     max_tokens tokens). With `quantize(name, w, h) -> w'` (sequential mode) the layers are
     calibrated one at a time: layer i's statistics come from a forward in which layers < i
     already run their quantized weights, and layer i's weights are then replaced by `quantize`'s
     (one forward per layer)."""
-    with Engine(artifact_path, backend="numpy", purpose="scoring") as engine:
+    with Engine(artifact_path, backend="numpy", purpose="scoring",     # embed checks the length
+                max_context=max(2, max_tokens)) as engine:
         ids = np.asarray(engine.tokenize(text)[:max_tokens], np.int32)
         if len(ids) < 2:
             raise ConvertError(f"calibration text has {len(ids)} tokens: need at least 2")
@@ -124,13 +131,13 @@ def input_hessians(artifact_path, text: str, max_tokens: int, quantize=None) -> 
         if quantize is None:
             rec = _Hessians({id(p[key]): name for mine in layers for p, key, name in mine})
             with _recording(rec):
-                engine.score(ids)
+                _forward(engine, ids)
             return rec.result(experts)
         out = {}
         for mine in layers:
             rec = _Hessians({id(p[key]): name for p, key, name in mine})
             with _recording(rec):
-                engine.score(ids)
+                _forward(engine, ids)
             hess = rec.result(experts)
             for p, key, name in mine:
                 if name in hess:

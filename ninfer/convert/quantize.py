@@ -33,6 +33,10 @@ FP8_BLOCK = (128, 128)
 FORMATS = ("fp8", "int8", "int4")
 SCALE_SUFFIX = ".weight_scale_inv"       # an FP8 release: `<module>.weight_scale_inv` per weight
 LAYOUT_OF = {"fp8": "fp8_block", "int8": "int8_block", "int4": "int4_block"}
+GROUP = 128                         # int8 / int4 columns per scale group, by default
+CALIBRATED_INT4_GROUP = 64          # ... for int4 with --calibration: measured, docs/
+                                    # performance.md "int4, issue 24 step 5"
+INT4_GROUP_UNIT = 32                # an int4 group is whole 16-byte chunks of codes
 CALIBRATION_TOKENS = 8192           # tokens of the calibration text the statistics sum over
 
 # The text weights `--quantize` encodes: every projection of attention, GDN and the MLP / experts.
@@ -190,13 +194,18 @@ class Quantize(ValuePreserving):
     """Quantize the projections of the text model (QUANTIZED_LEAVES; lm_head on request) from a
     16/32-bit checkpoint; every other tensor is stored value-preserving. `quantize_lm_head`:
     False, True (the recipe's format) or a format of its own ("int8" beside an int4 body: the
-    head is read whole every decode step, and 8 bits there cost little quality)."""
+    head is read whole every decode step, and 8 bits there cost little quality). `group`:
+    int8 / int4 columns per scale group, None for whole rows (int8), "auto" for GROUP, or
+    CALIBRATED_INT4_GROUP for int4 with a calibration text."""
 
-    def __init__(self, format: str, *, group: int | None = 128, asymmetric: bool = True,
+    def __init__(self, format: str, *, group: int | None | str = "auto", asymmetric: bool = True,
                  quantize_lm_head: bool = False, calibration: str | None = None,
                  calibration_tokens: int = CALIBRATION_TOKENS, sequential: bool = True):
         if format not in FORMATS:
             raise ConvertError(f"--quantize {format!r}: expected one of {', '.join(FORMATS)}")
+        if isinstance(group, str) and group == "auto":
+            group = CALIBRATED_INT4_GROUP if format == "int4" and calibration is not None \
+                else GROUP
         if group is not None and (not isinstance(group, int) or group < 1):
             raise ConvertError(f"quantization group {group!r}: expected a positive int or None")
         if format == "int4" and group is None:
@@ -204,6 +213,9 @@ class Quantize(ValuePreserving):
         head = format if quantize_lm_head is True else quantize_lm_head
         if head not in (False, None) and head not in FORMATS:
             raise ConvertError(f"--quantize-lm-head {head!r}: expected one of {', '.join(FORMATS)}")
+        if "int4" in (format, head) and group is not None and group % INT4_GROUP_UNIT:
+            raise ConvertError(f"int4 group {group}: expected a multiple of {INT4_GROUP_UNIT} "
+                               "(the GPU kernels read whole chunks of 32 codes)")
         self.format, self.group, self.asymmetric = format, group, asymmetric
         self.lm_head_format = head or None         # None: lm_head stays 16-bit
         self.quantize_lm_head = self.lm_head_format is not None
