@@ -29,6 +29,7 @@ import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 
 from ninfer.core.cuda.kernels import _import_kernel_module   # noqa: E402
 from ninfer.models.qwen3_5.memory_plan import quantized_page_bytes   # noqa: E402
+from oracles import quantized_device_pages, quantized_host_layer   # noqa: E402
 from ninfer.ops.kv_quant import QuantizedPages, dequantize, quantize   # noqa: E402
 
 _lib = _fake.FakeCUDAModule.libdevice
@@ -89,27 +90,14 @@ def codec(kvq):
     return bad
 
 
-# ---- pools: device page bytes from numpy's pages -------------------------------------------------
+# ---- pools: device page bytes from numpy's pages (oracles.py) -------------------------------------
 
 def device_pages(qp: QuantizedPages) -> np.ndarray:
-    """A numpy QuantizedPages layer as the device pool's bytes [pages, page bytes]: its host
-    copy (codes then scales) with the codes padded to 4 bytes (memory_plan.quantized_page_bytes)."""
-    pages, ps, nkv, hd = qp.shape
-    raw = qp.raw(np.arange(pages))
-    codes, whole = quantized_page_bytes(ps, nkv, hd)
-    out = np.zeros((pages, whole), np.uint8)
-    out[:, :ps * nkv * hd] = raw[:, :ps * nkv * hd]
-    out[:, codes:] = raw[:, ps * nkv * hd:]
-    return out
+    return quantized_device_pages(qp.codes, qp.scale)
 
 
 def host_layer(dev: np.ndarray, shape, kvq) -> QuantizedPages:
-    """The inverse: device page bytes -> a QuantizedPages of `shape`."""
-    pages, ps, nkv, hd = shape
-    codes = quantized_page_bytes(ps, nkv, hd)[0]
-    qp = QuantizedPages(shape, kvq)
-    qp.set_raw(np.arange(pages), np.concatenate([dev[:, :ps * nkv * hd], dev[:, codes:]], 1))
-    return qp
+    return quantized_host_layer(dev, shape, kvq)
 
 
 # ---- the write kernel ----------------------------------------------------------------------------
