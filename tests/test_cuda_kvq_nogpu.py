@@ -279,3 +279,23 @@ def test_cuda_model_plans_quantized_pools(monkeypatch):
         want = cfg.head_dim * itemsize / (cfg.head_dim + 4)       # 1.78x / 3.56x at head_dim 32
         for kv in ("fp8", "int8"):
             assert want * 0.97 < pages[kv] / pages["bfloat16"] < want * 1.01, (dtype, pages)
+
+
+@pytest.mark.skipif(os.environ.get("NINFER_SIM_MODEL") != "1",
+                    reason="minutes on the simulator: set NINFER_SIM_MODEL=1")
+@pytest.mark.parametrize("kind, kv_dtype", [("dense", "fp8"), ("moe", "int8")])
+def test_whole_model_on_the_simulator_with_quantized_kv(kind, kv_dtype):
+    """CudaModel's launch sequence with quantized pools (tests/gpu/sim_model.py) against the
+    numpy backend with the same kv_dtype: float32 within the GPU test's TOL_MODEL_KVQ_F32 and
+    the same greedy tokens, the pool's host bytes round-trip."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_model.py"),
+                          kind, "5", "2", kv_dtype], env=env, capture_output=True, text=True,
+                         timeout=3000)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    f, b = out["float32"], out["bfloat16"]
+    assert f["prefill"] < 2e-3 and max(f["steps"]) < 2e-3, f
+    assert f["tokens_cuda"] == f["tokens_numpy"] and f["kv_dtype"] == "uint8", f
+    assert b["prefill"] < 3e-2 and b["kv_dtype"] == "uint8", b
+    assert f["kv_round_trip"] and b["kv_round_trip"]

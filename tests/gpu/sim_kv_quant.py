@@ -18,24 +18,18 @@ JSON:
 import json
 import math
 import sys
-from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 
-# (sim_storage patches the simulator: warp shuffles, libdevice bit casts)
+# (sim_storage patches the simulator: warp shuffles, libdevice bit casts and rintf)
 from sim_storage import cuda, kernel, rel
-import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 
 from ninfer.core.cuda.kernels import _import_kernel_module   # noqa: E402
 from ninfer.models.qwen3_5.memory_plan import quantized_page_bytes   # noqa: E402
 from oracles import quantized_device_pages, quantized_host_layer   # noqa: E402
 from ninfer.ops.kv_quant import QuantizedPages, dequantize, quantize   # noqa: E402
 
-_lib = _fake.FakeCUDAModule.libdevice
-_fake.FakeCUDAModule.libdevice = SimpleNamespace(
-    float_as_int=_lib.float_as_int, int_as_float=_lib.int_as_float,
-    rintf=lambda x: np.rint(np.float32(x)))
 common = _import_kernel_module("common")
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
