@@ -72,8 +72,8 @@ def warmup_command(args) -> int:
     t0 = time.perf_counter()
     if args.releases:
         if args.artifact or args.dtype != "bfloat16" or args.kv_dtype != "bfloat16":
-            raise Error("--releases: the release geometries' bfloat16 kernels; give no artifact, "
-                        "no --dtype and no --kv-dtype")
+            raise Error("--releases: the release geometries' bfloat16 kernels; give no artifact "
+                        "and no --dtype (nor --kv-dtype)")
         from .models.qwen3_5.releases import release_specs
         specs = release_specs()
         compiled = cache.start_precompile(specs, args.workers).wait()
