@@ -84,8 +84,8 @@ def _ptxas_info(ptx: str, tmp_path, name: str):
 def test_kvq_variants_compile_to_ptx_for_sm90(kv_dtype, tmp_path):
     """The three variants at the 9B geometry (head_dim 256, 4 kv heads, G = 4): PTX for sm_90,
     IEEE division in the scale (as numpy's), no flush-to-zero on the codec's arithmetic, and
-    through ptxas (when present) no spills and paged attention within 168 registers (the bf16
-    kernel uses 160: three 128-thread blocks per SM either way)."""
+    through ptxas (when present) no spills and paged attention within 128 registers (measured
+    128; the bf16 kernel 123: four 128-thread blocks per SM either way)."""
     try:
         K.compile_spec(geometry_specs(_cfg("tiny-moe"))["silu_mul"], (9, 0))
     except Exception as exc:   # noqa: BLE001 - no NVVM here: nothing to check
@@ -102,7 +102,7 @@ def test_kvq_variants_compile_to_ptx_for_sm90(kv_dtype, tmp_path):
             regs, spills = info
             assert spills == 0, (name, info)
             if name == "paged_attention":
-                assert regs <= 168, regs
+                assert regs <= 128, regs
 
 
 # ---- the kernels on the simulator --------------------------------------------------------------
