@@ -43,7 +43,8 @@ def main() -> int:
                      shared_expert_intermediate_size=512, num_attention_heads=16,
                      num_key_value_heads=2)
     specs = set(geometry_specs(dense).values()) | set(geometry_specs(moe).values()) \
-        | set(geometry_specs(dense, f32=True).values())
+        | set(geometry_specs(dense, f32=True).values()) \
+        | set(geometry_specs(dense, kv_dtype="fp8").values())    # the quantized-KV variants
     specs |= {spec("widen_bf16")} | {spec(n, f32=True) for n in F32_VARIANTS
                                      if n in ("rmsnorm", "embed_gather")}
     # packed-weight kernels (an artifact's formats pick them): one of each

@@ -13,6 +13,13 @@ and the model-step figure of the same thing in the same process (the Engine's ow
 pools, no Engine around it: `decode_greedy` / `sample` on a packed batch, the prefill chunks of
 the prompt), so each line shows engine / model step. `--backend numpy --shapes tiny` runs the
 same code on the CPU (a smoke test of the script, not a benchmark).
+
+`--kv-dtype fp8|int8` stores the KV cache quantized (EngineOptions.kv_dtype); `--decode-context N`
+decodes after prompts of N tokens instead of 32 (the quantized KV's case: long contexts, where
+decode reads mostly KV), e.g. the issue's comparison at 9B, B = 8, 32K:
+
+    PYTHONPATH=.:bench python bench/bench_engine.py --shapes 9b --batches 8 --prefill 512 \
+        --modes greedy --decode-context 32768 --prefill-chunk 4096 [--kv-dtype fp8]
 """
 from __future__ import annotations
 
@@ -203,14 +210,14 @@ def engine_ttft(engine, n: int, reps: int = 2) -> float:
     return min(times[1:])
 
 
-def engine_decode(engine, B: int, gen: int, sampled: bool) -> tuple:
-    """Steady tok/s of B concurrent requests: slope of tokens_generated over time, sampled every
-    2 ms, between B*32 and B*(gen-16) tokens; and the tok/s of that window's first and last
-    thirds (flatness over the run)."""
+def engine_decode(engine, B: int, gen: int, sampled: bool, prompt_len: int = 32) -> tuple:
+    """Steady tok/s of B concurrent requests (prompts of prompt_len tokens): slope of
+    tokens_generated over time, sampled every 2 ms, between B*32 and B*(gen-16) tokens; and the
+    tok/s of that window's first and last thirds (flatness over the run)."""
     params = SamplingParams(max_tokens=gen, ignore_eos=True,
                             **(SAMPLED if sampled else dict(temperature=0.0)))
     base = engine.stats().get("tokens_generated", 0)
-    handles = [engine.submit(prompt_ids(32, 7 + r), params) for r in range(B)]
+    handles = [engine.submit(prompt_ids(prompt_len, 7 + r), params) for r in range(B)]
     samples = []
     done = threading.Event()
 
@@ -283,12 +290,14 @@ def model_decode(model, program, B: int, prompt_len: int, steps: int, sampled: b
     tables = np.arange(B * per_row, dtype=np.int32).reshape(B, per_row)
     slots = np.arange(B, dtype=np.int32)
     prompts = [np.array(prompt_ids(prompt_len, 7 + r), np.int32) for r in range(B)]
+    chunk = getattr(model, "n_cap", None) or prompt_len    # the most tokens one call takes
     for r, ids in enumerate(prompts):                     # all but the last prompt token
         n = len(ids) - 1
-        model.decode_greedy(ForwardBatch(ids[:n], np.broadcast_to(np.arange(n, dtype=np.int32),
-                                                                  (3, n)).copy(),
-                                         np.array([0, n], np.int32), np.zeros(1, np.int32),
-                                         tables[r:r + 1].copy(), slots[r:r + 1].copy()), kv, state)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            model.decode_greedy(ForwardBatch(ids[a:b], np.broadcast_to(
+                np.arange(a, b, dtype=np.int32), (3, b - a)).copy(), np.array([0, b - a], np.int32),
+                np.full(1, a, np.int32), tables[r:r + 1].copy(), slots[r:r + 1].copy()), kv, state)
     tokens = np.array([ids[-1] for ids in prompts], np.int32)
     empty = np.zeros(0, np.int32)
     ctx = prompt_len - 1
@@ -346,7 +355,8 @@ class HttpServer:
             self.port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "ninfer", "serve", str(path), "--backend", args.backend,
                "--port", str(self.port), "--max-concurrency", str(max(args.batch_list)),
-               "--max-context", str(max_context), "--prefill-chunk", str(args.prefill_chunk)]
+               "--max-context", str(max_context), "--prefill-chunk", str(args.prefill_chunk),
+               "--kv-dtype", args.kv_dtype]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -475,14 +485,16 @@ def bench_shape(shape, args, log) -> dict:
     log(f"{shape}: artifact {size / 1e9:.2f} GB (checkpoint {t_ckpt:.0f} s, convert "
         f"{t_convert:.0f} s, page-cache read {size / t_cache / 1e9:.1f} GB/s)")
     prefills = [int(x) for x in args.prefill.split(",") if x]
-    max_context = max(prefills + [args.gen + 64]) + 64
+    max_context = max(prefills + [args.gen + 64, args.decode_context + args.gen + 64]) + 64
     t0 = time.perf_counter()
     engine = ninfer.Engine(str(path), backend=args.backend, max_concurrency=max(args.batch_list),
-                           max_context=max_context, prefill_chunk=args.prefill_chunk)
+                           max_context=max_context, prefill_chunk=args.prefill_chunk,
+                           kv_dtype=args.kv_dtype)
     t_start = time.perf_counter() - t0
     model, program = engine.model, engine._core.program
     load_s = getattr(model, "load_seconds", None)
-    res = dict(shape=shape, backend=args.backend, artifact_gb=size / 1e9, start_s=t_start,
+    res = dict(shape=shape, backend=args.backend, kv_dtype=args.kv_dtype,
+               decode_context=args.decode_context or 32, artifact_gb=size / 1e9, start_s=t_start,
                load_s=load_s, load_gbps=size / load_s / 1e9 if load_s else None,
                warmup_s=getattr(program, "warmup_seconds", None),
                plan=getattr(model, "memory_plan", None), ttft={}, decode={})
@@ -503,10 +515,12 @@ def bench_shape(shape, args, log) -> dict:
             if sampled and not model.samples_on_device:
                 continue
             for B in args.batch_list:
-                e, e_first, e_last = engine_decode(engine, B, args.gen, sampled)
-                # the same mean context as the Engine's rows (prompt 32 + half of gen)
-                m = model_decode(model, program, B, max(33, 32 + args.gen // 2 - args.steps // 2),
-                                 args.steps, sampled) \
+                prompt = args.decode_context or 32
+                e, e_first, e_last = engine_decode(engine, B, args.gen, sampled, prompt)
+                # the same mean context as the Engine's rows (the prompt + half of gen)
+                m = model_decode(model, program, B,
+                                 max(33, prompt + args.gen // 2 - args.steps // 2), args.steps,
+                                 sampled) \
                     if model.greedy_on_device else float("nan")
                 host_us = (B / e - B / m) * 1e6 if m == m else float("nan")
                 res["decode"][f"{mode} B={B}"] = dict(engine_tok_s=e, model_tok_s=m,
@@ -562,6 +576,10 @@ def main(argv=None):
     ap.add_argument("--http-modes", default="greedy,sampled")
     ap.add_argument("--profile-host", action="store_true",
                     help="sample the Engine worker's stacks during greedy decodes at B=1 and 8")
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8", "int8"),
+                    help="KV cache storage (EngineOptions.kv_dtype; bfloat16: unquantized)")
+    ap.add_argument("--decode-context", type=int, default=0, metavar="N",
+                    help="decode after prompts of N tokens (default: 32)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batch_list = [int(x) for x in args.batches.split(",")]
@@ -575,7 +593,9 @@ def main(argv=None):
 
 
 def print_table(results):
-    print("\n| shape | what | engine | model step | engine / model |")
+    print("\n| shape | what | engine | model step | engine / model |   (KV "
+          + ", ".join(f"{r['shape']}: {r['kv_dtype']}, decode after {r['decode_context']} tokens"
+                      for r in results) + ")")
     print("|---|---|---|---|---|")
     for r in results:
         print(f"| {r['shape']} | load (weights) | {r['load_s'] or 0:.1f} s = "

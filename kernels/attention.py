@@ -1,5 +1,8 @@
 """Paged causal GQA attention over bf16 KV pools (decode and prefill alike), split over keys.
-`f32` (both factories): fp32 KV pools and output, the same arithmetic.
+`f32` (both factories): fp32 KV pools and output, the same arithmetic. `kvq` "fp8" / "int8"
+(paged_attention): pools of one-byte codes with a float32 scale per token and kv head
+(ninfer/ops/kv_quant.py; common.kvq_row the page layout), read as "u16*": a lane's pair is two
+codes, decoded exactly; the key's scale multiplies its dot product (K) and its softmax weight (V).
 
 grid (query tokens, kv heads * G/GS, splits), 4 warps. A block serves the G query heads of one kv head for
 one token: each K/V row is read once for G heads. Query token t of row r (index i in the row) sees
@@ -14,7 +17,8 @@ import math
 
 from numba import cuda, float32, uint32
 
-from .common import bf16x2_hi, bf16x2_lo, f32_pair, inlined, sigmoid, storage, warp_sum
+from .common import (bf16x2_hi, bf16x2_lo, f32_pair, inlined, kv_codec, kvq_row, sigmoid, storage,
+                     u16_pair_f32, warp_sum)
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -28,8 +32,23 @@ WARPS = 4
 NEG_INF = float32(-3.0e38)
 
 
-def _kv_pairs(f32):
-    """(k0, k1, v0, v1) = K/V pair i when `live`, else zeros."""
+def _kv_pairs(f32, kvq=""):
+    """(k0, k1, v0, v1) = K/V pair i when `live`, else zeros (kvq: the codes' values, unscaled;
+    i counts u16 code pairs)."""
+    if kvq:
+        value = kv_codec(kvq)[1]
+
+        @inlined
+        def kv_codes(k_cache, v_cache, i, live):
+            p = uint32(0)
+            pv = uint32(0)
+            if live:
+                p = uint32(k_cache[i])
+                pv = uint32(v_cache[i])
+            return (value(p & uint32(0xFF)), value(p >> uint32(8)), value(pv & uint32(0xFF)),
+                    value(pv >> uint32(8)))
+        return kv_codes
+
     if f32:
         @inlined
         def kv_f32(k_cache, v_cache, i, live):
@@ -51,7 +70,7 @@ def _kv_pairs(f32):
     return kv_bf16
 
 
-def paged_attention(hd, G, nkv, GS=0, f32=False):
+def paged_attention(hd, G, nkv, GS=0, f32=False, kvq=""):
     # GS: query heads per block (a divisor of G; 0 -> G). Fewer heads per block = fewer registers
     # and more resident warps, at the cost of reading each K/V row G/GS times (measured slower for
     # the 27B prefill, so the model uses GS = G; kept and tested for other geometries).
@@ -63,7 +82,8 @@ def paged_attention(hd, G, nkv, GS=0, f32=False):
     nh = G * nkv
     QN = GS * 2 * NC
     NC2 = 2 * NC
-    kv_pairs = _kv_pairs(f32)
+    kv_pairs = _kv_pairs(f32, kvq)
+    quant = bool(kvq)      # (k_cache / v_cache "u16*": kernel_set.KVQ_VARIANTS; f32 unused)
 
     def paged_attention_kernel(part, ml, q, k_cache, v_cache, token_row, query_start,
                                context_lens, block_tables, bt_stride, page_size, n_splits, scale,
@@ -111,7 +131,13 @@ def paged_attention(hd, G, nkv, GS=0, f32=False):
             key_next = key + WARPS
             if key_next < k1:
                 page_next = block_tables[r * bt_stride + key_next // page_size]
-            rb = ((page * page_size + key % page_size) * nkv + g) * HP
+            if quant:
+                row, sb = kvq_row(page, key % page_size, g, page_size, nkv, hd)
+                rb = row // 2
+                ks = u16_pair_f32(k_cache, sb // 2)
+                vs = u16_pair_f32(v_cache, sb // 2)
+            else:
+                rb = ((page * page_size + key % page_size) * nkv + g) * HP
             for c in range(NC):
                 kp[2 * c], kp[2 * c + 1], vp[2 * c], vp[2 * c + 1] = kv_pairs(
                     k_cache, v_cache, rb + lane + 32 * c, lane + 32 * c < HP)
@@ -120,11 +146,15 @@ def paged_attention(hd, G, nkv, GS=0, f32=False):
                 for c in range(NC2):
                     d += qv[gi * NC2 + c] * kp[c]
                 d = warp_sum(d)
+                if quant:
+                    d = d * ks
                 m_new = max(mx[gi], d)
                 corr = math.exp(mx[gi] - m_new)
                 pw = math.exp(d - m_new)
                 sm[gi] = sm[gi] * corr + pw
                 mx[gi] = m_new
+                if quant:
+                    pw = pw * vs
                 for c in range(NC2):
                     acc[gi * NC2 + c] = acc[gi * NC2 + c] * corr + pw * vp[c]
             key = key_next

@@ -2,7 +2,9 @@
 query block (ninfer/models/qwen3_5/cuda/attention_tc.py drives them).
 
     kv_gather   paged bf16 K, V of one row -> contiguous kc[g, j, :], vc[g, j, :] (rows past the
-                row's keys zero-filled up to the padded length, so GEMMs over padded keys read 0)
+                row's keys zero-filled up to the padded length, so GEMMs over padded keys read 0);
+                `kvq` "fp8" / "int8": from pools of codes (read as "u16*" pairs) and scales
+                (common.kvq_row), each value decoded, times its scale, rounded to bf16
     q_to_bf16   fp32 q [t, nh, hd] -> bf16 qb[g, t, gi, :] (a kv group's query heads stacked as
                 consecutive GEMM rows: one S = Q K^T per group serves all its G heads)
 Rows of qb, kc, vc and o are HDP = hd rounded up to 8 wide, zero past hd: every GEMM operand's
@@ -13,9 +15,9 @@ leading dimension is then a multiple of 16 bytes (head_dim 20 exists: the odd_he
 """
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
-from .common import f32_to_bf16, sigmoid
+from .common import f32_to_bf16, inlined, kv_codec, kvq_row, sigmoid, u16_pair_f32
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -34,9 +36,24 @@ def _hdp(hd):
 SM_THREADS = 256  # causal_softmax block (a power of two: tree reduction)
 
 
-def kv_gather(hd, nkv):
-    HP = hd // 2         # u32 (bf16 pairs) per pool row
+def _code_pairs(kvq):
+    """pair(cache, i, scale) -> the bf16 pair (u32) of u16 code pair i times scale."""
+    value = kv_codec(kvq)[1]
+
+    @inlined
+    def pair(cache, i, scale):
+        p = uint32(cache[i])
+        return f32_to_bf16(value(p & uint32(0xFF)) * scale) | \
+            (f32_to_bf16(value(p >> uint32(8)) * scale) << uint32(16))
+    return pair
+
+
+def kv_gather(hd, nkv, kvq=""):
+    # kvq: the k_cache / v_cache arguments are "u16*" (kernel_set.KVQ_VARIANTS)
+    HP = hd // 2         # u32 (bf16 pairs; kvq: u16 code pairs) per pool row
     HPP = _hdp(hd) // 2  # u32 per gathered row
+    quant = bool(kvq)
+    pair = _code_pairs(kvq) if quant else None
 
     def kv_gather_kernel(kc, vc, k_cache, v_cache, block_tables, row, bt_stride, page_size,
                          n_keys, n_pad, g_stride):
@@ -50,9 +67,14 @@ def kv_gather(hd, nkv):
                 dst = (g * g_stride + j) * HPP + e
                 if j < n_keys and e < HP:
                     page = block_tables[row * bt_stride + j // page_size]
-                    src = ((page * page_size + j % page_size) * nkv + g) * HP + e
-                    kc[dst] = k_cache[src]
-                    vc[dst] = v_cache[src]
+                    if quant:
+                        r0, sb = kvq_row(page, j % page_size, g, page_size, nkv, hd)
+                        kc[dst] = pair(k_cache, r0 // 2 + e, u16_pair_f32(k_cache, sb // 2))
+                        vc[dst] = pair(v_cache, r0 // 2 + e, u16_pair_f32(v_cache, sb // 2))
+                    else:
+                        src = ((page * page_size + j % page_size) * nkv + g) * HP + e
+                        kc[dst] = k_cache[src]
+                        vc[dst] = v_cache[src]
                 else:
                     kc[dst] = 0
                     vc[dst] = 0

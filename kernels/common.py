@@ -199,3 +199,94 @@ def storage(f32):
     if f32:
         return f32_same, f32_same, f32_pair, f32_same
     return f32_to_bf16, bf16_to_f32, bf16_pair, bf16_round
+
+
+# ---- quantized KV codes (kv_dtype "fp8" / "int8": ninfer/ops/kv_quant.py is the spec) ----------
+# A token's kv head is stored as head_dim one-byte codes and one float32 scale; the write kernel
+# encodes exactly as kv_quant.quantize does (so both backends store the same bytes), the
+# attention kernels decode a code to the float it stands for and multiply by the scale.
+
+KV_TOP = {"fp8": 448.0, "int8": 127.0}     # |code| at most: scale = amax / top
+
+
+@inlined
+def e4m3_code(q):
+    """float8_e4m3fn code (0..255) of float32 q clipped to [-448, 448], rounded to nearest
+    even: what kv_quant.quantize's clip and ml_dtypes' astype do. Normals round the float32 bits
+    to 3 mantissa bits (a carry moves into the exponent); below 2^-6 the codes are multiples of
+    2^-9, rint(|q| * 512). Finite q (the bits of |q| order as its values: the clip is a min)."""
+    u = uint32(cuda.libdevice.float_as_int(q))
+    sign = (u >> uint32(24)) & uint32(0x80)
+    a = min(u & uint32(0x7FFFFFFF), uint32(0x43E00000))     # 448.0
+    if a < uint32(0x3C800000):                       # |q| < 2^-6
+        c = uint32(cuda.libdevice.rintf(cuda.libdevice.int_as_float(int32(a)) * float32(512.0)))
+    else:
+        c = ((a + uint32(0x7FFFF) + ((a >> uint32(20)) & uint32(1))) >> uint32(20)) - uint32(960)
+    return sign | c
+
+
+@inlined
+def e4m3_value(c):
+    """The float32 an e4m3 code (0..255) stands for, exactly: its 7 bits under float32's
+    exponent and mantissa give 2^-120 times the value (subnormal codes too), times 2^120."""
+    bits = ((c & uint32(0x7F)) << uint32(20)) | ((c & uint32(0x80)) << uint32(24))
+    return cuda.libdevice.int_as_float(int32(bits)) * float32(2.0 ** 120)
+
+
+@inlined
+def int8_code(q):
+    """int8 code (as its byte 0..255) of rint(q) clipped to [-127, 127] (rint: half to even)."""
+    c = int32(cuda.libdevice.rintf(q))
+    c = min(max(c, int32(-127)), int32(127))
+    return uint32(c) & uint32(0xFF)
+
+
+@inlined
+def int8_value(c):
+    """The float32 of an int8 code's byte c (0..255)."""
+    return float32(int32(c ^ uint32(0x80)) - int32(128))
+
+
+def kv_codec(kvq):
+    """(encode(q) -> byte, value(byte) -> float32, top) of kv_dtype `kvq`."""
+    if kvq == "fp8":
+        return e4m3_code, e4m3_value, float32(KV_TOP["fp8"])
+    if kvq == "int8":
+        return int8_code, int8_value, float32(KV_TOP["int8"])
+    raise ValueError(f"kv_dtype {kvq!r}: expected 'fp8' or 'int8'")
+
+
+@inlined
+def block_max(v, scratch):
+    """Max over the block (blockDim.x a multiple of 32, <= 1024; every thread calls it);
+    scratch: shared float32[32]."""
+    lane = cuda.threadIdx.x & 31
+    wid = cuda.threadIdx.x >> 5
+    nw = (cuda.blockDim.x + 31) >> 5
+    v = warp_max(v)
+    cuda.syncthreads()
+    if lane == 0:
+        scratch[wid] = v
+    cuda.syncthreads()
+    t = float32(-3.0e38)
+    if lane < nw:
+        t = scratch[lane]
+    return warp_max(t)
+
+
+@inlined
+def kvq_row(page, off, g, page_size, nkv, hd):
+    """Byte offsets of (the codes, the float32 scale) of token `off` of `page`, kv head g, in a
+    quantized pool layer: each page is its page_size * nkv * hd codes ([token, head, dim]),
+    padded to 4 bytes, then its page_size * nkv scales ([token, head]): kv_quant's host copy of
+    a page (QuantizedPages.raw) when no padding is needed (head_dim a multiple of 4)."""
+    cb = (page_size * nkv * hd + 3) // 4 * 4
+    slot = off * nkv + g
+    base = page * (cb + 4 * page_size * nkv)
+    return base + slot * hd, base + cb + 4 * slot
+
+
+@inlined
+def u16_pair_f32(a, i):
+    """The float32 whose bits are u16 elements i (low half) and i + 1 of `a`."""
+    return cuda.libdevice.int_as_float(int32(uint32(a[i]) | (uint32(a[i + 1]) << uint32(16))))

@@ -1,5 +1,6 @@
 """q/k zero-centred RMSNorm + partial rotary (interleaved or sectioned MRoPE), fused with the write of
-k and v into the paged bf16 KV pools (fp32 pools with `f32`).
+k and v into the paged bf16 KV pools (fp32 pools with `f32`; one-byte codes and a scale per token
+and kv head with `kvq` "fp8" / "int8").
 
 grid (tokens, nh + nkv), block = head_dim rounded up to a warp (threads past head_dim idle). Head h < nh: query h -> q_out (fp32).
 Head h >= nh: kv head g -> k_cache / v_cache at page block_tables[row, pos // P], offset pos % P,
@@ -7,12 +8,18 @@ where pos = context_len + index in row (the sequence index; MRoPE positions only
 Rotary (rotate-half over the first `rot` dims): frequency i in [0, rot/2) takes its position from
 axis t, h or w: interleaved -> i % 3 == 1 and i < 3*sec_h -> h, i % 3 == 2 and i < 3*sec_w -> w;
 sectioned -> [0, s_t) t, [s_t, s_t+s_h) h, rest w.
+
+Quantized pools (`kvq`; ninfer/ops/kv_quant.py is the spec, common.kvq_row the page layout):
+k_cache / v_cache are bytes; a kv head's block takes amax over its head_dim values (block_max:
+every thread of the block reaches it, those past head_dim with 0), scale = amax / top (1 when
+all are 0), codes = encode(x / scale): kv_quant.quantize's float32 operations in its order, so
+both backends store the same bytes. Thread 0 writes the scale's 4 bytes.
 """
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, uint8, uint32
 
-from .common import block_sum, storage
+from .common import block_max, block_sum, inlined, kv_codec, kvq_row, storage
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -22,9 +29,30 @@ SIGNATURES = {
 }
 
 
-def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=False):
+def _quantized_store(kvq):
+    """put(cache, x, amax, row, sb, j): codes of the head's values at byte `row` (thread j's at
+    row + j), its scale at byte sb (kvq "fp8" / "int8")."""
+    encode, _, top = kv_codec(kvq)
+
+    @inlined
+    def put(cache, x, amax, row, sb, j):
+        scale = float32(1.0)
+        if amax > float32(0.0):
+            scale = amax / top
+        cache[row + j] = uint8(encode(x / scale))
+        if j == 0:
+            bits = uint32(cuda.libdevice.float_as_int(scale))
+            for b in range(4):
+                cache[sb + b] = uint8((bits >> uint32(8 * b)) & uint32(0xFF))
+    return put
+
+
+def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=False, kvq=""):
+    # kvq: the k_cache / v_cache arguments are "u8*" (kernel_set.KVQ_VARIANTS), f32 unused
     half = rot // 2
     store = storage(f32)[0]
+    quant = bool(kvq)
+    put = _quantized_store(kvq) if quant else None
 
     def qk_norm_rope_kv_kernel(q_out, proj, proj_stride, q_norm_w, k_norm_w, k_cache, v_cache,
                                positions, pos_stride, token_row, query_start, context_lens,
@@ -52,7 +80,7 @@ def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=Fals
         if live:
             xs[j] = x
         cuda.syncthreads()
-        if not live:
+        if not live and not quant:
             return
         y = x
         if j < rot:
@@ -78,7 +106,25 @@ def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=Fals
             else:
                 y = x * c + xs[j - half] * s
         r = token_row[t]
-        if is_q:
+        if quant:
+            if is_q:                     # (the whole block: h is the block's)
+                if live:
+                    q_out[(t * nh + h) * hd + j] = y
+                return
+            v = float32(0.0)
+            if live:
+                v = proj[pb + 2 * nh * hd + nkv * hd + g * hd + j]
+            else:
+                y = float32(0.0)
+            amax_k = block_max(abs(y), scratch)
+            amax_v = block_max(abs(v), scratch)
+            if live:
+                pos = context_lens[r] + t - query_start[r]
+                page = block_tables[r * bt_stride + pos // page_size]
+                row, sb = kvq_row(page, pos % page_size, g, page_size, nkv, hd)
+                put(k_cache, y, amax_k, row, sb, j)
+                put(v_cache, v, amax_v, row, sb, j)
+        elif is_q:
             q_out[(t * nh + h) * hd + j] = y
         else:
             pos = context_lens[r] + t - query_start[r]

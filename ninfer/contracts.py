@@ -255,7 +255,8 @@ class WeightSource(Protocol):
 @runtime_checkable
 class KVPoolProtocol(Protocol):
     """Paged KV of every full-attention layer (`Model.new_kv_pool`). Page images are host float32
-    copies: (k list, v list), one array per layer."""
+    copies: (k list, v list), one array per layer (kv_dtype fp8 / int8: each page's codes and
+    scales as bytes, ops/kv_quant.QuantizedPages.raw, on both backends)."""
     num_pages: int
 
     def read_pages(self, pages) -> tuple: ...

@@ -46,7 +46,7 @@ class EngineOptions:
     dtype: Optional[str] = None
     # KV cache storage: "bfloat16" = the backend's unquantized KV (numpy: float32 pages; cuda: its
     # compute dtype); "fp8" (e4m3) / "int8": one-byte codes with a scale per token and kv head
-    # (numpy only for now; ops/kv_quant.py), about half the bytes of bf16 pages
+    # (ops/kv_quant.py; both backends store the same bytes), about half the bytes of bf16 pages
     kv_dtype: str = "bfloat16"
     # cuda: capture every decode graph (B = 1..max_concurrency) and run a warm-up step before the
     # Engine reports ready (False: capture lazily, on the first decode of each batch size)
@@ -140,9 +140,6 @@ class EngineOptions:
                          "use None or 'float32', or backend='cuda' for bfloat16")
         if self.kv_dtype not in ("bfloat16", "fp8", "int8"):
             bad("kv_dtype", "must be 'bfloat16', 'fp8' or 'int8'")
-        if self.backend == "cuda" and self.kv_dtype != "bfloat16":
-            bad("kv_dtype", "the cuda backend has no quantized KV cache yet; use 'bfloat16' "
-                            "(or backend='numpy')")
         if self.speculative not in (None, "mtp"):
             bad("speculative", "must be None or 'mtp' (the checkpoint's multi-token-prediction head)")
         if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 4:

@@ -23,6 +23,9 @@ def add_warmup_parser(sub) -> None:
     w.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="the compute dtype the model will run in (each has its kernels; "
                         "default bfloat16)")
+    w.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8", "int8"),
+                   help="the KV cache storage the model will run with (fp8 / int8 have their "
+                        "own attention kernels; default bfloat16: unquantized)")
     w.add_argument("--workers", type=int, default=None, metavar="N",
                    help="compiler processes (default: one per kernel to compile, at most one "
                         "per CPU)")
@@ -68,9 +71,9 @@ def warmup_command(args) -> int:
     cache = KernelCache(cc, args.cache_dir)
     t0 = time.perf_counter()
     if args.releases:
-        if args.artifact or args.dtype != "bfloat16":
+        if args.artifact or args.dtype != "bfloat16" or args.kv_dtype != "bfloat16":
             raise Error("--releases: the release geometries' bfloat16 kernels; give no artifact "
-                        "and no --dtype")
+                        "and no --dtype (nor --kv-dtype)")
         from .models.qwen3_5.releases import release_specs
         specs = release_specs()
         compiled = cache.start_precompile(specs, args.workers).wait()
@@ -84,9 +87,12 @@ def warmup_command(args) -> int:
     with Artifact(path) as artifact:
         cfg = model_config(artifact).text
         quant = qweights.formats(quant_plans(cfg, artifact).values())    # packed weights' kernels
-    kernels = KernelSet(cfg, cache, f32=args.dtype == "float32", quant=quant)  # refuses as cuda does
+    kv_dtype = None if args.kv_dtype == "bfloat16" else args.kv_dtype
+    kernels = KernelSet(cfg, cache, f32=args.dtype == "float32", quant=quant,
+                        kv_dtype=kv_dtype)                           # refuses as cuda does
     compiled = kernels.start_precompile(args.workers).wait()
-    print(f"kernels for sm_{cc[0]}{cc[1]} ({args.dtype}): {compiled} compiled, "
+    kv = f", {kv_dtype} KV" if kv_dtype else ""
+    print(f"kernels for sm_{cc[0]}{cc[1]} ({args.dtype}{kv}): {compiled} compiled, "
           f"{len(kernels.specs) - compiled} already cached or shipped, in {cache.dir} "
           f"({time.perf_counter() - t0:.1f} s)")
     return 0

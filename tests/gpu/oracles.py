@@ -84,3 +84,29 @@ def gdn_inputs(r, dk, dv, nk, nv, n, strong_decay=False):
         A_log = np.log(r.uniform(1.0, 16.0, nv)).astype(np.float32)
         proj[:, a_off:a_off + nv] = r.uniform(-8.0, 4.0, (n, nv)).astype(np.float32)
     return qkv, proj, P, a_off, b_off, A_log, dt_bias
+
+
+def quantized_device_pages(codes, scale) -> np.ndarray:
+    """A quantized KV layer (kv_quant.QuantizedPages' codes [pages, P, nkv, hd] and scale
+    [pages, P, nkv]) as the CUDA pool's bytes [pages, page bytes]: each page its codes, zero
+    padding to 4 bytes, then its float32 scales (memory_plan.quantized_page_bytes). Written here
+    from the layout's statement, not from the pool's code."""
+    pages, ps, nkv, hd = codes.shape
+    n = ps * nkv * hd
+    pad = -n % 4
+    return np.concatenate([np.ascontiguousarray(codes).view(np.uint8).reshape(pages, n),
+                           np.zeros((pages, pad), np.uint8),
+                           np.ascontiguousarray(scale, np.float32).view(np.uint8)
+                           .reshape(pages, 4 * ps * nkv)], axis=1)
+
+
+def quantized_host_layer(dev, shape, kv_dtype):
+    """The inverse: device page bytes -> a kv_quant.QuantizedPages of `shape`."""
+    from ninfer.ops.kv_quant import QuantizedPages
+    pages, ps, nkv, hd = shape
+    n = ps * nkv * hd
+    dev = np.asarray(dev, np.uint8).reshape(pages, -1)
+    qp = QuantizedPages(shape, kv_dtype)
+    qp.codes = np.ascontiguousarray(dev[:, :n]).view(qp.codes.dtype).reshape(shape)
+    qp.scale = np.ascontiguousarray(dev[:, n + (-n % 4):]).view(np.float32).reshape(shape[:3])
+    return qp

@@ -7,6 +7,8 @@ speed and the real cuBLASLt are the GPU tests' business. Prints JSON:
              "tokens_cuda": [...], "tokens_numpy": [...]}}
 
     NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_model.py [dense|moe] [prompt tokens] [steps]
+                                                         [kv_dtype: bfloat16|fp8|int8]
+(kv_dtype fp8 / int8: both backends store quantized KV; kv_round_trip then compares bytes.)
 """
 import json
 import pathlib
@@ -36,7 +38,7 @@ def _syncwarp(self, mask=0xFFFFFFFF):
 
 _fake.FakeCUDAModule.syncwarp = _syncwarp
 NP = {"float32": np.float32, "uint16": np.uint16, "uint32": np.uint32, "int32": np.int32,
-      "uint64": np.uint64}
+      "uint64": np.uint64, "uint8": np.uint8}
 
 
 class Machine:
@@ -194,13 +196,15 @@ def install(machine):
             u = machine.typed(ptr, np.uint16)[: int(np.prod(shape))].reshape(shape)
             return (u.astype(np.uint32) << 16).view(np.float32)
 
-        def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0)):
+        def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0),
+                 ldc=0):
             ab = 4 if self.f32 else 2
             sw, sx, sy = strides
+            ldc = ldc or n                               # y's row stride (a segment's columns)
             for i in range(batch):                       # product i at element offsets i*strides
                 X = self.operand(x + ab * i * sx, (m, k))
                 W = self.operand(w + ab * i * sw, (k, n) if w_kn else (n, k))
-                Y = machine.typed(y + 4 * i * sy, np.float32)[: m * n].reshape(m, n)
+                Y = machine.typed(y + 4 * i * sy, np.float32)[: m * ldc].reshape(m, ldc)[:, :n]
                 prod = X @ W if w_kn else X @ W.T        # fp32 accumulation, like COMPUTE_32F
                 Y[:] = prod if beta == 0.0 else beta * Y + prod
             self.calls += 1
@@ -215,7 +219,7 @@ def install(machine):
     cm.CublasLt = Lt
 
 
-def run(kind="dense", prompt_len=5, steps=3):
+def run(kind="dense", prompt_len=5, steps=3, kv_dtype="bfloat16"):
     machine = Machine(96 << 20)
     install(machine)
     if kind == "dense-split":
@@ -227,12 +231,14 @@ def run(kind="dense", prompt_len=5, steps=3):
         assert kernel_set.paged_attention_group(2, 64) == 1
     art = TinyArtifact(tiny_config(moe=kind == "moe"), seed=3)
     cpu = NumpyModel.from_artifact(art)
+    cpu.kv_dtype = None if kv_dtype == "bfloat16" else kv_dtype
     r = np.random.default_rng(1)
     prompt = r.integers(0, model_config(art).text.vocab_size, prompt_len).astype(np.int32)
     out = {}
     for dtype in ("float32", "bfloat16"):
         opts = EngineOptions(backend="cuda", dtype=dtype, max_concurrency=1, max_context=64,
-                             prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False)
+                             prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False,
+                             kv_dtype=kv_dtype)
         gpu = cm.CudaModel(model_config(art), opts, artifact=art)
         pages = np.arange(16, dtype=np.int32)
         kv_g, st_g = gpu.new_kv_pool(17, 4), gpu.new_state_pool(2)
@@ -270,4 +276,4 @@ def run(kind="dense", prompt_len=5, steps=3):
 if __name__ == "__main__":
     a = sys.argv[1:]
     print(json.dumps(run(a[0] if a else "dense", int(a[1]) if len(a) > 1 else 5,
-                         int(a[2]) if len(a) > 2 else 3)))
+                         int(a[2]) if len(a) > 2 else 3, a[3] if len(a) > 3 else "bfloat16")))

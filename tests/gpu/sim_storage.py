@@ -43,7 +43,8 @@ def _shfl_xor_sync(self, mask, value, offset):
 _fake.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
 _fake.FakeCUDAModule.libdevice = SimpleNamespace(
     float_as_int=lambda x: np.array([x], np.float32).view(np.int32)[0],
-    int_as_float=lambda i: np.array([int(i) & 0xFFFFFFFF], np.uint32).view(np.float32)[0])
+    int_as_float=lambda i: np.array([int(i) & 0xFFFFFFFF], np.uint32).view(np.float32)[0],
+    rintf=lambda x: np.rint(np.float32(x)))          # (half to even: the quantized KV's int8)
 
 
 def bf16_bits(a):

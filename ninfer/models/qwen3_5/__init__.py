@@ -9,9 +9,6 @@ def load_model(artifact, options):
     (`options`: EngineOptions; its backend, dtype and kv_dtype are read)."""
     backend = options.backend
     if backend == "cuda":
-        if _quantized_kv(options) is not None:    # (validate says the same; options made without)
-            raise DeviceError(f"kv_dtype={options.kv_dtype!r}: the cuda backend has no quantized "
-                              "KV cache yet; use 'bfloat16' or backend 'numpy'")
         try:
             from .cuda_model import load_cuda_model
         except ImportError as exc:

@@ -19,6 +19,8 @@ cuda/media_rows.py (media embeddings over their rows).
 options.dtype "float32": fp32 weights (the checkpoint's bf16 widened on the device at load),
 activations, KV pools and GEMMs (strict fp32 compute), CUDA-core attention for every row: the
 numpy backend's arithmetic, for exact comparisons. None / "bfloat16": bf16 storage, fp32 math.
+options.kv_dtype "fp8" / "int8": KV pages of one-byte codes and a float32 scale per token and kv
+head (the numpy backend's ops/kv_quant.py, the same bytes), in either dtype.
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ class CudaModel(MediaEncoding):
     greedy_on_device = samples_on_device = True
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
+    kv_dtype = None         # "fp8" / "int8": quantized KV pages (options.kv_dtype)
     max_kv_pages = None     # the KV pages the memory plan holds (set at load)
     batch_invariant = False  # options.batch_invariant (set at load)
     load_phases: dict = {}   # {"setup", "weights", "kernels"} seconds (set at load; contracts.Model)
@@ -138,13 +141,18 @@ class CudaModel(MediaEncoding):
         if dtype not in (None, "bfloat16", "float32"):
             raise RequestError(f"backend 'cuda': dtype={dtype!r} must be None, 'bfloat16' or 'float32'")
         self.f32 = dtype == "float32"
+        kv_dtype = getattr(options, "kv_dtype", "bfloat16")
+        if kv_dtype not in ("bfloat16", "fp8", "int8"):
+            raise RequestError(f"backend 'cuda': kv_dtype={kv_dtype!r} must be 'bfloat16', "
+                               "'fp8' or 'int8'")
+        self.kv_dtype = None if kv_dtype == "bfloat16" else kv_dtype
         # batch_invariant: a row's logits do not depend on B or its neighbours (decode GEMMs at
         # one shape, fixed decode attention splits; docs/architecture.md "Load invariance")
         self.batch_invariant = bool(options.batch_invariant)
         # matrices held as packed codes (cuda/qweights.py): their formats pick kernels
         self.qplans = quant_plans(cfg, artifact)
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32,
-                                 qw.formats(self.qplans.values()))
+                                 qw.formats(self.qplans.values()), self.kv_dtype)
         # kernels compile (other processes: numba holds the GIL) and load (the driver JIT-compiles
         # each module's PTX, in threads) while the weights load
         kernel_loading = self.kernels.start_loading(self._bind_context)
@@ -172,7 +180,8 @@ class CudaModel(MediaEncoding):
             weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans),
             workspace_bytes=ws_bytes + DeviceSampler.device_bytes(
                 sampler_rows, cfg.vocab_size, options.max_context),
-            free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN)
+            free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN,
+            kv_dtype=self.kv_dtype)
         self.max_kv_pages = plan.num_kv_pages
         self._lap("plan")
         self.arena = Arena(plan.total_bytes)
@@ -227,9 +236,11 @@ class CudaModel(MediaEncoding):
         self.graphs = DecodeGraphs(self.stream, self.runner, self.decode_meta)
         self.stream.synchronize()
         log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace and sampler "
-                 "%.2f GiB, KV %d pages of %d tokens + State %d slots = %.2f GiB, %.2f GiB in all "
-                 "of %.2f GiB free", plan.device, plan.weights_bytes / 2**30, self.load_seconds,
-                 plan.workspace_bytes / 2**30, plan.num_kv_pages, plan.page_size,
+                 "%.2f GiB, KV (%s) %d pages of %d tokens + State %d slots = %.2f GiB, %.2f GiB in "
+                 "all of %.2f GiB free", plan.device, plan.weights_bytes / 2**30, self.load_seconds,
+                 plan.workspace_bytes / 2**30, self.kv_dtype or ("float32" if self.f32 else
+                                                                 "bfloat16"),
+                 plan.num_kv_pages, plan.page_size,
                  plan.num_state_slots, plan.pool_bytes / 2**30, plan.total_bytes / 2**30,
                  plan.free_bytes / 2**30)
 
@@ -237,7 +248,7 @@ class CudaModel(MediaEncoding):
     def _pool_device(self) -> PoolDevice:
         # a closing pool destroys the graphs captured over it (they would write into its regions)
         return PoolDevice(self.arena, self.stream, self._bind_context, self.graphs.forget,
-                          self.pool_staging, self.f32)
+                          self.pool_staging, self.f32, self.kv_dtype)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
         self._current()

@@ -49,6 +49,24 @@ def kv_bytes_per_token(text, itemsize: float) -> float:
     return 2 * len(text.attention_layer_ids) * text.num_key_value_heads * text.head_dim * itemsize
 
 
+def quantized_page_bytes(page_size: int, kv_heads: int, head_dim: int) -> tuple:
+    """(codes, whole) bytes of one quantized KV page of one layer's K (or V) on the device
+    (kv_dtype "fp8" / "int8"): its page_size * kv_heads * head_dim one-byte codes padded to 4
+    bytes, then one float32 scale per token and kv head (kernels/common.py kvq_row)."""
+    codes = -(-int(page_size) * kv_heads * head_dim // 4) * 4
+    return codes, codes + 4 * int(page_size) * kv_heads
+
+
+def kv_page_bytes(text, page_size: int, kv_itemsize: int, kv_dtype: Optional[str] = None) -> int:
+    """Bytes of one KV page over every full-attention layer, K and V: kv_itemsize bytes a value,
+    or with kv_dtype "fp8" / "int8" the codes and scales of quantized_page_bytes."""
+    layers = 2 * len(text.attention_layer_ids)
+    if kv_dtype is not None:
+        return layers * quantized_page_bytes(page_size, text.num_key_value_heads,
+                                             text.head_dim)[1]
+    return layers * int(page_size) * text.num_key_value_heads * text.head_dim * int(kv_itemsize)
+
+
 def state_slot_bytes(text) -> int:
     """Bytes of one State slot (float32 conv + recurrent state of every GDN layer)."""
     return len(text.linear_layer_ids) * 4 * (
@@ -57,11 +75,11 @@ def state_slot_bytes(text) -> int:
 
 
 def pool_bytes(text, num_pages: int, page_size: int, num_state_slots: int, kv_itemsize: int,
-               region_slack_bytes: int = 0) -> int:
+               region_slack_bytes: int = 0, kv_dtype: Optional[str] = None) -> int:
     """Bytes of a KV pool of num_pages and a State pool of num_state_slots; region_slack_bytes
     per pool array (one K and one V per attention layer, one conv and one recurrent per GDN layer)
-    covers an allocator's alignment."""
-    kv = int(kv_bytes_per_token(text, kv_itemsize)) * num_pages * page_size
+    covers an allocator's alignment. kv_dtype "fp8" / "int8": quantized pages (kv_page_bytes)."""
+    kv = kv_page_bytes(text, page_size, kv_itemsize, kv_dtype) * num_pages
     arrays = 2 * len(text.attention_layer_ids) + 2 * len(text.linear_layer_ids)
     return kv + state_slot_bytes(text) * num_state_slots + region_slack_bytes * arrays
 
@@ -106,19 +124,22 @@ def plan_pools(options, *, held_kv_pages: Optional[int] = None) -> MemoryPlan:
 
 
 def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_itemsize: int,
-                      margin_bytes: int, region_slack_bytes: int = 0) -> MemoryPlan:
+                      margin_bytes: int, region_slack_bytes: int = 0,
+                      kv_dtype: Optional[str] = None) -> MemoryPlan:
     """Pools in device memory: options.num_kv_pages when given; else every sequence slot at
     max_context (more could never be used), or fewer when the memory left after fixed_bytes, the
     State pool (max_state_slots) and margin_bytes holds fewer, down to one sequence. Fewer than one
     sequence: every slot's pages are kept, and the caller's memory check says what is short.
-    pool_bytes covers max_state_slots State images (whatever share the Program gives the cache)."""
+    pool_bytes covers max_state_slots State images (whatever share the Program gives the cache).
+    kv_dtype "fp8" / "int8": quantized pages, about (head_dim + 4) / (2 head_dim) of bf16's."""
     page_size = int(options.page_size)
     num_seq_slots = max(int(options.max_concurrency), 1)
     slots = max_state_slots(num_seq_slots)
     per_seq = pages_for(options.max_context, page_size)
 
     def reserve(pages):
-        return pool_bytes(text, pages, page_size, slots, kv_itemsize, region_slack_bytes)
+        return pool_bytes(text, pages, page_size, slots, kv_itemsize, region_slack_bytes,
+                          kv_dtype)
     if options.num_kv_pages:
         num_pages = int(options.num_kv_pages)
     else:

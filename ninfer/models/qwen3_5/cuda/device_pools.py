@@ -2,6 +2,11 @@
 as `state.py` (KV is bf16 on the device, fp32 for a dtype="float32" model; host copies are float32):
 
     k[a], v[a]      [num_pages, page_size, nkv, head_dim]  bf16 (fp32)
+                    kv_dtype "fp8" / "int8": uint8 [num_pages, page bytes], each page its codes
+                    [page_size, nkv, head_dim] (padded to 4 bytes) then its float32 scales
+                    [page_size, nkv] (memory_plan.quantized_page_bytes, kernels/common.py
+                    kvq_row); host copies are numpy's (ops/kv_quant.QuantizedPages.raw: codes
+                    then scales, no padding), so they move the bytes as they are
     conv[l]         [num_slots, conv_dim, K-1]              fp32
     recurrent[l]    [num_slots, nv, dk, dv]                 fp32
 """
@@ -9,12 +14,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from ....core.cuda import driver as _d
 from ..config import TextConfig
+from ..memory_plan import quantized_page_bytes
 from ..state import _copy_indices
 
 
@@ -148,14 +154,15 @@ def _take_all(arena, shapes, dtype, what: str) -> list:
 class PoolDevice:
     """What a device pool uses: the arena its arrays live in, the stream its copies run on,
     bind() (make the context current in this thread), on_close(pool) (the model destroys the
-    graphs captured over the pool), staging (the pinned memory host copies go through) and f32
-    (float32 KV instead of bf16)."""
+    graphs captured over the pool), staging (the pinned memory host copies go through), f32
+    (float32 KV instead of bf16) and kv_dtype ("fp8" / "int8": quantized KV, f32 unused)."""
     arena: object
     stream: object
     bind: Callable[[], None]
     on_close: Callable[[object], None]
     staging: HostStaging
     f32: bool = False
+    kv_dtype: Optional[str] = None
 
 
 class DeviceKVPool:
@@ -165,8 +172,14 @@ class DeviceKVPool:
         shape = (int(num_pages), self.page_size, cfg.num_key_value_heads, cfg.head_dim)
         n = len(cfg.attention_layer_ids)
         self._f32 = bool(dev.f32)
-        kv = _take_all(dev.arena, [shape] * (2 * n), np.float32 if self._f32 else np.uint16,
-                       f"KV pool ({num_pages} pages)")
+        self.kv_dtype = dev.kv_dtype
+        dtype = np.float32 if self._f32 else np.uint16
+        if self.kv_dtype is not None:
+            # (codes bytes, page bytes); a host page is codes + scales without the padding
+            self._qpage = quantized_page_bytes(*shape[1:])
+            self._qhost = int(np.prod(shape[1:])) + 4 * int(np.prod(shape[1:3]))
+            shape, dtype = (shape[0], self._qpage[1]), np.uint8
+        kv = _take_all(dev.arena, [shape] * (2 * n), dtype, f"KV pool ({num_pages} pages)")
         self.k, self.v = kv[:n], kv[n:]
         self._num_pages = int(num_pages)
         # a pool dropped without close() (scoring's temporary pools) still returns its pages
@@ -179,22 +192,51 @@ class DeviceKVPool:
         return self._num_pages
 
     def read_pages(self, pages) -> tuple:
+        """Host copy of the given pages: float32 [len(pages), page_size, nkv, head_dim] per
+        layer, or with kv_dtype the numpy backend's bytes (QuantizedPages.raw)."""
         pages = _checked_indices(pages, self._num_pages, "KV page")
         self._dev.bind()
         bits = _copy_rows_out(self.k + self.v, pages, self._dev.stream, self._dev.staging)
         n = len(self.k)
-        if self._f32:
-            return bits[:n], bits[n:]
-        return [_bits_f32(b) for b in bits[:n]], [_bits_f32(b) for b in bits[n:]]
+        if self.kv_dtype is not None:
+            host = self._host_bytes
+        else:
+            host = (lambda b: b) if self._f32 else _bits_f32
+        return [host(b) for b in bits[:n]], [host(b) for b in bits[n:]]
 
     def write_pages(self, pages, data: tuple) -> None:
         pages = _checked_indices(pages, self._num_pages, "KV page")
-        for arrs, host in zip((self.k, self.v), data):
-            _check_image(arrs, host, (len(pages),), "KV pages image")
+        if self.kv_dtype is not None:
+            images = [self._device_bytes(h, len(pages)) for h in list(data[0]) + list(data[1])]
+            if len(images) != len(self.k) + len(self.v):
+                raise ValueError(f"KV pages image: {len(images)} layer arrays for "
+                                 f"{len(self.k) + len(self.v)}")
+        else:
+            for arrs, host in zip((self.k, self.v), data):
+                _check_image(arrs, host, (len(pages),), "KV pages image")
+            host = _f32_array if self._f32 else _bf16_bits
+            images = [host(h) for h in list(data[0]) + list(data[1])]
         self._dev.bind()
-        host = _f32_array if self._f32 else _bf16_bits
-        _copy_rows_in(self.k + self.v, pages, [host(h) for h in list(data[0]) + list(data[1])],
-                      self._dev.stream, self._dev.staging)
+        _copy_rows_in(self.k + self.v, pages, images, self._dev.stream, self._dev.staging)
+
+    def _host_bytes(self, rows) -> np.ndarray:
+        """Device page rows -> numpy's host bytes (the padding after the codes dropped)."""
+        codes, whole = self._qpage
+        used = self._qhost - (whole - codes)
+        return rows if codes == used else np.concatenate([rows[:, :used], rows[:, codes:]], 1)
+
+    def _device_bytes(self, host, n: int) -> np.ndarray:
+        """numpy's host bytes of n pages -> device page rows (zero padding after the codes)."""
+        if np.shape(host) != (n, self._qhost):
+            raise ValueError(f"KV pages image: array of shape {list(np.shape(host))}, expected "
+                             f"{[n, self._qhost]} (bytes of {self.kv_dtype} pages)")
+        host = np.asarray(host, np.uint8)
+        codes, whole = self._qpage
+        used = self._qhost - (whole - codes)
+        out = np.zeros((n, whole), np.uint8)
+        out[:, :used] = host[:, :used]
+        out[:, codes:] = host[:, used:]
+        return out
 
     def copy_pages(self, src_pages, dst_pages) -> None:
         """Page dst_pages[i] becomes a copy of src_pages[i] in every layer (numpy KVPool's

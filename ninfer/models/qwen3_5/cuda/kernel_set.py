@@ -63,6 +63,14 @@ F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather"
                           "expert_down", "gather_rows", "qgemv", "dequant"))
 
 
+# kernels with a quantized-KV variant (kv_dtype "fp8" / "int8": factory parameter kvq) -> the
+# positions of their K and V pool arguments and the type those take (byte codes, their scales
+# inside each page: kernels/common.py kvq_row). The model's dtype does not enter them (the pools
+# are codes either way, every other argument is fp32), so both dtypes share one variant.
+KVQ_VARIANTS = {"qk_norm_rope_kv": ((5, 6), "u8*"), "paged_attention": ((3, 4), "u16*"),
+                "kv_gather": ((2, 3), "u16*")}
+
+
 def spec(name: str, f32: bool = False, **params) -> KernelSpec:
     module, factory, sig = SIGS[name]
     if f32:
@@ -104,10 +112,28 @@ def quant_specs(quant, f32: bool = False) -> dict:
     return specs
 
 
-def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset()) -> dict:
+def kvq_spec(name: str, kv_dtype: str, **params) -> KernelSpec:
+    """The quantized-KV variant of kernel `name` (KVQ_VARIANTS) with the base spec's geometry."""
+    if name not in KVQ_VARIANTS:
+        raise ValueError(f"kernel {name!r} has no quantized-KV variant")
+    module, factory, sig = SIGS[name]
+    at, kind = KVQ_VARIANTS[name]
+    sig = tuple(kind if i in at else t for i, t in enumerate(sig))
+    params.pop("f32", None)
+    return KernelSpec.of(module, factory, sig, **params, kvq=kv_dtype)
+
+
+def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
+                   kv_dtype: str = None) -> dict:
     """name -> KernelSpec for every kernel the model of `cfg` launches; `f32`: the fp32-storage
     variants (dtype="float32": no tensor-core prefill attention, weights widened at load);
-    `quant`: the (layout, asym, split) formats of its packed weights."""
+    `quant`: the (layout, asym, split) formats of its packed weights; `kv_dtype` "fp8" / "int8":
+    the quantized-KV variants of the kernels that write and read the pools (same names)."""
+    if kv_dtype is not None:
+        specs = geometry_specs(cfg, f32, quant)
+        for name in set(KVQ_VARIANTS) & set(specs):
+            specs[name] = kvq_spec(name, kv_dtype, **dict(specs[name].params))
+        return specs
     if quant:
         return {**geometry_specs(cfg, f32), **quant_specs(quant, f32)}
     if f32:
@@ -221,9 +247,9 @@ def check_geometry(cfg: TextConfig) -> None:
 
 class KernelSet:
     def __init__(self, cfg: TextConfig, cache: KernelCache, f32: bool = False,
-                 quant=frozenset()):
+                 quant=frozenset(), kv_dtype: str = None):
         check_geometry(cfg)
-        self.specs = geometry_specs(cfg, f32, quant)
+        self.specs = geometry_specs(cfg, f32, quant, kv_dtype)
         self._cache = cache
         self._k = {}
 
