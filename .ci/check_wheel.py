@@ -50,7 +50,7 @@ def main() -> int:
     # packed-weight kernels (an artifact's formats pick them): one of each
     specs |= {spec("qgemv", layout="int4_block", bm=2, asym=True),
               spec("dequant", layout="fp8_block", asym=False),
-              spec("qmma", layout="int4_block", asym=True)}
+              spec("qmma", layout="int4_block", asym=True), spec("act_quant_fp8")}
     compiled = {s.module for s in specs}
     if set(modules) - compiled:
         print(f"kernel modules never compiled by this check: {sorted(set(modules) - compiled)}")

@@ -80,6 +80,7 @@ def checkpoint_plan(shape: str) -> tuple:
     return full, arch, shapes
 
 
+FP8_ACT = {"auto": None, "on": True, "off": False}     # --fp8-activations -> the option
 RANDOM_VALUES = 1 << 24           # the random block every weight tiles
 
 
@@ -341,6 +342,33 @@ def model_prefill(model, program, n: int) -> float:
     return min(times[1:])
 
 
+def kernel_profile(model, program, n: int = 512) -> dict:
+    """{"prefill": ..., "decode": ...}: ms by kernel (CUDA events around each launch, eager: the
+    gaps between launches are not in it) of an n-token prefill chunk and of one greedy B = 1
+    decode step after it, on the Engine's own model and pools (its KV pages and State slot 0,
+    the Engine idle)."""
+    import dataclasses
+    ps, kv, state = program.page_size, program.kv, program.state
+    ids = np.array(prompt_ids(n + 1, 5), np.int32)
+    table = np.arange(-(-(n + 2) // ps), dtype=np.int32)[None]
+
+    def batch(a, b):
+        return ForwardBatch(ids[a:b], np.broadcast_to(np.arange(a, b, dtype=np.int32),
+                                                      (3, b - a)).copy(),
+                            np.array([0, b - a], np.int32), np.array([a], np.int32), table.copy(),
+                            np.array([0], np.int32))
+    opts, out = model.options, {}
+    model.options = dataclasses.replace(opts, graphs=False)      # eager: the same kernels
+    try:
+        for name, (a, b) in (("prefill", (0, n)), ("decode", (n, n + 1))):
+            model.runner.profile = []
+            model.decode_greedy(batch(a, b), kv, state)
+            out[name] = model.runner.profile_summary()
+    finally:
+        model.options = opts
+    return out
+
+
 # ---- through the HTTP server -----------------------------------------------------------------------
 class HttpServer:
     """`python -m ninfer serve` in a subprocess, ready when /health answers 200. Requests go
@@ -356,7 +384,9 @@ class HttpServer:
         cmd = [sys.executable, "-m", "ninfer", "serve", str(path), "--backend", args.backend,
                "--port", str(self.port), "--max-concurrency", str(max(args.batch_list)),
                "--max-context", str(max_context), "--prefill-chunk", str(args.prefill_chunk),
-               "--kv-dtype", args.kv_dtype]
+               "--kv-dtype", args.kv_dtype] \
+            + {"auto": [], "on": ["--fp8-activations"], "off": ["--no-fp8-activations"]}[
+                args.fp8_activations]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -489,11 +519,12 @@ def bench_shape(shape, args, log) -> dict:
     t0 = time.perf_counter()
     engine = ninfer.Engine(str(path), backend=args.backend, max_concurrency=max(args.batch_list),
                            max_context=max_context, prefill_chunk=args.prefill_chunk,
-                           kv_dtype=args.kv_dtype)
+                           kv_dtype=args.kv_dtype, fp8_activations=FP8_ACT[args.fp8_activations])
     t_start = time.perf_counter() - t0
     model, program = engine.model, engine._core.program
     load_s = getattr(model, "load_seconds", None)
     res = dict(shape=shape, backend=args.backend, kv_dtype=args.kv_dtype,
+               w8a8=bool(getattr(model, "w8a8", False)),
                decode_context=args.decode_context or 32, artifact_gb=size / 1e9, start_s=t_start,
                load_s=load_s, load_gbps=size / load_s / 1e9 if load_s else None,
                warmup_s=getattr(program, "warmup_seconds", None),
@@ -530,6 +561,12 @@ def bench_shape(shape, args, log) -> dict:
                 log(f"  decode {mode:7s} B={B}: engine {e:8.1f} tok/s  model step {m:8.1f} "
                     f"tok/s  ratio {e / m:.3f}  engine-only host {host_us:6.0f} us/step  "
                     f"first/last third {e_first:.0f}/{e_last:.0f} tok/s")
+        if args.profile_kernels and model.greedy_on_device:
+            res["kernel_profile"] = kernel_profile(model, program)
+            for what, prof in res["kernel_profile"].items():
+                top = sorted(prof.items(), key=lambda kv: -kv[1])
+                log(f"  {what} time by kernel (ms, eager, {sum(prof.values()):.2f} in all): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in top[:14]))
         if args.profile_host:
             res["worker_profile"] = {B: worker_profile(engine, B, 256) for B in (1, 8)}
             for B, prof in res["worker_profile"].items():
@@ -576,6 +613,11 @@ def main(argv=None):
     ap.add_argument("--http-modes", default="greedy,sampled")
     ap.add_argument("--profile-host", action="store_true",
                     help="sample the Engine worker's stacks during greedy decodes at B=1 and 8")
+    ap.add_argument("--profile-kernels", action="store_true",
+                    help="ms by kernel of a 512-token prefill chunk and a B=1 decode step (eager)")
+    ap.add_argument("--fp8-activations", default="auto", choices=tuple(FP8_ACT),
+                    help="fp8 weights: prefill GEMMs on fp8 tensor cores (EngineOptions."
+                         "fp8_activations; auto: where the GPU has them)")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "fp8", "int8"),
                     help="KV cache storage (EngineOptions.kv_dtype; bfloat16: unquantized)")
     ap.add_argument("--decode-context", type=int, default=0, metavar="N",

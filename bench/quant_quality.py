@@ -12,7 +12,9 @@ Prints one row per format: weight bytes (every stored object but the frontend re
 NLL, perplexity, its increase over bf16 with the standard error of that increase (paired
 per-token NLL differences: how much of it the text's length can resolve), and the mean
 KL(bf16 || format) of the next-token distributions. Scores with CausalScoring on the numpy
-backend unless --backend cuda (which runs no quantized format yet).
+backend unless --backend cuda (fp8 there twice: its prefill GEMMs on the fp8 tensor cores,
+the activations quantized per token and 128 columns, and "-exact-act" with the weights
+dequantized to bf16).
 """
 from __future__ import annotations
 
@@ -96,11 +98,12 @@ def fixture_ids(ckpt: pathlib.Path) -> np.ndarray:
         return np.concatenate([z[f"prefill_ids_{s}"] for s in range(len(z["prefill_lengths"]))])
 
 
-def score(path, ids, backend: str, chunk: int, kl_tokens: int, kv_dtype: str = "bfloat16"):
+def score(path, ids, backend: str, chunk: int, kl_tokens: int, kv_dtype: str = "bfloat16",
+          fp8_activations=None):
     """(per-prediction NLL, log-softmax rows of the first kl_tokens positions): the logits of a
     real vocabulary are 1 MB per token, so the KL uses a prefix."""
     with Engine(path, backend=backend, purpose="scoring", prefill_chunk=chunk,
-                kv_dtype=kv_dtype) as engine:
+                kv_dtype=kv_dtype, fp8_activations=fp8_activations) as engine:
         res = engine.score(ids, return_logits=True)
     nll = -np.asarray(res.logprobs, np.float64)
     logits = np.array(res.logits[:kl_tokens], np.float64)
@@ -170,11 +173,17 @@ def main(argv=None) -> int:
             with Artifact(path) as art:        # weights: every object but the resources
                 nbytes = sum(o["nbytes"] for o in art.manifest["objects"]
                              if not o["name"].startswith("resource/"))
-            nll, logp = score(path, ids, args.backend, args.chunk, args.kl_tokens)
-            if base is None:
-                base = (nll, logp)
-            kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
-            rows.append((name, nbytes, nll - base[0], nll.mean(), kl))
+            # fp8 on cuda: the scoring prefill with the activations on fp8 tensor cores (W8A8)
+            # where the GPU has them, and again with the weights dequantized ("-exact-act")
+            w8 = (None, False) if name.startswith("fp8") and args.backend == "cuda" else (None,)
+            for fp8_act in w8:
+                nll, logp = score(path, ids, args.backend, args.chunk, args.kl_tokens,
+                                  fp8_activations=fp8_act)
+                if base is None:
+                    base = (nll, logp)
+                kl = float(np.mean(np.sum(np.exp(base[1]) * (base[1] - logp), axis=-1)))
+                rows.append((name + ("-exact-act" if fp8_act is False else ""), nbytes,
+                             nll - base[0], nll.mean(), kl))
             if name == "bf16":                 # quantized KV cache over the bf16 weights
                 for kv in filter(None, args.kv_dtype.split(",")):
                     nll, logp = score(path, ids, args.backend, args.chunk, args.kl_tokens, kv)

@@ -56,6 +56,10 @@ _OPTION_HELP = {
                 "(numpy: float32; cuda: bfloat16, float32 with --dtype float32); fp8 or int8: "
                 "one byte per value and one scale per token and kv head (both backends, the "
                 "same bytes; about half the memory of bfloat16 pages)",
+    "fp8_activations": "fp8 weights on cuda: prefill GEMMs on the fp8 tensor cores, the "
+                       "activations quantized per token and 128 columns as FP8 releases intend "
+                       "(default: on where cuBLASLt has it, Hopper); --no-fp8-activations: "
+                       "weights dequantized to bfloat16, exact weights, slower prefill",
     "warmup": "cuda: capture the decode graphs and run one step before ready",
     "debug_checks": "re-check every batch inside the backend too",
     "batch_invariant": "a request's tokens independent of load (cuda: decode 5-9%% slower)",

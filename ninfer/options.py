@@ -48,6 +48,12 @@ class EngineOptions:
     # compute dtype); "fp8" (e4m3) / "int8": one-byte codes with a scale per token and kv head
     # (ops/kv_quant.py; both backends store the same bytes), about half the bytes of bf16 pages
     kv_dtype: str = "bfloat16"
+    # fp8 weights (FP8 releases, --quantize fp8), cuda bf16: prefill GEMMs on the fp8 tensor cores
+    # with the activations quantized to e4m3 per token and 128 columns (the releases'
+    # activation_scheme "dynamic", as vLLM and SGLang run them; the error it adds:
+    # docs/performance.md). None: on where cuBLASLt has block-scaled fp8 (Hopper); False: the
+    # weights dequantized to bf16 (exact weights, slower prefill). Decode is the same either way
+    fp8_activations: Optional[bool] = None
     # cuda: capture every decode graph (B = 1..max_concurrency) and run a warm-up step before the
     # Engine reports ready (False: capture lazily, on the first decode of each batch size)
     warmup: bool = True
@@ -140,6 +146,9 @@ class EngineOptions:
                          "use None or 'float32', or backend='cuda' for bfloat16")
         if self.kv_dtype not in ("bfloat16", "fp8", "int8"):
             bad("kv_dtype", "must be 'bfloat16', 'fp8' or 'int8'")
+        if self.fp8_activations is not None \
+                and not isinstance(self.fp8_activations, (bool, np.bool_)):
+            bad("fp8_activations", "must be true or false (or None: on where the GPU has it)")
         if self.speculative not in (None, "mtp"):
             bad("speculative", "must be None or 'mtp' (the checkpoint's multi-token-prediction head)")
         if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 4:

@@ -29,3 +29,21 @@ def test_quant_gemv_kernels_on_the_simulator():
     assert f32 and all(v <= DEQUANT_F32_REL_TOL for v in f32.values()), f32
     # every case ran (2.0: a poisoned output written where it must not be; 1.0: not finite)
     assert len(out) == 44 and all(e < GEMV_REL_TOL for e in out.values()), out
+
+
+def test_act_quant_kernel_on_the_simulator():
+    """tests/gpu/sim_act_quant.py: the W8A8 prefill input (kernels/act_quant.py) byte for byte
+    equal to kv_quant.quantize per 128 columns, in cuBLASLt's scale layout, padded rows clean,
+    nothing written outside."""
+    pytest.importorskip("numba.cuda")
+    pytest.importorskip("ml_dtypes")
+    import numpy as np
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests/gpu")]))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(root / "tests/gpu/sim_act_quant.py"),
+                          str(np.random.default_rng().integers(1 << 30))],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out) == 3 and all(v == [0, 0, 0] for v in out.values()), out

@@ -85,6 +85,9 @@ def test_launch_geometry_matches_the_kernels():
     k = _import_kernel_module("quant_gemv")
     assert (k.THREADS, k.WARPS, k.ROWS, k.DEQUANT_THREADS, k.BMS, k.MMA_WARPS) == \
         (qw.THREADS, qw.WARPS, qw.ROWS, qw.DEQUANT_THREADS, qw.BMS, qw.MMA_WARPS)
+    aq = _import_kernel_module("act_quant")
+    from ninfer.core.cuda.cublaslt import FP8_BLOCK
+    assert (aq.WARPS, aq.GROUP) == (qw.ACT_QUANT_WARPS, FP8_BLOCK)
     for layout in k.LAYOUTS:
         for kk, bc in ((256, 128), (136, 128), (99, 64), (48, 12), (4096, 4096), (96, 128),
                        (4096, 64), (4096, 32), (160, 128), (4096, 384), (4096, 16), (100, 32),
@@ -167,6 +170,37 @@ def test_runner_picks_the_packed_kernel_by_dtype_shape_and_rows(monkeypatch):
     runner(2).qlinear(None, x, w, y, 40, N, K, 0.0)
     assert [c[0] for c in launched] == ["gemm", "dequant_int4_block_z", "gemm", "dequant_int4_block",
                                         "gemm", "dequant_int4_block", "gemm"]
+    # fp8 [128, 128] segments with w8a8 (fp8_activations): 40 rows quantized once for both
+    # fp8 segments, each a block-scaled fp8 GEMM on its columns; the bf16 segment stays a bf16
+    # GEMM, an fp8 segment of other blocks and an expert stack are dequantized; decode rows
+    # still take qmma
+    fp8 = qw.QMatrix((N, K), (
+        qw.QSegment(qw.SegmentPlan(0, 64, K, qw.BF16), arr(1000)),
+        qw.QSegment(qw.SegmentPlan(64, 256, K, "fp8_block", (128, 128)), arr(2000),
+                    arr(3000, 1, 2, K // 128)),
+        qw.QSegment(qw.SegmentPlan(320, 32, K, "fp8_block", (1, 128)), arr(5000),
+                    arr(6000, 1, 32, K // 128)),
+        qw.QSegment(qw.SegmentPlan(352, 16, K, "fp8_block", (128, 128)), arr(5500),
+                    arr(6500, 1, 1, K // 128))))
+
+    def gemm_fp8(st, xq, xs, w, ws, y, m, n, k, beta=0.0, ldc=0):
+        launched.append(("gemm_fp8", xq, xs, w, ws, y, m, n, k, ldc))
+
+    r = runner(2)
+    r.w8a8 = True
+    r.res.lt.gemm_fp8 = gemm_fp8
+    r.res.ws.xq, r.res.ws.xqs = SimpleNamespace(ptr=11000), SimpleNamespace(ptr=12000)
+    launched.clear()
+    r.qlinear(None, x, fp8, y, 40, N, K, 0.0)
+    assert [c[0] for c in launched] == ["gemm", "act_quant_fp8", "gemm_fp8", "dequant_fp8_block",
+                                        "gemm", "gemm_fp8"]
+    aq = launched[1]
+    assert aq[1] == (K // (128 * qw.ACT_QUANT_WARPS), 40) and aq[3] == (x, 11000, 12000, 40, K, 40)
+    assert launched[2][1:] == (11000, 12000, 2000, 3000, y + 4 * 64, 40, 256, K, N)
+    assert launched[5][3:] == (5500, 6500, y + 4 * 352, 40, 16, K, N)
+    launched.clear()
+    r.qlinear(None, x, fp8, y, 8, N, K, 0.0)
+    assert "gemm_fp8" not in [c[0] for c in launched]
     # routed experts (decode): qmma in expert mode over the (token, slot) pairs
     ex = qw.QMatrix((8, 512, K), (qw.QSegment(qw.SegmentPlan(0, 512, K, "fp8_block", (128, 128),
                                                              experts=8), arr(9000),

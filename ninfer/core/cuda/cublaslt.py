@@ -13,6 +13,14 @@ attention's O = P @ V reads the gathered V rows as they are.
 `batch=B, strides=(sw, sx, sy)` runs B such products in one strided-batched call, product i on
 w + i*sw, x + i*sx, y + i*sy (strides in elements): the MoE prefill's experts, one launch per layer.
 
+`fp8=True` (gemm_fp8): A = W and B = X are float8_e4m3 codes with block scales, the FP8 release
+format (docs/artifact.md 3.2.1): W's one float32 per 128 x 128 block (BLK128x128_32F), X's one per
+token and 128 columns (VEC128_32F), the prefill path of fp8 weights (W8A8, cuda/runner.py). The
+layouts cuBLASLt reads, in row-major terms: W's scales [ceil(N / 128), K / 128], X's codes
+[M, K] and scales [K / 128, round_up(M, 4)] (column blocks outer, tokens inner); K a multiple of
+FP8_K_MULTIPLE. Hopper's cuBLASLt (12.9+) has these
+modes; `fp8_supported()` asks the heuristic once.
+
 `invariant=True` (the Engine's batch_invariant option): no algorithm reduces split-K partials
 with atomics (REDUCTION_SCHEME_INPLACE: their order varies run to run), so a plan always gives
 the same bits. A row's result must also not depend on M (the decode batch size B): the heuristic
@@ -33,6 +41,12 @@ from ...errors import DeviceError
 CUBLAS_COMPUTE_32F = 68          # strict fp32 (CUBLAS_COMPUTE_32F_FAST_TF32 = 77 is never used)
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
+CUDA_R_8F_E4M3 = 28
+DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18      # void* (device)
+DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32            # int32 cublasLtMatmulMatrixScale_t
+SCALE_VEC128_32F, SCALE_BLK128x128_32F = 4, 5
+FP8_BLOCK = 128                  # the block of both scale modes
+FP8_K_MULTIPLE = FP8_BLOCK       # K: whole blocks
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 PREF_MAX_WORKSPACE_BYTES = 1
@@ -97,8 +111,13 @@ _DESTROYERS = ("cublasLtDestroy", "cublasLtMatmulDescDestroy", "cublasLtMatrixLa
                "cublasLtMatmulPreferenceDestroy")
 
 
+def fp8_scale_rows(m: int) -> int:
+    """Leading dimension of X's VEC128_32F scales: tokens rounded up to 4."""
+    return -(-int(m) // 4) * 4
+
+
 class Plan:
-    __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn", "batch")
+    __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn", "batch", "fp8")
 
 
 class CublasLt:
@@ -191,16 +210,21 @@ class CublasLt:
         return alignment(x_ptr, w_ptr, y_ptr, x_ptr + ab * sx, w_ptr + ab * sw, y_ptr + 4 * sy)
 
     def plan(self, m: int, n: int, k: int, beta: float = 0.0, align: int = 256,
-             w_kn: bool = False, batch: int = 1, strides: tuple = (0, 0, 0), ldc: int = 0) -> Plan:
+             w_kn: bool = False, batch: int = 1, strides: tuple = (0, 0, 0), ldc: int = 0,
+             fp8: bool = False) -> Plan:
         strides = tuple(int(s) for s in strides) if batch > 1 else (0, 0, 0)
         ldc = int(ldc) or int(n)
         key = (int(m), int(n), int(k), float(beta), int(align), bool(w_kn), int(batch), strides,
-               ldc)
+               ldc, bool(fp8))
         p = self._plans.get(key)
         if p is not None:
             return p
         if min(m, n, k, batch) < 1:
             raise ValueError(f"gemm: empty shape M={m} N={n} K={k} batch={batch}")
+        if fp8 and (self.f32 or w_kn or batch > 1 or k % FP8_K_MULTIPLE):
+            raise ValueError(f"gemm_fp8: a bf16 handle, W[N, K], one product, K a multiple of "
+                             f"{FP8_K_MULTIPLE} (M={m} N={n} K={k})")
+        ab_type = CUDA_R_8F_E4M3 if fp8 else self.ab_type
         lib = self.lib
         desc = ctypes.c_void_p()
         a, b, c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -213,12 +237,18 @@ class CublasLt:
                      "set TRANSA")
             lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSB, ctypes.byref(opn), 4),
                      "set TRANSB")
+            if fp8:
+                for attr, mode in ((DESC_A_SCALE_MODE, SCALE_BLK128x128_32F),
+                                   (DESC_B_SCALE_MODE, SCALE_VEC128_32F)):
+                    v = ctypes.c_int32(mode)
+                    lt_check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), 4),
+                             "set SCALE_MODE")
             # W[N, K] row-major is a K x N column-major matrix used transposed; W[K, N] row-major
             # is N x K column-major, used as it is
             rows_a, cols_a = (n, k) if w_kn else (k, n)
-            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), self.ab_type, rows_a, cols_a,
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(a), ab_type, rows_a, cols_a,
                                                     rows_a), "layout A")
-            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), self.ab_type, k, m, k),
+            lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), ab_type, k, m, k),
                      "layout B")
             # (ldc > n: Y's columns [0, n) of wider rows, a segment of a fused output)
             lt_check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, m, ldc),
@@ -239,8 +269,8 @@ class CublasLt:
                                                         ctypes.byref(count)),
                      f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
             if count.value < 1:
-                raise DeviceError(f"cuBLASLt: no algorithm for {'fp32' if self.f32 else 'bf16'} GEMM "
-                                  f"M={m} N={n} K={k}")
+                what = "fp8 block-scaled" if fp8 else ("fp32" if self.f32 else "bf16")
+                raise DeviceError(f"cuBLASLt: no algorithm for {what} GEMM M={m} N={n} K={k}")
         except BaseException:
             # best effort: the error being raised is the one to report
             for layout in (a, b, c):
@@ -251,7 +281,7 @@ class CublasLt:
             raise
         p = Plan()
         p.desc, p.layouts, p.m, p.n, p.k, p.beta = desc, (a, b, c), m, n, k, float(beta)
-        p.w_kn, p.batch = bool(w_kn), int(batch)
+        p.w_kn, p.batch, p.fp8 = bool(w_kn), int(batch), bool(fp8)
         p.algo = HeuristicResult()
         ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
         self._plans[key] = p
@@ -266,6 +296,10 @@ class CublasLt:
         stride in elements (default n)."""
         p = self.plan(m, n, k, beta, self.batch_alignment(x_ptr, w_ptr, y_ptr, batch, strides),
                       w_kn, batch, strides, ldc)
+        self._matmul(stream, p, x_ptr, w_ptr, y_ptr, beta,
+                     f"cublasLtMatmul(M={m}, N={n}, K={k}{', w_kn' if w_kn else ''})")
+
+    def _matmul(self, stream, p: Plan, x_ptr, w_ptr, y_ptr, beta: float, what: str) -> None:
         a, b, c = p.layouts
         beta_c = self._zero if beta == 0.0 else (self._one if beta == 1.0 else ctypes.c_float(beta))
         self.calls += 1
@@ -273,5 +307,28 @@ class CublasLt:
                                          w_ptr, a, x_ptr, b, ctypes.byref(beta_c), y_ptr, c,
                                          y_ptr, c, ctypes.byref(p.algo.algo),
                                          self.workspace_ptr, self.workspace_bytes,
-                                         ctypes.c_void_p(int(stream.handle))),
-                 f"cublasLtMatmul(M={m}, N={n}, K={k}{', w_kn' if w_kn else ''})")
+                                         ctypes.c_void_p(int(stream.handle))), what)
+
+    def gemm_fp8(self, stream, x_ptr: int, x_scale_ptr: int, w_ptr: int, w_scale_ptr: int,
+                 y_ptr: int, m: int, n: int, k: int, beta: float = 0.0, ldc: int = 0) -> None:
+        """y[m, n] (fp32) = (x * x_scale)[m, k] @ (w * w_scale)[n, k]^T + beta * y on e4m3 codes
+        (the module's docstring gives the scales' layouts). The scale pointers belong to the
+        call, so they are set on the shared plan's descriptor right before it (host work only:
+        a graph captures the values)."""
+        p = self.plan(m, n, k, beta, alignment(x_ptr, w_ptr, y_ptr), ldc=ldc, fp8=True)
+        for attr, ptr in ((DESC_A_SCALE_POINTER, w_scale_ptr), (DESC_B_SCALE_POINTER, x_scale_ptr)):
+            v = ctypes.c_void_p(int(ptr))
+            lt_check(self.lib.cublasLtMatmulDescSetAttribute(p.desc, attr, ctypes.byref(v),
+                                                             ctypes.sizeof(v)), "set SCALE_POINTER")
+        self._matmul(stream, p, x_ptr, w_ptr, y_ptr, beta, f"cublasLtMatmul fp8(M={m}, N={n}, K={k})")
+
+    def fp8_supported(self) -> bool:
+        """Whether this device's cuBLASLt has block-scaled e4m3 GEMMs with fp32 output (Hopper,
+        cuBLAS 12.9+): the heuristic asked for one small shape."""
+        if self.f32:
+            return False
+        try:
+            self.plan(64, 256, 4 * FP8_BLOCK, 0.0, fp8=True)
+        except DeviceError:
+            return False
+        return True

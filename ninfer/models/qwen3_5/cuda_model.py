@@ -37,7 +37,7 @@ from ...core.cuda import driver as _d
 from ...core.cuda.arena import Arena
 from ...core.cuda.cublaslt import CublasLt
 from ...core.cuda.kernels import KernelCache
-from ...errors import RequestError
+from ...errors import DeviceError, RequestError
 from .config import ModelConfig
 from .load import model_config
 from .vision_tower import MediaEncoding
@@ -49,7 +49,8 @@ from .cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging, PoolD
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.media_rows import MediaRows, checked_media
-from .cuda.runner import StepResources, StepRunner, Workspace, grouped_rows, part_rows_needed
+from .cuda.runner import (StepResources, StepRunner, Workspace, grouped_rows, part_rows_needed,
+                          w8a8_bytes)
 from .cuda.sampler import DeviceSampler
 from .cuda.thread_context import ThreadContext
 from .cuda.token_step import TokenStep
@@ -168,10 +169,17 @@ class CudaModel(MediaEncoding):
         part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms,
                                      b_cap if self.batch_invariant else 0)
         wq = qw.slab_elements(self.qplans.values(), n_cap)      # the prefill dequant tile
+        # fp8 weights' prefill on the fp8 tensor cores (W8A8): the quantized input's width
+        fp8_act = getattr(options, "fp8_activations", None)
+        if fp8_act and self.f32:
+            raise RequestError("backend 'cuda': fp8_activations=True needs dtype bfloat16 (the "
+                               "float32 model multiplies exact weights and inputs)")
+        w8k = qw.w8a8_k(self.qplans.values()) \
+            if fp8_act is not False and not self.f32 and n_cap > qw.GEMV_MAX_ROWS else 0
         ws_bytes = workspace_bytes(cfg, f32=self.f32, n_cap=n_cap, lg_cap=self.lg_cap,
                                    part_rows=part_rows, max_keys=self.max_keys,
                                    meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes) \
-            + wq * (4 if self.f32 else 2)
+            + wq * (4 if self.f32 else 2) + w8a8_bytes(n_cap, w8k) + (1024 if w8k else 0)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
         sampler_rows = max(b_cap, 8)
         free, total = self.device.mem_info()
@@ -187,13 +195,18 @@ class CudaModel(MediaEncoding):
         self.arena = Arena(plan.total_bytes)
         self._lap("arena")
         self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
-                            f32=self.f32, wq_elements=wq)
+                            f32=self.f32, wq_elements=wq, w8a8_k=w8k)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
                                "metadata")
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
         self.decode_meta = DeviceMeta(self.decode_layout, meta.ptr + self.eager_layout.nbytes)
         lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
         self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32, invariant=self.batch_invariant)
+        self.w8a8 = bool(w8k) and self.lt.fp8_supported()
+        if fp8_act and w8k and not self.w8a8:
+            raise DeviceError(f"backend 'cuda': fp8_activations=True, but cuBLASLt on "
+                              f"{self.device.name} has no block-scaled fp8 GEMM (Hopper and "
+                              "cuBLAS 12.9 or later)")
         self._lap("cublaslt")
         self.sampler = DeviceSampler(self.arena, self.kernels, sampler_rows, cfg.vocab_size,
                                      options.max_context)
@@ -232,7 +245,8 @@ class CudaModel(MediaEncoding):
                           n_cap=n_cap, route_host=self.route_host, media=self.media_rows),
             invariant=self.batch_invariant,
             # (bf16 only: a float32 model runs every row on the CUDA-core kernel)
-            attn_tc_min_tokens=math.inf if self.f32 else attention_tc.TC_MIN_TOKENS)
+            attn_tc_min_tokens=math.inf if self.f32 else attention_tc.TC_MIN_TOKENS,
+            w8a8=self.w8a8)
         self.graphs = DecodeGraphs(self.stream, self.runner, self.decode_meta)
         self.stream.synchronize()
         log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace and sampler "

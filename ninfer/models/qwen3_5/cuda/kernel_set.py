@@ -15,7 +15,7 @@ from . import qweights as qw
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
 MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "rope_kv", "attention",
-           "attention_tc", "moe", "sample", "quant_gemv")
+           "attention_tc", "moe", "sample", "quant_gemv", "act_quant")
 
 
 def declared_signatures(module: str) -> dict:
@@ -97,8 +97,11 @@ def quant_specs(quant, f32: bool = False) -> dict:
     """The packed-weight kernels of each (layout, asym[, split]) in `quant` (cuda/qweights.py
     formats): the CUDA-core GEMV (every shape, and the float32 model's exact decode), the
     tensor-core one (bf16 models, qweights.mma_ok shapes; `split` scale blocks per step, 1 when
-    left out) and the prefill tile's dequantization."""
+    left out) and the prefill tile's dequantization; for fp8 in a bf16 model the prefill's
+    activation quantization too (the block-scaled fp8 GEMM's input, qweights.w8a8_ok)."""
     specs = {}
+    if not f32 and any(q[0] == "fp8_block" for q in quant):
+        specs["act_quant_fp8"] = spec("act_quant_fp8")
     for layout, asym, *rest in sorted(quant):
         split = rest[0] if rest else 1
         if not f32:

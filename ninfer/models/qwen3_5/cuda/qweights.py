@@ -9,7 +9,9 @@ one layout and block merge into one segment (one launch). The runner (runner.Ste
 runs a segment of codes as a GEMV over the packed bytes for up to GEMV_MAX_ROWS rows (decode:
 each weight byte read once per 8 rows, kernels/quant_gemv.py), and for more rows (prefill)
 dequantizes slabs of rows into the workspace's `wq` tile and multiplies in bf16 through
-cuBLASLt. A bf16 segment is a cuBLASLt GEMM writing its column range of the output.
+cuBLASLt; fp8 codes in [128, 128] blocks instead go straight to cuBLASLt's block-scaled e4m3
+GEMM with the input quantized per token and 128 columns (W8A8, `w8a8_ok`; the fp8_activations
+option). A bf16 segment is a cuBLASLt GEMM writing its column range of the output.
 
 The codes go up unchanged: the same bytes the numpy backend decodes (models/qwen3_5/quant.py), so
 a float32 model on the GPU computes the numpy backend's values up to summation order.
@@ -30,6 +32,7 @@ SLAB_ELEMENTS = 1 << 26     # the prefill tile: at most this many dequantized el
 # kernels/quant_gemv.py's launch geometry (the kernels' module imports numba; a warm start does
 # not: tests/test_quant_weights_nogpu.py checks the two agree)
 THREADS, WARPS, ROWS, DEQUANT_THREADS = 128, 4, 4, 256
+ACT_QUANT_WARPS = 4         # kernels/act_quant.WARPS: 128-column groups per block
 BMS = (1, 2, 4, 8)
 MMA_WARPS = 4               # kernels/quant_gemv.qmma: block of 4 warps over 16 output rows
 MMA_ROWS = 16
@@ -172,6 +175,19 @@ def formats(plans) -> frozenset:
     split: `mma_split` of its scale block width, which selects the tensor-core GEMV's variant)."""
     return frozenset((s.layout, s.asym, mma_split(s.layout, s.block[1]))
                      for segs in plans for s in segs if s.layout != BF16)
+
+
+def w8a8_ok(seg) -> bool:
+    """A segment the block-scaled fp8 GEMM takes as stored (cublaslt.gemm_fp8): e4m3 codes in
+    [128, 128] scale blocks, K whole blocks, one matrix (not an expert stack)."""
+    from ....core.cuda.cublaslt import FP8_K_MULTIPLE
+    return (seg.layout == "fp8_block" and tuple(seg.block) == (128, 128) and seg.experts == 1
+            and seg.k % FP8_K_MULTIPLE == 0)
+
+
+def w8a8_k(plans) -> int:
+    """The largest K of a w8a8_ok segment (0: none): the quantized input's row width."""
+    return max((s.k for segs in plans for s in segs if w8a8_ok(s)), default=0)
 
 
 def slab_elements(plans, n_cap: int, f32: bool = False) -> int:

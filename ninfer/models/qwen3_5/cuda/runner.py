@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ....core.cuda import driver as _d
-from ....core.cuda.cublaslt import PIN_M, alignment
+from ....core.cuda.cublaslt import FP8_BLOCK, PIN_M, alignment, fp8_scale_rows
 from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
 from . import moe_rows
@@ -30,7 +30,7 @@ class Workspace:
     """Fixed activation buffers for up to `n_cap` tokens and `lg_cap` logits rows."""
 
     def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
-                 max_keys: int, f32: bool = False, wq_elements: int = 0):
+                 max_keys: int, f32: bool = False, wq_elements: int = 0, w8a8_k: int = 0):
         take = arena.take
         gin = np.float32 if f32 else np.uint16      # GEMM inputs: bf16, or fp32 (dtype="float32")
         self.gin_bytes = np.dtype(gin).itemsize
@@ -96,9 +96,21 @@ class Workspace:
             self.route = take((R + n * K,), np.int32, ws)    # [row -> token (R) | pair -> row]
         # packed weights' prefill tile (cuda/qweights.py): a slab of rows dequantized for cuBLASLt
         self.wq = take((wq_elements,), gin, ws) if wq_elements else None
+        # fp8 weights' prefill on fp8 tensor cores (qweights.w8a8_ok): the GEMM input as e4m3
+        # codes and its per-token, per-128-column scales (kernels/act_quant.py's layout)
+        self.xq = self.xqs = None
+        if w8a8_k and not f32:
+            self.xq = take((fp8_scale_rows(n) * w8a8_k,), np.uint8, ws)
+            self.xqs = take((w8a8_k // FP8_BLOCK * fp8_scale_rows(n),), np.float32, ws)
         self.xf = take((lg_cap, H), gin, ws)
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
+
+
+def w8a8_bytes(n_cap: int, k: int) -> int:
+    """Workspace bytes of the quantized GEMM input (Workspace.xq, xqs) for rows of width k."""
+    rows = fp8_scale_rows(n_cap)
+    return rows * k + 4 * (k // FP8_BLOCK) * rows if k else 0
 
 
 def grouped_rows(n: int, top_k: int, num_experts: int) -> int:
@@ -168,8 +180,10 @@ class StepRunner:
     decode attention at decode_splits, so a row's arithmetic does not depend on B."""
 
     invariant = False
+    w8a8 = False
 
-    def __init__(self, res: StepResources, *, invariant: bool, attn_tc_min_tokens):
+    def __init__(self, res: StepResources, *, invariant: bool, attn_tc_min_tokens,
+                 w8a8: bool = False):
         self.res = res
         # paged attention's blocks per kv head: G / GS (the GS its kernel was compiled with)
         cfg = res.cfg
@@ -179,6 +193,9 @@ class StepRunner:
         self.cfg: TextConfig = res.cfg
         self.kernels = res.kernels   # launched by attribute: self.kernels.rmsnorm
         self.invariant = bool(invariant)
+        # fp8 weights' prefill rows on the fp8 tensor cores (the model's fp8_activations: the
+        # workspace has the quantized input's buffers and cuBLASLt the block-scaled GEMM)
+        self.w8a8 = bool(w8a8)
         # rows of at least this many new tokens take the tensor-core prefill attention
         # (attention_tc.py); settable (tests and the benchmark move it to cover both paths)
         self.attn_tc_min_tokens = attn_tc_min_tokens
@@ -241,10 +258,13 @@ class StepRunner:
         through cuBLASLt; codes as GEMVs over the packed bytes for up to GEMV_MAX_ROWS rows (all
         decode rows in batch-invariant mode: a row's sums never depend on B), on tensor cores
         (qmma) for a bf16 model where the shape allows (qweights.mma_ok), else on CUDA cores
-        (qgemv: the float32 model's exact decode, odd shapes); more rows: slabs dequantized into
-        the workspace tile and multiplied through cuBLASLt."""
+        (qgemv: the float32 model's exact decode, odd shapes); more rows: fp8 segments with
+        `w8a8` on the fp8 tensor cores (the input quantized once, then cuBLASLt's block-scaled
+        GEMM), the rest as slabs dequantized into the workspace tile and multiplied through
+        cuBLASLt."""
         g = self.res.ws.gin_bytes
         gemv_rows = max(qw.GEMV_MAX_ROWS, self.res.b_cap) if self.invariant else qw.GEMV_MAX_ROWS
+        quantized = False
         for seg in w.segments:
             yp = y + 4 * seg.row0
             if seg.layout == qw.BF16:
@@ -269,6 +289,11 @@ class StepRunner:
                                  seg.scale, seg.zero.ptr if seg.zero is not None else 0, mb,
                                  seg.rows, k, n, seg.block[0], seg.block[1],
                                  seg.scale.shape[-1], beta, vec, 0, 0, 0, 0, 0))
+            elif self.w8a8 and qw.w8a8_ok(seg):
+                if not quantized:            # the input once for every fp8 segment
+                    self.act_quant(st, x, m, k)
+                    quantized = True
+                self.gemm_fp8(st, seg, yp, m, n, k, beta)
             else:
                 tile = self.res.ws.wq
                 step = qw.slab_rows(seg, tile.shape[0])
@@ -277,6 +302,25 @@ class StepRunner:
                     self.dequant(st, seg, k, r0, rows)
                     self.gemm(st, x, tile.ptr, yp + 4 * r0, m, rows, k, beta, name="gemm",
                               ldc=n)
+
+    def act_quant(self, st, x, m, k):
+        """x[m, k] (bf16) -> the workspace's e4m3 codes and scales (kernels/act_quant.py)."""
+        ws = self.res.ws
+        ld = fp8_scale_rows(m)
+        self.launch(st, self.kernels.act_quant_fp8,
+                    (-(-k // (FP8_BLOCK * qw.ACT_QUANT_WARPS)), ld), (32 * qw.ACT_QUANT_WARPS,),
+                    (x, ws.xq, ws.xqs, m, k, ld))
+
+    def gemm_fp8(self, st, seg, y, m, ldy, k, beta):
+        """y[m, seg.rows] (row stride ldy) = the quantized input @ the segment's codes^T on the
+        fp8 tensor cores (cuBLASLt's block-scaled GEMM), + beta * y."""
+        lt, ws = self.res.lt, self.res.ws
+        if self.dry:
+            lt.plan(m, seg.rows, k, beta, alignment(ws.xq.ptr, seg.w.ptr, y), ldc=ldy, fp8=True)
+            return
+        self._timed(st, "gemm_fp8", lambda: lt.gemm_fp8(st, ws.xq.ptr, ws.xqs.ptr, seg.w.ptr,
+                                                        seg.scale.ptr, y, m, seg.rows, k, beta,
+                                                        ldy))
 
     def dequant(self, st, seg, k, r0, rows, e0=0, experts=1):
         """Rows [r0, r0 + rows) of experts [e0, e0 + experts) of a packed segment, decoded into

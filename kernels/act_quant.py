@@ -1,0 +1,51 @@
+"""A GEMM input quantized for the fp8 tensor cores: the prefill path of fp8 weights that runs
+cuBLASLt's block-scaled e4m3 GEMM (W8A8; ninfer/core/cuda/cublaslt.py gemm_fp8).
+
+    x[r, c] ~ code[r, c] * scale[c // 128, r]     code = e4m3(x / scale), scale = amax / 448
+
+amax over the 128 columns of that row and group (all zero: scale 1), the rule of the quantized
+KV cache (ninfer/ops/kv_quant.py), so a row's codes depend on that row alone. The scales are laid
+out as cuBLASLt reads VEC128_32F for its B operand: groups outer, rows inner, `ld` >= m rows per
+group (cublaslt.fp8_scale_rows); rows m..ld-1 get zero codes and scale 1.
+
+`act_quant_fp8`: x bf16 [m, k] (as "u32*" pairs), k a multiple of 128; a warp per (row, group),
+a lane's 4 values one 8-byte load and one 4-byte store of codes. Grid (ceil(k / 128 / WARPS),
+ld), block 32 * WARPS.
+"""
+from numba import cuda, float32, int64, uint32
+
+from .common import bf16x2_hi, bf16x2_lo, e4m3_code, warp_max
+
+WARPS = 4
+GROUP = 128
+FP8_TOP = 448.0
+
+SIGNATURES = {
+    "act_quant_fp8": ("u32*", "u32*", "f32*", "i32", "i32", "i32"),
+}
+
+
+def act_quant_fp8():
+    def act_quant_kernel(x, codes, scale, m, k, ld):
+        lane = cuda.threadIdx.x % 32
+        g = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
+        r = cuda.blockIdx.y
+        if g * GROUP >= k:
+            return
+        base = int64(r) * k + g * GROUP + 4 * lane          # this lane's first value
+        if r >= m:
+            codes[base >> 2] = uint32(0)
+            if lane == 0:
+                scale[int64(g) * ld + r] = float32(1.0)
+            return
+        p0 = x[base >> 1]
+        p1 = x[(base >> 1) + 1]
+        v0, v1, v2, v3 = bf16x2_lo(p0), bf16x2_hi(p0), bf16x2_lo(p1), bf16x2_hi(p1)
+        amax = warp_max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))))
+        s = amax / float32(FP8_TOP) if amax > float32(0.0) else float32(1.0)
+        codes[base >> 2] = (e4m3_code(v0 / s) | (e4m3_code(v1 / s) << uint32(8))
+                            | (e4m3_code(v2 / s) << uint32(16)) | (e4m3_code(v3 / s) << uint32(24)))
+        if lane == 0:
+            scale[int64(g) * ld + r] = s
+    act_quant_kernel.__name__ = "act_quant_fp8"
+    return act_quant_kernel
