@@ -294,12 +294,15 @@ def _check_batched_rows_equal_per_row(model):
     r = np.random.default_rng()
     # (already in context, new tokens): fresh prefill, decodes, a continued prefill, page edges
     shape = [(0, 9), (6, 1), (4, 5), (3, 1), (7, 1), (0, 1)]
-    seqs = [r.integers(0, V, size=c + n) for c, n in shape]
+    for _ in range(20):     # inputs whose rounding noise leaves a wrong formula visible (as
+        seqs = [r.integers(0, V, size=c + n) for c, n in shape]      # draw_well_routed)
+        tol = float32_tolerance(model, *seqs)
+        if tol <= MAX_TOL:
+            break
+    assert tol <= MAX_TOL, "20 draws: rounding noise too large to see a wrong formula"
     slots = [3, 0, 5, 2, 1, 4]
     free = list(r.permutation(40))
     tables = [[free.pop() for _ in range(-(-(c + n) // ps))] for c, n in shape]
-    tol = float32_tolerance(model, *seqs)
-    assert tol <= MAX_TOL, "rounding noise too large to see a wrong formula"   # redrawn if a tie
     kv, st = model.new_kv_pool(40, ps), model.new_state_pool(6)
     st.conv[0][:] = 7.0                          # stale garbage: fresh rows must ignore it
     st.recurrent[0][:] = -3.0

@@ -189,15 +189,22 @@ def test_runner_picks_the_packed_kernel_by_dtype_shape_and_rows(monkeypatch):
     r = runner(2)
     r.w8a8 = True
     r.res.lt.gemm_fp8 = gemm_fp8
+    r.res.lt.fp8_plan_ok = lambda m, n, k, beta, align, ldc: n != 16     # one refused shape
     r.res.ws.xq, r.res.ws.xqs = SimpleNamespace(ptr=11000), SimpleNamespace(ptr=12000)
     launched.clear()
     r.qlinear(None, x, fp8, y, 40, N, K, 0.0)
     assert [c[0] for c in launched] == ["gemm", "act_quant_fp8", "gemm_fp8", "dequant_fp8_block",
-                                        "gemm", "gemm_fp8"]
+                                        "gemm", "dequant_fp8_block", "gemm"]
     aq = launched[1]
     assert aq[1] == (K // (128 * qw.ACT_QUANT_WARPS), 40) and aq[3] == (x, 11000, 12000, 40, K, 40)
     assert launched[2][1:] == (11000, 12000, 2000, 3000, y + 4 * 64, 40, 256, K, N)
-    assert launched[5][3:] == (5500, 6500, y + 4 * 352, 40, 16, K, N)
+    # 43 rows: cuBLASLt's M is a multiple of 4, the last 3 rows take qmma as decode rows do
+    launched.clear()
+    r.qlinear(None, x, fp8, y, 43, N, K, 0.0)
+    assert [c[0] for c in launched][1:4] == ["act_quant_fp8", "gemm_fp8", "qmma_fp8_block"]
+    assert launched[1][3][3:] == (40, K, 40) and launched[2][6] == 40
+    assert launched[3][3][:2] == (y + 4 * 64 + 4 * N * 40, x + 2 * K * 40) \
+        and launched[3][3][5] == 3
     launched.clear()
     r.qlinear(None, x, fp8, y, 8, N, K, 0.0)
     assert "gemm_fp8" not in [c[0] for c in launched]

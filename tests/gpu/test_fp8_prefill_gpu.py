@@ -73,12 +73,14 @@ def test_act_quant_equals_kv_quant_rule(h, m, k):
     h.reset()
 
 
-@pytest.mark.parametrize("m,n,k,beta,ldc", [(61, 256, 512, 0.0, 0), (40, 384, 256, 1.0, 0),
-                                            (48, 200, 384, 1.0, 640), (512, 4160, 4096, 0.0, 0)])
+@pytest.mark.parametrize("m,n,k,beta,ldc", [(60, 256, 512, 0.0, 0), (40, 384, 256, 1.0, 0),
+                                            (48, 200, 384, 1.0, 640), (36, 384, 128, 0.0, 0),
+                                            (512, 4160, 4096, 0.0, 0)])
 def test_gemm_fp8_against_float64(h, m, n, k, beta, ldc):
     """Fresh random W and X with per-row magnitudes over decades, N not a multiple of 128 (a
-    partial last scale block), beta 1 onto the output, a column range of wider rows (the fused
-    outputs' ldc): the columns past N untouched."""
+    partial last scale block), K of 1..3 blocks (W's scale rows padded to 4 blocks, as
+    qweights stores them), beta 1 onto the output, a column range of wider rows (the fused
+    outputs' ldc): the columns past N untouched. M not a multiple of 4: refused."""
     rng = np.random.default_rng(n + m)
     wq, ws = _blocks(rng.standard_normal((n, k)) * rng.uniform(0.01, 1, (n, 1)), 128, 128)
     xq, xs = _blocks(rng.standard_normal((m, k)) * np.exp(rng.uniform(-4, 4, (m, 1))), 1, 128)
@@ -92,9 +94,11 @@ def test_gemm_fp8_against_float64(h, m, n, k, beta, ldc):
     y = h.put(y0)
     lt = CublasLt(h.empty((32 << 20,), np.uint8).ptr, 32 << 20)
     try:
+        ws4 = np.pad(ws, ((0, 0), (0, -ws.shape[1] % qw.FP8_SCALE_COLS)), constant_values=7.0)
         lt.gemm_fp8(h.stream, h.put(xq.view(np.uint8)).ptr, h.put(xs_t).ptr,
-                    h.put(wq.view(np.uint8)).ptr, h.put(ws).ptr, y.ptr, m, n, k, beta, ldc)
+                    h.put(wq.view(np.uint8)).ptr, h.put(ws4).ptr, y.ptr, m, n, k, beta, ldc)
         out = h.get(y)
+        assert not lt.fp8_plan_ok(m + 1, n, k, beta, 256, ldc)
     finally:
         lt.close()
     assert rel_err(out[:, :n], ref + beta * y0[:, :n]) < TOL_FP8_GEMM
@@ -117,7 +121,7 @@ def fp8_reference(tmp_path_factory):
     art.close()
 
 
-def test_w8a8_model_against_numpy(fp8_reference):
+def test_w8a8_model_against_numpy(h, fp8_reference):
     """Prefill logits of the fp8 reference model with the activations on the fp8 tensor cores
     within TOL_MODEL_W8A8 of the numpy backend's (exact weights, float32), the W8A8 GEMMs
     actually run (the cuBLASLt plans say so), and the same model with fp8_activations=False
@@ -137,8 +141,8 @@ def test_w8a8_model_against_numpy(fp8_reference):
         for name, model in (("numpy", cpu), ("w8a8", w8), ("exact", exact)):
             kv, st = model.new_kv_pool(16, 16), model.new_state_pool(1)
             out[name] = model.forward(batch, kv, st, all_logits=True)
-            kv.close()
-            st.close()
+            for pool in (kv, st):
+                getattr(pool, "close", lambda: None)()       # (the numpy pools have none)
         assert any(p.fp8 for p in w8.lt._plans.values()), "no fp8 GEMM ran"
         assert not any(p.fp8 for p in exact.lt._plans.values())
         err_w8, err_exact = rel_err(out["w8a8"], out["numpy"]), rel_err(out["exact"], out["numpy"])

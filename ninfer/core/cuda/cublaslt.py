@@ -16,9 +16,10 @@ w + i*sw, x + i*sx, y + i*sy (strides in elements): the MoE prefill's experts, o
 `fp8=True` (gemm_fp8): A = W and B = X are float8_e4m3 codes with block scales, the FP8 release
 format (docs/artifact.md 3.2.1): W's one float32 per 128 x 128 block (BLK128x128_32F), X's one per
 token and 128 columns (VEC128_32F), the prefill path of fp8 weights (W8A8, cuda/runner.py). The
-layouts cuBLASLt reads, in row-major terms: W's scales [ceil(N / 128), K / 128], X's codes
-[M, K] and scales [K / 128, round_up(M, 4)] (column blocks outer, tokens inner); K a multiple of
-FP8_K_MULTIPLE. Hopper's cuBLASLt (12.9+) has these
+layouts cuBLASLt reads, in row-major terms (measured on cuBLAS 13.1, bench/bench_fp8_gemm.py):
+W's scales [ceil(N / 128), round_up(K / 128, 4)] (rows padded to 4 blocks), X's codes [M, K]
+and scales [K / 128, M] (column blocks outer, tokens inner); M a multiple of 4 and K of 128
+(the heuristic refuses other M; it also refuses some small shapes: fp8_plan_ok). Hopper's cuBLASLt (12.9+) has these
 modes; `fp8_supported()` asks the heuristic once.
 
 `invariant=True` (the Engine's batch_invariant option): no algorithm reduces split-K partials
@@ -47,6 +48,7 @@ DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32            # int32 cublasLtMatmulM
 SCALE_VEC128_32F, SCALE_BLK128x128_32F = 4, 5
 FP8_BLOCK = 128                  # the block of both scale modes
 FP8_K_MULTIPLE = FP8_BLOCK       # K: whole blocks
+PLAN_SCALE_PTR = 256             # a non-null address for planning (never dereferenced)
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 PREF_MAX_WORKSPACE_BYTES = 1
@@ -156,6 +158,7 @@ class CublasLt:
         self.workspace_ptr, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
         self._prefs = {}
         self._plans = {}
+        self._fp8_refused = set()
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.calls = 0
 
@@ -243,6 +246,14 @@ class CublasLt:
                     v = ctypes.c_int32(mode)
                     lt_check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), 4),
                              "set SCALE_MODE")
+                # with block scale modes the heuristic refuses null scale pointers
+                # (CUBLAS_STATUS_INVALID_VALUE, measured on cuBLAS 13.1) though it never reads
+                # them: a stand-in until gemm_fp8 sets the call's own
+                for attr in (DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER):
+                    v = ctypes.c_void_p(PLAN_SCALE_PTR)
+                    lt_check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v),
+                                                                ctypes.sizeof(v)),
+                             "set SCALE_POINTER")
             # W[N, K] row-major is a K x N column-major matrix used transposed; W[K, N] row-major
             # is N x K column-major, used as it is
             rows_a, cols_a = (n, k) if w_kn else (k, n)
@@ -321,6 +332,18 @@ class CublasLt:
             lt_check(self.lib.cublasLtMatmulDescSetAttribute(p.desc, attr, ctypes.byref(v),
                                                              ctypes.sizeof(v)), "set SCALE_POINTER")
         self._matmul(stream, p, x_ptr, w_ptr, y_ptr, beta, f"cublasLtMatmul fp8(M={m}, N={n}, K={k})")
+
+    def fp8_plan_ok(self, m: int, n: int, k: int, beta: float, align: int, ldc: int) -> bool:
+        """Whether gemm_fp8 has a plan for this shape (the heuristic refuses some: remembered)."""
+        key = (int(m), int(n), int(k), float(beta), int(align), int(ldc))
+        if key in self._fp8_refused:
+            return False
+        try:
+            self.plan(m, n, k, beta, align, ldc=ldc, fp8=True)
+        except DeviceError:
+            self._fp8_refused.add(key)
+            return False
+        return True
 
     def fp8_supported(self) -> bool:
         """Whether this device's cuBLASLt has block-scaled e4m3 GEMMs with fp32 output (Hopper,

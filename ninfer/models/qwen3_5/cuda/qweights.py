@@ -33,6 +33,7 @@ SLAB_ELEMENTS = 1 << 26     # the prefill tile: at most this many dequantized el
 # not: tests/test_quant_weights_nogpu.py checks the two agree)
 THREADS, WARPS, ROWS, DEQUANT_THREADS = 128, 4, 4, 256
 ACT_QUANT_WARPS = 4         # kernels/act_quant.WARPS: 128-column groups per block
+FP8_SCALE_COLS = 4          # fp8 [128, 128] scale rows: a multiple of this many blocks (cuBLASLt)
 BMS = (1, 2, 4, 8)
 MMA_WARPS = 4               # kernels/quant_gemv.qmma: block of 4 warps over 16 output rows
 MMA_ROWS = 16
@@ -88,8 +89,14 @@ class SegmentPlan:
 
     @property
     def scale_shape(self) -> tuple:
+        """(experts, row blocks, columns): fp8 [128, 128] scale rows padded to a multiple of 4
+        blocks (FP8_SCALE_COLS), the row stride cuBLASLt's block-scaled GEMM reads; every
+        kernel takes the stride as an argument."""
         br, bc = self.block
-        return (self.experts, -(-self.rows // br), -(-self.k // bc))
+        cols = -(-self.k // bc)
+        if self.layout == "fp8_block" and tuple(self.block) == (128, 128):
+            cols = -(-cols // FP8_SCALE_COLS) * FP8_SCALE_COLS
+        return (self.experts, -(-self.rows // br), cols)
 
     def nbytes(self) -> int:
         """Device bytes (regions rounded as the arena rounds them)."""
@@ -227,12 +234,16 @@ def codes_host(artifact, part: SourcePart, layout: str) -> np.ndarray:
     return codes
 
 
-def scale_host(artifact, part: SourcePart) -> np.ndarray:
+def scale_host(artifact, part: SourcePart, cols: int = 0) -> np.ndarray:
+    """The stored scales, rows padded with 1.0 to `cols` columns (SegmentPlan.scale_shape)."""
     qt = artifact.quantized(part.name)
     s = np.asarray(qt.scale, np.float32)
     if not np.all(np.isfinite(s)):
         raise ArtifactError(f"binding {part.name!r}: dequantized values are not all finite "
                             "(a non-finite scale)")
+    if cols > s.shape[-1]:
+        pad = [(0, 0)] * (s.ndim - 1) + [(0, cols - s.shape[-1])]
+        s = np.pad(s, pad, constant_values=1.0)
     return s
 
 

@@ -264,20 +264,13 @@ class StepRunner:
         cuBLASLt."""
         g = self.res.ws.gin_bytes
         gemv_rows = max(qw.GEMV_MAX_ROWS, self.res.b_cap) if self.invariant else qw.GEMV_MAX_ROWS
-        quantized = False
+        quantized, m4 = False, m // 4 * 4
         for seg in w.segments:
             yp = y + 4 * seg.row0
             if seg.layout == qw.BF16:
                 self.gemm(st, x, seg.w.ptr, yp, m, seg.rows, k, beta, name="gemm", ldc=n)
             elif m <= gemv_rows and g == 2 and qw.mma_ok(seg.layout, k, seg.block[1]):
-                for b0 in range(0, m, qw.GEMV_BATCH):
-                    self.launch(st, getattr(self.kernels, qmma_name(
-                                    seg.layout, seg.asym, qw.mma_split(seg.layout, seg.block[1]))),
-                                (-(-seg.rows // qw.MMA_ROWS), 1), (32 * qw.MMA_WARPS,),
-                                (yp + 4 * n * b0, x + g * k * b0, seg.w, seg.scale,
-                                 seg.zero.ptr if seg.zero is not None else 0,
-                                 min(qw.GEMV_BATCH, m - b0), seg.rows, k, n, seg.block[0],
-                                 seg.block[1], seg.scale.shape[-1], beta, 0, 0, 0, 0, 0))
+                self.qmma(st, seg, x, yp, 0, m, n, k, beta)
             elif m <= gemv_rows:
                 vec = int(qw.vector_ok(seg.layout, k, seg.block[1]))
                 for b0 in range(0, m, qw.GEMV_BATCH):
@@ -289,11 +282,14 @@ class StepRunner:
                                  seg.scale, seg.zero.ptr if seg.zero is not None else 0, mb,
                                  seg.rows, k, n, seg.block[0], seg.block[1],
                                  seg.scale.shape[-1], beta, vec, 0, 0, 0, 0, 0))
-            elif self.w8a8 and qw.w8a8_ok(seg):
+            elif self.w8a8 and qw.w8a8_ok(seg) and self.fp8_ok(seg, yp, m4, n, k, beta):
+                # cuBLASLt takes M a multiple of 4: the last m % 4 rows run as decode rows do
                 if not quantized:            # the input once for every fp8 segment
-                    self.act_quant(st, x, m, k)
+                    self.act_quant(st, x, m4, k)
                     quantized = True
-                self.gemm_fp8(st, seg, yp, m, n, k, beta)
+                self.gemm_fp8(st, seg, yp, m4, n, k, beta)
+                if m > m4:
+                    self.qmma(st, seg, x, yp, m4, m, n, k, beta)
             else:
                 tile = self.res.ws.wq
                 step = qw.slab_rows(seg, tile.shape[0])
@@ -302,6 +298,28 @@ class StepRunner:
                     self.dequant(st, seg, k, r0, rows)
                     self.gemm(st, x, tile.ptr, yp + 4 * r0, m, rows, k, beta, name="gemm",
                               ldc=n)
+
+    def qmma(self, st, seg, x, y, r0, m, ldy, k, beta):
+        """Rows [r0, m) of y = x @ the segment's codes^T (+ beta * y) on the tensor-core GEMV,
+        8 rows of x per launch."""
+        g = self.res.ws.gin_bytes
+        kernel = getattr(self.kernels, qmma_name(seg.layout, seg.asym,
+                                                 qw.mma_split(seg.layout, seg.block[1])))
+        for b0 in range(r0, m, qw.GEMV_BATCH):
+            self.launch(st, kernel, (-(-seg.rows // qw.MMA_ROWS), 1), (32 * qw.MMA_WARPS,),
+                        (y + 4 * ldy * b0, x + g * k * b0, seg.w, seg.scale,
+                         seg.zero.ptr if seg.zero is not None else 0,
+                         min(qw.GEMV_BATCH, m - b0), seg.rows, k, ldy, seg.block[0],
+                         seg.block[1], seg.scale.shape[-1], beta, 0, 0, 0, 0, 0))
+
+    def fp8_ok(self, seg, y, m4, ldy, k, beta) -> bool:
+        """Whether cuBLASLt has a block-scaled fp8 GEMM for this shape (it refuses some, e.g.
+        M = 512, N = 256, K = 128 with CUBLAS_STATUS_NOT_SUPPORTED: those dequantize)."""
+        if m4 < 4:
+            return False
+        ws = self.res.ws
+        return self.res.lt.fp8_plan_ok(m4, seg.rows, k, beta,
+                                       alignment(ws.xq.ptr, seg.w.ptr, y), ldy)
 
     def act_quant(self, st, x, m, k):
         """x[m, k] (bf16) -> the workspace's e4m3 codes and scales (kernels/act_quant.py)."""

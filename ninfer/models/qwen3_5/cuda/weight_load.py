@@ -138,7 +138,7 @@ def _quantized_matrix(loader: WeightLoader, shape, segs, artifact, jobs) -> qw.Q
                                   host=lambda p=part, lay=seg.layout:
                                   qw.codes_host(artifact, p, lay)))
             jobs.append(UploadJob(_At(scale.ptr + 4 * s0), (4 * ns,), RAW, (),
-                                  host=lambda p=part: qw.scale_host(artifact, p)))
+                                  host=lambda p=part: qw.scale_host(artifact, p, sc_cols)))
             if zero is not None:
                 jobs.append(UploadJob(_At(zero.ptr + s0), (ns,), RAW, (),
                                       host=lambda p=part: qw.zero_host(artifact, p)))
