@@ -173,9 +173,10 @@ def main(argv=None) -> int:
             with Artifact(path) as art:        # weights: every object but the resources
                 nbytes = sum(o["nbytes"] for o in art.manifest["objects"]
                              if not o["name"].startswith("resource/"))
-            # fp8 on cuda: the scoring prefill with the activations on fp8 tensor cores (W8A8)
-            # where the GPU has them, and again with the weights dequantized ("-exact-act")
-            w8 = (None, False) if name.startswith("fp8") and args.backend == "cuda" else (None,)
+            # fp8 on cuda: the scoring prefill with the activations on fp8 tensor cores (W8A8,
+            # asked for: scoring's default is off), and again with the weights dequantized
+            # ("-exact-act", scoring's default)
+            w8 = (True, False) if name.startswith("fp8") and args.backend == "cuda" else (None,)
             for fp8_act in w8:
                 nll, logp = score(path, ids, args.backend, args.chunk, args.kl_tokens,
                                   fp8_activations=fp8_act)

@@ -58,7 +58,8 @@ _OPTION_HELP = {
                 "same bytes; about half the memory of bfloat16 pages)",
     "fp8_activations": "fp8 weights on cuda: prefill GEMMs on the fp8 tensor cores, the "
                        "activations quantized per token and 128 columns as FP8 releases intend "
-                       "(default: on where cuBLASLt has it, Hopper); --no-fp8-activations: "
+                       "(default: on where cuBLASLt has it, Hopper, except for scoring); "
+                       "--no-fp8-activations: "
                        "weights dequantized to bfloat16, exact weights, slower prefill",
     "warmup": "cuda: capture the decode graphs and run one step before ready",
     "debug_checks": "re-check every batch inside the backend too",

@@ -51,8 +51,9 @@ class EngineOptions:
     # fp8 weights (FP8 releases, --quantize fp8), cuda bf16: prefill GEMMs on the fp8 tensor cores
     # with the activations quantized to e4m3 per token and 128 columns (the releases'
     # activation_scheme "dynamic", as vLLM and SGLang run them; the error it adds:
-    # docs/performance.md). None: on where cuBLASLt has block-scaled fp8 (Hopper); False: the
-    # weights dequantized to bf16 (exact weights, slower prefill). Decode is the same either way
+    # docs/performance.md). None: on where cuBLASLt has block-scaled fp8 (Hopper), except for
+    # purpose="scoring" (every logit there comes from prefill); False: the weights dequantized
+    # to bf16 (exact weights, slower prefill). Decode is the same either way
     fp8_activations: Optional[bool] = None
     # cuda: capture every decode graph (B = 1..max_concurrency) and run a warm-up step before the
     # Engine reports ready (False: capture lazily, on the first decode of each batch size)

@@ -132,8 +132,10 @@ def test_w8a8_model_against_numpy(h, fp8_reference):
     opts = dict(backend="cuda", max_concurrency=1, max_context=512, prefill_chunk=256,
                 page_size=16)
     w8, exact = (load_model(art, EngineOptions(**opts, fp8_activations=a)) for a in (None, False))
+    scoring = load_model(art, EngineOptions(**opts, purpose="scoring"))
     try:
-        assert w8.w8a8 and not exact.w8a8
+        # on by default, but not for scoring (every logit there comes from prefill)
+        assert w8.w8a8 and not exact.w8a8 and not scoring.w8a8
         rng = np.random.default_rng(17)
         ids = rng.integers(3, 2000, 200).tolist()
         batch = ForwardBatch.single(ids, 0, np.arange(13, dtype=np.int32), 0)
@@ -149,5 +151,5 @@ def test_w8a8_model_against_numpy(h, fp8_reference):
         assert err_exact < TOL_MODEL_BF16, err_exact
         assert err_w8 < TOL_MODEL_W8A8, (err_w8, err_exact)
     finally:
-        for m in (w8, exact, cpu):
+        for m in (w8, exact, scoring, cpu):
             m.close()

@@ -171,6 +171,11 @@ class CudaModel(MediaEncoding):
         wq = qw.slab_elements(self.qplans.values(), n_cap)      # the prefill dequant tile
         # fp8 weights' prefill on the fp8 tensor cores (W8A8): the quantized input's width
         fp8_act = getattr(options, "fp8_activations", None)
+        if fp8_act is None and getattr(options, "purpose", "generation") == "scoring":
+            # scoring reads every position's logits straight from the prefill, where the
+            # activations' rounding shows in full (docs/performance.md "W8A8's error"); a
+            # generation's logits come from decode, which never quantizes them
+            fp8_act = False
         if fp8_act and self.f32:
             raise RequestError("backend 'cuda': fp8_activations=True needs dtype bfloat16 (the "
                                "float32 model multiplies exact weights and inputs)")
