@@ -17,6 +17,7 @@ import pytest
 from ninfer.core.cuda import kernels as K
 from ninfer.models.qwen3_5.config import TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import KVQ_VARIANTS, SIGS, geometry_specs, kvq_spec
+from sim_run import run_sim
 from ninfer.models.qwen3_5.memory_plan import (kv_page_bytes, max_state_slots, plan_device_pools,
                                                pool_bytes, quantized_page_bytes)
 from ninfer.models.qwen3_5.releases import release_config
@@ -116,13 +117,7 @@ def test_kvq_kernels_on_the_simulator():
     rows exact."""
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests/gpu")]))
-    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_kv_quant.py"),
-                          str(np.random.default_rng().integers(1 << 30))],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_sim("sim_kv_quant.py", np.random.default_rng().integers(1 << 30))
     assert len(out) == 11, out
     for key, v in out.items():
         kind = key.split("/")[0]

@@ -1,13 +1,9 @@
 """kernels/quant_gemv.py (the quantized decode GEMV and the prefill dequantization) on numba-cuda's
 CPU simulator: tests/gpu/sim_quant_gemv.py in a subprocess (the simulator must be on before numba
 is imported) against a float64 decode of the same stored bytes."""
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
+
+from sim_run import run_sim
 
 GEMV_REL_TOL = 1e-6         # float32 accumulation over <= 384 products vs float64
 DEQUANT_F32_REL_TOL = 1.2e-7   # one float32 rounding of (q - z) * s (2^-24 relative, of the max)
@@ -16,13 +12,7 @@ DEQUANT_F32_REL_TOL = 1.2e-7   # one float32 rounding of (q - z) * s (2^-24 rela
 def test_quant_gemv_kernels_on_the_simulator():
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests/gpu")]))
-    res = subprocess.run([sys.executable, "-W", "ignore", str(root / "tests/gpu/sim_quant_gemv.py")],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_sim("sim_quant_gemv.py")
     mismatches = {k: out.pop(k) for k in list(out) if k.endswith("_mismatches")}
     assert mismatches and all(v == 0 for v in mismatches.values()), mismatches
     f32 = {k: out.pop(k) for k in list(out) if k.endswith("_rel")}
@@ -38,12 +28,5 @@ def test_act_quant_kernel_on_the_simulator():
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
     import numpy as np
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests/gpu")]))
-    res = subprocess.run([sys.executable, "-W", "ignore", str(root / "tests/gpu/sim_act_quant.py"),
-                          str(np.random.default_rng().integers(1 << 30))],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_sim("sim_act_quant.py", np.random.default_rng().integers(1 << 30))
     assert len(out) == 3 and all(v == [0, 0, 0] for v in out.values()), out
