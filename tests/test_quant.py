@@ -76,6 +76,30 @@ def test_encode_error_bounds(layout, block, asym, n, C):
     assert np.abs(got).max() <= amax * (1 + 2 ** -4) + 1e-6
 
 
+@pytest.mark.parametrize("layout,block,asym", [("fp8_block", (128, 128), False),
+                                               ("int8_block", (1, 128), False),
+                                               ("int4_block", (1, 64), True)])
+def test_encode_in_pieces_is_the_same_bytes(monkeypatch, layout, block, asym):
+    """encode() of a large matrix in pieces of whole block rows (threads) stores exactly what one
+    piece does: rows not a multiple of the block, a partial last piece, stacked segments."""
+    import ninfer.convert.quantize as Q
+    rng = np.random.default_rng()
+    monkeypatch.setattr(Q.os, "cpu_count", lambda: 4)
+    # 166 rows (one block of 128 for fp8) of each segment; 4 whole segments of 40 rows
+    for shape in ((2, 1000, 300), (6, 40, 300)):
+        x = rng.standard_normal(shape).astype(np.float32) \
+            * rng.uniform(0.01, 3.0, shape[:2] + (1,)).astype(np.float32)
+        monkeypatch.setattr(Q, "ENCODE_PIECE", 1 << 30)
+        whole = Q.encode(layout, x, block, asym)
+        monkeypatch.setattr(Q, "ENCODE_PIECE", 50_000)
+        pieces = Q.encode(layout, x, block, asym)
+        for a, b in zip(whole, pieces):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and a.dtype == b.dtype
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
 def test_encode_all_zero_block_and_int4_nibble_order():
     stored, scale, zero = encode("int4_block", np.zeros((1, 2, 3), np.float32), (1, 128), True)
     assert np.array_equal(scale, np.ones((1, 2, 1), np.float32)) and not zero.any()

@@ -16,6 +16,8 @@ stored block is [1, bc], each row carrying its block's scale (exact, only more s
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -78,9 +80,39 @@ class QuantPlan:
 
 # ------------------------------------------------------------------------------------ encoders
 
+ENCODE_PIECE = 1 << 24      # elements per piece encode() hands a worker thread
+
+
 def encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool = False):
     """Segments x [S, n, C] (float) -> (stored [S, n, C'], scale f32 [S, ceil(n/br), ceil(C/bc)],
-    zero uint8 of the scale's shape or None). Works in place on one float32 copy of x."""
+    zero uint8 of the scale's shape or None). A large x is encoded by threads (numpy's ufuncs
+    and casts release the GIL) in pieces of about ENCODE_PIECE elements: whole segments, or
+    whole block rows of one; a block never spans two pieces, so the bytes are those of one."""
+    S, n, C = x.shape
+    workers = min(os.cpu_count() or 1, 8)
+    if S * n * C <= ENCODE_PIECE or workers < 2:
+        return _encode(layout, x, block, asymmetric)
+    br = block[0]
+    rows = n if n * C <= ENCODE_PIECE else max(br, ENCODE_PIECE // C // br * br)
+    segs = max(1, ENCODE_PIECE // (rows * C))
+    starts = [(s0, r0) for s0 in range(0, S, segs) for r0 in range(0, n, rows)]
+    with ThreadPoolExecutor(workers) as pool:
+        parts = list(pool.map(lambda sr: _encode(layout, x[sr[0]:sr[0] + segs, sr[1]:sr[1] + rows],
+                                                 block, asymmetric), starts))
+    per = -(-n // rows)                  # pieces per group of segments, in row order
+    out = []
+    for i in range(3):
+        if parts[0][i] is None:
+            out.append(None)
+            continue
+        groups = [np.concatenate([p[i] for p in parts[g:g + per]], axis=1)
+                  for g in range(0, len(parts), per)]
+        out.append(np.concatenate(groups, axis=0))
+    return tuple(out)
+
+
+def _encode(layout: str, x: np.ndarray, block: tuple, asymmetric: bool):
+    """encode() in one piece: in place on one float32 copy of x."""
     S, n, C = x.shape
     br, bc = block
     nbr, nbc = -(-n // br), -(-C // bc)
