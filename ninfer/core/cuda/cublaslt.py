@@ -19,8 +19,8 @@ token and 128 columns (VEC128_32F), the prefill path of fp8 weights (W8A8, cuda/
 layouts cuBLASLt reads, in row-major terms (measured on cuBLAS 13.1, bench/bench_fp8_gemm.py):
 W's scales [ceil(N / 128), round_up(K / 128, 4)] (rows padded to 4 blocks), X's codes [M, K]
 and scales [K / 128, M] (column blocks outer, tokens inner); M a multiple of 4 and K of 128
-(the heuristic refuses other M; it also refuses some small shapes: fp8_plan_ok). Hopper's cuBLASLt (12.9+) has these
-modes; `fp8_supported()` asks the heuristic once.
+(the heuristic refuses other M; it also refuses some small shapes: fp8_plan_ok). Hopper's
+cuBLASLt (12.9+) has these modes; `fp8_supported()` asks the heuristic once.
 
 `invariant=True` (the Engine's batch_invariant option): no algorithm reduces split-K partials
 with atomics (REDUCTION_SCHEME_INPLACE: their order varies run to run), so a plan always gives
