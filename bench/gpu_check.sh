@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
-#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [full]     (default: all but full)
+#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [full]   (default: all but
+#                                                                           fp8 and full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -35,6 +36,20 @@ for part in $parts; do
             timeout 300 python3 bench/bench_decode.py --shapes 27b,35b-a3b --prefill 512,4096 \
                 --contexts 2048 --batches 1 --profile --out "$OUT/decode.json" >"$OUT/decode.log" 2>&1
             summary+=("decode: rc=$? (see decode.log)") ;;
+        fp8)
+            # packed weights and the W8A8 prefill: their GPU tests, the GEMM options, and fp8
+            # Engine rows of $FP8_SHAPES (default 35b-a3b; each converted from random weights
+            # first, ~5 minutes: one shape per device call)
+            timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_quant_gpu.py \
+                tests/gpu/test_kv_quant_gpu.py tests/gpu/test_fp8_prefill_gpu.py >"$OUT/fp8_tests.log" 2>&1
+            timeout 200 python3 bench/bench_fp8_gemm.py >"$OUT/fp8_gemm.log" 2>&1
+            for shape in ${FP8_SHAPES:-35b-a3b}; do
+                rm -rf /tmp/ninfer-bench
+                timeout 560 python3 bench/bench_engine.py --shapes $shape --direct --quantize fp8 \
+                    --prefill 512,4096 --batches 1,8 --modes greedy --steps 50 --profile-kernels \
+                    >"$OUT/engine_${shape}_fp8.log" 2>&1
+            done
+            summary+=("fp8: $(tail -1 "$OUT/fp8_tests.log") (see fp8_*.log, engine_*_fp8.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
