@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ....core.cuda.cublaslt import FP8_K_MULTIPLE
 from ....errors import ArtifactError, DeviceError
 
 BF16 = "bf16"
@@ -187,7 +188,6 @@ def formats(plans) -> frozenset:
 def w8a8_ok(seg) -> bool:
     """A segment the block-scaled fp8 GEMM takes as stored (cublaslt.gemm_fp8): e4m3 codes in
     [128, 128] scale blocks, K whole blocks, one matrix (not an expert stack)."""
-    from ....core.cuda.cublaslt import FP8_K_MULTIPLE
     return (seg.layout == "fp8_block" and tuple(seg.block) == (128, 128) and seg.experts == 1
             and seg.k % FP8_K_MULTIPLE == 0)
 

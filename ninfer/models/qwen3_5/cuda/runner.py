@@ -331,10 +331,10 @@ class StepRunner:
 
     def gemm_fp8(self, st, seg, y, m, ldy, k, beta):
         """y[m, seg.rows] (row stride ldy) = the quantized input @ the segment's codes^T on the
-        fp8 tensor cores (cuBLASLt's block-scaled GEMM), + beta * y."""
+        fp8 tensor cores (cuBLASLt's block-scaled GEMM), + beta * y. (Its plan is made by
+        fp8_ok, which chose this path.)"""
         lt, ws = self.res.lt, self.res.ws
         if self.dry:
-            lt.plan(m, seg.rows, k, beta, alignment(ws.xq.ptr, seg.w.ptr, y), ldc=ldy, fp8=True)
             return
         self._timed(st, "gemm_fp8", lambda: lt.gemm_fp8(st, ws.xq.ptr, ws.xqs.ptr, seg.w.ptr,
                                                         seg.scale.ptr, y, m, seg.rows, k, beta,
