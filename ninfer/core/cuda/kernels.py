@@ -13,6 +13,16 @@ the factory's parameters, and a C-like signature (`"f32*"`, `"u16*"`, `"i32"`, `
     Kernel.launch(grid, block, args) packs the arguments with ctypes and calls cuLaunchKernel;
     Kernel.prepare(...) packs once and returns a Launch whose call only launches.
 
+Programmatic dependent launch (NINFER_PDL=1 on sm_90+, `pdl_supported`): at load every entry gets two PTX
+instructions first, `griddepcontrol.wait` (nothing of the kernel runs before the previous kernel
+in the stream has finished and its writes are visible) then `griddepcontrol.launch_dependents`
+(the next kernel may be scheduled now), and the kernel is launched with cuLaunchKernelEx and the
+programmatic-stream-serialization attribute. The next kernel's blocks are then resident and
+waiting when this one ends, instead of being launched after it: the launch gap between two
+dependent kernels (a few microseconds, ~400 times in a decode step) overlaps the kernel before.
+Every kernel of ours waits before its first instruction, so the order of memory effects is the
+plain stream's; kernels we do not build (cuBLASLt) are launched as before.
+
 Numba's dispatcher is never used: the cache turns numba into a compiler, and a warm cache needs no
 numba import at all.
 """
@@ -179,6 +189,36 @@ def default_cache_dir() -> pathlib.Path:
 
 
 _ENTRY = re.compile(r"\.visible\s+\.entry\s+([A-Za-z0-9_$]+)\s*\(")
+_ENTRY_BODY = re.compile(r"(\.entry\s[^{]*\{[ \t]*\n)")
+_TARGET = re.compile(r"^\s*\.target\s+sm_(\d+)", re.M)
+_VERSION = re.compile(r"^\s*\.version\s+(\d+)\.(\d+)", re.M)
+GRID_DEPENDENCY = "\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n"
+PDL_ENV = "NINFER_PDL"
+PDL_MIN_DRIVER = 12030          # stream capture of programmatic launches (CUDA 12.3)
+
+
+def pdl_supported(cc: tuple) -> bool:
+    """Programmatic dependent launch for kernels loaded on a device of compute capability `cc`:
+    asked for (NINFER_PDL=1: off by default, it measured no faster on the H200, docs/gpu.md),
+    sm_90+ and a driver of CUDA 12.3 or later (graph capture of such launches)."""
+    if os.environ.get(PDL_ENV, "0") != "1" or tuple(cc) < (9, 0):
+        return False
+    version = _d.check(_d.driver().cuDriverGetVersion(), "cuDriverGetVersion")
+    return int(version or 0) >= PDL_MIN_DRIVER
+
+
+def with_grid_dependency(ptx: str):
+    """`ptx` with GRID_DEPENDENCY first in every entry's body (module docstring), or None when
+    the PTX cannot hold it (a target below sm_90, a PTX ISA below 7.8). ptxas takes the
+    instructions before the body's register declarations."""
+    target, version = _TARGET.search(ptx), _VERSION.search(ptx)
+    if not target or int(target.group(1)) < 90 or not version \
+            or (int(version.group(1)), int(version.group(2))) < (7, 8):
+        return None
+    if GRID_DEPENDENCY in ptx:
+        return ptx
+    out, n = _ENTRY_BODY.subn(lambda m: m.group(1) + GRID_DEPENDENCY, ptx)
+    return out if n else None
 
 
 def entry_name(ptx: str) -> str:
@@ -321,9 +361,10 @@ class Precompile:
 class KernelCache:
     """Compile-once, load-once: PTX on disk, modules in this process."""
 
-    def __init__(self, cc: tuple, cache_dir=None, use_pack: bool = True):
+    def __init__(self, cc: tuple, cache_dir=None, use_pack: bool = True, pdl: bool = None):
         self.cc = tuple(cc)
         self.use_pack = use_pack    # False: building a pack (compile what the cache lacks)
+        self.pdl = pdl              # programmatic dependent launch; None: pdl_supported(cc)
         self.dir = pathlib.Path(cache_dir) if cache_dir else default_cache_dir()
         self._loaded: dict = {}
         self._lock = threading.Lock()
@@ -386,7 +427,9 @@ class KernelCache:
             k = self._loaded.get(spec)
         if k is not None:
             return k
-        k = Kernel.from_ptx(self.ptx(spec), spec)
+        if self.pdl is None:
+            self.pdl = pdl_supported(self.cc)
+        k = Kernel.from_ptx(self.ptx(spec), spec, pdl=self.pdl)
         with self._lock:
             first = self._loaded.setdefault(spec, k)
         if first is not k:
@@ -422,25 +465,52 @@ class Launch:
     smem: int
     keep: tuple = field(repr=False)
     params_addr: int = 0
+    config: object = field(default=None, repr=False)    # cuLaunchKernelEx's, built once
 
     def __call__(self, stream) -> None:
-        self.kernel._launch(self.grid, self.block, self.smem, stream, self.params_addr)
+        if self.kernel.pdl:
+            if self.config is None:
+                self.config = launch_config(self.grid, self.block, self.smem)
+            self.kernel._launch_ex(self.config, stream, self.params_addr)
+        else:
+            self.kernel._launch(self.grid, self.block, self.smem, stream, self.params_addr)
+
+
+def launch_config(grid, block, smem):
+    """A CUlaunchConfig with the programmatic-stream-serialization attribute (its stream is set
+    at each launch)."""
+    drv = _d.driver()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = smem
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
 
 
 class Kernel:
-    def __init__(self, module, function, spec: KernelSpec, name: str):
+    def __init__(self, module, function, spec: KernelSpec, name: str, pdl: bool = False):
         self.module, self.function, self.spec, self.name = module, function, spec, name
+        self.pdl = pdl              # launched programmatically (its PTX waits first)
         self._smem_limit = 48 * 1024
 
     @classmethod
-    def from_ptx(cls, ptx: str, spec: KernelSpec) -> "Kernel":
+    def from_ptx(cls, ptx: str, spec: KernelSpec, pdl: bool = False) -> "Kernel":
         drv = _d.driver()
         name = entry_name(ptx)
+        if pdl:
+            waiting = with_grid_dependency(ptx)
+            pdl = waiting is not None
+            ptx = waiting or ptx
         module = _d.check(drv.cuModuleLoadData(ptx.encode() + b"\0"),
                           f"cuModuleLoadData({spec.module}.{spec.factory})")
         fn = _d.check(drv.cuModuleGetFunction(module, name.encode()),
                       f"cuModuleGetFunction({spec.module}.{spec.factory})")
-        return cls(module, fn, spec, f"{spec.module}.{spec.factory}")
+        return cls(module, fn, spec, f"{spec.module}.{spec.factory}", pdl)
 
     def _ensure_smem(self, smem: int) -> None:
         if smem > self._smem_limit:
@@ -456,6 +526,12 @@ class Kernel:
                                             block[0], block[1], block[2], smem,
                                             stream.handle, params_addr, 0),
                  f"cuLaunchKernel({self.name})")
+
+    def _launch_ex(self, config, stream, params_addr) -> None:
+        _d.STATS.launches += 1
+        config.hStream = stream.handle
+        _d.check(_d.driver().cuLaunchKernelEx(config, self.function, params_addr, 0),
+                 f"cuLaunchKernelEx({self.name})")
 
     def prepare(self, grid, block, args, smem: int = 0) -> Launch:
         grid = tuple(grid) + (1,) * (3 - len(grid))
