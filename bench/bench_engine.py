@@ -55,10 +55,16 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=20)
 
 # ---- the artifact ----------------------------------------------------------------------------------
 def hf_text_config(shape: str) -> dict:
+    """`shape`: a bench_decode.SHAPES name, "tiny", or NAME@L: that geometry with L layers (a
+    shorter model to convert and measure quickly; per-layer figures scale)."""
     if shape == "tiny":
         return dict(TINY)
     from bench_decode import SHAPES
-    return {k: v for k, v in SHAPES[shape].items() if k != "is_moe"}
+    name, _, layers = shape.partition("@")
+    text = {k: v for k, v in SHAPES[name].items() if k != "is_moe"}
+    if layers:
+        text["num_hidden_layers"] = int(layers)
+    return text
 
 
 def checkpoint_plan(shape: str) -> tuple:
@@ -522,6 +528,8 @@ def bench_shape(shape, args, log) -> dict:
                            kv_dtype=args.kv_dtype, fp8_activations=FP8_ACT[args.fp8_activations])
     t_start = time.perf_counter() - t0
     model, program = engine.model, engine._core.program
+    if args.moe_dequant:
+        model.runner.packed_grouped = False
     load_s = getattr(model, "load_seconds", None)
     res = dict(shape=shape, backend=args.backend, kv_dtype=args.kv_dtype,
                w8a8=bool(getattr(model, "w8a8", False)),
@@ -622,6 +630,9 @@ def main(argv=None):
                     help="KV cache storage (EngineOptions.kv_dtype; bfloat16: unquantized)")
     ap.add_argument("--decode-context", type=int, default=0, metavar="N",
                     help="decode after prompts of N tokens (default: 32)")
+    ap.add_argument("--moe-dequant", action="store_true",
+                    help="packed experts' prefill dequantizes for cuBLASLt (the path before the "
+                         "grouped tensor-core GEMV), for comparison")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batch_list = [int(x) for x in args.batches.split(",")]

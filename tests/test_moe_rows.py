@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ninfer.models.qwen3_5.cuda import moe_rows as mr
+from ninfer.models.qwen3_5.cuda.kernel_set import qmma_name
 from ninfer.models.qwen3_5.cuda.runner import grouped_rows
 
 
@@ -154,6 +155,7 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
     ws = R.Workspace(mem, cfg, n, 8, 8, 64, f32=f32)
     K, E, H, I = cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     gu_w, dn_w = mem.take((E, 2 * I, H), gin), mem.take((E, H, I), gin)
+    decoded = {}                # packed experts' codes address -> float64 [E, n, k] values
 
     def gemm(st, x, w, y, m, nn, k, beta=0.0, w_kn=False, batch=1, strides=(0, 0, 0), ldc=0):
         ldc = ldc or nn                     # y's row stride (CublasLt.gemm's ldc)
@@ -180,6 +182,17 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
                 src = mem.arr(route, np.int32)[:rows]
                 mem.arr(out)[: rows * width].reshape(rows, width)[:] = \
                     mem.arr(x).reshape(-1, width)[src]
+            elif self.name == "qmma":
+                # the grouped mode only (moe_rows.expert_groups), weights from `decoded`
+                y, x, w, _, _, _, nn, k, ldy, *_, ids, topk, _, _, _ = \
+                    [getattr(a, "ptr", a) for a in args]
+                assert topk == -1 and grid[0] == -(-nn // 16)
+                table = mem.bytes(ids, 12 * grid[1]).view(np.int32).reshape(-1, 3)
+                for e, r0, cnt in table.tolist():
+                    X = _f32_of(mem.bytes(x + 2 * k * r0, 2 * k * cnt).view(np.uint16))
+                    Y = mem.bytes(y + 4 * ldy * r0, 4 * ldy * cnt).view(np.float32)
+                    Y.reshape(cnt, ldy)[:, :nn] = X.reshape(cnt, k).astype(np.float64) @ \
+                        decoded[w][e].T
             elif self.name == "silu_mul":
                 out, gu, stride, off, inter = args
                 rows = grid[0]
@@ -199,12 +212,14 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
     monkeypatch.setattr(R, "_d", drv)
     res = R.StepResources(cfg=cfg, ws=ws, weights={}, lt=SimpleNamespace(gemm=gemm),
                           kernels=SimpleNamespace(gather_rows=Kernel("gather_rows"),
-                                                  silu_mul=Kernel("silu_mul")),
+                                                  silu_mul=Kernel("silu_mul"),
+                                                  **{qmma_name("fp8_block", False, 1):
+                                                     Kernel("qmma")}),
                           num_sms=1, b_cap=1, n_cap=n,
                           route_host=mem.pinned((R.grouped_rows(n, K, E) + 2 * n * K) * 4),
                           media=None)
     runner = R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
-    return runner, mem, ws, cfg, {"experts_gu": gu_w, "experts_down": dn_w}
+    return runner, mem, ws, cfg, {"experts_gu": gu_w, "experts_down": dn_w}, decoded
 
 
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16", "f32"])
@@ -215,7 +230,7 @@ def test_experts_grouped_offsets_match_per_pair_products(monkeypatch, f32, cap):
     GEMMs in float64: each pair's output row equals its expert's SwiGLU product. A skewed
     routing makes caps 16 / 32 overflow; cap 0 is one product per expert."""
     n = 40
-    runner, mem, ws, cfg, lw = _grouped_rig(monkeypatch, f32, n, dict(
+    runner, mem, ws, cfg, lw, _ = _grouped_rig(monkeypatch, f32, n, dict(
         hidden_size=24, is_moe=True, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=10, shared_expert_intermediate_size=12, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
@@ -251,4 +266,55 @@ def test_experts_grouped_offsets_match_per_pair_products(monkeypatch, f32, cap):
         act = act.astype(np.float32).astype(np.float64) if f32 else dec(_bf16(act))
         want = dn[e] @ act
         np.testing.assert_allclose(my[row_of_pair[p]], want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"pair {p} (expert {e}, row {row_of_pair[p]})")
+
+
+def test_expert_groups_cut_each_experts_rows_in_eights():
+    g = mr.expert_groups(((3, 0, 17), (0, 17, 1), (5, 18, 8)))
+    assert g.dtype == np.int32 and [tuple(r) for r in g] == [
+        (3, 0, 8), (3, 8, 8), (3, 16, 1), (0, 17, 1), (5, 18, 8)]
+    assert mr.expert_groups(()).shape == (0, 3)
+    assert [tuple(r) for r in mr.expert_groups(((1, 4, 5),), size=2)] == [(1, 4, 2), (1, 6, 2),
+                                                                           (1, 8, 1)]
+
+
+def test_packed_experts_prefill_reads_the_codes_in_groups(monkeypatch):
+    """Packed experts the tensor-core GEMV takes: cap 0 (every expert's rows consecutive), the
+    group table staged after the gathered rows' map, one grouped qmma launch per projection;
+    each pair's output row equals its expert's SwiGLU product on the decoded weights."""
+    from ninfer.models.qwen3_5.cuda import qweights as qw
+    n, E, K, H, I = 40, 8, 2, 32, 16
+    runner, mem, ws, cfg, _, decoded = _grouped_rig(monkeypatch, False, n, dict(
+        hidden_size=H, is_moe=True, num_experts=E, num_experts_per_tok=K,
+        moe_intermediate_size=I, shared_expert_intermediate_size=16, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=50))
+    rng = np.random.default_rng(7)
+    lw = {}
+    for name, (rows, k) in (("experts_gu", (2 * I, H)), ("experts_down", (H, I))):
+        codes = mem.take((E, rows, k), np.uint8)
+        scale = mem.take((E, 1, 1), np.float32)
+        decoded[codes.ptr] = rng.standard_normal((E, rows, k)) / 4
+        seg = SimpleNamespace(layout="fp8_block", asym=False, block=(128, 128), rows=rows,
+                              row_bytes=k, w=codes, scale=scale, zero=None)
+        lw[name] = qw.QMatrix((E, rows, k), (seg,))
+    ids = _route(rng, n, E, K, skew=2.0).astype(np.int32)
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    mem.arr(ws.x)[: n * H] = _bf16(x).reshape(-1)
+    mem.arr(ws.ids)[: n * K] = ids
+    mem.arr(ws.my)[:] = np.nan
+    runner.moe_cap = 32                             # ignored: packed experts take cap 0
+    runner.experts_grouped(SimpleNamespace(synchronize=lambda: None), n, lw)
+    counts = np.bincount(ids, minlength=E)
+    assert runner.last_moe_layout == (0, n * K, int(np.count_nonzero(counts)))
+    R_ = ws.grouped_rows
+    row_of_pair = mem.arr(ws.route, np.int32)[R_: R_ + n * K]
+    my = mem.arr(ws.my).reshape(-1, H)
+    xs = _f32_of(_bf16(x)).astype(np.float64)
+    gu, dn = decoded[lw["experts_gu"].segments[0].w.ptr], decoded[lw["experts_down"].segments[0].w.ptr]
+    for p in range(n * K):
+        e, t = ids[p], p // K
+        g = gu[e] @ xs[t]
+        act = _f32_of(_bf16(g[:I] / (1 + np.exp(-g[:I])) * g[I:])).astype(np.float64)
+        np.testing.assert_allclose(my[row_of_pair[p]], dn[e] @ act, rtol=1e-5, atol=1e-5,
                                    err_msg=f"pair {p} (expert {e}, row {row_of_pair[p]})")

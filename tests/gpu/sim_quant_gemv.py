@@ -130,8 +130,9 @@ def experts_case(layout, block, n, k, rng, asym=False, x_per_pair=0, f32=False):
 def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=2, experts=0,
              codes=None, tiles=1):
     """qmma (bf16 x only): rows 1..8 of x, or expert mode over 3 experts (x_per_pair when
-    experts == 2). Its weights are exact in bf16 and summed in fp32, so it meets the float64
-    reference as closely as qgemv."""
+    experts == 2), or grouped mode (experts == 3: groups of 1..8 consecutive rows, one expert
+    each, an expert's rows in two groups). Its weights are exact in bf16 and summed in fp32, so
+    it meets the float64 reference as closely as qgemv."""
     E = 3 if experts else 1
     stored, scale, zero, val = make(layout, block, n, k, rng, asym, experts=E, codes=codes)
     words32 = np.ascontiguousarray(stored).reshape(-1).view(np.uint32)
@@ -139,7 +140,14 @@ def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=
     assert mod.mma_ok(layout, k, block[1]), (layout, k, block)
     kern = kernel("qmma", layout, asym, warps, unroll, True, False, tiles,
                   mod.mma_split(layout, block[1]))
-    if experts:
+    if experts == 3:
+        # rows 0-7 expert 2, 8-10 expert 2 again, 11 expert 0, 12-16 expert 1 (row 17 unused)
+        groups = np.array([[2, 0, 8], [2, 8, 3], [0, 11, 1], [1, 12, 5]], np.int32)
+        topk, ids, pairs, xrows = -1, groups.reshape(-1), len(groups), 18
+        expert_of_row = np.full(xrows, -1)
+        for e, r0, c in groups:
+            expert_of_row[r0: r0 + c] = e
+    elif experts:
         topk, ids = 2, np.array([2, 0, 1, 2, 0, 0], np.int32)
         pairs = ids.size
         xrows = pairs if experts == 2 else pairs // topk
@@ -148,7 +156,7 @@ def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=
     x = rng.standard_normal((xrows, k)).astype(np.float32)
     xb = x.astype(BF16).view(np.uint16).reshape(-1).view(np.uint32)
     ldy = n + 3
-    rows_out = pairs if experts else m
+    rows_out = xrows - 1 if experts == 3 else pairs if experts else m
     y = np.full((rows_out + 1, ldy), np.nan, np.float32)    # poisoned: only [rows_out, n] written
     y0 = rng.standard_normal((rows_out, n)).astype(np.float32)
     if beta:
@@ -157,7 +165,9 @@ def mma_case(layout, block, n, k, m, rng, asym=False, beta=0.0, warps=2, unroll=
         y.reshape(-1), xb, words32, scale.reshape(-1), zarr, m, n, k, ldy, block[0], block[1],
         scale.shape[-1], beta, ids, topk, int(experts == 2), stored[0].size, scale[0].size)
     xv = x_values(x, False)
-    if experts:
+    if experts == 3:
+        ref = np.stack([val[expert_of_row[r]] @ xv[r] for r in range(rows_out)])
+    elif experts:
         ref = np.stack([val[ids[q]] @ xv[q if experts == 2 else q // topk] for q in range(pairs)])
     else:
         ref = xv @ val[0].T
@@ -238,6 +248,10 @@ def main():
     out["mma/fp8/m8/beta1"] = mma_case("fp8_block", (128, 128), 20, 192, 8, rng, beta=1.0)
     out["mma/int8/m3"] = mma_case("int8_block", (1, 64), 17, 256, 3, rng, warps=1, unroll=1)
     out["mma/int4/asym/m5"] = mma_case("int4_block", (1, 128), 33, 384, 5, rng, asym=True)
+    out["mma/grouped/fp8"] = mma_case("fp8_block", (128, 128), 20, 256, 1, rng, experts=3)
+    out["mma/grouped/int4/asym/g64"] = mma_case("int4_block", (1, 64), 17, 128, 1, rng, asym=True,
+                                                experts=3)
+    out["mma/grouped/int8"] = mma_case("int8_block", (1, 128), 16, 192, 1, rng, experts=3)
     out["mma/int4/sym/k96"] = mma_case("int4_block", (1, 128), 9, 96, 2, rng, warps=4, unroll=1)
     out["mma/int4/5_sets_per_warp"] = mma_case("int4_block", (1, 128), 16, 640, 2, rng,
                                                 warps=1, unroll=1)

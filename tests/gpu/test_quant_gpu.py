@@ -126,6 +126,47 @@ def test_qmma_expert_mode(h, layout, block, asym):
         h.reset()
 
 
+@pytest.mark.parametrize("layout,block,asym", FORMATS)
+def test_qmma_grouped_mode(h, layout, block, asym):
+    """The MoE prefill's grouped tensor-core GEMV (moe_rows.expert_groups): groups of 1..8
+    consecutive rows of one expert, an expert's rows over several groups, on the 35B-A3B
+    expert shapes; rows no group names stay untouched."""
+    from ninfer.models.qwen3_5.cuda.moe_rows import expert_groups
+    rng = np.random.default_rng(12)
+    E = 4
+    counts = [19, 0, 1, 8]                          # expert 1 routed nothing
+    ranges, r0 = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            ranges.append((e, r0, c))
+        r0 += c
+    rows = r0
+    groups = expert_groups(tuple(ranges))
+    assert [tuple(g) for g in groups] == [(0, 0, 8), (0, 8, 8), (0, 16, 3), (2, 19, 1),
+                                          (3, 20, 8)]
+    for n, k in ((1024, 2048), (2048, 512)):
+        enc = [_encoded(layout, block, asym, n, k, rng) for _ in range(E)]
+        stored = np.stack([e[0] for e in enc])
+        scale = np.stack([e[1] for e in enc])
+        w, s = h.put(stored.reshape(-1)), h.put(scale.reshape(-1))
+        z = h.put(np.stack([e[2] for e in enc]).reshape(-1)) if asym else None
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        y = h.empty((rows + 1, n), np.float32)
+        split = qw.mma_split(layout, block[1])
+        h.cache.get(quant_specs({(layout, asym, split)})[qmma_name(layout, asym, split)]).launch(
+            h.stream, (-(-n // qw.MMA_ROWS), len(groups)), (32 * qw.MMA_WARPS,),
+            (y, h.put(bf16_bits(x)), w, s, z.ptr if z is not None else 0, 1, n, k, n, block[0],
+             block[1], scale.shape[-1], 0.0, h.put(groups.reshape(-1)), -1, 0, stored[0].size,
+             scale[0].size))
+        out = h.get(y)
+        xv = (bf16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        expert = np.repeat(np.arange(E), counts)
+        ref = np.stack([enc[expert[r]][3].astype(np.float64) @ xv[r] for r in range(rows)])
+        assert rel_err(out[:rows], ref) < TOL_F32, (layout, n, k)
+        assert np.isnan(out[rows:]).all()
+        h.reset()
+
+
 def _quantized_fixture(tmp_path_factory, kind):
     from fixture_utils import fixture_dir
     from ninfer.convert import convert_checkpoint

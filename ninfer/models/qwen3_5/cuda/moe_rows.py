@@ -11,6 +11,10 @@ more than `cap` rows puts the rest in an overflow region after the block, one GE
 `cap` (a multiple of CAP_ALIGN, or 0: every expert its own GEMM, the layout of the old path) is
 chosen to minimise  padded rows + overflow rows + LAUNCH_ROWS * heavy experts  within the
 workspace's `max_rows`: one more GEMM launch costs about as much as LAUNCH_ROWS rows of work.
+
+Packed (quantized) experts take cap 0 instead, every expert's rows consecutive, and
+`expert_groups` cuts them into groups of up to GROUP_ROWS rows: the grid of the grouped
+tensor-core GEMV (kernels/quant_gemv.py qmma, grouped mode), which reads the codes as stored.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 CAP_ALIGN = 16
+GROUP_ROWS = 8              # rows of x one qmma block multiplies (its mma's n)
 # ~10 us per extra cuBLASLt call vs ~17 ns of tensor-core time per row of a 35B-A3B expert pair
 LAUNCH_ROWS = 512
 
@@ -80,3 +85,17 @@ def expert_rows(ids: np.ndarray, top_k: int, num_experts: int, max_rows: int,
     heavy = np.nonzero(over)[0]
     return ExpertRows(cap, rows, src, row_of_pair,
                       tuple((int(e), int(over_first[e]), int(over[e])) for e in heavy))
+
+
+def expert_groups(overflow, size: int = GROUP_ROWS) -> np.ndarray:
+    """int32 [groups, 3]: (expert, first row, rows) for every run of at most `size` consecutive
+    rows of one expert, from (expert, first row, count) ranges (a cap-0 layout's `overflow`),
+    in their order."""
+    if not overflow:
+        return np.zeros((0, 3), np.int32)
+    e, r0, cnt = (np.array(c, np.int64) for c in zip(*overflow))
+    ng = -(-cnt // size)
+    which = np.repeat(np.arange(len(e)), ng)
+    j = np.arange(int(ng.sum())) - np.repeat(np.cumsum(ng) - ng, ng)
+    return np.stack([e[which], r0[which] + j * size,
+                     np.minimum(size, cnt[which] - j * size)], axis=1).astype(np.int32)

@@ -206,6 +206,9 @@ class StepRunner:
         # (None: chosen per call; tests force 0 = one GEMM per expert, or a small cap = overflow)
         self.moe_launch_rows = moe_rows.LAUNCH_ROWS
         self.moe_cap = None
+        # False: packed experts' prefill dequantizes into the workspace for cuBLASLt, as before
+        # the grouped tensor-core GEMV (bench_engine --moe-dequant compares the two)
+        self.packed_grouped = True
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
 
     # -- primitives --------------------------------------------------------------------------------
@@ -533,25 +536,34 @@ class StepRunner:
                     (ws.gact, ws.gu, 2 * I, 0, I))
         self._expert_gemv(st, lw["experts_down"], ws.gact, ws.my, pairs, H, I, K, 1)
 
-    def _expert_gemv(self, st, w, x, y, pairs, n, k, top_k, x_per_pair):
+    def _expert_gemv(self, st, w, x, y, pairs, n, k, top_k, x_per_pair, ids=None):
+        """y[pair] = expert ids[pair]'s product with x (row pair // top_k, or pair when
+        x_per_pair). top_k -1: grouped mode, `pairs` groups of the table at `ids`
+        (moe_rows.expert_groups), y and x rows as the groups say (qmma only)."""
         (seg,) = w.segments
         w_stride = seg.rows * seg.row_bytes
         s_stride = seg.scale.shape[-2] * seg.scale.shape[-1]
         zero = seg.zero.ptr if seg.zero is not None else 0
-        if self.res.ws.gin_bytes == 2 and qw.mma_ok(seg.layout, k, seg.block[1]):
+        ids = self.res.ws.ids if ids is None else ids
+        if self.mma_experts(w, k):
             self.launch(st, getattr(self.kernels, qmma_name(
                             seg.layout, seg.asym, qw.mma_split(seg.layout, seg.block[1]))),
                         (-(-n // qw.MMA_ROWS), pairs), (32 * qw.MMA_WARPS,),
                         (y, x, seg.w, seg.scale, zero, 1, n, k, n, seg.block[0], seg.block[1],
-                         seg.scale.shape[-1], 0.0, self.res.ws.ids, top_k, x_per_pair,
-                         w_stride, s_stride))
+                         seg.scale.shape[-1], 0.0, ids, top_k, x_per_pair, w_stride, s_stride))
             return
+        assert top_k > 0, "grouped mode runs on qmma only"
         self.launch(st, getattr(self.kernels, qgemv_name(seg.layout, 1, seg.asym)),
                     (-(-n // (qw.WARPS * qw.ROWS)), pairs), (qw.THREADS,),
                     (y, x, x, seg.w, seg.w, seg.scale,
                      zero, 1, n, k, n, seg.block[0], seg.block[1], seg.scale.shape[-1], 0.0,
                      int(qw.vector_ok(seg.layout, k, seg.block[1])), self.res.ws.ids, top_k,
                      x_per_pair, w_stride, s_stride))
+
+    def mma_experts(self, w, k) -> bool:
+        """Packed experts of width k that the tensor-core GEMV takes (bf16 activations)."""
+        (seg,) = w.segments
+        return self.res.ws.gin_bytes == 2 and qw.mma_ok(seg.layout, k, seg.block[1])
 
     def _expert_gemm(self, st, w, x, y, c, n, k, overflow, g):
         """The grouped path's products of one projection: bf16 experts through one strided-
@@ -585,27 +597,45 @@ class StepRunner:
     def experts_grouped(self, st, n, lw):
         """Prefill: route on the host (one sync), lay the routed rows out by expert (moe_rows.py:
         a padded block for one strided-batched GEMM over all experts + per-expert overflow), gather,
-        GEMM gate|up, SwiGLU, GEMM down; moe_combine reads each pair's row through a map."""
+        GEMM gate|up, SwiGLU, GEMM down; moe_combine reads each pair's row through a map.
+        Packed experts the tensor-core GEMV takes read their codes as stored instead: every
+        expert's rows consecutive (cap 0), one grouped qmma launch per projection over groups of
+        up to 8 rows (moe_rows.expert_groups), no dequantized copy of the weights."""
         cfg, ws, res = self.cfg, self.res.ws, self.res
         H, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         pairs = n * K
+        gu_w, dn_w = lw["experts_gu"], lw["experts_down"]
+        grouped_mma = self.packed_grouped and isinstance(gu_w, qw.QMatrix) \
+            and self.mma_experts(gu_w, H) and self.mma_experts(dn_w, I)
         _d.copy_dtoh_async(res.route_host.ptr, ws.ids.ptr, 4 * pairs, st)
         st.synchronize()
         R = ws.grouped_rows
         host = res.route_host.view(np.int32, 0, R + 2 * res.n_cap * K)
         lay = moe_rows.expert_rows(host[:pairs], K, E, R, launch_rows=self.moe_launch_rows,
-                                   cap=self.moe_cap)
+                                   cap=0 if grouped_mma else self.moe_cap)
         self.last_moe_layout = (lay.cap, lay.rows, len(lay.overflow))
-        staged = host[pairs: pairs + lay.rows + pairs]
+        groups = moe_rows.expert_groups(lay.overflow).reshape(-1) if grouped_mma else ()
+        # staged: row -> token, then the groups, then pair -> row; on the device the first two
+        # at ws.route (rows + 3 * groups <= R: cap 0 has rows = pairs), the map at R
+        staged = host[pairs: pairs + lay.rows + len(groups) + pairs]
         staged[:lay.rows] = lay.src
-        staged[lay.rows:] = lay.row_of_pair
+        staged[lay.rows: lay.rows + len(groups)] = groups
+        staged[lay.rows + len(groups):] = lay.row_of_pair
         base = res.route_host.ptr + 4 * pairs
-        _d.copy_htod_async(ws.route.ptr, base, 4 * lay.rows, st)
-        _d.copy_htod_async(ws.route.ptr + 4 * R, base + 4 * lay.rows, 4 * pairs, st)
+        _d.copy_htod_async(ws.route.ptr, base, 4 * (lay.rows + len(groups)), st)
+        _d.copy_htod_async(ws.route.ptr + 4 * R, base + 4 * (lay.rows + len(groups)), 4 * pairs,
+                           st)
         rows, g = lay.rows, ws.gin_bytes
         self.launch(st, self.kernels.gather_rows, (rows, (H + 255) // 256), (256,),
                     (ws.xg, ws.x, ws.route, H))
-        self._expert_gemm(st, lw["experts_gu"], ws.xg, ws.gu, lay.cap, 2 * I, H, lay.overflow, g)
+        if grouped_mma:
+            table, ng = ws.route.ptr + 4 * rows, len(groups) // 3
+            self._expert_gemv(st, gu_w, ws.xg, ws.gu, ng, 2 * I, H, -1, 0, ids=table)
+        else:
+            self._expert_gemm(st, gu_w, ws.xg, ws.gu, lay.cap, 2 * I, H, lay.overflow, g)
         self.launch(st, self.kernels.silu_mul, (rows, (I + 255) // 256), (256,),
                     (ws.gact, ws.gu, 2 * I, 0, I))
-        self._expert_gemm(st, lw["experts_down"], ws.gact, ws.my, lay.cap, H, I, lay.overflow, g)
+        if grouped_mma:
+            self._expert_gemv(st, dn_w, ws.gact, ws.my, ng, H, I, -1, 0, ids=table)
+        else:
+            self._expert_gemm(st, dn_w, ws.gact, ws.my, lay.cap, H, I, lay.overflow, g)
