@@ -304,6 +304,7 @@ def test_packed_experts_prefill_reads_the_codes_in_groups(monkeypatch):
     mem.arr(ws.ids)[: n * K] = ids
     mem.arr(ws.my)[:] = np.nan
     runner.moe_cap = 32                             # ignored: packed experts take cap 0
+    runner.packed_grouped = True
     runner.experts_grouped(SimpleNamespace(synchronize=lambda: None), n, lw)
     counts = np.bincount(ids, minlength=E)
     assert runner.last_moe_layout == (0, n * K, int(np.count_nonzero(counts)))

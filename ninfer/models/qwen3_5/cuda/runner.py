@@ -206,9 +206,11 @@ class StepRunner:
         # (None: chosen per call; tests force 0 = one GEMM per expert, or a small cap = overflow)
         self.moe_launch_rows = moe_rows.LAUNCH_ROWS
         self.moe_cap = None
-        # False: packed experts' prefill dequantizes into the workspace for cuBLASLt, as before
-        # the grouped tensor-core GEMV (bench_engine --moe-dequant compares the two)
-        self.packed_grouped = True
+        # packed experts' prefill on the grouped tensor-core GEMV (experts_grouped) instead of
+        # dequantizing them into the workspace for cuBLASLt. Off by default until it has run
+        # on a GPU: its kernel is checked on the simulator only so far (bench_engine
+        # --moe-grouped turns it on; tests/gpu/test_quant_gpu.py::test_qmma_grouped_mode)
+        self.packed_grouped = False
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
 
     # -- primitives --------------------------------------------------------------------------------
