@@ -149,6 +149,37 @@ def test_prepare_rejects_bad_prompts(fe, bad, match):
         fe.prepare(bad)
 
 
+class _Art:
+    """The resources Frontend.from_artifact reads, and a model whose embedding has 248,320 rows
+    (the Qwen3.5 releases' padded vocabulary) against the tokenizer's 248,077 ids."""
+
+    def __init__(self, tok_json):
+        self._r = {"tokenizer.json": tok_json,
+                   "generation_config.json": b'{"eos_token_id": [248046, 248044]}'}
+        self.model_config_json = {"architecture": "Qwen3_5ForCausalLM",
+                                  "text": {"vocab_size": 248320}}
+
+    def resource(self, name):
+        return self._r.get(name)
+
+
+def test_token_prompts_may_hold_the_models_padding_rows(tok_json):
+    """Ids the model can generate past the tokenizer's table (its padded embedding rows) go
+    back in as prompt ids (an agent's turns as ids) and read as no text; past the embedding
+    they are refused."""
+    fe = Frontend.from_artifact(_Art(tok_json))
+    assert fe.vocab_size == 248077 and fe.id_limit == 248320
+    hi = fe.tokenize("Hi").tolist()
+    p = fe.prepare(hi + [248077, 248319])
+    assert p.token_ids.tolist()[-2:] == [248077, 248319]
+    assert fe.detokenize(hi + [248300] + hi) == "HiHi"
+    for bad in ([248320], [-1]):
+        with pytest.raises(RequestError, match=r"outside the vocabulary \[0, 248320\)"):
+            fe.prepare(hi + bad)
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            fe.detokenize(bad)
+
+
 @pytest.mark.parametrize("prompt", ["Hi", [9707, 1879], USER])
 @pytest.mark.parametrize("tools", ["f", {"name": "f"}, [3]])
 def test_prepare_rejects_malformed_tools_for_every_prompt_form(fe, prompt, tools):

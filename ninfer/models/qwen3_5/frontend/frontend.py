@@ -33,6 +33,10 @@ class Frontend:
         self.grammars = None if tokenizer_json is None else GrammarCompiler(
             tokenizer_json, tokenizer.vocab_size, eos_token_ids, tokenizer.token_id)
         self.template = template
+        # ids a prompt may hold: the model's embedding rows (from_artifact), which may run past
+        # the tokenizer's table; those padding rows are ids the model can also generate, and
+        # they read as no text (Tokenizer.piece_bytes)
+        self.id_limit = tokenizer.vocab_size
         self._eos = tuple(eos_token_ids)
         self._think_ids = (tokenizer.token_id("<think>"), tokenizer.token_id("</think>"))
         self._im_start_id = tokenizer.token_id("<|im_start|>")
@@ -63,6 +67,9 @@ class Frontend:
             _json_resource(artifact, "generation_config.json"),
             tokenizer_config=_json_resource(artifact, "tokenizer_config.json"))
         frontend.vision = VisionPreprocessor.from_artifact(artifact, frontend.tokenizer)
+        rows = (artifact.model_config_json.get("text") or {}).get("vocab_size")
+        if isinstance(rows, int) and rows > frontend.id_limit:
+            frontend.id_limit = rows
         return frontend
 
     @classmethod
@@ -98,7 +105,11 @@ class Frontend:
         return self.tokenizer.encode(text)
 
     def detokenize(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Text of ids in [0, id_limit); the model's padding rows past the tokenizer's table
+        read as nothing, as in generated text."""
+        ids = self.tokenizer.check_ids(ids, self.id_limit)
+        return self.tokenizer.decode(ids[ids < self.vocab_size],
+                                     skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list, tools: Optional[list] = None,
                             add_generation_prompt: bool = True,
@@ -126,7 +137,7 @@ class Frontend:
             ids = self.tokenizer.encode(text)
         elif isinstance(prompt, np.ndarray) or (isinstance(prompt, (list, tuple)) and prompt and
                                                 _all_ints(prompt)):
-            ids = self.tokenizer.check_ids(prompt)
+            ids = self.tokenizer.check_ids(prompt, self.id_limit)
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping)
                                                                   for m in prompt):
             text = self.apply_chat_template(list(prompt), tools=tools, enable_thinking=thinking)

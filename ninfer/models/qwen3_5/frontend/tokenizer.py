@@ -63,17 +63,19 @@ class Tokenizer:
                         if not (skip_special_tokens and i in special))
         return data.decode("utf-8", errors="replace")
 
-    def check_ids(self, ids) -> np.ndarray:
-        """Token ids as int32, each in [0, vocab_size); RequestError names the first bad one."""
+    def check_ids(self, ids, limit: int = None) -> np.ndarray:
+        """Token ids as int32, each in [0, limit) (default vocab_size); RequestError names the
+        first bad one."""
+        limit = self.vocab_size if limit is None else limit
         arr = np.asarray(ids)
         if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
             raise RequestError(f"token ids must be a 1-D sequence of integers "
                                f"(got shape {arr.shape}, dtype {arr.dtype})")
         if arr.size:
-            bad = np.flatnonzero((arr < 0) | (arr >= self.vocab_size))
+            bad = np.flatnonzero((arr < 0) | (arr >= limit))
             if bad.size:
                 raise RequestError(f"token id {int(arr[bad[0]])} at position {int(bad[0])} is "
-                                   f"outside the vocabulary [0, {self.vocab_size})")
+                                   f"outside the vocabulary [0, {limit})")
         return arr.astype(np.int32, copy=False)
 
     def decode_window(self, ids: tuple) -> str:
