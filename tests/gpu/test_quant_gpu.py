@@ -6,8 +6,8 @@ within the fixtures' bf16 tolerance."""
 import numpy as np
 import pytest
 
-from gpu_harness import (TOL_F32, TOL_FIXTURE_BF16, TOL_FIXTURE_BF16_MOE, TOL_MODEL_F32, Harness,
-                         bf16_bits, rel_err)
+from gpu_harness import (TOL_F32, TOL_FIXTURE_BF16, TOL_FIXTURE_BF16_MOE, TOL_MODEL_BF16,
+                         TOL_MODEL_F32, Harness, bf16_bits, rel_err)
 
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.cuda import qweights as qw
@@ -165,6 +165,47 @@ def test_qmma_grouped_mode(h, layout, block, asym):
         assert rel_err(out[:rows], ref) < TOL_F32, (layout, n, k)
         assert np.isnan(out[rows:]).all()
         h.reset()
+
+
+@pytest.mark.parametrize("layout,block,asym", [("fp8_block", (128, 128), False),
+                                               ("int4_block", (1, 32), True)])
+def test_packed_experts_prefill_in_a_whole_model(layout, block, asym):
+    """A bf16 tiny MoE (every token to every expert: no routing flips) with packed experts of
+    widths the tensor-core GEMV takes: its prefill on the grouped qmma path and on the
+    dequantizing path, each within the bf16 model tolerance of the numpy backend on the same
+    codes (the fixtures' experts, 24 wide, never take the grouped path)."""
+    from tiny_model import PackedExpertsArtifact, tiny_config
+
+    from ninfer.models.qwen3_5 import load_model
+    art = PackedExpertsArtifact(tiny_config(moe=True), layout, block, asym, seed=4)
+    cpu = load_model(art, EngineOptions(backend="numpy"))
+    gpu = load_model(art, EngineOptions(backend="cuda", max_concurrency=2, max_context=256,
+                                        prefill_chunk=128, page_size=PAGE))
+    ids = np.random.default_rng(6).integers(3, 300, 70).tolist()
+    table = np.arange(8, dtype=np.int32)
+
+    def prefill(model):
+        kv, st = model.new_kv_pool(8, PAGE), model.new_state_pool(1)
+        try:
+            return model.forward(ForwardBatch.single(ids, 0, table[: -(-len(ids) // PAGE)], 0),
+                                 kv, st, all_logits=True)
+        finally:
+            for pool in (kv, st):
+                if hasattr(pool, "close"):
+                    pool.close()
+    try:
+        want = prefill(cpu)
+        K = gpu.config.text.num_experts_per_tok
+        for grouped in (True, False):
+            gpu.runner.packed_grouped = grouped
+            got = prefill(gpu)
+            err = rel_err(got, want)
+            assert np.isfinite(got).all() and err < TOL_MODEL_BF16, (layout, grouped, err)
+            if grouped:
+                assert gpu.runner.last_moe_layout == (0, len(ids) * K, K)
+    finally:
+        gpu.close()
+        cpu.close()
 
 
 def _quantized_fixture(tmp_path_factory, kind):

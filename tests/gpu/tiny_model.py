@@ -96,3 +96,38 @@ class TinyArtifact(TensorArtifact):
                 mat(m + "up_proj.weight", I, H)
                 mat(m + "down_proj.weight", H, I)
         super().__init__(config, T)
+
+
+class PackedExpertsArtifact(TinyArtifact):
+    """TinyArtifact with its routed experts stored packed, as `convert --quantize` stores them
+    (`layout` fp8_block / int8_block / int4_block, `block` its scale block): both backends decode
+    the same codes, the CUDA one on its packed-expert paths (decode GEMV, prefill grouped or
+    dequantized)."""
+
+    def __init__(self, config: ModelConfig, layout: str, block: tuple, asym: bool = False,
+                 seed: int = 0):
+        from ninfer.artifact.format import QuantizedTensor
+        from ninfer.convert.quantize import encode
+        super().__init__(config, seed)
+        self._q = {}
+        for name in [n for n in self._t if n.endswith(("experts.gate_up_proj",
+                                                       "experts.down_proj"))]:
+            w = self._t.pop(name).astype(np.float32)
+            stored, scale, zero = encode(layout, w, block, asymmetric=asym)
+            self._q[name] = QuantizedTensor(layout, w.shape, tuple(block), stored, scale, zero,
+                                            None)
+
+    def has(self, name: str) -> bool:
+        return name in self._t or name in self._q
+
+    def binding_names(self) -> list:
+        return sorted(list(self._t) + list(self._q))
+
+    def is_quantized(self, name: str) -> bool:
+        return name in self._q
+
+    def quantized(self, name: str):
+        return self._q[name]
+
+    def binding_info(self, name: str) -> dict:
+        return {"object": name, "view": None}
