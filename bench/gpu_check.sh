@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
-#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [full]   (default: all but
-#                                                                           fp8 and full)
+#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [full]   (default: all
+#                                                                   but fp8, moe and full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -50,6 +50,17 @@ for part in $parts; do
                     >"$OUT/engine_${shape}_fp8.log" 2>&1
             done
             summary+=("fp8: $(tail -1 "$OUT/fp8_tests.log") (see fp8_*.log, engine_*_fp8.log)") ;;
+        moe)
+            # packed experts' MoE prefill: the grouped tensor-core GEMV's GPU tests, then a
+            # 10-layer 35B-A3B in fp8 through the Engine with it (--moe-grouped) and without
+            timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_quant_gpu.py \
+                -k "grouped or whole_model or expert" >"$OUT/moe_tests.log" 2>&1
+            for flag in --moe-grouped ""; do
+                timeout 240 python3 bench/bench_engine.py --shapes 35b-a3b@10 --direct --quantize fp8 \
+                    --workdir /dev/shm/nb --prefill 512,4096 --batches 1 --modes greedy --steps 30 \
+                    $flag --profile-kernels >"$OUT/engine_35b10_fp8${flag:+_grouped}.log" 2>&1
+            done
+            summary+=("moe: $(tail -1 "$OUT/moe_tests.log") (see engine_35b10_fp8*.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
