@@ -26,6 +26,9 @@ from .kernel_set import dequant_name, paged_attention_group, qgemv_name, qmma_na
 from .media_rows import MediaRows
 
 
+MAX_GRID_Y = 65535          # a launch's grid.y limit
+
+
 class Workspace:
     """Fixed activation buffers for up to `n_cap` tokens and `lg_cap` logits rows."""
 
@@ -608,7 +611,8 @@ class StepRunner:
         pairs = n * K
         gu_w, dn_w = lw["experts_gu"], lw["experts_down"]
         grouped_mma = self.packed_grouped and isinstance(gu_w, qw.QMatrix) \
-            and self.mma_experts(gu_w, H) and self.mma_experts(dn_w, I)
+            and self.mma_experts(gu_w, H) and self.mma_experts(dn_w, I) \
+            and pairs // moe_rows.GROUP_ROWS + E <= MAX_GRID_Y     # the groups are grid.y
         _d.copy_dtoh_async(res.route_host.ptr, ws.ids.ptr, 4 * pairs, st)
         st.synchronize()
         R = ws.grouped_rows
