@@ -142,7 +142,7 @@ class CudaModel(MediaEncoding):
         if dtype not in (None, "bfloat16", "float32"):
             raise RequestError(f"backend 'cuda': dtype={dtype!r} must be None, 'bfloat16' or 'float32'")
         self.f32 = dtype == "float32"
-        kv_dtype = getattr(options, "kv_dtype", "bfloat16")
+        kv_dtype = options.kv_dtype
         if kv_dtype not in ("bfloat16", "fp8", "int8"):
             raise RequestError(f"backend 'cuda': kv_dtype={kv_dtype!r} must be 'bfloat16', "
                                "'fp8' or 'int8'")
@@ -170,8 +170,8 @@ class CudaModel(MediaEncoding):
                                      b_cap if self.batch_invariant else 0)
         wq = qw.slab_elements(self.qplans.values(), n_cap)      # the prefill dequant tile
         # fp8 weights' prefill on the fp8 tensor cores (W8A8): the quantized input's width
-        fp8_act = getattr(options, "fp8_activations", None)
-        if fp8_act is None and getattr(options, "purpose", "generation") == "scoring":
+        fp8_act = options.fp8_activations
+        if fp8_act is None and options.purpose == "scoring":
             # scoring reads every position's logits straight from the prefill, where the
             # activations' rounding shows in full (docs/performance.md "W8A8's error"); a
             # generation's logits come from decode, which never quantizes them
