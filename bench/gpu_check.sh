@@ -52,13 +52,13 @@ for part in $parts; do
             summary+=("fp8: $(tail -1 "$OUT/fp8_tests.log") (see fp8_*.log, engine_*_fp8.log)") ;;
         moe)
             # packed experts' MoE prefill: the grouped tensor-core GEMV's GPU tests, then a
-            # 10-layer 35B-A3B in fp8 through the Engine with it (--moe-grouped) and without
+            # 10-layer 35B-A3B in fp8 through the Engine with it and without it (--moe-dequant)
             timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_quant_gpu.py \
                 -k "grouped or whole_model or expert" >"$OUT/moe_tests.log" 2>&1
-            for flag in --moe-grouped ""; do
+            for flag in "" --moe-dequant; do
                 timeout 240 python3 bench/bench_engine.py --shapes 35b-a3b@10 --direct --quantize fp8 \
                     --workdir /dev/shm/nb --prefill 512,4096 --batches 1 --modes greedy --steps 30 \
-                    $flag --profile-kernels >"$OUT/engine_35b10_fp8${flag:+_grouped}.log" 2>&1
+                    $flag --profile-kernels >"$OUT/engine_35b10_fp8${flag:+_dequant}.log" 2>&1
             done
             summary+=("moe: $(tail -1 "$OUT/moe_tests.log") (see engine_35b10_fp8*.log)") ;;
         full)

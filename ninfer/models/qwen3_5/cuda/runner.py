@@ -209,11 +209,10 @@ class StepRunner:
         # (None: chosen per call; tests force 0 = one GEMM per expert, or a small cap = overflow)
         self.moe_launch_rows = moe_rows.LAUNCH_ROWS
         self.moe_cap = None
-        # packed experts' prefill on the grouped tensor-core GEMV (experts_grouped) instead of
-        # dequantizing them into the workspace for cuBLASLt. Off by default until it has run
-        # on a GPU: its kernel is checked on the simulator only so far (bench_engine
-        # --moe-grouped turns it on; tests/gpu/test_quant_gpu.py::test_qmma_grouped_mode)
-        self.packed_grouped = False
+        # packed experts' prefill on the grouped tensor-core GEMV (experts_grouped), reading the
+        # codes in place; False dequantizes every expert into the workspace for cuBLASLt (the
+        # slower path: 35B-A3B fp8 TTFT 512 78.8 ms against 182 ms; bench_engine --moe-dequant)
+        self.packed_grouped = True
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
 
     # -- primitives --------------------------------------------------------------------------------
