@@ -8,7 +8,9 @@ chat   one session of --turns turns (token prompts: turn t = turn t-1's prompt +
        cache on and off (`prefix_cache=False`), the tokens prefilled (prompt - num_cached_tokens),
        and that many tokens' cold prefill time alone (a fresh prompt of that length, cache off),
        so `ratio` = turn TTFT with the cache / prefill time of the new tokens alone (issue 12's
-       target: <= 1.2 + 5 ms). Token prompts keep each answer as generated, as an agent's
+       target: <= 1.2 + 5 ms), and what the cache did during the turn (Engine.stats() deltas:
+       demotions, promotions, dropped older checkpoints, milliseconds of host-tier copies each
+       way; entries and State slots after it). Token prompts keep each answer as generated, as an agent's
        tool-call turns are (the Qwen3.5 template rewrites a plain chat turn: it drops the think
        block when a new user query follows, so there only the prompt checkpoint is reused).
 agent  --sessions sessions sent at once, sharing a --system-tokens system prompt, each then a
@@ -53,6 +55,19 @@ def _ttft(engine, prompt, params, session=None) -> tuple:
     return res.time_to_first_token, res
 
 
+def _cache_delta(before: dict, after: dict) -> dict:
+    """What the context cache did between two Engine.stats() readings (one turn: its request
+    and the settling of the previous one)."""
+    def d(key):
+        return after.get(key, 0) - before.get(key, 0)
+    return dict(demotions=d("prefix_cache_demotions"), promotions=d("prefix_cache_promotions"),
+                subsumed=d("prefix_cache_subsumed"), evictions=d("prefix_cache_evictions"),
+                to_host_ms=1e3 * d("prefix_cache_copy_seconds_to_host"),
+                to_device_ms=1e3 * d("prefix_cache_copy_seconds_to_device"),
+                entries=after.get("prefix_cache_entries", 0),
+                slots=after.get("prefix_cache_slots_total", 0))
+
+
 def chat(path, args) -> list:
     params = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -62,7 +77,9 @@ def chat(path, args) -> list:
         _ttft(off, ids(64, 1), one)
         prompt = ids(args.user_tokens, 10)
         for t in range(args.turns):
+            before = on.stats()
             t_on, r_on = _ttft(on, prompt, params, session="bench-chat")
+            cache = _cache_delta(before, on.stats())
             t_off, r_off = _ttft(off, prompt, params)
             if r_on.token_ids != r_off.token_ids:
                 raise RuntimeError(f"turn {t}: the cache changed the answer")
@@ -72,13 +89,16 @@ def chat(path, args) -> list:
                              cached_tokens=r_on.num_cached_tokens, new_tokens=new,
                              ttft_cache_ms=1e3 * t_on, ttft_no_cache_ms=1e3 * t_off,
                              prefill_new_alone_ms=1e3 * t_new,
-                             ratio=t_on / t_new if t_new else float("nan")))
+                             ratio=t_on / t_new if t_new else float("nan"), cache=cache))
             r = rows[-1]
             print(f"turn {r['turn']:2d}: prompt {r['prompt_tokens']:6d} cached "
                   f"{r['cached_tokens']:6d} new {r['new_tokens']:5d} | TTFT cache "
                   f"{r['ttft_cache_ms']:8.1f} ms, no cache {r['ttft_no_cache_ms']:8.1f} ms, new "
-                  f"tokens alone {r['prefill_new_alone_ms']:7.1f} ms, ratio {r['ratio']:.2f}",
-                  flush=True)
+                  f"tokens alone {r['prefill_new_alone_ms']:7.1f} ms, ratio {r['ratio']:.2f} | "
+                  f"demoted {cache['demotions']} promoted {cache['promotions']} subsumed "
+                  f"{cache['subsumed']}, copies to host {cache['to_host_ms']:.1f} ms / to device "
+                  f"{cache['to_device_ms']:.1f} ms, entries {cache['entries']} of "
+                  f"{cache['slots']} slots", flush=True)
             prompt = np.concatenate([prompt, np.asarray(r_on.token_ids, np.int32),
                                      ids(args.user_tokens, 20 + t)])
     return rows

@@ -430,6 +430,7 @@ class Model(Protocol):
     samples_on_device: bool
     checks_batches: bool
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
+    max_state_slots: Optional[int]  # State slots its memory plan holds (None: no limit)
     # a vision model's (prompt_ids, media, positions) -> vision.PromptMedia; None: text only
     encode_media: Optional[Callable]
     # seconds of the load's phases the backend measured ("setup": device, memory, libraries;

@@ -151,11 +151,15 @@ def test_cache_pages_are_reclaimed_before_any_resident_pauses():
     assert res.token_ids == reference_tokens(b, _params("greedy", 1, 3), 32)
     stats = core.stats()
     assert stats["pauses"] == 0 and stats["prefix_cache_demotions"] >= 1
+    # the demotion's host copies are timed; nothing came back from the host yet
+    assert stats["prefix_cache_copy_seconds_to_host"] > 0
+    assert stats["prefix_cache_copy_seconds_to_device"] == 0
     a2 = np.concatenate([a, np.asarray(want_a, np.int32), prompt(52, 2)]).astype(np.int32)
     res = core.submit(a2, _params("greedy", 2, 2)).result(timeout=20)
     assert res.token_ids == reference_tokens(a2, _params("greedy", 2, 2), 32)
     assert res.num_cached_tokens == len(a) + len(want_a) - 1
     assert core.stats()["prefix_cache_promotions"] >= 1
+    assert core.stats()["prefix_cache_copy_seconds_to_device"] > 0     # the host bind's writes
     _finish_empty(core)
 
 
@@ -228,6 +232,36 @@ def test_session_publication_order_keeps_the_newest_binding():
     nxt = np.concatenate([cont, prompt(32, 3)]).astype(np.int32)
     assert rm.lookup(nxt)[1] == len(cont)
     assert rm.lookup(nxt, session="chat")[1] == len(cont)
+
+
+def test_a_sessions_previous_continuation_goes_when_its_newest_extends_it():
+    """Turn 2 binds turn 1's continuation and publishes its own: turn 1's is dropped (subsumed:
+    a slot back without a demotion), turn 3 binds turn 2's with the cold run's tokens. A
+    continuation another session also names stays."""
+    core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
+    rm = core.context_cache
+    prompt_ids, conts, covered = prompt(60, 10), [], 0
+    for turn in range(3):
+        params = _params("greedy", turn)
+        res = core.submit(prompt_ids, params, session="chat").result(timeout=20)
+        assert res.token_ids == reference_tokens(prompt_ids, params, MAX_CONTEXT)
+        assert res.num_cached_tokens == covered         # the previous continuation, whole
+        if turn:
+            assert conts[-1] not in rm._entries and conts[-1] not in core.program.checkpoints.ids()
+        conts.append(rm._sessions["chat"][1])
+        covered = len(rm._entries[conts[-1]].token_ids)
+        assert covered == len(prompt_ids) + len(res.token_ids) - 1
+        prompt_ids = np.concatenate([prompt_ids, np.asarray(res.token_ids, np.int32),
+                                     prompt(61 + turn, 5)]).astype(np.int32)
+    assert rm.subsumed == 2 and core.stats()["prefix_cache_subsumed"] == 2
+    rm.check_invariants()
+    # another session names the newest continuation: the next turn keeps it
+    shared = conts[-1]
+    assert rm.publish("other", 10 ** 6, shared)
+    res = core.submit(prompt_ids, _params("greedy", 3), session="chat").result(timeout=20)
+    assert res.num_cached_tokens == len(rm._entries[shared].token_ids)
+    assert shared in rm._entries and rm.subsumed == 2
+    _finish_empty(core)
 
 
 def test_invariants_catch_shared_writable_pages_and_lost_references():

@@ -1,6 +1,7 @@
 """memory_plan.py: the one pool arithmetic gives its three former callers (commands.py's default
 max_context, the Program's pool sizes, the CUDA model's KV pages and pool bytes) the numbers their
-own copies gave; the old arithmetic is restated here as the reference."""
+own copies gave; the old arithmetic is restated here as the reference. The context cache's State
+slots (issue 28) are sized by bytes since: restated here from first principles."""
 import math
 import sys
 import pathlib
@@ -9,8 +10,11 @@ import pytest
 
 from ninfer.errors import RequestError
 from ninfer.models.qwen3_5.config import TextConfig
-from ninfer.models.qwen3_5.memory_plan import (default_max_context, max_state_slots,
-                                               plan_device_pools, plan_pools, pool_bytes)
+from ninfer.models.qwen3_5.memory_plan import (MAX_CACHE_SLOTS, default_max_context,
+                                               kv_page_bytes, max_state_slots, num_cache_slots,
+                                               plan_device_pools, plan_pools, pool_bytes,
+                                               state_slot_bytes)
+from ninfer.models.qwen3_5.releases import release_config
 from ninfer.options import EngineOptions
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -33,13 +37,17 @@ def old_program(options, max_kv_pages):
     return per_seq, num_pages, cache
 
 
-def old_pool_reserve(cfg, pages, page_size, b_cap, f32):
-    kv = 2 * len(cfg.attention_layer_ids) * pages * page_size * cfg.num_key_value_heads * \
-        cfg.head_dim * (4 if f32 else 2)
-    slots = 2 * b_cap + 2
-    st = len(cfg.linear_layer_ids) * slots * 4 * (
+def old_state_bytes(cfg):
+    return len(cfg.linear_layer_ids) * 4 * (
         cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) +
         cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
+
+
+def old_pool_reserve(cfg, pages, page_size, b_cap, f32, slots=None):
+    kv = 2 * len(cfg.attention_layer_ids) * pages * page_size * cfg.num_key_value_heads * \
+        cfg.head_dim * (4 if f32 else 2)
+    slots = 2 * b_cap + 2 if slots is None else slots
+    st = slots * old_state_bytes(cfg)
     return kv + st + (64 << 10) * (2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids))
 
 
@@ -98,17 +106,66 @@ def test_program_pools_match_the_old_arithmetic(kw, held):
 @pytest.mark.parametrize("kw", OPTIONS)
 @pytest.mark.parametrize("free", [1 << 30, 24 << 30, 141 << 30])
 @pytest.mark.parametrize("f32", [False, True])
-def test_cuda_pages_and_pool_bytes_match_the_old_arithmetic(shape, kw, free, f32):
+def test_cuda_pages_and_pool_bytes(shape, kw, free, f32):
+    """The KV pages are the old arithmetic's (the pool reserving 2B + 2 State slots); the cache's
+    State slots beyond those: share of the KV pool's bytes or of the memory left after it,
+    whichever is more, in State images, at most MAX_CACHE_SLOTS, as many as that memory holds."""
     cfg, options = _cfg(shape), _options(kw)
-    fixed = 700 << 20
+    fixed, margin = 700 << 20, 512 << 20
     plan = plan_device_pools(cfg, options, fixed_bytes=fixed, free_bytes=free,
-                             kv_itemsize=4 if f32 else 2, margin_bytes=512 << 20,
+                             kv_itemsize=4 if f32 else 2, margin_bytes=margin,
                              region_slack_bytes=64 << 10)
-    assert plan.num_kv_pages == old_cuda_pages(cfg, options, fixed, free, f32)
-    b_cap = max(options.max_concurrency, 1)
-    assert plan.pool_bytes == old_pool_reserve(cfg, plan.num_kv_pages, options.page_size, b_cap,
-                                               f32)
-    assert plan.num_state_slots == 2 * b_cap + 2
+    pages = old_cuda_pages(cfg, options, fixed, free, f32)
+    assert plan.num_kv_pages == pages
+    b = max(options.max_concurrency, 1)
+    share, state = options.prefix_cache_device_share, old_state_bytes(cfg)
+    page = old_pool_reserve(cfg, 1, options.page_size, b, f32) - \
+        old_pool_reserve(cfg, 0, options.page_size, b, f32)
+    base = old_pool_reserve(cfg, pages, options.page_size, b, f32)
+    left = max(0, free - margin - fixed - base)
+    floor = min(max(2, math.ceil(2 * share * b)), b + 2) if share else 0
+    want = max(floor, min(int(share * max(pages * page, left) // state), 256)) if share else 0
+    extra = min(max(0, b + want - (2 * b + 2)), left // state)
+    assert plan.num_state_slots == 2 * b + 2 + extra
+    assert plan.pool_bytes == old_pool_reserve(cfg, pages, options.page_size, b, f32,
+                                               slots=2 * b + 2 + extra)
+    if extra:
+        assert fixed + plan.pool_bytes + margin <= free
+    if extra and plan.num_cache_slots < want:        # memory-bound: one more would not fit
+        assert fixed + plan.pool_bytes + margin + state > free
+
+
+def test_cache_slots_by_bytes_at_the_bench_shape():
+    """The 9B with 8 sequences of 16K tokens (bench_context_cache's shape): 40 checkpoint States
+    by the KV pool's bytes alone, where the fixed rule gave 8 (issue 28: the cache held 9
+    entries with 92% of the KV pages free); a device with memory to spare gives the cache
+    MAX_CACHE_SLOTS; the Program takes what the device plan holds."""
+    cfg = release_config("9b")
+    options = EngineOptions(max_concurrency=8, max_context=16384, page_size=16)
+    page, state = kv_page_bytes(cfg, 16, 2), state_slot_bytes(cfg)
+    pages = 8 * 1024
+    n = num_cache_slots(8, 0.5, cache_bytes=0.5 * pages * page, state_bytes=state)
+    assert n == int(0.5 * pages * page // state) == 40
+    assert num_cache_slots(8, 0.5) == 8                        # the floor, without bytes
+    assert num_cache_slots(8, 0.0, cache_bytes=1 << 40, state_bytes=state) == 0
+    assert num_cache_slots(8, 1.0, cache_bytes=1 << 50, state_bytes=state) == MAX_CACHE_SLOTS
+    assert num_cache_slots(8, 0.5, cache_bytes=1, state_bytes=state) == 8
+    host = plan_pools(options, kv_page_bytes=page, state_bytes=state)
+    assert (host.num_kv_pages, host.num_cache_slots) == (pages, n)
+    dev = plan_device_pools(cfg, options, fixed_bytes=20 << 30, free_bytes=141 << 30,
+                            kv_itemsize=2, margin_bytes=512 << 20)
+    assert dev.num_kv_pages == pages and dev.num_cache_slots == MAX_CACHE_SLOTS
+    assert (20 << 30) + dev.pool_bytes + (512 << 20) <= 141 << 30
+    prog = plan_pools(options, held_kv_pages=dev.num_kv_pages,
+                      held_state_slots=dev.num_state_slots, kv_page_bytes=page, state_bytes=state)
+    assert (prog.num_kv_pages, prog.num_cache_slots) == (pages, MAX_CACHE_SLOTS)
+    off = EngineOptions(max_concurrency=8, max_context=16384, page_size=16, prefix_cache=False)
+    assert plan_pools(off, held_kv_pages=pages, held_state_slots=dev.num_state_slots
+                      ).num_cache_slots == 0
+    # short memory: the pages come first, the cache keeps the floor (2B + 2 slots in all)
+    short = plan_device_pools(cfg, options, fixed_bytes=20 << 30, free_bytes=25 << 30,
+                              kv_itemsize=2, margin_bytes=512 << 20)
+    assert short.num_kv_pages < pages and short.num_state_slots == 2 * 8 + 2
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -18,9 +18,11 @@ Checkpoints are taken at the end of a prompt's reusable part, every `checkpoint_
 before it, and at the end of every finished request (its continuation: prompt + answer, up to
 the last token it ran). Retention is by cost: the recompute a checkpoint saves per byte it holds
 (tokens covered / bytes), times (1 + the hits it had), divided by (1 + its age in cache events
-since its last use), doubled while a session's newest publication names it. Under the device budget the lowest-ranked device
-checkpoints are demoted to the host tier (dropped when the host budget cannot take them); the
-EngineCore reclaims cache pages before it pauses any resident request.
+since its last use), doubled while a session's newest publication names it; a session's previous
+publication goes when its newest extends it and nobody else used it (`_is_subsumed`). Under the
+device budget the lowest-ranked device checkpoints are demoted to the host tier (dropped when the
+host budget cannot take them); the EngineCore reclaims cache pages before it pauses any resident
+request.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class _Entry:
     token_ids: np.ndarray
     key: bytes
     last_used: int
+    media: bytes = b""           # the prompt's media digest (part of the key)
     hits: int = 0
     session_bound: int = 0       # sessions whose newest publication names this entry
 
@@ -69,6 +72,7 @@ class ContextCache:
         self.demotions = 0
         self.promotions = 0
         self.evictions = 0
+        self.subsumed = 0
 
     # ---- settling -------------------------------------------------------------------------------
     def settle_finished(self, seq_id: int, *, keep: bool = False, session: Optional[str] = None,
@@ -108,7 +112,7 @@ class ContextCache:
             cid = self.program.release(seq_id, keep_frontier=True, on_device=False)
         else:
             return None
-        self._add(cid, tokens, key)
+        self._add(cid, tokens, key, media_digest)
         return cid
 
     # ---- sessions -------------------------------------------------------------------------------
@@ -119,17 +123,33 @@ class ContextCache:
         old = self._sessions.get(session)
         if old is not None and old[0] > order:
             return False
-        if old is not None and old[1] in self._entries:
-            self._entries[old[1]].session_bound -= 1
         self._sessions.pop(session, None)            # most recently published last
         self._sessions[session] = (order, checkpoint)
         self._entries[checkpoint].session_bound += 1
+        if old is not None and old[1] in self._entries:
+            self._entries[old[1]].session_bound -= 1
+            if self._is_subsumed(old[1], checkpoint):
+                self._remove(old[1])
+                self.subsumed += 1
         while len(self._sessions) > MAX_SESSIONS:    # forget the least recently published
             name = next(iter(self._sessions))
             _, cid = self._sessions.pop(name)
             if cid in self._entries:
                 self._entries[cid].session_bound -= 1
         return True
+
+    def _is_subsumed(self, older: int, newer: int) -> bool:
+        """A session's previous publication, once its newest is published: kept for nobody
+        else (no other session names it, no hit but the turn that continued it) and covered
+        by the newest (its exact prefix, same media). Only a prompt that leaves the
+        conversation between the two ends (an edited later message) could still use it, so
+        its State slot goes back now rather than being demoted later on a request's path."""
+        if older == newer:
+            return False
+        old, new = self._entries[older], self._entries[newer]
+        p = len(old.token_ids)
+        return (old.session_bound == 0 and old.hits <= 1 and old.media == new.media
+                and p < len(new.token_ids) and np.array_equal(new.token_ids[:p], old.token_ids))
 
     # ---- prefix index ---------------------------------------------------------------------------
     def lookup(self, prompt_ids: np.ndarray, media_digest: bytes = b"",
@@ -248,7 +268,7 @@ class ContextCache:
         else:
             self.program.capture_checkpoint(seq_id, keep=False)
             return
-        self._add(cid, tokens, key)
+        self._add(cid, tokens, key, media_digest)
 
     def reclaim(self, num_pages_short: int, protect=()) -> bool:
         """Free device pages held only by the cache until num_pages_short more pages than now
@@ -351,9 +371,9 @@ class ContextCache:
         self._tick += 1
         self._entries[cid].last_used = self._tick
 
-    def _add(self, cid: int, tokens: np.ndarray, key: bytes) -> None:
+    def _add(self, cid: int, tokens: np.ndarray, key: bytes, media: bytes = b"") -> None:
         self._tick += 1
-        self._entries[cid] = _Entry(np.array(tokens, np.int32), key, self._tick)
+        self._entries[cid] = _Entry(np.array(tokens, np.int32), key, self._tick, bytes(media))
         for d in self._chain(tokens)[1:]:
             self._blocks[d] = self._blocks.get(d, 0) + 1
         self._keys.setdefault(key, []).append(cid)
@@ -404,4 +424,5 @@ class ContextCache:
         return {"prefix_cache_hits": self.hits, "prefix_cache_lookups": self.lookups,
                 "prefix_cache_tokens_reused": self.tokens_reused,
                 "prefix_cache_demotions": self.demotions, "prefix_cache_promotions": self.promotions,
-                "prefix_cache_evictions": self.evictions}
+                "prefix_cache_evictions": self.evictions,
+                "prefix_cache_subsumed": self.subsumed}

@@ -31,8 +31,12 @@ _CACHE_COUNTERS = (
      "prompt tokens the context cache supplied (not prefilled again)"),
 )
 _CACHE_BYTES = (("prefix_cache_device_bytes", "device"), ("prefix_cache_host_bytes", "host"))
+# wall seconds of the copies between the cache's tiers (demotions, host captures; host binds)
+_CACHE_COPIES = (("prefix_cache_copy_seconds_to_host", "to_host"),
+                 ("prefix_cache_copy_seconds_to_device", "to_device"))
 _CACHE_KEYS = frozenset([key for key, _, _ in _CACHE_COUNTERS] + [key for key, _ in _CACHE_BYTES]
-                        + ["prefix_cache_entries"])
+                        + [key for key, _ in _CACHE_COPIES]
+                        + ["prefix_cache_entries", "prefix_cache_slots_total"])
 
 # speculative decoding's Engine.stats() keys (Engine(speculative="mtp")), exported by _spec_metrics
 _SPEC_COUNTERS = (
@@ -93,6 +97,17 @@ def _cache_metrics(stats: dict):
     entries = GaugeMetricFamily("ninfer_prefix_cache_entries", "context-cache checkpoints held")
     entries.add_metric([], float(stats.get("prefix_cache_entries", 0)))
     yield entries
+    slots = GaugeMetricFamily("ninfer_prefix_cache_state_slots",
+                              "device State slots for context-cache checkpoints (the most "
+                              "checkpoints the device tier holds)")
+    slots.add_metric([], float(stats.get("prefix_cache_slots_total", 0)))
+    yield slots
+    copies = CounterMetricFamily("ninfer_prefix_cache_copy_seconds",
+                                 "seconds spent copying checkpoints between the device and the "
+                                 "host tier, by direction", labels=["direction"])
+    for key, direction in _CACHE_COPIES:
+        copies.add_metric([direction], float(stats.get(key, 0.0)))
+    yield copies
 
 
 def _spec_metrics(stats: dict):

@@ -78,6 +78,7 @@ class CudaModel(MediaEncoding):
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     kv_dtype = None         # "fp8" / "int8": quantized KV pages (options.kv_dtype)
     max_kv_pages = None     # the KV pages the memory plan holds (set at load)
+    max_state_slots = None  # and the State slots (sequences' + the context cache's)
     batch_invariant = False  # options.batch_invariant (set at load)
     load_phases: dict = {}   # {"setup", "weights", "kernels"} seconds (set at load; contracts.Model)
     warm_up_phases: dict = {}   # {"graphs": seconds capturing the decode graphs} (warm_up)
@@ -196,6 +197,7 @@ class CudaModel(MediaEncoding):
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN,
             kv_dtype=self.kv_dtype)
         self.max_kv_pages = plan.num_kv_pages
+        self.max_state_slots = plan.num_state_slots
         self._lap("plan")
         self.arena = Arena(plan.total_bytes)
         self._lap("arena")

@@ -77,6 +77,7 @@ class FakeModel(ImmediateTokenSteps):
     warm_up_phases: dict = {}
     checks_batches = True
     max_kv_pages = None
+    max_state_slots = None
     encode_media = None                             # text only (contracts.Model)
 
     def warm_up(self, kv, state) -> None:

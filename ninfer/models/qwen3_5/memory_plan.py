@@ -29,17 +29,32 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-int(num_tokens) // int(page_size))
 
 
-def num_cache_slots(num_seq_slots: int, device_share: float) -> int:
-    """State slots of the context cache's checkpoints: 2 * share of the sequence slots, at least
-    2 and at most num_seq_slots + 2 (max_state_slots relies on that bound); 0 when it is off."""
+# the most State slots the context cache takes, whatever memory it is given: past a few hundred
+# checkpoints the cache's linear scans (retention ranks, victims) would cost more than they save
+MAX_CACHE_SLOTS = 256
+
+
+def num_cache_slots(num_seq_slots: int, device_share: float, *, cache_bytes: float = 0,
+                    state_bytes: int = 0) -> int:
+    """State slots of the context cache's checkpoints; 0 when it is off. As many State images
+    (state_bytes each) as cache_bytes holds, up to MAX_CACHE_SLOTS: a host Program gives its
+    States device_share of the KV pool's bytes, a device plan also device_share of the memory
+    nothing else uses (plan_device_pools). A fixed count gave a 9B with 8 sequences 10
+    checkpoints, each overflow a synchronous demotion to the host on a request's path. Never
+    fewer than the floor: 2 * share of the sequence slots, at least 2, at most
+    num_seq_slots + 2."""
     if device_share <= 0:
         return 0
-    return min(max(2, math.ceil(2 * device_share * num_seq_slots)), num_seq_slots + 2)
+    floor = min(max(2, math.ceil(2 * device_share * num_seq_slots)), num_seq_slots + 2)
+    if state_bytes <= 0:
+        return floor
+    return max(floor, min(int(cache_bytes // state_bytes), MAX_CACHE_SLOTS))
 
 
 def max_state_slots(num_seq_slots: int) -> int:
-    """The most State slots a Program makes for num_seq_slots sequences (num_cache_slots' bound):
-    what a backend reserves before it knows the cache share."""
+    """The State slots a device plan always reserves for num_seq_slots sequences (the floor of
+    num_cache_slots at any share, so a Program of other options on the same model still has
+    room); the plan adds the cache's larger count when memory holds it."""
     return 2 * num_seq_slots + 2
 
 
@@ -106,10 +121,15 @@ class MemoryPlan:
         return self.weights_bytes + self.workspace_bytes + self.pool_bytes
 
 
-def plan_pools(options, *, held_kv_pages: Optional[int] = None) -> MemoryPlan:
+def plan_pools(options, *, held_kv_pages: Optional[int] = None,
+               held_state_slots: Optional[int] = None, kv_page_bytes: int = 0,
+               state_bytes: int = 0) -> MemoryPlan:
     """The Program's pools: options.num_kv_pages when given; else every sequence slot at
     max_context, or the held_kv_pages a backend's memory holds (Model.max_kv_pages) if fewer.
-    Raises RequestError when one max_context sequence would not fit."""
+    The cache's State slots: those the backend's memory plan holds beyond the sequences'
+    (held_state_slots, Model.max_state_slots), else num_cache_slots over share of the KV pool's
+    bytes (kv_page_bytes a page, state_bytes a State image). Raises RequestError when one max_context sequence
+    would not fit."""
     page_size, num_seq_slots = int(options.page_size), int(options.max_concurrency)
     per_seq = pages_for(options.max_context, page_size)
     num_pages = options.num_kv_pages or min(num_seq_slots * per_seq, held_kv_pages or math.inf)
@@ -117,10 +137,14 @@ def plan_pools(options, *, held_kv_pages: Optional[int] = None) -> MemoryPlan:
         raise RequestError(
             f"Engine option num_kv_pages={num_pages}: one max_context={int(options.max_context)} "
             f"sequence needs {per_seq} pages of {page_size} tokens")
+    share = options.prefix_cache_device_share
+    if held_state_slots is not None:        # the backend's plan sized them, from these options
+        cache = max(0, int(held_state_slots) - num_seq_slots) if share > 0 else 0
+    else:
+        cache = num_cache_slots(num_seq_slots, share, state_bytes=state_bytes,
+                                cache_bytes=share * int(num_pages) * kv_page_bytes)
     return MemoryPlan(page_size=page_size, max_pages_per_seq=per_seq, num_kv_pages=int(num_pages),
-                      num_seq_slots=num_seq_slots,
-                      num_cache_slots=num_cache_slots(num_seq_slots,
-                                                      options.prefix_cache_device_share))
+                      num_seq_slots=num_seq_slots, num_cache_slots=cache)
 
 
 def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_itemsize: int,
@@ -130,27 +154,39 @@ def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_it
     max_context (more could never be used), or fewer when the memory left after fixed_bytes, the
     State pool (max_state_slots) and margin_bytes holds fewer, down to one sequence. Fewer than one
     sequence: every slot's pages are kept, and the caller's memory check says what is short.
-    pool_bytes covers max_state_slots State images (whatever share the Program gives the cache).
+    Then the context cache's State slots beyond max_state_slots: num_cache_slots over share of
+    these pages' bytes or of the memory left after them, whichever is more, as far as that
+    memory holds them (the pages come first).
     kv_dtype "fp8" / "int8": quantized pages, about (head_dim + 4) / (2 head_dim) of bf16's."""
     page_size = int(options.page_size)
     num_seq_slots = max(int(options.max_concurrency), 1)
     slots = max_state_slots(num_seq_slots)
     per_seq = pages_for(options.max_context, page_size)
 
-    def reserve(pages):
-        return pool_bytes(text, pages, page_size, slots, kv_itemsize, region_slack_bytes,
+    def reserve(pages, num_slots=slots):
+        return pool_bytes(text, pages, page_size, num_slots, kv_itemsize, region_slack_bytes,
                           kv_dtype)
+    page_bytes = reserve(1) - reserve(0)
     if options.num_kv_pages:
         num_pages = int(options.num_kv_pages)
     else:
         want = num_seq_slots * per_seq
-        page_bytes = reserve(1) - reserve(0)
         left = free_bytes - margin_bytes - fixed_bytes - reserve(0)
         fit = want if page_bytes == 0 else max(int(left // page_bytes), 0)
         num_pages = min(want, fit) if fit >= per_seq else want
+    # the cache's States: share of the KV pool's bytes, or share of the memory left unused
+    # after the pages (a big device), whichever is more, as far as that memory holds them
+    state_bytes = state_slot_bytes(text)
+    share = options.prefix_cache_device_share
+    left = max(0, free_bytes - margin_bytes - fixed_bytes - reserve(num_pages))
+    cache = num_cache_slots(num_seq_slots, share, state_bytes=state_bytes,
+                            cache_bytes=share * max(num_pages * page_bytes, left))
+    extra = max(0, num_seq_slots + cache - slots)
+    if extra and state_bytes:
+        slots += min(extra, left // state_bytes)
     return MemoryPlan(page_size=page_size, max_pages_per_seq=per_seq, num_kv_pages=num_pages,
                       num_seq_slots=num_seq_slots, num_cache_slots=slots - num_seq_slots,
-                      pool_bytes=reserve(num_pages), free_bytes=free_bytes)
+                      pool_bytes=reserve(num_pages, slots), free_bytes=free_bytes)
 
 
 def default_max_context(text, *, max_concurrency: int, kv_itemsize: float, weights_bytes: int,

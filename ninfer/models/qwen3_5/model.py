@@ -30,6 +30,7 @@ class NumpyModel(MediaEncoding):
     greedy_on_device = samples_on_device = False
     checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
     max_kv_pages = None         # host memory: the Program's default pool size
+    max_state_slots = None
     kv_dtype = None             # "fp8" / "int8": quantized KV pages (load_model sets it)
     load_phases: dict = {}      # from_artifact: {"weights": seconds} (never mutated: replaced)
     warm_up_phases: dict = {}   # nothing to capture on numpy

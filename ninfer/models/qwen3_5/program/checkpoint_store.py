@@ -22,6 +22,7 @@ Capture, install and promote need a sequence's pages and slot, so they go throug
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -65,6 +66,9 @@ class CheckpointStore:
         # (distinct device pages, host bytes) of the entries, or None after a change: the
         # Engine reads them every cycle (stats) and they change only at capture / drop / tiers
         self._usage: Optional[tuple] = None
+        # wall seconds of the copies between tiers (host reads and writes: synchronous, on the
+        # path of the request that caused them), for stats and /metrics
+        self.copy_seconds = {"to_host": 0.0, "to_device": 0.0}
 
     # ---- the runtime's narrow API ---------------------------------------------------------------
     def info(self, cid: int) -> CheckpointInfo:
@@ -161,9 +165,11 @@ class CheckpointStore:
         if self.host_bytes_used + cost > self.host_budget_bytes:
             raise ProgramError(f"capture: {cost} host bytes do not fit the cache's host budget")
         rows = table_row[:pages_for(p, self.page_size)]
+        t0 = time.perf_counter()
+        host_kv, host_state = self.kv.read_pages(rows), self.state.read(seq_slot)
+        self.copy_seconds["to_host"] += time.perf_counter() - t0
         self.entries[cid] = Checkpoint(np.array(token_ids, np.int32), np.zeros(0, np.int32),
-                                       host_kv=self.kv.read_pages(rows),
-                                       host_state=self.state.read(seq_slot), host_bytes=cost)
+                                       host_kv=host_kv, host_state=host_state, host_bytes=cost)
         self._usage = None
 
     # ---- install into a fresh sequence ----------------------------------------------------------
@@ -189,8 +195,10 @@ class CheckpointStore:
         else:
             if not self.pages.grow(slot, p):
                 raise ProgramError("bind: pages vanished between check and act")
+            t0 = time.perf_counter()
             self.kv.write_pages(self.pages.pages_of(slot), c.host_kv)
             self.state.write(slot, c.host_state)
+            self.copy_seconds["to_device"] += time.perf_counter() - t0
 
     # ---- tiers ----------------------------------------------------------------------------------
     def demote(self, cid: int) -> None:
@@ -200,8 +208,10 @@ class CheckpointStore:
         if not c.on_device or self.host_bytes_used + cost > self.host_budget_bytes:
             raise ProgramError(f"demote: checkpoint {cid} is not on the device or does not fit")
         pages = c.device_pages()
+        t0 = time.perf_counter()
         c.host_kv, c.host_state, c.host_bytes = self.kv.read_pages(pages), \
             self.state.read(c.slot), cost
+        self.copy_seconds["to_host"] += time.perf_counter() - t0
         self._free_device(c)
 
     def promote(self, cid: int, table_row: np.ndarray, seq_slot: int) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 from ....contracts import (Capacity, CaptureRoom, ForwardBatch, PendingBatch, ProgramError,
                            ResumeState, ReadyStep, RowPlan, RowResult, RowView, SamplingSpec,
                            UnitPlan)
-from ..memory_plan import plan_pools
+from ..memory_plan import plan_pools, state_slot_bytes
 from . import packing
 from .checkpoint_store import CheckpointStore
 from .inflight import InFlightUnit
@@ -62,22 +62,26 @@ class Program:
         # the one validation of a batch is here, where it is built: the backend trusts it
         # unless the debug option asks it to check again
         model.checks_batches = bool(options.debug_checks)
-        # context cache: State checkpoints live in cache slots after the sequences', its pages
-        # within a share of the pool (docs/architecture.md "Context cache")
-        share = options.prefix_cache_device_share
-        num_cache_slots = plan.num_cache_slots
         self.kv = model.new_kv_pool(num_pages, self.page_size)
         # speculative decoding: the drafter's KV joins the pool as one more layer (so every page
         # copy carries it) before anything sizes a page; speculative.py runs the units
         self.speculator = None if drafter is None else \
             MtpSpeculator(drafter, options.num_draft_tokens, self.kv)
         self.is_speculative = self.speculator is not None
+        page_bytes = host_bytes(self.kv.read_pages([0]))
+        # context cache: State checkpoints live in cache slots after the sequences' (as many
+        # as the pool's bytes give it, within what the backend's memory holds), its pages within
+        # a share of the pool (docs/architecture.md "Context cache")
+        share = options.prefix_cache_device_share
+        num_cache_slots = plan_pools(
+            options, held_kv_pages=model.max_kv_pages, held_state_slots=model.max_state_slots,
+            kv_page_bytes=page_bytes, state_bytes=state_slot_bytes(model.config.text)
+        ).num_cache_slots
         self.state = model.new_state_pool(self.num_slots + num_cache_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
         self.slots = SlotPool(self.num_slots)
         self.checkpoint_interval = int(options.checkpoint_interval)
         self.token_buf = np.zeros((self.num_slots, self.max_context), np.int32)
-        page_bytes = host_bytes(self.kv.read_pages([0]))
         state_bytes = host_bytes(self.state.read(0))
         self.snapshots = SnapshotLedger(options.host_snapshot_bytes, page_bytes, state_bytes,
                                         self.page_size)
@@ -566,6 +570,9 @@ class Program:
                 "prefix_cache_host_bytes": self.checkpoints.host_bytes_used,
                 "prefix_cache_device_bytes": self.checkpoints.device_bytes_used,
                 "prefix_cache_kv_pages": self.checkpoints.device_pages_used,   # of kv_pages_used
+                "prefix_cache_slots_total": self.checkpoints.slots.num_slots,
+                "prefix_cache_copy_seconds_to_host": self.checkpoints.copy_seconds["to_host"],
+                "prefix_cache_copy_seconds_to_device": self.checkpoints.copy_seconds["to_device"],
                 **(self.speculator.stats() if self.speculator is not None else {})}
 
     def check_invariants(self) -> None:
