@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
-#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [full]   (default: all
-#                                                                   but fp8, moe and full)
+#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [full]
+#                                           (default: all but fp8, moe, cache and full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -61,6 +61,17 @@ for part in $parts; do
                     $flag --profile-kernels >"$OUT/engine_35b10_fp8${flag:+_dequant}.log" 2>&1
             done
             summary+=("moe: $(tail -1 "$OUT/moe_tests.log") (see engine_35b10_fp8*.log)") ;;
+        cache)
+            # the context cache: its GPU tests, then bench_context_cache (chat: 8 turns of 1,024
+            # user + 256 answer tokens, with the cache's per-turn work; agent: 8 sessions on an
+            # 8K system prompt) for each of $CACHE_SHAPES (default 9b; "9b 27b" for both)
+            timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu -k "cache" \
+                >"$OUT/cache_tests.log" 2>&1
+            for shape in ${CACHE_SHAPES:-9b}; do
+                timeout 500 python3 bench/bench_context_cache.py --backend cuda --shape $shape \
+                    --turns 8 --out "$OUT/cache_$shape.json" >"$OUT/cache_$shape.log" 2>&1
+            done
+            summary+=("cache: $(tail -1 "$OUT/cache_tests.log") (see cache_*.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
