@@ -339,6 +339,7 @@ class ProgramProtocol(Protocol):
     vocab_size: int
     accepts_media: bool             # bind takes image / video prompts (a vision tower runs)
     is_speculative: bool            # decode rows verify drafts (RowResult.is_speculative)
+    merges_units: bool              # a cycle's decode rows and prefill chunk may be one unit
     host_budget_bytes: int          # Snapshot pauses' host budget
     host_bytes_free: int
     checkpoints: CheckpointStoreProtocol
@@ -428,6 +429,9 @@ class Model(Protocol):
     backend: str
     greedy_on_device: bool
     samples_on_device: bool
+    # one call may hold decode rows and a prefill chunk together (rows of 1 and of many
+    # tokens): the Program then runs a cycle's decode rows and its chunk as one unit
+    mixed_batches: bool
     checks_batches: bool
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
     max_state_slots: Optional[int]  # State slots its memory plan holds (None: no limit)

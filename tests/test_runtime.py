@@ -58,6 +58,33 @@ def test_eight_prompts_together_equal_one_at_a_time(sampling):
     finish_clean(core)
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "two_units"])
+def test_decode_rows_ride_on_a_prefill_chunk(merge):
+    """A short prompt decodes while a long one prefills in chunks: with the model's
+    mixed_batches the cycle's decode row and the chunk are one forward (rows of 1 and of 8
+    tokens in one batch), without it two; the tokens are the uninterrupted runs' either way."""
+    short, long = prompt(90, 3), prompt(91, 40)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [reference_tokens(short, params), reference_tokens(long, params)]
+    core, model = make_core(max_concurrency=2, prefill_chunk=8)
+    core.program.merges_units = merge
+    rows, gate = [], Gate()
+
+    def record(batch):
+        gate(batch)
+        rows.append(tuple(np.diff(batch.query_start)))
+    model.on_forward = record
+    handles = [core.submit(short, params), core.submit(long, params)]
+    gate.opened.set()
+    assert [drain(h)[1].token_ids for h in handles] == want
+    mixed = [r for r in rows if 1 in r and max(r) > 1]
+    if merge:
+        assert len(mixed) >= 4                # the long prompt's chunks, each with a decode row
+    else:
+        assert not mixed and len(rows) > len(mixed) + 4
+    finish_clean(core)
+
+
 @pytest.mark.parametrize("budget", ["replay", "snapshot", "mixed"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_kv_pressure_pauses_and_resumes_without_changing_tokens(budget, sampling):

@@ -5,6 +5,7 @@ One worker thread is the only mutator of requests, Scheduler and Program. Other 
 
     take inbox -> settle cancels/deadlines -> resume oldest paused -> admit fresh
       -> plan + reserve (pausing the youngest under pressure) -> run decode batch -> run one chunk
+         (one unit, one forward, where the Program merges them: Program.merges_units)
 
 Per unit: execute -> Frontend preview per row -> Program commit -> budget -> OutputSession commit
 -> publish events. Any exception out of the Program (or a broken internal invariant) fails the
@@ -192,7 +193,10 @@ class EngineCore:
         self._resume_oldest_paused()
         self._admit_fresh()
         cycle = self._plan_and_reserve()
-        ran = self._run_unit(cycle.decode, cycle) + self._run_unit(cycle.chunk, cycle)
+        if self.program.merges_units:           # one forward: decode rows ride on the chunk
+            ran = self._run_unit(cycle.decode + cycle.chunk, cycle)
+        else:
+            ran = self._run_unit(cycle.decode, cycle) + self._run_unit(cycle.chunk, cycle)
         self._was_idle = ran == 0
         self._audit_when_empty()
         self._publish_stats()

@@ -78,3 +78,25 @@ def test_engine_cuda_prefix_checkpoint_hit_equals_cold(artifact_path, device_fra
     assert warm == cold
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_tokens_reused"] == 21
     assert (stats["prefix_cache_device_bytes"] > 0) == (device_fraction > 0)
+
+
+def test_mixed_batches_give_the_same_tokens(artifact_path, monkeypatch):
+    """Decode rows beside a prefill chunk in one eager call (CudaModel.mixed_batches on: the
+    Program merges a cycle's decode rows and chunk into one unit) give the tokens of a decode
+    graph and the chunk run apart, and the numpy Engine's (float32: the same arithmetic)."""
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    rng = np.random.default_rng(9)
+    short = rng.integers(3, 256, 5).astype(np.int32)
+    long = rng.integers(3, 256, 150).astype(np.int32)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+
+    def run(backend, mixed):
+        monkeypatch.setattr(CudaModel, "mixed_batches", mixed)
+        with Engine(artifact_path, backend=backend, dtype="float32", max_concurrency=2,
+                    max_context=256, prefill_chunk=32) as engine:
+            assert engine._core.program.merges_units == (mixed or backend == "numpy")
+            handles = [engine.submit(short, params), engine.submit(long, params)]
+            return [h.result().token_ids for h in handles]
+    merged = run("cuda", True)
+    assert merged == run("cuda", False)
+    assert merged == run("numpy", True)

@@ -73,6 +73,7 @@ class FakeModel(ImmediateTokenSteps):
 
     backend = "fake"
     greedy_on_device = samples_on_device = False    # subclasses add decode_greedy / sample
+    mixed_batches = True
     load_phases: dict = {}
     warm_up_phases: dict = {}
     checks_batches = True

@@ -28,6 +28,7 @@ class NumpyModel(MediaEncoding):
     vision.MediaEncoding (the tower's output replaces the placeholders' embeddings)."""
     backend = "numpy"
     greedy_on_device = samples_on_device = False
+    mixed_batches = True        # forward takes any rows (contracts.Model)
     checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
     max_kv_pages = None         # host memory: the Program's default pool size
     max_state_slots = None

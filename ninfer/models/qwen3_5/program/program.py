@@ -68,6 +68,12 @@ class Program:
         self.speculator = None if drafter is None else \
             MtpSpeculator(drafter, options.num_draft_tokens, self.kv)
         self.is_speculative = self.speculator is not None
+        # decode rows and a prefill chunk as one unit (one forward: the chunk's weight reads
+        # serve the decode rows too), where the backend takes such batches; not with drafts
+        # (verify rows are their own unit) nor batch_invariant (a decode row's GEMM shape
+        # would depend on whether a chunk runs beside it)
+        self.merges_units = bool(model.mixed_batches) and not self.is_speculative \
+            and not options.batch_invariant
         page_bytes = host_bytes(self.kv.read_pages([0]))
         # context cache: State checkpoints live in cache slots after the sequences' (as many
         # as the pool's bytes give it, within what the backend's memory holds), its pages within
