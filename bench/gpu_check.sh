@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
-#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [full]
-#                                           (default: all but fp8, moe, cache and full)
+#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [mixed] [full]
+#                                           (default: all but fp8, moe, cache, mixed and full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -72,6 +72,14 @@ for part in $parts; do
                     --turns 8 --out "$OUT/cache_$shape.json" >"$OUT/cache_$shape.log" 2>&1
             done
             summary+=("cache: $(tail -1 "$OUT/cache_tests.log") (see cache_*.log)") ;;
+        mixed)
+            # decode rows beside a prefill chunk: one forward (CudaModel.mixed_batches) against
+            # two, 7 decoders + a 4096-token prompt at 9B; then the GPU test of the mix
+            timeout 400 python3 bench/bench_mixed.py --shape 9b --out "$OUT/mixed.json" \
+                >"$OUT/mixed.log" 2>&1
+            timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+                -k mixed >"$OUT/mixed_tests.log" 2>&1
+            summary+=("mixed: $(tail -1 "$OUT/mixed_tests.log"); $(grep -c forward "$OUT/mixed.log") rows (see mixed.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
