@@ -103,11 +103,14 @@ class RowResult:
 @dataclass(frozen=True, slots=True)
 class RowDecision:
     """The Engine's verdict on one row. A cancelled row accepts 0; otherwise
-    1 <= accepted <= produced when the row produced, and a nonterminal row accepts all."""
+    1 <= accepted <= produced when the row produced, and a nonterminal row accepts all.
+    is_discarded: the row's request ended on the unit before, which this one was launched
+    ahead of (Program.launch_ahead): it accepts 0 and is terminal; what it ran stays run."""
 
     accepted: int
     is_terminal: bool = False
     is_cancelled: bool = False
+    is_discarded: bool = False
 
 
 class PendingBatch:
@@ -288,8 +291,11 @@ class StatePoolProtocol(Protocol):
 class OutputSessionProtocol(Protocol):
     """One request's output (stop, channels, detokenization, tools, grammar): preview, then commit.
     Per cycle the EngineCore asks `forced_tokens` of a decode-ready row once, `needs_mask` /
-    `token_mask` of a sampling row once, `preview` once per produced row, then `commit`."""
+    `token_mask` of a sampling row once, `preview` once per produced row, then `commit`.
+    `may_force_tokens`: a control unit may come later (a thinking budget), so no decode step
+    may be launched before the one in flight is previewed."""
     needs_mask: bool
+    may_force_tokens: bool
 
     def forced_tokens(self) -> tuple: ...
 
@@ -432,6 +438,10 @@ class Model(Protocol):
     # one call may hold decode rows and a prefill chunk together (rows of 1 and of many
     # tokens): the Program then runs a cycle's decode rows and its chunk as one unit
     mixed_batches: bool
+    # launch_tokens(batch, ..., after=step) takes a greedy decode batch's token ids from a step
+    # still in flight, on the device: the Program may launch decode step k+1 before step k is
+    # collected (Program.launch_ahead), so the host's work on step k overlaps step k+1
+    chains_token_steps: bool
     checks_batches: bool
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
     max_state_slots: Optional[int]  # State slots its memory plan holds (None: no limit)
@@ -469,7 +479,11 @@ class ImmediateTokenSteps:
     """`launch_tokens` for a backend whose `decode_greedy` / `sample` compute synchronously (the
     test fakes): the step is done at launch. The CUDA model launches for real (cuda/token_step.py)."""
 
-    def launch_tokens(self, batch, kv, state, rows=None) -> ReadyStep:
+    def launch_tokens(self, batch, kv, state, rows=None, *, after=None) -> ReadyStep:
+        """after: a step whose ids are this batch's token ids (row r's token = its id r; the
+        pipelined decode, `chains_token_steps`): done at launch here, so they are known."""
+        if after is not None:
+            batch.token_ids[:] = after.collect()
         return ReadyStep(self.decode_greedy(batch, kv, state) if rows is None
                          else self.sample(batch, kv, state, rows))
 

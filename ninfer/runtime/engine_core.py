@@ -34,6 +34,7 @@ from .context_cache import ContextCache
 from .scheduler import ResidentView, Scheduler
 
 log = logging.getLogger("ninfer.engine")
+_DISCARDED = RowDecision(0, is_terminal=True, is_discarded=True)
 _IDLE_WAIT_S = 0.01            # after a cycle that ran nothing, before trying again
 _RATE_WINDOW_S = 10.0
 
@@ -74,6 +75,11 @@ class EngineCore:
         self._paused: list = []
         self._cycle_no = 0
         self._was_idle = False
+        # the pipelined decode: (requests, InFlightUnit) of a decode step launched ahead of the
+        # one this cycle completes, and the requests that ended on that one (they finish, and
+        # their Program resources go back, once the step ahead is collected)
+        self._ahead: Optional[tuple] = None
+        self._ended: dict = {}               # request -> (reason, error)
         self._counters = dict(tokens_generated=0, requests_finished=0, pauses=0,
                               snapshot_pauses=0, snapshot_revocations=0, replay_resumes=0,
                               snapshot_resumes=0)
@@ -182,12 +188,22 @@ class EngineCore:
         try:
             while self._wait_for_work():
                 self._cycle()
+            self._drain_ahead()
             self._finish_all("cancelled", "the engine was shut down")
         except BaseException as exc:  # noqa: BLE001 - any escape is an Engine failure
             self._fail(exc)
 
     def _cycle(self) -> None:
         self._cycle_no += 1
+        if self._ahead is not None:
+            reqs, inflight = self._ahead
+            if self._may_run_ahead(reqs, ()) and self.program.can_run_ahead(inflight):
+                self._ahead = None          # steady decode: step k+1 goes, then k completes
+                self._launch_ahead_and_complete(reqs, inflight)
+                self._was_idle = False
+                self._publish_stats()
+                return
+            self._drain_ahead()
         self._take_inbox()
         self._settle_cancellations()
         self._resume_oldest_paused()
@@ -412,10 +428,9 @@ class EngineCore:
 
     # ---- worker: one unit -----------------------------------------------------------------------
     def _run_unit(self, reqs: list, cycle: _Cycle) -> int:
-        """launch -> collect -> Frontend preview per row -> Program commit -> captures ->
-        budget, OutputSession commit, publish per row. Every host step after launch needs the
-        step's tokens, so collect follows launch at once; overlapping them needs the pipelined
-        decode (docs/architecture.md "A decode step's path")."""
+        """launch -> (the next decode step launched ahead, where it may be) -> collect ->
+        Frontend preview per row -> Program commit -> captures -> budget, OutputSession commit,
+        publish per row (docs/architecture.md "A decode step's path")."""
         if not reqs:
             return 0
         forced = cycle.forced
@@ -426,22 +441,72 @@ class EngineCore:
         draft_masks = _draft_masks(reqs) if self.program.is_speculative else None
         inflight = self.program.launch(UnitPlan(rows, keep_rollback=False,
                                                 draft_masks=draft_masks))
+        if self._may_run_ahead(reqs, cycle.chunk or cycle.forced) \
+                and self.program.can_run_ahead(inflight):
+            self._launch_ahead_and_complete(reqs, inflight)
+        else:
+            self._complete_unit(reqs, inflight)
+        return 1
+
+    # ---- worker: the pipelined decode -----------------------------------------------------------
+    def _may_run_ahead(self, reqs: list, others) -> bool:
+        """Whether the decode step after reqs' current one may start before that one is
+        collected (the Program then asks its own questions: can_run_ahead): nothing else to
+        do this cycle or the next (no chunk or control unit, nobody waiting, paused, arriving
+        or ending), every resident in the unit, no cancel or deadline due, and no session
+        that may ask for a mask or a control unit on the next token."""
+        if others or self._waiting or self._paused or self._ended \
+                or len(reqs) != len(self._residents) or set(reqs) != set(self._residents):
+            return False
+        with self._lock:
+            if self._inbox or self._is_stopping:
+                return False
+        now = time.monotonic()
+        return not any(r.is_cancel_requested or r.deadline_passed(now) or r.session.needs_mask
+                       or r.session.may_force_tokens for r in reqs)
+
+    def _launch_ahead_and_complete(self, reqs: list, inflight) -> None:
+        """Launch reqs' next decode step (the device feeds it this step's tokens), then collect,
+        commit and publish this one while it runs: the host's work overlaps the GPU's."""
+        ahead = self.program.launch_ahead(inflight)
+        self._ahead = (reqs, ahead)
+        self._complete_unit(reqs, inflight)
+
+    def _drain_ahead(self) -> None:
+        """Complete the step launched ahead (its rows whose requests ended accept nothing),
+        then finish those requests: the Program holds no unit in flight after this."""
+        if self._ahead is None:
+            return
+        reqs, inflight = self._ahead
+        self._ahead = None
+        self._complete_unit(reqs, inflight)
+        ended, self._ended = self._ended, {}
+        for req, (reason, error) in ended.items():
+            if req.state != RequestState.FINISHED:
+                self._finish(req, reason, error)
+
+    def _complete_unit(self, reqs: list, inflight) -> None:
+        """collect -> Frontend preview per row -> Program commit -> captures -> budget,
+        OutputSession commit, publish per row. A request that ended on the step before (it
+        ran ahead) accepts nothing of this one."""
         pending = self.program.collect(inflight)
         now = time.monotonic()
-        verdicts = [decide(req, row, now, self.options.max_context)
+        verdicts = [(_DISCARDED, None, None) if req in self._ended
+                    else decide(req, row, now, self.options.max_context)
                     for req, row in zip(reqs, pending.rows)]
         self.program.commit(pending, [d for d, _, _ in verdicts])
         self.context_cache.capture_if_due([(req.seq_id, req.media_digest) for req, (decision, _, _)
-                                           in zip(reqs, verdicts) if not decision.is_cancelled])
+                                           in zip(reqs, verdicts)
+                                           if not (decision.is_cancelled or decision.is_discarded)])
         for req, row, (decision, preview, error) in zip(reqs, pending.rows, verdicts):
-            self._settle_row(req, row, decision, preview, error)
-        return 1
+            if not decision.is_discarded:
+                self._settle_row(req, row, decision, preview, error)
 
     def _settle_row(self, req: Request, row, decision: RowDecision, preview, error) -> None:
         """After the Program commit: budget, OutputSession commit, events, terminal state."""
         if decision.is_cancelled:
-            self._finish(req, "error" if error else "cancelled",
-                         error or (None if req.is_cancel_requested else "deadline exceeded (timeout_s)"))
+            self._end(req, "error" if error else "cancelled",
+                      error or (None if req.is_cancel_requested else "deadline exceeded (timeout_s)"))
             return
         if not row.produced:
             req.state = RequestState.REPLAY if row.is_replay else RequestState.PREFILL
@@ -453,9 +518,17 @@ class EngineCore:
         reason = preview.finish_reason
         self._publish_events(req, events)
         if decision.is_terminal:
-            self._finish(req, reason or "length")
+            self._end(req, reason or "length")
         else:
             req.state = RequestState.DECODE
+
+    def _end(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+        """A row's request ended: it finishes now, or, when its next step is already in flight
+        (run ahead), once that step is collected (_drain_ahead)."""
+        if self._ahead is not None and req in self._ahead[0]:
+            self._ended[req] = (reason, error)
+        else:
+            self._finish(req, reason, error)
 
     def _flush_output(self, req: Request, reason: str) -> None:
         """Publish text the session still holds back (a no-op once it finished itself)."""

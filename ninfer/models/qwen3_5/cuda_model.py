@@ -78,6 +78,10 @@ class CudaModel(MediaEncoding):
     # the mix has not been measured against a decode graph + the chunk on a GPU yet
     # (tests/gpu/test_engine_gpu.py::test_mixed_batches_give_the_same_tokens)
     mixed_batches = False
+    # launch_tokens(after=step): not built yet (a device-to-device copy of the step's ids into
+    # the decode graph's token field, two pinned id buffers, events and metadata stagings in
+    # turn); the Program then never launches ahead on this backend
+    chains_token_steps = False
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     kv_dtype = None         # "fp8" / "int8": quantized KV pages (options.kv_dtype)

@@ -74,6 +74,7 @@ class FakeModel(ImmediateTokenSteps):
     backend = "fake"
     greedy_on_device = samples_on_device = False    # subclasses add decode_greedy / sample
     mixed_batches = True
+    chains_token_steps = False      # (ChainingModel: True)
     load_phases: dict = {}
     warm_up_phases: dict = {}
     checks_batches = True
@@ -161,6 +162,17 @@ class NullModel(FakeModel):
         return np.full(batch.num_rows, self.token_id, np.int32)
 
 
+class ChainingModel(FakeModel):
+    """FakeModel's logits, argmaxed on its "device" (decode_greedy), with chained token steps
+    (contracts.Model.chains_token_steps): the Program launches decode step k+1 before step k is
+    collected, the pipelined decode's path on a backend without a GPU."""
+    greedy_on_device = True
+    chains_token_steps = True
+
+    def decode_greedy(self, batch, kv, state):
+        return self.forward(batch, kv, state).argmax(-1).astype(np.int32)
+
+
 @dataclass(frozen=True, slots=True)
 class FakePrepared:
     token_ids: np.ndarray
@@ -216,6 +228,7 @@ class FakeOutputSession:
         return FakePreview(0, (), self.finish_reason or reason)
 
     needs_mask = False              # no grammar, min_tokens or thinking budget here
+    may_force_tokens = False
 
     def forced_tokens(self) -> tuple:
         return ()

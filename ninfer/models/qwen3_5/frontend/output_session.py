@@ -245,6 +245,11 @@ class OutputSession:
         return self._matcher is not None
 
     @property
+    def may_force_tokens(self) -> bool:
+        """A control unit may come later: the thinking budget can be spent."""
+        return self._thinking_budget is not None
+
+    @property
     def needs_mask(self) -> bool:
         """Whether `token_mask()` may return a mask for the next token (a grammar, or a minimum
         output length not reached yet)."""

@@ -14,10 +14,13 @@ from .sampling import sample_row as sample_logits
 from .sequences import Sequence, Unit
 
 
-def pack_rows(token_buf, block_tables, page_size: int, seqs, units) -> ForwardBatch:
+def pack_rows(token_buf, block_tables, page_size: int, seqs, units, ahead: int = 0) -> ForwardBatch:
+    """The rows' next units as one batch; ahead=1: the decode step after the one in flight
+    (positions one further; its token ids are placeholders the backend replaces on its device
+    with the step in flight's, Program.launch_ahead)."""
     max_pages_per_seq = block_tables.shape[1]
     slots = np.array([s.slot for s in seqs], np.int32)
-    starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
+    starts = np.array([s.num_computed_tokens + ahead for s in seqs], np.int32)
     counts = np.array([u.num_new_tokens for u in units], np.int32)
     n = int(counts.sum())
     tokens, positions = np.empty(n, np.int32), np.empty((3, n), np.int32)

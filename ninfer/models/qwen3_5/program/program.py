@@ -100,6 +100,7 @@ class Program:
         self._seqs: dict = {}
         self._pending: Optional[PendingBatch] = None
         self._inflight: Optional[InFlightUnit] = None     # launched, not yet collected
+        self._ahead: Optional[InFlightUnit] = None        # launched ahead of _inflight
         self._next_id = 0
         self._uid = next(_PROGRAM_IDS)
         self.rules = UnitRules(self.prefill_chunk, self.max_context,
@@ -458,11 +459,56 @@ class Program:
             step = ReadyStep(self.model.forward(batch, self.kv, self.state))
         return InFlightUnit(seqs, units, masks, backups, path, step)
 
+    # ---- a decode step launched before the one in flight is collected (the pipelined decode) ---
+    def can_run_ahead(self, inflight: InFlightUnit) -> bool:
+        """Whether `launch_ahead(inflight)` may start its rows' next decode step now: the
+        backend chains token steps on its device (`Model.chains_token_steps`), the unit is the
+        one in flight with nothing ahead of it, and every row is a plain greedy decode row
+        (device argmax: no mask, penalty or logprobs, no forced tokens, no checkpoint position
+        due) with room for one more token in max_context and its pages."""
+        if not self.model.chains_token_steps or inflight is not self._inflight \
+                or self._ahead is not None or self._pending is not None \
+                or inflight.path != "greedy" or self.speculator is not None:
+            return False
+        need = 0
+        for seq, unit, mask in zip(inflight.seqs, inflight.units, inflight.masks):
+            if unit.forced or unit.is_replay or not unit.is_sampling or mask is not None \
+                    or unit.num_new_tokens != 1 or seq.num_computed_tokens != seq.num_tokens - 1 \
+                    or not seq.spec.is_plain_greedy or seq.captures \
+                    or seq.num_tokens + 1 >= self.max_context:
+                return False
+            extra = self.pages.can_grow(seq.slot, seq.num_computed_tokens + 2)
+            if extra < 0:
+                return False
+            need += extra
+        return need <= self.pages.num_free
+
+    def launch_ahead(self, inflight: InFlightUnit) -> InFlightUnit:
+        """Start the next decode step of inflight's rows (the same rows, in order) before
+        inflight is collected, each row as if it accepted the one token inflight samples: the
+        backend feeds those tokens to this step on its device (`launch_tokens(after=...)`).
+        Its pages are mapped here (the caller asked `can_run_ahead`). The EngineCore then
+        collects and commits inflight; a row whose request ends there accepts nothing of this
+        step (RowDecision.is_discarded: its frontier moves past the token the step ran)."""
+        if not self.can_run_ahead(inflight):
+            raise ProgramError("launch_ahead: the unit in flight cannot run ahead")
+        seqs = inflight.seqs
+        for seq in seqs:
+            if not self.pages.grow(seq.slot, seq.num_computed_tokens + 2):
+                raise ProgramError("launch_ahead: pages vanished between check and act")
+        batch = packing.pack_rows(self.token_buf, self.pages.block_tables, self.page_size, seqs,
+                                  inflight.units, ahead=1)
+        step = self.model.launch_tokens(batch, self.kv, self.state, after=inflight.step)
+        self._ahead = InFlightUnit(seqs, inflight.units, [None] * len(seqs), [None] * len(seqs),
+                                   "greedy", step)
+        return self._ahead
+
     def collect(self, inflight: InFlightUnit) -> PendingBatch:
         """The launched unit's PendingBatch (to be consumed whole by commit or abort_pending)."""
         if inflight is not self._inflight:
             raise ProgramError("collect: not the unit in flight")
-        self._inflight = None
+        # a unit launched ahead of this one (launch_ahead) is the one in flight now
+        self._inflight, self._ahead = self._ahead, None
         if inflight.pending is not None:
             self._pending = inflight.pending
             return self._pending
@@ -491,6 +537,7 @@ class Program:
         for row, d in zip(pending.rows, decisions):
             check_decision(row, d)
         self._take_pending(pending)
+        running = {s.seq_id for s in self._inflight.seqs} if self._inflight is not None else ()
         for row, d, backup in zip(pending.rows, decisions, pending._backups):
             seq = self._seqs[row.seq_id]
             if d.is_cancelled:
@@ -504,7 +551,8 @@ class Program:
                 self._append(seq, row.produced[:d.accepted])
                 if seq.num_computed_tokens >= seq.protected_tokens:
                     seq.protected_tokens = 0
-            self._trim(seq)
+            if row.seq_id not in running:   # (its unit ahead holds the page after the frontier)
+                self._trim(seq)
         if self.speculator is not None:     # State of rejected drafts, the drafter's KV
             self.speculator.after_commit(self, pending, decisions)
 
