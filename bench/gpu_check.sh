@@ -73,13 +73,20 @@ for part in $parts; do
             done
             summary+=("cache: $(tail -1 "$OUT/cache_tests.log") (see cache_*.log)") ;;
         mixed)
-            # decode rows beside a prefill chunk: one forward (CudaModel.mixed_batches) against
-            # two, 7 decoders + a 4096-token prompt at 9B; then the GPU test of the mix
-            timeout 400 python3 bench/bench_mixed.py --shape 9b --out "$OUT/mixed.json" \
-                >"$OUT/mixed.log" 2>&1
+            # the host's work beside the GPU's: the GPU tests of the pipelined decode and of
+            # mixed batches; 9B greedy decode through the Engine with steps launched ahead
+            # (--chain) and without; decode rows beside a prefill chunk, one forward
+            # (CudaModel.mixed_batches) against two (7 decoders + a 4096-token prompt)
             timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_engine_gpu.py \
-                -k mixed >"$OUT/mixed_tests.log" 2>&1
-            summary+=("mixed: $(tail -1 "$OUT/mixed_tests.log"); $(grep -c forward "$OUT/mixed.log") rows (see mixed.log)") ;;
+                -k "mixed or pipelined" >"$OUT/mixed_tests.log" 2>&1
+            for flag in --chain ""; do
+                timeout 200 python3 bench/bench_engine.py --shapes 9b --prefill 512 --batches 1,8 \
+                    --modes greedy --steps 50 $flag \
+                    >"$OUT/engine_9b${flag:+_chain}.log" 2>&1
+            done
+            timeout 300 python3 bench/bench_mixed.py --shape 9b --out "$OUT/mixed.json" \
+                >"$OUT/mixed.log" 2>&1
+            summary+=("mixed: $(tail -1 "$OUT/mixed_tests.log") (see engine_9b*.log, mixed.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;

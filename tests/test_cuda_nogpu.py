@@ -633,7 +633,8 @@ def test_model_close_releases_everything_even_after_a_kernel_fault():
     m.graphs._graphs = {(1, 0, 0): (Part("graph 1"), None, None),
                         (2, 0, 0): (Part("graph 2"), None, None)}
     m.lt, m.kernels = Part("cuBLASLt"), Part("modules", fails=True)
-    m.sampler = m.step_done = m.ids_host = m.media_rows = None
+    m.sampler = m.ids_host = m.media_rows = None
+    m.step_events = ()
     m.staging, m.out_host, m.route_host = Part("staging"), Part("out_host"), Part("route_host")
     m.pool_staging = Part("pool staging")
     m.arena = Part("arena")

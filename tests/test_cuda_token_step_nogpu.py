@@ -1,7 +1,8 @@
 """CudaModel.launch_tokens -> TokenStep.collect on the fake device (tests/test_cuda_nogpu.py's
 _FakeDevice: device memory as a byte array behind the driver's copy functions): the same ids as
 decode_greedy / sample, collect waits on the step's event and never on the whole stream, and one
-step at a time is in flight."""
+step at a time is in flight, or two when the second is launched after the first (its token ids
+copied from the first's on the device: the pipelined decode)."""
 import sys
 import pathlib
 from types import SimpleNamespace
@@ -37,18 +38,19 @@ def _model(monkeypatch, ids, sampled):
     m = CudaModel.__new__(CudaModel)
     m.stream = SimpleNamespace(synchronize=no_stream_sync)
     m.options, m.b_cap, m.lg_cap, m.checks_batches = SimpleNamespace(graphs=True), 4, 8, False
-    m._current, m._in_flight = (lambda: None), None
+    m._current, m._in_flight, m._turn = (lambda: None), [], 0
     m.ws = SimpleNamespace(tokens=dev.arena.take((8,), np.int32, "tokens"),
                            logits=dev.arena.take((8,), np.float32, "logits"))
     tokens = dev._dev(m.ws.tokens.ptr, 32).view(np.int32)
-    host = dev._pinned(32)
-    host.view = lambda dtype, offset, count: host.array.view(dtype)[offset: offset + count]
-    m.ids_host, m.step_done = host, _Event(log)
+    host = dev._pinned(64)                          # two id buffers of lg_cap ids
+    host.view = lambda dtype, offset, count: \
+        host.array[offset:].view(dtype)[:count]
+    m.ids_host, m.step_events = host, (_Event(log), _Event(log))
 
     def step(kind):
         def run(batch, *a, **k):
-            log.append(kind)
-            tokens[:batch.num_rows] = ids[:batch.num_rows]
+            log.append(kind + (" chained" if k.get("chained") else ""))
+            tokens[:batch.num_rows] = ids[:batch.num_rows] + 10 * bool(k.get("chained"))
         return run
     m._decode_launch, m._eager = step("graph"), step("eager")
 
@@ -98,4 +100,60 @@ def test_sampling_rows_must_match_the_batch(monkeypatch):
     m, _ = _model(monkeypatch, np.array([5, 6, 7], np.int32), np.array([1, 2, 3], np.int32))
     with pytest.raises(ValueError, match="2 sampling rows for a batch of 3"):
         m.launch_tokens(_decode_batch(), None, None, [None, None])
-    assert m._in_flight is None                        # a refused launch leaves nothing in flight
+    assert m._in_flight == []                          # a refused launch leaves nothing in flight
+
+
+def test_a_step_launched_after_the_one_in_flight(monkeypatch):
+    """after=the step in flight: two in flight, each collects its own ids from its own buffer
+    and event; nothing else may launch meanwhile, and after= takes only that step and a greedy
+    decode batch of its rows."""
+    m, log = _model(monkeypatch, np.array([5, 6, 7], np.int32), np.array([1, 2, 3], np.int32))
+    first = m.launch_tokens(_decode_batch(), None, None)
+    second = m.launch_tokens(_decode_batch(), None, None, after=first)
+    assert log == ["graph", "record", "graph chained", "record"]
+    with pytest.raises(RuntimeError, match="not collected"):
+        m.launch_tokens(_decode_batch(), None, None)
+    with pytest.raises(RuntimeError, match="one step in flight"):
+        m.launch_tokens(_decode_batch(), None, None, after=second)   # two in flight already
+    assert first.collect().tolist() == [5, 6, 7]
+    assert second.collect().tolist() == [15, 16, 17]
+    third = m.launch_tokens(_decode_batch(), None, None)
+    for bad in (dict(rows=[None] * 3), dict(batch=_decode_batch(B=2)),
+                dict(batch=ForwardBatch.single([1, 2, 3], 0, [0]))):
+        with pytest.raises(RuntimeError, match="one step in flight"):
+            m.launch_tokens(bad.get("batch", _decode_batch()), None, None, bad.get("rows"),
+                            after=third)
+    assert third.collect().tolist() == [5, 6, 7] and m._in_flight == []
+
+
+def test_a_chained_decode_launch_copies_the_ids_on_the_device(monkeypatch):
+    """The real _decode_launch on the fake device: staged metadata goes to the device, then the
+    previous step's ids (the workspace's token buffer) over its token field; the two stagings
+    alternate."""
+    from ninfer.core.cuda import driver as d
+    from ninfer.models.qwen3_5.cuda.meta import DeviceMeta, MetaLayout
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    dev = _FakeDevice(monkeypatch, 1 << 16)
+    monkeypatch.setattr(d, "copy_dtod_async",
+                        lambda dst, src, n, stream: dev._dev(dst, n).__setitem__(
+                            slice(None), dev._dev(src, n).copy()))
+    m = CudaModel.__new__(CudaModel)
+    m.stream, m._t_entry = None, 0.0
+    m.eager_layout, m.decode_layout = MetaLayout(8, 8, 5), MetaLayout(4, 4, 5)
+    meta = dev.arena.take((m.decode_layout.count,), np.int32, "meta")
+    m.decode_meta = DeviceMeta(m.decode_layout, meta.ptr)
+    m.staging = dev._pinned(m.eager_layout.nbytes + 2 * m.decode_layout.nbytes)
+    m.staging.view = lambda dtype, offset, count: m.staging.array[offset:].view(dtype)[:count]
+    launched = []
+    m.graphs = SimpleNamespace(get=lambda B, kv, st: SimpleNamespace(
+        launch=lambda: launched.append(B)))
+    m.ws = SimpleNamespace(tokens=dev.arena.take((4,), np.int32, "tokens"))
+    dev._dev(m.ws.tokens.ptr, 16).view(np.int32)[:] = [41, 42, 43, 44]
+    token_field = dev._dev(m.decode_meta.token_ids, 12).view(np.int32)
+    m._decode_launch(_decode_batch(), None, None, 0)
+    assert token_field.tolist() == [7, 8, 9]              # the batch's own ids
+    m._decode_launch(_decode_batch(), None, None, 1, chained=True)
+    assert token_field.tolist() == [41, 42, 43]           # the step in flight's, on the device
+    staged = [m.staging.array[m.eager_layout.nbytes + t * m.decode_layout.nbytes:].view(np.int32)[:3]
+              for t in (0, 1)]
+    assert staged[0].tolist() == staged[1].tolist() == [7, 8, 9] and launched == [3, 3]

@@ -100,3 +100,28 @@ def test_mixed_batches_give_the_same_tokens(artifact_path, monkeypatch):
     merged = run("cuda", True)
     assert merged == run("cuda", False)
     assert merged == run("numpy", True)
+
+
+def test_pipelined_decode_gives_the_same_tokens(artifact_path, monkeypatch):
+    """Decode steps launched ahead (CudaModel.chains_token_steps on: step k+1's token ids
+    copied on the device from step k's output, two steps in flight) give the tokens of steps
+    collected one by one, for rows ending at different steps; the steps ahead really ran."""
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 256, n).astype(np.int32) for n in (5, 17, 9)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 9, 40)]
+
+    def run(chain):
+        monkeypatch.setattr(CudaModel, "chains_token_steps", chain)
+        with Engine(artifact_path, backend="cuda", dtype="float32", max_concurrency=3,
+                    max_context=256) as engine:
+            program, ahead = engine._core.program, []
+            launch_ahead = program.launch_ahead
+            program.launch_ahead = lambda inflight: ahead.append(1) or launch_ahead(inflight)
+            handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
+            tokens = [h.result().token_ids for h in handles]
+            assert engine.health == "ready"
+        return tokens, len(ahead)
+    (chained, n_ahead), (plain, n_plain) = run(True), run(False)
+    assert chained == plain
+    assert n_ahead >= 20 and n_plain == 0

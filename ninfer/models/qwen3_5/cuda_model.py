@@ -78,9 +78,10 @@ class CudaModel(MediaEncoding):
     # the mix has not been measured against a decode graph + the chunk on a GPU yet
     # (tests/gpu/test_engine_gpu.py::test_mixed_batches_give_the_same_tokens)
     mixed_batches = False
-    # launch_tokens(after=step): not built yet (a device-to-device copy of the step's ids into
-    # the decode graph's token field, two pinned id buffers, events and metadata stagings in
-    # turn); the Program then never launches ahead on this backend
+    # launch_tokens(after=step) takes a decode batch's token ids from the step in flight (a
+    # device-to-device copy into the graph's token field). Off until it has run on a GPU
+    # (tests/gpu/test_engine_gpu.py::test_pipelined_decode_gives_the_same_tokens,
+    # bench_engine --chain): the Program then never launches ahead on this backend
     chains_token_steps = False
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
@@ -104,8 +105,9 @@ class CudaModel(MediaEncoding):
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
         self.pool_staging = HostStaging()         # the pools' host copies (device_pools.py)
-        self.step_done = None            # the event recorded after a token step's D2H copy
-        self._in_flight = None           # the launched TokenStep not yet collected
+        self.step_events = ()            # the events recorded after token steps' D2H copies
+        self._in_flight = []             # launched TokenSteps not yet collected (at most 2)
+        self._turn = 0                   # which of two id buffers / events / decode stagings
         self.last_host_us = 0.0
         self.last_host_breakdown_us = (0.0, 0.0, 0.0, 0.0)
         self._t_entry = 0.0
@@ -226,10 +228,14 @@ class CudaModel(MediaEncoding):
         self.sampler = DeviceSampler(self.arena, self.kernels, sampler_rows, cfg.vocab_size,
                                      options.max_context)
         self._lap("sampler")
-        self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + self.decode_layout.nbytes)
+        # two decode stagings, id buffers and events, used in turn: with a step launched ahead
+        # (launch_tokens(after=)) two are in flight, and a staging or id buffer is written
+        # again only after the step that used it was collected
+        self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + 2 * self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
-        self.ids_host = _d.PinnedBuffer(self.lg_cap * 4)       # a token step's ids (own buffer:
-        self.step_done = _d.Event(timing=False)                 # a forward may run before collect)
+        self.ids_host = _d.PinnedBuffer(2 * self.lg_cap * 4)   # token steps' ids (own buffer:
+        self.step_events = (_d.Event(timing=False), _d.Event(timing=False))  # a forward may
+        # run before collect)
         K = max(cfg.num_experts_per_tok, 1)
         self.route_host = _d.PinnedBuffer(
             (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)
@@ -342,16 +348,23 @@ class CudaModel(MediaEncoding):
             media = checked_media(batch, media, self.text.hidden_size)
         return self._eager(batch, kv, state, out_rows, media=media)
 
-    def launch_tokens(self, batch: ForwardBatch, kv, state, rows=None) -> TokenStep:
+    def launch_tokens(self, batch: ForwardBatch, kv, state, rows=None, *,
+                      after: TokenStep = None) -> TokenStep:
         """Launch one step whose result is a token id per row (graph for a decode batch, eager
         otherwise): the head's argmax, or with `rows` (a program.sampling.SampleRow or None per
         row) the device sampler's pick over the logits rows; then the async copy of the ids to
         pinned memory and an event after it. Returns at once; TokenStep.collect() waits on that
-        event. One step in flight: collect the previous one before the next launch."""
+        event. One step in flight: collect the previous one before the next launch, except
+        after=that step: a greedy decode batch of the same rows whose token ids are that step's
+        ids, copied on the device (contracts.Model.chains_token_steps)."""
         self._t_entry = time.perf_counter()
-        if self._in_flight is not None:
-            raise RuntimeError("launch_tokens: the previous TokenStep is not collected yet")
         B = batch.num_rows
+        if after is None and self._in_flight:
+            raise RuntimeError("launch_tokens: the previous TokenStep is not collected yet")
+        if after is not None and (self._in_flight != [after] or rows is not None
+                                  or not self._is_decode(batch) or after.num_rows != B):
+            raise RuntimeError("launch_tokens(after=): a greedy decode batch of the rows of the "
+                               "one step in flight")
         if rows is not None:
             if len(rows) != B:
                 raise ValueError(f"sample: {len(rows)} sampling rows for a batch of {B}")
@@ -361,22 +374,25 @@ class CudaModel(MediaEncoding):
         self._current()
         if self.checks_batches:
             batch.check(self.batch_limits(kv, state))
+        turn, self._turn = self._turn, self._turn ^ 1
         if self._is_decode(batch):
-            self._decode_launch(batch, kv, state)
+            self._decode_launch(batch, kv, state, turn, chained=after is not None)
         else:
             self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
                         want_logits=False)
         if rows is not None:
             self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows)
-        _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, B * 4, self.stream)
-        self.step_done.record(self.stream)
-        self._in_flight = step = TokenStep(self.ids_host.view(np.int32, 0, B), self.step_done,
-                                           self._step_collected)
+        off = turn * self.lg_cap * 4
+        _d.copy_dtoh_async(self.ids_host.ptr + off, self.ws.tokens.ptr, B * 4, self.stream)
+        event = self.step_events[turn]
+        event.record(self.stream)
+        step = TokenStep(self.ids_host.view(np.int32, off, B), event, self._step_collected)
+        self._in_flight.append(step)
         return step
 
     def _step_collected(self, step: TokenStep) -> None:
-        if self._in_flight is step:
-            self._in_flight = None
+        if step in self._in_flight:
+            self._in_flight.remove(step)
 
     def decode_greedy(self, batch: ForwardBatch, kv, state) -> np.ndarray:
         """Argmax token of each row (device-side), through the graph when the batch is a decode."""
@@ -443,14 +459,20 @@ class CudaModel(MediaEncoding):
             self.graphs.get(B, kv, state)
         return len(self.graphs)
 
-    def _decode_launch(self, batch, kv, state) -> None:
+    def _decode_launch(self, batch, kv, state, turn: int = 0, chained: bool = False) -> None:
+        """The decode graph of B rows over metadata staged in decode staging `turn`; chained:
+        the token ids are the previous step's, still in the workspace's token buffer (a
+        device-to-device copy over the staged placeholders, in stream order after that step)."""
         t0 = time.perf_counter()
         B = batch.num_rows
         g = self.graphs.get(B, kv, state)
         t1 = time.perf_counter()
-        lay, off = self.decode_layout, self.eager_layout.nbytes
+        lay = self.decode_layout
+        off = self.eager_layout.nbytes + turn * lay.nbytes
         nbytes = lay.pack_decode(self.staging.view(np.int32, off, lay.count), batch)
         _d.copy_htod_async(self.decode_meta.base, self.staging.ptr + off, nbytes, self.stream)
+        if chained:
+            _d.copy_dtod_async(self.decode_meta.token_ids, self.ws.tokens.ptr, B * 4, self.stream)
         t2 = time.perf_counter()
         g.launch()
         t3 = time.perf_counter()
@@ -479,16 +501,17 @@ class CudaModel(MediaEncoding):
                 errors.append(exc)
         release(self._current)
         release(self.stream.synchronize)
-        self._in_flight = None
+        self._in_flight = []
         if self.graphs is not None:
             for g in self.graphs.take_all():
                 release(g.destroy)
         for part in (self.lt, self.kernels, self.sampler):
             if part is not None:
                 release(part.close)
-        if self.step_done is not None:
-            release(self.step_done.destroy)
-        self.lt = self.kernels = self.sampler = self.step_done = None
+        for event in self.step_events:
+            release(event.destroy)
+        self.lt = self.kernels = self.sampler = None
+        self.step_events = ()
         for buf in (self.staging, self.out_host, self.ids_host, self.route_host, self.media_rows):
             if buf is not None:
                 release(buf.free)

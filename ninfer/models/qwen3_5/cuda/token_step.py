@@ -6,7 +6,8 @@
 
 The ids are copied into pinned host memory by the step's last operation on the stream and an
 event is recorded after that copy; collect() waits on that event (not on the whole stream) and
-returns a copy. One step is in flight at a time: the pinned buffer is reused by the next launch.
+returns a copy. At most two steps are in flight (the second launched ahead of the first,
+`CudaModel.launch_tokens(after=)`); a pinned id buffer is reused only after its step's collect.
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ class TokenStep:
         self._event = event
         self._on_collect = on_collect     # the model's in-flight slot is free again
         self._ids = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._host_ids)
 
     @property
     def is_collected(self) -> bool:
