@@ -27,9 +27,11 @@ def make_core(**kw):
     launched = []
     launch_ahead = program.launch_ahead
 
-    def counted(inflight):
-        launched.append(len(inflight.seqs))
-        return launch_ahead(inflight)
+    def counted(inflight):                          # the steps really launched ahead
+        ahead = launch_ahead(inflight)
+        if ahead is not None:
+            launched.append(len(ahead.seqs))
+        return ahead
     program.launch_ahead = counted
     return EngineCore(program, FakeFrontend(VOCAB, (EOS,)), options), model, launched
 

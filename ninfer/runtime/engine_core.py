@@ -197,10 +197,8 @@ class EngineCore:
         self._cycle_no += 1
         if self._ahead is not None:
             reqs, inflight = self._ahead
-            if self._may_run_ahead(reqs, ()) and self.program.can_run_ahead(inflight):
-                self._ahead = None          # steady decode: step k+1 goes, then k completes
-                self._launch_ahead_and_complete(reqs, inflight)
-                self._was_idle = False
+            if self._may_run_ahead(reqs, ()) and self._run_ahead(reqs, inflight):
+                self._was_idle = False      # steady decode: step k+1 went, k completed
                 self._publish_stats()
                 return
             self._drain_ahead()
@@ -441,22 +439,21 @@ class EngineCore:
         draft_masks = _draft_masks(reqs) if self.program.is_speculative else None
         inflight = self.program.launch(UnitPlan(rows, keep_rollback=False,
                                                 draft_masks=draft_masks))
-        if self._may_run_ahead(reqs, cycle.chunk or cycle.forced) \
-                and self.program.can_run_ahead(inflight):
-            self._launch_ahead_and_complete(reqs, inflight)
-        else:
+        if not (self._may_run_ahead(reqs, cycle.chunk or cycle.forced)
+                and self._run_ahead(reqs, inflight)):
             self._complete_unit(reqs, inflight)
         return 1
 
     # ---- worker: the pipelined decode -----------------------------------------------------------
     def _may_run_ahead(self, reqs: list, others) -> bool:
         """Whether the decode step after reqs' current one may start before that one is
-        collected (the Program then asks its own questions: can_run_ahead): nothing else to
+        collected (the Program then asks its own questions, in launch_ahead): nothing else to
         do this cycle or the next (no chunk or control unit, nobody waiting, paused, arriving
         or ending), every resident in the unit, no cancel or deadline due, and no session
         that may ask for a mask or a control unit on the next token."""
+        # (reqs are residents, each once: the same count is every resident)
         if others or self._waiting or self._paused or self._ended \
-                or len(reqs) != len(self._residents) or set(reqs) != set(self._residents):
+                or len(reqs) != len(self._residents):
             return False
         with self._lock:
             if self._inbox or self._is_stopping:
@@ -465,12 +462,16 @@ class EngineCore:
         return not any(r.is_cancel_requested or r.deadline_passed(now) or r.session.needs_mask
                        or r.session.may_force_tokens for r in reqs)
 
-    def _launch_ahead_and_complete(self, reqs: list, inflight) -> None:
+    def _run_ahead(self, reqs: list, inflight) -> bool:
         """Launch reqs' next decode step (the device feeds it this step's tokens), then collect,
-        commit and publish this one while it runs: the host's work overlaps the GPU's."""
+        commit and publish this one while it runs: the host's work overlaps the GPU's. False
+        (nothing done) where the Program does not launch it."""
         ahead = self.program.launch_ahead(inflight)
+        if ahead is None:
+            return False
         self._ahead = (reqs, ahead)
         self._complete_unit(reqs, inflight)
+        return True
 
     def _drain_ahead(self) -> None:
         """Complete the step launched ahead (its rows whose requests ended accept nothing),

@@ -117,7 +117,11 @@ def test_pipelined_decode_gives_the_same_tokens(artifact_path, monkeypatch):
                     max_context=256) as engine:
             program, ahead = engine._core.program, []
             launch_ahead = program.launch_ahead
-            program.launch_ahead = lambda inflight: ahead.append(1) or launch_ahead(inflight)
+            def counted(inflight):              # the steps really launched ahead
+                step = launch_ahead(inflight)
+                ahead.extend([step] if step is not None else [])
+                return step
+            program.launch_ahead = counted
             handles = [engine.submit(p, q) for p, q in zip(prompts, params)]
             tokens = [h.result().token_ids for h in handles]
             assert engine.health == "ready"

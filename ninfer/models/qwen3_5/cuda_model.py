@@ -233,9 +233,9 @@ class CudaModel(MediaEncoding):
         # again only after the step that used it was collected
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + 2 * self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
-        self.ids_host = _d.PinnedBuffer(2 * self.lg_cap * 4)   # token steps' ids (own buffer:
-        self.step_events = (_d.Event(timing=False), _d.Event(timing=False))  # a forward may
-        # run before collect)
+        # token steps' ids in their own buffer (a forward may run before collect)
+        self.ids_host = _d.PinnedBuffer(2 * self.lg_cap * 4)
+        self.step_events = (_d.Event(timing=False), _d.Event(timing=False))
         K = max(cfg.num_experts_per_tok, 1)
         self.route_host = _d.PinnedBuffer(
             (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)

@@ -126,10 +126,8 @@ def plan_pools(options, *, held_kv_pages: Optional[int] = None,
                state_bytes: int = 0) -> MemoryPlan:
     """The Program's pools: options.num_kv_pages when given; else every sequence slot at
     max_context, or the held_kv_pages a backend's memory holds (Model.max_kv_pages) if fewer.
-    The cache's State slots: those the backend's memory plan holds beyond the sequences'
-    (held_state_slots, Model.max_state_slots), else num_cache_slots over share of the KV pool's
-    bytes (kv_page_bytes a page, state_bytes a State image). Raises RequestError when one max_context sequence
-    would not fit."""
+    The cache's State slots: plan_cache_slots over those pages. Raises RequestError when one
+    max_context sequence would not fit."""
     page_size, num_seq_slots = int(options.page_size), int(options.max_concurrency)
     per_seq = pages_for(options.max_context, page_size)
     num_pages = options.num_kv_pages or min(num_seq_slots * per_seq, held_kv_pages or math.inf)
@@ -137,14 +135,23 @@ def plan_pools(options, *, held_kv_pages: Optional[int] = None,
         raise RequestError(
             f"Engine option num_kv_pages={num_pages}: one max_context={int(options.max_context)} "
             f"sequence needs {per_seq} pages of {page_size} tokens")
-    share = options.prefix_cache_device_share
-    if held_state_slots is not None:        # the backend's plan sized them, from these options
-        cache = max(0, int(held_state_slots) - num_seq_slots) if share > 0 else 0
-    else:
-        cache = num_cache_slots(num_seq_slots, share, state_bytes=state_bytes,
-                                cache_bytes=share * int(num_pages) * kv_page_bytes)
+    cache = plan_cache_slots(options, int(num_pages), held_state_slots=held_state_slots,
+                             kv_page_bytes=kv_page_bytes, state_bytes=state_bytes)
     return MemoryPlan(page_size=page_size, max_pages_per_seq=per_seq, num_kv_pages=int(num_pages),
                       num_seq_slots=num_seq_slots, num_cache_slots=cache)
+
+
+def plan_cache_slots(options, num_kv_pages: int, *, held_state_slots: Optional[int] = None,
+                     kv_page_bytes: int = 0, state_bytes: int = 0) -> int:
+    """The Program's context-cache State slots: those the backend's memory plan holds beyond
+    the sequences' (held_state_slots, Model.max_state_slots; the plan sized them from these
+    options), else num_cache_slots over share of a pool of num_kv_pages (kv_page_bytes a
+    page, state_bytes a State image)."""
+    share, num_seq_slots = options.prefix_cache_device_share, int(options.max_concurrency)
+    if held_state_slots is not None:
+        return max(0, int(held_state_slots) - num_seq_slots) if share > 0 else 0
+    return num_cache_slots(num_seq_slots, share, state_bytes=state_bytes,
+                           cache_bytes=share * num_kv_pages * kv_page_bytes)
 
 
 def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_itemsize: int,

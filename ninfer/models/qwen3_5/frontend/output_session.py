@@ -103,7 +103,7 @@ class _State:
         return _State(*_state_values(self))
 
     def as_tuple(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return _state_values(self)
 
 
 # every _State field in declaration order (clone passes them positionally)

@@ -31,7 +31,7 @@ import numpy as np
 from ....contracts import (Capacity, CaptureRoom, ForwardBatch, PendingBatch, ProgramError,
                            ResumeState, ReadyStep, RowPlan, RowResult, RowView, SamplingSpec,
                            UnitPlan)
-from ..memory_plan import plan_pools, state_slot_bytes
+from ..memory_plan import plan_cache_slots, plan_pools, state_slot_bytes
 from . import packing
 from .checkpoint_store import CheckpointStore
 from .inflight import InFlightUnit
@@ -79,10 +79,9 @@ class Program:
         # as the pool's bytes give it, within what the backend's memory holds), its pages within
         # a share of the pool (docs/architecture.md "Context cache")
         share = options.prefix_cache_device_share
-        num_cache_slots = plan_pools(
-            options, held_kv_pages=model.max_kv_pages, held_state_slots=model.max_state_slots,
-            kv_page_bytes=page_bytes, state_bytes=state_slot_bytes(model.config.text)
-        ).num_cache_slots
+        num_cache_slots = plan_cache_slots(
+            options, num_pages, held_state_slots=model.max_state_slots, kv_page_bytes=page_bytes,
+            state_bytes=state_slot_bytes(model.config.text))
         self.state = model.new_state_pool(self.num_slots + num_cache_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
         self.slots = SlotPool(self.num_slots)
@@ -460,12 +459,12 @@ class Program:
         return InFlightUnit(seqs, units, masks, backups, path, step)
 
     # ---- a decode step launched before the one in flight is collected (the pipelined decode) ---
-    def can_run_ahead(self, inflight: InFlightUnit) -> bool:
-        """Whether `launch_ahead(inflight)` may start its rows' next decode step now: the
-        backend chains token steps on its device (`Model.chains_token_steps`), the unit is the
-        one in flight with nothing ahead of it, and every row is a plain greedy decode row
-        (device argmax: no mask, penalty or logprobs, no forced tokens, no checkpoint position
-        due) with room for one more token in max_context and its pages."""
+    def _can_run_ahead(self, inflight: InFlightUnit) -> bool:
+        """Whether inflight's rows' next decode step may start now: the backend chains token
+        steps on its device (`Model.chains_token_steps`), the unit is the one in flight with
+        nothing ahead of it, and every row is a plain greedy decode row (device argmax: no
+        mask, penalty or logprobs, no forced tokens, no checkpoint position due) with room for
+        one more token in max_context and its pages."""
         if not self.model.chains_token_steps or inflight is not self._inflight \
                 or self._ahead is not None or self._pending is not None \
                 or inflight.path != "greedy" or self.speculator is not None:
@@ -483,15 +482,16 @@ class Program:
             need += extra
         return need <= self.pages.num_free
 
-    def launch_ahead(self, inflight: InFlightUnit) -> InFlightUnit:
+    def launch_ahead(self, inflight: InFlightUnit) -> Optional[InFlightUnit]:
         """Start the next decode step of inflight's rows (the same rows, in order) before
         inflight is collected, each row as if it accepted the one token inflight samples: the
-        backend feeds those tokens to this step on its device (`launch_tokens(after=...)`).
-        Its pages are mapped here (the caller asked `can_run_ahead`). The EngineCore then
-        collects and commits inflight; a row whose request ends there accepts nothing of this
-        step (RowDecision.is_discarded: its frontier moves past the token the step ran)."""
-        if not self.can_run_ahead(inflight):
-            raise ProgramError("launch_ahead: the unit in flight cannot run ahead")
+        backend feeds those tokens to this step on its device (`launch_tokens(after=...)`),
+        and its pages are mapped here. None (nothing launched) where a row or the backend
+        does not allow it (`_can_run_ahead`). The EngineCore then collects and commits
+        inflight; a row whose request ends there accepts nothing of this step
+        (RowDecision.is_discarded: its frontier moves past the token the step ran)."""
+        if not self._can_run_ahead(inflight):
+            return None
         seqs = inflight.seqs
         for seq in seqs:
             if not self.pages.grow(seq.slot, seq.num_computed_tokens + 2):

@@ -117,8 +117,10 @@ def capture_positions(interval: int, end: int, reused: int) -> list:
 def check_decision(row: RowResult, d: RowDecision) -> None:
     """The accepted-prefix rule a commit's decision must keep for its row."""
     produced = len(row.produced)
-    if d.is_cancelled or d.is_discarded:
-        ok = d.accepted == 0 and not (d.is_discarded and (d.is_cancelled or not d.is_terminal))
+    if d.is_discarded:
+        ok = d.accepted == 0 and d.is_terminal and not d.is_cancelled
+    elif d.is_cancelled:
+        ok = d.accepted == 0
     elif produced == 0:
         ok = d.accepted == 0
     else:
