@@ -55,6 +55,32 @@ def _ttft(engine, prompt, params, session=None) -> tuple:
     return res.time_to_first_token, res
 
 
+class CallTrace:
+    """The model calls of an Engine (tokens, rows, longest context, launch time), recorded by
+    wrapping its model's entry points: where a cached turn's time goes, call by call."""
+
+    def __init__(self, engine):
+        self.calls = []
+        model = engine._generation().program.model
+        for name in ("launch_tokens", "forward"):
+            if hasattr(model, name):           # (the numpy model has no launch_tokens)
+                setattr(model, name, self._wrap(getattr(model, name)))
+
+    def _wrap(self, fn):
+        def call(batch, *a, **k):
+            self.calls.append((time.perf_counter(), batch.num_tokens, batch.num_rows,
+                               int(np.max(batch.context_lens)) if batch.num_rows else 0))
+            return fn(batch, *a, **k)
+        return call
+
+    def prefill_calls(self) -> list:
+        """(tokens, longest context, ms until the next call starts) of each call that was not a
+        plain decode step, in order."""
+        c = self.calls
+        return [(n, ctx, 1e3 * (c[i + 1][0] - t) if i + 1 < len(c) else float("nan"))
+                for i, (t, n, b, ctx) in enumerate(c) if n > b]
+
+
 def _cache_delta(before: dict, after: dict) -> dict:
     """What the context cache did between two Engine.stats() readings (one turn: its request
     and the settling of the previous one)."""
@@ -76,20 +102,27 @@ def chat(path, args) -> list:
         _ttft(on, ids(64, 1), one)                      # warm both (first-call costs)
         _ttft(off, ids(64, 1), one)
         prompt = ids(args.user_tokens, 10)
+        trace = CallTrace(on)
         for t in range(args.turns):
             before = on.stats()
+            trace.calls.clear()
             t_on, r_on = _ttft(on, prompt, params, session="bench-chat")
+            calls = trace.prefill_calls()
             cache = _cache_delta(before, on.stats())
             t_off, r_off = _ttft(off, prompt, params)
-            if r_on.token_ids != r_off.token_ids:
-                raise RuntimeError(f"turn {t}: the cache changed the answer")
+            # bf16: the cached prefix's KV was computed in other chunks (the answer's tokens one
+            # at a time), so its rounding differs and a near-tie may pick another token; the
+            # float32 identity is tests/gpu's (test_engine_cuda_prefix_checkpoint_hit_equals_cold)
+            differs_at = next((i for i, (a, b) in enumerate(zip(r_on.token_ids, r_off.token_ids))
+                         if a != b), None)
             new = len(prompt) - r_on.num_cached_tokens
             t_new = min(_ttft(off, ids(new, 1000 + 7 * t + k), one)[0] for k in range(2))
             rows.append(dict(turn=t + 1, prompt_tokens=len(prompt),
                              cached_tokens=r_on.num_cached_tokens, new_tokens=new,
                              ttft_cache_ms=1e3 * t_on, ttft_no_cache_ms=1e3 * t_off,
                              prefill_new_alone_ms=1e3 * t_new,
-                             ratio=t_on / t_new if t_new else float("nan"), cache=cache))
+                             ratio=t_on / t_new if t_new else float("nan"), cache=cache,
+                             answer_differs_at=differs_at, prefill_calls=calls))
             r = rows[-1]
             print(f"turn {r['turn']:2d}: prompt {r['prompt_tokens']:6d} cached "
                   f"{r['cached_tokens']:6d} new {r['new_tokens']:5d} | TTFT cache "
@@ -98,7 +131,10 @@ def chat(path, args) -> list:
                   f"demoted {cache['demotions']} promoted {cache['promotions']} subsumed "
                   f"{cache['subsumed']}, copies to host {cache['to_host_ms']:.1f} ms / to device "
                   f"{cache['to_device_ms']:.1f} ms, entries {cache['entries']} of "
-                  f"{cache['slots']} slots", flush=True)
+                  f"{cache['slots']} slots"
+                  + ("" if differs_at is None else f" | answer differs from token {differs_at}")
+                  + "\n         prefill calls (tokens@context ms): "
+                  + " ".join(f"{n}@{c} {ms:.1f}" for n, c, ms in calls), flush=True)
             prompt = np.concatenate([prompt, np.asarray(r_on.token_ids, np.int32),
                                      ids(args.user_tokens, 20 + t)])
     return rows

@@ -530,8 +530,8 @@ def bench_shape(shape, args, log) -> dict:
     model, program = engine.model, engine._core.program
     if args.moe_dequant:
         model.runner.packed_grouped = False
-    if args.chain:              # (the Program asks the model before each step ahead)
-        model.chains_token_steps = True
+    if args.no_chain:           # (the Program asks the model before each step ahead)
+        model.chains_token_steps = False
     load_s = getattr(model, "load_seconds", None)
     res = dict(shape=shape, backend=args.backend, kv_dtype=args.kv_dtype,
                w8a8=bool(getattr(model, "w8a8", False)),
@@ -635,10 +635,10 @@ def main(argv=None):
     ap.add_argument("--moe-dequant", action="store_true",
                     help="packed experts' prefill dequantized for cuBLASLt instead of the grouped "
                          "tensor-core GEMV (the default): the path it replaced, for comparison")
-    ap.add_argument("--chain", action="store_true",
-                    help="the pipelined decode: each greedy decode step launched before the one "
-                         "in flight is collected (CudaModel.chains_token_steps; not yet the "
-                         "default)")
+    ap.add_argument("--no-chain", action="store_true",
+                    help="greedy decode steps one by one, each collected before the next "
+                         "launch, instead of the pipelined decode (CudaModel.chains_token_steps): "
+                         "the path it replaced, for comparison")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batch_list = [int(x) for x in args.batches.split(",")]

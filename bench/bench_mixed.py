@@ -64,8 +64,12 @@ def main(argv=None):
     path, _, _ = make_artifact(args.shape, workdir)
     ways = [one_way(path, args, mixed) for mixed in ((True, False) if args.backend == "cuda"
                                                      else (True,))]
-    if len(ways) == 2 and ways[0]["tokens"] != ways[1]["tokens"]:
-        raise SystemExit("merged and separate units gave different greedy tokens")
+    if len(ways) == 2:
+        # bf16: a decode row computed in a chunk's GEMM rounds differently from the decode
+        # graph's, so a near-tie may pick another token (the float32 identity is tests/gpu's
+        # test_mixed_batches_give_the_same_tokens)
+        same = sum(a == b for a, b in zip(ways[0]["tokens"], ways[1]["tokens"]))
+        print(f"greedy tokens: {same} of {args.decoders} decoders identical both ways")
     for w in ways:
         print(f"{args.shape} {args.backend} {'one forward ' if w['mixed'] else 'two forwards'}: "
               f"{args.decoders} decoders + a {args.prompt}-token prompt: TTFT "

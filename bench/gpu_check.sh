@@ -75,14 +75,14 @@ for part in $parts; do
         mixed)
             # the host's work beside the GPU's: the GPU tests of the pipelined decode and of
             # mixed batches; 9B greedy decode through the Engine with steps launched ahead
-            # (--chain) and without; decode rows beside a prefill chunk, one forward
+            # (the default) and one by one (--no-chain); decode rows beside a prefill chunk, one forward
             # (CudaModel.mixed_batches) against two (7 decoders + a 4096-token prompt)
             timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_engine_gpu.py \
                 -k "mixed or pipelined" >"$OUT/mixed_tests.log" 2>&1
-            for flag in --chain ""; do
+            for flag in "" --no-chain; do
                 timeout 200 python3 bench/bench_engine.py --shapes 9b --prefill 512 --batches 1,8 \
                     --modes greedy --steps 50 $flag \
-                    >"$OUT/engine_9b${flag:+_chain}.log" 2>&1
+                    >"$OUT/engine_9b${flag:+_serial}.log" 2>&1
             done
             timeout 300 python3 bench/bench_mixed.py --shape 9b --out "$OUT/mixed.json" \
                 >"$OUT/mixed.log" 2>&1

@@ -324,3 +324,15 @@ def test_stress_sessions_cancels_pauses_evictions_end_empty(seed):
     assert core.health == "ready"
     assert stats["prefix_cache_hits"] > 0 and stats["pauses"] > 0
     _finish_empty(core)
+
+
+def test_interval_checkpoints_lie_an_interval_past_the_reused_prefix():
+    """Multiples of the interval that a chunk must end at: none closer to the reused prefix than
+    an interval (one call more for this prompt, to save a later one less than an interval), the
+    reusable boundary always."""
+    from ninfer.models.qwen3_5.program.sequences import capture_positions
+    assert capture_positions(2048, 5000, 0) == [2048, 4096, 5000]
+    assert capture_positions(2048, 2304, 1280) == [2304]            # 2048: 768 past the prefix
+    assert capture_positions(2048, 9000, 1280) == [4096, 6144, 8192, 9000]
+    assert capture_positions(2048, 9000, 2048) == [4096, 6144, 8192, 9000]
+    assert capture_positions(2048, 1000, 1000) == []                # nothing new to capture

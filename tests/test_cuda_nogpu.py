@@ -176,6 +176,10 @@ def test_meta_layout_pack():
     bt = host[o["block_tables"]: o["block_tables"] + 2 * 4].reshape(2, 4)
     assert bt.tolist() == [[3, 1, -1, -1], [0, -1, -1, -1]]
     assert lay.used_bytes(2) == (o["block_tables"] + 8) * 4
+    # a call past the layout's capacities is refused, not written into the next field
+    nine = ForwardBatch.single(np.arange(9, dtype=np.int32), 0, [0, 1])
+    with pytest.raises(ValueError, match="9 tokens / 1 rows exceed the layout's 8 / 3"):
+        lay.pack(host, nine, np.array([8], np.int32))
 
 
 @pytest.mark.skipif(_gpu_present(), reason="checks the GPU-less error path")
@@ -952,6 +956,8 @@ def test_call_capacities_cover_a_decode_graph_and_the_logits_rows():
     assert call_capacities(opts, max_tokens=4096) == (8, 4096, 257, 256)
     # fewer tokens per call than decode rows: the graph of B = 8 still fits the workspace
     assert call_capacities(opts, max_tokens=4)[:2] == (8, 8)
+    # decode rows riding on a chunk (Model.mixed_batches): a call holds b_cap tokens more
+    assert call_capacities(opts, mixed=True)[:2] == (8, 520)
     small = EngineOptions(backend="cuda", max_concurrency=2, max_context=256, prefill_chunk=4)
     b, n, p, lg = call_capacities(small)
     assert (b, n) == (2, 4) and lg >= b and p * small.page_size >= small.max_context + 1

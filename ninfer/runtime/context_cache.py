@@ -14,8 +14,8 @@ A Gated DeltaNet State is a running summary, valid only at the exact position it
 so a checkpoint is one real execution's State + KV at one prefix length p, and a hit must match
 the prompt token for token on [0, p).
 
-Checkpoints are taken at the end of a prompt's reusable part, every `checkpoint_interval` tokens
-before it, and at the end of every finished request (its continuation: prompt + answer, up to
+Checkpoints are taken at the end of a prompt's reusable part, at the multiples of
+`checkpoint_interval` before it (those at least an interval past the prefix it reused), and at the end of every finished request (its continuation: prompt + answer, up to
 the last token it ran). Retention is by cost: the recompute a checkpoint saves per byte it holds
 (tokens covered / bytes), times (1 + the hits it had), divided by (1 + its age in cache events
 since its last use), doubled while a session's newest publication names it; a session's previous

@@ -92,8 +92,9 @@ def test_mixed_batches_give_the_same_tokens(artifact_path, monkeypatch):
 
     def run(backend, mixed):
         monkeypatch.setattr(CudaModel, "mixed_batches", mixed)
+        # (debug_checks: every call checked against the model's capacities)
         with Engine(artifact_path, backend=backend, dtype="float32", max_concurrency=2,
-                    max_context=256, prefill_chunk=32) as engine:
+                    max_context=256, prefill_chunk=32, debug_checks=True) as engine:
             assert engine._core.program.merges_units == (mixed or backend == "numpy")
             handles = [engine.submit(short, params), engine.submit(long, params)]
             return [h.result().token_ids for h in handles]

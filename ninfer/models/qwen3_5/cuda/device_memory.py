@@ -31,15 +31,17 @@ def check_capacity(n_cap: int) -> None:
                           "tokens one CUDA model call can take (kernel grid limit)")
 
 
-def call_capacities(options, max_tokens: int = None) -> tuple:
+def call_capacities(options, max_tokens: int = None, *, mixed: bool = False) -> tuple:
     """(b_cap rows of a decode graph, n_cap tokens of one call, p_cap pages of one row, lg_cap
-    logits rows of one head pass) for `options`; `max_tokens` overrides prefill_chunk (bench)."""
+    logits rows of one head pass) for `options`; `max_tokens` overrides prefill_chunk (bench).
+    mixed: a cycle's decode rows ride on its prefill chunk in one call (Model.mixed_batches),
+    so a call holds up to b_cap tokens more than a chunk."""
     b_cap = max(int(options.max_concurrency), 1)
     page_size, max_context = int(options.page_size), int(options.max_context)
     # a decode graph runs b_cap tokens through the same workspace: never fewer rows than that
     # (batch_invariant: GEMMs of fewer than PIN_M rows run as PIN_M rows, cuda/runner.py)
-    n_cap = int(max(max_tokens or options.prefill_chunk, b_cap,
-                    PIN_M if options.batch_invariant else 1))
+    chunk = (max_tokens or options.prefill_chunk) + (b_cap if mixed else 0)
+    n_cap = int(max(chunk, b_cap, PIN_M if options.batch_invariant else 1))
     check_capacity(n_cap)
     p_cap = (max_context + page_size - 1) // page_size + 1
     return b_cap, n_cap, p_cap, max(b_cap, min(n_cap, 256))

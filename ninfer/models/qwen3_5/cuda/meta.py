@@ -38,6 +38,10 @@ class MetaLayout:
     def pack(self, host: np.ndarray, batch, out_rows: np.ndarray) -> None:
         """Write `batch` into the int32 host image `host` (len >= count)."""
         n, b = batch.num_tokens, batch.num_rows
+        if n > self.n_cap or b > self.b_cap or len(out_rows) > self.n_cap:
+            # a field written past its capacity would run into the next one unnoticed
+            raise ValueError(f"call metadata: {n} tokens / {b} rows exceed the layout's "
+                             f"{self.n_cap} / {self.b_cap}")
         o = self.offsets
         qs = np.asarray(batch.query_start, np.int32)
         host[o["token_ids"]: o["token_ids"] + n] = batch.token_ids
