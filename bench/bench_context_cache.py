@@ -191,12 +191,17 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--max-context", type=int, default=16384)
     ap.add_argument("--workloads", default="chat,agent")
+    ap.add_argument("--direct", action="store_true",
+                    help="convert from random weights without a checkpoint on disk (the 27B in "
+                         "bf16 does not fit a 64 GiB disk twice)")
+    ap.add_argument("--quantize", default=None, choices=("fp8", "int8", "int4"),
+                    help="the artifact's weights (with --direct)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench_engine import make_artifact
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    path, _, _ = make_artifact(args.shape, workdir)
+    path, _, _ = make_artifact(args.shape, workdir, args.direct, args.quantize)
     need = args.turns * (args.user_tokens + args.answer_tokens) + 8
     if "chat" in args.workloads and need > args.max_context:
         ap.error(f"--max-context {args.max_context} < the chat's {need} tokens")

@@ -96,7 +96,13 @@ def test_hit_teacher_forced_logits_equal_cold_prefill_bf16(path):
         gpu.close()
 
 
-def test_engine_turn_2_binds_the_continuation_float32(path):
+@pytest.mark.parametrize("chain", [True, False], ids=["pipelined", "serial"])
+def test_engine_turn_2_binds_the_continuation_float32(path, chain, monkeypatch):
+    """Turn 2 binds turn 1's continuation: prompt + answer up to the last token that ran. With
+    the pipelined decode the step launched ahead ran the last sampled token too (its output
+    discarded), so the continuation holds it; one by one it never ran."""
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    monkeypatch.setattr(CudaModel, "chains_token_steps", chain)
     rng = np.random.default_rng(6)
     turn1 = rng.integers(3, 256, 29).astype(np.int32)
     params = SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.0)
@@ -116,5 +122,5 @@ def test_engine_turn_2_binds_the_continuation_float32(path):
     rng.bit_generator.state = state
     w1, w2, stats = chat()
     assert (w1.token_ids, w2.token_ids) == (c1.token_ids, c2.token_ids)
-    assert w2.num_cached_tokens == 29 + 7 - 1 and c2.num_cached_tokens == 0
+    assert w2.num_cached_tokens == 29 + 7 - 1 + int(chain) and c2.num_cached_tokens == 0
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_device_bytes"] > 0
