@@ -65,7 +65,15 @@ class SamplingSpec:
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits: greedy, no penalty, bias or grammar mask changes them, no
         logprobs asked for."""
-        return (self.is_greedy and self.logprobs is None and self.presence_penalty == 0.0
+        return self.is_greedy and self.samples_from_logits_alone
+
+    @property
+    def samples_from_logits_alone(self) -> bool:
+        """The next token is a function of the raw logits, the seed and the position only: no
+        penalty (they read the tokens generated so far), bias or grammar mask, no logprobs. Such
+        a row's next step may be launched before its current token is known on the host (the
+        pipelined decode: Program.launch_ahead)."""
+        return (self.logprobs is None and self.presence_penalty == 0.0
                 and self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
                 and not self.is_constrained and not self.logit_bias)
 

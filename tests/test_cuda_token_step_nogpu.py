@@ -13,7 +13,12 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from test_cuda_nogpu import _FakeDevice, _decode_batch  # noqa: E402
 
-from ninfer.contracts import ForwardBatch  # noqa: E402
+from ninfer.contracts import ForwardBatch, SampleRow, SamplingSpec  # noqa: E402
+
+
+def _row(**spec):
+    empty = np.zeros(0, np.int32)
+    return SampleRow(SamplingSpec(seed=1, temperature=0.8, **spec), 5, empty, empty)
 
 
 class _Event:
@@ -54,8 +59,8 @@ def _model(monkeypatch, ids, sampled):
         return run
     m._decode_launch, m._eager = step("graph"), step("eager")
 
-    def sample(stream, logits, out, rows):
-        log.append("sampler")
+    def sample(stream, logits, out, rows, ahead_turn=None):
+        log.append("sampler" + ("" if ahead_turn is None else f" ahead {ahead_turn}"))
         tokens[:len(rows)] = sampled[:len(rows)]
     m.sampler = SimpleNamespace(layout=SimpleNamespace(rows_cap=8), launch=sample)
     return m, log
@@ -118,12 +123,39 @@ def test_a_step_launched_after_the_one_in_flight(monkeypatch):
     assert first.collect().tolist() == [5, 6, 7]
     assert second.collect().tolist() == [15, 16, 17]
     third = m.launch_tokens(_decode_batch(), None, None)
-    for bad in (dict(rows=[None] * 3), dict(batch=_decode_batch(B=2)),
+    for bad in (dict(rows=[None, _row(presence_penalty=0.5), None]), dict(batch=_decode_batch(B=2)),
                 dict(batch=ForwardBatch.single([1, 2, 3], 0, [0]))):
         with pytest.raises(RuntimeError, match="one step in flight"):
             m.launch_tokens(bad.get("batch", _decode_batch()), None, None, bad.get("rows"),
                             after=third)
     assert third.collect().tolist() == [5, 6, 7] and m._in_flight == []
+
+
+def test_a_sampled_step_launched_after_the_one_in_flight(monkeypatch):
+    """Sampled rows chain too when their tokens come from the logits, seed and position alone:
+    the chained step's sampler parameters go through the staging of its turn, never the one the
+    step in flight may still be copying from."""
+    m, log = _model(monkeypatch, np.array([5, 6, 7], np.int32), np.array([1, 2, 3], np.int32))
+    rows = [_row(), None, _row(top_p=0.9)]
+    first = m.launch_tokens(_decode_batch(), None, None, rows)
+    second = m.launch_tokens(_decode_batch(), None, None, rows, after=first)
+    assert log == ["graph", "sampler", "record", "graph chained", "sampler ahead 1", "record"]
+    assert first.collect().tolist() == second.collect().tolist() == [1, 2, 3]
+    third = m.launch_tokens(_decode_batch(), None, None, rows)
+    fourth = m.launch_tokens(_decode_batch(), None, None, rows, after=third)
+    fifth_rows = [_row(), _row(), None]
+    third.collect()
+    fifth = m.launch_tokens(_decode_batch(), None, None, fifth_rows, after=fourth)
+    # two chained launches in a row (fourth, then fifth after it): the stagings alternate
+    assert [e for e in log if e.startswith("sampler ahead")][-2:] == ["sampler ahead 1",
+                                                                      "sampler ahead 0"]
+    fourth.collect(), fifth.collect()
+    for spec in (dict(presence_penalty=0.1), dict(logit_bias=((3, 1.0),)), dict(logprobs=2)):
+        step = m.launch_tokens(_decode_batch(), None, None, rows)
+        with pytest.raises(RuntimeError, match="sampled from their logits alone"):
+            m.launch_tokens(_decode_batch(), None, None, [_row(**spec), None, None], after=step)
+        step.collect()
+    assert m._in_flight == []
 
 
 def test_a_chained_decode_launch_copies_the_ids_on_the_device(monkeypatch):

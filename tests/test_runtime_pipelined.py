@@ -137,3 +137,26 @@ def test_no_step_runs_ahead_where_the_next_token_may_need_the_host(monkeypatch):
     assert drain(core.submit(p, params))[1].token_ids == reference_tokens(p, params)
     assert launched == []
     finish_clean(core)
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.5], ids=["plain", "presence-penalty"])
+def test_sampled_rows_run_ahead_when_their_token_needs_no_history(penalty):
+    """Seeded sampled rows ((seed, position) draws on the device) run ahead like greedy ones and
+    keep the uninterrupted run's tokens; a presence penalty reads the tokens generated so far,
+    so its rows keep every step collected before the next (same tokens)."""
+    prompts = [prompt(250 + i, n) for i, n in enumerate((5, 9, 3))]
+    params = [SamplingParams(max_tokens=m, temperature=0.9, top_p=0.9, seed=40 + i,
+                             presence_penalty=penalty, ignore_eos=True)
+              for i, m in enumerate((18, 7, 25))]
+    want = [reference_tokens(p, q) for p, q in zip(prompts, params)]
+    core, model, launched = make_core(max_concurrency=3)
+    gate = Gate()
+    model.on_forward = gate                       # all three admitted before the first step
+    handles = [core.submit(p, q) for p, q in zip(prompts, params)]
+    gate.opened.set()
+    assert [drain(h)[1].token_ids for h in handles] == want
+    if penalty:
+        assert launched == []
+    else:
+        assert len(launched) >= 10 and max(launched) == 3
+    finish_clean(core)

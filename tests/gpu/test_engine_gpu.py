@@ -103,14 +103,19 @@ def test_mixed_batches_give_the_same_tokens(artifact_path, monkeypatch):
     assert merged == run("numpy", True)
 
 
-def test_pipelined_decode_gives_the_same_tokens(artifact_path, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_pipelined_decode_gives_the_same_tokens(artifact_path, monkeypatch, sampled):
     """Decode steps launched ahead (CudaModel.chains_token_steps on: step k+1's token ids
     copied on the device from step k's output, two steps in flight) give the tokens of steps
-    collected one by one, for rows ending at different steps; the steps ahead really ran."""
+    collected one by one, for rows ending at different steps; the steps ahead really ran.
+    Sampled: seeded draws on the device ((seed, position): the same token either way), the
+    chained steps' sampler parameters through their own stagings."""
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 256, n).astype(np.int32) for n in (5, 17, 9)]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 9, 40)]
+    draw = dict(temperature=0.9, top_p=0.95) if sampled else dict(temperature=0.0)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=7 + i, **draw)
+              for i, m in enumerate((24, 9, 40))]
 
     def run(chain):
         monkeypatch.setattr(CudaModel, "chains_token_steps", chain)

@@ -68,6 +68,13 @@ def load_cuda_model(artifact, options) -> "CudaModel":
     return model
 
 
+
+def _chainable(rows) -> bool:
+    """A chained step's sampling rows: argmax (None) or draws from the logits, seed and position
+    alone (no penalty, bias or mask: nothing packed past the sampler's fixed parameters)."""
+    return rows is None or all(r is None or (r.spec.samples_from_logits_alone and r.mask is None)
+                               for r in rows)
+
 class CudaModel(MediaEncoding):
     """The contracts.Model of the CUDA backend (argmax and the whole sampler on the device).
     Media: the numpy vision tower on the host (vision.MediaEncoding, the numpy backend's own
@@ -357,16 +364,17 @@ class CudaModel(MediaEncoding):
         row) the device sampler's pick over the logits rows; then the async copy of the ids to
         pinned memory and an event after it. Returns at once; TokenStep.collect() waits on that
         event. One step in flight: collect the previous one before the next launch, except
-        after=that step: a greedy decode batch of the same rows whose token ids are that step's
-        ids, copied on the device (contracts.Model.chains_token_steps)."""
+        after=that step: a decode batch of the same rows whose token ids are that step's ids,
+        copied on the device (contracts.Model.chains_token_steps), its sampling rows (if any)
+        each None or of a spec that samples_from_logits_alone."""
         self._t_entry = time.perf_counter()
         B = batch.num_rows
         if after is None and self._in_flight:
             raise RuntimeError("launch_tokens: the previous TokenStep is not collected yet")
-        if after is not None and (self._in_flight != [after] or rows is not None
-                                  or not self._is_decode(batch) or after.num_rows != B):
-            raise RuntimeError("launch_tokens(after=): a greedy decode batch of the rows of the "
-                               "one step in flight")
+        if after is not None and (self._in_flight != [after] or not self._is_decode(batch)
+                                  or after.num_rows != B or not _chainable(rows)):
+            raise RuntimeError("launch_tokens(after=): a decode batch of the rows of the one "
+                               "step in flight, sampled from their logits alone")
         if rows is not None:
             if len(rows) != B:
                 raise ValueError(f"sample: {len(rows)} sampling rows for a batch of {B}")
@@ -383,7 +391,10 @@ class CudaModel(MediaEncoding):
             self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
                         want_logits=False)
         if rows is not None:
-            self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows)
+            # a chained step's parameters go through a staging of their own (the step in flight
+            # may not have copied its own yet); a serial one's through the sampler's main one
+            self.sampler.launch(self.stream, self.ws.logits.ptr, self.ws.tokens.ptr, rows,
+                                ahead_turn=turn if after is not None else None)
         off = turn * self.lg_cap * 4
         _d.copy_dtoh_async(self.ids_host.ptr + off, self.ws.tokens.ptr, B * 4, self.stream)
         event = self.step_events[turn]

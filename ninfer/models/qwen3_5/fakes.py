@@ -163,14 +163,23 @@ class NullModel(FakeModel):
 
 
 class ChainingModel(FakeModel):
-    """FakeModel's logits, argmaxed on its "device" (decode_greedy), with chained token steps
-    (contracts.Model.chains_token_steps): the Program launches decode step k+1 before step k is
-    collected, the pipelined decode's path on a backend without a GPU."""
-    greedy_on_device = True
+    """FakeModel's logits, argmaxed or sampled on its "device" (decode_greedy, sample: the host
+    sampler's arithmetic), with chained token steps (contracts.Model.chains_token_steps): the
+    Program launches decode step k+1 before step k is collected, the pipelined decode's path on
+    a backend without a GPU."""
+    greedy_on_device = samples_on_device = True
     chains_token_steps = True
 
     def decode_greedy(self, batch, kv, state):
         return self.forward(batch, kv, state).argmax(-1).astype(np.int32)
+
+    def sample(self, batch, kv, state, rows):
+        from .program.sampling import sample_row
+        logits = self.forward(batch, kv, state)
+        return np.array([int(np.argmax(z)) if row is None else
+                         sample_row(z, row.spec, row.prompt_ids, row.generated_ids,
+                                    row.position, row.mask)[0]
+                         for z, row in zip(logits, rows)], np.int32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,6 +193,9 @@ class DeviceSampler:
         self.wf = arena.take((rows_cap, wf), np.float64, "sampler fp64 work")
         self.wi = arena.take((rows_cap, wi), np.int32, "sampler int32 work")
         self.staging = _d.PinnedBuffer(self.layout.nbytes)
+        # a chained step's (the pipelined decode, CudaModel.launch_tokens(after=)): two small
+        # stagings in turn, the fixed parameters only (its rows pack no penalty, bias or mask)
+        self.ahead_staging = [_d.PinnedBuffer(self.layout.data) for _ in range(2)]
         self.kernels = kernels
         self.threads = THREADS          # the kernels' block size (their factories' default)
         self.blocks = ROW_BLOCKS        # blocks per row (idem)
@@ -204,12 +207,17 @@ class DeviceSampler:
         return (SamplerLayout(rows_cap, vocab, pen_cap).nbytes + 8 * rows_cap * vocab
                 + rows_cap * (8 * wf + 4 * wi) + 4 * 256)
 
-    def launch(self, stream, logits_ptr: int, tokens_ptr: int, rows) -> None:
-        """Pack, copy, launch the three kernels (asynchronous on `stream`)."""
+    def launch(self, stream, logits_ptr: int, tokens_ptr: int, rows, ahead_turn=None) -> None:
+        """Pack, copy, launch the three kernels (asynchronous on `stream`). ahead_turn (0 or 1,
+        alternating): a step launched while the previous one may not have copied its own
+        parameters yet packs into that small staging; its rows must pack no data."""
         lay = self.layout
-        buf = self.staging.view(np.uint8, 0, lay.nbytes)
-        nbytes = pack(lay, buf, rows, self.cache)
-        self._d.copy_htod_async(self.block.ptr, self.staging.ptr, nbytes, stream)
+        staging = self.staging if ahead_turn is None else self.ahead_staging[ahead_turn]
+        size = lay.nbytes if ahead_turn is None else lay.data
+        nbytes = pack(lay, staging.view(np.uint8, 0, size), rows, self.cache)
+        if nbytes > size:
+            raise ValueError("sampler: a chained step's rows pack no penalty, bias or mask")
+        self._d.copy_htod_async(self.block.ptr, staging.ptr, nbytes, stream)
         base = self.block.ptr
         args = (tokens_ptr, logits_ptr, self.z.ptr, lay.vocab, base + lay.fpar, base + lay.ipar,
                 base + lay.upar, base + lay.data, base + lay.data, self.wf.ptr, self.wi.ptr)
@@ -222,6 +230,7 @@ class DeviceSampler:
             kernel.launch(stream, (self.blocks, len(rows)), (self.threads,), args)
 
     def close(self) -> None:
-        if self.staging is not None:
-            self.staging.free()
-            self.staging = None
+        for buf in [self.staging] + self.ahead_staging:
+            if buf is not None:
+                buf.free()
+        self.staging, self.ahead_staging = None, []

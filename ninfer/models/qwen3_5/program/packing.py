@@ -66,10 +66,12 @@ def device_path(model, seqs, units, masks) -> Optional[str]:
     return "sample" if model.samples_on_device else None
 
 
-def sample_requests(token_buf, program_uid: int, seqs, units, masks) -> list:
+def sample_requests(token_buf, program_uid: int, seqs, units, masks, ahead: int = 0) -> list:
     """The device sampler's rows (None for a row that does not sample). The prompt cache key
-    names the Program too: the sampler lives on the model, which may serve several."""
-    return [SampleRow(seq.spec, seq.num_tokens,
+    names the Program too: the sampler lives on the model, which may serve several. ahead=1:
+    the step after the one in flight (Program.launch_ahead: rows whose spec
+    samples_from_logits_alone, so the generated ids it cannot know yet are not read)."""
+    return [SampleRow(seq.spec, seq.num_tokens + ahead,
                       token_buf[seq.slot, :seq.num_prompt_tokens],
                       token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
                       mask, cache_key=(program_uid, seq.seq_id, seq.num_prompt_tokens))

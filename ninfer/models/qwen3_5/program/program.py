@@ -462,18 +462,19 @@ class Program:
     def _can_run_ahead(self, inflight: InFlightUnit) -> bool:
         """Whether inflight's rows' next decode step may start now: the backend chains token
         steps on its device (`Model.chains_token_steps`), the unit is the one in flight with
-        nothing ahead of it, and every row is a plain greedy decode row (device argmax: no
-        mask, penalty or logprobs, no forced tokens, no checkpoint position due) with room for
-        one more token in max_context and its pages."""
+        nothing ahead of it, on a device token path, and every row is a decode row whose token
+        comes from its logits, seed and position alone (greedy or sampled; no mask, penalty,
+        bias or logprobs, no forced tokens, no checkpoint position due) with room for one more
+        token in max_context and its pages."""
         if not self.model.chains_token_steps or inflight is not self._inflight \
                 or self._ahead is not None or self._pending is not None \
-                or inflight.path != "greedy" or self.speculator is not None:
+                or inflight.path not in ("greedy", "sample") or self.speculator is not None:
             return False
         need = 0
         for seq, unit, mask in zip(inflight.seqs, inflight.units, inflight.masks):
             if unit.forced or unit.is_replay or not unit.is_sampling or mask is not None \
                     or unit.num_new_tokens != 1 or seq.num_computed_tokens != seq.num_tokens - 1 \
-                    or not seq.spec.is_plain_greedy or seq.captures \
+                    or not seq.spec.samples_from_logits_alone or seq.captures \
                     or seq.num_tokens + 1 >= self.max_context:
                 return False
             extra = self.pages.can_grow(seq.slot, seq.num_computed_tokens + 2)
@@ -498,9 +499,11 @@ class Program:
                 raise ProgramError("launch_ahead: pages vanished between check and act")
         batch = packing.pack_rows(self.token_buf, self.pages.block_tables, self.page_size, seqs,
                                   inflight.units, ahead=1)
-        step = self.model.launch_tokens(batch, self.kv, self.state, after=inflight.step)
-        self._ahead = InFlightUnit(seqs, inflight.units, [None] * len(seqs), [None] * len(seqs),
-                                   "greedy", step)
+        none = [None] * len(seqs)
+        rows = None if inflight.path == "greedy" else packing.sample_requests(
+            self.token_buf, self._uid, seqs, inflight.units, none, ahead=1)
+        step = self.model.launch_tokens(batch, self.kv, self.state, rows, after=inflight.step)
+        self._ahead = InFlightUnit(seqs, inflight.units, none, none, inflight.path, step)
         return self._ahead
 
     def collect(self, inflight: InFlightUnit) -> PendingBatch:
