@@ -898,6 +898,46 @@ def test_pool_host_copies_round_trip_like_the_numpy_pools(monkeypatch):
     assert kv.read_pages([])[0][0].shape == (0,) + ref_kv.k[0].shape[1:]
 
 
+def test_pool_host_copies_move_runs_of_pages_in_one_copy(monkeypatch):
+    """Consecutive pages (a prefill chunk takes its pages together) go in one copy per run and
+    array, each way and device to device; the bytes are the numpy pool's, in the order asked,
+    for runs, single pages and repeats; a copy whose sources and destinations share pages is
+    refused before anything moves, as numpy's is."""
+    from ninfer.core.cuda import driver as d
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, _runs
+    from ninfer.models.qwen3_5.state import KVPool
+    assert _runs([4, 5, 6, 9, 10, 2, 2]) == [(4, 0, 3), (9, 3, 2), (2, 5, 1), (2, 6, 1)]
+    assert _runs([1, 2, 3], [7, 8, 0]) == [(1, 7, 2), (3, 0, 1)]
+    dev, cfg, r = _FakeDevice(monkeypatch, 64 << 20), _pool_config(), np.random.default_rng(8)
+    copies = []
+    for name in ("copy_dtoh_async", "copy_htod_async"):
+        monkeypatch.setattr(d, name, (lambda f: lambda *a: (copies.append(a[2]), f(*a)))(
+            getattr(d, name)))
+    monkeypatch.setattr(d, "copy_dtod_async", lambda dst, src, n, stream: (
+        copies.append(n), dev._dev(dst, n).__setitem__(slice(None), dev._dev(src, n).copy())))
+    kv, ref = DeviceKVPool(_pool_dev(dev), cfg, 12, 4), KVPool.allocate(cfg, 12, 4)
+    arrays = 2 * len(ref.k)
+    pages = [2, 3, 4, 5, 9, 10, 0]
+    data = tuple([_bf16_exact(r, (7,) + k.shape[1:]) for k in ref.k] for _ in range(2))
+    copies.clear()
+    kv.write_pages(pages, data)
+    ref.write_pages(pages, data)
+    assert len(copies) == 3 * arrays                   # runs 2-5, 9-10, 0
+    copies.clear()
+    for got, want in zip(kv.read_pages([9, 10, 11, 3, 3]), ref.read_pages([9, 10, 11, 3, 3])):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert len(copies) == 3 * arrays                   # 9-11, 3, 3
+    copies.clear()
+    kv.copy_pages([2, 3, 4], [6, 7, 8])                # disjoint runs: one copy per array
+    ref.copy_pages([2, 3, 4], [6, 7, 8])
+    assert len(copies) == arrays
+    for pool in (kv, ref):
+        with pytest.raises(ValueError, match="overlap"):
+            pool.copy_pages([4, 5], [5, 6])
+    for got, want in zip(kv.read_pages(range(12)), ref.read_pages(range(12))):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
 def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):
     from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     from ninfer.models.qwen3_5.state import KVPool, StatePool
