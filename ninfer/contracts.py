@@ -224,6 +224,7 @@ class CheckpointInfo:
     on_device: bool             # device tier (pages by reference + a cache State slot), else host
     device_pages_freed: int     # KV pages dropping or demoting it would free now (unshared ones)
     host_bytes: int             # host tier: bytes of its host copies, else 0
+    is_moving: bool = False     # on the device, its demotion's host copies under way
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +237,9 @@ class StoreUsage:
     device_bytes_used: int      # those pages + the cache State slots in use
     num_cache_slots: int        # 0: no device tier
     num_entries: int
+    num_free_cache_slots: int = 0
+    num_moving: int = 0         # device checkpoints whose demotion's copies are under way
+    moving_pages_freed: int = 0     # KV pages those give back when their copies are done
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,8 +273,15 @@ class KVPoolProtocol(Protocol):
     copies: (k list, v list), one array per layer (kv_dtype fp8 / int8: each page's codes and
     scales as bytes, ops/kv_quant.QuantizedPages.raw, on both backends)."""
     num_pages: int
+    # start_read_pages copies while the model's steps go on (CUDA: a copy stream), so the
+    # context cache demotes ahead of need; False: the read is done when it starts (numpy)
+    reads_async: bool
 
     def read_pages(self, pages) -> tuple: ...
+
+    def start_read_pages(self, pages) -> "HostRead":
+        """read_pages, begun now and finished later: the pages must not change until the
+        HostRead is done (the checkpoint store holds them meanwhile)."""
 
     def write_pages(self, pages, image: tuple) -> None: ...
 
@@ -283,10 +294,13 @@ class KVPoolProtocol(Protocol):
 class StatePoolProtocol(Protocol):
     """One StateImage (GDN conv + recurrent state) per slot (`Model.new_state_pool`)."""
     num_slots: int
+    reads_async: bool               # as KVPoolProtocol's
 
     def zero(self, slot: int) -> None: ...
 
     def read(self, slot: int) -> tuple: ...
+
+    def start_read(self, slot: int) -> "HostRead": ...
 
     def write(self, slot: int, image: tuple) -> None: ...
 
@@ -341,7 +355,14 @@ class CheckpointStoreProtocol(Protocol):
 
     def host_cost(self, num_tokens: int) -> int: ...
 
+    # start_demote's copies run beside the steps (the pools' reads_async): settle finishes them
+    reads_async: bool
+
     def demote(self, cid: int) -> None: ...
+
+    def start_demote(self, cid: int) -> None: ...
+
+    def settle(self, wait: bool = False) -> int: ...
 
     def drop(self, cid: int) -> None: ...
 
@@ -474,6 +495,30 @@ class Model(Protocol):
     def forward(self, batch, kv, state, *, all_logits: bool = False) -> np.ndarray: ...
 
     def close(self) -> None: ...
+
+
+class HostRead(Protocol):
+    """A pool's host copy in progress (KVPoolProtocol.start_read_pages / StatePool.start_read)."""
+
+    def done(self) -> bool:
+        """Whether the copy has finished (never blocks)."""
+
+    def result(self):
+        """The image read_pages / read would return (waits for the copy); once."""
+
+
+class ReadyRead:
+    """A host read that was done when it started (the numpy pools)."""
+    __slots__ = ("_value",)
+
+    def __init__(self, value):
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return self._value
 
 
 class ReadyStep:

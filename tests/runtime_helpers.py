@@ -13,11 +13,11 @@ VOCAB = 64
 EOS = 0
 
 
-def make_core(**kw):
+def make_core(model_class=FakeModel, **kw):
     # debug_checks: the whole page ledger is audited whenever the core runs empty
     options = EngineOptions(**{**dict(max_concurrency=4, max_context=64, page_size=4,
                                       prefill_chunk=8, debug_checks=True), **kw})
-    model = FakeModel(VOCAB)
+    model = model_class(VOCAB)
     return EngineCore(Program(model, options), FakeFrontend(VOCAB, (EOS,)), options), model
 
 

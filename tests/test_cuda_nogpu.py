@@ -938,6 +938,78 @@ def test_pool_host_copies_move_runs_of_pages_in_one_copy(monkeypatch):
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
+def test_async_host_reads_run_on_the_copy_stream_after_the_model_stream(monkeypatch):
+    """start_read_pages / start_read with a copy stream (CudaModel.async_host_reads): an event
+    recorded on the model's stream, the copy stream waiting on it, the copies on the copy stream,
+    an event after them; done() asks that event, result() waits on it and gives read_pages'
+    bytes (a bf16 pool's as bf16 bits) and the pinned buffer back for the next read."""
+    from types import SimpleNamespace
+    from ninfer.core.cuda import driver as d
+    from ninfer.models.qwen3_5.cuda.device_pools import (DeviceKVPool, DeviceStatePool,
+                                                        HostStaging, PinnedPool, PoolDevice)
+    from ninfer.models.qwen3_5.state import KVPool, StatePool
+    dev, cfg, r = _FakeDevice(monkeypatch, 64 << 20), _pool_config(), np.random.default_rng(9)
+    log, ready = [], [False]
+
+    class Event:
+        def __init__(self, timing=True):
+            self.name = f"e{len([x for x in log if x.startswith('new')])}"
+            log.append("new " + self.name)
+
+        def record(self, stream):
+            log.append(f"record {self.name} on {stream.name}")
+
+        def query(self):
+            return ready[0]
+
+        def synchronize(self):
+            log.append(f"wait {self.name}")
+
+        def destroy(self):
+            pass
+    monkeypatch.setattr(d, "Event", Event)
+    dtoh = d.copy_dtoh_async
+    monkeypatch.setattr(d, "copy_dtoh_async", lambda dst, src, n, stream: (
+        log.append(f"copy on {stream.name}"), dtoh(dst, src, n, stream)))
+    main = SimpleNamespace(name="main", synchronize=lambda: None)
+    copy = SimpleNamespace(name="copy", synchronize=lambda: None,
+                           wait=lambda e: log.append(f"copy waits {e.name}"))
+    pinned = PinnedPool()
+    pdev = PoolDevice(dev.arena, main, dev._current, dev._forget_graphs_of, HostStaging(),
+                      copy_stream=copy, pinned=pinned)
+    kv, st = DeviceKVPool(pdev, cfg, 6, 4), DeviceStatePool(pdev, cfg, 2)
+    ref_kv, ref_st = KVPool.allocate(cfg, 6, 4), StatePool.allocate(cfg, 2)
+    data = tuple([_bf16_exact(r, (6,) + k.shape[1:]) for k in ref_kv.k] for _ in range(2))
+    image = ([r.standard_normal(c.shape[1:]) for c in ref_st.conv],
+             [r.standard_normal(s.shape[1:]) for s in ref_st.recurrent])
+    for pool_kv, pool_st in ((kv, st), (ref_kv, ref_st)):
+        pool_kv.write_pages(range(6), data)
+        pool_st.write(1, image)
+    assert kv.reads_async and st.reads_async
+    log.clear()
+    read = kv.start_read_pages([4, 5, 0])
+    copies = 2 * len(kv.k) * 2                      # runs 4-5 and 0, per array
+    assert log == ["new e0", "record e0 on main", "copy waits e0"] + ["copy on copy"] * copies \
+        + ["new e1", "record e1 on copy"]
+    assert not read.done()
+    ready[0] = True
+    assert read.done()
+    got, want = read.result(), ref_kv.read_pages([4, 5, 0])
+    assert log[-1] == "wait e1"
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        assert g.dtype == np.uint16 and np.array_equal((g.astype(np.uint32) << 16).view(np.float32), w)
+    assert read.result() is got and len(pinned._free) == 1     # once; the buffer kept for reuse
+    state = st.start_read(1).result()
+    for g, w in zip(state[0] + state[1], ref_st.read(1)[0] + ref_st.read(1)[1]):
+        assert np.array_equal(g, np.asarray(w, np.float32))
+    allocs = dev.pinned_allocs
+    kv.start_read_pages([2, 3]).result()
+    assert dev.pinned_allocs == allocs                # a smaller read reuses a kept buffer
+    kv.write_pages([1, 2, 3], got)                     # bf16 bits are written as they are
+    for g, w in zip(kv.read_pages([1, 2, 3])[0], want[0]):
+        assert np.array_equal(g, w)
+
+
 def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):
     from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     from ninfer.models.qwen3_5.state import KVPool, StatePool

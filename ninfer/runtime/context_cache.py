@@ -36,6 +36,11 @@ from ..contracts import ProgramError
 
 
 MAX_SESSIONS = 4096      # session bindings remembered (least recently published forgotten first)
+# Where demotions run beside the steps (store.reads_async), the device tier is kept this far
+# from its limits by demoting ahead of need, so a capture finds room without a copy on its
+# request's path: free cache State slots, and a share of the device page budget.
+HEADROOM_SLOTS = 2
+HEADROOM_PAGES = 0.125
 
 
 def _digest(token_ids: np.ndarray, prev: bytes = b"") -> bytes:
@@ -252,6 +257,35 @@ class ContextCache:
             tokens = due.get(seq_id)
             if tokens is not None:
                 self._capture(seq_id, tokens, media_digest)
+        self.keep_headroom()
+
+    def keep_headroom(self) -> None:
+        """Finish the demotions whose copies are done; where they run beside the steps, start
+        demoting the lowest-ranked device checkpoints (to the host tier only: nothing is
+        dropped ahead of need) while the device tier, counting what those under way give back,
+        is within HEADROOM_SLOTS free slots or HEADROOM_PAGES of its page budget."""
+        self.store.settle()
+        if not self.store.reads_async:
+            return
+        while True:
+            u = self.store.usage()
+            if not u.num_cache_slots or (
+                    u.num_free_cache_slots + u.num_moving >= min(HEADROOM_SLOTS, u.num_cache_slots)
+                    and u.device_pages_used - u.moving_pages_freed
+                    <= (1 - HEADROOM_PAGES) * u.device_page_budget):
+                return
+            victims = [c for c in self._entries if self._is_leavable(c)]
+            victim = min(victims, key=self._rank, default=None)
+            if victim is None or not self._make_host_room(
+                    self.store.host_cost(self.store.info(victim).num_tokens), self._rank(victim)):
+                return
+            self.store.start_demote(victim)
+            self.demotions += 1
+
+    def _is_leavable(self, cid: int) -> bool:
+        """On the device and not already on its way to the host."""
+        info = self.store.info(cid)
+        return info.on_device and not info.is_moving
 
     def _capture(self, seq_id: int, tokens: np.ndarray, media_digest: bytes) -> None:
         p = len(tokens)
@@ -277,11 +311,13 @@ class ContextCache:
         whether it got there."""
         num_pages = self.program.capacity().free_kv_pages + num_pages_short
         while self.program.capacity().free_kv_pages < num_pages:
-            victims = [c for c in self._entries if c not in protect
+            victims = [c for c in self._entries if c not in protect and self._is_leavable(c)
                        and self.store.info(c).device_pages_freed > 0]
             if not victims:
+                if self.store.settle(wait=True):     # the demotions under way give theirs
+                    continue
                 return False
-            self._evict_device(min(victims, key=self._rank))
+            self._evict_device(min(victims, key=self._rank), protect)
         return True
 
     def clear_prefix_cache(self) -> None:
@@ -315,28 +351,30 @@ class ContextCache:
             if room.is_slot_free and self.program.capacity().free_kv_pages >= room.num_pages_taken \
                     and usage.device_pages_used + room.num_pages_added <= usage.device_page_budget:
                 return True
-            victims = [c for c in self._entries if c not in protect
-                       and self.store.info(c).on_device]
+            victims = [c for c in self._entries if c not in protect and self._is_leavable(c)]
             if not victims:
+                if self.store.settle(wait=True):     # the demotions under way give theirs
+                    continue
                 return False
-            self._evict_device(min(victims, key=self._rank))
+            self._evict_device(min(victims, key=self._rank), protect)
 
-    def _evict_device(self, cid: int) -> None:
-        """Demote to the host tier when it fits there (dropping lower-ranked host checkpoints
-        to make it fit), else drop."""
+    def _evict_device(self, cid: int, protect=()) -> None:
+        """Demote to the host tier when it fits there (dropping lower-ranked host checkpoints,
+        never a protected one, to make it fit), else drop."""
         tokens = self.store.info(cid).num_tokens
-        if self._make_host_room(self.store.host_cost(tokens), self._rank(cid)):
+        if self._make_host_room(self.store.host_cost(tokens), self._rank(cid), protect):
             self.store.demote(cid)
             self.demotions += 1
         else:
             self._remove(cid)
 
-    def _make_host_room(self, cost: int, rank: float) -> bool:
+    def _make_host_room(self, cost: int, rank: float, protect=()) -> bool:
         budget = self.store.usage().host_budget_bytes
         if cost > budget:
             return False
         while self.store.usage().host_bytes_used + cost > budget:
-            host = [c for c in self._entries if not self.store.info(c).on_device]
+            host = [c for c in self._entries
+                    if c not in protect and not self.store.info(c).on_device]
             victim = min(host, key=self._rank, default=None)
             if victim is None or self._rank(victim) > rank:
                 return False

@@ -124,3 +124,71 @@ def test_engine_turn_2_binds_the_continuation_float32(path, chain, monkeypatch):
     assert (w1.token_ids, w2.token_ids) == (c1.token_ids, c2.token_ids)
     assert w2.num_cached_tokens == 29 + 7 - 1 + int(chain) and c2.num_cached_tokens == 0
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_device_bytes"] > 0
+
+
+def test_async_host_reads_equal_the_synchronous_ones(path, monkeypatch):
+    """CudaModel.async_host_reads: the pools' start_read_pages / start_read on the copy stream,
+    after a step queued on the model's stream (the event between the streams orders them), give
+    read_pages' / read's bytes (a bf16 pool's image as bf16 bits, which write_pages takes back);
+    then a chat whose checkpoints are demoted ahead of need (a device share of 4 pages) gives the
+    tokens of the synchronous store (float32)."""
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    monkeypatch.setattr(CudaModel, "async_host_reads", True)
+    gpu = _gpu_model(path)
+    rng = np.random.default_rng(3)
+    kv, st = gpu.new_kv_pool(40, PAGE), gpu.new_state_pool(2)
+    try:
+        assert kv.reads_async and st.reads_async
+        img = tuple([(rng.standard_normal((40,) + a.shape[1:]).astype(np.float32)
+                      .view(np.uint32) & 0xFFFF0000).view(np.float32) for a in kv.k]
+                    for _ in range(2))
+        kv.write_pages(range(40), img)
+        kv.copy_pages(range(20), range(20, 40))       # queued on the model's stream first
+        pages = [21, 22, 23, 30, 5, 39]
+        reads = [kv.start_read_pages(pages) for _ in range(3)]     # several in flight
+        want = kv.read_pages(pages)
+        for r in reads:
+            got = r.result()
+            assert r.done()
+            for g, w in zip(got[0] + got[1], want[0] + want[1]):
+                assert g.dtype == np.uint16
+                np.testing.assert_array_equal((g.astype(np.uint32) << 16).view(np.float32), w)
+        kv.write_pages([0, 1, 2, 3, 4, 5], reads[0].result())   # bf16 bits written as they are
+        back = kv.read_pages([0, 1, 2, 3, 4, 5])
+        for g, w in zip(back[0] + back[1], want[0] + want[1]):
+            np.testing.assert_array_equal(g, w)
+        image = ([rng.standard_normal(a.shape[1:]).astype(np.float32) for a in st.conv],
+                 [rng.standard_normal(a.shape[1:]).astype(np.float32) for a in st.recurrent])
+        st.write(1, image)
+        got = st.start_read(1).result()
+        for g, w in zip(got[0] + got[1], image[0] + image[1]):
+            np.testing.assert_array_equal(g, w)
+    finally:
+        kv.close()
+        st.close()
+        gpu.close()
+    rng = np.random.default_rng(8)
+    turns = [rng.integers(3, 256, 40).astype(np.int32)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+
+    def chat(asynchronous):
+        monkeypatch.setattr(CudaModel, "async_host_reads", asynchronous)
+        out = []
+        with Engine(path, backend="cuda", dtype="float32", max_concurrency=2, max_context=256,
+                    prefill_chunk=16, page_size=8, num_kv_pages=40, debug_checks=True,
+                    prefix_cache_host_bytes=256 << 20,
+                    prefix_cache_device_fraction=0.1) as engine:
+            prompt = turns[0]
+            for t in range(4):
+                res = engine.generate(prompt, params, session="s")
+                out.append((res.token_ids, res.num_cached_tokens))
+                prompt = np.concatenate([prompt, np.asarray(res.token_ids, np.int32),
+                                         rng.integers(3, 256, 9).astype(np.int32)])
+            stats = engine.stats()
+            assert engine.health == "ready"
+        return out, stats
+    state = rng.bit_generator.state
+    sync, _ = chat(False)
+    rng.bit_generator.state = state
+    got, stats = chat(True)
+    assert got == sync and stats["prefix_cache_demotions"] > 0

@@ -137,6 +137,11 @@ class Stream:
         STATS.syncs += 1
         check(driver().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
+    def wait(self, event: "Event") -> None:
+        """Work queued on this stream after this call starts after `event` (the device waits,
+        not the host)."""
+        check(driver().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+
     def destroy(self) -> None:
         if self.handle is not None:
             check(driver().cuStreamDestroy(self.handle), "cuStreamDestroy")
@@ -155,6 +160,16 @@ class Event:
     def synchronize(self) -> None:
         STATS.syncs += 1
         check(driver().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def query(self) -> bool:
+        """Whether the work recorded before the event has completed (never blocks)."""
+        drv = driver()
+        result = drv.cuEventQuery(self.handle)
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) == int(drv.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        check(result, "cuEventQuery")
+        return True
 
     def elapsed_ms(self, later: "Event") -> float:
         return float(check(driver().cuEventElapsedTime(self.handle, later.handle),

@@ -45,7 +45,7 @@ from .cuda.decode_graphs import DecodeGraphs
 from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGIN,  # noqa: F401
                                  call_capacities, check_capacity, plan_cuda_memory,
                                  workspace_bytes)
-from .cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging, PoolDevice
+from .cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging, PinnedPool, PoolDevice
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.media_rows import MediaRows, checked_media
@@ -90,6 +90,12 @@ class CudaModel(MediaEncoding):
     # step k+1 before step k is collected (H200, 9B: Engine / model step 0.95 -> 1.00 at B=1,
     # 0.86 -> 0.94 at B=8; bench_engine --no-chain runs the steps one by one)
     chains_token_steps = True
+    # the pools' host reads for the context cache's demotions on a copy stream beside the steps
+    # (start_read_pages / start_read): off until it has run on a GPU
+    # (tests/gpu/test_context_cache_gpu.py::test_async_host_reads_equal_the_synchronous_ones)
+    async_host_reads = False
+    copy_stream = None               # (made at load when async_host_reads)
+    pool_pinned = None
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     kv_dtype = None         # "fp8" / "int8": quantized KV pages (options.kv_dtype)
@@ -112,6 +118,7 @@ class CudaModel(MediaEncoding):
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
         self.pool_staging = HostStaging()         # the pools' host copies (device_pools.py)
+        self.pool_pinned = PinnedPool()  # the pinned buffers of reads on the copy stream
         self.step_events = ()            # the events recorded after token steps' D2H copies
         self._in_flight = []             # launched TokenSteps not yet collected (at most 2)
         self._turn = 0                   # which of two id buffers / events / decode stagings
@@ -123,6 +130,8 @@ class CudaModel(MediaEncoding):
         self.device = _d.Device(options.device_id)
         self._lap("context")
         self.stream = self.device.stream
+        if self.async_host_reads:
+            self.copy_stream = _d.Stream()
         self._bind_context = ThreadContext(self.device)   # shared with the pools
         try:
             self._setup(options, artifact, random_seed, max_tokens, kernel_cache_dir)
@@ -292,7 +301,9 @@ class CudaModel(MediaEncoding):
     def _pool_device(self) -> PoolDevice:
         # a closing pool destroys the graphs captured over it (they would write into its regions)
         return PoolDevice(self.arena, self.stream, self._bind_context, self.graphs.forget,
-                          self.pool_staging, self.f32, self.kv_dtype)
+                          self.pool_staging, self.f32, self.kv_dtype,
+                          copy_stream=self.copy_stream,
+                          pinned=self.pool_pinned if self.copy_stream is not None else None)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
         self._current()
@@ -530,6 +541,12 @@ class CudaModel(MediaEncoding):
                 release(buf.free)
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
         release(self.pool_staging.free)
+        if self.copy_stream is not None:
+            release(self.copy_stream.synchronize)
+            release(self.copy_stream.destroy)
+            self.copy_stream = None
+        if self.pool_pinned is not None:
+            release(self.pool_pinned.free)
         if self.arena is not None:
             release(self.arena.close)
             self.arena = None

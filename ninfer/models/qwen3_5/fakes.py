@@ -147,6 +147,54 @@ class FakeModel(ImmediateTokenSteps):
         pass
 
 
+class LateRead:
+    """A host read that copies when it finishes, not when it starts, as a copy stream may: done()
+    turns True at its `polls`-th call; result() reads the rows then. A store that let its rows
+    change before the read was done would keep the changed bytes (and a later hit would give
+    other tokens)."""
+
+    def __init__(self, read: Callable, polls: int):
+        self._read, self._polls, self._value, self.finished = read, polls, None, False
+
+    def done(self) -> bool:
+        self._polls -= 1
+        return self._polls < 0
+
+    def result(self):
+        if not self.finished:
+            self._value, self.finished = self._read(), True
+        return self._value
+
+
+class LateKVPool(KVPool):
+    """KVPool whose start_read_pages is a LateRead (contracts.KVPoolProtocol.reads_async)."""
+    reads_async = True
+    polls = 3
+
+    def start_read_pages(self, pages):
+        pages = np.array(pages, np.int64)
+        return LateRead(lambda: self.read_pages(pages), self.polls)
+
+
+class LateStatePool(StatePool):
+    reads_async = True
+    polls = 3
+
+    def start_read(self, slot: int):
+        return LateRead(lambda: self.read(slot), self.polls)
+
+
+class LateReadModel(FakeModel):
+    """FakeModel over pools whose host reads finish a few polls after they start: the context
+    cache's asynchronous demotions (CheckpointStore.start_demote / settle) on a CPU."""
+
+    def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
+        return LateKVPool.allocate(self.config.text, num_pages, page_size)
+
+    def new_state_pool(self, num_slots: int) -> StatePool:
+        return LateStatePool.allocate(self.config.text, num_slots)
+
+
 class NullModel(FakeModel):
     """A model that costs nothing: every unit "samples" token `token_id` on its device path, so a
     run through EngineCore measures the host's own per-cycle work (tests/test_host_cost.py)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...contracts import ReadyRead
 from ...ops.kv_quant import QuantizedPages
 from .config import TextConfig
 
@@ -24,6 +25,7 @@ class KVPool:
     page_size: int
     k: list
     v: list
+    reads_async = False         # (contracts.KVPoolProtocol: host reads are done at once)
 
     @classmethod
     def allocate(cls, cfg: TextConfig, num_pages: int, page_size: int,
@@ -52,6 +54,9 @@ class KVPool:
         idx = np.asarray(pages, dtype=np.int64)
         return [_read(k, idx) for k in self.k], [_read(v, idx) for v in self.v]
 
+    def start_read_pages(self, pages) -> ReadyRead:
+        return ReadyRead(self.read_pages(pages))
+
     def write_pages(self, pages, data: tuple) -> None:
         idx = np.asarray(pages, dtype=np.int64)
         for dst, src in zip(self.k + self.v, list(data[0]) + list(data[1])):
@@ -75,6 +80,7 @@ class KVPool:
 class StatePool:
     conv: list
     recurrent: list
+    reads_async = False
 
     @classmethod
     def allocate(cls, cfg: TextConfig, num_slots: int) -> "StatePool":
@@ -96,6 +102,9 @@ class StatePool:
     def read(self, slot: int) -> tuple:
         """Host copy of one slot's StateImage (Snapshot / provisional backup)."""
         return [c[slot].copy() for c in self.conv], [r[slot].copy() for r in self.recurrent]
+
+    def start_read(self, slot: int) -> ReadyRead:
+        return ReadyRead(self.read(slot))
 
     def write(self, slot: int, image: tuple) -> None:
         for dst, src in zip(self.conv, image[0]):

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ....contracts import ReadyRead
 from ....core.cuda import driver as _d
 from ..config import TextConfig
 from ..memory_plan import quantized_page_bytes
@@ -25,6 +26,8 @@ from ..state import _copy_indices
 
 
 def _bf16_bits(a) -> np.ndarray:
+    if getattr(a, "dtype", None) == np.uint16:      # bf16 bits already (start_read_pages')
+        return np.ascontiguousarray(a)
     import ml_dtypes
     return np.ascontiguousarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
 
@@ -105,28 +108,110 @@ def _runs(src_rows, dst_rows=None) -> list:
     return [tuple(r) for r in runs]
 
 
+def _rows_bytes(arrays, rows) -> int:
+    return len(rows) * sum(a.nbytes // a.shape[0] for a in arrays)
+
+
+def _enqueue_rows_out(arrays, rows, buf, stream) -> None:
+    """Queue the host copies of rows `rows` of each array into pinned `buf`, array after array
+    (one copy per run of consecutive rows)."""
+    runs, off = _runs(rows), 0
+    for a in arrays:
+        size = a.nbytes // a.shape[0]
+        for r, i, n in runs:
+            _d.copy_dtoh_async(buf.ptr + off + i * size, a.at(r), n * size, stream)
+        off += len(rows) * size
+
+
+def _unpack_rows(arrays, rows, buf) -> list:
+    """The host arrays of what _enqueue_rows_out copied into buf (copies: buf is reused)."""
+    out, off = [], 0
+    for a in arrays:
+        n = len(rows) * (a.nbytes // a.shape[0])
+        out.append(buf.array[off: off + n].view(a.dtype).reshape((len(rows),) + a.shape[1:])
+                   .copy())
+        off += n
+    return out
+
+
 def _copy_rows_out(arrays, rows, stream, staging: HostStaging) -> list:
     """Host copies of rows `rows` of each device array (one pinned buffer, one copy per run of
     consecutive rows, one sync: a snapshot of a long sequence is thousands of pages)."""
-    sizes = [a.nbytes // a.shape[0] for a in arrays]
-    buf = staging.take(len(rows) * sum(sizes))
-    runs = _runs(rows)
+    buf = staging.take(_rows_bytes(arrays, rows))
     try:
-        off = 0
-        for a, size in zip(arrays, sizes):
-            for r, i, n in runs:
-                _d.copy_dtoh_async(buf.ptr + off + i * size, a.at(r), n * size, stream)
-            off += len(rows) * size
+        _enqueue_rows_out(arrays, rows, buf, stream)
         stream.synchronize()
-        out, off = [], 0
-        for a, size in zip(arrays, sizes):
-            n = len(rows) * size
-            out.append(buf.array[off: off + n].view(a.dtype).reshape((len(rows),) + a.shape[1:])
-                       .copy())
-            off += n
-        return out
+        return _unpack_rows(arrays, rows, buf)
     finally:
         staging.give(buf)
+
+
+class PinnedPool:
+    """Pinned host buffers for the host reads in flight on the copy stream (several at once, so
+    not HostStaging's one buffer), kept for reuse up to keep_bytes: allocating tens of MB of
+    pinned memory costs milliseconds on the worker thread."""
+
+    def __init__(self, keep_bytes: int = 512 << 20):
+        self.keep_bytes = int(keep_bytes)
+        self._free: list = []
+
+    def take(self, nbytes: int):
+        fits = [b for b in self._free if b.nbytes >= nbytes]
+        if fits:
+            buf = min(fits, key=lambda b: b.nbytes)
+            self._free.remove(buf)
+            return buf
+        return _d.PinnedBuffer(max(int(nbytes), 1))
+
+    def give(self, buf) -> None:
+        self._free.append(buf)
+        while sum(b.nbytes for b in self._free) > self.keep_bytes:
+            big = max(self._free, key=lambda b: b.nbytes)
+            self._free.remove(big)
+            big.free()
+
+    def free(self) -> None:
+        for b in self._free:
+            b.free()
+        self._free = []
+
+
+class RowsInFlight:
+    """Host copies of rows of device arrays running on the copy stream after everything queued
+    on the model's stream so far (an event between the two): done() asks the device without
+    waiting; result() waits, unpacks, converts (`convert(list of arrays)`) and gives the pinned
+    buffer back. The rows must not change until it is done: the caller holds them."""
+
+    def __init__(self, dev: "PoolDevice", arrays, rows, convert):
+        dev.bind()
+        self._dev, self._arrays, self._rows, self._convert = dev, arrays, list(rows), convert
+        self._buf = dev.pinned.take(_rows_bytes(arrays, self._rows))
+        before = _d.Event(timing=False)
+        before.record(dev.stream)
+        dev.copy_stream.wait(before)
+        _enqueue_rows_out(arrays, self._rows, self._buf, dev.copy_stream)
+        self._done = _d.Event(timing=False)
+        self._done.record(dev.copy_stream)
+        before.destroy()            # (the wait was queued: destroying a recorded event is safe)
+        self._value = None
+
+    def done(self) -> bool:
+        if self._buf is None:
+            return True
+        self._dev.bind()
+        return self._done.query()
+
+    def result(self):
+        if self._buf is not None:
+            self._dev.bind()
+            self._done.synchronize()
+            try:
+                self._value = self._convert(_unpack_rows(self._arrays, self._rows, self._buf))
+            finally:
+                self._dev.pinned.give(self._buf)
+                self._buf = None
+                self._done.destroy()
+        return self._value
 
 
 def _copy_rows_in(arrays, rows, images, stream, staging: HostStaging) -> None:
@@ -185,6 +270,10 @@ class PoolDevice:
     staging: HostStaging
     f32: bool = False
     kv_dtype: Optional[str] = None
+    # host reads that run beside the model's steps (start_read_pages / start_read): a second
+    # stream and its pinned buffers; None: those reads are synchronous (reads_async False)
+    copy_stream: object = None
+    pinned: Optional[PinnedPool] = None
 
 
 class DeviceKVPool:
@@ -213,18 +302,35 @@ class DeviceKVPool:
     def num_pages(self) -> int:
         return self._num_pages
 
+    @property
+    def reads_async(self) -> bool:
+        return self._dev.copy_stream is not None
+
     def read_pages(self, pages) -> tuple:
         """Host copy of the given pages: float32 [len(pages), page_size, nkv, head_dim] per
         layer, or with kv_dtype the numpy backend's bytes (QuantizedPages.raw)."""
         pages = _checked_indices(pages, self._num_pages, "KV page")
         self._dev.bind()
-        bits = _copy_rows_out(self.k + self.v, pages, self._dev.stream, self._dev.staging)
+        rows = _copy_rows_out(self.k + self.v, pages, self._dev.stream, self._dev.staging)
+        return self._image(rows, (lambda b: b) if self._f32 else _bits_f32)
+
+    def start_read_pages(self, pages):
+        """read_pages on the copy stream (contracts.KVPoolProtocol), except that a bf16 pool's
+        image stays bf16 bits (uint16 arrays, which write_pages takes as they are): the context
+        cache's host tier keeps what it reads here only to write it back, and the float32
+        widening would double its bytes and cost the worker ~1 s per 3 GB each way."""
+        pages = _checked_indices(pages, self._num_pages, "KV page")
+        if not self.reads_async:
+            return ReadyRead(self.read_pages(pages))
+        return RowsInFlight(self._dev, self.k + self.v, pages,
+                            lambda rows: self._image(rows, lambda b: b))
+
+    def _image(self, rows, widen) -> tuple:
+        """(k list, v list) of the rows of self.k + self.v: quantized pages as numpy's bytes,
+        else each through `widen`."""
+        host = self._host_bytes if self.kv_dtype is not None else widen
         n = len(self.k)
-        if self.kv_dtype is not None:
-            host = self._host_bytes
-        else:
-            host = (lambda b: b) if self._f32 else _bits_f32
-        return [host(b) for b in bits[:n]], [host(b) for b in bits[n:]]
+        return [host(b) for b in rows[:n]], [host(b) for b in rows[n:]]
 
     def write_pages(self, pages, data: tuple) -> None:
         pages = _checked_indices(pages, self._num_pages, "KV page")
@@ -302,11 +408,24 @@ class DeviceStatePool:
             _d.memset_d8_async(a.at(slot), 0, a.nbytes // a.shape[0], st)
         st.synchronize()
 
+    @property
+    def reads_async(self) -> bool:
+        return self._dev.copy_stream is not None
+
     def read(self, slot: int) -> tuple:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
         self._dev.bind()
-        arrays = _copy_rows_out(self.conv + self.recurrent, [slot], self._dev.stream,
-                                self._dev.staging)
+        return self._image(_copy_rows_out(self.conv + self.recurrent, [slot], self._dev.stream,
+                                          self._dev.staging))
+
+    def start_read(self, slot: int):
+        """read on the copy stream (contracts.StatePoolProtocol)."""
+        slot, = _checked_indices(slot, self._num_slots, "state slot")
+        if not self.reads_async:
+            return ReadyRead(self.read(slot))
+        return RowsInFlight(self._dev, self.conv + self.recurrent, [slot], self._image)
+
+    def _image(self, arrays) -> tuple:
         n = len(self.conv)
         return [a[0] for a in arrays[:n]], [a[0] for a in arrays[n:]]
 

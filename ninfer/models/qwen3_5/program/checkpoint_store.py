@@ -15,6 +15,10 @@ is valid only at the exact position it was computed). It lives in one of two tie
 
 Demote moves a device checkpoint to the host tier (its device pages and slot go back); promote
 moves a host one back to the device, from the pages and slot of a sequence that just bound it.
+Where the pools read asynchronously (`reads_async`: CUDA's copy stream), `start_demote` begins
+the host copies and returns; the checkpoint stays on the device, usable, its host bytes
+reserved, until `settle` finds its copies done (or waits for them) and only then gives its pages
+and slot back, so nothing overwrites them while they are read.
 
 The runtime sees this store only through `Program.checkpoints` and its narrow API: `info`, `ids`,
 `usage`, `host_cost`, `demote`, `drop` (typed results: contracts.CheckpointInfo / StoreUsage).
@@ -41,6 +45,8 @@ class Checkpoint:
     host_kv: Optional[tuple] = None  # host tier: KVPool.read_pages of the pages covering [0, p)
     host_state: Optional[tuple] = None
     host_bytes: int = 0
+    moving: Optional[tuple] = None   # a demotion under way: (KV HostRead, State HostRead)
+    reserved: int = 0                # and the host bytes it will take
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +69,7 @@ class CheckpointStore:
         self.host_budget_bytes = int(host_budget_bytes)
         self.device_page_budget = int(device_page_budget)
         self.entries: dict = {}          # checkpoint id -> Checkpoint
+        self._moving: set = set()        # ids of the entries whose demotion is under way
         # (distinct device pages, host bytes) of the entries, or None after a change: the
         # Engine reads them every cycle (stats) and they change only at capture / drop / tiers
         self._usage: Optional[tuple] = None
@@ -74,7 +81,8 @@ class CheckpointStore:
     def info(self, cid: int) -> CheckpointInfo:
         c = self.entries[cid]
         freed = self.pages.num_sole(c.device_pages()) if c.on_device else 0
-        return CheckpointInfo(c.num_tokens, c.on_device, freed, c.host_bytes)
+        return CheckpointInfo(c.num_tokens, c.on_device, freed, c.host_bytes,
+                              c.moving is not None)
 
     def ids(self) -> list:
         return list(self.entries)
@@ -86,9 +94,23 @@ class CheckpointStore:
                           device_page_budget=self.device_page_budget,
                           device_bytes_used=self.device_bytes_used,
                           num_cache_slots=self.slots.num_slots,
-                          num_entries=len(self.entries))
+                          num_entries=len(self.entries),
+                          num_free_cache_slots=self.slots.num_free,
+                          num_moving=len(self._moving),
+                          moving_pages_freed=self.pages.num_sole(np.concatenate(
+                              [self.entries[cid].device_pages() for cid in self._moving]))
+                          if self._moving else 0)
 
     # ---- sizes ----------------------------------------------------------------------------------
+    @property
+    def num_moving(self) -> int:
+        """Demotions under way (their copies not yet settled)."""
+        return len(self._moving)
+
+    @property
+    def reads_async(self) -> bool:
+        return bool(self.kv.reads_async and self.state.reads_async)
+
     @property
     def is_enabled(self) -> bool:
         return self.slots.num_slots > 0 or self.host_budget_bytes > 0
@@ -99,7 +121,7 @@ class CheckpointStore:
     def _usage_now(self) -> tuple:
         if self._usage is None:
             self._usage = (len(np.unique(self.held_pages())),
-                           sum(c.host_bytes for c in self.entries.values()))
+                           sum(c.host_bytes + c.reserved for c in self.entries.values()))
         return self._usage
 
     @property
@@ -202,16 +224,44 @@ class CheckpointStore:
 
     # ---- tiers ----------------------------------------------------------------------------------
     def demote(self, cid: int) -> None:
-        """Device -> host copies; the device pages and the cache slot go back."""
+        """Device -> host copies; the device pages and the cache slot go back (now: the
+        copies are waited for)."""
+        self.start_demote(cid)
+        self._finish_move(cid)
+
+    def start_demote(self, cid: int) -> None:
+        """Begin the device -> host copies (the pools' start_read_*); `settle` ends it. The host
+        bytes are reserved now; the pages and slot stay held (and usable) meanwhile."""
         c = self.entries[cid]
         cost = self.host_cost(c.num_tokens)
-        if not c.on_device or self.host_bytes_used + cost > self.host_budget_bytes:
-            raise ProgramError(f"demote: checkpoint {cid} is not on the device or does not fit")
-        pages = c.device_pages()
+        if not c.on_device or c.moving is not None \
+                or self.host_bytes_used + cost > self.host_budget_bytes:
+            raise ProgramError(f"demote: checkpoint {cid} is not on the device, is moving "
+                               f"already or does not fit")
         t0 = time.perf_counter()
-        c.host_kv, c.host_state, c.host_bytes = self.kv.read_pages(pages), \
-            self.state.read(c.slot), cost
+        c.moving = (self.kv.start_read_pages(c.device_pages()), self.state.start_read(c.slot))
+        c.reserved = cost
+        self._moving.add(cid)
         self.copy_seconds["to_host"] += time.perf_counter() - t0
+        self._usage = None
+
+    def settle(self, wait: bool = False) -> int:
+        """Finish the demotions whose copies are done (every one under way, with wait): the
+        host tier takes the images, the device pages and slot go back. Returns how many."""
+        done = [cid for cid in self._moving
+                if wait or all(read.done() for read in self.entries[cid].moving)]
+        for cid in done:
+            self._finish_move(cid)
+        return len(done)
+
+    def _finish_move(self, cid: int) -> None:
+        c = self.entries[cid]
+        self._moving.discard(cid)
+        t0 = time.perf_counter()
+        kv, state = c.moving
+        c.host_kv, c.host_state = kv.result(), state.result()
+        self.copy_seconds["to_host"] += time.perf_counter() - t0
+        c.host_bytes, c.reserved, c.moving = c.reserved, 0, None
         self._free_device(c)
 
     def promote(self, cid: int, table_row: np.ndarray, seq_slot: int) -> None:
@@ -227,6 +277,11 @@ class CheckpointStore:
         c = self.entries.pop(cid, None)
         if c is None:
             raise ProgramError(f"checkpoint {cid} dropped twice or unknown")
+        if c.moving is not None:         # its pages are read until the copies are done
+            for read in c.moving:
+                read.result()
+            c.moving, c.reserved = None, 0
+            self._moving.discard(cid)
         if c.on_device:
             self._free_device(c)
         self._usage = None
@@ -247,10 +302,16 @@ class CheckpointStore:
                 raise ProgramError(f"cache usage {held} out of step with the entries "
                                    f"{self._usage}")
         self.slots.check([c.slot for c in self.entries.values() if c.on_device])
+        if self._moving != {cid for cid, c in self.entries.items() if c.moving is not None}:
+            raise ProgramError(f"moving checkpoints {sorted(self._moving)} out of step")
         for cid, c in self.entries.items():
             p = c.num_tokens
             if not p:
                 raise ProgramError(f"checkpoint {cid} covers no tokens")
+            if (c.moving is not None) != (c.reserved > 0) or \
+                    (c.moving is not None and (not c.on_device or c.reserved != self.host_cost(p))):
+                raise ProgramError(f"checkpoint {cid}: a demotion under way must be on the "
+                                   f"device with its host bytes reserved ({c.reserved})")
             if c.on_device:
                 full, rest = divmod(p, self.page_size)
                 if len(c.pages) != full or (rest > 0) != (c.partial >= 0) or c.host_bytes \

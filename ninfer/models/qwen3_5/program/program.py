@@ -628,6 +628,7 @@ class Program:
                 "prefix_cache_device_bytes": self.checkpoints.device_bytes_used,
                 "prefix_cache_kv_pages": self.checkpoints.device_pages_used,   # of kv_pages_used
                 "prefix_cache_slots_total": self.checkpoints.slots.num_slots,
+                "prefix_cache_demotions_in_flight": self.checkpoints.num_moving,
                 "prefix_cache_copy_seconds_to_host": self.checkpoints.copy_seconds["to_host"],
                 "prefix_cache_copy_seconds_to_device": self.checkpoints.copy_seconds["to_device"],
                 **(self.speculator.stats() if self.speculator is not None else {})}
