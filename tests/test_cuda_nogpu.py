@@ -938,11 +938,13 @@ def test_pool_host_copies_move_runs_of_pages_in_one_copy(monkeypatch):
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def test_async_host_reads_run_on_the_copy_stream_after_the_model_stream(monkeypatch):
-    """start_read_pages / start_read with a copy stream (CudaModel.async_host_reads): an event
+def test_async_host_copies_run_on_the_copy_stream_after_the_model_stream(monkeypatch):
+    """start_read_pages / start_read with a copy stream (CudaModel.async_host_copies): an event
     recorded on the model's stream, the copy stream waiting on it, the copies on the copy stream,
     an event after them; done() asks that event, result() waits on it and gives read_pages'
-    bytes (a bf16 pool's as bf16 bits) and the pinned buffer back for the next read."""
+    bytes (a bf16 pool's as bf16 bits) and the pinned buffer back for the next read. Writes
+    (write_pages, write: an install from the host tier, a resume) wait for nothing: their
+    buffers go back to the pool once an event after their copies has passed."""
     from types import SimpleNamespace
     from ninfer.core.cuda import driver as d
     from ninfer.models.qwen3_5.cuda.device_pools import (DeviceKVPool, DeviceStatePool,
@@ -1005,9 +1007,24 @@ def test_async_host_reads_run_on_the_copy_stream_after_the_model_stream(monkeypa
     allocs = dev.pinned_allocs
     kv.start_read_pages([2, 3]).result()
     assert dev.pinned_allocs == allocs                # a smaller read reuses a kept buffer
+
+    def no_sync():
+        raise AssertionError("an asynchronous pool write waited for its stream")
+    main.synchronize = no_sync
+    ready[0] = False
     kv.write_pages([1, 2, 3], got)                     # bf16 bits are written as they are
+    st.write(0, image)
+    assert log[-1].startswith("record") and log[-1].endswith("on main") and len(pinned._pending) == 2
+    main.synchronize = lambda: None
     for g, w in zip(kv.read_pages([1, 2, 3])[0], want[0]):
         assert np.array_equal(g, w)
+    for g, w in zip(st.read(0)[0], ref_st.read(1)[0]):
+        assert np.array_equal(g, np.asarray(w, np.float32))
+    kv.start_read_pages([0]).result()                  # their buffers stay out until the events
+    assert len(pinned._pending) == 2                   # have passed
+    ready[0] = True
+    kv.start_read_pages([0]).result()
+    assert not pinned._pending
 
 
 def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):

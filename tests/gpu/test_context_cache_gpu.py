@@ -126,14 +126,14 @@ def test_engine_turn_2_binds_the_continuation_float32(path, chain, monkeypatch):
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_device_bytes"] > 0
 
 
-def test_async_host_reads_equal_the_synchronous_ones(path, monkeypatch):
-    """CudaModel.async_host_reads: the pools' start_read_pages / start_read on the copy stream,
+def test_async_host_copies_equal_the_synchronous_ones(path, monkeypatch):
+    """CudaModel.async_host_copies: the pools' start_read_pages / start_read on the copy stream,
     after a step queued on the model's stream (the event between the streams orders them), give
     read_pages' / read's bytes (a bf16 pool's image as bf16 bits, which write_pages takes back);
     then a chat whose checkpoints are demoted ahead of need (a device share of 4 pages) gives the
     tokens of the synchronous store (float32)."""
     from ninfer.models.qwen3_5.cuda_model import CudaModel
-    monkeypatch.setattr(CudaModel, "async_host_reads", True)
+    monkeypatch.setattr(CudaModel, "async_host_copies", True)
     gpu = _gpu_model(path)
     rng = np.random.default_rng(3)
     kv, st = gpu.new_kv_pool(40, PAGE), gpu.new_state_pool(2)
@@ -172,7 +172,7 @@ def test_async_host_reads_equal_the_synchronous_ones(path, monkeypatch):
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
 
     def chat(asynchronous):
-        monkeypatch.setattr(CudaModel, "async_host_reads", asynchronous)
+        monkeypatch.setattr(CudaModel, "async_host_copies", asynchronous)
         out = []
         with Engine(path, backend="cuda", dtype="float32", max_concurrency=2, max_context=256,
                     prefill_chunk=16, page_size=8, num_kv_pages=40, debug_checks=True,

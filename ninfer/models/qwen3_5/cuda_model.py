@@ -90,11 +90,13 @@ class CudaModel(MediaEncoding):
     # step k+1 before step k is collected (H200, 9B: Engine / model step 0.95 -> 1.00 at B=1,
     # 0.86 -> 0.94 at B=8; bench_engine --no-chain runs the steps one by one)
     chains_token_steps = True
-    # the pools' host reads for the context cache's demotions on a copy stream beside the steps
-    # (start_read_pages / start_read): off until it has run on a GPU
-    # (tests/gpu/test_context_cache_gpu.py::test_async_host_reads_equal_the_synchronous_ones)
-    async_host_reads = False
-    copy_stream = None               # (made at load when async_host_reads)
+    # the pools' host copies without waits: reads for the context cache's demotions on a copy
+    # stream beside the steps (start_read_pages / start_read), writes (installs from the host
+    # tier, resumes) queued on the model's stream through buffers released by events: off
+    # until it has run on a GPU
+    # (tests/gpu/test_context_cache_gpu.py::test_async_host_copies_equal_the_synchronous_ones)
+    async_host_copies = False
+    copy_stream = None               # (made at load when async_host_copies)
     pool_pinned = None
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
@@ -130,7 +132,7 @@ class CudaModel(MediaEncoding):
         self.device = _d.Device(options.device_id)
         self._lap("context")
         self.stream = self.device.stream
-        if self.async_host_reads:
+        if self.async_host_copies:
             self.copy_stream = _d.Stream()
         self._bind_context = ThreadContext(self.device)   # shared with the pools
         try:

@@ -154,8 +154,10 @@ class PinnedPool:
     def __init__(self, keep_bytes: int = 512 << 20):
         self.keep_bytes = int(keep_bytes)
         self._free: list = []
+        self._pending: list = []        # (buffer, event): back in the pool once it has passed
 
     def take(self, nbytes: int):
+        self._reclaim()
         fits = [b for b in self._free if b.nbytes >= nbytes]
         if fits:
             buf = min(fits, key=lambda b: b.nbytes)
@@ -170,10 +172,28 @@ class PinnedPool:
             self._free.remove(big)
             big.free()
 
+    def give_after(self, buf, event) -> None:
+        """Give buf back once `event` (recorded after the copies that read it) has passed."""
+        self._pending.append((buf, event))
+
+    def _reclaim(self) -> None:
+        still = []
+        for buf, event in self._pending:
+            if event.query():
+                event.destroy()
+                self.give(buf)
+            else:
+                still.append((buf, event))
+        self._pending = still
+
     def free(self) -> None:
+        """(after the streams were synchronised: every pending copy has run)"""
+        for buf, event in self._pending:
+            event.destroy()
+            buf.free()
         for b in self._free:
             b.free()
-        self._free = []
+        self._free, self._pending = [], []
 
 
 class RowsInFlight:
@@ -214,11 +234,17 @@ class RowsInFlight:
         return self._value
 
 
-def _copy_rows_in(arrays, rows, images, stream, staging: HostStaging) -> None:
-    """Write images[i][j] (host, the array's dtype) into row rows[j] of arrays[i]."""
+def _copy_rows_in(arrays, rows, images, stream, staging: HostStaging,
+                  pinned: "PinnedPool" = None) -> None:
+    """Write images[i][j] (host, the array's dtype) into row rows[j] of arrays[i]. With `pinned`
+    (the pools' asynchronous copies): through a buffer of its own that goes back to the pool
+    once an event after the copies has passed, so nothing waits here; the model's stream runs
+    the copies before any step queued after them."""
     sizes = [a.nbytes // a.shape[0] for a in arrays]
-    buf = staging.take(len(rows) * sum(sizes))
+    total = len(rows) * sum(sizes)
+    buf = staging.take(total) if pinned is None else pinned.take(total)
     runs = _runs(rows)
+    queued = False
     try:
         off = 0
         for a, size, image in zip(arrays, sizes, images):
@@ -227,9 +253,19 @@ def _copy_rows_in(arrays, rows, images, stream, staging: HostStaging) -> None:
             for r, i, k in runs:
                 _d.copy_htod_async(a.at(r), buf.ptr + off + i * size, k * size, stream)
             off += n
-        stream.synchronize()          # the pinned buffer is reused or freed below
+        if pinned is not None:
+            event = _d.Event(timing=False)
+            event.record(stream)
+            pinned.give_after(buf, event)
+            queued = True
+        else:
+            stream.synchronize()      # the pinned buffer is reused or freed below
     finally:
-        staging.give(buf)
+        if pinned is None:
+            staging.give(buf)
+        elif not queued:              # (nothing was queued past a failure: wait, then reuse)
+            stream.synchronize()
+            pinned.give(buf)
 
 
 def _copy_rows(arrays, src_rows, dst_rows, stream) -> None:
@@ -345,7 +381,8 @@ class DeviceKVPool:
             host = _f32_array if self._f32 else _bf16_bits
             images = [host(h) for h in list(data[0]) + list(data[1])]
         self._dev.bind()
-        _copy_rows_in(self.k + self.v, pages, images, self._dev.stream, self._dev.staging)
+        _copy_rows_in(self.k + self.v, pages, images, self._dev.stream, self._dev.staging,
+                      self._dev.pinned)
 
     def _host_bytes(self, rows) -> np.ndarray:
         """Device page rows -> numpy's host bytes (the padding after the codes dropped)."""
@@ -436,7 +473,7 @@ class DeviceStatePool:
         self._dev.bind()
         _copy_rows_in(self.conv + self.recurrent, [slot],
                       [np.asarray(h, np.float32)[None] for h in list(image[0]) + list(image[1])],
-                      self._dev.stream, self._dev.staging)
+                      self._dev.stream, self._dev.staging, self._dev.pinned)
 
     def copy(self, src_slot: int, dst_slot: int) -> None:
         """Slot dst_slot's StateImage becomes a copy of src_slot's (numpy StatePool's contract)."""
