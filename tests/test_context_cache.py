@@ -288,14 +288,28 @@ def test_stress_sessions_cancels_pauses_evictions_end_empty(seed):
     """Random sessions continuing or branching, cancels, a tiny KV pool (pauses of both kinds),
     small device and host budgets (demotion, promotion, eviction): every kept answer equals its
     cold reference, the worker's audits pass, and everything is free at the end."""
-    rng = random.Random(seed)
+    core = _stress_core(4)
+    _stress_sessions(core, random.Random(seed))
+    _finish_empty(core)
+
+
+def _stress_core(host_entries: int, model_class=None):
+    """The stress's core: a tiny KV pool (pauses of both kinds), a device share of 4 pages, a
+    host tier of about host_entries 24-token checkpoints."""
     probe, _ = make_core()
-    host = 4 * probe.program.checkpoints.host_cost(24)
+    host = host_entries * probe.program.checkpoints.host_cost(24)
     probe.shutdown()
-    core, _ = make_core(max_concurrency=4, max_context=64, num_kv_pages=18, page_size=4,
-                        prefill_chunk=6, max_queue=400, host_snapshot_bytes=4000,
-                        prefix_cache_host_bytes=host, prefix_cache_device_fraction=0.25,
-                        checkpoint_interval=8)
+    return make_core(*(() if model_class is None else (model_class,)),
+                     max_concurrency=4, max_context=64, num_kv_pages=18, page_size=4,
+                     prefill_chunk=6, max_queue=400, host_snapshot_bytes=4000,
+                     prefix_cache_host_bytes=host, prefix_cache_device_fraction=0.25,
+                     checkpoint_interval=8)[0]
+
+
+def _stress_sessions(core, rng) -> None:
+    """70 requests of 6 sessions continuing or branching, 15 % cancelled, some awaited so later
+    turns extend them: every kept answer equals its cold reference (a cancelled one: a prefix),
+    and the cache hit and the pool paused."""
     histories = {f"s{k}": prompt(500 + k, rng.randint(3, 12)) for k in range(6)}
     plans = []
     for i in range(70):
@@ -323,7 +337,6 @@ def test_stress_sessions_cancels_pauses_evictions_end_empty(seed):
     stats = core.stats()
     assert core.health == "ready"
     assert stats["prefix_cache_hits"] > 0 and stats["pauses"] > 0
-    _finish_empty(core)
 
 
 def test_interval_checkpoints_lie_an_interval_past_the_reused_prefix():

@@ -9,13 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from ninfer.api import SamplingParams
 from ninfer.contracts import RowDecision, SamplingSpec
 from ninfer.models.qwen3_5.fakes import LateKVPool, LateReadModel, LateStatePool
 from ninfer.models.qwen3_5.program import Program
 from ninfer.options import EngineOptions
-from runtime_helpers import VOCAB, make_core, prompt, reference_tokens
-from test_context_cache import _finish_empty
+from runtime_helpers import VOCAB, prompt
+from test_context_cache import _finish_empty, _stress_core, _stress_sessions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,14 +92,7 @@ def test_sessions_cancels_pauses_with_demotions_under_way(monkeypatch, seed, pol
     for them), every kept answer is its cold run's and everything is free at the end."""
     monkeypatch.setattr(LateKVPool, "polls", polls)
     monkeypatch.setattr(LateStatePool, "polls", polls)
-    rng = random.Random(seed)
-    probe, _ = make_core()
-    host = 6 * probe.program.checkpoints.host_cost(24)
-    probe.shutdown()
-    core, _ = make_core(LateReadModel, max_concurrency=4, max_context=64, num_kv_pages=18,
-                        page_size=4, prefill_chunk=6, max_queue=400, host_snapshot_bytes=4000,
-                        prefix_cache_host_bytes=host, prefix_cache_device_fraction=0.25,
-                        checkpoint_interval=8)
+    core = _stress_core(6, LateReadModel)
     store = core.program.checkpoints
     started, most_moving = [], [0]
     start_demote, settle = store.start_demote, store.settle
@@ -115,32 +107,6 @@ def test_sessions_cancels_pauses_with_demotions_under_way(monkeypatch, seed, pol
         return settle(wait)
     monkeypatch.setattr(store, "start_demote", counted_start)
     monkeypatch.setattr(store, "settle", counted_settle)
-    histories = {f"s{k}": prompt(500 + k, rng.randint(3, 12)) for k in range(6)}
-    plans = []
-    for i in range(70):
-        name = rng.choice(sorted(histories))
-        base = histories[name]
-        if rng.random() < 0.3:
-            base = base[:rng.randint(1, len(base))]
-        p = np.concatenate([base, prompt(600 + i, rng.randint(1, 6))]).astype(np.int32)[:40]
-        params = SamplingParams(max_tokens=rng.randint(1, 8), ignore_eos=True,
-                                **rng.choice([dict(), dict(temperature=1.0, seed=i)]))
-        h = core.submit(p, params, session=name)
-        cancel = rng.random() < 0.15
-        if cancel:
-            h.cancel()
-        plans.append((p, params, cancel, h))
-        if rng.random() < 0.3:
-            res = h.result(timeout=60)
-            histories[name] = np.concatenate([p, np.asarray(res.token_ids, np.int32)])[:40]
-    for p, params, cancel, h in plans:
-        res = h.result(timeout=60)
-        want = reference_tokens(p, params, 64)
-        assert res.token_ids == want[:len(res.token_ids)]
-        if not cancel:
-            assert res.token_ids == want
-    stats = core.stats()
-    assert core.health == "ready"
-    assert stats["prefix_cache_hits"] > 0 and stats["pauses"] > 0
-    assert stats["prefix_cache_demotions"] >= len(started) > 0 and most_moving[0] >= 1
+    _stress_sessions(core, random.Random(seed))
+    assert core.stats()["prefix_cache_demotions"] >= len(started) > 0 and most_moving[0] >= 1
     _finish_empty(core)
