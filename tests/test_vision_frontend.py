@@ -156,3 +156,38 @@ def test_real_vocabulary_vision_tokens(ref):
     assert (p.token_ids == ids[V.IMAGE_PAD]).sum() == 20
     s = int(np.nonzero(p.token_ids == ids[V.VISION_START])[0][0])
     assert p.token_ids[s + 21] == ids[V.VISION_END]
+
+
+# a template that renders only {"type": "image"} parts (as some checkpoints' do): an OpenAI
+# "image_url" part is not rendered, so its image would be dropped without a word
+_IMAGE_ONLY = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+               "{{ m.content }}{% else %}{% for p in m.content %}{% if p.type == 'image' %}"
+               "<|vision_start|><|image_pad|><|vision_end|>{% elif p.type == 'text' %}"
+               "{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+               "<|im_start|>assistant\n")
+
+
+def test_media_the_template_does_not_place_are_a_400_naming_both_counts(ref):
+    fe = Frontend.from_artifact(FakeArtifact(), chat_template=_IMAGE_ONLY)
+    img = {"type": "image", "image": ref["image_0"]}
+    assert len(fe.prepare(_user(img)).media) == 1                   # what it renders works
+    url = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(RequestError, match=r"hold 2 image\(s\) and 0 video\(s\) but the chat "
+                                           r"template placed 1 image and 0 video") as e:
+        fe.prepare(_user(img, url))
+    assert e.value.status == 400
+    with pytest.raises(RequestError, match=r"hold 1 image\(s\).*placed 0 image"):
+        fe.prepare(_user(url))                                      # nothing placed at all
+    frames = [np.zeros((32, 32, 3), np.uint8)] * 2
+    with pytest.raises(RequestError, match=r"1 video\(s\).*placed 1 image and 0 video"):
+        fe.prepare(_user(img, {"type": "video", "video": frames, "fps": 2.0}))
+    # text-only models too: a medium the template drops is not answered without a word
+    class TextOnly(FakeArtifact):
+        model_config_json = {"vision": None}
+    with pytest.raises(RequestError, match="placed 0 image"):
+        Frontend.from_artifact(TextOnly(), chat_template=_IMAGE_ONLY).prepare(_user(url))
+
+
+def test_a_placeholder_typed_in_text_is_not_a_medium(fe):
+    with pytest.raises(RequestError, match=r"hold 0 image\(s\).*placed 1 image"):
+        fe.prepare([{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>"}])

@@ -14,12 +14,29 @@ from .grammar import GrammarCompiler
 from .output_session import OutputSession
 from .prompt import THINK_NONE, PreparedPrompt, make_prepared
 from .tokenizer import Tokenizer
-from .media import VisionPreprocessor, media_digest, rope_positions
-from .image_preprocess import MediaError, expand_placeholders
+from .media import VisionPreprocessor, media_digest, media_parts, rope_positions
+from .image_preprocess import (IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaError,
+                               expand_placeholders)
 
 _DEFAULT_EOS = ("<|im_end|>", "<|endoftext|>")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
+
+
+def _check_media_placed(messages, text: str) -> None:
+    """Every image and video part of the messages has its placeholder in the rendered prompt,
+    and no other placeholder is there: a chat template that does not render a kind of part (one
+    that knows only {"type": "image"}, given an OpenAI "image_url" part) would otherwise drop the
+    medium silently and the model answer without it."""
+    kinds = [k for k, _ in media_parts(messages)]
+    sent = (kinds.count("image"), kinds.count("video"))
+    placed = (text.count(VISION_START + IMAGE_PAD + VISION_END),
+              text.count(VISION_START + VIDEO_PAD + VISION_END))
+    if sent != placed:
+        raise RequestError(f"the messages hold {sent[0]} image(s) and {sent[1]} video(s) but the "
+                           f"chat template placed {placed[0]} image and {placed[1]} video "
+                           "placeholder(s) (a part the template does not render would be "
+                           "dropped; a placeholder typed in text is not a medium)")
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate,
@@ -141,6 +158,7 @@ class Frontend:
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping)
                                                                   for m in prompt):
             text = self.apply_chat_template(list(prompt), tools=tools, enable_thinking=thinking)
+            _check_media_placed(prompt, text)
             ids = self.tokenizer.encode(text)
             if np.isin(ids, self._media_ids).any():
                 # the template wrote image/video placeholders: preprocess the media, expand the
