@@ -50,9 +50,16 @@ def add_serve_parser(sub) -> None:
                    help="CORS: let browser pages from ORIGIN (https://host:port, or '*') call "
                         "the API (repeatable; default: none)")
     s.add_argument("--allow-media-urls", metavar="HOST,...", default=None,
-                   help="fetch http(s) image URLs from these hosts (HOST or HOST:PORT, "
-                        "comma-separated; 20 MiB and 10 s per image, redirects only to listed "
-                        "hosts; default: none, images come inline as data: URLs)")
+                   help="fetch http(s) image and video URLs from these hosts (HOST or "
+                        "HOST:PORT, comma-separated; 20 MiB per image, --max-video-mb per "
+                        "video, 10 s each, redirects only to listed hosts; default: none, media "
+                        "come inline as data: URLs)")
+    s.add_argument("--max-video-frames", type=int, default=7200, metavar="N",
+                   help="refuse (400) a video of more than N frames before decoding it "
+                        "(default 7200: 4 minutes at 30 fps)")
+    s.add_argument("--max-video-mb", type=float, default=64.0, metavar="MB",
+                   help="largest video fetched from a URL, MiB (default 64; an inline data: "
+                        "URL is bounded by --max-body-mb)")
     s.add_argument("--threads", type=int, default=None,
                    help="HTTP worker threads (default max-concurrency + max-queue + 4)")
     s.add_argument("--max-body-mb", type=float, default=8.0,
@@ -79,6 +86,10 @@ def serve_command(args) -> int:
         raise Error(f"--threads {args.threads}: must be >= 1")
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb > 0):
         raise Error(f"--max-body-mb {args.max_body_mb}: must be a finite number > 0")
+    if args.max_video_frames < 1:
+        raise Error(f"--max-video-frames {args.max_video_frames}: must be >= 1")
+    if not (math.isfinite(args.max_video_mb) and args.max_video_mb > 0):
+        raise Error(f"--max-video-mb {args.max_video_mb}: must be a finite number > 0")
     config = ServeConfig(model_id=args.model_id, api_key=args.api_key or None,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)),
                          max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
@@ -111,8 +122,11 @@ def serve_command(args) -> int:
         # to the same stream, and print() writes the text and its newline separately
         sys.stderr.write(startup_line(engine) + "\n")
         sys.stderr.flush()
-        if media_urls is not None and engine.frontend is not None:
-            engine.frontend.allow_media_urls(media_urls)
+        if engine.frontend is not None:
+            if media_urls is not None:
+                engine.frontend.allow_media_urls(media_urls)
+            engine.frontend.limit_videos(max_frames=args.max_video_frames,
+                                         max_bytes=int(args.max_video_mb * (1 << 20)))
         return engine
 
     try:

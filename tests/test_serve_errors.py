@@ -35,6 +35,9 @@ CASES = [
     ("image-part", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), 400,
      "messages[0].content[0].image_url.url", "data: URL"),
+    ("video-part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "x"}, {"type": "video_url", "video_url": {"url": 5}}]}]), 400,
+     "messages[0].content[1].video_url.url", "string"),
     ("content-not-string", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400,
      "messages[0].content", "string"),
     ("temperature-type", CHAT, chat(temperature="hot"), 400, "temperature", "number"),

@@ -191,3 +191,36 @@ def test_media_the_template_does_not_place_are_a_400_naming_both_counts(ref):
 def test_a_placeholder_typed_in_text_is_not_a_medium(fe):
     with pytest.raises(RequestError, match=r"hold 0 image\(s\).*placed 1 image"):
         fe.prepare([{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>"}])
+
+
+def _video_bytes(frames, fps, tmp_path):
+    """A lossless AVI of the frames (test_vision_video.write_video), as bytes."""
+    pytest.importorskip("av", reason="video files need PyAV (the vision extra)")
+    from test_vision_video import write_video
+    path = tmp_path / "clip.avi"
+    write_video(path, np.asarray(frames), fps)
+    return path, path.read_bytes()
+
+
+def test_a_video_data_url_equals_the_file(fe, ref, tmp_path):
+    """OpenAI-style {"type": "video", "video_url": {"url": "data:video/...;base64,..."}} (what
+    the server makes of a `video_url` part) decodes as the same file named by path; a video
+    over the frame limit is refused before decoding; an http(s) URL needs a fetch policy."""
+    path, data = _video_bytes(ref["video"], int(ref["video_fps"]), tmp_path)
+    url = "data:video/x-msvideo;base64," + base64.b64encode(data).decode()
+    by_url = fe.prepare(_user({"type": "video", "video_url": {"url": url}}))
+    by_path = fe.prepare(_user({"type": "video", "path": str(path)}))
+    assert len(by_url.media) == 1 and by_url.media[0].grid_thw == by_path.media[0].grid_thw
+    np.testing.assert_array_equal(by_url.media[0].pixels, by_path.media[0].pixels)
+    assert by_url.media_digest == by_path.media_digest
+    np.testing.assert_array_equal(by_url.token_ids, by_path.token_ids)
+    limited = Frontend.from_artifact(FakeArtifact())
+    limited.limit_videos(max_frames=len(ref["video"]) - 1)
+    with pytest.raises(RequestError, match=rf"video 1: the video has {len(ref['video'])} frames, "
+                                           rf"over the limit of {len(ref['video']) - 1}"):
+        limited.prepare(_user({"type": "video", "video_url": {"url": url}}))
+    with pytest.raises(RequestError, match="--allow-media-urls"):
+        fe.prepare(_user({"type": "video", "video_url": {"url": "https://example.com/a.mp4"}}))
+    with pytest.raises(RequestError, match="not decodable"):
+        fe.prepare(_user({"type": "video", "video_url": {
+            "url": "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()}}))

@@ -141,3 +141,36 @@ def test_bad_image_is_a_400_with_the_reason(server):
         client.chat.completions.create(model="m", max_tokens=4, messages=[
             {"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + bad}}]}])
+
+
+def test_openai_video_url(server, artifact, tmp_path):
+    """An OpenAI `video_url` part with a data: URL (a lossless AVI of the fixture's frames)
+    gives the greedy tokens of the Engine given the same file by path; an http URL on a host
+    the server does not list is a 400 naming the option."""
+    pytest.importorskip("av", reason="video files need PyAV (the vision extra)")
+    from ninfer import Engine, SamplingParams
+    from test_vision_video import write_video
+    with np.load(VISION_DIR / "reference.npz") as z:
+        frames, fps = z["video"], int(z["video_fps"])
+    path = tmp_path / "clip.avi"
+    write_video(path, frames, fps)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            logit_bias={int(k): v for k, v in BAN.items()})
+    with Engine(artifact) as engine:
+        want = engine.generate([{"role": "user", "content": [
+            {"type": "text", "text": "what is it"}, {"type": "video", "path": str(path)}]}],
+            params, enable_thinking=False).text
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def ask(url):
+        r = client.chat.completions.create(
+            model="m", max_tokens=6, temperature=0, logit_bias=BAN,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "what is it"},
+                {"type": "video_url", "video_url": {"url": url}}]}])
+        return r.choices[0].message.content
+    data = base64.b64encode(path.read_bytes()).decode()
+    assert ask("data:video/x-msvideo;base64," + data) == want
+    with pytest.raises(openai.BadRequestError, match="--allow-media-urls"):
+        ask("http://localhost:9/clip.avi")

@@ -332,26 +332,33 @@ def text_content(content, param: str, *, allow_none: bool = False) -> str:
     return "\n".join(texts)
 
 
+_MEDIA_PARTS = ("image_url", "video_url")
+
+
 def user_content(content, param: str):
-    """A user message's content: text as text_content makes it, or, when it holds `image_url`
-    parts, the list of text and image parts in order (the Frontend decodes the images)."""
+    """A user message's content: text as text_content makes it, or, when it holds `image_url` or
+    `video_url` parts, the list of text and media parts in order (the Frontend decodes the
+    media). A video part goes on as {"type": "video", "video_url": ...}, which the Qwen chat
+    template renders as a video (it knows no "video_url" type)."""
     if not isinstance(content, list) or not any(
-            isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            isinstance(p, dict) and p.get("type") in _MEDIA_PARTS for p in content):
         return text_content(content, param)
     parts = []
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
-        if isinstance(part, dict) and part.get("type") == "image_url":
-            url = part.get("image_url")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            url = part.get(kind)
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str):
-                raise invalid(f"'{p}.image_url.url' must be a string", f"{p}.image_url.url")
+                raise invalid(f"'{p}.{kind}.url' must be a string", f"{p}.{kind}.url")
             # data: URLs, and http(s) URLs the Frontend fetches from --allow-media-urls hosts
             if not url.startswith(("data:", "http://", "https://")):
-                raise invalid(f"'{p}.image_url.url' must be a data: URL (base64), or an http(s) "
+                raise invalid(f"'{p}.{kind}.url' must be a data: URL (base64), or an http(s) "
                               "URL on a server started with --allow-media-urls",
-                              f"{p}.image_url.url")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+                              f"{p}.{kind}.url")
+            parts.append({"type": "image_url", "image_url": {"url": url}} if kind == "image_url"
+                         else {"type": "video", "video_url": {"url": url}})
         else:
             parts.append({"type": "text", "text": text_content([part], param)})
     return parts

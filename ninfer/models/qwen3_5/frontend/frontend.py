@@ -142,6 +142,16 @@ class Frontend:
         if self.vision is not None:
             self.vision = dataclasses.replace(self.vision, urls=policy)
 
+    def limit_videos(self, *, max_frames: Optional[int] = None,
+                     max_bytes: Optional[int] = None) -> None:
+        """A decoded video's frame limit (the source's frames, before sampling) and a fetched
+        video URL's byte limit (`serve --max-video-frames / --max-video-mb` set them); None
+        keeps the current one."""
+        if self.vision is not None:
+            self.vision = dataclasses.replace(
+                self.vision, **({} if max_frames is None else {"max_video_frames": int(max_frames)}),
+                **({} if max_bytes is None else {"max_video_bytes": int(max_bytes)}))
+
     def prepare(self, prompt, *, tools: Optional[list] = None,
                 enable_thinking: Optional[bool] = True) -> PreparedPrompt:
         """str: raw text, tokenized as is; list of messages: rendered by the chat template with a

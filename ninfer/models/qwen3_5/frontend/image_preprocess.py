@@ -316,33 +316,46 @@ def sample_frame_indices(total: int, video_fps: float | None, p: VisionProcessin
     return np.linspace(0, total - 1, n).round().astype(int)
 
 
-def read_video(path, p: VisionProcessing) -> tuple:
-    """A video file -> (sampled frames uint8 [n, H, W, 3], their indices, the stream's fps or
-    None), decoded by PyAV (the `vision` extra) as transformers' read_video_pyav does: the frame
-    count and average rate from the stream, indices by sample_frame_indices, frames decoded up to
-    the last index (a container that does not record its frame count is decoded twice: count,
-    then keep)."""
+def read_video(path, p: VisionProcessing, max_frames: int | None = None) -> tuple:
+    """A video file (a path, or its bytes) -> (sampled frames uint8 [n, H, W, 3], their indices,
+    the stream's fps or None), decoded by PyAV (the `vision` extra) as transformers'
+    read_video_pyav does: the frame count and average rate from the stream, indices by
+    sample_frame_indices, frames decoded up to the last index (a container that does not record
+    its frame count is decoded twice: count, then keep). max_frames: a video with more frames is
+    refused before anything is decoded (the count stops there)."""
     try:
         import av
     except ImportError:
         raise MediaError("decoding video files needs PyAV: pip install 'ninfer[vision]' (or pass "
                          "the frames as a list of uint8 HxWx3 arrays and 'fps')") from None
+    import io
+    import itertools
+
+    def opened():
+        return av.open(io.BytesIO(path) if isinstance(path, (bytes, bytearray)) else str(path))
     try:
-        with av.open(str(path)) as container:
+        with opened() as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream")
             stream = container.streams.video[0]
             rate = stream.average_rate
             fps = float(rate) if rate else None
             total = int(stream.frames or 0)
-        if total <= 0:
-            with av.open(str(path)) as container:
-                total = sum(1 for _ in container.decode(video=0))
+        counted = total <= 0            # no count in the header: count, up to one past the limit
+        if counted:
+            with opened() as container:
+                frames = container.decode(video=0)
+                stop = None if max_frames is None else max_frames + 1
+                total = sum(1 for _ in itertools.islice(frames, stop))
         if total <= 0:
             raise MediaError("the video has no frames")
+        if max_frames is not None and total > max_frames:
+            n = f"more than {max_frames}" if counted else str(total)
+            raise MediaError(f"the video has {n} frames, over the limit of {max_frames} "
+                             "(serve --max-video-frames)")
         idx = sample_frame_indices(total, fps, p) if p.do_sample_frames else np.arange(total)
         want, frames = set(int(i) for i in idx), {}
-        with av.open(str(path)) as container:
+        with opened() as container:
             for i, frame in enumerate(container.decode(video=0)):
                 if i > idx[-1]:
                     break
@@ -351,7 +364,7 @@ def read_video(path, p: VisionProcessing) -> tuple:
     except MediaError:
         raise
     except FileNotFoundError as e:
-        raise MediaError(f"video path {str(path)!r}: {e.strerror}") from None
+        raise MediaError(f"video path {str(path)[:200]!r}: {e.strerror}") from None
     except Exception as e:                                   # PyAV / FFmpeg raise many kinds
         raise MediaError(f"video is not decodable: {e}") from None
     if len(frames) != len(want):
@@ -359,9 +372,10 @@ def read_video(path, p: VisionProcessing) -> tuple:
     return np.stack([frames[int(i)] for i in idx]), idx, fps
 
 
-def process_video_file(path, p: VisionProcessing) -> Media:
-    """A video file named explicitly by the caller -> Media (read_video, then as process_video)."""
-    video, idx, fps = read_video(path, p)
+def process_video_file(path, p: VisionProcessing, max_frames: int | None = None) -> Media:
+    """A video file named explicitly by the caller, or its bytes -> Media (read_video, then as
+    process_video)."""
+    video, idx, fps = read_video(path, p, max_frames)
     return _process_sampled(video, idx, p, fps)
 
 

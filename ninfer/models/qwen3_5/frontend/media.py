@@ -79,7 +79,7 @@ def _kind_of_part(part) -> str | None:
         return None
     if part.get("type") == "image" or "image" in part or "image_url" in part:
         return "image"
-    if part.get("type") == "video" or "video" in part:
+    if part.get("type") == "video" or "video" in part or "video_url" in part:
         return "video"
     return None
 
@@ -100,7 +100,8 @@ def _data_url(url: str) -> bytes:
     import binascii
     head, sep, data = url.partition(",")
     if not sep or ";base64" not in head:
-        raise MediaError("a data: URL image must be base64 (data:image/...;base64,...)")
+        raise MediaError("a data: URL must be base64 (data:image/...;base64,... or "
+                         "data:video/...;base64,...)")
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
@@ -160,7 +161,11 @@ class VisionPreprocessor:
     image_token_id: int
     video_token_id: int
     max_media: int = 64
-    urls: "MediaUrlPolicy | None" = None       # http(s) image URLs fetched under this policy
+    urls: "MediaUrlPolicy | None" = None       # http(s) media URLs fetched under this policy
+    # a decoded video's frames (the source's, before sampling: decoding is the cost) and a
+    # fetched video URL's bytes (an image URL's are the policy's max_bytes)
+    max_video_frames: int = 7200
+    max_video_bytes: int = 64 << 20
 
     @classmethod
     def from_artifact(cls, artifact, tokenizer) -> "VisionPreprocessor | None":
@@ -195,7 +200,11 @@ class VisionPreprocessor:
                 if kind == "image":
                     out.append(process_image(image_payload(part, self.urls), self.image))
                 elif "path" in part and "video" not in part:     # a file the caller names
-                    out.append(process_video_file(part["path"], self.video))
+                    out.append(process_video_file(part["path"], self.video,
+                                                  self.max_video_frames))
+                elif "video_url" in part:                       # OpenAI-style: a data: URL
+                    out.append(process_video_file(self._video_bytes(part["video_url"]),
+                                                  self.video, self.max_video_frames))
                 else:
                     frames = part.get("video")
                     if isinstance(frames, (str, bytes)):
@@ -208,6 +217,19 @@ class VisionPreprocessor:
             except MediaError as e:
                 raise MediaError(f"{kind} {n}: {e}") from None
         return out
+
+    def _video_bytes(self, value) -> bytes:
+        """A `video_url` value ({"url": ...} or the URL): a data: URL's payload, or an http(s)
+        URL's body fetched under the policy, at most max_video_bytes."""
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str):
+            raise MediaError("a video_url part needs a URL string")
+        if url.startswith("data:"):
+            return _data_url(url)
+        if self.urls is None:
+            return _url_image(url, None)                # (raises, naming the option)
+        import dataclasses
+        return dataclasses.replace(self.urls, max_bytes=self.max_video_bytes).fetch(url, "video")
 
     def token_types(self, ids: np.ndarray) -> np.ndarray:
         return np.where(ids == self.image_token_id, 1, np.where(ids == self.video_token_id, 2, 0))

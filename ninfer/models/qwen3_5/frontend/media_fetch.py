@@ -55,39 +55,40 @@ class MediaUrlPolicy:
                 return True
         return False
 
-    def fetch(self, url: str) -> bytes:
-        """The body of a 200 answer at `url` (following redirects to listed hosts only)."""
+    def fetch(self, url: str, what: str = "image") -> bytes:
+        """The body of a 200 answer at `url` (following redirects to listed hosts only); `what`
+        names the medium in errors."""
         deadline = time.monotonic() + self.timeout_s
         shown = url if len(url) <= 200 else url[:200] + "..."
         for _ in range(self.max_redirects + 1):
             scheme = urlsplit(url).scheme.lower()
             if scheme not in ("http", "https"):
-                raise MediaError(f"image URL {shown!r}: only http(s) URLs are fetched")
+                raise MediaError(f"{what} URL {shown!r}: only http(s) URLs are fetched")
             host, port = _host_port(url, 443 if scheme == "https" else 80)
             if not self.allows(host, port):
-                raise MediaError(f"image URL {shown!r}: host {host!r} (port {port}) is not "
+                raise MediaError(f"{what} URL {shown!r}: host {host!r} (port {port}) is not "
                                  f"among the server's {OPTION} hosts")
             try:
-                status, location, body = self._get(url, scheme, host, port, deadline)
+                status, location, body = self._get(url, scheme, host, port, deadline, what)
             except MediaError:
                 raise
             except (socket.timeout, TimeoutError):
-                raise MediaError(f"image URL {shown!r}: no complete answer within "
+                raise MediaError(f"{what} URL {shown!r}: no complete answer within "
                                  f"{self.timeout_s:g} s") from None
             except (OSError, http.client.HTTPException, ssl.SSLError) as e:
-                raise MediaError(f"image URL {shown!r}: {type(e).__name__}: {e}") from None
+                raise MediaError(f"{what} URL {shown!r}: {type(e).__name__}: {e}") from None
             if status in _REDIRECTS:
                 if not location:
-                    raise MediaError(f"image URL {shown!r}: HTTP {status} without a Location")
+                    raise MediaError(f"{what} URL {shown!r}: HTTP {status} without a Location")
                 url = urljoin(url, location)
                 shown = url if len(url) <= 200 else url[:200] + "..."
                 continue
             if status != 200:
-                raise MediaError(f"image URL {shown!r}: HTTP {status}")
+                raise MediaError(f"{what} URL {shown!r}: HTTP {status}")
             return body
-        raise MediaError(f"image URL {shown!r}: more than {self.max_redirects} redirects")
+        raise MediaError(f"{what} URL {shown!r}: more than {self.max_redirects} redirects")
 
-    def _get(self, url, scheme, host, port, deadline):
+    def _get(self, url, scheme, host, port, deadline, what):
         left = deadline - time.monotonic()
         if left <= 0:
             raise socket.timeout
@@ -98,7 +99,7 @@ class MediaUrlPolicy:
             sock = conn.sock            # kept: getresponse may drop conn.sock (Connection: close)
             parts = urlsplit(url)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            conn.request("GET", target, headers={"User-Agent": "ninfer", "Accept": "image/*"})
+            conn.request("GET", target, headers={"User-Agent": "ninfer", "Accept": f"{what}/*"})
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             resp = conn.getresponse()
             if resp.status in _REDIRECTS:
@@ -107,7 +108,7 @@ class MediaUrlPolicy:
                 return resp.status, None, b""
             length = resp.getheader("Content-Length")
             if length and length.strip().isdigit() and int(length) > self.max_bytes:
-                raise MediaError(f"image URL {url!r}: {int(length)} bytes, over the "
+                raise MediaError(f"{what} URL {url!r}: {int(length)} bytes, over the "
                                  f"{self.max_bytes}-byte limit")
             body = bytearray()
             while True:
@@ -120,7 +121,7 @@ class MediaUrlPolicy:
                     return 200, None, bytes(body)
                 body += chunk
                 if len(body) > self.max_bytes:
-                    raise MediaError(f"image URL {url!r}: the body is over the "
+                    raise MediaError(f"{what} URL {url!r}: the body is over the "
                                      f"{self.max_bytes}-byte limit")
         finally:
             conn.close()
