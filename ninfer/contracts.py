@@ -395,7 +395,10 @@ class ProgramProtocol(Protocol):
 
     # sequence lifetime
     def bind(self, prompt_ids, spec: SamplingSpec, *, capture_at: int = 0, checkpoint=None,
-             media=None) -> int: ...
+             media=None, encoded_media=None) -> int: ...
+
+    def encode_media(self, prompt_ids, media, positions):
+        """The vision tower's output for bind's encoded_media; thread-safe (no Program state)."""
 
     def pause(self, seq_id: int, *, allow_snapshot: bool = True) -> ResumeState: ...
 

@@ -31,6 +31,7 @@ from .outcome import decide, final_result
 from .request import (Request, RequestState, check_output_room, checked_prompt_ids,
                       checked_submit_args)
 from .context_cache import ContextCache
+from .media_encoder import MediaEncoder
 from .scheduler import ResidentView, Scheduler
 
 log = logging.getLogger("ninfer.engine")
@@ -59,6 +60,7 @@ class EngineCore:
         self.program = program
         self.scheduler = Scheduler(max_bypass=options.max_concurrency)
         self.context_cache = ContextCache(self.program)
+        self.media_encoder = MediaEncoder(self.program.encode_media, self._notify)
         # reentrant: a handle dropped (and closed) by GC inside a locked region re-enters _notify
         self._lock = threading.RLock()         # inbox, outstanding, health, stopping
         self._wake = threading.Condition(self._lock)
@@ -192,6 +194,8 @@ class EngineCore:
             self._finish_all("cancelled", "the engine was shut down")
         except BaseException as exc:  # noqa: BLE001 - any escape is an Engine failure
             self._fail(exc)
+        finally:
+            self.media_encoder.close()
 
     def _cycle(self) -> None:
         self._cycle_no += 1
@@ -275,6 +279,15 @@ class EngineCore:
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
                     or not self.program.capacity().free_state_slots:
                 return
+            media = {}
+            if req.media:               # encoded beside the cycles; the residents go on
+                if not self.media_encoder.ready(req):
+                    return
+                try:
+                    media = {"media": req.media, "encoded_media": self.media_encoder.take(req)}
+                except (ValueError, RequestError) as exc:    # the tower refused these media
+                    self._finish(req, "error", f"media: {exc}")
+                    continue
             checkpoint, reused = self.context_cache.lookup(
                 req.prompt_ids, req.media_digest, req.cache_session) if req.may_reuse \
                 else (None, 0)
@@ -291,8 +304,7 @@ class EngineCore:
                     return
             # bind before leaving the queue: a failed bind must leave req where _finish_all sees it
             req.seq_id = self.program.bind(req.prompt_ids, req.spec, capture_at=req.reusable_at,
-                                           checkpoint=checkpoint,
-                                           **({"media": req.media} if req.media else {}))
+                                           checkpoint=checkpoint, **media)
             if req.may_reuse:
                 self.context_cache.bound(req.seq_id, req.prompt_ids, checkpoint, reused)
                 if req.share_prompt:    # (False when the cache gave that much already)
@@ -345,6 +357,8 @@ class EngineCore:
         if touch_program and req.resume_state is not None:
             self.context_cache.settle_paused(req.resume_state)
         was_admitted = req.state != RequestState.WAITING
+        if not was_admitted:
+            self.media_encoder.forget(req)      # (its media may still be encoding)
         req.seq_id = req.resume_state = None
         for queue in (self._waiting, self._residents, self._paused):
             if req in queue:

@@ -157,22 +157,30 @@ class Program:
                    - self.pages.num_free)
 
     # ---- sequence lifetime ----------------------------------------------------------------------
+    def encode_media(self, prompt_ids: np.ndarray, media, positions):
+        """The vision tower's output for a prompt's media, as `bind` takes it (encoded_media).
+        Touches no Program state: the EngineCore runs it on a thread of its own
+        (runtime/media_encoder.py) while the worker cycles."""
+        return self.model.encode_media(prompt_ids, media, positions)
+
     @property
     def accepts_media(self) -> bool:
         """The model runs a vision tower: bind takes image / video prompts."""
         return self.model.encode_media is not None     # declared by every Model
 
     def bind(self, prompt_ids: np.ndarray, spec: SamplingSpec, *, capture_at: int = 0,
-             checkpoint: Optional[int] = None, media=None) -> int:
+             checkpoint: Optional[int] = None, media=None, encoded_media=None) -> int:
         """A fresh sequence. capture_at > 0 (the prompt's reusable boundary): prefill chunks end
         exactly there and at every checkpoint_interval tokens before it, so the context cache
         can take a checkpoint at each (`capture_checkpoint`). checkpoint: install that one (its
         tokens a strict prefix of prompt_ids) and start prefill after it.
-        media: (Frontend media, MRoPE positions [3, n]) of a vision prompt: encoded here, once."""
+        media: (Frontend media, MRoPE positions [3, n]) of a vision prompt: encoded here, once,
+        unless encoded_media (`encode_media`'s result for them, made beforehand) is given."""
         n = len(prompt_ids)
         if media is not None and not self.accepts_media:
             raise ProgramError("bind: media need a vision model")
-        encoded = None if media is None else self.model.encode_media(prompt_ids, *media)
+        encoded = encoded_media if encoded_media is not None or media is None else \
+            self.encode_media(prompt_ids, *media)
         if not 1 <= n < self.max_context:
             raise ProgramError(f"bind: prompt of {n} tokens outside [1, {self.max_context})")
         ckpt = None if checkpoint is None else self.checkpoints.entries[checkpoint]
