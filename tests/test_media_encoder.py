@@ -100,3 +100,29 @@ def test_media_the_tower_refuses_end_that_request_only():
     assert core.health == "ready"
     core.shutdown()
     core.program.assert_all_free()
+
+
+def test_the_first_waiting_request_encodes_while_every_lane_is_busy():
+    """The queue's head starts encoding before a lane frees, so it is ready when one does."""
+    core, gate, calls = _core_with_a_slow_tower()
+    encode, busy = core.program.model.encode_media, []
+
+    def counting(ids, media, positions):          # the lanes taken when the encode starts
+        busy.append(core.stats()["residents"])
+        return encode(ids, media, positions)
+    core.program.model.encode_media = counting
+    long = SamplingParams(max_tokens=58, temperature=0.0, ignore_eos=True)
+    # each step takes 3 ms: the two long requests hold both lanes for ~0.2 s
+    core.program.model.on_forward = lambda batch: threading.Event().wait(0.003)
+    hold = [core.submit(prompt(10 + i, 5), long) for i in range(2)]
+    pic = core.submit(prompt(2, 7), GREEDY)
+    for _ in range(2000):
+        if busy:
+            break
+        threading.Event().wait(0.005)
+    assert busy == [2]                             # encoding while both lanes are taken
+    gate.set()
+    assert [h.result(timeout=20).finish_reason for h in hold] == ["length", "length"]
+    assert pic.result(timeout=20).token_ids == reference_tokens(prompt(2, 7), GREEDY)
+    core.shutdown()
+    core.program.assert_all_free()

@@ -274,6 +274,8 @@ class EngineCore:
         self.scheduler.note_resumed()
 
     def _admit_fresh(self) -> None:
+        if self._waiting and self._waiting[0].media:
+            self.media_encoder.ready(self._waiting[0])  # (starts it: ready when a lane frees)
         while self._waiting and len(self._residents) < self.options.max_concurrency:
             req = self._waiting[0]
             if not self.scheduler.may_admit_fresh(len(self._paused)) \
