@@ -101,7 +101,8 @@ def test_serve_flag_reaches_the_engine(monkeypatch):
     seen = {}
     started = types.SimpleNamespace(startup_seconds={"total": 1.0, "tokenizer": 0.1,
                                                      "model": 0.8, "warm_up": 0.1},
-                                    stats=lambda: {"startup_seconds": 1.0})
+                                    stats=lambda: {"startup_seconds": 1.0},
+                                    frontend=None)       # (scoring-only: no tokenizer)
 
     def engine(path, **kw):
         seen.update(kw)
