@@ -261,9 +261,9 @@ class ContextCache:
 
     def keep_headroom(self) -> None:
         """Finish the demotions whose copies are done; where they run beside the steps, start
-        demoting the lowest-ranked device checkpoints (to the host tier only: nothing is
-        dropped ahead of need) while the device tier, counting what those under way give back,
-        is within HEADROOM_SLOTS free slots or HEADROOM_PAGES of its page budget."""
+        demoting the lowest-ranked device checkpoints while the device tier, counting what those
+        under way give back, is within HEADROOM_SLOTS free slots or HEADROOM_PAGES of its page
+        budget: only into free host bytes (nothing is dropped ahead of need, on either tier)."""
         self.store.settle()
         if not self.store.reads_async:
             return
@@ -276,8 +276,8 @@ class ContextCache:
                 return
             victims = [c for c in self._entries if self._is_leavable(c)]
             victim = min(victims, key=self._rank, default=None)
-            if victim is None or not self._make_host_room(
-                    self.store.host_cost(self.store.info(victim).num_tokens), self._rank(victim)):
+            if victim is None or u.host_bytes_used + self.store.host_cost(
+                    self.store.info(victim).num_tokens) > u.host_budget_bytes:
                 return
             self.store.start_demote(victim)
             self.demotions += 1
