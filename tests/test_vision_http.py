@@ -69,15 +69,15 @@ def _png_b64(arr) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _openai_answer(server, url: str) -> str:
-    """The greedy answer of the server to 'what is it' and the image at `url` (OpenAI SDK)."""
+def _openai_answer(server, url: str, kind: str = "image_url") -> str:
+    """The greedy answer of the server to 'what is it' and the image (or, kind "video_url", the
+    video) at `url` (OpenAI SDK)."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     r = client.chat.completions.create(
         model="m", max_tokens=6, temperature=0, logit_bias=BAN,
         extra_body={"ignore_eos": True},
         messages=[{"role": "user", "content": [
-            {"type": "text", "text": "what is it"},
-            {"type": "image_url", "image_url": {"url": url}}]}])
+            {"type": "text", "text": "what is it"}, {"type": kind, kind: {"url": url}}]}])
     return r.choices[0].message.content
 
 
@@ -160,17 +160,7 @@ def test_openai_video_url(server, artifact, tmp_path):
         want = engine.generate([{"role": "user", "content": [
             {"type": "text", "text": "what is it"}, {"type": "video", "path": str(path)}]}],
             params, enable_thinking=False).text
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-    def ask(url):
-        r = client.chat.completions.create(
-            model="m", max_tokens=6, temperature=0, logit_bias=BAN,
-            extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [
-                {"type": "text", "text": "what is it"},
-                {"type": "video_url", "video_url": {"url": url}}]}])
-        return r.choices[0].message.content
     data = base64.b64encode(path.read_bytes()).decode()
-    assert ask("data:video/x-msvideo;base64," + data) == want
+    assert _openai_answer(server, "data:video/x-msvideo;base64," + data, "video_url") == want
     with pytest.raises(openai.BadRequestError, match="--allow-media-urls"):
-        ask("http://localhost:9/clip.avi")
+        _openai_answer(server, "http://localhost:9/clip.avi", "video_url")
