@@ -86,9 +86,10 @@ class CudaModel(MediaEncoding):
     # (tests/gpu/test_engine_gpu.py::test_mixed_batches_give_the_same_tokens)
     mixed_batches = False
     # launch_tokens(after=step) takes a decode batch's token ids from the step in flight (a
-    # device-to-device copy into the graph's token field), so the Program launches greedy decode
-    # step k+1 before step k is collected (H200, 9B: Engine / model step 0.95 -> 1.00 at B=1,
-    # 0.86 -> 0.94 at B=8; bench_engine --no-chain runs the steps one by one)
+    # device-to-device copy into the graph's token field), so the Program launches decode step
+    # k+1 (greedy, or sampled from the logits alone) before step k is collected (H200, 9B
+    # greedy: Engine / model step 0.95 -> 1.03 at B=1, 0.86 -> 0.94 at B=8; bench_engine
+    # --no-chain runs the steps one by one)
     chains_token_steps = True
     # the pools' host copies without waits: reads for the context cache's demotions on a copy
     # stream beside the steps (start_read_pages / start_read), writes (installs from the host

@@ -240,32 +240,29 @@ def _copy_rows_in(arrays, rows, images, stream, staging: HostStaging,
     (the pools' asynchronous copies): through a buffer of its own that goes back to the pool
     once an event after the copies has passed, so nothing waits here; the model's stream runs
     the copies before any step queued after them."""
-    sizes = [a.nbytes // a.shape[0] for a in arrays]
-    total = len(rows) * sum(sizes)
-    buf = staging.take(total) if pinned is None else pinned.take(total)
+    pool = staging if pinned is None else pinned
+    buf = pool.take(_rows_bytes(arrays, rows))
     runs = _runs(rows)
-    queued = False
     try:
         off = 0
-        for a, size, image in zip(arrays, sizes, images):
+        for a, image in zip(arrays, images):
+            size = a.nbytes // a.shape[0]
             n = len(rows) * size
             buf.array[off: off + n] = np.ascontiguousarray(image, a.dtype).reshape(-1).view(np.uint8)
             for r, i, k in runs:
                 _d.copy_htod_async(a.at(r), buf.ptr + off + i * size, k * size, stream)
             off += n
-        if pinned is not None:
-            event = _d.Event(timing=False)
-            event.record(stream)
-            pinned.give_after(buf, event)
-            queued = True
-        else:
-            stream.synchronize()      # the pinned buffer is reused or freed below
-    finally:
-        if pinned is None:
-            staging.give(buf)
-        elif not queued:              # (nothing was queued past a failure: wait, then reuse)
-            stream.synchronize()
-            pinned.give(buf)
+    except BaseException:
+        stream.synchronize()          # copies queued before the failure still read buf
+        pool.give(buf)
+        raise
+    if pinned is None:
+        stream.synchronize()          # the pinned buffer is reused by the next copy
+        staging.give(buf)
+    else:
+        event = _d.Event(timing=False)
+        event.record(stream)
+        pinned.give_after(buf, event)
 
 
 def _copy_rows(arrays, src_rows, dst_rows, stream) -> None:
@@ -354,7 +351,7 @@ class DeviceKVPool:
         """read_pages on the copy stream (contracts.KVPoolProtocol), except that a bf16 pool's
         image stays bf16 bits (uint16 arrays, which write_pages takes as they are): the context
         cache's host tier keeps what it reads here only to write it back, and the float32
-        widening would double its bytes and cost the worker ~1 s per 3 GB each way."""
+        widening would double its bytes and cost the worker a host conversion each way."""
         pages = _checked_indices(pages, self._num_pages, "KV page")
         if not self.reads_async:
             return ReadyRead(self.read_pages(pages))

@@ -147,10 +147,10 @@ class Frontend:
         """A decoded video's frame limit (the source's frames, before sampling) and a fetched
         video URL's byte limit (`serve --max-video-frames / --max-video-mb` set them); None
         keeps the current one."""
+        changes = {name: int(v) for name, v in (("max_video_frames", max_frames),
+                                                ("max_video_bytes", max_bytes)) if v is not None}
         if self.vision is not None:
-            self.vision = dataclasses.replace(
-                self.vision, **({} if max_frames is None else {"max_video_frames": int(max_frames)}),
-                **({} if max_bytes is None else {"max_video_bytes": int(max_bytes)}))
+            self.vision = dataclasses.replace(self.vision, **changes)
 
     def prepare(self, prompt, *, tools: Optional[list] = None,
                 enable_thinking: Optional[bool] = True) -> PreparedPrompt:

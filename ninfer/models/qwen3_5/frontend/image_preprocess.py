@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -328,9 +329,6 @@ def read_video(path, p: VisionProcessing, max_frames: int | None = None) -> tupl
     except ImportError:
         raise MediaError("decoding video files needs PyAV: pip install 'ninfer[vision]' (or pass "
                          "the frames as a list of uint8 HxWx3 arrays and 'fps')") from None
-    import io
-    import itertools
-
     def opened():
         return av.open(io.BytesIO(path) if isinstance(path, (bytes, bytearray)) else str(path))
     try:

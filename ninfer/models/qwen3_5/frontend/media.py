@@ -4,7 +4,7 @@ decoded video frames), the checkpoint's processor configs (VisionPreprocessor) a
 positions of a prompt with media (transformers' get_rope_index). The pixel math is image_preprocess.py's."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -122,7 +122,7 @@ def image_payload(part: dict, urls=None):
     if "source" in part and "image" not in part:
         src = part["source"] or {}
         if src.get("type") == "url" and isinstance(src.get("url"), str):
-            return _url_image(src["url"], urls)
+            return _url_media(src["url"], urls)
         if src.get("type") != "base64" or not isinstance(src.get("data"), str):
             raise MediaError("an image block's source must be {'type': 'base64', 'data': ...} "
                              "or {'type': 'url', 'url': ...}")
@@ -134,7 +134,7 @@ def image_payload(part: dict, urls=None):
         if value.startswith("data:"):
             return _data_url(value)
         if "://" in value[:16]:
-            return _url_image(value, urls)
+            return _url_media(value, urls)
         raise MediaError("an image string must be a data: URL; pass a file as "
                          "{'type': 'image', 'path': ...}")
     if value is None:
@@ -142,15 +142,19 @@ def image_payload(part: dict, urls=None):
     return value
 
 
-def _url_image(url: str, urls) -> bytes:
+def _url_media(url: str, urls, what: str = "image", max_bytes: int = None) -> bytes:
+    """The body at an http(s) URL, fetched under the policy `urls` (at most max_bytes, else the
+    policy's own limit); without a policy a MediaError naming the serve option."""
     if urls is None:
         scheme = url.partition("://")[0].lower()
         if scheme not in ("http", "https"):
-            raise MediaError(f"image URL scheme {scheme!r}: only data: URLs (and http(s) URLs "
+            raise MediaError(f"{what} URL scheme {scheme!r}: only data: URLs (and http(s) URLs "
                              f"on a server started with {OPTION}) are accepted")
-        raise MediaError(f"image URLs are not fetched unless the server is started with {OPTION} "
-                         "HOST,...; send the image inline as a data: URL (base64)")
-    return urls.fetch(url)
+        raise MediaError(f"{what} URLs are not fetched unless the server is started with "
+                         f"{OPTION} HOST,...; send the {what} inline as a data: URL (base64)")
+    if max_bytes is not None:
+        urls = replace(urls, max_bytes=max_bytes)
+    return urls.fetch(url, what)
 
 
 @dataclass(frozen=True)
@@ -226,10 +230,7 @@ class VisionPreprocessor:
             raise MediaError("a video_url part needs a URL string")
         if url.startswith("data:"):
             return _data_url(url)
-        if self.urls is None:
-            return _url_image(url, None)                # (raises, naming the option)
-        import dataclasses
-        return dataclasses.replace(self.urls, max_bytes=self.max_video_bytes).fetch(url, "video")
+        return _url_media(url, self.urls, "video", self.max_video_bytes)
 
     def token_types(self, ids: np.ndarray) -> np.ndarray:
         return np.where(ids == self.image_token_id, 1, np.where(ids == self.video_token_id, 2, 0))
