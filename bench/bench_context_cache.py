@@ -44,7 +44,8 @@ def ids(n: int, seed: int) -> np.ndarray:
 def _engine(path, args, **options):
     return ninfer.Engine(path, backend=args.backend, max_concurrency=args.concurrency,
                          max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                         **options)
+                         prefix_cache_device_fraction=args.device_fraction,
+                         prefix_cache_host_bytes=args.host_bytes, **options)
 
 
 def _ttft(engine, prompt, params, session=None) -> tuple:
@@ -95,35 +96,43 @@ def _cache_delta(before: dict, after: dict) -> dict:
 
 
 def chat(path, args) -> list:
+    """The cached engine's turns first, then the same prompts without the cache, one engine at
+    a time (two 27B engines do not fit one GPU together)."""
     params = SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    rows = []
-    with _engine(path, args) as on, _engine(path, args, prefix_cache=False) as off:
-        _ttft(on, ids(64, 1), one)                      # warm both (first-call costs)
-        _ttft(off, ids(64, 1), one)
+    rows, prompts, answers = [], [], []
+    with _engine(path, args) as on:
+        _ttft(on, ids(64, 1), one)                      # warm (first-call costs)
         prompt = ids(args.user_tokens, 10)
         trace = CallTrace(on)
         for t in range(args.turns):
             before = on.stats()
             trace.calls.clear()
             t_on, r_on = _ttft(on, prompt, params, session="bench-chat")
-            calls = trace.prefill_calls()
-            cache = _cache_delta(before, on.stats())
+            rows.append(dict(turn=t + 1, prompt_tokens=len(prompt),
+                             cached_tokens=r_on.num_cached_tokens,
+                             new_tokens=len(prompt) - r_on.num_cached_tokens,
+                             ttft_cache_ms=1e3 * t_on, cache=_cache_delta(before, on.stats()),
+                             prefill_calls=trace.prefill_calls()))
+            prompts.append(prompt)
+            answers.append(list(r_on.token_ids))
+            prompt = np.concatenate([prompt, np.asarray(r_on.token_ids, np.int32),
+                                     ids(args.user_tokens, 20 + t)])
+    with _engine(path, args, prefix_cache=False) as off:
+        _ttft(off, ids(64, 1), one)
+        for t, (r, prompt, answer) in enumerate(zip(rows, prompts, answers)):
             t_off, r_off = _ttft(off, prompt, params)
             # bf16: the cached prefix's KV was computed in other chunks (the answer's tokens one
             # at a time), so its rounding differs and a near-tie may pick another token; the
             # float32 identity is tests/gpu's (test_engine_cuda_prefix_checkpoint_hit_equals_cold)
-            differs_at = next((i for i, (a, b) in enumerate(zip(r_on.token_ids, r_off.token_ids))
-                         if a != b), None)
-            new = len(prompt) - r_on.num_cached_tokens
+            differs_at = next((i for i, (a, b) in enumerate(zip(answer, r_off.token_ids))
+                               if a != b), None)
+            new = r["new_tokens"]
             t_new = min(_ttft(off, ids(new, 1000 + 7 * t + k), one)[0] for k in range(2))
-            rows.append(dict(turn=t + 1, prompt_tokens=len(prompt),
-                             cached_tokens=r_on.num_cached_tokens, new_tokens=new,
-                             ttft_cache_ms=1e3 * t_on, ttft_no_cache_ms=1e3 * t_off,
-                             prefill_new_alone_ms=1e3 * t_new,
-                             ratio=t_on / t_new if t_new else float("nan"), cache=cache,
-                             answer_differs_at=differs_at, prefill_calls=calls))
-            r = rows[-1]
+            r.update(ttft_no_cache_ms=1e3 * t_off, prefill_new_alone_ms=1e3 * t_new,
+                     ratio=1e-3 * r["ttft_cache_ms"] / t_new if t_new else float("nan"),
+                     answer_differs_at=differs_at)
+            cache, calls = r["cache"], r["prefill_calls"]
             print(f"turn {r['turn']:2d}: prompt {r['prompt_tokens']:6d} cached "
                   f"{r['cached_tokens']:6d} new {r['new_tokens']:5d} | TTFT cache "
                   f"{r['ttft_cache_ms']:8.1f} ms, no cache {r['ttft_no_cache_ms']:8.1f} ms, new "
@@ -135,8 +144,6 @@ def chat(path, args) -> list:
                   + ("" if differs_at is None else f" | answer differs from token {differs_at}")
                   + "\n         prefill calls (tokens@context ms): "
                   + " ".join(f"{n}@{c} {ms:.1f}" for n, c, ms in calls), flush=True)
-            prompt = np.concatenate([prompt, np.asarray(r_on.token_ids, np.int32),
-                                     ids(args.user_tokens, 20 + t)])
     return rows
 
 
@@ -191,6 +198,11 @@ def main(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--max-context", type=int, default=16384)
     ap.add_argument("--workloads", default="chat,agent")
+    ap.add_argument("--device-fraction", type=float, default=0.5,
+                    help="prefix_cache_device_fraction (small: checkpoints demoted to the host)")
+    ap.add_argument("--host-bytes", type=int, default=None, help="prefix_cache_host_bytes")
+    ap.add_argument("--async-host-copies", action="store_true",
+                    help="CudaModel.async_host_copies: demotions copied on a second stream")
     ap.add_argument("--direct", action="store_true",
                     help="convert from random weights without a checkpoint on disk (the 27B in "
                          "bf16 does not fit a 64 GiB disk twice)")
@@ -198,6 +210,9 @@ def main(argv=None):
                     help="the artifact's weights (with --direct)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.async_host_copies:
+        from ninfer.models.qwen3_5.cuda_model import CudaModel
+        CudaModel.async_host_copies = True
     from bench_engine import make_artifact
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -281,7 +281,9 @@ class KVPoolProtocol(Protocol):
 
     def start_read_pages(self, pages) -> "HostRead":
         """read_pages, begun now and finished later: the pages must not change until the
-        HostRead is done (the checkpoint store holds them meanwhile)."""
+        HostRead is done (the checkpoint store holds them meanwhile). The image may keep the
+        pool's own bytes (CUDA's bf16 pool: uint16 bits), which write_pages takes back: the
+        context cache's host tier keeps it only to write it back."""
 
     def write_pages(self, pages, image: tuple) -> None: ...
 

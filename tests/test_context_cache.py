@@ -264,6 +264,37 @@ def test_a_sessions_previous_continuation_goes_when_its_newest_extends_it():
     _finish_empty(core)
 
 
+def test_a_host_tier_chat_keeps_each_newest_turn():
+    """No device tier, a host budget of the longest continuation but not two: each turn's
+    continuation still takes the previous one's host bytes (it subsumes it once published).
+    The previous one, hit every turn, outranked every newer, longer one, so the chat kept
+    binding turn 1's continuation (measured on the H200: turn 8 reused 1,280 of 9,984 tokens)."""
+    probe, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
+    cost = probe.program.checkpoints.host_cost
+    probe.shutdown()
+    lengths = [10 + 11 * t + 5 for t in range(4)]          # the continuations: prompt + 6 - 1
+    budget = cost(lengths[-1]) + cost(lengths[-2]) - 1
+    assert cost(lengths[-1]) <= budget
+    core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT,
+                        prefix_cache_device_fraction=0.0, prefix_cache_host_bytes=budget)
+    rm = core.context_cache
+    prompt_ids, covered = prompt(60, 10), 0
+    for turn, length in enumerate(lengths):
+        params = _params("greedy", turn)
+        res = core.submit(prompt_ids, params, session="chat").result(timeout=20)
+        assert res.token_ids == reference_tokens(prompt_ids, params, MAX_CONTEXT)
+        assert res.num_cached_tokens == covered, turn      # the previous continuation, whole
+        covered = len(rm._entries[rm._sessions["chat"][1]].token_ids)
+        assert covered == length and not core.program.checkpoints.info(
+            rm._sessions["chat"][1]).on_device
+        assert core.program.checkpoints.usage().host_bytes_used <= budget
+        prompt_ids = np.concatenate([prompt_ids, np.asarray(res.token_ids, np.int32),
+                                     prompt(61 + turn, 5)]).astype(np.int32)
+    assert rm.subsumed >= 3 and rm.demotions == 0
+    rm.check_invariants()
+    _finish_empty(core)
+
+
 def test_invariants_catch_shared_writable_pages_and_lost_references():
     core, _ = make_core(max_concurrency=2, max_context=MAX_CONTEXT)
     core.submit(prompt(40, 13), _params("greedy", 0)).result(timeout=20)

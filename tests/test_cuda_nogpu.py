@@ -1027,6 +1027,29 @@ def test_async_host_copies_run_on_the_copy_stream_after_the_model_stream(monkeyp
     assert not pinned._pending
 
 
+def test_synchronous_start_read_pages_keeps_the_pools_bf16_bits(monkeypatch):
+    """Without a copy stream start_read_pages copies at once, and like the asynchronous read
+    keeps a bf16 pool's bits (the host tier's checkpoints: half the bytes of read_pages'
+    float32, written back by write_pages as they are)."""
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool
+    from ninfer.models.qwen3_5.state import KVPool
+    dev, cfg, r = _FakeDevice(monkeypatch, 64 << 20), _pool_config(), np.random.default_rng(12)
+    kv, ref = DeviceKVPool(_pool_dev(dev), cfg, 6, 4), KVPool.allocate(cfg, 6, 4)
+    data = tuple([_bf16_exact(r, (6,) + k.shape[1:]) for k in ref.k] for _ in range(2))
+    kv.write_pages(range(6), data)
+    ref.write_pages(range(6), data)
+    assert not kv.reads_async
+    read = kv.start_read_pages([5, 1, 2])
+    assert read.done()
+    got, want = read.result(), ref.read_pages([5, 1, 2])
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        assert g.dtype == np.uint16 and g.nbytes * 2 == w.nbytes
+        assert np.array_equal((g.astype(np.uint32) << 16).view(np.float32), w)
+    kv.write_pages([0, 3, 4], got)
+    for g, w in zip(kv.read_pages([0, 3, 4])[0], want[0]):
+        assert np.array_equal(g, w)
+
+
 def test_pool_host_copies_refuse_indices_and_images_outside_the_pool(monkeypatch):
     from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
     from ninfer.models.qwen3_5.state import KVPool, StatePool

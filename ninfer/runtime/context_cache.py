@@ -87,7 +87,7 @@ class ContextCache:
         published to `session` with publication `order`, when room can be made for it."""
         cid = None
         if keep:
-            cid = self._keep_continuation(seq_id, media_digest, to_host=session is not None)
+            cid = self._keep_continuation(seq_id, media_digest, session)
         if cid is None:
             self.program.release(seq_id)
         if session is not None and cid is not None:
@@ -97,10 +97,10 @@ class ContextCache:
         """A paused request ended: its Snapshot host memory (if any) goes back."""
         self.program.discard(resume_state)
 
-    def _keep_continuation(self, seq_id: int, media_digest: bytes, to_host: bool
+    def _keep_continuation(self, seq_id: int, media_digest: bytes, session: Optional[str]
                            ) -> Optional[int]:
-        """The continuation as a device checkpoint, or (to_host: a session will continue it)
-        as host copies when the device has no room; None when kept nowhere."""
+        """The continuation as a device checkpoint, or (a session will continue it) as host
+        copies when the device has no room; None when kept nowhere."""
         tokens = self.program.continuation(seq_id)
         if not len(tokens):
             return None
@@ -112,8 +112,9 @@ class ContextCache:
             return known
         if self._make_room(seq_id, len(tokens), at_release=True):
             cid = self.program.release(seq_id, keep_frontier=True)
-        elif to_host and self._make_host_room(self.store.host_cost(len(tokens)),
-                                              self._rank_new(len(tokens))):
+        elif session is not None and self._make_host_room(
+                self.store.host_cost(len(tokens)), self._rank_new(len(tokens)),
+                succeeds=(tokens, media_digest, session)):
             cid = self.program.release(seq_id, keep_frontier=True, on_device=False)
         else:
             return None
@@ -151,10 +152,23 @@ class ContextCache:
         its State slot goes back now rather than being demoted later on a request's path."""
         if older == newer:
             return False
-        old, new = self._entries[older], self._entries[newer]
-        p = len(old.token_ids)
-        return (old.session_bound == 0 and old.hits <= 1 and old.media == new.media
-                and p < len(new.token_ids) and np.array_equal(new.token_ids[:p], old.token_ids))
+        new = self._entries[newer]
+        return self._covered(older, new.token_ids, new.media, num_bound=0)
+
+    def _covered(self, cid: int, tokens: np.ndarray, media: bytes, num_bound: int) -> bool:
+        """Entry cid is an exact shorter prefix of tokens (same media), named by num_bound
+        sessions and hit by at most the turn that continued it."""
+        e = self._entries[cid]
+        p = len(e.token_ids)
+        return (e.session_bound == num_bound and e.hits <= 1 and e.media == media
+                and p < len(tokens) and np.array_equal(tokens[:p], e.token_ids))
+
+    def _succeeded_by(self, cid: int, succeeds) -> bool:
+        """Whether a capture of (tokens, media, session) would subsume entry cid once published
+        (`_is_subsumed`; session None: a capture no session names)."""
+        tokens, media, session = succeeds
+        bound = session is not None and self._sessions.get(session, (0, None))[1] == cid
+        return self._covered(cid, tokens, media, num_bound=int(bound))
 
     # ---- prefix index ---------------------------------------------------------------------------
     def lookup(self, prompt_ids: np.ndarray, media_digest: bytes = b"",
@@ -297,7 +311,8 @@ class ContextCache:
             return
         if self._make_room(seq_id, p):
             cid = self.program.capture_checkpoint(seq_id)
-        elif self._make_host_room(self.store.host_cost(p), self._rank_new(p)):
+        elif self._make_host_room(self.store.host_cost(p), self._rank_new(p),
+                                  succeeds=(tokens, media_digest, None)):
             cid = self.program.capture_checkpoint(seq_id, on_device=False)
         else:
             self.program.capture_checkpoint(seq_id, keep=False)
@@ -368,17 +383,24 @@ class ContextCache:
         else:
             self._remove(cid)
 
-    def _make_host_room(self, cost: int, rank: float, protect=()) -> bool:
+    def _make_host_room(self, cost: int, rank: float, protect=(), succeeds=None) -> bool:
+        """Free host bytes for a checkpoint of `rank` costing cost, dropping lower-ranked host
+        checkpoints; with succeeds (a capture's (tokens, media, session)), the host checkpoints
+        it would subsume go first whatever their rank: a chat's previous turn, a hit each
+        turn, would otherwise outrank and so lock out every newer, longer turn."""
         budget = self.store.usage().host_budget_bytes
         if cost > budget:
             return False
         while self.store.usage().host_bytes_used + cost > budget:
             host = [c for c in self._entries
                     if c not in protect and not self.store.info(c).on_device]
-            victim = min(host, key=self._rank, default=None)
-            if victim is None or self._rank(victim) > rank:
+            succeeded = [c for c in host if succeeds is not None
+                         and self._succeeded_by(c, succeeds)]
+            victim = min(succeeded or host, key=self._rank, default=None)
+            if victim is None or (not succeeded and self._rank(victim) > rank):
                 return False
             self._remove(victim)
+            self.subsumed += bool(succeeded)
         return True
 
     # ---- index bookkeeping ----------------------------------------------------------------------

@@ -130,7 +130,8 @@ def test_async_host_copies_equal_the_synchronous_ones(path, monkeypatch):
     """CudaModel.async_host_copies: the pools' start_read_pages / start_read on the copy stream,
     after a step queued on the model's stream (the event between the streams orders them), give
     read_pages' / read's bytes (a bf16 pool's image as bf16 bits, which write_pages takes back);
-    then a chat whose checkpoints are demoted ahead of need (a device share of 4 pages) gives the
+    then a chat whose checkpoints are demoted ahead of need (a device share of 12 of 40 pages; at 4 every
+    checkpoint went straight to the host, nothing was demoted) gives the
     tokens of the synchronous store (float32)."""
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     monkeypatch.setattr(CudaModel, "async_host_copies", True)
@@ -177,7 +178,7 @@ def test_async_host_copies_equal_the_synchronous_ones(path, monkeypatch):
         with Engine(path, backend="cuda", dtype="float32", max_concurrency=2, max_context=256,
                     prefill_chunk=16, page_size=8, num_kv_pages=40, debug_checks=True,
                     prefix_cache_host_bytes=256 << 20,
-                    prefix_cache_device_fraction=0.1) as engine:
+                    prefix_cache_device_fraction=0.3) as engine:
             prompt = turns[0]
             for t in range(4):
                 res = engine.generate(prompt, params, session="s")

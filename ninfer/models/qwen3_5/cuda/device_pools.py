@@ -348,13 +348,16 @@ class DeviceKVPool:
         return self._image(rows, (lambda b: b) if self._f32 else _bits_f32)
 
     def start_read_pages(self, pages):
-        """read_pages on the copy stream (contracts.KVPoolProtocol), except that a bf16 pool's
-        image stays bf16 bits (uint16 arrays, which write_pages takes as they are): the context
-        cache's host tier keeps what it reads here only to write it back, and the float32
-        widening would double its bytes and cost the worker a host conversion each way."""
+        """read_pages on the copy stream (synchronously without one; contracts.KVPoolProtocol),
+        except that a bf16 pool's image stays bf16 bits (uint16 arrays, which write_pages takes
+        as they are): the context cache's host tier keeps what it reads here only to write it
+        back, and the float32 widening would double its bytes (half the checkpoints a host
+        budget holds) and cost the worker a host conversion each way."""
         pages = _checked_indices(pages, self._num_pages, "KV page")
         if not self.reads_async:
-            return ReadyRead(self.read_pages(pages))
+            self._dev.bind()
+            return ReadyRead(self._image(_copy_rows_out(self.k + self.v, pages, self._dev.stream,
+                                                        self._dev.staging), lambda b: b))
         return RowsInFlight(self._dev, self.k + self.v, pages,
                             lambda rows: self._image(rows, lambda b: b))
 

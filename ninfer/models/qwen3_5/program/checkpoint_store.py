@@ -10,8 +10,8 @@ is valid only at the exact position it was computed). It lives in one of two tie
             private copy (copy-on-write: each sequence binding the entry gets its own copy of it,
             since it writes its next tokens there); the State image in a cache slot of the
             StatePool (slots [num_slots, num_slots + num_cache_slots), after the sequences')
-    host    host copies of the pages covering [0, p) and of the State image (`read_pages` /
-            `read`; on CUDA synchronous device-to-host copies), within the host budget
+    host    host copies of the pages covering [0, p) and of the State image (`start_read_pages`
+            / `start_read`: the pool's own bytes, bf16 bits on CUDA), within the host budget
 
 Demote moves a device checkpoint to the host tier (its device pages and slot go back); promote
 moves a host one back to the device, from the pages and slot of a sequence that just bound it.
@@ -42,7 +42,7 @@ class Checkpoint:
     pages: np.ndarray                # device: the full pages held by reference (int32)
     partial: int = -1                # device: private copy of the partly filled page, or -1
     slot: int = -1                   # device: the cache State slot, else -1
-    host_kv: Optional[tuple] = None  # host tier: KVPool.read_pages of the pages covering [0, p)
+    host_kv: Optional[tuple] = None  # host tier: the image of the pages covering [0, p)
     host_state: Optional[tuple] = None
     host_bytes: int = 0
     moving: Optional[tuple] = None   # a demotion under way: (KV HostRead, State HostRead)
@@ -188,7 +188,8 @@ class CheckpointStore:
             raise ProgramError(f"capture: {cost} host bytes do not fit the cache's host budget")
         rows = table_row[:pages_for(p, self.page_size)]
         t0 = time.perf_counter()
-        host_kv, host_state = self.kv.read_pages(rows), self.state.read(seq_slot)
+        host_kv = self.kv.start_read_pages(rows).result()      # (the pool's own bytes)
+        host_state = self.state.start_read(seq_slot).result()
         self.copy_seconds["to_host"] += time.perf_counter() - t0
         self.entries[cid] = Checkpoint(np.array(token_ids, np.int32), np.zeros(0, np.int32),
                                        host_kv=host_kv, host_state=host_state, host_bytes=cost)
