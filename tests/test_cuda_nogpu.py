@@ -1000,31 +1000,41 @@ def test_async_host_copies_run_on_the_copy_stream_after_the_model_stream(monkeyp
     assert log[-1] == "wait e1"
     for g, w in zip(got[0] + got[1], want[0] + want[1]):
         assert g.dtype == np.uint16 and np.array_equal((g.astype(np.uint32) << 16).view(np.float32), w)
-    assert read.result() is got and len(pinned._free) == 1     # once; the buffer kept for reuse
+    assert read.result() is got                        # once
+    tier = kv._tier                                    # the pool's pinned host tier: one chunk
+    assert got.rows == [0, 1, 2] and tier.num_rows == tier.rows_per_chunk >= 3
     state = st.start_read(1).result()
     for g, w in zip(state[0] + state[1], ref_st.read(1)[0] + ref_st.read(1)[1]):
         assert np.array_equal(g, np.asarray(w, np.float32))
-    allocs = dev.pinned_allocs
-    kv.start_read_pages([2, 3]).result()
-    assert dev.pinned_allocs == allocs                # a smaller read reuses a kept buffer
 
     def no_sync():
         raise AssertionError("an asynchronous pool write waited for its stream")
     main.synchronize = no_sync
     ready[0] = False
-    kv.write_pages([1, 2, 3], got)                     # bf16 bits are written as they are
-    st.write(0, image)
-    assert log[-1].startswith("record") and log[-1].endswith("on main") and len(pinned._pending) == 2
+    kv.write_pages([1, 2, 3], got)                     # from the tier's rows, as they are
+    assert log[-2:] == [f"new {got.in_use.name}", f"record {got.in_use.name} on main"]
+    pending = len(pinned._pending)
+    st.write(0, image)                                 # (plain arrays: a pinned buffer)
+    assert log[-1].startswith("record") and log[-1].endswith("on main")
+    assert len(pinned._pending) == pending + 1
+    got.release()                                      # its rows wait for the write's event
+    allocs = dev.pinned_allocs
+    again = kv.start_read_pages([2, 3])
+    assert again.image.rows == [3, 4] and tier.num_free == tier.rows_per_chunk - 5
+    ready[0] = True
+    again.result().release()
+    assert kv.start_read_pages([0, 4, 5]).result().rows == [0, 1, 2]    # reused: no new chunk
+    assert dev.pinned_allocs == allocs
     main.synchronize = lambda: None
     for g, w in zip(kv.read_pages([1, 2, 3])[0], want[0]):
         assert np.array_equal(g, w)
     for g, w in zip(st.read(0)[0], ref_st.read(1)[0]):
         assert np.array_equal(g, np.asarray(w, np.float32))
-    kv.start_read_pages([0]).result()                  # their buffers stay out until the events
-    assert len(pinned._pending) == 2                   # have passed
-    ready[0] = True
-    kv.start_read_pages([0]).result()
-    assert not pinned._pending
+    with pytest.raises(ValueError, match="host tier"):
+        st.write(1, kv.start_read_pages([0]).result())
+    kv.close()
+    st.close()
+    assert not tier._chunks
 
 
 def test_synchronous_start_read_pages_keeps_the_pools_bf16_bits(monkeypatch):

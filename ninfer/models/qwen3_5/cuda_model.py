@@ -93,9 +93,9 @@ class CudaModel(MediaEncoding):
     chains_token_steps = True
     # the pools' host copies without waits: reads for the context cache's demotions on a copy
     # stream beside the steps (start_read_pages / start_read), writes (installs from the host
-    # tier, resumes) queued on the model's stream through buffers released by events: off
-    # until it has run on a GPU
-    # (tests/gpu/test_context_cache_gpu.py::test_async_host_copies_equal_the_synchronous_ones)
+    # tier, resumes) queued on the model's stream, their host memory given back by events.
+    # Its GPU test passes (test_context_cache_gpu.py::test_async_host_copies_equal_the_
+    # synchronous_ones); off since no measured chat gained from it yet (docs/performance.md)
     async_host_copies = False
     copy_stream = None               # (made at load when async_host_copies)
     pool_pinned = None

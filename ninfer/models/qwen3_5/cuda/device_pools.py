@@ -21,6 +21,7 @@ import numpy as np
 from ....contracts import ReadyRead
 from ....core.cuda import driver as _d
 from ..config import TextConfig
+from .host_tier import HostRows, TierImage, TierRead
 from ..memory_plan import quantized_page_bytes
 from ..state import _copy_indices
 
@@ -147,9 +148,10 @@ def _copy_rows_out(arrays, rows, stream, staging: HostStaging) -> list:
 
 
 class PinnedPool:
-    """Pinned host buffers for the host reads in flight on the copy stream (several at once, so
-    not HostStaging's one buffer), kept for reuse up to keep_bytes: allocating tens of MB of
-    pinned memory costs milliseconds on the worker thread."""
+    """Pinned host buffers for the asynchronous pools' writes of plain host arrays (a resume
+    from a Snapshot; several in flight at once, so not HostStaging's one buffer), kept for
+    reuse up to keep_bytes: allocating tens of MB of pinned memory costs milliseconds on the
+    worker thread. (Reads for the context cache go to the host tier, host_tier.py.)"""
 
     def __init__(self, keep_bytes: int = 512 << 20):
         self.keep_bytes = int(keep_bytes)
@@ -196,42 +198,39 @@ class PinnedPool:
         self._free, self._pending = [], []
 
 
-class RowsInFlight:
-    """Host copies of rows of device arrays running on the copy stream after everything queued
-    on the model's stream so far (an event between the two): done() asks the device without
-    waiting; result() waits, unpacks, converts (`convert(list of arrays)`) and gives the pinned
-    buffer back. The rows must not change until it is done: the caller holds them."""
+def _tier_read(dev: "PoolDevice", tier: HostRows, arrays, rows, split: int, parts):
+    """Rows of arrays into fresh rows of tier: a TierRead on the copy stream after the steps
+    queued so far, or (no copy stream) on the model's stream, waited for now."""
+    if dev.copy_stream is not None:
+        return TierRead(tier, arrays, rows, split, parts, stream=dev.copy_stream, bind=dev.bind,
+                        after=dev.stream)
+    return ReadyRead(TierRead(tier, arrays, rows, split, parts, stream=dev.stream,
+                              bind=dev.bind).result())
 
-    def __init__(self, dev: "PoolDevice", arrays, rows, convert):
-        dev.bind()
-        self._dev, self._arrays, self._rows, self._convert = dev, arrays, list(rows), convert
-        self._buf = dev.pinned.take(_rows_bytes(arrays, self._rows))
-        before = _d.Event(timing=False)
-        before.record(dev.stream)
-        dev.copy_stream.wait(before)
-        _enqueue_rows_out(arrays, self._rows, self._buf, dev.copy_stream)
-        self._done = _d.Event(timing=False)
-        self._done.record(dev.copy_stream)
-        before.destroy()            # (the wait was queued: destroying a recorded event is safe)
-        self._value = None
 
-    def done(self) -> bool:
-        if self._buf is None:
-            return True
-        self._dev.bind()
-        return self._done.query()
+def _tier_write(dev: "PoolDevice", tier: HostRows, arrays, rows, image: TierImage,
+                what: str) -> None:
+    """A TierImage back into rows of arrays on the model's stream: waited for now, or (with a
+    copy stream: the asynchronous pools) marked by an event the image's release waits for."""
+    if image.tier is not tier or len(image.rows) != len(rows):
+        raise ValueError(f"{what} image: {len(image.rows)} rows of another pool's host tier "
+                         f"or for {len(rows)} rows")
+    dev.bind()
+    tier.enqueue_in(arrays, image.rows, rows, dev.stream)
+    if dev.copy_stream is None:
+        dev.stream.synchronize()
+    else:
+        event = _d.Event(timing=False)
+        event.record(dev.stream)
+        image.used_until(event)
 
-    def result(self):
-        if self._buf is not None:
-            self._dev.bind()
-            self._done.synchronize()
-            try:
-                self._value = self._convert(_unpack_rows(self._arrays, self._rows, self._buf))
-            finally:
-                self._dev.pinned.give(self._buf)
-                self._buf = None
-                self._done.destroy()
-        return self._value
+
+def _free_tier(dev: "PoolDevice", tier: Optional[HostRows]) -> None:
+    if tier is not None:
+        dev.stream.synchronize()
+        if dev.copy_stream is not None:
+            dev.copy_stream.synchronize()
+        tier.free()
 
 
 def _copy_rows_in(arrays, rows, images, stream, staging: HostStaging,
@@ -326,6 +325,7 @@ class DeviceKVPool:
         kv = _take_all(dev.arena, [shape] * (2 * n), dtype, f"KV pool ({num_pages} pages)")
         self.k, self.v = kv[:n], kv[n:]
         self._num_pages = int(num_pages)
+        self._tier: Optional[HostRows] = None      # the host tier's rows, made when first read
         # a pool dropped without close() (scoring's temporary pools) still returns its pages
         weakref.finalize(self, dev.arena.give_later, self.k + self.v)
         for a in self.k + self.v:
@@ -348,18 +348,22 @@ class DeviceKVPool:
         return self._image(rows, (lambda b: b) if self._f32 else _bits_f32)
 
     def start_read_pages(self, pages):
-        """read_pages on the copy stream (synchronously without one; contracts.KVPoolProtocol),
-        except that a bf16 pool's image stays bf16 bits (uint16 arrays, which write_pages takes
-        as they are): the context cache's host tier keeps what it reads here only to write it
-        back, and the float32 widening would double its bytes (half the checkpoints a host
-        budget holds) and cost the worker a host conversion each way."""
+        """The pages into the pool's host tier (host_tier.py; contracts.KVPoolProtocol): on the
+        copy stream beside the steps, or synchronously without one. The image is a TierImage
+        of the pool's own bytes (a bf16 pool's stay bf16 bits), which write_pages takes back:
+        the context cache's host tier keeps it only to write it back, and float32 would double
+        its bytes and cost the worker a conversion each way."""
         pages = _checked_indices(pages, self._num_pages, "KV page")
-        if not self.reads_async:
-            self._dev.bind()
-            return ReadyRead(self._image(_copy_rows_out(self.k + self.v, pages, self._dev.stream,
-                                                        self._dev.staging), lambda b: b))
-        return RowsInFlight(self._dev, self.k + self.v, pages,
-                            lambda rows: self._image(rows, lambda b: b))
+        return _tier_read(self._dev, self._host_tier(), self.k + self.v, pages, len(self.k),
+                          self._tier_parts)
+
+    def _host_tier(self) -> HostRows:
+        if self._tier is None:
+            self._tier = HostRows([a.nbytes // a.shape[0] for a in self.k + self.v])
+        return self._tier
+
+    def _tier_parts(self, arrays) -> list:
+        return [self._host_bytes(a) for a in arrays] if self.kv_dtype is not None else arrays
 
     def _image(self, rows, widen) -> tuple:
         """(k list, v list) of the rows of self.k + self.v: quantized pages as numpy's bytes,
@@ -370,6 +374,9 @@ class DeviceKVPool:
 
     def write_pages(self, pages, data: tuple) -> None:
         pages = _checked_indices(pages, self._num_pages, "KV page")
+        if isinstance(data, TierImage):
+            _tier_write(self._dev, self._tier, self.k + self.v, pages, data, "KV pages")
+            return
         if self.kv_dtype is not None:
             images = [self._device_bytes(h, len(pages)) for h in list(data[0]) + list(data[1])]
             if len(images) != len(self.k) + len(self.v):
@@ -413,6 +420,8 @@ class DeviceKVPool:
     def close(self) -> None:
         self._dev.bind()
         self._dev.on_close(self)
+        _free_tier(self._dev, self._tier)
+        self._tier = None
         for a in self.k + self.v:
             self._dev.arena.give(a)
         self.k, self.v = [], []
@@ -429,6 +438,7 @@ class DeviceStatePool:
                            f"state pool ({num_slots} slots)")
         self.conv, self.recurrent = arrays[:n], arrays[n:]
         self._num_slots = int(num_slots)
+        self._tier: Optional[HostRows] = None      # the host tier's rows, made when first read
         weakref.finalize(self, dev.arena.give_later, self.conv + self.recurrent)
         for a in self.conv + self.recurrent:
             _d.memset_d8_async(a.ptr, 0, a.nbytes, dev.stream)
@@ -456,11 +466,13 @@ class DeviceStatePool:
                                           self._dev.staging))
 
     def start_read(self, slot: int):
-        """read on the copy stream (contracts.StatePoolProtocol)."""
+        """The slot into the pool's host tier, as DeviceKVPool.start_read_pages
+        (contracts.StatePoolProtocol)."""
         slot, = _checked_indices(slot, self._num_slots, "state slot")
-        if not self.reads_async:
-            return ReadyRead(self.read(slot))
-        return RowsInFlight(self._dev, self.conv + self.recurrent, [slot], self._image)
+        if self._tier is None:
+            self._tier = HostRows([a.nbytes // a.shape[0] for a in self.conv + self.recurrent])
+        return _tier_read(self._dev, self._tier, self.conv + self.recurrent, [slot],
+                          len(self.conv), lambda arrays: [a[0] for a in arrays])
 
     def _image(self, arrays) -> tuple:
         n = len(self.conv)
@@ -468,6 +480,10 @@ class DeviceStatePool:
 
     def write(self, slot: int, image: tuple) -> None:
         slot, = _checked_indices(slot, self._num_slots, "state slot")
+        if isinstance(image, TierImage):
+            _tier_write(self._dev, self._tier, self.conv + self.recurrent, [slot], image,
+                        "StateImage")
+            return
         for arrs, host in zip((self.conv, self.recurrent), image):
             _check_image(arrs, host, (), "StateImage")
         self._dev.bind()
@@ -484,6 +500,8 @@ class DeviceStatePool:
     def close(self) -> None:
         self._dev.bind()
         self._dev.on_close(self)
+        _free_tier(self._dev, self._tier)
+        self._tier = None
         for a in self.conv + self.recurrent:
             self._dev.arena.give(a)
         self.conv, self.recurrent = [], []

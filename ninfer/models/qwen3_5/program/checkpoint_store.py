@@ -273,6 +273,8 @@ class CheckpointStore:
         token_ids = c.token_ids
         del self.entries[cid]
         self.capture_device(cid, token_ids, table_row, seq_slot)      # (resets the usage)
+        _release(c.host_kv)             # (after install's copies from them: see _release)
+        _release(c.host_state)
 
     def drop(self, cid: int) -> None:
         c = self.entries.pop(cid, None)
@@ -280,11 +282,13 @@ class CheckpointStore:
             raise ProgramError(f"checkpoint {cid} dropped twice or unknown")
         if c.moving is not None:         # its pages are read until the copies are done
             for read in c.moving:
-                read.result()
+                _release(read.result())
             c.moving, c.reserved = None, 0
             self._moving.discard(cid)
         if c.on_device:
             self._free_device(c)
+        _release(c.host_kv)
+        _release(c.host_state)
         self._usage = None
 
     def _free_device(self, c: Checkpoint) -> None:
@@ -332,3 +336,12 @@ class CheckpointStore:
         if self.device_pages_used > self.device_page_budget:
             raise ProgramError(f"device checkpoints hold {self.device_pages_used} pages > "
                                f"budget {self.device_page_budget}")
+
+
+def _release(image) -> None:
+    """A host image that holds pool memory (CUDA's host_tier.TierImage) gives it back; its
+    rows are reused only after the copies queued from them have run. numpy's images are plain
+    arrays, freed with the entry."""
+    release = getattr(image, "release", None)
+    if release is not None:
+        release()

@@ -92,10 +92,12 @@ class Program:
                                         self.page_size)
         # checkpoints: their own host budget, so a cache entry never blocks a pause; their host
         # images keep the pool's bytes (start_read_pages: bf16 bits on CUDA, half a Snapshot's)
+        probe = self.kv.start_read_pages([0]).result()
+        cache_page_bytes = host_bytes(probe)
+        getattr(probe, "release", lambda: None)()       # (CUDA's host tier rows)
         self.checkpoints = CheckpointStore(
             self.kv, self.state, self.pages, SlotPool(num_cache_slots, first=self.num_slots),
-            page_bytes=host_bytes(self.kv.start_read_pages([0]).result()),
-            state_bytes=state_bytes,
+            page_bytes=cache_page_bytes, state_bytes=state_bytes,
             host_budget_bytes=options.prefix_cache_budget_bytes,
             device_page_budget=int(share * num_pages) if num_cache_slots else 0)
         self._seqs: dict = {}
