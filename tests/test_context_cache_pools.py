@@ -243,3 +243,95 @@ def test_cuda_pool_copies_equal_the_numpy_pools(monkeypatch, f32):
         st.copy(3, 0)
     with pytest.raises(ValueError, match="overlap"):
         st.copy(1, 1)
+
+
+def test_checkpoint_store_host_tier_on_the_cuda_pools(monkeypatch):
+    """The CUDA pools' host tier (cuda/host_tier.py) under the checkpoint store: a host capture
+    and a demotion copy pages and State into pinned rows, an install writes them back exactly
+    (bf16 bits as they are), and dropping or promoting gives every row back, so a long run
+    reuses the tier's chunks instead of pinning more host memory."""
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.program.checkpoint_store import CheckpointStore
+    from ninfer.models.qwen3_5.program.page_ledger import SlotPool
+    from ninfer.models.qwen3_5.program.snapshots import host_bytes
+    m = _Machine(monkeypatch, 8 << 20)
+    cfg, rng, page = _cfg(), np.random.default_rng(4), 4
+    kv, st = DeviceKVPool(_pool_dev(m), cfg, 24, page), DeviceStatePool(_pool_dev(m), cfg, 6)
+    img = tuple([(rng.standard_normal((24,) + a.shape[1:]).astype(np.float32).view(np.uint32)
+                  & 0xFFFF0000).view(np.float32) for a in kv.k] for _ in range(2))
+    kv.write_pages(range(24), img)
+    for s in range(3):
+        st.write(s, ([rng.standard_normal(a.shape[1:]).astype(np.float32) for a in st.conv],
+                     [rng.standard_normal(a.shape[1:]).astype(np.float32) for a in st.recurrent]))
+    pages = PagePool(24, page, 3, 6)
+    probe = kv.start_read_pages([0]).result()
+    page_bytes = host_bytes(probe)
+    probe.release()
+    assert page_bytes * 2 == host_bytes(kv.read_pages([0]))       # bf16 bits, not float32
+    store = CheckpointStore(kv, st, pages, SlotPool(3, first=3), page_bytes=page_bytes,
+                            state_bytes=host_bytes(st.read(0)), host_budget_bytes=1 << 30,
+                            device_page_budget=24)
+    tokens = np.arange(1, 11, dtype=np.int32)
+    assert pages.grow(0, 10)
+    store.capture_host(1, tokens, pages.block_tables[0], 0)          # 3 pages, a partial one
+    store.capture_device(2, tokens[:8], pages.block_tables[0], 0)
+    store.demote(2)
+    assert not store.info(1).on_device and not store.info(2).on_device
+    tier_kv, tier_st = kv._tier, st._tier
+    assert tier_kv.num_rows - tier_kv.num_free == 3 + 2 and tier_st.num_rows - tier_st.num_free == 2
+    store.install(1, 1)                                              # host -> fresh pages
+    assert set(pages.pages_of(1).tolist()).isdisjoint(pages.pages_of(0).tolist())
+    got, want = kv.read_pages(pages.pages_of(1)), kv.read_pages(pages.pages_of(0)[:3])
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(st.read(1)[0] + st.read(1)[1], st.read(0)[0] + st.read(0)[1]):
+        np.testing.assert_array_equal(a, b)
+    store.promote(1, pages.block_tables[1], 1)                       # back on the device
+    store.drop(2)
+    assert tier_kv.num_free == tier_kv.num_rows and tier_st.num_free == tier_st.num_rows
+    store.check()
+    pinned = len(m.host)
+    for turn in range(4):                                            # captures and drops reuse
+        store.capture_host(10 + turn, tokens, pages.block_tables[0], 0)
+        store.drop(10 + turn)
+    assert len(m.host) == pinned and tier_kv.num_free == tier_kv.num_rows
+    kv.close()
+    st.close()
+    assert len(m.host) < pinned                                      # the tiers' chunks freed
+
+
+def test_host_rows_take_the_lowest_rows_and_reuse_them_after_their_event(monkeypatch):
+    """HostRows: chunks added as needed, the lowest free rows taken (a checkpoint's rows mostly
+    runs), runs cut at chunk ends (a chunk's rows are contiguous only within it), rows given
+    back after an event only once it has passed."""
+    from ninfer.models.qwen3_5.cuda.host_tier import HostRows
+    m = _Machine(monkeypatch, 1 << 20)
+    rows = HostRows([64, 32], chunk_bytes=3 * 96)
+    assert rows.rows_per_chunk == 3 and rows.num_rows == 0
+    assert rows.take(4) == [0, 1, 2, 3] and rows.num_rows == 6 and len(m.host) == 2
+    assert rows.runs([5, 6, 7, 8], [0, 1, 2, 3]) == [[5, 0, 3], [8, 3, 1]]
+    assert rows.runs([5, 7], [0, 1]) == [[5, 0, 1], [7, 1, 1]]
+    # array 1's block of chunk 0 starts after array 0's three rows
+    assert rows.ptr(1, 2) - rows.ptr(0, 0) == 3 * 64 + 2 * 32
+    assert rows.ptr(0, 3) == rows._chunks[1].ptr
+
+    class Event:
+        passed = False
+
+        def query(self):
+            return self.passed
+
+        def synchronize(self):
+            self.passed = True
+
+        def destroy(self):
+            pass
+    event = Event()
+    rows.give([1, 2], after=event)
+    assert rows.take(2) == [4, 5]                  # 1 and 2 wait for their copies
+    event.passed = True
+    assert rows.take(1) == [1] and rows.num_free == 1
+    rows.give([0, 1, 3, 4, 5])
+    rows.give([2], after=Event())
+    rows.free()                                    # waits for what is pending, frees the chunks
+    assert rows.num_rows == 0 and not m.host
