@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
-#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [mixed] [full]
-#                                           (default: all but fp8, moe, cache, mixed and full)
+#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed] [full]
+#                                    (default: all but fp8, moe, cache, tier, mixed and full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -73,6 +73,21 @@ for part in $parts; do
                     --direct --turns 8 --out "$OUT/cache_$shape.json" >"$OUT/cache_$shape.log" 2>&1
             done
             summary+=("cache: $(tail -1 "$OUT/cache_tests.log") (see cache_*.log)") ;;
+        tier)
+            # the context cache's host tier (cuda/host_tier.py): its GPU tests, then the 9B chat
+            # with the device tier too small for a checkpoint (every one on the host) and with a
+            # small one (checkpoints demoted), each with demotions on the copy stream
+            # (--async-host-copies) and without
+            timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu -k "cache" \
+                >"$OUT/tier_tests.log" 2>&1
+            for frac in 0.005 0.05; do
+                for flag in "" --async-host-copies; do
+                    timeout 200 python3 bench/bench_context_cache.py --backend cuda --shape 9b \
+                        --direct --turns 8 --workloads chat --device-fraction $frac $flag \
+                        >"$OUT/tier_9b_${frac}${flag:+_async}.log" 2>&1
+                done
+            done
+            summary+=("tier: $(tail -1 "$OUT/tier_tests.log") (see tier_9b_*.log)") ;;
         mixed)
             # the host's work beside the GPU's: the GPU tests of the pipelined decode and of
             # mixed batches; 9B greedy decode through the Engine with steps launched ahead

@@ -135,7 +135,12 @@ def test_agent_loop_turn_2_binds_the_continuation(demo):
 def test_image_prompts_reuse_only_with_the_same_media(tmp_path_factory):
     """One image prompt three times: the second run is asked for a checkpoint where it leaves
     the full blocks it shares with the first's entries (keyed with the media digest), the third
-    binds it and gives the cold run's tokens; the same token ids with another image never hit."""
+    binds it and gives the cold run's tokens; the same token ids with another image never hit.
+    (tests/gpu/test_context_cache_gpu.py runs it on CUDA.)"""
+    image_prompts_reuse_only_with_the_same_media(tmp_path_factory)
+
+
+def image_prompts_reuse_only_with_the_same_media(tmp_path_factory, **engine_options):
     import shutil
     from fixture_utils import FIXTURES_DIR, fixture_dir
     from ninfer.convert import convert_checkpoint
@@ -158,7 +163,7 @@ def test_image_prompts_reuse_only_with_the_same_media(tmp_path_factory):
 
     def run(**options):
         with Engine(path, max_concurrency=1, prefill_chunk=16, page_size=8, debug_checks=True,
-                    **options) as engine:
+                    **engine_options, **options) as engine:
             out = [engine.generate(chat(image), params) for _ in range(3)]
             out.append(engine.generate(chat(other), params))
             a, b = engine.frontend.prepare(chat(image)), engine.frontend.prepare(chat(other))

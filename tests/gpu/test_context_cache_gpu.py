@@ -193,3 +193,12 @@ def test_async_host_copies_equal_the_synchronous_ones(path, monkeypatch):
     rng.bit_generator.state = state
     got, stats = chat(True)
     assert got == sync and stats["prefix_cache_demotions"] > 0
+
+
+def test_image_prompts_reuse_only_with_the_same_media_on_cuda(tmp_path_factory):
+    """The numpy test of tests/test_context_cache_model.py on CUDA (float32: the cold and the
+    cached runs' greedy tokens equal): an image prompt's checkpoint is keyed with its media
+    digest, bound by the same prompt with the same image, never by another image's."""
+    from test_context_cache_model import image_prompts_reuse_only_with_the_same_media
+    image_prompts_reuse_only_with_the_same_media(tmp_path_factory, backend="cuda",
+                                                 dtype="float32")
