@@ -71,3 +71,40 @@ def test_cuda_media_prefill_logits_equal_numpy(dtype, tol, artifacts, ref):
     keep[list(VISION_TOKENS)] = False
     assert_logits_close(lc[-1, keep], ref["cond_gen_chat_first_logits"][keep], "numpy first",
                         tol=NUMPY_REL_TOL)
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_device_vision_tower_equals_numpy(gpu, dtype, tol):
+    """cuda/vision.py on the device against the numpy tower: the 27B tower's widths (hidden
+    1152, 16 heads of 72, MLP 4304, out 5120) at depth 2, random weights; a 32 x 32-patch image
+    and a 2-frame video of 16 x 16 in one call; the attention in one pass and, with a small score
+    budget, in passes of query rows (tests/gpu/sim_vision.py is its simulator twin)."""
+    from ninfer.core.cuda.cublaslt import CublasLt
+    from ninfer.models.qwen3_5.cuda import vision as dv
+    from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower
+    cfg = VisionConfig(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                       in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                       num_position_embeddings=2304, out_hidden_size=5120)
+    r = np.random.default_rng(0)
+    params = {k: (r.standard_normal(s) / np.sqrt(s[-1] if len(s) > 1 else 4)).astype(np.float32)
+              for k, s in cfg.param_shapes().items()}
+    grids = [(1, 32, 32), (2, 16, 16)]
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = r.standard_normal((n, 3 * 2 * 16 * 16)).astype(np.float32)
+    want = VisionTower(cfg, params).encode(pixels, grids)
+    f32 = dtype == "float32"
+    for score_bytes in (dv.SCORE_BYTES, 4 << 20):
+        ws = gpu.arena.take((32 << 20,), np.uint8, "cuBLASLt workspace")
+        lt = CublasLt(ws.ptr, 32 << 20, f32=f32)
+        tower = dv.DeviceVisionTower(cfg, params, arena=gpu.arena, kernels=gpu.cache, lt=lt,
+                                     stream=gpu.stream, f32=f32, max_patches=n,
+                                     score_bytes=score_bytes)
+        try:
+            got = tower.encode(pixels, grids)
+            assert rel_err(got, want) < tol, (score_bytes, rel_err(got, want))
+            assert tower.encode(pixels, grids).tobytes() == got.tobytes()    # deterministic
+        finally:
+            tower.close()
+            lt.close()
+            for a in list(tower.buf.values()) + list(tower.w.values()) + [ws]:
+                gpu.arena.give(a)

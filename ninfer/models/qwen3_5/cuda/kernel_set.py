@@ -15,7 +15,7 @@ from . import qweights as qw
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
 MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "rope_kv", "attention",
-           "attention_tc", "moe", "sample", "quant_gemv", "act_quant")
+           "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision")
 
 
 def declared_signatures(module: str) -> dict:
@@ -60,7 +60,8 @@ SIGS = _collect_signatures()
 # bf16 ("u16*") or bf16-pair ("u32*") argument of theirs becomes "f32*"
 F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather", "random_bf16",
                           "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
-                          "expert_down", "gather_rows", "qgemv", "dequant"))
+                          "expert_down", "gather_rows", "qgemv", "dequant",
+                          "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax"))
 
 
 # kernels with a quantized-KV variant (kv_dtype "fp8" / "int8": factory parameter kvq) -> the

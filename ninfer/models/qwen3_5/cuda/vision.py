@@ -1,0 +1,247 @@
+"""The vision tower on the device: the numpy tower's arithmetic (vision_tower.py, its reference)
+as cuBLASLt GEMMs and the kernels of kernels/vision.py, on a stream of its own.
+
+    pixels -> GEMM patch_embed (+ bias + interpolated position table)       h [n, D] fp32
+    [LayerNorm -> GEMM qkv -> bias + 2-D rotary, head-major q k v
+     -> per frame: S = q k^T (batched over heads) -> softmax -> O = P v
+     -> GEMM proj (+= h) + bias
+     LayerNorm -> GEMM fc1 -> bias + GELU -> GEMM fc2 (+= h) + bias] x depth
+    -> LayerNorm -> [n / m^2, m^2 D] -> GEMM fc1 -> bias + GELU (erf) -> GEMM fc2 + bias
+
+GEMM inputs are bf16 (fp32 in a dtype="float32" model, equal to the numpy tower up to rounding
+order), GEMM outputs and the residual fp32. The attention scores of a frame of L patches take
+L x L per head: they are computed in passes of at most `score_bytes` (heads together, or query
+rows of one head), so a 2048 x 2048 image (16,384 patches) needs no 16 GiB. The position table
+and the rotary's cos / sin are the numpy tower's own functions, computed on the host per image
+(their size is the image's, not the model's) and copied with the pixels.
+
+Buffers are fixed for `max_patches` patches (one image or video frame group at a time); a
+larger input is refused (ValueError), the caller falls back to the host tower.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ....core.cuda import driver as _d
+from ..vision_tower import LN_EPS, VisionConfig, VisionTower, interpolated_pos_embed, vision_rotary
+from .kernel_set import spec
+
+SCORE_BYTES = 256 << 20         # attention scores (fp32) and probabilities of one pass
+THREADS = 256
+
+
+def _gemm_weight_names(cfg: VisionConfig) -> list:
+    names = ["vision.patch_embed.proj.weight", "vision.merger.linear_fc1.weight",
+             "vision.merger.linear_fc2.weight"]
+    for i in range(cfg.depth):
+        b = f"vision.blocks.{i}."
+        names += [b + "attn.qkv.weight", b + "attn.proj.weight", b + "mlp.linear_fc1.weight",
+                  b + "mlp.linear_fc2.weight"]
+    return names
+
+
+def _buffer_shapes(cfg: VisionConfig, n: int, score_bytes: int, f32: bool) -> dict:
+    """name -> (shape, dtype) of the workspace for n patches."""
+    D, I, H, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim
+    m2 = cfg.spatial_merge_size ** 2
+    pix = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    gin = np.float32 if f32 else np.uint16
+    scores = max(int(score_bytes) // (4 + np.dtype(gin).itemsize), 1)
+    return {"h": ((n, D), np.float32), "x": ((n, max(D, pix)), gin),
+            "big": ((n, max(3 * D, I)), np.float32), "act": ((n, max(I, D)), gin),
+            "q": ((H, n, hd), gin), "k": ((H, n, hd), gin), "v": ((H, n, hd), gin),
+            "s": ((scores,), np.float32), "p": ((scores,), gin),
+            "pos": ((n, D), np.float32), "cos": ((n, hd), np.float32),
+            "sin": ((n, hd), np.float32), "zeros": ((max(I, m2 * D),), np.float32),
+            "out": ((n // m2, cfg.out_hidden_size), np.float32)}
+
+
+def device_bytes(cfg: VisionConfig, max_patches: int, f32: bool = False,
+                 score_bytes: int = SCORE_BYTES, align: int = 256) -> int:
+    """Device bytes of the tower's weights and workspace (an arena to carve them from)."""
+    wb = 4 if f32 else 2
+    total = 0
+    gemm = set(_gemm_weight_names(cfg))
+    for name, shape in cfg.param_shapes().items():
+        n = int(np.prod(shape)) * (wb if name in gemm else 4)
+        total += -(-n // align) * align
+    for shape, dtype in _buffer_shapes(cfg, max_patches, score_bytes, f32).values():
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        total += -(-n // align) * align
+    return total
+
+
+class DeviceVisionTower(VisionTower):
+    """VisionTower (its encode_medium cache and its config) whose encode runs on the device.
+    Given what it runs with: an arena for its weights and buffers, a kernel cache, a cuBLASLt
+    handle of its own (its workspace is not shared with a model's step on another stream), the
+    stream, and bind (makes the context current in the calling thread: the media encoder's)."""
+
+    def __init__(self, cfg: VisionConfig, params: dict, *, arena, kernels, lt, stream,
+                 bind=lambda: None, f32: bool = False, max_patches: int = 16384,
+                 score_bytes: int = SCORE_BYTES):
+        super().__init__(cfg, {})
+        m2 = cfg.spatial_merge_size ** 2
+        if max_patches < m2 or max_patches % m2:
+            raise ValueError(f"max_patches {max_patches}: a positive multiple of {m2}")
+        self.f32, self.lt, self.stream, self.bind = bool(f32), lt, stream, bind
+        self.max_patches = int(max_patches)
+        self.gin = np.float32 if f32 else np.uint16
+        self._k = {name: kernels.get(spec(name, f32=self.f32 if name != "vis_add_bias" else False))
+                   for name in ("vis_layernorm", "vis_bias_act", "vis_add_bias", "vis_qkv_rope",
+                                "vis_softmax")}
+        bind()
+        self.buf = {name: arena.take(shape, dtype, f"vision {name}") for name, (shape, dtype)
+                    in _buffer_shapes(cfg, self.max_patches, score_bytes, self.f32).items()}
+        self.score_elements = self.buf["s"].shape[0]
+        self._pos_host = np.asarray(params["vision.pos_embed.weight"], np.float32)  # (per image)
+        gemm = set(_gemm_weight_names(cfg))
+        inputs = sum(self.buf[k].nbytes for k in ("x", "pos", "cos", "sin"))
+        largest = max(int(np.prod(s)) for s in cfg.param_shapes().values()) * 4
+        self._staging = _d.PinnedBuffer(max(inputs, largest))   # kept: each encode's inputs
+        self._out_host = _d.PinnedBuffer(self.buf["out"].nbytes)
+        self.w = {}
+        try:
+            for name, shape in cfg.param_shapes().items():
+                host = np.asarray(params[name], np.float32)
+                if name in gemm:                    # [out, in]: y = x @ W^T
+                    host = self._gin(host.reshape(shape[0], -1))
+                self.w[name] = arena.take(host.shape, host.dtype, name)
+                self._copy_in(self.w[name].ptr, host)
+                self.stream.synchronize()           # (the staging bytes are the next one's)
+            self._copy_in(self.buf["zeros"].ptr, np.zeros(self.buf["zeros"].shape, np.float32))
+            self.stream.synchronize()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- host <-> device --------------------------------------------------------------------
+    def _gin(self, a: np.ndarray) -> np.ndarray:
+        """fp32 -> the GEMM input dtype: itself, or bf16 bits rounded to nearest even (as the
+        kernels' f32_to_bf16)."""
+        a = np.ascontiguousarray(a, np.float32)
+        return a if self.f32 else a.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+    def _copy_in(self, dst: int, host: np.ndarray, offset: int = 0) -> int:
+        """Queue host -> dst through the staging bytes at `offset`; returns the offset after
+        them (the caller synchronises before those bytes are written again)."""
+        raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        self._staging.array[offset: offset + raw.size] = raw
+        _d.copy_htod_async(dst, self._staging.ptr + offset, raw.size, self.stream)
+        return offset + raw.size
+
+    def close(self) -> None:
+        for name in ("_staging", "_out_host"):
+            buf = getattr(self, name, None)
+            if buf is not None:
+                buf.free()
+            setattr(self, name, None)
+
+    # ---- launches ---------------------------------------------------------------------------
+    def _launch(self, name, grid, args, block=THREADS):
+        self._k[name].launch(self.stream, grid, (block,), args)
+
+    def _gemm(self, x, w, y, m, n, k, beta=0.0, **kw):
+        self.lt.gemm(self.stream, x, w, y, m, n, k, beta, **kw)
+
+    def _cols(self, width: int) -> int:
+        return -(-width // THREADS)
+
+    # ---- the tower --------------------------------------------------------------------------
+    def encode(self, pixels: np.ndarray, grid_thw) -> np.ndarray:
+        cfg, b, w = self.cfg, self.buf, self.w
+        grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
+        n = sum(t * h * ww for t, h, ww in grid_thw)
+        pix = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        pixels = np.asarray(pixels, np.float32)
+        if pixels.shape != (n, pix):
+            raise ValueError(f"pixels {list(pixels.shape)} do not match grids {grid_thw}")
+        if n > self.max_patches:
+            raise ValueError(f"{n} patches: the device tower holds at most {self.max_patches}")
+        D, H, hd, m = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.spatial_merge_size
+        I, m2, gb = cfg.intermediate_size, m * m, np.dtype(self.gin).itemsize
+        self.bind()
+        # the inputs: pixels packed as the patch GEMM's [n, pix] rows at x's start (x is sized
+        # for the wider of pix and D); the position table and cos / sin as the numpy tower's
+        x_pix = self._gin(pixels)
+        cos, sin = vision_rotary(grid_thw, m, hd, cfg.rope_theta)
+        pos = interpolated_pos_embed(self._pos_host, grid_thw, m)
+        off = 0
+        for dst, host in ((b["x"].ptr, x_pix), (b["pos"].ptr, pos), (b["cos"].ptr, cos),
+                          (b["sin"].ptr, sin)):
+            off = self._copy_in(dst, host, off)
+        # patch embedding: h = pixels @ W^T + bias + pos (x holds [n, pix] packed)
+        self._gemm(b["x"].ptr, w["vision.patch_embed.proj.weight"].ptr, b["h"].ptr, n, D, pix)
+        self._launch("vis_add_bias", (n, self._cols(D)),
+                     (b["h"], w["vision.patch_embed.proj.bias"], b["pos"], D, 1))
+        frames = [(h * ww) for t, h, ww in grid_thw for _ in range(t)]
+        for i in range(cfg.depth):
+            p = f"vision.blocks.{i}."
+            self._launch("vis_layernorm", (n,), (b["x"], b["h"], w[p + "norm1.weight"],
+                                                 w[p + "norm1.bias"], D, LN_EPS))
+            self._gemm(b["x"].ptr, w[p + "attn.qkv.weight"].ptr, b["big"].ptr, n, 3 * D, D)
+            self._launch("vis_qkv_rope", (n, H), (b["q"], b["k"], b["v"], b["big"],
+                                                  w[p + "attn.qkv.bias"], b["cos"], b["sin"],
+                                                  n, H, hd), block=max(32, -(-hd // 32) * 32))
+            self._attention(frames, n, gb)          # -> O [n, D] fp32 in big
+            self._launch("vis_bias_act", (n, self._cols(D)),
+                         (b["act"], b["big"], b["zeros"], D, 0))
+            self._gemm(b["act"].ptr, w[p + "attn.proj.weight"].ptr, b["h"].ptr, n, D, D, 1.0)
+            self._launch("vis_add_bias", (n, self._cols(D)),
+                         (b["h"], w[p + "attn.proj.bias"], b["h"], D, 0))
+            self._launch("vis_layernorm", (n,), (b["x"], b["h"], w[p + "norm2.weight"],
+                                                 w[p + "norm2.bias"], D, LN_EPS))
+            self._gemm(b["x"].ptr, w[p + "mlp.linear_fc1.weight"].ptr, b["big"].ptr, n, I, D)
+            act = 1 if cfg.hidden_act == "gelu_pytorch_tanh" else 2
+            self._launch("vis_bias_act", (n, self._cols(I)),
+                         (b["act"], b["big"], w[p + "mlp.linear_fc1.bias"], I, act))
+            self._gemm(b["act"].ptr, w[p + "mlp.linear_fc2.weight"].ptr, b["h"].ptr, n, D, I, 1.0)
+            self._launch("vis_add_bias", (n, self._cols(D)),
+                         (b["h"], w[p + "mlp.linear_fc2.bias"], b["h"], D, 0))
+        # merger: LayerNorm per patch, each merge block's m^2 patches as one row (they are
+        # consecutive: the patches come in merge-block order), fc1 -> GELU (erf) -> fc2
+        r, wide = n // m2, m2 * D
+        self._launch("vis_layernorm", (n,), (b["x"], b["h"], w["vision.merger.norm.weight"],
+                                             w["vision.merger.norm.bias"], D, LN_EPS))
+        self._gemm(b["x"].ptr, w["vision.merger.linear_fc1.weight"].ptr, b["big"].ptr, r, wide,
+                   wide)
+        self._launch("vis_bias_act", (r, self._cols(wide)),
+                     (b["act"], b["big"], w["vision.merger.linear_fc1.bias"], wide, 2))
+        out_h = cfg.out_hidden_size
+        self._gemm(b["act"].ptr, w["vision.merger.linear_fc2.weight"].ptr, b["out"].ptr, r,
+                   out_h, wide)
+        self._launch("vis_add_bias", (r, self._cols(out_h)),
+                     (b["out"], w["vision.merger.linear_fc2.bias"], b["out"], out_h, 0))
+        nbytes = r * out_h * 4
+        _d.copy_dtoh_async(self._out_host.ptr, b["out"].ptr, nbytes, self.stream)
+        self.stream.synchronize()
+        return self._out_host.array[:nbytes].view(np.float32).reshape(r, out_h).copy()
+
+    def _attention(self, frames, n: int, gb: int) -> None:
+        """Softmax attention within each frame (`frames`: their patch counts, in order): O
+        [n, D] fp32 into big (read as rows of D), in passes whose scores fit the score buffers:
+        every head at once, or query rows of one head."""
+        cfg, b = self.cfg, self.buf
+        H, hd, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+        scale = float(hd ** -0.5)
+        start = 0
+        for L in frames:
+            if L * L * H <= self.score_elements:
+                heads, rows = H, L
+            else:
+                heads, rows = 1, max(1, min(L, self.score_elements // L))
+            for h0 in range(0, H, heads):
+                hg = min(heads, H - h0)
+                for q0 in range(0, L, rows):
+                    qb = min(rows, L - q0)
+                    q = b["q"].ptr + ((h0 * n + start + q0) * hd) * gb
+                    k = b["k"].ptr + ((h0 * n + start) * hd) * gb
+                    v = b["v"].ptr + ((h0 * n + start) * hd) * gb
+                    self._gemm(q, k, b["s"].ptr, qb, L, hd, batch=hg,
+                               strides=(n * hd, n * hd, qb * L))
+                    self._launch("vis_softmax", (hg * qb,), (b["p"], b["s"], L, scale))
+                    o = b["big"].ptr + ((start + q0) * D + h0 * hd) * 4
+                    self._gemm(b["p"].ptr, v, o, qb, hd, L, w_kn=True, batch=hg,
+                               strides=(n * hd, qb * L, hd), ldc=D)
+            start += L
