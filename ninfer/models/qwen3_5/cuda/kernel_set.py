@@ -82,6 +82,15 @@ def spec(name: str, f32: bool = False, **params) -> KernelSpec:
     return KernelSpec.of(module, factory, sig, **params)
 
 
+VISION_KERNELS = ("vis_layernorm", "vis_bias_act", "vis_add_bias", "vis_qkv_rope", "vis_softmax")
+
+
+def vision_specs(f32: bool = False) -> dict:
+    """The device vision tower's kernels (cuda/vision.py), apart from a text geometry's: a
+    text-only model's start compiles or loads none of them."""
+    return {name: spec(name, f32=f32 and name in F32_VARIANTS) for name in VISION_KERNELS}
+
+
 def qgemv_name(layout: str, bm: int, asym: bool) -> str:
     return f"qgemv_{layout}_{bm}" + ("_z" if asym else "")
 

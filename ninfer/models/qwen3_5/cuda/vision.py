@@ -25,7 +25,7 @@ import numpy as np
 
 from ....core.cuda import driver as _d
 from ..vision_tower import LN_EPS, VisionConfig, VisionTower, interpolated_pos_embed, vision_rotary
-from .kernel_set import spec
+from .kernel_set import vision_specs
 
 SCORE_BYTES = 256 << 20         # attention scores (fp32) and probabilities of one pass
 THREADS = 256
@@ -88,9 +88,7 @@ class DeviceVisionTower(VisionTower):
         self.f32, self.lt, self.stream, self.bind = bool(f32), lt, stream, bind
         self.max_patches = int(max_patches)
         self.gin = np.float32 if f32 else np.uint16
-        self._k = {name: kernels.get(spec(name, f32=self.f32 if name != "vis_add_bias" else False))
-                   for name in ("vis_layernorm", "vis_bias_act", "vis_add_bias", "vis_qkv_rope",
-                                "vis_softmax")}
+        self._k = {name: kernels.get(s) for name, s in vision_specs(self.f32).items()}
         bind()
         self.buf = {name: arena.take(shape, dtype, f"vision {name}") for name, (shape, dtype)
                     in _buffer_shapes(cfg, self.max_patches, score_bytes, self.f32).items()}
