@@ -12,7 +12,8 @@ import time
 import ninfer
 from ninfer.core.cuda import kernels as K
 from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
-from ninfer.models.qwen3_5.cuda.kernel_set import F32_VARIANTS, SIGS, geometry_specs, spec
+from ninfer.models.qwen3_5.cuda.kernel_set import (F32_VARIANTS, SIGS, geometry_specs, spec,
+                                                   vision_specs)
 
 CC = (9, 0)
 
@@ -51,6 +52,7 @@ def main() -> int:
     specs |= {spec("qgemv", layout="int4_block", bm=2, asym=True),
               spec("dequant", layout="fp8_block", asym=False),
               spec("qmma", layout="int4_block", asym=True), spec("act_quant_fp8")}
+    specs |= set(vision_specs().values())         # the device vision tower's (cuda/vision.py)
     compiled = {s.module for s in specs}
     if set(modules) - compiled:
         print(f"kernel modules never compiled by this check: {sorted(set(modules) - compiled)}")
