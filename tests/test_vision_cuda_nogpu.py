@@ -100,6 +100,7 @@ def test_image_prompt_on_the_simulator_matches_numpy():
 
 
 def _sim_vision(part: str) -> dict:
+    pytest.importorskip("numba.cuda")            # (the CUDA Python packages: CI's first pass)
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_vision.py"),
                           part], env=env, capture_output=True, text=True, timeout=1800)
