@@ -273,8 +273,8 @@ class CheckpointStore:
         token_ids = c.token_ids
         del self.entries[cid]
         self.capture_device(cid, token_ids, table_row, seq_slot)      # (resets the usage)
-        _release(c.host_kv)             # (after install's copies from them: see _release)
-        _release(c.host_state)
+        release_image(c.host_kv)             # (after install's copies from them: see _release)
+        release_image(c.host_state)
 
     def drop(self, cid: int) -> None:
         c = self.entries.pop(cid, None)
@@ -282,13 +282,13 @@ class CheckpointStore:
             raise ProgramError(f"checkpoint {cid} dropped twice or unknown")
         if c.moving is not None:         # its pages are read until the copies are done
             for read in c.moving:
-                _release(read.result())
+                release_image(read.result())
             c.moving, c.reserved = None, 0
             self._moving.discard(cid)
         if c.on_device:
             self._free_device(c)
-        _release(c.host_kv)
-        _release(c.host_state)
+        release_image(c.host_kv)
+        release_image(c.host_state)
         self._usage = None
 
     def _free_device(self, c: Checkpoint) -> None:
@@ -338,7 +338,7 @@ class CheckpointStore:
                                f"budget {self.device_page_budget}")
 
 
-def _release(image) -> None:
+def release_image(image) -> None:
     """A host image that holds pool memory (CUDA's host_tier.TierImage) gives it back; its
     rows are reused only after the copies queued from them have run. numpy's images are plain
     arrays, freed with the entry."""

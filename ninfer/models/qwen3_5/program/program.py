@@ -33,7 +33,7 @@ from ....contracts import (Capacity, CaptureRoom, ForwardBatch, PendingBatch, Pr
                            UnitPlan)
 from ..memory_plan import plan_cache_slots, plan_pools, state_slot_bytes
 from . import packing
-from .checkpoint_store import CheckpointStore
+from .checkpoint_store import CheckpointStore, release_image
 from .inflight import InFlightUnit
 from .page_ledger import PagePool, SlotPool, pages_for
 from .sequences import (Sequence, Unit, UnitRules, capture_due, capture_positions,
@@ -94,7 +94,7 @@ class Program:
         # images keep the pool's bytes (start_read_pages: bf16 bits on CUDA, half a Snapshot's)
         probe = self.kv.start_read_pages([0]).result()
         cache_page_bytes = host_bytes(probe)
-        getattr(probe, "release", lambda: None)()       # (CUDA's host tier rows)
+        release_image(probe)                            # (CUDA's host tier rows)
         self.checkpoints = CheckpointStore(
             self.kv, self.state, self.pages, SlotPool(num_cache_slots, first=self.num_slots),
             page_bytes=cache_page_bytes, state_bytes=state_bytes,
