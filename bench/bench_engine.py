@@ -133,13 +133,15 @@ def write_checkpoint(path: pathlib.Path, shape: str, shard_bytes: int = 4 << 30)
         {"metadata": {}, "weight_map": weight_map}))
 
 
-def random_source(shape: str):
+def random_source(shape: str, shapes: dict = None):
     """A CheckpointSource class whose tensors are write_checkpoint's, made as they are read:
     convert_checkpoint(folder of write_frontend_only, out, open_source=...) writes the same
-    artifact with no checkpoint on disk (27B and 35B-A3B do not fit the device's disk twice)."""
+    artifact with no checkpoint on disk (27B and 35B-A3B do not fit the device's disk twice).
+    `shapes`: other tensors ({name: shape}) of the same random values instead."""
     import ml_dtypes
     from ninfer.convert.source import CheckpointSource, TensorInfo
-    _, _, shapes = checkpoint_plan(shape)
+    if shapes is None:
+        _, _, shapes = checkpoint_plan(shape)
 
     class RandomSource(CheckpointSource):
         def _index_tensors(self) -> dict:

@@ -1,22 +1,28 @@
 """The vision tower's kernels around cuBLASLt's GEMMs (ninfer/models/qwen3_5/cuda/vision.py):
-LayerNorm with bias, bias + GELU, bias (and the position embedding) added into the fp32 residual,
+LayerNorm with bias, bias + GELU (or a plain cast: the pixels), bias added into the fp32 residual
+(with the bilinear position embedding after the patch GEMM),
 the 2-D rotary of q and k out of the qkv GEMM into head-major buffers, and the attention scores'
-row softmax. Inputs fp32; outputs that feed a GEMM are bf16 (fp32 with `f32`). The numpy tower
+row softmax; in bf16, attention in one kernel on the tensor cores instead (vis_flash_attention:
+the scores never leave the chip). Inputs fp32; outputs that feed a GEMM are bf16 (fp32 with
+`f32`). The numpy tower
 (ninfer/models/qwen3_5/vision_tower.py) is the specification of each."""
 import math
 
-from numba import cuda, float32, int64
+from numba import cuda, float32, int64, uint32
 
-from .common import block_max, block_sum, storage
+from .common import FULL_MASK, block_max, block_sum, storage
+from .ptx import cvt_bf16x2, mma_bf16
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
     "vis_layernorm": ("u16*", "f32*", "f32*", "f32*", "i32", "f32"),
     "vis_bias_act": ("u16*", "f32*", "f32*", "i32", "i32"),
-    "vis_add_bias": ("f32*", "f32*", "f32*", "i32", "i32"),
+    "vis_add_bias": ("f32*", "f32*", "i32"),
+    "vis_pos_embed": ("f32*", "f32*", "f32*", "i32*", "f32*", "i32"),
     "vis_qkv_rope": ("u16*", "u16*", "u16*", "f32*", "f32*", "f32*", "f32*", "i32", "i32",
                      "i32"),
     "vis_softmax": ("u16*", "f32*", "i32", "f32"),
+    "vis_flash_attention": ("u16*", "u32*", "u32*", "u32*", "i32", "i32", "i32", "i32", "f32"),
 }
 
 GELU_TANH, GELU_ERF = 1, 2          # vis_bias_act's `act` (0: none, a plain cast)
@@ -64,17 +70,29 @@ def vis_bias_act(f32=False):
 
 
 def vis_add_bias():
-    def vis_add_bias_kernel(h, bias, pos, width, with_pos):
-        # h[t, j] += bias[j] (+ pos[t, j] with with_pos: the patch embedding's position
-        # table); grid (rows, ceil(width / blockDim))
+    def vis_add_bias_kernel(h, bias, width):
+        # h[t, j] += bias[j]; grid (rows, ceil(width / blockDim))
         j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
         if j < width:
             i = int64(cuda.blockIdx.x) * width + j
-            v = h[i] + bias[j]
-            if with_pos != 0:
-                v += pos[i]
-            h[i] = v
+            h[i] = h[i] + bias[j]
     return vis_add_bias_kernel
+
+
+def vis_pos_embed():
+    def vis_pos_embed_kernel(h, bias, table, index, weight, width):
+        # the patch embedding's bias and its position: h[t, j] += bias[j] + the table's rows
+        # index[t, 0..3] times weight[t, 0..3], summed in order (the bilinear resampling's taps,
+        # vision_tower.pos_embed_taps); grid (rows, ceil(width / blockDim))
+        j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        if j < width:
+            t = int64(cuda.blockIdx.x)
+            pos = table[int64(index[4 * t]) * width + j] * weight[4 * t]
+            for tap in range(1, 4):
+                pos += table[int64(index[4 * t + tap]) * width + j] * weight[4 * t + tap]
+            i = t * width + j
+            h[i] = h[i] + bias[j] + pos
+    return vis_pos_embed_kernel
 
 
 def vis_qkv_rope(f32=False):
@@ -118,17 +136,169 @@ def vis_softmax(f32=False):
 
     def vis_softmax_kernel(p, s, cols, scale):
         # p[r] = softmax(s[r] * scale) over fp32 rows of `cols` (attention scores: one row per
-        # query and head); grid (rows,)
+        # query and head); grid (rows,). The row is read twice: each thread's running maximum
+        # and its sum rescaled to it in one pass (the "online" softmax), then the outputs.
         scratch = cuda.shared.array(32, float32)
         base = int64(cuda.blockIdx.x) * cols
         m = float32(-3.0e38)
-        for j in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
-            m = max(m, s[base + j])
-        m = block_max(m, scratch)
         acc = float32(0.0)
         for j in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
-            acc += math.exp((s[base + j] - m) * scale)
-        inv = float32(1.0) / block_sum(acc, scratch)
+            x = s[base + j]
+            if x > m:
+                acc *= math.exp((m - x) * scale)
+                m = x
+            acc += math.exp((x - m) * scale)
+        row_max = block_max(m, scratch)
+        inv = float32(1.0) / block_sum(acc * math.exp((m - row_max) * scale), scratch)
         for j in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
-            p[base + j] = store(math.exp((s[base + j] - m) * scale) * inv)
+            p[base + j] = store(math.exp((s[base + j] - row_max) * scale) * inv)
     return vis_softmax_kernel
+
+
+FA_WARPS = 4                 # vis_flash_attention: warps per block, 16 query rows each
+FA_ROWS = 16 * FA_WARPS      # query rows per block
+FA_KEYS = 64                 # keys per step (staged in shared memory)
+
+
+def vis_flash_attention(hd):
+    KS = (hd + 15) // 16     # k-steps of S = Q K^T (head dims padded to 16, zeros past hd)
+    HP = hd // 2             # bf16 pairs (u32) per q / k / v row
+    KP = 8 * KS + 4          # u32 per staged K row: padded dims, + 4 (no shared bank conflicts)
+    NT = hd // 8             # 8-wide output tiles (hd a multiple of 8)
+
+    def vis_flash_attention_kernel(out, q, k, v, n, L, start, width, scale):
+        # softmax(scale * q k^T) v within one frame, patches [start, start + L), every head:
+        # q, k, v bf16 [heads, n, hd] (pairs), out bf16 [n, width] at columns h * hd + d.
+        # grid (ceil(L / FA_ROWS), heads), block 32 * FA_WARPS. Each warp holds 16 query rows'
+        # Q, running max, sum and output in registers (mma.m16n8k16 fragments) and walks the
+        # keys FA_KEYS at a time: S (fp32) -> P = exp(S - max) in bf16 -> O += P V, rescaled
+        # as the max moves (the "online" softmax); one division at the end
+        ks = cuda.shared.array(FA_KEYS * KP, uint32)
+        vs = cuda.shared.array(FA_KEYS * HP, uint32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        g = lane >> 2
+        t4 = lane & 3
+        row0 = cuda.blockIdx.x * FA_ROWS + (tid >> 5) * 16
+        head = int64(cuda.blockIdx.y) * n + start        # the frame's first row in head h
+        qa = cuda.local.array(4 * KS, uint32)
+        for st in range(KS):
+            for part in range(4):
+                r = row0 + g + 8 * (part & 1)
+                c = 16 * st + 2 * t4 + 8 * (part >> 1)
+                val = uint32(0)
+                if r < L and c < hd:
+                    val = q[(head + r) * HP + c // 2]
+                qa[4 * st + part] = val
+        o = cuda.local.array(4 * NT, float32)
+        for j in range(4 * NT):
+            o[j] = float32(0.0)
+        sc = cuda.local.array(32, float32)              # S of 16 rows x 64 keys: 8 tiles
+        m0 = float32(-3.0e38)                           # rows g and g + 8: max, partial sums
+        m1 = float32(-3.0e38)
+        l0 = float32(0.0)
+        l1 = float32(0.0)
+        for kb in range(0, L, FA_KEYS):
+            cuda.syncthreads()                          # (the last step's reads are done)
+            for idx in range(tid, FA_KEYS * KP, 32 * FA_WARPS):
+                j = idx // KP
+                e = idx - j * KP
+                val = uint32(0)
+                if kb + j < L and e < HP:
+                    val = k[(head + kb + j) * HP + e]
+                ks[idx] = val
+            for idx in range(tid, FA_KEYS * HP, 32 * FA_WARPS):
+                j = idx // HP
+                val = uint32(0)
+                if kb + j < L:
+                    val = v[(head + kb + j) * HP + idx - j * HP]
+                vs[idx] = val
+            cuda.syncthreads()
+            mx0 = float32(-3.0e38)
+            mx1 = float32(-3.0e38)
+            for j in range(8):
+                c0 = float32(0.0)
+                c1 = float32(0.0)
+                c2 = float32(0.0)
+                c3 = float32(0.0)
+                kr = (8 * j + g) * KP
+                for st in range(KS):
+                    c0, c1, c2, c3 = mma_bf16(qa[4 * st], qa[4 * st + 1], qa[4 * st + 2],
+                                              qa[4 * st + 3], ks[kr + 8 * st + t4],
+                                              ks[kr + 8 * st + 4 + t4], c0, c1, c2, c3)
+                key = kb + 8 * j + 2 * t4               # D's columns: keys key, key + 1
+                if key >= L:
+                    c0 = float32(-3.0e38)
+                    c2 = float32(-3.0e38)
+                else:
+                    c0 *= scale
+                    c2 *= scale
+                if key + 1 >= L:
+                    c1 = float32(-3.0e38)
+                    c3 = float32(-3.0e38)
+                else:
+                    c1 *= scale
+                    c3 *= scale
+                sc[4 * j] = c0
+                sc[4 * j + 1] = c1
+                sc[4 * j + 2] = c2
+                sc[4 * j + 3] = c3
+                mx0 = max(mx0, max(c0, c1))
+                mx1 = max(mx1, max(c2, c3))
+            for lanes in (1, 2):                        # a row's 4 lanes: its 64 keys
+                mx0 = max(mx0, cuda.shfl_xor_sync(FULL_MASK, mx0, lanes))
+                mx1 = max(mx1, cuda.shfl_xor_sync(FULL_MASK, mx1, lanes))
+            mn0 = max(m0, mx0)
+            mn1 = max(m1, mx1)
+            a0 = math.exp(m0 - mn0)
+            a1 = math.exp(m1 - mn1)
+            m0 = mn0
+            m1 = mn1
+            l0 *= a0
+            l1 *= a1
+            for j in range(NT):
+                o[4 * j] *= a0
+                o[4 * j + 1] *= a0
+                o[4 * j + 2] *= a1
+                o[4 * j + 3] *= a1
+            for j in range(8):
+                sc[4 * j] = math.exp(sc[4 * j] - m0)
+                sc[4 * j + 1] = math.exp(sc[4 * j + 1] - m0)
+                sc[4 * j + 2] = math.exp(sc[4 * j + 2] - m1)
+                sc[4 * j + 3] = math.exp(sc[4 * j + 3] - m1)
+                l0 += sc[4 * j] + sc[4 * j + 1]
+                l1 += sc[4 * j + 2] + sc[4 * j + 3]
+            for t in range(4):                          # O += P V over keys 16t .. 16t + 15:
+                # S's tiles 2t, 2t + 1 are P's A fragment as they lie in the registers
+                pa0 = cvt_bf16x2(sc[8 * t + 1], sc[8 * t])
+                pa1 = cvt_bf16x2(sc[8 * t + 3], sc[8 * t + 2])
+                pa2 = cvt_bf16x2(sc[8 * t + 5], sc[8 * t + 4])
+                pa3 = cvt_bf16x2(sc[8 * t + 7], sc[8 * t + 6])
+                vr = (16 * t + 2 * t4) * HP
+                for j in range(NT):
+                    d = 8 * j + g
+                    sh = uint32(16 * (d & 1))
+                    w = vr + d // 2
+                    b0 = ((vs[w] >> sh) & uint32(0xFFFF)) \
+                        | (((vs[w + HP] >> sh) & uint32(0xFFFF)) << uint32(16))
+                    b1 = ((vs[w + 8 * HP] >> sh) & uint32(0xFFFF)) \
+                        | (((vs[w + 9 * HP] >> sh) & uint32(0xFFFF)) << uint32(16))
+                    o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = mma_bf16(
+                        pa0, pa1, pa2, pa3, b0, b1, o[4 * j], o[4 * j + 1], o[4 * j + 2],
+                        o[4 * j + 3])
+        for lanes in (1, 2):
+            l0 += cuda.shfl_xor_sync(FULL_MASK, l0, lanes)
+            l1 += cuda.shfl_xor_sync(FULL_MASK, l1, lanes)
+        inv0 = float32(1.0) / l0
+        inv1 = float32(1.0) / l1
+        col = cuda.blockIdx.y * hd + 2 * t4
+        for j in range(NT):
+            for half in range(2):
+                r = row0 + g + 8 * half
+                if r < L:
+                    inv = inv1 if half else inv0
+                    pair = cvt_bf16x2(o[4 * j + 2 * half + 1] * inv, o[4 * j + 2 * half] * inv)
+                    at = (int64(start) + r) * width + col + 8 * j
+                    out[at] = pair & uint32(0xFFFF)
+                    out[at + 1] = pair >> uint32(16)
+    return vis_flash_attention_kernel

@@ -67,6 +67,9 @@ _OPTION_HELP = {
     "speculative": "mtp: speculative decoding with the checkpoint's multi-token-prediction head "
                    "(the same tokens, fewer target steps; numpy backend only for now)",
     "num_draft_tokens": "tokens the MTP head drafts per decode step, 1..4 (with --speculative)",
+    "vision_max_patches": "cuda: the most 16x16 patches of one image the GPU vision tower "
+                          "holds; larger images run on the host tower (0: host tower only) "
+                          "(default 128x128 patches, a 2048x2048 image)",
 }
 _NOT_FLAGS = ("purpose", "default_enable_thinking")       # see above
 _FLAG_ALIASES = {"num_draft_tokens": ("--draft-tokens",)}

@@ -71,6 +71,11 @@ class EngineOptions:
     # output is the same as without it (docs/architecture.md "Speculative decoding"). numpy only
     speculative: Optional[Literal["mtp"]] = None
     num_draft_tokens: int = 3
+    # cuda, a checkpoint with a vision tower: the tower runs on the GPU with buffers for one
+    # image (or video frame group) of up to this many 16x16 patches (16384: 2048 x 2048 pixels;
+    # its device memory at the 27B geometry: 1.8 GiB, taken from the KV pages); a larger image
+    # is encoded by the numpy tower on the host (seconds). 0: the host tower only
+    vision_max_patches: int = 16384
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -165,7 +170,7 @@ class EngineOptions:
 # integer options and their least value (max_concurrency has its own range)
 _INT_MINIMA = (("max_context", 2), ("max_queue", 0), ("prefill_chunk", 1), ("page_size", 1),
                ("host_snapshot_bytes", 0), ("device_id", 0),
-               ("checkpoint_interval", 1))
+               ("checkpoint_interval", 1), ("vision_max_patches", 0))
 
 
 def _is_int(value) -> bool:

@@ -17,6 +17,7 @@ import json
 import pathlib
 import sys
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -55,7 +56,8 @@ def kernel_errors() -> dict:
     out = {}
 
     def run(name, f32, grid, block, *args):
-        fn = cuda.jit(getattr(mod, name)(**({} if name == "vis_add_bias" else {"f32": f32})))
+        plain = name in ("vis_add_bias", "vis_pos_embed")        # (no storage variant)
+        fn = cuda.jit(getattr(mod, name)(**({} if plain else {"f32": f32})))
         fn[grid, (block,)](*[FakeCUDAArray(a) if isinstance(a, np.ndarray) else a for a in args])
 
     def err(got, want):
@@ -104,11 +106,42 @@ def kernel_errors() -> dict:
             out[f"kernel/vis_qkv_rope_{name}/{tag}"] = err(
                 widen(got, f32).reshape(H, n, hd), want.transpose(1, 0, 2))
     h = r.standard_normal((rows, w)).astype(np.float32)
-    bias, pos = r.standard_normal(w).astype(np.float32), r.standard_normal((rows, w)).astype(
-        np.float32)
+    bias = r.standard_normal(w).astype(np.float32)
     hh = h.ravel().copy()
-    run("vis_add_bias", True, (rows, 2), 32, hh, bias, pos.ravel(), w, 1)
-    out["kernel/vis_add_bias/f32"] = err(hh.reshape(rows, w), h.astype(np.float64) + bias + pos)
+    run("vis_add_bias", True, (rows, 2), 32, hh, bias, w)
+    out["kernel/vis_add_bias/f32"] = err(hh.reshape(rows, w), h.astype(np.float64) + bias)
+    table = r.standard_normal((9, w)).astype(np.float32)           # a 3 x 3 position table
+    index = r.integers(0, 9, (rows, 4)).astype(np.int32)
+    weight = r.random((rows, 4)).astype(np.float32)
+    hh = h.ravel().copy()
+    run("vis_pos_embed", True, (rows, 2), 32, hh, bias, table.ravel(), index.ravel(),
+        weight.ravel(), w)
+    want = h.astype(np.float64) + bias + (table.astype(np.float64)[index]
+                                          * weight[:, :, None]).sum(1)
+    out["kernel/vis_pos_embed/f32"] = err(hh.reshape(rows, w), want)
+    # the tensor-core attention (bf16 only): a frame of 70 patches at row 5 of 80 (two blocks
+    # of query rows, two steps of keys, both partial), head dims 8 (one k-step) and 24 (two,
+    # the second half padding); the output's other rows and columns keep their poison
+    for hd in (8, 24):
+        H, n, start, L = 2, 80, 5, 70
+        width = H * hd + 6
+        q, k, v = (r.standard_normal((H, n, hd)).astype(np.float32) * (2.0 if i == 0 else 1.0)
+                   for i in range(3))
+        bits = [a.astype(ml_dtypes.bfloat16).view(np.uint16) for a in (q, k, v)]
+        o = np.full((n, width), 0x7FC1, np.uint16)          # (a NaN pattern)
+        scale = np.float32(hd ** -0.5)
+        fn = cuda.jit(mod.vis_flash_attention(hd))
+        fn[(2, H), (128,)](FakeCUDAArray(o.ravel()), *[FakeCUDAArray(x.ravel().view(np.uint32))
+                                                       for x in bits], n, L, start, width, scale)
+        q64, k64, v64 = (widen(x, False).astype(np.float64)[:, start:start + L] for x in bits)
+        sc = np.einsum("hqd,hkd->hqk", q64, k64) * float(scale)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        want = np.einsum("hqk,hkd->qhd", p / p.sum(-1, keepdims=True), v64).reshape(L, H * hd)
+        got = widen(o, False).reshape(n, width)
+        out[f"kernel/vis_flash_attention{hd}/bf16"] = err(got[start:start + L, :H * hd], want)
+        rest = np.ones((n, width), bool)
+        rest[start:start + L, :H * hd] = False
+        assert np.all(o.reshape(n, width)[rest] == 0x7FC1), "flash attention wrote past its rows"
     return out
 
 

@@ -40,7 +40,7 @@ from ...core.cuda.kernels import KernelCache
 from ...errors import DeviceError, RequestError
 from .config import ModelConfig
 from .load import model_config
-from .vision_tower import MediaEncoding
+from .vision_tower import MediaEncoding, VisionConfig, read_vision_params
 from .cuda.decode_graphs import DecodeGraphs
 from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGIN,  # noqa: F401
                                  call_capacities, check_capacity, plan_cuda_memory,
@@ -57,6 +57,7 @@ from .cuda.token_step import TokenStep
 from .cuda.weight_load import WeightLoader, load_weights, quant_plans
 from .cuda import qweights as qw
 from .cuda import attention_tc
+from .cuda import vision as device_vision
 from .cuda import weights as wplan
 
 log = logging.getLogger("ninfer.cuda")
@@ -77,8 +78,9 @@ def _chainable(rows) -> bool:
 
 class CudaModel(MediaEncoding):
     """The contracts.Model of the CUDA backend (argmax and the whole sampler on the device).
-    Media: the numpy vision tower on the host (vision.MediaEncoding, the numpy backend's own
-    code); forward(media=) copies its output over the placeholders' embedding rows."""
+    Media: the vision tower on the device (cuda/vision.py; the numpy tower past
+    options.vision_max_patches, or with it 0), run from the media encoder's thread on a stream
+    of its own; forward(media=) copies its output over the placeholders' embedding rows."""
     backend = "cuda"
     greedy_on_device = samples_on_device = True
     # decode rows beside a prefill chunk in one eager call: the eager path takes such rows, but
@@ -156,6 +158,11 @@ class CudaModel(MediaEncoding):
     def attn_tc_min_tokens(self, tokens) -> None:
         self.runner.attn_tc_min_tokens = tokens
 
+    def load_vision(self, artifact) -> None:
+        """The numpy tower, unless the device one was built at set-up (vision_max_patches)."""
+        if self.vision is None:
+            super().load_vision(artifact)
+
     def _current(self) -> None:
         """Bind the driver context in this thread if it has not used it yet (the Engine worker
         calls forward from its own thread)."""
@@ -182,8 +189,16 @@ class CudaModel(MediaEncoding):
         self.batch_invariant = bool(options.batch_invariant)
         # matrices held as packed codes (cuda/qweights.py): their formats pick kernels
         self.qplans = quant_plans(cfg, artifact)
+        # the vision tower on the device (cuda/vision.py): a share of the arena, its kernels
+        # loaded with the rest; vision_max_patches 0: the numpy tower (load_vision)
+        vcfg = VisionConfig.from_dict(self.config.vision) \
+            if artifact is not None and self.config.vision else None
+        m2 = vcfg.spatial_merge_size ** 2 if vcfg else 1
+        vis_patches = options.vision_max_patches // m2 * m2 if vcfg else 0
+        vis_bytes = device_vision.plan_bytes(vcfg, vis_patches, self.f32) if vis_patches else 0
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32,
-                                 qw.formats(self.qplans.values()), self.kv_dtype)
+                                 qw.formats(self.qplans.values()), self.kv_dtype,
+                                 vision_head_dim=vcfg.head_dim if vis_patches else 0)
         # kernels compile (other processes: numba holds the GIL) and load (the driver JIT-compiles
         # each module's PTX, in threads) while the weights load
         kernel_loading = self.kernels.start_loading(self._bind_context)
@@ -223,7 +238,7 @@ class CudaModel(MediaEncoding):
         self.memory_plan = plan = plan_cuda_memory(
             cfg, options, f32=self.f32,
             weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans),
-            workspace_bytes=ws_bytes + DeviceSampler.device_bytes(
+            workspace_bytes=ws_bytes + vis_bytes + DeviceSampler.device_bytes(
                 sampler_rows, cfg.vocab_size, options.max_context),
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN,
             kv_dtype=self.kv_dtype)
@@ -279,6 +294,12 @@ class CudaModel(MediaEncoding):
         t_kernels = time.perf_counter()
         self.kernels_compiled = kernel_loading.wait()
         self.kernel_seconds = time.perf_counter() - t_kernels      # beyond the weights' time
+        if vis_patches:
+            t_vision = time.perf_counter()
+            self.vision = device_vision.load_device_vision(
+                vcfg, read_vision_params(artifact, vcfg), arena=self.arena, kernels=self.kernels,
+                bind=self._bind_context, f32=self.f32, max_patches=vis_patches)
+            self.load_seconds += time.perf_counter() - t_vision
         self.load_phases = {"setup": t_load - self._t_begin, "weights": self.load_seconds,
                             "kernels": self.kernel_seconds}
         self.runner = StepRunner(
@@ -532,6 +553,9 @@ class CudaModel(MediaEncoding):
         if self.graphs is not None:
             for g in self.graphs.take_all():
                 release(g.destroy)
+        if isinstance(self.vision, device_vision.DeviceVisionTower):
+            release(self.vision.close)
+            self.vision = None
         for part in (self.lt, self.kernels, self.sampler):
             if part is not None:
                 release(part.close)

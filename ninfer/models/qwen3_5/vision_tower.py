@@ -136,10 +136,10 @@ def _block_order(h: int, w: int, m: int) -> tuple:
             cols.reshape(shape).transpose(0, 2, 1, 3).ravel())
 
 
-def interpolated_pos_embed(table: np.ndarray, grid_thw, m: int) -> np.ndarray:
-    """Bilinear (align_corners=True) resampling of the side x side table to each grid, [N, D]."""
-    side = int(round(np.sqrt(table.shape[0])))
-    out = []
+def pos_embed_taps(side: int, grid_thw, m: int) -> tuple:
+    """The bilinear (align_corners=True) resampling of a side x side position table to each
+    grid as four taps per patch: (index int32 [N, 4] of table rows, weight float32 [N, 4])."""
+    index, weight = [], []
     for t, h, w in grid_thw:
         rows, cols = _block_order(h, w, m)
         per_axis = []
@@ -150,11 +150,21 @@ def interpolated_pos_embed(table: np.ndarray, grid_thw, m: int) -> np.ndarray:
             wts = np.clip(1 - np.abs(src[:, None] - taps), 0, None).astype(np.float32)
             per_axis.append((np.clip(taps, 0, side - 1), wts))
         (ht, hw), (wt, ww) = per_axis
-        index = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
-        weight = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
-        emb = (table[index] * weight[:, :, None]).sum(1)
-        out.append(np.tile(emb, (t, 1)))
-    return np.concatenate(out).astype(np.float32)
+        index.append(np.tile((ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4), (t, 1)))
+        weight.append(np.tile((hw[:, :, None] * ww[:, None, :]).reshape(-1, 4), (t, 1)))
+    return (np.concatenate(index).astype(np.int32),
+            np.concatenate(weight).astype(np.float32))
+
+
+def interpolated_pos_embed(table: np.ndarray, grid_thw, m: int) -> np.ndarray:
+    """The position table resampled to each grid, [N, D]: the four taps summed in order (as
+    the device tower's vis_pos_embed)."""
+    side = int(round(np.sqrt(table.shape[0])))
+    index, weight = pos_embed_taps(side, grid_thw, m)
+    emb = table[index[:, 0]] * weight[:, 0, None]
+    for j in range(1, 4):
+        emb += table[index[:, j]] * weight[:, j, None]
+    return emb.astype(np.float32)
 
 
 def vision_rotary(grid_thw, m: int, head_dim: int, theta: float) -> tuple:

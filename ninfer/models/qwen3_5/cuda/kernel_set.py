@@ -82,13 +82,24 @@ def spec(name: str, f32: bool = False, **params) -> KernelSpec:
     return KernelSpec.of(module, factory, sig, **params)
 
 
-VISION_KERNELS = ("vis_layernorm", "vis_bias_act", "vis_add_bias", "vis_qkv_rope", "vis_softmax")
+VISION_KERNELS = ("vis_layernorm", "vis_bias_act", "vis_add_bias", "vis_pos_embed", "vis_qkv_rope",
+                  "vis_softmax")
 
 
-def vision_specs(f32: bool = False) -> dict:
+def vision_specs(f32: bool = False, head_dim: int = 72) -> dict:
     """The device vision tower's kernels (cuda/vision.py), apart from a text geometry's: a
-    text-only model's start compiles or loads none of them."""
-    return {name: spec(name, f32=f32 and name in F32_VARIANTS) for name in VISION_KERNELS}
+    text-only model's start compiles or loads none of them. bf16 towers whose head_dim is a
+    multiple of 8 (the releases': 72) add the tensor-core attention for that head_dim."""
+    specs = {name: spec(name, f32=f32 and name in F32_VARIANTS) for name in VISION_KERNELS}
+    if flash_vision(f32, head_dim):
+        specs["vis_flash_attention"] = spec("vis_flash_attention", hd=head_dim)
+    return specs
+
+
+def flash_vision(f32: bool, head_dim: int) -> bool:
+    """The vision tower's attention runs as vis_flash_attention (bf16 mma fragments of 8
+    columns), else as cuBLASLt GEMMs around vis_softmax."""
+    return not f32 and head_dim % 8 == 0
 
 
 def qgemv_name(layout: str, bm: int, asym: bool) -> str:
@@ -260,11 +271,17 @@ def check_geometry(cfg: TextConfig) -> None:
 
 class KernelSet:
     def __init__(self, cfg: TextConfig, cache: KernelCache, f32: bool = False,
-                 quant=frozenset(), kv_dtype: str = None):
+                 quant=frozenset(), kv_dtype: str = None, vision_head_dim: int = 0):
         check_geometry(cfg)
         self.specs = geometry_specs(cfg, f32, quant, kv_dtype)
+        if vision_head_dim:         # the device vision tower's (loaded with the rest)
+            self.specs.update(vision_specs(f32, vision_head_dim))
         self._cache = cache
         self._k = {}
+
+    def get(self, spec: KernelSpec):
+        """The loaded kernel of a spec (the vision tower takes its kernels by spec)."""
+        return self.__dict__["_cache"].get(spec)
 
     def __getattr__(self, name):
         k = self.__dict__["_k"].get(name)

@@ -1,9 +1,11 @@
 """The vision tower on the device: the numpy tower's arithmetic (vision_tower.py, its reference)
 as cuBLASLt GEMMs and the kernels of kernels/vision.py, on a stream of its own.
 
-    pixels -> GEMM patch_embed (+ bias + interpolated position table)       h [n, D] fp32
+    pixels (fp32, cast on the device) -> GEMM patch_embed (+ bias + the position table's
+    bilinear taps)                                                          h [n, D] fp32
     [LayerNorm -> GEMM qkv -> bias + 2-D rotary, head-major q k v
-     -> per frame: S = q k^T (batched over heads) -> softmax -> O = P v
+     -> per frame: O = softmax(q k^T) v (bf16: one tensor-core kernel; float32: S = q k^T
+       batched over heads -> softmax -> O = P v)
      -> GEMM proj (+= h) + bias
      LayerNorm -> GEMM fc1 -> bias + GELU -> GEMM fc2 (+= h) + bias] x depth
     -> LayerNorm -> [n / m^2, m^2 D] -> GEMM fc1 -> bias + GELU (erf) -> GEMM fc2 + bias
@@ -11,12 +13,15 @@ as cuBLASLt GEMMs and the kernels of kernels/vision.py, on a stream of its own.
 GEMM inputs are bf16 (fp32 in a dtype="float32" model, equal to the numpy tower up to rounding
 order), GEMM outputs and the residual fp32. The attention scores of a frame of L patches take
 L x L per head: they are computed in passes of at most `score_bytes` (heads together, or query
-rows of one head), so a 2048 x 2048 image (16,384 patches) needs no 16 GiB. The position table
-and the rotary's cos / sin are the numpy tower's own functions, computed on the host per image
-(their size is the image's, not the model's) and copied with the pixels.
+rows of one head), so a 2048 x 2048 image (16,384 patches) needs no 16 GiB. The position
+table's taps (four rows and weights per patch) and the rotary's cos / sin are the numpy tower's
+own functions, computed on the host per image (their size is the image's, not the model's) and
+copied with the pixels; the table itself stays on the device.
 
 Buffers are fixed for `max_patches` patches (one image or video frame group at a time); a
-larger input is refused (ValueError), the caller falls back to the host tower.
+larger input goes to the numpy tower given as `host` (correct, slow: seconds per megapixel),
+or is refused (ValueError) without one. `load_device_vision` builds the tower of a CUDA model
+(its arena share is `plan_bytes`, a part of the model's memory plan).
 """
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ import ml_dtypes
 import numpy as np
 
 from ....core.cuda import driver as _d
-from ..vision_tower import LN_EPS, VisionConfig, VisionTower, interpolated_pos_embed, vision_rotary
-from .kernel_set import vision_specs
+from ..vision_tower import LN_EPS, VisionConfig, VisionTower, pos_embed_taps, vision_rotary
+from .kernel_set import flash_vision, vision_specs
 
 SCORE_BYTES = 256 << 20         # attention scores (fp32) and probabilities of one pass
+LT_WORKSPACE = 32 << 20         # the tower's own cuBLASLt workspace (it runs beside the steps)
 THREADS = 256
+FA_WARPS, FA_ROWS = 4, 64       # vis_flash_attention's warps, query rows a block (kernels/vision.py)
 
 
 def _gemm_weight_names(cfg: VisionConfig) -> list:
@@ -49,11 +56,12 @@ def _buffer_shapes(cfg: VisionConfig, n: int, score_bytes: int, f32: bool) -> di
     gin = np.float32 if f32 else np.uint16
     scores = max(int(score_bytes) // (4 + np.dtype(gin).itemsize), 1)
     return {"h": ((n, D), np.float32), "x": ((n, max(D, pix)), gin),
-            "big": ((n, max(3 * D, I)), np.float32), "act": ((n, max(I, D)), gin),
+            "big": ((n, max(3 * D, I, pix)), np.float32), "act": ((n, max(I, D)), gin),
             "q": ((H, n, hd), gin), "k": ((H, n, hd), gin), "v": ((H, n, hd), gin),
             "s": ((scores,), np.float32), "p": ((scores,), gin),
-            "pos": ((n, D), np.float32), "cos": ((n, hd), np.float32),
-            "sin": ((n, hd), np.float32), "zeros": ((max(I, m2 * D),), np.float32),
+            "pos_index": ((n, 4), np.int32), "pos_weight": ((n, 4), np.float32),
+            "cos": ((n, hd), np.float32), "sin": ((n, hd), np.float32),
+            "zeros": ((max(I, m2 * D, pix),), np.float32),
             "out": ((n // m2, cfg.out_hidden_size), np.float32)}
 
 
@@ -80,22 +88,28 @@ class DeviceVisionTower(VisionTower):
 
     def __init__(self, cfg: VisionConfig, params: dict, *, arena, kernels, lt, stream,
                  bind=lambda: None, f32: bool = False, max_patches: int = 16384,
-                 score_bytes: int = SCORE_BYTES):
+                 score_bytes: int = SCORE_BYTES, host: VisionTower = None):
         super().__init__(cfg, {})
+        self.host = host                    # the numpy tower past max_patches (or None)
+        self.owned = ()                     # what close() releases besides the pinned buffers
         m2 = cfg.spatial_merge_size ** 2
         if max_patches < m2 or max_patches % m2:
             raise ValueError(f"max_patches {max_patches}: a positive multiple of {m2}")
         self.f32, self.lt, self.stream, self.bind = bool(f32), lt, stream, bind
         self.max_patches = int(max_patches)
         self.gin = np.float32 if f32 else np.uint16
-        self._k = {name: kernels.get(s) for name, s in vision_specs(self.f32).items()}
+        specs = vision_specs(self.f32, cfg.head_dim)
+        self._k = {name: kernels.get(s) for name, s in specs.items()}
+        self.flash = flash_vision(self.f32, cfg.head_dim)
         bind()
         self.buf = {name: arena.take(shape, dtype, f"vision {name}") for name, (shape, dtype)
                     in _buffer_shapes(cfg, self.max_patches, score_bytes, self.f32).items()}
         self.score_elements = self.buf["s"].shape[0]
-        self._pos_host = np.asarray(params["vision.pos_embed.weight"], np.float32)  # (per image)
+        self._side = int(round(np.sqrt(cfg.num_position_embeddings)))
         gemm = set(_gemm_weight_names(cfg))
-        inputs = sum(self.buf[k].nbytes for k in ("x", "pos", "cos", "sin"))
+        pix = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        inputs = self.max_patches * pix * 4 + sum(
+            self.buf[k].nbytes for k in ("pos_index", "pos_weight", "cos", "sin"))
         largest = max(int(np.prod(s)) for s in cfg.param_shapes().values()) * 4
         self._staging = _d.PinnedBuffer(max(inputs, largest))   # kept: each encode's inputs
         self._out_host = _d.PinnedBuffer(self.buf["out"].nbytes)
@@ -135,6 +149,9 @@ class DeviceVisionTower(VisionTower):
             if buf is not None:
                 buf.free()
             setattr(self, name, None)
+        owned, self.owned = self.owned, ()
+        for close in owned:
+            close()
 
     # ---- launches ---------------------------------------------------------------------------
     def _launch(self, name, grid, args, block=THREADS):
@@ -156,23 +173,27 @@ class DeviceVisionTower(VisionTower):
         if pixels.shape != (n, pix):
             raise ValueError(f"pixels {list(pixels.shape)} do not match grids {grid_thw}")
         if n > self.max_patches:
+            if self.host is not None:
+                return self.host.encode(pixels, grid_thw)
             raise ValueError(f"{n} patches: the device tower holds at most {self.max_patches}")
         D, H, hd, m = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.spatial_merge_size
         I, m2, gb = cfg.intermediate_size, m * m, np.dtype(self.gin).itemsize
         self.bind()
-        # the inputs: pixels packed as the patch GEMM's [n, pix] rows at x's start (x is sized
-        # for the wider of pix and D); the position table and cos / sin as the numpy tower's
-        x_pix = self._gin(pixels)
+        # the inputs: fp32 pixels into big, cast there to the patch GEMM's [n, pix] rows at x's
+        # start (x is sized for the wider of pix and D); the position taps and cos / sin as the
+        # numpy tower's
         cos, sin = vision_rotary(grid_thw, m, hd, cfg.rope_theta)
-        pos = interpolated_pos_embed(self._pos_host, grid_thw, m)
+        index, weight = pos_embed_taps(self._side, grid_thw, m)
         off = 0
-        for dst, host in ((b["x"].ptr, x_pix), (b["pos"].ptr, pos), (b["cos"].ptr, cos),
-                          (b["sin"].ptr, sin)):
+        for dst, host in ((b["big"].ptr, pixels), (b["pos_index"].ptr, index),
+                          (b["pos_weight"].ptr, weight), (b["cos"].ptr, cos), (b["sin"].ptr, sin)):
             off = self._copy_in(dst, host, off)
-        # patch embedding: h = pixels @ W^T + bias + pos (x holds [n, pix] packed)
+        self._launch("vis_bias_act", (n, self._cols(pix)), (b["x"], b["big"], b["zeros"], pix, 0))
+        # patch embedding: h = pixels @ W^T + bias + pos
         self._gemm(b["x"].ptr, w["vision.patch_embed.proj.weight"].ptr, b["h"].ptr, n, D, pix)
-        self._launch("vis_add_bias", (n, self._cols(D)),
-                     (b["h"], w["vision.patch_embed.proj.bias"], b["pos"], D, 1))
+        self._launch("vis_pos_embed", (n, self._cols(D)),
+                     (b["h"], w["vision.patch_embed.proj.bias"], w["vision.pos_embed.weight"],
+                      b["pos_index"], b["pos_weight"], D))
         frames = [(h * ww) for t, h, ww in grid_thw for _ in range(t)]
         for i in range(cfg.depth):
             p = f"vision.blocks.{i}."
@@ -182,12 +203,9 @@ class DeviceVisionTower(VisionTower):
             self._launch("vis_qkv_rope", (n, H), (b["q"], b["k"], b["v"], b["big"],
                                                   w[p + "attn.qkv.bias"], b["cos"], b["sin"],
                                                   n, H, hd), block=max(32, -(-hd // 32) * 32))
-            self._attention(frames, n, gb)          # -> O [n, D] fp32 in big
-            self._launch("vis_bias_act", (n, self._cols(D)),
-                         (b["act"], b["big"], b["zeros"], D, 0))
+            self._attention(frames, n, gb)          # -> O [n, D] in act
             self._gemm(b["act"].ptr, w[p + "attn.proj.weight"].ptr, b["h"].ptr, n, D, D, 1.0)
-            self._launch("vis_add_bias", (n, self._cols(D)),
-                         (b["h"], w[p + "attn.proj.bias"], b["h"], D, 0))
+            self._launch("vis_add_bias", (n, self._cols(D)), (b["h"], w[p + "attn.proj.bias"], D))
             self._launch("vis_layernorm", (n,), (b["x"], b["h"], w[p + "norm2.weight"],
                                                  w[p + "norm2.bias"], D, LN_EPS))
             self._gemm(b["x"].ptr, w[p + "mlp.linear_fc1.weight"].ptr, b["big"].ptr, n, I, D)
@@ -196,7 +214,7 @@ class DeviceVisionTower(VisionTower):
                          (b["act"], b["big"], w[p + "mlp.linear_fc1.bias"], I, act))
             self._gemm(b["act"].ptr, w[p + "mlp.linear_fc2.weight"].ptr, b["h"].ptr, n, D, I, 1.0)
             self._launch("vis_add_bias", (n, self._cols(D)),
-                         (b["h"], w[p + "mlp.linear_fc2.bias"], b["h"], D, 0))
+                         (b["h"], w[p + "mlp.linear_fc2.bias"], D))
         # merger: LayerNorm per patch, each merge block's m^2 patches as one row (they are
         # consecutive: the patches come in merge-block order), fc1 -> GELU (erf) -> fc2
         r, wide = n // m2, m2 * D
@@ -210,7 +228,7 @@ class DeviceVisionTower(VisionTower):
         self._gemm(b["act"].ptr, w["vision.merger.linear_fc2.weight"].ptr, b["out"].ptr, r,
                    out_h, wide)
         self._launch("vis_add_bias", (r, self._cols(out_h)),
-                     (b["out"], w["vision.merger.linear_fc2.bias"], b["out"], out_h, 0))
+                     (b["out"], w["vision.merger.linear_fc2.bias"], out_h))
         nbytes = r * out_h * 4
         _d.copy_dtoh_async(self._out_host.ptr, b["out"].ptr, nbytes, self.stream)
         self.stream.synchronize()
@@ -218,12 +236,20 @@ class DeviceVisionTower(VisionTower):
 
     def _attention(self, frames, n: int, gb: int) -> None:
         """Softmax attention within each frame (`frames`: their patch counts, in order): O
-        [n, D] fp32 into big (read as rows of D), in passes whose scores fit the score buffers:
-        every head at once, or query rows of one head."""
+        [n, D] into act. bf16: vis_flash_attention, the scores on the chip. float32: GEMMs, O in
+        fp32 into big (read as rows of D), in passes whose scores fit the score buffers (every
+        head at once, or query rows of one head), then cast into act."""
         cfg, b = self.cfg, self.buf
         H, hd, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         scale = float(hd ** -0.5)
         start = 0
+        if self.flash:
+            for L in frames:
+                self._launch("vis_flash_attention", (-(-L // FA_ROWS), H),
+                             (b["act"], b["q"], b["k"], b["v"], n, L, start, D, scale),
+                             block=32 * FA_WARPS)
+                start += L
+            return
         for L in frames:
             if L * L * H <= self.score_elements:
                 heads, rows = H, L
@@ -243,3 +269,30 @@ class DeviceVisionTower(VisionTower):
                     self._gemm(b["p"].ptr, v, o, qb, hd, L, w_kn=True, batch=hg,
                                strides=(n * hd, qb * L, hd), ldc=D)
             start += L
+        self._launch("vis_bias_act", (n, self._cols(D)), (b["act"], b["big"], b["zeros"], D, 0))
+
+def plan_bytes(cfg: VisionConfig, max_patches: int, f32: bool = False) -> int:
+    """A CUDA model's arena share for its device tower: weights, buffers, cuBLASLt workspace."""
+    return device_bytes(cfg, max_patches, f32) + LT_WORKSPACE + 256
+
+
+def load_device_vision(cfg: VisionConfig, params: dict, *, arena, kernels, bind, f32: bool,
+                       max_patches: int) -> DeviceVisionTower:
+    """The device tower of a CUDA model: its cuBLASLt handle (a workspace of its own: the
+    media encoder's thread runs it beside the model's steps) and stream, both released by its
+    close(); the numpy tower on the same parameters encodes images past max_patches."""
+    from ....core.cuda.cublaslt import CublasLt
+    bind()
+    ws = arena.take((LT_WORKSPACE,), np.uint8, "vision cuBLASLt workspace")
+    lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32)
+    stream = _d.Stream()
+    try:
+        tower = DeviceVisionTower(cfg, params, arena=arena, kernels=kernels, lt=lt,
+                                  stream=stream, bind=bind, f32=f32, max_patches=max_patches,
+                                  host=VisionTower(cfg, params))
+    except BaseException:
+        lt.close()
+        stream.destroy()
+        raise
+    tower.owned = (stream.synchronize, lt.close, stream.destroy)
+    return tower
