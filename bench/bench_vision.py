@@ -187,6 +187,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--numpy", action="store_true", help="also time the numpy tower (448 only)")
     ap.add_argument("--profile", action="store_true", help="GPU time per launch kind")
+    ap.add_argument("--flash", action="store_true",
+                    help="the attention as vis_flash_attention (bf16), not GEMMs")
     ap.add_argument("--engine", help="a text geometry: TTFT of image chats through the Engine")
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
     args = ap.parse_args()
@@ -206,8 +208,10 @@ def main():
     lt = CublasLt(ws.ptr, 32 << 20, f32=f32)
     t0 = time.perf_counter()
     tower = dv.DeviceVisionTower(cfg, params, arena=arena, kernels=KernelCache(dev.cc), lt=lt,
-                                 stream=dev.stream, f32=f32, max_patches=max_patches)
-    print(f"{args.geometry} tower ({args.dtype}): set up in {time.perf_counter() - t0:.1f} s "
+                                 stream=dev.stream, f32=f32, max_patches=max_patches,
+                                 flash=args.flash)
+    kind = args.dtype + (", flash" if tower.flash else "")
+    print(f"{args.geometry} tower ({kind}): set up in {time.perf_counter() - t0:.1f} s "
           f"(kernels, weights)")
     print("| pixels | patches | ms / image | images/s | GEMM TFLOP/s |")
     print("|---|---|---|---|---|")

@@ -165,6 +165,9 @@ def vis_flash_attention(hd):
     HP = hd // 2             # bf16 pairs (u32) per q / k / v row
     KP = 8 * KS + 4          # u32 per staged K row: padded dims, + 4 (no shared bank conflicts)
     NT = hd // 8             # 8-wide output tiles (hd a multiple of 8)
+    VP = FA_KEYS // 2 + 4    # u32 per staged V column: key pairs, + 4 (no bank conflicts)
+    # (array sizes: names of the factory, constants to numba's typing; an expression is not)
+    K_WORDS, V_WORDS, Q_REGS, O_REGS = FA_KEYS * KP, hd * VP, 4 * KS, 4 * NT
 
     def vis_flash_attention_kernel(out, q, k, v, n, L, start, width, scale):
         # softmax(scale * q k^T) v within one frame, patches [start, start + L), every head:
@@ -173,15 +176,16 @@ def vis_flash_attention(hd):
         # Q, running max, sum and output in registers (mma.m16n8k16 fragments) and walks the
         # keys FA_KEYS at a time: S (fp32) -> P = exp(S - max) in bf16 -> O += P V, rescaled
         # as the max moves (the "online" softmax); one division at the end
-        ks = cuda.shared.array(FA_KEYS * KP, uint32)
-        vs = cuda.shared.array(FA_KEYS * HP, uint32)
+        ks = cuda.shared.array(K_WORDS, uint32)        # K rows [key, dim pair]
+        vt = cuda.shared.array(V_WORDS, uint32)        # V transposed: [dim, key pair]
         tid = cuda.threadIdx.x
+        warp = tid >> 5
         lane = tid & 31
         g = lane >> 2
         t4 = lane & 3
-        row0 = cuda.blockIdx.x * FA_ROWS + (tid >> 5) * 16
+        row0 = cuda.blockIdx.x * FA_ROWS + warp * 16
         head = int64(cuda.blockIdx.y) * n + start        # the frame's first row in head h
-        qa = cuda.local.array(4 * KS, uint32)
+        qa = cuda.local.array(Q_REGS, uint32)
         for st in range(KS):
             for part in range(4):
                 r = row0 + g + 8 * (part & 1)
@@ -190,8 +194,8 @@ def vis_flash_attention(hd):
                 if r < L and c < hd:
                     val = q[(head + r) * HP + c // 2]
                 qa[4 * st + part] = val
-        o = cuda.local.array(4 * NT, float32)
-        for j in range(4 * NT):
+        o = cuda.local.array(O_REGS, float32)
+        for j in range(O_REGS):
             o[j] = float32(0.0)
         sc = cuda.local.array(32, float32)              # S of 16 rows x 64 keys: 8 tiles
         m0 = float32(-3.0e38)                           # rows g and g + 8: max, partial sums
@@ -200,19 +204,23 @@ def vis_flash_attention(hd):
         l1 = float32(0.0)
         for kb in range(0, L, FA_KEYS):
             cuda.syncthreads()                          # (the last step's reads are done)
-            for idx in range(tid, FA_KEYS * KP, 32 * FA_WARPS):
-                j = idx // KP
-                e = idx - j * KP
-                val = uint32(0)
-                if kb + j < L and e < HP:
-                    val = k[(head + kb + j) * HP + e]
-                ks[idx] = val
-            for idx in range(tid, FA_KEYS * HP, 32 * FA_WARPS):
-                j = idx // HP
-                val = uint32(0)
-                if kb + j < L:
-                    val = v[(head + kb + j) * HP + idx - j * HP]
-                vs[idx] = val
+            for j in range(warp, FA_KEYS, FA_WARPS):     # (a warp per key row: no divisions)
+                for e in range(lane, KP, 32):
+                    val = uint32(0)
+                    if kb + j < L and e < HP:
+                        val = k[(head + kb + j) * HP + e]
+                    ks[j * KP + e] = val
+            for jp in range(warp, FA_KEYS // 2, FA_WARPS):    # key pairs 2jp, 2jp + 1
+                for e in range(lane, HP, 32):
+                    lo = uint32(0)
+                    hi = uint32(0)
+                    if kb + 2 * jp < L:
+                        lo = v[(head + kb + 2 * jp) * HP + e]
+                    if kb + 2 * jp + 1 < L:
+                        hi = v[(head + kb + 2 * jp + 1) * HP + e]
+                    # dims 2e, 2e + 1 of the two keys, each dim's pair of keys in one word
+                    vt[2 * e * VP + jp] = (lo & uint32(0xFFFF)) | (hi << uint32(16))
+                    vt[(2 * e + 1) * VP + jp] = (lo >> uint32(16)) | (hi & uint32(0xFFFF0000))
             cuda.syncthreads()
             mx0 = float32(-3.0e38)
             mx1 = float32(-3.0e38)
@@ -274,17 +282,11 @@ def vis_flash_attention(hd):
                 pa1 = cvt_bf16x2(sc[8 * t + 3], sc[8 * t + 2])
                 pa2 = cvt_bf16x2(sc[8 * t + 5], sc[8 * t + 4])
                 pa3 = cvt_bf16x2(sc[8 * t + 7], sc[8 * t + 6])
-                vr = (16 * t + 2 * t4) * HP
                 for j in range(NT):
-                    d = 8 * j + g
-                    sh = uint32(16 * (d & 1))
-                    w = vr + d // 2
-                    b0 = ((vs[w] >> sh) & uint32(0xFFFF)) \
-                        | (((vs[w + HP] >> sh) & uint32(0xFFFF)) << uint32(16))
-                    b1 = ((vs[w + 8 * HP] >> sh) & uint32(0xFFFF)) \
-                        | (((vs[w + 9 * HP] >> sh) & uint32(0xFFFF)) << uint32(16))
+                    # B[key, dim 8j + g]: keys 16t + 2t4, + 1 (b0) and + 8, + 9 (b1)
+                    w = (8 * j + g) * VP + 8 * t + t4
                     o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = mma_bf16(
-                        pa0, pa1, pa2, pa3, b0, b1, o[4 * j], o[4 * j + 1], o[4 * j + 2],
+                        pa0, pa1, pa2, pa3, vt[w], vt[w + 4], o[4 * j], o[4 * j + 1], o[4 * j + 2],
                         o[4 * j + 3])
         for lanes in (1, 2):
             l0 += cuda.shfl_xor_sync(FULL_MASK, l0, lanes)

@@ -555,7 +555,9 @@ class _FakeDriver:
         self.calls, self.fail = [], set(fail)
         self.values = dict(cuInit=(), cuDeviceGetCount=(1,), cuDeviceGet=(0,),
                            cuDevicePrimaryCtxRetain=("ctx",), cuDeviceGetAttribute=(9,),
-                           cuDeviceGetName=(b"Fake GPU\0",), cuStreamCreate=("stream",),
+                           cuDeviceGetName=(b"Fake GPU\0",),
+                           cuStreamCreateWithPriority=("stream",),
+                           cuCtxGetStreamPriorityRange=(0, -5),
                            cuGetErrorName=(b"CUDA_ERROR_FAKE",))
 
     def __getattr__(self, name):
@@ -572,9 +574,9 @@ class _FakeDriver:
 
 def test_device_releases_the_primary_context_when_opening_fails(monkeypatch):
     from ninfer.core.cuda import driver as d
-    fake = _FakeDriver(fail={"cuStreamCreate"})
+    fake = _FakeDriver(fail={"cuStreamCreateWithPriority"})
     monkeypatch.setattr(d, "_drv", fake)
-    with pytest.raises(DeviceError, match="cuStreamCreate failed: CUDA_ERROR_FAKE"):
+    with pytest.raises(DeviceError, match="cuStreamCreateWithPriority failed: CUDA_ERROR_FAKE"):
         d.Device(0)
     names = [c[0] for c in fake.calls]
     assert names.count("cuDevicePrimaryCtxRetain") == names.count("cuDevicePrimaryCtxRelease") == 1

@@ -6,7 +6,7 @@
 * tower: the whole launch sequence against the numpy tower on a tiny random tower, an image of
   4 x 6 patches and a video of 2 frames of 4 x 4 in one call (attention within each frame),
   float32 and bfloat16, GELU tanh and erf, the attention scores in one pass and in passes of a
-  few query rows of one head. The two block-reduction kernels (LayerNorm, softmax) run as numpy
+  few query rows of one head, and bf16's tensor-core attention (flash). The two block-reduction kernels (LayerNorm, softmax) run as numpy
   twins of their arithmetic there (simulated, one call would take minutes); the kernels part
   checks them. Prints JSON: {"kernel/<name>/<dtype>": rel. error, "tower/<act>/<dtype>/<passes>":
   rel. error against the numpy tower}.
@@ -190,15 +190,17 @@ def main():
         want = VisionTower(cfg, p).encode(pixels, grids)
         for dtype in ("float32", "bfloat16"):
             f32 = dtype == "float32"
-            for passes, score_bytes in (("one", dv.SCORE_BYTES), ("rows", 8 * 40)):
-                if passes == "rows" and act == "gelu":      # (the passes: once per dtype)
+            for passes, score_bytes, flash in (("one", dv.SCORE_BYTES, False),
+                                               ("rows", 8 * 40, False),
+                                               ("flash", dv.SCORE_BYTES, True)):
+                if passes != "one" and act == "gelu" or flash and f32:   # (once per dtype)
                     continue
                 machine = sim_model.Machine(dv.device_bytes(cfg, 64, f32, score_bytes) + (1 << 20))
                 sim_model.install(machine)
                 tower = dv.DeviceVisionTower(
                     cfg, p, arena=Arena(machine.mem.size), kernels=cm.KernelCache((9, 0)),
                     lt=cm.CublasLt(0, 0, f32=f32), stream=sim_model.Stream(), f32=f32,
-                    max_patches=64, score_bytes=score_bytes)
+                    max_patches=64, score_bytes=score_bytes, flash=flash)
                 for name in ("vis_layernorm", "vis_softmax"):
                     tower._k[name] = _Twin(machine, name, f32)
                 got = tower.encode(pixels, grids)

@@ -106,7 +106,9 @@ class Device:
         self.num_sms = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         name = check(drv.cuDeviceGetName(128, self.dev), "cuDeviceGetName")
         self.name = name.split(b"\0")[0].decode()
-        self.stream = Stream()
+        # the model's steps before other work on the device (the vision tower's stream): their
+        # kernels' blocks take the SMs first as the tower's blocks finish
+        self.stream = Stream(priority=stream_priorities()[1])
 
     def make_current(self) -> None:
         check(driver().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
@@ -128,10 +130,12 @@ class Device:
 
 
 class Stream:
-    def __init__(self):
+    def __init__(self, priority: int = 0):
+        # priority: lower runs first where both streams have blocks waiting for an SM (0, the
+        # default, is the least; stream_priorities() gives the range)
         drv = driver()
-        self.handle = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING),
-                            "cuStreamCreate")
+        self.handle = check(drv.cuStreamCreateWithPriority(
+            drv.CUstream_flags.CU_STREAM_NON_BLOCKING, priority), "cuStreamCreateWithPriority")
 
     def synchronize(self) -> None:
         STATS.syncs += 1
@@ -146,6 +150,11 @@ class Stream:
         if self.handle is not None:
             check(driver().cuStreamDestroy(self.handle), "cuStreamDestroy")
             self.handle = None
+
+
+def stream_priorities() -> tuple:
+    """(least, greatest) stream priority of the current context (greatest the lower number)."""
+    return tuple(check(driver().cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange"))
 
 
 class Event:

@@ -86,19 +86,18 @@ VISION_KERNELS = ("vis_layernorm", "vis_bias_act", "vis_add_bias", "vis_pos_embe
                   "vis_softmax")
 
 
-def vision_specs(f32: bool = False, head_dim: int = 72) -> dict:
+def vision_specs(f32: bool = False, head_dim: int = 72, flash: bool = True) -> dict:
     """The device vision tower's kernels (cuda/vision.py), apart from a text geometry's: a
-    text-only model's start compiles or loads none of them. bf16 towers whose head_dim is a
-    multiple of 8 (the releases': 72) add the tensor-core attention for that head_dim."""
+    text-only model's start compiles or loads none of them. `flash` (bf16, head_dim a multiple
+    of 8; the releases' is 72): the tensor-core attention for that head_dim too."""
     specs = {name: spec(name, f32=f32 and name in F32_VARIANTS) for name in VISION_KERNELS}
-    if flash_vision(f32, head_dim):
+    if flash and flash_vision(f32, head_dim):
         specs["vis_flash_attention"] = spec("vis_flash_attention", hd=head_dim)
     return specs
 
 
 def flash_vision(f32: bool, head_dim: int) -> bool:
-    """The vision tower's attention runs as vis_flash_attention (bf16 mma fragments of 8
-    columns), else as cuBLASLt GEMMs around vis_softmax."""
+    """vis_flash_attention can run this tower's attention (bf16 mma fragments of 8 columns)."""
     return not f32 and head_dim % 8 == 0
 
 
@@ -275,7 +274,7 @@ class KernelSet:
         check_geometry(cfg)
         self.specs = geometry_specs(cfg, f32, quant, kv_dtype)
         if vision_head_dim:         # the device vision tower's (loaded with the rest)
-            self.specs.update(vision_specs(f32, vision_head_dim))
+            self.specs.update(vision_specs(f32, vision_head_dim, flash=False))
         self._cache = cache
         self._k = {}
 

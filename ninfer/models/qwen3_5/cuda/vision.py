@@ -4,8 +4,8 @@ as cuBLASLt GEMMs and the kernels of kernels/vision.py, on a stream of its own.
     pixels (fp32, cast on the device) -> GEMM patch_embed (+ bias + the position table's
     bilinear taps)                                                          h [n, D] fp32
     [LayerNorm -> GEMM qkv -> bias + 2-D rotary, head-major q k v
-     -> per frame: O = softmax(q k^T) v (bf16: one tensor-core kernel; float32: S = q k^T
-       batched over heads -> softmax -> O = P v)
+     -> per frame: S = q k^T (batched over heads) -> softmax -> O = P v (or, with flash,
+       O = softmax(q k^T) v in one tensor-core kernel)
      -> GEMM proj (+= h) + bias
      LayerNorm -> GEMM fc1 -> bias + GELU -> GEMM fc2 (+= h) + bias] x depth
     -> LayerNorm -> [n / m^2, m^2 D] -> GEMM fc1 -> bias + GELU (erf) -> GEMM fc2 + bias
@@ -88,7 +88,8 @@ class DeviceVisionTower(VisionTower):
 
     def __init__(self, cfg: VisionConfig, params: dict, *, arena, kernels, lt, stream,
                  bind=lambda: None, f32: bool = False, max_patches: int = 16384,
-                 score_bytes: int = SCORE_BYTES, host: VisionTower = None):
+                 score_bytes: int = SCORE_BYTES, host: VisionTower = None,
+                 flash: bool = False):
         super().__init__(cfg, {})
         self.host = host                    # the numpy tower past max_patches (or None)
         self.owned = ()                     # what close() releases besides the pinned buffers
@@ -98,9 +99,12 @@ class DeviceVisionTower(VisionTower):
         self.f32, self.lt, self.stream, self.bind = bool(f32), lt, stream, bind
         self.max_patches = int(max_patches)
         self.gin = np.float32 if f32 else np.uint16
-        specs = vision_specs(self.f32, cfg.head_dim)
+        # flash: the attention as vis_flash_attention (bf16; the scores never leave the chip).
+        # Off by default: on the H200 it is correct but slower than the GEMMs (27B tower, 4,096
+        # patches: 2.5 ms a layer against 1.6; docs/performance.md), to be tuned
+        self.flash = bool(flash) and flash_vision(self.f32, cfg.head_dim)
+        specs = vision_specs(self.f32, cfg.head_dim, flash=self.flash)
         self._k = {name: kernels.get(s) for name, s in specs.items()}
-        self.flash = flash_vision(self.f32, cfg.head_dim)
         bind()
         self.buf = {name: arena.take(shape, dtype, f"vision {name}") for name, (shape, dtype)
                     in _buffer_shapes(cfg, self.max_patches, score_bytes, self.f32).items()}
@@ -236,7 +240,7 @@ class DeviceVisionTower(VisionTower):
 
     def _attention(self, frames, n: int, gb: int) -> None:
         """Softmax attention within each frame (`frames`: their patch counts, in order): O
-        [n, D] into act. bf16: vis_flash_attention, the scores on the chip. float32: GEMMs, O in
+        [n, D] into act. flash: vis_flash_attention, the scores on the chip. Else GEMMs, O in
         fp32 into big (read as rows of D), in passes whose scores fit the score buffers (every
         head at once, or query rows of one head), then cast into act."""
         cfg, b = self.cfg, self.buf
