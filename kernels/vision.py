@@ -10,7 +10,7 @@ import math
 
 from numba import cuda, float32, int64, uint32
 
-from .common import FULL_MASK, block_max, block_sum, storage
+from .common import FULL_MASK, block_max, block_sum, inlined, storage
 from .ptx import cvt_bf16x2, mma_bf16
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
@@ -168,6 +168,33 @@ def vis_flash_attention(hd):
     VP = FA_KEYS // 2 + 4    # u32 per staged V column: key pairs, + 4 (no bank conflicts)
     # (array sizes: names of the factory, constants to numba's typing; an expression is not)
     K_WORDS, V_WORDS, Q_REGS, O_REGS = FA_KEYS * KP, hd * VP, 4 * KS, 4 * NT
+    # a step's K and V tiles are FA_KEYS * HP consecutive words each (a head's rows are
+    # contiguous): each thread loads K_LOADS words of K and V_LOADS pairs of V rows (hd a
+    # multiple of 8 makes both whole), into registers a step ahead of their use
+    K_LOADS, V_LOADS = FA_KEYS * HP // (32 * FA_WARPS), FA_KEYS * HP // (64 * FA_WARPS)
+
+    @inlined
+    def _fa_load(k, v, kreg, vlo, vhi, base, valid, tid):
+        # K words base + w (w < valid: the frame's keys; zeros past them), V rows 2jp, 2jp + 1
+        # (32-bit offsets: a head's q / k / v hold < 2^31 words, and they take fewer registers)
+        for i in range(K_LOADS):
+            w = uint32(tid + 32 * FA_WARPS * i)
+            val = uint32(0)
+            if w < valid:
+                val = k[base + w]
+            kreg[i] = val
+        for i in range(V_LOADS):
+            w = uint32(tid + 32 * FA_WARPS * i)
+            jp = w // uint32(HP)
+            at = w + jp * uint32(HP)                    # row 2jp's word e = w - jp * HP
+            lo = uint32(0)
+            hi = uint32(0)
+            if at < valid:
+                lo = v[base + at]
+            if at + HP < valid:
+                hi = v[base + at + HP]
+            vlo[i] = lo
+            vhi[i] = hi
 
     def vis_flash_attention_kernel(out, q, k, v, n, L, start, width, scale):
         # softmax(scale * q k^T) v within one frame, patches [start, start + L), every head:
@@ -202,26 +229,31 @@ def vis_flash_attention(hd):
         m1 = float32(-3.0e38)
         l0 = float32(0.0)
         l1 = float32(0.0)
+        for idx in range(tid, K_WORDS, 32 * FA_WARPS):  # (the rows' padding stays 0)
+            ks[idx] = uint32(0)
+        kreg = cuda.local.array(K_LOADS, uint32)
+        vlo = cuda.local.array(V_LOADS, uint32)
+        vhi = cuda.local.array(V_LOADS, uint32)
+        kv0 = uint32((cuda.blockIdx.y * n + start) * HP)  # the frame's first K / V word
+        _fa_load(k, v, kreg, vlo, vhi, kv0, uint32(min(FA_KEYS, L) * HP), tid)
         for kb in range(0, L, FA_KEYS):
             cuda.syncthreads()                          # (the last step's reads are done)
-            for j in range(warp, FA_KEYS, FA_WARPS):     # (a warp per key row: no divisions)
-                for e in range(lane, KP, 32):
-                    val = uint32(0)
-                    if kb + j < L and e < HP:
-                        val = k[(head + kb + j) * HP + e]
-                    ks[j * KP + e] = val
-            for jp in range(warp, FA_KEYS // 2, FA_WARPS):    # key pairs 2jp, 2jp + 1
-                for e in range(lane, HP, 32):
-                    lo = uint32(0)
-                    hi = uint32(0)
-                    if kb + 2 * jp < L:
-                        lo = v[(head + kb + 2 * jp) * HP + e]
-                    if kb + 2 * jp + 1 < L:
-                        hi = v[(head + kb + 2 * jp + 1) * HP + e]
-                    # dims 2e, 2e + 1 of the two keys, each dim's pair of keys in one word
-                    vt[2 * e * VP + jp] = (lo & uint32(0xFFFF)) | (hi << uint32(16))
-                    vt[(2 * e + 1) * VP + jp] = (lo >> uint32(16)) | (hi & uint32(0xFFFF0000))
+            for i in range(K_LOADS):
+                w = uint32(tid + 32 * FA_WARPS * i)
+                j = w // uint32(HP)
+                ks[j * uint32(KP) + w - j * uint32(HP)] = kreg[i]
+            for i in range(V_LOADS):
+                # key pair jp's dims 2e, 2e + 1, each dim's two keys in one word (V^T)
+                w = uint32(tid + 32 * FA_WARPS * i)
+                jp = w // uint32(HP)
+                e = w - jp * uint32(HP)
+                vt[2 * e * uint32(VP) + jp] = (vlo[i] & uint32(0xFFFF)) | (vhi[i] << uint32(16))
+                vt[(2 * e + 1) * uint32(VP) + jp] = (vlo[i] >> uint32(16)) \
+                    | (vhi[i] & uint32(0xFFFF0000))
             cuda.syncthreads()
+            if kb + FA_KEYS < L:                        # the next step's tiles, in flight
+                _fa_load(k, v, kreg, vlo, vhi, uint32(kv0 + (kb + FA_KEYS) * HP),
+                         uint32(min(FA_KEYS, L - kb - FA_KEYS) * HP), tid)
             mx0 = float32(-3.0e38)
             mx1 = float32(-3.0e38)
             for j in range(8):

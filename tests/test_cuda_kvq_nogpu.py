@@ -251,8 +251,8 @@ def test_cuda_model_plans_quantized_pools(monkeypatch):
 
     real_set = cm.KernelSet
 
-    def kernel_set(*args):
-        seen["specs"] = real_set(*args).specs
+    def kernel_set(*args, **kwargs):
+        seen["specs"] = real_set(*args, **kwargs).specs
         return SimpleNamespace(start_loading=lambda bind: None, close=lambda: None)
     monkeypatch.setattr(d, "Device", Dev)
     monkeypatch.setattr(cm, "Arena", arena)
