@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
-#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed] [full]
-#                                    (default: all but fp8, moe, cache, tier, mixed and full)
+#     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
+#                             [vision] [full]
+#                                    (default: all but fp8, moe, cache, tier, mixed, vision, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -103,6 +104,21 @@ for part in $parts; do
             timeout 300 python3 bench/bench_mixed.py --shape 9b --out "$OUT/mixed.json" \
                 >"$OUT/mixed.log" 2>&1
             summary+=("mixed: $(tail -1 "$OUT/mixed_tests.log") (see engine_9b*.log, mixed.log)") ;;
+        vision)
+            # the device vision tower: its GPU tests, images/s of the 27B and 9B towers with the
+            # GEMM attention, the 27B tower with vis_flash_attention (profiled), then TTFT of
+            # image chats and decode beside the tower through the Engine (a random 9B + tower)
+            timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_vision_gpu.py \
+                >"$OUT/vision_tests.log" 2>&1
+            for geometry in 27b 9b; do
+                timeout 90 python3 bench/bench_vision.py --geometry $geometry \
+                    --sizes 448,1024,2048 >"$OUT/vision_$geometry.log" 2>&1
+            done
+            timeout 90 python3 bench/bench_vision.py --geometry 27b --sizes 448,1024,2048 --flash \
+                --profile >"$OUT/vision_27b_flash.log" 2>&1
+            timeout 240 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 \
+                >"$OUT/vision_engine_9b.log" 2>&1
+            summary+=("vision: $(tail -1 "$OUT/vision_tests.log") (see vision_*.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
