@@ -249,13 +249,22 @@ class Media:
     grid_thw: tuple             # (t, h, w) in patches
     merge_size: int
     timestamps: tuple = ()      # video: seconds per temporal patch
+    # what the pixels are a function of, given the processor (an image: its resized uint8
+    # bytes, a quarter of the float32 pixels' and one copy for the temporal patch's two);
+    # None: the pixels themselves are hashed
+    source: np.ndarray = None
 
     @functools.cached_property
     def digest(self) -> str:
-        """Content hash (pixels and grid): equal media give equal embeddings. Computed once."""
+        """Content hash (grid, and the source or the pixels): equal media give equal
+        embeddings (one Engine has one processor). Computed once."""
         import hashlib
         h = hashlib.blake2b(np.asarray(self.grid_thw, "<i8").tobytes(), digest_size=16)
-        h.update(np.ascontiguousarray(self.pixels, "<f4").tobytes())
+        if self.source is not None:
+            h.update(b"uint8 source")
+            h.update(np.ascontiguousarray(self.source, np.uint8).data)
+        else:
+            h.update(np.ascontiguousarray(self.pixels, "<f4").data)
         return h.hexdigest()
 
     @property
@@ -284,23 +293,41 @@ def _patchify(frames: np.ndarray, p: VisionProcessing) -> tuple[np.ndarray, tupl
 
 
 def process_image(image, p: VisionProcessing) -> Media:
-    """transformers' Qwen2VLImageProcessor (PIL backend) for one image."""
+    """transformers' Qwen2VLImageProcessor (PIL backend) for one image. Rescale and normalize act
+    on each uint8 value alone, so they are a table of 256 float32 values per channel (the same
+    arithmetic, the same bits), looked up after the patches are cut from the uint8 image: the
+    float32 image is never made, and the patchify moves bytes, not floats."""
     img = to_rgb_array(image)
     if p.do_resize:
         h, w = smart_resize(img.shape[0], img.shape[1], p.factor, p.min_pixels, p.max_pixels)
         img = resize_bicubic(img, h, w)
-    x = img.transpose(2, 0, 1)                                           # [C, H, W]
-    x = (x.astype(np.float64) * p.rescale_factor).astype(np.float32) if p.do_rescale \
-        else x.astype(np.float32)
+    if img.shape[0] % p.factor or img.shape[1] % p.factor:
+        raise MediaError(f"image {img.shape[0]}x{img.shape[1]} is not a multiple of {p.factor} "
+                         f"(the preprocessor config turns resizing off)")
+    C, T, P, M = img.shape[2], p.temporal_patch_size, p.patch_size, p.merge_size
+    gh, gw = img.shape[0] // P, img.shape[1] // P
+    table = value_table(p, C)                                           # float32 [C, 256]
+    u8 = img.reshape(gh // M, M, P, gw // M, M, P, C).transpose(0, 3, 1, 4, 6, 2, 5)
+    index = u8.reshape(gh * gw, C, P * P).astype(np.intp)              # [patch, C, P*P]
+    index += (np.arange(C) * 256)[None, :, None]
+    values = np.take(table.reshape(-1), index)                        # [patch, C, P*P]
+    pixels = np.empty((gh * gw, C, T, P * P), np.float32)
+    pixels[:] = values[:, :, None]                # the image is each of the T frames
+    return Media("image", pixels.reshape(gh * gw, C * T * P * P), (1, gh, gw), p.merge_size,
+                 source=img)
+
+
+def value_table(p: VisionProcessing, channels: int) -> np.ndarray:
+    """float32 [channels, 256]: each uint8 value rescaled and normalized per channel, as the
+    processor computes it on a whole image (rescale in float64 then float32; normalize in
+    float32)."""
+    v = np.broadcast_to(np.arange(256, dtype=np.uint8), (channels, 256))[:, None, :]  # [C, 1, 256]
+    x = (v.astype(np.float64) * p.rescale_factor).astype(np.float32) if p.do_rescale \
+        else v.astype(np.float32)
     if p.do_normalize:
         mean, std = np.asarray(p.mean, np.float32), np.asarray(p.std, np.float32)
         x = (x - mean[:, None, None]) / std[:, None, None]
-    if x.shape[1] % p.factor or x.shape[2] % p.factor:
-        raise MediaError(f"image {x.shape[1]}x{x.shape[2]} is not a multiple of {p.factor} "
-                         f"(the preprocessor config turns resizing off)")
-    frames = np.broadcast_to(x[None], (p.temporal_patch_size,) + x.shape)
-    pixels, grid = _patchify(frames, p)
-    return Media("image", pixels, grid, p.merge_size)
+    return np.ascontiguousarray(x[:, 0])
 
 
 def sample_frame_indices(total: int, video_fps: float | None, p: VisionProcessing) -> np.ndarray:
