@@ -116,14 +116,23 @@ def multimodal_artifact(shape: str, geometry: str, workdir: pathlib.Path) -> pat
 
 
 def engine_figures(args) -> None:
-    import threading
-    import ninfer
-    from ninfer.api import SamplingParams
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
     workdir = pathlib.Path(args.workdir)
     geometry = args.geometry if args.geometry in GEOMETRIES else "9b"
     t0 = time.perf_counter()
     path = multimodal_artifact(args.engine, geometry, workdir)
     print(f"{args.engine} + {geometry} tower: artifact in {time.perf_counter() - t0:.0f} s")
+    for sms in [int(x) for x in args.tower_sms.split(",")]:
+        CudaModel.vision_sm_count = sms
+        print(f"\ntower GEMMs sized for {sms or 'all'} SMs")
+        engine_rows(path, args)
+
+
+def engine_rows(path: pathlib.Path, args) -> None:
+    """One Engine: the TTFT table, then B=1 decode alone and beside the tower."""
+    import threading
+    import ninfer
+    from ninfer.api import SamplingParams
     r = np.random.default_rng(1)
     words = " ".join(f"t{int(i)}" for i in r.integers(1, 90, 100))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -191,6 +200,9 @@ def main():
                     help="the attention as vis_flash_attention (bf16), not GEMMs")
     ap.add_argument("--engine", help="a text geometry: TTFT of image chats through the Engine")
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
+    ap.add_argument("--tower-sms", default="0",
+                    help="with --engine: the tower's GEMMs sized for N SMs (0: all); a list "
+                         "measures each (CudaModel.vision_sm_count)")
     args = ap.parse_args()
     if args.engine:
         return engine_figures(args)

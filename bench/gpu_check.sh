@@ -116,7 +116,7 @@ for part in $parts; do
             done
             timeout 90 python3 bench/bench_vision.py --geometry 27b --sizes 448,1024,2048 --flash \
                 --profile >"$OUT/vision_27b_flash.log" 2>&1
-            timeout 240 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 \
+            timeout 300 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 --tower-sms 0,66 \
                 >"$OUT/vision_engine_9b.log" 2>&1
             summary+=("vision: $(tail -1 "$OUT/vision_tests.log") (see vision_*.log)") ;;
         full)

@@ -51,6 +51,7 @@ FP8_K_MULTIPLE = FP8_BLOCK       # K: whole blocks
 PLAN_SCALE_PTR = 256             # a non-null address for planning (never dereferenced)
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
+DESC_SM_COUNT_TARGET = 15             # int32: the SMs a GEMM's grid is sized for (0: all)
 PREF_MAX_WORKSPACE_BYTES = 1
 PREF_REDUCTION_SCHEME_MASK = 3        # uint32 mask of the allowed CUBLASLT_REDUCTION_SCHEME_*
 REDUCTION_NONE, REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE, REDUCTION_OUTPUT_TYPE = 0, 1, 2, 4
@@ -125,10 +126,14 @@ class Plan:
 class CublasLt:
     f32, ab_type, invariant = False, CUDA_R_16BF, False
 
+    sm_count = 0
+
     def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False,
-                 invariant: bool = False):
-        # f32: X and W are fp32 (dtype="float32"), else bf16; one type for every plan
+                 invariant: bool = False, sm_count: int = 0):
+        # f32: X and W are fp32 (dtype="float32"), else bf16; one type for every plan.
+        # sm_count > 0: every GEMM's grid sized for that many SMs (work beside another stream's)
         self.f32 = bool(f32)
+        self.sm_count = int(sm_count)
         self.invariant = bool(invariant)
         self.ab_type = CUDA_R_32F if self.f32 else CUDA_R_16BF
         lib = self.lib = load_library()
@@ -240,6 +245,11 @@ class CublasLt:
                      "set TRANSA")
             lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSB, ctypes.byref(opn), 4),
                      "set TRANSB")
+            if self.sm_count > 0:
+                sms = ctypes.c_int32(self.sm_count)
+                lt_check(lib.cublasLtMatmulDescSetAttribute(desc, DESC_SM_COUNT_TARGET,
+                                                            ctypes.byref(sms), 4),
+                         "set SM_COUNT_TARGET")
             if fp8:
                 for attr, mode in ((DESC_A_SCALE_MODE, SCALE_BLK128x128_32F),
                                    (DESC_B_SCALE_MODE, SCALE_VEC128_32F)):

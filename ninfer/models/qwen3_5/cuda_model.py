@@ -100,6 +100,9 @@ class CudaModel(MediaEncoding):
     # synchronous_ones); off since no measured chat gained from it yet (docs/performance.md)
     async_host_copies = False
     copy_stream = None               # (made at load when async_host_copies)
+    # the vision tower's GEMMs sized for this many SMs (0: all of them), leaving the rest to
+    # the decode steps beside it; not measured yet (bench_vision.py --engine --tower-sms)
+    vision_sm_count = 0
     pool_pinned = None
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
@@ -298,7 +301,8 @@ class CudaModel(MediaEncoding):
             t_vision = time.perf_counter()
             self.vision = device_vision.load_device_vision(
                 vcfg, read_vision_params(artifact, vcfg), arena=self.arena, kernels=self.kernels,
-                bind=self._bind_context, f32=self.f32, max_patches=vis_patches)
+                bind=self._bind_context, f32=self.f32, max_patches=vis_patches,
+                sm_count=self.vision_sm_count)
             self.load_seconds += time.perf_counter() - t_vision
         self.load_phases = {"setup": t_load - self._t_begin, "weights": self.load_seconds,
                             "kernels": self.kernel_seconds}

@@ -281,14 +281,15 @@ def plan_bytes(cfg: VisionConfig, max_patches: int, f32: bool = False) -> int:
 
 
 def load_device_vision(cfg: VisionConfig, params: dict, *, arena, kernels, bind, f32: bool,
-                       max_patches: int) -> DeviceVisionTower:
+                       max_patches: int, sm_count: int = 0) -> DeviceVisionTower:
     """The device tower of a CUDA model: its cuBLASLt handle (a workspace of its own: the
-    media encoder's thread runs it beside the model's steps) and stream, both released by its
-    close(); the numpy tower on the same parameters encodes images past max_patches."""
+    media encoder's thread runs it beside the model's steps; sm_count > 0: its GEMMs sized for
+    that many SMs) and stream, both released by its close(); the numpy tower on the same
+    parameters encodes images past max_patches."""
     from ....core.cuda.cublaslt import CublasLt
     bind()
     ws = arena.take((LT_WORKSPACE,), np.uint8, "vision cuBLASLt workspace")
-    lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32)
+    lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32, sm_count=sm_count)
     stream = _d.Stream()
     try:
         tower = DeviceVisionTower(cfg, params, arena=arena, kernels=kernels, lt=lt,
