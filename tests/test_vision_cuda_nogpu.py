@@ -84,6 +84,75 @@ def test_media_force_an_eager_call(monkeypatch):
         m.forward(b, None, None, media=(np.zeros(0, np.int64), np.zeros((0, 8), np.float32)))
 
 
+def test_cuda_model_plans_the_device_tower(monkeypatch, tmp_path):
+    """A multimodal checkpoint on the cuda backend: the tower's arena share (weights, buffers
+    for vision_max_patches, its cuBLASLt workspace) is in the memory plan and the arena, and
+    its kernels (not the flash attention's) are in the model's kernel set;
+    vision_max_patches=0 plans none (the numpy tower then). A fake device: the load stops at
+    the arena."""
+    from types import SimpleNamespace
+    from fixture_utils import fixture_dir
+    from ninfer.artifact import Artifact
+    from ninfer.convert import convert_checkpoint
+    from ninfer.core.cuda import driver as d
+    from ninfer.models.qwen3_5 import cuda_model as cm
+    from ninfer.models.qwen3_5.load import model_config
+    from ninfer.models.qwen3_5.cuda import vision as dv
+    from ninfer.models.qwen3_5.cuda.kernel_set import VISION_KERNELS
+    from ninfer.models.qwen3_5.vision_tower import VisionConfig
+    from ninfer.options import EngineOptions
+    path = tmp_path / "cond_gen.ninfer"
+    convert_checkpoint(fixture_dir("cond_gen"), path, progress=False)
+
+    class Dev:
+        cc, num_sms, name = (9, 0), 132, "FakeGPU"
+        stream = SimpleNamespace(synchronize=lambda: None)
+
+        def __init__(self, device_id):
+            pass
+
+        def mem_info(self):
+            return 3 << 30, 80 << 30
+
+        def make_current(self):
+            pass
+
+        def close(self):
+            pass
+
+    class ArenaReached(Exception):
+        pass
+
+    def arena(nbytes):
+        raise ArenaReached(nbytes)
+    seen = {}
+    real_set = cm.KernelSet
+
+    def kernel_set(*args, **kwargs):
+        seen["specs"] = real_set(*args, **kwargs).specs
+        return SimpleNamespace(start_loading=lambda bind: None, close=lambda: None)
+    monkeypatch.setattr(d, "Device", Dev)
+    monkeypatch.setattr(cm, "Arena", arena)
+    monkeypatch.setattr(cm, "KernelSet", kernel_set)
+    plans, specs = {}, {}
+    with Artifact(path) as art:
+        config = model_config(art)
+        vcfg = VisionConfig.from_dict(config.vision)
+        for patches in (0, 1026, 4096):
+            m = cm.CudaModel.__new__(cm.CudaModel)
+            with pytest.raises(ArenaReached):
+                cm.CudaModel.__init__(m, config, EngineOptions(
+                    backend="cuda", max_context=1 << 20, max_concurrency=8,
+                    vision_max_patches=patches), artifact=art)
+            plans[patches], specs[patches] = m.memory_plan, set(seen["specs"])
+    for patches, planned in ((1026, 1024), (4096, 4096)):      # (whole merge blocks)
+        extra = plans[patches].workspace_bytes - plans[0].workspace_bytes
+        assert extra == dv.plan_bytes(vcfg, planned), (patches, extra)
+        assert plans[patches].total_bytes == plans[0].total_bytes + extra   # (the arena's)
+        assert specs[patches] - specs[0] == set(VISION_KERNELS)
+    assert not set(VISION_KERNELS) & specs[0]
+
+
 @pytest.mark.skipif(os.environ.get("NINFER_SIM_MODEL") != "1",
                     reason="minutes on the simulator: set NINFER_SIM_MODEL=1")
 def test_image_prompt_on_the_simulator_matches_numpy():
