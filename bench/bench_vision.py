@@ -29,12 +29,15 @@ from ninfer.core.cuda.kernels import KernelCache
 from ninfer.models.qwen3_5.cuda import vision as dv
 from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower
 
-# the towers of the release configurations (vision_config of each checkpoint)
+# the towers of the release configurations (vision_config of each checkpoint: one tower, its
+# merger's output the text model's hidden size)
 GEOMETRIES = {
     "27b": dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
                 num_position_embeddings=2304, out_hidden_size=5120),
     "9b": dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
                num_position_embeddings=2304, out_hidden_size=4096),
+    "35b-a3b": dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                    num_position_embeddings=2304, out_hidden_size=2048),
 }
 
 

@@ -105,12 +105,12 @@ for part in $parts; do
                 >"$OUT/mixed.log" 2>&1
             summary+=("mixed: $(tail -1 "$OUT/mixed_tests.log") (see engine_9b*.log, mixed.log)") ;;
         vision)
-            # the device vision tower: its GPU tests, images/s of the 27B and 9B towers with the
+            # the device vision tower: its GPU tests, images/s of the 27B, 9B, 35B-A3B towers with the
             # GEMM attention, the 27B tower with vis_flash_attention (profiled), then TTFT of
             # image chats and decode beside the tower through the Engine (a random 9B + tower)
             timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_vision_gpu.py \
                 >"$OUT/vision_tests.log" 2>&1
-            for geometry in 27b 9b; do
+            for geometry in 27b 9b 35b-a3b; do
                 timeout 90 python3 bench/bench_vision.py --geometry $geometry \
                     --sizes 448,1024,2048 >"$OUT/vision_$geometry.log" 2>&1
             done
