@@ -13,7 +13,7 @@ import ninfer
 from ninfer.core.cuda import kernels as K
 from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import (F32_VARIANTS, SIGS, geometry_specs, spec,
-                                                   vision_specs)
+                                                   speculation_specs, vision_specs)
 
 CC = (9, 0)
 
@@ -53,6 +53,7 @@ def main() -> int:
               spec("dequant", layout="fp8_block", asym=False),
               spec("qmma", layout="int4_block", asym=True), spec("act_quant_fp8")}
     specs |= set(vision_specs().values())         # the device vision tower's (cuda/vision.py)
+    specs |= set(speculation_specs(dense).values())   # a speculative verify's (issue 25)
     compiled = {s.module for s in specs}
     if set(modules) - compiled:
         print(f"kernel modules never compiled by this check: {sorted(set(modules) - compiled)}")

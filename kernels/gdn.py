@@ -6,18 +6,25 @@ shuffles. Gating is fused: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmo
 
     S <- S * exp(g);  kv = S^T k;  delta = (v - kv) * beta;  S <- S + k delta^T;  o = S^T q
 q and k arrive L2-normalised (q also scaled by 1/sqrt(dk)) from the conv kernel.
+
+gdn_recurrent_snap is the same step for a speculative verify: it also writes S after each of a
+row's tokens into State slots snap_base[r] + i (i = 0 .. tokens - 1; snap_base[r] < 0: none), so
+a rejected draft is undone by taking the accepted position's S instead of recomputing.
 """
 import math
 
 from numba import cuda, float32
 
-from .common import FULL_MASK, sigmoid, softplus
+from .common import FULL_MASK, inlined, sigmoid, softplus
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
     "gdn_recurrent": (
         "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*", "f32*", "i32*", "i32*",
         "i32*"),
+    "gdn_recurrent_snap": (
+        "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*", "f32*", "i32*", "i32*",
+        "i32*", "i32*"),
 }
 
 VB = 32
@@ -25,14 +32,36 @@ KS = 4
 
 
 def gdn_recurrent(dk, dv, nk, nv):
+    step = _recurrent(dk, dv, nk, nv, snap=False)
+
+    def gdn_recurrent_kernel(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, state,
+                             query_start, context_lens, state_slots):
+        step(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, state, query_start,
+             context_lens, state_slots, state_slots)
+    return gdn_recurrent_kernel
+
+
+def gdn_recurrent_snap(dk, dv, nk, nv):
+    step = _recurrent(dk, dv, nk, nv, snap=True)
+
+    def gdn_recurrent_snap_kernel(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias,
+                                  state, query_start, context_lens, state_slots, snap_base):
+        step(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, state, query_start,
+             context_lens, state_slots, snap_base)
+    return gdn_recurrent_snap_kernel
+
+
+def _recurrent(dk, dv, nk, nv, snap):
+    """The kernels' body (one inlined device function; `snap` a constant of the variant)."""
     SL = dk // KS          # state rows per thread
     SL2 = SL - SL % 2      # the paired part of the loops below (odd SL: one tail row)
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     QL = (dk + VB * KS - 1) // (VB * KS)     # q/k elements each thread stages per token
 
-    def gdn_recurrent_kernel(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, state,
-                             query_start, context_lens, state_slots):
+    @inlined
+    def step(out, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, state, query_start,
+             context_lens, state_slots, snap_base):
         r = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -120,6 +149,12 @@ def gdn_recurrent(dk, dv, nk, nv):
             o += cuda.shfl_xor_sync(FULL_MASK, o, 2)
             if ks == 0 and live:
                 out[t * nv * dv + h * dv + v] = o
+            if snap:
+                first = snap_base[r]
+                if first >= 0 and live:
+                    snap0 = ((first + t - t0) * nv + h) * dk * dv
+                    for i in range(SL):
+                        state[snap0 + (ks * SL + i) * dv + v] = S[i]
             if more:
                 # next token's gates, after this token's work has hidden their loads' latency
                 decay_n = math.exp(neg_a * softplus(an + dtb))
@@ -128,4 +163,4 @@ def gdn_recurrent(dk, dv, nk, nv):
         if live:
             for i in range(SL):
                 state[sbase + (ks * SL + i) * dv + v] = S[i]
-    return gdn_recurrent_kernel
+    return step

@@ -15,7 +15,7 @@ from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import (MODULES, SIGS, check_geometry,
                                                    declared_signatures, geometry_specs, spec,
-                                                   vision_specs)
+                                                   speculation_specs, vision_specs)
 from ninfer.models.qwen3_5.cuda.meta import MetaLayout
 from ninfer.models.qwen3_5.fakes import TensorArtifact
 from ninfer.options import EngineOptions
@@ -139,6 +139,7 @@ def test_signatures_read_from_the_text_are_the_kernels_own():
     specs = [s for cfg in (dense, moe) for f32 in (False, True)
              for s in geometry_specs(cfg, f32, quant).values()]
     specs += [s for f32 in (False, True) for s in vision_specs(f32).values()]
+    specs += list(speculation_specs(dense).values())
     assert {s.factory for s in specs} == set(SIGS)
     for s in specs:
         fn = getattr(K._import_kernel_module(s.module), s.factory)(**dict(s.params))

@@ -1,5 +1,6 @@
 """The chunked gated delta rule (kernels/gdn_chunk.py, cuda/gdn_chunk.py) without a GPU: its
-kernels on numba-cuda's CPU simulator against the float64 oracle and the recurrent kernel, PTX
+kernels on numba-cuda's CPU simulator against the float64 oracle and the recurrent kernel (and
+the recurrent kernel's snapshot variant for a speculative verify), PTX
 for sm_90 at the real head geometries (shared memory within the static limit, the scan's state in
 registers), the host helpers, the geometry refusal and the runner's choice of path."""
 import json
@@ -50,6 +51,23 @@ def test_chunked_kernels_on_the_simulator():
             for key in ("rec_out", "rec_state", "chunk_vs_rec_out", "chunk_vs_rec_state"):
                 assert res[key] < TOL_F32, (case, key, res)
             assert res["rec_spare_slot_untouched"], res
+
+
+def test_recurrent_kernel_with_snapshots_on_the_simulator():
+    """gdn_recurrent_snap (a speculative verify's delta rule, issue 25): each row's State after
+    each of its 1 .. 5 tokens lands in its snapshot slots (against the float64 oracle run on the
+    row's prefixes), a row without snapshots beside them, fresh and continued states; outputs
+    and final states as gdn_recurrent's (bitwise the same outputs); no other slot written."""
+    pytest.importorskip("numba.cuda")
+    pytest.importorskip("ml_dtypes")
+    p = _simulate("snap")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])["snap"]
+    assert res["num_snaps"] == 13 and res["others_untouched"], res
+    assert res["vs_plain_out"] == 0.0, res
+    for key in ("out", "state", "snaps"):
+        assert res[key] < TOL_F32, (key, res)
 
 
 # ---- PTX at the real geometries ----------------------------------------------------------------

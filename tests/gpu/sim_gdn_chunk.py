@@ -1,9 +1,10 @@
 """The chunked gated delta rule (kernels/gdn_chunk.py) on numba-cuda's CPU simulator (no GPU),
 with the recurrent kernel (kernels/gdn.py) run on the same inputs: both against a float64
 sequential oracle. `tests/test_gdn_chunk_nogpu.py` runs this in a subprocess (the simulator must be
-switched on before numba is imported) and checks the printed JSON errors.
+switched on before numba is imported) and checks the printed JSON errors. Case "snap": the
+recurrent kernel's snapshot variant (gdn_recurrent_snap, a speculative verify's) instead.
 
-    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_gdn_chunk.py
+    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_gdn_chunk.py [small] [decay] [snap]
 """
 import json
 import sys
@@ -112,6 +113,61 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
     return res
 
 
+def run_snap(dk, dv, nk, nv, lengths, ctxs, snaps, seed=0):
+    """gdn_recurrent_snap (a speculative verify's delta rule): rows of `lengths` tokens, row r
+    writing S after each of its tokens into State slots snaps[r] + i (snaps[r] < 0: none).
+    Returns the relative errors against the float64 oracle of the outputs, the final states and
+    every snapshot (the state after the row's first i + 1 tokens), the outputs' difference from
+    gdn_recurrent's on the same inputs, and whether the slots nobody writes kept their bits."""
+    r = np.random.default_rng(seed)
+    mem = Memory(8 << 20)
+    n, nb = sum(lengths), len(lengths)
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    qkv, proj, P, a_off, b_off, A_log, dt_bias = gdn_inputs(r, dk, dv, nk, nv, n)
+    num_slots = nb + sum(max(length, 0) for length, s in zip(lengths, snaps) if s >= 0) + 2
+    state0 = (0.3 * r.standard_normal((num_slots, nv, dk, dv))).astype(np.float32)
+    slots = np.arange(nb, dtype=np.int32)[::-1].copy()
+    ctx = np.asarray(ctxs, np.int32)
+    snap_base = np.asarray(snaps, np.int32)
+    ref, ref_state = gated_delta_rows(qkv, proj, a_off, b_off, A_log, dt_bias, state0, slots, ctx,
+                                      qs, nk, nv, dk, dv)
+    want = {}                                           # slot -> the state it should hold
+    for row in range(nb):
+        for i in range(lengths[row] if snaps[row] >= 0 else 0):
+            cut = np.array([qs[row], qs[row] + i + 1], np.int32)
+            _, st = gated_delta_rows(qkv, proj, a_off, b_off, A_log, dt_bias, state0,
+                                     slots[row:row + 1], ctx[row:row + 1], cut, nk, nv, dk, dv)
+            want[int(snaps[row]) + i] = st[slots[row]]
+    d = {name: mem.put(a) for name, a in (("qkv", qkv), ("proj", proj), ("a_log", A_log),
+                                           ("dt_bias", dt_bias), ("qs", qs), ("ctx", ctx),
+                                           ("slots", slots), ("snap", snap_base))}
+    params = dict(dk=dk, dv=dv, nk=nk, nv=nv)
+    got = {}
+    for name in ("gdn_recurrent", "gdn_recurrent_snap"):
+        module, factory, sig = SIGS[name]
+        k = cuda.jit(getattr(_import_kernel_module(module), factory)(**params))
+        state = mem.put(state0)
+        out = mem.alloc(n * nv * dv * 4, 0xFF)                       # NaN poison
+        args = [out, d["qkv"], d["proj"], P, a_off, b_off, d["a_log"], d["dt_bias"], state,
+                d["qs"], d["ctx"], d["slots"]] + ([d["snap"]] if name.endswith("snap") else [])
+        conv = [mem.view(int(a), NP[ARG_TYPES[t][1]]) if ARG_TYPES[t][2] else
+                (np.float32(a) if t == "f32" else int(a)) for t, a in zip(sig, args)]
+        k[(nb, nv, -(-dv // 32)), (128,)](*conv)
+        got[name] = (mem.get(out, (n, nv, dv), np.float32).astype(np.float64),
+                     mem.get(state, state0.shape, np.float32).astype(np.float64))
+
+    def rel(x, y):
+        return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)) \
+            if np.all(np.isfinite(x)) else float("nan")
+    out_s, state_s = got["gdn_recurrent_snap"]
+    untouched = [s for s in range(num_slots) if s not in want and s not in slots]
+    return {"out": rel(out_s, ref), "state": rel(state_s[slots], ref_state[slots]),
+            "snaps": max(rel(state_s[s], w) for s, w in want.items()),
+            "num_snaps": len(want),
+            "vs_plain_out": rel(out_s, got["gdn_recurrent"][0]),
+            "others_untouched": bool(np.array_equal(state_s[untouched], state0[untouched]))}
+
+
 CASES = {
     # dk 12 (4 lanes x 3 odd rows), dv 20 < 32 (idle columns), ratio 3, chunk 4: rows of
     # 1, Cn-1, Cn, Cn+1 and 3 chunks, fresh and continued states
@@ -131,6 +187,12 @@ CASES = {
                     recurrent=False, vb=16, nc=2, ib=4),
 }
 
+# a verify's rows: k + 1 = 1 .. 5 tokens with snapshots, a row without (plain decode beside
+# them), fresh and continued states; dk 12 (odd rows per lane), dv 20 (idle columns), ratio 3
+SNAP_CASE = dict(dk=12, dv=20, nk=1, nv=3, lengths=[4, 1, 5, 2, 3], ctxs=[5, 9, 0, 3, 2],
+                 snaps=[5, 9, 10, -1, 15])
+
 if __name__ == "__main__":
     names = sys.argv[1:] or ["small", "decay"]
-    print(json.dumps({name: run(**CASES[name]) for name in names}))
+    print(json.dumps({name: run_snap(**SNAP_CASE) if name == "snap" else run(**CASES[name])
+                      for name in names}))

@@ -101,6 +101,17 @@ def flash_vision(f32: bool, head_dim: int) -> bool:
     return not f32 and head_dim % 8 == 0
 
 
+def speculation_specs(cfg: TextConfig) -> dict:
+    """The kernels a speculative verify adds to a geometry's (issue 25; not loaded until the
+    CUDA verify path uses them): the delta rule writing S after every token of a row."""
+    if not cfg.linear_layer_ids:
+        return {}
+    return {"gdn_recurrent_snap": spec("gdn_recurrent_snap", dk=cfg.linear_key_head_dim,
+                                       dv=cfg.linear_value_head_dim,
+                                       nk=cfg.linear_num_key_heads,
+                                       nv=cfg.linear_num_value_heads)}
+
+
 def qgemv_name(layout: str, bm: int, asym: bool) -> str:
     return f"qgemv_{layout}_{bm}" + ("_z" if asym else "")
 
