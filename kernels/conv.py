@@ -2,18 +2,21 @@
 
 Channels (C = 2*Kd + Vd) are [q heads | k heads | v heads]; one block per (token, head). Taps that
 fall before the row's first new token read the StateImage (last K-1 *inputs*, oldest first), or
-zero when the row starts fresh (context_len == 0). `conv_state_update` then stores the new window.
+zero when the row starts fresh (context_len == 0). `conv_state_update` then stores the new window;
+`conv_state_update_snap` (a speculative verify's) also stores the window after each of a row's
+tokens into State slots snap_base[r] + i (the delta rule's gdn_recurrent_snap keeps S there).
 """
 import math
 
 from numba import cuda, float32
 
-from .common import block_sum, silu
+from .common import block_sum, inlined, silu
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
     "conv_silu": ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*", "i32"),
     "conv_state_update": ("f32*", "f32*", "i32", "i32*", "i32*", "i32*"),
+    "conv_state_update_snap": ("f32*", "f32*", "i32", "i32*", "i32*", "i32*", "i32*"),
 }
 
 
@@ -69,7 +72,7 @@ def conv_silu(K, dk, dv, nk, nv):
 
 
 def conv_state_update(K, C):
-    KM1 = K - 1
+    window = _window(K)
 
     def conv_state_update_kernel(conv_state, proj, proj_stride, query_start, context_lens,
                                  state_slots):
@@ -79,9 +82,43 @@ def conv_state_update(K, C):
         if c >= C:
             return
         q0 = query_start[r]
+        base = (state_slots[r] * C + c) * (K - 1)
+        window(conv_state, proj, proj_stride, q0, query_start[r + 1] - q0, context_lens[r], base,
+               c, base)
+    return conv_state_update_kernel
+
+
+def conv_state_update_snap(K, C):
+    window = _window(K)
+
+    def conv_state_update_snap_kernel(conv_state, proj, proj_stride, query_start, context_lens,
+                                      state_slots, snap_base):
+        # conv_state_update, and first the window after each of the row's first i + 1 inputs
+        # into slot snap_base[r] + i (the old window is read before the row's slot is written)
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        r = cuda.blockIdx.y
+        if c >= C:
+            return
+        q0 = query_start[r]
         n = query_start[r + 1] - q0
         ctx = context_lens[r]
-        base = (state_slots[r] * C + c) * KM1
+        base = (state_slots[r] * C + c) * (K - 1)
+        first = snap_base[r]
+        if first >= 0:
+            for i in range(n):
+                window(conv_state, proj, proj_stride, q0, i + 1, ctx, base, c,
+                       ((first + i) * C + c) * (K - 1))
+        window(conv_state, proj, proj_stride, q0, n, ctx, base, c, base)
+    return conv_state_update_snap_kernel
+
+
+def _window(K):
+    KM1 = K - 1
+
+    @inlined
+    def window(conv_state, proj, proj_stride, q0, n, ctx, base, c, dst):
+        # conv_state[dst ..] = the last K-1 of [the window at base (or zeros: ctx == 0) | the
+        # row's first n inputs]
         win = cuda.local.array(KM1, float32)
         for m in range(KM1):
             s = n - KM1 + m          # index into the row's inputs; < 0 -> old state
@@ -92,5 +129,5 @@ def conv_state_update(K, C):
             else:
                 win[m] = float32(0.0)
         for m in range(KM1):
-            conv_state[base + m] = win[m]
-    return conv_state_update_kernel
+            conv_state[dst + m] = win[m]
+    return window

@@ -54,10 +54,11 @@ def test_chunked_kernels_on_the_simulator():
 
 
 def test_recurrent_kernel_with_snapshots_on_the_simulator():
-    """gdn_recurrent_snap (a speculative verify's delta rule, issue 25): each row's State after
-    each of its 1 .. 5 tokens lands in its snapshot slots (against the float64 oracle run on the
-    row's prefixes), a row without snapshots beside them, fresh and continued states; outputs
-    and final states as gdn_recurrent's (bitwise the same outputs); no other slot written."""
+    """gdn_recurrent_snap and conv_state_update_snap (a speculative verify's State, issue 25):
+    each row's S after each of its 1 .. 5 tokens lands in its snapshot slots (against the float64
+    oracle run on the row's prefixes), its conv window too (exact: copies), a row without
+    snapshots beside them, fresh and continued states; outputs and final states as
+    gdn_recurrent's (bitwise the same outputs); no other slot written."""
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
     p = _simulate("snap")
@@ -65,6 +66,7 @@ def test_recurrent_kernel_with_snapshots_on_the_simulator():
     assert p.returncode == 0, err[-3000:]
     res = json.loads(out.strip().splitlines()[-1])["snap"]
     assert res["num_snaps"] == 13 and res["others_untouched"], res
+    assert res["conv_windows_exact"] and res["conv_others_untouched"], res
     assert res["vs_plain_out"] == 0.0, res
     for key in ("out", "state", "snaps"):
         assert res[key] < TOL_F32, (key, res)

@@ -114,8 +114,9 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
 
 
 def run_snap(dk, dv, nk, nv, lengths, ctxs, snaps, seed=0):
-    """gdn_recurrent_snap (a speculative verify's delta rule): rows of `lengths` tokens, row r
-    writing S after each of its tokens into State slots snaps[r] + i (snaps[r] < 0: none).
+    """gdn_recurrent_snap and conv_state_update_snap (a speculative verify's State): rows of
+    `lengths` tokens, row r writing S and its conv window after each of its tokens into State
+    slots snaps[r] + i (snaps[r] < 0: none).
     Returns the relative errors against the float64 oracle of the outputs, the final states and
     every snapshot (the state after the row's first i + 1 tokens), the outputs' difference from
     gdn_recurrent's on the same inputs, and whether the slots nobody writes kept their bits."""
@@ -141,6 +142,24 @@ def run_snap(dk, dv, nk, nv, lengths, ctxs, snaps, seed=0):
     d = {name: mem.put(a) for name, a in (("qkv", qkv), ("proj", proj), ("a_log", A_log),
                                            ("dt_bias", dt_bias), ("qs", qs), ("ctx", ctx),
                                            ("slots", slots), ("snap", snap_base))}
+    # the conv windows: conv_state_update_snap on the first C proj columns (the conv inputs)
+    K, C = 4, 2 * nk * dk + nv * dv
+    conv0 = r.standard_normal((num_slots, C, K - 1)).astype(np.float32)
+    conv_want = {}
+    for row in range(nb):
+        old = conv0[slots[row]] if ctx[row] > 0 else np.zeros((C, K - 1), np.float32)
+        seq = np.concatenate([old, proj[qs[row]:qs[row + 1], :C].T], 1)      # [C, K-1+n]
+        for i in range(lengths[row] if snaps[row] >= 0 else 0):
+            conv_want[int(snaps[row]) + i] = seq[:, i + 1:i + K]
+        conv_want[int(slots[row])] = seq[:, -(K - 1):]
+    module, factory, sig = SIGS["conv_state_update_snap"]
+    kconv = cuda.jit(getattr(_import_kernel_module(module), factory)(K=K, C=C))
+    conv = mem.put(conv0)
+    args = [conv, d["proj"], P, d["qs"], d["ctx"], d["slots"], d["snap"]]
+    kconv[(-(-C // 32), nb), (32,)](*[mem.view(int(a), NP[ARG_TYPES[t][1]]) if ARG_TYPES[t][2]
+                                      else int(a) for t, a in zip(sig, args)])
+    conv_got = mem.get(conv, conv0.shape, np.float32)
+    conv_rest = [s for s in range(num_slots) if s not in conv_want]
     params = dict(dk=dk, dv=dv, nk=nk, nv=nv)
     got = {}
     for name in ("gdn_recurrent", "gdn_recurrent_snap"):
@@ -165,7 +184,9 @@ def run_snap(dk, dv, nk, nv, lengths, ctxs, snaps, seed=0):
             "snaps": max(rel(state_s[s], w) for s, w in want.items()),
             "num_snaps": len(want),
             "vs_plain_out": rel(out_s, got["gdn_recurrent"][0]),
-            "others_untouched": bool(np.array_equal(state_s[untouched], state0[untouched]))}
+            "others_untouched": bool(np.array_equal(state_s[untouched], state0[untouched])),
+            "conv_windows_exact": all(np.array_equal(conv_got[s], w) for s, w in conv_want.items()),
+            "conv_others_untouched": bool(np.array_equal(conv_got[conv_rest], conv0[conv_rest]))}
 
 
 CASES = {

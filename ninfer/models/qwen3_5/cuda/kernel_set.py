@@ -103,13 +103,16 @@ def flash_vision(f32: bool, head_dim: int) -> bool:
 
 def speculation_specs(cfg: TextConfig) -> dict:
     """The kernels a speculative verify adds to a geometry's (issue 25; not loaded until the
-    CUDA verify path uses them): the delta rule writing S after every token of a row."""
+    CUDA verify path uses them): the delta rule's S and the conv window written after every
+    token of a row into its snapshot State slots."""
     if not cfg.linear_layer_ids:
         return {}
     return {"gdn_recurrent_snap": spec("gdn_recurrent_snap", dk=cfg.linear_key_head_dim,
                                        dv=cfg.linear_value_head_dim,
                                        nk=cfg.linear_num_key_heads,
-                                       nv=cfg.linear_num_value_heads)}
+                                       nv=cfg.linear_num_value_heads),
+            "conv_state_update_snap": spec("conv_state_update_snap", K=cfg.linear_conv_kernel_dim,
+                                           C=cfg.linear_conv_dim)}
 
 
 def qgemv_name(layout: str, bm: int, asym: bool) -> str:
