@@ -2,7 +2,7 @@
 choices: float32 compute, batch-invariant pins). Heuristics always return one algorithm."""
 
 
-def fake_cublaslt(*, f32: bool = False, invariant: bool = False):
+def fake_cublaslt(*, f32: bool = False, invariant: bool = False, sm_count: int = 0):
     """(lt, calls): `calls` lists (function name, args) in call order."""
     from ninfer.core.cuda import cublaslt as C
     calls = []
@@ -19,6 +19,6 @@ def fake_cublaslt(*, f32: bool = False, invariant: bool = False):
             return call
     lt = C.CublasLt.__new__(C.CublasLt)
     lt.lib, lt.handle, lt.workspace_bytes, lt._prefs, lt._plans = Lib(), "handle", 1 << 20, {}, {}
-    lt.f32, lt.invariant = f32, invariant
+    lt.f32, lt.invariant, lt.sm_count = f32, invariant, sm_count
     lt.ab_type = C.CUDA_R_32F if f32 else C.CUDA_R_16BF
     return lt, calls

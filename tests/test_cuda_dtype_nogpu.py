@@ -296,45 +296,20 @@ def test_too_little_memory_names_the_float32_plan(monkeypatch):
     """The memory check uses the dtype's plan: free memory enough for bf16 and not for fp32 ->
     bf16 passes the check (and reaches the arena), fp32 raises DeviceError before allocating.
     (A KV pool large enough that fp32 KV outweighs the bf16-only tensor-core buffers.)"""
-    from types import SimpleNamespace
-    from ninfer.core.cuda import driver as d
+    from fake_plan_device import ArenaReached, install
     from ninfer.models.qwen3_5 import cuda_model as cm
     from ninfer.models.qwen3_5.config import ModelConfig
     cfg = TextConfig(layer_types=LT, num_hidden_layers=4, **SHAPES["tiny-moe"])
-    free = {}
-
-    class Dev:
-        cc, num_sms, name = (9, 0), 132, "FakeGPU"
-        stream = SimpleNamespace(synchronize=lambda: None)
-
-        def __init__(self, device_id):
-            pass
-
-        def mem_info(self):
-            return free["v"], 80 << 30
-
-        def make_current(self):
-            pass
-
-        def close(self):
-            pass
-
-    class ArenaReached(Exception):
-        pass
-
-    def arena(nbytes):
-        raise ArenaReached(nbytes)
-    monkeypatch.setattr(d, "Device", Dev)
-    monkeypatch.setattr(cm, "Arena", arena)
+    memory = install(monkeypatch)
     config = ModelConfig("Qwen3_5ForCausalLM", cfg)
     needs = {}
     for dtype in ("bfloat16", "float32"):
-        free["v"] = 1 << 50
+        memory["free"] = 1 << 50
         with pytest.raises(ArenaReached) as exc:
             cm.CudaModel(config, EngineOptions(backend='cuda', dtype=dtype, max_context=8192, num_kv_pages=100000), random_seed=1)
         needs[dtype] = exc.value.args[0]
     assert needs["float32"] > needs["bfloat16"]
-    free["v"] = (needs["bfloat16"] + needs["float32"]) // 2 + cm.MEMORY_MARGIN
+    memory["free"] = (needs["bfloat16"] + needs["float32"]) // 2 + cm.MEMORY_MARGIN
     with pytest.raises(ArenaReached):
         cm.CudaModel(config, EngineOptions(backend="cuda", dtype="bfloat16", max_context=8192, num_kv_pages=100000), random_seed=1)
     with pytest.raises(DeviceError, match="too little device memory.*all in float32"):

@@ -219,46 +219,15 @@ def test_cuda_model_plans_quantized_pools(monkeypatch):
     """CudaModel's load-time plan with kv_dtype: the same free memory holds the pages' byte
     ratio more KV pages (tiny MoE shape, head_dim 32: 1.78x bf16's, 3.56x float32's), and the
     kernel set holds the kvq variants."""
-    from types import SimpleNamespace
-    from ninfer.core.cuda import driver as d
+    from fake_plan_device import ArenaReached, install, record_kernel_specs
     from ninfer.models.qwen3_5 import cuda_model as cm
     from ninfer.models.qwen3_5.config import ModelConfig
     cfg = TextConfig(layer_types=LT, num_hidden_layers=4, **SHAPES["tiny-moe"])
-    seen, free = {}, [0]
-
-    class Dev:
-        cc, num_sms, name = (9, 0), 132, "FakeGPU"
-        stream = SimpleNamespace(synchronize=lambda: None)
-
-        def __init__(self, device_id):
-            pass
-
-        def mem_info(self):
-            # every plan below max_concurrency * max_context pages (the cap) and above one sequence
-            return free[0], 80 << 30
-
-        def make_current(self):
-            pass
-
-        def close(self):
-            pass
-
-    class ArenaReached(Exception):
-        pass
-
-    def arena(nbytes):
-        raise ArenaReached(nbytes)
-
-    real_set = cm.KernelSet
-
-    def kernel_set(*args, **kwargs):
-        seen["specs"] = real_set(*args, **kwargs).specs
-        return SimpleNamespace(start_loading=lambda bind: None, close=lambda: None)
-    monkeypatch.setattr(d, "Device", Dev)
-    monkeypatch.setattr(cm, "Arena", arena)
-    monkeypatch.setattr(cm, "KernelSet", kernel_set)
+    # every plan below max_concurrency * max_context pages (the cap) and above one sequence
+    memory = install(monkeypatch)
+    seen = record_kernel_specs(monkeypatch)
     config = ModelConfig("Qwen3_5ForCausalLM", cfg)
-    for dtype, free[0] in (("bfloat16", 2 << 30), ("float32", 3 << 29)):
+    for dtype, memory["free"] in (("bfloat16", 2 << 30), ("float32", 3 << 29)):
         pages = {}
         for kv in ("bfloat16", "fp8", "int8"):
             m = cm.CudaModel.__new__(cm.CudaModel)

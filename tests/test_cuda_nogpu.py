@@ -623,28 +623,15 @@ def test_cublaslt_close_destroys_plans_preferences_and_handle():
 def test_cublaslt_sm_count_is_set_on_every_plan():
     """CublasLt(sm_count=N) sets SM_COUNT_TARGET = N on each plan's descriptor (the vision
     tower's GEMMs beside the decode steps); without it the attribute is never set."""
+    from fake_cublaslt import fake_cublaslt
     from ninfer.core.cuda import cublaslt as L
-
-    class Lib:
-        def __init__(self):
-            self.set = []
-
-        def __getattr__(self, name):
-            def call(*args):
-                if name == "cublasLtMatmulDescSetAttribute":
-                    self.set.append((args[1], args[2]._obj.value))
-                if name == "cublasLtMatmulAlgoGetHeuristic":
-                    args[-1]._obj.value = 1                    # one algorithm found
-                return 0
-            return call
-    for sm_count, want in ((0, []), (96, [(L.DESC_SM_COUNT_TARGET, 96)])):
-        lt = L.CublasLt.__new__(L.CublasLt)
-        lt.lib, lt.handle, lt.sm_count = Lib(), "handle", sm_count
-        lt.workspace_bytes, lt._prefs, lt._plans = 1 << 20, {}, {}
+    for sm_count, want in ((0, []), (96, [96])):
+        lt, calls = fake_cublaslt(sm_count=sm_count)
         for shape in ((64, 128, 32), (8, 16, 32)):
             lt.plan(*shape)
-        got = [(a, v) for a, v in lt.lib.set if a == L.DESC_SM_COUNT_TARGET]
-        assert got == want * 2, (sm_count, lt.lib.set)
+        got = [args[2]._obj.value for name, args in calls
+               if name == "cublasLtMatmulDescSetAttribute" and args[1] == L.DESC_SM_COUNT_TARGET]
+        assert got == want * 2, (sm_count, got)
 
 
 def test_model_close_releases_everything_even_after_a_kernel_fault():

@@ -90,11 +90,10 @@ def test_cuda_model_plans_the_device_tower(monkeypatch, tmp_path):
     its kernels (not the flash attention's) are in the model's kernel set;
     vision_max_patches=0 plans none (the numpy tower then). A fake device: the load stops at
     the arena."""
-    from types import SimpleNamespace
+    from fake_plan_device import ArenaReached, install, record_kernel_specs
     from fixture_utils import fixture_dir
     from ninfer.artifact import Artifact
     from ninfer.convert import convert_checkpoint
-    from ninfer.core.cuda import driver as d
     from ninfer.models.qwen3_5 import cuda_model as cm
     from ninfer.models.qwen3_5.load import model_config
     from ninfer.models.qwen3_5.cuda import vision as dv
@@ -103,37 +102,8 @@ def test_cuda_model_plans_the_device_tower(monkeypatch, tmp_path):
     from ninfer.options import EngineOptions
     path = tmp_path / "cond_gen.ninfer"
     convert_checkpoint(fixture_dir("cond_gen"), path, progress=False)
-
-    class Dev:
-        cc, num_sms, name = (9, 0), 132, "FakeGPU"
-        stream = SimpleNamespace(synchronize=lambda: None)
-
-        def __init__(self, device_id):
-            pass
-
-        def mem_info(self):
-            return 3 << 30, 80 << 30
-
-        def make_current(self):
-            pass
-
-        def close(self):
-            pass
-
-    class ArenaReached(Exception):
-        pass
-
-    def arena(nbytes):
-        raise ArenaReached(nbytes)
-    seen = {}
-    real_set = cm.KernelSet
-
-    def kernel_set(*args, **kwargs):
-        seen["specs"] = real_set(*args, **kwargs).specs
-        return SimpleNamespace(start_loading=lambda bind: None, close=lambda: None)
-    monkeypatch.setattr(d, "Device", Dev)
-    monkeypatch.setattr(cm, "Arena", arena)
-    monkeypatch.setattr(cm, "KernelSet", kernel_set)
+    install(monkeypatch, 3 << 30)
+    seen = record_kernel_specs(monkeypatch)
     plans, specs = {}, {}
     with Artifact(path) as art:
         config = model_config(art)
