@@ -199,8 +199,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--numpy", action="store_true", help="also time the numpy tower (448 only)")
     ap.add_argument("--profile", action="store_true", help="GPU time per launch kind")
-    ap.add_argument("--flash", action="store_true",
-                    help="the attention as vis_flash_attention (bf16), not GEMMs")
+    ap.add_argument("--gemm-attention", action="store_true",
+                    help="the attention as GEMMs + vis_softmax, not vis_flash_attention (bf16's "
+                         "default)")
     ap.add_argument("--engine", help="a text geometry: TTFT of image chats through the Engine")
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
     ap.add_argument("--tower-sms", default="0",
@@ -218,14 +219,15 @@ def main():
     f32 = args.dtype == "float32"
     max_patches = max(sizes) ** 2 // 256
     dev = d.Device(0)
-    arena = Arena(dv.device_bytes(cfg, max_patches, f32) + (64 << 20))
+    arena = Arena(dv.device_bytes(cfg, max_patches, f32, flash=not args.gemm_attention)
+                  + (64 << 20))
     ws = arena.take((32 << 20,), np.uint8, "cuBLASLt workspace")
     lt = CublasLt(ws.ptr, 32 << 20, f32=f32)
     t0 = time.perf_counter()
     tower = dv.DeviceVisionTower(cfg, params, arena=arena, kernels=KernelCache(dev.cc), lt=lt,
                                  stream=dev.stream, f32=f32, max_patches=max_patches,
-                                 flash=args.flash)
-    kind = args.dtype + (", flash" if tower.flash else "")
+                                 flash=not args.gemm_attention)
+    kind = args.dtype + (", flash" if tower.flash else ", GEMM attention")
     print(f"{args.geometry} tower ({kind}): set up in {time.perf_counter() - t0:.1f} s "
           f"(kernels, weights)")
     print("| pixels | patches | ms / image | images/s | GEMM TFLOP/s |")

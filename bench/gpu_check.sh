@@ -24,7 +24,8 @@ for part in $parts; do
     case $part in
         tests)
             # (the CPU simulator tests of the other tests/test_cuda_*_nogpu.py files run in CI)
-            timeout 400 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/test_cuda_nogpu.py \
+            timeout 560 python3 -m pytest -q -rfE -p no:cacheprovider --durations=15 tests/gpu \
+                tests/test_cuda_nogpu.py \
                 >"$OUT/tests.log" 2>&1
             summary+=("tests: $(tail -1 "$OUT/tests.log")") ;;
         gdn)
@@ -105,8 +106,8 @@ for part in $parts; do
                 >"$OUT/mixed.log" 2>&1
             summary+=("mixed: $(tail -1 "$OUT/mixed_tests.log") (see engine_9b*.log, mixed.log)") ;;
         vision)
-            # the device vision tower: its GPU tests, images/s of the 27B, 9B, 35B-A3B towers with the
-            # GEMM attention, the 27B tower with vis_flash_attention (profiled), then TTFT of
+            # the device vision tower: its GPU tests, images/s of the 27B, 9B, 35B-A3B towers
+            # (vis_flash_attention), the 27B tower with the GEMM attention (profiled), then TTFT of
             # image chats and decode beside the tower through the Engine (a random 9B + tower)
             timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_vision_gpu.py \
                 >"$OUT/vision_tests.log" 2>&1
@@ -114,8 +115,8 @@ for part in $parts; do
                 timeout 90 python3 bench/bench_vision.py --geometry $geometry \
                     --sizes 448,1024,2048 >"$OUT/vision_$geometry.log" 2>&1
             done
-            timeout 90 python3 bench/bench_vision.py --geometry 27b --sizes 448,1024,2048 --flash \
-                --profile >"$OUT/vision_27b_flash.log" 2>&1
+            timeout 90 python3 bench/bench_vision.py --geometry 27b --sizes 448,1024,2048 \
+                --gemm-attention --profile >"$OUT/vision_27b_gemm.log" 2>&1
             timeout 300 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 --tower-sms 0,66 \
                 >"$OUT/vision_engine_9b.log" 2>&1
             summary+=("vision: $(tail -1 "$OUT/vision_tests.log") (see vision_*.log)") ;;

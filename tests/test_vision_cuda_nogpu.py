@@ -97,7 +97,7 @@ def test_cuda_model_plans_the_device_tower(monkeypatch, tmp_path):
     from ninfer.models.qwen3_5 import cuda_model as cm
     from ninfer.models.qwen3_5.load import model_config
     from ninfer.models.qwen3_5.cuda import vision as dv
-    from ninfer.models.qwen3_5.cuda.kernel_set import VISION_KERNELS
+    from ninfer.models.qwen3_5.cuda.kernel_set import VISION_KERNELS, vision_specs
     from ninfer.models.qwen3_5.vision_tower import VisionConfig
     from ninfer.options import EngineOptions
     path = tmp_path / "cond_gen.ninfer"
@@ -119,7 +119,8 @@ def test_cuda_model_plans_the_device_tower(monkeypatch, tmp_path):
         extra = plans[patches].workspace_bytes - plans[0].workspace_bytes
         assert extra == dv.plan_bytes(vcfg, planned), (patches, extra)
         assert plans[patches].total_bytes == plans[0].total_bytes + extra   # (the arena's)
-        assert specs[patches] - specs[0] == set(VISION_KERNELS)
+        assert specs[patches] - specs[0] == set(vision_specs(False, vcfg.head_dim))
+        assert "vis_flash_attention" in specs[patches]      # (bf16: the flash attention)
     assert not set(VISION_KERNELS) & specs[0]
 
 

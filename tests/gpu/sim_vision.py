@@ -195,7 +195,8 @@ def main():
                                                ("flash", dv.SCORE_BYTES, True)):
                 if passes != "one" and act == "gelu" or flash and f32:   # (once per dtype)
                     continue
-                machine = sim_model.Machine(dv.device_bytes(cfg, 64, f32, score_bytes) + (1 << 20))
+                machine = sim_model.Machine(dv.device_bytes(cfg, 64, f32, score_bytes, flash=flash)
+                                           + (1 << 20))
                 sim_model.install(machine)
                 tower = dv.DeviceVisionTower(
                     cfg, p, arena=Arena(machine.mem.size), kernels=cm.KernelCache((9, 0)),

@@ -89,9 +89,11 @@ VISION_KERNELS = ("vis_layernorm", "vis_bias_act", "vis_add_bias", "vis_pos_embe
 def vision_specs(f32: bool = False, head_dim: int = 72, flash: bool = True) -> dict:
     """The device vision tower's kernels (cuda/vision.py), apart from a text geometry's: a
     text-only model's start compiles or loads none of them. `flash` (bf16, head_dim a multiple
-    of 8; the releases' is 72): the tensor-core attention for that head_dim too."""
+    of 8; the releases' is 72): the tensor-core attention for that head_dim in place of the
+    GEMM attention's vis_softmax."""
     specs = {name: spec(name, f32=f32 and name in F32_VARIANTS) for name in VISION_KERNELS}
     if flash and flash_vision(f32, head_dim):
+        del specs["vis_softmax"]
         specs["vis_flash_attention"] = spec("vis_flash_attention", hd=head_dim)
     return specs
 
@@ -288,7 +290,7 @@ class KernelSet:
         check_geometry(cfg)
         self.specs = geometry_specs(cfg, f32, quant, kv_dtype)
         if vision_head_dim:         # the device vision tower's (loaded with the rest)
-            self.specs.update(vision_specs(f32, vision_head_dim, flash=False))
+            self.specs.update(vision_specs(f32, vision_head_dim))
         self._cache = cache
         self._k = {}
 

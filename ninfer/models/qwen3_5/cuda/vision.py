@@ -4,16 +4,17 @@ as cuBLASLt GEMMs and the kernels of kernels/vision.py, on a stream of its own.
     pixels (fp32, cast on the device) -> GEMM patch_embed (+ bias + the position table's
     bilinear taps)                                                          h [n, D] fp32
     [LayerNorm -> GEMM qkv -> bias + 2-D rotary, head-major q k v
-     -> per frame: S = q k^T (batched over heads) -> softmax -> O = P v (or, with flash,
-       O = softmax(q k^T) v in one tensor-core kernel)
+     -> per frame: O = softmax(q k^T) v in one tensor-core kernel (bf16: vis_flash_attention),
+       or S = q k^T (batched over heads) -> softmax -> O = P v (float32, or flash=False)
      -> GEMM proj (+= h) + bias
      LayerNorm -> GEMM fc1 -> bias + GELU -> GEMM fc2 (+= h) + bias] x depth
     -> LayerNorm -> [n / m^2, m^2 D] -> GEMM fc1 -> bias + GELU (erf) -> GEMM fc2 + bias
 
 GEMM inputs are bf16 (fp32 in a dtype="float32" model, equal to the numpy tower up to rounding
-order), GEMM outputs and the residual fp32. The attention scores of a frame of L patches take
-L x L per head: they are computed in passes of at most `score_bytes` (heads together, or query
-rows of one head), so a 2048 x 2048 image (16,384 patches) needs no 16 GiB. The position
+order), GEMM outputs and the residual fp32. Without the flash kernel the attention scores of a
+frame of L patches take L x L per head: they are computed in passes of at most `score_bytes`
+(heads together, or query rows of one head), so a 2048 x 2048 image (16,384 patches) needs no
+16 GiB. The position
 table's taps (four rows and weights per patch) and the rotary's cos / sin are the numpy tower's
 own functions, computed on the host per image (their size is the image's, not the model's) and
 copied with the pixels; the table itself stays on the device.
@@ -65,9 +66,15 @@ def _buffer_shapes(cfg: VisionConfig, n: int, score_bytes: int, f32: bool) -> di
             "out": ((n // m2, cfg.out_hidden_size), np.float32)}
 
 
+def _score_bytes(cfg: VisionConfig, f32: bool, flash: bool, score_bytes: int) -> int:
+    """The score buffers' bytes: none (one element) where vis_flash_attention runs."""
+    return 0 if flash and flash_vision(f32, cfg.head_dim) else int(score_bytes)
+
+
 def device_bytes(cfg: VisionConfig, max_patches: int, f32: bool = False,
-                 score_bytes: int = SCORE_BYTES, align: int = 256) -> int:
+                 score_bytes: int = SCORE_BYTES, align: int = 256, flash: bool = True) -> int:
     """Device bytes of the tower's weights and workspace (an arena to carve them from)."""
+    score_bytes = _score_bytes(cfg, f32, flash, score_bytes)
     wb = 4 if f32 else 2
     total = 0
     gemm = set(_gemm_weight_names(cfg))
@@ -89,7 +96,7 @@ class DeviceVisionTower(VisionTower):
     def __init__(self, cfg: VisionConfig, params: dict, *, arena, kernels, lt, stream,
                  bind=lambda: None, f32: bool = False, max_patches: int = 16384,
                  score_bytes: int = SCORE_BYTES, host: VisionTower = None,
-                 flash: bool = False):
+                 flash: bool = True):
         super().__init__(cfg, {})
         self.host = host                    # the numpy tower past max_patches (or None)
         self.owned = ()                     # what close() releases besides the pinned buffers
@@ -99,10 +106,11 @@ class DeviceVisionTower(VisionTower):
         self.f32, self.lt, self.stream, self.bind = bool(f32), lt, stream, bind
         self.max_patches = int(max_patches)
         self.gin = np.float32 if f32 else np.uint16
-        # flash: the attention as vis_flash_attention (bf16; the scores never leave the chip).
-        # Off by default: on the H200 it is correct but slower than the GEMMs (27B tower, 4,096
-        # patches: 2.5 ms a layer against 1.6; docs/performance.md), to be tuned
+        # flash: the attention as vis_flash_attention (bf16; the scores never leave the chip),
+        # wherever it can run: on the H200 the 27B tower's 4,096 patches take 38 ms an image
+        # with it, 64 with the GEMMs (docs/performance.md). float32 runs the GEMMs.
         self.flash = bool(flash) and flash_vision(self.f32, cfg.head_dim)
+        score_bytes = _score_bytes(cfg, self.f32, self.flash, score_bytes)
         specs = vision_specs(self.f32, cfg.head_dim, flash=self.flash)
         self._k = {name: kernels.get(s) for name, s in specs.items()}
         bind()
@@ -276,7 +284,8 @@ class DeviceVisionTower(VisionTower):
         self._launch("vis_bias_act", (n, self._cols(D)), (b["act"], b["big"], b["zeros"], D, 0))
 
 def plan_bytes(cfg: VisionConfig, max_patches: int, f32: bool = False) -> int:
-    """A CUDA model's arena share for its device tower: weights, buffers, cuBLASLt workspace."""
+    """A CUDA model's arena share for its device tower (load_device_vision's: flash where it
+    can run): weights, buffers, cuBLASLt workspace."""
     return device_bytes(cfg, max_patches, f32) + LT_WORKSPACE + 256
 
 
