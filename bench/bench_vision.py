@@ -127,7 +127,8 @@ def engine_figures(args) -> None:
     print(f"{args.engine} + {geometry} tower: artifact in {time.perf_counter() - t0:.0f} s")
     for sms in [int(x) for x in args.tower_sms.split(",")]:
         CudaModel.vision_sm_count = sms
-        print(f"\ntower GEMMs sized for {sms or 'all'} SMs")
+        print(f"\ntower on {sms or 'all'} SMs" + (" (a green context's stream, its GEMMs sized "
+                                                    "for them)" if sms else ""))
         engine_rows(path, args)
 
 
@@ -148,8 +149,9 @@ def engine_rows(path: pathlib.Path, args) -> None:
         return [{"role": "user", "content": content}]
     t0 = time.perf_counter()
     with ninfer.Engine(path, backend="cuda", max_concurrency=2, max_context=20480) as engine:
+        vision = engine._core.program.model.vision
         print(f"Engine ready in {time.perf_counter() - t0:.1f} s; tower: "
-              f"{type(engine._core.program.model.vision).__name__}")
+              f"{type(vision).__name__} on {getattr(vision.stream, 'sm_count', 'all')} SMs")
         print("| image | prompt tokens | TTFT ms (best of 3) | text alone ms |")
         print("|---|---|---|---|")
         for size in [int(x) for x in args.sizes.split(",")]:
@@ -205,8 +207,8 @@ def main():
     ap.add_argument("--engine", help="a text geometry: TTFT of image chats through the Engine")
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
     ap.add_argument("--tower-sms", default="0",
-                    help="with --engine: the tower's GEMMs sized for N SMs (0: all); a list "
-                         "measures each (CudaModel.vision_sm_count)")
+                    help="with --engine: the tower on N SMs (0: all); a list measures each "
+                         "(CudaModel.vision_sm_count)")
     args = ap.parse_args()
     if args.engine:
         return engine_figures(args)

@@ -111,3 +111,40 @@ def test_device_vision_tower_equals_numpy(gpu, dtype, tol, flash):
             lt.close()
             for a in list(tower.buf.values()) + list(tower.w.values()) + [ws]:
                 gpu.arena.give(a)
+
+
+def test_device_vision_tower_on_a_share_of_the_sms(gpu):
+    """The tower on a green context's stream of 16 SMs (driver.SmStream; load_device_vision's
+    with CudaModel.vision_sm_count) and its GEMMs sized for them: kernels loaded in the primary
+    context and cuBLASLt run there, and the output equals the numpy tower's as on every SM."""
+    from ninfer.core.cuda import driver as d
+    from ninfer.core.cuda.cublaslt import CublasLt
+    from ninfer.models.qwen3_5.cuda import vision as dv
+    from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower
+    cfg = VisionConfig(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                       in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                       num_position_embeddings=2304, out_hidden_size=5120)
+    r = np.random.default_rng(3)
+    params = {k: (r.standard_normal(s) / np.sqrt(s[-1] if len(s) > 1 else 4)).astype(np.float32)
+              for k, s in cfg.param_shapes().items()}
+    grids = [(1, 24, 32)]
+    pixels = r.standard_normal((24 * 32, 3 * 2 * 16 * 16)).astype(np.float32)
+    want = VisionTower(cfg, params).encode(pixels, grids)
+    stream = d.SmStream(gpu.dev, 16)
+    assert 16 <= stream.sm_count < gpu.dev.num_sms, stream.sm_count
+    ws = gpu.arena.take((32 << 20,), np.uint8, "cuBLASLt workspace")
+    lt = CublasLt(ws.ptr, 32 << 20, sm_count=stream.sm_count)
+    tower = dv.DeviceVisionTower(cfg, params, arena=gpu.arena, kernels=gpu.cache, lt=lt,
+                                 stream=stream, max_patches=24 * 32)
+    try:
+        assert tower.flash
+        got = tower.encode(pixels, grids)
+        assert rel_err(got, want) < 2e-2, rel_err(got, want)
+        assert tower.encode(pixels, grids).tobytes() == got.tobytes()
+    finally:
+        tower.close()
+        lt.close()
+        stream.destroy()
+        for a in list(tower.buf.values()) + list(tower.w.values()) + [ws]:
+            gpu.arena.give(a)
+    assert stream.handle is None and stream.green is None

@@ -152,6 +152,41 @@ class Stream:
             self.handle = None
 
 
+class SmStream(Stream):
+    """A stream whose kernels run on at most `sm_count` SMs (rounded up to the device's
+    granularity; `.sm_count` is what was given): a green context's (CUDA 12.4+ drivers). Work
+    beside the model's steps (the vision tower) that must leave them the other SMs: a stream
+    priority only orders blocks that wait, it does not stop long blocks taking every SM."""
+
+    def __init__(self, device: "Device", sm_count: int, priority: int = 0):
+        drv = driver()
+        self.handle = self.green = None
+        sm = check(drv.cuDeviceGetDevResource(
+            device.dev, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource")
+        groups, _, _ = check(drv.cuDevSmResourceSplitByCount(1, sm, 0, int(sm_count)),
+                             "cuDevSmResourceSplitByCount")
+        desc = check(drv.cuDevResourceGenerateDesc([groups[0]], 1), "cuDevResourceGenerateDesc")
+        self.green = check(drv.cuGreenCtxCreate(
+            desc, device.dev, drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
+            "cuGreenCtxCreate")
+        self.sm_count = int(groups[0].sm.smCount)
+        try:
+            self.handle = check(drv.cuGreenCtxStreamCreate(
+                self.green, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, priority),
+                "cuGreenCtxStreamCreate")
+        except BaseException:
+            self.destroy()
+            raise
+
+    def destroy(self) -> None:
+        try:
+            super().destroy()
+        finally:
+            if self.green is not None:
+                check(driver().cuGreenCtxDestroy(self.green), "cuGreenCtxDestroy")
+                self.green = None
+
+
 def stream_priorities() -> tuple:
     """(least, greatest) stream priority of the current context (greatest the lower number)."""
     return tuple(check(driver().cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange"))

@@ -302,7 +302,7 @@ class CudaModel(MediaEncoding):
             self.vision = device_vision.load_device_vision(
                 vcfg, read_vision_params(artifact, vcfg), arena=self.arena, kernels=self.kernels,
                 bind=self._bind_context, f32=self.f32, max_patches=vis_patches,
-                sm_count=self.vision_sm_count)
+                sm_count=self.vision_sm_count, device=self.device)
             self.load_seconds += time.perf_counter() - t_vision
         self.load_phases = {"setup": t_load - self._t_begin, "weights": self.load_seconds,
                             "kernels": self.kernel_seconds}

@@ -26,13 +26,17 @@ or is refused (ValueError) without one. `load_device_vision` builds the tower of
 """
 from __future__ import annotations
 
+import logging
+
 import ml_dtypes
 import numpy as np
 
 from ....core.cuda import driver as _d
+from ....errors import DeviceError
 from ..vision_tower import LN_EPS, VisionConfig, VisionTower, pos_embed_taps, vision_rotary
 from .kernel_set import flash_vision, vision_specs
 
+log = logging.getLogger(__name__)
 SCORE_BYTES = 256 << 20         # attention scores (fp32) and probabilities of one pass
 LT_WORKSPACE = 32 << 20         # the tower's own cuBLASLt workspace (it runs beside the steps)
 THREADS = 256
@@ -290,22 +294,33 @@ def plan_bytes(cfg: VisionConfig, max_patches: int, f32: bool = False) -> int:
 
 
 def load_device_vision(cfg: VisionConfig, params: dict, *, arena, kernels, bind, f32: bool,
-                       max_patches: int, sm_count: int = 0) -> DeviceVisionTower:
+                       max_patches: int, sm_count: int = 0, device=None) -> DeviceVisionTower:
     """The device tower of a CUDA model: its cuBLASLt handle (a workspace of its own: the
-    media encoder's thread runs it beside the model's steps; sm_count > 0: its GEMMs sized for
-    that many SMs) and stream, both released by its close(); the numpy tower on the same
-    parameters encodes images past max_patches."""
+    media encoder's thread runs it beside the model's steps) and stream, both released by its
+    close(); the numpy tower on the same parameters encodes images past max_patches.
+    sm_count > 0 (and the model's `device`): the tower's kernels on at most that many SMs (a
+    green context's stream, driver.SmStream; a plain stream where the driver has none) and its
+    GEMMs sized for them, the other SMs left to the steps."""
     from ....core.cuda.cublaslt import CublasLt
     bind()
-    ws = arena.take((LT_WORKSPACE,), np.uint8, "vision cuBLASLt workspace")
-    lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32, sm_count=sm_count)
-    stream = _d.Stream()
+    stream = None
+    if sm_count > 0 and device is not None:
+        try:
+            stream = _d.SmStream(device, sm_count)
+            sm_count = stream.sm_count
+        except DeviceError as exc:
+            log.warning("vision tower on every SM: %s", exc)
+    stream = stream or _d.Stream()
+    lt = None
     try:
+        ws = arena.take((LT_WORKSPACE,), np.uint8, "vision cuBLASLt workspace")
+        lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32, sm_count=sm_count)
         tower = DeviceVisionTower(cfg, params, arena=arena, kernels=kernels, lt=lt,
                                   stream=stream, bind=bind, f32=f32, max_patches=max_patches,
                                   host=VisionTower(cfg, params))
     except BaseException:
-        lt.close()
+        if lt is not None:
+            lt.close()
         stream.destroy()
         raise
     tower.owned = (stream.synchronize, lt.close, stream.destroy)
