@@ -125,10 +125,11 @@ def engine_figures(args) -> None:
     t0 = time.perf_counter()
     path = multimodal_artifact(args.engine, geometry, workdir)
     print(f"{args.engine} + {geometry} tower: artifact in {time.perf_counter() - t0:.0f} s")
-    for sms in [int(x) for x in args.tower_sms.split(",")]:
+    for sms in [None if x == "auto" else int(x) for x in args.tower_sms.split(",")]:
         CudaModel.vision_sm_count = sms
-        print(f"\ntower on {sms or 'all'} SMs" + (" (a green context's stream, its GEMMs sized "
-                                                    "for them)" if sms else ""))
+        print(f"\ntower on {'every' if sms == 0 else sms or 'the default share of'} SMs"
+              + (" while steps run (a green context's stream, its GEMMs sized for them)"
+                 if sms != 0 else ""))
         engine_rows(path, args)
 
 
@@ -151,7 +152,8 @@ def engine_rows(path: pathlib.Path, args) -> None:
     with ninfer.Engine(path, backend="cuda", max_concurrency=2, max_context=20480) as engine:
         vision = engine._core.program.model.vision
         print(f"Engine ready in {time.perf_counter() - t0:.1f} s; tower: "
-              f"{type(vision).__name__} on {getattr(vision.stream, 'sm_count', 'all')} SMs")
+              f"{type(vision).__name__}, lanes (SMs): "
+              f"{[getattr(st, 'sm_count', 'all') for st, _ in vision._lanes or [(vision.stream, 0)]]}")
         print("| image | prompt tokens | TTFT ms (best of 3) | text alone ms |")
         print("|---|---|---|---|")
         for size in [int(x) for x in args.sizes.split(",")]:
@@ -206,8 +208,9 @@ def main():
                          "default)")
     ap.add_argument("--engine", help="a text geometry: TTFT of image chats through the Engine")
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
-    ap.add_argument("--tower-sms", default="0",
-                    help="with --engine: the tower on N SMs (0: all); a list measures each "
+    ap.add_argument("--tower-sms", default="auto",
+                    help="with --engine: the tower on N SMs while steps run (0: every SM "
+                         "always, auto: the default share); a list measures each "
                          "(CudaModel.vision_sm_count)")
     args = ap.parse_args()
     if args.engine:

@@ -117,7 +117,7 @@ for part in $parts; do
             done
             timeout 90 python3 bench/bench_vision.py --geometry 27b --sizes 448,1024,2048 \
                 --gemm-attention --profile >"$OUT/vision_27b_gemm.log" 2>&1
-            timeout 300 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 --tower-sms 0,66 \
+            timeout 300 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 --tower-sms auto,0 \
                 >"$OUT/vision_engine_9b.log" 2>&1
             summary+=("vision: $(tail -1 "$OUT/vision_tests.log") (see vision_*.log)") ;;
         full)

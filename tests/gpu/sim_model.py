@@ -94,6 +94,9 @@ class Stream:
     def synchronize(self):
         pass
 
+    def wait(self, event):
+        pass
+
 
 def install(machine):
     stream = Stream()

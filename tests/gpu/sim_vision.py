@@ -175,6 +175,14 @@ class _Twin:
                 np.uint16)
 
 
+class _Lane(sim_model.Stream):
+    """A stream that counts the handoffs it waits for."""
+    waits = 0
+
+    def wait(self, event):
+        self.waits += 1
+
+
 def main():
     grids = [(1, 4, 6), (2, 4, 4)]
     out = kernel_errors() if "tower" not in sys.argv[1:] else {}
@@ -192,7 +200,8 @@ def main():
             f32 = dtype == "float32"
             for passes, score_bytes, flash in (("one", dv.SCORE_BYTES, False),
                                                ("rows", 8 * 40, False),
-                                               ("flash", dv.SCORE_BYTES, True)):
+                                               ("flash", dv.SCORE_BYTES, True),
+                                               ("lanes", dv.SCORE_BYTES, True)):
                 if passes != "one" and act == "gelu" or flash and f32:   # (once per dtype)
                     continue
                 machine = sim_model.Machine(dv.device_bytes(cfg, 64, f32, score_bytes, flash=flash)
@@ -200,11 +209,17 @@ def main():
                 sim_model.install(machine)
                 tower = dv.DeviceVisionTower(
                     cfg, p, arena=Arena(machine.mem.size), kernels=cm.KernelCache((9, 0)),
-                    lt=cm.CublasLt(0, 0, f32=f32), stream=sim_model.Stream(), f32=f32,
+                    lt=cm.CublasLt(0, 0, f32=f32), stream=_Lane(), f32=f32,
                     max_patches=64, score_bytes=score_bytes, flash=flash)
                 for name in ("vis_layernorm", "vis_softmax"):
                     tower._k[name] = _Twin(machine, name, f32)
+                if passes == "lanes":       # share_sms: busy() flips, the lane every layer
+                    share, flips = _Lane(), iter(range(1 << 20))
+                    tower.share_sms(share, cm.CublasLt(0, 0, f32=f32),
+                                    busy=lambda: next(flips) % 2 == 1)
                 got = tower.encode(pixels, grids)
+                if passes == "lanes" and not (share.waits and tower._lanes[0][0].waits):
+                    raise AssertionError("share_sms: no handoff between the lanes")
                 assert got.shape == want.shape, (got.shape, want.shape)
                 out[f"tower/{act}/{dtype}/{passes}"] = float(np.linalg.norm(got - want)
                                                       / np.linalg.norm(want))

@@ -114,11 +114,11 @@ def test_device_vision_tower_equals_numpy(gpu, dtype, tol, flash):
 
 
 def test_device_vision_tower_on_a_share_of_the_sms(gpu):
-    """The tower on a green context's stream of 16 SMs (driver.SmStream; load_device_vision's
-    with CudaModel.vision_sm_count) and its GEMMs sized for them: kernels loaded in the primary
-    context and cuBLASLt run there, and the output equals the numpy tower's as on every SM."""
-    from ninfer.core.cuda import driver as d
-    from ninfer.core.cuda.cublaslt import CublasLt
+    """load_device_vision with sm_count: while busy(), the tower on a green context's stream of
+    16 SMs (driver.SmStream) with its GEMMs sized for them, else on its own stream (every SM).
+    Kernels loaded in the primary context and cuBLASLt run on both, and both outputs equal the
+    numpy tower's; close() releases both lanes."""
+    from ninfer.core.cuda.arena import Arena
     from ninfer.models.qwen3_5.cuda import vision as dv
     from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower
     cfg = VisionConfig(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
@@ -130,21 +130,23 @@ def test_device_vision_tower_on_a_share_of_the_sms(gpu):
     grids = [(1, 24, 32)]
     pixels = r.standard_normal((24 * 32, 3 * 2 * 16 * 16)).astype(np.float32)
     want = VisionTower(cfg, params).encode(pixels, grids)
-    stream = d.SmStream(gpu.dev, 16)
-    assert 16 <= stream.sm_count < gpu.dev.num_sms, stream.sm_count
-    ws = gpu.arena.take((32 << 20,), np.uint8, "cuBLASLt workspace")
-    lt = CublasLt(ws.ptr, 32 << 20, sm_count=stream.sm_count)
-    tower = dv.DeviceVisionTower(cfg, params, arena=gpu.arena, kernels=gpu.cache, lt=lt,
-                                 stream=stream, max_patches=24 * 32)
+    busy = [False]
+    arena = Arena(dv.plan_bytes(cfg, 24 * 32))         # (the model's share: this is all it takes)
+    tower = dv.load_device_vision(cfg, params, arena=arena, kernels=gpu.cache,
+                                  bind=gpu.dev.make_current, f32=False, max_patches=24 * 32,
+                                  sm_count=16, device=gpu.dev, busy=lambda: busy[0])
     try:
-        assert tower.flash
-        got = tower.encode(pixels, grids)
-        assert rel_err(got, want) < 2e-2, rel_err(got, want)
-        assert tower.encode(pixels, grids).tobytes() == got.tobytes()
+        assert tower.flash and tower._lanes is not None
+        (own, own_lt), (share, share_lt) = tower._lanes
+        assert 16 <= share.sm_count < gpu.dev.num_sms and share_lt.sm_count == share.sm_count
+        assert own_lt.sm_count == 0
+        outs = {}
+        for busy[0] in (False, True, False):
+            outs[busy[0]] = got = tower.encode(pixels, grids)
+            assert tower.stream is (share if busy[0] else own)
+            assert rel_err(got, want) < 2e-2, (busy[0], rel_err(got, want))
+        assert tower.encode(pixels, grids).tobytes() == outs[False].tobytes()
     finally:
         tower.close()
-        lt.close()
-        stream.destroy()
-        for a in list(tower.buf.values()) + list(tower.w.values()) + [ws]:
-            gpu.arena.give(a)
-    assert stream.handle is None and stream.green is None
+        arena.close()
+    assert share.handle is None and share.green is None and own.handle is None

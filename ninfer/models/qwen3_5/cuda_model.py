@@ -61,6 +61,8 @@ from .cuda import vision as device_vision
 from .cuda import weights as wplan
 
 log = logging.getLogger("ninfer.cuda")
+VISION_SM_SHARE = 0.3   # the vision tower's share of the SMs while steps run (vision_sm_count)
+VISION_BUSY_S = 0.02    # steps "run" when one is in flight or was launched this recently
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
@@ -100,9 +102,12 @@ class CudaModel(MediaEncoding):
     # synchronous_ones); off since no measured chat gained from it yet (docs/performance.md)
     async_host_copies = False
     copy_stream = None               # (made at load when async_host_copies)
-    # the vision tower's GEMMs sized for this many SMs (0: all of them), leaving the rest to
-    # the decode steps beside it; not measured yet (bench_vision.py --engine --tower-sms)
-    vision_sm_count = 0
+    # while steps run, the vision tower on this many SMs (None: VISION_SM_SHARE of the device's;
+    # 0: every SM always), the rest left to the steps: on the H200 (9B decode B=1 beside
+    # back-to-back 1024 x 1024 images) 0.92 of decode's speed alone on 40 SMs, 0.62 on all
+    # (bench_vision.py --engine 9b --tower-sms; docs/performance.md). Layers encoded while no
+    # step runs (_steps_running) get every SM: a lone image chat's TTFT is the whole device's.
+    vision_sm_count = None
     pool_pinned = None
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
@@ -302,7 +307,7 @@ class CudaModel(MediaEncoding):
             self.vision = device_vision.load_device_vision(
                 vcfg, read_vision_params(artifact, vcfg), arena=self.arena, kernels=self.kernels,
                 bind=self._bind_context, f32=self.f32, max_patches=vis_patches,
-                sm_count=self.vision_sm_count, device=self.device)
+                sm_count=self._vision_sms(), device=self.device, busy=self._steps_running)
             self.load_seconds += time.perf_counter() - t_vision
         self.load_phases = {"setup": t_load - self._t_begin, "weights": self.load_seconds,
                             "kernels": self.kernel_seconds}
@@ -332,6 +337,16 @@ class CudaModel(MediaEncoding):
                           self.pool_staging, self.f32, self.kv_dtype,
                           copy_stream=self.copy_stream,
                           pinned=self.pool_pinned if self.copy_stream is not None else None)
+
+    def _vision_sms(self) -> int:
+        if self.vision_sm_count is None:
+            return max(1, round(VISION_SM_SHARE * self.device.num_sms))
+        return int(self.vision_sm_count)
+
+    def _steps_running(self) -> bool:
+        """A step is in flight or one was launched in the last VISION_BUSY_S (the vision
+        tower's lane, chosen again before each of its layers)."""
+        return bool(self._in_flight) or time.perf_counter() - self._t_entry < VISION_BUSY_S
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> DeviceKVPool:
         self._current()

@@ -103,6 +103,7 @@ class DeviceVisionTower(VisionTower):
                  flash: bool = True):
         super().__init__(cfg, {})
         self.host = host                    # the numpy tower past max_patches (or None)
+        self._lanes = self._busy = self._events = None      # (share_sms)
         self.owned = ()                     # what close() releases besides the pinned buffers
         m2 = cfg.spatial_merge_size ** 2
         if max_patches < m2 or max_patches % m2:
@@ -168,6 +169,8 @@ class DeviceVisionTower(VisionTower):
         owned, self.owned = self.owned, ()
         for close in owned:
             close()
+        for event in getattr(self, "_events", ()) or ():
+            event.destroy()
 
     # ---- launches ---------------------------------------------------------------------------
     def _launch(self, name, grid, args, block=THREADS):
@@ -180,6 +183,35 @@ class DeviceVisionTower(VisionTower):
         return -(-width // THREADS)
 
     # ---- the tower --------------------------------------------------------------------------
+    def share_sms(self, stream, lt, busy) -> None:
+        """Encode on `stream` and `lt` (a share of the SMs: driver.SmStream, GEMMs sized for
+        it) while busy() says the model's steps run, else on the tower's own (every SM): a
+        lone image chat's TTFT gets the whole device, decoding rows beside an encode keep most
+        of their speed (docs/performance.md). The lane is chosen again before each layer, and
+        at most two layers are queued ahead of the device, so steps that start (or stop)
+        mid-image take effect within a layer or two."""
+        self._lanes = ((self.stream, self.lt), (stream, lt))
+        self._busy = busy
+        self._events = [_d.Event(timing=False) for _ in range(3)]  # handoff, two layers' ends
+
+    def _lane(self, layer: int) -> None:
+        """(share_sms) Wait for layer - 2 to finish, then queue what follows on the lane
+        busy() asks for, after what was queued on the other."""
+        if self._lanes is None:
+            return
+        handoff, *paced = self._events
+        if layer >= 2:
+            paced[layer % 2].synchronize()
+        stream, lt = self._lanes[bool(self._busy())]
+        if stream is not self.stream:
+            handoff.record(self.stream)
+            stream.wait(handoff)
+            self.stream, self.lt = stream, lt
+
+    def _layer_queued(self, layer: int) -> None:
+        if self._lanes is not None:
+            self._events[1 + layer % 2].record(self.stream)
+
     def encode(self, pixels: np.ndarray, grid_thw) -> np.ndarray:
         cfg, b, w = self.cfg, self.buf, self.w
         grid_thw = [tuple(int(v) for v in g) for g in grid_thw]
@@ -192,6 +224,7 @@ class DeviceVisionTower(VisionTower):
             if self.host is not None:
                 return self.host.encode(pixels, grid_thw)
             raise ValueError(f"{n} patches: the device tower holds at most {self.max_patches}")
+        self._lane(0)
         D, H, hd, m = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.spatial_merge_size
         I, m2, gb = cfg.intermediate_size, m * m, np.dtype(self.gin).itemsize
         self.bind()
@@ -212,6 +245,7 @@ class DeviceVisionTower(VisionTower):
                       b["pos_index"], b["pos_weight"], D))
         frames = [(h * ww) for t, h, ww in grid_thw for _ in range(t)]
         for i in range(cfg.depth):
+            self._lane(i)
             p = f"vision.blocks.{i}."
             self._launch("vis_layernorm", (n,), (b["x"], b["h"], w[p + "norm1.weight"],
                                                  w[p + "norm1.bias"], D, LN_EPS))
@@ -231,6 +265,7 @@ class DeviceVisionTower(VisionTower):
             self._gemm(b["act"].ptr, w[p + "mlp.linear_fc2.weight"].ptr, b["h"].ptr, n, D, I, 1.0)
             self._launch("vis_add_bias", (n, self._cols(D)),
                          (b["h"], w[p + "mlp.linear_fc2.bias"], D))
+            self._layer_queued(i)
         # merger: LayerNorm per patch, each merge block's m^2 patches as one row (they are
         # consecutive: the patches come in merge-block order), fc1 -> GELU (erf) -> fc2
         r, wide = n // m2, m2 * D
@@ -294,34 +329,47 @@ def plan_bytes(cfg: VisionConfig, max_patches: int, f32: bool = False) -> int:
 
 
 def load_device_vision(cfg: VisionConfig, params: dict, *, arena, kernels, bind, f32: bool,
-                       max_patches: int, sm_count: int = 0, device=None) -> DeviceVisionTower:
+                       max_patches: int, sm_count: int = 0, device=None,
+                       busy=lambda: False) -> DeviceVisionTower:
     """The device tower of a CUDA model: its cuBLASLt handle (a workspace of its own: the
     media encoder's thread runs it beside the model's steps) and stream, both released by its
     close(); the numpy tower on the same parameters encodes images past max_patches.
-    sm_count > 0 (and the model's `device`): the tower's kernels on at most that many SMs (a
-    green context's stream, driver.SmStream; a plain stream where the driver has none) and its
-    GEMMs sized for them, the other SMs left to the steps."""
+    sm_count > 0 (and the model's `device`): while busy() (the model's steps run), the tower's
+    kernels go to a stream of that many SMs (a green context's, driver.SmStream) and its GEMMs
+    are sized for them, the other SMs left to the steps (DeviceVisionTower.share_sms); a
+    driver without green contexts gets every SM always."""
     from ....core.cuda.cublaslt import CublasLt
     bind()
-    stream = None
-    if sm_count > 0 and device is not None:
-        try:
-            stream = _d.SmStream(device, sm_count)
-            sm_count = stream.sm_count
-        except DeviceError as exc:
-            log.warning("vision tower on every SM: %s", exc)
-    stream = stream or _d.Stream()
-    lt = None
+    streams, closes, tower = [], [], None
+
+    def releases():                 # every stream synchronized first
+        return [s.synchronize for s in streams] + closes + [s.destroy for s in streams]
     try:
         ws = arena.take((LT_WORKSPACE,), np.uint8, "vision cuBLASLt workspace")
-        lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32, sm_count=sm_count)
+        stream = _d.Stream()
+        streams.append(stream)
+        lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32)
+        closes.append(lt.close)
+        share = None
+        if sm_count > 0 and device is not None:
+            try:
+                share = _d.SmStream(device, sm_count)
+                streams.append(share)
+            except DeviceError as exc:
+                log.warning("the vision tower takes every SM beside the steps: %s", exc)
         tower = DeviceVisionTower(cfg, params, arena=arena, kernels=kernels, lt=lt,
                                   stream=stream, bind=bind, f32=f32, max_patches=max_patches,
                                   host=VisionTower(cfg, params))
+        if share is not None:
+            # (encodes are one at a time, each synchronized: the lanes share the workspace)
+            share_lt = CublasLt(ws.ptr, LT_WORKSPACE, f32=f32, sm_count=share.sm_count)
+            closes.append(share_lt.close)
+            tower.share_sms(share, share_lt, busy)
     except BaseException:
-        if lt is not None:
-            lt.close()
-        stream.destroy()
+        if tower is not None:
+            tower.close()           # (its pinned buffers; it owns nothing else yet)
+        for release in releases():
+            release()
         raise
-    tower.owned = (stream.synchronize, lt.close, stream.destroy)
+    tower.owned = tuple(releases())
     return tower
