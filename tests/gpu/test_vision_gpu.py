@@ -74,6 +74,19 @@ def test_cuda_media_prefill_logits_equal_numpy(dtype, tol, artifacts, ref):
                         tol=NUMPY_REL_TOL)
 
 
+def _tower_27b_widths(seed: int):
+    """The 27B tower's widths (hidden 1152, 16 heads of 72, MLP 4304, out 5120) at depth 2,
+    random weights; (config, parameters, the generator for the inputs)."""
+    from ninfer.models.qwen3_5.vision_tower import VisionConfig
+    cfg = VisionConfig(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
+                       in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                       num_position_embeddings=2304, out_hidden_size=5120)
+    r = np.random.default_rng(seed)
+    params = {k: (r.standard_normal(s) / np.sqrt(s[-1] if len(s) > 1 else 4)).astype(np.float32)
+              for k, s in cfg.param_shapes().items()}
+    return cfg, params, r
+
+
 @pytest.mark.parametrize("dtype, tol, flash", [("float32", 1e-4, False), ("bfloat16", 2e-2, False),
                                                ("bfloat16", 2e-2, True)])
 def test_device_vision_tower_equals_numpy(gpu, dtype, tol, flash):
@@ -84,13 +97,8 @@ def test_device_vision_tower_equals_numpy(gpu, dtype, tol, flash):
     kernel (tests/gpu/sim_vision.py is its simulator twin)."""
     from ninfer.core.cuda.cublaslt import CublasLt
     from ninfer.models.qwen3_5.cuda import vision as dv
-    from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower
-    cfg = VisionConfig(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
-                       in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
-                       num_position_embeddings=2304, out_hidden_size=5120)
-    r = np.random.default_rng(0)
-    params = {k: (r.standard_normal(s) / np.sqrt(s[-1] if len(s) > 1 else 4)).astype(np.float32)
-              for k, s in cfg.param_shapes().items()}
+    from ninfer.models.qwen3_5.vision_tower import VisionTower
+    cfg, params, r = _tower_27b_widths(seed=0)
     grids = [(1, 32, 32), (2, 16, 16)]
     n = sum(t * h * w for t, h, w in grids)
     pixels = r.standard_normal((n, 3 * 2 * 16 * 16)).astype(np.float32)
@@ -120,13 +128,8 @@ def test_device_vision_tower_on_a_share_of_the_sms(gpu):
     numpy tower's; close() releases both lanes."""
     from ninfer.core.cuda.arena import Arena
     from ninfer.models.qwen3_5.cuda import vision as dv
-    from ninfer.models.qwen3_5.vision_tower import VisionConfig, VisionTower
-    cfg = VisionConfig(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304,
-                       in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
-                       num_position_embeddings=2304, out_hidden_size=5120)
-    r = np.random.default_rng(3)
-    params = {k: (r.standard_normal(s) / np.sqrt(s[-1] if len(s) > 1 else 4)).astype(np.float32)
-              for k, s in cfg.param_shapes().items()}
+    from ninfer.models.qwen3_5.vision_tower import VisionTower
+    cfg, params, r = _tower_27b_widths(seed=3)
     grids = [(1, 24, 32)]
     pixels = r.standard_normal((24 * 32, 3 * 2 * 16 * 16)).astype(np.float32)
     want = VisionTower(cfg, params).encode(pixels, grids)
