@@ -15,7 +15,7 @@ from . import qweights as qw
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
 MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "rope_kv", "attention",
-           "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision")
+           "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision", "speculate")
 
 
 def declared_signatures(module: str) -> dict:
@@ -106,10 +106,13 @@ def flash_vision(f32: bool, head_dim: int) -> bool:
 def speculation_specs(cfg: TextConfig) -> dict:
     """The kernels a speculative verify adds to a geometry's (issue 25; not loaded until the
     CUDA verify path uses them): the delta rule's S and the conv window written after every
-    token of a row into its snapshot State slots."""
+    token of a row into its snapshot State slots, the acceptance (kernels/speculate.py) and the
+    kept snapshot copied over each row's State."""
+    specs = {"spec_accept": spec("spec_accept"), "state_select": spec("state_select")}
     if not cfg.linear_layer_ids:
-        return {}
-    return {"gdn_recurrent_snap": spec("gdn_recurrent_snap", dk=cfg.linear_key_head_dim,
+        return specs
+    return {**specs,
+            "gdn_recurrent_snap": spec("gdn_recurrent_snap", dk=cfg.linear_key_head_dim,
                                        dv=cfg.linear_value_head_dim,
                                        nk=cfg.linear_num_key_heads,
                                        nv=cfg.linear_num_value_heads),
