@@ -91,6 +91,7 @@ def _cache_delta(before: dict, after: dict) -> dict:
                 subsumed=d("prefix_cache_subsumed"), evictions=d("prefix_cache_evictions"),
                 to_host_ms=1e3 * d("prefix_cache_copy_seconds_to_host"),
                 to_device_ms=1e3 * d("prefix_cache_copy_seconds_to_device"),
+                pin_ms=1e3 * d("prefix_cache_pin_seconds"),
                 entries=after.get("prefix_cache_entries", 0),
                 slots=after.get("prefix_cache_slots_total", 0))
 
@@ -138,7 +139,8 @@ def chat(path, args) -> list:
                   f"{r['ttft_cache_ms']:8.1f} ms, no cache {r['ttft_no_cache_ms']:8.1f} ms, new "
                   f"tokens alone {r['prefill_new_alone_ms']:7.1f} ms, ratio {r['ratio']:.2f} | "
                   f"demoted {cache['demotions']} promoted {cache['promotions']} subsumed "
-                  f"{cache['subsumed']}, copies to host {cache['to_host_ms']:.1f} ms / to device "
+                  f"{cache['subsumed']}, copies to host {cache['to_host_ms']:.1f} ms (pinning "
+                  f"{cache['pin_ms']:.1f} ms) / to device "
                   f"{cache['to_device_ms']:.1f} ms, entries {cache['entries']} of "
                   f"{cache['slots']} slots"
                   + ("" if differs_at is None else f" | answer differs from token {differs_at}")

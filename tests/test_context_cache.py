@@ -154,6 +154,7 @@ def test_cache_pages_are_reclaimed_before_any_resident_pauses():
     # the demotion's host copies are timed; nothing came back from the host yet
     assert stats["prefix_cache_copy_seconds_to_host"] > 0
     assert stats["prefix_cache_copy_seconds_to_device"] == 0
+    assert stats["prefix_cache_pin_seconds"] == 0      # (numpy pools: nothing pinned)
     a2 = np.concatenate([a, np.asarray(want_a, np.int32), prompt(52, 2)]).astype(np.int32)
     res = core.submit(a2, _params("greedy", 2, 2)).result(timeout=20)
     assert res.token_ids == reference_tokens(a2, _params("greedy", 2, 2), 32)

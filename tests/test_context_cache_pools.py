@@ -307,8 +307,10 @@ def test_host_rows_take_the_lowest_rows_and_reuse_them_after_their_event(monkeyp
     from ninfer.models.qwen3_5.cuda.host_tier import HostRows
     m = _Machine(monkeypatch, 1 << 20)
     rows = HostRows([64, 32], chunk_bytes=3 * 96)
-    assert rows.rows_per_chunk == 3 and rows.num_rows == 0
+    assert rows.rows_per_chunk == 3 and rows.num_rows == 0 and rows.pin_seconds == 0.0
     assert rows.take(4) == [0, 1, 2, 3] and rows.num_rows == 6 and len(m.host) == 2
+    pinned = rows.pin_seconds
+    assert pinned > 0.0                            # (the two chunks' allocation, timed)
     assert rows.runs([5, 6, 7, 8], [0, 1, 2, 3]) == [[5, 0, 3], [8, 3, 1]]
     assert rows.runs([5, 7], [0, 1]) == [[5, 0, 1], [7, 1, 1]]
     # array 1's block of chunk 0 starts after array 0's three rows
@@ -331,6 +333,7 @@ def test_host_rows_take_the_lowest_rows_and_reuse_them_after_their_event(monkeyp
     assert rows.take(2) == [4, 5]                  # 1 and 2 wait for their copies
     event.passed = True
     assert rows.take(1) == [1] and rows.num_free == 1
+    assert rows.pin_seconds == pinned               # reused rows: nothing pinned
     rows.give([0, 1, 3, 4, 5])
     rows.give([2], after=Event())
     rows.free()                                    # waits for what is pending, frees the chunks

@@ -357,6 +357,11 @@ class DeviceKVPool:
         return _tier_read(self._dev, self._host_tier(), self.k + self.v, pages, len(self.k),
                           self._tier_parts)
 
+    @property
+    def host_pin_seconds(self) -> float:
+        """Time its host tier spent pinning new memory (part of the copies' time)."""
+        return self._tier.pin_seconds if self._tier is not None else 0.0
+
     def _host_tier(self) -> HostRows:
         if self._tier is None:
             self._tier = HostRows([a.nbytes // a.shape[0] for a in self.k + self.v])
@@ -464,6 +469,11 @@ class DeviceStatePool:
         self._dev.bind()
         return self._image(_copy_rows_out(self.conv + self.recurrent, [slot], self._dev.stream,
                                           self._dev.staging))
+
+    @property
+    def host_pin_seconds(self) -> float:
+        """Time its host tier spent pinning new memory (part of the copies' time)."""
+        return self._tier.pin_seconds if self._tier is not None else 0.0
 
     def start_read(self, slot: int):
         """The slot into the pool's host tier, as DeviceKVPool.start_read_pages

@@ -16,6 +16,7 @@ of numpy copies, for anyone else (tests).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -37,6 +38,7 @@ class HostRows:
         self._chunks: list = []
         self._free: list = []            # row ids
         self._pending: list = []         # (rows, event): free once the event has passed
+        self.pin_seconds = 0.0           # spent pinning new chunks (on the caller's path)
 
     @property
     def num_rows(self) -> int:
@@ -52,7 +54,9 @@ class HostRows:
         self._reclaim(wait=False)
         while len(self._free) < n:
             first = self.num_rows
+            t0 = time.perf_counter()
             self._chunks.append(_d.PinnedBuffer(self.rows_per_chunk * sum(self.row_bytes)))
+            self.pin_seconds += time.perf_counter() - t0
             self._free.extend(range(first, first + self.rows_per_chunk))
         self._free.sort()
         rows, self._free = self._free[:n], self._free[n:]

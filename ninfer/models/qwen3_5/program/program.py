@@ -643,6 +643,9 @@ class Program:
                 "prefix_cache_demotions_in_flight": self.checkpoints.num_moving,
                 "prefix_cache_copy_seconds_to_host": self.checkpoints.copy_seconds["to_host"],
                 "prefix_cache_copy_seconds_to_device": self.checkpoints.copy_seconds["to_device"],
+                # of the copies' time: pinning host memory for the tier (CUDA's pools; 0 else)
+                "prefix_cache_pin_seconds": sum(getattr(pool, "host_pin_seconds", 0.0)
+                                                for pool in (self.kv, self.state)),
                 **(self.speculator.stats() if self.speculator is not None else {})}
 
     def check_invariants(self) -> None:
