@@ -153,8 +153,8 @@ class Stream:
 
 
 class SmStream(Stream):
-    """A stream whose kernels run on at most `sm_count` SMs (rounded up to the device's
-    granularity; `.sm_count` is what was given): a green context's (CUDA 12.4+ drivers). Work
+    """A stream whose kernels run on at most `sm_count` SMs, rounded up to the device's
+    granularity (`.sm_count`: what the driver granted): a green context's (CUDA 12.4+). Work
     beside the model's steps (the vision tower) that must leave them the other SMs: a stream
     priority only orders blocks that wait, it does not stop long blocks taking every SM."""
 

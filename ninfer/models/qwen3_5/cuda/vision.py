@@ -169,8 +169,9 @@ class DeviceVisionTower(VisionTower):
         owned, self.owned = self.owned, ()
         for close in owned:
             close()
-        for event in getattr(self, "_events", ()) or ():
+        for event in self._events or ():
             event.destroy()
+        self._events = None
 
     # ---- launches ---------------------------------------------------------------------------
     def _launch(self, name, grid, args, block=THREADS):
