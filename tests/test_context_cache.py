@@ -381,3 +381,36 @@ def test_interval_checkpoints_lie_an_interval_past_the_reused_prefix():
     assert capture_positions(2048, 9000, 1280) == [4096, 6144, 8192, 9000]
     assert capture_positions(2048, 9000, 2048) == [4096, 6144, 8192, 9000]
     assert capture_positions(2048, 1000, 1000) == []                # nothing new to capture
+
+
+def test_idle_engine_demotes_to_headroom_and_answers_stay_exact():
+    """Synchronous (numpy) pools: a chat whose checkpoints fill the device tier. Between turns the
+    Engine holds no request, and its worker demotes the lowest-ranked checkpoints then (not on
+    the next turn's path) until the device tier is IDLE_HEADROOM_PAGES from its page budget with
+    HEADROOM_SLOTS free slots; every answer stays the cold run's, and later turns still bind."""
+    import time
+    from ninfer.runtime.context_cache import HEADROOM_SLOTS, IDLE_HEADROOM_PAGES
+    core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT, page_size=4,
+                        num_kv_pages=40, checkpoint_interval=8,
+                        prefix_cache_device_fraction=0.5)
+    p = prompt(60, 10)
+    seen_idle = 0
+    for t in range(5):
+        params = _params("greedy", t)
+        res = core.submit(p, params, session="chat").result(timeout=30)
+        assert res.error is None and res.token_ids == reference_tokens(p, params, MAX_CONTEXT)
+        assert t == 0 or res.num_cached_tokens > 0
+        deadline = time.monotonic() + 10
+        while True:                       # the worker goes idle after delivering the result
+            u = core.program.checkpoints.usage()
+            roomy = u.device_pages_used <= (1 - IDLE_HEADROOM_PAGES) * u.device_page_budget \
+                and u.num_free_cache_slots >= min(HEADROOM_SLOTS, u.num_cache_slots)
+            if roomy or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert roomy, (t, u)
+        seen_idle = core.stats()["prefix_cache_idle_demotions"]
+        p = np.concatenate([p, np.asarray(res.token_ids, np.int32), prompt(70 + t, 6)]) \
+            .astype(np.int32)
+    assert seen_idle > 0
+    _finish_empty(core)

@@ -62,11 +62,12 @@ def _random_refcount_ops(impl, seed):
     return free[:num_free].copy(), tables, refcount
 
 
-def _pool_dev(fake):
+def _pool_dev(fake, host_reserve=None):
     """The PoolDevice of a fake model (its arena, stream, bind, graph forgetting, f32)."""
     from ninfer.models.qwen3_5.cuda.device_pools import HostStaging, PoolDevice
     return PoolDevice(fake.arena, fake.stream, fake._current, fake._forget_graphs_of,
-                      HostStaging(), bool(getattr(fake, "f32", False)))
+                      HostStaging(), bool(getattr(fake, "f32", False)),
+                      host_reserve=host_reserve)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -245,18 +246,23 @@ def test_cuda_pool_copies_equal_the_numpy_pools(monkeypatch, f32):
         st.copy(1, 1)
 
 
-def test_checkpoint_store_host_tier_on_the_cuda_pools(monkeypatch):
+@pytest.mark.parametrize("reserve", [False, True], ids=["pinned-on-demand", "reserve"])
+def test_checkpoint_store_host_tier_on_the_cuda_pools(monkeypatch, reserve):
     """The CUDA pools' host tier (cuda/host_tier.py) under the checkpoint store: a host capture
     and a demotion copy pages and State into pinned rows, an install writes them back exactly
     (bf16 bits as they are), and dropping or promoting gives every row back, so a long run
-    reuses the tier's chunks instead of pinning more host memory."""
+    reuses the tier's chunks instead of pinning more host memory. With a PinnedReserve both
+    pools' chunks are carved from it (one pinned buffer, nothing pinned on the way)."""
     from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool, DeviceStatePool
+    from ninfer.models.qwen3_5.cuda.host_tier import PinnedReserve
     from ninfer.models.qwen3_5.program.checkpoint_store import CheckpointStore
     from ninfer.models.qwen3_5.program.page_ledger import SlotPool
     from ninfer.models.qwen3_5.program.snapshots import host_bytes
     m = _Machine(monkeypatch, 8 << 20)
     cfg, rng, page = _cfg(), np.random.default_rng(4), 4
-    kv, st = DeviceKVPool(_pool_dev(m), cfg, 24, page), DeviceStatePool(_pool_dev(m), cfg, 6)
+    res = PinnedReserve(80 << 20, m._current) if reserve else None   # (chunks of 32 MB)
+    kv, st = DeviceKVPool(_pool_dev(m, res), cfg, 24, page), \
+        DeviceStatePool(_pool_dev(m, res), cfg, 6)
     img = tuple([(rng.standard_normal((24,) + a.shape[1:]).astype(np.float32).view(np.uint32)
                   & 0xFFFF0000).view(np.float32) for a in kv.k] for _ in range(2))
     kv.write_pages(range(24), img)
@@ -290,6 +296,12 @@ def test_checkpoint_store_host_tier_on_the_cuda_pools(monkeypatch):
     store.drop(2)
     assert tier_kv.num_free == tier_kv.num_rows and tier_st.num_free == tier_st.num_rows
     store.check()
+    if reserve:                    # every chunk of both tiers inside the reserve's buffer
+        base, = [p for p, a in m.host.items() if a.size == res.nbytes]
+        chunks = kv._tier._chunks + st._tier._chunks
+        assert kv._tier.chunks_pinned == st._tier.chunks_pinned == 0 and len(chunks) == 2
+        assert all(base <= c.ptr and c.ptr + c.array.size <= base + res.nbytes for c in chunks)
+        assert 0 < res.bytes_left < res.nbytes
     pinned = len(m.host)
     for turn in range(4):                                            # captures and drops reuse
         store.capture_host(10 + turn, tokens, pages.block_tables[0], 0)
@@ -297,7 +309,50 @@ def test_checkpoint_store_host_tier_on_the_cuda_pools(monkeypatch):
     assert len(m.host) == pinned and tier_kv.num_free == tier_kv.num_rows
     kv.close()
     st.close()
-    assert len(m.host) < pinned                                      # the tiers' chunks freed
+    if reserve:
+        assert base in m.host                                        # the reserve, until freed
+        res.free()
+        assert base not in m.host
+    else:
+        assert len(m.host) < pinned                                  # the tiers' chunks freed
+
+
+def test_pinned_reserve_hands_out_aligned_disjoint_chunks_then_hostrows_pin_on_demand(
+        monkeypatch):
+    """PinnedReserve: pinned once on its thread; HostRows carve chunks from it (page-aligned,
+    disjoint, inside it), and when it is used up pin on demand, counted in chunks_pinned and
+    pin_seconds; a reserve that could not pin leaves the tier pinning on demand."""
+    from ninfer.core.cuda import driver as d
+    from ninfer.errors import DeviceError
+    from ninfer.models.qwen3_5.cuda.host_tier import HostRows, PinnedReserve
+    m = _Machine(monkeypatch, 1 << 20)
+    res = PinnedReserve(3 * 4096 + 100, m._current)
+    assert res.bytes_left == res.nbytes and len(m.host) == 1
+    base = next(iter(m.host))
+    rows = HostRows([1000, 500], chunk_bytes=3000, reserve=res)      # chunks of 3000 bytes
+    got = rows.take(2)
+    assert got == [0, 1] and rows.chunks_pinned == 0 and rows.num_rows == 2
+    c0 = rows._chunks[0]
+    assert c0.ptr == base and c0.array.size == 3000
+    rows.take(4)                                                     # two more chunks
+    ptrs = [c.ptr for c in rows._chunks]
+    assert ptrs == [base, base + 4096, base + 8192] and rows.chunks_pinned == 0
+    assert res.bytes_left == 100
+    rows.take(2)                                                     # the reserve is used up
+    assert rows.chunks_pinned == 1 and len(m.host) == 2
+    c0.array[:] = 7                                                  # disjoint views
+    assert not rows._chunks[1].array.any()
+    rows.free()
+    assert len(m.host) == 1                                          # the reserve's own buffer
+    res.free()
+    assert not m.host
+
+    def fail(nbytes):
+        raise DeviceError("cuMemHostAlloc failed: CUDA_ERROR_OUT_OF_MEMORY")
+    monkeypatch.setattr(d, "PinnedBuffer", fail)
+    broken = PinnedReserve(1 << 20, m._current)
+    assert broken.bytes_left == 0 and broken.take(10) is None
+    broken.free()
 
 
 def test_host_rows_take_the_lowest_rows_and_reuse_them_after_their_event(monkeypatch):

@@ -41,6 +41,11 @@ MAX_SESSIONS = 4096      # session bindings remembered (least recently published
 # request's path: free cache State slots, and a share of the device page budget.
 HEADROOM_SLOTS = 2
 HEADROOM_PAGES = 0.125
+# While the Engine has no request at all, demotions cost nobody a wait, synchronous ones too:
+# the device tier is then kept a quarter of its page budget from its limit, so the next turn's
+# captures find room instead of demoting on its request's path (measured on the H200: a turn
+# that demoted seven 9B checkpoints first paid ~30 ms of copies before its prefill).
+IDLE_HEADROOM_PAGES = 0.25
 
 
 def _digest(token_ids: np.ndarray, prev: bytes = b"") -> bytes:
@@ -75,6 +80,7 @@ class ContextCache:
         self.lookups = 0
         self.tokens_reused = 0
         self.demotions = 0
+        self.idle_demotions = 0          # of those, made while the Engine held no request
         self.promotions = 0
         self.evictions = 0
         self.subsumed = 0
@@ -273,20 +279,23 @@ class ContextCache:
                 self._capture(seq_id, tokens, media_digest)
         self.keep_headroom()
 
-    def keep_headroom(self) -> None:
+    def keep_headroom(self, idle: bool = False, stop=None) -> None:
         """Finish the demotions whose copies are done; where they run beside the steps, start
         demoting the lowest-ranked device checkpoints while the device tier, counting what those
         under way give back, is within HEADROOM_SLOTS free slots or HEADROOM_PAGES of its page
-        budget: only into free host bytes (nothing is dropped ahead of need, on either tier)."""
+        budget: only into free host bytes (nothing is dropped ahead of need, on either tier).
+        idle (the Engine holds no request): synchronous demotions too, to IDLE_HEADROOM_PAGES,
+        one at a time until stop() says a request came."""
         self.store.settle()
-        if not self.store.reads_async:
+        if not (self.store.reads_async or idle):
             return
-        while True:
+        share = IDLE_HEADROOM_PAGES if idle else HEADROOM_PAGES
+        while not (stop is not None and stop()):
             u = self.store.usage()
             if not u.num_cache_slots or (
                     u.num_free_cache_slots + u.num_moving >= min(HEADROOM_SLOTS, u.num_cache_slots)
                     and u.device_pages_used - u.moving_pages_freed
-                    <= (1 - HEADROOM_PAGES) * u.device_page_budget):
+                    <= (1 - share) * u.device_page_budget):
                 return
             victims = [c for c in self._entries if self._is_leavable(c)]
             victim = min(victims, key=self._rank, default=None)
@@ -295,6 +304,8 @@ class ContextCache:
                 return
             self.store.start_demote(victim)
             self.demotions += 1
+            self.idle_demotions += idle
+            self.store.settle()          # (a synchronous demotion is done: its room is free)
 
     def _is_leavable(self, cid: int) -> bool:
         """On the device and not already on its way to the host."""
@@ -483,6 +494,8 @@ class ContextCache:
     def stats(self) -> dict:
         return {"prefix_cache_hits": self.hits, "prefix_cache_lookups": self.lookups,
                 "prefix_cache_tokens_reused": self.tokens_reused,
-                "prefix_cache_demotions": self.demotions, "prefix_cache_promotions": self.promotions,
+                "prefix_cache_demotions": self.demotions,
+                "prefix_cache_idle_demotions": self.idle_demotions,
+                "prefix_cache_promotions": self.promotions,
                 "prefix_cache_evictions": self.evictions,
                 "prefix_cache_subsumed": self.subsumed}

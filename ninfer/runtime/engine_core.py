@@ -228,6 +228,10 @@ class EngineCore:
             self.context_cache.check_invariants()
 
     def _wait_for_work(self) -> bool:
+        if not (self._waiting or self._residents or self._paused or self._inbox):
+            # nobody waits on the worker: the cache's demotions run now instead of on the next
+            # request's path (they stop as soon as one arrives)
+            self.context_cache.keep_headroom(idle=True, stop=lambda: bool(self._inbox))
         with self._lock:
             while not self._is_stopping:
                 has_work = bool(self._waiting or self._residents or self._paused)

@@ -40,12 +40,14 @@ from ...core.cuda.kernels import KernelCache
 from ...errors import DeviceError, RequestError
 from .config import ModelConfig
 from .load import model_config
+from .memory_plan import state_slot_bytes
 from .vision_tower import MediaEncoding, VisionConfig, read_vision_params
 from .cuda.decode_graphs import DecodeGraphs
 from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGIN,  # noqa: F401
                                  call_capacities, check_capacity, plan_cuda_memory,
                                  workspace_bytes)
 from .cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging, PinnedPool, PoolDevice
+from .cuda.host_tier import CHUNK_BYTES, PinnedReserve
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
 from .cuda.media_rows import MediaRows, checked_media
@@ -102,6 +104,7 @@ class CudaModel(MediaEncoding):
     # synchronous_ones); off since no measured chat gained from it yet (docs/performance.md)
     async_host_copies = False
     copy_stream = None               # (made at load when async_host_copies)
+    host_reserve = None              # the context cache's host tier, pinned ahead (made at load)
     # while steps run, the vision tower on this many SMs (None: VISION_SM_SHARE of the device's;
     # 0: every SM always), the rest left to the steps: on the H200 (9B decode B=1 beside
     # back-to-back 1024 x 1024 images) 0.92 of decode's speed alone on 40 SMs, 0.62 on all
@@ -284,6 +287,16 @@ class CudaModel(MediaEncoding):
         self.route_host = _d.PinnedBuffer(
             (grouped_rows(n_cap, K, cfg.num_experts) + 2 * n_cap * K) * 4 if cfg.is_moe else 4)
         self.media_rows = MediaRows(self.ws.h, cfg.hidden_size, n_cap)
+        # the context cache's host tier, pinned beside the weight load (host_tier.py): its
+        # budget and a quarter over it, for the rows one tier frees and the other cannot use
+        # (measured on the H200: at the budget + one KV chunk and one State image, a 9B chat
+        # with every checkpoint on the host still pinned 35 ms at one turn), + one KV chunk and
+        # one State image (each tier rounds up to its rows)
+        host_budget = options.prefix_cache_budget_bytes
+        if host_budget:
+            self.host_reserve = PinnedReserve(
+                host_budget + host_budget // 4 + CHUNK_BYTES + state_slot_bytes(cfg),
+                self._bind_context)
         self._lap("pinned buffers")
         t_load = time.perf_counter()
         # the cuBLASLt workspace is idle during the load: the fp32 model's widening scratch
@@ -336,7 +349,8 @@ class CudaModel(MediaEncoding):
         return PoolDevice(self.arena, self.stream, self._bind_context, self.graphs.forget,
                           self.pool_staging, self.f32, self.kv_dtype,
                           copy_stream=self.copy_stream,
-                          pinned=self.pool_pinned if self.copy_stream is not None else None)
+                          pinned=self.pool_pinned if self.copy_stream is not None else None,
+                          host_reserve=self.host_reserve)
 
     def _vision_sms(self) -> int:
         if self.vision_sm_count is None:
@@ -593,6 +607,9 @@ class CudaModel(MediaEncoding):
             self.copy_stream = None
         if self.pool_pinned is not None:
             release(self.pool_pinned.free)
+        if self.host_reserve is not None:
+            release(self.host_reserve.free)
+            self.host_reserve = None
         if self.arena is not None:
             release(self.arena.close)
             self.arena = None

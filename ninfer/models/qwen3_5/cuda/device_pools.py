@@ -21,7 +21,7 @@ import numpy as np
 from ....contracts import ReadyRead
 from ....core.cuda import driver as _d
 from ..config import TextConfig
-from .host_tier import HostRows, TierImage, TierRead
+from .host_tier import HostRows, PinnedReserve, TierImage, TierRead
 from ..memory_plan import quantized_page_bytes
 from ..state import _copy_indices
 
@@ -306,6 +306,8 @@ class PoolDevice:
     # stream and its pinned buffers; None: those reads are synchronous (reads_async False)
     copy_stream: object = None
     pinned: Optional[PinnedPool] = None
+    # the host tier's memory pinned ahead (host_tier.PinnedReserve), shared by both pools' tiers
+    host_reserve: Optional[PinnedReserve] = None
 
 
 class DeviceKVPool:
@@ -364,7 +366,8 @@ class DeviceKVPool:
 
     def _host_tier(self) -> HostRows:
         if self._tier is None:
-            self._tier = HostRows([a.nbytes // a.shape[0] for a in self.k + self.v])
+            self._tier = HostRows([a.nbytes // a.shape[0] for a in self.k + self.v],
+                                  reserve=self._dev.host_reserve)
         return self._tier
 
     def _tier_parts(self, arrays) -> list:
@@ -480,7 +483,8 @@ class DeviceStatePool:
         (contracts.StatePoolProtocol)."""
         slot, = _checked_indices(slot, self._num_slots, "state slot")
         if self._tier is None:
-            self._tier = HostRows([a.nbytes // a.shape[0] for a in self.conv + self.recurrent])
+            self._tier = HostRows([a.nbytes // a.shape[0] for a in self.conv + self.recurrent],
+                                  reserve=self._dev.host_reserve)
         return _tier_read(self._dev, self._tier, self.conv + self.recurrent, [slot],
                           len(self.conv), lambda arrays: [a[0] for a in arrays])
 

@@ -13,17 +13,87 @@ A `TierImage` is such rows as a host image: what the pools' start_read_pages / s
 and write_pages / write take back. release() gives its rows back, after the copies that read
 them have run (an event). Read as a tuple it is (k list, v list) / (conv list, recurrent list)
 of numpy copies, for anyone else (tests).
+
+Pinning is the expensive part of a first copy: cuMemHostAlloc locks and zeroes its pages at
+~2.3 GB/s on the H200 host, so a 9B State image (53 MB) pinned on demand cost a request ~25 ms
+and a turn that demoted seven checkpoints 159 of its 186 ms of copies. `PinnedReserve` pins the
+host tier's budget ahead, on a thread beside the weight load, and HostRows carve their chunks
+from it; only what outgrows it is pinned on a request's path (timed: pin_seconds).
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from ....core.cuda import driver as _d
 
 CHUNK_BYTES = 32 << 20      # a KV chunk: 64 pages of the 9B in bf16; a State image is its own
+_ALIGN = 4096               # chunks of a reserve start on a page
+
+log = logging.getLogger("ninfer.cuda")
+
+
+class _Slice:
+    """A chunk carved from a PinnedReserve: PinnedBuffer's ptr and array; free() is the
+    reserve's (at its close)."""
+    __slots__ = ("ptr", "array", "nbytes")
+
+    def __init__(self, ptr: int, array, nbytes: int):
+        self.ptr, self.array, self.nbytes = ptr, array, nbytes
+
+    def free(self) -> None:
+        pass
+
+
+class PinnedReserve:
+    """nbytes of pinned host memory, pinned by a thread started here (bind: make the context
+    current in it), handed out by take() until it is used up. Chunks are never given back one by
+    one (HostRows keeps its chunks until it is freed), so it is a bump allocator; free() after
+    every user is done."""
+
+    def __init__(self, nbytes: int, bind: Callable[[], None]):
+        self.nbytes = int(nbytes)
+        self._buf: Optional[_d.PinnedBuffer] = None
+        self._used = 0
+        self.pin_seconds = 0.0           # the thread's time pinning (off every request's path)
+        self._thread = threading.Thread(target=self._pin, args=(bind,), daemon=True,
+                                        name="ninfer-pin-host-tier")
+        self._thread.start()
+
+    def _pin(self, bind) -> None:
+        t0 = time.perf_counter()
+        try:
+            bind()
+            self._buf = _d.PinnedBuffer(self.nbytes)
+        except Exception as exc:   # noqa: BLE001 - the tier pins on demand instead
+            log.warning("could not pin %d bytes for the context cache's host tier ahead (%s); "
+                        "its copies pin as they go", self.nbytes, exc)
+        self.pin_seconds = time.perf_counter() - t0
+
+    @property
+    def bytes_left(self) -> int:
+        self._thread.join()
+        return self.nbytes - self._used if self._buf is not None else 0
+
+    def take(self, nbytes: int) -> Optional[_Slice]:
+        """nbytes of the reserve (waits for the pinning thread), or None when too few are left."""
+        nbytes = int(nbytes)
+        if nbytes > self.bytes_left:
+            return None
+        start = self._used
+        self._used = min(self.nbytes, -(-(start + nbytes) // _ALIGN) * _ALIGN)
+        return _Slice(self._buf.ptr + start, self._buf.array[start:start + nbytes], nbytes)
+
+    def free(self) -> None:
+        """(after every HostRows carved from it was freed and the streams synchronised)"""
+        self._thread.join()
+        if self._buf is not None:
+            self._buf.free()
+            self._buf = None
 
 
 class HostRows:
@@ -31,7 +101,9 @@ class HostRows:
     rows_per_chunk rows laid out array by array, so consecutive rows of one chunk are
     contiguous in each array's block."""
 
-    def __init__(self, row_bytes, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, row_bytes, chunk_bytes: int = CHUNK_BYTES,
+                 reserve: Optional[PinnedReserve] = None):
+        self.reserve = reserve
         self.row_bytes = [int(b) for b in row_bytes]
         self.rows_per_chunk = max(1, int(chunk_bytes) // max(sum(self.row_bytes), 1))
         self._starts = np.concatenate([[0], np.cumsum(self.row_bytes)[:-1]]) * self.rows_per_chunk
@@ -39,6 +111,7 @@ class HostRows:
         self._free: list = []            # row ids
         self._pending: list = []         # (rows, event): free once the event has passed
         self.pin_seconds = 0.0           # spent pinning new chunks (on the caller's path)
+        self.chunks_pinned = 0           # chunks pinned on the caller's path (the reserve used up)
 
     @property
     def num_rows(self) -> int:
@@ -55,7 +128,12 @@ class HostRows:
         while len(self._free) < n:
             first = self.num_rows
             t0 = time.perf_counter()
-            self._chunks.append(_d.PinnedBuffer(self.rows_per_chunk * sum(self.row_bytes)))
+            size = self.rows_per_chunk * sum(self.row_bytes)
+            chunk = self.reserve.take(size) if self.reserve is not None else None
+            if chunk is None:
+                chunk = _d.PinnedBuffer(size)
+                self.chunks_pinned += 1
+            self._chunks.append(chunk)
             self.pin_seconds += time.perf_counter() - t0
             self._free.extend(range(first, first + self.rows_per_chunk))
         self._free.sort()
