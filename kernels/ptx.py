@@ -11,6 +11,7 @@ with a twin for numba's CPU simulator that computes the same bits with numpy.
     ld_v4_stream(p, i)    the same for bytes read once: not kept in L1, and L2 fetches the
                           whole 256-byte span from memory (the rest of it is read next);
                           ld_v2_stream, ld_stream likewise
+    ld_v4_f32(p, i)       ld.global.nc.v4.f32 of a float32 pointer: four floats
     mma_bf16(a0..a3, b0, b1, c0..c3)
                           mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a warp's
                           D[16, 8] = A[16, 16] B[16, 8] + C in fp32. Lane l (g = l / 4, t = l % 4)
@@ -68,6 +69,7 @@ if config.ENABLE_CUDASIM:
         return p[i], p[i + 1], p[i + 2], p[i + 3]
 
     ld_stream, ld_v2_stream, ld_v4_stream = ld_1, ld_v2, ld_v4
+    ld_v4_f32 = ld_v4
 
     _WARPS, _LOCK = {}, threading.Lock()
 
@@ -165,6 +167,20 @@ else:
     _STREAM = ".L1::no_allocate.L2::256B"
     ld_1, ld_v2, ld_v4 = _ld("", 1), _ld("", 2), _ld("", 4)
     ld_stream, ld_v2_stream, ld_v4_stream = _ld(_STREAM, 1), _ld(_STREAM, 2), _ld(_STREAM, 4)
+
+    @intrinsic
+    def ld_v4_f32(typingctx, p, i):
+        # ld.global.nc.v4.f32 of p[i .. i + 4) (a float32 pointer; i a multiple of 4)
+        f = types.float32
+        sig = types.UniTuple(f, 4)(p, types.int64)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            res = _asm(builder, ir.LiteralStructType([_F32] * 4), [addr],
+                       "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, j) for j in range(4)])
+        return sig, codegen
 
     @intrinsic
     def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

@@ -440,8 +440,8 @@ def test_check_of_a_pure_gdn_model_matches_the_numpy_model():
 
 @pytest.mark.parametrize("fields, words", [
     (dict(head_dim=1026), "an even head_dim <= 1024"),
-    (dict(is_moe=True, num_experts=4096, num_experts_per_tok=512, hidden_size=64,
-          moe_intermediate_size=64, shared_expert_intermediate_size=64), "router")])
+    (dict(is_moe=True, num_experts=8192, num_experts_per_tok=512, hidden_size=64,
+          moe_intermediate_size=64, shared_expert_intermediate_size=64), "num_experts <= 4096")])
 def test_geometry_refuses_what_overflows_a_kernels_shared_memory(fields, words):
     cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
                      num_hidden_layers=4, **fields)

@@ -23,7 +23,11 @@ from ninfer.options import EngineOptions
 
 
 def short(name: str) -> str:
-    """A kernel's family: numba's mangled entry names carry the Python function's name."""
+    """A kernel's family: numba's mangled entry names carry the Python function's name (the
+    profiler shows them demangled, "module::factory::<locals>::..._kernel...", or mangled)."""
+    m = re.search(r"::(\w+)::(\w+)::_3clocals", name)
+    if m:
+        return f"{m.group(1)}.{m.group(2)}"
     for m in re.finditer(r"\d+", name):         # Itanium mangling: <length><identifier>
         ident = name[m.end():m.end() + int(m.group())]
         if ident.endswith("_kernel"):

@@ -26,6 +26,7 @@ import numpy as np
 from sim_storage import cuda, kernel, rel
 
 from ninfer.core.cuda.kernels import _import_kernel_module   # noqa: E402
+from ninfer.models.qwen3_5.cuda.runner import combine_launch   # noqa: E402
 from ninfer.models.qwen3_5.memory_plan import quantized_page_bytes   # noqa: E402
 from oracles import quantized_device_pages, quantized_host_layer   # noqa: E402
 from ninfer.ops.kv_quant import QuantizedPages, dequantize, quantize   # noqa: E402
@@ -197,7 +198,7 @@ def attention(kvq, r, GS):
         device_pages(vq).reshape(-1).view(np.uint16), tok_row, qs, np.array(ctxs, np.int32),
         bt.reshape(-1), 3, ps, splits, scale, 0)
     o = np.full(m * nh * hd, np.nan, np.float32)
-    kernel("attention", "attn_combine", hd=hd, nh=nh, f32=True)[(m, nh, 1), (hd, 1, 1)](
+    kernel("attention", "attn_combine", hd=hd, nh=nh, f32=True)[combine_launch(m, nh, hd)](
         o, part, ml, proj.reshape(-1), P, splits, 0)
     K64 = dequantize(kq.codes, kq.scale).astype(np.float64)
     V64 = dequantize(vq.codes, vq.scale).astype(np.float64)

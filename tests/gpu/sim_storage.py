@@ -20,6 +20,7 @@ fix_shared_array_race()
 import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 
 from ninfer.core.cuda.kernels import _import_kernel_module   # noqa: E402
+from ninfer.models.qwen3_5.cuda.runner import combine_launch   # noqa: E402
 
 _WARPS, _WARPS_LOCK = {}, threading.Lock()
 
@@ -128,7 +129,7 @@ def run(f32, r):
         ref_act[p] = gg / (1 + np.exp(-gg)) * uu
     out[f"expert_gate_up/{tag}"] = rel(act.reshape(n * K, I), ref_act)
     y = np.zeros(n * K * H2, np.float32)
-    kernel("moe", "expert_down", H=H2, inter=I, f32=f32)[(n * K, (H2 + 3) // 4, 1), (128, 1, 1)](
+    kernel("moe", "expert_down", H=H2, inter=I, f32=f32)[(n * K, -(-H2 // 16), 1), (128, 1, 1)](
         y, act, pairs(wdn, f32), eids)
     ref_y = np.stack([wdn[eids[p]].astype(np.float64) @ act.reshape(n * K, I)[p].astype(np.float64)
                       for p in range(n * K)])
@@ -153,7 +154,7 @@ def run(f32, r):
         (m, nkv, splits), (128, 1, 1)](part, ml, q.reshape(-1), pairs(kc, f32), pairs(vc, f32),
                                        tok_row, qs, ctxs, pages, 3, ps, splits, scale, 0)
     o = np.zeros(m * nh * hd, np.float32 if f32 else np.uint16)
-    kernel("attention", "attn_combine", hd=hd, nh=nh, f32=f32)[(m, nh, 1), (hd, 1, 1)](
+    kernel("attention", "attn_combine", hd=hd, nh=nh, f32=f32)[combine_launch(m, nh, hd)](
         o, part, ml, proj.reshape(-1), P, splits, 0)
     K64 = load(store(kc, f32), f32).reshape(kc.shape)
     V64 = load(store(vc, f32), f32).reshape(vc.shape)

@@ -32,6 +32,7 @@ from ninfer import Engine
 from ninfer.api import SamplingParams
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.cuda.kernel_set import kvq_spec, spec
+from ninfer.models.qwen3_5.cuda.runner import combine_launch
 from ninfer.ops.kv_quant import QuantizedPages, dequantize, quantize
 from ninfer.options import EngineOptions
 
@@ -158,7 +159,7 @@ def test_paged_attention_reads_quantized_pages(g, kvq, hd, G, nkv, GS, lengths, 
         part, ml, g.put(q), g.put(quantized_device_pages(kp.codes, kp.scale)),
         g.put(quantized_device_pages(vp.codes, vp.scale)), g.put(token_row), g.put(qs),
         g.put(np.array(ctxs, np.int32)), g.put(bt), p_cap, ps, splits, 1 / math.sqrt(hd), 0))
-    g.run("attn_combine", (n, nh), (hd,), (out, part, ml, g.put(proj), P, splits, 0),
+    g.run("attn_combine", *combine_launch(n, nh, hd), (out, part, ml, g.put(proj), P, splits, 0),
           dict(hd=hd, nh=nh, f32=True))
     K = dequantize(kp.codes, kp.scale).astype(np.float64)
     V = dequantize(vp.codes, vp.scale).astype(np.float64)

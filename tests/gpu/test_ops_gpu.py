@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from oracles import gated_delta_rows, gdn_inputs, page_tables
+from ninfer.models.qwen3_5.cuda.runner import EXPERT_DOWN_ROWS, combine_launch
 from gpu_harness import (TOL_BF16_OUT, TOL_F32, TOL_ROPE_F32, bf16_bits, bf16_round, bits_to_f64,
                          rel_err)
 
@@ -357,7 +358,7 @@ def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS, f32)
     for t0, t1 in ([(0, int(qs[1])), (int(qs[1]), n)] if b > 1 else [(0, n)]):
         g.run("paged_attention", (t1 - t0, nkv * (G // GS), splits), (128,),
               (part, ml, *args, t0), dict(hd=hd, G=G, nkv=nkv, GS=GS, f32=f32))
-        g.run("attn_combine", (t1 - t0, nh), (hd,), (out, part, ml, g.put(proj), P, splits, t0),
+        g.run("attn_combine", *combine_launch(t1 - t0, nh, hd), (out, part, ml, g.put(proj), P, splits, t0),
               dict(hd=hd, nh=nh, f32=f32))
     gate = proj[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, hd:].astype(np.float64)
     ref = attention_oracle(q.astype(np.float64), load_from(kbits, f32), load_from(vbits, f32), bt,
@@ -458,7 +459,7 @@ def test_grouped_experts_and_combine(g, H, I, E, K, n, f32):
     h = g.put(h0)
     g.run("expert_gate_up", (n * K, (I + 3) // 4), (128,), (act, g.put(pairs(x)),
           g.put(pairs(wgu)), g.put(ids), K), dict(H=H, inter=I, f32=f32))
-    g.run("expert_down", (n * K, (H + 3) // 4), (128,), (y, act, g.put(pairs(wd)), g.put(ids)),
+    g.run("expert_down", (n * K, -(-H // (4 * EXPERT_DOWN_ROWS))), (128,), (y, act, g.put(pairs(wd)), g.put(ids)),
           dict(H=H, inter=I, f32=f32))
     g.run("moe_combine", ((H + 255) // 256, n), (256,),
           (h, y, 0, 0, g.put(wts), g.put(shared), g.put(glog), gst), dict(H=H, K=K))

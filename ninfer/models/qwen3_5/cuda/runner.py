@@ -122,6 +122,16 @@ def grouped_rows(n: int, top_k: int, num_experts: int) -> int:
     return 2 * n * top_k + moe_rows.CAP_ALIGN * num_experts
 
 
+COMBINE_GROUPS = 8          # kernels/attention.COMBINE_GROUPS (the kernels' module imports numba)
+EXPERT_DOWN_ROWS = 4        # kernels/moe.DOWN_ROWS: expert_down's output rows per warp
+
+
+def combine_launch(tokens: int, nh: int, hd: int) -> tuple:
+    """attn_combine's (grid, block): a block per (token, head, 32 dims), a warp per group of
+    splits."""
+    return (tokens, nh, (hd + 31) // 32), (32 * COMBINE_GROUPS,)
+
+
 def attention_splits(n: int, nkv: int, num_sms: int) -> int:
     """Key splits per (token, kv head): about 4 blocks per SM, at most 128 (a warp walks its keys
     serially, so long contexts need many splits to keep loads in flight)."""
@@ -480,7 +490,7 @@ class StepRunner:
                         (ws.part, ws.ml, ws.mid, kv.k[a], kv.v[a], meta.token_row,
                          meta.query_start, meta.context_lens, meta.block_tables, lay.p_cap,
                          kv.page_size, splits, scale, r0))
-            self.launch(st, self.kernels.attn_combine, (m, nh), (hd,),
+            self.launch(st, self.kernels.attn_combine, *combine_launch(m, nh, hd),
                         (ws.act, ws.part, ws.ml, ws.proj, P, splits, r0))
         for i in big:
             q0, ln, ctx = rows[i]
@@ -522,7 +532,8 @@ class StepRunner:
             # decode / small batches (and every graph): warp-per-row GEMVs over the K experts
             self.launch(st, self.kernels.expert_gate_up, (n * K, (I + 3) // 4), (128,),
                         (ws.mact, ws.x, lw["experts_gu"], ws.ids, K))
-            self.launch(st, self.kernels.expert_down, (n * K, (H + 3) // 4), (128,),
+            self.launch(st, self.kernels.expert_down, (n * K, -(-H // (4 * EXPERT_DOWN_ROWS))),
+                        (128,),
                         (ws.my, ws.mact, lw["experts_down"], ws.ids))
             use_rows = 0
         self.launch(st, self.kernels.moe_combine, ((H + 255) // 256, n), (256,),

@@ -1,0 +1,153 @@
+"""Decode-step kernels reworked for speed (issue 26) on numba-cuda's CPU simulator, against float64
+oracles; `tests/test_decode_kernels_nogpu.py` runs this in a subprocess (the simulator must be
+switched on before numba is imported):
+
+    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_decode_kernels.py [seed]
+
+Prints one JSON line of named relative errors and exactness flags.
+"""
+import json
+import math
+import sys
+
+import numpy as np
+
+from sim_storage import kernel   # (the simulator switched on, its shared-array fix applied)
+from ninfer.models.qwen3_5.cuda.runner import EXPERT_DOWN_ROWS, combine_launch   # noqa: E402
+
+NEG_INF = np.float32(-3.0e38)
+
+
+def bf16_to_f64(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def rel(got, want):
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def combine(r, splits: int, hd: int, nh: int, m: int, t_base: int, f32: bool) -> dict:
+    """attn_combine over `splits` key splits, some empty (max NEG_INF, partials poisoned NaN),
+    head_dim hd (not a multiple of 32: a partial block of dims), launch tokens from t_base."""
+    part = r.standard_normal((m, nh, splits, hd)).astype(np.float32)
+    mx = r.standard_normal((m, nh, splits)).astype(np.float32) * 3
+    sm = r.uniform(0.5, 4.0, (m, nh, splits)).astype(np.float32)
+    empty = r.random((m, nh, splits)) < 0.3
+    empty[..., 0] = False                     # every (token, head) has a split with keys
+    mx[empty] = NEG_INF
+    part[empty] = np.nan                      # never read into the sum
+    sm[empty] = np.nan
+    ml = np.stack([mx, sm], -1)
+    P = 2 * nh * hd + 32
+    proj = r.standard_normal((t_base + m, P)).astype(np.float32)
+    out = np.full((t_base + m) * nh * hd, np.nan if f32 else 0xFFFF,
+                  np.float32 if f32 else np.uint16)
+    grid, block = combine_launch(m, nh, hd)
+    kernel("attention", "attn_combine", hd=hd, nh=nh, f32=f32)[grid, block](out, part.reshape(-1), ml.reshape(-1),
+                                                proj.reshape(-1), P, splits, t_base)
+    w = np.where(empty, 0.0, np.exp(mx.astype(np.float64) - mx.max(-1, keepdims=True)))
+    num = np.einsum("mhs,mhsd->mhd", w, np.where(empty[..., None], 0.0, part.astype(np.float64)))
+    den = np.einsum("mhs,mhs->mh", w, np.where(empty, 0.0, sm.astype(np.float64)))
+    gate = proj[t_base:, :2 * nh * hd].reshape(m, nh, 2 * hd)[:, :, hd:].astype(np.float64)
+    want = num / den[..., None] / (1 + np.exp(-gate))
+    got = out.reshape(t_base + m, nh, hd)
+    untouched = (np.isnan(got[:t_base]).all() if f32 else (got[:t_base] == 0xFFFF).all())
+    got = got[t_base:].astype(np.float64) if f32 else bf16_to_f64(got[t_base:])
+    return {"rel": rel(got, want), "untouched": bool(untouched)}
+
+
+def bf16_exact(r, shape):
+    """bf16 bits of random values (and their float64 values)."""
+    bits = (r.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return bits, bf16_to_f64(bits)
+
+
+def experts(r, n: int = 2, K: int = 2, E: int = 3) -> dict:
+    """expert_gate_up (H 256, inter 8) and expert_down (H 32, inter 256) on bf16 weights whose
+    rows take the 16-byte-load path (gate_up: H % 256 == 0; down: inter % 256 == 0; the shapes
+    small for the simulator), outputs poisoned first."""
+    H, inter = 256, 8
+    xb, x = bf16_exact(r, (n, H))
+    wgb, wg = bf16_exact(r, (E, 2 * inter, H))
+    ids = np.stack([r.permutation(E)[:K] for _ in range(n)]).astype(np.int32).reshape(-1)
+    act = np.full(n * K * inter, np.nan, np.float32)
+    kernel("moe", "expert_gate_up", H=H, inter=inter)[(n * K, inter // 4, 1), (128, 1, 1)](
+        act, xb.view(np.uint32).reshape(-1), wgb.view(np.uint32).reshape(-1), ids, K)
+    g = np.stack([wg[ids[p], :inter] @ x[p // K] for p in range(n * K)])
+    u = np.stack([wg[ids[p], inter:] @ x[p // K] for p in range(n * K)])
+    out = {"gate_up": rel(act.reshape(n * K, inter), g / (1 + np.exp(-g)) * u)}
+    H, inter = 32, 256
+    wdb, wd = bf16_exact(r, (E, H, inter))
+    act = r.standard_normal(n * K * inter).astype(np.float32)
+    y = np.full(n * K * H, np.nan, np.float32)
+    kernel("moe", "expert_down", H=H, inter=inter)[
+        (n * K, -(-H // (4 * EXPERT_DOWN_ROWS)), 1), (128, 1, 1)](
+        y, act, wdb.view(np.uint32).reshape(-1), ids)
+    a64 = act.reshape(n * K, inter).astype(np.float64)
+    out["down"] = rel(y.reshape(n * K, H), np.stack([wd[ids[p]] @ a64[p] for p in range(n * K)]))
+    return out
+
+
+def router(r, E: int, K: int, norm: bool, n: int = 2) -> dict:
+    """router_topk against a stable sort of float64 softmax probabilities: ids exactly, weights
+    within float32's error; ties among the logits (lower id first) and E above the block's 256
+    threads (several experts a thread); outputs poisoned first."""
+    stride = E + 3
+    logits = r.standard_normal((n, stride)).astype(np.float32)
+    logits[:, 5:9] = logits[:, 2:3]                  # ties among the logits
+    logits[0, 2:9] = logits[0, :E].max() + 1.0       # ... and a tie for the top in row 0
+    ids = np.full(n * K, -1, np.int32)
+    wts = np.full(n * K, np.nan, np.float32)
+    kernel("moe", "router_topk", E=E, K=K, norm=norm)[(n, 1, 1), (256, 1, 1)](
+        ids, wts, logits.reshape(-1), stride)
+    lg = logits[:, :E].astype(np.float64)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want_ids = np.argsort(-lg, axis=-1, kind="stable")[:, :K]
+    want_w = np.take_along_axis(p, want_ids, -1)
+    if norm:
+        want_w /= want_w.sum(-1, keepdims=True)
+    return {"ids": bool(np.array_equal(ids.reshape(n, K), want_ids)),
+            "rel": rel(wts.reshape(n, K).astype(np.float64), want_w)}
+
+
+def argmax(r, threads: int = 32) -> dict:
+    """argmax (a small block, so the simulator is quick) against np.argmax: rows of whole 16-byte
+    groups through the four-groups loop and its tail, the first maximum kept on ties within a
+    group, across threads and across loop rounds, a row of -inf (its first id), and a vocabulary
+    not a multiple of 4 (the scalar loop)."""
+    got, want = [], []
+    for vocab in (4 * 4 * threads * 2 + 4 * 5, 4 * 3 + 2):
+        rows = r.standard_normal((5, vocab)).astype(np.float32)
+        top = rows.max() + 1
+        rows[0, [9, 10, vocab // 2, vocab - 1]] = top   # within a group, then later ones
+        rows[1, [vocab - 1, vocab // 3 + 1]] = top      # a later round before the tail
+        rows[2, :] = -np.inf
+        rows[3, [3, 2]] = top                           # within one group: the lower id
+        out = np.full(5, -7, np.int32)
+        kernel("sample", "argmax", threads=threads)[(5, 1, 1), (threads, 1, 1)](
+            out, rows.reshape(-1), vocab)
+        got += out.tolist()
+        want += np.argmax(rows, axis=1).tolist()
+    return {"exact": got == want}
+
+
+def main(seed: int) -> dict:
+    r = np.random.default_rng(seed)
+    out = {}
+    for splits, hd, f32 in ((37, 40, True), (128, 32, False), (5, 24, True), (1, 64, False)):
+        res = combine(r, splits, hd, nh=3, m=2, t_base=1, f32=f32)
+        out[f"attn_combine/{splits}x{hd}/{'f32' if f32 else 'bf16'}"] = res["rel"]
+        out[f"attn_combine/{splits}x{hd}/untouched"] = res["untouched"]
+    for E, K, norm in ((40, 5, True), (300, 10, False)):
+        res = router(r, E, K, norm)
+        out[f"router_topk/{E}x{K}/ids"] = res["ids"]
+        out[f"router_topk/{E}x{K}/f32"] = res["rel"]
+    out["argmax/ids"] = argmax(r)["exact"]
+    for key, v in experts(r).items():
+        out[f"expert_{key}/vec/bf16"] = v
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)))

@@ -1,0 +1,51 @@
+"""Decode-step kernels reworked for speed (issue 26) without a GPU: on numba-cuda's CPU simulator
+against float64 oracles (tests/gpu/sim_decode_kernels.py), and their host-side launch geometry
+against the kernels' constants."""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOL_F32 = 1e-5            # float32 arithmetic against float64
+TOL_BF16 = 8e-3           # one bf16 rounding of the output (2^-8 relative at most, ~2^-9 typical)
+
+
+def test_decode_kernels_on_the_simulator(seed=0):
+    """attn_combine with 1 to 128 splits (the unrolled and the tail loops), empty splits whose
+    partials are NaN, head dims that leave a partial block of 32, tokens from t_base on: within
+    float32's (or one bf16 rounding's) error of float64, rows before t_base untouched. The
+    expert GEMVs' 16-byte-load path (bf16 rows of whole warp spans; the other path is
+    sim_storage's): gate_up within a bf16 rounding (its output is rounded), down within float32's
+    error of float64 over the same activations. router_topk's picks by rank: ids exactly a
+    stable sort's (ties among the logits, one for the top), E above the block's threads, with
+    and without renormalised weights. argmax (16-byte groups, four a thread at once): np.argmax's
+    ids exactly, ties and rows of -inf included."""
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore",
+                          str(ROOT / "tests/gpu/sim_decode_kernels.py"), str(seed)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out) == 15, out
+    for key, v in out.items():
+        if key.endswith(("untouched", "ids")):
+            assert v is True, key
+        else:
+            assert v < (TOL_F32 if key.endswith("f32") else TOL_BF16), (key, v)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
+def test_combine_launch_matches_the_kernel():
+    from ninfer.core.cuda import numba_shim
+    from ninfer.core.cuda.kernels import _import_kernel_module
+    from ninfer.models.qwen3_5.cuda import runner
+    numba_shim.import_numba_cuda()
+    assert _import_kernel_module("attention").COMBINE_GROUPS == runner.COMBINE_GROUPS
+    assert _import_kernel_module("moe").DOWN_ROWS == runner.EXPERT_DOWN_ROWS
+    assert runner.combine_launch(3, 16, 256) == ((3, 16, 8), (32 * runner.COMBINE_GROUPS,))
