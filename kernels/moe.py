@@ -24,69 +24,71 @@ SIGNATURES = {
 THREADS = 256
 
 
+ROUTER_THREADS = 32      # router_topk: one warp a token
+
+
 def router_topk(E, K, norm):
-    WARPS = THREADS // 32
+    PER = (E + 31) // 32                 # logits a lane holds: experts lane, lane + 32, ...
+    LOW = float32(-3.0e38)
 
     def router_topk_kernel(ids, weights, logits, stride):
-        # grid (tokens,), block 256. The top K by rank: expert e's rank is the number of experts
-        # with a larger logit, or an equal one and a lower id (a stable sort's order; softmax is
-        # monotonic, so logits rank as the probabilities do); ranks < K are the picks, in order.
-        # Every thread ranks its experts at once against the logits in shared memory (no serial
-        # chain of K warp arg-maxes: those took 9 us a token on the H200). Weights: softmax over
-        # the E experts, or with `norm` renormalised over the K picks, which is the softmax over
-        # the picks alone (the full denominator cancels).
-        lg = cuda.shared.array(E, float32)
-        top = cuda.shared.array(K, float32)
-        red = cuda.shared.array(WARPS, float32)
+        # grid (tokens,), block 32: one warp a token, its logits in registers. K rounds: each
+        # lane's best (the largest, ties -> its lowest expert), then the warp's (ties -> the
+        # lower id: a stable sort's order; softmax is monotonic, so logits rank as the
+        # probabilities do), which its lane retires. Weights: softmax over the E experts, or with
+        # `norm` renormalised over the K picks: the softmax over the picks alone. (A 256-thread
+        # block, its warps' candidates merged through shared memory, took 9-10 us a token on
+        # the H200 whether by K warp arg-maxes or by ranking all E at once.)
         t = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        w = tid >> 5
-        for e in range(tid, E, THREADS):
-            lg[e] = logits[t * stride + e]
-        cuda.syncthreads()
-        for e in range(tid, E, THREADS):
-            v = lg[e]
-            rank = int32(0)
-            for j in range(E):
-                u = lg[j]
-                rank += int32(u > v) | (int32(u == v) & int32(j < e))
-            if rank < K:
-                ids[t * K + rank] = e
-                top[rank] = v
-        m = float32(0.0)
+        lane = cuda.threadIdx.x
+        vals = cuda.local.array(PER, float32)
+        m = LOW
+        for q in range(PER):
+            e = q * 32 + lane
+            v = LOW
+            if e < E:
+                v = logits[t * stride + e]
+            vals[q] = v
+            m = max(m, v)
         total = float32(0.0)
         if not norm:
-            # the softmax over all E: its max and denominator
-            m = float32(-3.0e38)
-            for e in range(tid, E, THREADS):
-                m = max(m, lg[e])
             m = warp_max(m)
-            if lane == 0:
-                red[w] = m
-            cuda.syncthreads()
-            m = red[0]
-            for j in range(1, WARPS):
-                m = max(m, red[j])
-            cuda.syncthreads()
-            for e in range(tid, E, THREADS):
-                total += math.exp(lg[e] - m)
+            for q in range(PER):
+                if q * 32 + lane < E:
+                    total += math.exp(vals[q] - m)
             total = warp_sum(total)
+        mine = LOW                        # lane k keeps pick k's logit
+        first = LOW                       # every lane: the top pick's logit
+        for k in range(K):
+            bv = LOW
+            be = int32(E)
+            for q in range(PER):
+                if vals[q] > bv:
+                    bv = vals[q]
+                    be = int32(q * 32 + lane)
+            for off in (16, 8, 4, 2, 1):
+                ov = cuda.shfl_xor_sync(FULL_MASK, bv, off)
+                oe = cuda.shfl_xor_sync(FULL_MASK, be, off)
+                if ov > bv or (ov == bv and oe < be):
+                    bv = ov
+                    be = oe
+            for q in range(PER):
+                if q * 32 + lane == be:
+                    vals[q] = math.nan        # retired: never larger than anything
+            if lane == k:
+                mine = bv
+            if k == 0:
+                first = bv
             if lane == 0:
-                red[w] = total
-        cuda.syncthreads()
-        if w == 0:
-            if norm:
-                m = top[0]
-                for k in range(lane, K, 32):
-                    total += math.exp(top[k] - m)
-                total = warp_sum(total)
-            else:
-                total = float32(0.0)
-                for j in range(WARPS):
-                    total += red[j]
-            for k in range(lane, K, 32):
-                weights[t * K + k] = math.exp(top[k] - m) / total
+                ids[t * K + k] = be
+        if norm:
+            m = first
+            p = float32(0.0)
+            if lane < K:
+                p = math.exp(mine - m)
+            total = warp_sum(p)
+        if lane < K:
+            weights[t * K + lane] = math.exp(mine - m) / total
     return router_topk_kernel
 
 

@@ -21,10 +21,11 @@ def test_decode_kernels_on_the_simulator(seed=0):
     float32's (or one bf16 rounding's) error of float64, rows before t_base untouched. The
     expert GEMVs' 16-byte-load path (bf16 rows of whole warp spans; the other path is
     sim_storage's): gate_up within a bf16 rounding (its output is rounded), down within float32's
-    error of float64 over the same activations. router_topk's picks by rank: ids exactly a
-    stable sort's (ties among the logits, one for the top), E above the block's threads, with
-    and without renormalised weights. argmax (16-byte groups, four a thread at once): np.argmax's
-    ids exactly, ties and rows of -inf included."""
+    error of float64 over the same activations. router_topk (a warp a token): ids exactly a
+    stable sort's (ties among the logits, one for the top), E not a multiple of 32 and above
+    256, with and without renormalised weights. argmax (16-byte groups, four a thread at once): np.argmax's
+    ids exactly, ties and rows of -inf included. rmsnorm with the row in registers and wider than
+    that (the two-pass loop)."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore",
@@ -32,7 +33,7 @@ def test_decode_kernels_on_the_simulator(seed=0):
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out) == 15, out
+    assert len(out) == 17, out
     for key, v in out.items():
         if key.endswith(("untouched", "ids")):
             assert v is True, key
@@ -48,4 +49,5 @@ def test_combine_launch_matches_the_kernel():
     numba_shim.import_numba_cuda()
     assert _import_kernel_module("attention").COMBINE_GROUPS == runner.COMBINE_GROUPS
     assert _import_kernel_module("moe").DOWN_ROWS == runner.EXPERT_DOWN_ROWS
+    assert _import_kernel_module("moe").ROUTER_THREADS == runner.ROUTER_THREADS
     assert runner.combine_launch(3, 16, 256) == ((3, 16, 8), (32 * runner.COMBINE_GROUPS,))

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from sim_storage import kernel   # (the simulator switched on, its shared-array fix applied)
-from ninfer.models.qwen3_5.cuda.runner import EXPERT_DOWN_ROWS, combine_launch   # noqa: E402
+from ninfer.models.qwen3_5.cuda.runner import EXPERT_DOWN_ROWS, ROUTER_THREADS, combine_launch   # noqa: E402
 
 NEG_INF = np.float32(-3.0e38)
 
@@ -98,7 +98,7 @@ def router(r, E: int, K: int, norm: bool, n: int = 2) -> dict:
     logits[0, 2:9] = logits[0, :E].max() + 1.0       # ... and a tie for the top in row 0
     ids = np.full(n * K, -1, np.int32)
     wts = np.full(n * K, np.nan, np.float32)
-    kernel("moe", "router_topk", E=E, K=K, norm=norm)[(n, 1, 1), (256, 1, 1)](
+    kernel("moe", "router_topk", E=E, K=K, norm=norm)[(n, 1, 1), (ROUTER_THREADS, 1, 1)](
         ids, wts, logits.reshape(-1), stride)
     lg = logits[:, :E].astype(np.float64)
     p = np.exp(lg - lg.max(-1, keepdims=True))
@@ -132,6 +132,19 @@ def argmax(r, threads: int = 32) -> dict:
     return {"exact": got == want}
 
 
+def rmsnorm(r, H: int, threads: int = 64) -> float:
+    """rmsnorm (f32 storage) of rows picked through row_idx: H <= PER * threads keeps the row in
+    registers, a wider one takes the two-pass loop; against float64."""
+    x = r.standard_normal((4, H)).astype(np.float32)
+    w = (0.1 * r.standard_normal(H)).astype(np.float32)
+    idx = np.array([3, 1], np.int32)
+    o = np.full(2 * H, np.nan, np.float32)
+    kernel("norm", "rmsnorm", f32=True)[(2, 1, 1), (threads, 1, 1)](
+        o, x.reshape(-1), w, idx, 1, H, np.float32(1e-6))
+    xs = x[idx].astype(np.float64)
+    return rel(o.reshape(2, H), xs / np.sqrt((xs * xs).mean(1, keepdims=True) + 1e-6) * (1 + w))
+
+
 def main(seed: int) -> dict:
     r = np.random.default_rng(seed)
     out = {}
@@ -144,6 +157,8 @@ def main(seed: int) -> dict:
         out[f"router_topk/{E}x{K}/ids"] = res["ids"]
         out[f"router_topk/{E}x{K}/f32"] = res["rel"]
     out["argmax/ids"] = argmax(r)["exact"]
+    for H in (500, 600):                   # registers (500 <= 8 * 64), the two-pass loop
+        out[f"rmsnorm/{H}/f32"] = rmsnorm(r, H)
     for key, v in experts(r).items():
         out[f"expert_{key}/vec/bf16"] = v
     return out

@@ -277,9 +277,11 @@ def check_geometry(cfg: TextConfig) -> None:
     if cfg.is_moe:
         rules += [(cfg.hidden_size % 2 == 0 and cfg.moe_intermediate_size % 2 == 0,
                    "even hidden and moe_intermediate sizes"),
-                  # (router_topk's shared memory, the E logits + the K picks' + 32 bytes, then
-                  # stays within 48 KiB)
-                  (cfg.num_experts <= 4096, "num_experts <= 4096")]
+                  (cfg.num_experts <= 4096, "num_experts <= 4096"),
+                  # router_topk: one warp a token, lane k keeps pick k
+                  (1 <= cfg.num_experts_per_tok <= min(32, cfg.num_experts),
+                   f"1 <= num_experts_per_tok <= 32 and <= num_experts (got "
+                   f"{cfg.num_experts_per_tok} of {cfg.num_experts})")]
     for ok, rule in rules:
         if not ok:
             raise DeviceError(f"backend 'cuda': this model's geometry is not supported, needs {rule}")

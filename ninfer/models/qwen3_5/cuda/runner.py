@@ -124,6 +124,7 @@ def grouped_rows(n: int, top_k: int, num_experts: int) -> int:
 
 COMBINE_GROUPS = 8          # kernels/attention.COMBINE_GROUPS (the kernels' module imports numba)
 EXPERT_DOWN_ROWS = 4        # kernels/moe.DOWN_ROWS: expert_down's output rows per warp
+ROUTER_THREADS = 32         # kernels/moe.ROUTER_THREADS: router_topk's block, a warp a token
 
 
 def combine_launch(tokens: int, nh: int, hd: int) -> tuple:
@@ -518,7 +519,8 @@ class StepRunner:
         I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         P = E + 2 * Is + 1
         self.linear(st, ws.x.ptr, lw["w_rs"], ws.proj.ptr, n, P, H)
-        self.launch(st, self.kernels.router_topk, (n,), (256,), (ws.ids, ws.wts, ws.proj, P))
+        self.launch(st, self.kernels.router_topk, (n,), (ROUTER_THREADS,),
+                    (ws.ids, ws.wts, ws.proj, P))
         self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
                     (ws.act, ws.proj, P, E, Is))
         self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
