@@ -110,3 +110,17 @@ def quantized_host_layer(dev, shape, kv_dtype):
     qp.codes = np.ascontiguousarray(dev[:, :n]).view(qp.codes.dtype).reshape(shape)
     qp.scale = np.ascontiguousarray(dev[:, n + (-n % 4):]).view(np.float32).reshape(shape[:3])
     return qp
+
+
+def router_oracle(logits: np.ndarray, E: int, K: int, norm: bool):
+    """The MoE router in float64: (ids [n, K], weights [n, K]) of the top K experts of softmax
+    over the first E logits of each row, a stable sort's order (ties: the lower id), the weights
+    renormalised over the K picks with `norm`."""
+    lg = np.asarray(logits)[:, :E].astype(np.float64)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-lg, axis=-1, kind="stable")[:, :K]
+    w = np.take_along_axis(p, ids, -1)
+    if norm:
+        w /= w.sum(-1, keepdims=True)
+    return ids, w
