@@ -2,8 +2,8 @@
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
 #     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
-#                             [vision] [full]
-#                                    (default: all but fp8, moe, cache, tier, mixed, vision, full)
+#                             [vision] [profile] [full]
+#                       (default: all but fp8, moe, cache, tier, mixed, vision, profile, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -120,6 +120,15 @@ for part in $parts; do
             timeout 300 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 --tower-sms auto,0 \
                 >"$OUT/vision_engine_9b.log" 2>&1
             summary+=("vision: $(tail -1 "$OUT/vision_tests.log") (see vision_*.log)") ;;
+        profile)
+            # GPU time per kernel inside the captured decode graph (tools/profile_graph.py: CUPTI
+            # through torch.profiler, the image's torch), B = 1 and 8 at context 2048, for each
+            # of $PROFILE_SHAPES (default: the MoE and the dense release of the issue's table)
+            for shape in ${PROFILE_SHAPES:-35b-a3b 27b 9b 2b}; do
+                timeout 120 python3 tools/profile_graph.py --shape $shape --batches 1,8 --reps 10 \
+                    >"$OUT/profile_$shape.log" 2>&1
+            done
+            summary+=("profile: $(grep -h "kernels sum" "$OUT"/profile_*.log | tr '\n' ';')") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
