@@ -44,7 +44,8 @@ _OPTION_HELP = {
     "prefix_cache_device_fraction": "share of the KV pages and State slots the context cache "
                                     "may hold on the device, 0..1",
     "prefix_cache_host_bytes": "host memory for the context cache's checkpoints (cold ones "
-                               "demoted from the device); K/M/G suffixes (default 256M)",
+                               "demoted from the device; cuda pins it, and a quarter more, at "
+                               "load); K/M/G suffixes (default 256M)",
     "prefix_cache_bytes": "the older name of --prefix-cache-host-bytes",
     "checkpoint_interval": "tokens between context-cache checkpoints inside a long prompt",
     "queue_timeout_s": "seconds a request may wait in the queue (default: no limit)",
