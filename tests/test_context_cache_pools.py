@@ -3,6 +3,8 @@ the pools' copy ops (numpy, and the CUDA pools on a fake driver: device memory i
 byte array), and the checkpoint store's tiers and copy-on-write."""
 import importlib
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -153,6 +155,7 @@ class _Machine:
         from ninfer.core.cuda.arena import Arena
         self.mem = np.zeros(nbytes, np.uint8)
         self.host, self.next_host, self.dtod = {}, 1 << 20, 0
+        self.lock = threading.Lock()
         dev = self.dev
         monkeypatch.setattr(d, "mem_alloc", lambda n: self.BASE)
         monkeypatch.setattr(d, "memset_d8_async",
@@ -184,9 +187,11 @@ class _Machine:
 
         class Pinned:
             def __init__(self):
-                self.ptr, self.array = m.next_host, np.zeros(max(int(nbytes), 1), np.uint8)
-                m.host[self.ptr] = self.array
-                m.next_host += int(nbytes) + 4096
+                # (a PinnedReserve pins on its own thread while the pools allocate staging)
+                with m.lock:
+                    self.ptr, self.array = m.next_host, np.zeros(max(int(nbytes), 1), np.uint8)
+                    m.host[self.ptr] = self.array
+                    m.next_host += int(nbytes) + 4096
 
             def free(self):
                 m.host.pop(self.ptr, None)
