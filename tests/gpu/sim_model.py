@@ -13,6 +13,7 @@ speed and the real cuBLASLt are the GPU tests' business. Prints JSON:
 import json
 import pathlib
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -48,6 +49,7 @@ class Machine:
     def __init__(self, nbytes):
         self.mem = np.zeros(nbytes, np.uint8)
         self.host, self.next_host = {}, self.HOST
+        self.lock = threading.Lock()
 
     def dev(self, ptr, n):
         off = ptr - self.BASE
@@ -64,10 +66,12 @@ class Machine:
 
         class Pinned:
             def __init__(self):
-                self.nbytes, self.ptr = int(nbytes), m.next_host
-                self.array = np.zeros(max(self.nbytes, 1), np.uint8)[: self.nbytes]
-                m.host[self.ptr] = self.array
-                m.next_host += self.nbytes + 4096
+                # (threads pin too: the weight loader's, the context cache's PinnedReserve)
+                with m.lock:
+                    self.nbytes, self.ptr = int(nbytes), m.next_host
+                    self.array = np.zeros(max(self.nbytes, 1), np.uint8)[: self.nbytes]
+                    m.host[self.ptr] = self.array
+                    m.next_host += self.nbytes + 4096
 
             def view(self, dtype, offset=0, count=None):
                 dt = np.dtype(dtype)
