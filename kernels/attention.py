@@ -195,6 +195,17 @@ def paged_attention(hd, G, nkv, GS=0, f32=False, kvq=""):
     return paged_attention_kernel
 
 
+@inlined
+def merge_split(ms, ls, a, m, tot_l, tot_a):
+    """One split's (max ms, sum ls, unnormalised a) into the running sums, rescaled to the max m;
+    an empty split (ms = NEG_INF: no keys, its partials never written) adds nothing. (The tail
+    loop below does the same, reading a split's sums only when it has keys.)"""
+    if ms > NEG_INF:
+        f = math.exp(ms - m)
+        return tot_l + f * ls, tot_a + f * a
+    return tot_l, tot_a
+
+
 # attn_combine: split groups per block (a warp each, 32 dims wide); the launch geometry is
 # ninfer/models/qwen3_5/cuda/runner.combine_launch, which must agree (a test checks)
 COMBINE_GROUPS = 8
@@ -257,22 +268,10 @@ def attn_combine(hd, nh, f32=False):
                 a1 = part[r1 * hd + dd]
                 a2 = part[r2 * hd + dd]
                 a3 = part[r3 * hd + dd]
-            if m0 > NEG_INF:
-                f = math.exp(m0 - m)
-                tot_l += f * l0
-                tot_a += f * a0
-            if m1 > NEG_INF:
-                f = math.exp(m1 - m)
-                tot_l += f * l1
-                tot_a += f * a1
-            if m2 > NEG_INF:
-                f = math.exp(m2 - m)
-                tot_l += f * l2
-                tot_a += f * a2
-            if m3 > NEG_INF:
-                f = math.exp(m3 - m)
-                tot_l += f * l3
-                tot_a += f * a3
+            tot_l, tot_a = merge_split(m0, l0, a0, m, tot_l, tot_a)
+            tot_l, tot_a = merge_split(m1, l1, a1, m, tot_l, tot_a)
+            tot_l, tot_a = merge_split(m2, l2, a2, m, tot_l, tot_a)
+            tot_l, tot_a = merge_split(m3, l3, a3, m, tot_l, tot_a)
             s += 4 * SG
         while s < n_splits:
             ms = ml[(base + s) * 2]

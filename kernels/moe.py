@@ -21,9 +21,6 @@ SIGNATURES = {
     "gather_rows": ("u16*", "u16*", "i32*", "i32"),
 }
 
-THREADS = 256
-
-
 ROUTER_THREADS = 32      # router_topk: one warp a token
 
 

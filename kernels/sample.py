@@ -123,6 +123,14 @@ def argmax(threads=THREADS):
             return v, int32(i)
         return bv, bi
 
+    @inlined
+    def better4(v0, v1, v2, v3, i, bv, bi, vocab):
+        # a 16-byte group of ids i .. i + 3, in order
+        bv, bi = better(v0, i, bv, bi, vocab)
+        bv, bi = better(v1, i + 1, bv, bi, vocab)
+        bv, bi = better(v2, i + 2, bv, bi, vocab)
+        return better(v3, i + 3, bv, bi, vocab)
+
     def argmax_kernel(out, logits, vocab):
         # grid (rows,), block `threads`; np.argmax's rule: the first maximum. Rows of whole
         # 16-byte groups read four groups a thread at once (one scalar load at a time took 41 us
@@ -142,34 +150,14 @@ def argmax(threads=THREADS):
                 b0, b1, b2, b3 = ld_v4_f32(logits, base + 4 * (g + threads))
                 c0, c1, c2, c3 = ld_v4_f32(logits, base + 4 * (g + 2 * threads))
                 d0, d1, d2, d3 = ld_v4_f32(logits, base + 4 * (g + 3 * threads))
-                i = 4 * g
-                bv, bi = better(a0, i, bv, bi, vocab)
-                bv, bi = better(a1, i + 1, bv, bi, vocab)
-                bv, bi = better(a2, i + 2, bv, bi, vocab)
-                bv, bi = better(a3, i + 3, bv, bi, vocab)
-                i = 4 * (g + threads)
-                bv, bi = better(b0, i, bv, bi, vocab)
-                bv, bi = better(b1, i + 1, bv, bi, vocab)
-                bv, bi = better(b2, i + 2, bv, bi, vocab)
-                bv, bi = better(b3, i + 3, bv, bi, vocab)
-                i = 4 * (g + 2 * threads)
-                bv, bi = better(c0, i, bv, bi, vocab)
-                bv, bi = better(c1, i + 1, bv, bi, vocab)
-                bv, bi = better(c2, i + 2, bv, bi, vocab)
-                bv, bi = better(c3, i + 3, bv, bi, vocab)
-                i = 4 * (g + 3 * threads)
-                bv, bi = better(d0, i, bv, bi, vocab)
-                bv, bi = better(d1, i + 1, bv, bi, vocab)
-                bv, bi = better(d2, i + 2, bv, bi, vocab)
-                bv, bi = better(d3, i + 3, bv, bi, vocab)
+                bv, bi = better4(a0, a1, a2, a3, 4 * g, bv, bi, vocab)
+                bv, bi = better4(b0, b1, b2, b3, 4 * (g + threads), bv, bi, vocab)
+                bv, bi = better4(c0, c1, c2, c3, 4 * (g + 2 * threads), bv, bi, vocab)
+                bv, bi = better4(d0, d1, d2, d3, 4 * (g + 3 * threads), bv, bi, vocab)
                 g += 4 * threads
             while g < n4:
                 a0, a1, a2, a3 = ld_v4_f32(logits, base + 4 * g)
-                i = 4 * g
-                bv, bi = better(a0, i, bv, bi, vocab)
-                bv, bi = better(a1, i + 1, bv, bi, vocab)
-                bv, bi = better(a2, i + 2, bv, bi, vocab)
-                bv, bi = better(a3, i + 3, bv, bi, vocab)
+                bv, bi = better4(a0, a1, a2, a3, 4 * g, bv, bi, vocab)
                 g += threads
         else:
             for i in range(tid, vocab, threads):

@@ -59,20 +59,17 @@ class PinnedReserve:
         self.nbytes = int(nbytes)
         self._buf: Optional[_d.PinnedBuffer] = None
         self._used = 0
-        self.pin_seconds = 0.0           # the thread's time pinning (off every request's path)
         self._thread = threading.Thread(target=self._pin, args=(bind,), daemon=True,
                                         name="ninfer-pin-host-tier")
         self._thread.start()
 
     def _pin(self, bind) -> None:
-        t0 = time.perf_counter()
         try:
             bind()
             self._buf = _d.PinnedBuffer(self.nbytes)
         except Exception as exc:   # noqa: BLE001 - the tier pins on demand instead
             log.warning("could not pin %d bytes for the context cache's host tier ahead (%s); "
                         "its copies pin as they go", self.nbytes, exc)
-        self.pin_seconds = time.perf_counter() - t0
 
     @property
     def bytes_left(self) -> int:
