@@ -1,12 +1,14 @@
 """One GDN layer's gated delta rule at a real head geometry: the chunked prefill kernels
-(gdn_chunk_prep + gdn_chunk_scan) against the sequential gdn_recurrent, one row of T tokens from a
+(gdn_chunk_prep + gdn_chunk_scan; first their tensor-core variants, a bf16 model's, where the
+geometry takes them: "tc": true) against the sequential gdn_recurrent, one row of T tokens from a
 fresh state, GPU time by CUDA events (median of --reps), plus how far the two outputs differ.
 
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py                 # 27B: 16/48 heads of 128
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py --nv 32 --tokens 4096
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py --tokens 4096 --sweep   # block shapes, chunks
 
-Each line is one configuration; the first is the shipped one (cuda/gdn_chunk.py's constants).
+Each line is one configuration; the first is the shipped one of a bf16 model (the tensor cores),
+the second a float32 model's (cuda/gdn_chunk.py's constants).
 """
 from __future__ import annotations
 
@@ -37,22 +39,24 @@ def timed(stream, fn, reps):
     return float(np.median(out))
 
 
-def scan_variants(dk, sweep):
-    """(chunk, VB, NC, IB, prep NT) to time: the shipped configuration first, then (--sweep) a
-    curated set of variants (~20: each costs a few seconds of compilation) that the kernels'
-    shared memory and thread-count rules accept."""
+def scan_variants(dk, dv, sweep):
+    """(chunk, VB, NC, IB, prep NT, tc) to time: the shipped configurations first (the tensor
+    cores', where tc_ok, then the fp32 kernels'), then (--sweep) a curated set of fp32 variants
+    (~20: each costs a few seconds of compilation) that the kernels' shared memory and
+    thread-count rules accept."""
     ks = gc.scan_ks(dk)
     cn0 = gc.chunk_size(dk)
-    out = [(cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, gc.PREP_THREADS)]
+    out = [(gc.TC_CHUNK, gc.TC_VB, 1, 1, 2 * gc.TC_CHUNK, True)] if gc.tc_ok(dk, dv) else []
+    out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, gc.PREP_THREADS, False))
     if not sweep:
         return out
-    out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, 128))
+    out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, 128, False))
     for cn in sorted({cn0, max(cn0 // 2, 8)}, reverse=True):
         for vb, nc in ((32, 2), (32, 4), (32, 1), (16, 2), (16, 1), (64, 4)):
             for ib in (4, 8, 2):
                 nt = vb // nc * ks
                 smem = 4 * cn * (dk + vb + cn + 2)
-                v = (cn, vb, nc, ib, gc.PREP_THREADS)
+                v = (cn, vb, nc, ib, gc.PREP_THREADS, False)
                 if (nt % 32 or nt < cn or nt > 1024 or cn % ib or smem > gc.STATIC_SMEM_BYTES
                         or v in out or (ib == 2 and nc != 4)):
                     continue
@@ -73,7 +77,7 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0):
     proj = r.standard_normal((T, P), dtype=np.float32)
     A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
     dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
-    cn_max = max(gc.CHUNK_SIZES)
+    cn_max = max(max(gc.CHUNK_SIZES), gc.TC_CHUNK)
     need = 4 * (qkv.size + proj.size + 2 * T * nv * dv + 2 * nv * dk * dv) + \
         sum(4 * math.prod(s) for s in gc.buffer_shapes(T, nv, dk, cn_max).values()) + (1 << 24)
     arena = Arena(need)
@@ -110,13 +114,18 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0):
         st.synchronize()
         orr = d.download(out_r.ptr, out_r.shape, np.float32, st)
         t_rec = timed(st, recurrent, max(1, reps // 2))
-        for cn, vb, nc, ib, prep_nt in scan_variants(dk, sweep):
-            prep_k = cache.get(spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
-                                    NT=prep_nt, KT=gc.PREP_KT))
-            scan_k = cache.get(spec("gdn_chunk_scan", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb,
-                                    NC=nc, KS=gc.scan_ks(dk), IB=ib))
+        for cn, vb, nc, ib, prep_nt, tc in scan_variants(dk, dv, sweep):
+            if tc:
+                prep_k = cache.get(spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
+                scan_k = cache.get(spec("gdn_chunk_scan_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
+                nt = prep_nt
+            else:
+                prep_k = cache.get(spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
+                                        NT=prep_nt, KT=gc.PREP_KT))
+                scan_k = cache.get(spec("gdn_chunk_scan", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
+                                        VB=vb, NC=nc, KS=gc.scan_ks(dk), IB=ib))
+                nt = vb // nc * gc.scan_ks(dk)
             chunks = gc.max_chunks([(0, T, 0)], T, 1, cn)
-            nt = vb // nc * gc.scan_ks(dk)
 
             def prep():
                 prep_k.launch(st, (1, nv, chunks), (prep_nt,),
@@ -134,7 +143,7 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0):
             diff = float(np.linalg.norm(oc - orr) / max(np.linalg.norm(orr), 1e-30))
             t_prep = timed(st, prep, reps)
             t_scan = timed(st, lambda: (prep(), scan()), reps) - t_prep   # scan needs a fresh U
-            rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, chunk=cn, VB=vb, NC=nc, IB=ib,
+            rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, tc=tc, chunk=cn, VB=vb, NC=nc, IB=ib,
                              prep_threads=prep_nt, prep_ms=round(t_prep, 4),
                              scan_ms=round(t_scan, 4), chunked_ms=round(t_prep + t_scan, 4),
                              recurrent_ms=round(t_rec, 4),

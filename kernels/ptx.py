@@ -19,8 +19,16 @@ with a twin for numba's CPU simulator that computes the same bits with numpy.
                           2t + 9 (a2, a3), B rows 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of
                           column g, and D rows g (d0, d1), g + 8 (d2, d3) at columns 2t, 2t + 1.
                           sm_80+.
+    tf32(x)               cvt.rna.tf32.f32: a float rounded to tf32 (10 mantissa bits, ties away
+                          from zero), its bits as u32: what mma_tf32 multiplies
+    mma_tf32(a0..a3, b0, b1, c0..c3)
+                          mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: a warp's
+                          D[16, 8] = A[16, 8] B[8, 8] + C in fp32. Lane l (g = l / 4, t = l % 4)
+                          holds A[g, t] (a0), A[g + 8, t] (a1), A[g, t + 4] (a2), A[g + 8, t + 4]
+                          (a3), B[t, g] (b0), B[t + 4, g] (b1), and D rows g (d0, d1), g + 8
+                          (d2, d3) at columns 2t, 2t + 1. sm_80+.
 
-The mma twin makes the 32 lanes of a simulated warp (Python threads of one block) meet at a
+The mma twins makes the 32 lanes of a simulated warp (Python threads of one block) meet at a
 barrier, as the real instruction needs the whole warp; every kernel here calls it with whole warps.
 """
 import threading
@@ -73,14 +81,20 @@ if config.ENABLE_CUDASIM:
 
     _WARPS, _LOCK = {}, threading.Lock()
 
-    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    def _warp_fragments(regs):
+        """Every lane's registers of one mma of this simulated warp (a copy), once all 32 lanes
+        gave theirs; the caller reads them, then waits at the barrier again (no lane may write
+        the next mma's registers before every lane has copied these)."""
         t = threading.current_thread()
         key = (id(t._manager), tuple(t.blockIdx), t.thread_id // 32)
         with _LOCK:
             bar, frags = _WARPS.setdefault(key, (threading.Barrier(32, timeout=300), [None] * 32))
-        lane = t.thread_id % 32
-        frags[lane] = (a0, a1, a2, a3, b0, b1)
+        frags[t.thread_id % 32] = regs
         bar.wait()
+        return bar, list(frags), t.thread_id % 32
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        bar, frags, lane = _warp_fragments((a0, a1, a2, a3, b0, b1))
         A = np.zeros((16, 16))
         B = np.zeros((16, 8))
         for ln, (f0, f1, f2, f3, g0, g1) in enumerate(frags):
@@ -90,6 +104,27 @@ if config.ENABLE_CUDASIM:
                 A[r, c], A[r, c + 1] = _bf16(reg), _bf16(int(reg) >> 16)
             for reg, k in ((g0, 2 * q), (g1, 2 * q + 8)):
                 B[k, g], B[k + 1, g] = _bf16(reg), _bf16(int(reg) >> 16)
+        bar.wait()
+        D = A @ B
+        g, q = lane // 4, lane % 4
+        return (np.float32(D[g, 2 * q] + c0), np.float32(D[g, 2 * q + 1] + c1),
+                np.float32(D[g + 8, 2 * q] + c2), np.float32(D[g + 8, 2 * q + 1] + c3))
+
+    def tf32(x):
+        u = int(np.array([x], np.float32).view(np.uint32)[0])
+        return np.uint32(((u + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF)     # magnitude: ties away
+
+    def _f32(bits):
+        return float(np.array([int(bits) & 0xFFFFFFFF], np.uint32).view(np.float32)[0])
+
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        bar, frags, lane = _warp_fragments((a0, a1, a2, a3, b0, b1))
+        A = np.zeros((16, 8))
+        B = np.zeros((8, 8))
+        for ln, (f0, f1, f2, f3, g0, g1) in enumerate(frags):
+            g, q = ln // 4, ln % 4
+            A[g, q], A[g + 8, q], A[g, q + 4], A[g + 8, q + 4] = (_f32(f) for f in (f0, f1, f2, f3))
+            B[q, g], B[q + 4, g] = _f32(g0), _f32(g1)
         bar.wait()
         D = A @ B
         g, q = lane // 4, lane % 4
@@ -190,6 +225,29 @@ else:
         def codegen(context, builder, sig, args):
             res = _asm(builder, ir.LiteralStructType([_F32] * 4), args,
                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+                       "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                       "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, j) for j in range(4)])
+        return sig, codegen
+
+
+    @intrinsic
+    def tf32(typingctx, x):
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, args, "cvt.rna.tf32.f32 $0, $1;", "=r,f")
+        return sig, codegen
+
+    @intrinsic
+    def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        u, f = types.uint32, types.float32
+        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+        def codegen(context, builder, sig, args):
+            res = _asm(builder, ir.LiteralStructType([_F32] * 4), args,
+                       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0, $1, $2, $3}, "
                        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
             return context.make_tuple(builder, sig.return_type,

@@ -18,8 +18,10 @@ from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
 from ninfer.models.qwen3_5.cuda.kernel_set import check_geometry, gdn_chunk_specs, geometry_specs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# fp32 arithmetic against the float64 oracle (tests/gpu/gpu_harness.py TOL_F32)
+# fp32 arithmetic against the float64 oracle (tests/gpu/gpu_harness.py TOL_F32); tf32 operands
+# on the tensor cores (TOL_TF32: 10 mantissa bits, 2^-11 relative each, fp32 accumulation)
 TOL_F32 = 1e-5
+TOL_TF32 = 2e-3
 
 
 # ---- the kernels on the simulator --------------------------------------------------------------
@@ -35,21 +37,26 @@ def test_chunked_kernels_on_the_simulator():
     """Rows of 1, Cn-1, Cn, Cn+1 and 2-3 chunks in one batch, fresh and continued states, dk with
     4 lanes (3 rows each) and 8 lanes (a group of 4 adjacent rows, as at dk 128), dv below and
     above one 32-column block, 2 and 3 value heads per key head, strong decays (the float64
-    log-decay sums), NaN-poisoned outputs and buffers."""
+    log-decay sums), NaN-poisoned outputs and buffers. "tc": the tensor-core variants (two warps:
+    a chunk of 32), a fresh row of 40 tokens (a full and a partial chunk) beside a continued
+    1-token row."""
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
-    procs = {case: _simulate(case) for case in ("small", "decay")}     # the two in parallel
+    procs = {case: _simulate(case) for case in ("small", "decay", "tc")}     # in parallel
     for case, p in procs.items():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
         res = json.loads(out.strip().splitlines()[-1])[case]
+        tol = TOL_TF32 if case == "tc" else TOL_F32
         assert res["spare_slot_untouched"], res
         for key in ("chunk_out", "chunk_state"):
-            assert res[key] < TOL_F32, (case, key, res)
+            assert res[key] < tol, (case, key, res)
         if "rec_out" in res:
             # the recurrent kernel on the same inputs: both agree with the oracle and each other
-            for key in ("rec_out", "rec_state", "chunk_vs_rec_out", "chunk_vs_rec_state"):
+            for key in ("rec_out", "rec_state"):
                 assert res[key] < TOL_F32, (case, key, res)
+            for key in ("chunk_vs_rec_out", "chunk_vs_rec_state"):
+                assert res[key] < tol, (case, key, res)
             assert res["rec_spare_slot_untouched"], res
 
 
@@ -98,7 +105,49 @@ def test_chunked_kernels_compile_to_ptx_at_the_real_geometry(nv):
     assert sum(_decls(ptx["gdn_chunk_scan"], "local")) == 0
 
 
+@pytest.mark.parametrize("nv", [48, 32])
+def test_tensor_core_kernels_compile_to_ptx_at_the_real_geometry(nv):
+    """The tf32 variants at dk = dv = 128: mma.sync m16n8k8 tf32 in both, shared memory as
+    tc_prep_smem / tc_scan_smem say (within the static limit), the scan's state slice and
+    accumulators in registers (no local memory)."""
+    from ninfer.core.cuda import kernels as K
+    specs = gdn_chunk_specs(128, 128, 16, nv, tc=True)
+    assert set(specs) == {"gdn_chunk_prep_tc", "gdn_chunk_scan_tc"}
+    try:
+        ptx = {name: K.compile_spec(sp, (9, 0)) for name, sp in specs.items()}
+    except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
+        pytest.skip(f"numba-cuda cannot compile here: {exc}")
+    for name, text in ptx.items():
+        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text, name
+        assert "cvt.rna.tf32.f32" in text, name
+        assert sum(_decls(text, "local")) == 0, name
+    assert sum(_decls(ptx["gdn_chunk_scan_tc"], "shared")) == gc.tc_scan_smem(128) \
+        <= gc.STATIC_SMEM_BYTES
+    assert sum(_decls(ptx["gdn_chunk_prep_tc"], "shared")) == gc.tc_prep_smem() \
+        <= gc.STATIC_SMEM_BYTES
+
+
 # ---- host helpers, geometry, the runner's path -------------------------------------------------
+
+def test_tensor_core_variants_take_the_release_geometries():
+    """dk = dv = 128 (every Qwen3.5 release) and 64 take the tf32 variants; a key dim that is no
+    multiple of 64 or whose state slice outgrows the shared memory (256) keeps the fp32 ones,
+    as does every float32 model (its exactness is the point)."""
+    assert gc.tc_ok(128, 128) and gc.tc_ok(64, 64) and gc.tc_ok(128, 64)
+    assert not gc.tc_ok(256, 128) and not gc.tc_ok(12, 20) and not gc.tc_ok(64, 40)
+    assert not gc.tc_ok(96, 128)
+    cfg = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
+                     linear_key_head_dim=128, linear_value_head_dim=128)
+    assert {"gdn_chunk_prep_tc", "gdn_chunk_scan_tc"} <= set(geometry_specs(cfg))
+    assert not {"gdn_chunk_prep", "gdn_chunk_scan"} & set(geometry_specs(cfg))
+    f32 = geometry_specs(cfg, f32=True)
+    assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= set(f32)
+    assert not {"gdn_chunk_prep_tc", "gdn_chunk_scan_tc"} & set(f32)
+    cfg256 = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
+                        linear_key_head_dim=256, linear_value_head_dim=128)
+    assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= set(geometry_specs(cfg256))
+
+
 
 def test_chunk_size_fits_both_kernels_shared_memory():
     assert gc.chunk_size(64) == 16             # the measured choice (CHUNK_SIZES' comment)
@@ -124,14 +173,15 @@ def test_max_chunks_and_workspace():
     assert gc.max_chunks(None, 131, 3, 64) == 3          # (n - b + 1 tokens)
     shapes = gc.buffer_shapes(4096, 48, 128, 64)
     assert shapes == {"w": (4096, 48, 128), "p": (4096, 48, 64), "g": (4096, 48, 2)}
-    assert gc.workspace_bytes(4096, 48, 128) == 4 * 4096 * 48 * (128 + 16 + 2)     # Cn = 16
+    # P at the larger of the two paths' chunks (64, the tensor cores')
+    assert gc.workspace_bytes(4096, 48, 128) == 4 * 4096 * 48 * (128 + 64 + 2)
 
 
 def test_geometry_refuses_a_key_dim_no_chunk_fits(monkeypatch):
     cfg = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
                      linear_key_head_dim=128)
     check_geometry(cfg)
-    assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= set(geometry_specs(cfg))
+    assert {"gdn_chunk_prep", "gdn_chunk_scan"} <= set(geometry_specs(cfg, f32=True))
     monkeypatch.setattr(gc, "CHUNK_SIZES", (4096,))
     with pytest.raises(DeviceError, match="chunked delta rule's shared memory"):
         check_geometry(cfg)
@@ -158,10 +208,11 @@ class _Buf:
         self.name, self.ptr = name, hash(name) & 0xFFFFFF
 
 
+@pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("rows,decode", [([(0, 1, 3), (1, 1, 0)], True),
                                          ([(0, 70, 0), (70, 1, 9)], False),
                                          ([(0, 1, 0), (1, 1, 0), (2, 2, 0)], False)])
-def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode):
+def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode, tc):
     from ninfer.models.qwen3_5.cuda.runner import StepResources, StepRunner
     cfg = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
                      linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12,
@@ -169,7 +220,8 @@ def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode):
     ws = type("WS", (), {})()
     for name in ("x", "proj", "mid", "core", "act", "h", "gdn_w", "gdn_p", "gdn_g"):
         setattr(ws, name, _Buf(name))
-    ws.gdn_cn = gc.chunk_size(12)
+    ws.gdn_tc = tc
+    ws.gdn_cn = gc.TC_CHUNK if tc else gc.chunk_size(12)
     r = StepRunner(StepResources(cfg=cfg, ws=ws, weights={}, lt=None, kernels=_KernelNames(),
                                  num_sms=1, b_cap=1, n_cap=64, route_host=None, media=None),
                    invariant=False, attn_tc_min_tokens=64)
@@ -188,13 +240,21 @@ def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode):
         assert "gdn_recurrent" in names and not any(x.startswith("gdn_chunk") for x in names)
         return
     assert "gdn_recurrent" not in names
-    prep, scan = (next(c for c in rec.calls if c[0] == k) for k in ("gdn_chunk_prep", "gdn_chunk_scan"))
+    sfx = "_tc" if tc else ""
+    assert not any(x.startswith("gdn_chunk") and x.endswith("_tc") != tc for x in names)
+    prep, scan = (next(c for c in rec.calls if c[0] == k + sfx)
+                  for k in ("gdn_chunk_prep", "gdn_chunk_scan"))
     longest = max(ln for _, ln, _ in rows)
-    assert prep[1] == (b, 6, -(-longest // ws.gdn_cn)) and prep[2] == (gc.PREP_THREADS,)
-    assert scan[1] == (b, 6, 2) and scan[2] == (gc.scan_threads(12),)
+    assert prep[1] == (b, 6, -(-longest // ws.gdn_cn))
+    if tc:      # (a fake geometry: the launch sizes only; tc_ok decides for real models)
+        assert prep[2] == scan[2] == (2 * gc.TC_CHUNK,) and scan[1] == (b, 6, -(-40 // gc.TC_VB))
+    else:
+        assert prep[2] == (gc.PREP_THREADS,)
+        assert scan[1] == (b, 6, 2) and scan[2] == (gc.scan_threads(12),)
     # both read the same qkv / gates / state the recurrent kernel reads, U and O share `core`
     assert prep[3][0] is ws.core and scan[3][0] is ws.core and prep[3][4] is ws.mid
     C, Vd, nv = cfg.linear_conv_dim, cfg.linear_value_dim, 6
     assert prep[3][6:9] == (C + Vd + 2 * nv, C + Vd + nv, C + Vd)
     assert scan[3][5] is state.recurrent[0]
-    assert names.index("gdn_chunk_prep") < names.index("gdn_chunk_scan") < names.index("gated_rmsnorm")
+    assert names.index("gdn_chunk_prep" + sfx) < names.index("gdn_chunk_scan" + sfx) \
+        < names.index("gated_rmsnorm")

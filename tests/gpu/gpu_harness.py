@@ -10,6 +10,7 @@ from ninfer.models.qwen3_5.cuda.kernel_set import spec
 
 # Named tolerances (relative L2 error against the float64 oracle).
 TOL_F32 = 1e-5          # fp32 arithmetic, fp32 inputs
+TOL_TF32 = 2e-3         # tf32 tensor-core operands (10 mantissa bits: 2^-11 each), fp32 accumulate
 TOL_BF16_OUT = 8e-3     # fp32 arithmetic, result rounded to bf16
 TOL_ROPE_F32 = 3e-4     # fp32 rotary angles: |pos * inv_freq| < 2048 rad carries ~1e-4 rad error
 TOL_MODEL_BF16 = 3e-2   # whole model: bf16 activations into each GEMM vs the fp32 numpy backend

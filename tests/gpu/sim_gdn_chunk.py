@@ -42,9 +42,10 @@ from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
 
 
 def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay=False,
-        recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB):
+        recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB, tc=False):
     """Returns the relative L2 errors of (chunked out, chunked state, recurrent out, recurrent
-    state) against the float64 oracle, and chunked against recurrent (out, state)."""
+    state) against the float64 oracle, and chunked against recurrent (out, state). `tc`: the
+    tensor-core variants (kernels/gdn_chunk_tc.py) with chunks of `cn` (cn / 16 warps)."""
     r = np.random.default_rng(seed)
     mem = Memory(8 << 20)
     n, nb = sum(lengths), len(lengths)
@@ -65,7 +66,9 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
                                      KT=gc.PREP_KT),
               "gdn_chunk_scan": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb, NC=nc,
                                      KS=gc.scan_ks(dk), IB=ib),
-              "gdn_recurrent": dict(dk=dk, dv=dv, nk=nk, nv=nv)}
+              "gdn_recurrent": dict(dk=dk, dv=dv, nk=nk, nv=nv),
+              "gdn_chunk_prep_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn),
+              "gdn_chunk_scan_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn)}
 
     def launch(name, grid, block, args):
         module, factory, sig = SIGS[name]
@@ -87,7 +90,7 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
                       a_log=d["a_log"], dt_bias=d["dt_bias"], state=state,
                       query_start=d["qs"], context_lens=d["ctx"], state_slots=d["slots"],
                       prep_threads=prep_threads, scan_vb=vb,
-                      scan_nt=vb // nc * gc.scan_ks(dk))
+                      scan_nt=vb // nc * gc.scan_ks(dk), tc=tc)
         else:
             launch("gdn_recurrent", (nb, nv, -(-dv // 32)), (128,),
                    (out, d["qkv"], d["proj"], P, a_off, b_off, d["a_log"], d["dt_bias"],
@@ -208,6 +211,17 @@ CASES = {
                     recurrent=False, vb=16, nc=2, ib=4),
 }
 
+# the tensor-core variants (tf32 mma): chunk 32 = 2 warps, dk 32 (one 16-row state tile a
+# warp), dv 64 (two value blocks, two U groups), ratio 2; rows of 1, Cn - 1, Cn, Cn + 1 and 2 Cn + 6
+# tokens, fresh and continued states. "tc64": the real chunk of 64 (4 warps), dk 64, strong decay
+TC_CASES = {
+    "tc": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[1, 40],
+               ctxs=[5, 0], tc=True),
+    "tc64": dict(dk=64, dv=32, nk=1, nv=2, cn=64, lengths=[65, 1, 64], ctxs=[3, 0, 0],
+                 strong_decay=True, recurrent=False, tc=True),
+}
+CASES.update(TC_CASES)
+
 # a verify's rows: k + 1 = 1 .. 5 tokens with snapshots, a row without (plain decode beside
 # them), fresh and continued states; dk 12 (odd rows per lane), dv 20 (idle columns), ratio 3
 SNAP_CASE = dict(dk=12, dv=20, nk=1, nv=3, lengths=[4, 1, 5, 2, 3], ctxs=[5, 9, 0, 3, 2],
@@ -215,5 +229,9 @@ SNAP_CASE = dict(dk=12, dv=20, nk=1, nv=3, lengths=[4, 1, 5, 2, 3], ctxs=[5, 9, 
 
 if __name__ == "__main__":
     names = sys.argv[1:] or ["small", "decay"]
+    if set(names) & set(TC_CASES):
+        # the mma twin meets a warp's 32 threads at a barrier per instruction: switching the
+        # GIL among them every 0.1 ms instead of 5 ms halves the case's time
+        sys.setswitchinterval(1e-4)
     print(json.dumps({name: run_snap(**SNAP_CASE) if name == "snap" else run(**CASES[name])
                       for name in names}))

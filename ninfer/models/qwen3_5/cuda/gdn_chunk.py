@@ -9,6 +9,10 @@ A call that is not a decode step runs every row through two kernels:
                   row's chunks with the state slice in registers
 Chunks never cross a row boundary; a row's last chunk may be partial (a 1-token row is one).
 
+A bf16 model takes the tensor-core variants instead (kernels/gdn_chunk_tc.py, `tc=True`): the same
+two launches and arguments, chunks of TC_CHUNK tokens, every product a tf32 warp mma. A float32
+model keeps the fp32 kernels (its exactness is the point of dtype="float32").
+
 The constants below were chosen from the PTX (shared memory, no local memory, vector shared loads,
 shuffle counts), not from timings: `bench/bench_gdn_chunk.py --sweep` times the alternatives on a
 GPU against gdn_recurrent.
@@ -29,6 +33,31 @@ PREP_KT = 32                        # key/query columns staged per pass when for
 SCAN_VB = 32                        # value columns per scan block
 SCAN_NC = 2                         # value columns per scan thread (each shared load feeds NC FMAs)
 SCAN_IB = 4                         # chunk rows a scan thread reduces together
+
+
+# the tensor-core variants: 64-token chunks (4 warps of 16 chunk rows), TC_VB value columns per
+# scan block (kernels/gdn_chunk_tc.VB), U / W in groups of 32 columns
+TC_CHUNK = 64
+TC_VB = 32
+
+
+def tc_scan_smem(dk: int) -> int:
+    # the state slice [dk, VB + 8] and V' [Cn, VB + 8] (padded rows), two decay factors
+    return 4 * ((dk + TC_CHUNK) * (TC_VB + 8) + 2 * TC_CHUNK)
+
+
+def tc_prep_smem() -> int:
+    # A and T [Cn, Cn + 4], float64 log decay, fp32 gates and betas
+    return 2 * 4 * TC_CHUNK * (TC_CHUNK + 4) + 8 * TC_CHUNK + 2 * 4 * TC_CHUNK
+
+
+def tc_ok(dk: int, dv: int) -> bool:
+    """Whether the tensor-core variants take this head geometry: every warp an equal share of
+    the state's 16-row tiles, whole 32-column groups, shared memory within the static limit
+    (dk 128, every Qwen3.5 release: yes; dk 256 exceeds it)."""
+    # (TC_CHUNK / 16 warps x 16 rows = TC_CHUNK state rows a pass)
+    return (dk % TC_CHUNK == 0 and dv % TC_VB == 0
+            and tc_scan_smem(dk) <= STATIC_SMEM_BYTES and tc_prep_smem() <= STATIC_SMEM_BYTES)
 
 
 def scan_ks(dk: int) -> int:
@@ -67,7 +96,7 @@ def buffer_shapes(n: int, nv: int, dk: int, cn: int) -> dict:
 
 
 def workspace_bytes(n: int, nv: int, dk: int) -> int:
-    cn = chunk_size(dk) or CHUNK_SIZES[-1]
+    cn = max(chunk_size(dk) or CHUNK_SIZES[-1], TC_CHUNK)     # either path's (an upper bound)
     return sum(4 * math.prod(s) for s in buffer_shapes(n, nv, dk, cn).values())
 
 
@@ -81,11 +110,16 @@ def max_chunks(rows, n: int, b: int, cn: int) -> int:
 def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *, core, w, p, g,
            qkv, proj, proj_stride: int, a_off: int, b_off: int, a_log, dt_bias, state,
            query_start, context_lens, state_slots, prep_threads: int = PREP_THREADS,
-           scan_vb: int = SCAN_VB, scan_nt: int | None = None) -> None:
+           scan_vb: int = SCAN_VB, scan_nt: int | None = None, tc: bool = False) -> None:
     """The two launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`,
     `scan_vb` and `scan_nt` must match the kernels' NT, VB and VB / NC * KS (the simulator tests
-    and the benchmark's sweep compile other variants)."""
-    launch_fn("gdn_chunk_prep", (b, nv, chunks), (prep_threads,),
+    and the benchmark's sweep compile other variants). `tc`: the tensor-core variants (chunk
+    `cn` = 16 x their warps, usually TC_CHUNK; the other three arguments do not apply)."""
+    if tc:
+        prep_threads = scan_nt = 2 * cn            # a warp per 16 chunk rows
+        scan_vb = TC_VB
+    sfx = "_tc" if tc else ""
+    launch_fn("gdn_chunk_prep" + sfx, (b, nv, chunks), (prep_threads,),
               (core, w, p, g, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, query_start))
-    launch_fn("gdn_chunk_scan", (b, nv, -(-dv // scan_vb)), (scan_nt or scan_threads(dk),),
+    launch_fn("gdn_chunk_scan" + sfx, (b, nv, -(-dv // scan_vb)), (scan_nt or scan_threads(dk),),
               (core, w, p, g, qkv, state, query_start, context_lens, state_slots))

@@ -14,7 +14,7 @@ from . import qweights as qw
 
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
-MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "rope_kv", "attention",
+MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "gdn_chunk_tc", "rope_kv", "attention",
            "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision", "speculate")
 
 
@@ -191,7 +191,7 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)
         specs["gdn_recurrent"] = spec("gdn_recurrent", dk=dk, dv=dv, nk=nk, nv=nv)
-        specs.update(gdn_chunk_specs(dk, dv, nk, nv))
+        specs.update(gdn_chunk_specs(dk, dv, nk, nv, tc=gc.tc_ok(dk, dv)))
     if cfg.attention_layer_ids:
         specs["qk_norm_rope_kv"] = spec("qk_norm_rope_kv", hd=hd, rot=cfg.rotary_dim, nh=nh,
                                         nkv=nkv, sec_t=sec[0], sec_h=sec[1], sec_w=sec[2],
@@ -232,14 +232,21 @@ def _f32_specs(cfg: TextConfig) -> dict:
     for name, sp in geometry_specs(cfg).items():
         if name in F32_VARIANTS:
             specs[name] = spec(name, True, **dict(sp.params))
-        elif sp.module != "attention_tc":          # the tensor-core path is bf16 only
+        elif sp.module not in ("attention_tc", "gdn_chunk_tc"):   # tensor cores: bf16 only
             specs[name] = sp
+    if cfg.linear_layer_ids:                       # the fp32 chunked delta rule instead
+        specs.update(gdn_chunk_specs(cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                     cfg.linear_num_key_heads, cfg.linear_num_value_heads))
     specs["widen_bf16"] = spec("widen_bf16")
     return specs
 
 
-def gdn_chunk_specs(dk, dv, nk, nv) -> dict:
-    """The chunked delta rule's two kernels (prefill); constants from cuda/gdn_chunk.py."""
+def gdn_chunk_specs(dk, dv, nk, nv, tc: bool = False) -> dict:
+    """The chunked delta rule's two kernels (prefill); constants from cuda/gdn_chunk.py. `tc`:
+    the tensor-core variants (a bf16 model whose geometry gc.tc_ok takes)."""
+    if tc:
+        return {name: spec(name, dk=dk, dv=dv, nk=nk, nv=nv, Cn=gc.TC_CHUNK)
+                for name in ("gdn_chunk_prep_tc", "gdn_chunk_scan_tc")}
     cn = gc.chunk_size(dk)
     if cn is None:
         return {}                    # check_geometry refuses such a model

@@ -66,7 +66,9 @@ class Workspace:
         if cfg.linear_layer_ids:
             # chunked delta rule (prefill, cuda/gdn_chunk.py): W, P, per-token decay factors
             dk = cfg.linear_key_head_dim
-            self.gdn_cn = gc.chunk_size(dk) or gc.CHUNK_SIZES[-1]
+            # bf16: the tensor-core variants where the geometry allows (kernel_set's choice too)
+            self.gdn_tc = not f32 and gc.tc_ok(dk, cfg.linear_value_head_dim)
+            self.gdn_cn = gc.TC_CHUNK if self.gdn_tc else gc.chunk_size(dk) or gc.CHUNK_SIZES[-1]
             shp = gc.buffer_shapes(n, nv, dk, self.gdn_cn)
             self.gdn_w, self.gdn_p, self.gdn_g = (take(shp[k], np.float32, ws) for k in "wpg")
         if cfg.attention_layer_ids:
@@ -458,7 +460,7 @@ class StepRunner:
                       proj_stride=P, a_off=C + Vd + nv, b_off=C + Vd, a_log=lw["a_log"],
                       dt_bias=lw["dt_bias"], state=state.recurrent[l],
                       query_start=meta.query_start, context_lens=meta.context_lens,
-                      state_slots=meta.state_slots)
+                      state_slots=meta.state_slots, tc=ws.gdn_tc)
         self.launch(st, self.kernels.gated_rmsnorm, (n, nv), (min(128, (dv + 31) // 32 * 32),),
                     (ws.act, ws.core, ws.proj, P, C, lw["norm_w"], dv, cfg.rms_norm_eps))
         self.linear(st, ws.act.ptr, lw["w_out"], ws.h.ptr, n, H, Vd, beta=1.0)

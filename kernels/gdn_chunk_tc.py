@@ -1,0 +1,422 @@
+"""Gated delta rule for prefill, chunked, on tensor cores: gdn_chunk.py's WY / UT form with every
+product a warp mma (mma.sync m16n8k8, tf32 operands, fp32 accumulators and state).
+
+The same chunk algebra as gdn_chunk.py (i, j positions in a chunk of Cn tokens, G the cumulative
+log decay from the chunk start, in float64):
+
+    A[i, j] = beta_i k_i.k_j exp(G_i - G_j)  (j < i)     T = (I + A)^-1
+    U = T (beta V)     W = T (beta K exp(G))
+    V' = U - W S ;  O = exp(G) (Q S) + P V'  with P[i, j] = q_i.k_j exp(G_i - G_j)  (j <= i)
+    S <- exp(G_last) S + (K exp(G_last - G))^T V'
+
+A block has Cn / 16 warps; warp w owns chunk rows [16w, 16w + 16) of every product whose rows are
+chunk positions, and state rows 16 (w + NW u) .. + 16 of the state update.
+
+gdn_chunk_prep_tc: grid (row, value head, chunk), fully parallel. K K^T and Q K^T on the tensor
+cores (only the tiles left of the diagonal), A and P formed with the decays, T by forward
+substitution in fp32 (a thread a column of T, no barrier), then U (into `core`, in place of the
+output) and W as T times the scaled V and K tiles. Writes P and the per-token decay factors.
+gdn_chunk_scan_tc: grid (row, value head, VB value columns), sequential over the row's chunks.
+The state slice S [dk, VB] lives in the warps' accumulator registers; each chunk stages it in
+shared memory as the B operand of W S and Q S (one pass over dk for both), writes V' to shared
+memory for P V' and the update, and accumulates (K exp(G_last - G))^T V' into the registers.
+
+Rows past a chunk's length load as zeros (their products vanish) and are never stored: the
+next row's tokens follow them in every buffer. tf32 keeps 10 mantissa bits of each operand
+(relative error 2^-11, a quarter of bf16's): the bf16 model's path; dtype="float32" keeps the
+fp32 kernels of gdn_chunk.py.
+"""
+import math
+
+from numba import cuda, float32, float64, uint32
+
+from .common import inlined, sigmoid, softplus
+from .ptx import mma_tf32, tf32
+
+VB = 32                  # value columns per scan block: 4 n-tiles of 8
+GROUP = 32               # columns of U / W per pass of the prep (4 n-tiles of 8)
+
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "gdn_chunk_prep_tc": (
+        "f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*",
+        "i32*"),
+    "gdn_chunk_scan_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*"),
+}
+
+
+@inlined
+def ld_tf32(p, i, ok):
+    """p[i] as a tf32 operand, or 0 where the row lies past the chunk (then p[i] is not read)."""
+    x = uint32(0)
+    if ok:
+        x = tf32(p[i])
+    return x
+
+
+@inlined
+def ld_tf32_scaled(p, i, f, ok):
+    x = uint32(0)
+    if ok:
+        x = tf32(f * p[i])
+    return x
+
+
+def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
+    C = 2 * nk * dk + nv * dv
+    ratio = nv // nk
+    assert Cn % 16 == 0 and dk % GROUP == 0 and dv % GROUP == 0
+    TS = Cn + 4              # A / T row stride: a fragment's (g, t) loads hit 32 distinct banks
+    CT = Cn // 8             # n-tiles of K K^T (chunk columns); k-steps of T X (chunk positions)
+    KST = dk // 8            # k-steps over the key dimension
+    GU = dv // GROUP
+    GW = dk // GROUP
+    TT = Cn * TS             # shared/local array sizes must be compile-time constants
+    ACC = CT * 4
+    GACC = GROUP // 8 * 4
+
+    def gdn_chunk_prep_tc_kernel(core, wbuf, pbuf, gbuf, qkv, proj, proj_stride, a_off, b_off,
+                                 a_log, dt_bias, query_start):
+        r = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        t0 = query_start[r] + cuda.blockIdx.z * Cn
+        t1 = query_start[r + 1]
+        if t0 >= t1:
+            return                   # whole block: the row has fewer chunks
+        L = min(Cn, t1 - t0)
+        kh = h // ratio
+        G = cuda.shared.array(Cn, float64)
+        eg = cuda.shared.array(Cn, float32)
+        bt = cuda.shared.array(Cn, float32)
+        sA = cuda.shared.array(TT, float32)
+        sT = cuda.shared.array(TT, float32)
+        if tid < Cn:
+            gv = float32(0.0)
+            bv = float32(0.0)
+            if tid < L:
+                t = t0 + tid
+                # the same fp32 gate as gdn_recurrent
+                gv = -math.exp(a_log[h]) * softplus(proj[t * proj_stride + a_off + h] + dt_bias[h])
+                bv = sigmoid(proj[t * proj_stride + b_off + h])
+            eg[tid] = gv
+            bt[tid] = bv
+        cuda.syncthreads()
+        if tid == 0:
+            acc = float64(0.0)
+            for i in range(Cn):
+                acc += float64(eg[i])
+                G[i] = acc
+        cuda.syncthreads()
+        if tid < Cn:
+            e = float32(0.0)
+            if tid < L:
+                gb = ((t0 + tid) * nv + h) * 2
+                e = math.exp(float32(G[tid]))
+                gbuf[gb] = e
+                gbuf[gb + 1] = math.exp(float32(G[L - 1] - G[tid]))
+            eg[tid] = e              # eg now holds exp(G) (the cumulative sum above has read it)
+        cuda.syncthreads()
+
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        i0 = (tid >> 5) * 16         # this warp's chunk rows
+        ia = i0 + g
+        ib = ia + 8
+        oka = ia < L
+        okb = ib < L
+        qa = (t0 + ia) * C + kh * dk
+        qb = (t0 + ib) * C + kh * dk
+        ko = nk * dk                 # k follows q in a qkv row
+
+        # K K^T and Q K^T for the warp's rows, the tiles left of (and on) the diagonal block
+        accK = cuda.local.array(ACC, float32)
+        accQ = cuda.local.array(ACC, float32)
+        for x in range(ACC):
+            accK[x] = float32(0.0)
+            accQ[x] = float32(0.0)
+        for ks in range(KST):
+            c = ks * 8 + t
+            k0 = ld_tf32(qkv, qa + ko + c, oka)
+            k1 = ld_tf32(qkv, qb + ko + c, okb)
+            k2 = ld_tf32(qkv, qa + ko + c + 4, oka)
+            k3 = ld_tf32(qkv, qb + ko + c + 4, okb)
+            q0 = ld_tf32(qkv, qa + c, oka)
+            q1 = ld_tf32(qkv, qb + c, okb)
+            q2 = ld_tf32(qkv, qa + c + 4, oka)
+            q3 = ld_tf32(qkv, qb + c + 4, okb)
+            for nt in range(CT):
+                if nt * 8 <= i0 + 15:                    # warp-uniform
+                    j = nt * 8 + g
+                    kj = (t0 + j) * C + kh * dk + ko + c
+                    b0 = ld_tf32(qkv, kj, j < L)
+                    b1 = ld_tf32(qkv, kj + 4, j < L)
+                    d0, d1, d2, d3 = mma_tf32(k0, k1, k2, k3, b0, b1, accK[4 * nt],
+                                              accK[4 * nt + 1], accK[4 * nt + 2], accK[4 * nt + 3])
+                    accK[4 * nt] = d0
+                    accK[4 * nt + 1] = d1
+                    accK[4 * nt + 2] = d2
+                    accK[4 * nt + 3] = d3
+                    d0, d1, d2, d3 = mma_tf32(q0, q1, q2, q3, b0, b1, accQ[4 * nt],
+                                              accQ[4 * nt + 1], accQ[4 * nt + 2], accQ[4 * nt + 3])
+                    accQ[4 * nt] = d0
+                    accQ[4 * nt + 1] = d1
+                    accQ[4 * nt + 2] = d2
+                    accQ[4 * nt + 3] = d3
+        # A (strictly lower, into shared) and P (lower with the diagonal, to pbuf) with decays
+        for nt in range(CT):
+            for e in range(4):
+                i = ia + 8 * (e // 2)
+                j = nt * 8 + 2 * t + (e % 2)
+                av = float32(0.0)
+                pv = float32(0.0)
+                if i < L and j <= i:
+                    dec = math.exp(float32(G[i] - G[j]))          # exponent <= 0: no overflow
+                    pv = accQ[4 * nt + e] * dec
+                    if j < i:
+                        av = bt[i] * accK[4 * nt + e] * dec
+                sA[i * TS + j] = av
+                if i < L:
+                    pbuf[((t0 + i) * nv + h) * Cn + j] = pv
+        cuda.syncthreads()
+
+        # T = (I + A)^-1 by forward substitution, thread j its column: T[i, j] =
+        # -sum_{m < i} A[i, m] T[m, j] below the diagonal (T[m, j] = 0 for m < j), 1 on it.
+        # A thread reads only its own column of T back: no barrier inside
+        if tid < Cn:
+            j = tid
+            for i in range(Cn):
+                s0 = float32(0.0)
+                s1 = float32(0.0)
+                for m in range(0, i - 1, 2):         # two accumulators: halves the FMA chain
+                    s0 += sA[i * TS + m] * sT[m * TS + j]
+                    s1 += sA[i * TS + m + 1] * sT[(m + 1) * TS + j]
+                if i % 2 == 1:
+                    s0 += sA[i * TS + i - 1] * sT[(i - 1) * TS + j]
+                v = float32(0.0)
+                if i > j:
+                    v = -(s0 + s1)
+                elif i == j:
+                    v = float32(1.0)
+                sT[i * TS + j] = v
+        cuda.syncthreads()
+
+        # U = T (beta V) into core, W = T (beta exp(G) K) into wbuf, GROUP columns a pass
+        acc = cuda.local.array(GACC, float32)
+        for grp in range(GU + GW):
+            for x in range(GACC):
+                acc[x] = float32(0.0)
+            for ks in range(CT):
+                if ks * 8 <= i0 + 15:                    # T is lower triangular
+                    c = ks * 8 + t
+                    a0 = tf32(sT[ia * TS + c])
+                    a1 = tf32(sT[ib * TS + c])
+                    a2 = tf32(sT[ia * TS + c + 4])
+                    a3 = tf32(sT[ib * TS + c + 4])
+                    if grp < GU:
+                        col = 2 * nk * dk + h * dv + grp * GROUP
+                        f0 = bt[c]
+                        f1 = bt[c + 4]
+                    else:
+                        col = ko + kh * dk + (grp - GU) * GROUP
+                        f0 = bt[c] * eg[c]
+                        f1 = bt[c + 4] * eg[c + 4]
+                    x0 = (t0 + c) * C + col + g
+                    x1 = x0 + 4 * C
+                    for nt in range(GROUP // 8):
+                        b0 = ld_tf32_scaled(qkv, x0 + nt * 8, f0, c < L)
+                        b1 = ld_tf32_scaled(qkv, x1 + nt * 8, f1, c + 4 < L)
+                        d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b0, b1, acc[4 * nt],
+                                                  acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
+                        acc[4 * nt] = d0
+                        acc[4 * nt + 1] = d1
+                        acc[4 * nt + 2] = d2
+                        acc[4 * nt + 3] = d3
+            for nt in range(GROUP // 8):
+                for e in range(4):
+                    i = ia + 8 * (e // 2)
+                    cc = nt * 8 + 2 * t + (e % 2)
+                    if i < L:
+                        if grp < GU:
+                            core[(t0 + i) * nv * dv + h * dv + grp * GROUP + cc] = acc[4 * nt + e]
+                        else:
+                            wbuf[((t0 + i) * nv + h) * dk + (grp - GU) * GROUP + cc] = \
+                                acc[4 * nt + e]
+    return gdn_chunk_prep_tc_kernel
+
+
+def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn):
+    C = 2 * nk * dk + nv * dv
+    ratio = nv // nk
+    NW = Cn // 16
+    assert Cn % 16 == 0 and dk % (16 * NW) == 0 and dv % VB == 0
+    SS = VB + 8              # S / V' row stride: B-fragment loads (row t, column g) hit 32 banks
+    MT = dk // (16 * NW)     # state m-tiles per warp
+    NT4 = VB // 8            # n-tiles of the value columns
+    KST = dk // 8
+    CT = Cn // 8
+    SSZ = dk * SS            # shared/local array sizes must be compile-time constants
+    VSZ = Cn * SS
+    SREG = MT * NT4 * 4
+    ACC = NT4 * 4
+
+    def gdn_chunk_scan_tc_kernel(core, wbuf, pbuf, gbuf, qkv, state, query_start, context_lens,
+                                 state_slots):
+        r = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        vb = cuda.blockIdx.z * VB
+        kh = h // ratio
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        t = lane & 3
+        i0 = warp * 16
+        ia = i0 + g
+        ib = ia + 8
+        sS = cuda.shared.array(SSZ, float32)
+        sV = cuda.shared.array(VSZ, float32)
+        gq = cuda.shared.array(Cn, float32)
+        gk = cuda.shared.array(Cn, float32)
+        Sr = cuda.local.array(SREG, float32)       # the state slice, as mma accumulators
+        accV = cuda.local.array(ACC, float32)
+        accO = cuda.local.array(ACC, float32)
+        slot = state_slots[r]
+        sbase = (slot * nv + h) * dk * dv + vb
+        fresh = context_lens[r] == 0
+        for u in range(MT):
+            for nt in range(NT4):
+                for e in range(4):
+                    row = (warp + NW * u) * 16 + g + 8 * (e // 2)
+                    x = float32(0.0)
+                    if not fresh:
+                        x = state[sbase + row * dv + nt * 8 + 2 * t + (e % 2)]
+                    Sr[(u * NT4 + nt) * 4 + e] = x
+        q0 = query_start[r]
+        q1 = query_start[r + 1]
+        hv = h * dv + vb
+        for c0 in range(q0, q1, Cn):
+            L = min(Cn, q1 - c0)
+            for u in range(MT):
+                for nt in range(NT4):
+                    for e in range(4):
+                        row = (warp + NW * u) * 16 + g + 8 * (e // 2)
+                        sS[row * SS + nt * 8 + 2 * t + (e % 2)] = Sr[(u * NT4 + nt) * 4 + e]
+            if tid < Cn:
+                x = float32(0.0)
+                y = float32(0.0)
+                if tid < L:
+                    x = gbuf[((c0 + tid) * nv + h) * 2]
+                    y = gbuf[((c0 + tid) * nv + h) * 2 + 1]
+                gq[tid] = x
+                gk[tid] = y
+            cuda.syncthreads()
+            oka = ia < L
+            okb = ib < L
+            # W S and Q S for the warp's rows, one pass over dk (S fragments shared by both)
+            for x in range(ACC):
+                accV[x] = float32(0.0)
+                accO[x] = float32(0.0)
+            wa = ((c0 + ia) * nv + h) * dk
+            wb = ((c0 + ib) * nv + h) * dk
+            qa = (c0 + ia) * C + kh * dk
+            qb = (c0 + ib) * C + kh * dk
+            for ks in range(KST):
+                c = ks * 8 + t
+                w0 = ld_tf32(wbuf, wa + c, oka)
+                w1 = ld_tf32(wbuf, wb + c, okb)
+                w2 = ld_tf32(wbuf, wa + c + 4, oka)
+                w3 = ld_tf32(wbuf, wb + c + 4, okb)
+                x0 = ld_tf32(qkv, qa + c, oka)
+                x1 = ld_tf32(qkv, qb + c, okb)
+                x2 = ld_tf32(qkv, qa + c + 4, oka)
+                x3 = ld_tf32(qkv, qb + c + 4, okb)
+                for nt in range(NT4):
+                    b0 = tf32(sS[c * SS + nt * 8 + g])
+                    b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
+                    d0, d1, d2, d3 = mma_tf32(w0, w1, w2, w3, b0, b1, accV[4 * nt],
+                                              accV[4 * nt + 1], accV[4 * nt + 2], accV[4 * nt + 3])
+                    accV[4 * nt] = d0
+                    accV[4 * nt + 1] = d1
+                    accV[4 * nt + 2] = d2
+                    accV[4 * nt + 3] = d3
+                    d0, d1, d2, d3 = mma_tf32(x0, x1, x2, x3, b0, b1, accO[4 * nt],
+                                              accO[4 * nt + 1], accO[4 * nt + 2], accO[4 * nt + 3])
+                    accO[4 * nt] = d0
+                    accO[4 * nt + 1] = d1
+                    accO[4 * nt + 2] = d2
+                    accO[4 * nt + 3] = d3
+            # V' = U - W S into shared memory (rows past L: U and W are zero there, so is V');
+            # O starts as exp(G_i) (Q S)
+            for nt in range(NT4):
+                for e in range(4):
+                    i = ia + 8 * (e // 2)
+                    cc = nt * 8 + 2 * t + (e % 2)
+                    uu = float32(0.0)
+                    if i < L:
+                        uu = core[(c0 + i) * nv * dv + hv + cc]
+                    sV[i * SS + cc] = uu - accV[4 * nt + e]
+                    accO[4 * nt + e] *= gq[i]
+            cuda.syncthreads()
+            # O += P V' (P is zero right of the diagonal: k-steps up to the warp's last row)
+            pa = ((c0 + ia) * nv + h) * Cn
+            pb = ((c0 + ib) * nv + h) * Cn
+            for ks in range(CT):
+                if ks * 8 <= i0 + 15 and ks * 8 < L:      # warp-uniform
+                    c = ks * 8 + t
+                    p0 = ld_tf32(pbuf, pa + c, oka)
+                    p1 = ld_tf32(pbuf, pb + c, okb)
+                    p2 = ld_tf32(pbuf, pa + c + 4, oka)
+                    p3 = ld_tf32(pbuf, pb + c + 4, okb)
+                    for nt in range(NT4):
+                        b0 = tf32(sV[c * SS + nt * 8 + g])
+                        b1 = tf32(sV[(c + 4) * SS + nt * 8 + g])
+                        d0, d1, d2, d3 = mma_tf32(p0, p1, p2, p3, b0, b1, accO[4 * nt],
+                                                  accO[4 * nt + 1], accO[4 * nt + 2],
+                                                  accO[4 * nt + 3])
+                        accO[4 * nt] = d0
+                        accO[4 * nt + 1] = d1
+                        accO[4 * nt + 2] = d2
+                        accO[4 * nt + 3] = d3
+            for nt in range(NT4):
+                for e in range(4):
+                    i = ia + 8 * (e // 2)
+                    if i < L:
+                        core[(c0 + i) * nv * dv + hv + nt * 8 + 2 * t + (e % 2)] = accO[4 * nt + e]
+            # S <- exp(G_last) S + (K exp(G_last - G))^T V' ; A operand: K^T (state rows m,
+            # chunk positions j), each element scaled by its token's exp(G_last - G_j)
+            decay = gq[L - 1]
+            for x in range(SREG):
+                Sr[x] *= decay
+            for ks in range(CT):
+                if ks * 8 < L:                            # block-uniform
+                    j = ks * 8 + t
+                    k0 = (c0 + j) * C + nk * dk + kh * dk
+                    k1 = k0 + 4 * C
+                    f0 = gk[j]
+                    f1 = gk[j + 4]
+                    for u in range(MT):
+                        m = (warp + NW * u) * 16 + g
+                        a0 = ld_tf32_scaled(qkv, k0 + m, f0, j < L)
+                        a1 = ld_tf32_scaled(qkv, k0 + m + 8, f0, j < L)
+                        a2 = ld_tf32_scaled(qkv, k1 + m, f1, j + 4 < L)
+                        a3 = ld_tf32_scaled(qkv, k1 + m + 8, f1, j + 4 < L)
+                        for nt in range(NT4):
+                            b0 = tf32(sV[j * SS + nt * 8 + g])
+                            b1 = tf32(sV[(j + 4) * SS + nt * 8 + g])
+                            s = (u * NT4 + nt) * 4
+                            d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b0, b1, Sr[s], Sr[s + 1],
+                                                      Sr[s + 2], Sr[s + 3])
+                            Sr[s] = d0
+                            Sr[s + 1] = d1
+                            Sr[s + 2] = d2
+                            Sr[s + 3] = d3
+            cuda.syncthreads()       # the next chunk rewrites sS, sV, gq, gk
+        for u in range(MT):
+            for nt in range(NT4):
+                for e in range(4):
+                    row = (warp + NW * u) * 16 + g + 8 * (e // 2)
+                    state[sbase + row * dv + nt * 8 + 2 * t + (e % 2)] = \
+                        Sr[(u * NT4 + nt) * 4 + e]
+    return gdn_chunk_scan_tc_kernel
