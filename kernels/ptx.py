@@ -217,20 +217,26 @@ else:
                                       [builder.extract_value(res, j) for j in range(4)])
         return sig, codegen
 
-    @intrinsic
-    def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        u, f = types.uint32, types.float32
-        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+    def _mma(shape_types):
+        """mma.sync.aligned.<shape_types> {d0..d3}, {a0..a3}, {b0, b1}, {c0..c3}: A and B as u32
+        registers, C and D fp32 (the two shapes below share every operand count)."""
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            u, f = types.uint32, types.float32
+            sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
 
-        def codegen(context, builder, sig, args):
-            res = _asm(builder, ir.LiteralStructType([_F32] * 4), args,
-                       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
-                       "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                       "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(res, j) for j in range(4)])
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                res = _asm(builder, ir.LiteralStructType([_F32] * 4), args,
+                           f"mma.sync.aligned.{shape_types} {{$0, $1, $2, $3}}, "
+                           "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                           "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(res, j) for j in range(4)])
+            return sig, codegen
+        mma.__name__ = "mma_" + shape_types.split(".")[-2]
+        return intrinsic(mma)
 
+    mma_bf16 = _mma("m16n8k16.row.col.f32.bf16.bf16.f32")
+    mma_tf32 = _mma("m16n8k8.row.col.f32.tf32.tf32.f32")
 
     @intrinsic
     def tf32(typingctx, x):
@@ -238,18 +244,4 @@ else:
 
         def codegen(context, builder, sig, args):
             return _asm(builder, _I32, args, "cvt.rna.tf32.f32 $0, $1;", "=r,f")
-        return sig, codegen
-
-    @intrinsic
-    def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        u, f = types.uint32, types.float32
-        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
-
-        def codegen(context, builder, sig, args):
-            res = _asm(builder, ir.LiteralStructType([_F32] * 4), args,
-                       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0, $1, $2, $3}, "
-                       "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                       "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(res, j) for j in range(4)])
         return sig, codegen
