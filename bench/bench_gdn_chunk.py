@@ -39,15 +39,20 @@ def timed(stream, fn, reps):
     return float(np.median(out))
 
 
-def scan_variants(dk, dv, sweep):
+def scan_variants(dk, dv, sweep, tc_sweep=False):
     """(chunk, VB, NC, IB, prep NT, tc) to time: the shipped configurations first (the tensor
     cores', where tc_ok, then the fp32 kernels'), then (--sweep) a curated set of fp32 variants
     (~20: each costs a few seconds of compilation) that the kernels' shared memory and
-    thread-count rules accept."""
+    thread-count rules accept. `tc_sweep`: also the tensor-core scan at the other block widths
+    (VB 32 / 16 / 8: more blocks a head, each re-reading the chunk's W, Q, K and P)."""
     ks = gc.scan_ks(dk)
     cn0 = gc.chunk_size(dk)
-    out = [(gc.TC_CHUNK, gc.TC_VB, 1, 1, 2 * gc.TC_CHUNK, True)] if gc.tc_ok(dk, dv) else []
+    tc = gc.tc_ok(dk, dv)
+    out = [(gc.TC_CHUNK, gc.TC_VB, 1, 1, 2 * gc.TC_CHUNK, True)] if tc else []
     out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, gc.PREP_THREADS, False))
+    if tc_sweep and tc:
+        out += [(gc.TC_CHUNK, vb, 1, 1, 2 * gc.TC_CHUNK, True) for vb in (32, 16, 8)
+                if vb != gc.TC_VB and dv % vb == 0]
     if not sweep:
         return out
     out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, 128, False))
@@ -64,7 +69,7 @@ def scan_variants(dk, dv, sweep):
     return out
 
 
-def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0):
+def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=False):
     st = dev.stream
     r = np.random.default_rng(seed)
     C = 2 * nk * dk + nv * dv
@@ -114,10 +119,11 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0):
         st.synchronize()
         orr = d.download(out_r.ptr, out_r.shape, np.float32, st)
         t_rec = timed(st, recurrent, max(1, reps // 2))
-        for cn, vb, nc, ib, prep_nt, tc in scan_variants(dk, dv, sweep):
+        for cn, vb, nc, ib, prep_nt, tc in scan_variants(dk, dv, sweep, tc_sweep):
             if tc:
                 prep_k = cache.get(spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
-                scan_k = cache.get(spec("gdn_chunk_scan_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
+                scan_k = cache.get(spec("gdn_chunk_scan_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
+                                        VB=vb))
                 nt = prep_nt
             else:
                 prep_k = cache.get(spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
@@ -168,12 +174,15 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true",
                     help="also time other chunk sizes / scan block shapes (the fastest with "
                          "rel_diff_vs_recurrent < 1e-5 is the one to ship in cuda/gdn_chunk.py)")
+    ap.add_argument("--tc-sweep", action="store_true",
+                    help="also time the tensor-core scan at block widths VB 32 / 16 / 8")
     args = ap.parse_args(argv)
     dev = d.Device(0)
     cache = KernelCache(dev.cc)
     try:
         for T in (int(x) for x in args.tokens.split(",")):
-            bench(dev, cache, T, args.dk, args.dv, args.nk, args.nv, args.reps, args.sweep)
+            bench(dev, cache, T, args.dk, args.dv, args.nk, args.nv, args.reps, args.sweep,
+                  tc_sweep=args.tc_sweep)
     finally:
         cache.close()
         dev.close()

@@ -13,10 +13,11 @@ A block has Cn / 16 warps; warp w owns chunk rows [16w, 16w + 16) of every produ
 chunk positions, and state rows 16 (w + NW u) .. + 16 of the state update.
 
 gdn_chunk_prep_tc: grid (row, value head, chunk), fully parallel. K K^T and Q K^T on the tensor
-cores (only the tiles left of the diagonal), A and P formed with the decays, T by forward
-substitution in fp32 (a thread a column of T, no barrier), then U (into `core`, in place of the
-output) and W as T times the scaled V and K tiles. Writes P and the per-token decay factors.
-gdn_chunk_scan_tc: grid (row, value head, VB value columns), sequential over the row's chunks.
+cores (only the tiles left of the diagonal), A and P formed with the decays, T in fp32 by
+16 x 16 blocks (the diagonal ones by forward substitution, the rest from the rows above), then
+U (into `core`, in place of the output) and W as T times the scaled V and K tiles. Writes P and the per-token decay factors.
+gdn_chunk_scan_tc: grid (row, value head, VB value columns: 32, 16 or 8), sequential over the
+row's chunks.
 The state slice S [dk, VB] lives in the warps' accumulator registers; each chunk stages it in
 shared memory as the B operand of W S and Q S (one pass over dk for both), writes V' to shared
 memory for P V' and the update, and accumulates (K exp(G_last - G))^T V' into the registers.
@@ -33,7 +34,12 @@ from numba import cuda, float32, float64, uint32
 from .common import inlined, sigmoid, softplus
 from .ptx import mma_tf32, tf32
 
-VB = 32                  # value columns per scan block: 4 n-tiles of 8
+
+
+def row_stride(vb):
+    """S / V' row stride for VB value columns: B-fragment loads (rows t, columns g) hit 32
+    distinct banks when it is 8 or 24 mod 32."""
+    return vb + 8 if (vb + 8) % 16 == 8 else vb + 16
 GROUP = 32               # columns of U / W per pass of the prep (4 n-tiles of 8)
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
@@ -73,6 +79,9 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     GW = dk // GROUP
     TT = Cn * TS             # shared/local array sizes must be compile-time constants
     ACC = CT * 4
+    NT = 2 * Cn              # a warp per 16 chunk rows
+    XSZ = max(256, (Cn // 16 - 1) * 256)       # X of one block row of T (below its diagonal)
+    XU = -(-XSZ // NT)
     GACC = GROUP // 8 * 4
 
     def gdn_chunk_prep_tc_kernel(core, wbuf, pbuf, gbuf, qkv, proj, proj_stride, a_off, b_off,
@@ -91,6 +100,7 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         bt = cuda.shared.array(Cn, float32)
         sA = cuda.shared.array(TT, float32)
         sT = cuda.shared.array(TT, float32)
+        sX = cuda.shared.array(XSZ, float32)
         if tid < Cn:
             gv = float32(0.0)
             bv = float32(0.0)
@@ -181,26 +191,51 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
                     pbuf[((t0 + i) * nv + h) * Cn + j] = pv
         cuda.syncthreads()
 
-        # T = (I + A)^-1 by forward substitution, thread j its column: T[i, j] =
-        # -sum_{m < i} A[i, m] T[m, j] below the diagonal (T[m, j] = 0 for m < j), 1 on it.
-        # A thread reads only its own column of T back: no barrier inside
+        # T = (I + A)^-1 in 16 x 16 blocks (fp32): the diagonal blocks by forward substitution,
+        # a thread a column of one (a chain of at most 15 FMAs); then block row bi from the rows
+        # above it: T[bi, bj] = -T[bi, bi] X with X = sum_{bj <= k < bi} A[bi, k] T[k, bj], every
+        # element its own short sum (a substitution over all Cn rows, a column a thread, was 45%
+        # of this kernel's time)
         if tid < Cn:
-            j = tid
-            for i in range(Cn):
-                s0 = float32(0.0)
-                s1 = float32(0.0)
-                for m in range(0, i - 1, 2):         # two accumulators: halves the FMA chain
-                    s0 += sA[i * TS + m] * sT[m * TS + j]
-                    s1 += sA[i * TS + m + 1] * sT[(m + 1) * TS + j]
-                if i % 2 == 1:
-                    s0 += sA[i * TS + i - 1] * sT[(i - 1) * TS + j]
+            r0 = (tid >> 4) * 16
+            c = tid & 15
+            for rr in range(16):
                 v = float32(0.0)
-                if i > j:
-                    v = -(s0 + s1)
-                elif i == j:
-                    v = float32(1.0)
-                sT[i * TS + j] = v
+                for q in range(rr):              # the column's rows above, written just now
+                    v += sA[(r0 + rr) * TS + r0 + q] * sT[(r0 + q) * TS + r0 + c]
+                x = float32(0.0)
+                if rr > c:
+                    x = -v
+                elif rr == c:
+                    x = float32(1.0)
+                sT[(r0 + rr) * TS + r0 + c] = x
+            for rr in range(Cn):
+                if rr < r0:
+                    sT[rr * TS + r0 + c] = float32(0.0)     # above the diagonal block
         cuda.syncthreads()
+        for bi in range(1, Cn // 16):
+            for u in range(XU):
+                e = tid + u * NT
+                if e < bi * 256:
+                    bj = e >> 8
+                    rr = (e >> 4) & 15
+                    c = e & 15
+                    x = float32(0.0)
+                    for k in range(bj * 16, bi * 16):
+                        x += sA[(bi * 16 + rr) * TS + k] * sT[k * TS + bj * 16 + c]
+                    sX[e] = x
+            cuda.syncthreads()
+            for u in range(XU):
+                e = tid + u * NT
+                if e < bi * 256:
+                    bj = e >> 8
+                    rr = (e >> 4) & 15
+                    c = e & 15
+                    x = float32(0.0)
+                    for q in range(16):
+                        x += sT[(bi * 16 + rr) * TS + bi * 16 + q] * sX[bj * 256 + q * 16 + c]
+                    sT[(bi * 16 + rr) * TS + bj * 16 + c] = -x
+            cuda.syncthreads()
 
         # U = T (beta V) into core, W = T (beta exp(G) K) into wbuf, GROUP columns a pass
         acc = cuda.local.array(GACC, float32)
@@ -246,12 +281,12 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     return gdn_chunk_prep_tc_kernel
 
 
-def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn):
+def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn, VB=32):
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     NW = Cn // 16
-    assert Cn % 16 == 0 and dk % (16 * NW) == 0 and dv % VB == 0
-    SS = VB + 8              # S / V' row stride: B-fragment loads (row t, column g) hit 32 banks
+    assert Cn % 16 == 0 and dk % (16 * NW) == 0 and dv % VB == 0 and VB % 8 == 0
+    SS = row_stride(VB)
     MT = dk // (16 * NW)     # state m-tiles per warp
     NT4 = VB // 8            # n-tiles of the value columns
     KST = dk // 8

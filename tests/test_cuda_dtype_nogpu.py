@@ -124,13 +124,18 @@ def test_f32_specs_swap_every_bf16_pointer_and_drop_the_tensor_core_path():
         assert any(s.module == "attention_tc" for s in bf.values())
         assert not any(s.module == "attention_tc" for s in f32.values())
         assert "widen_bf16" in f32 and "widen_bf16" not in bf
+        # the chunked delta rule: tensor cores (tf32) for bf16, the fp32 kernels for float32
+        assert not any(s.module == "gdn_chunk_tc" for s in f32.values())
+        for name in ("gdn_chunk_prep", "gdn_chunk_scan"):
+            if name + "_tc" in bf:
+                assert name not in bf and name in f32
         for name, s in f32.items():
             if name in F32_VARIANTS:
                 assert dict(s.params)["f32"] is True
                 assert "u16*" not in s.sig and "u32*" not in s.sig, name
                 assert len(s.sig) == len(bf[name].sig)
                 assert dict(s.params) == {**dict(bf[name].params), "f32": True}
-            elif name != "widen_bf16":
+            elif name != "widen_bf16" and not (name.startswith("gdn_chunk") and name not in bf):
                 assert s == bf[name]                      # fp32 already: the same kernel
         for name in F32_VARIANTS & set(bf):
             assert "f32" not in dict(bf[name].params)    # bf16: the spec of before

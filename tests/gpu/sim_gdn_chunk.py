@@ -68,7 +68,7 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
                                      KS=gc.scan_ks(dk), IB=ib),
               "gdn_recurrent": dict(dk=dk, dv=dv, nk=nk, nv=nv),
               "gdn_chunk_prep_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn),
-              "gdn_chunk_scan_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn)}
+              "gdn_chunk_scan_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb)}
 
     def launch(name, grid, block, args):
         module, factory, sig = SIGS[name]
@@ -219,6 +219,9 @@ TC_CASES = {
                ctxs=[5, 0], tc=True),
     "tc64": dict(dk=64, dv=32, nk=1, nv=2, cn=64, lengths=[65, 1, 64], ctxs=[3, 0, 0],
                  strong_decay=True, recurrent=False, tc=True),
+    # narrower scan blocks (VB 16, 8): more blocks a head
+    "tc16": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[1, 40], ctxs=[5, 0], tc=True, vb=16),
+    "tc8": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[40], ctxs=[5], tc=True, vb=8),
 }
 CASES.update(TC_CASES)
 

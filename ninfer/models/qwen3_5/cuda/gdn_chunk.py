@@ -41,14 +41,21 @@ TC_CHUNK = 64
 TC_VB = 32
 
 
-def tc_scan_smem(dk: int) -> int:
-    # the state slice [dk, VB + 8] and V' [Cn, VB + 8] (padded rows), two decay factors
-    return 4 * ((dk + TC_CHUNK) * (TC_VB + 8) + 2 * TC_CHUNK)
+def tc_row_stride(vb: int) -> int:
+    """kernels/gdn_chunk_tc.row_stride: the scan's padded S / V' rows (8 or 24 mod 32 words)."""
+    return vb + 8 if (vb + 8) % 16 == 8 else vb + 16
+
+
+def tc_scan_smem(dk: int, vb: int = None) -> int:
+    # the state slice [dk, VB] and V' [Cn, VB] (padded rows), two decay factors
+    return 4 * ((dk + TC_CHUNK) * tc_row_stride(vb or TC_VB) + 2 * TC_CHUNK)
 
 
 def tc_prep_smem() -> int:
-    # A and T [Cn, Cn + 4], float64 log decay, fp32 gates and betas
-    return 2 * 4 * TC_CHUNK * (TC_CHUNK + 4) + 8 * TC_CHUNK + 2 * 4 * TC_CHUNK
+    # A and T [Cn, Cn + 4], one block row of T's products [Cn - 16, 16], float64 log decay,
+    # fp32 gates and betas
+    cn = TC_CHUNK
+    return 4 * (2 * cn * (cn + 4) + max(256, (cn - 16) * 16)) + 8 * cn + 2 * 4 * cn
 
 
 def tc_ok(dk: int, dv: int) -> bool:
@@ -110,14 +117,14 @@ def max_chunks(rows, n: int, b: int, cn: int) -> int:
 def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *, core, w, p, g,
            qkv, proj, proj_stride: int, a_off: int, b_off: int, a_log, dt_bias, state,
            query_start, context_lens, state_slots, prep_threads: int = PREP_THREADS,
-           scan_vb: int = SCAN_VB, scan_nt: int | None = None, tc: bool = False) -> None:
+           scan_vb: int | None = None, scan_nt: int | None = None, tc: bool = False) -> None:
     """The two launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`,
     `scan_vb` and `scan_nt` must match the kernels' NT, VB and VB / NC * KS (the simulator tests
     and the benchmark's sweep compile other variants). `tc`: the tensor-core variants (chunk
     `cn` = 16 x their warps, usually TC_CHUNK; the other three arguments do not apply)."""
     if tc:
         prep_threads = scan_nt = 2 * cn            # a warp per 16 chunk rows
-        scan_vb = TC_VB
+    scan_vb = scan_vb or (TC_VB if tc else SCAN_VB)
     sfx = "_tc" if tc else ""
     launch_fn("gdn_chunk_prep" + sfx, (b, nv, chunks), (prep_threads,),
               (core, w, p, g, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, query_start))

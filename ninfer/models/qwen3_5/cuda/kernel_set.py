@@ -245,8 +245,10 @@ def gdn_chunk_specs(dk, dv, nk, nv, tc: bool = False) -> dict:
     """The chunked delta rule's two kernels (prefill); constants from cuda/gdn_chunk.py. `tc`:
     the tensor-core variants (a bf16 model whose geometry gc.tc_ok takes)."""
     if tc:
-        return {name: spec(name, dk=dk, dv=dv, nk=nk, nv=nv, Cn=gc.TC_CHUNK)
-                for name in ("gdn_chunk_prep_tc", "gdn_chunk_scan_tc")}
+        return {"gdn_chunk_prep_tc": spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv,
+                                          Cn=gc.TC_CHUNK),
+                "gdn_chunk_scan_tc": spec("gdn_chunk_scan_tc", dk=dk, dv=dv, nk=nk, nv=nv,
+                                          Cn=gc.TC_CHUNK, VB=gc.TC_VB)}
     cn = gc.chunk_size(dk)
     if cn is None:
         return {}                    # check_geometry refuses such a model
