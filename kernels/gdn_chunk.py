@@ -62,6 +62,39 @@ def reduce_scatter8(acc, ks):
     acc[0] = (b if hi else a) + cuda.shfl_xor_sync(FULL_MASK, a if hi else b, 1)
 
 
+@inlined
+def chunk_gates(G, eg, bt, gbuf, proj, proj_stride, a_off, b_off, a_log, dt_bias, t0, L, h, nv,
+                tid, cn):
+    """A chunk's gates (threads < cn, one token each; the whole block calls it): beta into bt,
+    the cumulative log decay G in float64 (one thread: a sequential sum), then exp(G) into eg and
+    the per-token factors exp(G_i), exp(G_last - G_i) into gbuf. Rows past L get zero gates."""
+    if tid < cn:
+        gv = float32(0.0)
+        bv = float32(0.0)
+        if tid < L:
+            t = t0 + tid
+            # the same fp32 gate as gdn_recurrent
+            gv = -math.exp(a_log[h]) * softplus(proj[t * proj_stride + a_off + h] + dt_bias[h])
+            bv = sigmoid(proj[t * proj_stride + b_off + h])
+        eg[tid] = gv
+        bt[tid] = bv
+    cuda.syncthreads()
+    if tid == 0:
+        acc = float64(0.0)
+        for i in range(cn):
+            acc += float64(eg[i])
+            G[i] = acc
+    cuda.syncthreads()
+    if tid < cn:
+        e = float32(0.0)
+        if tid < L:
+            gb = ((t0 + tid) * nv + h) * 2
+            e = math.exp(float32(G[tid]))
+            gbuf[gb] = e
+            gbuf[gb + 1] = math.exp(float32(G[L - 1] - G[tid]))
+        eg[tid] = e              # eg now holds exp(G) (the cumulative sum above has read it)
+
+
 def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
@@ -91,31 +124,8 @@ def gdn_chunk_prep(dk, dv, nk, nv, Cn, NT, KT):
         A = cuda.shared.array(CC, float32)
         qt = cuda.shared.array(CKP, float32)
         kt = cuda.shared.array(CKP, float32)
-        if tid < Cn:
-            gv = float32(0.0)
-            bv = float32(0.0)
-            if tid < L:
-                t = t0 + tid
-                # the same fp32 gate as gdn_recurrent
-                gv = -math.exp(a_log[h]) * softplus(proj[t * proj_stride + a_off + h] + dt_bias[h])
-                bv = sigmoid(proj[t * proj_stride + b_off + h])
-            gl[tid] = gv
-            bt[tid] = bv
-        cuda.syncthreads()
-        if tid == 0:
-            acc = float64(0.0)
-            for i in range(Cn):
-                acc += float64(gl[i])
-                G[i] = acc
-        cuda.syncthreads()
-        if tid < Cn:
-            eg = float32(0.0)
-            if tid < L:
-                gb = ((t0 + tid) * nv + h) * 2
-                eg = math.exp(float32(G[tid]))
-                gbuf[gb] = eg
-                gbuf[gb + 1] = math.exp(float32(G[L - 1] - G[tid]))
-            gl[tid] = eg             # gl now holds exp(G) (the cumulative sum above has read it)
+        chunk_gates(G, gl, bt, gbuf, proj, proj_stride, a_off, b_off, a_log, dt_bias, t0, L, h,
+                    nv, tid, Cn)
 
         # k_i.k_j and q_i.k_j for j <= i, over dk in slices of KT columns
         accA = cuda.local.array(PPT, float32)

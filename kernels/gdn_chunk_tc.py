@@ -31,7 +31,8 @@ import math
 
 from numba import cuda, float32, float64, uint32
 
-from .common import inlined, sigmoid, softplus
+from .common import inlined
+from .gdn_chunk import chunk_gates
 from .ptx import mma_tf32, tf32
 
 
@@ -49,6 +50,16 @@ SIGNATURES = {
         "i32*"),
     "gdn_chunk_scan_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*"),
 }
+
+
+@inlined
+def mma_acc(acc, o, a0, a1, a2, a3, b0, b1):
+    """acc[o .. o + 4) += A B: one m16n8k8 tf32 mma into accumulators held in a local array."""
+    d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+    acc[o] = d0
+    acc[o + 1] = d1
+    acc[o + 2] = d2
+    acc[o + 3] = d3
 
 
 @inlined
@@ -101,31 +112,8 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         sA = cuda.shared.array(TT, float32)
         sT = cuda.shared.array(TT, float32)
         sX = cuda.shared.array(XSZ, float32)
-        if tid < Cn:
-            gv = float32(0.0)
-            bv = float32(0.0)
-            if tid < L:
-                t = t0 + tid
-                # the same fp32 gate as gdn_recurrent
-                gv = -math.exp(a_log[h]) * softplus(proj[t * proj_stride + a_off + h] + dt_bias[h])
-                bv = sigmoid(proj[t * proj_stride + b_off + h])
-            eg[tid] = gv
-            bt[tid] = bv
-        cuda.syncthreads()
-        if tid == 0:
-            acc = float64(0.0)
-            for i in range(Cn):
-                acc += float64(eg[i])
-                G[i] = acc
-        cuda.syncthreads()
-        if tid < Cn:
-            e = float32(0.0)
-            if tid < L:
-                gb = ((t0 + tid) * nv + h) * 2
-                e = math.exp(float32(G[tid]))
-                gbuf[gb] = e
-                gbuf[gb + 1] = math.exp(float32(G[L - 1] - G[tid]))
-            eg[tid] = e              # eg now holds exp(G) (the cumulative sum above has read it)
+        chunk_gates(G, eg, bt, gbuf, proj, proj_stride, a_off, b_off, a_log, dt_bias, t0, L, h,
+                    nv, tid, Cn)
         cuda.syncthreads()
 
         lane = tid & 31
@@ -162,18 +150,8 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
                     kj = (t0 + j) * C + kh * dk + ko + c
                     b0 = ld_tf32(qkv, kj, j < L)
                     b1 = ld_tf32(qkv, kj + 4, j < L)
-                    d0, d1, d2, d3 = mma_tf32(k0, k1, k2, k3, b0, b1, accK[4 * nt],
-                                              accK[4 * nt + 1], accK[4 * nt + 2], accK[4 * nt + 3])
-                    accK[4 * nt] = d0
-                    accK[4 * nt + 1] = d1
-                    accK[4 * nt + 2] = d2
-                    accK[4 * nt + 3] = d3
-                    d0, d1, d2, d3 = mma_tf32(q0, q1, q2, q3, b0, b1, accQ[4 * nt],
-                                              accQ[4 * nt + 1], accQ[4 * nt + 2], accQ[4 * nt + 3])
-                    accQ[4 * nt] = d0
-                    accQ[4 * nt + 1] = d1
-                    accQ[4 * nt + 2] = d2
-                    accQ[4 * nt + 3] = d3
+                    mma_acc(accK, 4 * nt, k0, k1, k2, k3, b0, b1)
+                    mma_acc(accQ, 4 * nt, q0, q1, q2, q3, b0, b1)
         # A (strictly lower, into shared) and P (lower with the diagonal, to pbuf) with decays
         for nt in range(CT):
             for e in range(4):
@@ -262,12 +240,7 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
                     for nt in range(GROUP // 8):
                         b0 = ld_tf32_scaled(qkv, x0 + nt * 8, f0, c < L)
                         b1 = ld_tf32_scaled(qkv, x1 + nt * 8, f1, c + 4 < L)
-                        d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b0, b1, acc[4 * nt],
-                                                  acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
-                        acc[4 * nt] = d0
-                        acc[4 * nt + 1] = d1
-                        acc[4 * nt + 2] = d2
-                        acc[4 * nt + 3] = d3
+                        mma_acc(acc, 4 * nt, a0, a1, a2, a3, b0, b1)
             for nt in range(GROUP // 8):
                 for e in range(4):
                     i = ia + 8 * (e // 2)
@@ -370,18 +343,8 @@ def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn, VB=32):
                 for nt in range(NT4):
                     b0 = tf32(sS[c * SS + nt * 8 + g])
                     b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
-                    d0, d1, d2, d3 = mma_tf32(w0, w1, w2, w3, b0, b1, accV[4 * nt],
-                                              accV[4 * nt + 1], accV[4 * nt + 2], accV[4 * nt + 3])
-                    accV[4 * nt] = d0
-                    accV[4 * nt + 1] = d1
-                    accV[4 * nt + 2] = d2
-                    accV[4 * nt + 3] = d3
-                    d0, d1, d2, d3 = mma_tf32(x0, x1, x2, x3, b0, b1, accO[4 * nt],
-                                              accO[4 * nt + 1], accO[4 * nt + 2], accO[4 * nt + 3])
-                    accO[4 * nt] = d0
-                    accO[4 * nt + 1] = d1
-                    accO[4 * nt + 2] = d2
-                    accO[4 * nt + 3] = d3
+                    mma_acc(accV, 4 * nt, w0, w1, w2, w3, b0, b1)
+                    mma_acc(accO, 4 * nt, x0, x1, x2, x3, b0, b1)
             # V' = U - W S into shared memory (rows past L: U and W are zero there, so is V');
             # O starts as exp(G_i) (Q S)
             for nt in range(NT4):
@@ -407,13 +370,7 @@ def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn, VB=32):
                     for nt in range(NT4):
                         b0 = tf32(sV[c * SS + nt * 8 + g])
                         b1 = tf32(sV[(c + 4) * SS + nt * 8 + g])
-                        d0, d1, d2, d3 = mma_tf32(p0, p1, p2, p3, b0, b1, accO[4 * nt],
-                                                  accO[4 * nt + 1], accO[4 * nt + 2],
-                                                  accO[4 * nt + 3])
-                        accO[4 * nt] = d0
-                        accO[4 * nt + 1] = d1
-                        accO[4 * nt + 2] = d2
-                        accO[4 * nt + 3] = d3
+                        mma_acc(accO, 4 * nt, p0, p1, p2, p3, b0, b1)
             for nt in range(NT4):
                 for e in range(4):
                     i = ia + 8 * (e // 2)
@@ -441,12 +398,7 @@ def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn, VB=32):
                             b0 = tf32(sV[j * SS + nt * 8 + g])
                             b1 = tf32(sV[(j + 4) * SS + nt * 8 + g])
                             s = (u * NT4 + nt) * 4
-                            d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b0, b1, Sr[s], Sr[s + 1],
-                                                      Sr[s + 2], Sr[s + 3])
-                            Sr[s] = d0
-                            Sr[s + 1] = d1
-                            Sr[s + 2] = d2
-                            Sr[s + 3] = d3
+                            mma_acc(Sr, s, a0, a1, a2, a3, b0, b1)
             cuda.syncthreads()       # the next chunk rewrites sS, sV, gq, gk
         for u in range(MT):
             for nt in range(NT4):
