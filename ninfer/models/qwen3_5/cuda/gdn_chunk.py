@@ -36,7 +36,8 @@ SCAN_IB = 4                         # chunk rows a scan thread reduces together
 
 
 # the tensor-core variants: 64-token chunks (4 warps of 16 chunk rows), TC_VB value columns per
-# scan block (kernels/gdn_chunk_tc.VB), U / W in groups of 32 columns
+# scan block (the scan kernel's VB: 32 measured fastest at the 27B heads, 16 and 8 slower), U / W
+# in groups of 32 columns
 TC_CHUNK = 64
 TC_VB = 32
 
@@ -121,7 +122,8 @@ def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *
     """The two launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`,
     `scan_vb` and `scan_nt` must match the kernels' NT, VB and VB / NC * KS (the simulator tests
     and the benchmark's sweep compile other variants). `tc`: the tensor-core variants (chunk
-    `cn` = 16 x their warps, usually TC_CHUNK; the other three arguments do not apply)."""
+    `cn` = 16 x their warps, usually TC_CHUNK; threads follow from it, `scan_vb` defaults to
+    TC_VB)."""
     if tc:
         prep_threads = scan_nt = 2 * cn            # a warp per 16 chunk rows
     scan_vb = scan_vb or (TC_VB if tc else SCAN_VB)

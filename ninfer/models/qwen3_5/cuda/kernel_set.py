@@ -14,8 +14,9 @@ from . import qweights as qw
 
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
-MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "gdn_chunk_tc", "rope_kv", "attention",
-           "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision", "speculate")
+MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "gdn_chunk_tc", "rope_kv",
+           "attention", "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision",
+           "speculate")
 
 
 def declared_signatures(module: str) -> dict:
