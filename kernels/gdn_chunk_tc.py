@@ -15,7 +15,8 @@ chunk positions, and state rows 16 (w + NW u) .. + 16 of the state update.
 gdn_chunk_prep_tc: grid (row, value head, chunk), fully parallel. K K^T and Q K^T on the tensor
 cores (only the tiles left of the diagonal), A and P formed with the decays, T in fp32 by
 16 x 16 blocks (the diagonal ones by forward substitution, the rest from the rows above), then
-U (into `core`, in place of the output) and W as T times the scaled V and K tiles. Writes P and the per-token decay factors.
+U (into `core`, in place of the output) and W as T times the scaled V and K tiles. Writes P and
+the per-token decay factors.
 gdn_chunk_scan_tc: grid (row, value head, VB value columns: 32, 16 or 8), sequential over the
 row's chunks.
 The state slice S [dk, VB] lives in the warps' accumulator registers; each chunk stages it in
