@@ -10,7 +10,7 @@ chat   one session of --turns turns (token prompts: turn t = turn t-1's prompt +
        so `ratio` = turn TTFT with the cache / prefill time of the new tokens alone (issue 12's
        target: <= 1.2 + 5 ms), and what the cache did during the turn (Engine.stats() deltas:
        demotions, promotions, dropped older checkpoints, milliseconds of host-tier copies each
-       way; entries and State slots after it). Token prompts keep each answer as generated, as an agent's
+       way and of taking checkpoints on the commit path; entries and State slots after it). Token prompts keep each answer as generated, as an agent's
        tool-call turns are (the Qwen3.5 template rewrites a plain chat turn: it drops the think
        block when a new user query follows, so there only the prompt checkpoint is reused).
 agent  --sessions sessions sent at once, sharing a --system-tokens system prompt, each then a
@@ -92,6 +92,7 @@ def _cache_delta(before: dict, after: dict) -> dict:
                 to_host_ms=1e3 * d("prefix_cache_copy_seconds_to_host"),
                 to_device_ms=1e3 * d("prefix_cache_copy_seconds_to_device"),
                 pin_ms=1e3 * d("prefix_cache_pin_seconds"),
+                capture_ms=1e3 * d("prefix_cache_capture_seconds"),
                 entries=after.get("prefix_cache_entries", 0),
                 slots=after.get("prefix_cache_slots_total", 0))
 
@@ -141,7 +142,8 @@ def chat(path, args) -> list:
                   f"demoted {cache['demotions']} promoted {cache['promotions']} subsumed "
                   f"{cache['subsumed']}, copies to host {cache['to_host_ms']:.1f} ms (pinning "
                   f"{cache['pin_ms']:.1f} ms) / to device "
-                  f"{cache['to_device_ms']:.1f} ms, entries {cache['entries']} of "
+                  f"{cache['to_device_ms']:.1f} ms, captures {cache['capture_ms']:.1f} ms, "
+                  f"entries {cache['entries']} of "
                   f"{cache['slots']} slots"
                   + ("" if differs_at is None else f" | answer differs from token {differs_at}")
                   + "\n         prefill calls (tokens@context ms): "

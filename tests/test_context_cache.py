@@ -241,6 +241,7 @@ def test_a_sessions_previous_continuation_goes_when_its_newest_extends_it():
     continuation another session also names stays."""
     core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
     rm = core.context_cache
+    assert core.stats()["prefix_cache_capture_seconds"] == 0.0
     prompt_ids, conts, covered = prompt(60, 10), [], 0
     for turn in range(3):
         params = _params("greedy", turn)
@@ -255,6 +256,8 @@ def test_a_sessions_previous_continuation_goes_when_its_newest_extends_it():
         prompt_ids = np.concatenate([prompt_ids, np.asarray(res.token_ids, np.int32),
                                      prompt(61 + turn, 5)]).astype(np.int32)
     assert rm.subsumed == 2 and core.stats()["prefix_cache_subsumed"] == 2
+    # the captures were timed (prompt checkpoints at commits, continuations at settle)
+    assert core.stats()["prefix_cache_capture_seconds"] > 0.0
     rm.check_invariants()
     # another session names the newest continuation: the next turn keeps it
     shared = conts[-1]

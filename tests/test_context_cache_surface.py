@@ -115,7 +115,8 @@ def test_metrics_render_the_cache_stats():
                     "prefix_cache_tokens_reused": 1234, "prefix_cache_device_bytes": 4096,
                     "prefix_cache_host_bytes": 512, "prefix_cache_entries": 3,
                     "prefix_cache_slots_total": 40, "prefix_cache_copy_seconds_to_host": 0.25,
-                    "prefix_cache_copy_seconds_to_device": 0.125}
+                    "prefix_cache_copy_seconds_to_device": 0.125,
+                    "prefix_cache_capture_seconds": 0.0625}
 
     from ninfer.serve import create_app
     text = testing.TestClient(create_app(Stats())).simulate_get("/metrics").text
@@ -129,6 +130,7 @@ def test_metrics_render_the_cache_stats():
                  "ninfer_prefix_cache_state_slots 40.0",
                  'ninfer_prefix_cache_copy_seconds_total{direction="to_host"} 0.25',
                  'ninfer_prefix_cache_copy_seconds_total{direction="to_device"} 0.125',
+                 "ninfer_prefix_cache_capture_seconds_total 0.0625",
                  "# TYPE ninfer_prefix_cache_hits_total counter",
                  "# TYPE ninfer_prefix_cache_copy_seconds_total counter"):
         assert line in lines, (line, text)

@@ -27,6 +27,7 @@ request.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -84,6 +85,9 @@ class ContextCache:
         self.promotions = 0
         self.evictions = 0
         self.subsumed = 0
+        # wall seconds the commit and settle paths spent taking checkpoints (room made included:
+        # a demotion on that path counts here and in the store's copy seconds)
+        self.capture_seconds = 0.0
 
     # ---- settling -------------------------------------------------------------------------------
     def settle_finished(self, seq_id: int, *, keep: bool = False, session: Optional[str] = None,
@@ -93,7 +97,9 @@ class ContextCache:
         published to `session` with publication `order`, when room can be made for it."""
         cid = None
         if keep:
+            t0 = time.perf_counter()
             cid = self._keep_continuation(seq_id, media_digest, session)
+            self.capture_seconds += time.perf_counter() - t0
         if cid is None:
             self.program.release(seq_id)
         if session is not None and cid is not None:
@@ -273,10 +279,13 @@ class ContextCache:
         equal checkpoint is cached already. One Program question finds the due ones."""
         rows = list(rows)
         due = self.program.due_captures([seq_id for seq_id, _ in rows])
+        t0 = time.perf_counter()
         for seq_id, media_digest in rows:
             tokens = due.get(seq_id)
             if tokens is not None:
                 self._capture(seq_id, tokens, media_digest)
+        if due:
+            self.capture_seconds += time.perf_counter() - t0
         self.keep_headroom()
 
     def keep_headroom(self, idle: bool = False, stop=None) -> None:
@@ -498,4 +507,5 @@ class ContextCache:
                 "prefix_cache_idle_demotions": self.idle_demotions,
                 "prefix_cache_promotions": self.promotions,
                 "prefix_cache_evictions": self.evictions,
-                "prefix_cache_subsumed": self.subsumed}
+                "prefix_cache_subsumed": self.subsumed,
+                "prefix_cache_capture_seconds": self.capture_seconds}

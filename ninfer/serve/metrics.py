@@ -36,7 +36,8 @@ _CACHE_COPIES = (("prefix_cache_copy_seconds_to_host", "to_host"),
                  ("prefix_cache_copy_seconds_to_device", "to_device"))
 _CACHE_KEYS = frozenset([key for key, _, _ in _CACHE_COUNTERS] + [key for key, _ in _CACHE_BYTES]
                         + [key for key, _ in _CACHE_COPIES]
-                        + ["prefix_cache_entries", "prefix_cache_slots_total"])
+                        + ["prefix_cache_entries", "prefix_cache_slots_total",
+                           "prefix_cache_capture_seconds"])
 
 # speculative decoding's Engine.stats() keys (Engine(speculative="mtp")), exported by _spec_metrics
 _SPEC_COUNTERS = (
@@ -108,6 +109,11 @@ def _cache_metrics(stats: dict):
     for key, direction in _CACHE_COPIES:
         copies.add_metric([direction], float(stats.get(key, 0.0)))
     yield copies
+    capture = CounterMetricFamily("ninfer_prefix_cache_capture_seconds",
+                                  "seconds the engine's commit path spent taking checkpoints "
+                                  "(making room for them included)")
+    capture.add_metric([], float(stats.get("prefix_cache_capture_seconds", 0.0)))
+    yield capture
 
 
 def _spec_metrics(stats: dict):
