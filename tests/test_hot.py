@@ -149,3 +149,80 @@ def test_pack_decode_rejects_too_many_rows(impl):
         impl.pack_decode(np.zeros(lay.count + 64, np.int32), lay.field_offsets, lay.n_cap,
                          lay.p_cap, batch.token_ids, batch.positions, batch.context_lens,
                          batch.state_slots, batch.block_tables)
+
+
+# ---- the MoE prefill's row layout (routes.pyx / routes_py.py) -----------------------------------
+
+from ninfer._hot import routes_py   # noqa: E402
+
+try:
+    routes_compiled = importlib.import_module("ninfer._hot.routes")
+except ImportError:                      # not built here: the twin is what runs
+    routes_compiled = None
+
+ROUTE_IMPLS = [pytest.param(routes_py, id="python")] + (
+    [pytest.param(routes_compiled, id="compiled")] if routes_compiled is not None else [])
+
+
+def test_routes_dispatch_picks_an_implementation():
+    assert hot.ROUTES_COMPILED == (routes_compiled is not None)
+    assert hot.expert_rows_fill is (routes_compiled or routes_py).expert_rows_fill
+
+
+def _routes_oracle(ids, top_k, num_experts, cap):
+    """Expert by expert, pair by pair: the layout's definition, independent of either impl."""
+    rows_of = {e: [p for p in range(len(ids)) if ids[p] == e] for e in range(num_experts)}
+    row_of_pair = np.full(len(ids), -1, np.int64)
+    nxt = num_experts * cap
+    over_rows = []
+    for e in range(num_experts):
+        for rank, p in enumerate(rows_of[e]):
+            if rank < cap:
+                row_of_pair[p] = e * cap + rank
+            else:
+                row_of_pair[p] = nxt
+                over_rows.append(nxt)
+                nxt += 1
+    src = np.zeros(nxt, np.int64)
+    for p, row in enumerate(row_of_pair):
+        src[row] = p // top_k
+    return nxt, src, row_of_pair
+
+
+@pytest.mark.parametrize("impl", ROUTE_IMPLS)
+@pytest.mark.parametrize("tokens, top_k, num_experts, cap, skew",
+                         [(1, 1, 1, 0, 0.0), (5, 2, 4, 0, 0.0), (37, 8, 64, 16, 0.0),
+                          (37, 8, 64, 0, 0.9), (200, 4, 16, 16, 0.6), (64, 8, 256, 32, 0.0),
+                          (9, 3, 7, 48, 0.0)])
+def test_expert_rows_fill_matches_the_definition(impl, tokens, top_k, num_experts, cap, skew):
+    """Row of every pair and token of every row as the layout defines them (padded block, then
+    each heavy expert's overflow in expert order, pairs in order within an expert), padding
+    rows 0, on poisoned outputs; uniform and skewed routing (a hot expert overflows), cap 0
+    (every row overflow) and a cap no expert reaches."""
+    rng = np.random.default_rng(tokens * 7 + num_experts + cap)
+    ids = np.empty((tokens, top_k), np.int32)
+    for t in range(tokens):
+        hot_first = rng.random() < skew and top_k <= num_experts
+        choice = rng.choice(num_experts, top_k, replace=False)
+        if hot_first and 0 not in choice:
+            choice[0] = 0
+        ids[t] = choice
+    ids = ids.reshape(-1)
+    rows, src_want, rop_want = _routes_oracle(ids, top_k, num_experts, cap)
+    counts = np.bincount(ids, minlength=num_experts).astype(np.int32)
+    src = np.full(rows + 5, -9, np.int32)
+    rop = np.full(len(ids), -9, np.int32)
+    got = impl.expert_rows_fill(ids, top_k, num_experts, cap, counts, src, rop)
+    assert got == rows
+    np.testing.assert_array_equal(rop, rop_want)
+    np.testing.assert_array_equal(src[:rows], src_want)
+    assert (src[rows:] == -9).all()             # nothing written past the rows
+
+
+def test_compiled_routes_reject_out_of_range_ids():
+    if routes_compiled is None:
+        pytest.skip("routes.pyx not built here")
+    with pytest.raises(ValueError, match="outside"):
+        routes_compiled.expert_rows_fill(np.array([0, 4], np.int32), 1, 4, 0,
+                                         np.array([1, 0, 0, 0], np.int32),
+                                         np.zeros(8, np.int32), np.zeros(2, np.int32))

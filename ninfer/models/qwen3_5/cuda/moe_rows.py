@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .... import _hot as hot
+
 CAP_ALIGN = 16
 GROUP_ROWS = 8              # rows of x one qmma block multiplies (its mma's n)
 # ~10 us per extra cuBLASLt call vs ~17 ns of tensor-core time per row of a 35B-A3B expert pair
@@ -64,25 +66,19 @@ def expert_rows(ids: np.ndarray, top_k: int, num_experts: int, max_rows: int,
     counts = np.bincount(ids, minlength=num_experts)
     if cap is None:
         cap = choose_cap(counts, max_rows, launch_rows)
-    # a stable sort of ids < 2^15 as int16 is numpy's radix sort: ~10x faster than on int64
-    # (this runs on the host once per MoE layer of every prefill call)
-    key = ids.astype(np.int16) if num_experts <= 1 << 15 else ids
-    order = np.argsort(key, kind="stable")                 # expert-sorted position -> pair
-    e_sorted = ids[order].astype(np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    rank = np.arange(pairs) - starts[e_sorted]             # rank of each sorted pair in its expert
     over = np.maximum(counts - cap, 0)
     block = num_experts * cap
-    over_first = block + np.concatenate([[0], np.cumsum(over)[:-1]])
-    row = np.where(rank < cap, e_sorted * cap + rank, over_first[e_sorted] + rank - cap)
     rows = block + int(over.sum())
     if rows > max_rows:
         raise ValueError(f"expert rows: {rows} rows exceed the workspace's {max_rows}")
+    # the rows themselves: ninfer._hot (one compiled pass over the pairs where built: this runs
+    # on the host between a sync and the layer's next launches, once per MoE layer of a prefill)
     row_of_pair = np.empty(pairs, np.int32)
-    row_of_pair[order] = row
-    src = np.zeros(rows, np.int32)
-    src[row] = order // top_k
+    src = np.empty(rows, np.int32)
+    hot.expert_rows_fill(np.ascontiguousarray(ids, np.int32), top_k, num_experts, cap,
+                         counts.astype(np.int32), src, row_of_pair)
     heavy = np.nonzero(over)[0]
+    over_first = block + np.concatenate([[0], np.cumsum(over)[:-1]])
     return ExpertRows(cap, rows, src, row_of_pair,
                       tuple((int(e), int(over_first[e]), int(over[e])) for e in heavy))
 
