@@ -5,15 +5,22 @@ import numpy as np
 import pytest
 
 import ninfer._hot as hot
-from ninfer._hot import pages_py
+from ninfer._hot import pages_py, routes_py
 
-try:
-    compiled = importlib.import_module("ninfer._hot.pages")
-except ImportError:                      # not built here: the twin is what runs
-    compiled = None
 
-IMPLS = [pytest.param(pages_py, id="python")] + (
-    [pytest.param(compiled, id="compiled")] if compiled is not None else [])
+def _impls(name, twin):
+    """ninfer._hot.<name> (None where it was not built: the twin is what runs) and the
+    implementations to test: the twin, and the compiled module when there is one."""
+    try:
+        built = importlib.import_module(f"ninfer._hot.{name}")
+    except ImportError:
+        built = None
+    return built, [pytest.param(twin, id="python")] + (
+        [pytest.param(built, id="compiled")] if built is not None else [])
+
+
+compiled, IMPLS = _impls("pages", pages_py)
+routes_compiled, ROUTE_IMPLS = _impls("routes", routes_py)
 
 
 def test_dispatch_picks_an_implementation():
@@ -152,17 +159,6 @@ def test_pack_decode_rejects_too_many_rows(impl):
 
 
 # ---- the MoE prefill's row layout (routes.pyx / routes_py.py) -----------------------------------
-
-from ninfer._hot import routes_py   # noqa: E402
-
-try:
-    routes_compiled = importlib.import_module("ninfer._hot.routes")
-except ImportError:                      # not built here: the twin is what runs
-    routes_compiled = None
-
-ROUTE_IMPLS = [pytest.param(routes_py, id="python")] + (
-    [pytest.param(routes_compiled, id="compiled")] if routes_compiled is not None else [])
-
 
 def test_routes_dispatch_picks_an_implementation():
     assert hot.ROUTES_COMPILED == (routes_compiled is not None)
