@@ -25,8 +25,8 @@ memory for P V' and the update, and accumulates (K exp(G_last - G))^T V' into th
 
 Rows past a chunk's length load as zeros (their products vanish) and are never stored: the
 next row's tokens follow them in every buffer. tf32 keeps 10 mantissa bits of each operand
-(relative error 2^-11, a quarter of bf16's): the bf16 model's path; dtype="float32" keeps the
-fp32 kernels of gdn_chunk.py.
+(relative error 2^-11, an eighth of bf16's 2^-8): the bf16 model's path; dtype="float32" keeps
+the fp32 kernels of gdn_chunk.py.
 """
 import math
 
