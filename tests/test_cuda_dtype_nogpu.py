@@ -281,6 +281,13 @@ def test_float32_workspace_plan_covers_the_workspace(shape, b_cap, n_cap, max_co
         for name in ("x", "act", "xf") + (("xg", "gact") if cfg.is_moe else ()):
             assert getattr(ws, name).dtype == gin, name
         assert (ws.tc.l_cap == 0) == f32                 # no tensor-core buffers in float32
+        if cfg.linear_layer_ids:     # the chunked delta rule: tensor cores (chunks of 64) for bf16
+            from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
+            tc = not f32 and gc.tc_ok(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+            assert tc == (not f32 and "tiny" not in shape)      # every release geometry takes it
+            assert ws.gdn_tc == tc and ws.gdn_cn == (
+                gc.TC_CHUNK if tc else gc.chunk_size(cfg.linear_key_head_dim))
+            assert ws.gdn_p.shape == (n_cap, cfg.linear_num_value_heads, ws.gdn_cn)
         sizes[f32] = workspace_bytes(
             cfg, f32=f32, n_cap=n_cap, lg_cap=m.lg_cap, part_rows=part_rows, max_keys=m.max_keys,
             meta_bytes=m.eager_layout.nbytes + m.decode_layout.nbytes)
