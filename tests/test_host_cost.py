@@ -23,15 +23,20 @@ ROWS = 8
 
 class _TimedCore(EngineCore):
     """Times every worker cycle from the first with all ROWS resident; cancels every request once
-    NUM_CYCLES cycles ran."""
+    NUM_CYCLES cycles ran. The worker cycles only once `go` is set: every row is submitted before
+    any decodes, so no row can finish its budget while the test thread still submits (CI once
+    stretched that ramp past the rows' 32 spare tokens: they all finished short of the count and
+    the worker went idle)."""
 
     def __init__(self, *args, **kwargs):
         self.cycle_s: list = []
         self.handles: list = []
         self.done = threading.Event()
+        self.go = threading.Event()
         super().__init__(*args, **kwargs)
 
     def _cycle(self):
+        self.go.wait()
         t0 = time.perf_counter()
         super()._cycle()
         if not self.cycle_s and len(self._residents) < ROWS:
@@ -57,10 +62,12 @@ def test_cycle_cost_is_flat_over_a_long_run(monkeypatch):
         rng = np.random.default_rng(0)
         core.handles = [core.submit(rng.integers(1, 64, 16).astype(np.int32), params)
                         for _ in range(ROWS)]
+        core.go.set()
         assert core.done.wait(120), "the run did not reach its cycle count"
         for h in core.handles:
             h.result(timeout=30)
     finally:
+        core.go.set()
         core.shutdown()
     assert max(model.batch_sizes[10:NUM_CYCLES - 10]) == ROWS   # every row decoded together
     cycles = np.asarray(core.cycle_s[:NUM_CYCLES])
