@@ -10,7 +10,7 @@ from numba import cuda, float32, int32, int64
 
 from .common import (FULL_MASK, bf16x2_hi, bf16x2_lo, inlined, sigmoid, silu, storage, warp_max,
                      warp_sum)
-from .ptx import ld_v4, ld_v4_stream
+from .ptx import ld_v4, ld_v4_stream, st_v4
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -18,7 +18,7 @@ SIGNATURES = {
     "expert_gate_up": ("f32*", "u32*", "u32*", "i32*", "i32"),
     "expert_down": ("f32*", "f32*", "u32*", "i32*"),
     "moe_combine": ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32"),
-    "gather_rows": ("u16*", "u16*", "i32*", "i32"),
+    "gather_rows": ("u32*", "u32*", "i32*", "i32"),
 }
 
 ROUTER_THREADS = 32      # router_topk: one warp a token
@@ -234,13 +234,26 @@ def moe_combine(H, K):
     return moe_combine_kernel
 
 
-def gather_rows(f32=False):
-    # `f32` only selects the signature (fp32 rows): the copy is the same
-    def gather_rows_kernel(out, x, src_row, width):
-        # out[p, :] = x[src_row[p], :] (bf16 rows); grid (rows, ceil(width/256))
-        j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+GATHER_THREADS = 128     # gather_rows: 16 bytes a thread, grid.y = ceil(words / (4 * 128))
+
+
+def gather_rows():
+    # rows as 32-bit words (bf16 pairs or fp32, the same copy): 16-byte loads and stores where
+    # a row is whole 16-byte groups (aligned: the workspace's rows start 256-byte aligned);
+    # measured 11.3 ms of a 35B-A3B 4096-token prefill with a 2-byte element a thread
+    def gather_rows_kernel(out, x, src_row, words):
+        # out[p, :] = x[src_row[p], :]; grid (rows, ceil(words / (4 * GATHER_THREADS)))
         p = cuda.blockIdx.x
-        if j < width:
-            out[p * width + j] = x[src_row[p] * width + j]
+        j = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) * 4
+        if j >= words:
+            return
+        s = int64(src_row[p]) * words + j
+        d = int64(p) * words + j
+        if words % 4 == 0:
+            a, b, c, e = ld_v4(x, s)
+            st_v4(out, d, a, b, c, e)
+        else:
+            for q in range(min(4, words - j)):
+                out[d + q] = x[s + q]
     return gather_rows_kernel
 

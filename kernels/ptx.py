@@ -12,6 +12,8 @@ with a twin for numba's CPU simulator that computes the same bits with numpy.
                           whole 256-byte span from memory (the rest of it is read next);
                           ld_v2_stream, ld_stream likewise
     ld_v4_f32(p, i)       ld.global.nc.v4.f32 of a float32 pointer: four floats
+    st_v4(p, i, a, b, c, d)
+                          st.global.v4.u32 of four words at p[i .. i + 4) (i a multiple of 4)
     mma_bf16(a0..a3, b0, b1, c0..c3)
                           mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a warp's
                           D[16, 8] = A[16, 16] B[16, 8] + C in fp32. Lane l (g = l / 4, t = l % 4)
@@ -78,6 +80,9 @@ if config.ENABLE_CUDASIM:
 
     ld_stream, ld_v2_stream, ld_v4_stream = ld_1, ld_v2, ld_v4
     ld_v4_f32 = ld_v4
+
+    def st_v4(p, i, a, b, c, d):
+        p[i], p[i + 1], p[i + 2], p[i + 3] = a, b, c, d
 
     _WARPS, _LOCK = {}, threading.Lock()
 
@@ -215,6 +220,20 @@ else:
                        "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l")
             return context.make_tuple(builder, sig.return_type,
                                       [builder.extract_value(res, j) for j in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def st_v4(typingctx, p, i, a, b, c, d):
+        # st.global.v4.u32 [p + 4 i], {a, b, c, d} (i a multiple of 4: 16 bytes)
+        u = types.uint32
+        sig = types.void(p, types.int64, u, u, u, u)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            ftype = ir.FunctionType(ir.VoidType(), [addr.type] + [_I32] * 4)
+            builder.asm(ftype, "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+                        [addr, *args[2:]], side_effect=True)
+            return context.get_dummy_value()
         return sig, codegen
 
     def _mma(shape_types):

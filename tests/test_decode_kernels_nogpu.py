@@ -25,7 +25,8 @@ def test_decode_kernels_on_the_simulator(seed=0):
     stable sort's (ties among the logits, one for the top), E not a multiple of 32 and above
     256, with and without renormalised weights. argmax (16-byte groups, four a thread at once): np.argmax's
     ids exactly, ties and rows of -inf included. rmsnorm with the row in registers and wider than
-    that (the two-pass loop)."""
+    that (the two-pass loop). gather_rows (16 bytes a thread): the source rows exactly, whole and
+    partial 16-byte groups."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore",
@@ -33,7 +34,7 @@ def test_decode_kernels_on_the_simulator(seed=0):
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out) == 17, out
+    assert len(out) == 19, out
     for key, v in out.items():
         if key.endswith(("untouched", "ids")):
             assert v is True, key
@@ -50,4 +51,18 @@ def test_combine_launch_matches_the_kernel():
     assert _import_kernel_module("attention").COMBINE_GROUPS == runner.COMBINE_GROUPS
     assert _import_kernel_module("moe").DOWN_ROWS == runner.EXPERT_DOWN_ROWS
     assert _import_kernel_module("moe").ROUTER_THREADS == runner.ROUTER_THREADS
+    assert _import_kernel_module("moe").GATHER_THREADS == runner.GATHER_THREADS
     assert runner.combine_launch(3, 16, 256) == ((3, 16, 8), (32 * runner.COMBINE_GROUPS,))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
+def test_gather_rows_copies_16_bytes_a_thread_in_its_ptx():
+    """The vector path is one 16-byte load and one 16-byte store (kernels/ptx.py st_v4), not
+    four word copies: what the rework is for."""
+    from ninfer.core.cuda import kernels as K
+    from ninfer.models.qwen3_5.cuda.kernel_set import spec
+    try:
+        ptx = K.compile_spec(spec("gather_rows"), (9, 0))
+    except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
+        pytest.skip(f"numba-cuda cannot compile here: {exc}")
+    assert ptx.count("ld.global.nc.v4.u32") == 1 and ptx.count("st.global.v4.u32") == 1

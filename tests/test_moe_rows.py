@@ -177,11 +177,12 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
 
         def launch(self, st, grid, block, args, smem=0):
             if self.name == "gather_rows":
-                out, x, route, width = args
+                out, x, route, words = args        # rows of 32-bit words
                 rows = grid[0]
+                assert block == (R.GATHER_THREADS,) and grid[1] * 4 * block[0] >= words
                 src = mem.arr(route, np.int32)[:rows]
-                mem.arr(out)[: rows * width].reshape(rows, width)[:] = \
-                    mem.arr(x).reshape(-1, width)[src]
+                mem.arr(out, np.uint32)[: rows * words].reshape(rows, words)[:] = \
+                    mem.arr(x, np.uint32).reshape(-1, words)[src]
             elif self.name == "qmma":
                 # the grouped mode only (moe_rows.expert_groups), weights from `decoded`
                 y, x, w, _, _, _, nn, k, ldy, *_, ids, topk, _, _, _ = \

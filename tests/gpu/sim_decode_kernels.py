@@ -139,6 +139,20 @@ def rmsnorm(r, H: int, threads: int = 64) -> float:
     return rel(o.reshape(2, H), xs / np.sqrt((xs * xs).mean(1, keepdims=True) + 1e-6) * (1 + w))
 
 
+def gather(r, words: int, rows: int = 5) -> bool:
+    """gather_rows: rows of `words` 32-bit words (whole 16-byte groups: the vector path; else
+    the word loop), a source row repeated, every output word written exactly once (poisoned
+    first, a row past the grid's rows untouched)."""
+    from ninfer.models.qwen3_5.cuda.runner import GATHER_THREADS
+    x = r.integers(0, 2 ** 32, (7, words), dtype=np.uint32)
+    src = np.array([3, 0, 6, 3, 5], np.int32)[:rows]
+    out = np.full((rows + 1, words), 0xDEADBEEF, np.uint32)
+    kernel("moe", "gather_rows")[(rows, -(-words // (4 * GATHER_THREADS)), 1),
+                                 (GATHER_THREADS, 1, 1)](out.reshape(-1), x.reshape(-1), src,
+                                                         words)
+    return bool(np.array_equal(out[:rows], x[src]) and (out[rows] == 0xDEADBEEF).all())
+
+
 def main(seed: int) -> dict:
     r = np.random.default_rng(seed)
     out = {}
@@ -155,6 +169,8 @@ def main(seed: int) -> dict:
         out[f"rmsnorm/{H}/f32"] = rmsnorm(r, H)
     for key, v in experts(r).items():
         out[f"expert_{key}/vec/bf16"] = v
+    for words in (1024, 150):              # 16-byte groups over two blocks; a partial group
+        out[f"gather_rows/{words}w/ids"] = gather(r, words)
     return out
 
 

@@ -478,13 +478,18 @@ def test_grouped_experts_and_combine(g, H, I, E, K, n, f32):
 
 
 @STORAGE
-def test_gather_rows(g, f32):
+@pytest.mark.parametrize("width", [300, 2048, 4104])
+def test_gather_rows(g, f32, width):
+    # rows as 32-bit words: whole 16-byte groups (2048; 4104 bf16 past one block of 512 words),
+    # a partial group (300 bf16 = 150 words); one kernel for both storages
+    from ninfer.models.qwen3_5.cuda.runner import GATHER_THREADS
     r = rng(11)
-    x = store_as(r.standard_normal((9, 300)), f32)
+    x = store_as(r.standard_normal((9, width)), f32)
+    words = x.nbytes // 9 // 4
     src = r.integers(0, 9, 23).astype(np.int32)
-    out = g.empty((23, 300), gin(f32))
-    g.run("gather_rows", (23, (300 + 255) // 256), (256,), (out, g.put(x), g.put(src), 300),
-          dict(f32=f32))
+    out = g.empty((23, width), gin(f32))
+    g.run("gather_rows", (23, -(-words // (4 * GATHER_THREADS))), (GATHER_THREADS,),
+          (out, g.put(x), g.put(src), words))
     assert np.array_equal(g.get(out), x[src])
 
 

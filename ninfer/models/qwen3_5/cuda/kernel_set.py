@@ -61,7 +61,7 @@ SIGS = _collect_signatures()
 # bf16 ("u16*") or bf16-pair ("u32*") argument of theirs becomes "f32*"
 F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather", "random_bf16",
                           "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
-                          "expert_down", "gather_rows", "qgemv", "dequant",
+                          "expert_down", "qgemv", "dequant",
                           "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax"))
 
 

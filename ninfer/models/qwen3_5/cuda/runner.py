@@ -127,6 +127,7 @@ def grouped_rows(n: int, top_k: int, num_experts: int) -> int:
 COMBINE_GROUPS = 8          # kernels/attention.COMBINE_GROUPS (the kernels' module imports numba)
 EXPERT_DOWN_ROWS = 4        # kernels/moe.DOWN_ROWS: expert_down's output rows per warp
 ROUTER_THREADS = 32         # kernels/moe.ROUTER_THREADS: router_topk's block, a warp a token
+GATHER_THREADS = 128        # kernels/moe.GATHER_THREADS: gather_rows' block, 16 bytes a thread
 
 
 def combine_launch(tokens: int, nh: int, hd: int) -> tuple:
@@ -646,8 +647,9 @@ class StepRunner:
         _d.copy_htod_async(ws.route.ptr + 4 * R, base + 4 * (lay.rows + len(groups)), 4 * pairs,
                            st)
         rows, g = lay.rows, ws.gin_bytes
-        self.launch(st, self.kernels.gather_rows, (rows, (H + 255) // 256), (256,),
-                    (ws.xg, ws.x, ws.route, H))
+        words = H * g // 4                  # a row as 32-bit words (bf16 pairs or fp32)
+        self.launch(st, self.kernels.gather_rows, (rows, -(-words // (4 * GATHER_THREADS))),
+                    (GATHER_THREADS,), (ws.xg, ws.x, ws.route, words))
         if grouped_mma:
             table, ng = ws.route.ptr + 4 * rows, len(groups) // 3
             self._expert_gemv(st, gu_w, ws.xg, ws.gu, ng, 2 * I, H, -1, 0, ids=table)
