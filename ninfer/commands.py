@@ -67,7 +67,10 @@ _OPTION_HELP = {
     "batch_invariant": "a request's tokens independent of load (cuda: decode 5-9%% slower)",
     "speculative": "mtp: speculative decoding with the checkpoint's multi-token-prediction head "
                    "(the same tokens, fewer target steps; numpy backend only for now)",
-    "num_draft_tokens": "tokens the MTP head drafts per decode step, 1..4 (with --speculative)",
+    "num_draft_tokens": "the most tokens the MTP head drafts per decode step, 1..4 (with "
+                        "--speculative)",
+    "draft_policy": "adaptive: each step drafts the 0..K tokens that measure fastest (0: plain "
+                    "decoding where drafts do not pay); fixed: always K (with --speculative)",
     "vision_max_patches": "cuda: the most 16x16 patches of one image the GPU vision tower "
                           "holds; larger images run on the host tower (0: host tower only) "
                           "(default 128x128 patches, a 2048x2048 image)",

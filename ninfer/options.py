@@ -66,11 +66,15 @@ class EngineOptions:
     # and Replay re-runs history the way it first ran (docs/architecture.md "Load invariance";
     # its cost: docs/performance.md)
     batch_invariant: bool = False
-    # speculative decoding (issue 15): None, or "mtp": the checkpoint's MTP head drafts
+    # speculative decoding (issue 15): None, or "mtp": the checkpoint's MTP head drafts up to
     # num_draft_tokens (1..4) tokens per decode step and one target forward verifies them; the
     # output is the same as without it (docs/architecture.md "Speculative decoding"). numpy only
     speculative: Optional[Literal["mtp"]] = None
     num_draft_tokens: int = 3
+    # "adaptive": each step drafts the k in 0..num_draft_tokens with the most tokens per second
+    # by the measured acceptance and step costs (0: plain decoding, where drafts do not pay);
+    # "fixed": always num_draft_tokens
+    draft_policy: Literal["adaptive", "fixed"] = "adaptive"
     # cuda, a checkpoint with a vision tower: the tower runs on the GPU with buffers for one
     # image (or video frame group) of up to this many 16x16 patches (16384: 2048 x 2048 pixels;
     # its device memory at the 27B geometry: 1.8 GiB, taken from the KV pages); a larger image
@@ -159,6 +163,8 @@ class EngineOptions:
             bad("speculative", "must be None or 'mtp' (the checkpoint's multi-token-prediction head)")
         if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 4:
             bad("num_draft_tokens", "must be an integer in 1..4")
+        if self.draft_policy not in ("adaptive", "fixed"):
+            bad("draft_policy", "must be 'adaptive' or 'fixed'")
         if self.speculative is not None and self.backend == "cuda":
             bad("speculative", "speculative decoding runs on the numpy backend only in this version")
         timeout = self.queue_timeout_s

@@ -250,12 +250,29 @@ def test_an_mtp_head_that_never_agrees_changes_nothing(extremes):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want, _ = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8)
     got, stats = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8,
-                           speculative="mtp", num_draft_tokens=4)
+                           speculative="mtp", num_draft_tokens=4, draft_policy="fixed")
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats["spec_draft_tokens"] >= 8 * 4 * 10       # every decode step verified 4 drafts
     assert stats["spec_accepted_tokens"] == 0
     assert stats["spec_acceptance_by_position"] == [0.0] * 4
     assert stats["spec_recompute_rows"] == stats["spec_verify_rows"]   # each one rolled back
+
+
+def test_adaptive_k_stops_drafting_for_a_head_that_never_agrees(extremes):
+    # the default policy measures every k once, then runs plain decoding (k = 0) but for a
+    # neighbour every EXPLORE_EVERY units: numpy verifies cost ~k + 1 steps and nothing is
+    # accepted. (While the 8 rows enter decoding one unit after another, each new B starts with
+    # max_k until some B has every k measured: a few units of the run.)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    want, _ = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8)
+    got, stats = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8,
+                           speculative="mtp", num_draft_tokens=4)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    units = stats["spec_units_by_k"]
+    assert stats["spec_adaptive"] and len(units) == 5 and min(units) >= 1   # each k measured
+    assert units[0] >= 3 * sum(units[1:]), units
+    assert stats["spec_accepted_tokens"] == 0
+    assert stats["spec_expected_tokens_by_k"][1] < 1.2
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -264,7 +281,7 @@ def test_an_mtp_head_that_always_agrees_is_accepted_in_full(extremes, k):
     params = SamplingParams(max_tokens=1 + 5 * (k + 1), ignore_eos=True)
     want, _ = _generate(extremes["always"], _id_prompts(), params, max_concurrency=8)
     got, stats = _generate(extremes["always"], _id_prompts(), params, max_concurrency=8,
-                           speculative="mtp", num_draft_tokens=k)
+                           speculative="mtp", num_draft_tokens=k, draft_policy="fixed")
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats["spec_verify_rows"] == 8 * 5                 # k + 1 tokens per verify
     assert stats["spec_draft_tokens"] == stats["spec_accepted_tokens"] == 8 * 5 * k
@@ -324,7 +341,8 @@ def _sample_triples(model, drafter, prompt, seeds) -> tuple:
     triples, accepted = [], 0
     for i in range(0, len(seeds), 8):
         prog = Program(model, EngineOptions(max_concurrency=8, max_context=32,
-                                            speculative="mtp", num_draft_tokens=2),
+                                            speculative="mtp", num_draft_tokens=2,
+                                            draft_policy="fixed"),
                        drafter=drafter)
         sids = [prog.bind(prompt, dataclasses.replace(SAMPLING, seed=int(s)))
                 for s in seeds[i:i + 8]]
@@ -379,7 +397,7 @@ def test_metrics_report_drafts_and_acceptance_by_position(extremes):
     from falcon import testing
     from ninfer.serve import create_app
     with Engine(extremes["always"], max_concurrency=2, speculative="mtp",
-                num_draft_tokens=2) as engine:
+                num_draft_tokens=2, draft_policy="fixed") as engine:
         engine.generate(_id_prompts()[2], SamplingParams(max_tokens=7, ignore_eos=True))
         stats = engine.stats()
         text = testing.TestClient(create_app(engine)).simulate_get("/metrics").text
@@ -391,6 +409,8 @@ def test_metrics_report_drafts_and_acceptance_by_position(extremes):
     assert 'ninfer_spec_acceptance{position="1"} 1.0' in lines
     assert 'ninfer_spec_acceptance{position="2"} 1.0' in lines
     assert 'ninfer_spec_position_draft_tokens_total{position="2"} 2.0' in lines
+    assert 'ninfer_spec_units_total{k="2"} 2.0' in lines                 # fixed: every unit k
+    assert 'ninfer_spec_units_total{k="0"} 0.0' in lines
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -447,7 +467,61 @@ def test_context_cache_checkpoints_carry_the_drafter_kv():
         accepted = np.subtract(after["spec_accepted_by_position"],
                                before["spec_accepted_by_position"]).tolist()
         return first.token_ids, second.token_ids, second.num_cached_tokens, accepted
-    cold = two_turns(prefix_cache=False, speculative="mtp", num_draft_tokens=2)
-    warm = two_turns(speculative="mtp", num_draft_tokens=2)
+    cold = two_turns(prefix_cache=False, speculative="mtp", num_draft_tokens=2,
+                     draft_policy="fixed")
+    warm = two_turns(speculative="mtp", num_draft_tokens=2, draft_policy="fixed")
     assert cold[2] == 0 and warm[2] > 0
     assert warm[:2] == cold[:2] and warm[3] == cold[3] and sum(warm[3]) > 0
+
+
+@pytest.mark.parametrize("copy", ["snapshot", "continuation"])
+def test_a_queued_drafter_feed_is_settled_before_the_pages_are_copied(monkeypatch, copy):
+    """Plain steps (k = 0) queue the drafter's feed (speculative.LAG_TOKENS); a Snapshot pause or
+    a kept continuation (a checkpoint) copies or keeps the row's pages with the MTP layer's KV
+    complete: the values of a Program that fed the drafter after every step."""
+    from ninfer.models.qwen3_5.program import speculative
+    with Artifact(ensure_reference_artifact("dense")) as art:
+        model = NumpyModel.from_artifact(art)
+        drafter = MtpDrafter.from_artifact(art, model)
+    prompt = np.asarray(np.arange(40, 60), np.int32)
+    greedy = SamplingSpec.from_params(SamplingParams(max_tokens=100, ignore_eos=True), 0)
+
+    def run(lag: int):
+        monkeypatch.setattr(speculative, "LAG_TOKENS", lag)
+        # pages of 4: the continuation's full pages [0, 28) cover decode positions 20..27
+        prog = Program(model, EngineOptions(max_concurrency=1, max_context=64, page_size=4,
+                                            speculative="mtp", num_draft_tokens=2),
+                       drafter=drafter)
+        prog.speculator.policy.choose = lambda rows: 0          # plain decoding throughout
+        sid = prog.bind(prompt, greedy)
+        for _ in range(12):                                     # the prefill, 11 plain steps
+            assert prog.reserve_units([sid]) == [True]
+            pending = prog.execute([sid])
+            prog.commit(pending, [RowDecision(len(r.produced)) for r in pending.rows])
+        frontier = prog.sequence(sid).num_computed_tokens
+        queued = sum(len(c) for c in prog.speculator._lag.get(sid, (0, []))[1])
+        if copy == "snapshot":
+            kv = prog.pause(sid).kv_pages
+        else:
+            cid = prog.release(sid, keep_frontier=True)
+            held = prog.checkpoints.entries[cid].pages
+            assert len(held) * 4 > len(prompt)
+            kv = prog.kv.read_pages(held)
+        return frontier, queued, kv
+
+    frontier, queued, eager = run(1)
+    assert queued == 0 and frontier == len(prompt) + 11
+    frontier_lazy, queued_lazy, lazy = run(1000)
+    assert frontier_lazy == frontier and queued_lazy == frontier    # prefill and steps waited
+    mtp_layer = -1                                              # the drafter's, joined last
+    for got, want in zip(_kv_rows(lazy, mtp_layer, frontier), _kv_rows(eager, mtp_layer, frontier)):
+        assert np.abs(want[len(prompt):]).max() > 0              # the decode positions written
+        # float32 products of one row at a time against all at once round differently
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _kv_rows(pages, layer, n):
+    """The first n token positions of one layer's K and V in host page copies."""
+    k, v = pages
+    return (np.asarray(k[layer]).reshape(-1, *k[layer].shape[2:])[:n],
+            np.asarray(v[layer]).reshape(-1, *v[layer].shape[2:])[:n])

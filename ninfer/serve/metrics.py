@@ -118,8 +118,8 @@ def _cache_metrics(stats: dict):
 
 def _spec_metrics(stats: dict):
     """Speculative decoding (only when the Engine runs it): drafted / accepted tokens, verify
-    steps and their tokens (counters), and per draft position (label position = 1..k) the
-    drafts proposed, accepted, and the acceptance rate so far."""
+    steps and their tokens (counters), per draft position (label position = 1..k) the drafts
+    proposed, accepted, and the acceptance rate so far, and the units run at each k."""
     if "spec_draft_tokens" not in stats:
         return
     yield from _counters(stats, _SPEC_COUNTERS)
@@ -134,6 +134,11 @@ def _spec_metrics(stats: dict):
         for i, value in enumerate(stats.get(key, ())):
             m.add_metric([str(i + 1)], float(value))
         yield m
+    units = CounterMetricFamily("ninfer_spec_units", "decode units run at each draft count k "
+                                "(the draft policy's choices; k = 0: plain decoding)", labels=["k"])
+    for k, value in enumerate(stats.get("spec_units_by_k", ())):
+        units.add_metric([str(k)], float(value))
+    yield units
 
 
 def _counters(stats: dict, table):

@@ -66,7 +66,8 @@ class Program:
         # speculative decoding: the drafter's KV joins the pool as one more layer (so every page
         # copy carries it) before anything sizes a page; speculative.py runs the units
         self.speculator = None if drafter is None else \
-            MtpSpeculator(drafter, options.num_draft_tokens, self.kv)
+            MtpSpeculator(drafter, options.num_draft_tokens, self.kv,
+                          adaptive=options.draft_policy == "adaptive")
         self.is_speculative = self.speculator is not None
         # decode rows and a prefill chunk as one unit (one forward: the chunk's weight reads
         # serve the decode rows too), where the backend takes such batches; not with drafts
@@ -260,6 +261,8 @@ class Program:
         if not p or not keep:
             return None
         cid = self._new_id()
+        if self.speculator is not None:     # the drafter's KV layer complete in the copy
+            self.speculator.settle(self, seq)
         capture = self.checkpoints.capture_device if on_device else self.checkpoints.capture_host
         capture(cid, self.token_buf[seq.slot, :p], self.pages.block_tables[seq.slot], seq.slot)
         return cid
@@ -283,7 +286,9 @@ class Program:
         self._no_pending("release")
         seq = self._seqs[seq_id]
         cid = None
-        if self.speculator is not None:
+        if self.speculator is not None:     # (a kept continuation: its drafter KV complete)
+            if keep_frontier and not seq.is_unusable:
+                self.speculator.settle(self, seq)
             self.speculator.forget(seq_id)
         if keep_frontier:
             tokens = self.continuation(seq_id)
@@ -322,6 +327,8 @@ class Program:
                       num_computed_tokens=frontier, spec=seq.spec, media=seq.media)
         if allow_snapshot and frontier > 0 and self.snapshots.fits(cost):
             sid = self._new_id()
+            if self.speculator is not None:
+                self.speculator.settle(self, seq)
             image = capture_image(self.kv, self.state, self.pages.pages_of(seq.slot)[:num_pages],
                                   seq.slot)
             rs = ResumeState("snapshot", snapshot_id=sid, host_bytes=cost, **image, **common)

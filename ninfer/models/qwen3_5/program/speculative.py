@@ -6,8 +6,11 @@ commit, roll back. The Program owns it; program.py calls in at construction, `la
 
 One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sampled, not yet run):
 
-    draft    d_1 was drafted when the last unit committed (feed, below); the drafter (mtp.py)
-             runs k - 1 more steps from (its hidden g_1, d_1) at positions F .. F+k-2, greedy.
+    k        the unit's draft count: draft_policy.py picks 0..num_draft_tokens from the measured
+             acceptance and unit costs ("fixed": always num_draft_tokens); 0 runs the row as a
+             plain decode step (its commit still feeds the drafter, below)
+    draft    d_1 = argmax of the MTP hidden g_1 the last commit kept (feed, below); the drafter
+             (mtp.py) runs k - 1 more steps from (g_1, d_1) at positions F .. F+k-2, greedy.
              The drafts go into the token buffer after the committed tokens (provisional).
     verify   one target forward over [x_{N-1}, d_1 .. d_k] at positions F .. F+k, batched with
              the unit's other rows (prefill / Replay / control / plain decode rows run as usual).
@@ -18,9 +21,10 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
     commit   the Engine accepts a <= produced tokens (stop, max_tokens, cancel: outcome.decide).
              Frontier F -> F + a. State: when a < k + 1 the pre-verify backup is restored and the
              a accepted tokens are run again (recompute); KV past the frontier is left for the
-             next unit to overwrite. Then the feed: the drafter's KV of positions F .. F+a-1 is
-             written from the target's hidden states of this verify and the accepted tokens, and
-             its last step's logits give the next cycle's d_1.
+             next unit to overwrite. Then the feed: the target's hidden states of positions
+             F .. F+a-1 are queued; when the row next drafts, is checkpointed or paused, or
+             LAG_TOKENS are queued, one drafter call writes its KV of the queued positions from
+             them and the accepted tokens, and its last MTP hidden is kept for d_1.
 
 Sampling rule. The drafts are greedy, so the draft distribution q at position j is the point mass
 on d_{j+1}. The standard speculative-sampling rule then reads: accept d with probability
@@ -34,8 +38,10 @@ pauses; greedy (temperature 0) is the special case t = argmax.
 
 The drafter's KV is one more layer of the target's KVPool (MtpDrafter.join_kv_pool): the same
 pages and block tables, so Snapshots and prefix checkpoints carry it. Invariant after every
-commit: the drafter's KV covers exactly the target's frontier (positions < F hold the pairs
-(h_t, x_{t+1}) of the target's hidden states); positions >= F are provisional.
+commit: the drafter's KV covers the positions before the row's queued feed (the pairs
+(h_t, x_{t+1}) of the target's hidden states), the queue covers the rest up to the frontier F,
+positions >= F are provisional; whenever a unit drafts, or the row's pages are checkpointed,
+kept as a continuation or copied for a Snapshot (`settle`), the queue is empty first.
 
 Rollback choice (numpy): restore the pre-verify StateImage and recompute the accepted prefix.
 Per-position State checkpoints would need the GDN layers to write S after every token of a
@@ -46,6 +52,7 @@ reports its share). On CUDA the trade-off differs: see docs/architecture.md.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -53,9 +60,15 @@ import numpy as np
 
 from ....contracts import PendingBatch, ProgramError, RowResult
 from ..batch import ForwardBatch
+from .draft_policy import DraftPolicy
 from .sampling import sample_row
 
 MAX_DRAFT_TOKENS = 4
+# a row's committed positions wait, as the target's hidden states, until the drafter needs its
+# KV (the row drafts, is checkpointed or paused) or this many pile up: then one drafter call
+# feeds them all. Feeding every plain step costs a drafter layer per step, 7% of a step on the
+# numpy reference models, which an adaptive k = 0 must not pay
+LAG_TOKENS = 64
 
 
 @dataclass(slots=True, eq=False)
@@ -69,17 +82,26 @@ class _Row:
 
 
 class MtpSpeculator:
-    def __init__(self, drafter, num_draft_tokens: int, kv):
+    def __init__(self, drafter, num_draft_tokens: int, kv, adaptive: bool = True):
         """drafter: MtpDrafter over the Program's model; kv: the Program's KVPool (the drafter's
-        layer joins it here, before the Program sizes its host copies of a page)."""
+        layer joins it here, before the Program sizes its host copies of a page).
+        num_draft_tokens: k, or with `adaptive` the most a unit drafts (draft_policy.py picks
+        0..k per unit from measured acceptance and costs)."""
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens={num_draft_tokens} outside 1..{MAX_DRAFT_TOKENS}")
         drafter.join_kv_pool(kv)
         self.drafter = drafter
         self.num_draft_tokens = int(num_draft_tokens)
-        self._first: dict = {}        # seq_id -> (d_1, its MTP hidden g_1 [H]) for the next cycle
+        self.policy = DraftPolicy(self.num_draft_tokens, adaptive)
+        # seq_id -> the MTP hidden g_1 [H] of the row's frontier: its argmax is the next cycle's
+        # d_1, taken when a unit drafts (a unit at k = 0 pays no vocabulary product for it)
+        self._first: dict = {}
+        # seq_id -> (first position, [hidden [n, H], ...]): the target's final-normed hidden
+        # states of committed positions the drafter's KV does not cover yet (LAG_TOKENS)
+        self._lag: dict = {}
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
+        self._unit = None             # (start time, rows, k) of a pending unit the policy times
         k = self.num_draft_tokens
         self._drafted_at = np.zeros(k, np.int64)      # drafts proposed at position i (1-based)
         self._accepted_at = np.zeros(k, np.int64)     # ... of them the Engine accepted
@@ -91,7 +113,8 @@ class MtpSpeculator:
                 draft_masks: Optional[Callable[[int, tuple], list]]) -> PendingBatch:
         """Run the unit: draft for the decode rows that can, one target forward over every row,
         sample (verify rows: position by position). Returns the Program's PendingBatch."""
-        drafts = self._draft(prog, seqs, units)
+        t0 = time.perf_counter()
+        drafts = self._draft(prog, seqs, units, t0)
         units = [dataclasses.replace(u, num_new_tokens=1 + len(drafts[r])) if r in drafts else u
                  for r, u in enumerate(units)]
         batch = prog.pack_rows(seqs, units)
@@ -121,32 +144,43 @@ class MtpSpeculator:
         self._epoch = pending._epoch
         return pending
 
-    def _draft_room(self, prog, seq, unit) -> int:
-        """Drafts this row verifies now (0: a plain unit). A decode unit of a text row with a
-        d_1 ready; k capped by max_context; the pages of positions F .. F+k taken now if free
-        (returned by commit's trim), else what the row's pages already hold."""
-        if not unit.is_sampling or unit.forced or unit.is_replay or seq.media is not None \
-                or seq.num_tokens <= seq.num_prompt_tokens or seq.seq_id not in self._first:
-            return 0
+    def _can_draft(self, seq, unit) -> bool:
+        """A decode unit of a text row whose d_1 is ready (its frontier's MTP hidden is kept)."""
+        return unit.is_sampling and not unit.forced and not unit.is_replay \
+            and seq.media is None and seq.num_tokens > seq.num_prompt_tokens \
+            and (seq.seq_id in self._first or seq.seq_id in self._lag)
+
+    def _draft_room(self, prog, seq, k: int) -> int:
+        """Drafts this row verifies now, up to k: capped by max_context; the pages of positions
+        F .. F+k taken now if free (returned by commit's trim), else what the row's pages
+        already hold."""
         n = seq.num_tokens
-        k = min(self.num_draft_tokens, prog.max_context - n - 1)
+        k = min(k, prog.max_context - n - 1)
         if k > 0:
             k = min(k, prog.grow_pages(seq, n + k) - n)
         return max(k, 0)
 
-    def _draft(self, prog, seqs, units) -> dict:
-        """{row index: int32 [k] drafts} of the rows that speculate; their drafts are written
-        after the committed tokens, where packing reads them."""
-        ks = {r: self._draft_room(prog, seq, unit)
-              for r, (seq, unit) in enumerate(zip(seqs, units))}
-        ks = {r: k for r, k in ks.items() if k > 0}
-        drafts = {r: np.array([self._first[seqs[r].seq_id][0]], np.int32) for r in ks}
+    def _draft(self, prog, seqs, units, t0: float) -> dict:
+        """{row index: int32 [k] drafts} of the rows that speculate; the drafts are written after
+        the committed tokens, where packing reads them. The policy picks k for the rows that can
+        draft; a unit whose every row can is timed for it (its cost at that k), one with other
+        rows beside (prefill, Replay, control) is not."""
+        able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
+        k = self.policy.choose(len(able)) if able else 0
+        self._unit = (t0, len(able), k) if able and len(able) == len(seqs) else None
+        ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
+        ks = {r: n for r, n in ks.items() if n > 0}
+        if not ks:
+            return {}
+        self._catch_up(prog, [seqs[r] for r in ks])
+        first = self.drafter.draft_argmax(np.stack([self._first[seqs[r].seq_id] for r in ks]))
+        drafts = {r: first[i:i + 1].astype(np.int32) for i, r in enumerate(ks)}
         more = [r for r in ks if ks[r] > 1]
         if more:
             sel = [seqs[r] for r in more]
             tail, _ = self.drafter.draft_greedy(
-                prog.kv, np.stack([self._first[s.seq_id][1] for s in sel]),
-                [self._first[s.seq_id][0] for s in sel],
+                prog.kv, np.stack([self._first[s.seq_id] for s in sel]),
+                [int(drafts[r][0]) for r in more],
                 [s.num_computed_tokens for s in sel],
                 prog.block_tables(sel), [ks[r] - 1 for r in more],
                 with_logits=False)
@@ -180,16 +214,18 @@ class MtpSpeculator:
     # ---- commit ----------------------------------------------------------------------------------
     def after_commit(self, prog, pending: PendingBatch, decisions) -> None:
         """After the Program advanced the frontiers: fix the State of verify rows that rejected a
-        draft, then feed the drafter every row's newly committed positions."""
+        draft, then queue every row's newly committed positions for the drafter (fed at once
+        where LAG_TOKENS are queued)."""
         if pending._epoch != self._epoch:
             raise ProgramError("speculative: commit of a unit it did not run")
         rows, self._rows, self._epoch = self._rows, {}, None
+        unit, self._unit = self._unit, None
         recompute, feed = [], []
         for row, d in zip(pending.rows, decisions):
             seq = prog.sequence(row.seq_id)
             rec = rows[row.seq_id]
             if d.is_cancelled or seq is None or seq.is_unusable or seq.media is not None:
-                self._first.pop(row.seq_id, None)
+                self.forget(row.seq_id)
                 continue
             advance = seq.num_computed_tokens - rec.start
             if row.is_speculative:
@@ -200,8 +236,20 @@ class MtpSpeculator:
                 feed.append((seq, rec, advance))
         if recompute:
             self._recompute(prog, recompute)
-        if feed:
-            self._feed(prog, feed)
+        due = []
+        for seq, rec, n in feed:
+            start, chunks = self._lag.setdefault(seq.seq_id, (rec.start, []))
+            if start + sum(len(c) for c in chunks) != rec.start:
+                raise ProgramError(f"speculative: sequence {seq.seq_id} committed from "
+                                   f"{rec.start}, its drafter feed is queued from {start}")
+            chunks.append(rec.hidden[:n])
+            self._first.pop(seq.seq_id, None)
+            if seq.num_computed_tokens - start >= LAG_TOKENS:
+                due.append(seq)
+        self._catch_up(prog, due)
+        if unit is not None:
+            t0, num_rows, k = unit
+            self.policy.observe_unit(num_rows, k, time.perf_counter() - t0)
 
     def _count(self, rec: _Row, row: RowResult, accepted: int) -> None:
         k = len(rec.drafts)
@@ -209,6 +257,7 @@ class MtpSpeculator:
         while matched < min(k, len(row.produced)) and row.produced[matched] == rec.drafts[matched]:
             matched += 1
         kept = min(matched, accepted)
+        self.policy.observe_row(k, matched)
         self._drafted_at[:k] += 1
         self._accepted_at[:kept] += 1
         self._counts["spec_verify_rows"] += 1
@@ -225,18 +274,21 @@ class MtpSpeculator:
         self._counts["spec_recompute_rows"] += len(items)
         self._counts["spec_recompute_tokens"] += int(batch.num_tokens)
 
-    def _feed(self, prog, items) -> None:
-        """Drafter KV of positions start .. start+n-1 from the pairs (h_t, x_{t+1}); the last
-        pair's logits are the next cycle's first draft."""
-        batch = self._batch(prog, [(seq, rec.start, n) for seq, rec, n in items],
-                            [prog.token_ids(seq, rec.start + 1, rec.start + 1 + n)
-                             for seq, rec, n in items])
-        hidden = np.concatenate([rec.hidden[:n] for _, rec, n in items])
+    def _catch_up(self, prog, seqs) -> None:
+        """Feed the drafter the queued positions of these rows, in one call: its KV of positions
+        start .. F-1 from the pairs (h_t, x_{t+1}); the last pair's MTP hidden is kept (its
+        argmax is the row's next first draft)."""
+        items = [(seq, *self._lag.pop(seq.seq_id)) for seq in seqs if seq.seq_id in self._lag]
+        if not items:
+            return
+        rows = [(seq, start, sum(len(c) for c in chunks)) for seq, start, chunks in items]
+        batch = self._batch(prog, rows, [prog.token_ids(seq, start + 1, start + 1 + n)
+                                         for seq, start, n in rows])
+        hidden = np.concatenate([c for _, _, chunks in items for c in chunks])
         _, g = self.drafter.forward(batch, hidden, prog.kv, with_logits=False)
         last = np.asarray(batch.query_start[1:], np.int64) - 1
-        first = self.drafter.draft_argmax(g[last])
-        for i, (seq, _, _) in enumerate(items):
-            self._first[seq.seq_id] = (int(first[i]), g[last[i]].copy())
+        for i, (seq, _, _) in enumerate(rows):
+            self._first[seq.seq_id] = g[last[i]].copy()
 
     @staticmethod
     def _batch(prog, rows, tokens) -> ForwardBatch:
@@ -251,13 +303,22 @@ class MtpSpeculator:
                             prog.block_tables(seqs), slots)
 
     # ---- lifetime and observation ----------------------------------------------------------------
+    def settle(self, prog, seq) -> None:
+        """The drafter's KV of this row covers its frontier: before its pages are copied or
+        shared (a checkpoint, a Snapshot pause, a kept continuation), whoever reads them later
+        must find the MTP layer's entries complete."""
+        self._catch_up(prog, [seq])
+
     def forget(self, seq_id: int) -> None:
-        """The sequence left the Program (released or paused): its next draft goes with it."""
+        """The sequence left the Program (released or paused): its next draft and queued feed
+        go with it."""
         self._first.pop(seq_id, None)
+        self._lag.pop(seq_id, None)
 
     def stats(self) -> dict:
         drafted, accepted = int(self._drafted_at.sum()), int(self._accepted_at.sum())
-        return dict(self._counts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+        return dict(self._counts, **self.policy.stats(),
+                    spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
                     spec_num_draft_tokens=self.num_draft_tokens,
                     spec_drafted_by_position=self._drafted_at.tolist(),
                     spec_accepted_by_position=self._accepted_at.tolist(),

@@ -1,0 +1,160 @@
+"""How many tokens the MTP head drafts in a unit: adaptive k (issue 25).
+
+Speculation is exact whatever k is (program/speculative.py), so k is purely a speed choice, and
+the right one depends on things only a running Engine knows: how often this model's drafts are
+accepted on this traffic, and what a draft and a verify of k + 1 positions cost on this device at
+this batch size. On the numpy backend a verify of k + 1 rows costs about k + 1 decode steps (the
+lm_head product grows with the rows), so no k pays; on a GPU a verify reads the weights once for
+all positions and k = 3 pays at the reference models' acceptance. A fixed k loses in one case or
+the other; this policy measures both and picks, per unit, the k in 0..max_k with the most tokens
+per second:
+
+    score(B, k) = E(k) / T(B, k)
+    E(k)        = 1 + sum_{j=1..k} P(drafts 1..j all accepted)      tokens a verify row emits
+    T(B, k)     = the measured seconds of a unit of B rows drafting k (draft, verify, and
+                  commit's State recompute and drafter feed), a running mean per (B, k)
+
+k = 0 is plain decoding (E = 1), so the policy never picks a k its own measurements say is
+slower than not speculating. P(drafts 1..j accepted) = prod_{i<=j} c_i, c_i the acceptance of
+draft i given drafts 1..i-1 were: decayed counts over the verify rows (recent traffic weighs
+most), with a prior of one accept in two tries so an untried position is neither hopeless nor
+certain. B is exact up to 8, else bucketed by powers of two. At start every k is measured once;
+after that a new B takes the nearest measured B's choice and estimates the costs it has not
+measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour
+of its best k once, so costs and the acceptance of deeper drafts stay current (the wait doubles,
+up to EXPLORE_MAX, while the best k stays the same). "fixed" always drafts max_k (benchmarks,
+tests of the mechanism).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+EXPLORE_EVERY = 32      # units at one B between two runs of a neighbour of the best k, ...
+EXPLORE_MAX = 256       # ... doubling up to this while the best k stays the same
+COST_WEIGHT = 0.25      # running mean of T(B, k): the new unit's weight
+ACCEPT_DECAY = 0.995    # the acceptance counts' decay per verify row (~200 rows' memory)
+PRIOR_TRIES, PRIOR_ACCEPTS = 2.0, 1.0
+
+
+def batch_key(rows: int) -> int:
+    """Rows of a unit, bucketed: exact up to 8, else the next power of two."""
+    return rows if rows <= 8 else 1 << (rows - 1).bit_length()
+
+
+class DraftPolicy:
+    def __init__(self, max_k: int, adaptive: bool = True):
+        if max_k < 1:
+            raise ValueError(f"DraftPolicy: max_k={max_k} must be >= 1")
+        self.max_k, self.adaptive = int(max_k), bool(adaptive)
+        self._tries = np.zeros(self.max_k)         # decayed: rows that drafted position i ...
+        self._accepts = np.zeros(self.max_k)       # ... with drafts 1..i-1 accepted; of them, i too
+        self._cost: dict = {}                      # (batch_key, k) -> running mean seconds
+        self._since: dict = {}                     # batch_key -> units since its last exploration
+        self._period: dict = {}                    # batch_key -> units between explorations
+        self._last_best: dict = {}                 # batch_key -> the best k when last chosen
+        self._explore_up: dict = {}                # batch_key -> next exploration goes up
+        self.units_by_k = [0] * (self.max_k + 1)   # units run at each k (stats)
+
+    # ---- the choice --------------------------------------------------------------------------
+    def choose(self, rows: int) -> int:
+        """k for a unit of `rows` rows that can speculate (0: plain decoding)."""
+        k = self._choose(rows) if self.adaptive and rows > 0 else self.max_k
+        self.units_by_k[k] += 1
+        return k
+
+    def _choose(self, rows: int) -> int:
+        b = batch_key(rows)
+        if self._nearest_complete(b) is None:      # cold start: measure every k once
+            for k in range(self.max_k, -1, -1):
+                if (b, k) not in self._cost:
+                    return k
+        best = self.best(rows)
+        if best != self._last_best.get(b):         # a new best: explore around it soon again
+            self._last_best[b] = best
+            self._period[b] = EXPLORE_EVERY
+        since = self._since.get(b, 0) + 1
+        period = self._period.get(b, EXPLORE_EVERY)
+        if since < period:
+            self._since[b] = since
+            return best
+        # a neighbour of the best, alternately above and below; each run that leaves the best
+        # where it was doubles the wait for the next (a neighbour that costs 1.5x a plain step
+        # run every 32 units would cost 1.5%; every 256, 0.2%)
+        self._since[b] = 0
+        self._period[b] = min(2 * period, EXPLORE_MAX)
+        up = self._explore_up.get(b, True)
+        self._explore_up[b] = not up
+        return best + (1 if (up and best < self.max_k) or best == 0 else -1)
+
+    def best(self, rows: int) -> int:
+        """The k of the highest score at this B (the lowest k on ties): measured costs, or
+        estimated ones (_estimate), or the nearest fully measured B's choice when nothing was
+        measured at this one; max_k before any B is fully measured."""
+        b = batch_key(rows)
+        costs = self._costs_at(b)
+        if costs is None:
+            near = self._nearest_complete(b)
+            if near is None:
+                return self.max_k
+            costs = self._costs_at(near)
+        expected = self.expected_tokens()
+        return int(np.argmax([expected[k] / max(costs[k], 1e-12)
+                              for k in range(self.max_k + 1)]))
+
+    def _costs_at(self, b: int):
+        """[max_k + 1] costs at batch key b, or None where one can be neither measured nor
+        estimated."""
+        costs = [self._estimate(b, k) for k in range(self.max_k + 1)]
+        return None if any(c is None for c in costs) else costs
+
+    def _estimate(self, b: int, k: int):
+        """T(b, k): measured, else a k2 measured at b scaled by T(b2, k) / T(b2, k2) of the
+        nearest batch key b2 that measured both (a unit's cost ratio between two ks changes
+        slowly with B), else None. So a new B needs no round of every k."""
+        own = self._cost.get((b, k))
+        if own is not None:
+            return own
+        for b2 in self._by_distance(b):
+            for k2 in range(self.max_k + 1):
+                here, there, ref = (self._cost.get((b, k2)), self._cost.get((b2, k)),
+                                    self._cost.get((b2, k2)))
+                if here is not None and there is not None and ref:
+                    return here * there / ref
+        return None
+
+    def _nearest_complete(self, b: int):
+        """The nearest batch key (b itself included) with every k measured, or None."""
+        for b2 in [b] + self._by_distance(b):
+            if all((b2, k) in self._cost for k in range(self.max_k + 1)):
+                return b2
+        return None
+
+    def _by_distance(self, b: int) -> list:
+        """The other measured batch keys, nearest (in log2) first."""
+        keys = {key for key, _ in self._cost} - {b}
+        return sorted(keys, key=lambda b2: (abs(np.log2(b2) - np.log2(b)), b2))
+
+    def expected_tokens(self) -> np.ndarray:
+        """[max_k + 1]: E(k), the tokens a verify row drafting k emits on average."""
+        cond = (self._accepts + PRIOR_ACCEPTS) / (self._tries + PRIOR_TRIES)
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(cond))])
+
+    # ---- what was measured -------------------------------------------------------------------
+    def observe_row(self, k: int, matched: int) -> None:
+        """A verify row drafted k tokens and its first `matched` of them were accepted (by the
+        sampling rule, before any stop or max_tokens cut)."""
+        self._tries *= ACCEPT_DECAY
+        self._accepts *= ACCEPT_DECAY
+        tried = min(k, matched + 1)
+        self._tries[:tried] += 1.0
+        self._accepts[:min(matched, k)] += 1.0
+
+    def observe_unit(self, rows: int, k: int, seconds: float) -> None:
+        """A unit of `rows` rows at k took `seconds`, launch to the end of its commit."""
+        key = (batch_key(rows), k)
+        old = self._cost.get(key)
+        self._cost[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+
+    def stats(self) -> dict:
+        return {"spec_adaptive": self.adaptive, "spec_units_by_k": list(self.units_by_k),
+                "spec_expected_tokens_by_k": [float(e) for e in self.expected_tokens()]}

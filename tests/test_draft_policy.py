@@ -1,0 +1,162 @@
+"""Adaptive k (program/draft_policy.py): the policy against its definition, on synthetic costs
+and acceptance. Whole-Engine exactness with the policy on is in tests/test_speculative.py."""
+import itertools
+
+import numpy as np
+import pytest
+
+from ninfer.models.qwen3_5.program.draft_policy import (EXPLORE_EVERY, EXPLORE_MAX,
+                                                        PRIOR_ACCEPTS, PRIOR_TRIES, DraftPolicy,
+                                                        batch_key)
+
+
+def _expected_by_definition(rows: list, max_k: int) -> list:
+    """E(k) from undecayed counts (decay 1): position j's conditional acceptance over the rows
+    that drafted j with drafts 1..j-1 accepted, the prior added."""
+    out = [1.0]
+    prefix = 1.0
+    for j in range(1, max_k + 1):
+        tries = sum(1 for k, m in rows if k >= j and m >= j - 1)
+        accepts = sum(1 for k, m in rows if k >= j and m >= j)
+        prefix *= (accepts + PRIOR_ACCEPTS) / (tries + PRIOR_TRIES)
+        out.append(out[-1] + prefix)
+    return out
+
+
+def test_expected_tokens_follow_the_counts(monkeypatch):
+    from ninfer.models.qwen3_5.program import draft_policy
+    monkeypatch.setattr(draft_policy, "ACCEPT_DECAY", 1.0)
+    rng = np.random.default_rng(7)
+    pol = DraftPolicy(4)
+    rows = []
+    for _ in range(300):
+        k = int(rng.integers(1, 5))
+        m = int(min(k, rng.geometric(0.4) - 1))      # leading drafts accepted, 0..k
+        rows.append((k, m))
+        pol.observe_row(k, m)
+    np.testing.assert_allclose(pol.expected_tokens(), _expected_by_definition(rows, 4),
+                               rtol=1e-12)
+
+
+def test_no_verify_rows_yet_is_the_prior():
+    pol = DraftPolicy(3)
+    half = PRIOR_ACCEPTS / PRIOR_TRIES
+    np.testing.assert_allclose(pol.expected_tokens(), [1, 1 + half, 1 + half + half ** 2,
+                                                       1 + half + half ** 2 + half ** 3])
+
+
+def _run(pol: DraftPolicy, rows: int, units: int, cost, accept) -> list:
+    """Drive the policy: each unit's k from choose, its cost cost(k), each row's leading
+    accepted drafts from accept(k) (deterministic here). Returns the ks chosen."""
+    ks = []
+    for _ in range(units):
+        k = pol.choose(rows)
+        ks.append(k)
+        for _ in range(rows):
+            if k:
+                pol.observe_row(k, accept(k))
+        pol.observe_unit(rows, k, cost(k))
+    return ks
+
+
+def _geometric_acceptance(p: float):
+    """Rows whose leading accepted drafts follow P(first j accepted) = p^j, spread over the
+    units deterministically (a cycle of 100 outcomes)."""
+    counter = itertools.count()
+
+    def accept(k):
+        u = (next(counter) * 0.6180339887) % 1.0       # low-discrepancy uniforms
+        m = 0
+        while m < k and u < p ** (m + 1):
+            m += 1
+        return m
+    return accept
+
+
+def test_every_k_is_measured_once_at_start_then_a_new_batch_size_borrows():
+    pol = DraftPolicy(3)
+    assert [pol.choose(2) for _ in range(4)] == [3, 3, 3, 3]     # nothing measured: max_k first
+    pol = DraftPolicy(3)
+    seen = []
+    for _ in range(4):
+        k = pol.choose(5)
+        seen.append(k)
+        pol.observe_unit(5, k, 1.0 + 2.0 * k)          # drafts cost much: 0 is best at B=5
+    assert seen == [3, 2, 1, 0]
+    # B=6 was never measured: the nearest measured B's choice, no second round of every k
+    assert pol.choose(6) == 0
+    pol.observe_unit(6, 0, 2.0)
+    # the other ks at B=6 estimated from B=5's ratios: T(6, k) = 2.0 * T(5, k) / T(5, 0)
+    np.testing.assert_allclose(pol._costs_at(6), [2.0, 6.0, 10.0, 14.0])
+    assert pol._costs_at(7) is None                    # nothing measured at 7 to scale
+
+
+def test_verify_that_costs_like_k_plus_one_steps_means_plain_decoding():
+    # numpy-like: a verify of k + 1 positions costs ~k + 1 decode steps (the lm_head product
+    # grows with the rows); even at 0.75 acceptance no k pays
+    pol = DraftPolicy(4)
+    ks = _run(pol, 1, 400, cost=lambda k: 1.0 + 0.9 * k, accept=_geometric_acceptance(0.75))
+    settled = ks[40:]
+    assert settled.count(0) >= 0.9 * len(settled)
+    assert pol.best(1) == 0
+
+
+def test_verify_that_costs_about_one_step_drafts_where_acceptance_pays():
+    # GPU-like: a verify costs ~one decode step plus 0.1 per position, a draft 0.12 a token
+    cost = lambda k: 1.0 + 0.1 * k + 0.12 * max(k - 1, 0)        # noqa: E731
+    pol = DraftPolicy(4)
+    _run(pol, 1, 400, cost, _geometric_acceptance(0.75))
+    e = pol.expected_tokens()
+    scores = [e[k] / cost(k) for k in range(5)]
+    assert pol.best(1) == int(np.argmax(scores)) >= 2
+    # the same costs with drafts that are never accepted: plain decoding
+    pol = DraftPolicy(4)
+    _run(pol, 1, 400, cost, accept=lambda k: 0)
+    assert pol.best(1) == 0
+
+
+def test_a_neighbour_of_the_best_runs_at_doubling_intervals():
+    pol = DraftPolicy(4)
+    ks = _run(pol, 3, 1600, cost=lambda k: 1.0 + 0.9 * k, accept=lambda k: 0)
+    after = ks[5:]                                      # the first five measured each k
+    off = [i for i, k in enumerate(after) if k != 0]
+    assert off and all(after[i] == 1 for i in off)     # best 0: its neighbour is 1
+    gaps = np.diff([-1] + off).tolist()                # units from one exploration to the next
+    want = [min(EXPLORE_EVERY << i, EXPLORE_MAX) for i in range(len(gaps))]
+    assert gaps == want, gaps
+
+
+def test_a_new_best_brings_the_explorations_back_close():
+    cost = lambda k: 1.0 + 0.1 * k + 0.12 * max(k - 1, 0)        # noqa: E731
+    pol = DraftPolicy(3)
+    _run(pol, 2, 1000, cost, accept=lambda k: 0)       # a long run at 0: the wait grew
+    assert pol.best(2) == 0 and pol._period[2] == EXPLORE_MAX
+    ks = _run(pol, 2, 2 * EXPLORE_MAX, cost, _geometric_acceptance(0.95))
+    assert pol.best(2) >= 2 and pol._period[2] <= 4 * EXPLORE_EVERY
+    assert ks[-EXPLORE_EVERY:].count(pol.best(2)) >= EXPLORE_EVERY - 1
+
+
+def test_acceptance_that_drops_moves_k_down():
+    cost = lambda k: 1.0 + 0.1 * k + 0.12 * max(k - 1, 0)        # noqa: E731
+    pol = DraftPolicy(3)
+    _run(pol, 2, 300, cost, _geometric_acceptance(0.9))
+    high = pol.best(2)
+    _run(pol, 2, 600, cost, accept=lambda k: 0)        # the traffic changes: nothing accepted
+    assert high >= 2 and pol.best(2) == 0
+
+
+def test_fixed_always_drafts_max_k():
+    pol = DraftPolicy(3, adaptive=False)
+    ks = _run(pol, 4, 50, cost=lambda k: 1.0 + 5 * k, accept=lambda k: 0)
+    assert set(ks) == {3}
+    assert pol.stats()["spec_units_by_k"] == [0, 0, 0, 50]
+
+
+@pytest.mark.parametrize("rows, key", [(1, 1), (8, 8), (9, 16), (16, 16), (17, 32), (200, 256)])
+def test_batch_sizes_bucket_past_eight(rows, key):
+    assert batch_key(rows) == key
+
+
+def test_max_k_must_be_positive():
+    with pytest.raises(ValueError, match="max_k"):
+        DraftPolicy(0)
