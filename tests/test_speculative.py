@@ -525,3 +525,53 @@ def _kv_rows(pages, layer, n):
     k, v = pages
     return (np.asarray(k[layer]).reshape(-1, *k[layer].shape[2:])[:n],
             np.asarray(v[layer]).reshape(-1, *v[layer].shape[2:])[:n])
+
+
+def test_drafts_stay_within_each_rows_masks():
+    """_Guide: a row without a mask takes the free argmax; a masked row the argmax within its mask
+    (d_1 within the step's, d_j+1 within the one after d_1 .. d_j); its drafts stop where the
+    masks end or allow nothing."""
+    from types import SimpleNamespace
+    from ninfer.models.qwen3_5.program.speculative import _Guide
+    V = 10
+    table = np.array([[9, 1, 2, 8, 0, 7, 3, 6, 5, 4]], np.float32)      # logits of any hidden
+
+    def mask_of(*ids):
+        m = np.zeros(V - 2, np.bool_)              # shorter than V: ids past it never allowed
+        m[list(ids)] = True
+        return m
+    drafter = SimpleNamespace(logits=lambda g: np.repeat(table, len(g), 0))
+    seqs = [SimpleNamespace(seq_id=s) for s in (10, 11, 12, 13)]
+    later = {11: [mask_of(2, 6), mask_of(4, 6), mask_of(1)],   # after d_1, d_1 d_2, d_1..d_3
+             12: [mask_of(1, 2)],                               # the output ends after d_2
+             13: []}
+    asked = []
+
+    def draft_masks(seq_id, tokens):
+        asked.append((seq_id, tokens))
+        return later[seq_id][:len(tokens)]
+    masks = [None, mask_of(5, 3), mask_of(0, 4), mask_of()]    # row 3: nothing allowed
+    guide = _Guide(drafter, seqs, masks, draft_masks)
+    g = np.zeros(4, np.float32)
+    got = {r: [guide.pick(r, g, free=0) for _ in range(4)] for r in range(4)}
+    assert got[0] == [0, 0, 0, 0]                  # no mask: the free argmax every time
+    assert got[1] == [3, 6, 6, 1]                  # 3 (8 > 7), then 6, 6 and 1 within the masks
+    assert guide.chosen[1] == [3, 6, 6, 1] and 1 not in guide.cut
+    assert got[2][:2] == [0, 2] and guide.cut[2] == 2      # the masks end after two drafts
+    assert guide.cut[3] == 0 and got[3] == [0] * 4
+    assert (11, (3,)) in asked and (11, (3, 6, 6)) in asked
+
+
+def test_drafts_within_the_grammar_are_accepted_far_more_often():
+    """JSON-schema output on the dense reference model, greedy, k = 3: drafts picked within the
+    grammar's masks were accepted at 0.54 / 0.42 / 0.29 by position when this landed (2.07 tokens
+    per verify); unconstrained drafts, which the grammar then refused, at 0.14 / 0.04 / 0.00
+    (1.18)."""
+    path = ensure_reference_artifact("dense")
+    params = SamplingParams(max_tokens=60, structured=StructuredOutput("json_schema", SCHEMA))
+    want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=4)
+    got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, speculative="mtp",
+                           num_draft_tokens=3, draft_policy="fixed")
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert stats["spec_acceptance_by_position"][0] > 0.4
+    assert stats["spec_emitted_tokens"] / stats["spec_verify_rows"] > 1.8

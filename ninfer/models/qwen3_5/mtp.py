@@ -179,14 +179,15 @@ class MtpDrafter:
                         kv_pages=pages, kv_offsets=offsets)
 
     def draft_greedy(self, kv: KVPool, hidden: np.ndarray, next_tokens, context_lens,
-                     block_tables, k, *, with_logits: bool = True) -> tuple:
+                     block_tables, k, *, with_logits: bool = True, pick=None) -> tuple:
         """Greedy draft tokens, autoregressively on the drafter's KV; k: one int for every row, or
         one per row (k[r] >= 1; a row leaves the batch once it has its k[r]).
         Row r: hidden[r] is the target's final-normed hidden at position t_r = context_lens[r]
         (the drafter KV holds positions < t_r), next_tokens[r] = x_{t_r + 1}. Step i (0-based)
         writes drafter KV at t_r + i and predicts x_{t_r + i + 2}.
         Returns (drafts [B, max k] int32, logits [B, max k, V] float32); entries past a row's own
-        k are -1 / 0. with_logits=False: logits is None (drafts by `draft_argmax`)."""
+        k are -1 / 0. with_logits=False: logits is None (drafts by `draft_argmax`, or by
+        pick(step, live row indices, MTP hidden [n, H]) -> int32 [n] where given)."""
         ctx = np.asarray(context_lens, np.int32).copy()
         B = len(ctx)
         ks = np.broadcast_to(np.asarray(k, np.int64), (B,)).copy()
@@ -211,7 +212,7 @@ class MtpDrafter:
                 logits[live, i] = step_logits
                 tokens[live] = np.argmax(step_logits, axis=1).astype(np.int32)
             else:
-                tokens[live] = self.draft_argmax(g)
+                tokens[live] = self.draft_argmax(g) if pick is None else pick(i, live, g)
             drafts[live, i] = tokens[live]
             h = np.zeros_like(h)
             h[live] = g

@@ -10,8 +10,9 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
              acceptance and unit costs ("fixed": always num_draft_tokens); 0 runs the row as a
              plain decode step (its commit still feeds the drafter, below)
     draft    d_1 = argmax of the MTP hidden g_1 the last commit kept (feed, below); the drafter
-             (mtp.py) runs k - 1 more steps from (g_1, d_1) at positions F .. F+k-2, greedy.
-             The drafts go into the token buffer after the committed tokens (provisional).
+             (mtp.py) runs k - 1 more steps from (g_1, d_1) at positions F .. F+k-2, greedy;
+             a masked row's argmaxes are within its masks (_Guide). The drafts go into the
+             token buffer after the committed tokens (provisional).
     verify   one target forward over [x_{N-1}, d_1 .. d_k] at positions F .. F+k, batched with
              the unit's other rows (prefill / Replay / control / plain decode rows run as usual).
              Position j samples t_j exactly as a decode step at that position would: penalties
@@ -81,6 +82,48 @@ class _Row:
     backup: object = None       # a verify row's StateImage before the verify
 
 
+class _Guide:
+    """Drafts within a row's masks, for the rows of a unit whose step mask is not None (a grammar,
+    min_tokens' stop-token ban, ...): the drafts each chose so far, and `cut`, row -> the drafts it
+    keeps where its masks ended (the output ends or is forced there, or nothing is allowed)."""
+
+    def __init__(self, drafter, seqs, masks, draft_masks):
+        self.drafter, self.seqs, self.masks, self.draft_masks = drafter, seqs, masks, draft_masks
+        self.rows = {r for r, m in enumerate(masks) if m is not None}
+        self.chosen = {r: [] for r in self.rows}
+        self.cut: dict = {}
+
+    def pick(self, r: int, g: np.ndarray, free: int) -> int:
+        """Row r's next draft from its MTP hidden g [H]; `free` is the unconstrained argmax (the
+        answer for a row without masks, or where its mask allows anything). Past a cut the
+        drafts are `free` too: they only feed the drafter's next step and are dropped."""
+        if r not in self.rows or r in self.cut:
+            return free
+        chosen = self.chosen[r]
+        if not chosen:
+            ended, mask = False, self.masks[r]
+        elif self.draft_masks is None:      # (no session to ask: the verify masks nothing either)
+            ended, mask = False, None
+        else:
+            along = self.draft_masks(self.seqs[r].seq_id, tuple(chosen))
+            ended = len(along) < len(chosen)
+            mask = None if ended else along[len(chosen) - 1]
+        token = free
+        if mask is not None:
+            logits = self.drafter.logits(g[None])[0]
+            allowed = np.zeros(len(logits), np.bool_)
+            n = min(len(mask), len(logits))
+            allowed[:n] = np.asarray(mask, np.bool_)[:n]
+            ended = ended or not allowed.any()
+            if not ended:
+                token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+        if ended:
+            self.cut[r] = len(chosen)
+            return free
+        chosen.append(token)
+        return token
+
+
 class MtpSpeculator:
     def __init__(self, drafter, num_draft_tokens: int, kv, adaptive: bool = True):
         """drafter: MtpDrafter over the Program's model; kv: the Program's KVPool (the drafter's
@@ -114,7 +157,7 @@ class MtpSpeculator:
         """Run the unit: draft for the decode rows that can, one target forward over every row,
         sample (verify rows: position by position). Returns the Program's PendingBatch."""
         t0 = time.perf_counter()
-        drafts = self._draft(prog, seqs, units, t0)
+        drafts = self._draft(prog, seqs, units, t0, masks, draft_masks)
         units = [dataclasses.replace(u, num_new_tokens=1 + len(drafts[r])) if r in drafts else u
                  for r, u in enumerate(units)]
         batch = prog.pack_rows(seqs, units)
@@ -160,11 +203,14 @@ class MtpSpeculator:
             k = min(k, prog.grow_pages(seq, n + k) - n)
         return max(k, 0)
 
-    def _draft(self, prog, seqs, units, t0: float) -> dict:
+    def _draft(self, prog, seqs, units, t0: float, masks, draft_masks) -> dict:
         """{row index: int32 [k] drafts} of the rows that speculate; the drafts are written after
         the committed tokens, where packing reads them. The policy picks k for the rows that can
         draft; a unit whose every row can is timed for it (its cost at that k), one with other
-        rows beside (prefill, Replay, control) is not."""
+        rows beside (prefill, Replay, control) is not. A row with a mask (a grammar, a stop-token
+        ban, ...) drafts within its masks: d_1 within this step's, d_j+1 within the one after
+        d_1 .. d_j (draft_masks), so the verify never rejects a draft the grammar refuses; its
+        drafts end where the masks do (the output ends there, or nothing is allowed)."""
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
         k = self.policy.choose(len(able)) if able else 0
         self._unit = (t0, len(able), k) if able and len(able) == len(seqs) else None
@@ -173,19 +219,31 @@ class MtpSpeculator:
         if not ks:
             return {}
         self._catch_up(prog, [seqs[r] for r in ks])
-        first = self.drafter.draft_argmax(np.stack([self._first[seqs[r].seq_id] for r in ks]))
+        g1 = np.stack([self._first[seqs[r].seq_id] for r in ks])
+        first = self.drafter.draft_argmax(g1)
+        guide = _Guide(self.drafter, seqs, masks, draft_masks)
+        for i, r in enumerate(ks):
+            first[i] = guide.pick(r, g1[i], int(first[i]))
         drafts = {r: first[i:i + 1].astype(np.int32) for i, r in enumerate(ks)}
-        more = [r for r in ks if ks[r] > 1]
+        more = [r for r in ks if ks[r] > 1 and r not in guide.cut]
         if more:
             sel = [seqs[r] for r in more]
+
+            def pick(step, live, g):
+                tokens = self.drafter.draft_argmax(g)
+                for j, li in enumerate(live):
+                    tokens[j] = guide.pick(more[li], g[j], int(tokens[j]))
+                return tokens
             tail, _ = self.drafter.draft_greedy(
                 prog.kv, np.stack([self._first[s.seq_id] for s in sel]),
                 [int(drafts[r][0]) for r in more],
                 [s.num_computed_tokens for s in sel],
                 prog.block_tables(sel), [ks[r] - 1 for r in more],
-                with_logits=False)
+                with_logits=False, pick=pick if guide.rows else None)
             for i, r in enumerate(more):
                 drafts[r] = np.concatenate([drafts[r], tail[i, :ks[r] - 1]])
+        drafts = {r: d[:guide.cut.get(r, len(d))] for r, d in drafts.items()}
+        drafts = {r: d for r, d in drafts.items() if len(d)}
         for r, d in drafts.items():
             prog.write_provisional(seqs[r], d)
         return drafts
