@@ -11,6 +11,7 @@ from .common import block_sum, silu, storage
 SIGNATURES = {
     "rmsnorm": ("u16*", "f32*", "f32*", "i32*", "i32", "i32", "f32"),
     "gated_rmsnorm": ("u16*", "f32*", "f32*", "i32", "i32", "f32*", "i32", "f32"),
+    "mtp_prologue": ("u16*", "f32*", "u16*", "f32*", "f32*", "i32", "f32"),
 }
 
 
@@ -86,3 +87,31 @@ def gated_rmsnorm(f32=False):
         for j in range(cuda.threadIdx.x, dv, cuda.blockDim.x):
             out[base + j] = store(x[base + j] * inv * w[j] * silu(z[zb + j]))
     return gated_rmsnorm_kernel
+
+
+def mtp_prologue(f32=False):
+    store, load = storage(f32)[:2]
+
+    def mtp_prologue_kernel(out, e, h, w_e, w_h, hidden, eps):
+        # the MTP head's fc input (models/qwen3_5/mtp.py): out[r, :H] = norm(e[r]) * (1 + w_e)
+        # (the next token's embedding, fp32), out[r, H:] = norm(h[r]) * (1 + w_h) (the hidden
+        # state it continues, stored); grid (rows, 2), blockIdx.y the half
+        scratch = cuda.shared.array(32, float32)
+        r = cuda.blockIdx.x
+        half = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        base = r * hidden
+        acc = float32(0.0)
+        for j in range(tid, hidden, nt):
+            v = e[base + j] if half == 0 else load(h[base + j])
+            acc += v * v
+        tot = block_sum(acc, scratch)
+        inv = float32(1.0) / math.sqrt(tot / float32(hidden) + eps)
+        ob = (2 * r + half) * hidden
+        for j in range(tid, hidden, nt):
+            if half == 0:
+                out[ob + j] = store(e[base + j] * inv * (float32(1.0) + w_e[j]))
+            else:
+                out[ob + j] = store(load(h[base + j]) * inv * (float32(1.0) + w_h[j]))
+    return mtp_prologue_kernel

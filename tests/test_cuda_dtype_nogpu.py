@@ -405,3 +405,25 @@ def test_widening_upload_in_pieces(monkeypatch):
     got = dev._dev(dst.ptr, dst.nbytes).view(np.float32).reshape(7, 15)
     assert pieces == [32, 32, 32, 9]
     assert np.array_equal(got, (bits.astype(np.uint32) << 16).view(np.float32))
+
+
+@pytest.mark.parametrize("kind", [
+    "dense", pytest.param("moe", marks=pytest.mark.skipif(
+        os.environ.get("NINFER_SIM_MODEL") != "1",
+        reason="minutes on the simulator: set NINFER_SIM_MODEL=1"))])
+def test_mtp_step_on_the_simulator_matches_the_numpy_drafter(kind):
+    """CudaModel.mtp_forward (issue 25: the MTP head's step on the device: the fc prologue's two
+    norms, the fc GEMM, its full-attention layer on the KV pool's extra last layer, its MLP, the
+    final norm, the shared lm_head) on the simulator (tests/gpu/sim_mtp.py) against
+    MtpDrafter.forward, a fresh row and then a continuation that attends to its KV: float32
+    within 1e-5 (measured 2e-7) and the same argmax, bfloat16 within its rounding (3.5e-3)."""
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_mtp.py"),
+                          kind], env=env, capture_output=True, text=True, timeout=3000)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    f, b = out["float32"], out["bfloat16"]
+    assert max(f["logits"] + f["hidden"]) < 1e-5 and all(f["argmax_equal"]), f
+    assert 1e-4 < max(b["logits"] + b["hidden"]) < 3e-2, b           # bf16 really rounds
+    assert f["kv_layers"] == f["model_kv_layers"] + 1                # the drafter's, last

@@ -14,8 +14,8 @@ from ninfer.errors import DeviceError
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import (MODULES, SIGS, check_geometry,
-                                                   declared_signatures, geometry_specs, spec,
-                                                   speculation_specs, vision_specs)
+                                                   declared_signatures, geometry_specs, mtp_specs,
+                                                   spec, speculation_specs, vision_specs)
 from ninfer.models.qwen3_5.cuda.meta import MetaLayout
 from ninfer.models.qwen3_5.fakes import TensorArtifact
 from ninfer.options import EngineOptions
@@ -140,6 +140,7 @@ def test_signatures_read_from_the_text_are_the_kernels_own():
              for s in geometry_specs(cfg, f32, quant).values()]
     specs += [s for f32 in (False, True) for s in vision_specs(f32).values()]
     specs += list(speculation_specs(dense).values())
+    specs += [s for f32 in (False, True) for s in mtp_specs(f32).values()]
     assert {s.factory for s in specs} == set(SIGS)
     for s in specs:
         fn = getattr(K._import_kernel_module(s.module), s.factory)(**dict(s.params))
@@ -735,7 +736,9 @@ class _CountingArena:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("b_cap, prefill_chunk, max_context", [(1, 512, 2048), (8, 512, 32768),
                                                                (4, 4096, 16384), (64, 16, 512)])
-def test_workspace_plan_covers_what_the_workspace_takes(shape, b_cap, prefill_chunk, max_context):
+@pytest.mark.parametrize("mtp", [False, True], ids=["", "mtp"])
+def test_workspace_plan_covers_what_the_workspace_takes(shape, b_cap, prefill_chunk, max_context,
+                                                        mtp):
     from ninfer.models.qwen3_5.cuda_model import LT_WORKSPACE, CudaModel, workspace_bytes
     from ninfer.models.qwen3_5.cuda.runner import Workspace, part_rows_needed
     cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
@@ -749,12 +752,12 @@ def test_workspace_plan_covers_what_the_workspace_takes(shape, b_cap, prefill_ch
     m.decode_layout = MetaLayout(b_cap, b_cap, m.p_cap)
     part_rows = part_rows_needed(n_cap, cfg.num_key_value_heads, num_sms)
     arena = _CountingArena()
-    Workspace(arena, cfg, n_cap, m.lg_cap, part_rows, m.max_keys)
+    Workspace(arena, cfg, n_cap, m.lg_cap, part_rows, m.max_keys, mtp=mtp)
     arena.take((m.eager_layout.count + m.decode_layout.count,), np.int32, "metadata")
     arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
     assert arena.nbytes <= workspace_bytes(
         cfg, f32=False, n_cap=n_cap, lg_cap=m.lg_cap, part_rows=part_rows, max_keys=m.max_keys,
-        meta_bytes=m.eager_layout.nbytes + m.decode_layout.nbytes)
+        meta_bytes=m.eager_layout.nbytes + m.decode_layout.nbytes, mtp=mtp)
 
 
 def test_pack_args_refuses_integers_that_would_wrap():
@@ -1203,3 +1206,24 @@ def test_host_staging_keeps_one_buffer_and_frees_oversized_ones(monkeypatch):
     assert big.is_freed and not b.is_freed and staging.take(50) is b
     staging.free()
     assert b.is_freed and len(live) == 3
+
+
+@pytest.mark.parametrize("shape", ["27B", "35B-A3B", "tiny-moe"])
+def test_the_cuda_weight_plan_holds_exactly_the_numpy_drafters_tensors(shape):
+    """cuda/weights.mtp_plan (the MTP head on the device, issue 25) reads the tensors the numpy
+    drafter reads (mtp_param_shapes), each once and whole; plan_bytes counts them with mtp=True."""
+    from ninfer.models.qwen3_5.config import TextConfig
+    from ninfer.models.qwen3_5.cuda import weights as wplan
+    from ninfer.models.qwen3_5.mtp import mtp_param_shapes
+    cfg = TextConfig(layer_types=("linear_attention",) * 3 + ("full_attention",),
+                     num_hidden_layers=4, mtp_num_hidden_layers=1, **SHAPES[shape])
+    plan, want = wplan.mtp_plan(cfg), mtp_param_shapes(cfg)
+    read = [src for _, _, sources in plan.values() for src, _ in sources]
+    assert sorted(read) == sorted(want)
+    for name, (shp, dt, sources) in plan.items():
+        assert int(np.prod(shp)) == sum(int(np.prod(want[s])) for s, _ in sources), name
+        assert dt == (wplan.F32 if len(shp) == 1 else wplan.BF16), name
+    extra = sum((int(np.prod(s)) * wplan.element_bytes(dt) + 255) // 256 * 256
+                for s, dt, _ in plan.values())
+    assert wplan.plan_bytes(cfg, mtp=True) == wplan.plan_bytes(cfg) + extra
+    assert plan["fc"][0] == (cfg.hidden_size, 2 * cfg.hidden_size)

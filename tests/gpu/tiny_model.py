@@ -131,3 +131,21 @@ class PackedExpertsArtifact(TinyArtifact):
 
     def binding_info(self, name: str) -> dict:
         return {"object": name, "view": None}
+
+
+def mtp_artifact(kind: str) -> TinyArtifact:
+    """The tiny model (dense or moe) with a random MTP head (tensors as mtp_param_shapes names
+    them; norm weights near 0, as zero-centred norms have)."""
+    import dataclasses
+    from ninfer.models.qwen3_5.mtp import mtp_param_shapes
+    cfg = tiny_config(moe=kind == "moe")
+    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, mtp_num_hidden_layers=1))
+    art = TinyArtifact(cfg, seed=3)
+    r = np.random.default_rng(5)
+    for name, shape in mtp_param_shapes(cfg.text).items():
+        if len(shape) == 1:
+            a = 0.1 * r.standard_normal(shape)
+        else:
+            a = r.standard_normal(shape) / np.sqrt(shape[-1])
+        art._t[name] = a.astype(ml_dtypes.bfloat16)
+    return art

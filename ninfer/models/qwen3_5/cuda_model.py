@@ -37,7 +37,7 @@ from ...core.cuda import driver as _d
 from ...core.cuda.arena import Arena
 from ...core.cuda.cublaslt import CublasLt
 from ...core.cuda.kernels import KernelCache
-from ...errors import DeviceError, RequestError
+from ...errors import ArtifactError, DeviceError, RequestError
 from .config import ModelConfig
 from .load import model_config
 from .memory_plan import state_slot_bytes
@@ -65,6 +65,14 @@ from .cuda import weights as wplan
 log = logging.getLogger("ninfer.cuda")
 VISION_SM_SHARE = 0.3   # the vision tower's share of the SMs while steps run (vision_sm_count)
 VISION_BUSY_S = 0.02    # steps "run" when one is in flight or was launched this recently
+
+
+def _with_mtp_layer(cfg):
+    """The text config as the KV pool sees it with the MTP head: one more full-attention layer."""
+    import dataclasses
+    from .config import FULL_ATTENTION
+    return dataclasses.replace(cfg, layer_types=tuple(cfg.layer_types) + (FULL_ATTENTION,),
+                               num_hidden_layers=cfg.num_hidden_layers + 1)
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
@@ -125,9 +133,16 @@ class CudaModel(MediaEncoding):
     final_hidden = None
 
     def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
-                 max_tokens: int = None, kernel_cache_dir=None):
+                 max_tokens: int = None, kernel_cache_dir=None, mtp: bool = False):
+        """mtp: also hold the checkpoint's MTP head (its weights, kernels, and one more attention
+        layer in every KV pool, last) for `mtp_forward` (issue 25; the speculative units do not
+        call it yet)."""
         if (artifact is None) == (random_seed is None):
             raise ValueError("CudaModel: give exactly one of artifact / random_seed")
+        if mtp and config.text.mtp_num_hidden_layers != 1:
+            raise ArtifactError(f"CudaModel: mtp=True needs an MTP head of 1 layer, the model has "
+                                f"{config.text.mtp_num_hidden_layers}")
+        self.mtp = bool(mtp)
         self.config, self.text = config, config.text
         self.options = options
         # what close() releases: None until made (a failed load closes what it got to)
@@ -209,7 +224,8 @@ class CudaModel(MediaEncoding):
         vis_bytes = device_vision.plan_bytes(vcfg, vis_patches, self.f32) if vis_patches else 0
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32,
                                  qw.formats(self.qplans.values()), self.kv_dtype,
-                                 vision_head_dim=vcfg.head_dim if vis_patches else 0)
+                                 vision_head_dim=vcfg.head_dim if vis_patches else 0,
+                                 mtp=self.mtp)
         # kernels compile (other processes: numba holds the GIL) and load (the driver JIT-compiles
         # each module's PTX, in threads) while the weights load
         kernel_loading = self.kernels.start_loading(self._bind_context)
@@ -241,14 +257,17 @@ class CudaModel(MediaEncoding):
             if fp8_act is not False and not self.f32 and n_cap > qw.GEMV_MAX_ROWS else 0
         ws_bytes = workspace_bytes(cfg, f32=self.f32, n_cap=n_cap, lg_cap=self.lg_cap,
                                    part_rows=part_rows, max_keys=self.max_keys,
-                                   meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes) \
+                                   meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes,
+                                   mtp=self.mtp) \
             + wq * (4 if self.f32 else 2) + w8a8_bytes(n_cap, w8k) + (1024 if w8k else 0)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
         sampler_rows = max(b_cap, 8)
         free, total = self.device.mem_info()
         self.memory_plan = plan = plan_cuda_memory(
-            cfg, options, f32=self.f32,
-            weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans),
+            # (with the MTP head: its KV layer paged with the model's, one more full-attention
+            # layer's pages in the plan)
+            _with_mtp_layer(cfg) if self.mtp else cfg, options, f32=self.f32,
+            weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans, mtp=self.mtp),
             workspace_bytes=ws_bytes + vis_bytes + DeviceSampler.device_bytes(
                 sampler_rows, cfg.vocab_size, options.max_context),
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN,
@@ -259,7 +278,7 @@ class CudaModel(MediaEncoding):
         self.arena = Arena(plan.total_bytes)
         self._lap("arena")
         self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
-                            f32=self.f32, wq_elements=wq, w8a8_k=w8k)
+                            f32=self.f32, wq_elements=wq, w8a8_k=w8k, mtp=self.mtp)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
                                "metadata")
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
@@ -304,7 +323,7 @@ class CudaModel(MediaEncoding):
                               self._bind_context)
         try:
             self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed,
-                                        tied=tied, qplans=self.qplans)
+                                        tied=tied, qplans=self.qplans, mtp=self.mtp)
             self.stream.synchronize()
         except BaseException:
             # the kernels' thread finishes before close() unloads what it loads
@@ -366,7 +385,8 @@ class CudaModel(MediaEncoding):
         self._current()
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"new_kv_pool: num_pages={num_pages}, page_size={page_size} must be >= 1")
-        pool = DeviceKVPool(self._pool_device(), self.text, num_pages, page_size)
+        pool = DeviceKVPool(self._pool_device(), self.text, num_pages, page_size,
+                            extra_layers=int(self.mtp))
         self.stream.synchronize()
         return pool
 
@@ -508,6 +528,54 @@ class CudaModel(MediaEncoding):
             result[start: start + rows] = self.out_host.view(np.float32, 0, rows * V).reshape(rows, V)
             start += rows
         return result
+
+    def mtp_forward(self, batch: ForwardBatch, hidden: np.ndarray, kv) -> tuple:
+        """One MTP head step on the device, MtpDrafter.forward's contract (models/qwen3_5/mtp.py):
+        batch.token_ids are the next tokens x_{t+1}, positions / context_lens those of the hidden
+        states' positions t, hidden [N, H] the final-normed hidden states it continues (stored
+        as the GEMM inputs are: bf16, or fp32 with dtype float32). Its KV is the pool's last
+        layer. Returns (logits [N, V] float32, final-normed MTP hidden [N, H] float32), eager,
+        N <= the logits rows of one call. (Host arrays in and out: the speculative units' device
+        path will keep them on the device.)"""
+        if not self.mtp:
+            raise RuntimeError("mtp_forward: the model was loaded without its MTP head (mtp=True)")
+        self._current()
+        cfg, ws = self.text, self.ws
+        n, H, V = batch.num_tokens, cfg.hidden_size, cfg.vocab_size
+        hidden = np.asarray(hidden, np.float32)
+        if hidden.shape != (n, H):
+            raise ValueError(f"mtp_forward: hidden shape {hidden.shape} != ({n}, {H})")
+        if n > self.lg_cap:
+            raise ValueError(f"mtp_forward: {n} tokens exceed the {self.lg_cap} logits rows")
+        if self.checks_batches:
+            batch.check(BatchLimits(vocab_size=V, page_size=kv.page_size,
+                                    num_kv_pages=kv.num_pages, num_state_slots=None,
+                                    max_rows=self.eager_layout.b_cap, max_tokens=self.n_cap,
+                                    max_pages_per_row=self.p_cap))
+        if self.f32:
+            stored = hidden
+        else:
+            import ml_dtypes
+            stored = hidden.astype(ml_dtypes.bfloat16).view(np.uint16)
+        staged = self.out_host.view(stored.dtype, 0, stored.size)
+        staged[:] = stored.reshape(-1)
+        _d.copy_htod_async(ws.mtp_h.ptr, self.out_host.ptr, stored.nbytes, self.stream)
+        lay, meta = self.eager_layout, self.eager_meta
+        self._upload_meta(lay, meta, 0, batch, np.arange(n, dtype=np.int32))
+        self.runner.mtp(self.stream, meta, n, batch.num_rows, n, kv)
+        logits = np.empty((n, V), np.float32)
+        _d.copy_dtoh_async(self.out_host.ptr, ws.logits.ptr, n * V * 4, self.stream)
+        self.stream.synchronize()
+        logits[:] = self.out_host.view(np.float32, 0, n * V).reshape(n, V)
+        gb = n * H * ws.gin_bytes
+        _d.copy_dtoh_async(self.out_host.ptr, ws.x.ptr, gb, self.stream)
+        self.stream.synchronize()
+        if self.f32:
+            g = self.out_host.view(np.float32, 0, n * H).reshape(n, H).copy()
+        else:
+            bits = self.out_host.view(np.uint16, 0, n * H).reshape(n, H)
+            g = (bits.astype(np.uint32) << 16).view(np.float32)
+        return logits, g
 
     # ---- graphs -------------------------------------------------------------------------------
     def warm_up(self, kv, state) -> None:

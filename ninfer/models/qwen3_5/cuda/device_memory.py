@@ -48,9 +48,10 @@ def call_capacities(options, max_tokens: int = None, *, mixed: bool = False) -> 
 
 
 def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, max_keys: int,
-                    meta_bytes: int) -> int:
+                    meta_bytes: int, mtp: bool = False) -> int:
     """A generous upper bound of runner.Workspace (every buffer at its widest), the call metadata
-    (meta_bytes) and the cuBLASLt workspace."""
+    (meta_bytes) and the cuBLASLt workspace; `mtp`: with the MTP head's buffers (its fc input
+    2H wide, its input hidden states)."""
     H = cfg.hidden_size
     g = 4 if f32 else 2          # bytes of a GEMM input element (x, act, xg, gact, xf)
     widest = max(cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads,
@@ -58,7 +59,8 @@ def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, 
                  2 * cfg.intermediate_size,
                  cfg.num_experts + 2 * cfg.shared_expert_intermediate_size + 1)
     per_tok = 4 * H + g * H + g * max(H, cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim,
-                                      cfg.intermediate_size, cfg.shared_expert_intermediate_size) \
+                                      cfg.intermediate_size, cfg.shared_expert_intermediate_size,
+                                      2 * H if mtp else 0) + (g * H if mtp else 0) \
         + 4 * widest + 4 * max(cfg.linear_conv_dim, cfg.num_attention_heads * cfg.head_dim) \
         + 4 * cfg.linear_value_dim
     if cfg.is_moe:

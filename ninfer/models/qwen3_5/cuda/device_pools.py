@@ -311,11 +311,14 @@ class PoolDevice:
 
 
 class DeviceKVPool:
-    def __init__(self, dev: PoolDevice, cfg: TextConfig, num_pages: int, page_size: int):
+    def __init__(self, dev: PoolDevice, cfg: TextConfig, num_pages: int, page_size: int,
+                 extra_layers: int = 0):
+        """extra_layers: attention layers past the model's (the MTP drafter's, last), paged
+        alike, so every page copy carries them."""
         self.page_size = int(page_size)
         self._dev = dev
         shape = (int(num_pages), self.page_size, cfg.num_key_value_heads, cfg.head_dim)
-        n = len(cfg.attention_layer_ids)
+        n = len(cfg.attention_layer_ids) + int(extra_layers)
         self._f32 = bool(dev.f32)
         self.kv_dtype = dev.kv_dtype
         dtype = np.float32 if self._f32 else np.uint16

@@ -62,7 +62,8 @@ SIGS = _collect_signatures()
 F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather", "random_bf16",
                           "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
                           "expert_down", "qgemv", "dequant",
-                          "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax"))
+                          "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax",
+                          "mtp_prologue"))
 
 
 # kernels with a quantized-KV variant (kv_dtype "fp8" / "int8": factory parameter kvq) -> the
@@ -102,6 +103,12 @@ def vision_specs(f32: bool = False, head_dim: int = 72, flash: bool = True) -> d
 def flash_vision(f32: bool, head_dim: int) -> bool:
     """vis_flash_attention can run this tower's attention (bf16 mma fragments of 8 columns)."""
     return not f32 and head_dim % 8 == 0
+
+
+def mtp_specs(f32: bool = False) -> dict:
+    """What the MTP drafter's step adds to a geometry's kernels (its decoder layer is a full-
+    attention layer of the same geometry, its MLP the model's): the fc input's two norms."""
+    return {"mtp_prologue": spec("mtp_prologue", f32=f32)}
 
 
 def speculation_specs(cfg: TextConfig) -> dict:
@@ -299,9 +306,12 @@ def check_geometry(cfg: TextConfig) -> None:
 
 class KernelSet:
     def __init__(self, cfg: TextConfig, cache: KernelCache, f32: bool = False,
-                 quant=frozenset(), kv_dtype: str = None, vision_head_dim: int = 0):
+                 quant=frozenset(), kv_dtype: str = None, vision_head_dim: int = 0,
+                 mtp: bool = False):
         check_geometry(cfg)
         self.specs = geometry_specs(cfg, f32, quant, kv_dtype)
+        if mtp:                     # the MTP drafter's step (runner.mtp)
+            self.specs.update(mtp_specs(f32))
         if vision_head_dim:         # the device vision tower's (loaded with the rest)
             self.specs.update(vision_specs(f32, vision_head_dim))
         self._cache = cache

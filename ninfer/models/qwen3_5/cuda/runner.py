@@ -33,7 +33,8 @@ class Workspace:
     """Fixed activation buffers for up to `n_cap` tokens and `lg_cap` logits rows."""
 
     def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
-                 max_keys: int, f32: bool = False, wq_elements: int = 0, w8a8_k: int = 0):
+                 max_keys: int, f32: bool = False, wq_elements: int = 0, w8a8_k: int = 0,
+                 mtp: bool = False):
         take = arena.take
         gin = np.float32 if f32 else np.uint16      # GEMM inputs: bf16, or fp32 (dtype="float32")
         self.gin_bytes = np.dtype(gin).itemsize
@@ -54,6 +55,8 @@ class Workspace:
         else:
             widths_in.append(2 * cfg.intermediate_size)
             widths_act.append(cfg.intermediate_size)
+        if mtp:
+            widths_act.append(2 * H)     # the MTP head's fc input (StepRunner.mtp)
         n = n_cap
         ws = "workspace"
         self.h = take((n, H), np.float32, ws)
@@ -108,6 +111,8 @@ class Workspace:
             self.xq = take((fp8_scale_rows(n) * w8a8_k,), np.uint8, ws)
             self.xqs = take((w8a8_k // FP8_BLOCK * fp8_scale_rows(n),), np.float32, ws)
         self.xf = take((lg_cap, H), gin, ws)
+        # the MTP head's input hidden states (the target's final-normed ones, or its own)
+        self.mtp_h = take((n, H), gin, ws) if mtp else None
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
 
@@ -417,10 +422,35 @@ class StepRunner:
                 self.mlp(st, n, lw)
         self.head(st, meta, n_out, out_start)
 
-    def head(self, st, meta, n_out: int, out_start: int = 0):
+    def mtp(self, st, meta, n: int, b: int, n_out: int, kv):
+        """One MTP head step over the n tokens of `meta` (models/qwen3_5/mtp.py): its input
+        hidden states in ws.mtp_h, its KV the pool's last attention layer; leaves the final-normed
+        MTP hidden of every token in ws.x and the logits and argmax of the meta's n_out output
+        rows (head)."""
+        cfg, ws, W = self.cfg, self.res.ws, self.res.weights
+        M, H = W["mtp"], cfg.hidden_size
+        self.rows = None                  # (CUDA-core attention for every row)
+        self.launch(st, self.kernels.embed_gather, ((H + 255) // 256, n), (256,),
+                    (ws.h, W["embed"], meta.token_ids, H))
+        self.launch(st, self.kernels.mtp_prologue, (n, 2), (256,),
+                    (ws.act, ws.h, ws.mtp_h, M["norm_embedding"], M["norm_hidden"], H,
+                     cfg.rms_norm_eps))
+        self.linear(st, ws.act.ptr, M["fc"], ws.h.ptr, n, H, 2 * H)
+        self.rmsnorm(st, ws.x, ws.h, M["input_norm"], n)
+        self.attention(st, meta, n, b, M, kv, len(kv.k) - 1)
+        self.rmsnorm(st, ws.x, ws.h, M["post_norm"], n)
+        if cfg.is_moe:
+            self.moe(st, n, M)
+        else:
+            self.mlp(st, n, M)
+        self.rmsnorm(st, ws.x, ws.h, M["norm"], n)
+        self.head(st, meta, n_out, norm=M["norm"])
+
+    def head(self, st, meta, n_out: int, out_start: int = 0, norm=None):
         cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         H, V = cfg.hidden_size, cfg.vocab_size
-        self.rmsnorm(st, ws.xf, ws.h, W["norm"], n_out, row_idx=meta.out_rows + 4 * out_start)
+        self.rmsnorm(st, ws.xf, ws.h, W["norm"] if norm is None else norm, n_out,
+                     row_idx=meta.out_rows + 4 * out_start)
         self.linear(st, ws.xf.ptr, W["lm_head"], ws.logits.ptr, n_out, V, H)
         self.launch(st, self.kernels.argmax, (n_out,), (1024,), (ws.tokens, ws.logits, V))
 

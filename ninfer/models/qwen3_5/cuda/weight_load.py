@@ -54,9 +54,12 @@ def quant_plans(cfg, artifact) -> dict:
 
 
 def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
-                 tied: bool = False, qplans: dict = None) -> dict:
+                 tied: bool = False, qplans: dict = None, mtp: bool = False) -> dict:
+    """mtp: the MTP head's arrays too, as out["mtp"] (weights.mtp_plan; never quantized)."""
     plans = [("", wplan.model_plan(cfg))] + \
         [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
+    if mtp:
+        plans.append(("mtp", wplan.mtp_plan(cfg)))
     qplans = qplans or {}
     out = {"layers": []}
     jobs = []           # artifact weights, in arena order: read in parallel, uploaded in order
@@ -84,6 +87,8 @@ def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
             arrs[name] = a
         if idx == "":
             out.update(arrs)
+        elif idx == "mtp":
+            out["mtp"] = arrs
         else:
             out["layers"].append(arrs)
     if jobs:

@@ -12,6 +12,8 @@ A dtype="float32" model holds every bf16 matrix as fp32 (widened on the device a
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ....errors import ArtifactError
@@ -62,6 +64,22 @@ def layer_plan(cfg: TextConfig, i: int) -> dict:
     return out
 
 
+def mtp_plan(cfg: TextConfig) -> dict:
+    """The MTP head's arrays (models/qwen3_5/mtp.py; the embedding and lm_head are the target's):
+    fc [H, 2H] (the embedding's half first), its input norms and final norm, and one full-
+    attention decoder layer laid out as layer_plan lays out the model's (sources mtp.layers.0.)."""
+    H = cfg.hidden_size
+    one = dataclasses.replace(cfg, layer_types=(FULL_ATTENTION,), num_hidden_layers=1)
+    out = {"fc": ((H, 2 * H), BF16, [("mtp.fc.weight", None)]),
+           "norm_embedding": ((H,), F32, [("mtp.pre_fc_norm_embedding.weight", None)]),
+           "norm_hidden": ((H,), F32, [("mtp.pre_fc_norm_hidden.weight", None)]),
+           "norm": ((H,), F32, [("mtp.norm.weight", None)])}
+    for name, (shape, dt, sources) in layer_plan(one, 0).items():
+        out[name] = (shape, dt, [("mtp.layers.0." + src[len("text.layers.0."):], rows)
+                                 for src, rows in sources])
+    return out
+
+
 def model_plan(cfg: TextConfig) -> dict:
     V, H = cfg.vocab_size, cfg.hidden_size
     return {"embed": ((V, H), BF16, [("text.embed_tokens.weight", None)]),
@@ -75,12 +93,14 @@ def element_bytes(dt: str, f32: bool = False) -> int:
 
 
 def plan_bytes(cfg: TextConfig, tied: bool = False, f32: bool = False,
-               qplans: dict = None) -> int:
+               qplans: dict = None, mtp: bool = False) -> int:
     """Device bytes of the weights; `qplans` (weight_load.quant_plans): the matrices held as
-    packed codes (qweights.py), counted by their segments."""
+    packed codes (qweights.py), counted by their segments; `mtp`: the MTP head's too."""
     total = 0
     qplans = qplans or {}
     plans = [("", model_plan(cfg))] + [(i, layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
+    if mtp:
+        plans.append(("mtp", mtp_plan(cfg)))
     for idx, plan in plans:
         for name, (shape, dt, _) in plan.items():
             segs = qplans.get((idx, name))

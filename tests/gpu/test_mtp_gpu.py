@@ -1,0 +1,65 @@
+"""The MTP head's step on the GPU (CudaModel.mtp_forward, issue 25) against the numpy drafter of
+the same tiny artifact: a fresh row, then a continuation that attends to its KV (the pool's extra
+last layer). float32 within the whole-model fp32 tolerance and the same argmax; bf16 within the
+bf16 model tolerance (the simulator measured 2e-7 / 3.5e-3: tests/gpu/sim_mtp.py)."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpu_harness import TOL_MODEL_BF16, TOL_MODEL_F32, rel_err
+from tiny_model import mtp_artifact
+
+from ninfer.models import model_config
+from ninfer.models.qwen3_5.batch import ForwardBatch
+from ninfer.models.qwen3_5.model import NumpyModel
+from ninfer.models.qwen3_5.mtp import MtpDrafter
+from ninfer.options import EngineOptions
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mtp_step_equals_the_numpy_drafter(kind, dtype):
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    art = mtp_artifact(kind)
+    cpu = NumpyModel.from_artifact(art)
+    drafter = MtpDrafter.from_artifact(art, cpu)
+    opts = EngineOptions(backend="cuda", dtype=dtype, max_concurrency=2, max_context=128,
+                         prefill_chunk=64, page_size=4, graphs=False)
+    gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
+    try:
+        kv_g, kv_c = gpu.new_kv_pool(40, 4), drafter.new_kv_pool(40, 4)
+        assert len(kv_g.k) == len(cpu.text.attention_layer_ids) + 1
+        r = np.random.default_rng(4)
+        H, V = cpu.text.hidden_size, cpu.text.vocab_size
+        pages = np.arange(32, dtype=np.int32)
+        tol = TOL_MODEL_F32 if dtype == "float32" else TOL_MODEL_BF16
+        for n, start in ((23, 0), (1, 23), (5, 24)):
+            tokens = r.integers(0, V, n).astype(np.int32)
+            h = r.standard_normal((n, H)).astype(np.float32)
+            if dtype == "bfloat16":         # the device holds it in bf16: the oracle takes that
+                h = h.astype(ml_dtypes.bfloat16).astype(np.float32)
+            b = ForwardBatch.single(tokens, start, pages, 0)
+            lg, gg = gpu.mtp_forward(b, h, kv_g)
+            lc, gc = drafter.forward(b, h, kv_c)
+            assert rel_err(lg, lc) < tol and rel_err(gg, gc) < tol, (n, start)
+            if dtype == "float32":
+                assert (lg.argmax(1) == lc.argmax(1)).all()
+        kv_g.close()
+    finally:
+        gpu.close()
+
+
+def test_a_model_without_mtp_refuses_the_step():
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from tiny_model import TinyArtifact, tiny_config
+    art = TinyArtifact(tiny_config(), seed=3)
+    gpu = CudaModel(model_config(art), EngineOptions(backend="cuda", max_concurrency=1,
+                                                     max_context=64, graphs=False), artifact=art)
+    try:
+        with pytest.raises(RuntimeError, match="without its MTP head"):
+            gpu.mtp_forward(ForwardBatch.single([1], 0, [0], 0), np.zeros((1, 64), np.float32),
+                            gpu.new_kv_pool(4, 4))
+    finally:
+        gpu.close()
