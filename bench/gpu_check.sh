@@ -2,8 +2,8 @@
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
 #     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
-#                             [vision] [profile] [full]
-#                       (default: all but fp8, moe, cache, tier, mixed, vision, profile, full)
+#                             [vision] [mtp] [profile] [full]
+#                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, profile, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -120,6 +120,13 @@ for part in $parts; do
             timeout 300 python3 bench/bench_vision.py --engine 9b --sizes 1024,448 --tower-sms auto,0 \
                 >"$OUT/vision_engine_9b.log" 2>&1
             summary+=("vision: $(tail -1 "$OUT/vision_tests.log") (see vision_*.log)") ;;
+        mtp)
+            # the MTP head's step on the device (issue 25): its GPU tests, then one draft token and
+            # the drafter's 64-position feed against a decode step at the 9B, 27B, 35B-A3B shapes
+            timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_mtp_gpu.py \
+                >"$OUT/mtp_tests.log" 2>&1
+            timeout 300 python3 bench/bench_mtp.py --shapes 9b,27b,35b-a3b >"$OUT/mtp.log" 2>&1
+            summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log)") ;;
         profile)
             # GPU time per kernel inside the captured decode graph (tools/profile_graph.py: CUPTI
             # through torch.profiler, the image's torch), B = 1 and 8 at context 2048, for each
