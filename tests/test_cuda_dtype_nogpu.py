@@ -407,23 +407,41 @@ def test_widening_upload_in_pieces(monkeypatch):
     assert np.array_equal(got, (bits.astype(np.uint32) << 16).view(np.float32))
 
 
-@pytest.mark.parametrize("kind", [
-    "dense", pytest.param("moe", marks=pytest.mark.skipif(
-        os.environ.get("NINFER_SIM_MODEL") != "1",
-        reason="minutes on the simulator: set NINFER_SIM_MODEL=1"))])
+_SIM_SLOW = pytest.mark.skipif(os.environ.get("NINFER_SIM_MODEL") != "1",
+                               reason="minutes on the simulator: set NINFER_SIM_MODEL=1")
+
+
+def _sim_mtp(kind: str, part: str) -> dict:
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_mtp.py"),
+                          kind, part], env=env, capture_output=True, text=True, timeout=3000)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=_SIM_SLOW)])
 def test_mtp_step_on_the_simulator_matches_the_numpy_drafter(kind):
     """CudaModel.mtp_forward (issue 25: the MTP head's step on the device: the fc prologue's two
     norms, the fc GEMM, its full-attention layer on the KV pool's extra last layer, its MLP, the
     final norm, the shared lm_head) on the simulator (tests/gpu/sim_mtp.py) against
     MtpDrafter.forward, a fresh row and then a continuation that attends to its KV: float32
     within 1e-5 (measured 2e-7) and the same argmax, bfloat16 within its rounding (3.5e-3)."""
-    pytest.importorskip("numba.cuda")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_mtp.py"),
-                          kind], env=env, capture_output=True, text=True, timeout=3000)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = _sim_mtp(kind, "step")
     f, b = out["float32"], out["bfloat16"]
     assert max(f["logits"] + f["hidden"]) < 1e-5 and all(f["argmax_equal"]), f
     assert 1e-4 < max(b["logits"] + b["hidden"]) < 3e-2, b           # bf16 really rounds
     assert f["kv_layers"] == f["model_kv_layers"] + 1                # the drafter's, last
+
+
+@_SIM_SLOW
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_verify_on_the_simulator_keeps_the_state_after_every_token(kind):
+    """CudaModel.verify_forward (the target over a row's token and 3 drafts with the snapshot
+    kernels) on the simulator: every token's logits as the numpy model's, snapshot slot 2 + i the
+    numpy State after the first i + 1 tokens, the row's slot after all, slot 1 untouched."""
+    out = _sim_mtp(kind, "verify")
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 3e-2)):
+        v = out[dtype]
+        assert v["verify_logits"] < tol and max(v["verify_states"]) < tol, (dtype, v)
+        assert v["verify_own"] < tol and v["verify_untouched"], (dtype, v)

@@ -516,8 +516,9 @@ def test_a_queued_drafter_feed_is_settled_before_the_pages_are_copied(monkeypatc
     mtp_layer = -1                                              # the drafter's, joined last
     for got, want in zip(_kv_rows(lazy, mtp_layer, frontier), _kv_rows(eager, mtp_layer, frontier)):
         assert np.abs(want[len(prompt):]).max() > 0              # the decode positions written
-        # float32 products of one row at a time against all at once round differently
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # float32 products of one row at a time against all at once round differently (BLAS
+        # builds differ: up to 3e-6 absolute on values of ~3 seen); unsettled entries are 0
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def _kv_rows(pages, layer, n):

@@ -1,10 +1,15 @@
 """The MTP head's step on the CUDA backend (CudaModel.mtp_forward, StepRunner.mtp) on the CPU:
 sim_model.py's machine (kernels on numba-cuda's simulator, cuBLASLt as numpy products, fake
 device memory) against the numpy drafter (MtpDrafter.forward) of the same artifact, over a row
-of 5 tokens and then 2 more that attend to their KV. Prints JSON:
-{"<dtype>": {"logits": [rel err per call], "hidden": [...], "argmax_equal": [...]}}
+of 5 tokens and then 2 more that attend to their KV; and the target's verify step
+(CudaModel.verify_forward: logits of every token, the State after each token in snapshot slots)
+against the numpy model. Prints JSON:
+{"<dtype>": {"logits": [rel err per call], "hidden": [...], "argmax_equal": [...],
+             "verify_logits": rel err, "verify_states": [rel err per snapshot], ...}}
 
-    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_mtp.py [dense|moe]
+    NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_mtp.py [dense|moe] [step|verify]
+
+("verify" runs the whole target model on the simulator: minutes.)
 """
 import json
 import pathlib
@@ -29,7 +34,7 @@ def rel(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def run(kind: str = "dense") -> dict:
+def run(kind: str = "dense", part: str = "step") -> dict:
     machine = Machine(96 << 20)
     install(machine)
     art = mtp_artifact(kind)
@@ -50,7 +55,7 @@ def run(kind: str = "dense") -> dict:
         kv_c = drafter.new_kv_pool(17, 4)
         res = {"logits": [], "hidden": [], "argmax_equal": [],
                "kv_layers": len(kv_g.k), "model_kv_layers": len(cpu.text.attention_layer_ids)}
-        for (tokens, start), h in zip(calls, hiddens):
+        for (tokens, start), h in zip(calls if part == "step" else (), hiddens):
             if dtype == "bfloat16":          # what the device holds: the oracle takes the same
                 h = h.astype(ml_dtypes.bfloat16).astype(np.float32)
             b = ForwardBatch.single(tokens, start, pages, 0)
@@ -59,11 +64,46 @@ def run(kind: str = "dense") -> dict:
             res["logits"].append(rel(lg, lc))
             res["hidden"].append(rel(gg, gc))
             res["argmax_equal"].append(bool((lg.argmax(1) == lc.argmax(1)).all()))
+        if part == "verify":
+            res.update(verify(gpu, cpu, r))
         kv_g.close()
         gpu.close()
         out[dtype] = res
     return out
 
 
+def verify(gpu, cpu, r, k: int = 3) -> dict:
+    """CudaModel.verify_forward over a row's last token and k drafts after a 3-token prefill:
+    its logits against the numpy model's, and each snapshot slot 1 + i against the numpy State
+    after the first i + 1 of those tokens (the row's own slot 0: after all of them)."""
+    V = cpu.text.vocab_size
+    pages = np.arange(16, dtype=np.int32)
+    kv_g, st_g = gpu.new_kv_pool(17, 4), gpu.new_state_pool(2 + k + 1)
+    kv_c, st_c = cpu.new_kv_pool(17, 4), cpu.new_state_pool(1)
+    prompt = r.integers(0, V, 3).astype(np.int32)
+    for model, kv, st in ((gpu, kv_g, st_g), (cpu, kv_c, st_c)):
+        model.forward(ForwardBatch.single(prompt, 0, pages, 0), kv, st)
+    pre = st_c.read(0)
+    tokens = r.integers(0, V, k + 1).astype(np.int32)
+    b = ForwardBatch.single(tokens, 3, pages, 0)
+    lg = gpu.verify_forward(b, kv_g, st_g, [2])
+    lc = cpu.forward(b, kv_c, st_c, all_logits=True)
+    state_err = []
+    for i in range(k + 1):
+        st_c.write(0, pre)
+        cpu.forward(ForwardBatch.single(tokens[:i + 1], 3, pages, 0), kv_c, st_c)
+        want = st_c.read(0)
+        got = st_g.read(2 + i)
+        state_err.append(max(rel(g, w) for g, w in zip(got[0] + got[1], want[0] + want[1])))
+    own = st_g.read(0)
+    own_err = max(rel(g, w) for g, w in zip(own[0] + own[1], want[0] + want[1]))
+    untouched = st_g.read(1)               # between the row's slot and its snapshots
+    kv_g.close()
+    st_g.close()
+    return {"verify_logits": rel(lg, lc), "verify_states": state_err, "verify_own": own_err,
+            "verify_untouched": bool(all(not np.any(a) for a in untouched[0] + untouched[1]))}
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "dense")))
+    a = sys.argv[1:]
+    print(json.dumps(run(a[0] if a else "dense", a[1] if len(a) > 1 else "step")))

@@ -63,3 +63,47 @@ def test_a_model_without_mtp_refuses_the_step():
                             gpu.new_kv_pool(4, 4))
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_keeps_the_state_after_every_token(kind, dtype):
+    """verify_forward over a row's last token and 3 drafts after a prefill: every token's logits
+    as the numpy model's, and snapshot slot 2 + i holding the State after the first i + 1 tokens
+    (the numpy model run over that prefix from the pre-verify State); slot 1 untouched."""
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    art = mtp_artifact(kind)
+    cpu = NumpyModel.from_artifact(art)
+    opts = EngineOptions(backend="cuda", dtype=dtype, max_concurrency=2, max_context=128,
+                         prefill_chunk=64, page_size=4, graphs=False)
+    gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
+    tol = TOL_MODEL_F32 if dtype == "float32" else TOL_MODEL_BF16
+    try:
+        r = np.random.default_rng(8)
+        V, k = cpu.text.vocab_size, 3
+        pages = np.arange(32, dtype=np.int32)
+        kv_g, st_g = gpu.new_kv_pool(40, 4), gpu.new_state_pool(2 + k + 1)
+        kv_c, st_c = cpu.new_kv_pool(40, 4), cpu.new_state_pool(1)
+        prompt = r.integers(0, V, 19).astype(np.int32)
+        for model, kv, st in ((gpu, kv_g, st_g), (cpu, kv_c, st_c)):
+            model.forward(ForwardBatch.single(prompt, 0, pages, 0), kv, st)
+        pre = st_c.read(0)
+        tokens = r.integers(0, V, k + 1).astype(np.int32)
+        b = ForwardBatch.single(tokens, len(prompt), pages, 0)
+        lg = gpu.verify_forward(b, kv_g, st_g, [2])
+        lc = cpu.forward(b, kv_c, st_c, all_logits=True)
+        assert rel_err(lg, lc) < tol
+        for i in range(k + 1):
+            st_c.write(0, pre)
+            cpu.forward(ForwardBatch.single(tokens[:i + 1], len(prompt), pages, 0), kv_c, st_c)
+            want, got = st_c.read(0), st_g.read(2 + i)
+            for g, w in zip(got[0] + got[1], want[0] + want[1]):
+                assert rel_err(g, w) < tol, i
+        own = st_g.read(0)
+        for g, w in zip(own[0] + own[1], want[0] + want[1]):
+            assert rel_err(g, w) < tol
+        assert all(not np.any(a) for a in st_g.read(1)[0] + st_g.read(1)[1])
+        kv_g.close()
+        st_g.close()
+    finally:
+        gpu.close()

@@ -577,6 +577,43 @@ class CudaModel(MediaEncoding):
             g = (bits.astype(np.uint32) << 16).view(np.float32)
         return logits, g
 
+    def verify_forward(self, batch: ForwardBatch, kv, state, snap_base) -> np.ndarray:
+        """A speculative verify (issue 25): the target over every row's tokens (its last sampled
+        one and its drafts), logits [N, V] float32 of every token, eager; and, per row r with
+        snap_base[r] >= 0, its State after each of its tokens i also in State slot
+        snap_base[r] + i (the recurrent delta rule over the row's few tokens), so rejecting the
+        drafts after token j is one slot copy (kernels/speculate.py state_select) instead of a
+        recompute. Needs mtp=True (its kernels and buffers)."""
+        if not self.mtp:
+            raise RuntimeError("verify_forward: the model was loaded without its MTP head (mtp=True)")
+        self._current()
+        if self.checks_batches:
+            batch.check(self.batch_limits(kv, state))
+        snap = np.asarray(snap_base, np.int32)
+        b, n = batch.num_rows, batch.num_tokens
+        if snap.shape != (b,) or int(snap.max(initial=-1)) + n > state.num_slots:
+            raise ValueError(f"verify_forward: snap_base {snap.tolist()} for {b} rows of {n} "
+                             f"tokens over {state.num_slots} State slots")
+        lay, meta = self.eager_layout, self.eager_meta
+        self._upload_meta(lay, meta, 0, batch, np.arange(n, dtype=np.int32))
+        # (staged in the logits' pinned buffer: the stream copies it up before the logits down)
+        self.out_host.view(np.int32, 0, b)[:] = snap
+        _d.copy_htod_async(self.ws.snap.ptr, self.out_host.ptr, 4 * b, self.stream)
+        self.runner.run(self.stream, meta, n, b, min(n, self.lg_cap), kv, state,
+                        snap=self.ws.snap.ptr)
+        V = self.text.vocab_size
+        result = np.empty((n, V), np.float32)
+        start = 0
+        while start < n:
+            rows = min(self.lg_cap, n - start)
+            if start:
+                self.runner.head(self.stream, meta, rows, out_start=start)
+            _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, rows * V * 4, self.stream)
+            self.stream.synchronize()
+            result[start: start + rows] = self.out_host.view(np.float32, 0, rows * V).reshape(rows, V)
+            start += rows
+        return result
+
     # ---- graphs -------------------------------------------------------------------------------
     def warm_up(self, kv, state) -> None:
         """Capture and replay the decode graph of every B = 1..b_cap, run the device sampler and

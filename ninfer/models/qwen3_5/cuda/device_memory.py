@@ -60,7 +60,7 @@ def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, 
                  cfg.num_experts + 2 * cfg.shared_expert_intermediate_size + 1)
     per_tok = 4 * H + g * H + g * max(H, cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim,
                                       cfg.intermediate_size, cfg.shared_expert_intermediate_size,
-                                      2 * H if mtp else 0) + (g * H if mtp else 0) \
+                                      2 * H if mtp else 0) + (g * H + 4 if mtp else 0) \
         + 4 * widest + 4 * max(cfg.linear_conv_dim, cfg.num_attention_heads * cfg.head_dim) \
         + 4 * cfg.linear_value_dim
     if cfg.is_moe:

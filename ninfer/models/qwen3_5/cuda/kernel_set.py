@@ -310,8 +310,9 @@ class KernelSet:
                  mtp: bool = False):
         check_geometry(cfg)
         self.specs = geometry_specs(cfg, f32, quant, kv_dtype)
-        if mtp:                     # the MTP drafter's step (runner.mtp)
+        if mtp:                     # the MTP drafter's step (runner.mtp) and the verify's
             self.specs.update(mtp_specs(f32))
+            self.specs.update(speculation_specs(cfg))
         if vision_head_dim:         # the device vision tower's (loaded with the rest)
             self.specs.update(vision_specs(f32, vision_head_dim))
         self._cache = cache

@@ -111,8 +111,10 @@ class Workspace:
             self.xq = take((fp8_scale_rows(n) * w8a8_k,), np.uint8, ws)
             self.xqs = take((w8a8_k // FP8_BLOCK * fp8_scale_rows(n),), np.float32, ws)
         self.xf = take((lg_cap, H), gin, ws)
-        # the MTP head's input hidden states (the target's final-normed ones, or its own)
+        # the MTP head's input hidden states (the target's final-normed ones, or its own), and a
+        # verify's first snapshot slot per row (StepRunner.run's snap)
         self.mtp_h = take((n, H), gin, ws) if mtp else None
+        self.snap = take((n,), np.int32, ws) if mtp else None
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
 
@@ -395,9 +397,12 @@ class StepRunner:
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, st, meta, n: int, b: int, n_out: int, kv, state, out_start: int = 0,
-            rows=None, media=None):
+            rows=None, media=None, snap=None):
         """`rows`: host (query_start, new tokens, context) per row, for the choice of the prefill
-        attention path; None (decode graphs) -> the CUDA-core kernel for every row. `media`:
+        attention path; None (decode graphs) -> the CUDA-core kernel for every row. `snap`: a
+        speculative verify's (device int32 [b]): row r's State after each of its tokens i also
+        goes to State slot snap[r] + i (the recurrent delta rule, sequential over the row's few
+        tokens; snap[r] < 0: none), so a rejected draft is undone by a slot copy. `media`:
         (token rows, embeddings) written over the gathered embeddings (eager calls only)."""
         cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         self.rows = rows
@@ -413,7 +418,7 @@ class StepRunner:
                 self.attention(st, meta, n, b, lw, kv, n_attn)
                 n_attn += 1
             else:
-                self.gdn(st, meta, n, b, lw, state, n_lin)
+                self.gdn(st, meta, n, b, lw, state, n_lin, snap)
                 n_lin += 1
             self.rmsnorm(st, ws.x, ws.h, lw["post_norm"], n)
             if cfg.is_moe:
@@ -461,7 +466,7 @@ class StepRunner:
                     (out, x, w, row_idx if row_idx is not None else 0, int(row_idx is not None),
                      H, self.cfg.rms_norm_eps))
 
-    def gdn(self, st, meta, n, b, lw, state, l):
+    def gdn(self, st, meta, n, b, lw, state, l, snap=None):
         cfg, ws = self.cfg, self.res.ws
         H, C, Vd = cfg.hidden_size, cfg.linear_conv_dim, cfg.linear_value_dim
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -469,20 +474,28 @@ class StepRunner:
         P = C + Vd + 2 * nv
         self.linear(st, ws.x.ptr, lw["w_in"], ws.proj.ptr, n, P, H)
         blk = (max(dk, dv) + 31) // 32 * 32
-        decode = int(n == b)
+        decode = int(n == b and snap is None)
         self.launch(st, self.kernels.conv_silu, (n, 2 * nk + nv), (blk,),
                     (ws.mid, ws.proj, P, lw["conv_w"], state.conv[l], meta.token_row,
                      meta.query_start, meta.context_lens, meta.state_slots, decode))
-        if not decode:
-            self.launch(st, self.kernels.conv_state_update, ((C + 127) // 128, b), (128,),
+        if snap is not None:
+            # a verify: the windows and S after each token into the row's snapshot slots too
+            self.launch(st, self.kernels.conv_state_update_snap, ((C + 127) // 128, b), (128,),
                         (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
-                         meta.state_slots))
-        if decode:
+                         meta.state_slots, snap))
+            self.launch(st, self.kernels.gdn_recurrent_snap, (b, nv, (dv + 31) // 32), (128,),
+                        (ws.core, ws.mid, ws.proj, P, C + Vd + nv, C + Vd, lw["a_log"],
+                         lw["dt_bias"], state.recurrent[l], meta.query_start, meta.context_lens,
+                         meta.state_slots, snap))
+        elif decode:
             self.launch(st, self.kernels.gdn_recurrent, (b, nv, (dv + 31) // 32), (128,),
                         (ws.core, ws.mid, ws.proj, P, C + Vd + nv, C + Vd, lw["a_log"],
                          lw["dt_bias"], state.recurrent[l], meta.query_start, meta.context_lens,
                          meta.state_slots))
         else:
+            self.launch(st, self.kernels.conv_state_update, ((C + 127) // 128, b), (128,),
+                        (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
+                         meta.state_slots))
             # prefill (any row length, 1 included): the chunked form, parallel within chunks
             gc.launch(lambda name, grid, block, args:
                       self.launch_named(st, name, grid, block, args),
