@@ -505,7 +505,8 @@ class CudaModel(MediaEncoding):
         without logprobs, same token within its decision margins) or None (argmax). int32 [B]."""
         return self.launch_tokens(batch, kv, state, rows).collect()
 
-    def _eager(self, batch, kv, state, out_rows, want_logits: bool = True, media=None):
+    def _eager(self, batch, kv, state, out_rows, want_logits: bool = True, media=None,
+               snap=None):
         lay, meta = self.eager_layout, self.eager_meta
         self._upload_meta(lay, meta, 0, batch, out_rows)
         n, b = batch.num_tokens, batch.num_rows
@@ -513,7 +514,8 @@ class CudaModel(MediaEncoding):
         qs = np.asarray(batch.query_start).tolist()
         ctxs = np.asarray(batch.context_lens).tolist()
         rows = [(qs[i], qs[i + 1] - qs[i], int(c)) for i, c in enumerate(ctxs)]
-        self.runner.run(self.stream, meta, n, b, first, kv, state, rows=rows, media=media)
+        self.runner.run(self.stream, meta, n, b, first, kv, state, rows=rows, media=media,
+                        snap=snap)
         V = self.text.vocab_size
         if not want_logits:
             return None
@@ -594,25 +596,10 @@ class CudaModel(MediaEncoding):
         if snap.shape != (b,) or int(snap.max(initial=-1)) + n > state.num_slots:
             raise ValueError(f"verify_forward: snap_base {snap.tolist()} for {b} rows of {n} "
                              f"tokens over {state.num_slots} State slots")
-        lay, meta = self.eager_layout, self.eager_meta
-        self._upload_meta(lay, meta, 0, batch, np.arange(n, dtype=np.int32))
         # (staged in the logits' pinned buffer: the stream copies it up before the logits down)
         self.out_host.view(np.int32, 0, b)[:] = snap
         _d.copy_htod_async(self.ws.snap.ptr, self.out_host.ptr, 4 * b, self.stream)
-        self.runner.run(self.stream, meta, n, b, min(n, self.lg_cap), kv, state,
-                        snap=self.ws.snap.ptr)
-        V = self.text.vocab_size
-        result = np.empty((n, V), np.float32)
-        start = 0
-        while start < n:
-            rows = min(self.lg_cap, n - start)
-            if start:
-                self.runner.head(self.stream, meta, rows, out_start=start)
-            _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, rows * V * 4, self.stream)
-            self.stream.synchronize()
-            result[start: start + rows] = self.out_host.view(np.float32, 0, rows * V).reshape(rows, V)
-            start += rows
-        return result
+        return self._eager(batch, kv, state, np.arange(n, dtype=np.int32), snap=self.ws.snap.ptr)
 
     # ---- graphs -------------------------------------------------------------------------------
     def warm_up(self, kv, state) -> None:
