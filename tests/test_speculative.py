@@ -246,7 +246,57 @@ def _id_prompts():
     return [rng.integers(3, V - 1, n).astype(np.int32) for n in (1, 5, 12, 30, 3, 17, 8, 2)]
 
 
-def test_an_mtp_head_that_never_agrees_changes_nothing(extremes):
+# ---- rollback by State snapshot (the CUDA model's way) on the numpy model ----------------------
+
+_numpy_verify = NumpyModel.verify_forward
+
+
+def _verify_with_snapshots(self, batch, kv, state, out_rows, *, snap_base=None, media=None):
+    """verify_forward as a model with verify_snapshots gives it (CUDA, cuda_model.py): the
+    batch's logits and hidden states, and row r's State after each of its tokens i in slot
+    snap_base[r] + i. Here: the batch as the numpy model runs it, then each snapshot row's
+    tokens again one by one from its State before the batch (writing its slots), and its State
+    after the batch put back."""
+    if snap_base is None:
+        return _numpy_verify(self, batch, kv, state, out_rows, media=media)
+    rows = [r for r, b in enumerate(snap_base) if b >= 0]
+    slots = np.asarray(batch.state_slots)
+    before = {r: state.read(int(slots[r])) for r in rows}
+    out = _numpy_verify(self, batch, kv, state, out_rows, media=media)
+    qs, ctx = np.asarray(batch.query_start), np.asarray(batch.context_lens)
+    for r in rows:
+        slot, after = int(slots[r]), state.read(int(slots[r]))
+        state.write(slot, before[r])
+        for i in range(qs[r + 1] - qs[r]):
+            self.final_hidden(type(batch).single(batch.token_ids[qs[r] + i:qs[r] + i + 1],
+                                                 int(ctx[r]) + i, batch.block_tables[r], slot),
+                              kv, state)
+            state.copy(slot, int(snap_base[r]) + i)
+        state.write(slot, after)
+    return out
+
+
+@pytest.fixture(params=["recompute", "snapshot"])
+def rollback(request, monkeypatch):
+    """How a verify row that rejected a draft gets its State back: recompute (numpy's way) or
+    the snapshot slot after its last accepted token (CUDA's way: a model with
+    verify_snapshots; the speculator then takes no State backup and runs nothing again)."""
+    if request.param == "snapshot":
+        monkeypatch.setattr(NumpyModel, "verify_snapshots", True)
+        monkeypatch.setattr(NumpyModel, "verify_forward", _verify_with_snapshots)
+    return request.param
+
+
+def _rolled_back(stats, rollback) -> int:
+    """Verify rows whose State went back to an accepted prefix, the one way `rollback` allows."""
+    if rollback == "snapshot":
+        assert stats["spec_recompute_rows"] == 0, stats
+        return stats["spec_snapshot_selects"]
+    assert stats["spec_snapshot_selects"] == 0, stats
+    return stats["spec_recompute_rows"]
+
+
+def test_an_mtp_head_that_never_agrees_changes_nothing(extremes, rollback):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want, _ = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8)
     got, stats = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8,
@@ -255,7 +305,8 @@ def test_an_mtp_head_that_never_agrees_changes_nothing(extremes):
     assert stats["spec_draft_tokens"] >= 8 * 4 * 10       # every decode step verified 4 drafts
     assert stats["spec_accepted_tokens"] == 0
     assert stats["spec_acceptance_by_position"] == [0.0] * 4
-    assert stats["spec_recompute_rows"] == stats["spec_verify_rows"]   # each one rolled back
+    # each verify rolled back (the one whose request ended there too: its State is not read)
+    assert _rolled_back(stats, rollback) == stats["spec_verify_rows"]
 
 
 def test_adaptive_k_stops_drafting_for_a_head_that_never_agrees(extremes):
@@ -289,7 +340,7 @@ def test_an_mtp_head_that_always_agrees_is_accepted_in_full(extremes, k):
     assert stats["spec_recompute_rows"] == 0
 
 
-def test_a_random_mtp_head_through_pauses_with_mixed_rows(extremes):
+def test_a_random_mtp_head_through_pauses_with_mixed_rows(extremes, rollback):
     """Partial acceptance, prefill chunks and Replay / Snapshot mixed with verify rows."""
     prompts = _id_prompts()
     params = [SamplingParams(max_tokens=20, ignore_eos=True, **({} if i % 2 else SEEDED))
@@ -301,6 +352,7 @@ def test_a_random_mtp_head_through_pauses_with_mixed_rows(extremes):
                                host_snapshot_bytes=snapshot_bytes, speculative="mtp",
                                num_draft_tokens=2)
         assert stats["pauses"] > 0 and stats["spec_verify_rows"] > 0
+        assert _rolled_back(stats, rollback) > 0
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 

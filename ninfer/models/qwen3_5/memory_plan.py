@@ -58,6 +58,15 @@ def max_state_slots(num_seq_slots: int) -> int:
     return 2 * num_seq_slots + 2
 
 
+def snapshot_slots(options) -> int:
+    """The State slots a speculative verify writes its per-token States into (speculative='mtp'
+    on a backend whose verify keeps them: the CUDA model): num_draft_tokens + 1 per sequence
+    slot, after the sequences' and the context cache's (program/speculative.py)."""
+    if getattr(options, "speculative", None) != "mtp":
+        return 0
+    return max(int(options.max_concurrency), 1) * (int(options.num_draft_tokens) + 1)
+
+
 def kv_bytes_per_token(text, itemsize: float) -> float:
     """Bytes of one token's K and V over every full-attention layer (itemsize may be fractional:
     1-byte codes plus a float32 scale per head)."""
@@ -106,6 +115,7 @@ class MemoryPlan:
     num_kv_pages: int
     num_seq_slots: int              # max_concurrency
     num_cache_slots: int            # context-cache State checkpoints, after the sequences'
+    num_snapshot_slots: int = 0     # a speculative verify's per-token States, after the cache's
     weights_bytes: int = 0          # the rest: what a backend's plan adds (0: not planned here)
     workspace_bytes: int = 0
     pool_bytes: int = 0
@@ -161,6 +171,7 @@ def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_it
     max_context (more could never be used), or fewer when the memory left after fixed_bytes, the
     State pool (max_state_slots) and margin_bytes holds fewer, down to one sequence. Fewer than one
     sequence: every slot's pages are kept, and the caller's memory check says what is short.
+    The State pool's bytes include a speculative verify's snapshot slots (snapshot_slots).
     Then the context cache's State slots beyond max_state_slots: num_cache_slots over share of
     these pages' bytes or of the memory left after them, whichever is more, as far as that
     memory holds them (the pages come first).
@@ -169,10 +180,11 @@ def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_it
     num_seq_slots = max(int(options.max_concurrency), 1)
     slots = max_state_slots(num_seq_slots)
     per_seq = pages_for(options.max_context, page_size)
+    snaps = snapshot_slots(options)
 
     def reserve(pages, num_slots=slots):
-        return pool_bytes(text, pages, page_size, num_slots, kv_itemsize, region_slack_bytes,
-                          kv_dtype)
+        return pool_bytes(text, pages, page_size, num_slots + snaps, kv_itemsize,
+                          region_slack_bytes, kv_dtype)
     page_bytes = reserve(1) - reserve(0)
     if options.num_kv_pages:
         num_pages = int(options.num_kv_pages)
@@ -193,7 +205,8 @@ def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_it
         slots += min(extra, left // state_bytes)
     return MemoryPlan(page_size=page_size, max_pages_per_seq=per_seq, num_kv_pages=num_pages,
                       num_seq_slots=num_seq_slots, num_cache_slots=slots - num_seq_slots,
-                      pool_bytes=reserve(num_pages, slots), free_bytes=free_bytes)
+                      num_snapshot_slots=snaps, pool_bytes=reserve(num_pages, slots),
+                      free_bytes=free_bytes)
 
 
 def default_max_context(text, *, max_concurrency: int, kv_itemsize: float, weights_bytes: int,

@@ -86,6 +86,21 @@ class NumpyModel(MediaEncoding):
         h = self._trunk(batch, kv, state, media)
         return ops.rmsnorm_zero_centred(h, self._norm, self.text.rms_norm_eps)
 
+    # a speculative verify here keeps no per-token States (program/speculative.py: the rows
+    # that rejected a draft run their accepted tokens again)
+    verify_snapshots = False
+
+    def verify_forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool, out_rows, *,
+                       snap_base=None, media=None) -> tuple:
+        """A speculative unit's forward (program/speculative.py): (logits [len(out_rows), V]
+        float32 of those tokens, final-normed hidden [N, H] of every token, the drafter's
+        feed). snap_base: the CUDA model's per-token State snapshots, which this model does not
+        keep (verify_snapshots), so it must be None."""
+        if snap_base is not None:
+            raise ValueError("numpy verify_forward keeps no State snapshots (verify_snapshots)")
+        hidden = self.final_hidden(batch, kv, state, media=media)
+        return head_product(hidden[np.asarray(out_rows, np.int64)], self._lm_head), hidden
+
     def _trunk(self, batch, kv, state, media) -> np.ndarray:
         """The decoder layers over every new token: the residual stream [N, H] before the final
         norm."""
@@ -132,3 +147,11 @@ class NumpyModel(MediaEncoding):
     def close(self) -> None:
         self._layers = []
         self._embed = self._lm_head = self._norm = None
+
+def head_product(hidden: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """hidden [N, H] @ head[V, H]^T as float32 [N, V]. A few rows go as head @ hidden^T: BLAS's
+    GEMM with a transposed [V, H] operand packs all of it for each call, which costs 3-4x one
+    matrix-vector pass when N is 2..5 (the verify rows); this form stays near one pass."""
+    if 1 < len(hidden) <= 8:
+        return np.ascontiguousarray((head @ hidden.T).T, dtype=np.float32)
+    return ops.linear(hidden, head).astype(np.float32, copy=False)

@@ -33,6 +33,7 @@ from .batch import ForwardBatch
 from .config import FULL_ATTENTION, TextConfig
 from .layers import DenseMLP, GatedAttention, SparseMoE, StepPlan
 from .load import ParamReader, _attention, _dense_mlp, _moe, text_param_shapes
+from .model import head_product
 from .state import KVPool
 
 PREFIX = "mtp."
@@ -120,7 +121,7 @@ class MtpDrafter:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T (the shared lm_head: the target's
         logits from its final_hidden, or a draft's from an MTP hidden)."""
-        return _head_product(np.asarray(hidden, np.float32), self._lm_head)
+        return head_product(np.asarray(hidden, np.float32), self._lm_head)
 
     def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
         """int32 [N]: argmax of logits(hidden) (lowest id on ties), searching only the lm_head
@@ -128,7 +129,7 @@ class MtpDrafter:
         hidden = np.asarray(hidden, np.float32)
         if self._draft_ids is None:
             return np.argmax(self.logits(hidden), axis=1).astype(np.int32)
-        live = _head_product(hidden, self._draft_head)                        # [N, K]
+        live = head_product(hidden, self._draft_head)                        # [N, K]
         best = np.argmax(live, axis=1)
         value = live[np.arange(len(best)), best]
         out = self._draft_ids[best].astype(np.int64)
@@ -180,50 +181,49 @@ class MtpDrafter:
 
     def draft_greedy(self, kv: KVPool, hidden: np.ndarray, next_tokens, context_lens,
                      block_tables, k, *, with_logits: bool = True, pick=None) -> tuple:
-        """Greedy draft tokens, autoregressively on the drafter's KV; k: one int for every row, or
-        one per row (k[r] >= 1; a row leaves the batch once it has its k[r]).
-        Row r: hidden[r] is the target's final-normed hidden at position t_r = context_lens[r]
-        (the drafter KV holds positions < t_r), next_tokens[r] = x_{t_r + 1}. Step i (0-based)
-        writes drafter KV at t_r + i and predicts x_{t_r + i + 2}.
-        Returns (drafts [B, max k] int32, logits [B, max k, V] float32); entries past a row's own
-        k are -1 / 0. with_logits=False: logits is None (drafts by `draft_argmax`, or by
-        pick(step, live row indices, MTP hidden [n, H]) -> int32 [n] where given)."""
-        ctx = np.asarray(context_lens, np.int32).copy()
-        B = len(ctx)
-        ks = np.broadcast_to(np.asarray(k, np.int64), (B,)).copy()
-        if B and ks.min() < 1:
-            raise ValueError(f"MTP: draft k must be >= 1, got {ks.tolist()}")
-        tokens = np.asarray(next_tokens, np.int32).copy()
-        tables = np.asarray(block_tables, np.int32).reshape(B, -1)
-        k_max = int(ks.max(initial=0))
-        drafts = np.full((B, k_max), -1, np.int32)
-        logits = np.zeros((B, k_max, self.text.vocab_size), np.float32) if with_logits else None
-        h = np.asarray(hidden, np.float32)
-        for i in range(k_max):
-            live = np.flatnonzero(ks > i)                   # rows still drafting
-            n = len(live)
-            batch = ForwardBatch(token_ids=tokens[live],
-                                 positions=ForwardBatch.text_positions(ctx[live], np.ones(n, int)),
-                                 query_start=np.arange(n + 1, dtype=np.int32),
-                                 context_lens=ctx[live], block_tables=tables[live],
-                                 state_slots=np.arange(n, dtype=np.int32))
-            step_logits, g = self.forward(batch, h[live], kv, with_logits=with_logits)
-            if with_logits:
-                logits[live, i] = step_logits
-                tokens[live] = np.argmax(step_logits, axis=1).astype(np.int32)
-            else:
-                tokens[live] = self.draft_argmax(g) if pick is None else pick(i, live, g)
-            drafts[live, i] = tokens[live]
-            h = np.zeros_like(h)
-            h[live] = g
-            ctx[live] += 1
-        return drafts, logits
+        """draft_greedy(self, ...): the drafts of these rows (the function's contract)."""
+        return draft_greedy(self, kv, hidden, next_tokens, context_lens, block_tables, k,
+                            with_logits=with_logits, pick=pick)
 
 
-def _head_product(hidden: np.ndarray, head: np.ndarray) -> np.ndarray:
-    """hidden [N, H] @ head[V, H]^T as float32 [N, V]. A few rows go as head @ hidden^T: BLAS's
-    GEMM with a transposed [V, H] operand packs all of it for each call, which costs 3-4x one
-    matrix-vector pass when N is 2..5 (the verify rows); this form stays near one pass."""
-    if 1 < len(hidden) <= 8:
-        return np.ascontiguousarray((head @ hidden.T).T, dtype=np.float32)
-    return ops.linear(hidden, head).astype(np.float32, copy=False)
+def draft_greedy(drafter, kv, hidden: np.ndarray, next_tokens, context_lens, block_tables, k, *,
+                 with_logits: bool = True, pick=None) -> tuple:
+    """Greedy draft tokens of an MTP drafter (MtpDrafter, or the CUDA backend's: its `forward`,
+    `draft_argmax` and `text`), autoregressively on the drafter's KV; k: one int for every row, or
+    one per row (k[r] >= 1; a row leaves the batch once it has its k[r]).
+    Row r: hidden[r] is the target's final-normed hidden at position t_r = context_lens[r]
+    (the drafter KV holds positions < t_r), next_tokens[r] = x_{t_r + 1}. Step i (0-based)
+    writes drafter KV at t_r + i and predicts x_{t_r + i + 2}.
+    Returns (drafts [B, max k] int32, logits [B, max k, V] float32); entries past a row's own
+    k are -1 / 0. with_logits=False: logits is None (drafts by `draft_argmax`, or by
+    pick(step, live row indices, MTP hidden [n, H]) -> int32 [n] where given)."""
+    ctx = np.asarray(context_lens, np.int32).copy()
+    B = len(ctx)
+    ks = np.broadcast_to(np.asarray(k, np.int64), (B,)).copy()
+    if B and ks.min() < 1:
+        raise ValueError(f"MTP: draft k must be >= 1, got {ks.tolist()}")
+    tokens = np.asarray(next_tokens, np.int32).copy()
+    tables = np.asarray(block_tables, np.int32).reshape(B, -1)
+    k_max = int(ks.max(initial=0))
+    drafts = np.full((B, k_max), -1, np.int32)
+    logits = np.zeros((B, k_max, drafter.text.vocab_size), np.float32) if with_logits else None
+    h = np.asarray(hidden, np.float32)
+    for i in range(k_max):
+        live = np.flatnonzero(ks > i)                   # rows still drafting
+        n = len(live)
+        batch = ForwardBatch(token_ids=tokens[live],
+                             positions=ForwardBatch.text_positions(ctx[live], np.ones(n, int)),
+                             query_start=np.arange(n + 1, dtype=np.int32),
+                             context_lens=ctx[live], block_tables=tables[live],
+                             state_slots=np.arange(n, dtype=np.int32))
+        step_logits, g = drafter.forward(batch, h[live], kv, with_logits=with_logits)
+        if with_logits:
+            logits[live, i] = step_logits
+            tokens[live] = np.argmax(step_logits, axis=1).astype(np.int32)
+        else:
+            tokens[live] = drafter.draft_argmax(g) if pick is None else pick(i, live, g)
+        drafts[live, i] = tokens[live]
+        h = np.zeros_like(h)
+        h[live] = g
+        ctx[live] += 1
+    return drafts, logits

@@ -67,7 +67,8 @@ class Program:
         # copy carries it) before anything sizes a page; speculative.py runs the units
         self.speculator = None if drafter is None else \
             MtpSpeculator(drafter, options.num_draft_tokens, self.kv,
-                          adaptive=options.draft_policy == "adaptive")
+                          adaptive=options.draft_policy == "adaptive",
+                          snapshots=bool(getattr(model, "verify_snapshots", False)))
         self.is_speculative = self.speculator is not None
         # decode rows and a prefill chunk as one unit (one forward: the chunk's weight reads
         # serve the decode rows too), where the backend takes such batches; not with drafts
@@ -83,7 +84,12 @@ class Program:
         num_cache_slots = plan_cache_slots(
             options, num_pages, held_state_slots=model.max_state_slots, kv_page_bytes=page_bytes,
             state_bytes=state_slot_bytes(model.config.text))
-        self.state = model.new_state_pool(self.num_slots + num_cache_slots)
+        # a speculative verify's per-token State snapshots after those (CUDA; speculative.py)
+        num_snap_slots = self.speculator.snapshot_slots(self.num_slots) if self.is_speculative \
+            else 0
+        self.state = model.new_state_pool(self.num_slots + num_cache_slots + num_snap_slots)
+        if num_snap_slots:
+            self.speculator.use_snapshot_slots(self.num_slots + num_cache_slots)
         self.pages = PagePool(num_pages, self.page_size, self.num_slots, self.max_pages_per_seq)
         self.slots = SlotPool(self.num_slots)
         self.checkpoint_interval = int(options.checkpoint_interval)

@@ -1,8 +1,13 @@
-"""Speculative decoding with the checkpoint's MTP head (issue 15), numpy backend: draft, verify,
-commit, roll back. The Program owns it; program.py calls in at construction, `launch`, `commit`,
-`release` and `stats`; it calls back only through the Program's documented speculation hooks
-(`sequence`, `token_ids`, `write_provisional`, `grow_pages`, `block_tables`, `pack_rows`,
+"""Speculative decoding with the checkpoint's MTP head (issues 15 and 25): draft, verify, commit,
+roll back, on either backend. The Program owns it; program.py calls in at construction, `launch`,
+`commit`, `release` and `stats`; it calls back only through the Program's documented speculation
+hooks (`sequence`, `token_ids`, `write_provisional`, `grow_pages`, `block_tables`, `pack_rows`,
 `media_rows`, `sample_row`, `new_unit_id`) and its public `model`, `kv`, `state`.
+
+What it asks of the backend: the model's `verify_forward` (the logits of the picked tokens and
+every token's final-normed hidden state) and `verify_snapshots`; the drafter's `forward`,
+`draft_argmax`, `logits`, `draft_greedy` and `join_kv_pool` (mtp.MtpDrafter on numpy,
+cuda/drafter.py's CudaDrafter on the GPU).
 
 One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sampled, not yet run):
 
@@ -20,9 +25,11 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
              d_1 .. d_j (OutputSession.token_masks_along), the draw u(seed, N + j).
              Stop at the first t_j != d_{j+1}: produced = t_0 .. t_j (1 .. k+1 tokens).
     commit   the Engine accepts a <= produced tokens (stop, max_tokens, cancel: outcome.decide).
-             Frontier F -> F + a. State: when a < k + 1 the pre-verify backup is restored and the
-             a accepted tokens are run again (recompute); KV past the frontier is left for the
-             next unit to overwrite. Then the feed: the target's hidden states of positions
+             Frontier F -> F + a. State: when a < k + 1, either the verify's snapshot of the
+             State after token a - 1 is copied over the row's slot (a model with
+             verify_snapshots: CUDA), or the pre-verify backup is restored and the a accepted
+             tokens are run again (recompute: numpy); KV past the frontier is left for the next
+             unit to overwrite. Then the feed: the target's hidden states of positions
              F .. F+a-1 are queued; when the row next drafts, is checkpointed or paused, or
              LAG_TOKENS are queued, one drafter call writes its KV of the queued positions from
              them and the accepted tokens, and its last MTP hidden is kept for d_1.
@@ -44,11 +51,12 @@ commit: the drafter's KV covers the positions before the row's queued feed (the 
 positions >= F are provisional; whenever a unit drafts, or the row's pages are checkpointed,
 kept as a continuation or copied for a Snapshot (`settle`), the queue is empty first.
 
-Rollback choice (numpy): restore the pre-verify StateImage and recompute the accepted prefix.
-Per-position State checkpoints would need the GDN layers to write S after every token of a
-verify row ((k+1) x the State bytes per row); recompute needs no model change and costs a target
-forward over the accepted tokens of the rows that rejected a draft (bench/bench_speculative.py
-reports its share). On CUDA the trade-off differs: see docs/architecture.md.
+Rollback choice. numpy: restore the pre-verify StateImage and recompute the accepted prefix (a
+target forward over the accepted tokens of the rows that rejected a draft; bench_speculative.py
+reports its share): per-token States would cost (k+1) State copies per verify row on the host.
+CUDA (verify_snapshots): the verify's GDN layers write the State after each token of a row into
+its k+1 snapshot slots (memory_plan.snapshot_slots: after the sequences' and the cache's), and a
+rejection is one slot copy on the device; no host backup is taken for it.
 """
 from __future__ import annotations
 
@@ -79,7 +87,8 @@ class _Row:
     start: int                  # the row's frontier when the unit ran
     hidden: np.ndarray          # [n, H] the target's final-normed hidden of its new tokens
     drafts: tuple = ()          # a verify row's drafts d_1 .. d_k (empty: not speculative)
-    backup: object = None       # a verify row's StateImage before the verify
+    backup: object = None       # a verify row's StateImage before the verify (recompute)
+    snap: int = -1              # its first snapshot slot: the State after token i in snap + i
 
 
 class _Guide:
@@ -125,16 +134,20 @@ class _Guide:
 
 
 class MtpSpeculator:
-    def __init__(self, drafter, num_draft_tokens: int, kv, adaptive: bool = True):
-        """drafter: MtpDrafter over the Program's model; kv: the Program's KVPool (the drafter's
-        layer joins it here, before the Program sizes its host copies of a page).
+    def __init__(self, drafter, num_draft_tokens: int, kv, adaptive: bool = True,
+                 snapshots: bool = False):
+        """drafter: the MTP drafter over the Program's model; kv: the Program's KV pool (the
+        drafter's layer joins it here, before the Program sizes its host copies of a page).
         num_draft_tokens: k, or with `adaptive` the most a unit drafts (draft_policy.py picks
-        0..k per unit from measured acceptance and costs)."""
+        0..k per unit from measured acceptance and costs). snapshots: the model's
+        verify_snapshots (rollback by snapshot slot, after `use_snapshot_slots`)."""
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens={num_draft_tokens} outside 1..{MAX_DRAFT_TOKENS}")
         drafter.join_kv_pool(kv)
         self.drafter = drafter
         self.num_draft_tokens = int(num_draft_tokens)
+        self.snapshots = bool(snapshots)
+        self._snap_first = None       # the first snapshot slot (use_snapshot_slots)
         self.policy = DraftPolicy(self.num_draft_tokens, adaptive)
         # seq_id -> the MTP hidden g_1 [H] of the row's frontier: its argmax is the next cycle's
         # d_1, taken when a unit drafts (a unit at k = 0 pays no vocabulary product for it)
@@ -149,7 +162,22 @@ class MtpSpeculator:
         self._drafted_at = np.zeros(k, np.int64)      # drafts proposed at position i (1-based)
         self._accepted_at = np.zeros(k, np.int64)     # ... of them the Engine accepted
         self._counts = dict(spec_verify_rows=0, spec_emitted_tokens=0, spec_recompute_rows=0,
-                            spec_recompute_tokens=0)
+                            spec_recompute_tokens=0, spec_snapshot_selects=0)
+
+    def snapshot_slots(self, num_seq_slots: int) -> int:
+        """State slots the verify's snapshots need beyond the Program's (k+1 per sequence slot:
+        memory_plan.snapshot_slots, which the CUDA plan reserved), 0 without snapshots."""
+        return num_seq_slots * (self.num_draft_tokens + 1) if self.snapshots else 0
+
+    def use_snapshot_slots(self, first: int) -> None:
+        """The snapshot slots start at State slot `first`: sequence slot s owns
+        first + s * (k+1) .. first + s * (k+1) + k."""
+        self._snap_first = int(first)
+
+    def _snap_base(self, seq) -> int:
+        if self._snap_first is None:
+            raise ProgramError("speculative: snapshot rollback without snapshot slots")
+        return self._snap_first + seq.slot * (self.num_draft_tokens + 1)
 
     # ---- execute ---------------------------------------------------------------------------------
     def execute(self, prog, seqs, units, masks, keep_rollback: bool,
@@ -161,15 +189,20 @@ class MtpSpeculator:
         units = [dataclasses.replace(u, num_new_tokens=1 + len(drafts[r])) if r in drafts else u
                  for r, u in enumerate(units)]
         batch = prog.pack_rows(seqs, units)
-        backups = [prog.state.read(s.slot) if keep_rollback or r in drafts else None
-                   for r, s in enumerate(seqs)]
+        # the State before the unit: for the Engine's rollback, and (recompute) a verify row's
+        recompute = not self.snapshots
+        backups = [prog.state.read(s.slot) if keep_rollback or (recompute and r in drafts)
+                   else None for r, s in enumerate(seqs)]
+        snaps = [self._snap_base(s) if self.snapshots and r in drafts else -1
+                 for r, s in enumerate(seqs)]
         media = prog.media_rows(seqs, units)
-        hidden = prog.model.final_hidden(batch, prog.kv, prog.state, media=media)
         starts = np.asarray(batch.query_start, np.int64)
         # logits: every position of a verify row, the last token of the others
         picks = [np.arange(starts[r], starts[r + 1]) if r in drafts else [starts[r + 1] - 1]
                  for r in range(len(seqs))]
-        logits = self.drafter.logits(hidden[np.concatenate(picks)])
+        logits, hidden = prog.model.verify_forward(
+            batch, prog.kv, prog.state, np.concatenate(picks).astype(np.int32),
+            snap_base=snaps if self.snapshots and drafts else None, media=media)
         bounds = np.cumsum([0] + [len(p) for p in picks])
         rows, self._rows = [], {}
         for r, (seq, unit) in enumerate(zip(seqs, units)):
@@ -182,7 +215,7 @@ class MtpSpeculator:
             self._rows[seq.seq_id] = _Row(seq.seq_id, seq.num_computed_tokens,
                                           hidden[starts[r]:starts[r + 1]].copy(),
                                           tuple(drafts.get(r, ())),
-                                          backups[r] if r in drafts else None)
+                                          backups[r] if r in drafts else None, snaps[r])
         pending = PendingBatch(tuple(rows), backups, prog.new_unit_id())
         self._epoch = pending._epoch
         return pending
@@ -272,13 +305,13 @@ class MtpSpeculator:
     # ---- commit ----------------------------------------------------------------------------------
     def after_commit(self, prog, pending: PendingBatch, decisions) -> None:
         """After the Program advanced the frontiers: fix the State of verify rows that rejected a
-        draft, then queue every row's newly committed positions for the drafter (fed at once
+        draft (their snapshot after the last accepted token, or a recompute), then queue every row's newly committed positions for the drafter (fed at once
         where LAG_TOKENS are queued)."""
         if pending._epoch != self._epoch:
             raise ProgramError("speculative: commit of a unit it did not run")
         rows, self._rows, self._epoch = self._rows, {}, None
         unit, self._unit = self._unit, None
-        recompute, feed = [], []
+        recompute, feed, selects = [], [], 0
         for row, d in zip(pending.rows, decisions):
             seq = prog.sequence(row.seq_id)
             rec = rows[row.seq_id]
@@ -289,9 +322,17 @@ class MtpSpeculator:
             if row.is_speculative:
                 self._count(rec, row, d.accepted)
                 if advance < row.num_new_tokens:
-                    recompute.append((seq, rec, advance))
+                    if rec.snap < 0:
+                        recompute.append((seq, rec, advance))
+                    elif advance < 1:       # (outcome.decide accepts >= 1 of an uncancelled row)
+                        raise ProgramError(f"speculative: sequence {seq.seq_id} accepted no "
+                                           "token of its verify")
+                    else:
+                        prog.state.copy(rec.snap + advance - 1, seq.slot)
+                        selects += 1
             if advance > 0:
                 feed.append((seq, rec, advance))
+        self._counts["spec_snapshot_selects"] += selects
         if recompute:
             self._recompute(prog, recompute)
         due = []
