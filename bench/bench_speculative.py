@@ -1,8 +1,8 @@
-"""Speculative decoding with the MTP head through the Engine (issue 15), numpy backend.
+"""Speculative decoding with the MTP head through the Engine (issues 15 and 25).
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python bench/bench_speculative.py [--models dense,moe]
         [--ks 1,2,3,4] [--adaptive 4] [--prompts 4] [--prompt-tokens 48] [--max-tokens 64]
-        [--json out.json]
+        [--backend numpy|cuda] [--dtype bfloat16] [--oracle 0.5,0.9] [--json out.json]
 
 For each trained reference model: greedy generation of `--max-tokens` tokens after `--prompts`
 windows of the held-out text (`--prompt-tokens` ids each), one request at a time, without
@@ -15,8 +15,12 @@ ratio to k = 0, in process CPU seconds (the figure to compare on a shared machin
 seconds; and where a speculative run's CPU time goes: target forwards, drafting, the drafter
 feed, the State recompute, sampling/other.
 
-These are numpy (CPU) figures of 4-5 M-parameter models whose 248,320 x 128 lm_head is most of a
-step's work: they show the mechanism, not a GPU speed-up (no CUDA draft/verify path exists yet).
+numpy figures are of 4-5 M-parameter models whose 248,320 x 128 lm_head is most of a step's work:
+they show the mechanism, not a GPU speed-up. `--backend cuda` runs the same on the GPU (wall
+seconds are the figure there; the parts are wall seconds too). `--oracle p,...`: one more set of
+runs per p where the drafter's proposals are replaced by the target's own next token (from the
+plain run) with probability p each, else by another token: acceptance set by hand (the drafting
+is still run and paid for), the speed-up as a function of acceptance.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ from ninfer.models.qwen3_5.mtp import MtpDrafter
 from ninfer.models.qwen3_5.model import NumpyModel
 from ninfer.models.qwen3_5.program import speculative
 
+V_REF = 248320          # the reference models' vocabulary (the real Qwen3.5 one)
+
 
 def prompts(count: int, length: int) -> list:
     ids = np.asarray(Tokenizer(cached_qwen3_5_tokenizer_json()).encode(
@@ -45,11 +51,13 @@ def prompts(count: int, length: int) -> list:
 
 
 class CpuClock:
-    """Process CPU seconds spent inside wrapped functions, by part (outermost call only)."""
+    """Seconds spent inside wrapped functions, by part (outermost call only): process CPU
+    seconds, or with `timer` time.perf_counter wall seconds (the GPU's figure)."""
 
-    def __init__(self):
+    def __init__(self, timer=time.process_time):
         self.seconds: dict = {}
         self._depth = 0
+        self.timer = timer
 
     @contextlib.contextmanager
     def wrap(self, owner, name: str, part: str):
@@ -59,12 +67,12 @@ class CpuClock:
             if self._depth:
                 return original(*args, **kwargs)
             self._depth += 1
-            t = time.process_time()
+            t = self.timer()
             try:
                 return original(*args, **kwargs)
             finally:
                 self._depth -= 1
-                self.seconds[part] = self.seconds.get(part, 0.0) + time.process_time() - t
+                self.seconds[part] = self.seconds.get(part, 0.0) + self.timer() - t
         setattr(owner, name, timed)
         try:
             yield
@@ -72,18 +80,67 @@ class CpuClock:
             setattr(owner, name, original)
 
 
-def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed") -> dict:
+@contextlib.contextmanager
+def oracle_drafts(p: float, plain_outputs: dict, seed: int = 0):
+    """Each draft the speculator verifies becomes the target's own token there (plain_outputs:
+    prompt ids -> the plain run's output ids) with probability p, else that token + 1: greedy
+    acceptance of p per position, whatever the drafter proposed (its work is still done)."""
+    original = speculative.MtpSpeculator._draft
+    rng = np.random.default_rng(seed)
+
+    def _draft(self, prog, seqs, units, t0, masks, draft_masks):
+        drafts = original(self, prog, seqs, units, t0, masks, draft_masks)
+        for r, d in drafts.items():
+            seq = seqs[r]
+            want = plain_outputs.get(tuple(prog.token_ids(seq, 0, seq.num_prompt_tokens)
+                                           .tolist()))
+            if want is None:                    # (the warm-up request)
+                continue
+            first = seq.num_tokens - seq.num_prompt_tokens     # d_1's index among the outputs
+            new = d.copy()
+            for j in range(len(d)):
+                if first + j < len(want):
+                    t = int(want[first + j])
+                    new[j] = t if rng.random() < p else (t + 1) % V_REF
+            prog.write_provisional(seq, new)
+            drafts[r] = new
+        return drafts
+    speculative.MtpSpeculator._draft = _draft
+    try:
+        yield
+    finally:
+        speculative.MtpSpeculator._draft = original
+
+
+def _clocked(clock, backend: str):
+    """The parts a run's time is split into, by the functions each backend runs them in."""
+    stack = contextlib.ExitStack()
+    if backend == "cuda":
+        from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+        from ninfer.models.qwen3_5.cuda_model import CudaModel
+        target, drafter = [(CudaModel, "verify_forward")], CudaDrafter
+    else:
+        target = [(NumpyModel, "verify_forward"), (NumpyModel, "final_hidden"),
+                  (NumpyModel, "forward")]
+        drafter = MtpDrafter
+    for owner, name in target:
+        stack.enter_context(clock.wrap(owner, name, "target forward"))
+    for name in ("draft_greedy", "draft_argmax"):
+        stack.enter_context(clock.wrap(drafter, name, "draft"))
+    stack.enter_context(clock.wrap(speculative.MtpSpeculator, "_catch_up", "drafter feed"))
+    stack.enter_context(clock.wrap(speculative.MtpSpeculator, "_recompute", "State recompute"))
+    return stack
+
+
+def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend: str = "numpy",
+        dtype=None) -> dict:
     kw = {} if k == 0 else dict(speculative="mtp", num_draft_tokens=k, draft_policy=policy)
+    if backend == "cuda":
+        kw.update(backend="cuda", dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    clock = CpuClock()
+    clock = CpuClock(time.perf_counter if backend == "cuda" else time.process_time)
     with Engine(path, max_concurrency=1, max_context=256, prefix_cache=False, **kw) as engine, \
-            clock.wrap(NumpyModel, "final_hidden", "target forward"), \
-            clock.wrap(NumpyModel, "forward", "target forward"), \
-            clock.wrap(MtpDrafter, "logits", "target forward"), \
-            clock.wrap(MtpDrafter, "draft_greedy", "draft"), \
-            clock.wrap(MtpDrafter, "draft_argmax", "draft"), \
-            clock.wrap(speculative.MtpSpeculator, "_catch_up", "drafter feed"), \
-            clock.wrap(speculative.MtpSpeculator, "_recompute", "State recompute"):
+            _clocked(clock, backend):
         engine.generate(ids_list[0][:8], SamplingParams(max_tokens=4))      # warm the caches
         clock.seconds.clear()
         base = engine.stats()
@@ -96,7 +153,7 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed") -> dict:
             tokens.append(result.token_ids)
         stats = engine.stats()
     n = sum(len(t) for t in tokens)
-    out = dict(k=k, policy=policy if k else "plain", tokens=tokens, num_tokens=n, cpu_s=cpu, wall_s=wall,
+    out = dict(k=k, policy=policy if k else "plain", backend=backend, tokens=tokens, num_tokens=n, cpu_s=cpu, wall_s=wall,
                cpu_tok_s=n / cpu, wall_tok_s=n / wall, parts=dict(clock.seconds))
     if k:
         delta = {key: stats[key] - base.get(key, 0) for key in
@@ -114,6 +171,50 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed") -> dict:
     return out
 
 
+def speculative_rows(name, path, ids_list, plain, args, on) -> list:
+    """The fixed-k runs and the adaptive one; each one's tokens must equal plain decoding's."""
+    runs = [(int(x), "fixed") for x in args.ks.split(",") if x]
+    if args.adaptive:
+        runs.append((args.adaptive, "adaptive"))
+    rows = []
+    for k, policy in runs:
+        r = run(path, ids_list, k, args.max_tokens, policy=policy, **on)
+        if r["tokens"] != plain["tokens"]:
+            raise SystemExit(f"{name} k={k} ({policy}): tokens differ from plain decoding")
+        rows.append(r)
+    return rows
+
+
+def table(title, rows, plain, args, figure: str) -> None:
+    """The markdown table of one model's runs; the parts are shares of `figure` seconds (cpu on
+    numpy, wall on cuda)."""
+    print(f"\n{title}: {args.prompts} prompts x {args.max_tokens} greedy tokens, one at a time "
+          f"({args.backend}; tokens equal plain decoding at every k)")
+    print("| k | acceptance by draft position | tokens / verify | recompute (steps, tokens) "
+          f"| tok/s CPU | speed-up CPU | tok/s wall | speed-up wall | {figure}: target / draft / "
+          "feed / recompute / other |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        parts, total = r["parts"], r[f"{figure}_s"]
+        known = sum(parts.values())
+        split = " / ".join(f"{parts.get(p, 0.0) / total:.0%}" for p in
+                           ("target forward", "draft", "drafter feed", "State recompute"))
+        split += f" / {(total - known) / total:.0%}"
+        label = r["k"] if r["policy"] != "adaptive" else \
+            f"adaptive <= {r['k']} (units at k = 0..{r['k']}: " \
+            f"{'/'.join(str(u) for u in r['units_by_k'])})"
+        if r["k"]:
+            acc = ", ".join(f"{a:.2f}" for a in r["acceptance"])
+            spec = (f"{acc} | {r['tokens_per_verify']:.2f} | "
+                    f"{r['spec_recompute_rows']}/{r['spec_verify_rows']}, "
+                    f"{r['spec_recompute_tokens']}")
+        else:
+            spec = "(plain decoding) | 1 | -"
+        print(f"| {label} | {spec} | {r['cpu_tok_s']:.1f} | "
+              f"{r['cpu_tok_s'] / plain['cpu_tok_s']:.2f}x | {r['wall_tok_s']:.1f} | "
+              f"{r['wall_tok_s'] / plain['wall_tok_s']:.2f}x | {split} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="dense,moe")
@@ -123,50 +224,26 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
+    ap.add_argument("--dtype", default=None, help="cuda: bfloat16 (default) or float32")
+    ap.add_argument("--oracle", default="", metavar="P,...",
+                    help="runs at these set acceptances (the fixed ks and the adaptive one)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    on = dict(backend=args.backend, dtype=args.dtype)
+    figure = "wall" if args.backend == "cuda" else "cpu"
     ids_list = prompts(args.prompts, args.prompt_tokens)
     report = {}
     for name in args.models.split(","):
         path = ensure_reference_artifact(name)
-        plain = run(path, ids_list, 0, args.max_tokens)
-        rows = [plain]
-        for k in (int(x) for x in args.ks.split(",")):
-            r = run(path, ids_list, k, args.max_tokens)
-            if r["tokens"] != plain["tokens"]:
-                raise SystemExit(f"{name} k={k}: tokens differ from plain decoding")
-            rows.append(r)
-        if args.adaptive:
-            r = run(path, ids_list, args.adaptive, args.max_tokens, policy="adaptive")
-            if r["tokens"] != plain["tokens"]:
-                raise SystemExit(f"{name} adaptive: tokens differ from plain decoding")
-            rows.append(r)
-        print(f"\n{name}: {args.prompts} prompts x {args.max_tokens} greedy tokens, one at a time "
-              f"(numpy; tokens equal plain decoding at every k)")
-        print("| k | acceptance by draft position | tokens / verify | recompute (steps, tokens) "
-              "| tok/s CPU | speed-up CPU | tok/s wall | speed-up wall | CPU: target / draft / "
-              "feed / recompute / other |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            parts = r["parts"]
-            known = sum(parts.values())
-            split = " / ".join(f"{parts.get(p, 0.0) / r['cpu_s']:.0%}" for p in
-                               ("target forward", "draft", "drafter feed", "State recompute"))
-            split += f" / {(r['cpu_s'] - known) / r['cpu_s']:.0%}"
-            label = r["k"] if r["policy"] != "adaptive" else \
-                f"adaptive <= {r['k']} (units at k = 0..{r['k']}: " \
-                f"{'/'.join(str(u) for u in r['units_by_k'])})"
-            if r["k"]:
-                acc = ", ".join(f"{a:.2f}" for a in r["acceptance"])
-                spec = (f"{acc} | {r['tokens_per_verify']:.2f} | "
-                        f"{r['spec_recompute_rows']}/{r['spec_verify_rows']}, "
-                        f"{r['spec_recompute_tokens']}")
-            else:
-                spec = "(plain decoding) | 1 | -"
-            print(f"| {label} | {spec} | {r['cpu_tok_s']:.1f} | "
-                  f"{r['cpu_tok_s'] / plain['cpu_tok_s']:.2f}x | {r['wall_tok_s']:.1f} | "
-                  f"{r['wall_tok_s'] / plain['wall_tok_s']:.2f}x | {split} |")
-        report[name] = [{key: v for key, v in r.items() if key != "tokens"} for r in rows]
+        plain = run(path, ids_list, 0, args.max_tokens, **on)
+        outputs = {tuple(ids.tolist()): toks for ids, toks in zip(ids_list, plain["tokens"])}
+        for p in [None] + [float(x) for x in args.oracle.split(",") if x]:
+            with oracle_drafts(p, outputs) if p is not None else contextlib.nullcontext():
+                rows = [plain] + speculative_rows(name, path, ids_list, plain, args, on)
+            title = f"{name}{'' if p is None else f', drafts replaced: acceptance {p}'}"
+            table(title, rows, plain, args, figure)
+            report[title] = [{key: v for key, v in r.items() if key != "tokens"} for r in rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

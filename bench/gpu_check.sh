@@ -121,12 +121,16 @@ for part in $parts; do
                 >"$OUT/vision_engine_9b.log" 2>&1
             summary+=("vision: $(tail -1 "$OUT/vision_tests.log") (see vision_*.log)") ;;
         mtp)
-            # the MTP head's step on the device (issue 25): its GPU tests, then one draft token and
-            # the drafter's 64-position feed against a decode step at the 9B, 27B, 35B-A3B shapes
-            timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_mtp_gpu.py \
-                >"$OUT/mtp_tests.log" 2>&1
+            # speculation with the MTP head on the device (issue 25): the GPU tests of its step,
+            # its verify and the Engine's speculative units; one draft token, the drafter's
+            # 64-position feed and a verify of 4 positions against a decode step at the 9B, 27B,
+            # 35B-A3B shapes; the reference models end to end at their own and at set acceptances
+            timeout 600 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_mtp_gpu.py \
+                tests/gpu/test_speculative_gpu.py >"$OUT/mtp_tests.log" 2>&1
             timeout 300 python3 bench/bench_mtp.py --shapes 9b,27b,35b-a3b >"$OUT/mtp.log" 2>&1
-            summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log)") ;;
+            timeout 600 python3 bench/bench_speculative.py --backend cuda --ks 1,3 --adaptive 4 \
+                --oracle 0.5,0.9 --json "$OUT/speculative_cuda.json" >"$OUT/speculative.log" 2>&1
+            summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log, speculative.log)") ;;
         profile)
             # GPU time per kernel inside the captured decode graph (tools/profile_graph.py: CUPTI
             # through torch.profiler, the image's torch), B = 1 and 8 at context 2048, for each

@@ -66,7 +66,7 @@ _OPTION_HELP = {
     "debug_checks": "re-check every batch inside the backend too",
     "batch_invariant": "a request's tokens independent of load (cuda: decode 5-9%% slower)",
     "speculative": "mtp: speculative decoding with the checkpoint's multi-token-prediction head "
-                   "(the same tokens, fewer target steps; numpy backend only for now)",
+                   "(the same tokens, fewer target steps)",
     "num_draft_tokens": "the most tokens the MTP head drafts per decode step, 1..4 (with "
                         "--speculative)",
     "draft_policy": "adaptive: each step drafts the 0..K tokens that measure fastest (0: plain "

@@ -467,6 +467,11 @@ class Model(Protocol):
     step whose `collect() -> int32 [B]` waits for that step's ids alone (host work may run in
     between); one step is in flight at a time (collect before the next launch).
     `batch_limits(kv, state) -> BatchLimits` are the limits its `ForwardBatch.check` uses.
+    Speculative decoding (program/speculative.py) also asks for
+    `verify_forward(batch, kv, state, out_rows, *, snap_base=None, media=None) -> (logits of
+    out_rows, final-normed hidden [N, H])`, `verify_snapshots` (snap_base: the State after each
+    token of row r into slots snap_base[r] + i) and, with `samples_on_device`,
+    `verify_tokens(batch, kv, state, out_rows, rows, ...) -> (int32 token per out row, hidden)`.
     `checks_batches=False` (set by the Program unless its debug option asks otherwise) lets the
     backend trust the batches it is given: the Program validated them once, when it built them."""
 

@@ -96,6 +96,9 @@ class Engine:
         if self.options.speculative is None:
             return None
         from .errors import ArtifactError
+        if self.options.backend == "cuda":     # (the model loaded the head: load_cuda_model)
+            from .models.qwen3_5.cuda.drafter import CudaDrafter
+            return CudaDrafter(self.model)
         from .models.qwen3_5.mtp import MtpDrafter
         try:
             return MtpDrafter.from_artifact(self.artifact, self.model)

@@ -165,8 +165,6 @@ class EngineOptions:
             bad("num_draft_tokens", "must be an integer in 1..4")
         if self.draft_policy not in ("adaptive", "fixed"):
             bad("draft_policy", "must be 'adaptive' or 'fixed'")
-        if self.speculative is not None and self.backend == "cuda":
-            bad("speculative", "speculative decoding runs on the numpy backend only in this version")
         timeout = self.queue_timeout_s
         if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
                                         and timeout > 0):

@@ -438,10 +438,12 @@ def test_mtp_step_on_the_simulator_matches_the_numpy_drafter(kind):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_verify_on_the_simulator_keeps_the_state_after_every_token(kind):
     """CudaModel.verify_forward (the target over a row's token and 3 drafts with the snapshot
-    kernels) on the simulator: every token's logits as the numpy model's, snapshot slot 2 + i the
+    kernels) on the simulator: every token's logits and final-normed hidden (the drafter's feed)
+    as the numpy model's, snapshot slot 2 + i the
     numpy State after the first i + 1 tokens, the row's slot after all, slot 1 untouched."""
     out = _sim_mtp(kind, "verify")
     for dtype, tol in (("float32", 1e-5), ("bfloat16", 3e-2)):
         v = out[dtype]
-        assert v["verify_logits"] < tol and max(v["verify_states"]) < tol, (dtype, v)
+        assert v["verify_logits"] < tol and v["verify_hidden"] < tol, (dtype, v)
+        assert max(v["verify_states"]) < tol, (dtype, v)
         assert v["verify_own"] < tol and v["verify_untouched"], (dtype, v)

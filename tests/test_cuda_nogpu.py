@@ -1145,6 +1145,12 @@ def test_call_capacities_cover_a_decode_graph_and_the_logits_rows():
     small = EngineOptions(backend="cuda", max_concurrency=2, max_context=256, prefill_chunk=4)
     b, n, p, lg = call_capacities(small)
     assert (b, n) == (2, 4) and lg >= b and p * small.page_size >= small.max_context + 1
+    # speculative: a verify of every row's token and k drafts is one call, all its logits
+    spec = EngineOptions(backend="cuda", max_concurrency=8, max_context=4096, prefill_chunk=16,
+                         speculative="mtp", num_draft_tokens=3)
+    assert call_capacities(spec)[1] == call_capacities(spec)[3] == 32
+    assert call_capacities(EngineOptions(backend="cuda", max_concurrency=8, prefill_chunk=512,
+                                         speculative="mtp"))[1::2] == (512, 256)
 
 
 def test_cublaslt_plan_that_finds_no_algorithm_destroys_its_descriptors():

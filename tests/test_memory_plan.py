@@ -13,7 +13,7 @@ from ninfer.models.qwen3_5.config import TextConfig
 from ninfer.models.qwen3_5.memory_plan import (MAX_CACHE_SLOTS, default_max_context,
                                                kv_page_bytes, max_state_slots, num_cache_slots,
                                                plan_device_pools, plan_pools, pool_bytes,
-                                               state_slot_bytes)
+                                               snapshot_slots, state_slot_bytes)
 from ninfer.models.qwen3_5.releases import release_config
 from ninfer.options import EngineOptions
 
@@ -185,3 +185,31 @@ def test_pool_bytes_count_every_array_once():
     assert pool_bytes(cfg, 0, 16, 0, 2) == 0
     assert pool_bytes(cfg, 0, 16, 0, 2, region_slack_bytes=1) == \
         2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids)
+
+
+@pytest.mark.parametrize("free_gib", [141, 30])
+def test_speculative_snapshot_slots_are_reserved_beside_the_others(free_gib):
+    """speculative='mtp' with k drafts: the device plan's State pool holds (k+1) snapshot slots
+    per sequence slot more (the CUDA verify's per-token States, speculative.py), counted in its
+    bytes and not as cache slots; the Program's plan of the same pools sees the same cache."""
+    cfg = release_config("9b")
+    base = dict(max_concurrency=4, max_context=8192, page_size=16)
+    plain, spec = EngineOptions(**base), EngineOptions(**base, speculative="mtp",
+                                                       num_draft_tokens=3)
+    assert snapshot_slots(plain) == 0 and snapshot_slots(spec) == 4 * 4
+    kw = dict(fixed_bytes=20 << 30, free_bytes=free_gib << 30, kv_itemsize=2,
+              margin_bytes=512 << 20)
+    a, b = plan_device_pools(cfg, plain, **kw), plan_device_pools(cfg, spec, **kw)
+    assert (a.num_snapshot_slots, b.num_snapshot_slots) == (0, 16)
+    assert (20 << 30) + b.pool_bytes + (512 << 20) <= free_gib << 30
+    # what the snapshots take comes out of what was left: pages first, then the cache's States
+    per_state = state_slot_bytes(cfg)
+    bytes_a = pool_bytes(cfg, a.num_kv_pages, 16, a.num_state_slots, 2)
+    bytes_b = pool_bytes(cfg, b.num_kv_pages, 16, b.num_state_slots + 16, 2)
+    assert b.pool_bytes - a.pool_bytes == bytes_b - bytes_a
+    assert b.num_kv_pages <= a.num_kv_pages and b.num_state_slots <= a.num_state_slots
+    if free_gib == 141:                    # memory to spare: nothing else shrinks
+        assert b.pool_bytes - a.pool_bytes == 16 * per_state
+        assert (b.num_kv_pages, b.num_cache_slots) == (a.num_kv_pages, a.num_cache_slots)
+    prog = plan_pools(spec, held_kv_pages=b.num_kv_pages, held_state_slots=b.num_state_slots)
+    assert prog.num_cache_slots == b.num_cache_slots

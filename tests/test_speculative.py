@@ -26,7 +26,7 @@ from ninfer.errors import ArtifactError, RequestError
 from ninfer.models.qwen3_5.model import NumpyModel
 from ninfer.models.qwen3_5.mtp import MtpDrafter
 from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
-from ninfer.models.qwen3_5.program.sampling import filtered_probs
+from ninfer.models.qwen3_5.program.sampling import filtered_probs, sample_row
 from ninfer.options import EngineOptions
 
 pytestmark = pytest.mark.timeout(600)
@@ -68,7 +68,7 @@ def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref):
         assert len(stats["spec_acceptance_by_position"]) == k
 
 
-def test_seeded_equals_plain_sampling_at_batch_1_and_4():
+def test_seeded_equals_plain_sampling_at_batch_1_and_4(rollback):
     ref = ensure_reference_artifact("dense")
     params = [SamplingParams(max_tokens=12, ignore_eos=True, **{**SEEDED, "seed": 50 + i})
               for i in range(4)]
@@ -96,7 +96,7 @@ def test_equal_through_pauses(snapshot_bytes):
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
-def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position():
+def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position(rollback):
     path = ensure_reference_artifact("dense")
     cases = [SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
                             frequency_penalty=0.5, presence_penalty=0.3, logprobs=2),
@@ -148,7 +148,7 @@ SCHEMA = {"type": "object", "properties": {
 
 
 @pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
-def test_grammar_masks_apply_at_every_verified_position(sampling):
+def test_grammar_masks_apply_at_every_verified_position(sampling, rollback):
     path = ensure_reference_artifact("dense")
     params = SamplingParams(max_tokens=40, structured=StructuredOutput("json_schema", SCHEMA),
                             **sampling)
@@ -167,8 +167,7 @@ def test_grammar_masks_apply_at_every_verified_position(sampling):
 def test_bad_options_are_refused_with_a_clear_error(tmp_path):
     for kw, words in [(dict(speculative="eagle"), "'mtp'"),
                       (dict(speculative="mtp", num_draft_tokens=0), "1..4"),
-                      (dict(speculative="mtp", num_draft_tokens=5), "1..4"),
-                      (dict(speculative="mtp", backend="cuda"), "numpy backend only")]:
+                      (dict(speculative="mtp", num_draft_tokens=5), "1..4")]:
         with pytest.raises(RequestError, match=words):
             EngineOptions.from_kwargs(**kw)
     ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM", mtp=False)
@@ -276,20 +275,45 @@ def _verify_with_snapshots(self, batch, kv, state, out_rows, *, snap_base=None, 
     return out
 
 
-@pytest.fixture(params=["recompute", "snapshot"])
+def _verify_tokens(self, batch, kv, state, out_rows, rows, *, snap_base=None, media=None):
+    """verify_tokens as a backend that samples on the device gives it (CUDA): each out row's
+    token from its SampleRow (the host sampler's sample_row over the same arguments: what the
+    device sampler matches), argmax where None."""
+    logits, hidden = self.verify_forward(batch, kv, state, out_rows, snap_base=snap_base,
+                                         media=media)
+    tokens = [int(np.argmax(lg)) if row is None else
+              sample_row(lg, row.spec, row.prompt_ids, row.generated_ids, position=row.position,
+                         mask=row.mask)[0]
+              for lg, row in zip(logits, rows)]
+    return np.asarray(tokens, np.int32), hidden
+
+
+class _DeviceSampler:
+    """What packing.device_path reads of a backend with a device sampler."""
+    greedy_on_device, samples_on_device = False, True
+
+
+@pytest.fixture(params=["recompute", "snapshot", "snapshot-device-sampling"])
 def rollback(request, monkeypatch):
     """How a verify row that rejected a draft gets its State back: recompute (numpy's way) or
     the snapshot slot after its last accepted token (CUDA's way: a model with
-    verify_snapshots; the speculator then takes no State backup and runs nothing again)."""
-    if request.param == "snapshot":
+    verify_snapshots; the speculator then takes no State backup and runs nothing again); and
+    CUDA's whole way, each verify position sampled by the backend (verify_tokens) from the
+    SampleRow the speculator builds for it."""
+    if request.param.startswith("snapshot"):
         monkeypatch.setattr(NumpyModel, "verify_snapshots", True)
         monkeypatch.setattr(NumpyModel, "verify_forward", _verify_with_snapshots)
+    if request.param.endswith("device-sampling"):
+        from ninfer.models.qwen3_5.program import packing
+        monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
+        monkeypatch.setattr(Program, "samples_on_device", lambda self, seqs, units, masks:
+                            packing.device_path(_DeviceSampler, seqs, units, masks) is not None)
     return request.param
 
 
 def _rolled_back(stats, rollback) -> int:
     """Verify rows whose State went back to an accepted prefix, the one way `rollback` allows."""
-    if rollback == "snapshot":
+    if rollback.startswith("snapshot"):
         assert stats["spec_recompute_rows"] == 0, stats
         return stats["spec_snapshot_selects"]
     assert stats["spec_snapshot_selects"] == 0, stats
@@ -467,7 +491,6 @@ def test_metrics_report_drafts_and_acceptance_by_position(extremes):
 
 @pytest.mark.parametrize("flags, words", [
     (["--speculative", "mtp", "--draft-tokens", "9"], "num_draft_tokens=9: must be an integer in 1..4"),
-    (["--speculative", "mtp", "--backend", "cuda"], "numpy backend only"),
     (["--speculative", "eagle"], "invalid choice: 'eagle'")])
 def test_cli_refuses_bad_speculative_flags_in_one_line(flags, words, capsys):
     from ninfer.cli import main

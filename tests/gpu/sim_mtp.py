@@ -5,7 +5,7 @@ of 5 tokens and then 2 more that attend to their KV; and the target's verify ste
 (CudaModel.verify_forward: logits of every token, the State after each token in snapshot slots)
 against the numpy model. Prints JSON:
 {"<dtype>": {"logits": [rel err per call], "hidden": [...], "argmax_equal": [...],
-             "verify_logits": rel err, "verify_states": [rel err per snapshot], ...}}
+             "verify_logits": rel err, "verify_hidden": rel err, "verify_states": [rel err per snapshot], ...}}
 
     NUMBA_ENABLE_CUDASIM=1 python tests/gpu/sim_mtp.py [dense|moe] [step|verify]
 
@@ -74,7 +74,8 @@ def run(kind: str = "dense", part: str = "step") -> dict:
 
 def verify(gpu, cpu, r, k: int = 3) -> dict:
     """CudaModel.verify_forward over a row's last token and k drafts after a 3-token prefill:
-    its logits against the numpy model's, and each snapshot slot 1 + i against the numpy State
+    its logits and every token's final-normed hidden (the drafter's feed) against the numpy
+    model's, and each snapshot slot 1 + i against the numpy State
     after the first i + 1 of those tokens (the row's own slot 0: after all of them)."""
     V = cpu.text.vocab_size
     pages = np.arange(16, dtype=np.int32)
@@ -86,8 +87,8 @@ def verify(gpu, cpu, r, k: int = 3) -> dict:
     pre = st_c.read(0)
     tokens = r.integers(0, V, k + 1).astype(np.int32)
     b = ForwardBatch.single(tokens, 3, pages, 0)
-    lg = gpu.verify_forward(b, kv_g, st_g, [2])
-    lc = cpu.forward(b, kv_c, st_c, all_logits=True)
+    lg, hg = gpu.verify_forward(b, kv_g, st_g, np.arange(k + 1), snap_base=[2])
+    lc, hc = cpu.verify_forward(b, kv_c, st_c, np.arange(k + 1))
     state_err = []
     for i in range(k + 1):
         st_c.write(0, pre)
@@ -100,7 +101,7 @@ def verify(gpu, cpu, r, k: int = 3) -> dict:
     untouched = st_g.read(1)               # between the row's slot and its snapshots
     kv_g.close()
     st_g.close()
-    return {"verify_logits": rel(lg, lc), "verify_states": state_err, "verify_own": own_err,
+    return {"verify_logits": rel(lg, lc), "verify_hidden": rel(hg, hc), "verify_states": state_err, "verify_own": own_err,
             "verify_untouched": bool(all(not np.any(a) for a in untouched[0] + untouched[1]))}
 
 

@@ -69,7 +69,7 @@ def test_a_model_without_mtp_refuses_the_step():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_keeps_the_state_after_every_token(kind, dtype):
     """verify_forward over a row's last token and 3 drafts after a prefill: every token's logits
-    as the numpy model's, and snapshot slot 2 + i holding the State after the first i + 1 tokens
+    and final-normed hidden (the drafter's feed) as the numpy model's, and snapshot slot 2 + i holding the State after the first i + 1 tokens
     (the numpy model run over that prefix from the pre-verify State); slot 1 untouched."""
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     art = mtp_artifact(kind)
@@ -90,9 +90,9 @@ def test_verify_keeps_the_state_after_every_token(kind, dtype):
         pre = st_c.read(0)
         tokens = r.integers(0, V, k + 1).astype(np.int32)
         b = ForwardBatch.single(tokens, len(prompt), pages, 0)
-        lg = gpu.verify_forward(b, kv_g, st_g, [2])
-        lc = cpu.forward(b, kv_c, st_c, all_logits=True)
-        assert rel_err(lg, lc) < tol
+        lg, hg = gpu.verify_forward(b, kv_g, st_g, np.arange(k + 1), snap_base=[2])
+        lc, hc = cpu.verify_forward(b, kv_c, st_c, np.arange(k + 1))
+        assert rel_err(lg, lc) < tol and rel_err(hg, hc) < tol
         for i in range(k + 1):
             st_c.write(0, pre)
             cpu.forward(ForwardBatch.single(tokens[:i + 1], len(prompt), pages, 0), kv_c, st_c)

@@ -76,7 +76,10 @@ def _with_mtp_layer(cfg):
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
-    model = CudaModel(model_config(artifact), options, artifact=artifact)
+    # speculative='mtp': the MTP head's weights, kernels and KV layer, and the verify's State
+    # snapshot slots in the memory plan (memory_plan.snapshot_slots)
+    model = CudaModel(model_config(artifact), options, artifact=artifact,
+                      mtp=options.speculative == "mtp")
     model.load_vision(artifact)
     return model
 
@@ -135,19 +138,20 @@ class CudaModel(MediaEncoding):
     def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
                  max_tokens: int = None, kernel_cache_dir=None, mtp: bool = False):
         """mtp: also hold the checkpoint's MTP head (its weights, kernels, and one more attention
-        layer in every KV pool, last) for `mtp_forward` (issue 25; the speculative units do not
-        call it yet)."""
+        layer in every KV pool, last) for `mtp_forward` and `verify_forward` (issue 25: the
+        speculative units, program/speculative.py, through cuda/drafter.py)."""
         if (artifact is None) == (random_seed is None):
             raise ValueError("CudaModel: give exactly one of artifact / random_seed")
         if mtp and config.text.mtp_num_hidden_layers != 1:
-            raise ArtifactError(f"CudaModel: mtp=True needs an MTP head of 1 layer, the model has "
-                                f"{config.text.mtp_num_hidden_layers}")
+            raise ArtifactError(f"speculative='mtp' needs the checkpoint's MTP head (one layer; "
+                                f"this model has {config.text.mtp_num_hidden_layers})")
         self.mtp = bool(mtp)
         self.config, self.text = config, config.text
         self.options = options
         # what close() releases: None until made (a failed load closes what it got to)
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
+        self.hidden_host = None
         self.pool_staging = HostStaging()         # the pools' host copies (device_pools.py)
         self.pool_pinned = PinnedPool()  # the pinned buffers of reads on the copy stream
         self.step_events = ()            # the events recorded after token steps' D2H copies
@@ -261,7 +265,8 @@ class CudaModel(MediaEncoding):
                                    mtp=self.mtp) \
             + wq * (4 if self.f32 else 2) + w8a8_bytes(n_cap, w8k) + (1024 if w8k else 0)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
-        sampler_rows = max(b_cap, 8)
+        # (speculative: every verify position of every row is a sampler row)
+        sampler_rows = max(b_cap * (options.num_draft_tokens + 1 if self.mtp else 1), 8)
         free, total = self.device.mem_info()
         self.memory_plan = plan = plan_cuda_memory(
             # (with the MTP head: its KV layer paged with the model's, one more full-attention
@@ -299,6 +304,9 @@ class CudaModel(MediaEncoding):
         # again only after the step that used it was collected
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + 2 * self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
+        # the final-normed hidden of every token of an eager call (verify_forward; mtp)
+        self.hidden_host = _d.PinnedBuffer(n_cap * cfg.hidden_size * self.ws.gin_bytes) \
+            if self.mtp else None
         # token steps' ids in their own buffer (a forward may run before collect)
         self.ids_host = _d.PinnedBuffer(2 * self.lg_cap * 4)
         self.step_events = (_d.Event(timing=False), _d.Event(timing=False))
@@ -531,75 +539,158 @@ class CudaModel(MediaEncoding):
             start += rows
         return result
 
-    def mtp_forward(self, batch: ForwardBatch, hidden: np.ndarray, kv) -> tuple:
+    # ---- speculative units (issue 25; program/speculative.py through cuda/drafter.py) --------
+    # Host arrays in and out for now: the drafter's hidden states and the verify's logits cross
+    # to the host and back each unit. (The device path keeps them in the workspace.)
+    verify_snapshots = True     # verify_forward writes each verify row's per-token States
+
+    def _put_hidden(self, dst, hidden: np.ndarray) -> None:
+        """float32 [n, H] host rows into a workspace buffer of the GEMM inputs' type (bf16, or
+        fp32 with dtype float32)."""
+        if self.f32:
+            stored = np.ascontiguousarray(hidden, np.float32)
+        else:
+            import ml_dtypes
+            stored = np.asarray(hidden, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+        self.hidden_host.view(stored.dtype, 0, stored.size)[:] = stored.reshape(-1)
+        _d.copy_htod_async(dst.ptr, self.hidden_host.ptr, stored.nbytes, self.stream)
+
+    def _get_hidden(self, src, n: int) -> np.ndarray:
+        """float32 [n, H] of a workspace buffer of the GEMM inputs' type (waits for the stream)."""
+        self._queue_hidden(src, n)
+        self.stream.synchronize()
+        return self._read_hidden(n)
+
+    def _queue_hidden(self, src, n: int) -> None:
+        nbytes = n * self.text.hidden_size * self.ws.gin_bytes
+        _d.copy_dtoh_async(self.hidden_host.ptr, src.ptr, nbytes, self.stream)
+
+    def _read_hidden(self, n: int) -> np.ndarray:
+        """What _queue_hidden copied, once the stream has passed it."""
+        H = self.text.hidden_size
+        if self.f32:
+            return self.hidden_host.view(np.float32, 0, n * H).reshape(n, H).copy()
+        bits = self.hidden_host.view(np.uint16, 0, n * H).reshape(n, H)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def _logits_out(self, n: int) -> np.ndarray:
+        V = self.text.vocab_size
+        _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, n * V * 4, self.stream)
+        self.stream.synchronize()
+        return self.out_host.view(np.float32, 0, n * V).reshape(n, V).copy()
+
+    def _need_mtp(self, what: str) -> None:
+        if not self.mtp:
+            raise RuntimeError(f"{what}: the model was loaded without its MTP head (mtp=True)")
+        self._current()
+
+    def mtp_forward(self, batch: ForwardBatch, hidden: np.ndarray, kv, *,
+                    with_logits: bool = True) -> tuple:
         """One MTP head step on the device, MtpDrafter.forward's contract (models/qwen3_5/mtp.py):
         batch.token_ids are the next tokens x_{t+1}, positions / context_lens those of the hidden
         states' positions t, hidden [N, H] the final-normed hidden states it continues (stored
         as the GEMM inputs are: bf16, or fp32 with dtype float32). Its KV is the pool's last
-        layer. Returns (logits [N, V] float32, final-normed MTP hidden [N, H] float32), eager,
-        N <= the logits rows of one call. (Host arrays in and out: the speculative units' device
-        path will keep them on the device.)"""
-        if not self.mtp:
-            raise RuntimeError("mtp_forward: the model was loaded without its MTP head (mtp=True)")
-        self._current()
-        cfg, ws = self.text, self.ws
+        layer. Returns (logits [N, V] float32, or None without with_logits; final-normed MTP
+        hidden [N, H] float32), eager; N <= the tokens of one call, and with logits <= its
+        logits rows (cuda/drafter.py splits longer feeds)."""
+        self._need_mtp("mtp_forward")
+        cfg = self.text
         n, H, V = batch.num_tokens, cfg.hidden_size, cfg.vocab_size
         hidden = np.asarray(hidden, np.float32)
         if hidden.shape != (n, H):
             raise ValueError(f"mtp_forward: hidden shape {hidden.shape} != ({n}, {H})")
-        if n > self.lg_cap:
-            raise ValueError(f"mtp_forward: {n} tokens exceed the {self.lg_cap} logits rows")
+        cap = self.lg_cap if with_logits else self.n_cap
+        if not 0 < n <= cap:
+            raise ValueError(f"mtp_forward: {n} tokens, one call takes 1..{cap}"
+                             + (" with logits" if with_logits else ""))
         if self.checks_batches:
             batch.check(BatchLimits(vocab_size=V, page_size=kv.page_size,
                                     num_kv_pages=kv.num_pages, num_state_slots=None,
                                     max_rows=self.eager_layout.b_cap, max_tokens=self.n_cap,
                                     max_pages_per_row=self.p_cap))
-        if self.f32:
-            stored = hidden
-        else:
-            import ml_dtypes
-            stored = hidden.astype(ml_dtypes.bfloat16).view(np.uint16)
-        staged = self.out_host.view(stored.dtype, 0, stored.size)
-        staged[:] = stored.reshape(-1)
-        _d.copy_htod_async(ws.mtp_h.ptr, self.out_host.ptr, stored.nbytes, self.stream)
-        lay, meta = self.eager_layout, self.eager_meta
-        self._upload_meta(lay, meta, 0, batch, np.arange(n, dtype=np.int32))
-        self.runner.mtp(self.stream, meta, n, batch.num_rows, n, kv)
-        logits = np.empty((n, V), np.float32)
-        _d.copy_dtoh_async(self.out_host.ptr, ws.logits.ptr, n * V * 4, self.stream)
-        self.stream.synchronize()
-        logits[:] = self.out_host.view(np.float32, 0, n * V).reshape(n, V)
-        gb = n * H * ws.gin_bytes
-        _d.copy_dtoh_async(self.out_host.ptr, ws.x.ptr, gb, self.stream)
-        self.stream.synchronize()
-        if self.f32:
-            g = self.out_host.view(np.float32, 0, n * H).reshape(n, H).copy()
-        else:
-            bits = self.out_host.view(np.uint16, 0, n * H).reshape(n, H)
-            g = (bits.astype(np.uint32) << 16).view(np.float32)
-        return logits, g
+        self._put_hidden(self.ws.mtp_h, hidden)
+        # the head over every token, or over the last alone (its logits unread: the feed of a
+        # prompt needs the MTP hidden states, not their vocabulary product)
+        out_rows = np.arange(n, dtype=np.int32) if with_logits else np.array([n - 1], np.int32)
+        self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
+        self.runner.mtp(self.stream, self.eager_meta, n, batch.num_rows, len(out_rows), kv)
+        logits = self._logits_out(n) if with_logits else None
+        return logits, self._get_hidden(self.ws.x, n)
 
-    def verify_forward(self, batch: ForwardBatch, kv, state, snap_base) -> np.ndarray:
-        """A speculative verify (issue 25): the target over every row's tokens (its last sampled
-        one and its drafts), logits [N, V] float32 of every token, eager; and, per row r with
-        snap_base[r] >= 0, its State after each of its tokens i also in State slot
-        snap_base[r] + i (the recurrent delta rule over the row's few tokens), so rejecting the
-        drafts after token j is one slot copy (kernels/speculate.py state_select) instead of a
-        recompute. Needs mtp=True (its kernels and buffers)."""
-        if not self.mtp:
-            raise RuntimeError("verify_forward: the model was loaded without its MTP head (mtp=True)")
-        self._current()
+    def head_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T on the device (a draft's MTP
+        hidden: its argmax is the row's next first draft; within a grammar, its masked argmax)."""
+        self._need_mtp("head_logits")
+        hidden = np.asarray(hidden, np.float32)
+        out = np.empty((len(hidden), self.text.vocab_size), np.float32)
+        for start in range(0, len(hidden), self.lg_cap):
+            rows = hidden[start:start + self.lg_cap]
+            self._put_hidden(self.ws.xf, rows)
+            self.runner.head_of(self.stream, len(rows))
+            out[start:start + len(rows)] = self._logits_out(len(rows))
+        return out
+
+    def verify_forward(self, batch: ForwardBatch, kv, state, out_rows, *, snap_base=None,
+                       media=None) -> tuple:
+        """A speculative unit's target forward (program/speculative.py), eager: (logits
+        [len(out_rows), V] float32 of those tokens, final-normed hidden [N, H] float32 of every
+        token: the drafter's feed). snap_base: per row, -1 or its first snapshot slot: its
+        State after each of its tokens i also goes to State slot snap_base[r] + i (the
+        recurrent delta rule over the row's few tokens), so rejecting the drafts after token j
+        is one slot copy (DeviceStatePool.copy) instead of a recompute. media: as forward's.
+        Needs mtp=True (its kernels and buffers)."""
+        media = self._verify_run(batch, kv, state, snap_base, media)
+        logits = self._eager(batch, kv, state, np.asarray(out_rows, np.int32), media=media,
+                             snap=self._snap_ptr)
+        self.runner.final_hidden(self.stream, batch.num_tokens)
+        return logits, self._get_hidden(self.ws.mtp_h, batch.num_tokens)
+
+    def verify_tokens(self, batch: ForwardBatch, kv, state, out_rows, rows, *, snap_base=None,
+                      media=None) -> tuple:
+        """verify_forward with the tokens sampled on the device instead of the logits: rows[i]
+        a program.sampling.SampleRow (or None: argmax) for out_rows[i] (`sample`'s contract:
+        the host sampler's sample_row without logprobs, the same token within its decision
+        margins). Returns (int32 [len(out_rows)], hidden [N, H] float32); one wait, after both
+        copies. len(out_rows) <= the logits rows of one call (call_capacities: a verify of
+        every row's k + 1 positions fits)."""
+        out_rows = np.asarray(out_rows, np.int32)
+        m = len(out_rows)
+        if len(rows) != m or not 0 < m <= min(self.lg_cap, self.sampler.layout.rows_cap):
+            raise ValueError(f"verify_tokens: {len(rows)} sampling rows for {m} output rows, "
+                             f"one call samples 1..{min(self.lg_cap, self.sampler.layout.rows_cap)}")
+        media = self._verify_run(batch, kv, state, snap_base, media)
+        self._eager(batch, kv, state, out_rows, want_logits=False, media=media,
+                    snap=self._snap_ptr)
+        ws, n, H = self.ws, batch.num_tokens, self.text.hidden_size
+        self.sampler.launch(self.stream, ws.logits.ptr, ws.tokens.ptr, list(rows))
+        self.runner.final_hidden(self.stream, n)
+        _d.copy_dtoh_async(self.ids_host.ptr, ws.tokens.ptr, 4 * m, self.stream)
+        self._queue_hidden(ws.mtp_h, n)
+        self.stream.synchronize()
+        return self.ids_host.view(np.int32, 0, m).copy(), self._read_hidden(n)
+
+    def _verify_run(self, batch, kv, state, snap_base, media):
+        """The checks and uploads of a verify call; the checked media (or None)."""
+        self._need_mtp("verify")
+        if self._in_flight:
+            raise RuntimeError("verify: a launched TokenStep is not collected yet")
         if self.checks_batches:
             batch.check(self.batch_limits(kv, state))
-        snap = np.asarray(snap_base, np.int32)
         b, n = batch.num_rows, batch.num_tokens
-        if snap.shape != (b,) or int(snap.max(initial=-1)) + n > state.num_slots:
-            raise ValueError(f"verify_forward: snap_base {snap.tolist()} for {b} rows of {n} "
-                             f"tokens over {state.num_slots} State slots")
-        # (staged in the logits' pinned buffer: the stream copies it up before the logits down)
-        self.out_host.view(np.int32, 0, b)[:] = snap
-        _d.copy_htod_async(self.ws.snap.ptr, self.out_host.ptr, 4 * b, self.stream)
-        return self._eager(batch, kv, state, np.arange(n, dtype=np.int32), snap=self.ws.snap.ptr)
+        self._snap_ptr = None
+        if snap_base is not None:
+            snap = np.asarray(snap_base, np.int32)
+            if snap.shape != (b,) or int(snap.max(initial=-1)) + n > state.num_slots:
+                raise ValueError(f"verify: snap_base {snap.tolist()} for {b} rows of {n} "
+                                 f"tokens over {state.num_slots} State slots")
+            # (staged in the logits' pinned buffer: the stream copies it up before the logits
+            # come down into it)
+            self.out_host.view(np.int32, 0, b)[:] = snap
+            _d.copy_htod_async(self.ws.snap.ptr, self.out_host.ptr, 4 * b, self.stream)
+            self._snap_ptr = self.ws.snap.ptr
+        if media is not None and len(media[0]) == 0:
+            return None
+        return checked_media(batch, media, self.text.hidden_size) if media is not None else None
 
     # ---- graphs -------------------------------------------------------------------------------
     def warm_up(self, kv, state) -> None:
@@ -688,10 +779,12 @@ class CudaModel(MediaEncoding):
             release(event.destroy)
         self.lt = self.kernels = self.sampler = None
         self.step_events = ()
-        for buf in (self.staging, self.out_host, self.ids_host, self.route_host, self.media_rows):
+        for buf in (self.staging, self.out_host, self.ids_host, self.route_host, self.media_rows,
+                    self.hidden_host):
             if buf is not None:
                 release(buf.free)
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
+        self.hidden_host = None
         release(self.pool_staging.free)
         if self.copy_stream is not None:
             release(self.copy_stream.synchronize)

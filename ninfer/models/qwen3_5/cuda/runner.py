@@ -459,6 +459,19 @@ class StepRunner:
         self.linear(st, ws.xf.ptr, W["lm_head"], ws.logits.ptr, n_out, V, H)
         self.launch(st, self.kernels.argmax, (n_out,), (1024,), (ws.tokens, ws.logits, V))
 
+    def final_hidden(self, st, n: int):
+        """The final-normed hidden of all n tokens of the step just run into ws.mtp_h (the
+        speculative units' drafter feed; the head normed only its output rows)."""
+        self.rmsnorm(st, self.res.ws.mtp_h, self.res.ws.h, self.res.weights["norm"], n)
+
+    def head_of(self, st, n: int):
+        """Logits and argmax of n final-normed hidden states put in ws.xf (a draft's MTP
+        hidden: the speculative units' first draft and masked drafts)."""
+        cfg, ws, W = self.cfg, self.res.ws, self.res.weights
+        V = cfg.vocab_size
+        self.linear(st, ws.xf.ptr, W["lm_head"], ws.logits.ptr, n, V, cfg.hidden_size)
+        self.launch(st, self.kernels.argmax, (n,), (1024,), (ws.tokens, ws.logits, V))
+
     def rmsnorm(self, st, out, x, w, rows, row_idx=None):
         H = self.cfg.hidden_size
         block = 1024 if rows <= 64 else 256

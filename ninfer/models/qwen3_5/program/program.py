@@ -29,8 +29,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from ....contracts import (Capacity, CaptureRoom, ForwardBatch, PendingBatch, ProgramError,
-                           ResumeState, ReadyStep, RowPlan, RowResult, RowView, SamplingSpec,
-                           UnitPlan)
+                           ResumeState, ReadyStep, RowPlan, RowResult, RowView, SampleRow,
+                           SamplingSpec, UnitPlan)
 from ..memory_plan import plan_cache_slots, plan_pools, state_slot_bytes
 from . import packing
 from .checkpoint_store import CheckpointStore, release_image
@@ -637,6 +637,18 @@ class Program:
     def sample_row(self, seq: Sequence, unit: Unit, logits: np.ndarray,
                    mask: Optional[np.ndarray] = None) -> RowResult:
         return packing.sample_row(self.token_buf, seq, unit, logits, mask)
+
+    def samples_on_device(self, seqs, units, masks) -> bool:
+        """Whether the backend samples this unit's rows (packing.device_path: no control unit,
+        no logprobs, and a backend with a device sampler)."""
+        return packing.device_path(self.model, seqs, units, masks) is not None
+
+    def sample_request(self, seq: Sequence, position: int, mask=None) -> SampleRow:
+        """The device sampler's row for the token at `position` (> the frontier: the tokens
+        before it, drafts included, are its history), as a decode step there would send it."""
+        return SampleRow(seq.spec, position, self.token_buf[seq.slot, :seq.num_prompt_tokens],
+                         self.token_buf[seq.slot, seq.num_prompt_tokens:position], mask,
+                         cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
 
     # ---- observation ----------------------------------------------------------------------------
     def generated_tokens(self, seq_id: int) -> np.ndarray:

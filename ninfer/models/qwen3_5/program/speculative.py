@@ -5,7 +5,9 @@ hooks (`sequence`, `token_ids`, `write_provisional`, `grow_pages`, `block_tables
 `media_rows`, `sample_row`, `new_unit_id`) and its public `model`, `kv`, `state`.
 
 What it asks of the backend: the model's `verify_forward` (the logits of the picked tokens and
-every token's final-normed hidden state) and `verify_snapshots`; the drafter's `forward`,
+every token's final-normed hidden state), `verify_snapshots`, and where the unit's rows may be
+sampled on the device (Program.samples_on_device) its `verify_tokens` (the same forward, each
+picked position sampled there as a decode step at that position would be); the drafter's `forward`,
 `draft_argmax`, `logits`, `draft_greedy` and `join_kv_pool` (mtp.MtpDrafter on numpy,
 cuda/drafter.py's CudaDrafter on the GPU).
 
@@ -200,18 +202,25 @@ class MtpSpeculator:
         # logits: every position of a verify row, the last token of the others
         picks = [np.arange(starts[r], starts[r + 1]) if r in drafts else [starts[r + 1] - 1]
                  for r in range(len(seqs))]
-        logits, hidden = prog.model.verify_forward(
-            batch, prog.kv, prog.state, np.concatenate(picks).astype(np.int32),
-            snap_base=snaps if self.snapshots and drafts else None, media=media)
-        bounds = np.cumsum([0] + [len(p) for p in picks])
-        rows, self._rows = [], {}
+        snap_base = snaps if self.snapshots and drafts else None
+        if prog.samples_on_device(seqs, units, masks):
+            rows, hidden = self._sample_on_device(prog, seqs, units, masks, drafts, draft_masks,
+                                                  batch, starts, snap_base, media)
+        else:
+            logits, hidden = prog.model.verify_forward(
+                batch, prog.kv, prog.state, np.concatenate(picks).astype(np.int32),
+                snap_base=snap_base, media=media)
+            bounds = np.cumsum([0] + [len(p) for p in picks])
+            rows = []
+            for r, (seq, unit) in enumerate(zip(seqs, units)):
+                row_logits = logits[bounds[r]:bounds[r + 1]]
+                if r in drafts:
+                    rows.append(self._verify_row(prog, seq, drafts[r], row_logits, masks[r],
+                                                 draft_masks))
+                else:
+                    rows.append(prog.sample_row(seq, unit, row_logits[0], masks[r]))
+        self._rows = {}
         for r, (seq, unit) in enumerate(zip(seqs, units)):
-            row_logits = logits[bounds[r]:bounds[r + 1]]
-            if r in drafts:
-                rows.append(self._verify_row(prog, seq, drafts[r], row_logits, masks[r],
-                                             draft_masks))
-            else:
-                rows.append(prog.sample_row(seq, unit, row_logits[0], masks[r]))
             self._rows[seq.seq_id] = _Row(seq.seq_id, seq.num_computed_tokens,
                                           hidden[starts[r]:starts[r + 1]].copy(),
                                           tuple(drafts.get(r, ())),
@@ -281,12 +290,60 @@ class MtpSpeculator:
             prog.write_provisional(seqs[r], d)
         return drafts
 
+    def _sample_on_device(self, prog, seqs, units, masks, drafts, draft_masks, batch, starts,
+                          snap_base, media) -> tuple:
+        """The unit's forward with every sampled position sampled on the device (verify_tokens):
+        a verify row's positions 0 .. k (as many as its masks reach) each as the decode step
+        there would sample it (history: the tokens before it, drafts included; the mask after
+        the drafts before it; the draw at its position), the other rows' last token. Returns
+        (RowResults, hidden)."""
+        picks, requests, spans = [], [], []
+        for r, (seq, unit) in enumerate(zip(seqs, units)):
+            n = seq.num_tokens
+            if r in drafts:
+                row_masks = [masks[r]] + self._later_masks(seq, drafts[r], draft_masks)
+                picks += range(starts[r], starts[r] + len(row_masks))
+                requests += [prog.sample_request(seq, n + j, m) for j, m in enumerate(row_masks)]
+            else:
+                row_masks = [masks[r]]
+                picks.append(starts[r + 1] - 1)
+                requests.append(prog.sample_request(seq, n, masks[r]) if unit.is_sampling
+                                else None)
+            spans.append(len(row_masks))
+        tokens, hidden = prog.model.verify_tokens(batch, prog.kv, prog.state,
+                                                  np.asarray(picks, np.int32), requests,
+                                                  snap_base=snap_base, media=media)
+        rows, at = [], 0
+        for r, (seq, unit) in enumerate(zip(seqs, units)):
+            got = [int(t) for t in tokens[at:at + spans[r]]]
+            at += spans[r]
+            if r in drafts:
+                d = drafts[r]
+                j = 0
+                while j < len(got) - 1 and j < len(d) and got[j] == d[j]:
+                    j += 1
+                rows.append(RowResult(seq.seq_id, 1 + len(d), tuple(got[:j + 1]), (), False,
+                                      is_speculative=True))
+            else:
+                rows.append(RowResult(seq.seq_id, unit.num_new_tokens,
+                                      tuple(got) if unit.is_sampling else (), (), unit.is_replay,
+                                      is_control=False))
+        return rows, hidden
+
+    @staticmethod
+    def _later_masks(seq, drafts, draft_masks) -> list:
+        """The masks of a verify row's positions 1 .. k: after d_1 .. d_j (fewer where its
+        output ends within the drafts); None each without a session to ask."""
+        k = len(drafts)
+        if draft_masks is None:
+            return [None] * k
+        return list(draft_masks(seq.seq_id, tuple(int(d) for d in drafts)))[:k]
+
     def _verify_row(self, prog, seq, drafts, logits, mask0, draft_masks) -> RowResult:
         """Sample positions 0 .. k of a verify row as decode steps would, up to the first token
         that differs from the draft there."""
         k = len(drafts)
-        later = list(draft_masks(seq.seq_id, tuple(int(d) for d in drafts)))[:k] \
-            if draft_masks is not None else [None] * k
+        later = self._later_masks(seq, drafts, draft_masks)
         num_prompt, n = seq.num_prompt_tokens, seq.num_tokens
         prompt = prog.token_ids(seq, 0, num_prompt)
         produced, logprobs = [], []

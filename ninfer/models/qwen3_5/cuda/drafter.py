@@ -1,0 +1,90 @@
+"""The MTP drafter on the CUDA model (issue 25): mtp.MtpDrafter's contract, which
+program/speculative.py drafts and feeds through, over CudaModel.mtp_forward / head_logits (a
+model loaded with mtp=True: the MTP layer's weights, kernels, and its KV as the pool's last
+layer). Host arrays in and out, as the numpy drafter's."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..batch import ForwardBatch
+from ..mtp import draft_greedy
+
+
+def token_pieces(batch: ForwardBatch, cap: int) -> list:
+    """The batch cut into calls of at most `cap` tokens, in order: [(sub-batch, token indices
+    of the batch it holds)]. A row longer than what is left of a call continues in the next one
+    from where it stopped (its context past the tokens the earlier call wrote)."""
+    if cap < 1:
+        raise ValueError(f"token_pieces: cap {cap} must be >= 1")
+    qs = np.asarray(batch.query_start, np.int64)
+    ctx = np.asarray(batch.context_lens, np.int64)
+    pieces, segs, used = [], [], 0
+
+    def close():
+        idx = np.concatenate([np.arange(qs[r] + a, qs[r] + z) for r, a, z in segs])
+        counts = np.array([z - a for _, a, z in segs], np.int32)
+        rows = [r for r, _, _ in segs]
+        sub = ForwardBatch(np.asarray(batch.token_ids)[idx],
+                           np.asarray(batch.positions)[:, idx],
+                           np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+                           np.array([ctx[r] + a for r, a, _ in segs], np.int32),
+                           np.asarray(batch.block_tables)[rows],
+                           np.asarray(batch.state_slots)[rows])
+        pieces.append((sub, idx))
+    for r in range(batch.num_rows):
+        a, n = 0, int(qs[r + 1] - qs[r])
+        while a < n:
+            z = min(n, a + cap - used)
+            segs.append((r, a, z))
+            used += z - a
+            a = z
+            if used == cap:
+                close()
+                segs, used = [], 0
+    if segs:
+        close()
+    return pieces
+
+
+class CudaDrafter:
+    """The checkpoint's MTP head on the device, for the speculative units (speculative.py)."""
+
+    def __init__(self, model):
+        if not getattr(model, "mtp", False):
+            raise ValueError("CudaDrafter: the CUDA model was loaded without its MTP head "
+                             "(mtp=True)")
+        self.model, self.text = model, model.text
+
+    def join_kv_pool(self, kv) -> None:
+        """The CUDA model's pools already hold the drafter's layer, last (new_kv_pool with
+        mtp=True): check it is this pool."""
+        want = len(self.text.attention_layer_ids) + 1
+        if len(kv.k) != want:
+            raise ValueError(f"MTP: the KV pool has {len(kv.k)} layers, the target's "
+                             f"{want - 1} and the drafter's make {want}")
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """float32 [N, V]: the shared lm_head over final-normed hidden states [N, H]."""
+        return self.model.head_logits(hidden)
+
+    def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
+        """int32 [N]: argmax of logits(hidden), the lowest id on ties."""
+        return np.argmax(self.logits(hidden), axis=1).astype(np.int32)
+
+    def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv, *,
+                with_logits: bool = True) -> tuple:
+        """MtpDrafter.forward's contract on the device. Without logits (the feed) a batch of
+        more tokens than one call takes runs as several calls (token_pieces), in order."""
+        if with_logits:
+            return self.model.mtp_forward(batch, hidden, kv)
+        hidden = np.asarray(hidden, np.float32)
+        g = np.empty_like(hidden)
+        for sub, idx in token_pieces(batch, self.model.n_cap):
+            g[idx] = self.model.mtp_forward(sub, hidden[idx], kv, with_logits=False)[1]
+        return None, g
+
+    def draft_greedy(self, kv, hidden: np.ndarray, next_tokens, context_lens, block_tables, k, *,
+                     with_logits: bool = True, pick=None) -> tuple:
+        """mtp.draft_greedy over this drafter."""
+        return draft_greedy(self, kv, hidden, next_tokens, context_lens, block_tables, k,
+                            with_logits=with_logits, pick=pick)
