@@ -447,3 +447,23 @@ def test_verify_on_the_simulator_keeps_the_state_after_every_token(kind):
         assert v["verify_logits"] < tol and v["verify_hidden"] < tol, (dtype, v)
         assert max(v["verify_states"]) < tol, (dtype, v)
         assert v["verify_own"] < tol and v["verify_untouched"], (dtype, v)
+
+
+@_SIM_SLOW
+def test_speculative_units_on_the_simulator_equal_the_numpy_programs():
+    """A Program's speculative units on the CUDA model (tests/gpu/sim_speculative.py: the tiny
+    model with a random MTP head, float32, 2 rows greedy and seeded, k = 2, a prefill unit and
+    3 verify units) give the numpy Program's tokens; every rejected draft undone by a State
+    snapshot slot (no recompute), the numpy Program's by recompute."""
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-W", "ignore",
+                          str(ROOT / "tests/gpu/sim_speculative.py"), "4"], env=env,
+                         capture_output=True, text=True, timeout=3600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["tokens_cuda"] == out["tokens_numpy"], out
+    got, want = out["stats_cuda"], out["stats_numpy"]
+    assert got["spec_verify_rows"] == want["spec_verify_rows"] == 6, out
+    assert got["spec_recompute_rows"] == 0 and want["spec_snapshot_selects"] == 0, out
+    assert got["spec_snapshot_selects"] == want["spec_recompute_rows"] > 0, out

@@ -39,7 +39,7 @@ def _syncwarp(self, mask=0xFFFFFFFF):
 
 _fake.FakeCUDAModule.syncwarp = _syncwarp
 NP = {"float32": np.float32, "uint16": np.uint16, "uint32": np.uint32, "int32": np.int32,
-      "uint64": np.uint64, "uint8": np.uint8}
+      "uint64": np.uint64, "uint8": np.uint8, "float64": np.float64}
 
 
 class Machine:

@@ -123,6 +123,7 @@ class CudaModel(MediaEncoding):
     # step runs (_steps_running) get every SM: a lone image chat's TTFT is the whole device's.
     vision_sm_count = None
     pool_pinned = None
+    hidden_host = None               # pinned: every token's hidden of a verify (mtp; at load)
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     kv_dtype = None         # "fp8" / "int8": quantized KV pages (options.kv_dtype)
@@ -151,7 +152,6 @@ class CudaModel(MediaEncoding):
         # what close() releases: None until made (a failed load closes what it got to)
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
-        self.hidden_host = None
         self.pool_staging = HostStaging()         # the pools' host copies (device_pools.py)
         self.pool_pinned = PinnedPool()  # the pinned buffers of reads on the copy stream
         self.step_events = ()            # the events recorded after token steps' D2H copies
@@ -680,7 +680,10 @@ class CudaModel(MediaEncoding):
         self._snap_ptr = None
         if snap_base is not None:
             snap = np.asarray(snap_base, np.int32)
-            if snap.shape != (b,) or int(snap.max(initial=-1)) + n > state.num_slots:
+            # a row's snapshots: one slot per token, from its snap_base
+            ends = snap + np.diff(np.asarray(batch.query_start, np.int64)) if snap.shape == (b,) \
+                else None
+            if ends is None or int(ends[snap >= 0].max(initial=0)) > state.num_slots:
                 raise ValueError(f"verify: snap_base {snap.tolist()} for {b} rows of {n} "
                                  f"tokens over {state.num_slots} State slots")
             # (staged in the logits' pinned buffer: the stream copies it up before the logits

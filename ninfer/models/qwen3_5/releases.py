@@ -57,12 +57,16 @@ def runs_on_cuda(name: str) -> bool:
 
 
 def release_specs(names=None) -> list:
-    """Every bf16 kernel spec of the release geometries the CUDA backend runs (each once)."""
-    from .cuda.kernel_set import geometry_specs
+    """Every bf16 kernel spec of the release geometries the CUDA backend runs (each once), with
+    what speculative decoding adds (the MTP head's prologue, the verify's snapshot and
+    acceptance kernels): an Engine with speculative='mtp' compiles nothing at start either."""
+    from .cuda.kernel_set import geometry_specs, mtp_specs, speculation_specs
     specs = {}
     for name in names or RELEASES:
         if runs_on_cuda(name):
-            specs.update(dict.fromkeys(geometry_specs(release_config(name)).values()))
+            cfg = release_config(name)
+            for part in (geometry_specs(cfg), mtp_specs(), speculation_specs(cfg)):
+                specs.update(dict.fromkeys(part.values()))
     return list(specs)
 
 
