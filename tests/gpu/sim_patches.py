@@ -5,6 +5,9 @@ check-then-set on a dict: when the GIL switches between the check and the set, t
 one block each make their own array, and one thread's writes never reach the others. That is
 rare at the default 5 ms switch interval and was seen once in CI at sim_sample.py's 0.1 ms
 (one wrong argmax). Here the lookup and the insertion happen under one lock.
+
+The simulator has no libdevice: `fake_libdevice` gives it the two bit casts kernels/sample.py
+uses (the device sampler's).
 """
 import sys
 import threading
@@ -38,3 +41,11 @@ def fix_shared_array_race():
 
     cls.array = array
     cls._ninfer_locked = True
+
+
+def fake_libdevice():
+    from types import SimpleNamespace
+    import numba.cuda.simulator.kernelapi as fake
+    fake.FakeCUDAModule.libdevice = SimpleNamespace(
+        double_as_longlong=lambda x: np.array([x], np.float64).view(np.int64)[0],
+        hiloint2double=lambda hi, lo: np.array([lo, hi], np.int32).view(np.float64)[0])

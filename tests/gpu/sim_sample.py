@@ -27,9 +27,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from ninfer.core.cuda import numba_shim   # noqa: E402
 
 cuda, _ = numba_shim.import_numba_cuda()
-from sim_patches import fix_shared_array_race   # noqa: E402
+from sim_patches import fake_libdevice, fix_shared_array_race   # noqa: E402
 fix_shared_array_race()
-import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
+fake_libdevice()
 
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
 from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
@@ -37,12 +37,6 @@ from ninfer.models.qwen3_5.cuda.sampler import (KERNELS, DeviceSampler,   # noqa
                                                 PromptCache, SamplerLayout, work_words)
 from ninfer.models.qwen3_5.program.sampling import counter_uniform   # noqa: E402
 import sample_cases as sc   # noqa: E402
-
-# the simulator has no libdevice: the two bit casts sample.py uses
-_fake.FakeCUDAModule.libdevice = SimpleNamespace(
-    double_as_longlong=lambda x: np.array([x], np.float64).view(np.int64)[0],
-    hiloint2double=lambda hi, lo: np.array([lo, hi], np.int32).view(np.float64)[0])
-
 
 NP = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "uint32": np.uint32,
       "uint64": np.uint64}

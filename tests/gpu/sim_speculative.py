@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from sim_model import Machine, install   # noqa: E402  (the simulator switched on first)
+from sim_patches import fake_libdevice, fix_shared_array_race   # noqa: E402
 
 from ninfer.models import model_config   # noqa: E402
 from ninfer.models.qwen3_5 import cuda_model as cm   # noqa: E402
@@ -52,6 +53,8 @@ def drive(model, drafter, opts, prompts, units: int) -> tuple:
 def run(units: int = 4) -> dict:
     machine = Machine(96 << 20)
     install(machine)
+    fix_shared_array_race()          # (the device sampler's kernels: shared arrays, libdevice)
+    fake_libdevice()
     art = mtp_artifact("dense")
     cfg = model_config(art)
     opts = EngineOptions(backend="cuda", dtype="float32", max_concurrency=2, max_context=32,

@@ -156,3 +156,9 @@ def test_a_random_head_rolls_back_every_verify_by_snapshot(kind, tmp_path):
         assert [r.token_ids for r in got] == [r.token_ids for r in want], snapshot_bytes
         _no_recompute(stats)
         assert stats["spec_snapshot_selects"] > stats["spec_verify_rows"] // 2, stats
+    # the adaptive policy soon stops drafting for this head: its k = 0 units run through the
+    # decode graphs (verify_tokens of a decode batch), feeding the drafter all the same
+    got, stats = _generate(path, prompts * 3, params * 3, max_concurrency=8, max_context=96,
+                           page_size=4, speculative="mtp", num_draft_tokens=2)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want] * 3
+    assert stats["spec_units_by_k"][0] > sum(stats["spec_units_by_k"][1:]), stats

@@ -652,20 +652,30 @@ class CudaModel(MediaEncoding):
         the host sampler's sample_row without logprobs, the same token within its decision
         margins). Returns (int32 [len(out_rows)], hidden [N, H] float32); one wait, after both
         copies. len(out_rows) <= the logits rows of one call (call_capacities: a verify of
-        every row's k + 1 positions fits)."""
+        every row's k + 1 positions fits). A decode batch without snapshots (no row drafted)
+        runs as plain decoding does, through its captured graph."""
         out_rows = np.asarray(out_rows, np.int32)
         m = len(out_rows)
         if len(rows) != m or not 0 < m <= min(self.lg_cap, self.sampler.layout.rows_cap):
             raise ValueError(f"verify_tokens: {len(rows)} sampling rows for {m} output rows, "
                              f"one call samples 1..{min(self.lg_cap, self.sampler.layout.rows_cap)}")
         media = self._verify_run(batch, kv, state, snap_base, media)
-        self._eager(batch, kv, state, out_rows, want_logits=False, media=media,
-                    snap=self._snap_ptr)
-        ws, n, H = self.ws, batch.num_tokens, self.text.hidden_size
+        ws, n = self.ws, batch.num_tokens
+        if snap_base is None and media is None and self._is_decode(batch) \
+                and np.array_equal(out_rows, np.arange(n)):
+            # a unit without drafts (the draft policy's k = 0): plain decoding's graph, whose
+            # head normed every row's hidden into ws.xf
+            turn, self._turn = self._turn, self._turn ^ 1
+            self._decode_launch(batch, kv, state, turn)
+            hidden = ws.xf
+        else:
+            self._eager(batch, kv, state, out_rows, want_logits=False, media=media,
+                        snap=self._snap_ptr)
+            self.runner.final_hidden(self.stream, n)
+            hidden = ws.mtp_h
         self.sampler.launch(self.stream, ws.logits.ptr, ws.tokens.ptr, list(rows))
-        self.runner.final_hidden(self.stream, n)
         _d.copy_dtoh_async(self.ids_host.ptr, ws.tokens.ptr, 4 * m, self.stream)
-        self._queue_hidden(ws.mtp_h, n)
+        self._queue_hidden(hidden, n)
         self.stream.synchronize()
         return self.ids_host.view(np.int32, 0, m).copy(), self._read_hidden(n)
 
