@@ -75,8 +75,8 @@ class _DeviceStandIn:
         self.calls.append(batch.num_tokens)
         return self.drafter.forward(batch, hidden, kv, with_logits=with_logits)
 
-    def head_logits(self, hidden):
-        return self.drafter.logits(hidden)
+    def head_logits(self, hidden, argmax=False):
+        return self.drafter.draft_argmax(hidden) if argmax else self.drafter.logits(hidden)
 
 
 def test_a_feed_cut_into_device_calls_equals_one_uncut_call():

@@ -617,17 +617,25 @@ class CudaModel(MediaEncoding):
         logits = self._logits_out(n) if with_logits else None
         return logits, self._get_hidden(self.ws.x, n)
 
-    def head_logits(self, hidden: np.ndarray) -> np.ndarray:
+    def head_logits(self, hidden: np.ndarray, argmax: bool = False) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T on the device (a draft's MTP
-        hidden: its argmax is the row's next first draft; within a grammar, its masked argmax)."""
+        hidden: within a grammar, its masked argmax is the draft); argmax: int32 [N], the
+        device's argmax of those logits instead (the unmasked draft), V times less to copy."""
         self._need_mtp("head_logits")
         hidden = np.asarray(hidden, np.float32)
-        out = np.empty((len(hidden), self.text.vocab_size), np.float32)
+        out = np.empty((len(hidden),) if argmax else (len(hidden), self.text.vocab_size),
+                       np.int32 if argmax else np.float32)
         for start in range(0, len(hidden), self.lg_cap):
             rows = hidden[start:start + self.lg_cap]
             self._put_hidden(self.ws.xf, rows)
             self.runner.head_of(self.stream, len(rows))
-            out[start:start + len(rows)] = self._logits_out(len(rows))
+            if argmax:
+                _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, 4 * len(rows),
+                                   self.stream)
+                self.stream.synchronize()
+                out[start:start + len(rows)] = self.ids_host.view(np.int32, 0, len(rows))
+            else:
+                out[start:start + len(rows)] = self._logits_out(len(rows))
         return out
 
     def verify_forward(self, batch: ForwardBatch, kv, state, out_rows, *, snap_base=None,

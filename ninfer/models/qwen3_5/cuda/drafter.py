@@ -68,8 +68,8 @@ class CudaDrafter:
         return self.model.head_logits(hidden)
 
     def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
-        """int32 [N]: argmax of logits(hidden), the lowest id on ties."""
-        return np.argmax(self.logits(hidden), axis=1).astype(np.int32)
+        """int32 [N]: argmax of logits(hidden), taken on the device (the head's argmax kernel)."""
+        return self.model.head_logits(hidden, argmax=True)
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv, *,
                 with_logits: bool = True) -> tuple:
