@@ -453,17 +453,18 @@ def test_verify_on_the_simulator_keeps_the_state_after_every_token(kind):
 def test_speculative_units_on_the_simulator_equal_the_numpy_programs():
     """A Program's speculative units on the CUDA model (tests/gpu/sim_speculative.py: the tiny
     model with a random MTP head, float32, 2 rows greedy and seeded, k = 2, a prefill unit and
-    3 verify units) give the numpy Program's tokens; every rejected draft undone by a State
-    snapshot slot (no recompute), the numpy Program's by recompute."""
+    a verify unit: over an hour on a loaded 2-core machine) give the numpy Program's tokens;
+    every rejected draft undone by a State snapshot slot (no recompute), the numpy Program's by
+    recompute."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore",
-                          str(ROOT / "tests/gpu/sim_speculative.py"), "4"], env=env,
-                         capture_output=True, text=True, timeout=3600)
+                          str(ROOT / "tests/gpu/sim_speculative.py"), "2"], env=env,
+                         capture_output=True, text=True, timeout=7200)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["tokens_cuda"] == out["tokens_numpy"], out
     got, want = out["stats_cuda"], out["stats_numpy"]
-    assert got["spec_verify_rows"] == want["spec_verify_rows"] == 6, out
+    assert got["spec_verify_rows"] == want["spec_verify_rows"] == 2, out
     assert got["spec_recompute_rows"] == 0 and want["spec_snapshot_selects"] == 0, out
     assert got["spec_snapshot_selects"] == want["spec_recompute_rows"] > 0, out
