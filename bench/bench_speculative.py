@@ -40,8 +40,6 @@ from ninfer.models.qwen3_5.mtp import MtpDrafter
 from ninfer.models.qwen3_5.model import NumpyModel
 from ninfer.models.qwen3_5.program import speculative
 
-V_REF = 248320          # the reference models' vocabulary (the real Qwen3.5 one)
-
 
 def prompts(count: int, length: int) -> list:
     ids = np.asarray(Tokenizer(cached_qwen3_5_tokenizer_json()).encode(
@@ -101,7 +99,7 @@ def oracle_drafts(p: float, plain_outputs: dict, seed: int = 0):
             for j in range(len(d)):
                 if first + j < len(want):
                     t = int(want[first + j])
-                    new[j] = t if rng.random() < p else (t + 1) % V_REF
+                    new[j] = t if rng.random() < p else (t + 1) % prog.vocab_size
             prog.write_provisional(seq, new)
             drafts[r] = new
         return drafts

@@ -436,22 +436,21 @@ class CudaModel(MediaEncoding):
         vision tower's output at the placeholders): always an eager call, never a graph."""
         self._t_entry = time.perf_counter()
         self._current()
-        V = self.text.vocab_size
         if self.checks_batches:
             batch.check(self.batch_limits(kv, state))
-        if media is not None and len(media[0]) == 0:
-            media = None
+        media = self._media(batch, media)
         if media is None and not all_logits and self._is_decode(batch):
-            B = batch.num_rows
             self._decode_launch(batch, kv, state)
-            _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, B * V * 4, self.stream)
-            self.stream.synchronize()
-            return self.out_host.view(np.float32, 0, B * V).reshape(B, V).copy()
+            return self._logits_out(batch.num_rows).copy()
         out_rows = np.arange(batch.num_tokens, dtype=np.int32) if all_logits else \
             (np.asarray(batch.query_start[1:], np.int32) - 1)
-        if media is not None:
-            media = checked_media(batch, media, self.text.hidden_size)
         return self._eager(batch, kv, state, out_rows, media=media)
+
+    def _media(self, batch, media):
+        """forward's media argument checked against the batch; None when it replaces nothing."""
+        if media is None or len(media[0]) == 0:
+            return None
+        return checked_media(batch, media, self.text.hidden_size)
 
     def launch_tokens(self, batch: ForwardBatch, kv, state, rows=None, *,
                       after: TokenStep = None) -> TokenStep:
@@ -533,9 +532,7 @@ class CudaModel(MediaEncoding):
             rows = min(self.lg_cap, len(out_rows) - start)
             if start:
                 self.runner.head(self.stream, meta, rows, out_start=start)
-            _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, rows * V * 4, self.stream)
-            self.stream.synchronize()
-            result[start: start + rows] = self.out_host.view(np.float32, 0, rows * V).reshape(rows, V)
+            result[start: start + rows] = self._logits_out(rows)
             start += rows
         return result
 
@@ -574,10 +571,12 @@ class CudaModel(MediaEncoding):
         return (bits.astype(np.uint32) << 16).view(np.float32)
 
     def _logits_out(self, n: int) -> np.ndarray:
+        """The first n logits rows, copied down (waits for the stream): a view of the pinned
+        buffer, valid until its next use."""
         V = self.text.vocab_size
         _d.copy_dtoh_async(self.out_host.ptr, self.ws.logits.ptr, n * V * 4, self.stream)
         self.stream.synchronize()
-        return self.out_host.view(np.float32, 0, n * V).reshape(n, V).copy()
+        return self.out_host.view(np.float32, 0, n * V).reshape(n, V)
 
     def _need_mtp(self, what: str) -> None:
         if not self.mtp:
@@ -614,7 +613,7 @@ class CudaModel(MediaEncoding):
         out_rows = np.arange(n, dtype=np.int32) if with_logits else np.array([n - 1], np.int32)
         self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
         self.runner.mtp(self.stream, self.eager_meta, n, batch.num_rows, len(out_rows), kv)
-        logits = self._logits_out(n) if with_logits else None
+        logits = self._logits_out(n).copy() if with_logits else None
         return logits, self._get_hidden(self.ws.x, n)
 
     def head_logits(self, hidden: np.ndarray, argmax: bool = False) -> np.ndarray:
@@ -647,9 +646,9 @@ class CudaModel(MediaEncoding):
         recurrent delta rule over the row's few tokens), so rejecting the drafts after token j
         is one slot copy (DeviceStatePool.copy) instead of a recompute. media: as forward's.
         Needs mtp=True (its kernels and buffers)."""
-        media = self._verify_run(batch, kv, state, snap_base, media)
+        media, snap = self._verify_run(batch, kv, state, snap_base, media)
         logits = self._eager(batch, kv, state, np.asarray(out_rows, np.int32), media=media,
-                             snap=self._snap_ptr)
+                             snap=snap)
         self.runner.final_hidden(self.stream, batch.num_tokens)
         return logits, self._get_hidden(self.ws.mtp_h, batch.num_tokens)
 
@@ -663,13 +662,13 @@ class CudaModel(MediaEncoding):
         every row's k + 1 positions fits). A decode batch without snapshots (no row drafted)
         runs as plain decoding does, through its captured graph."""
         out_rows = np.asarray(out_rows, np.int32)
-        m = len(out_rows)
-        if len(rows) != m or not 0 < m <= min(self.lg_cap, self.sampler.layout.rows_cap):
+        m, cap = len(out_rows), min(self.lg_cap, self.sampler.layout.rows_cap)
+        if len(rows) != m or not 0 < m <= cap:
             raise ValueError(f"verify_tokens: {len(rows)} sampling rows for {m} output rows, "
-                             f"one call samples 1..{min(self.lg_cap, self.sampler.layout.rows_cap)}")
-        media = self._verify_run(batch, kv, state, snap_base, media)
+                             f"one call samples 1..{cap}")
+        media, snap = self._verify_run(batch, kv, state, snap_base, media)
         ws, n = self.ws, batch.num_tokens
-        if snap_base is None and media is None and self._is_decode(batch) \
+        if snap is None and media is None and self._is_decode(batch) \
                 and np.array_equal(out_rows, np.arange(n)):
             # a unit without drafts (the draft policy's k = 0): plain decoding's graph, whose
             # head normed every row's hidden into ws.xf
@@ -677,8 +676,7 @@ class CudaModel(MediaEncoding):
             self._decode_launch(batch, kv, state, turn)
             hidden = ws.xf
         else:
-            self._eager(batch, kv, state, out_rows, want_logits=False, media=media,
-                        snap=self._snap_ptr)
+            self._eager(batch, kv, state, out_rows, want_logits=False, media=media, snap=snap)
             self.runner.final_hidden(self.stream, n)
             hidden = ws.mtp_h
         self.sampler.launch(self.stream, ws.logits.ptr, ws.tokens.ptr, list(rows))
@@ -687,15 +685,16 @@ class CudaModel(MediaEncoding):
         self.stream.synchronize()
         return self.ids_host.view(np.int32, 0, m).copy(), self._read_hidden(n)
 
-    def _verify_run(self, batch, kv, state, snap_base, media):
-        """The checks and uploads of a verify call; the checked media (or None)."""
+    def _verify_run(self, batch, kv, state, snap_base, media) -> tuple:
+        """The checks and uploads of a verify call: (the checked media or None, the device
+        pointer of the rows' snapshot bases or None)."""
         self._need_mtp("verify")
         if self._in_flight:
             raise RuntimeError("verify: a launched TokenStep is not collected yet")
         if self.checks_batches:
             batch.check(self.batch_limits(kv, state))
         b, n = batch.num_rows, batch.num_tokens
-        self._snap_ptr = None
+        snap_ptr = None
         if snap_base is not None:
             snap = np.asarray(snap_base, np.int32)
             # a row's snapshots: one slot per token, from its snap_base
@@ -708,10 +707,8 @@ class CudaModel(MediaEncoding):
             # come down into it)
             self.out_host.view(np.int32, 0, b)[:] = snap
             _d.copy_htod_async(self.ws.snap.ptr, self.out_host.ptr, 4 * b, self.stream)
-            self._snap_ptr = self.ws.snap.ptr
-        if media is not None and len(media[0]) == 0:
-            return None
-        return checked_media(batch, media, self.text.hidden_size) if media is not None else None
+            snap_ptr = self.ws.snap.ptr
+        return self._media(batch, media), snap_ptr
 
     # ---- graphs -------------------------------------------------------------------------------
     def warm_up(self, kv, state) -> None:

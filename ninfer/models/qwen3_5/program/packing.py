@@ -71,12 +71,20 @@ def sample_requests(token_buf, program_uid: int, seqs, units, masks, ahead: int 
     names the Program too: the sampler lives on the model, which may serve several. ahead=1:
     the step after the one in flight (Program.launch_ahead: rows whose spec
     samples_from_logits_alone, so the generated ids it cannot know yet are not read)."""
-    return [SampleRow(seq.spec, seq.num_tokens + ahead,
-                      token_buf[seq.slot, :seq.num_prompt_tokens],
-                      token_buf[seq.slot, seq.num_prompt_tokens:seq.num_tokens],
-                      mask, cache_key=(program_uid, seq.seq_id, seq.num_prompt_tokens))
-            if unit.is_sampling else None
+    return [sample_request(token_buf, program_uid, seq, seq.num_tokens + ahead, mask,
+                           known=seq.num_tokens) if unit.is_sampling else None
             for seq, unit, mask in zip(seqs, units, masks)]
+
+
+def sample_request(token_buf, program_uid: int, seq: Sequence, position: int, mask=None,
+                   known: int = None) -> SampleRow:
+    """One sequence's device sampler row for the token at `position`; its generated history
+    is the tokens from the prompt's end to `known` (default: position; a speculative verify's
+    later positions see the drafts before them there)."""
+    return SampleRow(seq.spec, position, token_buf[seq.slot, :seq.num_prompt_tokens],
+                     token_buf[seq.slot, seq.num_prompt_tokens:position if known is None
+                               else known],
+                     mask, cache_key=(program_uid, seq.seq_id, seq.num_prompt_tokens))
 
 
 def token_rows(seqs, units, tokens, vocab_size: int, what: str) -> tuple:

@@ -31,7 +31,7 @@ import numpy as np
 from ....contracts import (Capacity, CaptureRoom, ForwardBatch, PendingBatch, ProgramError,
                            ResumeState, ReadyStep, RowPlan, RowResult, RowView, SampleRow,
                            SamplingSpec, UnitPlan)
-from ..memory_plan import plan_cache_slots, plan_pools, state_slot_bytes
+from ..memory_plan import plan_cache_slots, plan_pools, snapshot_slots, state_slot_bytes
 from . import packing
 from .checkpoint_store import CheckpointStore, release_image
 from .inflight import InFlightUnit
@@ -85,8 +85,8 @@ class Program:
             options, num_pages, held_state_slots=model.max_state_slots, kv_page_bytes=page_bytes,
             state_bytes=state_slot_bytes(model.config.text))
         # a speculative verify's per-token State snapshots after those (CUDA; speculative.py)
-        num_snap_slots = self.speculator.snapshot_slots(self.num_slots) if self.is_speculative \
-            else 0
+        num_snap_slots = snapshot_slots(options) if self.is_speculative \
+            and self.speculator.snapshots else 0
         self.state = model.new_state_pool(self.num_slots + num_cache_slots + num_snap_slots)
         if num_snap_slots:
             self.speculator.use_snapshot_slots(self.num_slots + num_cache_slots)
@@ -646,9 +646,7 @@ class Program:
     def sample_request(self, seq: Sequence, position: int, mask=None) -> SampleRow:
         """The device sampler's row for the token at `position` (> the frontier: the tokens
         before it, drafts included, are its history), as a decode step there would send it."""
-        return SampleRow(seq.spec, position, self.token_buf[seq.slot, :seq.num_prompt_tokens],
-                         self.token_buf[seq.slot, seq.num_prompt_tokens:position], mask,
-                         cache_key=(self._uid, seq.seq_id, seq.num_prompt_tokens))
+        return packing.sample_request(self.token_buf, self._uid, seq, position, mask)
 
     # ---- observation ----------------------------------------------------------------------------
     def generated_tokens(self, seq_id: int) -> np.ndarray:

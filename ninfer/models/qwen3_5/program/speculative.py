@@ -166,14 +166,9 @@ class MtpSpeculator:
         self._counts = dict(spec_verify_rows=0, spec_emitted_tokens=0, spec_recompute_rows=0,
                             spec_recompute_tokens=0, spec_snapshot_selects=0)
 
-    def snapshot_slots(self, num_seq_slots: int) -> int:
-        """State slots the verify's snapshots need beyond the Program's (k+1 per sequence slot:
-        memory_plan.snapshot_slots, which the CUDA plan reserved), 0 without snapshots."""
-        return num_seq_slots * (self.num_draft_tokens + 1) if self.snapshots else 0
-
     def use_snapshot_slots(self, first: int) -> None:
-        """The snapshot slots start at State slot `first`: sequence slot s owns
-        first + s * (k+1) .. first + s * (k+1) + k."""
+        """The snapshot slots (memory_plan.snapshot_slots, which the CUDA plan reserved) start
+        at State slot `first`: sequence slot s owns first + s * (k+1) .. first + s * (k+1) + k."""
         self._snap_first = int(first)
 
     def _snap_base(self, seq) -> int:
@@ -199,14 +194,14 @@ class MtpSpeculator:
                  for r, s in enumerate(seqs)]
         media = prog.media_rows(seqs, units)
         starts = np.asarray(batch.query_start, np.int64)
-        # logits: every position of a verify row, the last token of the others
-        picks = [np.arange(starts[r], starts[r + 1]) if r in drafts else [starts[r + 1] - 1]
-                 for r in range(len(seqs))]
         snap_base = snaps if self.snapshots and drafts else None
         if prog.samples_on_device(seqs, units, masks):
             rows, hidden = self._sample_on_device(prog, seqs, units, masks, drafts, draft_masks,
                                                   batch, starts, snap_base, media)
         else:
+            # logits: every position of a verify row, the last token of the others
+            picks = [np.arange(starts[r], starts[r + 1]) if r in drafts else [starts[r + 1] - 1]
+                     for r in range(len(seqs))]
             logits, hidden = prog.model.verify_forward(
                 batch, prog.kv, prog.state, np.concatenate(picks).astype(np.int32),
                 snap_base=snap_base, media=media)
@@ -362,8 +357,9 @@ class MtpSpeculator:
     # ---- commit ----------------------------------------------------------------------------------
     def after_commit(self, prog, pending: PendingBatch, decisions) -> None:
         """After the Program advanced the frontiers: fix the State of verify rows that rejected a
-        draft (their snapshot after the last accepted token, or a recompute), then queue every row's newly committed positions for the drafter (fed at once
-        where LAG_TOKENS are queued)."""
+        draft (their snapshot after the last accepted token, or a recompute), then queue every
+        row's newly committed positions for the drafter (fed at once where LAG_TOKENS are
+        queued)."""
         if pending._epoch != self._epoch:
             raise ProgramError("speculative: commit of a unit it did not run")
         rows, self._rows, self._epoch = self._rows, {}, None
