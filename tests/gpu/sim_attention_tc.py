@@ -16,8 +16,9 @@ from ninfer.core.cuda import numba_shim
 from oracles import page_tables
 
 cuda, _ = numba_shim.import_numba_cuda()
-from sim_patches import fix_shared_array_race   # noqa: E402
+from sim_patches import fix_shared_array_race, yield_while_polling   # noqa: E402
 fix_shared_array_race()
+yield_while_polling()
 import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402

@@ -20,8 +20,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from sim_patches import fix_shared_array_race   # noqa: E402
+from sim_patches import fix_shared_array_race, yield_while_polling   # noqa: E402
 fix_shared_array_race()
+yield_while_polling()
 import sim_model   # noqa: E402  (simulator patches and the fake device)
 
 from ninfer.models import model_config   # noqa: E402

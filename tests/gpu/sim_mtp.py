@@ -1,7 +1,7 @@
 """The MTP head's step on the CUDA backend (CudaModel.mtp_forward, StepRunner.mtp) on the CPU:
 sim_model.py's machine (kernels on numba-cuda's simulator, cuBLASLt as numpy products, fake
 device memory) against the numpy drafter (MtpDrafter.forward) of the same artifact, over a row
-of 5 tokens and then 2 more that attend to their KV; and the target's verify step
+of 3 tokens and then 2 more that attend to their KV; and the target's verify step
 (CudaModel.verify_forward: logits of every token, the State after each token in snapshot slots)
 against the numpy model. Prints JSON:
 {"<dtype>": {"logits": [rel err per call], "hidden": [...], "argmax_equal": [...],
@@ -44,7 +44,7 @@ def run(kind: str = "dense", part: str = "step") -> dict:
     r = np.random.default_rng(2)
     V = cpu.text.vocab_size
     pages = np.arange(16, dtype=np.int32)
-    calls = [(r.integers(0, V, 5).astype(np.int32), 0), (r.integers(0, V, 2).astype(np.int32), 5)]
+    calls = [(r.integers(0, V, 3).astype(np.int32), 0), (r.integers(0, V, 2).astype(np.int32), 3)]
     hiddens = [r.standard_normal((len(t), H)).astype(np.float32) for t, _ in calls]
     out = {}
     for dtype in ("float32", "bfloat16"):

@@ -27,8 +27,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from ninfer.core.cuda import numba_shim   # noqa: E402
 
 cuda, _ = numba_shim.import_numba_cuda()
-from sim_patches import fake_libdevice, fix_shared_array_race   # noqa: E402
+from sim_patches import fake_libdevice, fix_shared_array_race, yield_while_polling   # noqa: E402
 fix_shared_array_race()
+yield_while_polling()
 fake_libdevice()
 
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
