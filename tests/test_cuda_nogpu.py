@@ -298,7 +298,7 @@ def test_runner_launches_by_attribute_and_profiles_under_the_kernel_names(monkey
     res = R.StepResources(cfg=TextConfig(), ws=ws, weights={"norm": 0, "lm_head": ptr}, lt=lt,
                           kernels=SimpleNamespace(rmsnorm=Kernel("rmsnorm"),
                                                   argmax=Kernel("argmax")),
-                          num_sms=132, b_cap=1, n_cap=4, route_host=None, media=None)
+                          num_sms=132, b_cap=1, moe_gemv_tokens=1, n_cap=4, route_host=None, media=None)
     r = R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
     meta = SimpleNamespace(out_rows=0)
     r.profile = []

@@ -223,7 +223,7 @@ def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode, t
     ws.gdn_tc = tc
     ws.gdn_cn = gc.TC_CHUNK if tc else gc.chunk_size(12)
     r = StepRunner(StepResources(cfg=cfg, ws=ws, weights={}, lt=None, kernels=_KernelNames(),
-                                 num_sms=1, b_cap=1, n_cap=64, route_host=None, media=None),
+                                 num_sms=1, b_cap=1, moe_gemv_tokens=1, n_cap=64, route_host=None, media=None),
                    invariant=False, attn_tc_min_tokens=64)
     r.rows = rows
     rec = _Recorder()

@@ -106,7 +106,7 @@ def _runner(invariant):
     names = SimpleNamespace(**{k: k for k in ("qk_norm_rope_kv", "paged_attention",
                                               "attn_combine")})
     r = R.StepRunner(R.StepResources(cfg=cfg, ws=ws, weights={}, lt=lt, kernels=names,
-                                     num_sms=132, b_cap=1, n_cap=16, route_host=None, media=None),
+                                     num_sms=132, b_cap=1, moe_gemv_tokens=1, n_cap=16, route_host=None, media=None),
                      invariant=invariant, attn_tc_min_tokens=64)
     r.gemms = gemms
     return r

@@ -216,7 +216,7 @@ def _grouped_rig(monkeypatch, f32, n, cfg_kw):
                                                   silu_mul=Kernel("silu_mul"),
                                                   **{qmma_name("fp8_block", False, 1):
                                                      Kernel("qmma")}),
-                          num_sms=1, b_cap=1, n_cap=n,
+                          num_sms=1, b_cap=1, moe_gemv_tokens=1, n_cap=n,
                           route_host=mem.pinned((R.grouped_rows(n, K, E) + 2 * n * K) * 4),
                           media=None)
     runner = R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)

@@ -140,7 +140,7 @@ def test_runner_picks_the_packed_kernel_by_dtype_shape_and_rows(monkeypatch):
         ws = SimpleNamespace(gin_bytes=gin, wq=SimpleNamespace(ptr=7000, shape=(1 << 20,)),
                              ids=SimpleNamespace(ptr=8000))
         res = R.StepResources(cfg=TextConfig(), ws=ws, weights={}, lt=SimpleNamespace(gemm=gemm),
-                              kernels=Kernels(), num_sms=132, b_cap=8, n_cap=64,
+                              kernels=Kernels(), num_sms=132, b_cap=8, moe_gemv_tokens=8, n_cap=64,
                               route_host=None, media=None)
         return R.StepRunner(res, invariant=False, attn_tc_min_tokens=64)
 

@@ -354,6 +354,11 @@ class CudaModel(MediaEncoding):
         self.runner = StepRunner(
             StepResources(cfg=cfg, ws=self.ws, weights=self.weights, lt=self.lt,
                           kernels=self.kernels, num_sms=self.device.num_sms, b_cap=b_cap,
+                          # a verify of every row's k + 1 tokens stays on the decode's expert
+                          # GEMVs: the grouped path syncs with the host at every MoE layer
+                          # (a 35B-A3B verify of 4 tokens: 7.4x a decode step that way)
+                          moe_gemv_tokens=b_cap * (options.num_draft_tokens + 1 if self.mtp
+                                                   else 1),
                           n_cap=n_cap, route_host=self.route_host, media=self.media_rows),
             invariant=self.batch_invariant,
             # (bf16 only: a float32 model runs every row on the CUDA-core kernel)

@@ -191,7 +191,8 @@ class StepResources:
     lt: object                    # CublasLt: every GEMM
     kernels: object               # KernelSet: the geometry's loaded kernels, by attribute
     num_sms: int                  # attention key splits per launch
-    b_cap: int                    # an MoE step of more tokens takes the grouped (prefill) path
+    b_cap: int                    # decode rows of a graph (batch-invariant GEMV rows)
+    moe_gemv_tokens: int          # an MoE step of more tokens takes the grouped (prefill) path
     n_cap: int                    # tokens per call
     route_host: object            # pinned: the grouped MoE path's routing round trip
     media: MediaRows              # media embeddings over the gathered rows (eager calls)
@@ -583,7 +584,7 @@ class StepRunner:
         self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
                     (ws.act, ws.proj, P, E, Is))
         self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
-        if n > self.res.b_cap and not self.dry:
+        if n > self.res.moe_gemv_tokens and not self.dry:
             self.experts_grouped(st, n, lw)
             use_rows = 1
         elif isinstance(lw["experts_gu"], qw.QMatrix):
