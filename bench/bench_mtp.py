@@ -9,7 +9,8 @@ measures it); one MTP step of 1 token (StepRunner.mtp launched eagerly: launches
 would not inside a graph; GPU time between events around its launches, no host copies), and the
 drafter's feed of `--feed` positions in one call (program/speculative.py LAG_TOKENS); and the
 target's verify of `--verify` positions (the last token and k = verify - 1 drafts: StepRunner.run
-with the State snapshots, eager, every position's logits: issue 25's "<= 1.25x one decode step");
+with the State snapshots, eager, every position's logits: issue 25's "<= 1.25x one decode step"),
+and the same through its captured verify graph (what the Engine launches);
 each as a fraction of the decode step.
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ def bench_shape(name: str, ctx: int, feed: int, steps: int, verify: int = 4) -> 
     cfg = cfg_m.text
     page = 16
     opts = EngineOptions(backend="cuda", max_concurrency=1, max_context=ctx + feed + 16,
-                         page_size=page, prefill_chunk=max(feed, 64))
+                         page_size=page, prefill_chunk=max(feed, 64),
+                         num_draft_tokens=min(max(verify - 1, 1), 4))
     model = CudaModel(cfg_m, opts, random_seed=1234, mtp=True)
     try:
         pages_per_row = (ctx + feed + page - 1) // page + 2
@@ -86,6 +88,11 @@ def bench_shape(name: str, ctx: int, feed: int, steps: int, verify: int = 4) -> 
                                                     verify, kv, state, rows=rows,
                                                     snap=model.ws.snap.ptr), steps)
         out["verify_ms"], out["verify_vs_decode"] = ms, ms / decode
+        # the same through its captured graph (decode_graphs.verify: + the final norm of every
+        # token, the drafter's feed), as CudaModel.verify_forward / verify_tokens launch it
+        graph = model.graphs.verify(verify, 1, kv, state, model.eager_meta, model.ws.snap.ptr)
+        ms = gpu_ms(model, graph.launch, steps)
+        out["verify_graph_ms"], out["verify_graph_vs_decode"] = ms, ms / decode
         kv.close()
         state.close()
         return out
@@ -109,12 +116,14 @@ def main(argv=None) -> None:
         rows.append(bench_shape(name, args.ctx, args.feed, args.steps, args.verify))
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     print("\n| shape | decode step ms (graph) | 1 draft token ms (eager) | vs decode | "
-          f"feed of {args.feed} ms | vs decode | verify of {args.verify} ms (eager) | vs decode |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"feed of {args.feed} ms | vs decode | verify of {args.verify} ms (eager) | vs decode | "
+          "verify (graph) ms | vs decode |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['decode_ms']:.2f} | {r['draft_ms']:.3f} | "
               f"{r['draft_vs_decode']:.3f} | {r['feed_ms']:.3f} | {r['feed_vs_decode']:.3f} | "
-              f"{r['verify_ms']:.3f} | {r['verify_vs_decode']:.3f} |")
+              f"{r['verify_ms']:.3f} | {r['verify_vs_decode']:.3f} | "
+              f"{r['verify_graph_ms']:.3f} | {r['verify_graph_vs_decode']:.3f} |")
 
 
 if __name__ == "__main__":

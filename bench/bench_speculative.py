@@ -116,7 +116,9 @@ def _clocked(clock, backend: str):
     if backend == "cuda":
         from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
         from ninfer.models.qwen3_5.cuda_model import CudaModel
-        target, drafter = [(CudaModel, "verify_forward")], CudaDrafter
+        # (verify_tokens: the device-sampled verify, which plain greedy / seeded rows take)
+        target = [(CudaModel, "verify_forward"), (CudaModel, "verify_tokens")]
+        drafter = CudaDrafter
     else:
         target = [(NumpyModel, "verify_forward"), (NumpyModel, "final_hidden"),
                   (NumpyModel, "forward")]

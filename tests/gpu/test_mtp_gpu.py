@@ -107,3 +107,57 @@ def test_verify_keeps_the_state_after_every_token(kind, dtype):
         st_g.close()
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_verify_through_its_graph_equals_the_eager_verify(kind):
+    """A verify of 2 rows x 4 tokens runs through its captured graph (decode_graphs.verify)
+    and gives the eager verify's logits, final-normed hidden, snapshot slots and row States bit
+    for bit (the same launches); a verify whose rows differ in length runs eager."""
+    import dataclasses
+
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    art = mtp_artifact(kind)
+    opts = EngineOptions(backend="cuda", max_concurrency=2, max_context=128, prefill_chunk=64,
+                         page_size=4, num_draft_tokens=3)
+    gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
+    try:
+        r = np.random.default_rng(9)
+        V, k = gpu.text.vocab_size, 3
+        kv, st = gpu.new_kv_pool(40, 4), gpu.new_state_pool(2 + 2 * (k + 1))
+        tables = np.arange(32, dtype=np.int32).reshape(2, 16)
+        for row, n in ((0, 13), (1, 21)):
+            gpu.forward(ForwardBatch.single(r.integers(0, V, n).astype(np.int32), 0,
+                                            tables[row], row), kv, st)
+        pre = [st.read(0), st.read(1)]
+        tokens = r.integers(0, V, 2 * (k + 1)).astype(np.int32)
+        b = ForwardBatch(tokens, np.stack([np.r_[13:17, 21:25]] * 3).astype(np.int32),
+                         np.array([0, 4, 8], np.int32), np.array([13, 21], np.int32),
+                         tables.copy(), np.array([0, 1], np.int32))
+        out = np.arange(8, dtype=np.int32)
+        results = []
+        for graphs in (True, False):
+            gpu.options = dataclasses.replace(opts, graphs=graphs)
+            for slot in (0, 1):
+                st.write(slot, pre[slot])
+            captured = len(gpu.graphs)
+            lg, hg = gpu.verify_forward(b, kv, st, out, snap_base=[2, 2 + k + 1])
+            assert len(gpu.graphs) == captured + (1 if graphs else 0)
+            states = [st.read(s) for s in range(2 + 2 * (k + 1))]
+            results.append((lg, hg, states))
+        (lg1, hg1, s1), (lg0, hg0, s0) = results
+        assert np.array_equal(lg1, lg0) and np.array_equal(hg1, hg0)
+        for a, z in zip(s1, s0):
+            assert all(np.array_equal(x, y) for x, y in zip(a[0] + a[1], z[0] + z[1]))
+        gpu.options = opts                  # rows of 4 and 3 tokens: no graph for it
+        captured = len(gpu.graphs)
+        gpu.verify_forward(ForwardBatch(tokens[:7], np.stack([np.r_[13:17, 21:24]] * 3).astype(
+                                            np.int32), np.array([0, 4, 7], np.int32),
+                                        np.array([13, 21], np.int32), tables.copy(),
+                                        np.array([0, 1], np.int32)),
+                           kv, st, np.arange(7, dtype=np.int32), snap_base=[2, 2 + k + 1])
+        assert len(gpu.graphs) == captured
+        kv.close()
+        st.close()
+    finally:
+        gpu.close()

@@ -652,9 +652,12 @@ class CudaModel(MediaEncoding):
         is one slot copy (DeviceStatePool.copy) instead of a recompute. media: as forward's.
         Needs mtp=True (its kernels and buffers)."""
         media, snap = self._verify_run(batch, kv, state, snap_base, media)
-        logits = self._eager(batch, kv, state, np.asarray(out_rows, np.int32), media=media,
-                             snap=snap)
-        self.runner.final_hidden(self.stream, batch.num_tokens)
+        out_rows = np.asarray(out_rows, np.int32)
+        if self._verify_graph_launch(batch, kv, state, out_rows, snap, media):
+            logits = self._logits_out(len(out_rows)).copy()
+        else:
+            logits = self._eager(batch, kv, state, out_rows, media=media, snap=snap)
+            self.runner.final_hidden(self.stream, batch.num_tokens)
         return logits, self._get_hidden(self.ws.mtp_h, batch.num_tokens)
 
     def verify_tokens(self, batch: ForwardBatch, kv, state, out_rows, rows, *, snap_base=None,
@@ -681,14 +684,34 @@ class CudaModel(MediaEncoding):
             self._decode_launch(batch, kv, state, turn)
             hidden = ws.xf
         else:
-            self._eager(batch, kv, state, out_rows, want_logits=False, media=media, snap=snap)
-            self.runner.final_hidden(self.stream, n)
+            if not self._verify_graph_launch(batch, kv, state, out_rows, snap, media):
+                self._eager(batch, kv, state, out_rows, want_logits=False, media=media,
+                            snap=snap)
+                self.runner.final_hidden(self.stream, n)
             hidden = ws.mtp_h
         self.sampler.launch(self.stream, ws.logits.ptr, ws.tokens.ptr, list(rows))
         _d.copy_dtoh_async(self.ids_host.ptr, ws.tokens.ptr, 4 * m, self.stream)
         self._queue_hidden(hidden, n)
         self.stream.synchronize()
         return self.ids_host.view(np.int32, 0, m).copy(), self._read_hidden(n)
+
+    def _verify_graph_launch(self, batch, kv, state, out_rows, snap, media) -> bool:
+        """Launch the verify through its captured graph (cuda/decode_graphs.py; captured on
+        first use) where it has one: graphs on, every row drafting the same number of tokens
+        (at most num_draft_tokens x max_concurrency graphs), fewer than the tensor-core
+        attention's minimum each, snapshots, no media, every token's logits wanted and within
+        one call's logits rows. False: nothing launched (the caller runs it eager)."""
+        n, b = batch.num_tokens, batch.num_rows
+        lens = np.diff(np.asarray(batch.query_start, np.int64))
+        if not self.options.graphs or snap is None or media is not None or n > self.lg_cap \
+                or n > self.runner.res.moe_gemv_tokens or np.any(lens != lens[0]) \
+                or lens[0] >= self.runner.attn_tc_min_tokens \
+                or not np.array_equal(out_rows, np.arange(n)):
+            return False
+        graph = self.graphs.verify(n, b, kv, state, self.eager_meta, snap)
+        self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
+        graph.launch()
+        return True
 
     def _verify_run(self, batch, kv, state, snap_base, media) -> tuple:
         """The checks and uploads of a verify call: (the checked media or None, the device

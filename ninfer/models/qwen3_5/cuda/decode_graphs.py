@@ -1,7 +1,12 @@
-"""DecodeGraphs: one CUDA graph per exact decode batch size B over one (KV pool, State pool).
+"""DecodeGraphs: one CUDA graph per exact decode batch size B over one (KV pool, State pool),
+and one per speculative verify shape (N tokens over B rows).
 
-The graph replays runner.run over the decode metadata buffer, so its inputs (token ids,
+A decode graph replays runner.run over the decode metadata buffer, so its inputs (token ids,
 positions, block tables, state slots) are whatever was copied into that buffer before the launch.
+A verify graph replays runner.run over the eager metadata buffer with the rows' snapshot bases
+(the workspace's snap buffer) and every token's logits and final-normed hidden (the drafter's
+feed): the launches of an eager verify of the same N and B whose rows are all shorter than the
+tensor-core attention's minimum, so its results are the eager call's, bit for bit.
 A graph writes into its pools' arena regions: closing a pool destroys the graphs captured over it
 (forget), before the regions go back to the arena.
 """
@@ -21,16 +26,31 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def get(self, B: int, kv, state) -> Graph:
-        """The graph of B rows over (kv, state), captured on first use (its GEMM plans and
-        modules resolved by one dry run before the capture)."""
-        key = (B, id(kv), id(state))
-        entry = self._graphs.get(key)
-        if entry is not None:
-            return entry[0]
+        """The decode graph of B rows over (kv, state), captured on first use."""
         runner, meta = self._runner, self._meta
 
         def run(st):
             runner.run(st, meta, B, B, B, kv, state)
+        return self._get((B, id(kv), id(state)), kv, state, run)
+
+    def verify(self, n: int, B: int, kv, state, meta, snap) -> Graph:
+        """The verify graph of n tokens over B rows (eager metadata `meta`, snapshot bases at
+        device pointer `snap`), captured on first use: every token's logits and argmax in the
+        workspace's logits rows, every token's final-normed hidden in its MTP input buffer."""
+        runner = self._runner
+
+        def run(st):
+            runner.run(st, meta, n, B, n, kv, state, snap=snap)
+            runner.final_hidden(st, n)
+        return self._get(("verify", n, B, id(kv), id(state)), kv, state, run)
+
+    def _get(self, key, kv, state, run) -> Graph:
+        """The graph of `key`, or `run` captured as it (its GEMM plans and modules resolved by
+        one dry run before the capture)."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            return entry[0]
+        runner = self._runner
         runner.dry = True
         try:
             run(self._stream)
