@@ -1233,3 +1233,73 @@ def test_the_cuda_weight_plan_holds_exactly_the_numpy_drafters_tensors(shape):
                 for s, dt, _ in plan.values())
     assert wplan.plan_bytes(cfg, mtp=True) == wplan.plan_bytes(cfg) + extra
     assert plan["fc"][0] == (cfg.hidden_size, 2 * cfg.hidden_size)
+
+
+def test_a_verify_runs_through_its_graph_only_where_the_graph_is_the_eager_call(monkeypatch):
+    """CudaModel._verify_graph_launch: a verify whose rows all have the same token count (fewer
+    than the tensor-core attention's minimum), with snapshots, no media and every token's
+    logits within one call's rows takes the verify graph of its (tokens, rows), captured once
+    (a dry run, then the capture: runner.run over the eager metadata with every token as an
+    output row and the snapshot bases, then the final norm of every token); anything else
+    launches nothing (the caller runs it eager)."""
+    from types import SimpleNamespace
+
+    from ninfer.models.qwen3_5.cuda import decode_graphs as dg
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    calls, launched = [], []
+
+    class Runner:
+        dry = False
+        attn_tc_min_tokens = 64
+        res = SimpleNamespace(moe_gemv_tokens=16)
+
+        def run(self, st, meta, n, b, n_out, kv, state, snap=None):
+            calls.append(("run", self.dry, meta, n, b, n_out, kv, state, snap))
+
+        def final_hidden(self, st, n):
+            calls.append(("final_hidden", self.dry, n))
+
+    class FakeGraph:
+        def __init__(self, stream, fn):
+            fn(stream)                          # the capture records what fn launches
+            self.key = len(launched)
+
+        def launch(self):
+            launched.append(self)
+    monkeypatch.setattr(dg, "Graph", FakeGraph)
+    m = CudaModel.__new__(CudaModel)
+    m.options = SimpleNamespace(graphs=True)
+    m.lg_cap, m.runner, m.eager_layout, m.eager_meta = 16, Runner(), "layout", "meta"
+    m.graphs = dg.DecodeGraphs("stream", m.runner, "decode meta")
+    uploads = []
+    m._upload_meta = lambda lay, meta, off, batch, out_rows: uploads.append((lay, meta,
+                                                                            out_rows.tolist()))
+
+    def batch(lens):
+        qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        return SimpleNamespace(num_tokens=int(qs[-1]), num_rows=len(lens), query_start=qs)
+    kv, st, snap = "kv", "state", 0xABC
+    every = np.arange(8, dtype=np.int32)
+    assert m._verify_graph_launch(batch([4, 4]), kv, st, every, snap, None)
+    assert calls == [("run", True, "meta", 8, 2, 8, kv, st, snap), ("final_hidden", True, 8),
+                     ("run", False, "meta", 8, 2, 8, kv, st, snap), ("final_hidden", False, 8)]
+    assert uploads == [("layout", "meta", every.tolist())] and len(launched) == 1
+    calls.clear()
+    assert m._verify_graph_launch(batch([4, 4]), kv, st, every, snap, None)
+    assert calls == [] and len(launched) == 2 and launched[0] is launched[1]   # captured once
+    assert len(m.graphs) == 1
+    refused = [(batch([4, 3]), np.arange(7, dtype=np.int32), snap, None),       # uneven rows
+               (batch([4, 4]), every, None, None),                              # no snapshots
+               (batch([4, 4]), every, snap, ("media",)),                        # media rows
+               (batch([4, 4]), np.array([3, 7], np.int32), snap, None),          # picks only
+               (batch([9, 9]), np.arange(18, dtype=np.int32), snap, None)]       # > logits rows
+    for b, out, sn, media in refused:
+        assert not m._verify_graph_launch(b, kv, st, out, sn, media)
+    m.lg_cap = m.runner.res.moe_gemv_tokens = 64             # rows for the tensor cores
+    assert not m._verify_graph_launch(batch([64]), kv, st, np.arange(64, dtype=np.int32), snap,
+                                      None)
+    m.lg_cap, m.runner.res.moe_gemv_tokens = 16, 4            # an MoE step past the GEMVs
+    assert not m._verify_graph_launch(batch([4, 4]), kv, st, every, snap, None)
+    m.runner.res.moe_gemv_tokens, m.options.graphs = 16, False
+    assert not m._verify_graph_launch(batch([4, 4]), kv, st, every, snap, None)
+    assert len(launched) == 2 and len(uploads) == 2 and len(m.graphs) == 1
