@@ -67,8 +67,9 @@ def hf_text_config(shape: str) -> dict:
     return text
 
 
-def checkpoint_plan(shape: str) -> tuple:
-    """(full HF text config, architecture, {tensor name: shape}) of `shape`'s random checkpoint."""
+def checkpoint_plan(shape: str, mtp: bool = False) -> tuple:
+    """(full HF text config, architecture, {tensor name: shape}) of `shape`'s random checkpoint;
+    `mtp`: with the release's MTP head (one layer, mtp.*: bench_speculative.py --shapes)."""
     from ckpt_helpers import text_tensor_shapes
     from ninfer.models.qwen3_5.config import TextConfig
     text = hf_text_config(shape)
@@ -81,8 +82,12 @@ def checkpoint_plan(shape: str) -> tuple:
                 eos_token_id=95, tie_word_embeddings=False)
     full.update(text)
     full["model_type"] = "qwen3_5_moe_text" if "num_experts" in text else "qwen3_5_text"
+    if mtp:
+        full["mtp_num_hidden_layers"] = 1
     shapes = text_tensor_shapes(full, "model.")
     shapes["lm_head.weight"] = [full["vocab_size"], full["hidden_size"]]
+    if mtp:
+        shapes.update(text_tensor_shapes(full, "mtp."))
     return full, arch, shapes
 
 
@@ -97,10 +102,10 @@ def random_block():
         .astype(ml_dtypes.bfloat16)
 
 
-def write_frontend_only(path: pathlib.Path, shape: str) -> None:
+def write_frontend_only(path: pathlib.Path, shape: str, mtp: bool = False) -> None:
     """config.json and the tiny test tokenizer: a checkpoint folder without weights."""
     from ckpt_helpers import _write_frontend
-    full, arch, _ = checkpoint_plan(shape)
+    full, arch, _ = checkpoint_plan(shape, mtp)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(dict(full, architectures=[arch])))
     _write_frontend(path, False)
@@ -164,11 +169,13 @@ def random_source(shape: str, shapes: dict = None):
 
 
 def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
-                  quantize: str = None, lm_head: str = None) -> tuple:
+                  quantize: str = None, lm_head: str = None, mtp: bool = False) -> tuple:
     """(artifact path, seconds to write the checkpoint, seconds to convert it). `direct`: no
     checkpoint on disk (random_source); the artifact is the same. `quantize`: fp8 / int8 /
-    int4, as `convert --quantize` (direct only); `lm_head`: lm_head too, in that format."""
-    tag = (f"-{quantize}" if quantize else "") + (f"-head-{lm_head}" if lm_head else "")
+    int4, as `convert --quantize` (direct only); `lm_head`: lm_head too, in that format.
+    `mtp`: with the MTP head (direct only)."""
+    tag = (f"-{quantize}" if quantize else "") + (f"-head-{lm_head}" if lm_head else "") \
+        + ("-mtp" if mtp else "")
     out = workdir / f"{shape}{tag}.ninfer"
     if out.exists():
         return out, 0.0, 0.0
@@ -176,16 +183,18 @@ def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
     t0 = time.perf_counter()
     if direct:
         from ninfer.convert.convert import convert_checkpoint
-        write_frontend_only(ckpt, shape)
+        write_frontend_only(ckpt, shape, mtp)
         t1 = time.perf_counter()
         extra = {}
         if quantize:
             from ninfer.convert.quantize import Quantize
             extra["recipe"] = Quantize(quantize, quantize_lm_head=lm_head or False)
-        convert_checkpoint(ckpt, out, progress=False, open_source=random_source(shape), **extra)
+        convert_checkpoint(ckpt, out, progress=False,
+                           open_source=random_source(shape, checkpoint_plan(shape, mtp)[2]),
+                           **extra)
     else:
-        if quantize:
-            raise SystemExit("--quantize: with --direct only")
+        if quantize or mtp:
+            raise SystemExit("--quantize, an MTP head: with --direct only")
         write_checkpoint(ckpt, shape)
         t1 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "ninfer", "convert", "--quiet", str(ckpt), str(out)],

@@ -3,6 +3,7 @@
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python bench/bench_speculative.py [--models dense,moe]
         [--ks 1,2,3,4] [--adaptive 4] [--prompts 4] [--prompt-tokens 48] [--max-tokens 64]
         [--backend numpy|cuda] [--dtype bfloat16] [--oracle 0.5,0.9] [--json out.json]
+        [--shapes 9b,27b [--workdir DIR]] [--batch B]
 
 For each trained reference model: greedy generation of `--max-tokens` tokens after `--prompts`
 windows of the held-out text (`--prompt-tokens` ids each), one request at a time, without
@@ -21,6 +22,11 @@ seconds are the figure there; the parts are wall seconds too). `--oracle p,...`:
 runs per p where the drafter's proposals are replaced by the target's own next token (from the
 plain run) with probability p each, else by another token: acceptance set by hand (the drafting
 is still run and paid for), the speed-up as a function of acceptance.
+
+`--shapes 9b,...` (cuda): the same runs on random-weight models of those bench shapes with an MTP
+head (bench_engine.make_artifact: the 9B is ~50 s to write), prompts of random ids: the issue's
+9B / 27B figures at set acceptances (`--oracle`; the random head's own drafts are rejected, which
+is the adaptive policy's never-lose case). `--batch B`: B requests at once, max_concurrency B.
 """
 from __future__ import annotations
 
@@ -133,24 +139,26 @@ def _clocked(clock, backend: str):
 
 
 def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend: str = "numpy",
-        dtype=None) -> dict:
+        dtype=None, batch: int = 1) -> dict:
+    """The prompts in groups of `batch` submitted at once (max_concurrency = batch)."""
     kw = {} if k == 0 else dict(speculative="mtp", num_draft_tokens=k, draft_policy=policy)
     if backend == "cuda":
         kw.update(backend="cuda", dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     clock = CpuClock(time.perf_counter if backend == "cuda" else time.process_time)
-    with Engine(path, max_concurrency=1, max_context=256, prefix_cache=False, **kw) as engine, \
+    with Engine(path, max_concurrency=batch, max_context=256, prefix_cache=False, **kw) as engine, \
             _clocked(clock, backend):
         engine.generate(ids_list[0][:8], SamplingParams(max_tokens=4))      # warm the caches
         clock.seconds.clear()
         base = engine.stats()
         tokens, wall, cpu = [], 0.0, 0.0
-        for ids in ids_list:
+        for g in range(0, len(ids_list), batch):
             c, t = time.process_time(), time.perf_counter()
-            result = engine.generate(ids, params)
+            handles = [engine.submit(ids, params) for ids in ids_list[g:g + batch]]
+            results = [h.result() for h in handles]
             cpu += time.process_time() - c
             wall += time.perf_counter() - t
-            tokens.append(result.token_ids)
+            tokens += [r.token_ids for r in results]
         stats = engine.stats()
     n = sum(len(t) for t in tokens)
     out = dict(k=k, policy=policy if k else "plain", backend=backend, tokens=tokens, num_tokens=n, cpu_s=cpu, wall_s=wall,
@@ -171,16 +179,21 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
     return out
 
 
-def speculative_rows(name, path, ids_list, plain, args, on) -> list:
-    """The fixed-k runs and the adaptive one; each one's tokens must equal plain decoding's."""
+def speculative_rows(name, path, ids_list, plain, args, on, strict: bool = True) -> list:
+    """The fixed-k runs and the adaptive one; each one's tokens must equal plain decoding's
+    (strict), or (random weights: bf16 near-ties a verify's multi-token GEMMs may round the
+    other way than a decode step's GEMVs) the tokens that differ are counted."""
     runs = [(int(x), "fixed") for x in args.ks.split(",") if x]
     if args.adaptive:
         runs.append((args.adaptive, "adaptive"))
     rows = []
     for k, policy in runs:
         r = run(path, ids_list, k, args.max_tokens, policy=policy, **on)
-        if r["tokens"] != plain["tokens"]:
+        differ = sum(int(np.any(np.asarray(a) != np.asarray(b))) if len(a) == len(b) else 1
+                     for a, b in zip(r["tokens"], plain["tokens"]))
+        if differ and strict:
             raise SystemExit(f"{name} k={k} ({policy}): tokens differ from plain decoding")
+        r["outputs_differing"] = differ
         rows.append(r)
     return rows
 
@@ -188,8 +201,11 @@ def speculative_rows(name, path, ids_list, plain, args, on) -> list:
 def table(title, rows, plain, args, figure: str) -> None:
     """The markdown table of one model's runs; the parts are shares of `figure` seconds (cpu on
     numpy, wall on cuda)."""
-    print(f"\n{title}: {args.prompts} prompts x {args.max_tokens} greedy tokens, one at a time "
-          f"({args.backend}; tokens equal plain decoding at every k)")
+    differ = sum(r.get("outputs_differing", 0) for r in rows)
+    print(f"\n{title}: {len(rows[0]['tokens'])} prompts x {args.max_tokens} greedy tokens, "
+          f"{args.batch} at a time ({args.backend}; "
+          + (f"outputs differing from plain decoding: {differ}" if differ else
+             "tokens equal plain decoding at every k") + ")")
     print("| k | acceptance by draft position | tokens / verify | recompute (steps, tokens) "
           f"| tok/s CPU | speed-up CPU | tok/s wall | speed-up wall | {figure}: target / draft / "
           "feed / recompute / other |")
@@ -228,19 +244,38 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="cuda: bfloat16 (default) or float32")
     ap.add_argument("--oracle", default="", metavar="P,...",
                     help="runs at these set acceptances (the fixed ks and the adaptive one)")
+    ap.add_argument("--shapes", default="", metavar="NAME,...",
+                    help="instead of the reference models: random-weight models of these "
+                         "bench_engine.py shapes (9b, 27b, 35b-a3b, NAME@LAYERS) with an MTP head, "
+                         "written to --workdir (a random head's drafts are rejected: read them "
+                         "with --oracle)")
+    ap.add_argument("--workdir", default="/tmp/ninfer-bench")
+    ap.add_argument("--batch", type=int, default=1, help="requests at once (max_concurrency)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    on = dict(backend=args.backend, dtype=args.dtype)
+    on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch)
     figure = "wall" if args.backend == "cuda" else "cpu"
-    ids_list = prompts(args.prompts, args.prompt_tokens)
+    count = max(args.prompts, args.batch)
+    if args.shapes:
+        import pathlib
+
+        from bench_engine import make_artifact, prompt_ids
+        # the random checkpoints' tokenizer is the tiny test one: ids below 90
+        ids_list = [np.asarray(prompt_ids(args.prompt_tokens, seed), np.int32)
+                    for seed in range(count)]
+        models = [(name, make_artifact(name, pathlib.Path(args.workdir), direct=True,
+                                       mtp=True)[0]) for name in args.shapes.split(",")]
+    else:
+        ids_list = prompts(count, args.prompt_tokens)
+        models = [(name, ensure_reference_artifact(name)) for name in args.models.split(",")]
     report = {}
-    for name in args.models.split(","):
-        path = ensure_reference_artifact(name)
+    for name, path in models:
         plain = run(path, ids_list, 0, args.max_tokens, **on)
         outputs = {tuple(ids.tolist()): toks for ids, toks in zip(ids_list, plain["tokens"])}
         for p in [None] + [float(x) for x in args.oracle.split(",") if x]:
             with oracle_drafts(p, outputs) if p is not None else contextlib.nullcontext():
-                rows = [plain] + speculative_rows(name, path, ids_list, plain, args, on)
+                rows = [plain] + speculative_rows(name, path, ids_list, plain, args, on,
+                                                  strict=not args.shapes)
             title = f"{name}{'' if p is None else f', drafts replaced: acceptance {p}'}"
             table(title, rows, plain, args, figure)
             report[title] = [{key: v for key, v in r.items() if key != "tokens"} for r in rows]

@@ -130,7 +130,14 @@ for part in $parts; do
             timeout 300 python3 bench/bench_mtp.py --shapes 9b,27b,35b-a3b >"$OUT/mtp.log" 2>&1
             timeout 600 python3 bench/bench_speculative.py --backend cuda --ks 1,3 --adaptive 4 \
                 --oracle 0.5,0.9 --json "$OUT/speculative_cuda.json" >"$OUT/speculative.log" 2>&1
-            summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log, speculative.log)") ;;
+            # the 9B shape (random weights + an MTP head) at B = 1 and 8: its own (rejected)
+            # drafts and a set acceptance of 0.7 per position
+            for b in 1 8; do
+                timeout 400 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch $b \
+                    --prompts 8 --ks 3 --adaptive 4 --oracle 0.7 \
+                    --json "$OUT/speculative_9b_b$b.json" >"$OUT/speculative_9b_b$b.log" 2>&1
+            done
+            summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log, speculative*.log)") ;;
         profile)
             # GPU time per kernel inside the captured decode graph (tools/profile_graph.py: CUPTI
             # through torch.profiler, the image's torch), B = 1 and 8 at context 2048, for each
