@@ -471,7 +471,10 @@ class Model(Protocol):
     `verify_forward(batch, kv, state, out_rows, *, snap_base=None, media=None) -> (logits of
     out_rows, final-normed hidden [N, H])`, `verify_snapshots` (snap_base: the State after each
     token of row r into slots snap_base[r] + i) and, with `samples_on_device`,
-    `verify_tokens(batch, kv, state, out_rows, rows, ...) -> (int32 token per out row, hidden)`.
+    `verify_tokens(batch, kv, state, out_rows, rows, ...) -> (int32 token per out row, hidden)`;
+    one with `step_hidden` also takes `launch_tokens(..., keep_hidden=True)`, whose step's
+    `hidden() -> float32 [B, H]` (after collect) is every row's final-normed hidden state: the
+    drafter's feed of a plain decode step a speculative Program runs at k = 0.
     `checks_batches=False` (set by the Program unless its debug option asks otherwise) lets the
     backend trust the batches it is given: the Program validated them once, when it built them."""
 
@@ -485,6 +488,8 @@ class Model(Protocol):
     # still in flight, on the device: the Program may launch decode step k+1 before step k is
     # collected (Program.launch_ahead), so the host's work on step k overlaps step k+1
     chains_token_steps: bool
+    # launch_tokens(..., keep_hidden=True): the step's final-normed hidden states too (above)
+    step_hidden: bool
     checks_batches: bool
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
     max_state_slots: Optional[int]  # State slots its memory plan holds (None: no limit)

@@ -23,9 +23,9 @@ from ninfer.api import StructuredOutput
 from ninfer.artifact import Artifact
 from ninfer.demo import ensure_reference_artifact
 from ninfer.errors import ArtifactError, RequestError
-from ninfer.models.qwen3_5.model import NumpyModel
+from ninfer.models.qwen3_5.model import NumpyModel, head_product
 from ninfer.models.qwen3_5.mtp import MtpDrafter
-from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec
+from ninfer.models.qwen3_5.program import Program, RowDecision, SamplingSpec, speculative
 from ninfer.models.qwen3_5.program.sampling import filtered_probs, sample_row
 from ninfer.options import EngineOptions
 
@@ -293,27 +293,64 @@ class _DeviceSampler:
     greedy_on_device, samples_on_device = False, True
 
 
-@pytest.fixture(params=["recompute", "snapshot", "snapshot-device-sampling"])
+class _HiddenStep:
+    """A token step done at launch that kept its rows' hidden states (CudaModel's TokenStep)."""
+
+    def __init__(self, ids, hidden):
+        self._ids, self._hidden = ids, hidden
+
+    def collect(self):
+        return self._ids
+
+    def hidden(self):
+        return self._hidden
+
+
+def _launch_tokens(self, batch, kv, state, rows=None, *, after=None, keep_hidden=False):
+    """launch_tokens as CUDA's device token paths give it (done at launch here): the ids of
+    `after` fed as this batch's tokens (the pipelined decode), each row's token argmax or
+    sampled from its SampleRow, and with keep_hidden the rows' final-normed hidden states."""
+    if after is not None:
+        batch.token_ids[:] = after.collect()
+    last = self.final_hidden(batch, kv, state)[np.asarray(batch.query_start[1:], np.int64) - 1]
+    logits = head_product(last, self._lm_head)
+    rows = rows if rows is not None else [None] * len(last)
+    ids = np.asarray([int(np.argmax(lg)) if row is None else
+                      sample_row(lg, row.spec, row.prompt_ids, row.generated_ids,
+                                 position=row.position, mask=row.mask)[0]
+                      for lg, row in zip(logits, rows)], np.int32)
+    return _HiddenStep(ids, last.copy() if keep_hidden else None)
+
+
+@pytest.fixture(params=["recompute", "snapshot", "snapshot-device-sampling", "plain-steps"])
 def rollback(request, monkeypatch):
     """How a verify row that rejected a draft gets its State back: recompute (numpy's way) or
     the snapshot slot after its last accepted token (CUDA's way: a model with
     verify_snapshots; the speculator then takes no State backup and runs nothing again); and
     CUDA's whole way, each verify position sampled by the backend (verify_tokens) from the
-    SampleRow the speculator builds for it."""
-    if request.param.startswith("snapshot"):
+    SampleRow the speculator builds for it; and with it the plain steps a k = 0 unit runs as
+    (device token paths that keep the rows' hidden states, launched ahead: runs_plain), for
+    plain decoding too."""
+    if request.param != "recompute":
         monkeypatch.setattr(NumpyModel, "verify_snapshots", True)
         monkeypatch.setattr(NumpyModel, "verify_forward", _verify_with_snapshots)
-    if request.param.endswith("device-sampling"):
+    if request.param == "snapshot-device-sampling":
         from ninfer.models.qwen3_5.program import packing
         monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
         monkeypatch.setattr(Program, "samples_on_device", lambda self, seqs, units, masks:
                             packing.device_path(_DeviceSampler, seqs, units, masks) is not None)
+    if request.param == "plain-steps":
+        monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
+        monkeypatch.setattr(NumpyModel, "launch_tokens", _launch_tokens, raising=False)
+        for flag in ("greedy_on_device", "samples_on_device", "chains_token_steps",
+                     "step_hidden"):
+            monkeypatch.setattr(NumpyModel, flag, True)
     return request.param
 
 
 def _rolled_back(stats, rollback) -> int:
     """Verify rows whose State went back to an accepted prefix, the one way `rollback` allows."""
-    if rollback.startswith("snapshot"):
+    if rollback != "recompute":
         assert stats["spec_recompute_rows"] == 0, stats
         return stats["spec_snapshot_selects"]
     assert stats["spec_snapshot_selects"] == 0, stats
@@ -651,3 +688,75 @@ def test_drafts_within_the_grammar_are_accepted_far_more_often():
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert stats["spec_acceptance_by_position"][0] > 0.4
     assert stats["spec_emitted_tokens"] / stats["spec_verify_rows"] > 1.8
+
+
+def _device_steps(monkeypatch, plain: bool) -> None:
+    """The numpy model as CUDA's: snapshot rollback, device sampling of every verify position,
+    and (plain) device token steps that keep their hidden states, chained ahead."""
+    monkeypatch.setattr(NumpyModel, "verify_snapshots", True)
+    monkeypatch.setattr(NumpyModel, "verify_forward", _verify_with_snapshots)
+    monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
+    monkeypatch.setattr(NumpyModel, "launch_tokens", _launch_tokens, raising=False)
+    for flag in ("greedy_on_device", "samples_on_device", "chains_token_steps"):
+        monkeypatch.setattr(NumpyModel, flag, True)
+    monkeypatch.setattr(NumpyModel, "step_hidden", plain)
+
+
+def test_adaptive_k_0_runs_plain_pipelined_steps(extremes, monkeypatch):
+    """With a backend whose token steps keep their hidden states (Model.step_hidden: CUDA), a
+    unit the policy runs at k = 0 is the Program's plain decode step, launched ahead of the one
+    in flight as without speculation (runs_plain / runs_plain_ahead); the tokens stay plain
+    decoding's."""
+    _device_steps(monkeypatch, plain=True)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    want, _ = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8)
+    got, stats = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8,
+                           speculative="mtp", num_draft_tokens=2)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    units = stats["spec_units_by_k"]
+    assert units[0] >= 3 * sum(units[1:]), units
+    assert stats["spec_plain_steps"] >= units[0] // 2 and stats["spec_plain_ahead"] > 0, stats
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True),
+                                    SamplingParams(max_tokens=40, ignore_eos=True, **SEEDED)],
+                         ids=["greedy", "seeded"])
+def test_plain_steps_feed_the_drafter_what_speculative_units_would(extremes, monkeypatch,
+                                                                  params):
+    """The drafter fed through plain steps (after_plain: each row's hidden state of the
+    position its step ran) drafts what it drafts when the same k = 0 units run through the
+    speculator (execute: the hidden states of a verify-shaped forward): the policy here runs
+    k = 0, 0, 2 in turn, and every draft of the random head, which reads its KV and the fed
+    hidden states, is the same both ways (an off-by-one feed or a missed position changes
+    them); the tokens are plain decoding's."""
+    from ninfer.models.qwen3_5.program.draft_policy import DraftPolicy
+    turns = {}
+
+    def choose(self, rows):
+        n = turns[id(self)] = turns.get(id(self), -1) + 1
+        k = (0, 0, 2)[n % 3]
+        self.units_by_k[k] += 1
+        return k
+    monkeypatch.setattr(DraftPolicy, "choose", choose)
+    original = speculative.MtpSpeculator._draft
+    drafted = []
+
+    def _draft(self, *a):
+        out = original(self, *a)
+        drafted[-1].append({r: d.tolist() for r, d in out.items()})
+        return out
+    monkeypatch.setattr(speculative.MtpSpeculator, "_draft", _draft)
+    runs = []
+    for plain in (False, True):
+        _device_steps(monkeypatch, plain)
+        drafted.append([])
+        got, stats = _generate(extremes["random"], _id_prompts()[:1], params, max_concurrency=1,
+                               speculative="mtp", num_draft_tokens=2)
+        runs.append(([r.token_ids for r in got], stats))
+    (tokens0, stats0), (tokens1, stats1) = runs
+    want, _ = _generate(extremes["random"], _id_prompts()[:1], params, max_concurrency=1)
+    assert tokens0 == tokens1 == [r.token_ids for r in want]
+    assert stats0["spec_plain_steps"] == 0 and stats1["spec_plain_steps"] > 0
+    assert stats1["spec_plain_ahead"] > 0
+    real = [[d for d in unit if d] for unit in drafted]
+    assert sum(len(u) for u in real[1]) >= 8 and real[0] == real[1]

@@ -124,6 +124,8 @@ class CudaModel(MediaEncoding):
     vision_sm_count = None
     pool_pinned = None
     hidden_host = None               # pinned: every token's hidden of a verify (mtp; at load)
+    step_hidden_host = None          # pinned: two token steps' hidden states (mtp; at load)
+    step_hidden = False              # launch_tokens(keep_hidden=True) (contracts.Model; mtp)
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
     f32 = False             # dtype="float32": fp32 weights, activations, KV and GEMM inputs
     kv_dtype = None         # "fp8" / "int8": quantized KV pages (options.kv_dtype)
@@ -307,6 +309,12 @@ class CudaModel(MediaEncoding):
         # the final-normed hidden of every token of an eager call (verify_forward; mtp)
         self.hidden_host = _d.PinnedBuffer(n_cap * cfg.hidden_size * self.ws.gin_bytes) \
             if self.mtp else None
+        # and of a token step's rows (keep_hidden: a speculative Program's plain steps, two in
+        # flight as their ids)
+        if self.mtp:
+            self.step_hidden_host = _d.PinnedBuffer(2 * self.lg_cap * cfg.hidden_size
+                                                    * self.ws.gin_bytes)
+            self.step_hidden = True
         # token steps' ids in their own buffer (a forward may run before collect)
         self.ids_host = _d.PinnedBuffer(2 * self.lg_cap * 4)
         self.step_events = (_d.Event(timing=False), _d.Event(timing=False))
@@ -458,7 +466,7 @@ class CudaModel(MediaEncoding):
         return checked_media(batch, media, self.text.hidden_size)
 
     def launch_tokens(self, batch: ForwardBatch, kv, state, rows=None, *,
-                      after: TokenStep = None) -> TokenStep:
+                      after: TokenStep = None, keep_hidden: bool = False) -> TokenStep:
         """Launch one step whose result is a token id per row (graph for a decode batch, eager
         otherwise): the head's argmax, or with `rows` (a program.sampling.SampleRow or None per
         row) the device sampler's pick over the logits rows; then the async copy of the ids to
@@ -466,7 +474,9 @@ class CudaModel(MediaEncoding):
         event. One step in flight: collect the previous one before the next launch, except
         after=that step: a decode batch of the same rows whose token ids are that step's ids,
         copied on the device (contracts.Model.chains_token_steps), its sampling rows (if any)
-        each None or of a spec that samples_from_logits_alone."""
+        each None or of a spec that samples_from_logits_alone. keep_hidden (step_hidden: a
+        model with its MTP head): every row's final-normed hidden state (the head's, of the
+        row's last token) comes down too, TokenStep.hidden()."""
         self._t_entry = time.perf_counter()
         B = batch.num_rows
         if after is None and self._in_flight:
@@ -497,11 +507,30 @@ class CudaModel(MediaEncoding):
                                 ahead_turn=turn if after is not None else None)
         off = turn * self.lg_cap * 4
         _d.copy_dtoh_async(self.ids_host.ptr + off, self.ws.tokens.ptr, B * 4, self.stream)
+        read_hidden = self._queue_step_hidden(turn, B) if keep_hidden else None
         event = self.step_events[turn]
         event.record(self.stream)
-        step = TokenStep(self.ids_host.view(np.int32, off, B), event, self._step_collected)
+        step = TokenStep(self.ids_host.view(np.int32, off, B), event, self._step_collected,
+                         read_hidden)
         self._in_flight.append(step)
         return step
+
+    def _queue_step_hidden(self, turn: int, B: int):
+        """Queue the copy of a token step's B final-normed hidden rows (ws.xf: the head normed
+        each row's last token there, graph or eager) into pinned turn `turn`; returns the
+        reader TokenStep.collect calls once the step's event passed."""
+        if not self.step_hidden:
+            raise RuntimeError("launch_tokens(keep_hidden=True): the model was loaded without "
+                               "its MTP head (mtp=True)")
+        H = self.text.hidden_size
+        row_bytes = H * self.ws.gin_bytes
+        off = turn * self.lg_cap * row_bytes
+        _d.copy_dtoh_async(self.step_hidden_host.ptr + off, self.ws.xf.ptr, B * row_bytes,
+                           self.stream)
+        if self.f32:
+            return lambda: self.step_hidden_host.view(np.float32, off, B * H).reshape(B, H).copy()
+        return lambda: (self.step_hidden_host.view(np.uint16, off, B * H).reshape(B, H)
+                        .astype(np.uint32) << 16).view(np.float32)
 
     def _step_collected(self, step: TokenStep) -> None:
         if step in self._in_flight:
@@ -826,11 +855,11 @@ class CudaModel(MediaEncoding):
         self.lt = self.kernels = self.sampler = None
         self.step_events = ()
         for buf in (self.staging, self.out_host, self.ids_host, self.route_host, self.media_rows,
-                    self.hidden_host):
+                    self.hidden_host, self.step_hidden_host):
             if buf is not None:
                 release(buf.free)
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
-        self.hidden_host = None
+        self.hidden_host = self.step_hidden_host = None
         release(self.pool_staging.free)
         if self.copy_stream is not None:
             release(self.copy_stream.synchronize)

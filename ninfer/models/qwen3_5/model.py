@@ -30,6 +30,7 @@ class NumpyModel(MediaEncoding):
     greedy_on_device = samples_on_device = False
     mixed_batches = True        # forward takes any rows (contracts.Model)
     chains_token_steps = False  # no device token path
+    step_hidden = False         # (nor its hidden states: contracts.Model)
     checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
     max_kv_pages = None         # host memory: the Program's default pool size
     max_state_slots = None

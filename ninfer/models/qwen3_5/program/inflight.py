@@ -24,3 +24,6 @@ class InFlightUnit:
     path: str                   # "greedy" | "sample" (device token ids) | "logits" (host sampling)
     step: object = None         # .collect() -> token ids [B] or logits [B, V]
     pending: Optional[object] = None   # a unit that finished inside launch (speculative)
+    # a speculative Program's plain decode step (k = 0): its step keeps every row's hidden state
+    # (step.hidden(), Model.step_hidden) for the drafter's feed
+    keeps_hidden: bool = False

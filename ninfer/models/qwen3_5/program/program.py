@@ -111,6 +111,9 @@ class Program:
         self._pending: Optional[PendingBatch] = None
         self._inflight: Optional[InFlightUnit] = None     # launched, not yet collected
         self._ahead: Optional[InFlightUnit] = None        # launched ahead of _inflight
+        # the pending unit's rows' hidden states when it is a plain speculative step (collect
+        # -> commit: the drafter's feed)
+        self._step_hidden: Optional[np.ndarray] = None
         self._next_id = 0
         self._uid = next(_PROGRAM_IDS)
         self.rules = UnitRules(self.prefill_chunk, self.max_context,
@@ -453,35 +456,44 @@ class Program:
             self.token_buf[seq.slot, seq.num_tokens:seq.num_tokens + len(unit.forced) - 1] = \
                 unit.forced[:-1]
         masks = [row.mask if unit.is_sampling else None for row, unit in zip(plan.rows, units)]
-        if self.speculator is not None:     # drafts, one verify forward, per-position sampling
+        plain = self.speculator is not None and \
+            self.speculator.runs_plain(self, seqs, units, masks)
+        if self.speculator is not None and not plain:
+            # drafts, one verify forward, per-position sampling
             pending = self.speculator.execute(self, seqs, units, masks, plan.keep_rollback,
                                               plan.draft_masks)
             self._inflight = InFlightUnit(seqs, units, masks, [], "speculative", pending=pending)
             return self._inflight
         backups = [self.state.read(s.slot) if plan.keep_rollback else None for s in seqs]
-        self._inflight = self._start_step(seqs, units, masks, backups)
+        self._inflight = self._start_step(seqs, units, masks, backups, keep_hidden=plain)
         return self._inflight
 
-    def _start_step(self, seqs, units, masks, backups) -> InFlightUnit:
+    def _start_step(self, seqs, units, masks, backups, keep_hidden: bool = False) -> InFlightUnit:
         """The one place a unit's backend call starts. The device token paths return at once
         (`launch_tokens`: the GPU runs while the EngineCore does host work, `collect` waits);
-        host-sampled logits are computed here (`ReadyStep`)."""
+        host-sampled logits are computed here (`ReadyStep`). keep_hidden: a speculative
+        Program's plain decode step (MtpSpeculator.runs_plain: a device token path), whose
+        step keeps every row's hidden state for the drafter."""
         batch = self.pack_rows(seqs, units)
         media = packing.media_rows(seqs, units)
         # media rows replace embeddings: only forward takes them (not the device token paths)
         path = (None if media is not None else
                 packing.device_path(self.model, seqs, units, masks)) or "logits"
+        extra = {"keep_hidden": True} if keep_hidden else {}
+        if keep_hidden and path == "logits":
+            raise ProgramError("a plain speculative step on the host-sampling path")
         if path == "greedy":
-            step = self.model.launch_tokens(batch, self.kv, self.state)
+            step = self.model.launch_tokens(batch, self.kv, self.state, **extra)
         elif path == "sample":
             step = self.model.launch_tokens(batch, self.kv, self.state,
                                             packing.sample_requests(self.token_buf, self._uid,
-                                                                    seqs, units, masks))
+                                                                    seqs, units, masks),
+                                            **extra)
         elif media is not None:
             step = ReadyStep(self.model.forward(batch, self.kv, self.state, media=media))
         else:
             step = ReadyStep(self.model.forward(batch, self.kv, self.state))
-        return InFlightUnit(seqs, units, masks, backups, path, step)
+        return InFlightUnit(seqs, units, masks, backups, path, step, keeps_hidden=keep_hidden)
 
     # ---- a decode step launched before the one in flight is collected (the pipelined decode) ---
     def _can_run_ahead(self, inflight: InFlightUnit) -> bool:
@@ -493,7 +505,8 @@ class Program:
         token in max_context and its pages."""
         if not self.model.chains_token_steps or inflight is not self._inflight \
                 or self._ahead is not None or self._pending is not None \
-                or inflight.path not in ("greedy", "sample") or self.speculator is not None:
+                or inflight.path not in ("greedy", "sample") \
+                or (self.speculator is not None and not inflight.keeps_hidden):
             return False
         need = 0
         for seq, unit, mask in zip(inflight.seqs, inflight.units, inflight.masks):
@@ -506,7 +519,9 @@ class Program:
             if extra < 0:
                 return False
             need += extra
-        return need <= self.pages.num_free
+        # (last: a speculative Program's policy spends its choice of k for the next unit here)
+        return need <= self.pages.num_free and (
+            self.speculator is None or self.speculator.runs_plain_ahead(inflight.seqs))
 
     def launch_ahead(self, inflight: InFlightUnit) -> Optional[InFlightUnit]:
         """Start the next decode step of inflight's rows (the same rows, in order) before
@@ -527,8 +542,11 @@ class Program:
         none = [None] * len(seqs)
         rows = None if inflight.path == "greedy" else packing.sample_requests(
             self.token_buf, self._uid, seqs, inflight.units, none, ahead=1)
-        step = self.model.launch_tokens(batch, self.kv, self.state, rows, after=inflight.step)
-        self._ahead = InFlightUnit(seqs, inflight.units, none, none, inflight.path, step)
+        extra = {"keep_hidden": True} if inflight.keeps_hidden else {}
+        step = self.model.launch_tokens(batch, self.kv, self.state, rows, after=inflight.step,
+                                        **extra)
+        self._ahead = InFlightUnit(seqs, inflight.units, none, none, inflight.path, step,
+                                   keeps_hidden=inflight.keeps_hidden)
         return self._ahead
 
     def collect(self, inflight: InFlightUnit) -> PendingBatch:
@@ -553,6 +571,8 @@ class Program:
             rows = tuple(self.sample_row(seq, unit, out[r], masks[r])
                          for r, (seq, unit) in enumerate(zip(seqs, units)))
         self._pending = PendingBatch(rows, inflight.backups, self._new_id())
+        # a plain speculative step: its rows' hidden states, for the drafter at commit
+        self._step_hidden = inflight.step.hidden() if inflight.keeps_hidden else None
         return self._pending
 
     def commit(self, pending: PendingBatch, decisions) -> None:
@@ -581,12 +601,18 @@ class Program:
                     seq.protected_tokens = 0
             if row.seq_id not in running:   # (its unit ahead holds the page after the frontier)
                 self._trim(seq)
-        if self.speculator is not None:     # State of rejected drafts, the drafter's KV
+        hidden, self._step_hidden = self._step_hidden, None
+        if self.speculator is not None and hidden is not None:   # a plain step: the feed
+            self.speculator.after_plain(self, pending, decisions, hidden)
+        elif self.speculator is not None:   # State of rejected drafts, the drafter's KV
             self.speculator.after_commit(self, pending, decisions)
 
     def abort_pending(self, pending: PendingBatch) -> None:
         """Drop the whole unit: State restored, frontiers unchanged, unused pages returned."""
         self._take_pending(pending)
+        if self._step_hidden is not None:   # a plain speculative step: nothing to feed
+            self._step_hidden = None
+            self.speculator.plain_aborted()
         for row, backup in zip(pending.rows, pending._backups):
             seq = self._seqs[row.seq_id]
             self._restore(seq, backup)

@@ -15,7 +15,11 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
 
     k        the unit's draft count: draft_policy.py picks 0..num_draft_tokens from the measured
              acceptance and unit costs ("fixed": always num_draft_tokens); 0 runs the row as a
-             plain decode step (its commit still feeds the drafter, below)
+             plain decode step (its commit still feeds the drafter, below). On a backend whose
+             token steps keep their hidden states (Model.step_hidden: CUDA), a unit at k = 0
+             is the Program's own decode step, launched ahead of the one in flight as without
+             speculation (runs_plain, runs_plain_ahead); its commit queues the hidden states
+             (after_plain), so an adaptive k = 0 costs what plain decoding costs
     draft    d_1 = argmax of the MTP hidden g_1 the last commit kept (feed, below); the drafter
              (mtp.py) runs k - 1 more steps from (g_1, d_1) at positions F .. F+k-2, greedy;
              a masked row's argmaxes are within its masks (_Guide). The drafts go into the
@@ -62,6 +66,7 @@ rejection is one slot copy on the device; no host backup is taken for it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -78,7 +83,9 @@ MAX_DRAFT_TOKENS = 4
 # a row's committed positions wait, as the target's hidden states, until the drafter needs its
 # KV (the row drafts, is checkpointed or paused) or this many pile up: then one drafter call
 # feeds them all. Feeding every plain step costs a drafter layer per step, 7% of a step on the
-# numpy reference models, which an adaptive k = 0 must not pay
+# numpy reference models, which an adaptive k = 0 must not pay. (Plain steps launched ahead
+# queue without this bound: a drafter call between two chained steps would overwrite the token
+# ids the next one reads on the device; the policy's explorations, every <= 256 units, drain it)
 LAG_TOKENS = 64
 
 
@@ -160,11 +167,16 @@ class MtpSpeculator:
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
         self._unit = None             # (start time, rows, k) of a pending unit the policy times
+        self._chosen = None           # the policy's k for the next unit, taken ahead of it
+        self._plain_started = collections.deque()   # launch times of plain steps in flight
+        self._last_commit = 0.0       # perf_counter at the end of the last commit
         k = self.num_draft_tokens
         self._drafted_at = np.zeros(k, np.int64)      # drafts proposed at position i (1-based)
         self._accepted_at = np.zeros(k, np.int64)     # ... of them the Engine accepted
         self._counts = dict(spec_verify_rows=0, spec_emitted_tokens=0, spec_recompute_rows=0,
-                            spec_recompute_tokens=0, spec_snapshot_selects=0)
+                            spec_recompute_tokens=0, spec_snapshot_selects=0,
+                            # plain decode steps at k = 0 (runs_plain), of them launched ahead
+                            spec_plain_steps=0, spec_plain_ahead=0)
 
     def use_snapshot_slots(self, first: int) -> None:
         """The snapshot slots (memory_plan.snapshot_slots, which the CUDA plan reserved) start
@@ -249,7 +261,7 @@ class MtpSpeculator:
         d_1 .. d_j (draft_masks), so the verify never rejects a draft the grammar refuses; its
         drafts end where the masks do (the output ends there, or nothing is allowed)."""
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
-        k = self.policy.choose(len(able)) if able else 0
+        k = self._choice(len(able)) if able else 0
         self._unit = (t0, len(able), k) if able and len(able) == len(seqs) else None
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
@@ -388,20 +400,84 @@ class MtpSpeculator:
         self._counts["spec_snapshot_selects"] += selects
         if recompute:
             self._recompute(prog, recompute)
-        due = []
-        for seq, rec, n in feed:
-            start, chunks = self._lag.setdefault(seq.seq_id, (rec.start, []))
-            if start + sum(len(c) for c in chunks) != rec.start:
-                raise ProgramError(f"speculative: sequence {seq.seq_id} committed from "
-                                   f"{rec.start}, its drafter feed is queued from {start}")
-            chunks.append(rec.hidden[:n])
-            self._first.pop(seq.seq_id, None)
-            if seq.num_computed_tokens - start >= LAG_TOKENS:
-                due.append(seq)
+        due = [seq for seq, rec, n in feed if self._queue(seq, rec.start, rec.hidden[:n])]
         self._catch_up(prog, due)
         if unit is not None:
             t0, num_rows, k = unit
             self.policy.observe_unit(num_rows, k, time.perf_counter() - t0)
+        self._last_commit = time.perf_counter()
+
+    def _queue(self, seq, at: int, hidden: np.ndarray) -> bool:
+        """Queue the target's hidden states of the row's positions at .. at + len(hidden) - 1
+        for the drafter (they continue its queue); True when LAG_TOKENS are queued."""
+        start, chunks = self._lag.setdefault(seq.seq_id, (at, []))
+        if start + sum(len(c) for c in chunks) != at:
+            raise ProgramError(f"speculative: sequence {seq.seq_id} committed from {at}, its "
+                               f"drafter feed is queued from {start}")
+        chunks.append(hidden)
+        self._first.pop(seq.seq_id, None)
+        return seq.num_computed_tokens - start >= LAG_TOKENS
+
+    # ---- plain decode steps at k = 0 (the Program's own path, launched ahead) -----------------
+    def runs_plain(self, prog, seqs, units, masks) -> bool:
+        """Whether the Program runs this unit as a plain decode step of its own instead of
+        `execute`: the model keeps a token step's hidden states (Model.step_hidden), the unit
+        is sampled on the device, every row is a decode row that could draft, and the policy
+        picks k = 0 for it. Such steps run as without speculation (device token path, the next
+        one launched ahead: Program.launch_ahead asks `runs_plain_ahead`), and their commit
+        queues the rows' hidden states for the drafter (`after_plain`), so an adaptive k = 0
+        costs what plain decoding does."""
+        if not prog.model.step_hidden or not prog.samples_on_device(seqs, units, masks) \
+                or not all(self._can_draft(s, u) for s, u in zip(seqs, units)):
+            return False
+        return self._plain_choice(len(seqs))
+
+    def runs_plain_ahead(self, seqs) -> bool:
+        """Whether the step after a plain one over the same rows (launched ahead of its
+        collect) is plain too: the policy's pick for that unit, kept for it when not 0."""
+        if not self._plain_choice(len(seqs)):
+            return False
+        self._counts["spec_plain_ahead"] += 1
+        return True
+
+    def _plain_choice(self, rows: int) -> bool:
+        k = self._choice(rows)
+        if k:
+            self._chosen = k            # the next unit drafts k (its _draft takes it)
+            return False
+        self._plain_started.append(time.perf_counter())
+        return True
+
+    def _choice(self, rows: int) -> int:
+        """The policy's k for the next unit of `rows` rows that can draft (one taken by
+        _plain_choice and not used yet, first)."""
+        k, self._chosen = self._chosen, None
+        return k if k is not None else self.policy.choose(rows)
+
+    def after_plain(self, prog, pending: PendingBatch, decisions, hidden: np.ndarray) -> None:
+        """After the Program committed a plain step (runs_plain): each row that took its token
+        queues the step's hidden state of the position it ran for the drafter. Fed when the
+        row next drafts or is settled, never here: the next step may be in flight, and a
+        drafter call on the device now would overwrite the token ids it reads. The unit's
+        cost for the policy: from its launch, or from the commit before when it was launched
+        ahead (the steps overlap: what a step costs is the time between two commits)."""
+        for r, (row, d) in enumerate(zip(pending.rows, decisions)):
+            seq = prog.sequence(row.seq_id)
+            if d.is_cancelled or d.is_discarded or seq is None or seq.is_unusable:
+                self.forget(row.seq_id)
+                continue
+            self._queue(seq, seq.num_computed_tokens - 1, hidden[r:r + 1])
+        self._counts["spec_plain_steps"] += 1
+        now = time.perf_counter()
+        if self._plain_started:
+            t0 = self._plain_started.popleft()
+            self.policy.observe_unit(len(pending.rows), 0, now - max(t0, self._last_commit))
+        self._last_commit = now
+
+    def plain_aborted(self) -> None:
+        """The Program dropped a plain step's PendingBatch: nothing to queue."""
+        if self._plain_started:
+            self._plain_started.popleft()
 
     def _count(self, rec: _Row, row: RowResult, accepted: int) -> None:
         k = len(rec.drafts)
