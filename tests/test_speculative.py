@@ -322,6 +322,18 @@ def _launch_tokens(self, batch, kv, state, rows=None, *, after=None, keep_hidden
     return _HiddenStep(ids, last.copy() if keep_hidden else None)
 
 
+def _device_steps(monkeypatch, plain: bool) -> None:
+    """The numpy model as CUDA's: snapshot rollback, device sampling of every verify position,
+    and (plain) device token steps that keep their hidden states, chained ahead."""
+    monkeypatch.setattr(NumpyModel, "verify_snapshots", True)
+    monkeypatch.setattr(NumpyModel, "verify_forward", _verify_with_snapshots)
+    monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
+    monkeypatch.setattr(NumpyModel, "launch_tokens", _launch_tokens, raising=False)
+    for flag in ("greedy_on_device", "samples_on_device", "chains_token_steps"):
+        monkeypatch.setattr(NumpyModel, flag, True)
+    monkeypatch.setattr(NumpyModel, "step_hidden", plain)
+
+
 @pytest.fixture(params=["recompute", "snapshot", "snapshot-device-sampling", "plain-steps"])
 def rollback(request, monkeypatch):
     """How a verify row that rejected a draft gets its State back: recompute (numpy's way) or
@@ -340,11 +352,7 @@ def rollback(request, monkeypatch):
         monkeypatch.setattr(Program, "samples_on_device", lambda self, seqs, units, masks:
                             packing.device_path(_DeviceSampler, seqs, units, masks) is not None)
     if request.param == "plain-steps":
-        monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
-        monkeypatch.setattr(NumpyModel, "launch_tokens", _launch_tokens, raising=False)
-        for flag in ("greedy_on_device", "samples_on_device", "chains_token_steps",
-                     "step_hidden"):
-            monkeypatch.setattr(NumpyModel, flag, True)
+        _device_steps(monkeypatch, plain=True)
     return request.param
 
 
@@ -370,11 +378,18 @@ def test_an_mtp_head_that_never_agrees_changes_nothing(extremes, rollback):
     assert _rolled_back(stats, rollback) == stats["spec_verify_rows"]
 
 
-def test_adaptive_k_stops_drafting_for_a_head_that_never_agrees(extremes):
+@pytest.mark.parametrize("plain_steps", [False, True], ids=["speculator", "plain-steps"])
+def test_adaptive_k_stops_drafting_for_a_head_that_never_agrees(extremes, monkeypatch,
+                                                                 plain_steps):
     # the default policy measures every k once, then runs plain decoding (k = 0) but for a
     # neighbour every EXPLORE_EVERY units: numpy verifies cost ~k + 1 steps and nothing is
     # accepted. (While the 8 rows enter decoding one unit after another, each new B starts with
-    # max_k until some B has every k measured: a few units of the run.)
+    # max_k until some B has every k measured: a few units of the run.) plain_steps: a backend
+    # whose token steps keep their hidden states (Model.step_hidden: CUDA) runs the k = 0 units
+    # as the Program's plain decode steps, launched ahead as without speculation (runs_plain,
+    # runs_plain_ahead)
+    if plain_steps:
+        _device_steps(monkeypatch, plain=True)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     want, _ = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8)
     got, stats = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8,
@@ -385,6 +400,10 @@ def test_adaptive_k_stops_drafting_for_a_head_that_never_agrees(extremes):
     assert units[0] >= 3 * sum(units[1:]), units
     assert stats["spec_accepted_tokens"] == 0
     assert stats["spec_expected_tokens_by_k"][1] < 1.2
+    if plain_steps:
+        assert stats["spec_plain_steps"] >= units[0] // 2 and stats["spec_plain_ahead"] > 0
+    else:
+        assert stats["spec_plain_steps"] == 0
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -688,34 +707,6 @@ def test_drafts_within_the_grammar_are_accepted_far_more_often():
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert stats["spec_acceptance_by_position"][0] > 0.4
     assert stats["spec_emitted_tokens"] / stats["spec_verify_rows"] > 1.8
-
-
-def _device_steps(monkeypatch, plain: bool) -> None:
-    """The numpy model as CUDA's: snapshot rollback, device sampling of every verify position,
-    and (plain) device token steps that keep their hidden states, chained ahead."""
-    monkeypatch.setattr(NumpyModel, "verify_snapshots", True)
-    monkeypatch.setattr(NumpyModel, "verify_forward", _verify_with_snapshots)
-    monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
-    monkeypatch.setattr(NumpyModel, "launch_tokens", _launch_tokens, raising=False)
-    for flag in ("greedy_on_device", "samples_on_device", "chains_token_steps"):
-        monkeypatch.setattr(NumpyModel, flag, True)
-    monkeypatch.setattr(NumpyModel, "step_hidden", plain)
-
-
-def test_adaptive_k_0_runs_plain_pipelined_steps(extremes, monkeypatch):
-    """With a backend whose token steps keep their hidden states (Model.step_hidden: CUDA), a
-    unit the policy runs at k = 0 is the Program's plain decode step, launched ahead of the one
-    in flight as without speculation (runs_plain / runs_plain_ahead); the tokens stay plain
-    decoding's."""
-    _device_steps(monkeypatch, plain=True)
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    want, _ = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8)
-    got, stats = _generate(extremes["never"], _id_prompts(), params, max_concurrency=8,
-                           speculative="mtp", num_draft_tokens=2)
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    units = stats["spec_units_by_k"]
-    assert units[0] >= 3 * sum(units[1:]), units
-    assert stats["spec_plain_steps"] >= units[0] // 2 and stats["spec_plain_ahead"] > 0, stats
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True),
