@@ -1303,3 +1303,46 @@ def test_a_verify_runs_through_its_graph_only_where_the_graph_is_the_eager_call(
     m.runner.res.moe_gemv_tokens, m.options.graphs = 16, False
     assert not m._verify_graph_launch(batch([4, 4]), kv, st, every, snap, None)
     assert len(launched) == 2 and len(uploads) == 2 and len(m.graphs) == 1
+
+
+def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
+    """launch_tokens(keep_hidden=True) (CudaModel._queue_step_hidden): the step's B rows of
+    ws.xf (the head's final-normed hidden of each row's last token) are copied into the pinned
+    buffer of its turn, so two steps in flight keep theirs apart; TokenStep reads them at
+    collect (widened from bf16, or as stored in float32), hidden() collects first; a model
+    without its MTP head refuses, as a step launched without keep_hidden does."""
+    from types import SimpleNamespace
+
+    from ninfer.models.qwen3_5.cuda.token_step import TokenStep
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    dev, r = _FakeDevice(monkeypatch, 1 << 20), np.random.default_rng(6)
+    m = CudaModel.__new__(CudaModel)
+    H, lg = 8, 4
+    m.text, m.lg_cap, m.stream = SimpleNamespace(hidden_size=H), lg, dev.stream
+    for f32 in (False, True):
+        gin = 4 if f32 else 2
+        xf = dev.arena.take((lg, H), np.float32 if f32 else np.uint16, "xf")
+        m.f32, m.ws, m.step_hidden = f32, SimpleNamespace(xf=xf, gin_bytes=gin), True
+        buf = dev._pinned(2 * lg * H * gin)
+        buf.view = lambda dt, off=0, count=None, a=buf.array: \
+            a[off: off + count * np.dtype(dt).itemsize].view(dt)
+        m.step_hidden_host = buf
+        values = [_bf16_exact(r, (lg, H)) for _ in range(2)]
+        readers = []
+        for turn in (0, 1):                 # two steps in flight, one per turn
+            stored = values[turn] if f32 else \
+                (values[turn].view(np.uint32) >> 16).astype(np.uint16)
+            dev._dev(xf.ptr, xf.nbytes)[:] = stored.view(np.uint8).reshape(-1)
+            readers.append(m._queue_step_hidden(turn, 3))
+        dev._dev(xf.ptr, xf.nbytes)[:] = 0xFF     # the workspace moved on: the copies were taken
+        steps = [TokenStep(np.arange(3, dtype=np.int32), SimpleNamespace(synchronize=lambda: None),
+                           lambda step: None, rd) for rd in readers]
+        assert np.array_equal(steps[1].hidden(), values[1][:3])
+        assert np.array_equal(steps[0].collect(), np.arange(3))
+        assert np.array_equal(steps[0].hidden(), values[0][:3])
+    with pytest.raises(RuntimeError, match="without keep_hidden"):
+        TokenStep(np.zeros(1, np.int32), SimpleNamespace(synchronize=lambda: None),
+                  lambda step: None).hidden()
+    m.step_hidden = False
+    with pytest.raises(RuntimeError, match="without its MTP head"):
+        m._queue_step_hidden(0, 1)
