@@ -131,8 +131,7 @@ def _clocked(clock, backend: str):
         drafter = MtpDrafter
     for owner, name in target:
         stack.enter_context(clock.wrap(owner, name, "target forward"))
-    for name in ("draft_greedy", "draft_argmax"):
-        stack.enter_context(clock.wrap(drafter, name, "draft"))
+    stack.enter_context(clock.wrap(drafter, "draft_greedy", "draft"))
     stack.enter_context(clock.wrap(speculative.MtpSpeculator, "_catch_up", "drafter feed"))
     stack.enter_context(clock.wrap(speculative.MtpSpeculator, "_recompute", "State recompute"))
     return stack

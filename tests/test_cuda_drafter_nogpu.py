@@ -75,8 +75,13 @@ class _DeviceStandIn:
         self.calls.append(batch.num_tokens)
         return self.drafter.forward(batch, hidden, kv, with_logits=with_logits)
 
-    def head_logits(self, hidden, argmax=False):
-        return self.drafter.draft_argmax(hidden) if argmax else self.drafter.logits(hidden)
+    def mtp_argmax(self, batch, hidden, kv):
+        assert batch.num_tokens <= self.n_cap
+        self.calls.append(batch.num_tokens)
+        return self.drafter.forward_argmax(batch, hidden, kv)
+
+    def head_logits(self, hidden):
+        return self.drafter.logits(hidden)
 
 
 def test_a_feed_cut_into_device_calls_equals_one_uncut_call():
@@ -105,8 +110,33 @@ def test_a_feed_cut_into_device_calls_equals_one_uncut_call():
     assert np.abs(g_cut - g_one).max() / scale < CUT_TOL
     for a, b in zip(kv_cut.k + kv_cut.v, kv_one.k + kv_one.v):
         assert np.abs(a - b).max() / np.abs(b).max() < CUT_TOL
-    # the head: the numpy drafter's logits and argmax through the stand-in
-    assert np.array_equal(drafter.draft_argmax(g_cut[:4]), numpy_drafter.draft_argmax(g_cut[:4]))
+    # the head through the stand-in: the numpy drafter's logits
+    assert np.array_equal(drafter.logits(g_cut[:4]), numpy_drafter.logits(g_cut[:4]))
+
+
+def test_a_feed_cut_into_device_calls_gives_each_rows_next_draft():
+    """forward_argmax over 3 rows of 23 tokens through calls of at most 5 (rows split across
+    calls, one ending inside a call and one at a call's end): each row's id is the argmax of
+    its last token's MTP hidden, as one uncut numpy call gives it; a feed within one call is
+    one device call."""
+    with Artifact(ensure_reference_artifact("dense")) as art:
+        target = NumpyModel.from_artifact(art)
+        numpy_drafter = MtpDrafter.from_artifact(art, target)
+    rng = np.random.default_rng(6)
+    for lengths, cap, calls in (([9, 3, 11], 5, [5, 5, 5, 5, 3]), ([2, 3], 5, [5])):
+        batch = _batch(rng, lengths, vocab=target.text.vocab_size)
+        hidden = rng.standard_normal((batch.num_tokens, target.text.hidden_size)).astype(
+            np.float32)
+        num_pages = int(batch.block_tables.max()) + 1
+        kv_one = numpy_drafter.new_kv_pool(num_pages, PAGE)
+        kv_cut = numpy_drafter.new_kv_pool(num_pages, PAGE)
+        want_ids, want_g = numpy_drafter.forward_argmax(batch, hidden, kv_one)
+        device = _DeviceStandIn(numpy_drafter, n_cap=cap)
+        ids, g = CudaDrafter(device).forward_argmax(batch, hidden, kv_cut)
+        assert device.calls == calls
+        assert np.abs(g - want_g).max() / np.abs(want_g).max() < CUT_TOL
+        ends = np.asarray(batch.query_start[1:]) - 1
+        assert ids.tolist() == want_ids.tolist() == numpy_drafter.draft_argmax(g[ends]).tolist()
 
 
 def test_a_model_without_its_mtp_head_is_refused():

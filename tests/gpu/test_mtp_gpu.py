@@ -161,3 +161,37 @@ def test_a_verify_through_its_graph_equals_the_eager_verify(kind):
         st.close()
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind):
+    """mtp_argmax (the feed's and each draft step's MTP call, issue 25): the MTP hidden of
+    every token as mtp_forward gives it, and per row the argmax of its last token's logits
+    (float32: the head's own argmax of the same rows)."""
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    art = mtp_artifact(kind)
+    opts = EngineOptions(backend="cuda", dtype="float32", max_concurrency=3, max_context=128,
+                         prefill_chunk=64, page_size=4, graphs=False)
+    gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
+    try:
+        r = np.random.default_rng(10)
+        H, V = gpu.text.hidden_size, gpu.text.vocab_size
+        tables = np.arange(30, dtype=np.int32).reshape(3, 10)
+        lens = np.array([5, 1, 3])
+        qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        ctx = np.array([0, 7, 2], np.int32)
+        b = ForwardBatch(r.integers(0, V, qs[-1]).astype(np.int32),
+                         ForwardBatch.text_positions(ctx, lens), qs, ctx, tables,
+                         np.arange(3, dtype=np.int32))
+        h = r.standard_normal((qs[-1], H)).astype(np.float32)
+        results = []
+        for call in ("forward", "argmax"):
+            kv = gpu.new_kv_pool(30, 4)
+            results.append(gpu.mtp_forward(b, h, kv) if call == "forward"
+                           else gpu.mtp_argmax(b, h, kv))
+            kv.close()
+        (logits, g_f), (ids, g_a) = results
+        assert np.array_equal(g_f, g_a)
+        assert ids.tolist() == logits[qs[1:] - 1].argmax(1).tolist()
+    finally:
+        gpu.close()

@@ -626,49 +626,59 @@ class CudaModel(MediaEncoding):
         layer. Returns (logits [N, V] float32, or None without with_logits; final-normed MTP
         hidden [N, H] float32), eager; N <= the tokens of one call, and with logits <= its
         logits rows (cuda/drafter.py splits longer feeds)."""
-        self._need_mtp("mtp_forward")
+        n = batch.num_tokens
+        self._mtp_run("mtp_forward", batch, hidden, kv, np.arange(n, dtype=np.int32)
+                      if with_logits else self._row_ends(batch))
+        logits = self._logits_out(n).copy() if with_logits else None
+        return logits, self._get_hidden(self.ws.x, n)
+
+    def mtp_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv) -> tuple:
+        """mtp_forward without logits, and the device's argmax of each row's last token's
+        logits (the drafter's next draft of that row): (int32 [B], MTP hidden [N, H] float32),
+        B ids down instead of B x V logits; one wait."""
+        n, B = batch.num_tokens, batch.num_rows
+        self._mtp_run("mtp_argmax", batch, hidden, kv, self._row_ends(batch))
+        _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, 4 * B, self.stream)
+        self._queue_hidden(self.ws.x, n)
+        self.stream.synchronize()
+        return self.ids_host.view(np.int32, 0, B).copy(), self._read_hidden(n)
+
+    @staticmethod
+    def _row_ends(batch) -> np.ndarray:
+        return np.asarray(batch.query_start[1:], np.int32) - 1
+
+    def _mtp_run(self, what: str, batch, hidden, kv, out_rows) -> None:
+        """The checks, uploads and launches of an MTP step whose head covers out_rows (logits
+        and argmax into the workspace; MTP hidden of every token in ws.x)."""
+        self._need_mtp(what)
         cfg = self.text
         n, H, V = batch.num_tokens, cfg.hidden_size, cfg.vocab_size
         hidden = np.asarray(hidden, np.float32)
         if hidden.shape != (n, H):
-            raise ValueError(f"mtp_forward: hidden shape {hidden.shape} != ({n}, {H})")
-        cap = self.lg_cap if with_logits else self.n_cap
-        if not 0 < n <= cap:
-            raise ValueError(f"mtp_forward: {n} tokens, one call takes 1..{cap}"
-                             + (" with logits" if with_logits else ""))
+            raise ValueError(f"{what}: hidden shape {hidden.shape} != ({n}, {H})")
+        if not 0 < n <= self.n_cap or len(out_rows) > self.lg_cap:
+            raise ValueError(f"{what}: {n} tokens with {len(out_rows)} logits rows, one call "
+                             f"takes 1..{self.n_cap} tokens and {self.lg_cap} logits rows")
         if self.checks_batches:
             batch.check(BatchLimits(vocab_size=V, page_size=kv.page_size,
                                     num_kv_pages=kv.num_pages, num_state_slots=None,
                                     max_rows=self.eager_layout.b_cap, max_tokens=self.n_cap,
                                     max_pages_per_row=self.p_cap))
         self._put_hidden(self.ws.mtp_h, hidden)
-        # the head over every token, or over the last alone (its logits unread: the feed of a
-        # prompt needs the MTP hidden states, not their vocabulary product)
-        out_rows = np.arange(n, dtype=np.int32) if with_logits else np.array([n - 1], np.int32)
         self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
         self.runner.mtp(self.stream, self.eager_meta, n, batch.num_rows, len(out_rows), kv)
-        logits = self._logits_out(n).copy() if with_logits else None
-        return logits, self._get_hidden(self.ws.x, n)
 
-    def head_logits(self, hidden: np.ndarray, argmax: bool = False) -> np.ndarray:
+    def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T on the device (a draft's MTP
-        hidden: within a grammar, its masked argmax is the draft); argmax: int32 [N], the
-        device's argmax of those logits instead (the unmasked draft), V times less to copy."""
+        hidden within a grammar: its masked argmax is the draft)."""
         self._need_mtp("head_logits")
         hidden = np.asarray(hidden, np.float32)
-        out = np.empty((len(hidden),) if argmax else (len(hidden), self.text.vocab_size),
-                       np.int32 if argmax else np.float32)
+        out = np.empty((len(hidden), self.text.vocab_size), np.float32)
         for start in range(0, len(hidden), self.lg_cap):
             rows = hidden[start:start + self.lg_cap]
             self._put_hidden(self.ws.xf, rows)
             self.runner.head_of(self.stream, len(rows))
-            if argmax:
-                _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, 4 * len(rows),
-                                   self.stream)
-                self.stream.synchronize()
-                out[start:start + len(rows)] = self.ids_host.view(np.int32, 0, len(rows))
-            else:
-                out[start:start + len(rows)] = self._logits_out(len(rows))
+            out[start:start + len(rows)] = self._logits_out(len(rows))
         return out
 
     def verify_forward(self, batch: ForwardBatch, kv, state, out_rows, *, snap_base=None,

@@ -140,6 +140,14 @@ class MtpDrafter:
                 min(self._first_zero_id, int(self._draft_ids[np.argmax(live[i] == 0)]))
         return out.astype(np.int32)
 
+    def forward_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool) -> tuple:
+        """forward without logits, and each row's next draft: (int32 [B] draft_argmax of the
+        MTP hidden of its last token, MTP hidden [N, H]). The feed's last position gives the
+        row's first draft, a draft step each row's next (draft_greedy); the CUDA drafter takes
+        the argmax inside the step."""
+        _, g = self.forward(batch, hidden, kv, with_logits=False)
+        return self.draft_argmax(g[np.asarray(batch.query_start[1:], np.int64) - 1]), g
+
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool, *,
                 with_logits: bool = True) -> tuple:
         """One MTP step over every new token of the batch. batch.token_ids are the *next* tokens
@@ -189,14 +197,15 @@ class MtpDrafter:
 def draft_greedy(drafter, kv, hidden: np.ndarray, next_tokens, context_lens, block_tables, k, *,
                  with_logits: bool = True, pick=None) -> tuple:
     """Greedy draft tokens of an MTP drafter (MtpDrafter, or the CUDA backend's: its `forward`,
-    `draft_argmax` and `text`), autoregressively on the drafter's KV; k: one int for every row, or
+    `forward_argmax` and `text`), autoregressively on the drafter's KV; k: one int for every row, or
     one per row (k[r] >= 1; a row leaves the batch once it has its k[r]).
     Row r: hidden[r] is the target's final-normed hidden at position t_r = context_lens[r]
     (the drafter KV holds positions < t_r), next_tokens[r] = x_{t_r + 1}. Step i (0-based)
     writes drafter KV at t_r + i and predicts x_{t_r + i + 2}.
     Returns (drafts [B, max k] int32, logits [B, max k, V] float32); entries past a row's own
-    k are -1 / 0. with_logits=False: logits is None (drafts by `draft_argmax`, or by
-    pick(step, live row indices, MTP hidden [n, H]) -> int32 [n] where given)."""
+    k are -1 / 0. with_logits=False: logits is None (drafts by `forward_argmax`, or by
+    pick(step, live row indices, MTP hidden [n, H], their argmaxes [n]) -> int32 [n] where
+    given)."""
     ctx = np.asarray(context_lens, np.int32).copy()
     B = len(ctx)
     ks = np.broadcast_to(np.asarray(k, np.int64), (B,)).copy()
@@ -216,12 +225,13 @@ def draft_greedy(drafter, kv, hidden: np.ndarray, next_tokens, context_lens, blo
                              query_start=np.arange(n + 1, dtype=np.int32),
                              context_lens=ctx[live], block_tables=tables[live],
                              state_slots=np.arange(n, dtype=np.int32))
-        step_logits, g = drafter.forward(batch, h[live], kv, with_logits=with_logits)
         if with_logits:
+            step_logits, g = drafter.forward(batch, h[live], kv)
             logits[live, i] = step_logits
             tokens[live] = np.argmax(step_logits, axis=1).astype(np.int32)
         else:
-            tokens[live] = drafter.draft_argmax(g) if pick is None else pick(i, live, g)
+            ids, g = drafter.forward_argmax(batch, h[live], kv)
+            tokens[live] = ids if pick is None else pick(i, live, g, ids)
         drafts[live, i] = tokens[live]
         h = np.zeros_like(h)
         h[live] = g

@@ -1,5 +1,6 @@
 """The MTP drafter on the CUDA model (issue 25): mtp.MtpDrafter's contract, which
-program/speculative.py drafts and feeds through, over CudaModel.mtp_forward / head_logits (a
+program/speculative.py drafts and feeds through, over CudaModel.mtp_forward / mtp_argmax /
+head_logits (a
 model loaded with mtp=True: the MTP layer's weights, kernels, and its KV as the pool's last
 layer). Host arrays in and out, as the numpy drafter's."""
 from __future__ import annotations
@@ -67,9 +68,24 @@ class CudaDrafter:
         """float32 [N, V]: the shared lm_head over final-normed hidden states [N, H]."""
         return self.model.head_logits(hidden)
 
-    def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
-        """int32 [N]: argmax of logits(hidden), taken on the device (the head's argmax kernel)."""
-        return self.model.head_logits(hidden, argmax=True)
+    def forward_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv) -> tuple:
+        """MtpDrafter.forward_argmax's contract on the device: (int32 [B] argmax of each row's
+        last token's logits, taken by the head's argmax kernel: B ids come down, not B x V
+        logits; MTP hidden [N, H]). A batch of more tokens than one call takes runs as several
+        calls (token_pieces); a row's id is the one of the call where its last token ran."""
+        if batch.num_tokens <= self.model.n_cap:
+            return self.model.mtp_argmax(batch, hidden, kv)
+        hidden = np.asarray(hidden, np.float32)
+        g = np.empty_like(hidden)
+        ends = np.asarray(batch.query_start[1:], np.int64) - 1
+        ids = np.full(batch.num_rows, -1, np.int32)
+        for sub, idx in token_pieces(batch, self.model.n_cap):
+            sub_ids, g[idx] = self.model.mtp_argmax(sub, hidden[idx], kv)
+            sub_ends = idx[np.asarray(sub.query_start[1:], np.int64) - 1]
+            rows = np.searchsorted(ends, sub_ends)
+            done = ends[np.minimum(rows, len(ends) - 1)] == sub_ends
+            ids[rows[done]] = sub_ids[done]
+        return ids, g
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv, *,
                 with_logits: bool = True) -> tuple:

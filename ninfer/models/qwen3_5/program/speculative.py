@@ -8,7 +8,7 @@ What it asks of the backend: the model's `verify_forward` (the logits of the pic
 every token's final-normed hidden state), `verify_snapshots`, and where the unit's rows may be
 sampled on the device (Program.samples_on_device) its `verify_tokens` (the same forward, each
 picked position sampled there as a decode step at that position would be); the drafter's `forward`,
-`draft_argmax`, `logits`, `draft_greedy` and `join_kv_pool` (mtp.MtpDrafter on numpy,
+`forward_argmax`, `logits`, `draft_greedy` and `join_kv_pool` (mtp.MtpDrafter on numpy,
 cuda/drafter.py's CudaDrafter on the GPU).
 
 One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sampled, not yet run):
@@ -158,8 +158,9 @@ class MtpSpeculator:
         self.snapshots = bool(snapshots)
         self._snap_first = None       # the first snapshot slot (use_snapshot_slots)
         self.policy = DraftPolicy(self.num_draft_tokens, adaptive)
-        # seq_id -> the MTP hidden g_1 [H] of the row's frontier: its argmax is the next cycle's
-        # d_1, taken when a unit drafts (a unit at k = 0 pays no vocabulary product for it)
+        # seq_id -> (the MTP hidden g_1 [H] of the row's frontier, its argmax d_1): the feed
+        # that leaves the row's queue empty gives both (forward_argmax), for the next unit that
+        # drafts (g_1: a masked d_1 and the next draft step)
         self._first: dict = {}
         # seq_id -> (first position, [hidden [n, H], ...]): the target's final-normed hidden
         # states of committed positions the drafter's KV does not cover yet (LAG_TOKENS)
@@ -268,8 +269,8 @@ class MtpSpeculator:
         if not ks:
             return {}
         self._catch_up(prog, [seqs[r] for r in ks])
-        g1 = np.stack([self._first[seqs[r].seq_id] for r in ks])
-        first = self.drafter.draft_argmax(g1)
+        g1 = np.stack([self._first[seqs[r].seq_id][0] for r in ks])
+        first = np.array([self._first[seqs[r].seq_id][1] for r in ks], np.int32)
         guide = _Guide(self.drafter, seqs, masks, draft_masks)
         for i, r in enumerate(ks):
             first[i] = guide.pick(r, g1[i], int(first[i]))
@@ -278,13 +279,12 @@ class MtpSpeculator:
         if more:
             sel = [seqs[r] for r in more]
 
-            def pick(step, live, g):
-                tokens = self.drafter.draft_argmax(g)
+            def pick(step, live, g, tokens):
                 for j, li in enumerate(live):
                     tokens[j] = guide.pick(more[li], g[j], int(tokens[j]))
                 return tokens
             tail, _ = self.drafter.draft_greedy(
-                prog.kv, np.stack([self._first[s.seq_id] for s in sel]),
+                prog.kv, np.stack([self._first[s.seq_id][0] for s in sel]),
                 [int(drafts[r][0]) for r in more],
                 [s.num_computed_tokens for s in sel],
                 prog.block_tables(sel), [ks[r] - 1 for r in more],
@@ -504,8 +504,8 @@ class MtpSpeculator:
 
     def _catch_up(self, prog, seqs) -> None:
         """Feed the drafter the queued positions of these rows, in one call: its KV of positions
-        start .. F-1 from the pairs (h_t, x_{t+1}); the last pair's MTP hidden is kept (its
-        argmax is the row's next first draft)."""
+        start .. F-1 from the pairs (h_t, x_{t+1}); the last pair's MTP hidden and its argmax
+        (the row's next first draft) are kept."""
         items = [(seq, *self._lag.pop(seq.seq_id)) for seq in seqs if seq.seq_id in self._lag]
         if not items:
             return
@@ -513,10 +513,10 @@ class MtpSpeculator:
         batch = self._batch(prog, rows, [prog.token_ids(seq, start + 1, start + 1 + n)
                                          for seq, start, n in rows])
         hidden = np.concatenate([c for _, _, chunks in items for c in chunks])
-        _, g = self.drafter.forward(batch, hidden, prog.kv, with_logits=False)
+        ids, g = self.drafter.forward_argmax(batch, hidden, prog.kv)
         last = np.asarray(batch.query_start[1:], np.int64) - 1
         for i, (seq, _, _) in enumerate(rows):
-            self._first[seq.seq_id] = g[last[i]].copy()
+            self._first[seq.seq_id] = (g[last[i]].copy(), int(ids[i]))
 
     @staticmethod
     def _batch(prog, rows, tokens) -> ForwardBatch:
