@@ -20,7 +20,7 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
              is the Program's own decode step, launched ahead of the one in flight as without
              speculation (runs_plain, runs_plain_ahead); its commit queues the hidden states
              (after_plain), so an adaptive k = 0 costs what plain decoding costs
-    draft    d_1 = argmax of the MTP hidden g_1 the last commit kept (feed, below); the drafter
+    draft    d_1 = argmax of the MTP hidden g_1, both kept by the last feed (below); the drafter
              (mtp.py) runs k - 1 more steps from (g_1, d_1) at positions F .. F+k-2, greedy;
              a masked row's argmaxes are within its masks (_Guide). The drafts go into the
              token buffer after the committed tokens (provisional).
