@@ -75,6 +75,7 @@ class FakeModel(ImmediateTokenSteps):
     greedy_on_device = samples_on_device = False    # subclasses add decode_greedy / sample
     mixed_batches = True
     chains_token_steps = False      # (ChainingModel: True)
+    step_hidden = False             # (no hidden states: no speculative plain steps)
     load_phases: dict = {}
     warm_up_phases: dict = {}
     checks_batches = True
