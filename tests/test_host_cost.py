@@ -2,8 +2,11 @@
 
 A stats window summed on every cycle made the B=8 cycle 0.9 -> 2.5 -> 4.4 ms over three blocks of
 1,000 cycles on a null model. Here a null model (no compute: the host's own work only) runs 8 rows
-for a few thousand cycles; the median cycle cost of the last block must stay within 1.5x of the
-first's. Medians of blocks, not single timings: the machine is shared."""
+for a few thousand cycles; the cycle cost at the end must stay within 1.5x of the cost at the
+start. Medians of blocks, not single timings, and of two blocks at each end the faster: the
+machine is shared, and a neighbour's burst slows a whole block now and then (seen: blocks of
+400 cycles at 200 us, one of them at 300-370 us, in 4 of 12 runs), where a cost that grows
+slows every later block."""
 import threading
 import time
 
@@ -71,8 +74,9 @@ def test_cycle_cost_is_flat_over_a_long_run(monkeypatch):
         core.shutdown()
     assert max(model.batch_sizes[10:NUM_CYCLES - 10]) == ROWS   # every row decoded together
     cycles = np.asarray(core.cycle_s[:NUM_CYCLES])
-    first = np.median(cycles[BLOCK:2 * BLOCK])        # after the admissions and prefills
-    last = np.median(cycles[-BLOCK:])
+    # after the admissions and prefills; the last two blocks
+    first = min(np.median(cycles[BLOCK:2 * BLOCK]), np.median(cycles[2 * BLOCK:3 * BLOCK]))
+    last = min(np.median(cycles[-2 * BLOCK:-BLOCK]), np.median(cycles[-BLOCK:]))
     assert last <= 1.5 * first, (f"cycle cost grew: median {first * 1e6:.0f} us -> "
                                  f"{last * 1e6:.0f} us over {NUM_CYCLES} cycles")
     assert core.stats()["tokens_generated"] >= ROWS * (NUM_CYCLES - BLOCK)
