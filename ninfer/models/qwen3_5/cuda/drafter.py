@@ -93,11 +93,7 @@ class CudaDrafter:
         more tokens than one call takes runs as several calls (token_pieces), in order."""
         if with_logits:
             return self.model.mtp_forward(batch, hidden, kv)
-        hidden = np.asarray(hidden, np.float32)
-        g = np.empty_like(hidden)
-        for sub, idx in token_pieces(batch, self.model.n_cap):
-            g[idx] = self.model.mtp_forward(sub, hidden[idx], kv, with_logits=False)[1]
-        return None, g
+        return None, self.forward_argmax(batch, hidden, kv)[1]
 
     def draft_greedy(self, kv, hidden: np.ndarray, next_tokens, context_lens, block_tables, k, *,
                      with_logits: bool = True, pick=None) -> tuple:
