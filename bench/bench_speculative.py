@@ -1,13 +1,14 @@
-"""Speculative decoding with the MTP head through the Engine (issues 15 and 25).
+"""Speculative decoding through the Engine (issues 15, 25 and 30): the MTP head or a DFlash drafter.
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python bench/bench_speculative.py [--models dense,moe]
-        [--ks 1,2,3,4] [--adaptive 4] [--prompts 4] [--prompt-tokens 48] [--max-tokens 64]
+        [--drafter mtp|dflash] [--ks 1,2,3,4] [--adaptive 4] [--prompts 4] [--prompt-tokens 48]
+        [--max-tokens 64]
         [--backend numpy|cuda] [--dtype bfloat16] [--oracle 0.5,0.9] [--json out.json]
         [--shapes 9b,27b [--workdir DIR]] [--batch B]
 
 For each trained reference model: greedy generation of `--max-tokens` tokens after `--prompts`
 windows of the held-out text (`--prompt-tokens` ids each), one request at a time, without
-speculation (k = 0), with speculative="mtp" at each fixed k (draft_policy="fixed"), and with the
+speculation (k = 0), with speculative=`--drafter` at each fixed k (draft_policy="fixed"), and with the
 default adaptive policy up to `--adaptive` drafts (the units it ran at each k reported). Checks
 that every run's tokens equal k = 0's, then reports per run: acceptance by draft position
 (accepted / drafted, the Engine's stats), tokens per verify step (emitted / verify steps), the
@@ -89,7 +90,7 @@ def oracle_drafts(p: float, plain_outputs: dict, seed: int = 0):
     """Each draft the speculator verifies becomes the target's own token there (plain_outputs:
     prompt ids -> the plain run's output ids) with probability p, else that token + 1: greedy
     acceptance of p per position, whatever the drafter proposed (its work is still done)."""
-    original = speculative.MtpSpeculator._draft
+    original = speculative.Speculator._draft
     rng = np.random.default_rng(seed)
 
     def _draft(self, prog, seqs, units, t0, masks, draft_masks):
@@ -109,14 +110,14 @@ def oracle_drafts(p: float, plain_outputs: dict, seed: int = 0):
             prog.write_provisional(seq, new)
             drafts[r] = new
         return drafts
-    speculative.MtpSpeculator._draft = _draft
+    speculative.Speculator._draft = _draft
     try:
         yield
     finally:
-        speculative.MtpSpeculator._draft = original
+        speculative.Speculator._draft = original
 
 
-def _clocked(clock, backend: str):
+def _clocked(clock, backend: str, kind: str = "mtp"):
     """The parts a run's time is split into, by the functions each backend runs them in."""
     stack = contextlib.ExitStack()
     if backend == "cuda":
@@ -131,22 +132,26 @@ def _clocked(clock, backend: str):
         drafter = MtpDrafter
     for owner, name in target:
         stack.enter_context(clock.wrap(owner, name, "target forward"))
-    stack.enter_context(clock.wrap(drafter, "draft_greedy", "draft"))
-    stack.enter_context(clock.wrap(speculative.MtpSpeculator, "_catch_up", "drafter feed"))
-    stack.enter_context(clock.wrap(speculative.MtpSpeculator, "_recompute", "State recompute"))
+    if kind == "dflash":
+        from ninfer.models.qwen3_5.dflash import DFlashDrafter
+        drafter = DFlashDrafter
+    stack.enter_context(clock.wrap(drafter, "draft_hidden" if kind == "dflash" else "draft_greedy",
+                                   "draft"))
+    stack.enter_context(clock.wrap(speculative.Speculator, "_catch_up", "drafter feed"))
+    stack.enter_context(clock.wrap(speculative.Speculator, "_recompute", "State recompute"))
     return stack
 
 
 def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend: str = "numpy",
-        dtype=None, batch: int = 1) -> dict:
+        dtype=None, batch: int = 1, drafter: str = "mtp") -> dict:
     """The prompts in groups of `batch` submitted at once (max_concurrency = batch)."""
-    kw = {} if k == 0 else dict(speculative="mtp", num_draft_tokens=k, draft_policy=policy)
+    kw = {} if k == 0 else dict(speculative=drafter, num_draft_tokens=k, draft_policy=policy)
     if backend == "cuda":
         kw.update(backend="cuda", dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     clock = CpuClock(time.perf_counter if backend == "cuda" else time.process_time)
     with Engine(path, max_concurrency=batch, max_context=256, prefix_cache=False, **kw) as engine, \
-            _clocked(clock, backend):
+            _clocked(clock, backend, drafter):
         engine.generate(ids_list[0][:8], SamplingParams(max_tokens=4))      # warm the caches
         clock.seconds.clear()
         base = engine.stats()
@@ -233,6 +238,9 @@ def table(title, rows, plain, args, figure: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--drafter", choices=("mtp", "dflash"), default="mtp",
+                    help="the speculative drafter: the MTP head, or the artifact's DFlash drafter "
+                         "(the reference models ship one; numpy backend)")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--adaptive", type=int, default=4, metavar="K",
                     help="one more run with draft_policy='adaptive' up to K drafts (0: none)")
@@ -252,7 +260,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests at once (max_concurrency)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch)
+    on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch, drafter=args.drafter)
     figure = "wall" if args.backend == "cuda" else "cpu"
     count = max(args.prompts, args.batch)
     if args.shapes:
@@ -275,7 +283,7 @@ def main() -> None:
             with oracle_drafts(p, outputs) if p is not None else contextlib.nullcontext():
                 rows = [plain] + speculative_rows(name, path, ids_list, plain, args, on,
                                                   strict=not args.shapes)
-            title = f"{name}{'' if p is None else f', drafts replaced: acceptance {p}'}"
+            title = f"{name}, {args.drafter}{'' if p is None else f', drafts replaced: acceptance {p}'}"
             table(title, rows, plain, args, figure)
             report[title] = [{key: v for key, v in r.items() if key != "tokens"} for r in rows]
     if args.json:

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the model's default enable_thinking (metadata.defaults): what "
                         "run / chat / serve / Engine use unless told otherwise (default: none "
                         "stored, which means on)")
+    c.add_argument("--dflash", metavar="DRAFTER_DIR",
+                   help="also store this DFlash drafter (a Hugging Face directory in z-lab's "
+                        "layout: config.json with dflash_config, *.safetensors), for "
+                        "--speculative dflash (docs/artifact.md 7)")
     c.set_defaults(handler=_convert)
 
     s = sub.add_parser("score", help="score text or token ids: total logprob and perplexity")
@@ -102,7 +106,7 @@ def _convert(args) -> int:
     defaults = None if args.default_thinking is None \
         else {"enable_thinking": args.default_thinking == "on"}
     out = convert_checkpoint(args.src, args.out, name=args.name, progress=not args.quiet,
-                             recipe=recipe, defaults=defaults)
+                             recipe=recipe, defaults=defaults, dflash_dir=args.dflash)
     print(f"wrote {out}")
     return 0
 

@@ -65,10 +65,11 @@ _OPTION_HELP = {
     "warmup": "cuda: capture the decode graphs and run one step before ready",
     "debug_checks": "re-check every batch inside the backend too",
     "batch_invariant": "a request's tokens independent of load (cuda: decode 5-9%% slower)",
-    "speculative": "mtp: speculative decoding with the checkpoint's multi-token-prediction head "
-                   "(the same tokens, fewer target steps)",
-    "num_draft_tokens": "the most tokens the MTP head drafts per decode step, 1..4 (with "
-                        "--speculative)",
+    "speculative": "speculative decoding, the same tokens in fewer target steps: mtp, the "
+                   "checkpoint's multi-token-prediction head; dflash, the artifact's DFlash "
+                   "block drafter (numpy backend; convert --dflash)",
+    "num_draft_tokens": "the most tokens drafted per decode step: mtp 1..4 (default 3), dflash "
+                        "1 .. its block size - 1 (the default) (with --speculative)",
     "draft_policy": "adaptive: each step drafts the 0..K tokens that measure fastest (0: plain "
                     "decoding where drafts do not pay); fixed: always K (with --speculative)",
     "vision_max_patches": "cuda: the most 16x16 patches of one image the GPU vision tower "

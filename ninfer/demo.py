@@ -86,6 +86,9 @@ def reference_path(name: str = "dense", cache_dir: Optional[pathlib.Path] = None
     from .reference_models import model_path
 
     h = hashlib.sha256(model_path(name).read_bytes())
+    drafter = _shipped_drafter(name)
+    if drafter is not None:
+        h.update(b"/dflash " + drafter.read_bytes())
     h.update(f"/expansion {_EXPANSION_VERSION}".encode())
     digest = h.hexdigest()[:12]
     return pathlib.Path(cache_dir or default_cache_dir()) / f"ref-{name}-{digest}.ninfer"
@@ -105,12 +108,25 @@ def write_reference_artifact(name: str, path) -> pathlib.Path:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"ninfer-ref-{name}-"))
     try:
-        expand_to_checkpoint(model_path(name), tmp)
-        convert_checkpoint(tmp, path, name=f"ninfer-ref-{name}", progress=False,
-                           defaults=REFERENCE_DEFAULTS)
+        expand_to_checkpoint(model_path(name), tmp / "model")
+        drafter = _shipped_drafter(name)
+        if drafter is not None:
+            from .reference_models import expand_drafter
+            expand_drafter(drafter, tmp / "dflash")
+        convert_checkpoint(tmp / "model", path, name=f"ninfer-ref-{name}", progress=False,
+                           defaults=REFERENCE_DEFAULTS,
+                           dflash_dir=None if drafter is None else tmp / "dflash")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return pathlib.Path(path)
+
+
+def _shipped_drafter(name: str) -> Optional[pathlib.Path]:
+    """The reference model's DFlash drafter (ninfer/demo_models/<name>-dflash.npz), carried in
+    its artifact for speculative='dflash'; None where none is shipped."""
+    from .reference_models import MODELS_DIR
+    path = MODELS_DIR / f"{name}-dflash.npz"
+    return path if path.is_file() else None
 
 
 def _ensure_cached(path: pathlib.Path, write) -> pathlib.Path:

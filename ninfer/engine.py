@@ -43,6 +43,7 @@ class Engine:
             from .models.qwen3_5.frontend import Frontend
 
             self.config = model_config(self.artifact)
+            self._resolve_draft_tokens()
             t_frontend = time.perf_counter()
             # Scoring token ids needs no tokenizer; generation always does.
             if self.options.purpose == "scoring" and self.artifact.resource("tokenizer.json") is None:
@@ -91,11 +92,31 @@ class Engine:
             self.artifact.close()
             raise
 
+    def _resolve_draft_tokens(self) -> None:
+        """speculative='dflash': the artifact must carry a DFlash drafter; num_draft_tokens
+        defaults to its block_size - 1 and may not exceed it."""
+        if self.options.speculative != "dflash":
+            return
+        from .errors import ArtifactError
+        dflash = self.config.dflash
+        if dflash is None:
+            raise ArtifactError(f"speculative='dflash': {self.artifact.path} carries no DFlash "
+                                "drafter (convert with --dflash DRAFTER_DIR)")
+        most = dflash.block_size - 1
+        n = self.options.num_draft_tokens
+        if n is not None and n > most:
+            raise RequestError(f"Engine option num_draft_tokens={n}: the DFlash drafter's block "
+                               f"of {dflash.block_size} drafts at most {most}")
+        self.options = dataclasses.replace(self.options, num_draft_tokens=most if n is None else n)
+
     def _drafter(self):
-        """The MTP drafter when speculative='mtp' (its weights are bound only then), else None."""
+        """The drafter of options.speculative (its weights are bound only then), else None."""
         if self.options.speculative is None:
             return None
         from .errors import ArtifactError
+        if self.options.speculative == "dflash":       # (numpy only: EngineOptions)
+            from .models.qwen3_5.dflash import DFlashDrafter
+            return DFlashDrafter.from_artifact(self.artifact, self.model)
         if self.options.backend == "cuda":     # (the model loaded the head: load_cuda_model)
             from .models.qwen3_5.cuda.drafter import CudaDrafter
             return CudaDrafter(self.model)

@@ -66,11 +66,13 @@ class EngineOptions:
     # and Replay re-runs history the way it first ran (docs/architecture.md "Load invariance";
     # its cost: docs/performance.md)
     batch_invariant: bool = False
-    # speculative decoding (issue 15): None, or "mtp": the checkpoint's MTP head drafts up to
-    # num_draft_tokens (1..4) tokens per decode step and one target forward verifies them; the
-    # output is the same as without it (docs/architecture.md "Speculative decoding"). numpy only
-    speculative: Optional[Literal["mtp"]] = None
-    num_draft_tokens: int = 3
+    # speculative decoding: None; "mtp": the checkpoint's MTP head drafts up to num_draft_tokens
+    # (1..4, default 3) tokens per decode step, one at a time; "dflash": the artifact's DFlash
+    # drafter drafts them in one pass (1 .. its block_size - 1, the default); one target forward
+    # verifies them and the output is the same as without it (docs/architecture.md "Speculative
+    # decoding"). dflash: numpy only for now
+    speculative: Optional[Literal["mtp", "dflash"]] = None
+    num_draft_tokens: Optional[int] = None     # None: the drafter's default (Engine resolves it)
     # "adaptive": each step drafts the k in 0..num_draft_tokens with the most tokens per second
     # by the measured acceptance and step costs (0: plain decoding, where drafts do not pay);
     # "fixed": always num_draft_tokens
@@ -159,16 +161,37 @@ class EngineOptions:
         if self.fp8_activations is not None \
                 and not isinstance(self.fp8_activations, (bool, np.bool_)):
             bad("fp8_activations", "must be true or false (or None: on where the GPU has it)")
-        if self.speculative not in (None, "mtp"):
-            bad("speculative", "must be None or 'mtp' (the checkpoint's multi-token-prediction head)")
-        if not _is_int(self.num_draft_tokens) or not 1 <= self.num_draft_tokens <= 4:
-            bad("num_draft_tokens", "must be an integer in 1..4")
+        if self.speculative not in (None, "mtp", "dflash"):
+            bad("speculative", "must be None, 'mtp' (the checkpoint's multi-token-prediction "
+                               "head) or 'dflash' (the artifact's DFlash drafter)")
+        most = MAX_DRAFT_TOKENS[self.speculative or "mtp"]
+        if self.num_draft_tokens is not None and (not _is_int(self.num_draft_tokens)
+                                                  or not 1 <= self.num_draft_tokens <= most):
+            bad("num_draft_tokens", f"must be an integer in 1..{most}")
+        if self.speculative == "dflash" and self.backend == "cuda":
+            bad("speculative", "'dflash' runs on the numpy backend only for now (the CUDA "
+                               "drafter is not written yet); use 'mtp' on cuda")
         if self.draft_policy not in ("adaptive", "fixed"):
             bad("draft_policy", "must be 'adaptive' or 'fixed'")
         timeout = self.queue_timeout_s
         if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
                                         and timeout > 0):
             bad("queue_timeout_s", "must be a finite number of seconds > 0 (or None: no limit)")
+
+
+# the most drafts per unit: MTP drafts one token per drafter step (the verify grows with k);
+# DFlash drafts a block in one pass (the published drafters' blocks are 16 tokens: 15 drafts)
+MAX_DRAFT_TOKENS = {"mtp": 4, "dflash": 15}
+# the default k where num_draft_tokens is None (DFlash: its block_size - 1)
+DEFAULT_MTP_DRAFT_TOKENS = 3
+
+
+
+def draft_tokens(options) -> int:
+    """The most drafts a speculative unit verifies: num_draft_tokens, or where None the MTP
+    default (the Engine resolves a DFlash drafter's default, its block_size - 1, at start)."""
+    n = getattr(options, "num_draft_tokens", None)
+    return DEFAULT_MTP_DRAFT_TOKENS if n is None else int(n)
 
 
 # integer options and their least value (max_concurrency has its own range)

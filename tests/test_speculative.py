@@ -250,18 +250,20 @@ def _id_prompts():
 _numpy_verify = NumpyModel.verify_forward
 
 
-def _verify_with_snapshots(self, batch, kv, state, out_rows, *, snap_base=None, media=None):
+def _verify_with_snapshots(self, batch, kv, state, out_rows, *, snap_base=None, media=None,
+                           hidden_layers=None):
     """verify_forward as a model with verify_snapshots gives it (CUDA, cuda_model.py): the
     batch's logits and hidden states, and row r's State after each of its tokens i in slot
     snap_base[r] + i. Here: the batch as the numpy model runs it, then each snapshot row's
     tokens again one by one from its State before the batch (writing its slots), and its State
     after the batch put back."""
     if snap_base is None:
-        return _numpy_verify(self, batch, kv, state, out_rows, media=media)
+        return _numpy_verify(self, batch, kv, state, out_rows, media=media,
+                             hidden_layers=hidden_layers)
     rows = [r for r, b in enumerate(snap_base) if b >= 0]
     slots = np.asarray(batch.state_slots)
     before = {r: state.read(int(slots[r])) for r in rows}
-    out = _numpy_verify(self, batch, kv, state, out_rows, media=media)
+    out = _numpy_verify(self, batch, kv, state, out_rows, media=media, hidden_layers=hidden_layers)
     qs, ctx = np.asarray(batch.query_start), np.asarray(batch.context_lens)
     for r in rows:
         slot, after = int(slots[r]), state.read(int(slots[r]))
@@ -275,12 +277,13 @@ def _verify_with_snapshots(self, batch, kv, state, out_rows, *, snap_base=None, 
     return out
 
 
-def _verify_tokens(self, batch, kv, state, out_rows, rows, *, snap_base=None, media=None):
+def _verify_tokens(self, batch, kv, state, out_rows, rows, *, snap_base=None, media=None,
+                   hidden_layers=None):
     """verify_tokens as a backend that samples on the device gives it (CUDA): each out row's
     token from its SampleRow (the host sampler's sample_row over the same arguments: what the
     device sampler matches), argmax where None."""
     logits, hidden = self.verify_forward(batch, kv, state, out_rows, snap_base=snap_base,
-                                         media=media)
+                                         media=media, hidden_layers=hidden_layers)
     tokens = [int(np.argmax(lg)) if row is None else
               sample_row(lg, row.spec, row.prompt_ids, row.generated_ids, position=row.position,
                          mask=row.mask)[0]
@@ -573,7 +576,7 @@ def test_draft_argmax_equals_the_full_argmax(extremes):
         (V - 3, 1))).astype(np.float32) * u                 # every live logit -c * (h . u)
     for lm_head in (head, negative):
         drafter = MtpDrafter(model.text, params, model._embed, lm_head)
-        assert drafter._draft_ids is not None and len(drafter._draft_ids) == V - 3
+        assert drafter._head._ids is not None and len(drafter._head._ids) == V - 3
         hidden = np.concatenate([rng.standard_normal((40, H)), np.zeros((2, H)), u[None] * 2,
                                  (u - u @ u / (u @ u) * u)[None]]).astype(np.float32)
         want = np.argmax(hidden @ lm_head.T, axis=1)
@@ -729,14 +732,14 @@ def test_plain_steps_feed_the_drafter_what_speculative_units_would(extremes, mon
         self.units_by_k[k] += 1
         return k
     monkeypatch.setattr(DraftPolicy, "choose", choose)
-    original = speculative.MtpSpeculator._draft
+    original = speculative.Speculator._draft
     drafted = []
 
     def _draft(self, *a):
         out = original(self, *a)
         drafted[-1].append({r: d.tolist() for r, d in out.items()})
         return out
-    monkeypatch.setattr(speculative.MtpSpeculator, "_draft", _draft)
+    monkeypatch.setattr(speculative.Speculator, "_draft", _draft)
     runs = []
     for plain in (False, True):
         _device_steps(monkeypatch, plain)

@@ -236,7 +236,7 @@ class ArtifactWriter:
 
     def _manifest(self) -> dict:
         present = {b.split(".", 1)[0] for b in self._bindings}
-        components = [c for c in ("text", "vision", "mtp") if c in present]
+        components = [c for c in ("text", "vision", "mtp", "dflash") if c in present]
         return {
             "format": "ninfer", "format_version": fmt.FORMAT_VERSION, "alignment": self._alignment,
             "metadata": self._metadata, "config": self._config.to_json(), "components": components,

@@ -7,6 +7,8 @@ recipe into an ArtifactWriter, which renames its partial file into place only wh
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
 import pathlib
@@ -23,7 +25,7 @@ from . import names as N
 from .calibrate import input_hessians
 from .quantize import SCALE_SUFFIX, Quantize, QuantPlan, plan_release_fp8, write_quantized
 from .recipe import Recipe, ValuePreserving
-from .source import CheckpointSource
+from .source import CheckpointSource, DrafterSource
 
 
 @dataclass
@@ -52,12 +54,14 @@ class ConversionPlan:
 
 def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: bool = True,
                        recipe: Recipe | None = None, defaults: dict | None = None,
-                       open_source=CheckpointSource) -> str:
+                       open_source=CheckpointSource, dflash_dir=None) -> str:
     """Convert `src_dir` into `out_path`. Raises ConvertError (bad source) or ArtifactError (cannot
     write); either way no file is left at `out_path` (an existing one is untouched). `defaults`:
     the model's run defaults stored as metadata.defaults (e.g. {"enable_thinking": False}).
     `open_source`: how `src_dir` is opened (a CheckpointSource subclass; bench_engine's random
-    source makes tensors as they are read, so a 70 GB model needs no checkpoint on disk)."""
+    source makes tensors as they are read, so a 70 GB model needs no checkpoint on disk).
+    `dflash_dir`: a DFlash drafter's directory for this model (config.json + safetensors,
+    z-lab's layout), stored as the `dflash` component as it is (docs/artifact.md section 7)."""
     recipe = recipe or ValuePreserving()
     src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
     with open_source(src_dir) as src:
@@ -75,9 +79,48 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
             metadata["quantization"] = recipe.describe()
         if defaults:
             metadata["defaults"] = dict(defaults)
-        with ArtifactWriter(out_path, src.config, name=name, metadata=metadata) as writer:
-            _write(src, plan, recipe, writer, progress)
+        with contextlib.ExitStack() as stack:
+            drafter = None if dflash_dir is None else \
+                stack.enter_context(DrafterSource(_fspath(dflash_dir, "dflash_dir"), src.config.text))
+            drafter_plan = None if drafter is None else _plan_drafter(drafter)
+            config = src.config if drafter is None else \
+                dataclasses.replace(src.config, dflash=drafter.dflash)
+            with ArtifactWriter(out_path, config, name=name, metadata=metadata) as writer:
+                _write(src, plan, recipe, writer, progress)
+                if drafter is not None:
+                    _write_drafter(drafter, drafter_plan, writer)
     return out_path
+
+
+def _plan_drafter(drafter: DrafterSource) -> list:
+    """[(logical name, source name)] of a DFlash drafter's tensors, every one the config implies
+    with its shape, nothing else."""
+    from ..models.qwen3_5.dflash import PREFIX, dflash_param_shapes
+    expected = dflash_param_shapes(drafter.dflash)
+    names = {PREFIX + s: s for s in drafter.tensors}
+    for lg, shape in expected.items():
+        if lg not in names:
+            raise ConvertError(f"{drafter.dir}: missing drafter tensor {lg[len(PREFIX):]!r} "
+                               f"(expected shape {list(shape)})")
+        got = tuple(drafter.tensors[names[lg]].shape)
+        if got != tuple(shape):
+            raise ConvertError(f"{drafter.dir}: drafter tensor {names[lg]!r}: expected shape "
+                               f"{list(shape)} from its config.json, got {list(got)}")
+    extra = sorted(set(names) - set(expected), key=_natural_key)
+    if extra:
+        raise ConvertError(f"{drafter.dir}: unexpected drafter tensor {names[extra[0]]!r} (its "
+                           "config.json implies no such parameter; DFlash2 is not supported)")
+    return [(lg, names[lg]) for lg in sorted(expected, key=_natural_key)]
+
+
+def _write_drafter(drafter: DrafterSource, plan: list, writer: ArtifactWriter) -> None:
+    """The drafter's tensors as stored (value-preserving), one object and binding each."""
+    for logical, source in plan:
+        info = drafter.tensors[source]
+        with writer.begin_object(logical, info.dtype, info.shape, "row_major") as sink:
+            for piece in drafter.read_chunks(source):
+                sink.write(piece)
+        writer.bind(logical, logical)
 
 
 def hessians_for_checkpoint(src_dir, text: str, max_tokens: int, quantize=None) -> dict:

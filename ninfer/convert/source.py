@@ -261,6 +261,37 @@ class CheckpointSource:
         return data
 
 
+class DrafterSource(CheckpointSource):
+    """A DFlash drafter's Hugging Face directory (config.json in z-lab's layout + safetensors),
+    for the target `text` (TextConfig): `dflash` is its DFlashConfig, `tensors` its weights."""
+
+    def __init__(self, src_dir, text):
+        from ..models.qwen3_5.config import parse_dflash_config
+        self.dir = pathlib.Path(src_dir)
+        if not self.dir.is_dir():
+            raise ConvertError(f"DFlash drafter directory {self.dir} does not exist or is not a "
+                               "directory")
+        self.hf_config = self._read_json("config.json", required=True)
+        try:
+            self.dflash = parse_dflash_config(self.hf_config, text)
+        except ArtifactError as exc:
+            raise ConvertError(f"{self.dir / 'config.json'}: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ConvertError(f"{self.dir / 'config.json'}: malformed drafter config "
+                               f"({type(exc).__name__}: {exc})") from exc
+        self.quantization = None
+        self._stack = contextlib.ExitStack()
+        self._handles = {}
+        try:
+            self.tensors = self._index_tensors()
+        except BaseException:
+            self.close()
+            raise
+
+    def resources(self) -> dict:
+        return {}
+
+
 def source_quantization(hf_config: dict, where) -> dict | None:
     """The checkpoint's `quantization_config` when the converter can import it value-preserving
     (block-wise FP8 e4m3 with dynamic activations, as Qwen's FP8 releases), else ConvertError

@@ -17,6 +17,11 @@ def rmsnorm_zero_centred(x: np.ndarray, weight: np.ndarray, eps: float) -> np.nd
     return _rms_normalise(x, eps) * (1.0 + weight)
 
 
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Plain RMSNorm: normalise, then scale by w (Qwen3's; the DFlash drafter's layers)."""
+    return _rms_normalise(x, eps) * weight
+
+
 def rmsnorm_gated(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """Gated DeltaNet output norm: w * rmsnorm(x) * silu(gate); plain (not zero-centred) weight."""
     return weight * _rms_normalise(x, eps) * silu(gate.astype(np.float32, copy=False))

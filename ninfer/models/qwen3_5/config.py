@@ -92,6 +92,7 @@ class ModelConfig:
     text: TextConfig
     vision: Optional[dict] = None            # raw vision_config; carried, not executed yet
     special_token_ids: dict = field(default_factory=dict)   # image_token_id, vision_start_token_id, ...
+    dflash: Optional["DFlashConfig"] = None  # the DFlash drafter's, when the artifact carries one
 
     @property
     def is_moe(self) -> bool:
@@ -103,6 +104,8 @@ class ModelConfig:
         d["text"]["mrope_section"] = list(self.text.mrope_section)
         d["text"]["layer_types"] = list(self.text.layer_types)
         d["text"]["eos_token_id"] = list(self.text.eos_token_id)
+        if self.dflash is not None:         # (absent otherwise: older readers see no new key)
+            d["dflash"] = self.dflash.to_json()
         return d
 
     @classmethod
@@ -113,9 +116,11 @@ class ModelConfig:
             for k in ("mrope_section", "layer_types", "eos_token_id"):
                 t[k] = tuple(t.get(k, ()))
             text = TextConfig(**t)
+            dflash = d.get("dflash")
             cfg = cls(architecture=d["architecture"], text=text, vision=d.get("vision"),
-                      special_token_ids=dict(d.get("special_token_ids", {})))
-        except (KeyError, TypeError) as exc:
+                      special_token_ids=dict(d.get("special_token_ids", {})),
+                      dflash=None if dflash is None else DFlashConfig.from_json(dflash))
+        except (KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(f"manifest model config: malformed ({exc})") from exc
         _validate(cfg)
         return cfg
@@ -261,3 +266,96 @@ def _validate(cfg: ModelConfig) -> None:
         bad(f"num_experts_per_tok {t.num_experts_per_tok} out of range for {t.num_experts} experts")
     if t.hidden_act != "silu":
         bad(f"hidden_act {t.hidden_act!r} unsupported (Qwen3.5 uses silu)")
+    if cfg.dflash is not None:
+        cfg.dflash.validate(t)
+
+
+@dataclass(frozen=True, slots=True)
+class DFlashConfig:
+    """A DFlash block-diffusion drafter's geometry (dflash.py; docs/artifact.md section 7): a few
+    Qwen3-style decoder layers of the target's hidden size over the features of the target's
+    layers `target_layer_ids`, drafting `block_size - 1` tokens in one pass."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_layer_ids: tuple
+    block_size: int
+    mask_token_id: int
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DFlashConfig":
+        d = dict(d)
+        d["target_layer_ids"] = tuple(d.get("target_layer_ids", ()))
+        return cls(**d)
+
+    def validate(self, text: TextConfig) -> None:
+        """ArtifactError unless this drafter fits the target `text`."""
+        def bad(rule):
+            raise ArtifactError(f"DFlash drafter config: {rule}")
+        for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                bad(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size != text.hidden_size:
+            bad(f"hidden_size {self.hidden_size} != the target's {text.hidden_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            bad(f"head_dim {self.head_dim} must be even (rotary)")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            bad("rms_norm_eps and rope_theta must be > 0")
+        ids = self.target_layer_ids
+        if not ids or any(not 0 <= i < text.num_hidden_layers for i in ids) \
+                or len(set(ids)) != len(ids):
+            bad(f"target_layer_ids {list(ids)} must be distinct layers of the target's "
+                f"{text.num_hidden_layers}")
+        if self.block_size < 2:
+            bad(f"block_size {self.block_size} must be >= 2 (the anchor and a draft)")
+        if not 0 <= self.mask_token_id < text.vocab_size:
+            bad(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {text.vocab_size})")
+
+
+def parse_dflash_config(hf: dict, text: TextConfig) -> DFlashConfig:
+    """A DFlash drafter's Hugging Face config.json (z-lab's layout: Qwen3 geometry at the top
+    level, `dflash_config` with target_layer_ids, block_size, mask_token_id; the latter two may
+    sit at the top level) -> DFlashConfig, validated against the target. ArtifactError for a
+    drafter this engine does not run (DFlash2's extra modules, RoPE scaling, biases)."""
+    extra = dict(hf.get("dflash_config") or {})
+
+    def get(key, default=None):
+        value = extra.get(key, hf.get(key, default))
+        if value is None:
+            raise ArtifactError(f"DFlash drafter config.json: {key} is missing")
+        return value
+    for key in ("conv_kernel_size", "selector_rank"):       # DFlash2's modules
+        if extra.get(key, hf.get(key)) is not None:
+            raise ArtifactError(f"DFlash drafter config.json: {key} (DFlash2) is not supported")
+    if hf.get("attention_bias") or (hf.get("rope_scaling") or {}).get("rope_type",
+                                                                       "default") != "default":
+        raise ArtifactError("DFlash drafter config.json: attention biases and RoPE scaling are "
+                            "not supported")
+    if str(hf.get("hidden_act", "silu")) != "silu":
+        raise ArtifactError(f"DFlash drafter config.json: hidden_act {hf['hidden_act']!r} unsupported")
+    heads = int(get("num_attention_heads"))
+    cfg = DFlashConfig(
+        hidden_size=int(get("hidden_size")), num_hidden_layers=int(get("num_hidden_layers")),
+        num_attention_heads=heads, num_key_value_heads=int(get("num_key_value_heads", heads)),
+        head_dim=int(hf.get("head_dim") or int(get("hidden_size")) // heads),
+        intermediate_size=int(get("intermediate_size")),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rope_theta=float(get("rope_theta", 10000.0)),
+        target_layer_ids=tuple(int(i) for i in get("target_layer_ids")),
+        block_size=int(get("block_size", 16)), mask_token_id=int(get("mask_token_id")))
+    cfg.validate(text)
+    return cfg

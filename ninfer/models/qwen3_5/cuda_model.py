@@ -38,6 +38,7 @@ from ...core.cuda.arena import Arena
 from ...core.cuda.cublaslt import CublasLt
 from ...core.cuda.kernels import KernelCache
 from ...errors import ArtifactError, DeviceError, RequestError
+from ...options import draft_tokens
 from .config import ModelConfig
 from .load import model_config
 from .memory_plan import state_slot_bytes
@@ -268,7 +269,7 @@ class CudaModel(MediaEncoding):
             + wq * (4 if self.f32 else 2) + w8a8_bytes(n_cap, w8k) + (1024 if w8k else 0)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
         # (speculative: every verify position of every row is a sampler row)
-        sampler_rows = max(b_cap * (options.num_draft_tokens + 1 if self.mtp else 1), 8)
+        sampler_rows = max(b_cap * (draft_tokens(options) + 1 if self.mtp else 1), 8)
         free, total = self.device.mem_info()
         self.memory_plan = plan = plan_cuda_memory(
             # (with the MTP head: its KV layer paged with the model's, one more full-attention
@@ -365,7 +366,7 @@ class CudaModel(MediaEncoding):
                           # a verify of every row's k + 1 tokens stays on the decode's expert
                           # GEMVs: the grouped path syncs with the host at every MoE layer
                           # (a 35B-A3B verify of 4 tokens: 7.4x a decode step that way)
-                          moe_gemv_tokens=b_cap * (options.num_draft_tokens + 1 if self.mtp
+                          moe_gemv_tokens=b_cap * (draft_tokens(options) + 1 if self.mtp
                                                    else 1),
                           n_cap=n_cap, route_host=self.route_host, media=self.media_rows),
             invariant=self.batch_invariant,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import RequestError
+from ...options import draft_tokens
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -59,12 +60,12 @@ def max_state_slots(num_seq_slots: int) -> int:
 
 
 def snapshot_slots(options) -> int:
-    """The State slots a speculative verify writes its per-token States into (speculative='mtp'
-    on a backend whose verify keeps them: the CUDA model): num_draft_tokens + 1 per sequence
-    slot, after the sequences' and the context cache's (program/speculative.py)."""
-    if getattr(options, "speculative", None) != "mtp":
+    """The State slots a speculative verify writes its per-token States into (on a backend whose
+    verify keeps them: the CUDA model): num_draft_tokens + 1 per sequence slot, after the
+    sequences' and the context cache's (program/speculative.py)."""
+    if getattr(options, "speculative", None) is None:
         return 0
-    return max(int(options.max_concurrency), 1) * (int(options.num_draft_tokens) + 1)
+    return max(int(options.max_concurrency), 1) * (draft_tokens(options) + 1)
 
 
 def kv_bytes_per_token(text, itemsize: float) -> float:

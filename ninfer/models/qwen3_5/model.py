@@ -92,31 +92,44 @@ class NumpyModel(MediaEncoding):
     verify_snapshots = False
 
     def verify_forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool, out_rows, *,
-                       snap_base=None, media=None) -> tuple:
+                       snap_base=None, media=None, hidden_layers=None) -> tuple:
         """A speculative unit's forward (program/speculative.py): (logits [len(out_rows), V]
-        float32 of those tokens, final-normed hidden [N, H] of every token, the drafter's
-        feed). snap_base: the CUDA model's per-token State snapshots, which this model does not
-        keep (verify_snapshots), so it must be None."""
+        float32 of those tokens, the drafter's feed of every token: the final-normed hidden
+        [N, H] (MTP), or with hidden_layers the outputs of those decoder layers side by side
+        [N, len(hidden_layers) * H] (DFlash's features)). snap_base: the CUDA model's per-token
+        State snapshots, which this model does not keep (verify_snapshots), so it must be None."""
         if snap_base is not None:
             raise ValueError("numpy verify_forward keeps no State snapshots (verify_snapshots)")
-        hidden = self.final_hidden(batch, kv, state, media=media)
-        return head_product(hidden[np.asarray(out_rows, np.int64)], self._lm_head), hidden
+        h, kept = self._trunk(batch, kv, state, media, keep=hidden_layers or ())
+        hidden = ops.rmsnorm_zero_centred(h, self._norm, self.text.rms_norm_eps)
+        logits = head_product(hidden[np.asarray(out_rows, np.int64)], self._lm_head)
+        return logits, (np.concatenate(kept, axis=1) if hidden_layers else hidden)
 
-    def _trunk(self, batch, kv, state, media) -> np.ndarray:
+    def _trunk(self, batch, kv, state, media, keep=None):
         """The decoder layers over every new token: the residual stream [N, H] before the final
-        norm."""
+        norm; with `keep` (layer indices) also [the stream after each of those layers], in
+        keep's order."""
         plan = self._plan(batch, kv, state)
         cfg = self.text
         h = self._embed[np.asarray(batch.token_ids, np.int64)]                  # [N, H]
         if media is not None:
             rows, vectors = media
             h[np.asarray(rows, np.int64)] = vectors
-        for in_norm, mixer, post_norm, mlp in self._layers:
+        after = {}
+        for i, (in_norm, mixer, post_norm, mlp) in enumerate(self._layers):
             x = ops.rmsnorm_zero_centred(h, in_norm, cfg.rms_norm_eps)
             pool = kv if isinstance(mixer, GatedAttention) else state
             h = h + mixer(x, plan, pool)
             h = h + mlp(ops.rmsnorm_zero_centred(h, post_norm, cfg.rms_norm_eps))
-        return h
+            if keep and i in keep:
+                after[i] = h
+        if keep is None:
+            return h
+        missing = [i for i in keep if i not in after]
+        if missing:
+            raise ValueError(f"hidden_layers {missing} are not layers of this model "
+                             f"(0 .. {len(self._layers) - 1})")
+        return h, [after[i] for i in keep]
 
     def batch_limits(self, kv: KVPool, state: StatePool) -> BatchLimits:
         """ForwardBatch.check's limits of a call over these pools."""
@@ -156,3 +169,38 @@ def head_product(hidden: np.ndarray, head: np.ndarray) -> np.ndarray:
     if 1 < len(hidden) <= 8:
         return np.ascontiguousarray((head @ hidden.T).T, dtype=np.float32)
     return ops.linear(hidden, head).astype(np.float32, copy=False)
+
+
+class DraftHead:
+    """A drafter's vocabulary product over the target's lm_head (shared array, no copy): `logits`
+    and `argmax`. lm_head rows that are all zero give logit 0 for any hidden (the reference
+    models' unseen ids): the argmax searches the others and compares with 0, exactly the full
+    argmax at a fraction of the product (every row counts in real checkpoints)."""
+
+    def __init__(self, lm_head: np.ndarray):
+        self.lm_head = lm_head
+        live = np.flatnonzero(np.any(lm_head != 0, axis=1))
+        self._ids = live if 0 < len(live) < len(lm_head) else None
+        self._head = None if self._ids is None else np.ascontiguousarray(lm_head[live])
+        zero = np.flatnonzero(~np.any(lm_head != 0, axis=1)) if self._ids is not None else ()
+        self._first_zero_id = int(zero[0]) if len(zero) else -1
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T."""
+        return head_product(np.asarray(hidden, np.float32), self.lm_head)
+
+    def argmax(self, hidden: np.ndarray) -> np.ndarray:
+        """int32 [N]: argmax of logits(hidden), lowest id on ties."""
+        hidden = np.asarray(hidden, np.float32)
+        if self._ids is None:
+            return np.argmax(self.logits(hidden), axis=1).astype(np.int32)
+        live = head_product(hidden, self._head)                              # [N, K]
+        best = np.argmax(live, axis=1)
+        value = live[np.arange(len(best)), best]
+        out = self._ids[best].astype(np.int64)
+        # the zero rows' logit is 0: they win over a negative best; at a best of exactly 0 the
+        # lowest id among the live ones at 0 and the first zero row wins
+        for i in np.flatnonzero(value <= 0):
+            out[i] = self._first_zero_id if value[i] < 0 else \
+                min(self._first_zero_id, int(self._ids[np.argmax(live[i] == 0)]))
+        return out.astype(np.int32)

@@ -29,11 +29,12 @@ import numpy as np
 
 from ... import ops
 from ...errors import ArtifactError
+from ...options import MAX_DRAFT_TOKENS
 from .batch import ForwardBatch
 from .config import FULL_ATTENTION, TextConfig
 from .layers import DenseMLP, GatedAttention, SparseMoE, StepPlan
 from .load import ParamReader, _attention, _dense_mlp, _moe, text_param_shapes
-from .model import head_product
+from .model import DraftHead
 from .state import KVPool
 
 PREFIX = "mtp."
@@ -79,6 +80,8 @@ def read_mtp_params(artifact, cfg: TextConfig) -> dict:
 
 class MtpDrafter:
     """The MTP head over a target NumpyModel's embedding and lm_head (shared arrays, no copy)."""
+    hidden_layers = None        # its feed reads the target's final-normed hidden
+    max_draft_tokens = MAX_DRAFT_TOKENS["mtp"]
 
     def __init__(self, cfg: TextConfig, params: dict, embed: np.ndarray, lm_head: np.ndarray):
         self.text, self.p = cfg, params
@@ -86,14 +89,7 @@ class MtpDrafter:
         layer = params["layer"]
         self._attn = GatedAttention(layer, cfg, 0)          # ordinal 0 of the drafter's pool
         self._mlp = SparseMoE(layer, cfg) if cfg.is_moe else DenseMLP(layer)
-        # lm_head rows that are all zero give logit 0 for any hidden (the reference models'
-        # unseen ids): a draft's argmax searches the others and compares with 0, exactly the full
-        # argmax at a fraction of the product (None: every row counts, as in real checkpoints)
-        live = np.flatnonzero(np.any(lm_head != 0, axis=1))
-        self._draft_ids = live if 0 < len(live) < len(lm_head) else None
-        self._draft_head = None if self._draft_ids is None else np.ascontiguousarray(lm_head[live])
-        zero = np.flatnonzero(~np.any(lm_head != 0, axis=1)) if self._draft_ids is not None else ()
-        self._first_zero_id = int(zero[0]) if len(zero) else -1
+        self._head = DraftHead(lm_head)
 
     @classmethod
     def from_artifact(cls, artifact, target) -> "MtpDrafter":
@@ -121,24 +117,11 @@ class MtpDrafter:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T (the shared lm_head: the target's
         logits from its final_hidden, or a draft's from an MTP hidden)."""
-        return head_product(np.asarray(hidden, np.float32), self._lm_head)
+        return self._head.logits(hidden)
 
     def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
-        """int32 [N]: argmax of logits(hidden) (lowest id on ties), searching only the lm_head
-        rows that are not all zero when some are."""
-        hidden = np.asarray(hidden, np.float32)
-        if self._draft_ids is None:
-            return np.argmax(self.logits(hidden), axis=1).astype(np.int32)
-        live = head_product(hidden, self._draft_head)                        # [N, K]
-        best = np.argmax(live, axis=1)
-        value = live[np.arange(len(best)), best]
-        out = self._draft_ids[best].astype(np.int64)
-        # the zero rows' logit is 0: they win over a negative best; at a best of exactly 0 the
-        # lowest id among the live ones at 0 and the first zero row wins
-        for i in np.flatnonzero(value <= 0):
-            out[i] = self._first_zero_id if value[i] < 0 else \
-                min(self._first_zero_id, int(self._draft_ids[np.argmax(live[i] == 0)]))
-        return out.astype(np.int32)
+        """int32 [N]: argmax of logits(hidden) (lowest id on ties; DraftHead)."""
+        return self._head.argmax(hidden)
 
     def forward_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool) -> tuple:
         """forward without logits, and each row's next draft: (int32 [B] draft_argmax of the

@@ -13,6 +13,7 @@ from dataclasses import replace
 from ....core.cuda.arena import _round_up
 from ....core.cuda.cublaslt import PIN_M
 from ....errors import DeviceError
+from ....options import draft_tokens
 from ..memory_plan import MemoryPlan, plan_device_pools
 from . import attention_tc, gdn_chunk
 from .runner import grouped_rows
@@ -43,7 +44,7 @@ def call_capacities(options, max_tokens: int = None, *, mixed: bool = False) -> 
     chunk = (max_tokens or options.prefill_chunk) + (b_cap if mixed else 0)
     # speculative='mtp': a verify unit runs every decode row's last token and up to k drafts,
     # all of them with logits (program/speculative.py), in one call
-    verify = b_cap * (int(options.num_draft_tokens) + 1) \
+    verify = b_cap * (draft_tokens(options) + 1) \
         if getattr(options, "speculative", None) == "mtp" else b_cap
     n_cap = int(max(chunk, verify, PIN_M if options.batch_invariant else 1))
     check_capacity(n_cap)

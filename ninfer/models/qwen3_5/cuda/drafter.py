@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ....options import MAX_DRAFT_TOKENS
+
 from ..batch import ForwardBatch
 from ..mtp import draft_greedy
 
@@ -49,6 +51,8 @@ def token_pieces(batch: ForwardBatch, cap: int) -> list:
 
 class CudaDrafter:
     """The checkpoint's MTP head on the device, for the speculative units (speculative.py)."""
+    hidden_layers = None        # its feed reads the target's final-normed hidden
+    max_draft_tokens = MAX_DRAFT_TOKENS["mtp"]
 
     def __init__(self, model):
         if not getattr(model, "mtp", False):

@@ -39,7 +39,7 @@ from .page_ledger import PagePool, SlotPool, pages_for
 from .sequences import (Sequence, Unit, UnitRules, capture_due, capture_positions,
                         check_decision, row_kind)
 from .snapshots import SnapshotLedger, capture_image, host_bytes, install_image
-from .speculative import MtpSpeculator
+from .speculative import Speculator
 
 # distinguishes Programs in the device sampler's prompt cache keys (it lives on the model, which
 # may outlive a Program or serve several; sequence ids restart in each Program)
@@ -48,7 +48,8 @@ _PROGRAM_IDS = itertools.count(1)
 
 class Program:
     def __init__(self, model, options, *, drafter=None):
-        """drafter: an MtpDrafter of the same model to decode speculatively with (issue 15)."""
+        """drafter: a drafter of the same model to decode speculatively with (an MTP drafter, or
+        a DFlash drafter; program/speculative.py)."""
         text = model.config.text
         self.model = model
         self.vocab_size = int(text.vocab_size)
@@ -66,9 +67,9 @@ class Program:
         # speculative decoding: the drafter's KV joins the pool as one more layer (so every page
         # copy carries it) before anything sizes a page; speculative.py runs the units
         self.speculator = None if drafter is None else \
-            MtpSpeculator(drafter, options.num_draft_tokens, self.kv,
-                          adaptive=options.draft_policy == "adaptive",
-                          snapshots=bool(getattr(model, "verify_snapshots", False)))
+            Speculator(drafter, options.num_draft_tokens, self.kv,
+                       adaptive=options.draft_policy == "adaptive",
+                       snapshots=bool(getattr(model, "verify_snapshots", False)))
         self.is_speculative = self.speculator is not None
         # decode rows and a prefill chunk as one unit (one forward: the chunk's weight reads
         # serve the decode rows too), where the backend takes such batches; not with drafts
@@ -472,7 +473,7 @@ class Program:
         """The one place a unit's backend call starts. The device token paths return at once
         (`launch_tokens`: the GPU runs while the EngineCore does host work, `collect` waits);
         host-sampled logits are computed here (`ReadyStep`). keep_hidden: a speculative
-        Program's plain decode step (MtpSpeculator.runs_plain: a device token path), whose
+        Program's plain decode step (Speculator.runs_plain: a device token path), whose
         step keeps every row's hidden state for the drafter."""
         batch = self.pack_rows(seqs, units)
         media = packing.media_rows(seqs, units)

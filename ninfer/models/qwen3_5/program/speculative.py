@@ -1,15 +1,21 @@
-"""Speculative decoding with the checkpoint's MTP head (issues 15 and 25): draft, verify, commit,
-roll back, on either backend. The Program owns it; program.py calls in at construction, `launch`,
-`commit`, `release` and `stats`; it calls back only through the Program's documented speculation
-hooks (`sequence`, `token_ids`, `write_provisional`, `grow_pages`, `block_tables`, `pack_rows`,
-`media_rows`, `sample_row`, `new_unit_id`) and its public `model`, `kv`, `state`.
+"""Speculative decoding (issues 15, 25 and 30): draft, verify, commit, roll back, on either
+backend, with either drafter: the checkpoint's MTP head (mtp.py; cuda/drafter.py on the GPU),
+which drafts one token per drafter step from the target's final-normed hidden states, or a DFlash
+block drafter (dflash.py, numpy), which drafts a whole block in one pass from the target's
+features (the outputs of some of its layers). The Program owns it; program.py calls in at
+construction, `launch`, `commit`, `release` and `stats`; it calls back only through the Program's
+documented speculation hooks (`sequence`, `token_ids`, `write_provisional`, `grow_pages`,
+`block_tables`, `pack_rows`, `media_rows`, `sample_row`, `new_unit_id`) and its public `model`,
+`kv`, `state`.
 
 What it asks of the backend: the model's `verify_forward` (the logits of the picked tokens and
-every token's final-normed hidden state), `verify_snapshots`, and where the unit's rows may be
-sampled on the device (Program.samples_on_device) its `verify_tokens` (the same forward, each
-picked position sampled there as a decode step at that position would be); the drafter's `forward`,
-`forward_argmax`, `logits`, `draft_greedy` and `join_kv_pool` (mtp.MtpDrafter on numpy,
-cuda/drafter.py's CudaDrafter on the GPU).
+every token's drafter feed: its final-normed hidden state, or with `hidden_layers` the outputs of
+those layers), `verify_snapshots`, and where the unit's rows may be sampled on the device
+(Program.samples_on_device) its `verify_tokens` (the same forward, each picked position sampled
+there as a decode step at that position would be). Of an MTP drafter: `forward`,
+`forward_argmax`, `logits`, `draft_greedy` and `join_kv_pool` (_ChainProposer); of a DFlash
+drafter: `feed`, `draft_hidden`, `draft_argmax`, `logits` and `join_kv_pool` (_BlockProposer).
+Both name `hidden_layers` (None: MTP's feed) and `max_draft_tokens`.
 
 One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sampled, not yet run):
 
@@ -20,10 +26,11 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
              is the Program's own decode step, launched ahead of the one in flight as without
              speculation (runs_plain, runs_plain_ahead); its commit queues the hidden states
              (after_plain), so an adaptive k = 0 costs what plain decoding costs
-    draft    d_1 = argmax of the MTP hidden g_1, both kept by the last feed (below); the drafter
-             (mtp.py) runs k - 1 more steps from (g_1, d_1) at positions F .. F+k-2, greedy;
-             a masked row's argmaxes are within its masks (_Guide). The drafts go into the
-             token buffer after the committed tokens (provisional).
+    draft    MTP: d_1 = argmax of the MTP hidden g_1, both kept by the last feed (below); the
+             drafter (mtp.py) runs k - 1 more steps from (g_1, d_1) at positions F .. F+k-2,
+             greedy. DFlash: one block pass over [x_{N-1}, mask ...] at F .. F+bs-1 gives
+             d_1 .. d_k at once. A masked row's argmaxes are within its masks (_Guide). The
+             drafts go into the token buffer after the committed tokens (provisional).
     verify   one target forward over [x_{N-1}, d_1 .. d_k] at positions F .. F+k, batched with
              the unit's other rows (prefill / Replay / control / plain decode rows run as usual).
              Position j samples t_j exactly as a decode step at that position would: penalties
@@ -35,10 +42,11 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
              State after token a - 1 is copied over the row's slot (a model with
              verify_snapshots: CUDA), or the pre-verify backup is restored and the a accepted
              tokens are run again (recompute: numpy); KV past the frontier is left for the next
-             unit to overwrite. Then the feed: the target's hidden states of positions
-             F .. F+a-1 are queued; when the row next drafts, is checkpointed or paused, or
-             LAG_TOKENS are queued, one drafter call writes its KV of the queued positions from
-             them and the accepted tokens, and its last MTP hidden is kept for d_1.
+             unit to overwrite. Then the feed: the target's hidden states (DFlash: features)
+             of positions F .. F+a-1 are queued; when the row next drafts, is checkpointed or
+             paused, or LAG_TOKENS are queued, one drafter call writes its KV of the queued
+             positions (MTP: from them and the accepted tokens, and its last MTP hidden is kept
+             for d_1; DFlash: its context KV from the features alone).
 
 Sampling rule. The drafts are greedy, so the draft distribution q at position j is the point mass
 on d_{j+1}. The standard speculative-sampling rule then reads: accept d with probability
@@ -50,7 +58,8 @@ the rule exactly, and the emitted token is the one the non-speculative path woul
 seeded request gives the same tokens with or without speculation, at any batch size, across
 pauses; greedy (temperature 0) is the special case t = argmax.
 
-The drafter's KV is one more layer of the target's KVPool (MtpDrafter.join_kv_pool): the same
+The drafter's KV is one more layer (DFlash: its layers) of the target's KVPool (join_kv_pool): the
+same
 pages and block tables, so Snapshots and prefix checkpoints carry it. Invariant after every
 commit: the drafter's KV covers the positions before the row's queued feed (the pairs
 (h_t, x_{t+1}) of the target's hidden states), the queue covers the rest up to the frontier F,
@@ -76,10 +85,10 @@ import numpy as np
 
 from ....contracts import PendingBatch, ProgramError, RowResult
 from ..batch import ForwardBatch
+from ....options import DEFAULT_MTP_DRAFT_TOKENS
 from .draft_policy import DraftPolicy
 from .sampling import sample_row
 
-MAX_DRAFT_TOKENS = 4
 # a row's committed positions wait, as the target's hidden states, until the drafter needs its
 # KV (the row drafts, is checkpointed or paused) or this many pile up: then one drafter call
 # feeds them all. Feeding every plain step costs a drafter layer per step, 7% of a step on the
@@ -142,28 +151,121 @@ class _Guide:
         return token
 
 
-class MtpSpeculator:
-    def __init__(self, drafter, num_draft_tokens: int, kv, adaptive: bool = True,
+class _ChainProposer:
+    """MTP's drafts: d_1 is the argmax of the MTP hidden g_1 that the feed leaving the row's queue
+    empty kept; the drafter then runs k - 1 greedy steps from (g_1, d_1) at positions F .. F+k-2
+    (mtp.draft_greedy), each within the row's masks (_Guide)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        # seq_id -> (g_1 [H], d_1): kept by the feed, for the next unit that drafts (g_1: a
+        # masked d_1 and the next draft step)
+        self.first: dict = {}
+
+    def ready(self, seq_id: int) -> bool:
+        return seq_id in self.first
+
+    def forget(self, seq_id: int) -> None:
+        self.first.pop(seq_id, None)
+
+    def feed(self, prog, batch: ForwardBatch, hidden: np.ndarray, seqs) -> None:
+        """The drafter's KV of the batch's positions from the pairs (h_t, x_{t+1}); each row's
+        last MTP hidden and its argmax are kept."""
+        ids, g = self.drafter.forward_argmax(batch, hidden, prog.kv)
+        last = np.asarray(batch.query_start[1:], np.int64) - 1
+        for i, seq in enumerate(seqs):
+            self.first[seq.seq_id] = (g[last[i]].copy(), int(ids[i]))
+
+    def propose(self, prog, seqs, ks: dict, guide: "_Guide") -> dict:
+        """{row index: int32 drafts} of the rows in ks (row -> its k), each within its masks."""
+        g1 = np.stack([self.first[seqs[r].seq_id][0] for r in ks])
+        first = np.array([self.first[seqs[r].seq_id][1] for r in ks], np.int32)
+        for i, r in enumerate(ks):
+            first[i] = guide.pick(r, g1[i], int(first[i]))
+        drafts = {r: first[i:i + 1].astype(np.int32) for i, r in enumerate(ks)}
+        more = [r for r in ks if ks[r] > 1 and r not in guide.cut]
+        if more:
+            sel = [seqs[r] for r in more]
+
+            def pick(step, live, g, tokens):
+                for j, li in enumerate(live):
+                    tokens[j] = guide.pick(more[li], g[j], int(tokens[j]))
+                return tokens
+            tail, _ = self.drafter.draft_greedy(
+                prog.kv, np.stack([self.first[s.seq_id][0] for s in sel]),
+                [int(drafts[r][0]) for r in more],
+                [s.num_computed_tokens for s in sel],
+                prog.block_tables(sel), [ks[r] - 1 for r in more],
+                with_logits=False, pick=pick if guide.rows else None)
+            for i, r in enumerate(more):
+                drafts[r] = np.concatenate([drafts[r], tail[i, :ks[r] - 1]])
+        return drafts
+
+
+class _BlockProposer:
+    """DFlash's drafts: one block pass of the drafter (dflash.py) per unit gives every row all its
+    drafts at once, from its anchor x_F and the context the feed wrote; a masked row picks them
+    in order within its masks (the block's inputs do not depend on the picks)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.fed: set = set()           # rows whose drafter KV covers their frontier
+
+    def ready(self, seq_id: int) -> bool:
+        return seq_id in self.fed
+
+    def forget(self, seq_id: int) -> None:
+        self.fed.discard(seq_id)
+
+    def feed(self, prog, batch: ForwardBatch, hidden: np.ndarray, seqs) -> None:
+        """The drafter's context KV of the batch's positions from the target's features."""
+        self.drafter.feed(batch, hidden, prog.kv)
+        self.fed.update(seq.seq_id for seq in seqs)
+
+    def propose(self, prog, seqs, ks: dict, guide: "_Guide") -> dict:
+        sel = [seqs[r] for r in ks]
+        anchors = [int(prog.token_ids(s, s.num_computed_tokens, s.num_computed_tokens + 1)[0])
+                   for s in sel]
+        g = self.drafter.draft_hidden(prog.kv, anchors, [s.num_computed_tokens for s in sel],
+                                      prog.block_tables(sel))              # [R, bs - 1, H]
+        drafts = {}
+        for i, (r, k) in enumerate(ks.items()):
+            free = self.drafter.draft_argmax(g[i, :k])
+            drafts[r] = np.array([guide.pick(r, g[i, j], int(free[j])) for j in range(k)],
+                                 np.int32)
+        return drafts
+
+
+class Speculator:
+    def __init__(self, drafter, num_draft_tokens, kv, adaptive: bool = True,
                  snapshots: bool = False):
-        """drafter: the MTP drafter over the Program's model; kv: the Program's KV pool (the
-        drafter's layer joins it here, before the Program sizes its host copies of a page).
-        num_draft_tokens: k, or with `adaptive` the most a unit drafts (draft_policy.py picks
-        0..k per unit from measured acceptance and costs). snapshots: the model's
-        verify_snapshots (rollback by snapshot slot, after `use_snapshot_slots`)."""
-        if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"num_draft_tokens={num_draft_tokens} outside 1..{MAX_DRAFT_TOKENS}")
+        """drafter: the MTP drafter (mtp.MtpDrafter, cuda/drafter.CudaDrafter) or the DFlash
+        drafter (dflash.DFlashDrafter) over the Program's model; kv: the Program's KV pool (the
+        drafter's layers join it here, before the Program sizes its host copies of a page).
+        num_draft_tokens: k (None: MTP's default 3, DFlash's block_size - 1), or with `adaptive`
+        the most a unit drafts (draft_policy.py picks 0..k per unit from measured acceptance and
+        costs). snapshots: the model's verify_snapshots (rollback by snapshot slot, after
+        `use_snapshot_slots`)."""
+        most = drafter.max_draft_tokens
+        if num_draft_tokens is None:
+            num_draft_tokens = most if drafter.hidden_layers is not None \
+                else min(DEFAULT_MTP_DRAFT_TOKENS, most)
+        if not 1 <= num_draft_tokens <= most:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens} outside 1..{most} (the "
+                             "drafter's most)")
         drafter.join_kv_pool(kv)
         self.drafter = drafter
+        # what the target's forward hands the feed: None, the final-normed hidden (MTP); else the
+        # outputs of these target layers (DFlash's features)
+        self.hidden_layers = drafter.hidden_layers
+        self.proposer = _ChainProposer(drafter) if self.hidden_layers is None \
+            else _BlockProposer(drafter)
         self.num_draft_tokens = int(num_draft_tokens)
         self.snapshots = bool(snapshots)
         self._snap_first = None       # the first snapshot slot (use_snapshot_slots)
         self.policy = DraftPolicy(self.num_draft_tokens, adaptive)
-        # seq_id -> (the MTP hidden g_1 [H] of the row's frontier, its argmax d_1): the feed
-        # that leaves the row's queue empty gives both (forward_argmax), for the next unit that
-        # drafts (g_1: a masked d_1 and the next draft step)
-        self._first: dict = {}
-        # seq_id -> (first position, [hidden [n, H], ...]): the target's final-normed hidden
-        # states of committed positions the drafter's KV does not cover yet (LAG_TOKENS)
+        # seq_id -> (first position, [hidden [n, H], ...]): the target's hidden states (or
+        # features) of committed positions the drafter's KV does not cover yet (LAG_TOKENS)
         self._lag: dict = {}
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
@@ -217,7 +319,7 @@ class MtpSpeculator:
                      for r in range(len(seqs))]
             logits, hidden = prog.model.verify_forward(
                 batch, prog.kv, prog.state, np.concatenate(picks).astype(np.int32),
-                snap_base=snap_base, media=media)
+                snap_base=snap_base, media=media, **self._feed_kind())
             bounds = np.cumsum([0] + [len(p) for p in picks])
             rows = []
             for r, (seq, unit) in enumerate(zip(seqs, units)):
@@ -237,11 +339,16 @@ class MtpSpeculator:
         self._epoch = pending._epoch
         return pending
 
+    def _feed_kind(self) -> dict:
+        """The verify's keyword for what it hands the feed: nothing for the final-normed hidden
+        (MTP: every backend's default), hidden_layers for DFlash's features."""
+        return {} if self.hidden_layers is None else {"hidden_layers": self.hidden_layers}
+
     def _can_draft(self, seq, unit) -> bool:
         """A decode unit of a text row whose d_1 is ready (its frontier's MTP hidden is kept)."""
         return unit.is_sampling and not unit.forced and not unit.is_replay \
             and seq.media is None and seq.num_tokens > seq.num_prompt_tokens \
-            and (seq.seq_id in self._first or seq.seq_id in self._lag)
+            and (self.proposer.ready(seq.seq_id) or seq.seq_id in self._lag)
 
     def _draft_room(self, prog, seq, k: int) -> int:
         """Drafts this row verifies now, up to k: capped by max_context; the pages of positions
@@ -269,28 +376,8 @@ class MtpSpeculator:
         if not ks:
             return {}
         self._catch_up(prog, [seqs[r] for r in ks])
-        g1 = np.stack([self._first[seqs[r].seq_id][0] for r in ks])
-        first = np.array([self._first[seqs[r].seq_id][1] for r in ks], np.int32)
         guide = _Guide(self.drafter, seqs, masks, draft_masks)
-        for i, r in enumerate(ks):
-            first[i] = guide.pick(r, g1[i], int(first[i]))
-        drafts = {r: first[i:i + 1].astype(np.int32) for i, r in enumerate(ks)}
-        more = [r for r in ks if ks[r] > 1 and r not in guide.cut]
-        if more:
-            sel = [seqs[r] for r in more]
-
-            def pick(step, live, g, tokens):
-                for j, li in enumerate(live):
-                    tokens[j] = guide.pick(more[li], g[j], int(tokens[j]))
-                return tokens
-            tail, _ = self.drafter.draft_greedy(
-                prog.kv, np.stack([self._first[s.seq_id][0] for s in sel]),
-                [int(drafts[r][0]) for r in more],
-                [s.num_computed_tokens for s in sel],
-                prog.block_tables(sel), [ks[r] - 1 for r in more],
-                with_logits=False, pick=pick if guide.rows else None)
-            for i, r in enumerate(more):
-                drafts[r] = np.concatenate([drafts[r], tail[i, :ks[r] - 1]])
+        drafts = self.proposer.propose(prog, seqs, ks, guide)
         drafts = {r: d[:guide.cut.get(r, len(d))] for r, d in drafts.items()}
         drafts = {r: d for r, d in drafts.items() if len(d)}
         for r, d in drafts.items():
@@ -319,7 +406,8 @@ class MtpSpeculator:
             spans.append(len(row_masks))
         tokens, hidden = prog.model.verify_tokens(batch, prog.kv, prog.state,
                                                   np.asarray(picks, np.int32), requests,
-                                                  snap_base=snap_base, media=media)
+                                                  snap_base=snap_base, media=media,
+                                                  **self._feed_kind())
         rows, at = [], 0
         for r, (seq, unit) in enumerate(zip(seqs, units)):
             got = [int(t) for t in tokens[at:at + spans[r]]]
@@ -415,7 +503,7 @@ class MtpSpeculator:
             raise ProgramError(f"speculative: sequence {seq.seq_id} committed from {at}, its "
                                f"drafter feed is queued from {start}")
         chunks.append(hidden)
-        self._first.pop(seq.seq_id, None)
+        self.proposer.forget(seq.seq_id)
         return seq.num_computed_tokens - start >= LAG_TOKENS
 
     # ---- plain decode steps at k = 0 (the Program's own path, launched ahead) -----------------
@@ -427,7 +515,8 @@ class MtpSpeculator:
         one launched ahead: Program.launch_ahead asks `runs_plain_ahead`), and their commit
         queues the rows' hidden states for the drafter (`after_plain`), so an adaptive k = 0
         costs what plain decoding does."""
-        if not prog.model.step_hidden or not prog.samples_on_device(seqs, units, masks) \
+        if not prog.model.step_hidden or self.hidden_layers is not None \
+                or not prog.samples_on_device(seqs, units, masks) \
                 or not all(self._can_draft(s, u) for s, u in zip(seqs, units)):
             return False
         return self._plain_choice(len(seqs))
@@ -513,10 +602,7 @@ class MtpSpeculator:
         batch = self._batch(prog, rows, [prog.token_ids(seq, start + 1, start + 1 + n)
                                          for seq, start, n in rows])
         hidden = np.concatenate([c for _, _, chunks in items for c in chunks])
-        ids, g = self.drafter.forward_argmax(batch, hidden, prog.kv)
-        last = np.asarray(batch.query_start[1:], np.int64) - 1
-        for i, (seq, _, _) in enumerate(rows):
-            self._first[seq.seq_id] = (g[last[i]].copy(), int(ids[i]))
+        self.proposer.feed(prog, batch, hidden, [seq for seq, _, _ in rows])
 
     @staticmethod
     def _batch(prog, rows, tokens) -> ForwardBatch:
@@ -540,7 +626,7 @@ class MtpSpeculator:
     def forget(self, seq_id: int) -> None:
         """The sequence left the Program (released or paused): its next draft and queued feed
         go with it."""
-        self._first.pop(seq_id, None)
+        self.proposer.forget(seq_id)
         self._lag.pop(seq_id, None)
 
     def stats(self) -> dict:
