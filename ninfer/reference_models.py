@@ -15,6 +15,10 @@ zeros, which is exactly the model that was trained: the training loss counted th
 unseen ids as logits fixed at 0 (tied embeddings: logit = h . e = 0), so the recorded figures hold
 for the expanded model, and an unseen input id embeds to the zero vector. The expanded weights are
 stored as bfloat16 (w = q * s rounded once).
+
+A DFlash drafter for a reference model (`<name>-dflash.npz`, tools/train_dflash.py) uses the same
+form without `__vocab__` (it has no embedding: it reads its target's); `expand_drafter` writes it
+as a drafter directory (config.json with `dflash_config`, model.safetensors in bfloat16).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import pathlib
 import numpy as np
 
 MODELS_DIR = pathlib.Path(__file__).with_name("demo_models")
+DRAFTER_SUFFIX = "-dflash"
 EMBED = "model.embed_tokens.weight"
 _Q, _S = ".__q", ".__s"
 # tensors quantized per row (last axis); the rest (norms, A_log, dt_bias: 1-D) stay float32
@@ -33,9 +38,22 @@ QUANTIZED_MIN_NDIM = 2
 def model_path(name: str) -> pathlib.Path:
     """ninfer/demo_models/<name>.npz; ValueError naming the models shipped when it is not one."""
     path = MODELS_DIR / f"{name}.npz"
-    if not path.is_file():
-        shipped = sorted(p.stem for p in MODELS_DIR.glob("*.npz"))
+    shipped = sorted(p.stem for p in MODELS_DIR.glob("*.npz")
+                     if not p.stem.endswith(DRAFTER_SUFFIX))
+    if name not in shipped or not path.is_file():
         raise ValueError(f"no reference model {name!r} (shipped: {', '.join(shipped) or 'none'})")
+    return path
+
+
+def drafter_path(name: str) -> pathlib.Path:
+    """ninfer/demo_models/<name>-dflash.npz, the DFlash drafter of reference model <name>;
+    ValueError naming the drafters shipped when there is none."""
+    path = MODELS_DIR / f"{name}{DRAFTER_SUFFIX}.npz"
+    if not path.is_file():
+        shipped = sorted(p.stem[:-len(DRAFTER_SUFFIX)] for p in MODELS_DIR.glob("*.npz")
+                         if p.stem.endswith(DRAFTER_SUFFIX))
+        raise ValueError(f"no DFlash drafter for {name!r} "
+                         f"(shipped for: {', '.join(shipped) or 'none'})")
     return path
 
 
@@ -58,6 +76,15 @@ def save_compact(path, hf_config: dict, meta: dict, kept_ids: np.ndarray, tensor
         raise ValueError(f"embedding has {tensors[EMBED].shape[0]} rows, {kept_ids.size} kept ids")
     arrays = {"__config__": _json_bytes(hf_config), "__meta__": _json_bytes(meta),
               "__vocab__": kept_ids}
+    _write(path, arrays, tensors)
+
+
+def save_compact_drafter(path, hf_config: dict, meta: dict, tensors: dict) -> None:
+    """A DFlash drafter: tensors {name: float32 array} (no embedding, no __vocab__)."""
+    _write(path, {"__config__": _json_bytes(hf_config), "__meta__": _json_bytes(meta)}, tensors)
+
+
+def _write(path, arrays: dict, tensors: dict) -> None:
     for name in sorted(tensors):
         w = np.asarray(tensors[name], np.float32)
         if w.ndim >= QUANTIZED_MIN_NDIM:
@@ -69,8 +96,8 @@ def save_compact(path, hf_config: dict, meta: dict, kept_ids: np.ndarray, tensor
 
 
 class CompactModel:
-    """A loaded compact file: `config` (HF dict), `meta`, `kept_ids`, `tensor(name)` (float32,
-    dequantized; the embedding expanded to the full vocabulary)."""
+    """A loaded compact file: `config` (HF dict), `meta`, `kept_ids` (None for a drafter),
+    `tensor(name)` (float32, dequantized; the embedding expanded to the full vocabulary)."""
 
     def __init__(self, path):
         self.path = pathlib.Path(path)
@@ -78,7 +105,7 @@ class CompactModel:
             self._arrays = {k: z[k] for k in z.files}
         self.config = json.loads(self._arrays.pop("__config__").tobytes())
         self.meta = json.loads(self._arrays.pop("__meta__").tobytes())
-        self.kept_ids = self._arrays.pop("__vocab__")
+        self.kept_ids = self._arrays.pop("__vocab__", None)
 
     @property
     def names(self) -> list:
@@ -90,7 +117,7 @@ class CompactModel:
             w = self._arrays[name + _Q].astype(np.float32) * self._arrays[name + _S][..., None]
         else:
             w = self._arrays[name].astype(np.float32)
-        if name == EMBED:
+        if name == EMBED and self.kept_ids is not None:
             full = np.zeros((int(self.config["vocab_size"]), w.shape[1]), np.float32)
             full[self.kept_ids] = w
             return full
@@ -119,6 +146,26 @@ def expand_to_checkpoint(compact_path, out_dir) -> pathlib.Path:
     (out / "tokenizer_config.json").write_bytes(_json_bytes(tokenizer_config, indent=1).tobytes())
     generation = {"eos_token_id": model.config["eos_token_id"], "do_sample": False}
     (out / "generation_config.json").write_bytes(_json_bytes(generation, indent=1).tobytes())
+    return out
+
+
+CompactDrafter = CompactModel            # a drafter file is a compact file without __vocab__
+
+
+def expand_drafter(compact_path, out_dir) -> pathlib.Path:
+    """Write a DFlash drafter directory: config.json (with `dflash_config`) and model.safetensors
+    (every tensor in bfloat16, w = q * s rounded once)."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    drafter = CompactDrafter(compact_path)
+    if drafter.kept_ids is not None or "dflash_config" not in drafter.config:
+        raise ValueError(f"{compact_path} is not a compact DFlash drafter")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: drafter.tensor(n).astype(ml_dtypes.bfloat16) for n in drafter.names}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_bytes(_json_bytes(drafter.config, indent=1).tobytes())
     return out
 
 
