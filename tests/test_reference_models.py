@@ -52,13 +52,14 @@ def test_unknown_model_name_is_a_clear_error():
         model_path("nope")
 
 
-def test_expanded_artifact_carries_mtp_and_zero_unseen_rows(reference):
+def test_expanded_artifact_carries_mtp_dflash_and_zero_unseen_rows(reference):
     name, path = reference
     assert path == reference_path(name, path.parent)
     m = CompactModel(model_path(name))
     H = m.config["hidden_size"]
     with Artifact(path, verify="eager") as art:
-        assert art.manifest["components"] == ["text", "mtp"]
+        assert art.manifest["components"] == ["text", "mtp", "dflash"]
+        assert art.tensor("dflash.fc.weight").shape == (H, 3 * H)
         assert art.tensor("mtp.fc.weight").shape == (H, 2 * H)
         for n in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                   "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight",
