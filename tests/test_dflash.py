@@ -482,3 +482,16 @@ def test_every_draft_is_what_the_drafter_gives_from_the_whole_context(monkeypatc
         drafter.feed(batch, feats, kv)
         g = drafter.draft_hidden(kv, [tokens[F]], [F], batch.block_tables)
         assert drafter.draft_argmax(g[0, :len(drafts)]).tolist() == drafts.tolist()
+
+
+def test_the_cli_runs_dflash_and_refuses_a_block_overrun_in_one_line(capsys):
+    from ninfer.cli import main
+    path = str(ensure_reference_artifact("dense"))
+    assert main(["run", path, "--prompt", "def main():", "--max-new", "12",
+                 "--speculative", "dflash", "--max-context", "128"]) == 0
+    assert capsys.readouterr().out.strip()
+    rc = main(["run", path, "--prompt", "x", "--max-context", "64", "--speculative", "dflash",
+               "--draft-tokens", "9", "--backend", "numpy"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("ninfer: error:"), err
+    assert "block of 8 drafts at most 7" in err[0]
