@@ -104,4 +104,6 @@ def test_shipped_drafter(name):
     assert m["mask_token"]["id"] == mask and m["steps"] > 0
     figures = m["heldout"]
     assert figures["block_size"] == 8 and len(figures["accept_rate_by_position"]) == 7
-    assert figures["mean_accepted"] > m["heldout_untrained"]["mean_accepted"]
+    # trained: an untrained drafter accepts ~0.0002 drafts per block (tools/train_dflash.py eval
+    # --untrained); these accept about one
+    assert figures["mean_accepted"] > 0.5
