@@ -13,9 +13,10 @@ The trained reference models (`ensure_reference_artifact("dense" | "moe")`, docs
 `python -m ninfer run` uses with no artifact named: tiny Qwen3.5 models trained on the CPython
 standard library, committed in compact form (ninfer/demo_models/*.npz) and expanded on first use
 through the normal path (a Hugging Face checkpoint directory, then `ninfer convert`), cached as
-`<cache>/ref-<name>-<digest>.ninfer`. Their artifacts carry `metadata.defaults.enable_thinking =
-false`: their chats were trained with thinking off, so run / chat / serve / Engine render them that
-way unless told otherwise. The random model above stays for tests that want one (no defaults:
+`<cache>/ref-<name>-<digest>.ninfer` (with the model's DFlash drafter, `<name>-dflash.npz`, as the
+artifact's `dflash` component where one ships). Their artifacts carry
+`metadata.defaults.enable_thinking = false`: their chats were trained with thinking off, so run /
+chat / serve / Engine render them that way unless told otherwise. The random model above stays for tests that want one (no defaults:
 thinking on, as for any artifact without the field).
 """
 from __future__ import annotations
