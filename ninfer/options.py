@@ -186,7 +186,6 @@ MAX_DRAFT_TOKENS = {"mtp": 4, "dflash": 15}
 DEFAULT_MTP_DRAFT_TOKENS = 3
 
 
-
 def draft_tokens(options) -> int:
     """The most drafts a speculative unit verifies: num_draft_tokens, or where None the MTP
     default (the Engine resolves a DFlash drafter's default, its block_size - 1, at start)."""
