@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dflash", metavar="DRAFTER_DIR",
                    help="also store this DFlash drafter (a Hugging Face directory in z-lab's "
                         "layout: config.json with dflash_config, *.safetensors), for "
-                        "--speculative dflash (docs/artifact.md 7)")
+                        "--speculative dflash (docs/artifact.md 8)")
     c.set_defaults(handler=_convert)
 
     s = sub.add_parser("score", help="score text or token ids: total logprob and perplexity")

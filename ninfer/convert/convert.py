@@ -61,7 +61,7 @@ def convert_checkpoint(src_dir, out_path, *, name: str | None = None, progress: 
     `open_source`: how `src_dir` is opened (a CheckpointSource subclass; bench_engine's random
     source makes tensors as they are read, so a 70 GB model needs no checkpoint on disk).
     `dflash_dir`: a DFlash drafter's directory for this model (config.json + safetensors,
-    z-lab's layout), stored as the `dflash` component as it is (docs/artifact.md section 7)."""
+    z-lab's layout), stored as the `dflash` component as it is (docs/artifact.md section 8)."""
     recipe = recipe or ValuePreserving()
     src_dir, out_path = _fspath(src_dir, "src"), _fspath(out_path, "out")
     with open_source(src_dir) as src:

@@ -272,7 +272,7 @@ def _validate(cfg: ModelConfig) -> None:
 
 @dataclass(frozen=True, slots=True)
 class DFlashConfig:
-    """A DFlash block-diffusion drafter's geometry (dflash.py; docs/artifact.md section 7): a few
+    """A DFlash block-diffusion drafter's geometry (dflash.py; docs/artifact.md section 8): a few
     Qwen3-style decoder layers of the target's hidden size over the features of the target's
     layers `target_layer_ids`, drafting `block_size - 1` tokens in one pass."""
     hidden_size: int
