@@ -1,4 +1,4 @@
-"""How many tokens the MTP head drafts in a unit: adaptive k (issue 25).
+"""How many tokens a unit drafts (the MTP head or a DFlash drafter): adaptive k (issues 25, 30).
 
 Speculation is exact whatever k is (program/speculative.py), so k is purely a speed choice, and
 the right one depends on things only a running Engine knows: how often this model's drafts are
