@@ -1,8 +1,8 @@
 """The DFlash block drafter (models/qwen3_5/dflash.py): its math against a float64 oracle written
 from the equations, the target's features, its config and conversion (convert --dflash), and
 speculative='dflash' through the Engine: the tokens of plain decoding, greedy and seeded, alone
-and batched, through pauses, grammars and stop strings (the same contract as MTP's,
-tests/test_speculative.py)."""
+and batched (the rest of the contract, pauses, grammars, penalties, stop strings, thinking budgets
+and context-cache checkpoints, runs for both drafters in tests/test_speculative.py)."""
 from __future__ import annotations
 
 import json
@@ -320,9 +320,8 @@ def test_num_draft_tokens_is_checked_against_the_block(tiny):
 
 # ---- the trained reference drafters ------------------------------------------------------------------
 
-from ninfer.api import StructuredOutput                                       # noqa: E402
 from ninfer.demo import ensure_reference_artifact                             # noqa: E402
-from test_speculative import PROMPTS, SCHEMA                                  # noqa: E402
+from test_speculative import PROMPTS                                          # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -335,111 +334,6 @@ def test_the_reference_artifacts_carry_their_drafter(ref):
         assert "dflash" in art.manifest["components"]
         cfg = NumpyModel.from_artifact(art).config.dflash
     assert cfg.block_size == 8 and cfg.mask_token_id == 248045       # <|im_start|>
-
-
-def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref):
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    want, _ = _generate(ref, PROMPTS, params, max_concurrency=8)
-    got, stats = _generate(ref, PROMPTS, params, max_concurrency=8, speculative="dflash",
-                           draft_policy="fixed")
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert [r.text for r in got] == [r.text for r in want]
-    assert stats["spec_accepted_tokens"] > 0 and len(stats["spec_acceptance_by_position"]) == 7
-    for k in (1, 3):
-        alone, stats = _generate(ref, PROMPTS[:1], params, max_concurrency=1,
-                                 speculative="dflash", num_draft_tokens=k, draft_policy="fixed")
-        assert [r.token_ids for r in alone] == [r.token_ids for r in want[:1]]
-        assert len(stats["spec_acceptance_by_position"]) == k
-
-
-def test_seeded_equals_plain_sampling_at_batch_1_and_4(rollback):
-    ref = ensure_reference_artifact("dense")
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, **{**SEEDED, "seed": 50 + i})
-              for i in range(4)]
-    want, _ = _generate(ref, PROMPTS[:4], params, max_concurrency=1)
-    for b in (1, 4):
-        got, stats = _generate(ref, PROMPTS[:4], params, max_concurrency=b,
-                               speculative="dflash", draft_policy="fixed")
-        assert [r.token_ids for r in got] == [r.token_ids for r in want]
-        assert stats["spec_verify_rows"] > 0 and _rolled_back(stats, rollback) > 0
-
-
-@pytest.mark.parametrize("snapshot_bytes", [0, 64 << 20], ids=["replay", "snapshot"])
-def test_equal_through_pauses(snapshot_bytes):
-    path = ensure_reference_artifact("dense")
-    params = [SamplingParams(max_tokens=26, ignore_eos=True),
-              SamplingParams(max_tokens=26, ignore_eos=True, **SEEDED)] * 2
-    want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=1)
-    got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=48,
-                           page_size=8, num_kv_pages=10, prefill_chunk=8,
-                           host_snapshot_bytes=snapshot_bytes, speculative="dflash",
-                           num_draft_tokens=4)
-    assert stats["pauses"] > 0 and stats["spec_accepted_tokens"] > 0
-    assert (stats["snapshot_resumes"] > 0) == (snapshot_bytes > 0)
-    assert (stats["replay_resumes"] > 0) == (snapshot_bytes == 0)
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-
-
-@pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
-def test_grammar_masks_apply_at_every_verified_position(sampling):
-    path = ensure_reference_artifact("dense")
-    params = SamplingParams(max_tokens=40, structured=StructuredOutput("json_schema", SCHEMA),
-                            **sampling)
-    want, _ = _generate(path, PROMPTS[:2], params, max_concurrency=2)
-    got, stats = _generate(path, PROMPTS[:2], params, max_concurrency=2, speculative="dflash",
-                           draft_policy="fixed")
-    for g, w in zip(got, want):
-        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
-    # the drafts were picked within the grammar: none rejected for leaving it (a draft the
-    # masks refuse would be verified as a mismatch at its position)
-    assert stats["spec_verify_rows"] > 0 and stats["spec_accepted_tokens"] > 0
-
-
-def test_stop_string_and_thinking_budget_end_where_plain_decoding_does():
-    path = ensure_reference_artifact("dense")
-    free, _ = _generate(path, PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True),
-                        max_concurrency=1)
-    stop = free[0].text[12:15]
-    params = SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop])
-    want, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1)
-    got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative="dflash")
-    assert want[0].finish_reason == "stop" and want[0].stop_sequence == stop
-    assert (got[0].token_ids, got[0].text, got[0].finish_reason) == \
-        (want[0].token_ids, want[0].text, want[0].finish_reason)
-    messages = [{"role": "user", "content": "def main():"}]
-    params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=6)
-    with Engine(path, max_concurrency=1) as engine:
-        want = engine.generate(messages, params, enable_thinking=True)
-    with Engine(path, max_concurrency=1, speculative="dflash", draft_policy="fixed") as engine:
-        got = engine.generate(messages, params, enable_thinking=True)
-        assert engine.stats()["spec_verify_rows"] > 0
-    assert (got.token_ids, got.reasoning_text, got.text) == \
-        (want.token_ids, want.reasoning_text, want.text)
-
-
-def test_context_cache_checkpoints_carry_the_drafter_kv():
-    """A second turn bound to the first turn's checkpoint (its pages hold the drafter's layers
-    too) drafts exactly what a cold start drafts: the same tokens and the same acceptance."""
-    path = ensure_reference_artifact("dense")
-    turn1 = [{"role": "user", "content": "import os\nimport sys\n\ndef main(argv):\n"}]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-
-    def two_turns(**kw):
-        with Engine(path, max_concurrency=2, speculative="dflash", draft_policy="fixed",
-                    **kw) as engine:
-            first = engine.generate(turn1, params, enable_thinking=False, session="s")
-            turn2 = turn1 + [{"role": "assistant", "content": first.text},
-                             {"role": "user", "content": "def f(x):"}]
-            before = engine.stats()
-            second = engine.generate(turn2, params, enable_thinking=False, session="s")
-            after = engine.stats()
-        accepted = np.subtract(after["spec_accepted_by_position"],
-                               before["spec_accepted_by_position"]).tolist()
-        return first.token_ids, second.token_ids, second.num_cached_tokens, accepted
-    cold = two_turns(prefix_cache=False)
-    warm = two_turns()
-    assert cold[2] == 0 and warm[2] > 0
-    assert warm[:2] == cold[:2] and warm[3] == cold[3] and sum(warm[3]) > 0
 
 
 def test_every_draft_is_what_the_drafter_gives_from_the_whole_context(monkeypatch):

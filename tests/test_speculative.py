@@ -1,4 +1,5 @@
-"""Speculative decoding with the MTP head (issue 15; program/speculative.py), numpy backend.
+"""Speculative decoding with the MTP head (issue 15; program/speculative.py), numpy backend; the
+reference models' tests run with their DFlash drafter too (DRAFTERS; tests/test_dflash.py).
 
 The contract: the tokens are the ones the Engine gives without speculation, for greedy and for
 seeded sampling, alone and batched, through Snapshot and Replay pauses, with stop strings,
@@ -35,6 +36,9 @@ PROMPTS = ["import os\n\ndef main():\n", "class Parser:\n    def __init__(self",
            "for i in range(", "def _check(x):\n    if not", "import sys\nimport re\n\n",
            "    return self.", "try:\n    import"]
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=11)
+# the drafters the reference models carry: the MTP head, and the DFlash block drafter
+# (tests/test_dflash.py holds DFlash's own math); the cycle and its contract are the same
+DRAFTERS = ["mtp", "dflash"]
 
 
 def _generate(path, prompts, params, **engine_kw):
@@ -53,42 +57,45 @@ def ref(request):
     return ensure_reference_artifact(request.param)
 
 
-def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref):
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref, drafter):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want, _ = _generate(ref, PROMPTS, params, max_concurrency=8)
-    got, stats = _generate(ref, PROMPTS, params, max_concurrency=8, speculative="mtp",
+    got, stats = _generate(ref, PROMPTS, params, max_concurrency=8, speculative=drafter,
                            num_draft_tokens=3)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.text for r in got] == [r.text for r in want]
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
     for k in (1, 4):                                         # alone, the extreme draft lengths
         alone, stats = _generate(ref, PROMPTS[:1], params, max_concurrency=1,
-                                 speculative="mtp", num_draft_tokens=k)
+                                 speculative=drafter, num_draft_tokens=k)
         assert [r.token_ids for r in alone] == [r.token_ids for r in want[:1]]
         assert len(stats["spec_acceptance_by_position"]) == k
 
 
-def test_seeded_equals_plain_sampling_at_batch_1_and_4(rollback):
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_seeded_equals_plain_sampling_at_batch_1_and_4(rollback, drafter):
     ref = ensure_reference_artifact("dense")
     params = [SamplingParams(max_tokens=12, ignore_eos=True, **{**SEEDED, "seed": 50 + i})
               for i in range(4)]
     want, _ = _generate(ref, PROMPTS[:4], params, max_concurrency=1)
     for b in (1, 4):
-        got, stats = _generate(ref, PROMPTS[:4], params, max_concurrency=b, speculative="mtp",
+        got, stats = _generate(ref, PROMPTS[:4], params, max_concurrency=b, speculative=drafter,
                                num_draft_tokens=3)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         assert stats["spec_verify_rows"] > 0
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("snapshot_bytes", [0, 64 << 20], ids=["replay", "snapshot"])
-def test_equal_through_pauses(snapshot_bytes):
+def test_equal_through_pauses(snapshot_bytes, drafter):
     path = ensure_reference_artifact("dense")
     params = [SamplingParams(max_tokens=26, ignore_eos=True),
               SamplingParams(max_tokens=26, ignore_eos=True, **SEEDED)] * 2
     want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=1)
     got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=48,
                            page_size=8, num_kv_pages=10, prefill_chunk=8,
-                           host_snapshot_bytes=snapshot_bytes, speculative="mtp",
+                           host_snapshot_bytes=snapshot_bytes, speculative=drafter,
                            num_draft_tokens=4)
     assert stats["pauses"] > 0 and stats["spec_accepted_tokens"] > 0
     assert (stats["snapshot_resumes"] > 0) == (snapshot_bytes > 0)
@@ -96,7 +103,8 @@ def test_equal_through_pauses(snapshot_bytes):
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
-def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position(rollback):
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position(rollback, drafter):
     path = ensure_reference_artifact("dense")
     cases = [SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
                             frequency_penalty=0.5, presence_penalty=0.3, logprobs=2),
@@ -104,7 +112,7 @@ def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position(roll
              SamplingParams(max_tokens=14, min_tokens=10, logit_bias={248044: 8.0})]
     for params in cases:
         want, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1)
-        got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative="mtp",
+        got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative=drafter,
                            num_draft_tokens=4)
         assert got[0].token_ids == want[0].token_ids and got[0].text == want[0].text
         assert got[0].finish_reason == want[0].finish_reason
@@ -114,27 +122,29 @@ def test_penalties_bias_logprobs_and_max_tokens_apply_per_verified_position(roll
                 [(lp.token_id, round(lp.logprob, 4)) for lp in want[0].logprobs]
 
 
-def test_stop_string_ends_the_output_where_plain_decoding_does():
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_stop_string_ends_the_output_where_plain_decoding_does(drafter):
     path = ensure_reference_artifact("dense")
     free, _ = _generate(path, PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True),
                         max_concurrency=1)
     stop = free[0].text[12:15]
     params = SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop])
     want, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1)
-    got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative="mtp",
+    got, _ = _generate(path, PROMPTS[:1], params, max_concurrency=1, speculative=drafter,
                        num_draft_tokens=4)
     assert want[0].finish_reason == "stop" and want[0].stop_sequence == stop
     assert (got[0].token_ids, got[0].text, got[0].finish_reason) == \
         (want[0].token_ids, want[0].text, want[0].finish_reason)
 
 
-def test_thinking_budget_stops_verification_where_the_control_unit_takes_over():
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_thinking_budget_stops_verification_where_the_control_unit_takes_over(drafter):
     path = ensure_reference_artifact("dense")
     messages = [{"role": "user", "content": "def main():"}]
     params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=6)
     with Engine(path, max_concurrency=1) as engine:
         want = engine.generate(messages, params, enable_thinking=True)
-    with Engine(path, max_concurrency=1, speculative="mtp", num_draft_tokens=4) as engine:
+    with Engine(path, max_concurrency=1, speculative=drafter, num_draft_tokens=4) as engine:
         got = engine.generate(messages, params, enable_thinking=True)
         assert engine.stats()["spec_verify_rows"] > 0
     assert "</think>" in engine.detokenize(want.token_ids)
@@ -147,13 +157,14 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "n"], "additionalProperties": False}
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
-def test_grammar_masks_apply_at_every_verified_position(sampling, rollback):
+def test_grammar_masks_apply_at_every_verified_position(sampling, rollback, drafter):
     path = ensure_reference_artifact("dense")
     params = SamplingParams(max_tokens=40, structured=StructuredOutput("json_schema", SCHEMA),
                             **sampling)
     want, _ = _generate(path, PROMPTS[:2], params, max_concurrency=2)
-    got, stats = _generate(path, PROMPTS[:2], params, max_concurrency=2, speculative="mtp",
+    got, stats = _generate(path, PROMPTS[:2], params, max_concurrency=2, speculative=drafter,
                            num_draft_tokens=3)
     for g, w in zip(got, want):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
@@ -583,7 +594,8 @@ def test_draft_argmax_equals_the_full_argmax(extremes):
         assert drafter.draft_argmax(hidden).tolist() == want.tolist()
 
 
-def test_context_cache_checkpoints_carry_the_drafter_kv():
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_context_cache_checkpoints_carry_the_drafter_kv(drafter):
     """A second turn that starts from the first turn's checkpoint (its pages hold the MTP layer's
     KV too) drafts exactly what a cold start drafts: the same tokens and the same acceptance."""
     path = ensure_reference_artifact("dense")
@@ -601,9 +613,9 @@ def test_context_cache_checkpoints_carry_the_drafter_kv():
         accepted = np.subtract(after["spec_accepted_by_position"],
                                before["spec_accepted_by_position"]).tolist()
         return first.token_ids, second.token_ids, second.num_cached_tokens, accepted
-    cold = two_turns(prefix_cache=False, speculative="mtp", num_draft_tokens=2,
+    cold = two_turns(prefix_cache=False, speculative=drafter, num_draft_tokens=2,
                      draft_policy="fixed")
-    warm = two_turns(speculative="mtp", num_draft_tokens=2, draft_policy="fixed")
+    warm = two_turns(speculative=drafter, num_draft_tokens=2, draft_policy="fixed")
     assert cold[2] == 0 and warm[2] > 0
     assert warm[:2] == cold[:2] and warm[3] == cold[3] and sum(warm[3]) > 0
 
