@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 from ckpt_helpers import TINY_TEXT, write_checkpoint
 from ninfer.artifact import Artifact
 from ninfer.convert import convert_checkpoint
-from ninfer.errors import ArtifactError, ConvertError
+from ninfer.errors import ArtifactError, ConvertError, RequestError
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import DFlashConfig, parse_dflash_config, parse_hf_config
 from ninfer.models.qwen3_5.dflash import DFlashDrafter, dflash_param_shapes, PREFIX
@@ -307,14 +307,14 @@ def test_a_random_drafter_changes_nothing_greedy_and_seeded(tiny, rollback):
 
 def test_num_draft_tokens_is_checked_against_the_block(tiny):
     path, _ = tiny
-    with pytest.raises(Exception, match="block of 5 drafts at most 4"):
+    with pytest.raises(RequestError, match="block of 5 drafts at most 4"):
         Engine(path, speculative="dflash", num_draft_tokens=5)
     with Engine(path, speculative="dflash", num_draft_tokens=2, draft_policy="fixed") as engine:
         engine.generate(_id_prompts()[2], SamplingParams(max_tokens=6, ignore_eos=True))
         assert engine.stats()["spec_num_draft_tokens"] == 2
-    with pytest.raises(Exception, match=r"num_draft_tokens=16: must be an integer in 1..15"):
+    with pytest.raises(RequestError, match=r"num_draft_tokens=16: must be an integer in 1..15"):
         Engine(path, speculative="dflash", num_draft_tokens=16)
-    with pytest.raises(Exception, match="numpy backend only"):
+    with pytest.raises(RequestError, match="numpy backend only"):
         Engine(path, backend="cuda", speculative="dflash")
 
 
