@@ -133,9 +133,10 @@ def _clocked(clock, backend: str, kind: str = "mtp"):
     for owner, name in target:
         stack.enter_context(clock.wrap(owner, name, "target forward"))
     if kind == "dflash":
+        from ninfer.models.qwen3_5.cuda.dflash import CudaDFlashDrafter
         from ninfer.models.qwen3_5.dflash import DFlashDrafter
-        drafter = DFlashDrafter
-    stack.enter_context(clock.wrap(drafter, "draft_hidden" if kind == "dflash" else "draft_greedy",
+        drafter = CudaDFlashDrafter if backend == "cuda" else DFlashDrafter
+    stack.enter_context(clock.wrap(drafter, "draft" if kind == "dflash" else "draft_greedy",
                                    "draft"))
     stack.enter_context(clock.wrap(speculative.Speculator, "_catch_up", "drafter feed"))
     stack.enter_context(clock.wrap(speculative.Speculator, "_recompute", "State recompute"))

@@ -8,6 +8,7 @@ SIGNATURES = {
     "silu_mul": ("u16*", "f32*", "i32", "i32", "i32"),
     "embed_gather": ("f32*", "u16*", "i32*", "i32"),
     "widen_bf16": ("f32*", "u16*", "i64"),
+    "store_columns": ("u16*", "f32*", "i32", "i32", "i32"),
 }
 
 
@@ -55,3 +56,17 @@ def widen_bf16():
             out[i] = bf16_to_f32(x[i])
             i += stride
     return widen_kernel
+
+
+def store_columns(f32=False):
+    store = storage(f32)[0]
+
+    def store_columns_kernel(out, x, width, out_stride, out_off):
+        # out[t, out_off + j] = x[t, j] (fp32 [n, width] -> bf16 / fp32 columns of a wider row):
+        # the residual stream after a target layer into a DFlash drafter's feature rows.
+        # grid (n, ceil(width/256)), block 256
+        t = cuda.blockIdx.x
+        j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        if j < width:
+            out[t * out_stride + out_off + j] = store(x[t * width + j])
+    return store_columns_kernel

@@ -70,7 +70,9 @@ def _kv_pairs(f32, kvq=""):
     return kv_bf16
 
 
-def paged_attention(hd, G, nkv, GS=0, f32=False, kvq=""):
+def paged_attention(hd, G, nkv, GS=0, f32=False, kvq="", causal=True):
+    # causal False (a DFlash drafter's block pass): every query token of a row sees all the
+    # row's keys, [0, context_len + its new tokens)
     # GS: query heads per block (a divisor of G; 0 -> G). Fewer heads per block = fewer registers
     # and more resident warps, at the cost of reading each K/V row G/GS times (measured slower for
     # the 27B prefill, so the model uses GS = G; kept and tested for other geometries).
@@ -96,7 +98,10 @@ def paged_attention(hd, G, nkv, GS=0, f32=False, kvq=""):
         lane = cuda.threadIdx.x & 31
         w = cuda.threadIdx.x >> 5
         r = token_row[t]
-        L = context_lens[r] + t - query_start[r] + 1
+        if causal:
+            L = context_lens[r] + t - query_start[r] + 1
+        else:
+            L = context_lens[r] + query_start[r + 1] - query_start[r]
         chunk = (L + n_splits - 1) // n_splits
         k0 = s * chunk
         k1 = min(L, k0 + chunk)
@@ -211,7 +216,8 @@ def merge_split(ms, ls, a, m, tot_l, tot_a):
 COMBINE_GROUPS = 8
 
 
-def attn_combine(hd, nh, f32=False):
+def attn_combine(hd, nh, f32=False, gated=True):
+    # gated False (a DFlash drafter): no output gate, proj unread
     store = storage(f32)[0]
     SG = COMBINE_GROUPS
     T = 32 * SG
@@ -291,6 +297,9 @@ def attn_combine(hd, nh, f32=False):
             for j in range(1, SG):
                 a += sh_a[j, lane]
                 l += sh_l[j]
-            gate = proj[t * proj_stride + h * 2 * hd + hd + dd]
-            out[(t * nh + h) * hd + dd] = store(a / l * sigmoid(gate))
+            if gated:
+                gate = proj[t * proj_stride + h * 2 * hd + hd + dd]
+                out[(t * nh + h) * hd + dd] = store(a / l * sigmoid(gate))
+            else:
+                out[(t * nh + h) * hd + dd] = store(a / l)
     return attn_combine_kernel

@@ -1,5 +1,6 @@
 """RMSNorms. Zero-centred (`x * rsqrt(mean x^2 + eps) * (1 + w)`) over fp32 rows -> bf16 (the next
 GEMM's input; fp32 with `f32`); the residual add is fused into the GEMM before it (cuBLASLt beta = 1).
+`plain`: Qwen3's `x * rsqrt(mean x^2 + eps) * w` instead (a DFlash drafter's norms).
 Gated (GDN output): `x * rsqrt(mean x^2 + eps) * w * silu(z)` per value head."""
 import math
 
@@ -18,8 +19,9 @@ SIGNATURES = {
 PER = 8          # rmsnorm: values a thread keeps in registers (rows up to PER * blockDim)
 
 
-def rmsnorm(f32=False):
+def rmsnorm(f32=False, plain=False):
     store = storage(f32)[0]
+    one = float32(0.0 if plain else 1.0)       # the weight's offset: w (plain) or 1 + w
 
     def rmsnorm_kernel(out, x, w, row_idx, use_idx, hidden, eps):
         # out[r, :] = norm(x[src, :]), src = row_idx[r] if use_idx else r; grid (rows,)
@@ -55,7 +57,7 @@ def rmsnorm(f32=False):
             for k in range(PER):
                 j = tid + k * nt
                 if j < hidden:
-                    out[ob + j] = store(xs[k] * inv * (float32(1.0) + ws[k]))
+                    out[ob + j] = store(xs[k] * inv * (one + ws[k]))
             return
         for j in range(tid, hidden, nt):
             v = x[base + j]
@@ -63,7 +65,7 @@ def rmsnorm(f32=False):
         tot = block_sum(acc, scratch)
         inv = float32(1.0) / math.sqrt(tot / float32(hidden) + eps)
         for j in range(tid, hidden, nt):
-            out[ob + j] = store(x[base + j] * inv * (float32(1.0) + w[j]))
+            out[ob + j] = store(x[base + j] * inv * (one + w[j]))
     return rmsnorm_kernel
 
 

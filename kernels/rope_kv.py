@@ -9,6 +9,10 @@ Rotary (rotate-half over the first `rot` dims): frequency i in [0, rot/2) takes 
 axis t, h or w: interleaved -> i % 3 == 1 and i < 3*sec_h -> h, i % 3 == 2 and i < 3*sec_w -> w;
 sectioned -> [0, s_t) t, [s_t, s_t+s_h) h, rest w.
 
+`gated` False (a DFlash drafter's layers): the projection holds q without the output gate,
+[q (nh*hd) | k | v] instead of [q_h, gate_h per head | k | v]; `plain`: the norms are Qwen3's
+x * rsqrt(mean x^2 + eps) * w instead of zero-centred.
+
 Quantized pools (`kvq`; ninfer/ops/kv_quant.py is the spec, common.kvq_row the page layout):
 k_cache / v_cache are bytes; a kv head's block takes amax over its head_dim values (block_max:
 every thread of the block reaches it, those past head_dim with 0), scale = amax / top (1 when
@@ -47,9 +51,13 @@ def _quantized_store(kvq):
     return put
 
 
-def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=False, kvq=""):
+def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=False, kvq="",
+                    gated=True, plain=False):
     # kvq: the k_cache / v_cache arguments are "u8*" (kernel_set.KVQ_VARIANTS), f32 unused
     half = rot // 2
+    QS = 2 * hd if gated else hd         # a query head's stride in the projection
+    KB = nh * QS                         # where k starts, v after it
+    one = float32(0.0 if plain else 1.0)
     store = storage(f32)[0]
     quant = bool(kvq)
     put = _quantized_store(kvq) if quant else None
@@ -70,13 +78,13 @@ def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=Fals
         w = float32(0.0)
         if live:
             if is_q:
-                x = proj[pb + h * 2 * hd + j]
+                x = proj[pb + h * QS + j]
                 w = q_norm_w[j]
             else:
-                x = proj[pb + 2 * nh * hd + g * hd + j]
+                x = proj[pb + KB + g * hd + j]
                 w = k_norm_w[j]
         tot = block_sum(x * x, scratch)
-        x = x / math.sqrt(tot / float32(hd) + eps) * (float32(1.0) + w)
+        x = x / math.sqrt(tot / float32(hd) + eps) * (one + w)
         if live:
             xs[j] = x
         cuda.syncthreads()
@@ -113,7 +121,7 @@ def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=Fals
                 return
             v = float32(0.0)
             if live:
-                v = proj[pb + 2 * nh * hd + nkv * hd + g * hd + j]
+                v = proj[pb + KB + nkv * hd + g * hd + j]
             else:
                 y = float32(0.0)
             amax_k = block_max(abs(y), scratch)
@@ -131,5 +139,5 @@ def qk_norm_rope_kv(hd, rot, nh, nkv, sec_t, sec_h, sec_w, interleaved, f32=Fals
             page = block_tables[r * bt_stride + pos // page_size]
             idx = ((page * page_size + pos % page_size) * nkv + g) * hd + j
             k_cache[idx] = store(y)
-            v_cache[idx] = store(proj[pb + 2 * nh * hd + nkv * hd + g * hd + j])
+            v_cache[idx] = store(proj[pb + KB + nkv * hd + g * hd + j])
     return qk_norm_rope_kv_kernel

@@ -490,6 +490,10 @@ class Model(Protocol):
     chains_token_steps: bool
     # launch_tokens(..., keep_hidden=True): the step's final-normed hidden states too (above)
     step_hidden: bool
+    # a count of one-off work done so far (CUDA: graphs captured, GEMM plans made), read before
+    # and after a call: a speculative unit during which it grew paid a first use, so the draft
+    # policy does not take its time as that k's cost (0 for ever on a backend without any)
+    one_off_work: int
     checks_batches: bool
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
     max_state_slots: Optional[int]  # State slots its memory plan holds (None: no limit)

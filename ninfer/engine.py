@@ -114,7 +114,10 @@ class Engine:
         if self.options.speculative is None:
             return None
         from .errors import ArtifactError
-        if self.options.speculative == "dflash":       # (numpy only: EngineOptions)
+        if self.options.speculative == "dflash":
+            if self.options.backend == "cuda":     # (the model loaded it: load_cuda_model)
+                from .models.qwen3_5.cuda.dflash import CudaDFlashDrafter
+                return CudaDFlashDrafter(self.model)
             from .models.qwen3_5.dflash import DFlashDrafter
             return DFlashDrafter.from_artifact(self.artifact, self.model)
         if self.options.backend == "cuda":     # (the model loaded the head: load_cuda_model)

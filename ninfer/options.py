@@ -70,7 +70,7 @@ class EngineOptions:
     # (1..4, default 3) tokens per decode step, one at a time; "dflash": the artifact's DFlash
     # drafter drafts them in one pass (1 .. its block_size - 1, the default); one target forward
     # verifies them and the output is the same as without it (docs/architecture.md "Speculative
-    # decoding"). dflash: numpy only for now
+    # decoding")
     speculative: Optional[Literal["mtp", "dflash"]] = None
     num_draft_tokens: Optional[int] = None     # None: the drafter's default (Engine resolves it)
     # "adaptive": each step drafts the k in 0..num_draft_tokens with the most tokens per second
@@ -168,9 +168,6 @@ class EngineOptions:
         if self.num_draft_tokens is not None and (not _is_int(self.num_draft_tokens)
                                                   or not 1 <= self.num_draft_tokens <= most):
             bad("num_draft_tokens", f"must be an integer in 1..{most}")
-        if self.speculative == "dflash" and self.backend == "cuda":
-            bad("speculative", "'dflash' runs on the numpy backend only for now (the CUDA "
-                               "drafter is not written yet); use 'mtp' on cuda")
         if self.draft_policy not in ("adaptive", "fixed"):
             bad("draft_policy", "must be 'adaptive' or 'fixed'")
         timeout = self.queue_timeout_s

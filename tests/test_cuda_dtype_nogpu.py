@@ -411,13 +411,43 @@ _SIM_SLOW = pytest.mark.skipif(os.environ.get("NINFER_SIM_MODEL") != "1",
                                reason="minutes on the simulator: set NINFER_SIM_MODEL=1")
 
 
-def _sim_mtp(kind: str, part: str) -> dict:
+def _sim_script(script: str, *args) -> dict:
+    """The JSON a tests/gpu/sim_*.py script prints last (kernels on the simulator)."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_mtp.py"),
-                          kind, part], env=env, capture_output=True, text=True, timeout=3000)
+    res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu" / script),
+                          *args], env=env, capture_output=True, text=True, timeout=3000)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _sim_mtp(kind: str, part: str) -> dict:
+    return _sim_script("sim_mtp.py", kind, part)
+
+
+def test_dflash_steps_on_the_simulator_match_the_numpy_drafter():
+    """CudaDFlashDrafter (issue 30: the feed's fc, norm and context K/V into the pool's extra
+    layers; the block pass over context and block with the plain norms, full-head RoPE, the
+    non-causal paged attention and the ungated merge; the target's lm_head and argmax) on the
+    simulator (tests/gpu/sim_dflash.py: two rows, one fed in two calls) against DFlashDrafter:
+    float32 hidden within 1e-5 (measured 1.8e-7) and the same drafts; bf16 within its rounding
+    (measured 2.6e-3)."""
+    out = _sim_script("sim_dflash.py", "step")
+    f, b = out["float32"], out["bfloat16"]
+    assert f["hidden"] < 1e-5 and f["ids_equal"] and f["shape"] == [2, 4, 32], f
+    assert 1e-4 < b["hidden"] < 3e-2 and b["ids_agree"] >= 0.75, b     # bf16 really rounds
+    assert f["kv_layers"] == f["target_kv_layers"] + 2                  # the drafter's, last
+
+
+@_SIM_SLOW
+def test_dflash_verify_features_on_the_simulator():
+    """CudaModel.verify_forward with the drafter's hidden_layers (StepRunner.run's capture into
+    the feature rows) on the simulator: features and logits as the numpy model's."""
+    out = _sim_script("sim_dflash.py", "verify")
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 3e-2)):
+        v = out[dtype]
+        assert v["verify_logits"] < tol and v["verify_features"] < tol, (dtype, v)
+        assert v["features_shape"] == [4, 3 * 32], v
 
 
 @pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=_SIM_SLOW)])

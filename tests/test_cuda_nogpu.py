@@ -14,7 +14,8 @@ from ninfer.errors import DeviceError
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import ModelConfig, TextConfig
 from ninfer.models.qwen3_5.cuda.kernel_set import (MODULES, SIGS, check_geometry,
-                                                   declared_signatures, geometry_specs, mtp_specs,
+                                                   declared_signatures, dflash_specs,
+                                                   geometry_specs, mtp_specs,
                                                    spec, speculation_specs, vision_specs)
 from ninfer.models.qwen3_5.cuda.meta import MetaLayout
 from ninfer.models.qwen3_5.fakes import TensorArtifact
@@ -141,6 +142,12 @@ def test_signatures_read_from_the_text_are_the_kernels_own():
     specs += [s for f32 in (False, True) for s in vision_specs(f32).values()]
     specs += list(speculation_specs(dense).values())
     specs += [s for f32 in (False, True) for s in mtp_specs(f32).values()]
+    from ninfer.models.qwen3_5.config import DFlashConfig
+    drafter = DFlashConfig(dense.hidden_size, 2, dense.num_attention_heads,
+                           dense.num_key_value_heads, dense.head_dim, 3 * dense.hidden_size,
+                           1e-6, 1e6, (1, 3, 5), 16, 0)
+    specs += [s for f32 in (False, True) for s in dflash_specs(drafter, f32).values()]
+    specs += list(dflash_specs(drafter, kv_dtype="fp8").values())
     assert {s.factory for s in specs} == set(SIGS)
     for s in specs:
         fn = getattr(K._import_kernel_module(s.module), s.factory)(**dict(s.params))
@@ -1146,9 +1153,11 @@ def test_call_capacities_cover_a_decode_graph_and_the_logits_rows():
     b, n, p, lg = call_capacities(small)
     assert (b, n) == (2, 4) and lg >= b and p * small.page_size >= small.max_context + 1
     # speculative: a verify of every row's token and k drafts is one call, all its logits
-    spec = EngineOptions(backend="cuda", max_concurrency=8, max_context=4096, prefill_chunk=16,
-                         speculative="mtp", num_draft_tokens=3)
-    assert call_capacities(spec)[1] == call_capacities(spec)[3] == 32
+    # (either drafter: a DFlash verify of 4 rows x 5 tokens at prefill_chunk 8 once failed)
+    for drafter in ("mtp", "dflash"):
+        spec = EngineOptions(backend="cuda", max_concurrency=8, max_context=4096,
+                             prefill_chunk=16, speculative=drafter, num_draft_tokens=3)
+        assert call_capacities(spec)[1] == call_capacities(spec)[3] == 32, drafter
     assert call_capacities(EngineOptions(backend="cuda", max_concurrency=8, prefill_chunk=512,
                                          speculative="mtp"))[1::2] == (512, 256)
 
@@ -1253,7 +1262,7 @@ def test_a_verify_runs_through_its_graph_only_where_the_graph_is_the_eager_call(
         attn_tc_min_tokens = 64
         res = SimpleNamespace(moe_gemv_tokens=16)
 
-        def run(self, st, meta, n, b, n_out, kv, state, snap=None):
+        def run(self, st, meta, n, b, n_out, kv, state, snap=None, capture=None):
             calls.append(("run", self.dry, meta, n, b, n_out, kv, state, snap))
 
         def final_hidden(self, st, n):

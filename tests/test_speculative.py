@@ -766,3 +766,37 @@ def test_plain_steps_feed_the_drafter_what_speculative_units_would(extremes, mon
     assert stats1["spec_plain_ahead"] > 0
     real = [[d for d in unit if d] for unit in drafted]
     assert sum(len(u) for u in real[1]) >= 8 and real[0] == real[1]
+
+
+def test_a_unit_that_paid_a_first_use_is_not_timed(extremes, monkeypatch):
+    """A unit during which the model's one_off_work grew (CUDA: it captured a verify graph or
+    planned a GEMM, seconds that are not the shape's cost) gives the draft policy no time: the
+    cold start runs that k again. Here every verify of a new (tokens, rows) shape counts as a
+    first use; the policy must see exactly the units whose shape had run before."""
+    from ninfer.models.qwen3_5.program.draft_policy import DraftPolicy
+    seen, units = set(), []
+    original = NumpyModel.verify_forward
+
+    def verify_forward(self, batch, *a, **kw):
+        shape = (int(batch.num_tokens), int(batch.num_rows))
+        new = shape not in seen and batch.num_tokens > batch.num_rows      # a verify, drafts in
+        seen.add(shape)
+        self.one_off_work = getattr(self, "one_off_work", 0) + int(new)
+        units.append(new)
+        return original(self, batch, *a, **kw)
+    monkeypatch.setattr(NumpyModel, "verify_forward", verify_forward)
+    timed = []
+    observe = DraftPolicy.observe_unit
+    monkeypatch.setattr(DraftPolicy, "observe_unit",
+                        lambda self, rows, k, s: (timed.append(k), observe(self, rows, k, s)))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want, _ = _generate(extremes["never"], _id_prompts()[:1], params, max_concurrency=1)
+    got, stats = _generate(extremes["never"], _id_prompts()[:1], params, max_concurrency=1,
+                           speculative="mtp", num_draft_tokens=3)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    first_uses = sum(units)
+    assert first_uses == 3                              # k = 3, 2, 1: one new shape each
+    by_k = stats["spec_units_by_k"]
+    assert all(n >= 2 for n in by_k[1:]), by_k          # each drafting k ran again, timed
+    assert len(timed) == sum(by_k) - first_uses, (timed, by_k)     # every other unit timed
+    assert sorted(set(timed)) == [0, 1, 2, 3]

@@ -10,6 +10,7 @@ speed and the real cuBLASLt are the GPU tests' business. Prints JSON:
                                                          [kv_dtype: bfloat16|fp8|int8]
 (kv_dtype fp8 / int8: both backends store quantized KV; kv_round_trip then compares bytes.)
 """
+import inspect
 import json
 import pathlib
 import sys
@@ -43,7 +44,9 @@ NP = {"float32": np.float32, "uint16": np.uint16, "uint32": np.uint32, "int32": 
 # Kernels whose result does not depend on the block's width (a strided loop and a block
 # reduction over however many threads run) launch narrower here: the simulator runs a Python
 # thread per CUDA thread, so the runner's 1,024-thread rows cost seconds each. Their 1,024-thread launches run in the GPU tests; sim_decode_kernels.py
-# checks the kernels at several widths against float64.
+# checks the kernels at several widths against float64. argmax is compiled for its block width
+# (its `threads`: the shared reduction's size), so here it is compiled for the capped width too:
+# launched 128 wide while compiled for 1,024 it reduced unwritten shared memory (garbage ids).
 SIM_BLOCK_CAP = {"rmsnorm": 128, "argmax": 128}
 
 
@@ -163,9 +166,13 @@ def install(machine):
                 u = machine.typed(int(getattr(bits, "ptr", bits)), np.uint16)[:n]
                 machine.typed(out, np.float32)[:n] = (u.astype(np.uint32) << 16).view(np.float32)
                 return
+            cap = SIM_BLOCK_CAP.get(self.spec.factory)
             if self.fn is None:
-                self.fn = cuda.jit(getattr(_import_kernel_module(self.spec.module),
-                                           self.spec.factory)(**dict(self.spec.params)))
+                factory = getattr(_import_kernel_module(self.spec.module), self.spec.factory)
+                params = dict(self.spec.params)
+                if cap is not None and "threads" in inspect.signature(factory).parameters:
+                    params["threads"] = cap          # (a kernel compiled for its width)
+                self.fn = cuda.jit(factory(**params))
             conv = []
             for t, a in zip(self.spec.sig, args):
                 _, nt, is_ptr = ARG_TYPES[t]
@@ -175,7 +182,6 @@ def install(machine):
                     conv.append(np.float32(a) if t == "f32" else int(a))
             g = tuple(grid) + (1,) * (3 - len(grid))
             b = tuple(block) + (1,) * (3 - len(block))
-            cap = SIM_BLOCK_CAP.get(self.spec.factory)
             if cap is not None and b[0] > cap:
                 b = (cap,) + b[1:]
             self.fn[g, b](*conv)

@@ -1,5 +1,6 @@
 """Speculative decoding with the MTP head on the CUDA backend (issue 25; program/speculative.py
-over cuda/drafter.py and CudaModel.verify_forward): in float32 the tokens are the ones the CUDA
+over cuda/drafter.py and CudaModel.verify_forward; the reference models' tests also with their
+DFlash drafters, DRAFTERS: issue 30, cuda/dflash.py): in float32 the tokens are the ones the CUDA
 Engine gives without speculation, for greedy and seeded sampling, alone and 8 at once, through
 Snapshot and Replay pauses, with stop strings, grammars and thinking budgets; a rejected draft is
 undone by a State snapshot slot, never by a recompute. The trained reference models (a real MTP
@@ -23,6 +24,9 @@ PROMPTS = ["import os\n\ndef main():\n", "class Parser:\n    def __init__(self",
            "    return self.", "try:\n    import"]
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=11)
 CUDA = dict(backend="cuda", dtype="float32")
+# the reference models' drafters: the MTP head, and the DFlash block drafter (test_dflash_gpu.py
+# holds its steps against the numpy drafter); the cycle and its contract are the same
+DRAFTERS = ["mtp", "dflash"]
 
 
 def _generate(path, prompts, params, **engine_kw):
@@ -42,42 +46,45 @@ def ref(request):
     return ensure_reference_artifact(request.param)
 
 
-def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref):
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_equals_plain_decoding_alone_and_8_concurrent(ref, drafter):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want, _ = _generate(ref, PROMPTS, params, max_concurrency=8)
     for b in (1, 3, 8):
-        got, stats = _generate(ref, PROMPTS, params, max_concurrency=b, speculative="mtp",
+        got, stats = _generate(ref, PROMPTS, params, max_concurrency=b, speculative=drafter,
                                num_draft_tokens=3, draft_policy="fixed")
         assert [r.token_ids for r in got] == [r.token_ids for r in want], b
         _no_recompute(stats)
         assert stats["spec_accepted_tokens"] > 0 and stats["spec_snapshot_selects"] > 0
     for k in (1, 4):
         alone, stats = _generate(ref, PROMPTS[:1], params, max_concurrency=1,
-                                 speculative="mtp", num_draft_tokens=k)
+                                 speculative=drafter, num_draft_tokens=k)
         assert [r.token_ids for r in alone] == [r.token_ids for r in want[:1]], k
 
 
-def test_seeded_equals_plain_sampling_at_batch_1_and_4():
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_seeded_equals_plain_sampling_at_batch_1_and_4(drafter):
     ref = ensure_reference_artifact("dense")
     params = [SamplingParams(max_tokens=16, ignore_eos=True, **{**SEEDED, "seed": 50 + i})
               for i in range(4)]
     want, _ = _generate(ref, PROMPTS[:4], params, max_concurrency=1)
     for b in (1, 4):
-        got, stats = _generate(ref, PROMPTS[:4], params, max_concurrency=b, speculative="mtp",
+        got, stats = _generate(ref, PROMPTS[:4], params, max_concurrency=b, speculative=drafter,
                                num_draft_tokens=3, draft_policy="fixed")
         assert [r.token_ids for r in got] == [r.token_ids for r in want], b
         _no_recompute(stats)
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("snapshot_bytes", [0, 64 << 20], ids=["replay", "snapshot"])
-def test_equal_through_pauses(snapshot_bytes):
+def test_equal_through_pauses(snapshot_bytes, drafter):
     path = ensure_reference_artifact("dense")
     params = [SamplingParams(max_tokens=26, ignore_eos=True),
               SamplingParams(max_tokens=26, ignore_eos=True, **SEEDED)] * 2
     want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=1)
     got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=48,
                            page_size=8, num_kv_pages=10, prefill_chunk=8,
-                           host_snapshot_bytes=snapshot_bytes, speculative="mtp",
+                           host_snapshot_bytes=snapshot_bytes, speculative=drafter,
                            num_draft_tokens=4, draft_policy="fixed")
     assert stats["pauses"] > 0 and stats["spec_accepted_tokens"] > 0
     assert (stats["snapshot_resumes"] > 0) == (snapshot_bytes > 0)

@@ -127,6 +127,7 @@ class CublasLt:
     f32, ab_type, invariant = False, CUDA_R_16BF, False
 
     sm_count = 0
+    plans_made = 0      # matmul plans made so far (each a heuristic query: one-off work)
 
     def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False,
                  invariant: bool = False, sm_count: int = 0):
@@ -306,6 +307,7 @@ class CublasLt:
         p.algo = HeuristicResult()
         ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
         self._plans[key] = p
+        self.plans_made += 1
         return p
 
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,

@@ -60,6 +60,7 @@ from .cuda.token_step import TokenStep
 from .cuda.weight_load import WeightLoader, load_weights, quant_plans
 from .cuda import qweights as qw
 from .cuda import attention_tc
+from .cuda import dflash as device_dflash
 from .cuda import vision as device_vision
 from .cuda import weights as wplan
 
@@ -68,19 +69,21 @@ VISION_SM_SHARE = 0.3   # the vision tower's share of the SMs while steps run (v
 VISION_BUSY_S = 0.02    # steps "run" when one is in flight or was launched this recently
 
 
-def _with_mtp_layer(cfg):
-    """The text config as the KV pool sees it with the MTP head: one more full-attention layer."""
+def _with_drafter_layers(cfg, n: int):
+    """The text config as the KV pool sees it with a drafter's n attention layers (the MTP
+    head's one, a DFlash drafter's): n more full-attention layers."""
     import dataclasses
     from .config import FULL_ATTENTION
-    return dataclasses.replace(cfg, layer_types=tuple(cfg.layer_types) + (FULL_ATTENTION,),
-                               num_hidden_layers=cfg.num_hidden_layers + 1)
+    return dataclasses.replace(cfg, layer_types=tuple(cfg.layer_types) + (FULL_ATTENTION,) * n,
+                               num_hidden_layers=cfg.num_hidden_layers + n)
 
 
 def load_cuda_model(artifact, options) -> "CudaModel":
-    # speculative='mtp': the MTP head's weights, kernels and KV layer, and the verify's State
-    # snapshot slots in the memory plan (memory_plan.snapshot_slots)
-    model = CudaModel(model_config(artifact), options, artifact=artifact,
-                      mtp=options.speculative == "mtp")
+    # speculative='mtp' / 'dflash': the drafter's weights, kernels and KV layers, and the
+    # verify's State snapshot slots in the memory plan (memory_plan.snapshot_slots)
+    config = model_config(artifact)
+    model = CudaModel(config, options, artifact=artifact, mtp=options.speculative == "mtp",
+                      dflash=config.dflash if options.speculative == "dflash" else None)
     model.load_vision(artifact)
     return model
 
@@ -124,7 +127,8 @@ class CudaModel(MediaEncoding):
     # step runs (_steps_running) get every SM: a lone image chat's TTFT is the whole device's.
     vision_sm_count = None
     pool_pinned = None
-    hidden_host = None               # pinned: every token's hidden of a verify (mtp; at load)
+    hidden_host = None               # pinned: every token's hidden (or features) of a verify
+    dflash = None                    # cuda/dflash.DFlashRunner (loaded with dflash=)
     step_hidden_host = None          # pinned: two token steps' hidden states (mtp; at load)
     step_hidden = False              # launch_tokens(keep_hidden=True) (contracts.Model; mtp)
     checks_batches = True   # direct callers get checked; a Program turns it off (contracts)
@@ -140,16 +144,30 @@ class CudaModel(MediaEncoding):
     final_hidden = None
 
     def __init__(self, config: ModelConfig, options, *, artifact=None, random_seed: int = None,
-                 max_tokens: int = None, kernel_cache_dir=None, mtp: bool = False):
+                 max_tokens: int = None, kernel_cache_dir=None, mtp: bool = False,
+                 dflash=None):
         """mtp: also hold the checkpoint's MTP head (its weights, kernels, and one more attention
         layer in every KV pool, last) for `mtp_forward` and `verify_forward` (issue 25: the
-        speculative units, program/speculative.py, through cuda/drafter.py)."""
+        speculative units, program/speculative.py, through cuda/drafter.py). dflash (a
+        DFlashConfig): hold that DFlash drafter instead (its weights, kernels, buffers and its
+        layers last in every KV pool) for `dflash_feed`, `dflash_draft` and `verify_forward`
+        with its `hidden_layers` (issue 30, through cuda/dflash.py)."""
         if (artifact is None) == (random_seed is None):
             raise ValueError("CudaModel: give exactly one of artifact / random_seed")
         if mtp and config.text.mtp_num_hidden_layers != 1:
             raise ArtifactError(f"speculative='mtp' needs the checkpoint's MTP head (one layer; "
                                 f"this model has {config.text.mtp_num_hidden_layers})")
+        if mtp and dflash is not None:
+            raise ValueError("CudaModel: one drafter at a time (mtp or dflash)")
+        if dflash is not None:
+            dflash.validate(config.text)
+            device_dflash.check_kv_geometry(dflash, config.text)
         self.mtp = bool(mtp)
+        self.dflash_cfg = dflash
+        # a speculative verify's buffers and kernels (either drafter)
+        self.speculative = self.mtp or dflash is not None
+        # the drafter's KV layers, last in every pool
+        self.drafter_layers = int(self.mtp) + (dflash.num_hidden_layers if dflash else 0)
         self.config, self.text = config, config.text
         self.options = options
         # what close() releases: None until made (a failed load closes what it got to)
@@ -232,7 +250,7 @@ class CudaModel(MediaEncoding):
         self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir), self.f32,
                                  qw.formats(self.qplans.values()), self.kv_dtype,
                                  vision_head_dim=vcfg.head_dim if vis_patches else 0,
-                                 mtp=self.mtp)
+                                 mtp=self.mtp, dflash=self.dflash_cfg)
         # kernels compile (other processes: numba holds the GIL) and load (the driver JIT-compiles
         # each module's PTX, in threads) while the weights load
         kernel_loading = self.kernels.start_loading(self._bind_context)
@@ -265,17 +283,21 @@ class CudaModel(MediaEncoding):
         ws_bytes = workspace_bytes(cfg, f32=self.f32, n_cap=n_cap, lg_cap=self.lg_cap,
                                    part_rows=part_rows, max_keys=self.max_keys,
                                    meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes,
-                                   mtp=self.mtp) \
+                                   mtp=self.speculative) \
             + wq * (4 if self.f32 else 2) + w8a8_bytes(n_cap, w8k) + (1024 if w8k else 0)
+        if self.dflash_cfg is not None:
+            ws_bytes += device_dflash.buffer_bytes(self.dflash_cfg, n_cap, self.device.num_sms,
+                                                   self.f32)
         # the device sampler: parameters, penalty lists and mask bits of one step, fp64 rows
         # (speculative: every verify position of every row is a sampler row)
-        sampler_rows = max(b_cap * (draft_tokens(options) + 1 if self.mtp else 1), 8)
+        sampler_rows = max(b_cap * (draft_tokens(options) + 1 if self.speculative else 1), 8)
         free, total = self.device.mem_info()
         self.memory_plan = plan = plan_cuda_memory(
             # (with the MTP head: its KV layer paged with the model's, one more full-attention
             # layer's pages in the plan)
-            _with_mtp_layer(cfg) if self.mtp else cfg, options, f32=self.f32,
-            weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans, mtp=self.mtp),
+            _with_drafter_layers(cfg, self.drafter_layers), options, f32=self.f32,
+            weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans, mtp=self.mtp,
+                                           dflash=self.dflash_cfg),
             workspace_bytes=ws_bytes + vis_bytes + DeviceSampler.device_bytes(
                 sampler_rows, cfg.vocab_size, options.max_context),
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN,
@@ -286,7 +308,11 @@ class CudaModel(MediaEncoding):
         self.arena = Arena(plan.total_bytes)
         self._lap("arena")
         self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
-                            f32=self.f32, wq_elements=wq, w8a8_k=w8k, mtp=self.mtp)
+                            f32=self.f32, wq_elements=wq, w8a8_k=w8k, mtp=self.mtp,
+                            verify=self.speculative)
+        if self.dflash_cfg is not None:
+            self.dflash_bufs = device_dflash.DFlashBuffers(self.arena, self.dflash_cfg, n_cap,
+                                                           self.device.num_sms, self.f32)
         meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
                                "metadata")
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
@@ -307,9 +333,12 @@ class CudaModel(MediaEncoding):
         # again only after the step that used it was collected
         self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + 2 * self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
-        # the final-normed hidden of every token of an eager call (verify_forward; mtp)
-        self.hidden_host = _d.PinnedBuffer(n_cap * cfg.hidden_size * self.ws.gin_bytes) \
-            if self.mtp else None
+        # the final-normed hidden of every token of an eager call (verify_forward; mtp), or its
+        # features (dflash: the outputs of the drafter's target layers side by side)
+        self.hidden_width = cfg.hidden_size * (len(self.dflash_cfg.target_layer_ids)
+                                               if self.dflash_cfg is not None else 1)
+        self.hidden_host = _d.PinnedBuffer(n_cap * self.hidden_width * self.ws.gin_bytes) \
+            if self.speculative else None
         # and of a token step's rows (keep_hidden: a speculative Program's plain steps, two in
         # flight as their ids)
         if self.mtp:
@@ -340,7 +369,8 @@ class CudaModel(MediaEncoding):
                               self._bind_context)
         try:
             self.weights = load_weights(cfg, loader, artifact=artifact, seed=random_seed,
-                                        tied=tied, qplans=self.qplans, mtp=self.mtp)
+                                        tied=tied, qplans=self.qplans, mtp=self.mtp,
+                                        dflash=self.dflash_cfg)
             self.stream.synchronize()
         except BaseException:
             # the kernels' thread finishes before close() unloads what it loads
@@ -366,13 +396,17 @@ class CudaModel(MediaEncoding):
                           # a verify of every row's k + 1 tokens stays on the decode's expert
                           # GEMVs: the grouped path syncs with the host at every MoE layer
                           # (a 35B-A3B verify of 4 tokens: 7.4x a decode step that way)
-                          moe_gemv_tokens=b_cap * (draft_tokens(options) + 1 if self.mtp
-                                                   else 1),
+                          moe_gemv_tokens=b_cap * (draft_tokens(options) + 1
+                                                   if self.speculative else 1),
                           n_cap=n_cap, route_host=self.route_host, media=self.media_rows),
             invariant=self.batch_invariant,
             # (bf16 only: a float32 model runs every row on the CUDA-core kernel)
             attn_tc_min_tokens=math.inf if self.f32 else attention_tc.TC_MIN_TOKENS,
             w8a8=self.w8a8)
+        if self.dflash_cfg is not None:
+            self.dflash = device_dflash.DFlashRunner(
+                self.runner, self.dflash_cfg, self.weights["dflash"], self.dflash_bufs,
+                first_layer=len(cfg.attention_layer_ids))
         self.graphs = DecodeGraphs(self.stream, self.runner, self.decode_meta)
         self.stream.synchronize()
         log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace and sampler "
@@ -398,6 +432,13 @@ class CudaModel(MediaEncoding):
             return max(1, round(VISION_SM_SHARE * self.device.num_sms))
         return int(self.vision_sm_count)
 
+    @property
+    def one_off_work(self) -> int:
+        """contracts.Model.one_off_work: graphs captured and cuBLASLt plans made so far (a verify
+        shape's first unit captures its graph: seconds, not the shape's cost)."""
+        return (self.graphs.captured if self.graphs is not None else 0) + \
+            (self.lt.plans_made if self.lt is not None else 0)
+
     def _steps_running(self) -> bool:
         """A step is in flight or one was launched in the last VISION_BUSY_S (the vision
         tower's lane, chosen again before each of its layers)."""
@@ -408,7 +449,7 @@ class CudaModel(MediaEncoding):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"new_kv_pool: num_pages={num_pages}, page_size={page_size} must be >= 1")
         pool = DeviceKVPool(self._pool_device(), self.text, num_pages, page_size,
-                            extra_layers=int(self.mtp))
+                            extra_layers=self.drafter_layers)
         self.stream.synchronize()
         return pool
 
@@ -548,7 +589,7 @@ class CudaModel(MediaEncoding):
         return self.launch_tokens(batch, kv, state, rows).collect()
 
     def _eager(self, batch, kv, state, out_rows, want_logits: bool = True, media=None,
-               snap=None):
+               snap=None, capture=None):
         lay, meta = self.eager_layout, self.eager_meta
         self._upload_meta(lay, meta, 0, batch, out_rows)
         n, b = batch.num_tokens, batch.num_rows
@@ -557,7 +598,7 @@ class CudaModel(MediaEncoding):
         ctxs = np.asarray(batch.context_lens).tolist()
         rows = [(qs[i], qs[i + 1] - qs[i], int(c)) for i, c in enumerate(ctxs)]
         self.runner.run(self.stream, meta, n, b, first, kv, state, rows=rows, media=media,
-                        snap=snap)
+                        snap=snap, capture=capture)
         V = self.text.vocab_size
         if not want_logits:
             return None
@@ -577,8 +618,8 @@ class CudaModel(MediaEncoding):
     verify_snapshots = True     # verify_forward writes each verify row's per-token States
 
     def _put_hidden(self, dst, hidden: np.ndarray) -> None:
-        """float32 [n, H] host rows into a workspace buffer of the GEMM inputs' type (bf16, or
-        fp32 with dtype float32)."""
+        """float32 [n, width] host rows into a workspace buffer of the GEMM inputs' type (bf16,
+        or fp32 with dtype float32)."""
         if self.f32:
             stored = np.ascontiguousarray(hidden, np.float32)
         else:
@@ -587,19 +628,20 @@ class CudaModel(MediaEncoding):
         self.hidden_host.view(stored.dtype, 0, stored.size)[:] = stored.reshape(-1)
         _d.copy_htod_async(dst.ptr, self.hidden_host.ptr, stored.nbytes, self.stream)
 
-    def _get_hidden(self, src, n: int) -> np.ndarray:
-        """float32 [n, H] of a workspace buffer of the GEMM inputs' type (waits for the stream)."""
-        self._queue_hidden(src, n)
+    def _get_hidden(self, src, n: int, width: int = None) -> np.ndarray:
+        """float32 [n, width] (default H) of a workspace buffer of the GEMM inputs' type (waits
+        for the stream)."""
+        self._queue_hidden(src, n, width)
         self.stream.synchronize()
-        return self._read_hidden(n)
+        return self._read_hidden(n, width)
 
-    def _queue_hidden(self, src, n: int) -> None:
-        nbytes = n * self.text.hidden_size * self.ws.gin_bytes
+    def _queue_hidden(self, src, n: int, width: int = None) -> None:
+        nbytes = n * (width or self.text.hidden_size) * self.ws.gin_bytes
         _d.copy_dtoh_async(self.hidden_host.ptr, src.ptr, nbytes, self.stream)
 
-    def _read_hidden(self, n: int) -> np.ndarray:
+    def _read_hidden(self, n: int, width: int = None) -> np.ndarray:
         """What _queue_hidden copied, once the stream has passed it."""
-        H = self.text.hidden_size
+        H = width or self.text.hidden_size
         if self.f32:
             return self.hidden_host.view(np.float32, 0, n * H).reshape(n, H).copy()
         bits = self.hidden_host.view(np.uint16, 0, n * H).reshape(n, H)
@@ -616,6 +658,12 @@ class CudaModel(MediaEncoding):
     def _need_mtp(self, what: str) -> None:
         if not self.mtp:
             raise RuntimeError(f"{what}: the model was loaded without its MTP head (mtp=True)")
+        self._current()
+
+    def _need_speculative(self, what: str) -> None:
+        if not self.speculative:
+            raise RuntimeError(f"{what}: the model was loaded without a drafter (mtp=True or "
+                               "dflash=)")
         self._current()
 
     def mtp_forward(self, batch: ForwardBatch, hidden: np.ndarray, kv, *,
@@ -652,27 +700,19 @@ class CudaModel(MediaEncoding):
         """The checks, uploads and launches of an MTP step whose head covers out_rows (logits
         and argmax into the workspace; MTP hidden of every token in ws.x)."""
         self._need_mtp(what)
-        cfg = self.text
-        n, H, V = batch.num_tokens, cfg.hidden_size, cfg.vocab_size
+        n, H = batch.num_tokens, self.text.hidden_size
         hidden = np.asarray(hidden, np.float32)
         if hidden.shape != (n, H):
             raise ValueError(f"{what}: hidden shape {hidden.shape} != ({n}, {H})")
-        if not 0 < n <= self.n_cap or len(out_rows) > self.lg_cap:
-            raise ValueError(f"{what}: {n} tokens with {len(out_rows)} logits rows, one call "
-                             f"takes 1..{self.n_cap} tokens and {self.lg_cap} logits rows")
-        if self.checks_batches:
-            batch.check(BatchLimits(vocab_size=V, page_size=kv.page_size,
-                                    num_kv_pages=kv.num_pages, num_state_slots=None,
-                                    max_rows=self.eager_layout.b_cap, max_tokens=self.n_cap,
-                                    max_pages_per_row=self.p_cap))
+        self._drafter_call(what, batch, kv, len(out_rows))
         self._put_hidden(self.ws.mtp_h, hidden)
         self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
         self.runner.mtp(self.stream, self.eager_meta, n, batch.num_rows, len(out_rows), kv)
 
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T on the device (a draft's MTP
-        hidden within a grammar: its masked argmax is the draft)."""
-        self._need_mtp("head_logits")
+        or DFlash hidden within a grammar: its masked argmax is the draft)."""
+        self._need_speculative("head_logits")
         hidden = np.asarray(hidden, np.float32)
         out = np.empty((len(hidden), self.text.vocab_size), np.float32)
         for start in range(0, len(hidden), self.lg_cap):
@@ -682,33 +722,127 @@ class CudaModel(MediaEncoding):
             out[start:start + len(rows)] = self._logits_out(len(rows))
         return out
 
+    # ---- the DFlash drafter's steps (cuda/dflash.py; program/speculative.py _BlockProposer) ---
+    def _need_dflash(self, what: str) -> None:
+        if self.dflash is None:
+            raise RuntimeError(f"{what}: the model was loaded without a DFlash drafter "
+                               "(dflash=)")
+        self._current()
+
+    def _drafter_call(self, what: str, batch: ForwardBatch, kv, n_out: int) -> None:
+        """The checks of a drafter's eager call (MTP or DFlash) of n_out output rows."""
+        if not 0 < batch.num_tokens <= self.n_cap or n_out > self.lg_cap \
+                or batch.num_rows > self.eager_layout.b_cap:
+            raise ValueError(f"{what}: {batch.num_tokens} tokens of {batch.num_rows} rows with "
+                             f"{n_out} output rows; one call takes 1..{self.n_cap} tokens, "
+                             f"{self.eager_layout.b_cap} rows and {self.lg_cap} logits rows")
+        if self.checks_batches:
+            batch.check(BatchLimits(vocab_size=self.text.vocab_size, page_size=kv.page_size,
+                                    num_kv_pages=kv.num_pages, num_state_slots=None,
+                                    max_rows=self.eager_layout.b_cap, max_tokens=self.n_cap,
+                                    max_pages_per_row=self.p_cap))
+
+    def dflash_feed(self, batch: ForwardBatch, features: np.ndarray, kv) -> None:
+        """DFlashDrafter.feed on the device for one call: every drafter layer's context K/V of
+        the batch's positions (context_lens + index in row) from the target's features
+        [N, len(target_layer_ids) * H] (stored as the GEMM inputs are); the token ids are not
+        read. N <= the tokens of one call (cuda/dflash.py splits longer feeds). Waits."""
+        self._need_dflash("dflash_feed")
+        n = batch.num_tokens
+        features = np.asarray(features, np.float32)
+        if features.shape != (n, self.hidden_width):
+            raise ValueError(f"dflash_feed: features shape {features.shape} != ({n}, "
+                             f"{self.hidden_width})")
+        self._drafter_call("dflash_feed", batch, kv, 0)
+        self._put_hidden(self.dflash_bufs.feat, features)
+        self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, np.zeros(0, np.int32))
+        self.dflash.feed(self.stream, self.eager_meta, n, kv)
+        self.stream.synchronize()          # (the staging buffers are written again next call)
+
+    def dflash_draft(self, kv, anchors, context_lens, block_tables) -> tuple:
+        """The block pass of B rows on the device (DFlashDrafter.draft's contract for rows that
+        fit one call: B * block_size tokens, B * (block_size - 1) output rows): each row's
+        [anchor, mask, ...] at positions F .. F + bs - 1 (F = context_lens[r]) over its
+        drafter context, whose K/V the block writes at those positions (its pages must cover
+        them). Returns (int32 [B, bs - 1] argmax drafts, float32 [B, bs - 1, H] final-normed
+        hidden states). Waits."""
+        self._need_dflash("dflash_draft")
+        cfg, bs, H = self.dflash.cfg, self.dflash.cfg.block_size, self.text.hidden_size
+        anchors = np.asarray(anchors, np.int32)
+        ctx = np.asarray(context_lens, np.int32)
+        B = len(ctx)
+        tables = np.asarray(block_tables, np.int32).reshape(B, -1)
+        if anchors.shape != (B,) or B == 0:
+            raise ValueError(f"dflash_draft: {anchors.shape} anchors for {B} rows")
+        last_page = (ctx + bs - 1) // kv.page_size
+        if np.any(last_page >= tables.shape[1]) or \
+                np.any(tables[np.arange(B), np.minimum(last_page, tables.shape[1] - 1)] < 0):
+            raise ValueError(f"dflash_draft: the rows' pages must cover their block, positions "
+                             f"context_lens .. context_lens + {bs - 1}")
+        tokens = np.full((B, bs), cfg.mask_token_id, np.int32)
+        tokens[:, 0] = anchors
+        pos = (ctx[:, None] + np.arange(bs, dtype=np.int32)).reshape(-1)
+        batch = ForwardBatch(tokens.reshape(-1), np.stack([pos, pos, pos]),
+                             (np.arange(B + 1) * bs).astype(np.int32), ctx, tables,
+                             np.zeros(B, np.int32))
+        out_rows = (np.arange(B)[:, None] * bs + np.arange(1, bs)).reshape(-1).astype(np.int32)
+        m = len(out_rows)
+        self._drafter_call("dflash_draft", batch, kv, m)
+        self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
+        self.dflash.block(self.stream, self.eager_meta, B * bs, m, kv)
+        _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, 4 * m, self.stream)
+        self._queue_hidden(self.ws.xf, m)
+        self.stream.synchronize()
+        ids = self.ids_host.view(np.int32, 0, m).copy().reshape(B, bs - 1)
+        return ids, self._read_hidden(m).reshape(B, bs - 1, H)
+
     def verify_forward(self, batch: ForwardBatch, kv, state, out_rows, *, snap_base=None,
-                       media=None) -> tuple:
+                       media=None, hidden_layers=None) -> tuple:
         """A speculative unit's target forward (program/speculative.py), eager: (logits
         [len(out_rows), V] float32 of those tokens, final-normed hidden [N, H] float32 of every
         token: the drafter's feed). snap_base: per row, -1 or its first snapshot slot: its
         State after each of its tokens i also goes to State slot snap_base[r] + i (the
         recurrent delta rule over the row's few tokens), so rejecting the drafts after token j
         is one slot copy (DeviceStatePool.copy) instead of a recompute. media: as forward's.
-        Needs mtp=True (its kernels and buffers)."""
+        hidden_layers: the loaded DFlash drafter's target layers, whose outputs side by side
+        ([N, len * H], its features) replace the final-normed hidden. Needs a drafter loaded
+        (mtp=True or dflash=: the verify's kernels and buffers)."""
+        capture, feat = self._feed_source(hidden_layers)
         media, snap = self._verify_run(batch, kv, state, snap_base, media)
         out_rows = np.asarray(out_rows, np.int32)
-        if self._verify_graph_launch(batch, kv, state, out_rows, snap, media):
+        if self._verify_graph_launch(batch, kv, state, out_rows, snap, media, capture):
             logits = self._logits_out(len(out_rows)).copy()
         else:
-            logits = self._eager(batch, kv, state, out_rows, media=media, snap=snap)
-            self.runner.final_hidden(self.stream, batch.num_tokens)
-        return logits, self._get_hidden(self.ws.mtp_h, batch.num_tokens)
+            logits = self._eager(batch, kv, state, out_rows, media=media, snap=snap,
+                                 capture=capture)
+            if capture is None:
+                self.runner.final_hidden(self.stream, batch.num_tokens)
+        return logits, self._get_hidden(feat, batch.num_tokens, self._feed_width(capture))
+
+    def _feed_source(self, hidden_layers) -> tuple:
+        """(the runner's capture hook or None, the buffer the drafter's feed is read from):
+        ws.mtp_h (final-normed hidden) or, with hidden_layers, the DFlash features."""
+        if hidden_layers is None:
+            return None, self.ws.mtp_h if self.ws is not None else None
+        if self.dflash is None or tuple(hidden_layers) != tuple(self.dflash.cfg.target_layer_ids):
+            raise ValueError(f"verify: hidden_layers {tuple(hidden_layers)} are not the loaded "
+                             "DFlash drafter's target layers")
+        return self.dflash.capture, self.dflash_bufs.feat
+
+    def _feed_width(self, capture) -> int:
+        return self.text.hidden_size if capture is None else self.hidden_width
 
     def verify_tokens(self, batch: ForwardBatch, kv, state, out_rows, rows, *, snap_base=None,
-                      media=None) -> tuple:
+                      media=None, hidden_layers=None) -> tuple:
         """verify_forward with the tokens sampled on the device instead of the logits: rows[i]
         a program.sampling.SampleRow (or None: argmax) for out_rows[i] (`sample`'s contract:
         the host sampler's sample_row without logprobs, the same token within its decision
         margins). Returns (int32 [len(out_rows)], hidden [N, H] float32); one wait, after both
         copies. len(out_rows) <= the logits rows of one call (call_capacities: a verify of
         every row's k + 1 positions fits). A decode batch without snapshots (no row drafted)
-        runs as plain decoding does, through its captured graph."""
+        runs as plain decoding does, through its captured graph (MTP; a DFlash feed needs the
+        layers' outputs, which the verify path captures). hidden_layers: as verify_forward's."""
+        capture, feat = self._feed_source(hidden_layers)
         out_rows = np.asarray(out_rows, np.int32)
         m, cap = len(out_rows), min(self.lg_cap, self.sampler.layout.rows_cap)
         if len(rows) != m or not 0 < m <= cap:
@@ -716,7 +850,7 @@ class CudaModel(MediaEncoding):
                              f"one call samples 1..{cap}")
         media, snap = self._verify_run(batch, kv, state, snap_base, media)
         ws, n = self.ws, batch.num_tokens
-        if snap is None and media is None and self._is_decode(batch) \
+        if snap is None and media is None and capture is None and self._is_decode(batch) \
                 and np.array_equal(out_rows, np.arange(n)):
             # a unit without drafts (the draft policy's k = 0): plain decoding's graph, whose
             # head normed every row's hidden into ws.xf
@@ -724,23 +858,27 @@ class CudaModel(MediaEncoding):
             self._decode_launch(batch, kv, state, turn)
             hidden = ws.xf
         else:
-            if not self._verify_graph_launch(batch, kv, state, out_rows, snap, media):
+            if not self._verify_graph_launch(batch, kv, state, out_rows, snap, media, capture):
                 self._eager(batch, kv, state, out_rows, want_logits=False, media=media,
-                            snap=snap)
-                self.runner.final_hidden(self.stream, n)
-            hidden = ws.mtp_h
+                            snap=snap, capture=capture)
+                if capture is None:
+                    self.runner.final_hidden(self.stream, n)
+            hidden = feat
+        width = self._feed_width(capture)
         self.sampler.launch(self.stream, ws.logits.ptr, ws.tokens.ptr, list(rows))
         _d.copy_dtoh_async(self.ids_host.ptr, ws.tokens.ptr, 4 * m, self.stream)
-        self._queue_hidden(hidden, n)
+        self._queue_hidden(hidden, n, width)
         self.stream.synchronize()
-        return self.ids_host.view(np.int32, 0, m).copy(), self._read_hidden(n)
+        return self.ids_host.view(np.int32, 0, m).copy(), self._read_hidden(n, width)
 
-    def _verify_graph_launch(self, batch, kv, state, out_rows, snap, media) -> bool:
+    def _verify_graph_launch(self, batch, kv, state, out_rows, snap, media,
+                             capture=None) -> bool:
         """Launch the verify through its captured graph (cuda/decode_graphs.py; captured on
         first use) where it has one: graphs on, every row drafting the same number of tokens
         (at most num_draft_tokens x max_concurrency graphs), fewer than the tensor-core
         attention's minimum each, snapshots, no media, every token's logits wanted and within
-        one call's logits rows. False: nothing launched (the caller runs it eager)."""
+        one call's logits rows. `capture`: the DFlash features' hook (its own graphs). False:
+        nothing launched (the caller runs it eager)."""
         n, b = batch.num_tokens, batch.num_rows
         lens = np.diff(np.asarray(batch.query_start, np.int64))
         if not self.options.graphs or snap is None or media is not None or n > self.lg_cap \
@@ -748,7 +886,7 @@ class CudaModel(MediaEncoding):
                 or lens[0] >= self.runner.attn_tc_min_tokens \
                 or not np.array_equal(out_rows, np.arange(n)):
             return False
-        graph = self.graphs.verify(n, b, kv, state, self.eager_meta, snap)
+        graph = self.graphs.verify(n, b, kv, state, self.eager_meta, snap, capture)
         self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
         graph.launch()
         return True
@@ -756,7 +894,7 @@ class CudaModel(MediaEncoding):
     def _verify_run(self, batch, kv, state, snap_base, media) -> tuple:
         """The checks and uploads of a verify call: (the checked media or None, the device
         pointer of the rows' snapshot bases or None)."""
-        self._need_mtp("verify")
+        self._need_speculative("verify")
         if self._in_flight:
             raise RuntimeError("verify: a launched TokenStep is not collected yet")
         if self.checks_batches:

@@ -97,6 +97,7 @@ class DFlashDrafter:
         self._head = DraftHead(lm_head)
         self.hidden_layers = tuple(cfg.target_layer_ids)
         self.max_draft_tokens = cfg.block_size - 1
+        self.pages_ahead = 0              # (the block's own K/V is never stored here)
         self._first_layer = 0             # the drafter's first KV layer in the pool it uses
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
@@ -196,6 +197,14 @@ class DFlashDrafter:
                                layer["up_proj"], layer["down_proj"])
         g = ops.rmsnorm(x, self.p["norm"], eps).reshape(B, bs, -1)
         return np.ascontiguousarray(g[:, 1:])
+
+    def draft(self, kv: KVPool, anchors, context_lens, block_tables) -> tuple:
+        """The block pass and its argmax drafts: (int32 [B, bs - 1] drafts d_1 .. d_{bs-1},
+        float32 [B, bs - 1, H] their final-normed hidden states: draft_hidden's)."""
+        g = self.draft_hidden(kv, anchors, context_lens, block_tables)
+        ids = self.draft_argmax(g.reshape(-1, g.shape[-1])) if g.size else \
+            np.zeros(g.shape[:2], np.int32)
+        return np.asarray(ids, np.int32).reshape(g.shape[:2]), g
 
     def _kv(self, layer: dict, x: np.ndarray, cos, sin) -> tuple:
         eps, nkv, hd = self.cfg.rms_norm_eps, self.cfg.num_key_value_heads, self.cfg.head_dim

@@ -82,6 +82,7 @@ class MtpDrafter:
     """The MTP head over a target NumpyModel's embedding and lm_head (shared arrays, no copy)."""
     hidden_layers = None        # its feed reads the target's final-normed hidden
     max_draft_tokens = MAX_DRAFT_TOKENS["mtp"]
+    pages_ahead = 0             # its draft steps write KV only where the verify will
 
     def __init__(self, cfg: TextConfig, params: dict, embed: np.ndarray, lm_head: np.ndarray):
         self.text, self.p = cfg, params

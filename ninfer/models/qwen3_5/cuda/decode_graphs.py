@@ -16,6 +16,8 @@ from ....core.cuda.graph import Graph
 
 
 class DecodeGraphs:
+    captured = 0        # graphs captured so far (CudaModel.one_off_work)
+
     def __init__(self, stream, runner, meta):
         self._stream, self._runner, self._meta = stream, runner, meta
         # (B, id(kv), id(state)) -> (graph, kv, state): the entry holds the pools, so their ids
@@ -33,16 +35,19 @@ class DecodeGraphs:
             runner.run(st, meta, B, B, B, kv, state)
         return self._get((B, id(kv), id(state)), kv, state, run)
 
-    def verify(self, n: int, B: int, kv, state, meta, snap) -> Graph:
+    def verify(self, n: int, B: int, kv, state, meta, snap, capture=None) -> Graph:
         """The verify graph of n tokens over B rows (eager metadata `meta`, snapshot bases at
         device pointer `snap`), captured on first use: every token's logits and argmax in the
-        workspace's logits rows, every token's final-normed hidden in its MTP input buffer."""
+        workspace's logits rows, every token's final-normed hidden in its MTP input buffer, or
+        with `capture` (a DFlash drafter's hook, StepRunner.run's) its features instead."""
         runner = self._runner
 
         def run(st):
-            runner.run(st, meta, n, B, n, kv, state, snap=snap)
-            runner.final_hidden(st, n)
-        return self._get(("verify", n, B, id(kv), id(state)), kv, state, run)
+            runner.run(st, meta, n, B, n, kv, state, snap=snap, capture=capture)
+            if capture is None:
+                runner.final_hidden(st, n)
+        return self._get(("verify", n, B, id(kv), id(state), capture is not None), kv, state,
+                         run)
 
     def _get(self, key, kv, state, run) -> Graph:
         """The graph of `key`, or `run` captured as it (its GEMM plans and modules resolved by
@@ -58,6 +63,7 @@ class DecodeGraphs:
             runner.dry = False
         graph = Graph(self._stream, run)
         self._graphs[key] = (graph, kv, state)
+        self.captured += 1
         return graph
 
     def forget(self, pool) -> None:

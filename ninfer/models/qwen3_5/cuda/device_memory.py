@@ -42,10 +42,10 @@ def call_capacities(options, max_tokens: int = None, *, mixed: bool = False) -> 
     # a decode graph runs b_cap tokens through the same workspace: never fewer rows than that
     # (batch_invariant: GEMMs of fewer than PIN_M rows run as PIN_M rows, cuda/runner.py)
     chunk = (max_tokens or options.prefill_chunk) + (b_cap if mixed else 0)
-    # speculative='mtp': a verify unit runs every decode row's last token and up to k drafts,
-    # all of them with logits (program/speculative.py), in one call
+    # speculative (either drafter): a verify unit runs every decode row's last token and up to
+    # k drafts, all of them with logits (program/speculative.py), in one call
     verify = b_cap * (draft_tokens(options) + 1) \
-        if getattr(options, "speculative", None) == "mtp" else b_cap
+        if getattr(options, "speculative", None) is not None else b_cap
     n_cap = int(max(chunk, verify, PIN_M if options.batch_invariant else 1))
     check_capacity(n_cap)
     p_cap = (max_context + page_size - 1) // page_size + 1

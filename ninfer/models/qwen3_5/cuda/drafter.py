@@ -53,6 +53,7 @@ class CudaDrafter:
     """The checkpoint's MTP head on the device, for the speculative units (speculative.py)."""
     hidden_layers = None        # its feed reads the target's final-normed hidden
     max_draft_tokens = MAX_DRAFT_TOKENS["mtp"]
+    pages_ahead = 0             # its draft steps write KV only where the verify will
 
     def __init__(self, model):
         if not getattr(model, "mtp", False):

@@ -63,7 +63,7 @@ F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather"
                           "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
                           "expert_down", "qgemv", "dequant",
                           "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax",
-                          "mtp_prologue"))
+                          "mtp_prologue", "store_columns"))
 
 
 # kernels with a quantized-KV variant (kv_dtype "fp8" / "int8": factory parameter kvq) -> the
@@ -109,6 +109,30 @@ def mtp_specs(f32: bool = False) -> dict:
     """What the MTP drafter's step adds to a geometry's kernels (its decoder layer is a full-
     attention layer of the same geometry, its MLP the model's): the fc input's two norms."""
     return {"mtp_prologue": spec("mtp_prologue", f32=f32)}
+
+
+def dflash_specs(dcfg, f32: bool = False, kv_dtype: str = None) -> dict:
+    """What a DFlash drafter's steps add (models/qwen3_5/dflash.py; cuda/dflash.py DFlashRunner):
+    the target layers' outputs into the feature rows (store_columns), and its
+    Qwen3 decoder layers' own variants under "df_" names: plain RMSNorms (x * w), q / k norm and
+    full-head 1-D RoPE over an ungated projection, the block's attention over all its row's keys
+    (non-causal) and the ungated output merge. Its KV layers are the pool's (kv_dtype: the
+    quantized-KV variants, as the target's)."""
+    hd, nh, nkv = dcfg.head_dim, dcfg.num_attention_heads, dcfg.num_key_value_heads
+    G = nh // nkv
+    GS = paged_attention_group(G, hd)
+    specs = {"store_columns": spec("store_columns", f32),
+             "df_rmsnorm": spec("rmsnorm", f32, plain=True),
+             "df_qk_norm_rope_kv": spec("qk_norm_rope_kv", f32, hd=hd, rot=hd, nh=nh, nkv=nkv,
+                                        sec_t=hd // 2, sec_h=0, sec_w=0, interleaved=False,
+                                        gated=False, plain=True),
+             "df_paged_attention": spec("paged_attention", f32, hd=hd, G=G, nkv=nkv,
+                                        **({"GS": GS} if GS != G else {}), causal=False),
+             "df_attn_combine": spec("attn_combine", f32, hd=hd, nh=nh, gated=False)}
+    if kv_dtype is not None:
+        for name in ("df_qk_norm_rope_kv", "df_paged_attention"):
+            specs[name] = kvq_spec(specs[name].factory, kv_dtype, **dict(specs[name].params))
+    return specs
 
 
 def speculation_specs(cfg: TextConfig) -> dict:
@@ -307,11 +331,14 @@ def check_geometry(cfg: TextConfig) -> None:
 class KernelSet:
     def __init__(self, cfg: TextConfig, cache: KernelCache, f32: bool = False,
                  quant=frozenset(), kv_dtype: str = None, vision_head_dim: int = 0,
-                 mtp: bool = False):
+                 mtp: bool = False, dflash=None):
         check_geometry(cfg)
         self.specs = geometry_specs(cfg, f32, quant, kv_dtype)
         if mtp:                     # the MTP drafter's step (runner.mtp) and the verify's
             self.specs.update(mtp_specs(f32))
+        if dflash is not None:      # a DFlash drafter's (DFlashConfig): its steps
+            self.specs.update(dflash_specs(dflash, f32, kv_dtype))
+        if mtp or dflash is not None:
             self.specs.update(speculation_specs(cfg))
         if vision_head_dim:         # the device vision tower's (loaded with the rest)
             self.specs.update(vision_specs(f32, vision_head_dim))

@@ -34,7 +34,10 @@ class Workspace:
 
     def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
                  max_keys: int, f32: bool = False, wq_elements: int = 0, w8a8_k: int = 0,
-                 mtp: bool = False):
+                 mtp: bool = False, verify: bool = None):
+        """mtp: the MTP head's buffers; verify (default: mtp): a speculative verify's (every
+        token's final-normed hidden, the rows' snapshot bases), for either drafter."""
+        verify = mtp if verify is None else verify
         take = arena.take
         gin = np.float32 if f32 else np.uint16      # GEMM inputs: bf16, or fp32 (dtype="float32")
         self.gin_bytes = np.dtype(gin).itemsize
@@ -113,8 +116,8 @@ class Workspace:
         self.xf = take((lg_cap, H), gin, ws)
         # the MTP head's input hidden states (the target's final-normed ones, or its own), and a
         # verify's first snapshot slot per row (StepRunner.run's snap)
-        self.mtp_h = take((n, H), gin, ws) if mtp else None
-        self.snap = take((n,), np.int32, ws) if mtp else None
+        self.mtp_h = take((n, H), gin, ws) if verify else None
+        self.snap = take((n,), np.int32, ws) if verify else None
         self.logits = take((lg_cap, V), np.float32, ws)
         self.tokens = take((lg_cap,), np.int32, ws)
 
@@ -398,13 +401,15 @@ class StepRunner:
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, st, meta, n: int, b: int, n_out: int, kv, state, out_start: int = 0,
-            rows=None, media=None, snap=None):
+            rows=None, media=None, snap=None, capture=None):
         """`rows`: host (query_start, new tokens, context) per row, for the choice of the prefill
         attention path; None (decode graphs) -> the CUDA-core kernel for every row. `snap`: a
         speculative verify's (device int32 [b]): row r's State after each of its tokens i also
         goes to State slot snap[r] + i (the recurrent delta rule, sequential over the row's few
         tokens; snap[r] < 0: none), so a rejected draft is undone by a slot copy. `media`:
-        (token rows, embeddings) written over the gathered embeddings (eager calls only)."""
+        (token rows, embeddings) written over the gathered embeddings (eager calls only).
+        `capture(st, layer, n)`: called after each decoder layer (a DFlash drafter's features:
+        cuda/dflash.DFlashRunner.capture)."""
         cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         self.rows = rows
         H = cfg.hidden_size
@@ -426,6 +431,8 @@ class StepRunner:
                 self.moe(st, n, lw)
             else:
                 self.mlp(st, n, lw)
+            if capture is not None:
+                capture(st, i, n)
         self.head(st, meta, n_out, out_start)
 
     def mtp(self, st, meta, n: int, b: int, n_out: int, kv):

@@ -54,12 +54,20 @@ def quant_plans(cfg, artifact) -> dict:
 
 
 def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
-                 tied: bool = False, qplans: dict = None, mtp: bool = False) -> dict:
-    """mtp: the MTP head's arrays too, as out["mtp"] (weights.mtp_plan; never quantized)."""
+                 tied: bool = False, qplans: dict = None, mtp: bool = False,
+                 dflash=None) -> dict:
+    """mtp: the MTP head's arrays too, as out["mtp"] (weights.mtp_plan; never quantized);
+    dflash (a DFlashConfig): that drafter's, as out["dflash"] = {fc, hidden_norm, norm,
+    "layers": [...]} (weights.dflash_plans; never quantized)."""
     plans = [("", wplan.model_plan(cfg))] + \
         [(i, wplan.layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
     if mtp:
         plans.append(("mtp", wplan.mtp_plan(cfg)))
+    expected = text_param_shapes(cfg)
+    if dflash is not None:
+        from ..dflash import dflash_param_shapes
+        plans += wplan.dflash_plans(dflash)
+        expected = {**expected, **dflash_param_shapes(dflash)}
     qplans = qplans or {}
     out = {"layers": []}
     jobs = []           # artifact weights, in arena order: read in parallel, uploaded in order
@@ -82,13 +90,23 @@ def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
                     dt, widen = wplan.F32, False
                 jobs.append(UploadJob(a, tuple(shape), dt, tuple(sources), widen))
             else:
-                random_fill(loader, a, name, dt,
-                            seed + 7919 * len(out["layers"]) + zlib.crc32(name.encode()))
+                if isinstance(idx, tuple):        # a DFlash drafter's (random_spec's norms)
+                    random_fill(loader, a, "dflash." + name, dt,
+                                seed + zlib.crc32(f"dflash.{idx[1]}.{name}".encode()))
+                else:
+                    random_fill(loader, a, name, dt,
+                                seed + 7919 * len(out["layers"]) + zlib.crc32(name.encode()))
             arrs[name] = a
         if idx == "":
             out.update(arrs)
         elif idx == "mtp":
             out["mtp"] = arrs
+        elif isinstance(idx, tuple):          # ("dflash", None | layer)
+            d = out.setdefault("dflash", {"layers": []})
+            if idx[1] is None:
+                d.update(arrs)
+            else:
+                d["layers"].append(arrs)
         else:
             out["layers"].append(arrs)
     if jobs:
@@ -99,7 +117,7 @@ def load_weights(cfg, loader: WeightLoader, *, artifact=None, seed: int = None,
                 staging.append(_d.PinnedBuffer(loader.scratch_bytes))
             upload_widened(loader, job.dst, host, staging[0])
         try:
-            upload_all(artifact, jobs, loader.stream, text_param_shapes(cfg), widen_one,
+            upload_all(artifact, jobs, loader.stream, expected, widen_one,
                        bind_context=loader.bind_context)
         finally:
             for buf in staging:

@@ -80,6 +80,35 @@ def mtp_plan(cfg: TextConfig) -> dict:
     return out
 
 
+def dflash_plans(dcfg) -> list:
+    """A DFlash drafter's arrays (models/qwen3_5/dflash.py; the embedding and lm_head are the
+    target's), as [(index, plan)]: ("dflash", None) fc [H, F*H] over the F target layers'
+    features, its norm and the final norm; ("dflash", i) per drafter layer, laid out as
+    layer_plan lays out an attention layer but without the output gate: w_in = [q_proj; k_proj;
+    v_proj] -> proj cols [q (nh*hd) | k | v]."""
+    H, I = dcfg.hidden_size, dcfg.intermediate_size
+    nh, nkv, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+    p = "dflash."
+    top = {"fc": ((H, len(dcfg.target_layer_ids) * H), BF16, [(p + "fc.weight", None)]),
+           "hidden_norm": ((H,), F32, [(p + "hidden_norm.weight", None)]),
+           "norm": ((H,), F32, [(p + "norm.weight", None)])}
+    plans = [(("dflash", None), top)]
+    for i in range(dcfg.num_hidden_layers):
+        a, m = f"{p}layers.{i}.self_attn.", f"{p}layers.{i}.mlp."
+        plans.append((("dflash", i), {
+            "input_norm": ((H,), F32, [(f"{p}layers.{i}.input_layernorm.weight", None)]),
+            "post_norm": ((H,), F32, [(f"{p}layers.{i}.post_attention_layernorm.weight", None)]),
+            "w_in": ((nh * hd + 2 * nkv * hd, H), BF16,
+                     [(a + "q_proj.weight", nh * hd), (a + "k_proj.weight", nkv * hd),
+                      (a + "v_proj.weight", nkv * hd)]),
+            "q_norm": ((hd,), F32, [(a + "q_norm.weight", None)]),
+            "k_norm": ((hd,), F32, [(a + "k_norm.weight", None)]),
+            "w_out": ((H, nh * hd), BF16, [(a + "o_proj.weight", H)]),
+            "w_gu": ((2 * I, H), BF16, [(m + "gate_proj.weight", I), (m + "up_proj.weight", I)]),
+            "w_down": ((H, I), BF16, [(m + "down_proj.weight", H)])}))
+    return plans
+
+
 def model_plan(cfg: TextConfig) -> dict:
     V, H = cfg.vocab_size, cfg.hidden_size
     return {"embed": ((V, H), BF16, [("text.embed_tokens.weight", None)]),
@@ -93,14 +122,17 @@ def element_bytes(dt: str, f32: bool = False) -> int:
 
 
 def plan_bytes(cfg: TextConfig, tied: bool = False, f32: bool = False,
-               qplans: dict = None, mtp: bool = False) -> int:
+               qplans: dict = None, mtp: bool = False, dflash=None) -> int:
     """Device bytes of the weights; `qplans` (weight_load.quant_plans): the matrices held as
-    packed codes (qweights.py), counted by their segments; `mtp`: the MTP head's too."""
+    packed codes (qweights.py), counted by their segments; `mtp`: the MTP head's too; `dflash`
+    (a DFlashConfig): that drafter's too."""
     total = 0
     qplans = qplans or {}
     plans = [("", model_plan(cfg))] + [(i, layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
     if mtp:
         plans.append(("mtp", mtp_plan(cfg)))
+    if dflash is not None:
+        plans += dflash_plans(dflash)
     for idx, plan in plans:
         for name, (shape, dt, _) in plan.items():
             segs = qplans.get((idx, name))
@@ -184,6 +216,9 @@ def is_tied(artifact) -> bool:
 
 # Random fill (benchmarks): (scale, offset) per array kind; matrices ~ U(-1,1)/sqrt(fan_in).
 def random_spec(name: str, shape) -> tuple:
+    if name.startswith("dflash.") and name.endswith("norm"):
+        return 0.1, 1.0                 # (a DFlash drafter's norms are plain: x * w, w ~ 1)
+    name = name.removeprefix("dflash.")
     if name in ("input_norm", "post_norm", "norm", "q_norm", "k_norm"):
         return 0.1, 0.0
     if name == "norm_w":

@@ -18,8 +18,10 @@ k = 0 is plain decoding (E = 1), so the policy never picks a k its own measureme
 slower than not speculating. P(drafts 1..j accepted) = prod_{i<=j} c_i, c_i the acceptance of
 draft i given drafts 1..i-1 were: decayed counts over the verify rows (recent traffic weighs
 most), with a prior of one accept in two tries so an untried position is neither hopeless nor
-certain. B is exact up to 8, else bucketed by powers of two. At start every k is measured once;
-after that a new B takes the nearest measured B's choice and estimates the costs it has not
+certain. B is exact up to 8, else bucketed by powers of two. At start every k is measured once
+(the Speculator does not time a unit that paid a first use, Model.one_off_work: a CUDA verify
+shape's first unit captures its graph, so that k runs again); after that a new B takes the
+nearest measured B's choice and estimates the costs it has not
 measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour
 of its best k once, so costs and the acceptance of deeper drafts stay current (the wait doubles,
 up to EXPLORE_MAX, while the best k stays the same). "fixed" always drafts max_k (benchmarks,

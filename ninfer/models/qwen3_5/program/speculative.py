@@ -1,8 +1,8 @@
 """Speculative decoding (issues 15, 25 and 30): draft, verify, commit, roll back, on either
 backend, with either drafter: the checkpoint's MTP head (mtp.py; cuda/drafter.py on the GPU),
 which drafts one token per drafter step from the target's final-normed hidden states, or a DFlash
-block drafter (dflash.py, numpy), which drafts a whole block in one pass from the target's
-features (the outputs of some of its layers). The Program owns it; program.py calls in at
+block drafter (dflash.py; cuda/dflash.py on the GPU), which drafts a whole block in one pass from
+the target's features (the outputs of some of its layers). The Program owns it; program.py calls in at
 construction, `launch`, `commit`, `release` and `stats`; it calls back only through the Program's
 documented speculation hooks (`sequence`, `token_ids`, `write_provisional`, `grow_pages`,
 `block_tables`, `pack_rows`, `media_rows`, `sample_row`, `new_unit_id`) and its public `model`,
@@ -14,8 +14,10 @@ those layers), `verify_snapshots`, and where the unit's rows may be sampled on t
 (Program.samples_on_device) its `verify_tokens` (the same forward, each picked position sampled
 there as a decode step at that position would be). Of an MTP drafter: `forward`,
 `forward_argmax`, `logits`, `draft_greedy` and `join_kv_pool` (_ChainProposer); of a DFlash
-drafter: `feed`, `draft_hidden`, `draft_argmax`, `logits` and `join_kv_pool` (_BlockProposer).
-Both name `hidden_layers` (None: MTP's feed) and `max_draft_tokens`.
+drafter (dflash.py; cuda/dflash.py on the GPU): `feed`, `draft`, `logits` and `join_kv_pool`
+(_BlockProposer). Both name `hidden_layers` (None: MTP's feed), `max_draft_tokens` and
+`pages_ahead` (positions past the frontier a draft pass writes KV at: the row must hold pages
+there to draft; the CUDA DFlash drafter stores its block's K/V at F .. F + bs - 1).
 
 One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sampled, not yet run):
 
@@ -226,12 +228,11 @@ class _BlockProposer:
         sel = [seqs[r] for r in ks]
         anchors = [int(prog.token_ids(s, s.num_computed_tokens, s.num_computed_tokens + 1)[0])
                    for s in sel]
-        g = self.drafter.draft_hidden(prog.kv, anchors, [s.num_computed_tokens for s in sel],
-                                      prog.block_tables(sel))              # [R, bs - 1, H]
+        free, g = self.drafter.draft(prog.kv, anchors, [s.num_computed_tokens for s in sel],
+                                     prog.block_tables(sel))    # [R, bs - 1], [R, bs - 1, H]
         drafts = {}
         for i, (r, k) in enumerate(ks.items()):
-            free = self.drafter.draft_argmax(g[i, :k])
-            drafts[r] = np.array([guide.pick(r, g[i, j], int(free[j])) for j in range(k)],
+            drafts[r] = np.array([guide.pick(r, g[i, j], int(free[i, j])) for j in range(k)],
                                  np.int32)
         return drafts
 
@@ -269,7 +270,7 @@ class Speculator:
         self._lag: dict = {}
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
-        self._unit = None             # (start time, rows, k) of a pending unit the policy times
+        self._unit = None             # (start time, rows, k, one_off_work) of a unit the policy times
         self._chosen = None           # the policy's k for the next unit, taken ahead of it
         self._plain_started = collections.deque()   # launch times of plain steps in flight
         self._last_commit = 0.0       # perf_counter at the end of the last commit
@@ -353,11 +354,14 @@ class Speculator:
     def _draft_room(self, prog, seq, k: int) -> int:
         """Drafts this row verifies now, up to k: capped by max_context; the pages of positions
         F .. F+k taken now if free (returned by commit's trim), else what the row's pages
-        already hold."""
+        already hold. A drafter whose pass writes KV past them (pages_ahead) drafts nothing
+        where the row cannot hold F .. F + pages_ahead."""
         n = seq.num_tokens
         k = min(k, prog.max_context - n - 1)
         if k > 0:
-            k = min(k, prog.grow_pages(seq, n + k) - n)
+            ahead = n + self.drafter.pages_ahead
+            covered = prog.grow_pages(seq, max(n + k, ahead))
+            k = min(k, covered - n) if covered >= ahead else 0
         return max(k, 0)
 
     def _draft(self, prog, seqs, units, t0: float, masks, draft_masks) -> dict:
@@ -370,7 +374,8 @@ class Speculator:
         drafts end where the masks do (the output ends there, or nothing is allowed)."""
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
         k = self._choice(len(able)) if able else 0
-        self._unit = (t0, len(able), k) if able and len(able) == len(seqs) else None
+        self._unit = (t0, len(able), k, prog.model.one_off_work) \
+            if able and len(able) == len(seqs) else None
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
         if not ks:
@@ -490,8 +495,10 @@ class Speculator:
             self._recompute(prog, recompute)
         due = [seq for seq, rec, n in feed if self._queue(seq, rec.start, rec.hidden[:n])]
         self._catch_up(prog, due)
-        if unit is not None:
-            t0, num_rows, k = unit
+        if unit is not None and unit[3] == prog.model.one_off_work:
+            # (a unit that captured a graph or planned a GEMM paid a first use: not its k's
+            # cost; the cold start runs that k again)
+            t0, num_rows, k, _ = unit
             self.policy.observe_unit(num_rows, k, time.perf_counter() - t0)
         self._last_commit = time.perf_counter()
 
