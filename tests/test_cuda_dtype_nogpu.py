@@ -442,11 +442,13 @@ def test_dflash_steps_on_the_simulator_match_the_numpy_drafter():
 @_SIM_SLOW
 def test_dflash_verify_features_on_the_simulator():
     """CudaModel.verify_forward with the drafter's hidden_layers (StepRunner.run's capture into
-    the feature rows) on the simulator: features and logits as the numpy model's."""
+    the feature rows) on the simulator: features and logits as the numpy model's; and a plain
+    decode step's features (launch_tokens(keep_hidden=True, hidden_layers=...))."""
     out = _sim_script("sim_dflash.py", "verify")
     for dtype, tol in (("float32", 1e-5), ("bfloat16", 3e-2)):
         v = out[dtype]
         assert v["verify_logits"] < tol and v["verify_features"] < tol, (dtype, v)
+        assert v["step_features"] < tol, (dtype, v)     # a plain step's (keep_hidden=True)
         assert v["features_shape"] == [4, 3 * 32], v
 
 

@@ -1319,7 +1319,8 @@ def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
     ws.xf (the head's final-normed hidden of each row's last token) are copied into the pinned
     buffer of its turn, so two steps in flight keep theirs apart; TokenStep reads them at
     collect (widened from bf16, or as stored in float32), hidden() collects first; a model
-    without its MTP head refuses, as a step launched without keep_hidden does."""
+    without a drafter refuses, as a step launched without keep_hidden does. (A DFlash model's
+    steps copy its feature rows the same way: test_dflash_gpu.py.)"""
     from types import SimpleNamespace
 
     from ninfer.models.qwen3_5.cuda.token_step import TokenStep
@@ -1342,7 +1343,7 @@ def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
             stored = values[turn] if f32 else \
                 (values[turn].view(np.uint32) >> 16).astype(np.uint16)
             dev._dev(xf.ptr, xf.nbytes)[:] = stored.view(np.uint8).reshape(-1)
-            readers.append(m._queue_step_hidden(turn, 3))
+            readers.append(m._queue_step_hidden(turn, 3, xf, H))
         dev._dev(xf.ptr, xf.nbytes)[:] = 0xFF     # the workspace moved on: the copies were taken
         steps = [TokenStep(np.arange(3, dtype=np.int32), SimpleNamespace(synchronize=lambda: None),
                            lambda step: None, rd) for rd in readers]
@@ -1353,5 +1354,5 @@ def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
         TokenStep(np.zeros(1, np.int32), SimpleNamespace(synchronize=lambda: None),
                   lambda step: None).hidden()
     m.step_hidden = False
-    with pytest.raises(RuntimeError, match="without its MTP head"):
-        m._queue_step_hidden(0, 1)
+    with pytest.raises(RuntimeError, match="loaded without a drafter"):
+        m._queue_step_hidden(0, 1, xf, H)

@@ -307,6 +307,19 @@ def test_a_random_drafter_changes_nothing_greedy_and_seeded(tiny, rollback):
         assert _rolled_back(stats, rollback) > 0
 
 
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True),
+                                    SamplingParams(max_tokens=40, ignore_eos=True, **SEEDED)],
+                         ids=["greedy", "seeded"])
+def test_plain_steps_feed_the_drafter_its_features_as_units_would(tiny, monkeypatch, params):
+    """A k = 0 unit as a plain decode step (a backend whose token steps keep their rows' feed,
+    CUDA's: launch_tokens(keep_hidden=True, hidden_layers=...) hands the DFlash features of
+    the position each row ran): the random drafter's drafts after units at k = 0, 0, 2 in turn
+    are the same as when those k = 0 units run through the speculator, and the tokens are
+    plain decoding's (test_speculative.py's test, with this drafter)."""
+    from test_speculative import plain_steps_against_units
+    plain_steps_against_units(monkeypatch, tiny[0], "dflash", params)
+
+
 def test_num_draft_tokens_is_checked_against_the_block(tiny):
     path, _ = tiny
     with pytest.raises(RequestError, match="block of 5 drafts at most 4"):

@@ -320,14 +320,22 @@ class _HiddenStep:
         return self._hidden
 
 
-def _launch_tokens(self, batch, kv, state, rows=None, *, after=None, keep_hidden=False):
+def _launch_tokens(self, batch, kv, state, rows=None, *, after=None, keep_hidden=False,
+                   hidden_layers=None):
     """launch_tokens as CUDA's device token paths give it (done at launch here): the ids of
     `after` fed as this batch's tokens (the pipelined decode), each row's token argmax or
-    sampled from its SampleRow, and with keep_hidden the rows' final-normed hidden states."""
+    sampled from its SampleRow, and with keep_hidden the rows' final-normed hidden states (with
+    hidden_layers, a DFlash drafter's features)."""
     if after is not None:
         batch.token_ids[:] = after.collect()
-    last = self.final_hidden(batch, kv, state)[np.asarray(batch.query_start[1:], np.int64) - 1]
-    logits = head_product(last, self._lm_head)
+    ends = np.asarray(batch.query_start[1:], np.int64) - 1
+    if hidden_layers is None:
+        last = self.final_hidden(batch, kv, state)[ends]
+        logits = head_product(last, self._lm_head)
+    else:
+        logits, features = _numpy_verify(self, batch, kv, state, ends.astype(np.int32),
+                                         hidden_layers=hidden_layers)
+        last = features[ends]
     rows = rows if rows is not None else [None] * len(last)
     ids = np.asarray([int(np.argmax(lg)) if row is None else
                       sample_row(lg, row.spec, row.prompt_ids, row.generated_ids,
@@ -734,9 +742,25 @@ def test_plain_steps_feed_the_drafter_what_speculative_units_would(extremes, mon
     speculator (execute: the hidden states of a verify-shaped forward): the policy here runs
     k = 0, 0, 2 in turn, and every draft of the random head, which reads its KV and the fed
     hidden states, is the same both ways (an off-by-one feed or a missed position changes
-    them); the tokens are plain decoding's."""
+    them); the tokens are plain decoding's. (A DFlash drafter's features: test_dflash.py.)"""
+    plain_steps_against_units(monkeypatch, extremes["random"], "mtp", params)
+
+
+def plain_steps_against_units(monkeypatch, path, drafter: str, params) -> None:
+    """The test above for `drafter` on the artifact at `path`. A DFlash drafter's block pass
+    hidden states are compared too (a random drafter's argmax can be one token whatever it
+    reads: the tiny one drafts its mask token)."""
+    from ninfer.models.qwen3_5.dflash import DFlashDrafter
     from ninfer.models.qwen3_5.program.draft_policy import DraftPolicy
     turns = {}
+    blocks = []
+    block_pass = DFlashDrafter.draft
+
+    def draft(self, *a):
+        ids, g = block_pass(self, *a)
+        blocks[-1].append(g.copy())
+        return ids, g
+    monkeypatch.setattr(DFlashDrafter, "draft", draft)
 
     def choose(self, rows):
         n = turns[id(self)] = turns.get(id(self), -1) + 1
@@ -756,16 +780,19 @@ def test_plain_steps_feed_the_drafter_what_speculative_units_would(extremes, mon
     for plain in (False, True):
         _device_steps(monkeypatch, plain)
         drafted.append([])
-        got, stats = _generate(extremes["random"], _id_prompts()[:1], params, max_concurrency=1,
-                               speculative="mtp", num_draft_tokens=2)
+        blocks.append([])
+        got, stats = _generate(path, _id_prompts()[:1], params, max_concurrency=1,
+                               speculative=drafter, num_draft_tokens=2)
         runs.append(([r.token_ids for r in got], stats))
     (tokens0, stats0), (tokens1, stats1) = runs
-    want, _ = _generate(extremes["random"], _id_prompts()[:1], params, max_concurrency=1)
+    want, _ = _generate(path, _id_prompts()[:1], params, max_concurrency=1)
     assert tokens0 == tokens1 == [r.token_ids for r in want]
     assert stats0["spec_plain_steps"] == 0 and stats1["spec_plain_steps"] > 0
     assert stats1["spec_plain_ahead"] > 0
     real = [[d for d in unit if d] for unit in drafted]
     assert sum(len(u) for u in real[1]) >= 8 and real[0] == real[1]
+    assert len(blocks[0]) == len(blocks[1]) == (len(real[1]) if drafter == "dflash" else 0)
+    assert all(np.array_equal(a, b) for a, b in zip(*blocks))
 
 
 def test_a_unit_that_paid_a_first_use_is_not_timed(extremes, monkeypatch):

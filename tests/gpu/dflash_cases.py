@@ -102,8 +102,15 @@ def verify(gpu, cpu, r, k: int = 3) -> dict:
     lg, fg = gpu.verify_forward(b, kv_g, st_g, np.arange(k + 1), snap_base=[2],
                                 hidden_layers=layers)
     lc, fc = cpu.verify_forward(b, kv_c, st_c, np.arange(k + 1), hidden_layers=layers)
+    # then a plain decode step that keeps the drafter's feed (a k = 0 unit as a plain step:
+    # launch_tokens(keep_hidden=True, hidden_layers=...)): its row's features
+    one = ForwardBatch.single(r.integers(0, V, 1).astype(np.int32), 4 + k, pages, 0)
+    step = gpu.launch_tokens(one, kv_g, st_g, keep_hidden=True, hidden_layers=layers)
+    step.collect()
+    sg = step.hidden()
+    _, sc = cpu.verify_forward(one, kv_c, st_c, np.zeros(1, np.int32), hidden_layers=layers)
     kv_g.close()
     st_g.close()
     return {"verify_logits": rel(lg, lc), "verify_features": rel(fg, fc),
-            "features_shape": list(fg.shape)}
+            "features_shape": list(fg.shape), "step_features": rel(sg, sc)}
 

@@ -20,7 +20,8 @@ def test_feed_block_and_verify_features_equal_the_numpy_drafter(tmp_path):
     """Two rows fed (one in two calls), one block pass: the drafts' hidden states within the
     whole-model tolerance (float32; the simulator measured 1.8e-7) and the same argmax drafts;
     bf16 within its tolerance (simulator: 2.6e-3). The verify's features (the outputs of the
-    drafter's target layers) and logits as the numpy model's."""
+    drafter's target layers) and logits as the numpy model's, and a plain decode step's
+    features (launch_tokens(keep_hidden=True, hidden_layers=...): a k = 0 unit's)."""
     with Artifact(dflash_cases.artifact(tmp_path)) as art:
         out = dflash_cases.run(art, "verify")
     f, b = out["float32"], out["bfloat16"]
@@ -29,3 +30,4 @@ def test_feed_block_and_verify_features_equal_the_numpy_drafter(tmp_path):
     assert f["kv_layers"] == f["target_kv_layers"] + 2                 # the drafter's, last
     for d, tol in ((f, TOL_MODEL_F32), (b, TOL_MODEL_BF16)):
         assert d["verify_logits"] < tol and d["verify_features"] < tol, d
+        assert d["step_features"] < tol, d          # a plain step's (keep_hidden) features

@@ -341,8 +341,8 @@ class CudaModel(MediaEncoding):
             if self.speculative else None
         # and of a token step's rows (keep_hidden: a speculative Program's plain steps, two in
         # flight as their ids)
-        if self.mtp:
-            self.step_hidden_host = _d.PinnedBuffer(2 * self.lg_cap * cfg.hidden_size
+        if self.speculative:
+            self.step_hidden_host = _d.PinnedBuffer(2 * self.lg_cap * self.hidden_width
                                                     * self.ws.gin_bytes)
             self.step_hidden = True
         # token steps' ids in their own buffer (a forward may run before collect)
@@ -408,6 +408,8 @@ class CudaModel(MediaEncoding):
                 self.runner, self.dflash_cfg, self.weights["dflash"], self.dflash_bufs,
                 first_layer=len(cfg.attention_layer_ids))
         self.graphs = DecodeGraphs(self.stream, self.runner, self.decode_meta)
+        if self.dflash is not None:     # every decode step hands the drafter's features too
+            self.graphs.capture = self.dflash.capture
         self.stream.synchronize()
         log.info("cuda plan on %s: weights %.2f GiB (loaded in %.1f s), workspace and sampler "
                  "%.2f GiB, KV (%s) %d pages of %d tokens + State %d slots = %.2f GiB, %.2f GiB in "
@@ -508,7 +510,8 @@ class CudaModel(MediaEncoding):
         return checked_media(batch, media, self.text.hidden_size)
 
     def launch_tokens(self, batch: ForwardBatch, kv, state, rows=None, *,
-                      after: TokenStep = None, keep_hidden: bool = False) -> TokenStep:
+                      after: TokenStep = None, keep_hidden: bool = False,
+                      hidden_layers=None) -> TokenStep:
         """Launch one step whose result is a token id per row (graph for a decode batch, eager
         otherwise): the head's argmax, or with `rows` (a program.sampling.SampleRow or None per
         row) the device sampler's pick over the logits rows; then the async copy of the ids to
@@ -517,10 +520,18 @@ class CudaModel(MediaEncoding):
         after=that step: a decode batch of the same rows whose token ids are that step's ids,
         copied on the device (contracts.Model.chains_token_steps), its sampling rows (if any)
         each None or of a spec that samples_from_logits_alone. keep_hidden (step_hidden: a
-        model with its MTP head): every row's final-normed hidden state (the head's, of the
-        row's last token) comes down too, TokenStep.hidden()."""
+        model with a drafter): every row's final-normed hidden state (the head's, of the row's
+        last token) comes down too, TokenStep.hidden(); with hidden_layers (the loaded DFlash
+        drafter's; a decode batch) every row's features instead (the decode graph captures
+        them)."""
         self._t_entry = time.perf_counter()
         B = batch.num_rows
+        capture = feat = None
+        if keep_hidden:
+            capture, feat = self._feed_source(hidden_layers)
+            if capture is not None and batch.num_tokens != B:
+                raise ValueError("launch_tokens(keep_hidden=True, hidden_layers=...): a decode "
+                                 "batch (one token a row)")
         if after is None and self._in_flight:
             raise RuntimeError("launch_tokens: the previous TokenStep is not collected yet")
         if after is not None and (self._in_flight != [after] or not self._is_decode(batch)
@@ -541,7 +552,7 @@ class CudaModel(MediaEncoding):
             self._decode_launch(batch, kv, state, turn, chained=after is not None)
         else:
             self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
-                        want_logits=False)
+                        want_logits=False, capture=self.graphs.capture)
         if rows is not None:
             # a chained step's parameters go through a staging of their own (the step in flight
             # may not have copied its own yet); a serial one's through the sampler's main one
@@ -549,7 +560,9 @@ class CudaModel(MediaEncoding):
                                 ahead_turn=turn if after is not None else None)
         off = turn * self.lg_cap * 4
         _d.copy_dtoh_async(self.ids_host.ptr + off, self.ws.tokens.ptr, B * 4, self.stream)
-        read_hidden = self._queue_step_hidden(turn, B) if keep_hidden else None
+        read_hidden = self._queue_step_hidden(turn, B, feat if capture else self.ws.xf,
+                                              self._feed_width(capture)) \
+            if keep_hidden else None
         event = self.step_events[turn]
         event.record(self.stream)
         step = TokenStep(self.ids_host.view(np.int32, off, B), event, self._step_collected,
@@ -557,18 +570,16 @@ class CudaModel(MediaEncoding):
         self._in_flight.append(step)
         return step
 
-    def _queue_step_hidden(self, turn: int, B: int):
-        """Queue the copy of a token step's B final-normed hidden rows (ws.xf: the head normed
-        each row's last token there, graph or eager) into pinned turn `turn`; returns the
-        reader TokenStep.collect calls once the step's event passed."""
+    def _queue_step_hidden(self, turn: int, B: int, src, H: int):
+        """Queue the copy of a token step's B rows of `src`, H wide (ws.xf: the head normed each
+        row's last token there, graph or eager; or the DFlash features) into pinned turn `turn`;
+        returns the reader TokenStep.collect calls once the step's event passed."""
         if not self.step_hidden:
             raise RuntimeError("launch_tokens(keep_hidden=True): the model was loaded without "
-                               "its MTP head (mtp=True)")
-        H = self.text.hidden_size
+                               "a drafter (mtp=True or dflash=)")
         row_bytes = H * self.ws.gin_bytes
         off = turn * self.lg_cap * row_bytes
-        _d.copy_dtoh_async(self.step_hidden_host.ptr + off, self.ws.xf.ptr, B * row_bytes,
-                           self.stream)
+        _d.copy_dtoh_async(self.step_hidden_host.ptr + off, src.ptr, B * row_bytes, self.stream)
         if self.f32:
             return lambda: self.step_hidden_host.view(np.float32, off, B * H).reshape(B, H).copy()
         return lambda: (self.step_hidden_host.view(np.uint16, off, B * H).reshape(B, H)
@@ -850,13 +861,13 @@ class CudaModel(MediaEncoding):
                              f"one call samples 1..{cap}")
         media, snap = self._verify_run(batch, kv, state, snap_base, media)
         ws, n = self.ws, batch.num_tokens
-        if snap is None and media is None and capture is None and self._is_decode(batch) \
+        if snap is None and media is None and self._is_decode(batch) \
                 and np.array_equal(out_rows, np.arange(n)):
             # a unit without drafts (the draft policy's k = 0): plain decoding's graph, whose
-            # head normed every row's hidden into ws.xf
+            # head normed every row's hidden into ws.xf (and which captures the DFlash features)
             turn, self._turn = self._turn, self._turn ^ 1
             self._decode_launch(batch, kv, state, turn)
-            hidden = ws.xf
+            hidden = ws.xf if capture is None else feat
         else:
             if not self._verify_graph_launch(batch, kv, state, out_rows, snap, media, capture):
                 self._eager(batch, kv, state, out_rows, want_logits=False, media=media,

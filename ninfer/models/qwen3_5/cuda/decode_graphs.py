@@ -17,6 +17,9 @@ from ....core.cuda.graph import Graph
 
 class DecodeGraphs:
     captured = 0        # graphs captured so far (CudaModel.one_off_work)
+    # StepRunner.run's capture hook for the decode graphs (a DFlash drafter's features: each
+    # plain step hands them, so a k = 0 unit can be a plain step); None: none
+    capture = None
 
     def __init__(self, stream, runner, meta):
         self._stream, self._runner, self._meta = stream, runner, meta
@@ -32,7 +35,7 @@ class DecodeGraphs:
         runner, meta = self._runner, self._meta
 
         def run(st):
-            runner.run(st, meta, B, B, B, kv, state)
+            runner.run(st, meta, B, B, B, kv, state, capture=self.capture)
         return self._get((B, id(kv), id(state)), kv, state, run)
 
     def verify(self, n: int, B: int, kv, state, meta, snap, capture=None) -> Graph:

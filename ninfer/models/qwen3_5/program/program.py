@@ -469,6 +469,11 @@ class Program:
         self._inflight = self._start_step(seqs, units, masks, backups, keep_hidden=plain)
         return self._inflight
 
+    def _keep_hidden(self) -> dict:
+        """launch_tokens' keywords of a speculative plain step: its rows' drafter feed kept
+        (the speculator's kind: final-normed hidden, or a DFlash drafter's features)."""
+        return {"keep_hidden": True, **self.speculator.feed_kind()}
+
     def _start_step(self, seqs, units, masks, backups, keep_hidden: bool = False) -> InFlightUnit:
         """The one place a unit's backend call starts. The device token paths return at once
         (`launch_tokens`: the GPU runs while the EngineCore does host work, `collect` waits);
@@ -480,7 +485,7 @@ class Program:
         # media rows replace embeddings: only forward takes them (not the device token paths)
         path = (None if media is not None else
                 packing.device_path(self.model, seqs, units, masks)) or "logits"
-        extra = {"keep_hidden": True} if keep_hidden else {}
+        extra = self._keep_hidden() if keep_hidden else {}
         if keep_hidden and path == "logits":
             raise ProgramError("a plain speculative step on the host-sampling path")
         if path == "greedy":
@@ -543,7 +548,7 @@ class Program:
         none = [None] * len(seqs)
         rows = None if inflight.path == "greedy" else packing.sample_requests(
             self.token_buf, self._uid, seqs, inflight.units, none, ahead=1)
-        extra = {"keep_hidden": True} if inflight.keeps_hidden else {}
+        extra = self._keep_hidden() if inflight.keeps_hidden else {}
         step = self.model.launch_tokens(batch, self.kv, self.state, rows, after=inflight.step,
                                         **extra)
         self._ahead = InFlightUnit(seqs, inflight.units, none, none, inflight.path, step,

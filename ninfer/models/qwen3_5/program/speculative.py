@@ -320,7 +320,7 @@ class Speculator:
                      for r in range(len(seqs))]
             logits, hidden = prog.model.verify_forward(
                 batch, prog.kv, prog.state, np.concatenate(picks).astype(np.int32),
-                snap_base=snap_base, media=media, **self._feed_kind())
+                snap_base=snap_base, media=media, **self.feed_kind())
             bounds = np.cumsum([0] + [len(p) for p in picks])
             rows = []
             for r, (seq, unit) in enumerate(zip(seqs, units)):
@@ -340,9 +340,10 @@ class Speculator:
         self._epoch = pending._epoch
         return pending
 
-    def _feed_kind(self) -> dict:
-        """The verify's keyword for what it hands the feed: nothing for the final-normed hidden
-        (MTP: every backend's default), hidden_layers for DFlash's features."""
+    def feed_kind(self) -> dict:
+        """The verify's (and a plain step's, launch_tokens(keep_hidden=True)) keyword for what
+        it hands the feed: nothing for the final-normed hidden (MTP: every backend's default),
+        hidden_layers for DFlash's features."""
         return {} if self.hidden_layers is None else {"hidden_layers": self.hidden_layers}
 
     def _can_draft(self, seq, unit) -> bool:
@@ -412,7 +413,7 @@ class Speculator:
         tokens, hidden = prog.model.verify_tokens(batch, prog.kv, prog.state,
                                                   np.asarray(picks, np.int32), requests,
                                                   snap_base=snap_base, media=media,
-                                                  **self._feed_kind())
+                                                  **self.feed_kind())
         rows, at = [], 0
         for r, (seq, unit) in enumerate(zip(seqs, units)):
             got = [int(t) for t in tokens[at:at + spans[r]]]
@@ -520,10 +521,9 @@ class Speculator:
         is sampled on the device, every row is a decode row that could draft, and the policy
         picks k = 0 for it. Such steps run as without speculation (device token path, the next
         one launched ahead: Program.launch_ahead asks `runs_plain_ahead`), and their commit
-        queues the rows' hidden states for the drafter (`after_plain`), so an adaptive k = 0
-        costs what plain decoding does."""
-        if not prog.model.step_hidden or self.hidden_layers is not None \
-                or not prog.samples_on_device(seqs, units, masks) \
+        queues the rows' hidden states (DFlash: features, `feed_kind`) for the drafter
+        (`after_plain`), so an adaptive k = 0 costs what plain decoding does."""
+        if not prog.model.step_hidden or not prog.samples_on_device(seqs, units, masks) \
                 or not all(self._can_draft(s, u) for s, u in zip(seqs, units)):
             return False
         return self._plain_choice(len(seqs))
