@@ -92,7 +92,8 @@ def test_equal_through_pauses(snapshot_bytes, drafter):
     _no_recompute(stats)
 
 
-def test_stop_strings_grammars_and_thinking_budgets_end_where_plain_decoding_does():
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_stop_strings_grammars_and_thinking_budgets_end_where_plain_decoding_does(drafter):
     path = ensure_reference_artifact("dense")
     free, _ = _generate(path, PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True),
                         max_concurrency=1)
@@ -108,7 +109,7 @@ def test_stop_strings_grammars_and_thinking_budgets_end_where_plain_decoding_doe
     for params in cases:
         want, _ = _generate(path, PROMPTS[:2], params, max_concurrency=2)
         got, stats = _generate(path, PROMPTS[:2], params, max_concurrency=2,
-                               speculative="mtp", num_draft_tokens=3)
+                               speculative=drafter, num_draft_tokens=3)
         for g, w in zip(got, want):
             assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text,
                                                               w.finish_reason), params
@@ -118,7 +119,8 @@ def test_stop_strings_grammars_and_thinking_budgets_end_where_plain_decoding_doe
     params = SamplingParams(max_tokens=24, ignore_eos=True, thinking_budget=6)
     with Engine(path, **CUDA, max_concurrency=1) as engine:
         want = engine.generate(messages, params, enable_thinking=True)
-    with Engine(path, **CUDA, max_concurrency=1, speculative="mtp", num_draft_tokens=4) as engine:
+    with Engine(path, **CUDA, max_concurrency=1, speculative=drafter,
+                num_draft_tokens=4) as engine:
         got = engine.generate(messages, params, enable_thinking=True)
         assert engine.stats()["spec_verify_rows"] > 0
     assert (got.token_ids, got.reasoning_text, got.text) == \
