@@ -552,7 +552,8 @@ class CudaModel(MediaEncoding):
             self._decode_launch(batch, kv, state, turn, chained=after is not None)
         else:
             self._eager(batch, kv, state, np.asarray(batch.query_start[1:], np.int32) - 1,
-                        want_logits=False, capture=self.graphs.capture)
+                        want_logits=False,
+                        capture=self.dflash.capture if self.dflash is not None else None)
         if rows is not None:
             # a chained step's parameters go through a staging of their own (the step in flight
             # may not have copied its own yet); a serial one's through the sampler's main one
