@@ -24,6 +24,7 @@ import numpy as np
 from ....errors import DeviceError
 from ..batch import ForwardBatch
 from .drafter import token_pieces
+from .kernel_set import paged_attention_group
 from .runner import attention_splits, combine_launch, part_rows_needed
 
 
@@ -36,20 +37,22 @@ def check_kv_geometry(dcfg, text) -> None:
             f"{text.head_dim}); this drafter has ({dcfg.num_key_value_heads}, {dcfg.head_dim})")
 
 
-def _widths(dcfg) -> dict:
+def _buffers(dcfg, n_cap: int, num_sms: int, f32: bool) -> dict:
+    """name -> (shape, dtype) of DFlashBuffers (and so of the memory plan's share)."""
     H, I, F = dcfg.hidden_size, dcfg.intermediate_size, len(dcfg.target_layer_ids)
     nh, nkv, hd = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
-    return dict(feat=F * H, proj=max((nh + 2 * nkv) * hd, 2 * I), q=nh * hd, act=max(nh * hd, I))
+    gin = np.float32 if f32 else np.uint16
+    rows = part_rows_needed(n_cap, nkv, num_sms)
+    return {"feat": ((n_cap, F * H), gin), "h": ((n_cap, H), np.float32),
+            "x": ((n_cap, H), gin), "proj": ((n_cap, max((nh + 2 * nkv) * hd, 2 * I)), np.float32),
+            "q": ((n_cap, nh * hd), np.float32), "act": ((n_cap, max(nh * hd, I)), gin),
+            "part": ((rows, nh, hd), np.float32), "ml": ((rows, nh, 2), np.float32)}
 
 
 def buffer_bytes(dcfg, n_cap: int, num_sms: int, f32: bool) -> int:
     """Device bytes of DFlashBuffers (the memory plan's share), each rounded as the arena does."""
-    w, g = _widths(dcfg), 4 if f32 else 2
-    H, nh, hd = dcfg.hidden_size, dcfg.num_attention_heads, dcfg.head_dim
-    rows = part_rows_needed(n_cap, dcfg.num_key_value_heads, num_sms)
-    sizes = [n_cap * w["feat"] * g, n_cap * H * 4, n_cap * H * g, n_cap * w["proj"] * 4,
-             n_cap * w["q"] * 4, n_cap * w["act"] * g, rows * nh * hd * 4, rows * nh * 2 * 4]
-    return sum((s + 255) // 256 * 256 for s in sizes)
+    return sum((math.prod(shape) * np.dtype(dt).itemsize + 255) // 256 * 256
+               for shape, dt in _buffers(dcfg, n_cap, num_sms, f32).values())
 
 
 class DFlashBuffers:
@@ -60,20 +63,9 @@ class DFlashBuffers:
     splits."""
 
     def __init__(self, arena, dcfg, n_cap: int, num_sms: int, f32: bool):
-        w = _widths(dcfg)
-        gin = np.float32 if f32 else np.uint16
-        H, nh, hd = dcfg.hidden_size, dcfg.num_attention_heads, dcfg.head_dim
-        rows = part_rows_needed(n_cap, dcfg.num_key_value_heads, num_sms)
-        what = "DFlash workspace"
         self.n_cap = int(n_cap)
-        self.feat = arena.take((n_cap, w["feat"]), gin, what)
-        self.h = arena.take((n_cap, H), np.float32, what)
-        self.x = arena.take((n_cap, H), gin, what)
-        self.proj = arena.take((n_cap, w["proj"]), np.float32, what)
-        self.q = arena.take((n_cap, w["q"]), np.float32, what)
-        self.act = arena.take((n_cap, w["act"]), gin, what)
-        self.part = arena.take((rows, nh, hd), np.float32, what)
-        self.ml = arena.take((rows, nh, 2), np.float32, what)
+        for name, (shape, dt) in _buffers(dcfg, n_cap, num_sms, f32).items():
+            setattr(self, name, arena.take(shape, dt, "DFlash workspace"))
 
 
 class DFlashRunner:
@@ -86,7 +78,6 @@ class DFlashRunner:
         self.layer_slot = {l: j for j, l in enumerate(dcfg.target_layer_ids)}
         self.scale = 1.0 / math.sqrt(dcfg.head_dim)
         G = dcfg.num_attention_heads // dcfg.num_key_value_heads
-        from .kernel_set import paged_attention_group
         self.subgroups = G // paged_attention_group(G, dcfg.head_dim)
 
     @property
