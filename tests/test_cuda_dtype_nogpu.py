@@ -458,12 +458,19 @@ def test_mtp_step_on_the_simulator_matches_the_numpy_drafter(kind):
     norms, the fc GEMM, its full-attention layer on the KV pool's extra last layer, its MLP, the
     final norm, the shared lm_head) on the simulator (tests/gpu/sim_mtp.py) against
     MtpDrafter.forward, a fresh row and then a continuation that attends to its KV: float32
-    within 1e-5 (measured 2e-7) and the same argmax, bfloat16 within its rounding (3.5e-3)."""
+    within 1e-5 (measured 2e-7) and the same argmax, bfloat16 within its rounding (3.5e-3).
+    And CudaModel.mtp_chain (3 draft steps of 2 rows in one call, each step's argmaxes fed to
+    the next on the device): the drafts and drafter KV of mtp.draft_greedy step by step over
+    the same model, bit for bit in both dtypes, and float32 the numpy drafter's drafts."""
     out = _sim_mtp(kind, "step")
     f, b = out["float32"], out["bfloat16"]
     assert max(f["logits"] + f["hidden"]) < 1e-5 and all(f["argmax_equal"]), f
     assert 1e-4 < max(b["logits"] + b["hidden"]) < 3e-2, b           # bf16 really rounds
     assert f["kv_layers"] == f["model_kv_layers"] + 1                # the drafter's, last
+    for res in (f, b):
+        assert res["chain_shape"] == [2, 3], res
+        assert res["chain_equals_stepwise"] and res["chain_kv_stepwise"], res
+    assert f["chain_equals_numpy"], f
 
 
 @_SIM_SLOW

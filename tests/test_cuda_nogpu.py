@@ -1314,6 +1314,77 @@ def test_a_verify_runs_through_its_graph_only_where_the_graph_is_the_eager_call(
     assert len(launched) == 2 and len(uploads) == 2 and len(m.graphs) == 1
 
 
+def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
+    """CudaModel.warm_up captures, besides the decode graphs, the verify graph of every
+    (B x (k + 1) tokens, B rows) with B = 1 .. its batch cap and k = 1 .. num_draft_tokens
+    that _verify_graph_launch would take (verify_shapes: within the logits rows and the MoE
+    GEMV tokens), with the DFlash features' hook where a DFlash drafter is loaded, and the MTP
+    drafter's chain of every (B, steps); a model without a drafter captures none. So no
+    speculative unit pays a capture while serving."""
+    from types import SimpleNamespace
+
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+
+    def model(speculative, dflash=None, k=3, lg_cap=64, moe=64, chain_steps=0):
+        m = CudaModel.__new__(CudaModel)
+        m.options = SimpleNamespace(graphs=True, num_draft_tokens=k)
+        m.speculative, m.dflash, m.lg_cap, m.b_cap, m.n_cap, m.p_cap = \
+            speculative, dflash, lg_cap, 4, 64, 8
+        m.chain_steps = chain_steps
+        m.runner = SimpleNamespace(attn_tc_min_tokens=64,
+                                   res=SimpleNamespace(moe_gemv_tokens=moe))
+        m.eager_meta, m.ws = "meta", SimpleNamespace(snap=SimpleNamespace(ptr=0xABC))
+        calls = []
+
+        class Graphs:
+            def get(self, B, kv, st):
+                calls.append(("decode", B))
+
+            def verify(self, n, B, kv, st, meta, snap, capture):
+                calls.append(("verify", n, B, meta, snap, capture))
+
+            def chain(self, B, steps, kv, launches):
+                calls.append(("chain", B, steps, launches))
+
+            def __len__(self):
+                return len(calls)
+        m.graphs = Graphs()
+        m._current = lambda: None
+        m.decode_greedy = lambda *a: None
+        m.sample = lambda *a: None
+        return m, calls
+    kv = SimpleNamespace(num_pages=100, page_size=4)
+    st = SimpleNamespace(num_slots=100)
+    m, calls = model(True)
+    assert m.verify_shapes(4) == [(b * (k + 1), b) for b in range(1, 5) for k in (1, 2, 3)]
+    m.warm_up(kv, st)
+    assert [c for c in calls if c[0] == "decode"] == [("decode", B) for B in range(1, 5)]
+    assert [c[1:] for c in calls if c[0] == "verify"] == \
+        [(n, b, "meta", 0xABC, None) for n, b in m.verify_shapes(4)]
+    assert set(m.warm_up_phases) == {"graphs", "verify_graphs"}
+    assert [c for c in calls if c[0] == "chain"] == []
+    # the MTP drafter's chains (mtp_chain): every B and every step count after d_1
+    m, calls = model(True, chain_steps=2)
+    m.warm_up(kv, st)
+    assert [c[1:3] for c in calls if c[0] == "chain"] == [(B, s) for B in range(1, 5)
+                                                          for s in (1, 2)]
+    assert all(c[3] == m._chain_launches for c in calls if c[0] == "chain")
+    hook = object()
+    m, calls = model(True, dflash=SimpleNamespace(capture=hook), k=2)
+    m.warm_up(kv, st)
+    assert [c[1:3] + c[5:] for c in calls if c[0] == "verify"] == \
+        [(b * (k + 1), b, hook) for b in range(1, 5) for k in (1, 2)]
+    # a verify past the logits rows or the MoE GEMVs runs eager: no graph to capture
+    m, _ = model(True, lg_cap=8)
+    assert m.verify_shapes(4) == [(n, b) for n, b in model(True)[0].verify_shapes(4) if n <= 8]
+    m, _ = model(True, moe=6)
+    assert max(n for n, _ in m.verify_shapes(4)) == 6
+    m, calls = model(False)
+    assert m.verify_shapes(4) == []
+    m.warm_up(kv, st)
+    assert [c for c in calls if c[0] == "verify"] == []
+
+
 def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
     """launch_tokens(keep_hidden=True) (CudaModel._queue_step_hidden): the step's B rows of
     ws.xf (the head's final-normed hidden of each row's last token) are copied into the pinned

@@ -795,6 +795,20 @@ def plain_steps_against_units(monkeypatch, path, drafter: str, params) -> None:
     assert all(np.array_equal(a, b) for a, b in zip(*blocks))
 
 
+def test_a_unit_costs_the_policy_the_time_between_two_commits():
+    """Speculator._unit_seconds: a unit launched at t0 and committed at `now` costs the time
+    since the last commit (the host's work before a speculative unit's launch is its cost too;
+    a plain step launched ahead of the last commit overlapped it), unless the gap before its
+    launch is longer than the unit itself (idle, paused, the first unit): then from t0."""
+    spec = speculative.Speculator.__new__(speculative.Speculator)
+    spec._last_commit = 10.0
+    assert spec._unit_seconds(10.5, 12.0) == pytest.approx(2.0)     # 0.5 s of scheduling
+    assert spec._unit_seconds(9.0, 12.0) == pytest.approx(2.0)      # launched ahead at 9
+    assert spec._unit_seconds(15.0, 16.0) == pytest.approx(1.0)     # idle 5 s before it
+    spec._last_commit = 0.0
+    assert spec._unit_seconds(1e4, 1e4 + 0.25) == pytest.approx(0.25)   # the first unit
+
+
 def test_a_unit_that_paid_a_first_use_is_not_timed(extremes, monkeypatch):
     """A unit during which the model's one_off_work grew (CUDA: it captured a verify graph or
     planned a GEMM, seconds that are not the shape's cost) gives the draft policy no time: the

@@ -1,7 +1,8 @@
 """The MTP head's step on the CUDA backend (CudaModel.mtp_forward, StepRunner.mtp) on the CPU:
 sim_model.py's machine (kernels on numba-cuda's simulator, cuBLASLt as numpy products, fake
 device memory) against the numpy drafter (MtpDrafter.forward) of the same artifact, over a row
-of 3 tokens and then 2 more that attend to their KV; and the target's verify step
+of 3 tokens and then 2 more that attend to their KV, and its chained drafts (CudaModel.mtp_chain,
+step): against the step-by-step drafts; and the target's verify step
 (CudaModel.verify_forward: logits of every token, the State after each token in snapshot slots)
 against the numpy model. Prints JSON:
 {"<dtype>": {"logits": [rel err per call], "hidden": [...], "argmax_equal": [...],
@@ -48,8 +49,9 @@ def run(kind: str = "dense", part: str = "step") -> dict:
     hiddens = [r.standard_normal((len(t), H)).astype(np.float32) for t, _ in calls]
     out = {}
     for dtype in ("float32", "bfloat16"):
-        opts = EngineOptions(backend="cuda", dtype=dtype, max_concurrency=1, max_context=64,
-                             prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False)
+        opts = EngineOptions(backend="cuda", dtype=dtype, max_concurrency=2, max_context=64,
+                             prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False,
+                             num_draft_tokens=4)
         gpu = cm.CudaModel(model_config(art), opts, artifact=art, mtp=True)
         kv_g = gpu.new_kv_pool(17, 4)
         kv_c = drafter.new_kv_pool(17, 4)
@@ -66,9 +68,56 @@ def run(kind: str = "dense", part: str = "step") -> dict:
             res["argmax_equal"].append(bool((lg.argmax(1) == lc.argmax(1)).all()))
         if part == "verify":
             res.update(verify(gpu, cpu, r))
+        if part == "step":
+            res.update(chain(gpu, drafter, r, dtype))
         kv_g.close()
         gpu.close()
         out[dtype] = res
+    return out
+
+
+def _arrays(image) -> list:
+    """Every array of a pool's page image (nested tuples and lists), in order."""
+    if isinstance(image, (tuple, list)):
+        return [a for part in image for a in _arrays(part)]
+    return [np.array(image)]
+
+
+def chain(gpu, drafter, r, dtype: str, steps: int = 3) -> dict:
+    """CudaModel.mtp_chain (the drafts after d_1 in one call, each step's argmaxes fed to the
+    next on the device) against mtp.draft_greedy step by step over the same CUDA model (each
+    step's ids and MTP hidden down to the host and up again: the same launches, so the same
+    drafts bit for bit) and over the numpy drafter (float32: the same drafts), for 2 rows after
+    feeds of 5 and 3 positions; the drafter KV the chain wrote equals the stepwise one's."""
+    from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+    from ninfer.models.qwen3_5.mtp import draft_greedy
+    V, H = drafter.text.vocab_size, drafter.text.hidden_size
+    tables = np.arange(16, dtype=np.int32).reshape(2, 8)
+    kv_g, kv_c = gpu.new_kv_pool(17, 4), drafter.new_kv_pool(17, 4)
+    lens = (5, 3)
+    feed = ForwardBatch(r.integers(0, V, sum(lens)).astype(np.int32),
+                        ForwardBatch.text_positions([0, 0], list(lens)),
+                        np.array([0, 5, 8], np.int32), np.zeros(2, np.int32), tables,
+                        np.arange(2, dtype=np.int32))
+    h = r.standard_normal((sum(lens), H)).astype(np.float32)
+    if dtype == "bfloat16":
+        h = h.astype(ml_dtypes.bfloat16).astype(np.float32)
+    _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
+    drafter.forward(feed, h, kv_c, with_logits=False)
+    g1 = g[[4, 7]]
+    first = r.integers(0, V, 2).astype(np.int32)
+    ctx = np.array(lens, np.int32)
+    got = gpu.mtp_chain(g1, first, ctx, tables, steps, kv_g)
+    kv_chain = _arrays(kv_g.read_pages(np.arange(16)))
+    step, _ = draft_greedy(CudaDrafter(gpu), kv_g, g1, first, ctx, tables, steps,
+                           with_logits=False)
+    host, _ = draft_greedy(drafter, kv_c, g1, first, ctx, tables, steps, with_logits=False)
+    kv_step = _arrays(kv_g.read_pages(np.arange(16)))
+    out = {"chain_shape": list(got.shape), "chain_equals_stepwise": bool(np.array_equal(got, step)),
+           "chain_equals_numpy": bool(np.array_equal(got, host)),
+           "chain_kv_stepwise": len(kv_chain) > 0 and all(
+               np.array_equal(a, b) for a, b in zip(kv_chain, kv_step))}
+    kv_g.close()
     return out
 
 

@@ -195,3 +195,64 @@ def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind):
         assert ids.tolist() == logits[qs[1:] - 1].argmax(1).tolist()
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_draft_chain_in_its_graph_equals_the_drafts_step_by_step(kind):
+    """CudaModel.mtp_chain through its captured graph (decode_graphs.chain: k - 1 MTP steps,
+    each step's argmaxes fed to the next on the device) gives the drafts and drafter KV of
+    mtp.draft_greedy step by step (one host round trip per step) bit for bit, at B = 1 and 3
+    and every step count; the numpy drafter agrees in float32; CudaDrafter.draft_greedy takes
+    the chain where rows draft alike and steps otherwise."""
+    from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.mtp import draft_greedy
+    art = mtp_artifact(kind)
+    cpu = NumpyModel.from_artifact(art)
+    drafter = MtpDrafter.from_artifact(art, cpu)
+    opts = EngineOptions(backend="cuda", dtype="float32", max_concurrency=3, max_context=128,
+                         prefill_chunk=64, page_size=4, num_draft_tokens=4)
+    gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
+    try:
+        assert gpu.chain_steps == 3
+        kv_g, kv_c = gpu.new_kv_pool(60, 4), drafter.new_kv_pool(60, 4)
+        r = np.random.default_rng(12)
+        H, V = cpu.text.hidden_size, cpu.text.vocab_size
+        tables = np.arange(60, dtype=np.int32).reshape(3, 20)
+        lens = np.array([9, 4, 14], np.int32)
+        feed = ForwardBatch(r.integers(0, V, lens.sum()).astype(np.int32),
+                            ForwardBatch.text_positions(np.zeros(3, np.int32), lens),
+                            np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+                            np.zeros(3, np.int32), tables, np.arange(3, dtype=np.int32))
+        h = r.standard_normal((lens.sum(), H)).astype(np.float32)
+        _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
+        drafter.forward(feed, h, kv_c, with_logits=False)
+        ends = np.cumsum(lens) - 1
+        cuda_drafter = CudaDrafter(gpu)
+        for rows in ([0], [0, 1, 2]):
+            for steps in (1, 2, 3):
+                g1, first = g[ends[rows]], r.integers(0, V, len(rows)).astype(np.int32)
+                captured = len(gpu.graphs)
+                got, none = cuda_drafter.draft_greedy(kv_g, g1, first, lens[rows], tables[rows],
+                                                      steps, with_logits=False)
+                assert none is None and got.shape == (len(rows), steps)
+                assert len(gpu.graphs) == captured + 1                 # the chain's graph
+                kv_chain = kv_g.read_pages(tables[rows].reshape(-1))
+                step, _ = draft_greedy(cuda_drafter, kv_g, g1, first, lens[rows], tables[rows],
+                                       steps, with_logits=False)
+                assert np.array_equal(got, step), (rows, steps)
+                for a, b in zip(kv_chain, kv_g.read_pages(tables[rows].reshape(-1))):
+                    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+                host, _ = draft_greedy(drafter, kv_c, g1, first, lens[rows], tables[rows],
+                                       steps, with_logits=False)
+                assert np.array_equal(got, host), (rows, steps)
+        # rows drafting unlike counts, or more steps than the chain holds: step by step
+        captured = len(gpu.graphs)
+        cuda_drafter.draft_greedy(kv_g, g[ends], np.zeros(3, np.int32), lens, tables, [1, 2, 3],
+                                  with_logits=False)
+        assert len(gpu.graphs) == captured
+        with pytest.raises(ValueError, match="mtp_chain"):
+            gpu.mtp_chain(g[ends], np.zeros(3, np.int32), lens, tables, 4, kv_g)
+        kv_g.close()
+    finally:
+        gpu.close()

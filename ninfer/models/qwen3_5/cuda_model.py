@@ -138,7 +138,8 @@ class CudaModel(MediaEncoding):
     max_state_slots = None  # and the State slots (sequences' + the context cache's)
     batch_invariant = False  # options.batch_invariant (set at load)
     load_phases: dict = {}   # {"setup", "weights", "kernels"} seconds (set at load; contracts.Model)
-    warm_up_phases: dict = {}   # {"graphs": seconds capturing the decode graphs} (warm_up)
+    # {"graphs": seconds capturing the decode graphs, "verify_graphs": the verify ones} (warm_up)
+    warm_up_phases: dict = {}
     # the numpy model's final_hidden (embeddings, MTP): this model's hidden states stay on the
     # device, so it offers none (Engine.embed answers NotSupportedError)
     final_hidden = None
@@ -263,6 +264,10 @@ class CudaModel(MediaEncoding):
         self.max_keys = self.p_cap * page_size
         self.eager_layout = MetaLayout(n_cap, max(b_cap, 8), self.p_cap)
         self.decode_layout = MetaLayout(b_cap, b_cap, self.p_cap)
+        # the MTP drafter's chained steps (mtp_chain): a decode-shaped metadata region per step
+        # after the first draft, and each step's argmaxes
+        self.chain_steps = max(draft_tokens(options) - 1, 0) if self.mtp else 0
+        chain_words = self.chain_steps * (self.decode_layout.count + b_cap)
         tied = artifact is not None and wplan.is_tied(artifact)
         nkv = max(cfg.num_key_value_heads, 1)
         part_rows = part_rows_needed(n_cap, nkv, self.device.num_sms,
@@ -282,7 +287,8 @@ class CudaModel(MediaEncoding):
             if fp8_act is not False and not self.f32 and n_cap > qw.GEMV_MAX_ROWS else 0
         ws_bytes = workspace_bytes(cfg, f32=self.f32, n_cap=n_cap, lg_cap=self.lg_cap,
                                    part_rows=part_rows, max_keys=self.max_keys,
-                                   meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes,
+                                   meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes
+                                   + 4 * chain_words,
                                    mtp=self.speculative) \
             + wq * (4 if self.f32 else 2) + w8a8_bytes(n_cap, w8k) + (1024 if w8k else 0)
         if self.dflash_cfg is not None:
@@ -313,10 +319,14 @@ class CudaModel(MediaEncoding):
         if self.dflash_cfg is not None:
             self.dflash_bufs = device_dflash.DFlashBuffers(self.arena, self.dflash_cfg, n_cap,
                                                            self.device.num_sms, self.f32)
-        meta = self.arena.take((self.eager_layout.count + self.decode_layout.count,), np.int32,
-                               "metadata")
+        meta = self.arena.take((self.eager_layout.count + self.decode_layout.count
+                                + chain_words,), np.int32, "metadata")
         self.eager_meta = DeviceMeta(self.eager_layout, meta.ptr)
         self.decode_meta = DeviceMeta(self.decode_layout, meta.ptr + self.eager_layout.nbytes)
+        chain = meta.ptr + self.eager_layout.nbytes + self.decode_layout.nbytes
+        self.chain_metas = [DeviceMeta(self.decode_layout, chain + i * self.decode_layout.nbytes)
+                            for i in range(self.chain_steps)]
+        self.chain_ids = chain + self.chain_steps * self.decode_layout.nbytes
         lt_ws = self.arena.take((LT_WORKSPACE,), np.uint8, "cuBLASLt workspace")
         self.lt = CublasLt(lt_ws.ptr, LT_WORKSPACE, f32=self.f32, invariant=self.batch_invariant)
         self.w8a8 = bool(w8k) and self.lt.fp8_supported()
@@ -331,7 +341,9 @@ class CudaModel(MediaEncoding):
         # two decode stagings, id buffers and events, used in turn: with a step launched ahead
         # (launch_tokens(after=)) two are in flight, and a staging or id buffer is written
         # again only after the step that used it was collected
-        self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + 2 * self.decode_layout.nbytes)
+        # (and after them the MTP chain's step regions)
+        self.staging = _d.PinnedBuffer(self.eager_layout.nbytes + (2 + self.chain_steps)
+                                       * self.decode_layout.nbytes)
         self.out_host = _d.PinnedBuffer(self.lg_cap * cfg.vocab_size * 4)
         # the final-normed hidden of every token of an eager call (verify_forward; mtp), or its
         # features (dflash: the outputs of the drafter's target layers side by side)
@@ -704,6 +716,72 @@ class CudaModel(MediaEncoding):
         self.stream.synchronize()
         return self.ids_host.view(np.int32, 0, B).copy(), self._read_hidden(n)
 
+    def mtp_chain_fits(self, rows: int, steps: int) -> bool:
+        """Whether mtp_chain takes `steps` steps of `rows` rows (its step regions, the decode
+        graphs' rows)."""
+        return self.mtp and 1 <= steps <= self.chain_steps and 0 < rows <= self.b_cap
+
+    def mtp_chain(self, hidden: np.ndarray, first, context_lens, block_tables, steps: int,
+                  kv) -> np.ndarray:
+        """`steps` greedy MTP steps of B rows in one call, each step's argmaxes fed to the next
+        on the device: mtp.draft_greedy's loop without logits (the speculative units' drafts
+        after d_1), one wait instead of one per step. Row r's step i runs at position
+        context_lens[r] + i from (the MTP hidden g, token x): g = hidden[r] (final-normed, as
+        mtp_forward's) and x = first[r] at i = 0, else the previous step's final-normed MTP
+        hidden and argmax. Returns int32 [B, steps], the argmaxes. Through a captured graph
+        per (B, steps) where graphs are on (warm_up captures them all), else the same launches
+        eagerly."""
+        self._need_mtp("mtp_chain")
+        first = np.asarray(first, np.int32)
+        B, H = len(first), self.text.hidden_size
+        if not self.mtp_chain_fits(B, steps):
+            raise ValueError(f"mtp_chain: {steps} steps of {B} rows; it takes 1..{self.chain_steps}"
+                             f" steps of 1..{self.b_cap} rows")
+        hidden = np.asarray(hidden, np.float32)
+        if hidden.shape != (B, H):
+            raise ValueError(f"mtp_chain: hidden shape {hidden.shape} != ({B}, {H})")
+        ctx = np.asarray(context_lens, np.int32)
+        tables = np.asarray(block_tables, np.int32).reshape(B, -1)
+        rows = np.arange(B, dtype=np.int32)
+        lay = self.decode_layout
+        steps_meta = [ForwardBatch(first, ForwardBatch.text_positions(ctx + i, np.ones(B, int)),
+                                   np.arange(B + 1, dtype=np.int32), ctx + i, tables, rows)
+                      for i in range(steps)]
+        for b in (steps_meta[0], steps_meta[-1]):     # (positions only grow between them)
+            self._drafter_call("mtp_chain", b, kv, B)
+        # the graph first: its capture's dry run must come before this call's uploads
+        graph = self.graphs.chain(B, steps, kv, self._chain_launches) \
+            if self.options.graphs else None
+        self._put_hidden(self.ws.mtp_h, hidden)
+        off = self.eager_layout.nbytes + 2 * lay.nbytes
+        for i, b in enumerate(steps_meta):
+            lay.pack_decode(self.staging.view(np.int32, off + i * lay.nbytes, lay.count), b)
+        _d.copy_htod_async(self.chain_metas[0].base, self.staging.ptr + off, steps * lay.nbytes,
+                           self.stream)
+        if graph is not None:
+            graph.launch()
+        else:
+            self._chain_launches(self.stream, B, steps, kv)
+        _d.copy_dtoh_async(self.ids_host.ptr, self.chain_ids, 4 * steps * B, self.stream)
+        self.stream.synchronize()
+        return self.ids_host.view(np.int32, 0, steps * B).reshape(steps, B).T.copy()
+
+    def _chain_launches(self, st, B: int, steps: int, kv) -> None:
+        """mtp_chain's launches over its step regions (graph or eager): step i's argmaxes into
+        chain_ids row i and, for the next step, over its token ids; its final-normed MTP
+        hidden (ws.x) over the next step's input (ws.mtp_h). A dry run (the graph's planning
+        pass) copies nothing."""
+        ws, runner = self.ws, self.runner
+        for i in range(steps):
+            runner.mtp(st, self.chain_metas[i], B, B, B, kv)
+            if runner.dry:
+                continue
+            _d.copy_dtod_async(self.chain_ids + 4 * i * B, ws.tokens.ptr, 4 * B, st)
+            if i + 1 < steps:
+                _d.copy_dtod_async(self.chain_metas[i + 1].token_ids, ws.tokens.ptr, 4 * B, st)
+                _d.copy_dtod_async(ws.mtp_h.ptr, ws.x.ptr,
+                                   B * self.text.hidden_size * ws.gin_bytes, st)
+
     @staticmethod
     def _row_ends(batch) -> np.ndarray:
         return np.asarray(batch.query_start[1:], np.int32) - 1
@@ -893,15 +971,31 @@ class CudaModel(MediaEncoding):
         nothing launched (the caller runs it eager)."""
         n, b = batch.num_tokens, batch.num_rows
         lens = np.diff(np.asarray(batch.query_start, np.int64))
-        if not self.options.graphs or snap is None or media is not None or n > self.lg_cap \
-                or n > self.runner.res.moe_gemv_tokens or np.any(lens != lens[0]) \
-                or lens[0] >= self.runner.attn_tc_min_tokens \
-                or not np.array_equal(out_rows, np.arange(n)):
+        if snap is None or media is not None or np.any(lens != lens[0]) \
+                or not self._verify_graphable(n, b) or not np.array_equal(out_rows, np.arange(n)):
             return False
         graph = self.graphs.verify(n, b, kv, state, self.eager_meta, snap, capture)
         self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
         graph.launch()
         return True
+
+    def _verify_graphable(self, n: int, b: int) -> bool:
+        """Whether a verify of b rows of n / b tokens each may run as a graph: graphs on, every
+        token's logits within one call's logits rows, its MoE on the expert GEMVs, and its rows
+        shorter than the tensor-core attention's minimum (the graph's kernels are the
+        CUDA-core ones)."""
+        return bool(self.options.graphs) and n <= self.lg_cap \
+            and n <= self.runner.res.moe_gemv_tokens and n // b < self.runner.attn_tc_min_tokens
+
+    def verify_shapes(self, b_max: int) -> list:
+        """(tokens, rows) of the verify graphs a speculative unit of up to b_max rows, each
+        drafting the same 1 .. num_draft_tokens tokens, launches: warm_up captures them all, so
+        no unit pays a capture (issue 25; the draft policy's first unit at each k would)."""
+        if not self.speculative:
+            return []
+        k_max = draft_tokens(self.options)
+        return [(b * (k + 1), b) for b in range(1, b_max + 1) for k in range(1, k_max + 1)
+                if self._verify_graphable(b * (k + 1), b)]
 
     def _verify_run(self, batch, kv, state, snap_base, media) -> tuple:
         """The checks and uploads of a verify call: (the checked media or None, the device
@@ -930,15 +1024,23 @@ class CudaModel(MediaEncoding):
 
     # ---- graphs -------------------------------------------------------------------------------
     def warm_up(self, kv, state) -> None:
-        """Capture and replay the decode graph of every B = 1..b_cap, run the device sampler and
-        one eager call of the widest prefill: nothing is built lazily while serving. Rows use
+        """Capture and replay the decode graph of every B = 1..b_cap, capture the speculative
+        verify graphs (verify_shapes) and the MTP drafter's chains (mtp_chain), run the device sampler and one eager call of the widest
+        prefill: nothing is built lazily while serving. Rows use
         pages 0..B-1 and slots 0..B-1 at context 0 (the pools hold nothing yet)."""
         from ...contracts import SampleRow, SamplingSpec
         self._current()
         b_max = min(self.b_cap, kv.num_pages, state.num_slots)
         t0 = time.perf_counter()
         self.capture_graphs(kv, state, range(1, b_max + 1))
-        self.warm_up_phases = {"graphs": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        capture = self.dflash.capture if self.dflash is not None else None
+        for n, B in self.verify_shapes(b_max):
+            self.graphs.verify(n, B, kv, state, self.eager_meta, self.ws.snap.ptr, capture)
+        for B in range(1, b_max + 1) if self.options.graphs else ():
+            for steps in range(1, self.chain_steps + 1):
+                self.graphs.chain(B, steps, kv, self._chain_launches)
+        self.warm_up_phases = {"graphs": t1 - t0, "verify_graphs": time.perf_counter() - t1}
         for B in range(1, b_max + 1):
             rows = np.arange(B, dtype=np.int32)
             batch = ForwardBatch(np.zeros(B, np.int32), np.zeros((3, B), np.int32),

@@ -1,5 +1,6 @@
 """DecodeGraphs: one CUDA graph per exact decode batch size B over one (KV pool, State pool),
-and one per speculative verify shape (N tokens over B rows).
+one per speculative verify shape (N tokens over B rows), and one per MTP draft chain (B rows,
+steps) over a KV pool.
 
 A decode graph replays runner.run over the decode metadata buffer, so its inputs (token ids,
 positions, block tables, state slots) are whatever was copied into that buffer before the launch.
@@ -51,6 +52,13 @@ class DecodeGraphs:
                 runner.final_hidden(st, n)
         return self._get(("verify", n, B, id(kv), id(state), capture is not None), kv, state,
                          run)
+
+    def chain(self, B: int, steps: int, kv, launches) -> Graph:
+        """The MTP drafter's chain of `steps` steps over B rows (CudaModel.mtp_chain: each
+        step's argmaxes feed the next on the device), launches(st, B, steps, kv) captured on
+        first use."""
+        return self._get(("chain", B, steps, id(kv)), kv, None,
+                         lambda st: launches(st, B, steps, kv))
 
     def _get(self, key, kv, state, run) -> Graph:
         """The graph of `key`, or `run` captured as it (its GEMM plans and modules resolved by

@@ -102,6 +102,14 @@ class CudaDrafter:
 
     def draft_greedy(self, kv, hidden: np.ndarray, next_tokens, context_lens, block_tables, k, *,
                      with_logits: bool = True, pick=None) -> tuple:
-        """mtp.draft_greedy over this drafter."""
+        """mtp.draft_greedy over this drafter: where no logits and no picks are wanted and every
+        row drafts the same k, the model's chain (CudaModel.mtp_chain: the k steps in one call,
+        each step's argmaxes fed to the next on the device, one wait), else step by step."""
+        ks = np.broadcast_to(np.asarray(k, np.int64), (len(next_tokens),))
+        steps = int(ks[0]) if len(ks) else 0
+        if not with_logits and pick is None and len(ks) and bool((ks == steps).all()) \
+                and self.model.mtp_chain_fits(len(ks), steps):
+            return self.model.mtp_chain(hidden, next_tokens, context_lens, block_tables, steps,
+                                        kv), None
         return draft_greedy(self, kv, hidden, next_tokens, context_lens, block_tables, k,
                             with_logits=with_logits, pick=pick)

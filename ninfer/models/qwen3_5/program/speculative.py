@@ -496,12 +496,25 @@ class Speculator:
             self._recompute(prog, recompute)
         due = [seq for seq, rec, n in feed if self._queue(seq, rec.start, rec.hidden[:n])]
         self._catch_up(prog, due)
+        now = time.perf_counter()
         if unit is not None and unit[3] == prog.model.one_off_work:
             # (a unit that captured a graph or planned a GEMM paid a first use: not its k's
             # cost; the cold start runs that k again)
             t0, num_rows, k, _ = unit
-            self.policy.observe_unit(num_rows, k, time.perf_counter() - t0)
-        self._last_commit = time.perf_counter()
+            self.policy.observe_unit(num_rows, k, self._unit_seconds(t0, now))
+        self._last_commit = now
+
+    def _unit_seconds(self, t0: float, now: float) -> float:
+        """A unit's cost for the policy, launched at t0 and committed at now: the time since the
+        last commit, as what a unit costs the Engine is the time between two commits. That
+        includes the host's work before the launch (the EngineCore's outcome, streaming and
+        scheduling), which a speculative unit waits for and a plain step launched ahead runs
+        under the one before it (its t0 is before the last commit); timing a speculative unit
+        from its own launch alone made drafting look cheaper than it is (issue 25: at B = 8 the
+        policy drafted where plain decoding was faster). A gap longer than the unit itself is
+        not scheduling (the Engine was idle or paused, or this is the first unit): from t0."""
+        since = self._last_commit
+        return now - (since if t0 - since < now - t0 else t0)
 
     def _queue(self, seq, at: int, hidden: np.ndarray) -> bool:
         """Queue the target's hidden states of the row's positions at .. at + len(hidden) - 1
@@ -555,8 +568,7 @@ class Speculator:
         queues the step's hidden state of the position it ran for the drafter. Fed when the
         row next drafts or is settled, never here: the next step may be in flight, and a
         drafter call on the device now would overwrite the token ids it reads. The unit's
-        cost for the policy: from its launch, or from the commit before when it was launched
-        ahead (the steps overlap: what a step costs is the time between two commits)."""
+        cost for the policy: the time since the last commit, as every unit's (_unit_seconds)."""
         for r, (row, d) in enumerate(zip(pending.rows, decisions)):
             seq = prog.sequence(row.seq_id)
             if d.is_cancelled or d.is_discarded or seq is None or seq.is_unusable:
@@ -567,7 +579,7 @@ class Speculator:
         now = time.perf_counter()
         if self._plain_started:
             t0 = self._plain_started.popleft()
-            self.policy.observe_unit(len(pending.rows), 0, now - max(t0, self._last_commit))
+            self.policy.observe_unit(len(pending.rows), 0, self._unit_seconds(t0, now))
         self._last_commit = now
 
     def plain_aborted(self) -> None:
