@@ -1318,9 +1318,9 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
     """CudaModel.warm_up captures, besides the decode graphs, the verify graph of every
     (B x (k + 1) tokens, B rows) with B = 1 .. its batch cap and k = 1 .. num_draft_tokens
     that _verify_graph_launch would take (verify_shapes: within the logits rows and the MoE
-    GEMV tokens), with the DFlash features' hook where a DFlash drafter is loaded, and the MTP
-    drafter's chain of every (B, steps); a model without a drafter captures none. So no
-    speculative unit pays a capture while serving."""
+    GEMV tokens), with the DFlash features' hook where a DFlash drafter is loaded, the MTP
+    drafter's chain of every (B, steps) and the DFlash block pass of every B; a model without a
+    drafter captures none. So no speculative unit pays a capture while serving."""
     from types import SimpleNamespace
 
     from ninfer.models.qwen3_5.cuda_model import CudaModel
@@ -1346,6 +1346,9 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
             def chain(self, B, steps, kv, launches):
                 calls.append(("chain", B, steps, launches))
 
+            def block(self, B, kv, run):
+                calls.append(("block", B))
+
             def __len__(self):
                 return len(calls)
         m.graphs = Graphs()
@@ -1370,10 +1373,12 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
                                                           for s in (1, 2)]
     assert all(c[3] == m._chain_launches for c in calls if c[0] == "chain")
     hook = object()
-    m, calls = model(True, dflash=SimpleNamespace(capture=hook), k=2)
+    m, calls = model(True, dflash=SimpleNamespace(capture=hook,
+                                                  cfg=SimpleNamespace(block_size=3)), k=2)
     m.warm_up(kv, st)
     assert [c[1:3] + c[5:] for c in calls if c[0] == "verify"] == \
         [(b * (k + 1), b, hook) for b in range(1, 5) for k in (1, 2)]
+    assert [c for c in calls if c[0] == "block"] == [("block", B) for B in range(1, 5)]
     # a verify past the logits rows or the MoE GEMVs runs eager: no graph to capture
     m, _ = model(True, lg_cap=8)
     assert m.verify_shapes(4) == [(n, b) for n, b in model(True)[0].verify_shapes(4) if n <= 8]

@@ -756,8 +756,8 @@ def plain_steps_against_units(monkeypatch, path, drafter: str, params) -> None:
     blocks = []
     block_pass = DFlashDrafter.draft
 
-    def draft(self, *a):
-        ids, g = block_pass(self, *a)
+    def draft(self, *a, **kw):
+        ids, g = block_pass(self, *a, with_hidden=True)
         blocks[-1].append(g.copy())
         return ids, g
     monkeypatch.setattr(DFlashDrafter, "draft", draft)

@@ -5,6 +5,7 @@ Two rows: row 0 fed 5 positions, row 1 fed 3 then 4 more (a feed that continues 
 one block pass over both; with `verify`, the target's verify with the drafter's hidden_layers
 (its features and logits against the numpy model's). Run on the simulator by sim_dflash.py and
 on the GPU by test_dflash_gpu.py."""
+import dataclasses
 import pathlib
 
 import ml_dtypes
@@ -43,9 +44,11 @@ def artifact(tmp: pathlib.Path) -> pathlib.Path:
     return tmp / "tiny.ninfer"
 
 
-def run(art, part: str = "step") -> dict:
+def run(art, part: str = "step", graphs: bool = False) -> dict:
     """{dtype: {"hidden": rel err of the drafts' hidden states, "ids_equal", "ids_agree", ...}}
-    (part "verify": also the verify's "verify_logits" and "verify_features" rel errs)."""
+    (part "verify": also the verify's "verify_logits" and "verify_features" rel errs; graphs
+    (a GPU): the block pass again through its captured graph, "graph_equal" to the eager one
+    bit for bit, and without its hidden states, "no_hidden")."""
     cpu = NumpyModel.from_artifact(art)
     d_cpu = DFlashDrafter.from_artifact(art, cpu)
     cfg = cpu.config.dflash
@@ -79,6 +82,15 @@ def run(art, part: str = "step") -> dict:
                "ids_agree": float(np.mean(ids_g == ids_c)), "shape": list(g_g.shape),
                "kv_layers": len(kv_g.k),
                "target_kv_layers": len(cpu.text.attention_layer_ids)}
+        if graphs:
+            gpu.options = dataclasses.replace(opts, graphs=True)
+            captured = len(gpu.graphs)
+            ids_2, g_2 = d_gpu.draft(kv_g, anchors, ctx, tables)
+            ids_3, g_3 = d_gpu.draft(kv_g, anchors, ctx, tables, with_hidden=False)
+            res["graph_equal"] = bool(np.array_equal(ids_2, ids_g) and np.array_equal(g_2, g_g)
+                                      and len(gpu.graphs) == captured + 1)
+            res["no_hidden"] = g_3 is None and bool(np.array_equal(ids_3, ids_g))
+            gpu.options = opts
         if part == "verify":
             res.update(verify(gpu, cpu, r))
         kv_g.close()

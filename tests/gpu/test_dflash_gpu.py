@@ -21,9 +21,11 @@ def test_feed_block_and_verify_features_equal_the_numpy_drafter(tmp_path):
     whole-model tolerance (float32; the simulator measured 1.8e-7) and the same argmax drafts;
     bf16 within its tolerance (simulator: 2.6e-3). The verify's features (the outputs of the
     drafter's target layers) and logits as the numpy model's, and a plain decode step's
-    features (launch_tokens(keep_hidden=True, hidden_layers=...): a k = 0 unit's)."""
+    features (launch_tokens(keep_hidden=True, hidden_layers=...): a k = 0 unit's). The block
+    pass through its captured graph equals the eager one bit for bit, and gives the same drafts
+    without its hidden states."""
     with Artifact(dflash_cases.artifact(tmp_path)) as art:
-        out = dflash_cases.run(art, "verify")
+        out = dflash_cases.run(art, "verify", graphs=True)
     f, b = out["float32"], out["bfloat16"]
     assert f["hidden"] < TOL_MODEL_F32 and f["ids_equal"], f
     assert b["hidden"] < TOL_MODEL_BF16 and b["ids_agree"] >= 0.75, b
@@ -31,3 +33,4 @@ def test_feed_block_and_verify_features_equal_the_numpy_drafter(tmp_path):
     for d, tol in ((f, TOL_MODEL_F32), (b, TOL_MODEL_BF16)):
         assert d["verify_logits"] < tol and d["verify_features"] < tol, d
         assert d["step_features"] < tol, d          # a plain step's (keep_hidden) features
+        assert d["graph_equal"] and d["no_hidden"], d

@@ -849,13 +849,15 @@ class CudaModel(MediaEncoding):
         self.dflash.feed(self.stream, self.eager_meta, n, kv)
         self.stream.synchronize()          # (the staging buffers are written again next call)
 
-    def dflash_draft(self, kv, anchors, context_lens, block_tables) -> tuple:
+    def dflash_draft(self, kv, anchors, context_lens, block_tables, *,
+                     with_hidden: bool = True) -> tuple:
         """The block pass of B rows on the device (DFlashDrafter.draft's contract for rows that
         fit one call: B * block_size tokens, B * (block_size - 1) output rows): each row's
         [anchor, mask, ...] at positions F .. F + bs - 1 (F = context_lens[r]) over its
         drafter context, whose K/V the block writes at those positions (its pages must cover
         them). Returns (int32 [B, bs - 1] argmax drafts, float32 [B, bs - 1, H] final-normed
-        hidden states). Waits."""
+        hidden states, or None without with_hidden). Through a captured graph per B where
+        graphs are on (warm_up captures them: `_block_graphable`), else eager. Waits."""
         self._need_dflash("dflash_draft")
         cfg, bs, H = self.dflash.cfg, self.dflash.cfg.block_size, self.text.hidden_size
         anchors = np.asarray(anchors, np.int32)
@@ -878,13 +880,33 @@ class CudaModel(MediaEncoding):
         out_rows = (np.arange(B)[:, None] * bs + np.arange(1, bs)).reshape(-1).astype(np.int32)
         m = len(out_rows)
         self._drafter_call("dflash_draft", batch, kv, m)
+        # the graph first: its capture's dry run must come before this call's upload
+        graph = self._block_graph(B, kv) if self._block_graphable(B) else None
         self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
-        self.dflash.block(self.stream, self.eager_meta, B * bs, m, kv)
+        if graph is not None:
+            graph.launch()
+        else:
+            self.dflash.block(self.stream, self.eager_meta, B * bs, m, kv)
         _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, 4 * m, self.stream)
-        self._queue_hidden(self.ws.xf, m)
+        if with_hidden:
+            self._queue_hidden(self.ws.xf, m)
         self.stream.synchronize()
         ids = self.ids_host.view(np.int32, 0, m).copy().reshape(B, bs - 1)
-        return ids, self._read_hidden(m).reshape(B, bs - 1, H)
+        return ids, self._read_hidden(m).reshape(B, bs - 1, H) if with_hidden else None
+
+    def _block_graphable(self, B: int) -> bool:
+        """Whether the DFlash block pass of B rows runs as a graph (graphs on, the decode
+        graphs' rows, one call's tokens and logits rows)."""
+        bs = self.dflash.cfg.block_size
+        return bool(self.options.graphs) and B <= self.b_cap and B * bs <= self.n_cap \
+            and B * (bs - 1) <= self.lg_cap
+
+    def _block_graph(self, B: int, kv):
+        """The block pass of B rows over the eager metadata (rows of block_size tokens, output
+        rows 1 .. bs - 1 of each), captured on first use (warm_up captures every B)."""
+        bs = self.dflash.cfg.block_size
+        return self.graphs.block(B, kv, lambda st: self.dflash.block(
+            st, self.eager_meta, B * bs, B * (bs - 1), kv))
 
     def verify_forward(self, batch: ForwardBatch, kv, state, out_rows, *, snap_base=None,
                        media=None, hidden_layers=None) -> tuple:
@@ -1025,7 +1047,8 @@ class CudaModel(MediaEncoding):
     # ---- graphs -------------------------------------------------------------------------------
     def warm_up(self, kv, state) -> None:
         """Capture and replay the decode graph of every B = 1..b_cap, capture the speculative
-        verify graphs (verify_shapes) and the MTP drafter's chains (mtp_chain), run the device sampler and one eager call of the widest
+        verify graphs (verify_shapes), the MTP drafter's chains (mtp_chain) and the DFlash
+        drafter's block passes (dflash_draft), run the device sampler and one eager call of the widest
         prefill: nothing is built lazily while serving. Rows use
         pages 0..B-1 and slots 0..B-1 at context 0 (the pools hold nothing yet)."""
         from ...contracts import SampleRow, SamplingSpec
@@ -1040,6 +1063,8 @@ class CudaModel(MediaEncoding):
         for B in range(1, b_max + 1) if self.options.graphs else ():
             for steps in range(1, self.chain_steps + 1):
                 self.graphs.chain(B, steps, kv, self._chain_launches)
+            if self.dflash is not None and self._block_graphable(B):
+                self._block_graph(B, kv)
         self.warm_up_phases = {"graphs": t1 - t0, "verify_graphs": time.perf_counter() - t1}
         for B in range(1, b_max + 1):
             rows = np.arange(B, dtype=np.int32)

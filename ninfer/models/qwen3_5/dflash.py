@@ -198,13 +198,16 @@ class DFlashDrafter:
         g = ops.rmsnorm(x, self.p["norm"], eps).reshape(B, bs, -1)
         return np.ascontiguousarray(g[:, 1:])
 
-    def draft(self, kv: KVPool, anchors, context_lens, block_tables) -> tuple:
+    def draft(self, kv: KVPool, anchors, context_lens, block_tables, *,
+              with_hidden: bool = True) -> tuple:
         """The block pass and its argmax drafts: (int32 [B, bs - 1] drafts d_1 .. d_{bs-1},
-        float32 [B, bs - 1, H] their final-normed hidden states: draft_hidden's)."""
+        float32 [B, bs - 1, H] their final-normed hidden states: draft_hidden's, or None
+        without with_hidden: the speculator asks for them only for rows drafting within a mask,
+        and the CUDA drafter then copies none to the host)."""
         g = self.draft_hidden(kv, anchors, context_lens, block_tables)
         ids = self.draft_argmax(g.reshape(-1, g.shape[-1])) if g.size else \
             np.zeros(g.shape[:2], np.int32)
-        return np.asarray(ids, np.int32).reshape(g.shape[:2]), g
+        return np.asarray(ids, np.int32).reshape(g.shape[:2]), g if with_hidden else None
 
     def _kv(self, layer: dict, x: np.ndarray, cos, sin) -> tuple:
         eps, nkv, hd = self.cfg.rms_norm_eps, self.cfg.num_key_value_heads, self.cfg.head_dim

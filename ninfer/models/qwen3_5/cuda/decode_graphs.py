@@ -1,6 +1,6 @@
 """DecodeGraphs: one CUDA graph per exact decode batch size B over one (KV pool, State pool),
 one per speculative verify shape (N tokens over B rows), and one per MTP draft chain (B rows,
-steps) over a KV pool.
+steps) or DFlash block pass (B rows) over a KV pool.
 
 A decode graph replays runner.run over the decode metadata buffer, so its inputs (token ids,
 positions, block tables, state slots) are whatever was copied into that buffer before the launch.
@@ -59,6 +59,11 @@ class DecodeGraphs:
         first use."""
         return self._get(("chain", B, steps, id(kv)), kv, None,
                          lambda st: launches(st, B, steps, kv))
+
+    def block(self, B: int, kv, run) -> Graph:
+        """The DFlash drafter's block pass of B rows over kv (CudaModel.dflash_draft), run(st)
+        captured on first use."""
+        return self._get(("block", B, id(kv)), kv, None, run)
 
     def _get(self, key, kv, state, run) -> Graph:
         """The graph of `key`, or `run` captured as it (its GEMM plans and modules resolved by

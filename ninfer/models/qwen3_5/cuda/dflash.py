@@ -203,10 +203,10 @@ class CudaDFlashDrafter:
         for sub, idx in token_pieces(batch, self.model.n_cap):
             self.model.dflash_feed(sub, features[idx], kv)
 
-    def draft(self, kv, anchors, context_lens, block_tables) -> tuple:
+    def draft(self, kv, anchors, context_lens, block_tables, *, with_hidden: bool = True) -> tuple:
         """The block pass of each row (DFlashDrafter.draft's contract): (int32 [B, bs - 1] the
-        argmax drafts, float32 [B, bs - 1, H] their final-normed hidden states); rows in groups
-        that fit one call."""
+        argmax drafts, float32 [B, bs - 1, H] their final-normed hidden states, or None without
+        with_hidden: none copied down); rows in groups that fit one call."""
         bs = self.cfg.block_size
         anchors = np.asarray(anchors, np.int32)
         ctx = np.asarray(context_lens, np.int32)
@@ -215,9 +215,11 @@ class CudaDFlashDrafter:
         per_call = max(1, min(self.model.n_cap // bs, self.model.lg_cap // (bs - 1),
                               self.model.eager_layout.b_cap))
         ids = np.empty((B, bs - 1), np.int32)
-        hidden = np.empty((B, bs - 1, self.cfg.hidden_size), np.float32)
+        hidden = np.empty((B, bs - 1, self.cfg.hidden_size), np.float32) if with_hidden else None
         for r0 in range(0, B, per_call):
             r1 = min(B, r0 + per_call)
-            ids[r0:r1], hidden[r0:r1] = self.model.dflash_draft(
-                kv, anchors[r0:r1], ctx[r0:r1], tables[r0:r1])
+            ids[r0:r1], h = self.model.dflash_draft(kv, anchors[r0:r1], ctx[r0:r1],
+                                                    tables[r0:r1], with_hidden=with_hidden)
+            if with_hidden:
+                hidden[r0:r1] = h
         return ids, hidden

@@ -228,12 +228,13 @@ class _BlockProposer:
         sel = [seqs[r] for r in ks]
         anchors = [int(prog.token_ids(s, s.num_computed_tokens, s.num_computed_tokens + 1)[0])
                    for s in sel]
+        # [R, bs - 1], [R, bs - 1, H] (the hidden states only for rows drafting within masks)
         free, g = self.drafter.draft(prog.kv, anchors, [s.num_computed_tokens for s in sel],
-                                     prog.block_tables(sel))    # [R, bs - 1], [R, bs - 1, H]
+                                     prog.block_tables(sel), with_hidden=bool(guide.rows))
         drafts = {}
         for i, (r, k) in enumerate(ks.items()):
             drafts[r] = np.array([guide.pick(r, g[i, j], int(free[i, j])) for j in range(k)],
-                                 np.int32)
+                                 np.int32) if r in guide.rows else free[i, :k].copy()
         return drafts
 
 
