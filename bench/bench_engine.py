@@ -168,14 +168,47 @@ def random_source(shape: str, shapes: dict = None):
     return RandomSource
 
 
+def write_drafter(path: pathlib.Path, shape: str, layers: int, block_size: int = 16) -> None:
+    """A random DFlash drafter directory for `shape`'s target (config.json in z-lab's layout,
+    bf16 weights tiling random_block): `layers` layers of the target's attention geometry (its
+    KV joins the target's pool, so num_key_value_heads and head_dim are the target's) and MLP
+    width, target_layer_ids spread over the target's layers (z-lab's Qwen3-8B drafter: 5 layers,
+    block 16, features of layers 1, 9, 17, 25, 33 of 36)."""
+    from safetensors.numpy import save_file
+    from ninfer.models.qwen3_5.config import parse_dflash_config, parse_hf_config
+    from ninfer.models.qwen3_5.dflash import PREFIX, dflash_param_shapes
+    full, arch, _ = checkpoint_plan(shape)
+    n = full["num_hidden_layers"]
+    ids = sorted({int(i) for i in np.linspace(1, max(n - 3, 1), min(5, n)).round()})
+    hf = dict(architectures=["DFlashDraftModel"], model_type="qwen3",
+              hidden_size=full["hidden_size"], num_hidden_layers=layers,
+              num_attention_heads=full["num_attention_heads"],
+              num_key_value_heads=full["num_key_value_heads"], head_dim=full["head_dim"],
+              intermediate_size=full.get("intermediate_size", 4 * full["hidden_size"]),
+              rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=full["vocab_size"],
+              hidden_act="silu", attention_bias=False,
+              dflash_config=dict(target_layer_ids=ids, block_size=block_size,
+                                 mask_token_id=full["vocab_size"] - 1))
+    text = parse_hf_config(dict(full, architectures=[arch])).text
+    cfg = parse_dflash_config(hf, text)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    block = random_block()
+    save_file({name[len(PREFIX):]: np.resize(block, int(np.prod(shp))).reshape(shp)
+               for name, shp in dflash_param_shapes(cfg).items()},
+              str(path / "model.safetensors"))
+
+
 def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
-                  quantize: str = None, lm_head: str = None, mtp: bool = False) -> tuple:
+                  quantize: str = None, lm_head: str = None, mtp: bool = False,
+                  dflash: int = 0) -> tuple:
     """(artifact path, seconds to write the checkpoint, seconds to convert it). `direct`: no
     checkpoint on disk (random_source); the artifact is the same. `quantize`: fp8 / int8 /
     int4, as `convert --quantize` (direct only); `lm_head`: lm_head too, in that format.
-    `mtp`: with the MTP head (direct only)."""
+    `mtp`: with the MTP head (direct only); `dflash`: with a random DFlash drafter of that many
+    layers (write_drafter; direct only)."""
     tag = (f"-{quantize}" if quantize else "") + (f"-head-{lm_head}" if lm_head else "") \
-        + ("-mtp" if mtp else "")
+        + ("-mtp" if mtp else "") + (f"-dflash{dflash}" if dflash else "")
     out = workdir / f"{shape}{tag}.ninfer"
     if out.exists():
         return out, 0.0, 0.0
@@ -189,18 +222,22 @@ def make_artifact(shape: str, workdir: pathlib.Path, direct: bool = False,
         if quantize:
             from ninfer.convert.quantize import Quantize
             extra["recipe"] = Quantize(quantize, quantize_lm_head=lm_head or False)
+        if dflash:
+            extra["dflash_dir"] = workdir / f"{shape}-dflash{dflash}"
+            write_drafter(extra["dflash_dir"], shape, dflash)
         convert_checkpoint(ckpt, out, progress=False,
                            open_source=random_source(shape, checkpoint_plan(shape, mtp)[2]),
                            **extra)
     else:
-        if quantize or mtp:
-            raise SystemExit("--quantize, an MTP head: with --direct only")
+        if quantize or mtp or dflash:
+            raise SystemExit("--quantize, an MTP head, a DFlash drafter: with --direct only")
         write_checkpoint(ckpt, shape)
         t1 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "ninfer", "convert", "--quiet", str(ckpt), str(out)],
                        check=True)
     t2 = time.perf_counter()
-    subprocess.run(["rm", "-rf", str(ckpt)], check=True)      # disk: keep only the artifact
+    subprocess.run(["rm", "-rf", str(ckpt), str(workdir / f"{shape}-dflash{dflash}")],
+                   check=True)      # disk: keep only the artifact
     return out, t1 - t0, t2 - t1
 
 

@@ -25,7 +25,8 @@ plain run) with probability p each, else by another token: acceptance set by han
 is still run and paid for), the speed-up as a function of acceptance.
 
 `--shapes 9b,...` (cuda): the same runs on random-weight models of those bench shapes with an MTP
-head (bench_engine.make_artifact: the 9B is ~50 s to write), prompts of random ids: the issue's
+head, or with --drafter dflash a random DFlash drafter of `--dflash-layers` layers, block 16
+(bench_engine.make_artifact / write_drafter: the 9B is ~50 s to write), prompts of random ids: the issue's
 9B / 27B figures at set acceptances (`--oracle`; the random head's own drafts are rejected, which
 is the adaptive policy's never-lose case). `--batch B`: B requests at once, max_concurrency B.
 """
@@ -259,6 +260,8 @@ def main() -> None:
                          "with --oracle)")
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
     ap.add_argument("--batch", type=int, default=1, help="requests at once (max_concurrency)")
+    ap.add_argument("--dflash-layers", type=int, default=5,
+                    help="--shapes with --drafter dflash: the random drafter's layers")
     ap.add_argument("--json")
     args = ap.parse_args()
     on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch, drafter=args.drafter)
@@ -271,8 +274,9 @@ def main() -> None:
         # the random checkpoints' tokenizer is the tiny test one: ids below 90
         ids_list = [np.asarray(prompt_ids(args.prompt_tokens, seed), np.int32)
                     for seed in range(count)]
+        kind = dict(mtp=True) if args.drafter == "mtp" else dict(dflash=args.dflash_layers)
         models = [(name, make_artifact(name, pathlib.Path(args.workdir), direct=True,
-                                       mtp=True)[0]) for name in args.shapes.split(",")]
+                                       **kind)[0]) for name in args.shapes.split(",")]
     else:
         ids_list = prompts(count, args.prompt_tokens)
         models = [(name, ensure_reference_artifact(name)) for name in args.models.split(",")]
