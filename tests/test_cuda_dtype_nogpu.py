@@ -429,10 +429,11 @@ def test_dflash_steps_on_the_simulator_match_the_numpy_drafter():
     """CudaDFlashDrafter (issue 30: the feed's fc, norm and context K/V into the pool's extra
     layers; the block pass over context and block with the plain norms, full-head RoPE, the
     non-causal paged attention and the ungated merge; the target's lm_head and argmax) on the
-    simulator (tests/gpu/sim_dflash.py: two rows, one fed in two calls) against DFlashDrafter:
-    float32 hidden within 1e-5 (measured 1.8e-7) and the same drafts; bf16 within its rounding
-    (measured 2.6e-3)."""
-    out = _sim_script("sim_dflash.py", "step")
+    simulator (tests/gpu/sim_dflash.py: two rows, one fed in two calls) against DFlashDrafter,
+    a drafter of its own KV geometry (head_dim 8 and 1 KV head against the target's 16 and 2:
+    its pool layers of their own page shape): float32 hidden within 1e-5 (measured 1.8e-7 at
+    the target's geometry) and the same drafts; bf16 within its rounding (measured 2.6e-3)."""
+    out = _sim_script("sim_dflash.py", "step", "own")
     f, b = out["float32"], out["bfloat16"]
     assert f["hidden"] < 1e-5 and f["ids_equal"] and f["shape"] == [2, 4, 32], f
     assert 1e-4 < b["hidden"] < 3e-2 and b["ids_agree"] >= 0.75, b     # bf16 really rounds

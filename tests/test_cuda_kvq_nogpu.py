@@ -178,6 +178,49 @@ def test_quantized_pool_moves_the_numpy_pools_bytes(monkeypatch, kv_dtype, page_
         kv.write_pages([0], ([a[:, :-1] for a in image[0][:1]] * 2, image[1][:1] * 2))
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_a_drafters_layers_of_their_own_geometry_page_with_the_models(monkeypatch, kv_dtype):
+    """DeviceKVPool(extra=((kv heads, head_dim), ...)): a drafter's KV layers (a DFlash
+    drafter's may have another geometry than the target's: z-lab's Qwen3-style drafters) are
+    arrays of their own page shape after the model's, their bytes those the memory plan counts
+    (kv_page_bytes(extra=)), and page copies, writes and reads carry every layer as a numpy
+    pool of those layers does."""
+    from ninfer.models.qwen3_5.cuda.device_pools import DeviceKVPool
+    from ninfer.ops.kv_quant import QuantizedPages
+    from ninfer.models.qwen3_5.state import KVPool
+    page, extra = 4, ((1, 8), (3, 4))
+    cfg = TextConfig(layer_types=LT + LT[-1:], num_hidden_layers=5, num_key_value_heads=2,
+                     head_dim=16)
+    _, pool_dev = _fake_pool_device(monkeypatch, kv_dtype)
+    kv = DeviceKVPool(pool_dev, cfg, 6, page, extra=extra)
+    shapes = [(6, page, 2, 16)] * 2 + [(6, page) + e for e in extra]
+    assert len(kv.k) == len(kv.v) == 4
+    itemsize = 1 if kv_dtype else 2
+    assert sum(a.nbytes for a in kv.k + kv.v) == \
+        kv_page_bytes(cfg, page, itemsize, kv_dtype, extra) * 6
+    assert kv_page_bytes(cfg, page, itemsize, kv_dtype, extra) > kv_page_bytes(cfg, page,
+                                                                               itemsize, kv_dtype)
+    if kv_dtype is None:
+        assert [a.shape for a in kv.k] == shapes
+        ref = KVPool(page, [np.zeros(s, np.float32) for s in shapes],
+                     [np.zeros(s, np.float32) for s in shapes])
+    else:
+        ref = KVPool(page, [QuantizedPages(s, kv_dtype) for s in shapes],
+                     [QuantizedPages(s, kv_dtype) for s in shapes])
+    r = np.random.default_rng(11)
+    for layer, shp in zip(ref.k + ref.v, shapes * 2):
+        vals = r.standard_normal((6 * page,) + shp[2:]).astype(np.float32)
+        if kv_dtype is None:                  # bf16 values: the pool stores them exactly
+            vals = ((vals.view(np.uint32) >> 16) << 16).view(np.float32)
+        layer[np.repeat(np.arange(6), page), np.tile(np.arange(page), 6)] = vals
+    kv.write_pages(list(range(6)), ref.read_pages(range(6)))
+    kv.copy_pages([1, 4], [3, 0])
+    ref.copy_pages([1, 4], [3, 0])
+    for got, want in zip(kv.read_pages([0, 3, 5]), ref.read_pages([0, 3, 5])):
+        assert len(got) == len(want) == 4
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
 # ---- memory plan -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["0.8b", "9b", "27b", "35b-a3b"])

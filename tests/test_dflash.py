@@ -5,7 +5,6 @@ and batched (the rest of the contract, pauses, grammars, penalties, stop strings
 and context-cache checkpoints, runs for both drafters in tests/test_speculative.py)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -16,7 +15,6 @@ from ckpt_helpers import TINY_TEXT, write_checkpoint
 from ninfer.artifact import Artifact
 from ninfer.convert import convert_checkpoint
 from ninfer.errors import ArtifactError, ConvertError, RequestError
-from ninfer.models import model_config
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import DFlashConfig, parse_dflash_config, parse_hf_config
 from ninfer.models.qwen3_5.dflash import DFlashDrafter, dflash_param_shapes, PREFIX
@@ -329,26 +327,6 @@ def test_num_draft_tokens_is_checked_against_the_block(tiny):
         assert engine.stats()["spec_num_draft_tokens"] == 2
     with pytest.raises(RequestError, match=r"num_draft_tokens=16: must be an integer in 1..15"):
         Engine(path, speculative="dflash", num_draft_tokens=16)
-
-
-def test_the_cuda_drafter_needs_the_targets_kv_geometry(tiny):
-    """On the GPU the drafter's KV layers are pages of the target's pool: another head_dim or
-    number of KV heads is a one-line DeviceError naming both (checked before any device work)."""
-    from ninfer.errors import DeviceError
-    from ninfer.models.qwen3_5.cuda.dflash import check_kv_geometry
-    path, _ = tiny
-    with Artifact(path) as art:
-        cfg = model_config(art)
-    t = cfg.text
-    fits = dataclasses.replace(cfg.dflash, head_dim=t.head_dim,
-                               num_key_value_heads=t.num_key_value_heads)
-    check_kv_geometry(fits, t)
-    for other in (cfg.dflash,                                      # head_dim 8 against 16
-                  dataclasses.replace(fits, num_key_value_heads=2 * t.num_key_value_heads,
-                                      num_attention_heads=4 * t.num_key_value_heads)):
-        with pytest.raises(DeviceError, match=r"num_key_value_heads and head_dim must be the "
-                                              r"target's \(2, 16\); this drafter has"):
-            check_kv_geometry(other, t)
 
 
 # ---- the trained reference drafters ------------------------------------------------------------------

@@ -91,6 +91,27 @@ def test_every_k_is_measured_once_at_start_then_a_new_batch_size_borrows():
     assert pol._costs_at(7) is None                    # nothing measured at 7 to scale
 
 
+def test_a_unit_with_other_rows_runs_the_best_known_k_never_an_exploration():
+    """choose(rows, timed=False) (a unit beside a prefill or Replay row: its time is no cost of
+    k): 0 before anything is measured (the cold start's k would run untimed, at up to twice a
+    step's cost); once a B is measured, the best k there, and neither the cold start nor the
+    exploration schedule moves on."""
+    pol = DraftPolicy(3)
+    assert [pol.choose(4, timed=False) for _ in range(5)] == [0] * 5
+    assert pol.choose(4) == 3                          # the cold start begins at timed units
+    for k in (3, 2, 1, 0):
+        pol.observe_unit(4, k, 1.0 + 0.1 * k)          # drafting is cheap: max_k is best
+    for _ in range(3):
+        pol.observe_row(3, 3)
+    assert pol.best(4) == 3
+    since = dict(pol._since)
+    assert [pol.choose(4, timed=False) for _ in range(3 * EXPLORE_EVERY)] == \
+        [3] * (3 * EXPLORE_EVERY)
+    assert pol._since == since                         # no exploration counted or run
+    assert pol.choose(6, timed=False) == 3             # another B: the nearest measured one's
+    assert sum(pol.units_by_k) == 5 + 1 + 3 * EXPLORE_EVERY + 1
+
+
 def test_verify_that_costs_like_k_plus_one_steps_means_plain_decoding():
     # numpy-like: a verify of k + 1 positions costs ~k + 1 decode steps (the lm_head product
     # grows with the rows); even at 0.75 acceptance no k pays

@@ -30,10 +30,16 @@ def rel(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def artifact(tmp: pathlib.Path) -> pathlib.Path:
-    """The tiny target (head_dim 16, 2 KV heads) and a random drafter of that KV geometry."""
+# a drafter's KV geometry: the target's (head_dim 16, 2 KV heads), or one of its own (its layers
+# page with the target's, each array its own page shape: DeviceKVPool(extra=))
+GEOMETRIES = {"target": {"head_dim": 16}, "own": {"head_dim": 8, "num_key_value_heads": 1}}
+
+
+def artifact(tmp: pathlib.Path, geometry: str = "target") -> pathlib.Path:
+    """The tiny target (head_dim 16, 2 KV heads) and a random drafter of the KV geometry
+    GEOMETRIES[geometry]."""
     write_checkpoint(tmp / "ckpt", "Qwen3_5ForCausalLM", tied=True)
-    write_drafter_dir(tmp / "drafter", {"head_dim": 16}, seed=3)
+    write_drafter_dir(tmp / "drafter", GEOMETRIES[geometry], seed=3)
     # bf16 values, as a checkpoint's (the device holds its matrices as bf16, widened at load
     # by the float32 model: float32 weights would differ from the oracle's there)
     f = tmp / "drafter" / "model.safetensors"

@@ -16,15 +16,17 @@ from ninfer.artifact import Artifact   # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def test_feed_block_and_verify_features_equal_the_numpy_drafter(tmp_path):
+@pytest.mark.parametrize("geometry", ["target", "own"])
+def test_feed_block_and_verify_features_equal_the_numpy_drafter(tmp_path, geometry):
     """Two rows fed (one in two calls), one block pass: the drafts' hidden states within the
     whole-model tolerance (float32; the simulator measured 1.8e-7) and the same argmax drafts;
     bf16 within its tolerance (simulator: 2.6e-3). The verify's features (the outputs of the
     drafter's target layers) and logits as the numpy model's, and a plain decode step's
     features (launch_tokens(keep_hidden=True, hidden_layers=...): a k = 0 unit's). The block
     pass through its captured graph equals the eager one bit for bit, and gives the same drafts
-    without its hidden states."""
-    with Artifact(dflash_cases.artifact(tmp_path)) as art:
+    without its hidden states. geometry: the drafter's KV heads and head_dim the target's, or
+    its own (dflash_cases.GEOMETRIES: its pool layers of their own page shape)."""
+    with Artifact(dflash_cases.artifact(tmp_path, geometry)) as art:
         out = dflash_cases.run(art, "verify", graphs=True)
     f, b = out["float32"], out["bfloat16"]
     assert f["hidden"] < TOL_MODEL_F32 and f["ids_equal"], f

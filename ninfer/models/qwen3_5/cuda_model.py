@@ -69,15 +69,6 @@ VISION_SM_SHARE = 0.3   # the vision tower's share of the SMs while steps run (v
 VISION_BUSY_S = 0.02    # steps "run" when one is in flight or was launched this recently
 
 
-def _with_drafter_layers(cfg, n: int):
-    """The text config as the KV pool sees it with a drafter's n attention layers (the MTP
-    head's one, a DFlash drafter's): n more full-attention layers."""
-    import dataclasses
-    from .config import FULL_ATTENTION
-    return dataclasses.replace(cfg, layer_types=tuple(cfg.layer_types) + (FULL_ATTENTION,) * n,
-                               num_hidden_layers=cfg.num_hidden_layers + n)
-
-
 def load_cuda_model(artifact, options) -> "CudaModel":
     # speculative='mtp' / 'dflash': the drafter's weights, kernels and KV layers, and the
     # verify's State snapshot slots in the memory plan (memory_plan.snapshot_slots)
@@ -162,13 +153,17 @@ class CudaModel(MediaEncoding):
             raise ValueError("CudaModel: one drafter at a time (mtp or dflash)")
         if dflash is not None:
             dflash.validate(config.text)
-            device_dflash.check_kv_geometry(dflash, config.text)
         self.mtp = bool(mtp)
         self.dflash_cfg = dflash
         # a speculative verify's buffers and kernels (either drafter)
         self.speculative = self.mtp or dflash is not None
-        # the drafter's KV layers, last in every pool
-        self.drafter_layers = int(self.mtp) + (dflash.num_hidden_layers if dflash else 0)
+        # the drafter's KV layers, last in every pool: (kv heads, head_dim) each (the MTP
+        # head's is the target's attention; a DFlash drafter's may have its own geometry)
+        t = config.text
+        self.drafter_kv = ((t.num_key_value_heads, t.head_dim),) * int(self.mtp) + (
+            ((dflash.num_key_value_heads, dflash.head_dim),) * dflash.num_hidden_layers
+            if dflash else ())
+        self.drafter_layers = len(self.drafter_kv)
         self.config, self.text = config, config.text
         self.options = options
         # what close() releases: None until made (a failed load closes what it got to)
@@ -299,15 +294,14 @@ class CudaModel(MediaEncoding):
         sampler_rows = max(b_cap * (draft_tokens(options) + 1 if self.speculative else 1), 8)
         free, total = self.device.mem_info()
         self.memory_plan = plan = plan_cuda_memory(
-            # (with the MTP head: its KV layer paged with the model's, one more full-attention
-            # layer's pages in the plan)
-            _with_drafter_layers(cfg, self.drafter_layers), options, f32=self.f32,
+            # (with a drafter: its KV layers paged with the model's, in every page's bytes)
+            cfg, options, f32=self.f32,
             weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans, mtp=self.mtp,
                                            dflash=self.dflash_cfg),
             workspace_bytes=ws_bytes + vis_bytes + DeviceSampler.device_bytes(
                 sampler_rows, cfg.vocab_size, options.max_context),
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN,
-            kv_dtype=self.kv_dtype)
+            kv_dtype=self.kv_dtype, extra_kv=self.drafter_kv)
         self.max_kv_pages = plan.num_kv_pages
         self.max_state_slots = plan.num_state_slots
         self._lap("plan")
@@ -463,7 +457,7 @@ class CudaModel(MediaEncoding):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"new_kv_pool: num_pages={num_pages}, page_size={page_size} must be >= 1")
         pool = DeviceKVPool(self._pool_device(), self.text, num_pages, page_size,
-                            extra_layers=self.drafter_layers)
+                            extra=self.drafter_kv)
         self.stream.synchronize()
         return pool
 

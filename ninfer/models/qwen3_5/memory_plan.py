@@ -82,14 +82,23 @@ def quantized_page_bytes(page_size: int, kv_heads: int, head_dim: int) -> tuple:
     return codes, codes + 4 * int(page_size) * kv_heads
 
 
-def kv_page_bytes(text, page_size: int, kv_itemsize: int, kv_dtype: Optional[str] = None) -> int:
-    """Bytes of one KV page over every full-attention layer, K and V: kv_itemsize bytes a value,
-    or with kv_dtype "fp8" / "int8" the codes and scales of quantized_page_bytes."""
-    layers = 2 * len(text.attention_layer_ids)
+def kv_layer_shapes(text, extra: tuple = ()) -> list:
+    """(kv heads, head_dim) of every KV layer of a pool: the model's full-attention layers, then
+    `extra` (a drafter's layers, which may have a geometry of their own: a DFlash drafter)."""
+    return [(text.num_key_value_heads, text.head_dim)] * len(text.attention_layer_ids) \
+        + [(int(nkv), int(hd)) for nkv, hd in extra]
+
+
+def kv_page_bytes(text, page_size: int, kv_itemsize: int, kv_dtype: Optional[str] = None,
+                  extra: tuple = ()) -> int:
+    """Bytes of one KV page over every full-attention layer (and the `extra` layers of
+    kv_layer_shapes), K and V: kv_itemsize bytes a value, or with kv_dtype "fp8" / "int8" the
+    codes and scales of quantized_page_bytes."""
     if kv_dtype is not None:
-        return layers * quantized_page_bytes(page_size, text.num_key_value_heads,
-                                             text.head_dim)[1]
-    return layers * int(page_size) * text.num_key_value_heads * text.head_dim * int(kv_itemsize)
+        return 2 * sum(quantized_page_bytes(page_size, nkv, hd)[1]
+                       for nkv, hd in kv_layer_shapes(text, extra))
+    return 2 * sum(int(page_size) * nkv * hd * int(kv_itemsize)
+                   for nkv, hd in kv_layer_shapes(text, extra))
 
 
 def state_slot_bytes(text) -> int:
@@ -100,12 +109,14 @@ def state_slot_bytes(text) -> int:
 
 
 def pool_bytes(text, num_pages: int, page_size: int, num_state_slots: int, kv_itemsize: int,
-               region_slack_bytes: int = 0, kv_dtype: Optional[str] = None) -> int:
+               region_slack_bytes: int = 0, kv_dtype: Optional[str] = None,
+               extra_kv: tuple = ()) -> int:
     """Bytes of a KV pool of num_pages and a State pool of num_state_slots; region_slack_bytes
     per pool array (one K and one V per attention layer, one conv and one recurrent per GDN layer)
-    covers an allocator's alignment. kv_dtype "fp8" / "int8": quantized pages (kv_page_bytes)."""
-    kv = kv_page_bytes(text, page_size, kv_itemsize, kv_dtype) * num_pages
-    arrays = 2 * len(text.attention_layer_ids) + 2 * len(text.linear_layer_ids)
+    covers an allocator's alignment. kv_dtype "fp8" / "int8": quantized pages (kv_page_bytes).
+    extra_kv: a drafter's KV layers, (kv heads, head_dim) each (kv_layer_shapes)."""
+    kv = kv_page_bytes(text, page_size, kv_itemsize, kv_dtype, extra_kv) * num_pages
+    arrays = 2 * len(kv_layer_shapes(text, extra_kv)) + 2 * len(text.linear_layer_ids)
     return kv + state_slot_bytes(text) * num_state_slots + region_slack_bytes * arrays
 
 
@@ -167,7 +178,7 @@ def plan_cache_slots(options, num_kv_pages: int, *, held_state_slots: Optional[i
 
 def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_itemsize: int,
                       margin_bytes: int, region_slack_bytes: int = 0,
-                      kv_dtype: Optional[str] = None) -> MemoryPlan:
+                      kv_dtype: Optional[str] = None, extra_kv: tuple = ()) -> MemoryPlan:
     """Pools in device memory: options.num_kv_pages when given; else every sequence slot at
     max_context (more could never be used), or fewer when the memory left after fixed_bytes, the
     State pool (max_state_slots) and margin_bytes holds fewer, down to one sequence. Fewer than one
@@ -176,7 +187,8 @@ def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_it
     Then the context cache's State slots beyond max_state_slots: num_cache_slots over share of
     these pages' bytes or of the memory left after them, whichever is more, as far as that
     memory holds them (the pages come first).
-    kv_dtype "fp8" / "int8": quantized pages, about (head_dim + 4) / (2 head_dim) of bf16's."""
+    kv_dtype "fp8" / "int8": quantized pages, about (head_dim + 4) / (2 head_dim) of bf16's.
+    extra_kv: a drafter's KV layers in every page, (kv heads, head_dim) each."""
     page_size = int(options.page_size)
     num_seq_slots = max(int(options.max_concurrency), 1)
     slots = max_state_slots(num_seq_slots)
@@ -185,7 +197,7 @@ def plan_device_pools(text, options, *, fixed_bytes: int, free_bytes: int, kv_it
 
     def reserve(pages, num_slots=slots):
         return pool_bytes(text, pages, page_size, num_slots + snaps, kv_itemsize,
-                          region_slack_bytes, kv_dtype)
+                          region_slack_bytes, kv_dtype, extra_kv)
     page_bytes = reserve(1) - reserve(0)
     if options.num_kv_pages:
         num_pages = int(options.num_kv_pages)

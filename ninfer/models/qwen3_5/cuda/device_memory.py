@@ -90,14 +90,17 @@ def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, 
 
 def plan_cuda_memory(cfg, options, *, f32: bool, weights_bytes: int, workspace_bytes: int,
                      free_bytes: int, total_bytes: int, device: str,
-                     margin_bytes: int = MEMORY_MARGIN, kv_dtype: str = None) -> MemoryPlan:
+                     margin_bytes: int = MEMORY_MARGIN, kv_dtype: str = None,
+                     extra_kv: tuple = ()) -> MemoryPlan:
     """The whole plan: weights + workspace (with the sampler) + pools; the KV pages from what the
     free memory holds (memory_plan.plan_device_pools; kv_dtype "fp8" / "int8": quantized pages,
-    codes and scales). Raises DeviceError when the plan and the margin exceed the free memory."""
+    codes and scales; extra_kv: a drafter's KV layers, (kv heads, head_dim) each). Raises
+    DeviceError when the plan and the margin exceed the free memory."""
     fixed = weights_bytes + workspace_bytes
     pools = plan_device_pools(cfg, options, fixed_bytes=fixed, free_bytes=free_bytes,
                               kv_itemsize=4 if f32 else 2, margin_bytes=margin_bytes,
-                              region_slack_bytes=ARENA_ALIGN_SLACK, kv_dtype=kv_dtype)
+                              region_slack_bytes=ARENA_ALIGN_SLACK, kv_dtype=kv_dtype,
+                              extra_kv=extra_kv)
     plan = replace(pools, weights_bytes=weights_bytes, workspace_bytes=workspace_bytes,
                    device=device)
     if plan.total_bytes + margin_bytes > free_bytes:

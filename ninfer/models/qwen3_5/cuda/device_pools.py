@@ -22,7 +22,7 @@ from ....contracts import ReadyRead
 from ....core.cuda import driver as _d
 from ..config import TextConfig
 from .host_tier import HostRows, PinnedReserve, TierImage, TierRead
-from ..memory_plan import quantized_page_bytes
+from ..memory_plan import kv_layer_shapes, quantized_page_bytes
 from ..state import _copy_indices
 
 
@@ -312,22 +312,25 @@ class PoolDevice:
 
 class DeviceKVPool:
     def __init__(self, dev: PoolDevice, cfg: TextConfig, num_pages: int, page_size: int,
-                 extra_layers: int = 0):
-        """extra_layers: attention layers past the model's (the MTP drafter's, last), paged
-        alike, so every page copy carries them."""
+                 extra: tuple = ()):
+        """extra: attention layers past the model's (a drafter's, last), (kv heads, head_dim)
+        each (memory_plan.kv_layer_shapes), paged alike, so every page copy carries them."""
         self.page_size = int(page_size)
         self._dev = dev
-        shape = (int(num_pages), self.page_size, cfg.num_key_value_heads, cfg.head_dim)
-        n = len(cfg.attention_layer_ids) + int(extra_layers)
+        layers = kv_layer_shapes(cfg, extra)
+        shapes = [(int(num_pages), self.page_size, nkv, hd) for nkv, hd in layers]
+        n = len(layers)
         self._f32 = bool(dev.f32)
         self.kv_dtype = dev.kv_dtype
         dtype = np.float32 if self._f32 else np.uint16
         if self.kv_dtype is not None:
-            # (codes bytes, page bytes); a host page is codes + scales without the padding
-            self._qpage = quantized_page_bytes(*shape[1:])
-            self._qhost = int(np.prod(shape[1:])) + 4 * int(np.prod(shape[1:3]))
-            shape, dtype = (shape[0], self._qpage[1]), np.uint8
-        kv = _take_all(dev.arena, [shape] * (2 * n), dtype, f"KV pool ({num_pages} pages)")
+            # per layer, (codes bytes, page bytes, host page bytes): a host page is codes +
+            # scales without the padding
+            self._qpages = [quantized_page_bytes(*shp[1:])
+                            + (int(np.prod(shp[1:])) + 4 * int(np.prod(shp[1:3])),)
+                            for shp in shapes]
+            shapes, dtype = [(int(num_pages), q[1]) for q in self._qpages], np.uint8
+        kv = _take_all(dev.arena, shapes * 2, dtype, f"KV pool ({num_pages} pages)")
         self.k, self.v = kv[:n], kv[n:]
         self._num_pages = int(num_pages)
         self._tier: Optional[HostRows] = None      # the host tier's rows, made when first read
@@ -374,14 +377,16 @@ class DeviceKVPool:
         return self._tier
 
     def _tier_parts(self, arrays) -> list:
-        return [self._host_bytes(a) for a in arrays] if self.kv_dtype is not None else arrays
+        return [self._host_bytes(a, i) for i, a in enumerate(arrays)] \
+            if self.kv_dtype is not None else arrays
 
     def _image(self, rows, widen) -> tuple:
         """(k list, v list) of the rows of self.k + self.v: quantized pages as numpy's bytes,
         else each through `widen`."""
-        host = self._host_bytes if self.kv_dtype is not None else widen
+        out = [self._host_bytes(b, i) if self.kv_dtype is not None else widen(b)
+               for i, b in enumerate(rows)]
         n = len(self.k)
-        return [host(b) for b in rows[:n]], [host(b) for b in rows[n:]]
+        return out[:n], out[n:]
 
     def write_pages(self, pages, data: tuple) -> None:
         pages = _checked_indices(pages, self._num_pages, "KV page")
@@ -389,10 +394,11 @@ class DeviceKVPool:
             _tier_write(self._dev, self._tier, self.k + self.v, pages, data, "KV pages")
             return
         if self.kv_dtype is not None:
-            images = [self._device_bytes(h, len(pages)) for h in list(data[0]) + list(data[1])]
-            if len(images) != len(self.k) + len(self.v):
-                raise ValueError(f"KV pages image: {len(images)} layer arrays for "
+            hosts = list(data[0]) + list(data[1])
+            if len(hosts) != len(self.k) + len(self.v):
+                raise ValueError(f"KV pages image: {len(hosts)} layer arrays for "
                                  f"{len(self.k) + len(self.v)}")
+            images = [self._device_bytes(h, len(pages), i) for i, h in enumerate(hosts)]
         else:
             for arrs, host in zip((self.k, self.v), data):
                 _check_image(arrs, host, (len(pages),), "KV pages image")
@@ -402,20 +408,22 @@ class DeviceKVPool:
         _copy_rows_in(self.k + self.v, pages, images, self._dev.stream, self._dev.staging,
                       self._dev.pinned)
 
-    def _host_bytes(self, rows) -> np.ndarray:
-        """Device page rows -> numpy's host bytes (the padding after the codes dropped)."""
-        codes, whole = self._qpage
-        used = self._qhost - (whole - codes)
+    def _host_bytes(self, rows, i: int) -> np.ndarray:
+        """Device page rows of array i (of self.k + self.v) -> numpy's host bytes (the padding
+        after the codes dropped)."""
+        codes, whole, qhost = self._qpages[i % len(self.k)]
+        used = qhost - (whole - codes)
         return rows if codes == used else np.concatenate([rows[:, :used], rows[:, codes:]], 1)
 
-    def _device_bytes(self, host, n: int) -> np.ndarray:
-        """numpy's host bytes of n pages -> device page rows (zero padding after the codes)."""
-        if np.shape(host) != (n, self._qhost):
+    def _device_bytes(self, host, n: int, i: int) -> np.ndarray:
+        """numpy's host bytes of n pages of array i -> device page rows (zero padding after the
+        codes)."""
+        codes, whole, qhost = self._qpages[i % len(self.k)]
+        if np.shape(host) != (n, qhost):
             raise ValueError(f"KV pages image: array of shape {list(np.shape(host))}, expected "
-                             f"{[n, self._qhost]} (bytes of {self.kv_dtype} pages)")
+                             f"{[n, qhost]} (bytes of {self.kv_dtype} pages)")
         host = np.asarray(host, np.uint8)
-        codes, whole = self._qpage
-        used = self._qhost - (whole - codes)
+        used = qhost - (whole - codes)
         out = np.zeros((n, whole), np.uint8)
         out[:, :used] = host[:, :used]
         out[:, codes:] = host[:, used:]

@@ -9,8 +9,8 @@ docstring has the equations) on the device, and its contract for program/specula
     CudaDFlashDrafter the contract (`feed`, `draft`, `logits`, `join_kv_pool`, `hidden_layers`,
                       `max_draft_tokens`, `pages_ahead`), host arrays in and out for now
 
-Its KV layers are the pool's last ones (CudaModel.new_kv_pool: extra layers of the target's
-page shape, so its num_key_value_heads and head_dim must be the target's). Unlike the numpy
+Its KV layers are the pool's last ones (CudaModel.new_kv_pool: extra layers paged with the
+target's, each of the drafter's own num_key_value_heads and head_dim: DeviceKVPool(extra=)). Unlike the numpy
 drafter, the block pass stores the block's own K/V in the row's pages at F .. F + bs - 1 (the
 non-causal paged attention then reads context and block alike): positions past the frontier,
 which the next feed overwrites before any read, but pages the row must hold (`pages_ahead`).
@@ -21,20 +21,10 @@ import math
 
 import numpy as np
 
-from ....errors import DeviceError
 from ..batch import ForwardBatch
 from .drafter import token_pieces
 from .kernel_set import paged_attention_group
 from .runner import attention_splits, combine_launch, part_rows_needed
-
-
-def check_kv_geometry(dcfg, text) -> None:
-    """DeviceError unless the drafter's KV layers can join the target's pool (same page shape)."""
-    if (dcfg.num_key_value_heads, dcfg.head_dim) != (text.num_key_value_heads, text.head_dim):
-        raise DeviceError(
-            f"backend 'cuda': a DFlash drafter's KV layers join the target's pool, so its "
-            f"num_key_value_heads and head_dim must be the target's ({text.num_key_value_heads}, "
-            f"{text.head_dim}); this drafter has ({dcfg.num_key_value_heads}, {dcfg.head_dim})")
 
 
 def _buffers(dcfg, n_cap: int, num_sms: int, f32: bool) -> dict:

@@ -58,9 +58,18 @@ class DraftPolicy:
         self.units_by_k = [0] * (self.max_k + 1)   # units run at each k (stats)
 
     # ---- the choice --------------------------------------------------------------------------
-    def choose(self, rows: int) -> int:
-        """k for a unit of `rows` rows that can speculate (0: plain decoding)."""
-        k = self._choose(rows) if self.adaptive and rows > 0 else self.max_k
+    def choose(self, rows: int, timed: bool = True) -> int:
+        """k for a unit of `rows` rows that can speculate (0: plain decoding). timed=False: the
+        unit has other rows beside them (a prefill, a Replay, ...), so its time is not a cost
+        the policy can use: it runs the best k known, never a cold start's or an exploration's
+        (before any B is measured, 0: drafting blind could only lose; such units at the cold
+        start's k ran each of them at up to twice a step's cost, bench_speculative --batch 8)."""
+        if not self.adaptive or rows <= 0:
+            k = self.max_k
+        elif timed:
+            k = self._choose(rows)
+        else:
+            k = self.best(rows) if self._nearest_complete(batch_key(rows)) is not None else 0
         self.units_by_k[k] += 1
         return k
 

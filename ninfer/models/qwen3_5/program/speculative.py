@@ -375,9 +375,9 @@ class Speculator:
         d_1 .. d_j (draft_masks), so the verify never rejects a draft the grammar refuses; its
         drafts end where the masks do (the output ends there, or nothing is allowed)."""
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
-        k = self._choice(len(able)) if able else 0
-        self._unit = (t0, len(able), k, prog.model.one_off_work) \
-            if able and len(able) == len(seqs) else None
+        timed = bool(able) and len(able) == len(seqs)
+        k = self._choice(len(able), timed) if able else 0
+        self._unit = (t0, len(able), k, prog.model.one_off_work) if timed else None
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
         if not ks:
@@ -558,11 +558,11 @@ class Speculator:
         self._plain_started.append(time.perf_counter())
         return True
 
-    def _choice(self, rows: int) -> int:
+    def _choice(self, rows: int, timed: bool = True) -> int:
         """The policy's k for the next unit of `rows` rows that can draft (one taken by
-        _plain_choice and not used yet, first)."""
+        _plain_choice and not used yet, first); timed: the unit has no other rows."""
         k, self._chosen = self._chosen, None
-        return k if k is not None else self.policy.choose(rows)
+        return k if k is not None else self.policy.choose(rows, timed)
 
     def after_plain(self, prog, pending: PendingBatch, decisions, hidden: np.ndarray) -> None:
         """After the Program committed a plain step (runs_plain): each row that took its token
