@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ninfer.models.qwen3_5.program.draft_policy import (EXPLORE_EVERY, EXPLORE_MAX,
-                                                        PRIOR_ACCEPTS, PRIOR_TRIES, DraftPolicy,
-                                                        batch_key)
+                                                        EXPLORE_PLAIN_UNITS, PRIOR_ACCEPTS,
+                                                        PRIOR_TRIES, DraftPolicy, batch_key)
 
 
 def _expected_by_definition(rows: list, max_k: int) -> list:
@@ -74,9 +74,9 @@ def _geometric_acceptance(p: float):
 
 
 def test_every_k_is_measured_once_at_start_then_a_new_batch_size_borrows():
-    pol = DraftPolicy(3)
+    pol = DraftPolicy(3, cold_start_streak=1)
     assert [pol.choose(2) for _ in range(4)] == [3, 3, 3, 3]     # nothing measured: max_k first
-    pol = DraftPolicy(3)
+    pol = DraftPolicy(3, cold_start_streak=1)
     seen = []
     for _ in range(4):
         k = pol.choose(5)
@@ -96,7 +96,7 @@ def test_a_unit_with_other_rows_runs_the_best_known_k_never_an_exploration():
     k): 0 before anything is measured (the cold start's k would run untimed, at up to twice a
     step's cost); once a B is measured, the best k there, and neither the cold start nor the
     exploration schedule moves on."""
-    pol = DraftPolicy(3)
+    pol = DraftPolicy(3, cold_start_streak=1)
     assert [pol.choose(4, timed=False) for _ in range(5)] == [0] * 5
     assert pol.choose(4) == 3                          # the cold start begins at timed units
     for k in (3, 2, 1, 0):
@@ -110,6 +110,59 @@ def test_a_unit_with_other_rows_runs_the_best_known_k_never_an_exploration():
     assert pol._since == since                         # no exploration counted or run
     assert pol.choose(6, timed=False) == 3             # another B: the nearest measured one's
     assert sum(pol.units_by_k) == 5 + 1 + 3 * EXPLORE_EVERY + 1
+
+
+def test_the_cold_start_waits_for_a_batch_size_that_stays():
+    """Requests admitted one by one pass through B = 1, 2, ... on the way to their number: a
+    cold start at each, dearest k first, cost up to 4x a step per unit. The cold start runs at
+    the first B that had COLD_START_STREAK timed units in a row; units before decode plainly
+    (their plain costs are measured all the same)."""
+    from ninfer.models.qwen3_5.program.draft_policy import COLD_START_STREAK
+    pol = DraftPolicy(3)
+    ks = []
+    for rows in range(1, 8):                           # a ramp: one unit at each B
+        ks.append(pol.choose(rows))
+        pol.observe_unit(rows, ks[-1], 1.0, pipelined=True)
+    assert ks == [0] * 7
+    ks = []
+    for _ in range(COLD_START_STREAK - 1 + 3):          # B = 8 stays
+        ks.append(pol.choose(8))
+        pol.observe_unit(8, ks[-1], 1.0 + ks[-1], pipelined=ks[-1] == 0)
+    assert ks == [0] * (COLD_START_STREAK - 1) + [3, 2, 1]    # k = 0 was measured already
+    assert pol._nearest_complete(8) == 8
+
+
+def test_plain_decodings_cost_is_a_pipelined_steps_once_one_was_seen():
+    """observe_unit(k=0, pipelined=...): a plain step launched ahead of the one before is what
+    plain decoding costs; a lone plain step (between speculative units) counts only until the
+    first pipelined one, which replaces it, and is ignored after."""
+    pol = DraftPolicy(2)
+    pol.observe_unit(8, 0, 1.2)                        # lone: the only figure so far
+    assert pol._cost[(8, 0)] == 1.2
+    pol.observe_unit(8, 0, 1.0, pipelined=True)        # replaces the lone steps' mean
+    assert pol._cost[(8, 0)] == 1.0
+    pol.observe_unit(8, 0, 5.0)                        # lone again: ignored
+    assert pol._cost[(8, 0)] == 1.0
+    pol.observe_unit(8, 0, 2.0, pipelined=True)
+    assert pol._cost[(8, 0)] == pytest.approx(1.25)
+    pol.observe_unit(4, 0, 3.0)                        # another B keeps its own
+    assert pol._cost[(4, 0)] == 3.0
+
+
+def test_k_0_runs_several_units_in_a_row_when_explored_or_measured_first():
+    """The cold start's k = 0 and an exploration of k = 0 run EXPLORE_PLAIN_UNITS plain units in
+    a row (the first of a run is not launched ahead, so it does not show plain decoding's
+    pipelined cost)."""
+    pol = DraftPolicy(1, cold_start_streak=1)
+    assert pol.choose(1) == 1
+    pol.observe_unit(1, 1, 1.0)
+    assert [pol.choose(1) for _ in range(EXPLORE_PLAIN_UNITS)] == [0] * EXPLORE_PLAIN_UNITS
+    pol.observe_unit(1, 0, 2.0, pipelined=True)        # drafting is cheaper: 1 is best
+    for _ in range(3):
+        pol.observe_row(1, 1)
+    ks = [pol.choose(1) for _ in range(EXPLORE_EVERY + EXPLORE_PLAIN_UNITS)]
+    assert ks[:EXPLORE_EVERY - 1] == [1] * (EXPLORE_EVERY - 1)
+    assert ks[EXPLORE_EVERY - 1:] == [0] * EXPLORE_PLAIN_UNITS + [1]
 
 
 def test_verify_that_costs_like_k_plus_one_steps_means_plain_decoding():
@@ -137,9 +190,11 @@ def test_verify_that_costs_about_one_step_drafts_where_acceptance_pays():
 
 
 def test_a_neighbour_of_the_best_runs_at_doubling_intervals():
-    pol = DraftPolicy(4)
+    pol = DraftPolicy(4, cold_start_streak=1)
     ks = _run(pol, 3, 1600, cost=lambda k: 1.0 + 0.9 * k, accept=lambda k: 0)
-    after = ks[5:]                                      # the first five measured each k
+    # the cold start: each k once, k = 0 as a run of EXPLORE_PLAIN_UNITS
+    assert ks[:4 + EXPLORE_PLAIN_UNITS] == [4, 3, 2, 1] + [0] * EXPLORE_PLAIN_UNITS
+    after = ks[4 + EXPLORE_PLAIN_UNITS:]
     off = [i for i, k in enumerate(after) if k != 0]
     assert off and all(after[i] == 1 for i in off)     # best 0: its neighbour is 1
     gaps = np.diff([-1] + off).tolist()                # units from one exploration to the next

@@ -19,6 +19,7 @@ slower than not speculating. P(drafts 1..j accepted) = prod_{i<=j} c_i, c_i the 
 draft i given drafts 1..i-1 were: decayed counts over the verify rows (recent traffic weighs
 most), with a prior of one accept in two tries so an untried position is neither hopeless nor
 certain. B is exact up to 8, else bucketed by powers of two. At start every k is measured once
+at the first B that runs COLD_START_STREAK units in a row (before that, plain decoding)
 (the Speculator does not time a unit that paid a first use, Model.one_off_work: a CUDA verify
 shape's first unit captures its graph, so that k runs again); after that a new B takes the
 nearest measured B's choice and estimates the costs it has not
@@ -33,6 +34,15 @@ import numpy as np
 
 EXPLORE_EVERY = 32      # units at one B between two runs of a neighbour of the best k, ...
 EXPLORE_MAX = 256       # ... doubling up to this while the best k stays the same
+# an exploration of k = 0 runs this many plain units in a row: a plain step launched ahead of
+# the one before (the steady state of plain decoding) is what k = 0 costs, and the first of a
+# run is not launched ahead (observe_unit's `pipelined`)
+EXPLORE_PLAIN_UNITS = 3
+# the cold start runs at a B once this many units in a row had it: requests admitted one by one
+# pass through every B on the way up (B = 2 .. 7 before 8), and a cold start at each, with the
+# dearest k first, ran 7 units at 2-4x a step's cost (bench_speculative --batch 8); until then
+# such units decode plainly
+COLD_START_STREAK = 4
 COST_WEIGHT = 0.25      # running mean of T(B, k): the new unit's weight
 ACCEPT_DECAY = 0.995    # the acceptance counts' decay per verify row (~200 rows' memory)
 PRIOR_TRIES, PRIOR_ACCEPTS = 2.0, 1.0
@@ -44,10 +54,12 @@ def batch_key(rows: int) -> int:
 
 
 class DraftPolicy:
-    def __init__(self, max_k: int, adaptive: bool = True):
+    def __init__(self, max_k: int, adaptive: bool = True,
+                 cold_start_streak: int = COLD_START_STREAK):
         if max_k < 1:
             raise ValueError(f"DraftPolicy: max_k={max_k} must be >= 1")
         self.max_k, self.adaptive = int(max_k), bool(adaptive)
+        self.cold_start_streak = int(cold_start_streak)
         self._tries = np.zeros(self.max_k)         # decayed: rows that drafted position i ...
         self._accepts = np.zeros(self.max_k)       # ... with drafts 1..i-1 accepted; of them, i too
         self._cost: dict = {}                      # (batch_key, k) -> running mean seconds
@@ -55,6 +67,9 @@ class DraftPolicy:
         self._period: dict = {}                    # batch_key -> units between explorations
         self._last_best: dict = {}                 # batch_key -> the best k when last chosen
         self._explore_up: dict = {}                # batch_key -> next exploration goes up
+        self._plain_left: dict = {}                # batch_key -> plain units left in a k = 0 run
+        self._streak = (None, 0)                   # (batch_key, timed units in a row at it)
+        self._pipelined: set = set()               # batch_keys whose k = 0 cost is pipelined
         self.units_by_k = [0] * (self.max_k + 1)   # units run at each k (stats)
 
     # ---- the choice --------------------------------------------------------------------------
@@ -75,9 +90,18 @@ class DraftPolicy:
 
     def _choose(self, rows: int) -> int:
         b = batch_key(rows)
+        last, n = self._streak
+        self._streak = (b, n + 1 if b == last else 1)
+        if self._plain_left.get(b):                # within an exploration's run of k = 0
+            self._plain_left[b] -= 1
+            return 0
+        if self._nearest_complete(b) is None and self._streak[1] < self.cold_start_streak:
+            return 0                               # (a B passed through: no cold start yet)
         if self._nearest_complete(b) is None:      # cold start: measure every k once
             for k in range(self.max_k, -1, -1):
                 if (b, k) not in self._cost:
+                    if k == 0:                     # (a run of plain units: one runs ahead)
+                        self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
                     return k
         best = self.best(rows)
         if best != self._last_best.get(b):         # a new best: explore around it soon again
@@ -95,7 +119,10 @@ class DraftPolicy:
         self._period[b] = min(2 * period, EXPLORE_MAX)
         up = self._explore_up.get(b, True)
         self._explore_up[b] = not up
-        return best + (1 if (up and best < self.max_k) or best == 0 else -1)
+        k = best + (1 if (up and best < self.max_k) or best == 0 else -1)
+        if k == 0:
+            self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
+        return k
 
     def best(self, rows: int) -> int:
         """The k of the highest score at this B (the lowest k on ties): measured costs, or
@@ -160,9 +187,20 @@ class DraftPolicy:
         self._tries[:tried] += 1.0
         self._accepts[:min(matched, k)] += 1.0
 
-    def observe_unit(self, rows: int, k: int, seconds: float) -> None:
-        """A unit of `rows` rows at k took `seconds`, launch to the end of its commit."""
-        key = (batch_key(rows), k)
+    def observe_unit(self, rows: int, k: int, seconds: float, pipelined: bool = False) -> None:
+        """A unit of `rows` rows at k took `seconds` (the time between its commit and the one
+        before). pipelined: a plain step (k = 0) launched ahead of the one before, as plain
+        decoding runs: once a B has such a time, its k = 0 cost is theirs alone (a plain step
+        between speculative units runs alone, ~15% slower at a 9B's B = 8, which made k = 0 look
+        dearer than it is); until then (rows that never run ahead: penalties, grammars), any
+        plain step's."""
+        b = batch_key(rows)
+        if k == 0 and b in self._pipelined and not pipelined:
+            return
+        if k == 0 and pipelined and b not in self._pipelined:
+            self._pipelined.add(b)
+            self._cost.pop((b, 0), None)           # the lone steps' mean is not plain decoding's
+        key = (b, k)
         old = self._cost.get(key)
         self._cost[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 

@@ -580,7 +580,9 @@ class Speculator:
         now = time.perf_counter()
         if self._plain_started:
             t0 = self._plain_started.popleft()
-            self.policy.observe_unit(len(pending.rows), 0, self._unit_seconds(t0, now))
+            # (launched before the last commit: ahead of the step before, as plain decoding)
+            self.policy.observe_unit(len(pending.rows), 0, self._unit_seconds(t0, now),
+                                     pipelined=t0 < self._last_commit)
         self._last_commit = now
 
     def plain_aborted(self) -> None:
