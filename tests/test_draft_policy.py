@@ -132,6 +132,26 @@ def test_the_cold_start_waits_for_a_batch_size_that_stays():
     assert pol._nearest_complete(8) == 8
 
 
+def test_a_best_moved_by_one_noisy_time_moves_back_within_a_few_units():
+    """One unit time far off (a busy host) can move the best k; the first exploration after a
+    change comes EXPLORE_AFTER_CHANGE units later, toward the old best, so the policy returns
+    to it at once instead of after EXPLORE_EVERY units at the wrong k."""
+    from ninfer.models.qwen3_5.program.draft_policy import EXPLORE_AFTER_CHANGE
+    pol = DraftPolicy(2, cold_start_streak=1)
+    cost = {0: 1.0, 1: 1.6, 2: 2.2}                      # nothing accepted: 0 is best
+    ks = _run(pol, 4, 40, lambda k: cost[k], accept=lambda k: 0)
+    assert pol.best(4) == 0 and ks[-1] == 0
+    pol.observe_unit(4, 0, 40.0)                        # one plain step 40x too slow ...
+    assert pol._cost[(4, 0)] == pytest.approx(1.25)     # ... moves the mean by a quarter
+    pol.observe_unit(4, 0, 40.0)                        # two in a row move the best
+    assert pol.best(4) == 1
+    ks = _run(pol, 4, 12, lambda k: cost[k], accept=lambda k: 0)
+    assert ks[:EXPLORE_AFTER_CHANGE - 1] == [1] * (EXPLORE_AFTER_CHANGE - 1)
+    assert ks[EXPLORE_AFTER_CHANGE - 1:EXPLORE_AFTER_CHANGE - 1 + EXPLORE_PLAIN_UNITS] == \
+        [0] * EXPLORE_PLAIN_UNITS                       # back toward 0, a run of plain units
+    assert ks[-1] == 0 and pol.best(4) == 0
+
+
 def test_plain_decodings_cost_is_a_pipelined_steps_once_one_was_seen():
     """observe_unit(k=0, pipelined=...): a plain step launched ahead of the one before is what
     plain decoding costs; a lone plain step (between speculative units) counts only until the
@@ -203,12 +223,22 @@ def test_a_neighbour_of_the_best_runs_at_doubling_intervals():
 
 
 def test_a_new_best_brings_the_explorations_back_close():
+    from ninfer.models.qwen3_5.program.draft_policy import EXPLORE_AFTER_CHANGE
     cost = lambda k: 1.0 + 0.1 * k + 0.12 * max(k - 1, 0)        # noqa: E731
     pol = DraftPolicy(3)
     _run(pol, 2, 1000, cost, accept=lambda k: 0)       # a long run at 0: the wait grew
     assert pol.best(2) == 0 and pol._period[2] == EXPLORE_MAX
-    ks = _run(pol, 2, 2 * EXPLORE_MAX, cost, _geometric_acceptance(0.95))
-    assert pol.best(2) >= 2 and pol._period[2] <= 4 * EXPLORE_EVERY
+    accept = _geometric_acceptance(0.95)
+    bests, ks = [], []
+    for _ in range(2 * EXPLORE_MAX):
+        bests.append(pol.best(2))
+        ks += _run(pol, 2, 1, cost, accept)
+    assert pol.best(2) >= 2
+    # every change of the best is followed by an exploration within EXPLORE_AFTER_CHANGE units
+    changes = [i for i in range(1, len(bests)) if bests[i] != bests[i - 1]]
+    assert changes
+    for i in changes:
+        assert any(ks[j] != bests[i] for j in range(i, i + EXPLORE_AFTER_CHANGE + 1)), i
     assert ks[-EXPLORE_EVERY:].count(pol.best(2)) >= EXPLORE_EVERY - 1
 
 

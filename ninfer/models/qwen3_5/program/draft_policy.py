@@ -11,8 +11,11 @@ per second:
 
     score(B, k) = E(k) / T(B, k)
     E(k)        = 1 + sum_{j=1..k} P(drafts 1..j all accepted)      tokens a verify row emits
-    T(B, k)     = the measured seconds of a unit of B rows drafting k (draft, verify, and
-                  commit's State recompute and drafter feed), a running mean per (B, k)
+    T(B, k)     = the measured seconds of a unit of B rows drafting k, from the commit before
+                  it to its own (draft, verify, commit's State select and drafter feed, and the
+                  host's work between units), a running mean per (B, k) in which one unit
+                  moves the mean by at most a quarter; T(B, 0) from plain steps launched ahead
+                  of the one before, as plain decoding runs, once there is one
 
 k = 0 is plain decoding (E = 1), so the policy never picks a k its own measurements say is
 slower than not speculating. P(drafts 1..j accepted) = prod_{i<=j} c_i, c_i the acceptance of
@@ -24,9 +27,12 @@ at the first B that runs COLD_START_STREAK units in a row (before that, plain de
 shape's first unit captures its graph, so that k runs again); after that a new B takes the
 nearest measured B's choice and estimates the costs it has not
 measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour
-of its best k once, so costs and the acceptance of deeper drafts stay current (the wait doubles,
-up to EXPLORE_MAX, while the best k stays the same). "fixed" always drafts max_k (benchmarks,
-tests of the mechanism).
+of its best k once (k = 0: EXPLORE_PLAIN_UNITS units in a row), so costs and the acceptance of
+deeper drafts stay current (the wait doubles, up to EXPLORE_MAX, while the best k stays the
+same; after the best changed, the first exploration is EXPLORE_AFTER_CHANGE units away, toward
+the old best). A unit with other rows beside its drafting ones (a prefill, a Replay) is not
+timed and runs the best k known, never a cold start's or an exploration's. "fixed" always
+drafts max_k (benchmarks, tests of the mechanism).
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ import numpy as np
 
 EXPLORE_EVERY = 32      # units at one B between two runs of a neighbour of the best k, ...
 EXPLORE_MAX = 256       # ... doubling up to this while the best k stays the same
+# after the best k changed, the first exploration comes this soon, toward the old best: a best
+# moved by one noisy unit time (a busy host) would otherwise hold for EXPLORE_EVERY units
+EXPLORE_AFTER_CHANGE = 4
 # an exploration of k = 0 runs this many plain units in a row: a plain step launched ahead of
 # the one before (the steady state of plain decoding) is what k = 0 costs, and the first of a
 # run is not launched ahead (observe_unit's `pipelined`)
@@ -104,9 +113,13 @@ class DraftPolicy:
                         self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
                     return k
         best = self.best(rows)
-        if best != self._last_best.get(b):         # a new best: explore around it soon again
+        old = self._last_best.get(b)
+        if best != old:                            # a new best: explore around it soon again
             self._last_best[b] = best
-            self._period[b] = EXPLORE_EVERY
+            self._period[b] = EXPLORE_EVERY if old is None else EXPLORE_AFTER_CHANGE
+            self._since[b] = 0
+            if old is not None:                    # (toward the old best first)
+                self._explore_up[b] = old > best
         since = self._since.get(b, 0) + 1
         period = self._period.get(b, EXPLORE_EVERY)
         if since < period:
@@ -202,6 +215,8 @@ class DraftPolicy:
             self._cost.pop((b, 0), None)           # the lone steps' mean is not plain decoding's
         key = (b, k)
         old = self._cost.get(key)
+        if old is not None:     # one unit moves the mean by at most a quarter (a busy host)
+            seconds = min(max(seconds, old / 2), 2 * old)
         self._cost[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
     def stats(self) -> dict:
