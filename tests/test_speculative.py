@@ -762,7 +762,7 @@ def plain_steps_against_units(monkeypatch, path, drafter: str, params) -> None:
         return ids, g
     monkeypatch.setattr(DFlashDrafter, "draft", draft)
 
-    def choose(self, rows):
+    def choose(self, rows, timed=True):
         n = turns[id(self)] = turns.get(id(self), -1) + 1
         k = (0, 0, 2)[n % 3]
         self.units_by_k[k] += 1
@@ -829,7 +829,8 @@ def test_a_unit_that_paid_a_first_use_is_not_timed(extremes, monkeypatch):
     timed = []
     observe = DraftPolicy.observe_unit
     monkeypatch.setattr(DraftPolicy, "observe_unit",
-                        lambda self, rows, k, s: (timed.append(k), observe(self, rows, k, s)))
+                        lambda self, rows, k, s, **kw: (timed.append(k),
+                                                        observe(self, rows, k, s, **kw)))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want, _ = _generate(extremes["never"], _id_prompts()[:1], params, max_concurrency=1)
     got, stats = _generate(extremes["never"], _id_prompts()[:1], params, max_concurrency=1,
