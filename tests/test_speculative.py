@@ -646,7 +646,7 @@ def test_a_queued_drafter_feed_is_settled_before_the_pages_are_copied(monkeypatc
         prog = Program(model, EngineOptions(max_concurrency=1, max_context=64, page_size=4,
                                             speculative="mtp", num_draft_tokens=2),
                        drafter=drafter)
-        prog.speculator.policy.choose = lambda rows: 0          # plain decoding throughout
+        prog.speculator.policy.choose = lambda rows, timed=True: 0    # plain decoding only
         sid = prog.bind(prompt, greedy)
         for _ in range(12):                                     # the prefill, 11 plain steps
             assert prog.reserve_units([sid]) == [True]
