@@ -199,7 +199,7 @@ def settle_backend(args, *, concurrency_default: int = 1):
 
 # Engine.startup_seconds' keys that are parts of "model" and of "warm_up"
 _MODEL_PHASES = ("setup", "weights", "kernels")
-_WARM_UP_PHASES = ("graphs",)
+_WARM_UP_PHASES = ("graphs", "speculative_graphs")
 
 
 def startup_line(engine) -> str:

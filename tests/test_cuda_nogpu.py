@@ -1364,7 +1364,7 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
     assert [c for c in calls if c[0] == "decode"] == [("decode", B) for B in range(1, 5)]
     assert [c[1:] for c in calls if c[0] == "verify"] == \
         [(n, b, "meta", 0xABC, None) for n, b in m.verify_shapes(4)]
-    assert set(m.warm_up_phases) == {"graphs", "verify_graphs"}
+    assert set(m.warm_up_phases) == {"graphs", "speculative_graphs"}
     assert [c for c in calls if c[0] == "chain"] == []
     # the MTP drafter's chains (mtp_chain): every B and every step count after d_1
     m, calls = model(True, chain_steps=2)

@@ -129,7 +129,8 @@ class CudaModel(MediaEncoding):
     max_state_slots = None  # and the State slots (sequences' + the context cache's)
     batch_invariant = False  # options.batch_invariant (set at load)
     load_phases: dict = {}   # {"setup", "weights", "kernels"} seconds (set at load; contracts.Model)
-    # {"graphs": seconds capturing the decode graphs, "verify_graphs": the verify ones} (warm_up)
+    # {"graphs": seconds capturing the decode graphs, "speculative_graphs": the verify graphs,
+    # MTP chains and DFlash block passes} (warm_up)
     warm_up_phases: dict = {}
     # the numpy model's final_hidden (embeddings, MTP): this model's hidden states stay on the
     # device, so it offers none (Engine.embed answers NotSupportedError)
@@ -163,7 +164,6 @@ class CudaModel(MediaEncoding):
         self.drafter_kv = ((t.num_key_value_heads, t.head_dim),) * int(self.mtp) + (
             ((dflash.num_key_value_heads, dflash.head_dim),) * dflash.num_hidden_layers
             if dflash else ())
-        self.drafter_layers = len(self.drafter_kv)
         self.config, self.text = config, config.text
         self.options = options
         # what close() releases: None until made (a failed load closes what it got to)
@@ -1042,9 +1042,9 @@ class CudaModel(MediaEncoding):
     def warm_up(self, kv, state) -> None:
         """Capture and replay the decode graph of every B = 1..b_cap, capture the speculative
         verify graphs (verify_shapes), the MTP drafter's chains (mtp_chain) and the DFlash
-        drafter's block passes (dflash_draft), run the device sampler and one eager call of the widest
-        prefill: nothing is built lazily while serving. Rows use
-        pages 0..B-1 and slots 0..B-1 at context 0 (the pools hold nothing yet)."""
+        drafter's block passes (dflash_draft), run the device sampler and one eager call of the
+        widest prefill: nothing is built lazily while serving. Rows use pages 0..B-1 and slots
+        0..B-1 at context 0 (the pools hold nothing yet)."""
         from ...contracts import SampleRow, SamplingSpec
         self._current()
         b_max = min(self.b_cap, kv.num_pages, state.num_slots)
@@ -1059,7 +1059,7 @@ class CudaModel(MediaEncoding):
                 self.graphs.chain(B, steps, kv, self._chain_launches)
             if self.dflash is not None and self._block_graphable(B):
                 self._block_graph(B, kv)
-        self.warm_up_phases = {"graphs": t1 - t0, "verify_graphs": time.perf_counter() - t1}
+        self.warm_up_phases = {"graphs": t1 - t0, "speculative_graphs": time.perf_counter() - t1}
         for B in range(1, b_max + 1):
             rows = np.arange(B, dtype=np.int32)
             batch = ForwardBatch(np.zeros(B, np.int32), np.zeros((3, B), np.int32),

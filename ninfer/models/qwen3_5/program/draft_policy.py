@@ -104,9 +104,9 @@ class DraftPolicy:
         if self._plain_left.get(b):                # within an exploration's run of k = 0
             self._plain_left[b] -= 1
             return 0
-        if self._nearest_complete(b) is None and self._streak[1] < self.cold_start_streak:
-            return 0                               # (a B passed through: no cold start yet)
-        if self._nearest_complete(b) is None:      # cold start: measure every k once
+        if self._nearest_complete(b) is None:      # cold start: measure every k once ...
+            if self._streak[1] < self.cold_start_streak:
+                return 0                           # (... at a B that stays, not one passed)
             for k in range(self.max_k, -1, -1):
                 if (b, k) not in self._cost:
                     if k == 0:                     # (a run of plain units: one runs ahead)
@@ -204,9 +204,9 @@ class DraftPolicy:
         """A unit of `rows` rows at k took `seconds` (the time between its commit and the one
         before). pipelined: a plain step (k = 0) launched ahead of the one before, as plain
         decoding runs: once a B has such a time, its k = 0 cost is theirs alone (a plain step
-        between speculative units runs alone, ~15% slower at a 9B's B = 8, which made k = 0 look
-        dearer than it is); until then (rows that never run ahead: penalties, grammars), any
-        plain step's."""
+        between speculative units runs alone, its host work not under a step before it, which
+        made k = 0 look dearer than it is); until then (rows that never run ahead: penalties,
+        grammars), any plain step's."""
         b = batch_key(rows)
         if k == 0 and b in self._pipelined and not pipelined:
             return
