@@ -6,7 +6,7 @@ Router logits, the shared expert's gate/up and its sigmoid gate come from one fu
 """
 import math
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint64
 
 from .common import (FULL_MASK, bf16x2_hi, bf16x2_lo, inlined, sigmoid, silu, storage, warp_max,
                      warp_sum)
@@ -19,6 +19,9 @@ SIGNATURES = {
     "expert_down": ("f32*", "f32*", "u32*", "i32*"),
     "moe_combine": ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32"),
     "gather_rows": ("u32*", "u32*", "i32*", "i32"),
+    "moe_route_count": ("i32*", "i32*", "i32"),
+    "moe_route_scan": ("i32*", "i32*", "u64*", "u64*", "i32", "i32"),
+    "moe_route_place": ("i32*", "i32*", "i32*", "i32*", "i32"),
 }
 
 ROUTER_THREADS = 32      # router_topk: one warp a token
@@ -257,3 +260,113 @@ def gather_rows():
                 out[d + q] = x[s + q]
     return gather_rows_kernel
 
+
+
+# The MoE prefill's routed-row layout on the device (no host round trip): the router's pairs
+# (token t's k-th pick = pair t*K + k) sorted by expert, each expert's rows in pair order: the
+# layout moe_rows.expert_rows gives with cap 0, which the host computed before after a sync.
+# Three launches: count each chunk's pairs per expert, scan the counts into each chunk's first
+# row per expert (and each expert's rows and first-row addresses for the grouped GEMM), place.
+ROUTE_CHUNK = 512        # pairs a chunk (one block of count and place); counts: [chunks, E]
+ROUTE_COUNT_THREADS = 256
+ROUTE_SCAN_MAX_E = 1024  # moe_route_scan: a thread an expert, one block
+
+
+def moe_route_count(E):
+    def moe_route_count_kernel(counts, ids, pairs):
+        # grid (chunks,), block ROUTE_COUNT_THREADS: counts[b, e] = pairs of chunk b routed to e
+        # (shared-memory atomics: the totals do not depend on their order)
+        b = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        c = cuda.shared.array(E, int32)
+        for e in range(tid, E, ROUTE_COUNT_THREADS):
+            c[e] = 0
+        cuda.syncthreads()
+        p0 = b * ROUTE_CHUNK
+        for p in range(p0 + tid, min(p0 + ROUTE_CHUNK, pairs), ROUTE_COUNT_THREADS):
+            cuda.atomic.add(c, ids[p], 1)
+        cuda.syncthreads()
+        for e in range(tid, E, ROUTE_COUNT_THREADS):
+            counts[b * E + e] = c[e]
+    return moe_route_count_kernel
+
+
+def moe_route_scan(E):
+    EP = (E + 31) // 32 * 32
+
+    def moe_route_scan_kernel(counts, rows, ptrs, spec, chunks, nptr):
+        # grid (1,), block EP: a thread an expert. counts [chunks, E] becomes each chunk's first
+        # row of expert e (the experts' rows consecutive, expert-major, chunks in order); rows[e]
+        # = expert e's rows; ptrs[j, e] = spec[2j] + spec[2j + 1] * (expert e's first row): the
+        # addresses of its rows in the buffers the grouped GEMMs read and write (a base and a
+        # row's bytes each)
+        e = cuda.threadIdx.x
+        tot = cuda.shared.array(EP, int32)
+        total = 0
+        if e < E:
+            for b in range(chunks):
+                total += counts[b * E + e]
+        tot[e] = total
+        cuda.syncthreads()
+        # inclusive scan over the experts (Hillis-Steele: log2(EP) rounds)
+        step = 1
+        while step < EP:
+            v = 0
+            if e >= step:
+                v = tot[e - step]
+            cuda.syncthreads()
+            tot[e] += v
+            cuda.syncthreads()
+            step *= 2
+        if e >= E:
+            return
+        first = tot[e] - total
+        run = first
+        for b in range(chunks):
+            c = counts[b * E + e]
+            counts[b * E + e] = run
+            run += c
+        rows[e] = total
+        for j in range(nptr):
+            ptrs[j * E + e] = spec[2 * j] + spec[2 * j + 1] * uint64(first)
+    return moe_route_scan_kernel
+
+
+def moe_route_place(E, K):
+    def moe_route_place_kernel(src, row_of_pair, ids, first, pairs):
+        # grid (chunks,), block 32: one warp lays chunk b out 32 pairs at a time in pair order.
+        # A pair's row = its expert's next row in this chunk (first[b, e], after the scan) + the
+        # lower lanes routed to the same expert; the highest such lane moves the expert on.
+        # src[row] = the pair's token; row_of_pair[pair] = row.
+        b = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        nxt = cuda.shared.array(E, int32)
+        step_ids = cuda.shared.array(32, int32)
+        for e in range(lane, E, 32):
+            nxt[e] = first[b * E + e]
+        p0 = b * ROUTE_CHUNK
+        for s in range(0, ROUTE_CHUNK, 32):
+            p = p0 + s + lane
+            e = -1
+            if p < pairs:
+                e = ids[p]
+            step_ids[lane] = e
+            cuda.syncthreads()          # (the block is this one warp)
+            rank = 0
+            last = True
+            for j in range(32):
+                if step_ids[j] == e:
+                    if j < lane:
+                        rank += 1
+                    elif j > lane:
+                        last = False
+            row = 0
+            if e >= 0:
+                row = nxt[e] + rank
+                src[row] = p // K
+                row_of_pair[p] = row
+            cuda.syncthreads()
+            if e >= 0 and last:
+                nxt[e] = row + 1
+            cuda.syncthreads()
+    return moe_route_place_kernel

@@ -26,7 +26,8 @@ def test_decode_kernels_on_the_simulator(seed=0):
     256, with and without renormalised weights. argmax (16-byte groups, four a thread at once): np.argmax's
     ids exactly, ties and rows of -inf included. rmsnorm with the row in registers and wider than
     that (the two-pass loop). gather_rows (16 bytes a thread): the source rows exactly, whole and
-    partial 16-byte groups."""
+    partial 16-byte groups. The MoE prefill's routed-row layout on the device (moe_route_count,
+    _scan, _place) exactly the host's cap-0 layout (moe_rows.expert_rows)."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore",
@@ -34,7 +35,7 @@ def test_decode_kernels_on_the_simulator(seed=0):
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out) == 19, out
+    assert len(out) == 20, out
     for key, v in out.items():
         if key.endswith(("untouched", "ids")):
             assert v is True, key
@@ -46,12 +47,14 @@ def test_decode_kernels_on_the_simulator(seed=0):
 def test_combine_launch_matches_the_kernel():
     from ninfer.core.cuda import numba_shim
     from ninfer.core.cuda.kernels import _import_kernel_module
-    from ninfer.models.qwen3_5.cuda import runner
+    from ninfer.models.qwen3_5.cuda import moe_route, runner
     numba_shim.import_numba_cuda()
     assert _import_kernel_module("attention").COMBINE_GROUPS == runner.COMBINE_GROUPS
     assert _import_kernel_module("moe").DOWN_ROWS == runner.EXPERT_DOWN_ROWS
     assert _import_kernel_module("moe").ROUTER_THREADS == runner.ROUTER_THREADS
     assert _import_kernel_module("moe").GATHER_THREADS == runner.GATHER_THREADS
+    assert _import_kernel_module("moe").ROUTE_CHUNK == moe_route.ROUTE_CHUNK
+    assert _import_kernel_module("moe").ROUTE_COUNT_THREADS == moe_route.COUNT_THREADS
     assert runner.combine_launch(3, 16, 256) == ((3, 16, 8), (32 * runner.COMBINE_GROUPS,))
 
 

@@ -153,6 +153,46 @@ def gather(r, words: int, rows: int = 5) -> bool:
     return bool(np.array_equal(out[:rows], x[src]) and (out[rows] == 0xDEADBEEF).all())
 
 
+def route(r, E: int, K: int, tokens: int, skew: float) -> bool:
+    """The MoE prefill's device layout (moe_route_count, _scan, _place): rows, each chunk's first
+    rows, the grouped GEMMs' addresses and the row maps exactly moe_rows.expert_rows' cap-0
+    layout (the host's, before), over several chunks and a partial last one, experts routed
+    nothing included; nothing written past the pairs."""
+    from ninfer.models.qwen3_5.cuda import moe_rows
+    from ninfer.models.qwen3_5.cuda.moe_route import COUNT_THREADS, ROUTE_CHUNK
+    p = 1.0 / np.arange(1, E + 1) ** skew
+    ids = np.stack([r.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
+    ids = ids.reshape(-1).astype(np.int32)
+    pairs = len(ids)
+    chunks = -(-pairs // ROUTE_CHUNK)
+    counts = np.full(chunks * E, -7, np.int32)
+    kernel("moe", "moe_route_count", E=E)[(chunks, 1, 1), (COUNT_THREADS, 1, 1)](
+        counts, ids, pairs)
+    per_chunk = counts.copy()
+    rows = np.full(E + 1, -1, np.int32)
+    spec = np.array([1000, 6, 1 << 40, 4096], np.uint64)         # (base, row bytes) x 2
+    ptrs = np.zeros(2 * E + 1, np.uint64)
+    kernel("moe", "moe_route_scan", E=E)[(1, 1, 1), (-(-E // 32) * 32, 1, 1)](
+        counts, rows, ptrs, spec, chunks, 2)
+    src = np.full(pairs + 3, -5, np.int32)
+    row_of_pair = np.full(pairs + 3, -5, np.int32)
+    kernel("moe", "moe_route_place", E=E, K=K)[(chunks, 1, 1), (32, 1, 1)](
+        src, row_of_pair, ids, counts, pairs)
+    lay = moe_rows.expert_rows(ids, K, E, pairs, cap=0)
+    total = np.bincount(ids, minlength=E)
+    first = np.concatenate([[0], np.cumsum(total)[:-1]])
+    chunk_first = first + np.cumsum(per_chunk.reshape(chunks, E), axis=0) - \
+        per_chunk.reshape(chunks, E)
+    want_ptrs = np.concatenate([1000 + 6 * first, (1 << 40) + 4096 * first]).astype(np.uint64)
+    return bool(np.array_equal(per_chunk.reshape(chunks, E).sum(0), total)
+                and np.array_equal(counts.reshape(chunks, E), chunk_first)
+                and np.array_equal(rows[:E], total) and rows[E] == -1
+                and np.array_equal(ptrs[:2 * E], want_ptrs) and ptrs[2 * E] == 0
+                and np.array_equal(src[:pairs], lay.src) and (src[pairs:] == -5).all()
+                and np.array_equal(row_of_pair[:pairs], lay.row_of_pair)
+                and (row_of_pair[pairs:] == -5).all() and (total == 0).any())
+
+
 def main(seed: int) -> dict:
     r = np.random.default_rng(seed)
     out = {}
@@ -171,6 +211,8 @@ def main(seed: int) -> dict:
         out[f"expert_{key}/vec/bf16"] = v
     for words in (1024, 150):              # 16-byte groups over two blocks; a partial group
         out[f"gather_rows/{words}w/ids"] = gather(r, words)
+    # 3 chunks, the last partial, some experts routed nothing; E not a multiple of 32
+    out["moe_route/300x4/ids"] = route(r, 300, 4, 300, 1.2)
     return out
 
 

@@ -233,6 +233,26 @@ def install(machine):
         def batch_alignment(self, *a, **k):
             return 256
 
+        def grouped_plan(self, n, k, groups, rows_dev, n_dev, k_dev, avg_rows):
+            # cuBLASLt's grouped GEMM (cuda/moe_route.py): every group's rows and operand
+            # addresses read from the machine's memory at the call, as the device does (bf16
+            # models only: a float32 workspace has no DeviceRoute)
+            return (n, k, groups, rows_dev)
+
+        def grouped_gemm(self, st, plan, w_ptrs, x_ptrs, y_ptrs, one, zero):
+            n, k, groups, rows_dev = plan
+            rows = machine.typed(rows_dev, np.int32)[:groups]
+            ptrs = [machine.typed(p, np.uint64)[:groups] for p in (w_ptrs, x_ptrs, y_ptrs)]
+            assert machine.typed(one, np.float32)[0] == 1.0
+            assert machine.typed(zero, np.float32)[0] == 0.0
+            for g in range(groups):
+                m = int(rows[g])
+                if m:
+                    X = self.operand(int(ptrs[1][g]), (m, k))
+                    W = self.operand(int(ptrs[0][g]), (n, k))
+                    machine.typed(int(ptrs[2][g]), np.float32)[: m * n].reshape(m, n)[:] = X @ W.T
+            self.calls += 1
+
         def close(self):
             pass
 
@@ -287,6 +307,8 @@ def run(kind="dense", prompt_len=5, steps=3, kv_dtype="bfloat16"):
                                    zip(img[0] + img[1], kv_g.read_pages([0, 1])[0] +
                                        kv_g.read_pages([0, 1])[1]))
         res["kv_dtype"] = str(kv_g.k[0].dtype)
+        # a bf16 MoE prefill routes on the device (cuda/moe_route.py); float32 on the host
+        res["moe_device_route"] = bool(gpu.ws.route_dev is not None and gpu.ws.route_dev.enabled)
         kv_g.close()
         st_g.close()
         gpu.close()

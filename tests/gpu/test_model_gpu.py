@@ -266,28 +266,41 @@ def test_forward_from_another_thread(pair, seqs_of):
     assert out[1].shape == (1,)
 
 
-@pytest.mark.parametrize("cap,launch_rows", [(None, 512), (0, 512), (16, 512), (None, 0)])
+@pytest.mark.parametrize("cap,launch_rows", [("device", 0), (None, 512), (0, 512), (16, 512),
+                                             (None, 0)])
 def test_moe_prefill_row_layouts_match_numpy(pair, seqs_of, cap, launch_rows):
-    """The MoE prefill's routed rows (cuda/moe_rows.py) in each layout: the chooser's, one GEMM
-    per expert (cap 0), a 16-row strided batch with every expert overflowing (43 rows each), and
-    the chooser with free launches; logits against numpy every time."""
+    """The MoE prefill's routed rows routed on the device (cuda/moe_route.py: grouped GEMMs; a
+    bf16 model where this cuBLASLt has them) and on the host (cuda/moe_rows.py) in each layout:
+    the chooser's, one GEMM per expert (cap 0), a 16-row strided batch with every expert
+    overflowing (43 rows each), and the chooser with free launches; logits against numpy every
+    time."""
     cpu, gpu = pair
     if not cpu.config.text.is_moe:
         pytest.skip("dense model")
+    route = gpu.ws.route_dev
+    if cap == "device" and (route is None or not route.enabled):
+        pytest.skip("no device route here (float32, or no grouped GEMM in this cuBLASLt)")
     r = np.random.default_rng(11)
     V = cpu.config.text.vocab_size
     prompts = [r.integers(0, V, 43), r.integers(0, V, 7)]
     runner = gpu.runner
-    saved = runner.moe_cap, runner.moe_launch_rows
+    saved = runner.moe_cap, runner.moe_launch_rows, runner.moe_device_route
+    runner.last_moe_layout = None
     try:
-        runner.moe_cap, runner.moe_launch_rows = cap, launch_rows
+        if cap != "device":
+            runner.moe_cap, runner.moe_launch_rows = cap, launch_rows
+            runner.moe_device_route = False
         sc, sg = seqs_of(cpu), seqs_of(gpu)
         out = gpu.forward(batch_for(sg, [0, 1], prompts, [0, 0]), sg.kv, sg.state)
         ref = cpu.forward(batch_for(sc, [0, 1], prompts, [0, 0]), sc.kv, sc.state)
-        got_cap, rows, overflow = runner.last_moe_layout
+        layout = runner.last_moe_layout
     finally:
-        runner.moe_cap, runner.moe_launch_rows = saved
+        runner.moe_cap, runner.moe_launch_rows, runner.moe_device_route = saved
     assert rel_err(out, ref) < TOL_MODEL_BF16
+    if cap == "device":
+        assert layout is None           # the host layout never ran
+        return
+    got_cap, rows, overflow = layout
     E = cpu.config.text.num_experts
     if cap is not None:
         assert got_cap == cap and overflow == (E if cap < 50 else 0)

@@ -493,6 +493,60 @@ def test_gather_rows(g, f32, width):
     assert np.array_equal(g.get(out), x[src])
 
 
+@pytest.mark.parametrize("tokens,E,K", [(3, 40, 4), (700, 64, 8), (1100, 256, 8)])
+def test_moe_route_and_grouped_gemm(g, tokens, E, K):
+    """The MoE prefill routed on the device (cuda/moe_route.py): the layout kernels give
+    moe_rows' cap-0 layout exactly (experts routed nothing, chunks whose last is partial), and
+    cuBLASLt's grouped GEMM over the rows and addresses they wrote gives each routed row its
+    expert's product within fp32's error of float64 (bf16 operands, fp32 out)."""
+    from ninfer.core.cuda.cublaslt import CublasLt
+    from ninfer.errors import DeviceError
+    from ninfer.models.qwen3_5.cuda import moe_route, moe_rows
+    r = rng(tokens + E)
+    p = 1.0 / np.arange(1, E + 1) ** 1.1
+    ids = np.stack([r.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
+    ids = ids.reshape(-1).astype(np.int32)
+    pairs, N, Kd = len(ids), 96, 200
+    nb = moe_route.chunks(pairs)
+    counts, rows = g.empty((nb * E,), np.int32), g.empty((E,), np.int32)
+    ptrs = g.empty((moe_route.NPTR, E), np.uint64)
+    x = bf16_bits(r.standard_normal((pairs, Kd)))
+    w = bf16_bits(0.1 * r.standard_normal((E, N, Kd)))
+    xg, y = g.put(x), g.empty((pairs, N), np.float32)
+    spec_ = np.array([xg.ptr, 2 * Kd, y.ptr, 4 * N, 0, 0, 0, 0], np.uint64)
+    src, rop = g.empty((pairs + 1,), np.int32), g.empty((pairs + 1,), np.int32)
+    dids = g.put(ids)
+    g.run("moe_route_count", (nb,), (moe_route.COUNT_THREADS,), (counts, dids, pairs), dict(E=E))
+    g.run("moe_route_scan", (1,), (-(-E // 32) * 32,),
+          (counts, rows, ptrs, g.put(spec_), nb, moe_route.NPTR), dict(E=E))
+    g.run("moe_route_place", (nb,), (32,), (src, rop, dids, counts, pairs), dict(E=E, K=K))
+    lay = moe_rows.expert_rows(ids, K, E, pairs, cap=0)
+    total = np.bincount(ids, minlength=E)
+    assert (total == 0).any()
+    assert np.array_equal(g.get(rows), total)
+    assert np.array_equal(g.get(src)[:pairs], lay.src) and g.get(src)[pairs] == -1
+    assert np.array_equal(g.get(rop)[:pairs], lay.row_of_pair) and g.get(rop)[pairs] == -1
+    ws = g.empty((32 << 20,), np.uint8)
+    lt = CublasLt(ws.ptr, 32 << 20)
+    try:
+        dims = g.put(np.repeat(np.array([N, Kd], np.int32), E))
+        plan = lt.grouped_plan(N, Kd, E, rows.ptr, dims.ptr, dims.ptr + 4 * E, pairs // E)
+    except DeviceError as exc:
+        pytest.skip(f"no grouped GEMM in this cuBLASLt: {exc}")
+    wd = g.put(w)
+    wtab = g.put(np.uint64(wd.ptr) + np.arange(E, dtype=np.uint64) * np.uint64(2 * N * Kd))
+    one = g.put(np.array([1.0, 0.0], np.float32))
+    # the rows gathered by expert: x holds them in expert order already (the test's stand-in
+    # for gather_rows); ptrs[0] / ptrs[1] are each expert's first row in xg / y
+    lt.grouped_gemm(g.stream, plan, wtab.ptr, ptrs.ptr, ptrs.ptr + 8 * E, one.ptr, one.ptr + 4)
+    got = g.get(y)
+    first = np.concatenate([[0], np.cumsum(total)[:-1]])
+    xf, wf = bits_to_f64(x), bits_to_f64(w)
+    want = np.concatenate([xf[first[e]: first[e] + total[e]] @ wf[e].T for e in range(E)])
+    assert rel_err(got, want) < TOL_F32
+    lt.close()
+
+
 # ---- sampling -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,V", [(1, 1), (3, 1025), (2, 248320)])

@@ -60,6 +60,10 @@ INVARIANT_REDUCTIONS = REDUCTION_COMPUTE_TYPE | REDUCTION_OUTPUT_TYPE
 PIN_M = 8                             # invariant mode: decode GEMMs of M < PIN_M rows run as PIN_M
 PREF_MIN_ALIGNMENT = (5, 6, 7, 8)     # A, B, C, D bytes (uint32, default 256)
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6     # int32 count, int64 element stride
+# the grouped GEMM (cuBLAS 13's experimental CUBLASLT_BATCH_MODE_GROUPED): alpha and beta by
+# device pointer, and the heuristic's hints for shapes it cannot read from the device
+DESC_POINTER_MODE, POINTER_MODE_DEVICE = 2, 1
+PREF_GROUPED_AVG_K, PREF_GROUPED_AVG_ROWS, PREF_GROUPED_AVG_COLS = 13, 14, 15
 
 STATUS_NAMES = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED",
                 3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",
@@ -121,6 +125,10 @@ def fp8_scale_rows(m: int) -> int:
 
 class Plan:
     __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn", "batch", "fp8")
+
+
+class GroupedPlan:
+    __slots__ = ("desc", "layouts", "algo", "n", "k", "groups", "pref")
 
 
 class CublasLt:
@@ -367,3 +375,101 @@ class CublasLt:
         except DeviceError:
             return False
         return True
+
+    # -- grouped GEMM: every group's rows and operand addresses read from device arrays --------
+
+    def grouped_plan(self, n: int, k: int, groups: int, rows_dev: int, n_dev: int, k_dev: int,
+                     avg_rows: int) -> GroupedPlan:
+        """A plan for `groups` products y_g[m_g, n] (fp32) = x_g[m_g, k] @ w_g[n, k]^T (bf16)
+        whose m_g the device writes at `rows_dev` (int32 [groups]) before each call: the MoE
+        prefill's experts, routed on the device (no host round trip). n_dev / k_dev: int32
+        [groups] arrays holding n and k (the layouts read every dimension from the device).
+        `avg_rows` is the heuristic's hint for m_g. Raises DeviceError where this cuBLASLt has
+        no grouped GEMM (before cuBLAS 13's experimental CUBLASLT_BATCH_MODE_GROUPED) or no
+        algorithm for it (grouped_supported asks once)."""
+        key = ("grouped", int(n), int(k), int(groups), int(rows_dev), int(n_dev), int(k_dev),
+               int(avg_rows))
+        p = self._plans.get(key)
+        if p is not None:
+            return p
+        lib = self.lib
+        create = getattr(lib, "cublasLtGroupedMatrixLayoutCreate", None)
+        if create is None or self.f32:
+            raise DeviceError("cuBLASLt: no grouped GEMM here (needs cuBLAS 13's "
+                              "cublasLtGroupedMatrixLayoutCreate; bf16 only)")
+        vp = ctypes.c_void_p
+        create.argtypes = [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int, vp, vp, vp]
+        create.restype = ctypes.c_int
+        desc, pref = vp(), vp()
+        a, b, c = vp(), vp(), vp()
+        try:
+            lt_check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                     "cublasLtMatmulDescCreate")
+            for attr, v in ((DESC_TRANSA, CUBLAS_OP_T), (DESC_TRANSB, CUBLAS_OP_N),
+                            (DESC_POINTER_MODE, POINTER_MODE_DEVICE)):
+                cv = ctypes.c_int32(v)
+                lt_check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(cv), 4),
+                         f"set matmul attribute {attr}")
+            # column-major view as plan(): A = W_g as k x n (ld k), B = X_g as k x m_g (ld k),
+            # D = Y_g as n x m_g (ld n)
+            lt_check(create(ctypes.byref(a), self.ab_type, groups, vp(k_dev), vp(n_dev), vp(k_dev)),
+                     "grouped layout A")
+            lt_check(create(ctypes.byref(b), self.ab_type, groups, vp(k_dev), vp(rows_dev),
+                            vp(k_dev)), "grouped layout B")
+            lt_check(create(ctypes.byref(c), CUDA_R_32F, groups, vp(n_dev), vp(rows_dev),
+                            vp(n_dev)), "grouped layout D")
+            lt_check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
+                     "cublasLtMatmulPreferenceCreate")
+            ws = ctypes.c_uint64(self.workspace_bytes)
+            lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES,
+                                                              ctypes.byref(ws), 8),
+                     "set MAX_WORKSPACE_BYTES")
+            if self.invariant:
+                mask = ctypes.c_uint32(INVARIANT_REDUCTIONS)
+                lt_check(lib.cublasLtMatmulPreferenceSetAttribute(
+                    pref, PREF_REDUCTION_SCHEME_MASK, ctypes.byref(mask), 4),
+                    "set REDUCTION_SCHEME_MASK")
+            for attr, v in ((PREF_GROUPED_AVG_ROWS, n), (PREF_GROUPED_AVG_COLS, max(1, avg_rows)),
+                            (PREF_GROUPED_AVG_K, k)):
+                cv = ctypes.c_uint32(v)
+                lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(cv), 4),
+                         f"set preference {attr}")
+            res = (HeuristicResult * 1)()
+            count = ctypes.c_int(0)
+            lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, 1,
+                                                        res, ctypes.byref(count)),
+                     f"cublasLtMatmulAlgoGetHeuristic(grouped N={n}, K={k}, groups={groups})")
+            if count.value < 1:
+                raise DeviceError(f"cuBLASLt: no algorithm for the grouped GEMM N={n} K={k}")
+        except BaseException:
+            for layout in (a, b, c):
+                if layout.value:
+                    lib.cublasLtMatrixLayoutDestroy(layout)
+            if desc.value:
+                lib.cublasLtMatmulDescDestroy(desc)
+            if pref.value:
+                lib.cublasLtMatmulPreferenceDestroy(pref)
+            raise
+        p = GroupedPlan()
+        p.desc, p.layouts, p.n, p.k, p.groups = desc, (a, b, c), int(n), int(k), int(groups)
+        p.algo = HeuristicResult()
+        ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
+        # the preference is the plan's own (its hints are per plan): destroyed with it
+        self._prefs[key] = pref
+        self._plans[key] = p
+        self.plans_made += 1
+        return p
+
+    def grouped_gemm(self, stream, p: GroupedPlan, w_ptrs: int, x_ptrs: int, y_ptrs: int,
+                     one_dev: int, zero_dev: int) -> None:
+        """Run a grouped plan: w_ptrs / x_ptrs / y_ptrs are device arrays (uint64 [groups]) of
+        each group's operand addresses; one_dev / zero_dev device float32 1.0 and 0.0 (alpha and
+        beta: the grouped mode reads them by device pointer)."""
+        a, b, c = p.layouts
+        self.calls += 1
+        lt_check(self.lib.cublasLtMatmul(self.handle, p.desc, ctypes.c_void_p(one_dev), w_ptrs, a,
+                                         x_ptrs, b, ctypes.c_void_p(zero_dev), y_ptrs, c, y_ptrs,
+                                         c, ctypes.byref(p.algo.algo), self.workspace_ptr,
+                                         self.workspace_bytes,
+                                         ctypes.c_void_p(int(stream.handle))),
+                 f"cublasLtMatmul(grouped N={p.n}, K={p.k}, groups={p.groups})")

@@ -409,6 +409,12 @@ class CudaModel(MediaEncoding):
             # (bf16 only: a float32 model runs every row on the CUDA-core kernel)
             attn_tc_min_tokens=math.inf if self.f32 else attention_tc.TC_MIN_TOKENS,
             w8a8=self.w8a8)
+        if self.ws.route_dev is not None:
+            # the MoE prefill's routing on the device where cuBLASLt has the grouped GEMM
+            # (cuda/moe_route.py): every MoE layer's expert addresses, the MTP head's too
+            self.ws.route_dev.bind(self.stream, self.lt, self.ws,
+                                   list(self.weights["layers"])
+                                   + ([self.weights["mtp"]] if self.mtp else []))
         if self.dflash_cfg is not None:
             self.dflash = device_dflash.DFlashRunner(
                 self.runner, self.dflash_cfg, self.weights["dflash"], self.dflash_bufs,

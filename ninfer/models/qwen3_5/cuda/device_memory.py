@@ -15,7 +15,7 @@ from ....core.cuda.cublaslt import PIN_M
 from ....errors import DeviceError
 from ....options import draft_tokens
 from ..memory_plan import MemoryPlan, plan_device_pools
-from . import attention_tc, gdn_chunk
+from . import attention_tc, gdn_chunk, moe_route
 from .runner import grouped_rows
 
 LT_WORKSPACE = 32 << 20         # cuBLASLt workspace bytes (also the fp32 load's widening scratch)
@@ -74,6 +74,9 @@ def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, 
         # ids, wts, mact, shared per token; the grouped rows (my, xg, gu, gact, route)
         per_tok += 8 * K + 4 * K * I + 4 * H + 4 * K
         grouped = grouped_rows(n_cap, K, cfg.num_experts) * (4 * H + g * H + 8 * I + g * I + 4)
+        if not f32:             # the routing on the device (moe_route.DeviceRoute), 7 arrays
+            grouped += moe_route.nbytes(n_cap, K, cfg.num_experts,
+                                        cfg.num_hidden_layers + int(mtp)) + 7 * 256
     else:
         grouped = 0
     part = grouped + part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4

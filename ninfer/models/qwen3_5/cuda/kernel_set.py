@@ -245,6 +245,10 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["expert_down"] = spec("expert_down", H=H, inter=inter)
         specs["moe_combine"] = spec("moe_combine", H=H, K=k)
         specs["gather_rows"] = spec("gather_rows")
+        # the prefill's routing on the device (cuda/moe_route.py)
+        specs["moe_route_count"] = spec("moe_route_count", E=E)
+        specs["moe_route_scan"] = spec("moe_route_scan", E=E)
+        specs["moe_route_place"] = spec("moe_route_place", E=E, K=k)
     return specs
 
 

@@ -19,7 +19,7 @@ from ....core.cuda import driver as _d
 from ....core.cuda.cublaslt import FP8_BLOCK, PIN_M, alignment, fp8_scale_rows
 from ..config import FULL_ATTENTION, TextConfig
 from . import attention_tc as tc
-from . import moe_rows
+from . import moe_route, moe_rows
 from . import gdn_chunk as gc
 from . import qweights as qw
 from .kernel_set import dequant_name, paged_attention_group, qgemv_name, qmma_name
@@ -31,6 +31,8 @@ MAX_GRID_Y = 65535          # a launch's grid.y limit
 
 class Workspace:
     """Fixed activation buffers for up to `n_cap` tokens and `lg_cap` logits rows."""
+
+    route_dev = None        # a bf16 MoE model's moe_route.DeviceRoute
 
     def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
                  max_keys: int, f32: bool = False, wq_elements: int = 0, w8a8_k: int = 0,
@@ -105,6 +107,10 @@ class Workspace:
             self.gu = take((R, 2 * I), np.float32, ws)
             self.gact = take((R, I), gin, ws)
             self.route = take((R + n * K,), np.int32, ws)    # [row -> token (R) | pair -> row]
+            # the same layout routed on the device (moe_route.py): its counts, the grouped
+            # GEMMs' row counts and addresses; a table of expert addresses per MoE layer
+            self.route_dev = None if f32 else moe_route.DeviceRoute(
+                take, cfg, n, cfg.num_hidden_layers + int(mtp), ws)
         # packed weights' prefill tile (cuda/qweights.py): a slab of rows dequantized for cuBLASLt
         self.wq = take((wq_elements,), gin, ws) if wq_elements else None
         # fp8 weights' prefill on fp8 tensor cores (qweights.w8a8_ok): the GEMM input as e4m3
@@ -238,6 +244,10 @@ class StepRunner:
         # codes in place; False dequantizes every expert into the workspace for cuBLASLt (the
         # slower path: 35B-A3B fp8 TTFT 512 78.8 ms against 182 ms; bench_engine --moe-dequant)
         self.packed_grouped = True
+        # bf16 experts' prefill routed on the device (experts_routed) where the workspace's
+        # DeviceRoute is enabled (cuBLASLt has the grouped GEMM); False: the host layout
+        # (experts_grouped), one sync per MoE layer (tests and bench_decode --moe-host-route)
+        self.moe_device_route = True
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
 
     # -- primitives --------------------------------------------------------------------------------
@@ -592,7 +602,12 @@ class StepRunner:
                     (ws.act, ws.proj, P, E, Is))
         self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
         if n > self.res.moe_gemv_tokens and not self.dry:
-            self.experts_grouped(st, n, lw)
+            route = ws.route_dev
+            if self.moe_device_route and route is not None and route.enabled \
+                    and getattr(lw["experts_gu"], "ptr", None) in route.tables:
+                self.experts_routed(st, n, lw)
+            else:
+                self.experts_grouped(st, n, lw)
             use_rows = 1
         elif isinstance(lw["experts_gu"], qw.QMatrix):
             self.experts_packed(st, n, lw)
@@ -677,6 +692,37 @@ class StepRunner:
             dequant(e, 1)
             self.gemm(st, x.ptr + g * k * r0, tile.ptr, y.ptr + 4 * n * r0, cnt, n, k,
                       name="expert_gemm")
+
+    def experts_routed(self, st, n, lw):
+        """Prefill with the routing on the device (moe_route.py): the routed rows laid out by
+        three small kernels (expert-sorted, pair order within an expert: experts_grouped's cap-0
+        layout), gathered, and the experts' gate|up and down as one grouped GEMM each, whose row
+        counts and addresses the layout kernels wrote. No host round trip."""
+        cfg, ws = self.cfg, self.res.ws
+        route = ws.route_dev
+        H, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, \
+            cfg.moe_intermediate_size
+        pairs = n * K
+        nb = moe_route.chunks(pairs)
+        self.launch(st, self.kernels.moe_route_count, (nb,), (moe_route.COUNT_THREADS,),
+                    (route.counts, ws.ids, pairs))
+        self.launch(st, self.kernels.moe_route_scan, (1,), (-(-E // 32) * 32,),
+                    (route.counts, route.rows, route.ptrs, route.spec, nb, moe_route.NPTR))
+        self.launch(st, self.kernels.moe_route_place, (nb,), (32,),
+                    (ws.route, ws.route.ptr + 4 * ws.grouped_rows, ws.ids, route.counts, pairs))
+        words = H * ws.gin_bytes // 4
+        self.launch(st, self.kernels.gather_rows, (pairs, -(-words // (4 * GATHER_THREADS))),
+                    (GATHER_THREADS,), (ws.xg, ws.x, ws.route, words))
+        plan_gu, plan_dn = route.plans(self.res.lt, pairs)
+        w_gu, w_dn = route.tables[lw["experts_gu"].ptr]
+        one, zero = route.scalars.ptr, route.scalars.ptr + 4
+        lt = self.res.lt
+        self._timed(st, "expert_gemm", lambda: lt.grouped_gemm(
+            st, plan_gu, w_gu, route.ptrs.at(0), route.ptrs.at(1), one, zero))
+        self.launch(st, self.kernels.silu_mul, (pairs, (I + 255) // 256), (256,),
+                    (ws.gact, ws.gu, 2 * I, 0, I))
+        self._timed(st, "expert_gemm", lambda: lt.grouped_gemm(
+            st, plan_dn, w_dn, route.ptrs.at(2), route.ptrs.at(3), one, zero))
 
     def experts_grouped(self, st, n, lw):
         """Prefill: route on the host (one sync), lay the routed rows out by expert (moe_rows.py:
