@@ -165,6 +165,7 @@ class _Machine:
         monkeypatch.setattr(d, "copy_dtoh_async", lambda dst, src, n, st: self.host_bytes(
             dst, n).__setitem__(slice(None), dev(src, n)))
         monkeypatch.setattr(d, "copy_dtod_async", self._dtod)
+        monkeypatch.setattr(d, "copy2d_dtod_async", self._dtod2d)
         monkeypatch.setattr(d, "PinnedBuffer", self._pinned)
         self.arena, self.stream, self.f32 = Arena(nbytes), _Stream(), False
 
@@ -172,6 +173,12 @@ class _Machine:
         assert st is self.stream                  # on the model's stream, in order with steps
         self.dtod += 1
         self.dev(dst, n)[:] = self.dev(src, n).copy()
+
+    def _dtod2d(self, dst, dst_pitch, src, src_pitch, width, height, st):
+        assert st is self.stream                  # a State slot's rows of every layer at once
+        self.dtod += 1
+        for i in range(height):
+            self.dev(dst + i * dst_pitch, width)[:] = self.dev(src + i * src_pitch, width).copy()
 
     def dev(self, ptr, n):
         off = ptr - self.BASE
@@ -236,7 +243,8 @@ def test_cuda_pool_copies_equal_the_numpy_pools(monkeypatch, f32):
     ref_kv.copy_pages([5, 2], [1, 4])
     st.copy(1, 2)
     ref_st.copy(1, 2)
-    assert m.dtod == 2 * 2 * len(cfg.attention_layer_ids) + 2 * len(cfg.linear_layer_ids)
+    # a page copy per K / V array (two runs each); a State slot: one 2D copy per kind
+    assert m.dtod == 2 * 2 * len(cfg.attention_layer_ids) + 2
     got, want = kv.read_pages(range(6)), ref_kv.read_pages(range(6))
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         np.testing.assert_array_equal(a, b)

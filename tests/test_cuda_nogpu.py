@@ -858,7 +858,7 @@ class _FakeDevice:
         self.mem, self.host, self.next_host = np.zeros(nbytes, np.uint8), {}, 1 << 20
         for name, fn in (("mem_alloc", lambda n: self.BASE), ("memset_d8_async", self._memset),
                          ("copy_dtoh_async", self._dtoh), ("copy_htod_async", self._htod),
-                         ("PinnedBuffer", self._pinned)):
+                         ("copy2d_dtod_async", self._dtod2d), ("PinnedBuffer", self._pinned)):
             monkeypatch.setattr(d, name, fn)
         self.arena, self.stream = Arena(nbytes), SimpleNamespace(synchronize=lambda: None)
         self.pinned_allocs = 0
@@ -895,6 +895,11 @@ class _FakeDevice:
 
     def _htod(self, dst, src, n, stream):
         self._dev(dst, n)[:] = self._host(src, n)
+
+    def _dtod2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
+        self.copies_2d = getattr(self, "copies_2d", 0) + 1
+        for i in range(height):
+            self._dev(dst + i * dst_pitch, width)[:] = self._dev(src + i * src_pitch, width).copy()
 
 
 def _bf16_exact(r, shape):

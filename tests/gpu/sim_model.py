@@ -153,6 +153,9 @@ def install(machine):
         slice(None), machine.dev(src, n))
     d.copy_dtod_async = lambda dst, src, n, st: machine.dev(dst, n).__setitem__(
         slice(None), machine.dev(src, n).copy())         # the context cache's pool copies
+    d.copy2d_dtod_async = lambda dst, dp, src, sp, w, h, st: [          # State slot copies
+        machine.dev(dst + i * dp, w).__setitem__(slice(None), machine.dev(src + i * sp, w).copy())
+        for i in range(h)]
 
     class Kernel:
         def __init__(self, spec):

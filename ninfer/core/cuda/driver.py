@@ -275,6 +275,24 @@ def copy_dtod_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
     check(driver().cuMemcpyDtoDAsync(dst, src, nbytes, stream.handle), "cuMemcpyDtoDAsync")
 
 
+MAX_PITCH = 2**31 - 1       # cuMemcpy2D's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_PITCH on sm_80+)
+
+
+def copy2d_dtod_async(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                      height: int, stream: Stream) -> None:
+    """`height` rows of `width` bytes, row i from src + i * src_pitch to dst + i * dst_pitch,
+    device to device in one driver call (pitches at most MAX_PITCH): a State slot's row of
+    every layer at once (device_pools.DeviceStatePool.copy)."""
+    drv = driver()
+    STATS.copies += 1
+    m = drv.CUDA_MEMCPY2D()
+    m.srcMemoryType = m.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    m.srcDevice, m.srcPitch = int(src), int(src_pitch)
+    m.dstDevice, m.dstPitch = int(dst), int(dst_pitch)
+    m.WidthInBytes, m.Height = int(width), int(height)
+    check(drv.cuMemcpy2DAsync(m, stream.handle), "cuMemcpy2DAsync")
+
+
 def memset_d8_async(dst: int, value: int, nbytes: int, stream: Stream) -> None:
     check(driver().cuMemsetD8Async(dst, value, nbytes, stream.handle), "cuMemsetD8Async")
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ....contracts import ReadyRead
 from ....core.cuda import driver as _d
+from ....core.cuda.arena import DeviceArray, _round_up
 from ..config import TextConfig
 from .host_tier import HostRows, PinnedReserve, TierImage, TierRead
 from ..memory_plan import kv_layer_shapes, quantized_page_bytes
@@ -447,20 +448,33 @@ class DeviceKVPool:
 
 
 class DeviceStatePool:
+    """The GDN States: per linear layer a conv window array [slots, conv_dim, kernel - 1] and a
+    recurrent array [slots, nv, dk, dv] (fp32). Each kind is ONE arena allocation, layer after
+    layer (each layer's slots 256-byte aligned), so a slot's rows of every layer lie one layer's
+    bytes apart and one 2D copy moves them all (copy: a speculative select, a context-cache
+    capture or install), instead of a copy per layer array (48 driver calls a slot at 9B)."""
+
     def __init__(self, dev: PoolDevice, cfg: TextConfig, num_slots: int):
         self._dev = dev
         n = len(cfg.linear_layer_ids)
-        conv = (int(num_slots), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
-        rec = (int(num_slots), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-               cfg.linear_value_head_dim)
-        arrays = _take_all(dev.arena, [conv] * n + [rec] * n, np.float32,
-                           f"state pool ({num_slots} slots)")
-        self.conv, self.recurrent = arrays[:n], arrays[n:]
-        self._num_slots = int(num_slots)
+        S = self._num_slots = int(num_slots)
+        kinds = ((cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1),
+                 (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+        # per kind: (the whole allocation, one layer's bytes: the 2D copy's pitch)
+        self._wholes = []
+        views = []
+        if n:
+            pitches = [_round_up(S * 4 * int(np.prod(row))) for row in kinds]
+            wholes = _take_all(dev.arena, [(n * p // 4,) for p in pitches], np.float32,
+                               f"state pool ({num_slots} slots)")
+            self._wholes = list(zip(wholes, pitches))
+            views = [[DeviceArray(w.ptr + i * p, (S,) + row, np.float32) for i in range(n)]
+                     for (w, p), row in zip(self._wholes, kinds)]
+        self.conv, self.recurrent = views if views else ([], [])
         self._tier: Optional[HostRows] = None      # the host tier's rows, made when first read
-        weakref.finalize(self, dev.arena.give_later, self.conv + self.recurrent)
-        for a in self.conv + self.recurrent:
-            _d.memset_d8_async(a.ptr, 0, a.nbytes, dev.stream)
+        weakref.finalize(self, dev.arena.give_later, [w for w, _ in self._wholes])
+        for w, _ in self._wholes:
+            _d.memset_d8_async(w.ptr, 0, w.nbytes, dev.stream)
 
     @property
     def num_slots(self) -> int:
@@ -517,16 +531,25 @@ class DeviceStatePool:
                       self._dev.stream, self._dev.staging, self._dev.pinned)
 
     def copy(self, src_slot: int, dst_slot: int) -> None:
-        """Slot dst_slot's StateImage becomes a copy of src_slot's (numpy StatePool's contract)."""
+        """Slot dst_slot's StateImage becomes a copy of src_slot's (numpy StatePool's contract):
+        one 2D copy per kind over every layer (a copy per layer array where a layer's bytes
+        exceed the 2D copy's pitch limit)."""
         src, dst = _copy_indices([src_slot], [dst_slot], self._num_slots, "state slot")
         self._dev.bind()
-        _copy_rows(self.conv + self.recurrent, src.tolist(), dst.tolist(), self._dev.stream)
+        s, d = int(src[0]), int(dst[0])
+        for (whole, pitch), arrays in zip(self._wholes, (self.conv, self.recurrent)):
+            row = arrays[0].nbytes // self._num_slots
+            if pitch <= _d.MAX_PITCH:
+                _d.copy2d_dtod_async(arrays[0].at(d), pitch, arrays[0].at(s), pitch, row,
+                                     len(arrays), self._dev.stream)
+            else:
+                _copy_rows(arrays, [s], [d], self._dev.stream)
 
     def close(self) -> None:
         self._dev.bind()
         self._dev.on_close(self)
         _free_tier(self._dev, self._tier)
         self._tier = None
-        for a in self.conv + self.recurrent:
-            self._dev.arena.give(a)
-        self.conv, self.recurrent = [], []
+        for w, _ in self._wholes:
+            self._dev.arena.give(w)
+        self._wholes, self.conv, self.recurrent = [], [], []
