@@ -193,7 +193,7 @@ def time_prefill(model, batch, kv, state, reps=2):
 
 
 def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False,
-                cores_upto=0, invariant=False):
+                cores_upto=0, invariant=False, gemv_mbs=(None,)):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
@@ -212,37 +212,42 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
     rng = np.random.default_rng(0)
     rows = []
     ev0, ev1 = d.Event(), d.Event()
-    for ctx in contexts:
-        for B in batch_sizes:
-            batch = decode_batch(B, ctx, page, pages_per_row, rng, cfg.vocab_size)
-            for _ in range(3):
-                model.decode_greedy(batch, kv, state)
-            host, gpu_ms, parts = [], [], []
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                ev0.record(model.stream)
-                model.decode_greedy(batch, kv, state)
-                ev1.record(model.stream)
-                ev1.synchronize()
-                host.append(model.last_host_us)
-                parts.append(model.last_host_breakdown_us)
-                gpu_ms.append(ev0.elapsed_ms(ev1))
-            wall = (time.perf_counter() - t0) / steps
-            limit_s = step_bytes(cfg, B, ctx) / bw
-            step_s = float(np.median(gpu_ms)) / 1e3
-            rows.append(dict(shape=name, kind="decode", B=B, ctx=ctx, step_ms=step_s * 1e3,
-                             wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
-                             host_parts_us=[float(x) for x in np.median(np.array(parts), 0)],
-                             limit_ms=limit_s * 1e3, ratio=limit_s / step_s))
-            log(json.dumps(rows[-1]))
-            if profile and B == 1:
-                model.options = dataclasses.replace(opts, graphs=False)   # eager, same kernels
-                model.runner.profile = []
-                model.decode_greedy(batch, kv, state)
-                prof = model.runner.profile_summary()
-                model.options = opts
-                log(f"[{name}] decode B=1 ctx={ctx} time by kernel (ms, eager): " +
-                    json.dumps({k: round(v, 3) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])}))
+    for gmb, ctx, B in [(g, c, b) for g in gemv_mbs for c in contexts for b in batch_sizes]:
+        if gmb is not None and gmb << 20 != model.runner.gemv_max_bytes:
+            # the decode GEMV's threshold (runner.gemv_fits): graphs captured again under it
+            model.runner.gemv_max_bytes = gmb << 20
+            for g in model.graphs.take_all():
+                g.destroy()
+        batch = decode_batch(B, ctx, page, pages_per_row, rng, cfg.vocab_size)
+        for _ in range(3):
+            model.decode_greedy(batch, kv, state)
+        host, gpu_ms, parts = [], [], []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            ev0.record(model.stream)
+            model.decode_greedy(batch, kv, state)
+            ev1.record(model.stream)
+            ev1.synchronize()
+            host.append(model.last_host_us)
+            parts.append(model.last_host_breakdown_us)
+            gpu_ms.append(ev0.elapsed_ms(ev1))
+        wall = (time.perf_counter() - t0) / steps
+        limit_s = step_bytes(cfg, B, ctx) / bw
+        step_s = float(np.median(gpu_ms)) / 1e3
+        rows.append(dict(shape=name, kind="decode", B=B, ctx=ctx, step_ms=step_s * 1e3,
+                         gemv_max_mb=model.runner.gemv_max_bytes >> 20,
+                         wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
+                         host_parts_us=[float(x) for x in np.median(np.array(parts), 0)],
+                         limit_ms=limit_s * 1e3, ratio=limit_s / step_s))
+        log(json.dumps(rows[-1]))
+        if profile and B == 1:
+            model.options = dataclasses.replace(opts, graphs=False)   # eager, same kernels
+            model.runner.profile = []
+            model.decode_greedy(batch, kv, state)
+            prof = model.runner.profile_summary()
+            model.options = opts
+            log(f"[{name}] decode B=1 ctx={ctx} time by kernel (ms, eager): " +
+                json.dumps({k: round(v, 3) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])}))
     for T in prefill_sizes:
         toks = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
         table = np.arange(pages_per_row, dtype=np.int32).reshape(1, -1)
@@ -288,6 +293,9 @@ def main(argv=None):
     ap.add_argument("--cores-upto", type=int, default=0,
                     help="also time prefills of up to this many tokens with attention on the "
                          "CUDA-core kernel (tensor-core path off)")
+    ap.add_argument("--gemv-max-mb", default=None,
+                    help="decode rows at each of these decode-GEMV thresholds, MB of weights "
+                         "(comma-separated; runner.gemv_max_bytes; default: the model's)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -305,7 +313,9 @@ def main(argv=None):
         try:
             results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
                                            ints(args.batches), args.steps, log, args.profile,
-                                           args.cores_upto)
+                                           args.cores_upto,
+                                           gemv_mbs=ints(args.gemv_max_mb) if args.gemv_max_mb
+                                           else (None,))
         except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             results["rows"].append(dict(shape=name, kind="error", error=str(exc)))

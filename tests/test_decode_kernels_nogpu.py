@@ -27,7 +27,9 @@ def test_decode_kernels_on_the_simulator(seed=0):
     ids exactly, ties and rows of -inf included. rmsnorm with the row in registers and wider than
     that (the two-pass loop). gather_rows (16 bytes a thread): the source rows exactly, whole and
     partial 16-byte groups. The MoE prefill's routed-row layout on the device (moe_route_count,
-    _scan, _place) exactly the host's cap-0 layout (moe_rows.expert_rows)."""
+    _scan, _place) exactly the host's cap-0 layout (moe_rows.expert_rows). The decode GEMV
+    (kernels/gemv.py) within float32's error of float64: 1 to 8 tokens, the unrolled and the
+    tail loops, beta 0 over a poisoned output and 1."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore",
@@ -35,7 +37,7 @@ def test_decode_kernels_on_the_simulator(seed=0):
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out) == 20, out
+    assert len(out) == 23, out
     for key, v in out.items():
         if key.endswith(("untouched", "ids")):
             assert v is True, key
@@ -54,6 +56,9 @@ def test_combine_launch_matches_the_kernel():
     assert _import_kernel_module("moe").ROUTER_THREADS == runner.ROUTER_THREADS
     assert _import_kernel_module("moe").GATHER_THREADS == runner.GATHER_THREADS
     assert _import_kernel_module("moe").ROUTE_CHUNK == moe_route.ROUTE_CHUNK
+    gemv = _import_kernel_module("gemv")
+    assert (gemv.WARPS, gemv.MAX_M, 4 * gemv.SPAN) == (runner.GEMV_WARPS, runner.GEMV_MAX_M,
+                                                       runner.GEMV_SPAN_BYTES)
     assert _import_kernel_module("moe").ROUTE_COUNT_THREADS == moe_route.COUNT_THREADS
     assert runner.combine_launch(3, 16, 256) == ((3, 16, 8), (32 * runner.COMBINE_GROUPS,))
 

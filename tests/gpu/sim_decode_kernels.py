@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from sim_storage import kernel   # (the simulator switched on, its shared-array fix applied)
+from sim_storage import bf16_bits, kernel   # (the simulator switched on, its shared-array fix applied)
 from oracles import router_oracle   # noqa: E402
 from ninfer.models.qwen3_5.cuda.runner import EXPERT_DOWN_ROWS, ROUTER_THREADS, combine_launch   # noqa: E402
 
@@ -193,6 +193,23 @@ def route(r, E: int, K: int, tokens: int, skew: float) -> bool:
                 and (row_of_pair[pairs:] == -5).all() and (total == 0).any())
 
 
+def gemv(r, M: int, n: int, k: int, beta: float) -> float:
+    """The decode GEMV (kernels/gemv.py): M tokens, n rows not a multiple of its block's, k of
+    one span (the tail loop alone) or five (the unrolled loop and the tail), beta 0 over a
+    poisoned output and 1 over a live one: relative error against float64."""
+    from ninfer.models.qwen3_5.cuda.runner import GEMV_WARPS
+    x = bf16_bits(r.standard_normal((M, k)))
+    w = bf16_bits(0.05 * r.standard_normal((n, k)))
+    y0 = r.standard_normal((M, n)).astype(np.float32) if beta else \
+        np.full((M, n), np.nan, np.float32)
+    y = y0.copy()
+    kernel("gemv", "gemv", M=M)[(-(-n // GEMV_WARPS), 1, 1), (32 * GEMV_WARPS, 1, 1)](
+        y.reshape(-1), x.view(np.uint32).reshape(-1), w.view(np.uint32).reshape(-1), n, k // 2,
+        np.float32(beta))
+    want = bf16_to_f64(x) @ bf16_to_f64(w).T + (beta * y0.astype(np.float64) if beta else 0.0)
+    return rel(y.astype(np.float64), want)
+
+
 def main(seed: int) -> dict:
     r = np.random.default_rng(seed)
     out = {}
@@ -213,6 +230,8 @@ def main(seed: int) -> dict:
         out[f"gather_rows/{words}w/ids"] = gather(r, words)
     # 3 chunks, the last partial, some experts routed nothing; E not a multiple of 32
     out["moe_route/300x4/ids"] = route(r, 300, 4, 300, 1.2)
+    for M, n, k, beta in ((1, 37, 256, 0.0), (3, 9, 1280, 1.0), (8, 5, 1280, 0.0)):
+        out[f"gemv/{M}x{n}x{k}/f32"] = gemv(r, M, n, k, beta)
     return out
 
 

@@ -12,11 +12,13 @@ from ..config import TextConfig
 from . import gdn_chunk as gc
 from . import qweights as qw
 
+GEMV_MAX_M = 8              # kernels/gemv.MAX_M (runner.GEMV_MAX_M)
+
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
 MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "gdn_chunk_tc", "rope_kv",
            "attention", "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision",
-           "speculate")
+           "speculate", "gemv")
 
 
 def declared_signatures(module: str) -> dict:
@@ -219,6 +221,8 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
     specs = {n: spec(n) for n in ("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather",
                                   "argmax", "sample_prep", "sample_stats", "sample",
                                   "random_bf16", "random_f32")}
+    # the decode GEMV (kernels/gemv.py), a kernel per token count (StepRunner.gemv_fits)
+    specs.update({f"gemv{m}": spec("gemv", M=m) for m in range(1, GEMV_MAX_M + 1)})
     if cfg.linear_layer_ids:
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)

@@ -22,7 +22,7 @@ from . import attention_tc as tc
 from . import moe_route, moe_rows
 from . import gdn_chunk as gc
 from . import qweights as qw
-from .kernel_set import dequant_name, paged_attention_group, qgemv_name, qmma_name
+from .kernel_set import GEMV_MAX_M, dequant_name, paged_attention_group, qgemv_name, qmma_name
 from .media_rows import MediaRows
 
 
@@ -144,6 +144,8 @@ COMBINE_GROUPS = 8          # kernels/attention.COMBINE_GROUPS (the kernels' mod
 EXPERT_DOWN_ROWS = 4        # kernels/moe.DOWN_ROWS: expert_down's output rows per warp
 ROUTER_THREADS = 32         # kernels/moe.ROUTER_THREADS: router_topk's block, a warp a token
 GATHER_THREADS = 128        # kernels/moe.GATHER_THREADS: gather_rows' block, 16 bytes a thread
+GEMV_WARPS = 4              # kernels/gemv.WARPS: the decode GEMV's output rows a block
+GEMV_SPAN_BYTES = 512       # kernels/gemv.SPAN words of 4 bytes: its rows' granule
 
 
 def combine_launch(tokens: int, nh: int, hd: int) -> tuple:
@@ -248,6 +250,10 @@ class StepRunner:
         # DeviceRoute is enabled (cuBLASLt has the grouped GEMM); False: the host layout
         # (experts_grouped), one sync per MoE layer (tests and bench_decode --moe-host-route)
         self.moe_device_route = True
+        # products of at most this many weight bytes and GEMV_MAX_M tokens run on the decode
+        # GEMV (gemv_fits), one launch instead of cuBLASLt's split-K nodes; 0: none (not yet
+        # measured on the GPU: bench_decode --gemv-max-mb sweeps it)
+        self.gemv_max_bytes = 0
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
 
     # -- primitives --------------------------------------------------------------------------------
@@ -271,8 +277,20 @@ class StepRunner:
         self.profile = None
         return out
 
+    def gemv_fits(self, x, w, m, n, k, w_kn, batch, ldc) -> bool:
+        """Whether a product runs on the decode GEMV (kernels/gemv.py) instead of cuBLASLt:
+        bf16, at most GEMV_MAX_M tokens, W[n, k] of at most gemv_max_bytes with rows of whole
+        512-byte spans, 16-byte aligned operands, y's rows contiguous."""
+        return (0 < m <= GEMV_MAX_M and 2 * n * k <= self.gemv_max_bytes and not w_kn
+                and batch == 1 and ldc in (0, n) and self.res.ws.gin_bytes == 2
+                and (2 * k) % GEMV_SPAN_BYTES == 0 and x % 16 == 0 and w % 16 == 0)
+
     def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm", batch=1,
              strides=(0, 0, 0), ldc=0):
+        if self.gemv_fits(x, w, m, n, k, w_kn, batch, ldc):
+            self.launch(st, getattr(self.kernels, f"gemv{m}"), (-(-n // GEMV_WARPS),),
+                        (32 * GEMV_WARPS,), (y, x, w, n, k // 2, float(beta)))
+            return
         lt = self.res.lt
         if self.invariant and m < PIN_M and batch == 1:
             # one problem shape for every small M: the same kernel, grid and split-K, so each
