@@ -261,11 +261,11 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
             model.attn_tc_min_tokens = saved
         route = getattr(model.ws, "route_dev", None)
         if route is not None and route.enabled:
-            # the same prefill with the MoE routing on the host (experts_grouped: one sync a
-            # MoE layer), the path before the device route
-            model.runner.moe_device_route = False
-            extra["ms_host_route"] = time_prefill(model, batch, kv, state) * 1e3
+            # the same prefill with the MoE routing on the device (experts_routed: no sync a
+            # MoE layer; off by default), where this cuBLASLt has the grouped GEMM
             model.runner.moe_device_route = True
+            extra["ms_device_route"] = time_prefill(model, batch, kv, state) * 1e3
+            model.runner.moe_device_route = False
         if profile and T == 4096:
             model.runner.profile = []
             model.decode_greedy(batch, kv, state)

@@ -197,6 +197,34 @@ def _fake_lt(f32):
     return fake_cublaslt(f32=f32)
 
 
+def test_cublaslt_grouped_plan_reads_its_shapes_from_the_device_arrays():
+    """The grouped GEMM's plan (moe_route.py's experts): strict fp32 compute, W^T x in the same
+    column-major view as plan() (A = W_g as k x n, B = X_g as k x m_g, D as n x m_g in fp32),
+    every dimension an address of the device arrays it was given (m_g the row counts the
+    layout kernels write), alpha and beta by device pointer, the heuristic's shape hints; the
+    float32 handle refuses it."""
+    from ninfer.core.cuda import cublaslt as C
+    lt, calls = _fake_lt(False)
+    lt.grouped_plan(96, 200, 40, rows_dev=0x100, n_dev=0x200, k_dev=0x300, avg_rows=16)
+    desc = [a for n, a in calls if n == "cublasLtMatmulDescCreate"]
+    assert len(desc) == 1 and desc[0][1:] == (C.CUBLAS_COMPUTE_32F, C.CUDA_R_32F)
+    layouts = [(a[1], a[2], a[3].value, a[4].value, a[5].value)
+               for n, a in calls if n == "cublasLtGroupedMatrixLayoutCreate"]
+    assert layouts == [(C.CUDA_R_16BF, 40, 0x300, 0x200, 0x300),    # A: k x n, ld k
+                       (C.CUDA_R_16BF, 40, 0x300, 0x100, 0x300),    # B: k x m_g, ld k
+                       (C.CUDA_R_32F, 40, 0x200, 0x100, 0x200)]     # D: n x m_g, ld n
+    attrs = {a[1]: a[2]._obj.value for n, a in calls if n == "cublasLtMatmulDescSetAttribute"}
+    assert attrs == {C.DESC_TRANSA: C.CUBLAS_OP_T, C.DESC_TRANSB: C.CUBLAS_OP_N,
+                     C.DESC_POINTER_MODE: C.POINTER_MODE_DEVICE}
+    hints = {a[1]: a[2]._obj.value for n, a in calls
+             if n == "cublasLtMatmulPreferenceSetAttribute" and a[1] != C.PREF_MAX_WORKSPACE_BYTES}
+    assert hints == {C.PREF_GROUPED_AVG_ROWS: 96, C.PREF_GROUPED_AVG_COLS: 16,
+                     C.PREF_GROUPED_AVG_K: 200}
+    f32, _ = _fake_lt(True)
+    with pytest.raises(DeviceError, match="grouped"):
+        f32.grouped_plan(96, 200, 40, 0x100, 0x200, 0x300, 16)
+
+
 @pytest.mark.parametrize("f32", [False, True])
 def test_cublaslt_types_and_strict_fp32_compute(f32):
     from ninfer.core.cuda import cublaslt as C

@@ -109,6 +109,7 @@ def _runner(invariant):
                                      num_sms=132, b_cap=1, moe_gemv_tokens=1, n_cap=16, route_host=None, media=None),
                      invariant=invariant, attn_tc_min_tokens=64)
     r.gemms = gemms
+    r.gemv_max_bytes = 0          # every product through the recorded cuBLASLt (not the GEMV)
     return r
 
 
@@ -120,6 +121,34 @@ def test_invariant_gemms_run_every_small_m_as_pin_m():
             r.gemm(None, 0, 0, 0, m, 64, 32)
         want = [max(m, PIN_M) if invariant else m for m in (1, 3, PIN_M, PIN_M + 1, 100)]
         assert [g[0] for g in r.gemms] == want
+
+
+def test_small_decode_products_take_the_gemv():
+    """StepRunner.gemv_fits: products of 1..GEMV_MAX_M tokens, weights of at most
+    gemv_max_bytes with rows of whole 512-byte spans, 16-byte aligned operands, W[n, k] (not
+    w_kn), one product, contiguous y rows run on the decode GEMV kernel of their token count,
+    one warp an output row; everything else on cuBLASLt. The GEMV's rows never depend on M, so
+    the invariant mode takes it too."""
+    from ninfer.models.qwen3_5.cuda import runner as R
+    for invariant in (False, True):
+        r = _runner(invariant)
+        r.gemv_max_bytes = 2 * 64 * 512
+        r.res.ws.gin_bytes = 2
+        launches = []
+        r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append(
+            (kernel, grid, block, args))
+        r.kernels = SimpleNamespace(**{f"gemv{m}": f"gemv{m}" for m in range(1, 9)})
+        r.gemm(None, 0x100, 0x200, 0x300, 3, 64, 512, beta=1.0)
+        assert launches == [("gemv3", (-(-64 // R.GEMV_WARPS),), (32 * R.GEMV_WARPS,),
+                             (0x300, 0x100, 0x200, 64, 256, 1.0))]
+        for args, kw in (((0x100, 0x200, 0x300, 9, 64, 512), {}),       # 9 tokens
+                         ((0x100, 0x200, 0x300, 1, 65, 512), {}),       # over the bytes
+                         ((0x100, 0x200, 0x300, 1, 64, 384), {}),       # not whole spans
+                         ((0x108, 0x200, 0x300, 1, 64, 512), {}),       # x 8-byte aligned
+                         ((0x100, 0x200, 0x300, 1, 64, 512), {"w_kn": True}),
+                         ((0x100, 0x200, 0x300, 1, 32, 512), {"ldc": 64})):
+            r.gemm(None, *args, **kw)
+        assert len(launches) == 1 and len(r.gemms) == 6
 
 
 # ---- decode attention splits -------------------------------------------------------------------

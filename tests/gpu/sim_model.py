@@ -284,6 +284,7 @@ def run(kind="dense", prompt_len=5, steps=3, kv_dtype="bfloat16"):
                              prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False,
                              kv_dtype=kv_dtype)
         gpu = cm.CudaModel(model_config(art), opts, artifact=art)
+        gpu.runner.moe_device_route = True     # (off by default: cuda/runner.py says why)
         pages = np.arange(16, dtype=np.int32)
         kv_g, st_g = gpu.new_kv_pool(17, 4), gpu.new_state_pool(2)
         kv_c, st_c = cpu.new_kv_pool(17, 4), cpu.new_state_pool(2)

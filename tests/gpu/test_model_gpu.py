@@ -287,9 +287,9 @@ def test_moe_prefill_row_layouts_match_numpy(pair, seqs_of, cap, launch_rows):
     saved = runner.moe_cap, runner.moe_launch_rows, runner.moe_device_route
     runner.last_moe_layout = None
     try:
+        runner.moe_device_route = cap == "device"
         if cap != "device":
             runner.moe_cap, runner.moe_launch_rows = cap, launch_rows
-            runner.moe_device_route = False
         sc, sg = seqs_of(cpu), seqs_of(gpu)
         out = gpu.forward(batch_for(sg, [0, 1], prompts, [0, 0]), sg.kv, sg.state)
         ref = cpu.forward(batch_for(sc, [0, 1], prompts, [0, 0]), sc.kv, sc.state)

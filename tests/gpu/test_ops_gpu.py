@@ -522,7 +522,7 @@ def test_moe_route_and_grouped_gemm(g, tokens, E, K):
     g.run("moe_route_place", (nb,), (32,), (src, rop, dids, counts, pairs), dict(E=E, K=K))
     lay = moe_rows.expert_rows(ids, K, E, pairs, cap=0)
     total = np.bincount(ids, minlength=E)
-    assert (total == 0).any()
+    assert (total == 0).any() or tokens * K > 2 * E      # the small case routes some nothing
     assert np.array_equal(g.get(rows), total)
     assert np.array_equal(g.get(src)[:pairs], lay.src) and g.get(src)[pairs] == -1
     assert np.array_equal(g.get(rop)[:pairs], lay.row_of_pair) and g.get(rop)[pairs] == -1

@@ -196,25 +196,31 @@ class CublasLt:
         MoE path can be less aligned than cuBLASLt's default assumption of 256)."""
         pref = self._prefs.get(align)
         if pref is None:
-            lib = self.lib
-            pref = ctypes.c_void_p()
-            lt_check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
-                     "cublasLtMatmulPreferenceCreate")
+            pref = self._prefs[align] = self._new_pref(
+                {attr: align for attr in PREF_MIN_ALIGNMENT} if align < 256 else {})
+        return pref
+
+    def _new_pref(self, uint32_attrs: dict):
+        """A preference: the workspace, the invariant mode's reductions, and `uint32_attrs`
+        (attribute -> uint32 value: alignments, the grouped GEMM's shape hints)."""
+        lib = self.lib
+        pref = ctypes.c_void_p()
+        lt_check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
+                 "cublasLtMatmulPreferenceCreate")
+        try:
             ws = ctypes.c_uint64(self.workspace_bytes)
             lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES,
                                                               ctypes.byref(ws), 8),
                      "set MAX_WORKSPACE_BYTES")
             if self.invariant:
-                mask = ctypes.c_uint32(INVARIANT_REDUCTIONS)
-                lt_check(lib.cublasLtMatmulPreferenceSetAttribute(
-                    pref, PREF_REDUCTION_SCHEME_MASK, ctypes.byref(mask), 4),
-                    "set REDUCTION_SCHEME_MASK")
-            if align < 256:
-                a = ctypes.c_uint32(align)
-                for attr in PREF_MIN_ALIGNMENT:
-                    lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(a), 4),
-                             "set MIN_ALIGNMENT")
-            self._prefs[align] = pref
+                uint32_attrs = {PREF_REDUCTION_SCHEME_MASK: INVARIANT_REDUCTIONS, **uint32_attrs}
+            for attr, v in uint32_attrs.items():
+                cv = ctypes.c_uint32(v)
+                lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(cv), 4),
+                         f"set preference {attr}")
+        except BaseException:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+            raise
         return pref
 
     def batch_alignment(self, x_ptr, w_ptr, y_ptr, batch=1, strides=(0, 0, 0)) -> int:
@@ -385,8 +391,8 @@ class CublasLt:
         prefill's experts, routed on the device (no host round trip). n_dev / k_dev: int32
         [groups] arrays holding n and k (the layouts read every dimension from the device).
         `avg_rows` is the heuristic's hint for m_g. Raises DeviceError where this cuBLASLt has
-        no grouped GEMM (before cuBLAS 13's experimental CUBLASLT_BATCH_MODE_GROUPED) or no
-        algorithm for it (grouped_supported asks once)."""
+        no grouped GEMM (the experimental CUBLASLT_BATCH_MODE_GROUPED: cuBLAS 13.10 has it,
+        13.1 not) or no algorithm for it (moe_route.DeviceRoute.bind asks once)."""
         key = ("grouped", int(n), int(k), int(groups), int(rows_dev), int(n_dev), int(k_dev),
                int(avg_rows))
         p = self._plans.get(key)
@@ -400,7 +406,7 @@ class CublasLt:
         vp = ctypes.c_void_p
         create.argtypes = [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int, vp, vp, vp]
         create.restype = ctypes.c_int
-        desc, pref = vp(), vp()
+        desc, pref = vp(), None
         a, b, c = vp(), vp(), vp()
         try:
             lt_check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -418,22 +424,8 @@ class CublasLt:
                             vp(k_dev)), "grouped layout B")
             lt_check(create(ctypes.byref(c), CUDA_R_32F, groups, vp(n_dev), vp(rows_dev),
                             vp(n_dev)), "grouped layout D")
-            lt_check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
-                     "cublasLtMatmulPreferenceCreate")
-            ws = ctypes.c_uint64(self.workspace_bytes)
-            lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES,
-                                                              ctypes.byref(ws), 8),
-                     "set MAX_WORKSPACE_BYTES")
-            if self.invariant:
-                mask = ctypes.c_uint32(INVARIANT_REDUCTIONS)
-                lt_check(lib.cublasLtMatmulPreferenceSetAttribute(
-                    pref, PREF_REDUCTION_SCHEME_MASK, ctypes.byref(mask), 4),
-                    "set REDUCTION_SCHEME_MASK")
-            for attr, v in ((PREF_GROUPED_AVG_ROWS, n), (PREF_GROUPED_AVG_COLS, max(1, avg_rows)),
-                            (PREF_GROUPED_AVG_K, k)):
-                cv = ctypes.c_uint32(v)
-                lt_check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(cv), 4),
-                         f"set preference {attr}")
+            pref = self._new_pref({PREF_GROUPED_AVG_ROWS: n, PREF_GROUPED_AVG_COLS: max(1, avg_rows),
+                                   PREF_GROUPED_AVG_K: k})
             res = (HeuristicResult * 1)()
             count = ctypes.c_int(0)
             lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, 1,
@@ -447,7 +439,7 @@ class CublasLt:
                     lib.cublasLtMatrixLayoutDestroy(layout)
             if desc.value:
                 lib.cublasLtMatmulDescDestroy(desc)
-            if pref.value:
+            if pref is not None:
                 lib.cublasLtMatmulPreferenceDestroy(pref)
             raise
         p = GroupedPlan()

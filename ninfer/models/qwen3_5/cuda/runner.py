@@ -146,6 +146,7 @@ ROUTER_THREADS = 32         # kernels/moe.ROUTER_THREADS: router_topk's block, a
 GATHER_THREADS = 128        # kernels/moe.GATHER_THREADS: gather_rows' block, 16 bytes a thread
 GEMV_WARPS = 4              # kernels/gemv.WARPS: the decode GEMV's output rows a block
 GEMV_SPAN_BYTES = 512       # kernels/gemv.SPAN words of 4 bytes: its rows' granule
+GEMV_MAX_BYTES = 16 << 20   # StepRunner.gemv_max_bytes' default
 
 
 def combine_launch(tokens: int, nh: int, hd: int) -> tuple:
@@ -247,13 +248,16 @@ class StepRunner:
         # slower path: 35B-A3B fp8 TTFT 512 78.8 ms against 182 ms; bench_engine --moe-dequant)
         self.packed_grouped = True
         # bf16 experts' prefill routed on the device (experts_routed) where the workspace's
-        # DeviceRoute is enabled (cuBLASLt has the grouped GEMM); False: the host layout
-        # (experts_grouped), one sync per MoE layer (tests and bench_decode --moe-host-route)
-        self.moe_device_route = True
+        # DeviceRoute is enabled (cuBLASLt has the grouped GEMM). Off by default: the GPUs this
+        # project measures on carry cuBLAS 13.1, which has no grouped GEMM, so the path has run
+        # on the simulator only (its layout kernels on the GPU too); False takes the host
+        # layout (experts_grouped), one sync per MoE layer
+        self.moe_device_route = False
         # products of at most this many weight bytes and GEMV_MAX_M tokens run on the decode
-        # GEMV (gemv_fits), one launch instead of cuBLASLt's split-K nodes; 0: none (not yet
-        # measured on the GPU: bench_decode --gemv-max-mb sweeps it)
-        self.gemv_max_bytes = 0
+        # GEMV (gemv_fits), one launch instead of cuBLASLt's split-K nodes (H100, 35B-A3B
+        # decode step: B=1 4.24 -> 4.05 ms at 16 MB, 4.09 at 64 MB; B=8 9.75 -> 9.77 at 16 MB,
+        # 10.03 at 64 MB; bench_decode --gemv-max-mb sweeps it); 0: none
+        self.gemv_max_bytes = GEMV_MAX_BYTES
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
 
     # -- primitives --------------------------------------------------------------------------------
@@ -282,8 +286,8 @@ class StepRunner:
         bf16, at most GEMV_MAX_M tokens, W[n, k] of at most gemv_max_bytes with rows of whole
         512-byte spans, 16-byte aligned operands, y's rows contiguous."""
         return (0 < m <= GEMV_MAX_M and 2 * n * k <= self.gemv_max_bytes and not w_kn
-                and batch == 1 and ldc in (0, n) and self.res.ws.gin_bytes == 2
-                and (2 * k) % GEMV_SPAN_BYTES == 0 and x % 16 == 0 and w % 16 == 0)
+                and batch == 1 and ldc in (0, n) and (2 * k) % GEMV_SPAN_BYTES == 0
+                and x % 16 == 0 and w % 16 == 0 and self.res.ws.gin_bytes == 2)
 
     def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm", batch=1,
              strides=(0, 0, 0), ldc=0):
