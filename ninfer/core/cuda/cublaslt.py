@@ -123,6 +123,18 @@ def fp8_scale_rows(m: int) -> int:
     return -(-int(m) // 4) * 4
 
 
+def _destroy_partial(lib, layouts, desc, pref=None) -> None:
+    """Destroy what a plan that failed half-way had made (best effort: the error being raised
+    is the one to report)."""
+    for layout in layouts:
+        if layout.value:
+            lib.cublasLtMatrixLayoutDestroy(layout)
+    if desc.value:
+        lib.cublasLtMatmulDescDestroy(desc)
+    if pref is not None:
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+
+
 class Plan:
     __slots__ = ("desc", "layouts", "algo", "m", "n", "k", "beta", "w_kn", "batch", "fp8")
 
@@ -308,12 +320,7 @@ class CublasLt:
                 what = "fp8 block-scaled" if fp8 else ("fp32" if self.f32 else "bf16")
                 raise DeviceError(f"cuBLASLt: no algorithm for {what} GEMM M={m} N={n} K={k}")
         except BaseException:
-            # best effort: the error being raised is the one to report
-            for layout in (a, b, c):
-                if layout.value:
-                    lib.cublasLtMatrixLayoutDestroy(layout)
-            if desc.value:
-                lib.cublasLtMatmulDescDestroy(desc)
+            _destroy_partial(lib, (a, b, c), desc)
             raise
         p = Plan()
         p.desc, p.layouts, p.m, p.n, p.k, p.beta = desc, (a, b, c), m, n, k, float(beta)
@@ -434,13 +441,7 @@ class CublasLt:
             if count.value < 1:
                 raise DeviceError(f"cuBLASLt: no algorithm for the grouped GEMM N={n} K={k}")
         except BaseException:
-            for layout in (a, b, c):
-                if layout.value:
-                    lib.cublasLtMatrixLayoutDestroy(layout)
-            if desc.value:
-                lib.cublasLtMatmulDescDestroy(desc)
-            if pref is not None:
-                lib.cublasLtMatmulPreferenceDestroy(pref)
+            _destroy_partial(lib, (a, b, c), desc, pref)
             raise
         p = GroupedPlan()
         p.desc, p.layouts, p.n, p.k, p.groups = desc, (a, b, c), int(n), int(k), int(groups)
