@@ -261,7 +261,6 @@ def gather_rows():
     return gather_rows_kernel
 
 
-
 # The MoE prefill's routed-row layout on the device (no host round trip): the router's pairs
 # (token t's k-th pick = pair t*K + k) sorted by expert, each expert's rows in pair order: the
 # layout moe_rows.expert_rows gives with cap 0, which the host computed before after a sync.
@@ -269,7 +268,6 @@ def gather_rows():
 # row per expert (and each expert's rows and first-row addresses for the grouped GEMM), place.
 ROUTE_CHUNK = 512        # pairs a chunk (one block of count and place); counts: [chunks, E]
 ROUTE_COUNT_THREADS = 256
-ROUTE_SCAN_MAX_E = 1024  # moe_route_scan: a thread an expert, one block
 
 
 def moe_route_count(E):

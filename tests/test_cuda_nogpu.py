@@ -897,7 +897,6 @@ class _FakeDevice:
         self._dev(dst, n)[:] = self._host(src, n)
 
     def _dtod2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
-        self.copies_2d = getattr(self, "copies_2d", 0) + 1
         for i in range(height):
             self._dev(dst + i * dst_pitch, width)[:] = self._dev(src + i * src_pitch, width).copy()
 

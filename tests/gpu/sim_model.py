@@ -236,6 +236,9 @@ def install(machine):
         def batch_alignment(self, *a, **k):
             return 256
 
+        def has_grouped_gemm(self):
+            return not self.f32
+
         def grouped_plan(self, n, k, groups, rows_dev, n_dev, k_dev, avg_rows):
             # cuBLASLt's grouped GEMM (cuda/moe_route.py): every group's rows and operand
             # addresses read from the machine's memory at the call, as the device does (bf16

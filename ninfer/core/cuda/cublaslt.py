@@ -140,7 +140,7 @@ class Plan:
 
 
 class GroupedPlan:
-    __slots__ = ("desc", "layouts", "algo", "n", "k", "groups", "pref")
+    __slots__ = ("desc", "layouts", "algo", "n", "k", "groups")
 
 
 class CublasLt:
@@ -391,6 +391,11 @@ class CublasLt:
 
     # -- grouped GEMM: every group's rows and operand addresses read from device arrays --------
 
+    def has_grouped_gemm(self) -> bool:
+        """Whether this cuBLASLt has the experimental grouped GEMM (cuBLAS 13.10 has it, 13.1
+        not) for this handle's type (bf16 only)."""
+        return not self.f32 and hasattr(self.lib, "cublasLtGroupedMatrixLayoutCreate")
+
     def grouped_plan(self, n: int, k: int, groups: int, rows_dev: int, n_dev: int, k_dev: int,
                      avg_rows: int) -> GroupedPlan:
         """A plan for `groups` products y_g[m_g, n] (fp32) = x_g[m_g, k] @ w_g[n, k]^T (bf16)
@@ -405,11 +410,11 @@ class CublasLt:
         p = self._plans.get(key)
         if p is not None:
             return p
-        lib = self.lib
-        create = getattr(lib, "cublasLtGroupedMatrixLayoutCreate", None)
-        if create is None or self.f32:
+        if not self.has_grouped_gemm():
             raise DeviceError("cuBLASLt: no grouped GEMM here (needs cuBLAS 13's "
                               "cublasLtGroupedMatrixLayoutCreate; bf16 only)")
+        lib = self.lib
+        create = lib.cublasLtGroupedMatrixLayoutCreate
         vp = ctypes.c_void_p
         create.argtypes = [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int, vp, vp, vp]
         create.restype = ctypes.c_int

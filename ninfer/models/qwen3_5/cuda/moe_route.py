@@ -62,13 +62,15 @@ class DeviceRoute:
         """Upload what stays fixed (the buffers' row addresses, the dimensions, alpha and beta,
         every MoE layer's expert addresses: `layers`, the MoE layers' weight dicts) and ask
         cuBLASLt for the grouped GEMM once. Returns whether the device route is enabled: off
-        for packed experts, where the cuBLASLt here has no grouped GEMM, or with no layers."""
+        for packed experts, where the cuBLASLt here has no grouped GEMM (then nothing is
+        uploaded: no start-up work), or with no layers."""
         from ....core.cuda.cublaslt import DeviceError
         E, H, I = self.E, self.H, self.I
         dense = [lw for lw in layers if hasattr(lw["experts_gu"], "ptr")
                  and hasattr(lw["experts_down"], "ptr")]
         self.enabled = False
-        if not dense or len(dense) != len(layers) or len(dense) > self.w_ptrs.shape[0]:
+        if not lt.has_grouped_gemm() or not dense or len(dense) != len(layers) \
+                or len(dense) > self.w_ptrs.shape[0]:
             return False
         g = ws.gin_bytes
         spec = np.array([ws.xg.ptr, g * H, ws.gu.ptr, 4 * 2 * I, ws.gact.ptr, g * I,

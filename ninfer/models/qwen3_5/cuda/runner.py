@@ -624,9 +624,8 @@ class StepRunner:
                     (ws.act, ws.proj, P, E, Is))
         self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
         if n > self.res.moe_gemv_tokens and not self.dry:
-            route = ws.route_dev
-            if self.moe_device_route and route is not None and route.enabled \
-                    and getattr(lw["experts_gu"], "ptr", None) in route.tables:
+            # (an enabled route holds every MoE layer's expert addresses: DeviceRoute.bind)
+            if self.moe_device_route and ws.route_dev is not None and ws.route_dev.enabled:
                 self.experts_routed(st, n, lw)
             else:
                 self.experts_grouped(st, n, lw)
