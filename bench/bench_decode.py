@@ -266,16 +266,20 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
             model.runner.moe_device_route = True
             extra["ms_device_route"] = time_prefill(model, batch, kv, state) * 1e3
             model.runner.moe_device_route = False
-        if profile and T == 4096:
+        if profile:
             model.runner.profile = []
             model.decode_greedy(batch, kv, state)
             prof = model.runner.profile_summary()
             log(f"[{name}] prefill {T} time by kernel (ms, events around each launch): " +
                 json.dumps({k: round(v, 2) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])}))
         flops = prefill_flops(cfg, T)
+        # the weights a prefill must read at least once (MoE: every expert some token routes
+        # to): at small T a MoE prefill is bound by these bytes, not by its FLOPs
+        read = weight_bytes(cfg, T)
         rows.append(dict(shape=name, kind="prefill", T=T, ms=t * 1e3, tok_s=T / t,
                          tflops=flops / t / 1e12, limit_ms=flops / rate * 1e3,
-                         ratio=flops / rate / t, **extra))
+                         ratio=flops / rate / t, read_ms=read / bw * 1e3,
+                         roof_ratio=max(flops / rate, read / bw) / t, **extra))
         log(json.dumps(rows[-1]))
     model.close()
     return rows
@@ -289,7 +293,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile", action="store_true", help="per-kernel times of the 4096 prefill")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel times of the B=1 decode and of every prefill size")
     ap.add_argument("--cores-upto", type=int, default=0,
                     help="also time prefills of up to this many tokens with attention on the "
                          "CUDA-core kernel (tensor-core path off)")
@@ -339,6 +344,13 @@ def print_table(res):
                   f"{r['limit_ms']:.1f} | {r['ratio']:.2f} |")
         else:
             print(f"| {r['shape']} | error | {r.get('error', '')[:80]} |")
+    reads = [r for r in res["rows"] if r["kind"] == "prefill" and "read_ms" in r]
+    if reads:
+        print("\nprefill against the larger of its limits (FLOPs at the GEMM rate, weights read "
+              "once at the copy rate):")
+        for r in reads:
+            print(f"  {r['shape']} T={r['T']}: GEMM {r['limit_ms']:.1f} ms, weights "
+                  f"{r['read_ms']:.1f} ms -> ratio {r['roof_ratio']:.2f}")
     cores = [r for r in res["rows"] if r["kind"] == "prefill" and "ms_cores" in r]
     if cores:
         print("\nprefill with attention on the CUDA-core kernel (tensor-core path off):")

@@ -7,8 +7,10 @@ fresh state, GPU time by CUDA events (median of --reps), plus how far the two ou
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py --nv 32 --tokens 4096
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py --tokens 4096 --sweep   # block shapes, chunks
 
-Each line is one configuration; the first is the shipped one of a bf16 model (the tensor cores),
-the second a float32 model's (cuda/gdn_chunk.py's constants).
+Each line is one configuration; the first three are a bf16 model's (the tensor cores: the split
+scan, a sequential state pass + a parallel output pass, "split": true, with the state pass's
+prefetch off and on, then the one scan kernel), the next a float32 model's (cuda/gdn_chunk.py's
+constants).
 """
 from __future__ import annotations
 
@@ -83,8 +85,11 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
     A_log = (0.5 * r.standard_normal(nv)).astype(np.float32)
     dt_bias = (0.5 * r.standard_normal(nv)).astype(np.float32)
     cn_max = max(max(gc.CHUNK_SIZES), gc.TC_CHUNK)
+    # big enough for every chunk size; the split scan's S_c at the tensor cores' chunk
+    shapes = dict(gc.buffer_shapes(T, nv, dk, cn_max),
+                  s=gc.buffer_shapes(T, nv, dk, gc.TC_CHUNK, dv, 1)["s"])
     need = 4 * (qkv.size + proj.size + 2 * T * nv * dv + 2 * nv * dk * dv) + \
-        sum(4 * math.prod(s) for s in gc.buffer_shapes(T, nv, dk, cn_max).values()) + (1 << 24)
+        sum(4 * math.prod(s) for s in shapes.values()) + (1 << 24)
     arena = Arena(need)
     taken = []
 
@@ -106,8 +111,7 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
         out_c = arena.take((T, nv * dv), np.float32, "out")
         out_r = arena.take((T, nv * dv), np.float32, "out")
         taken += [out_c, out_r]
-        bufs = {k: arena.take(s, np.float32, k) for k, s in
-                gc.buffer_shapes(T, nv, dk, cn_max).items()}   # big enough for every chunk size
+        bufs = {k: arena.take(s, np.float32, k) for k, s in shapes.items()}
         taken += list(bufs.values())
         rec = cache.get(spec("gdn_recurrent", dk=dk, dv=dv, nk=nk, nv=nv))
 
@@ -119,8 +123,29 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
         st.synchronize()
         orr = d.download(out_r.ptr, out_r.shape, np.float32, st)
         t_rec = timed(st, recurrent, max(1, reps // 2))
-        for cn, vb, nc, ib, prep_nt, tc in scan_variants(dk, dv, sweep, tc_sweep):
-            if tc:
+        # the tensor cores' scan: split with the state pass's prefetch off and on (PF), and
+        # the one scan kernel (split None)
+        variants = [(*v, split) for v in scan_variants(dk, dv, sweep, tc_sweep)
+                    for split in ((0, 1, None) if v[-1] else (None,))]
+        for cn, vb, nc, ib, prep_nt, tc, split in variants:
+            chunks = gc.max_chunks([(0, T, 0)], T, 1, cn)
+            if split is not None:
+                prep_k = cache.get(spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
+                geo = dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb)
+                state_k = cache.get(spec("gdn_chunk_state_tc", **geo, PF=split))
+                out_k = cache.get(spec("gdn_chunk_out_tc", **geo))
+                nt = prep_nt
+
+                class SplitScan:         # the two passes where the scan kernel would launch
+                    @staticmethod
+                    def launch(st, grid, block, args):
+                        out, w, p, g, qkv, state, qs, ctx, slots = args
+                        state_k.launch(st, grid, block,
+                                       (out, w, bufs["s"], g, qkv, state, qs, ctx, slots))
+                        out_k.launch(st, (grid[0], grid[1], chunks * grid[2]), block,
+                                     (out, p, bufs["s"], g, qkv, qs))
+                scan_k = SplitScan
+            elif tc:
                 prep_k = cache.get(spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
                 scan_k = cache.get(spec("gdn_chunk_scan_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
                                         VB=vb))
@@ -131,7 +156,6 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
                 scan_k = cache.get(spec("gdn_chunk_scan", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
                                         VB=vb, NC=nc, KS=gc.scan_ks(dk), IB=ib))
                 nt = vb // nc * gc.scan_ks(dk)
-            chunks = gc.max_chunks([(0, T, 0)], T, 1, cn)
 
             def prep():
                 prep_k.launch(st, (1, nv, chunks), (prep_nt,),
@@ -149,7 +173,9 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
             diff = float(np.linalg.norm(oc - orr) / max(np.linalg.norm(orr), 1e-30))
             t_prep = timed(st, prep, reps)
             t_scan = timed(st, lambda: (prep(), scan()), reps) - t_prep   # scan needs a fresh U
-            rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, tc=tc, chunk=cn, VB=vb, NC=nc, IB=ib,
+            rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, tc=tc,
+                             split=split is not None, prefetch=split or 0, chunk=cn,
+                             VB=vb, NC=nc, IB=ib,
                              prep_threads=prep_nt, prep_ms=round(t_prep, 4),
                              scan_ms=round(t_scan, 4), chunked_ms=round(t_prep + t_scan, 4),
                              recurrent_ms=round(t_rec, 4),

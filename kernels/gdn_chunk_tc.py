@@ -23,6 +23,14 @@ The state slice S [dk, VB] lives in the warps' accumulator registers; each chunk
 shared memory as the B operand of W S and Q S (one pass over dk for both), writes V' to shared
 memory for P V' and the update, and accumulates (K exp(G_last - G))^T V' into the registers.
 
+The same scan split in two (cuda/gdn_chunk.py TC_SPLIT), since the sequential pass is
+latency-bound (~17 us a chunk at 4 warps an SM) and only S's recurrence needs it:
+gdn_chunk_state_tc: the scan's grid and loop with W S, V' and the state update only: it writes
+each chunk's starting state S_c to `sbuf` (chunk slot qs[r] // Cn + r + z: at most
+n / Cn + rows slots) and V' over U in `core`.
+gdn_chunk_out_tc: grid (row, value head, chunk x VB value columns), fully parallel: O =
+exp(G) (Q S_c) + P V' over V' in place (staged in shared memory before O is written).
+
 Rows past a chunk's length load as zeros (their products vanish) and are never stored: the
 next row's tokens follow them in every buffer. tf32 keeps 10 mantissa bits of each operand
 (relative error 2^-11, an eighth of bf16's 2^-8): the bf16 model's path; dtype="float32" keeps
@@ -50,7 +58,17 @@ SIGNATURES = {
         "f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*",
         "i32*"),
     "gdn_chunk_scan_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*"),
+    "gdn_chunk_state_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*",
+                           "i32*"),
+    "gdn_chunk_out_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "i32*"),
 }
+
+
+@inlined
+def chunk_slot(q0, r, z, Cn):
+    """The S_c slot of chunk z of row r (its tokens from q0 = query_start[r]): distinct for
+    every chunk of a call, below n // Cn + rows (cuda/gdn_chunk.py state_slots)."""
+    return q0 // Cn + r + z
 
 
 @inlined
@@ -408,3 +426,293 @@ def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn, VB=32):
                     state[sbase + row * dv + nt * 8 + 2 * t + (e % 2)] = \
                         Sr[(u * NT4 + nt) * 4 + e]
     return gdn_chunk_scan_tc_kernel
+
+
+def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32, PF=0):
+    """The sequential half of the split scan: gdn_chunk_scan_tc without Q S, P V' and O. Per
+    chunk: S_c to sbuf and shared memory, V' = U - W S into shared memory and over U in `core`,
+    then S <- exp(G_last) S + (K exp(G_last - G))^T V'. The final state to `state`.
+    PF=1: the loads that do not depend on the state are issued early, into registers: the next
+    chunk's W fragments while this chunk's update runs, this chunk's K before its first barrier
+    (the same values in the same products: the same bits)."""
+    C = 2 * nk * dk + nv * dv
+    ratio = nv // nk
+    NW = Cn // 16
+    assert Cn % 16 == 0 and dk % (16 * NW) == 0 and dv % VB == 0 and VB % 8 == 0
+    SS = row_stride(VB)
+    MT = dk // (16 * NW)     # state m-tiles per warp
+    NT4 = VB // 8            # n-tiles of the value columns
+    KST = dk // 8
+    CT = Cn // 8
+    SSZ = dk * SS
+    VSZ = Cn * SS
+    SREG = MT * NT4 * 4
+    ACC = NT4 * 4
+    WF = 4 * KST if PF else 1            # W fragments of a chunk (tf32 bits)
+    KF = 4 * CT * MT if PF else 1        # K fragments of a chunk (fp32, scaled at use)
+
+    @inlined
+    def load_w(wf, wbuf, c0, L, h, ia, ib, t):
+        wa = ((c0 + ia) * nv + h) * dk
+        wb = ((c0 + ib) * nv + h) * dk
+        for ks in range(KST):
+            c = ks * 8 + t
+            wf[4 * ks] = ld_tf32(wbuf, wa + c, ia < L)
+            wf[4 * ks + 1] = ld_tf32(wbuf, wb + c, ib < L)
+            wf[4 * ks + 2] = ld_tf32(wbuf, wa + c + 4, ia < L)
+            wf[4 * ks + 3] = ld_tf32(wbuf, wb + c + 4, ib < L)
+
+    def gdn_chunk_state_tc_kernel(core, wbuf, sbuf, gbuf, qkv, state, query_start,
+                                  context_lens, state_slots):
+        r = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        vb = cuda.blockIdx.z * VB
+        kh = h // ratio
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        t = lane & 3
+        i0 = warp * 16
+        ia = i0 + g
+        ib = ia + 8
+        sS = cuda.shared.array(SSZ, float32)
+        sV = cuda.shared.array(VSZ, float32)
+        gk = cuda.shared.array(Cn, float32)
+        Sr = cuda.local.array(SREG, float32)       # the state slice, as mma accumulators
+        accV = cuda.local.array(ACC, float32)
+        wf = cuda.local.array(WF, uint32)
+        kf = cuda.local.array(KF, float32)
+        slot = state_slots[r]
+        sbase = (slot * nv + h) * dk * dv + vb
+        fresh = context_lens[r] == 0
+        for u in range(MT):
+            for nt in range(NT4):
+                for e in range(4):
+                    row = (warp + NW * u) * 16 + g + 8 * (e // 2)
+                    x = float32(0.0)
+                    if not fresh:
+                        x = state[sbase + row * dv + nt * 8 + 2 * t + (e % 2)]
+                    Sr[(u * NT4 + nt) * 4 + e] = x
+        q0 = query_start[r]
+        q1 = query_start[r + 1]
+        hv = h * dv + vb
+        if PF:
+            load_w(wf, wbuf, q0, min(Cn, q1 - q0), h, ia, ib, t)
+        for c0 in range(q0, q1, Cn):
+            L = min(Cn, q1 - c0)
+            if PF:
+                # this chunk's K fragments (the update's A operand), scaled once gk is staged
+                for ks in range(CT):
+                    j = ks * 8 + t
+                    k0 = (c0 + j) * C + nk * dk + kh * dk
+                    k1 = k0 + 4 * C
+                    for u in range(MT):
+                        m = (warp + NW * u) * 16 + g
+                        o = (ks * MT + u) * 4
+                        x0 = float32(0.0)
+                        x1 = float32(0.0)
+                        x2 = float32(0.0)
+                        x3 = float32(0.0)
+                        if j < L:
+                            x0 = qkv[k0 + m]
+                            x1 = qkv[k0 + m + 8]
+                        if j + 4 < L:
+                            x2 = qkv[k1 + m]
+                            x3 = qkv[k1 + m + 8]
+                        kf[o] = x0
+                        kf[o + 1] = x1
+                        kf[o + 2] = x2
+                        kf[o + 3] = x3
+            # S_c: the output pass's (sbuf) and this chunk's W S operand (shared)
+            cb = (chunk_slot(q0, r, (c0 - q0) // Cn, Cn) * nv + h) * dk * dv + vb
+            for u in range(MT):
+                for nt in range(NT4):
+                    for e in range(4):
+                        row = (warp + NW * u) * 16 + g + 8 * (e // 2)
+                        col = nt * 8 + 2 * t + (e % 2)
+                        x = Sr[(u * NT4 + nt) * 4 + e]
+                        sS[row * SS + col] = x
+                        sbuf[cb + row * dv + col] = x
+            if tid < Cn:
+                y = float32(0.0)
+                if tid < L:
+                    y = gbuf[((c0 + tid) * nv + h) * 2 + 1]
+                gk[tid] = y
+            cuda.syncthreads()
+            oka = ia < L
+            okb = ib < L
+            for x in range(ACC):
+                accV[x] = float32(0.0)
+            wa = ((c0 + ia) * nv + h) * dk
+            wb = ((c0 + ib) * nv + h) * dk
+            for ks in range(KST):
+                c = ks * 8 + t
+                if PF:
+                    w0 = wf[4 * ks]
+                    w1 = wf[4 * ks + 1]
+                    w2 = wf[4 * ks + 2]
+                    w3 = wf[4 * ks + 3]
+                else:
+                    w0 = ld_tf32(wbuf, wa + c, oka)
+                    w1 = ld_tf32(wbuf, wb + c, okb)
+                    w2 = ld_tf32(wbuf, wa + c + 4, oka)
+                    w3 = ld_tf32(wbuf, wb + c + 4, okb)
+                for nt in range(NT4):
+                    b0 = tf32(sS[c * SS + nt * 8 + g])
+                    b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
+                    mma_acc(accV, 4 * nt, w0, w1, w2, w3, b0, b1)
+            if PF and c0 + Cn < q1:            # the next chunk's W, in flight from here
+                load_w(wf, wbuf, c0 + Cn, min(Cn, q1 - c0 - Cn), h, ia, ib, t)
+            # V' = U - W S into shared memory and over U (rows past L: zero, never stored)
+            for nt in range(NT4):
+                for e in range(4):
+                    i = ia + 8 * (e // 2)
+                    cc = nt * 8 + 2 * t + (e % 2)
+                    uu = float32(0.0)
+                    if i < L:
+                        uu = core[(c0 + i) * nv * dv + hv + cc]
+                    v = uu - accV[4 * nt + e]
+                    sV[i * SS + cc] = v
+                    if i < L:
+                        core[(c0 + i) * nv * dv + hv + cc] = v
+            cuda.syncthreads()
+            # S <- exp(G_last) S + (K exp(G_last - G))^T V' (exp(G_last): gbuf's first factor
+            # at the chunk's last token)
+            decay = gbuf[((c0 + L - 1) * nv + h) * 2]
+            for x in range(SREG):
+                Sr[x] *= decay
+            for ks in range(CT):
+                if ks * 8 < L:                            # block-uniform
+                    j = ks * 8 + t
+                    k0 = (c0 + j) * C + nk * dk + kh * dk
+                    k1 = k0 + 4 * C
+                    f0 = gk[j]
+                    f1 = gk[j + 4]
+                    for u in range(MT):
+                        if PF:
+                            o = (ks * MT + u) * 4
+                            a0 = tf32(f0 * kf[o])
+                            a1 = tf32(f0 * kf[o + 1])
+                            a2 = tf32(f1 * kf[o + 2])
+                            a3 = tf32(f1 * kf[o + 3])
+                        else:
+                            m = (warp + NW * u) * 16 + g
+                            a0 = ld_tf32_scaled(qkv, k0 + m, f0, j < L)
+                            a1 = ld_tf32_scaled(qkv, k0 + m + 8, f0, j < L)
+                            a2 = ld_tf32_scaled(qkv, k1 + m, f1, j + 4 < L)
+                            a3 = ld_tf32_scaled(qkv, k1 + m + 8, f1, j + 4 < L)
+                        for nt in range(NT4):
+                            b0 = tf32(sV[j * SS + nt * 8 + g])
+                            b1 = tf32(sV[(j + 4) * SS + nt * 8 + g])
+                            s = (u * NT4 + nt) * 4
+                            mma_acc(Sr, s, a0, a1, a2, a3, b0, b1)
+            cuda.syncthreads()       # the next chunk rewrites sS, sV, gk
+        for u in range(MT):
+            for nt in range(NT4):
+                for e in range(4):
+                    row = (warp + NW * u) * 16 + g + 8 * (e // 2)
+                    state[sbase + row * dv + nt * 8 + 2 * t + (e % 2)] = \
+                        Sr[(u * NT4 + nt) * 4 + e]
+    return gdn_chunk_state_tc_kernel
+
+
+def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
+    """The parallel half of the split scan: a block per (row, value head, chunk x VB columns)
+    stages S_c [dk, VB] (sbuf) and V' [Cn, VB] (core) in shared memory, then writes O =
+    exp(G) (Q S_c) + P V' over V'."""
+    C = 2 * nk * dk + nv * dv
+    ratio = nv // nk
+    NW = Cn // 16
+    NT = 32 * NW
+    assert Cn % 16 == 0 and dv % VB == 0 and VB % 8 == 0 and dk % 8 == 0
+    NB = dv // VB            # value blocks a chunk
+    SS = row_stride(VB)
+    NT4 = VB // 8
+    KST = dk // 8
+    CT = Cn // 8
+    SSZ = dk * SS
+    VSZ = Cn * SS
+    ACC = NT4 * 4
+
+    def gdn_chunk_out_tc_kernel(core, pbuf, sbuf, gbuf, qkv, query_start):
+        r = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        z = cuda.blockIdx.z // NB
+        vb = (cuda.blockIdx.z % NB) * VB
+        tid = cuda.threadIdx.x
+        q0 = query_start[r]
+        q1 = query_start[r + 1]
+        c0 = q0 + z * Cn
+        if c0 >= q1:
+            return                   # whole block: the row has fewer chunks
+        L = min(Cn, q1 - c0)
+        kh = h // ratio
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        i0 = (tid >> 5) * 16
+        ia = i0 + g
+        ib = ia + 8
+        sS = cuda.shared.array(SSZ, float32)
+        sV = cuda.shared.array(VSZ, float32)
+        gq = cuda.shared.array(Cn, float32)
+        accO = cuda.local.array(ACC, float32)
+        hv = h * dv + vb
+        cb = (chunk_slot(q0, r, z, Cn) * nv + h) * dk * dv + vb
+        for e in range(tid, dk * VB, NT):
+            row = e // VB
+            col = e - row * VB
+            sS[row * SS + col] = sbuf[cb + row * dv + col]
+        for e in range(tid, Cn * VB, NT):
+            i = e // VB
+            col = e - i * VB
+            x = float32(0.0)
+            if i < L:
+                x = core[(c0 + i) * nv * dv + hv + col]
+            sV[i * SS + col] = x
+        if tid < Cn:
+            y = float32(0.0)
+            if tid < L:
+                y = gbuf[((c0 + tid) * nv + h) * 2]
+            gq[tid] = y
+        cuda.syncthreads()
+        oka = ia < L
+        okb = ib < L
+        for x in range(ACC):
+            accO[x] = float32(0.0)
+        qa = (c0 + ia) * C + kh * dk
+        qb = (c0 + ib) * C + kh * dk
+        for ks in range(KST):
+            c = ks * 8 + t
+            x0 = ld_tf32(qkv, qa + c, oka)
+            x1 = ld_tf32(qkv, qb + c, okb)
+            x2 = ld_tf32(qkv, qa + c + 4, oka)
+            x3 = ld_tf32(qkv, qb + c + 4, okb)
+            for nt in range(NT4):
+                b0 = tf32(sS[c * SS + nt * 8 + g])
+                b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
+                mma_acc(accO, 4 * nt, x0, x1, x2, x3, b0, b1)
+        for nt in range(NT4):
+            for e in range(4):
+                accO[4 * nt + e] *= gq[ia + 8 * (e // 2)]
+        # O += P V' (P is zero right of the diagonal: k-steps up to the warp's last row)
+        pa = ((c0 + ia) * nv + h) * Cn
+        pb = ((c0 + ib) * nv + h) * Cn
+        for ks in range(CT):
+            if ks * 8 <= i0 + 15 and ks * 8 < L:      # warp-uniform
+                c = ks * 8 + t
+                p0 = ld_tf32(pbuf, pa + c, oka)
+                p1 = ld_tf32(pbuf, pb + c, okb)
+                p2 = ld_tf32(pbuf, pa + c + 4, oka)
+                p3 = ld_tf32(pbuf, pb + c + 4, okb)
+                for nt in range(NT4):
+                    b0 = tf32(sV[c * SS + nt * 8 + g])
+                    b1 = tf32(sV[(c + 4) * SS + nt * 8 + g])
+                    mma_acc(accO, 4 * nt, p0, p1, p2, p3, b0, b1)
+        for nt in range(NT4):
+            for e in range(4):
+                i = ia + 8 * (e // 2)
+                if i < L:
+                    core[(c0 + i) * nv * dv + hv + nt * 8 + 2 * t + (e % 2)] = accO[4 * nt + e]
+    return gdn_chunk_out_tc_kernel

@@ -9,7 +9,7 @@ import pytest
 from gpu_harness import TOL_F32, TOL_TF32, rel_err
 from oracles import gated_delta_rows, gdn_inputs
 from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
-from ninfer.models.qwen3_5.cuda.kernel_set import gdn_chunk_specs
+from ninfer.models.qwen3_5.cuda.kernel_set import gdn_chunk_specs, spec
 
 pytestmark = pytest.mark.gpu
 
@@ -31,21 +31,30 @@ def run_case(g, dk, dv, nk, nv, lengths, ctxs, seed, strong_decay=False, tc=Fals
     d_qkv, d_proj, d_alog, d_dtb, d_qs, d_ctx, d_slots = (
         g.put(x) for x in (qkv, proj, A_log, dt_bias, qs, ctx, slots))
     specs = gdn_chunk_specs(dk, dv, nk, nv, tc=tc)
-    cn = dict(specs["gdn_chunk_scan" + ("_tc" if tc else "")].params)["Cn"]
+    cn = dict(specs["gdn_chunk_prep" + ("_tc" if tc else "")].params)["Cn"]
+    split = "gdn_chunk_out_tc" in specs
+    if split:     # the one-kernel scan too: the split must equal it bit for bit
+        specs["gdn_chunk_scan_tc"] = spec("gdn_chunk_scan_tc", **dict(
+            specs["gdn_chunk_state_tc"].params))
     tol = TOL_TF32 if tc else TOL_F32
     rows = [(int(qs[i]), lengths[i], int(ctx[i])) for i in range(nb)]
 
     def launch(name, grid, block, args):
         g.cache.get(specs[name]).launch(g.stream, grid, block, args)
 
-    # chunked
-    st_c = g.put(state0)
-    out_c = g.empty((n, nv * dv), np.float32)
-    bufs = {k: g.empty(s, np.float32) for k, s in gc.buffer_shapes(n, nv, dk, cn).items()}
-    gc.launch(launch, dk, dv, nv, cn, nb, gc.max_chunks(rows, n, nb, cn), core=out_c,
-              w=bufs["w"], p=bufs["p"], g=bufs["g"], qkv=d_qkv, proj=d_proj, proj_stride=P,
-              a_off=a_off, b_off=b_off, a_log=d_alog, dt_bias=d_dtb, state=st_c, query_start=d_qs,
-              context_lens=d_ctx, state_slots=d_slots, tc=tc)
+    def chunked(with_split):
+        st = g.put(state0)
+        out = g.empty((n, nv * dv), np.float32)
+        bufs = {k: g.empty(s, np.float32) for k, s in         # (NaN-poisoned)
+                gc.buffer_shapes(n, nv, dk, cn, dv if with_split else 0, nb).items()}
+        gc.launch(launch, dk, dv, nv, cn, nb, gc.max_chunks(rows, n, nb, cn), core=out,
+                  w=bufs["w"], p=bufs["p"], g=bufs["g"], qkv=d_qkv, proj=d_proj, proj_stride=P,
+                  a_off=a_off, b_off=b_off, a_log=d_alog, dt_bias=d_dtb, state=st,
+                  query_start=d_qs, context_lens=d_ctx, state_slots=d_slots, tc=tc,
+                  s=bufs.get("s"))
+        return out, st
+
+    out_c, st_c = chunked(split)
     # recurrent, same inputs
     st_r = g.put(state0)
     out_r = g.empty((n, nv * dv), np.float32)
@@ -54,6 +63,10 @@ def run_case(g, dk, dv, nk, nv, lengths, ctxs, seed, strong_decay=False, tc=Fals
           dict(dk=dk, dv=dv, nk=nk, nv=nv))
     oc, sc = g.get(out_c).reshape(n, nv, dv), g.get(st_c)
     orr, sr = g.get(out_r).reshape(n, nv, dv), g.get(st_r)
+    if split:
+        out_s, st_s = chunked(False)
+        assert np.array_equal(g.get(out_s).reshape(n, nv, dv), oc)
+        assert np.array_equal(g.get(st_s), sc)
 
     ref, ref_state = gated_delta_rows(qkv, proj, a_off, b_off, A_log, dt_bias, state0, slots, ctx,
                                       qs, nk, nv, dk, dv)

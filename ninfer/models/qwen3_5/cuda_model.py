@@ -284,7 +284,7 @@ class CudaModel(MediaEncoding):
                                    part_rows=part_rows, max_keys=self.max_keys,
                                    meta_bytes=self.eager_layout.nbytes + self.decode_layout.nbytes
                                    + 4 * chain_words,
-                                   mtp=self.speculative) \
+                                   mtp=self.speculative, rows=max(b_cap, 8)) \
             + wq * (4 if self.f32 else 2) + w8a8_bytes(n_cap, w8k) + (1024 if w8k else 0)
         if self.dflash_cfg is not None:
             ws_bytes += device_dflash.buffer_bytes(self.dflash_cfg, n_cap, self.device.num_sms,
@@ -309,7 +309,7 @@ class CudaModel(MediaEncoding):
         self._lap("arena")
         self.ws = Workspace(self.arena, cfg, n_cap, self.lg_cap, part_rows, self.max_keys,
                             f32=self.f32, wq_elements=wq, w8a8_k=w8k, mtp=self.mtp,
-                            verify=self.speculative)
+                            verify=self.speculative, rows_cap=max(b_cap, 8))
         if self.dflash_cfg is not None:
             self.dflash_bufs = device_dflash.DFlashBuffers(self.arena, self.dflash_cfg, n_cap,
                                                            self.device.num_sms, self.f32)

@@ -53,10 +53,11 @@ def call_capacities(options, max_tokens: int = None, *, mixed: bool = False) -> 
 
 
 def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, max_keys: int,
-                    meta_bytes: int, mtp: bool = False) -> int:
+                    meta_bytes: int, mtp: bool = False, rows: int = 8) -> int:
     """A generous upper bound of runner.Workspace (every buffer at its widest), the call metadata
     (meta_bytes) and the cuBLASLt workspace; `mtp`: with the MTP head's buffers (its fc input
-    2H wide, its input hidden states)."""
+    2H wide, its input hidden states); `rows`: the most rows of one call (Workspace's
+    rows_cap)."""
     H = cfg.hidden_size
     g = 4 if f32 else 2          # bytes of a GEMM input element (x, act, xg, gact, xf)
     widest = max(cfg.linear_conv_dim + cfg.linear_value_dim + 2 * cfg.linear_num_value_heads,
@@ -87,7 +88,9 @@ def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, 
     head = lg_cap * (g * H + 4 * cfg.vocab_size + 4)
     if cfg.linear_layer_ids:       # the chunked delta rule's W, P and decay factors
         part += gdn_chunk.workspace_bytes(n_cap, cfg.linear_num_value_heads,
-                                          cfg.linear_key_head_dim) + 3 * 256
+                                          cfg.linear_key_head_dim,
+                                          0 if f32 else cfg.linear_value_head_dim,
+                                          rows) + 4 * 256
     return _round_up(n_cap * per_tok + part + head + meta_bytes + LT_WORKSPACE) + 64 * 256
 
 

@@ -9,9 +9,12 @@ A call that is not a decode step runs every row through two kernels:
                   row's chunks with the state slice in registers
 Chunks never cross a row boundary; a row's last chunk may be partial (a 1-token row is one).
 
-A bf16 model takes the tensor-core variants instead (kernels/gdn_chunk_tc.py, `tc=True`): the same
-two launches and arguments, chunks of TC_CHUNK tokens, every product a tf32 warp mma. A float32
-model keeps the fp32 kernels (its exactness is the point of dtype="float32").
+A bf16 model takes the tensor-core variants instead (kernels/gdn_chunk_tc.py, `tc=True`): chunks
+of TC_CHUNK tokens, every product a tf32 warp mma. A float32 model keeps the fp32 kernels (its
+exactness is the point of dtype="float32"). With TC_SPLIT the tensor-core scan runs as two
+launches: gdn_chunk_state_tc (sequential over the chunks: the state's recurrence alone, each
+chunk's starting state S_c written to a workspace buffer `s`) and gdn_chunk_out_tc (every chunk
+at once: the outputs from S_c), so the sequential pass does about half the work per chunk.
 
 The constants below were chosen from the PTX (shared memory, no local memory, vector shared loads,
 shuffle counts), not from timings: `bench/bench_gdn_chunk.py --sweep` times the alternatives on a
@@ -40,6 +43,12 @@ SCAN_IB = 4                         # chunk rows a scan thread reduces together
 # in groups of 32 columns
 TC_CHUNK = 64
 TC_VB = 32
+# the tensor-core scan as a sequential state pass + a parallel output pass (S_c [dk, dv] fp32 a
+# chunk and value head in the workspace: buffer "s"); False: the one sequential scan kernel
+TC_SPLIT = True
+# the split scan's state pass with its state-independent loads issued early into registers (the
+# next chunk's W, this chunk's K: kernels/gdn_chunk_tc.gdn_chunk_state_tc PF)
+TC_PREFETCH = 0
 
 
 def tc_row_stride(vb: int) -> int:
@@ -50,6 +59,12 @@ def tc_row_stride(vb: int) -> int:
 def tc_scan_smem(dk: int, vb: int = None) -> int:
     # the state slice [dk, VB] and V' [Cn, VB] (padded rows), two decay factors
     return 4 * ((dk + TC_CHUNK) * tc_row_stride(vb or TC_VB) + 2 * TC_CHUNK)
+
+
+def tc_pass_smem(dk: int, vb: int = None) -> int:
+    # either pass of the split scan: the state slice [dk, VB] and V' [Cn, VB] (padded rows), one
+    # decay factor
+    return 4 * ((dk + TC_CHUNK) * tc_row_stride(vb or TC_VB) + TC_CHUNK)
 
 
 def tc_prep_smem() -> int:
@@ -96,16 +111,32 @@ def chunk_size(dk: int) -> int | None:
     return None
 
 
-def buffer_shapes(n: int, nv: int, dk: int, cn: int) -> dict:
+def state_chunk_slots(n: int, rows: int, cn: int) -> int:
+    """S_c slots the split scan needs for calls of up to n tokens in up to `rows` rows: chunk z
+    of row r takes slot query_start[r] // cn + r + z (kernels/gdn_chunk_tc.chunk_slot), and a
+    row's chunks end below the next row's first slot, so n // cn + rows bound them all."""
+    return n // cn + rows
+
+
+def buffer_shapes(n: int, nv: int, dk: int, cn: int, dv: int = 0, rows: int = 0) -> dict:
     """Workspace buffers (float32) for up to n tokens: W [n, nv, dk], P [n, nv, Cn] (row i of a
     chunk's causal q.k decay matrix), decay factors [n, nv, 2] (exp(G_i), exp(G_last - G_i)).
-    U lives in the output buffer `core` itself."""
-    return {"w": (n, nv, dk), "p": (n, nv, cn), "g": (n, nv, 2)}
+    U lives in the output buffer `core` itself. With dv and rows (the split tensor-core scan):
+    S_c [state_chunk_slots, nv, dk, dv] too."""
+    shapes = {"w": (n, nv, dk), "p": (n, nv, cn), "g": (n, nv, 2)}
+    if dv and rows:
+        shapes["s"] = (state_chunk_slots(n, rows, cn), nv, dk, dv)
+    return shapes
 
 
-def workspace_bytes(n: int, nv: int, dk: int) -> int:
+def workspace_bytes(n: int, nv: int, dk: int, dv: int = 0, rows: int = 0) -> int:
+    """An upper bound of buffer_shapes' bytes for either path (the S_c buffer where dv and rows
+    are given and TC_SPLIT is on)."""
     cn = max(chunk_size(dk) or CHUNK_SIZES[-1], TC_CHUNK)     # either path's (an upper bound)
-    return sum(4 * math.prod(s) for s in buffer_shapes(n, nv, dk, cn).values())
+    shapes = buffer_shapes(n, nv, dk, cn)
+    if TC_SPLIT and dv and rows:
+        shapes["s"] = (state_chunk_slots(n, rows, TC_CHUNK), nv, dk, dv)
+    return sum(4 * math.prod(s) for s in shapes.values())
 
 
 def max_chunks(rows, n: int, b: int, cn: int) -> int:
@@ -118,17 +149,26 @@ def max_chunks(rows, n: int, b: int, cn: int) -> int:
 def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *, core, w, p, g,
            qkv, proj, proj_stride: int, a_off: int, b_off: int, a_log, dt_bias, state,
            query_start, context_lens, state_slots, prep_threads: int = PREP_THREADS,
-           scan_vb: int | None = None, scan_nt: int | None = None, tc: bool = False) -> None:
-    """The two launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`,
+           scan_vb: int | None = None, scan_nt: int | None = None, tc: bool = False,
+           s=None) -> None:
+    """The launches of one GDN layer; launch_fn(name, grid, block, args). `prep_threads`,
     `scan_vb` and `scan_nt` must match the kernels' NT, VB and VB / NC * KS (the simulator tests
     and the benchmark's sweep compile other variants). `tc`: the tensor-core variants (chunk
     `cn` = 16 x their warps, usually TC_CHUNK; threads follow from it, `scan_vb` defaults to
-    TC_VB)."""
+    TC_VB); with `s` (buffer_shapes' "s" for this call's tokens and rows) the split scan
+    (TC_SPLIT), else the one scan kernel."""
     if tc:
         prep_threads = scan_nt = 2 * cn            # a warp per 16 chunk rows
     scan_vb = scan_vb or (TC_VB if tc else SCAN_VB)
     sfx = "_tc" if tc else ""
     launch_fn("gdn_chunk_prep" + sfx, (b, nv, chunks), (prep_threads,),
               (core, w, p, g, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, query_start))
-    launch_fn("gdn_chunk_scan" + sfx, (b, nv, -(-dv // scan_vb)), (scan_nt or scan_threads(dk),),
+    nb = -(-dv // scan_vb)
+    if tc and s is not None:
+        launch_fn("gdn_chunk_state_tc", (b, nv, nb), (scan_nt,),
+                  (core, w, s, g, qkv, state, query_start, context_lens, state_slots))
+        launch_fn("gdn_chunk_out_tc", (b, nv, chunks * nb), (scan_nt,),
+                  (core, p, s, g, qkv, query_start))
+        return
+    launch_fn("gdn_chunk_scan" + sfx, (b, nv, nb), (scan_nt or scan_threads(dk),),
               (core, w, p, g, qkv, state, query_start, context_lens, state_slots))

@@ -282,13 +282,16 @@ def _f32_specs(cfg: TextConfig) -> dict:
 
 
 def gdn_chunk_specs(dk, dv, nk, nv, tc: bool = False) -> dict:
-    """The chunked delta rule's two kernels (prefill); constants from cuda/gdn_chunk.py. `tc`:
+    """The chunked delta rule's kernels (prefill); constants from cuda/gdn_chunk.py. `tc`:
     the tensor-core variants (a bf16 model whose geometry gc.tc_ok takes)."""
     if tc:
-        return {"gdn_chunk_prep_tc": spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv,
-                                          Cn=gc.TC_CHUNK),
-                "gdn_chunk_scan_tc": spec("gdn_chunk_scan_tc", dk=dk, dv=dv, nk=nk, nv=nv,
-                                          Cn=gc.TC_CHUNK, VB=gc.TC_VB)}
+        geo = dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=gc.TC_CHUNK)
+        scans = ("gdn_chunk_state_tc", "gdn_chunk_out_tc") if gc.TC_SPLIT \
+            else ("gdn_chunk_scan_tc",)
+        return {"gdn_chunk_prep_tc": spec("gdn_chunk_prep_tc", **geo),
+                **{name: spec(name, **geo, VB=gc.TC_VB,
+                              **({"PF": gc.TC_PREFETCH} if name == "gdn_chunk_state_tc" else {}))
+                   for name in scans}}
     cn = gc.chunk_size(dk)
     if cn is None:
         return {}                    # check_geometry refuses such a model

@@ -36,9 +36,10 @@ class Workspace:
 
     def __init__(self, arena, cfg: TextConfig, n_cap: int, lg_cap: int, part_rows: int,
                  max_keys: int, f32: bool = False, wq_elements: int = 0, w8a8_k: int = 0,
-                 mtp: bool = False, verify: bool = None):
+                 mtp: bool = False, verify: bool = None, rows_cap: int = 8):
         """mtp: the MTP head's buffers; verify (default: mtp): a speculative verify's (every
-        token's final-normed hidden, the rows' snapshot bases), for either drafter."""
+        token's final-normed hidden, the rows' snapshot bases), for either drafter; rows_cap:
+        the most rows of one call (the split GDN scan's S_c slots depend on it)."""
         verify = mtp if verify is None else verify
         take = arena.take
         gin = np.float32 if f32 else np.uint16      # GEMM inputs: bf16, or fp32 (dtype="float32")
@@ -77,8 +78,13 @@ class Workspace:
             # bf16: the tensor-core variants where the geometry allows (kernel_set's choice too)
             self.gdn_tc = not f32 and gc.tc_ok(dk, cfg.linear_value_head_dim)
             self.gdn_cn = gc.TC_CHUNK if self.gdn_tc else gc.chunk_size(dk) or gc.CHUNK_SIZES[-1]
-            shp = gc.buffer_shapes(n, nv, dk, self.gdn_cn)
+            split = self.gdn_tc and gc.TC_SPLIT
+            shp = gc.buffer_shapes(n, nv, dk, self.gdn_cn, cfg.linear_value_head_dim if split
+                                   else 0, rows_cap)
             self.gdn_w, self.gdn_p, self.gdn_g = (take(shp[k], np.float32, ws) for k in "wpg")
+            # the split scan's chunk-start states, for calls of up to rows_cap rows
+            self.gdn_s = take(shp["s"], np.float32, ws) if split else None
+            self.gdn_rows = rows_cap
         if cfg.attention_layer_ids:
             self.part = take((part_rows, nh, hd), np.float32, ws)
             self.ml = take((part_rows, nh, 2), np.float32, ws)
@@ -550,6 +556,9 @@ class StepRunner:
                         (state.conv[l], ws.proj, P, meta.query_start, meta.context_lens,
                          meta.state_slots))
             # prefill (any row length, 1 included): the chunked form, parallel within chunks
+            if ws.gdn_s is not None and b > ws.gdn_rows:
+                raise ValueError(f"GDN prefill: {b} rows in one call; the workspace's chunk "
+                                 f"states take {ws.gdn_rows}")
             gc.launch(lambda name, grid, block, args:
                       self.launch_named(st, name, grid, block, args),
                       dk, dv, nv, ws.gdn_cn, b, gc.max_chunks(self.rows, n, b, ws.gdn_cn),
@@ -557,7 +566,7 @@ class StepRunner:
                       proj_stride=P, a_off=C + Vd + nv, b_off=C + Vd, a_log=lw["a_log"],
                       dt_bias=lw["dt_bias"], state=state.recurrent[l],
                       query_start=meta.query_start, context_lens=meta.context_lens,
-                      state_slots=meta.state_slots, tc=ws.gdn_tc)
+                      state_slots=meta.state_slots, tc=ws.gdn_tc, s=ws.gdn_s)
         self.launch(st, self.kernels.gated_rmsnorm, (n, nv), (min(128, (dv + 31) // 32 * 32),),
                     (ws.act, ws.core, ws.proj, P, C, lw["norm_w"], dv, cfg.rms_norm_eps))
         self.linear(st, ws.act.ptr, lw["w_out"], ws.h.ptr, n, H, Vd, beta=1.0)
