@@ -599,10 +599,11 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
     return gdn_chunk_state_tc_kernel
 
 
-def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
+def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32, EL=0):
     """The parallel half of the split scan: a block per (row, value head, chunk x VB columns)
     stages S_c [dk, VB] (sbuf) and V' [Cn, VB] (core) in shared memory, then writes O =
-    exp(G) (Q S_c) + P V' over V'."""
+    exp(G) (Q S_c) + P V' over V'. EL=1: its Q and P fragments are loaded into registers
+    before the staging, as the state pass's are (the same products: the same bits)."""
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     NW = Cn // 16
@@ -616,6 +617,8 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
     SSZ = dk * SS
     VSZ = Cn * SS
     ACC = NT4 * 4
+    QF = 4 * KST if EL else 1
+    PF = 4 * CT if EL else 1
 
     def gdn_chunk_out_tc_kernel(core, pbuf, sbuf, gbuf, qkv, query_start):
         r = cuda.blockIdx.x
@@ -640,7 +643,29 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
         sV = cuda.shared.array(VSZ, float32)
         gq = cuda.shared.array(Cn, float32)
         accO = cuda.local.array(ACC, float32)
+        qf = cuda.local.array(QF, uint32)
+        pf = cuda.local.array(PF, uint32)
         hv = h * dv + vb
+        oka = ia < L
+        okb = ib < L
+        qa = (c0 + ia) * C + kh * dk
+        qb = (c0 + ib) * C + kh * dk
+        pa = ((c0 + ia) * nv + h) * Cn
+        pb = ((c0 + ib) * nv + h) * Cn
+        if EL:
+            for ks in range(KST):
+                c = ks * 8 + t
+                qf[4 * ks] = ld_tf32(qkv, qa + c, oka)
+                qf[4 * ks + 1] = ld_tf32(qkv, qb + c, okb)
+                qf[4 * ks + 2] = ld_tf32(qkv, qa + c + 4, oka)
+                qf[4 * ks + 3] = ld_tf32(qkv, qb + c + 4, okb)
+            for ks in range(CT):
+                c = ks * 8 + t
+                live = ks * 8 <= i0 + 15 and ks * 8 < L
+                pf[4 * ks] = ld_tf32(pbuf, pa + c, live and oka)
+                pf[4 * ks + 1] = ld_tf32(pbuf, pb + c, live and okb)
+                pf[4 * ks + 2] = ld_tf32(pbuf, pa + c + 4, live and oka)
+                pf[4 * ks + 3] = ld_tf32(pbuf, pb + c + 4, live and okb)
         cb = (chunk_slot(q0, r, z, Cn) * nv + h) * dk * dv + vb
         for e in range(tid, dk * VB, NT):
             row = e // VB
@@ -659,18 +684,20 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
                 y = gbuf[((c0 + tid) * nv + h) * 2]
             gq[tid] = y
         cuda.syncthreads()
-        oka = ia < L
-        okb = ib < L
         for x in range(ACC):
             accO[x] = float32(0.0)
-        qa = (c0 + ia) * C + kh * dk
-        qb = (c0 + ib) * C + kh * dk
         for ks in range(KST):
             c = ks * 8 + t
-            x0 = ld_tf32(qkv, qa + c, oka)
-            x1 = ld_tf32(qkv, qb + c, okb)
-            x2 = ld_tf32(qkv, qa + c + 4, oka)
-            x3 = ld_tf32(qkv, qb + c + 4, okb)
+            if EL:
+                x0 = qf[4 * ks]
+                x1 = qf[4 * ks + 1]
+                x2 = qf[4 * ks + 2]
+                x3 = qf[4 * ks + 3]
+            else:
+                x0 = ld_tf32(qkv, qa + c, oka)
+                x1 = ld_tf32(qkv, qb + c, okb)
+                x2 = ld_tf32(qkv, qa + c + 4, oka)
+                x3 = ld_tf32(qkv, qb + c + 4, okb)
             for nt in range(NT4):
                 b0 = tf32(sS[c * SS + nt * 8 + g])
                 b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
@@ -679,15 +706,19 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
             for e in range(4):
                 accO[4 * nt + e] *= gq[ia + 8 * (e // 2)]
         # O += P V' (P is zero right of the diagonal: k-steps up to the warp's last row)
-        pa = ((c0 + ia) * nv + h) * Cn
-        pb = ((c0 + ib) * nv + h) * Cn
         for ks in range(CT):
             if ks * 8 <= i0 + 15 and ks * 8 < L:      # warp-uniform
                 c = ks * 8 + t
-                p0 = ld_tf32(pbuf, pa + c, oka)
-                p1 = ld_tf32(pbuf, pb + c, okb)
-                p2 = ld_tf32(pbuf, pa + c + 4, oka)
-                p3 = ld_tf32(pbuf, pb + c + 4, okb)
+                if EL:
+                    p0 = pf[4 * ks]
+                    p1 = pf[4 * ks + 1]
+                    p2 = pf[4 * ks + 2]
+                    p3 = pf[4 * ks + 3]
+                else:
+                    p0 = ld_tf32(pbuf, pa + c, oka)
+                    p1 = ld_tf32(pbuf, pb + c, okb)
+                    p2 = ld_tf32(pbuf, pa + c + 4, oka)
+                    p3 = ld_tf32(pbuf, pb + c + 4, okb)
                 for nt in range(NT4):
                     b0 = tf32(sV[c * SS + nt * 8 + g])
                     b1 = tf32(sV[(c + 4) * SS + nt * 8 + g])

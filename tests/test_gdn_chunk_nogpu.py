@@ -123,6 +123,9 @@ def test_tensor_core_kernels_compile_to_ptx_at_the_real_geometry(nv):
                                                   {"gdn_chunk_scan_tc"})
     geo = dict(dk=128, dv=128, nk=16, nv=nv, Cn=gc.TC_CHUNK, VB=gc.TC_VB)
     specs.update({name: spec(name, **geo) for name in passes | {"gdn_chunk_scan_tc"}})
+    # the output pass with its fragments loaded early (EL): in registers too
+    specs["out_el"] = spec("gdn_chunk_out_tc", **geo, EL=1)
+    passes = passes | {"out_el"}
     try:
         ptx = {name: K.compile_spec(sp, (9, 0)) for name, sp in specs.items()}
     except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check

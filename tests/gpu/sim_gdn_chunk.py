@@ -42,12 +42,13 @@ from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
 
 
 def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay=False,
-        recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB, tc=False, split=True):
+        recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB, tc=False, split=True,
+        el=gc.TC_OUT_EARLY):
     """Returns the relative L2 errors of (chunked out, chunked state, recurrent out, recurrent
     state) against the float64 oracle, and chunked against recurrent (out, state). `tc`: the
     tensor-core variants (kernels/gdn_chunk_tc.py) with chunks of `cn` (cn / 16 warps); `split`:
-    their scan as the state and output passes (gdn_chunk_state_tc + gdn_chunk_out_tc), else the
-    one scan kernel."""
+    their scan as the state and output passes (gdn_chunk_state_tc + gdn_chunk_out_tc, its early
+    loads with `el`), else the one scan kernel."""
     r = np.random.default_rng(seed)
     mem = Memory(8 << 20)
     n, nb = sum(lengths), len(lengths)
@@ -73,7 +74,7 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
               "gdn_chunk_prep_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn),
               "gdn_chunk_scan_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb),
               "gdn_chunk_state_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb),
-              "gdn_chunk_out_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb)}
+              "gdn_chunk_out_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb, EL=el)}
     launched = []
 
     def launch(name, grid, block, args):
@@ -241,6 +242,9 @@ TC_CASES = {
                    split=False),
     # the split scan over rows whose chunk slots interleave (starts not multiples of cn), two
     # value blocks and two heads a key head: rows of 33, 1, 31 and 70 tokens
+    # the output pass with its fragments loaded early (EL), on tcsplit's rows
+    "tcel": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[33, 1, 40], ctxs=[0, 4, 0], tc=True,
+                 recurrent=False, el=1),
     "tcsplit": dict(dk=32, dv=32, nk=1, nv=2, cn=32, lengths=[33, 1, 31, 70], ctxs=[0, 4, 2, 0],
                     tc=True, vb=16, recurrent=False),
 }

@@ -48,6 +48,9 @@ TC_VB = 32
 # One layer at 4096 tokens on an H100 (bench_gdn_chunk.py), scan ms, split / one kernel: 48
 # value heads (27B) 0.97 / 1.12, 32 (9B, 35B-A3B) 0.70 / 1.21, 16 0.57 / 1.07
 TC_SPLIT = True
+# the output pass with its Q and P fragments loaded before its staging barrier (kernels/
+# gdn_chunk_tc.gdn_chunk_out_tc EL): the same bits; not yet timed on a GPU, so off
+TC_OUT_EARLY = 0
 
 
 def tc_row_stride(vb: int) -> int:

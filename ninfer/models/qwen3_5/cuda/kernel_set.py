@@ -289,7 +289,9 @@ def gdn_chunk_specs(dk, dv, nk, nv, tc: bool = False) -> dict:
         scans = ("gdn_chunk_state_tc", "gdn_chunk_out_tc") if gc.TC_SPLIT \
             else ("gdn_chunk_scan_tc",)
         return {"gdn_chunk_prep_tc": spec("gdn_chunk_prep_tc", **geo),
-                **{name: spec(name, **geo, VB=gc.TC_VB) for name in scans}}
+                **{name: spec(name, **geo, VB=gc.TC_VB,
+                              **({"EL": gc.TC_OUT_EARLY} if name == "gdn_chunk_out_tc" else {}))
+                   for name in scans}}
     cn = gc.chunk_size(dk)
     if cn is None:
         return {}                    # check_geometry refuses such a model
