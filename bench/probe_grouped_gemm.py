@@ -2,7 +2,8 @@
 columns and operand addresses read from device arrays) for the MoE prefill's routed experts, whose
 per-expert row counts are known only on the device. Checks it against float64 and times it beside
 the path the runner takes now (host layout: one strided-batched GEMM over a padded block + one
-GEMM per overflowing expert).
+GEMM per overflowing expert) and our own grouped GEMM (kernels/grouped_gemm.py over
+moe_route_tiles' work list: the device route where cuBLASLt has no grouped GEMM).
 
     PYTHONPATH=.:bench python bench/probe_grouped_gemm.py [--tokens 512,4096] [--shape 35b-a3b]
 """
@@ -19,7 +20,9 @@ from ninfer.core.cuda import driver as d
 from ninfer.core.cuda.cublaslt import (CUBLAS_COMPUTE_32F, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF,
                                        CUDA_R_32F, DESC_TRANSA, DESC_TRANSB, HeuristicResult,
                                        CublasLt, lt_check)
-from ninfer.models.qwen3_5.cuda import moe_rows
+from ninfer.core.cuda.kernels import KernelCache
+from ninfer.models.qwen3_5.cuda import moe_route, moe_rows
+from ninfer.models.qwen3_5.cuda.kernel_set import spec
 
 BF16 = ml_dtypes.bfloat16
 DESC_POINTER_MODE = 2
@@ -162,6 +165,9 @@ def main():
     E, K, H, I = SHAPES[args.shape]
     rng = np.random.default_rng(0)
     buf = Buffers(stream)
+    cache = KernelCache(dev.cc)
+    own_gemm = cache.get(spec("grouped_gemm"))
+    own_tiles = cache.get(spec("moe_route_tiles", E=E, BM=moe_route.GEMM_BM))
     # 8 distinct random experts, repeated over E (weights' values do not change the timing)
     projs = (("gate_up", 2 * I, H), ("down", H, I))
     weights = {}
@@ -212,6 +218,30 @@ def main():
                     rows.append((tag, ms))
                 except Exception as exc:
                     print(f"  grouped {tag}: {type(exc).__name__}: {exc}")
+            # ours: the work list from the counts, then one launch over every expert's tiles
+            tc = moe_route.tile_cap(pairs, E)
+            d_rows, tiles = buf.put(counts.astype(np.int32)), buf.empty(4 * 3 * tc)
+            y = buf.empty(4 * pairs * N)
+            d.memset_d8_async(y, 0xFF, 4 * pairs * N, stream)           # poisoned
+
+            def ours():
+                own_tiles.launch(stream, (1,), (-(-E // 32) * 32,), (tiles, d_rows, tc))
+                own_gemm.launch(stream, (tc, N // moe_route.GEMM_BN), (moe_route.GEMM_THREADS,),
+                                (y, xg, w, tiles, tc, N, Kd))
+            ours()
+            stream.synchronize()
+            yh = d.download(y, (pairs, N), np.float32, stream)
+            off = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            errs = [float(np.abs(yh[off[e]:off[e] + counts[e]].astype(np.float64)
+                                 - xh[off[e]:off[e] + counts[e]].astype(np.float64)
+                                 @ base[e % 8].astype(np.float64).T).max()
+                          / max(float(np.abs(yh[off[e]:off[e] + counts[e]]).max()), 1e-30))
+                    for e in (0, 1, 7, E - 1) if counts[e]]
+            ms = event_ms(stream, ours)
+            print(f"  ours    T={T} {name}: max rel err {max(errs):.2e} all finite "
+                  f"{bool(np.isfinite(yh).all())} {ms * 1e3:8.1f} us  "
+                  f"{2 * pairs * N * Kd / ms / 1e9:6.1f} TFLOP/s (useful)")
+            rows.append((f"ours T={T} {name}", ms))
             y = buf.empty(4 * (pairs + E * 64) * N)
             xg2 = buf.empty(2 * (pairs + E * 64) * Kd)
             fn, lay = padded_path(lt, stream, w, xg2, y, ids, E, K, N, Kd, pairs + E * 64)
@@ -221,6 +251,7 @@ def main():
                   f"{2 * pairs * N * Kd / ms / 1e9:6.1f} TFLOP/s (useful)")
         del order
     buf.free()
+    cache.close()
     lt.close()
     d.mem_free(ws_ptr)
     dev.close()

@@ -22,6 +22,7 @@ SIGNATURES = {
     "moe_route_count": ("i32*", "i32*", "i32"),
     "moe_route_scan": ("i32*", "i32*", "u64*", "u64*", "i32", "i32"),
     "moe_route_place": ("i32*", "i32*", "i32*", "i32*", "i32"),
+    "moe_route_tiles": ("i32*", "i32*", "i32"),
 }
 
 ROUTER_THREADS = 32      # router_topk: one warp a token
@@ -368,3 +369,48 @@ def moe_route_place(E, K):
                 nxt[e] = row + 1
             cuda.syncthreads()
     return moe_route_place_kernel
+
+
+def moe_route_tiles(E, BM):
+    EP = (E + 31) // 32 * 32
+
+    def moe_route_tiles_kernel(tiles, rows, t_cap):
+        # grid (1,), block EP: a thread an expert. The grouped GEMM's work list (kernels/
+        # grouped_gemm.py) from the experts' row counts (moe_route_scan's `rows`): expert e's
+        # ceil(rows[e] / BM) tiles of BM rows, experts in order, each tile (expert, its first
+        # row in the cap-0 layout, its rows: BM or the expert's last few) at tiles[i],
+        # tiles[t_cap + i], tiles[2 t_cap + i]; the entries past the last tile: expert -1.
+        # t_cap >= ceil(pairs / BM) + E bounds the tiles of any routing
+        e = cuda.threadIdx.x
+        nt = cuda.shared.array(EP, int32)
+        nr = cuda.shared.array(EP, int32)
+        total = 0
+        if e < E:
+            total = rows[e]
+        mine = (total + BM - 1) // BM
+        nt[e] = mine
+        nr[e] = total
+        cuda.syncthreads()
+        # inclusive scans over the experts of tiles and rows (Hillis-Steele: log2(EP) rounds)
+        step = 1
+        while step < EP:
+            a = 0
+            b = 0
+            if e >= step:
+                a = nt[e - step]
+                b = nr[e - step]
+            cuda.syncthreads()
+            nt[e] += a
+            nr[e] += b
+            cuda.syncthreads()
+            step *= 2
+        first_tile = nt[e] - mine
+        first_row = nr[e] - total
+        for j in range(mine):
+            i = first_tile + j
+            tiles[i] = e
+            tiles[t_cap + i] = first_row + j * BM
+            tiles[2 * t_cap + i] = min(BM, total - j * BM)
+        for i in range(nt[EP - 1] + e, t_cap, EP):
+            tiles[i] = -1
+    return moe_route_tiles_kernel

@@ -393,8 +393,8 @@ def test_whole_model_on_the_simulator_matches_numpy(kind):
     numpy GEMMs, fake device memory) in both dtypes against the numpy backend: float32 within
     1e-5 (measured 6e-7) and the same greedy token; bfloat16 within its model tolerance. The MoE
     prefill of 3 tokens takes the grouped path, its decode the GEMVs: in bfloat16 routed on the
-    device (moe_route.py: the layout kernels, grouped GEMMs over the addresses they wrote), in
-    float32 on the host (strided-batched GEMMs).
+    device (moe_route.py: the layout kernels, our grouped GEMM over the tiles of each expert's
+    rows), in float32 on the host (strided-batched GEMMs).
     dense-split: paged attention with a kv head's query heads in two blocks (GS < G)."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_model.py"),
@@ -407,6 +407,9 @@ def test_whole_model_on_the_simulator_matches_numpy(kind):
     assert 1e-4 < b["prefill"] < 3e-2 and b["kv_dtype"] == "uint16", b     # bf16 really rounds
     assert f["kv_round_trip"] and b["kv_round_trip"]
     assert not f["moe_device_route"] and b["moe_device_route"] == (kind == "moe")
+    # (with our grouped GEMM: the simulated cuBLASLt has none, as cuBLAS 13.1's; kernels/
+    # grouped_gemm.py and moe_route_tiles on the simulator)
+    assert b["moe_own_gemm"] == (kind == "moe")
 
 
 def test_widening_upload_in_pieces(monkeypatch):

@@ -237,7 +237,9 @@ def install(machine):
             return 256
 
         def has_grouped_gemm(self):
-            return not self.f32
+            # "moe-lt": cuBLASLt's grouped GEMM (cuBLAS 13.10+, faked below); "moe": ours
+            # (kernels/grouped_gemm.py on the simulator), as on the cuBLAS 13.1 we measure on
+            return not self.f32 and LT_GROUPED[0]
 
         def grouped_plan(self, n, k, groups, rows_dev, n_dev, k_dev, avg_rows):
             # cuBLASLt's grouped GEMM (cuda/moe_route.py): every group's rows and operand
@@ -266,6 +268,9 @@ def install(machine):
     cm.CublasLt = Lt
 
 
+LT_GROUPED = [False]
+
+
 def run(kind="dense", prompt_len=5, steps=3, kv_dtype="bfloat16"):
     machine = Machine(96 << 20)
     install(machine)
@@ -276,7 +281,8 @@ def run(kind="dense", prompt_len=5, steps=3, kv_dtype="bfloat16"):
         from ninfer.models.qwen3_5.cuda import kernel_set
         kernel_set.STATIC_SMEM_BYTES = 1100
         assert kernel_set.paged_attention_group(2, 64) == 1
-    art = TinyArtifact(tiny_config(moe=kind == "moe"), seed=3)
+    LT_GROUPED[0] = kind == "moe-lt"
+    art = TinyArtifact(tiny_config(moe=kind.startswith("moe")), seed=3)
     cpu = NumpyModel.from_artifact(art)
     cpu.kv_dtype = None if kv_dtype == "bfloat16" else kv_dtype
     r = np.random.default_rng(1)
@@ -316,6 +322,7 @@ def run(kind="dense", prompt_len=5, steps=3, kv_dtype="bfloat16"):
         res["kv_dtype"] = str(kv_g.k[0].dtype)
         # a bf16 MoE prefill routes on the device (cuda/moe_route.py); float32 on the host
         res["moe_device_route"] = bool(gpu.ws.route_dev is not None and gpu.ws.route_dev.enabled)
+        res["moe_own_gemm"] = bool(gpu.ws.route_dev is not None and gpu.ws.route_dev.own)
         kv_g.close()
         st_g.close()
         gpu.close()

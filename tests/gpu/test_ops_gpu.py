@@ -493,27 +493,18 @@ def test_gather_rows(g, f32, width):
     assert np.array_equal(g.get(out), x[src])
 
 
-@pytest.mark.parametrize("tokens,E,K", [(3, 40, 4), (700, 64, 8), (1100, 256, 8)])
-def test_moe_route_and_grouped_gemm(g, tokens, E, K):
-    """The MoE prefill routed on the device (cuda/moe_route.py): the layout kernels give
-    moe_rows' cap-0 layout exactly (experts routed nothing, chunks whose last is partial), and
-    cuBLASLt's grouped GEMM over the rows and addresses they wrote gives each routed row its
-    expert's product within fp32's error of float64 (bf16 operands, fp32 out)."""
-    from ninfer.core.cuda.cublaslt import CublasLt
-    from ninfer.errors import DeviceError
+def _route_on_device(g, r, tokens, E, K, spec_):
+    """Skewed routing of `tokens` tokens laid out by the route kernels (count, scan, place):
+    the pairs' expert ids, each expert's rows and the device arrays; asserts the layout is
+    moe_rows' cap-0 layout exactly (experts routed nothing, chunks whose last is partial)."""
     from ninfer.models.qwen3_5.cuda import moe_route, moe_rows
-    r = rng(tokens + E)
     p = 1.0 / np.arange(1, E + 1) ** 1.1
     ids = np.stack([r.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
     ids = ids.reshape(-1).astype(np.int32)
-    pairs, N, Kd = len(ids), 96, 200
+    pairs = len(ids)
     nb = moe_route.chunks(pairs)
     counts, rows = g.empty((nb * E,), np.int32), g.empty((E,), np.int32)
     ptrs = g.empty((moe_route.NPTR, E), np.uint64)
-    x = bf16_bits(r.standard_normal((pairs, Kd)))
-    w = bf16_bits(0.1 * r.standard_normal((E, N, Kd)))
-    xg, y = g.put(x), g.empty((pairs, N), np.float32)
-    spec_ = np.array([xg.ptr, 2 * Kd, y.ptr, 4 * N, 0, 0, 0, 0], np.uint64)
     src, rop = g.empty((pairs + 1,), np.int32), g.empty((pairs + 1,), np.int32)
     dids = g.put(ids)
     g.run("moe_route_count", (nb,), (moe_route.COUNT_THREADS,), (counts, dids, pairs), dict(E=E))
@@ -526,6 +517,32 @@ def test_moe_route_and_grouped_gemm(g, tokens, E, K):
     assert np.array_equal(g.get(rows), total)
     assert np.array_equal(g.get(src)[:pairs], lay.src) and g.get(src)[pairs] == -1
     assert np.array_equal(g.get(rop)[:pairs], lay.row_of_pair) and g.get(rop)[pairs] == -1
+    return ids, total, rows, ptrs
+
+
+def _expert_products(x, w, total):
+    """float64 reference: each expert's consecutive rows of x times its weights' transpose."""
+    first = np.concatenate([[0], np.cumsum(total)[:-1]])
+    xf, wf = bits_to_f64(x), bits_to_f64(w)
+    return np.concatenate([xf[first[e]: first[e] + total[e]] @ wf[e].T
+                           for e in range(len(total))])
+
+
+@pytest.mark.parametrize("tokens,E,K", [(3, 40, 4), (700, 64, 8), (1100, 256, 8)])
+def test_moe_route_and_grouped_gemm(g, tokens, E, K):
+    """The MoE prefill routed on the device (cuda/moe_route.py): the layout kernels give
+    moe_rows' cap-0 layout exactly, and cuBLASLt's grouped GEMM over the rows and addresses they
+    wrote gives each routed row its expert's product within fp32's error of float64 (bf16
+    operands, fp32 out)."""
+    from ninfer.core.cuda.cublaslt import CublasLt
+    from ninfer.errors import DeviceError
+    r = rng(tokens + E)
+    pairs, N, Kd = tokens * K, 96, 200
+    x = bf16_bits(r.standard_normal((pairs, Kd)))
+    w = bf16_bits(0.1 * r.standard_normal((E, N, Kd)))
+    xg, y = g.put(x), g.empty((pairs, N), np.float32)
+    spec_ = np.array([xg.ptr, 2 * Kd, y.ptr, 4 * N, 0, 0, 0, 0], np.uint64)
+    ids, total, rows, ptrs = _route_on_device(g, r, tokens, E, K, spec_)
     ws = g.empty((32 << 20,), np.uint8)
     lt = CublasLt(ws.ptr, 32 << 20)
     try:
@@ -539,12 +556,42 @@ def test_moe_route_and_grouped_gemm(g, tokens, E, K):
     # the rows gathered by expert: x holds them in expert order already (the test's stand-in
     # for gather_rows); ptrs[0] / ptrs[1] are each expert's first row in xg / y
     lt.grouped_gemm(g.stream, plan, wtab.ptr, ptrs.ptr, ptrs.ptr + 8 * E, one.ptr, one.ptr + 4)
-    got = g.get(y)
-    first = np.concatenate([[0], np.cumsum(total)[:-1]])
-    xf, wf = bits_to_f64(x), bits_to_f64(w)
-    want = np.concatenate([xf[first[e]: first[e] + total[e]] @ wf[e].T for e in range(E)])
-    assert rel_err(got, want) < TOL_F32
+    assert rel_err(g.get(y), _expert_products(x, w, total)) < TOL_F32
     lt.close()
+
+
+@pytest.mark.parametrize("tokens,E,K,N,Kd", [(3, 40, 4, 128, 64), (700, 64, 8, 192, 256),
+                                             (1100, 256, 8, 1024, 2048), (900, 256, 8, 2048, 512)])
+def test_moe_route_and_own_grouped_gemm(g, tokens, E, K, N, Kd):
+    """Our grouped GEMM (kernels/grouped_gemm.py, where cuBLASLt has none): moe_route_tiles'
+    work list from the counts the route kernels wrote (tiles of 64 rows, -1 past the last),
+    then each routed row's product within fp32's error of float64, every row written over a
+    NaN-poisoned output and the rows past the pairs untouched; the 35B-A3B's gate|up (1024 x
+    2048) and down (2048 x 512) among the shapes."""
+    from ninfer.models.qwen3_5.cuda import moe_route
+    r = rng(tokens + E + N)
+    pairs = tokens * K
+    x = bf16_bits(r.standard_normal((pairs, Kd)))
+    w = bf16_bits(r.standard_normal((E, N, Kd)) / np.sqrt(Kd))
+    xg, y = g.put(x), g.empty((pairs + 3, N), np.float32)
+    spec_ = np.array([xg.ptr, 2 * Kd, y.ptr, 4 * N, 0, 0, 0, 0], np.uint64)
+    ids, total, rows, _ = _route_on_device(g, r, tokens, E, K, spec_)
+    tc = moe_route.tile_cap(pairs, E)
+    tiles = g.empty((3 * tc,), np.int32)
+    g.run("moe_route_tiles", (1,), (-(-E // 32) * 32,), (tiles, rows, tc),
+          dict(E=E, BM=moe_route.GEMM_BM))
+    t = g.get(tiles).reshape(3, tc)
+    used = int(sum(-(-int(m) // moe_route.GEMM_BM) for m in total))
+    first = np.concatenate([[0], np.cumsum(total)[:-1]])
+    want = [(e, first[e] + j * 64, min(64, total[e] - j * 64)) for e in range(E)
+            for j in range(-(-int(total[e]) // 64))]
+    assert [tuple(int(v) for v in t[:, i]) for i in range(used)] == want
+    assert (t[0, used:] == -1).all()
+    g.run("grouped_gemm", (tc, N // moe_route.GEMM_BN), (moe_route.GEMM_THREADS,),
+          (y, xg, g.put(w), tiles, tc, N, Kd))
+    got = g.get(y)
+    assert np.isfinite(got[:pairs]).all() and np.isnan(got[pairs:]).all()
+    assert rel_err(got[:pairs], _expert_products(x, w, total)) < TOL_F32
 
 
 @pytest.mark.parametrize("M,n,k,beta", [(1, 1281, 2048, 0.0), (3, 7, 256, 1.0),

@@ -75,9 +75,9 @@ def workspace_bytes(cfg, *, f32: bool, n_cap: int, lg_cap: int, part_rows: int, 
         # ids, wts, mact, shared per token; the grouped rows (my, xg, gu, gact, route)
         per_tok += 8 * K + 4 * K * I + 4 * H + 4 * K
         grouped = grouped_rows(n_cap, K, cfg.num_experts) * (4 * H + g * H + 8 * I + g * I + 4)
-        if not f32:             # the routing on the device (moe_route.DeviceRoute), 7 arrays
+        if not f32:             # the routing on the device (moe_route.DeviceRoute), 8 arrays
             grouped += moe_route.nbytes(n_cap, K, cfg.num_experts,
-                                        cfg.num_hidden_layers + int(mtp)) + 7 * 256
+                                        cfg.num_hidden_layers + int(mtp)) + 8 * 256
     else:
         grouped = 0
     part = grouped + part_rows * cfg.num_attention_heads * (cfg.head_dim + 2) * 4

@@ -10,6 +10,7 @@ from ....core.cuda.kernels import KernelCache, KernelSpec
 from ....errors import DeviceError
 from ..config import TextConfig
 from . import gdn_chunk as gc
+from . import moe_route
 from . import qweights as qw
 
 GEMV_MAX_M = 8              # kernels/gemv.MAX_M (runner.GEMV_MAX_M)
@@ -18,7 +19,7 @@ GEMV_MAX_M = 8              # kernels/gemv.MAX_M (runner.GEMV_MAX_M)
 # in a SIGNATURES literal beside them (kernels/__init__.py)
 MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "gdn_chunk_tc", "rope_kv",
            "attention", "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision",
-           "speculate", "gemv")
+           "speculate", "gemv", "grouped_gemm")
 
 
 def declared_signatures(module: str) -> dict:
@@ -253,6 +254,9 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["moe_route_count"] = spec("moe_route_count", E=E)
         specs["moe_route_scan"] = spec("moe_route_scan", E=E)
         specs["moe_route_place"] = spec("moe_route_place", E=E, K=k)
+        # our grouped GEMM (where cuBLASLt has none: moe_route.DeviceRoute.own), its work list
+        specs["moe_route_tiles"] = spec("moe_route_tiles", E=E, BM=moe_route.GEMM_BM)
+        specs["grouped_gemm"] = spec("grouped_gemm")
     return specs
 
 
@@ -272,7 +276,7 @@ def _f32_specs(cfg: TextConfig) -> dict:
     for name, sp in geometry_specs(cfg).items():
         if name in F32_VARIANTS:
             specs[name] = spec(name, True, **dict(sp.params))
-        elif sp.module not in ("attention_tc", "gdn_chunk_tc"):   # tensor cores: bf16 only
+        elif sp.module not in ("attention_tc", "gdn_chunk_tc", "grouped_gemm"):   # (bf16 only)
             specs[name] = sp
     if cfg.linear_layer_ids:                       # the fp32 chunked delta rule instead
         specs.update(gdn_chunk_specs(cfg.linear_key_head_dim, cfg.linear_value_head_dim,

@@ -7,7 +7,10 @@ rows out on the device (kernels/moe.py moe_route_count, _scan, _place: the same 
 host's with cap 0, every expert's rows consecutive in pair order) and write what cuBLASLt's
 grouped GEMM reads from device memory: each expert's row count and the addresses of its rows in
 the buffers it reads and writes. The expert GEMMs are then two grouped GEMMs (gate|up, down), one
-launch each, whatever the routing.
+launch each, whatever the routing: cuBLASLt's where it has one (cuBLAS 13.10 and later), else our
+tensor-core kernel (kernels/grouped_gemm.py) over a work list of 64-row tiles that a fourth small
+kernel writes from the experts' row counts (moe_route_tiles): then no address tables are needed,
+and every layer's experts are read where they were loaded.
 
 Device arrays (carved from the workspace, DeviceRoute.nbytes):
     counts   int32 [chunks_cap, E]   per chunk of ROUTE_CHUNK pairs: its pairs per expert, then
@@ -18,6 +21,7 @@ Device arrays (carved from the workspace, DeviceRoute.nbytes):
     dims     int32 [3, E]            H, 2I, I for every expert (the layouts' other dimensions)
     scalars  float32 [2]             1.0, 0.0: alpha and beta (read by device pointer)
     w_ptrs   uint64 [tables, 2, E]   each MoE layer's expert weights: gate|up and down, by expert
+    tiles    int32 [3, tile_cap]     our grouped GEMM's work list: (expert or -1, first row, rows)
 """
 from __future__ import annotations
 
@@ -28,23 +32,38 @@ from ....core.cuda import driver as _d
 ROUTE_CHUNK = 512           # kernels/moe.ROUTE_CHUNK: pairs a block of moe_route_count / _place
 COUNT_THREADS = 256         # kernels/moe.ROUTE_COUNT_THREADS: moe_route_count's block
 NPTR = 4                    # row-address arrays the scan writes: xg, gu, gact, my
+# kernels/grouped_gemm.py's tile: BM routed rows x BN outputs a block of GEMM_THREADS, k in steps
+# of BK (tests/test_grouped_gemm_nogpu.py checks these against the kernel's)
+GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS = 64, 64, 32, 128
 
 
 def chunks(pairs: int) -> int:
     return -(-int(pairs) // ROUTE_CHUNK)
 
 
+def tile_cap(pairs: int, num_experts: int) -> int:
+    """Entries of the grouped GEMM's work list for `pairs` routed pairs: each expert's rows in
+    tiles of GEMM_BM, at most one partial tile an expert."""
+    return -(-int(pairs) // GEMM_BM) + int(num_experts)
+
+
+def own_gemm_fits(n: int, k: int) -> bool:
+    """kernels/grouped_gemm.fits: whole column blocks and k steps (16-byte aligned rows)."""
+    return n > 0 and k > 0 and n % GEMM_BN == 0 and k % GEMM_BK == 0
+
+
 def nbytes(n_cap: int, top_k: int, num_experts: int, tables: int) -> int:
     """Device bytes of DeviceRoute's arrays (before the arena's alignment of each)."""
     E = num_experts
     return 4 * chunks(n_cap * top_k) * E + 4 * E + 8 * NPTR * E + 8 * 2 * NPTR + 4 * 3 * E + 8 \
-        + 8 * 2 * E * tables
+        + 8 * 2 * E * tables + 4 * 3 * tile_cap(n_cap * top_k, E)
 
 
 class DeviceRoute:
     """Buffers and grouped-GEMM plans of the device-routed MoE prefill (one per workspace)."""
 
-    enabled = False             # set by bind(): the cuBLASLt here has the grouped GEMM
+    enabled = False             # set by bind(): a grouped GEMM takes these experts
+    own = False                 # ... and it is ours (kernels/grouped_gemm.py), not cuBLASLt's
 
     def __init__(self, take, cfg, n_cap: int, tables: int, region: str):
         E = self.E = cfg.num_experts
@@ -57,25 +76,34 @@ class DeviceRoute:
         self.scalars = take((2,), np.float32, region)
         self.w_ptrs = take((max(tables, 1), 2, E), np.uint64, region)
         self.tables = {}        # a layer's gate|up weights' address -> (its two pointer arrays)
+        self.tile_cap = tile_cap(n_cap * cfg.num_experts_per_tok, E)
+        self.tiles = take((3 * self.tile_cap,), np.int32, region)
 
     def bind(self, stream, lt, ws, layers) -> bool:
-        """Upload what stays fixed (the buffers' row addresses, the dimensions, alpha and beta,
-        every MoE layer's expert addresses: `layers`, the MoE layers' weight dicts) and ask
-        cuBLASLt for the grouped GEMM once. Returns whether the device route is enabled: off
-        for packed experts, where the cuBLASLt here has no grouped GEMM (then nothing is
-        uploaded: no start-up work), or with no layers."""
+        """Upload what stays fixed (the buffers' row addresses; for cuBLASLt's grouped GEMM the
+        dimensions, alpha and beta and every MoE layer's expert addresses: `layers`, the MoE
+        layers' weight dicts, whose plans it makes once). Returns whether the device route is
+        enabled: off for packed experts, with no layers, or where neither cuBLASLt's grouped
+        GEMM nor ours (`own`: kernels/grouped_gemm.py, whole 64-column blocks and 32-wide k
+        steps) takes the experts."""
         from ....core.cuda.cublaslt import DeviceError
         E, H, I = self.E, self.H, self.I
         dense = [lw for lw in layers if hasattr(lw["experts_gu"], "ptr")
                  and hasattr(lw["experts_down"], "ptr")]
-        self.enabled = False
-        if not lt.has_grouped_gemm() or not dense or len(dense) != len(layers) \
-                or len(dense) > self.w_ptrs.shape[0]:
+        self.enabled = self.own = False
+        if not dense or len(dense) != len(layers) or len(dense) > self.w_ptrs.shape[0]:
+            return False
+        lt_grouped = lt.has_grouped_gemm()
+        if not lt_grouped and not (own_gemm_fits(2 * I, H) and own_gemm_fits(H, I)
+                                   and ws.gin_bytes == 2):
             return False
         g = ws.gin_bytes
         spec = np.array([ws.xg.ptr, g * H, ws.gu.ptr, 4 * 2 * I, ws.gact.ptr, g * I,
                          ws.my.ptr, 4 * H], np.uint64)
         _d.upload(self.spec.ptr, spec, stream)
+        if not lt_grouped:
+            self.enabled = self.own = True
+            return True
         _d.upload(self.dims.ptr, np.repeat(np.array([H, 2 * I, I], np.int32), E), stream)
         _d.upload(self.scalars.ptr, np.array([1.0, 0.0], np.float32), stream)
         table = np.zeros(self.w_ptrs.shape, np.uint64)

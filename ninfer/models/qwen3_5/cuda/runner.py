@@ -727,7 +727,9 @@ class StepRunner:
         """Prefill with the routing on the device (moe_route.py): the routed rows laid out by
         three small kernels (expert-sorted, pair order within an expert: experts_grouped's cap-0
         layout), gathered, and the experts' gate|up and down as one grouped GEMM each, whose row
-        counts and addresses the layout kernels wrote. No host round trip."""
+        counts and addresses the layout kernels wrote (cuBLASLt's), or over a work list of
+        64-row tiles written from the counts (ours, where cuBLASLt has none). No host round
+        trip."""
         cfg, ws = self.cfg, self.res.ws
         route = ws.route_dev
         H, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, \
@@ -743,6 +745,21 @@ class StepRunner:
         words = H * ws.gin_bytes // 4
         self.launch(st, self.kernels.gather_rows, (pairs, -(-words // (4 * GATHER_THREADS))),
                     (GATHER_THREADS,), (ws.xg, ws.x, ws.route, words))
+        if route.own:
+            # our grouped GEMM (kernels/grouped_gemm.py) over the tiles of each expert's rows
+            tc = moe_route.tile_cap(pairs, E)
+            self.launch(st, self.kernels.moe_route_tiles, (1,), (-(-E // 32) * 32,),
+                        (route.tiles, route.rows, tc))
+
+            def gemm(out, x, w, n, k):
+                self._timed(st, "expert_gemm", lambda: self.launch(
+                    st, self.kernels.grouped_gemm, (tc, n // moe_route.GEMM_BN),
+                    (moe_route.GEMM_THREADS,), (out, x, w, route.tiles, tc, n, k)))
+            gemm(ws.gu, ws.xg, lw["experts_gu"], 2 * I, H)
+            self.launch(st, self.kernels.silu_mul, (pairs, (I + 255) // 256), (256,),
+                        (ws.gact, ws.gu, 2 * I, 0, I))
+            gemm(ws.my, ws.gact, lw["experts_down"], H, I)
+            return
         plan_gu, plan_dn = route.plans(self.res.lt, pairs)
         w_gu, w_dn = route.tables[lw["experts_gu"].ptr]
         one, zero = route.scalars.ptr, route.scalars.ptr + 4

@@ -1,0 +1,144 @@
+"""Grouped bf16 GEMM on the tensor cores over each expert's consecutive rows: the MoE prefill
+routed on the device (cuda/moe_route.py) where cuBLASLt has no grouped GEMM (cuBLAS before 13.10).
+
+For every tile of the work list moe_route_tiles wrote (expert e, first row r0, m rows):
+
+    out[r0 + i, n0 + j] (fp32) = sum_k x[r0 + i, k] W_e[n0 + j, k]      i < m, every n0 + j < n
+
+with W_e = w + e * n * k (a layer's experts' [n, k] bf16 weights back to back, as loaded).
+
+A block of 4 warps computes a BM x BN tile (64 x 64; a warp 32 x 32: 2 x 4 mma.sync m16n8k16,
+bf16 operands, fp32 accumulators), walking k in steps of BK = 32. Each thread holds 16 bytes of
+x's tile and of W's for the next step in registers, loaded while this step's products run, and
+stores them into shared memory rows padded to SW = 20 words, where a fragment's loads (word
+20 g + t of a row group) hit 32 distinct banks. Rows of a tile past m load zeros and are never
+stored. Only the rows the routing gave an expert are computed (no padding to a capacity).
+"""
+from numba import cuda, float32, int64, uint32
+
+from .ptx import ld_v4, mma_bf16
+
+# kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
+SIGNATURES = {
+    "grouped_gemm": ("f32*", "u32*", "u32*", "i32*", "i32", "i32", "i32"),
+}
+
+BM = 64             # rows of a tile (moe_route_tiles' BM)
+BN = 64             # output columns of a block
+BK = 32             # k a step
+THREADS = 128       # 4 warps, 2 x 2 over the tile
+SW = BK // 2 + 4    # shared row stride in 32-bit words (bf16 pairs)
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether grouped_gemm takes products of n outputs over k: whole column blocks and steps
+    (then x's and W's rows are 16-byte aligned)."""
+    return n % BN == 0 and k % BK == 0 and n > 0 and k > 0
+
+
+def grouped_gemm():
+    KW = BK // 2        # words of a row a step
+    SA = BM * SW        # shared array sizes: compile-time constants
+    SB = BN * SW
+
+    def grouped_gemm_kernel(out, x, w, tiles, t_cap, n, k):
+        # grid (t_cap, n / BN), block THREADS. x [rows, k] and w [E, n, k] bf16 as words;
+        # out [rows, n] fp32; tiles [3, t_cap] (moe_route_tiles: expert or -1, r0, m)
+        t = cuda.blockIdx.x
+        e = tiles[t]
+        if e < 0:
+            return                    # whole block: past the routing's last tile
+        r0 = tiles[t_cap + t]
+        m = tiles[2 * t_cap + t]
+        n0 = cuda.blockIdx.y * BN
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        q = lane & 3
+        wm = (warp >> 1) * 32         # the warp's rows and columns of the tile
+        wn = (warp & 1) * 32
+        sA = cuda.shared.array(SA, uint32)
+        sB = cuda.shared.array(SB, uint32)
+        acc = cuda.local.array(32, float32)
+        for i in range(32):
+            acc[i] = float32(0.0)
+        kw = k // 2
+        # this thread's 16-byte pieces of each step's tiles: rows lr and lr + 32, words lc..lc+3
+        lr = tid >> 2
+        lc = (tid & 3) * 4
+        xa = int64(r0 + lr) * kw + lc
+        xb = xa + 32 * kw
+        wa = (int64(e) * n + n0 + lr) * kw + lc
+        wb = wa + 32 * kw
+        oka = lr < m
+        okb = lr + 32 < m
+        z = uint32(0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
+        if oka:
+            a0, a1, a2, a3 = ld_v4(x, xa)
+        if okb:
+            a4, a5, a6, a7 = ld_v4(x, xb)
+        b0, b1, b2, b3 = ld_v4(w, wa)
+        b4, b5, b6, b7 = ld_v4(w, wb)
+        sa = lr * SW + lc
+        sb = sa + 32 * SW
+        steps = k // BK
+        for kt in range(steps):
+            sA[sa] = a0
+            sA[sa + 1] = a1
+            sA[sa + 2] = a2
+            sA[sa + 3] = a3
+            sA[sb] = a4
+            sA[sb + 1] = a5
+            sA[sb + 2] = a6
+            sA[sb + 3] = a7
+            sB[sa] = b0
+            sB[sa + 1] = b1
+            sB[sa + 2] = b2
+            sB[sa + 3] = b3
+            sB[sb] = b4
+            sB[sb + 1] = b5
+            sB[sb + 2] = b6
+            sB[sb + 3] = b7
+            cuda.syncthreads()
+            if kt + 1 < steps:        # the next step's pieces, in flight under the products
+                off = (kt + 1) * KW
+                if oka:
+                    a0, a1, a2, a3 = ld_v4(x, xa + off)
+                if okb:
+                    a4, a5, a6, a7 = ld_v4(x, xb + off)
+                b0, b1, b2, b3 = ld_v4(w, wa + off)
+                b4, b5, b6, b7 = ld_v4(w, wb + off)
+            for ks in range(2):       # two k16 slices of the step
+                c = ks * 8 + q
+                for mt in range(2):
+                    ra = (wm + mt * 16 + g) * SW + c
+                    f0 = sA[ra]
+                    f1 = sA[ra + 8 * SW]
+                    f2 = sA[ra + 4]
+                    f3 = sA[ra + 8 * SW + 4]
+                    for nt in range(4):
+                        rb = (wn + nt * 8 + g) * SW + c
+                        o = (mt * 4 + nt) * 4
+                        d0, d1, d2, d3 = mma_bf16(f0, f1, f2, f3, sB[rb], sB[rb + 4],
+                                                  acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                        acc[o] = d0
+                        acc[o + 1] = d1
+                        acc[o + 2] = d2
+                        acc[o + 3] = d3
+            cuda.syncthreads()        # the next step rewrites sA, sB
+        for mt in range(2):
+            row = wm + mt * 16 + g
+            for nt in range(4):
+                o = (mt * 4 + nt) * 4
+                col = n0 + wn + nt * 8 + 2 * q
+                if row < m:
+                    y = int64(r0 + row) * n + col
+                    out[y] = acc[o]
+                    out[y + 1] = acc[o + 1]
+                if row + 8 < m:
+                    y = int64(r0 + row + 8) * n + col
+                    out[y] = acc[o + 2]
+                    out[y + 1] = acc[o + 3]
+    return grouped_gemm_kernel
