@@ -2,8 +2,9 @@
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
 #     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
-#                             [vision] [mtp] [profile] [full]
-#                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, profile, full)
+#                             [vision] [mtp] [profile] [prefill] [full]
+#                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, profile,
+#                        prefill, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -147,6 +148,20 @@ for part in $parts; do
                     >"$OUT/profile_$shape.log" 2>&1
             done
             summary+=("profile: $(grep -h "kernels sum" "$OUT"/profile_*.log | tr '\n' ';')") ;;
+        prefill)
+            # the prefill's pieces and rows (issue 26): the delta rule's kernels and the grouped
+            # GEMMs on the GPU, one GDN layer's scan variants, our grouped GEMM beside the host
+            # path per layer, then every shape's prefill with its per-kernel profile (and the
+            # MoE prefill with the device route beside: ms_device_route)
+            timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_gdn_chunk_gpu.py \
+                tests/gpu/test_ops_gpu.py -k "gdn or moe_route" >"$OUT/prefill_tests.log" 2>&1
+            timeout 120 python3 bench/bench_gdn_chunk.py --tokens 4096 --nv 48 >"$OUT/gdn48.log" 2>&1
+            timeout 90 python3 bench/bench_gdn_chunk.py --tokens 4096 --nv 32 >"$OUT/gdn32.log" 2>&1
+            timeout 120 python3 bench/probe_grouped_gemm.py --tokens 64,512,4096 >"$OUT/probe.log" 2>&1
+            timeout 240 python3 bench/bench_decode.py --shapes 35b-a3b,9b,2b,27b --prefill 512,4096 \
+                --contexts 2048 --batches 1 --steps 5 --profile --out "$OUT/prefill.json" \
+                >"$OUT/prefill.log" 2>&1
+            summary+=("prefill: $(tail -1 "$OUT/prefill_tests.log") (see gdn*.log, probe.log, prefill.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;

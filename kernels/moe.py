@@ -373,6 +373,7 @@ def moe_route_place(E, K):
 
 def moe_route_tiles(E, BM):
     EP = (E + 31) // 32 * 32
+    assert EP <= 1024           # a thread an expert in one block (as moe_route_scan)
 
     def moe_route_tiles_kernel(tiles, rows, t_cap):
         # grid (1,), block EP: a thread an expert. The grouped GEMM's work list (kernels/
