@@ -260,17 +260,23 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
             extra["ms_cores"] = time_prefill(model, batch, kv, state) * 1e3
             model.attn_tc_min_tokens = saved
         route = getattr(model.ws, "route_dev", None)
+        routes = [False]
         if route is not None and route.enabled:
             # the same prefill with the MoE routing on the device (experts_routed: no sync a
-            # MoE layer; off by default), where this cuBLASLt has the grouped GEMM
+            # MoE layer; off by default): cuBLASLt's grouped GEMM or ours (route.own)
             model.runner.moe_device_route = True
             extra["ms_device_route"] = time_prefill(model, batch, kv, state) * 1e3
+            extra["device_route_gemm"] = "ours" if route.own else "cublaslt"
             model.runner.moe_device_route = False
-        if profile:
+            routes.append(True)
+        for on in routes if profile else ():
+            model.runner.moe_device_route = on
             model.runner.profile = []
             model.decode_greedy(batch, kv, state)
             prof = model.runner.profile_summary()
-            log(f"[{name}] prefill {T} time by kernel (ms, events around each launch): " +
+            model.runner.moe_device_route = False
+            log(f"[{name}] prefill {T}{' (MoE routed on the device)' if on else ''} time by "
+                "kernel (ms, events around each launch): " +
                 json.dumps({k: round(v, 2) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])}))
         flops = prefill_flops(cfg, T)
         # the weights a prefill must read at least once (MoE: every expert some token routes
@@ -351,6 +357,12 @@ def print_table(res):
         for r in reads:
             print(f"  {r['shape']} T={r['T']}: GEMM {r['limit_ms']:.1f} ms, weights "
                   f"{r['read_ms']:.1f} ms -> ratio {r['roof_ratio']:.2f}")
+    routed = [r for r in res["rows"] if r["kind"] == "prefill" and "ms_device_route" in r]
+    if routed:
+        print("\nMoE prefill routed on the device (its grouped GEMM in brackets):")
+        for r in routed:
+            print(f"  {r['shape']} T={r['T']}: {r['ms_device_route']:.1f} ms "
+                  f"({r.get('device_route_gemm', '?')}; host route: {r['ms']:.1f} ms)")
     cores = [r for r in res["rows"] if r["kind"] == "prefill" and "ms_cores" in r]
     if cores:
         print("\nprefill with attention on the CUDA-core kernel (tensor-core path off):")
