@@ -417,3 +417,35 @@ def test_idle_engine_demotes_to_headroom_and_answers_stay_exact():
             .astype(np.int32)
     assert seen_idle > 0
     _finish_empty(core)
+
+
+def test_tokens_are_published_before_the_units_captures():
+    """A unit's tokens reach their requests before the context cache's captures run (host work
+    and State copies no client needs to wait for), and a request that ends on that unit ends
+    after them, its sequence still holding what they copy: the prompt-end checkpoint of a
+    one-token request is captured, and its answer and a later hit stay exact."""
+    core, _ = make_core(max_concurrency=1, max_context=MAX_CONTEXT)
+    cache = core.context_cache
+    seen = []
+    capture = cache.capture_if_due
+
+    def watched(rows):
+        rows = list(rows)
+        due = core.program.due_captures([seq_id for seq_id, _ in rows])
+        for req in list(core._residents):
+            if req.seq_id in due:
+                # the token this unit produced is published, the request not finished yet
+                seen.append((len(req.token_ids), req.first_token_time is not None,
+                             req.channel.is_done))
+        capture(rows)
+    cache.capture_if_due = watched
+    p = prompt(3000, 12)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    res = core.submit(p, params).result(timeout=60)
+    assert res.token_ids == reference_tokens(p, params, MAX_CONTEXT)
+    assert seen and all(n >= 1 and first and not done for n, first, done in seen), seen
+    again = core.submit(np.concatenate([p, prompt(3001, 3)]), params).result(timeout=60)
+    assert again.num_cached_tokens >= len(p)
+    assert again.token_ids == reference_tokens(np.concatenate([p, prompt(3001, 3)]), params,
+                                               MAX_CONTEXT)
+    _finish_empty(core)
