@@ -34,13 +34,14 @@ def test_grouped_gemm_compiles_to_tensor_core_ptx():
     """At the 35B-A3B's projections (gate|up: n 1024, k 2048; down: n 2048, k 512 share one
     kernel): bf16 mma.sync, 16-byte loads, shared memory for two padded tiles, no local memory
     (the accumulators and the next step's pieces in registers)."""
+    pytest.importorskip("numba.cuda")
+    from numba.core.errors import TypingError
     from ninfer.core.cuda import kernels as K
     from ninfer.models.qwen3_5.cuda.kernel_set import spec
     try:
         ptx = K.compile_spec(spec("grouped_gemm"), (9, 0))
         tiles = K.compile_spec(spec("moe_route_tiles", E=256, BM=64), (9, 0))
     except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
-        from numba.core.errors import TypingError
         if isinstance(exc, TypingError):
             raise                  # (a kernel numba cannot type is a failure, not a skip)
         pytest.skip(f"numba-cuda cannot compile here: {exc}")
