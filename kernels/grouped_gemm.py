@@ -12,7 +12,8 @@ bf16 operands, fp32 accumulators), walking k in steps of BK = 32. Each thread ho
 x's tile and of W's for the next step in registers, loaded while this step's products run, and
 stores them into shared memory rows padded to SW = 20 words, where a fragment's loads (word
 20 g + t of a row group) hit 32 distinct banks. Rows of a tile past m load zeros and are never
-stored. Only the rows the routing gave an expert are computed (no padding to a capacity).
+stored. Only the tiles of the rows the routing gave an expert run: at most one partial tile an
+expert, no padding of every expert to a common capacity (the host path's strided batch).
 """
 from numba import cuda, float32, int64, uint32
 
