@@ -76,8 +76,7 @@ class DeviceRoute:
         self.scalars = take((2,), np.float32, region)
         self.w_ptrs = take((max(tables, 1), 2, E), np.uint64, region)
         self.tables = {}        # a layer's gate|up weights' address -> (its two pointer arrays)
-        self.tile_cap = tile_cap(n_cap * cfg.num_experts_per_tok, E)
-        self.tiles = take((3 * self.tile_cap,), np.int32, region)
+        self.tiles = take((3 * tile_cap(n_cap * cfg.num_experts_per_tok, E),), np.int32, region)
 
     def bind(self, stream, lt, ws, layers) -> bool:
         """Upload what stays fixed (the buffers' row addresses; for cuBLASLt's grouped GEMM the

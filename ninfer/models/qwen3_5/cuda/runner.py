@@ -747,14 +747,14 @@ class StepRunner:
                     (GATHER_THREADS,), (ws.xg, ws.x, ws.route, words))
         if route.own:
             # our grouped GEMM (kernels/grouped_gemm.py) over the tiles of each expert's rows
-            tc = moe_route.tile_cap(pairs, E)
+            t_cap = moe_route.tile_cap(pairs, E)
             self.launch(st, self.kernels.moe_route_tiles, (1,), (-(-E // 32) * 32,),
-                        (route.tiles, route.rows, tc))
+                        (route.tiles, route.rows, t_cap))
 
             def gemm(out, x, w, n, k):
                 self._timed(st, "expert_gemm", lambda: self.launch(
-                    st, self.kernels.grouped_gemm, (tc, n // moe_route.GEMM_BN),
-                    (moe_route.GEMM_THREADS,), (out, x, w, route.tiles, tc, n, k)))
+                    st, self.kernels.grouped_gemm, (t_cap, n // moe_route.GEMM_BN),
+                    (moe_route.GEMM_THREADS,), (out, x, w, route.tiles, t_cap, n, k)))
             gemm(ws.gu, ws.xg, lw["experts_gu"], 2 * I, H)
             self.launch(st, self.kernels.silu_mul, (pairs, (I + 255) // 256), (256,),
                         (ws.gact, ws.gu, 2 * I, 0, I))
