@@ -23,6 +23,7 @@ from ninfer.core.cuda.arena import Arena
 from ninfer.core.cuda.cublaslt import CublasLt
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, TextConfig
+from ninfer.models.qwen3_5.cuda import moe_route
 from ninfer.models.qwen3_5.cuda_model import CudaModel
 from ninfer.options import EngineOptions
 
@@ -193,7 +194,7 @@ def time_prefill(model, batch, kv, state, reps=2):
 
 
 def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False,
-                cores_upto=0, invariant=False, gemv_mbs=(None,)):
+                cores_upto=0, invariant=False, gemv_mbs=(None,), route_caps=()):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
@@ -260,24 +261,41 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
             extra["ms_cores"] = time_prefill(model, batch, kv, state) * 1e3
             model.attn_tc_min_tokens = saved
         route = getattr(model.ws, "route_dev", None)
+        default_route = model.runner.moe_device_route
         routes = [False]
         if route is not None and route.enabled:
-            # the same prefill with the MoE routing on the device (experts_routed: no sync a
-            # MoE layer; off by default): cuBLASLt's grouped GEMM or ours (route.own)
+            # the MoE routing on the device (experts_routed: no sync a MoE layer; the default
+            # where the route is enabled: cuBLASLt's grouped GEMM or ours, route.own) and on
+            # the host (experts_grouped): `ms` is the default's, the other beside it
+            model.runner.moe_device_route = not default_route
+            extra["ms_host_route" if default_route else "ms_device_route"] = \
+                time_prefill(model, batch, kv, state) * 1e3
+            if default_route:
+                extra["ms_device_route"] = t * 1e3
             model.runner.moe_device_route = True
-            extra["ms_device_route"] = time_prefill(model, batch, kv, state) * 1e3
             extra["device_route_gemm"] = "ours" if route.own else "cublaslt"
-            model.runner.moe_device_route = False
+            if route.own:
+                extra["device_route_cap"] = moe_route.device_cap(
+                    T * cfg.num_experts_per_tok, cfg.num_experts, model.ws.grouped_rows)
+                # other padded blocks (--route-caps: rows an expert forced, 0 = ours alone)
+                pairs = T * cfg.num_experts_per_tok
+                for cap in route_caps:
+                    if cfg.num_experts * cap + pairs > model.ws.grouped_rows:
+                        continue            # (the workspace's rows bound the block)
+                    model.runner.moe_cap = cap
+                    extra[f"ms_device_route_cap{cap}"] = time_prefill(model, batch, kv,
+                                                                      state) * 1e3
+                model.runner.moe_cap = None
             routes.append(True)
         for on in routes if profile else ():
             model.runner.moe_device_route = on
             model.runner.profile = []
             model.decode_greedy(batch, kv, state)
             prof = model.runner.profile_summary()
-            model.runner.moe_device_route = False
             log(f"[{name}] prefill {T}{' (MoE routed on the device)' if on else ''} time by "
                 "kernel (ms, events around each launch): " +
                 json.dumps({k: round(v, 2) for k, v in sorted(prof.items(), key=lambda kv: -kv[1])}))
+        model.runner.moe_device_route = default_route
         flops = prefill_flops(cfg, T)
         # the weights a prefill must read at least once (MoE: every expert some token routes
         # to): at small T a MoE prefill is bound by these bytes, not by its FLOPs
@@ -307,6 +325,10 @@ def main(argv=None):
     ap.add_argument("--gemv-max-mb", default=None,
                     help="decode rows at each of these decode-GEMV thresholds, MB of weights "
                          "(comma-separated; runner.gemv_max_bytes; default: the model's)")
+    ap.add_argument("--route-caps", default="",
+                    help="MoE prefills routed on the device with our grouped GEMM: also time "
+                         "these padded blocks, rows an expert (comma-separated; 0: our GEMM "
+                         "alone; runner.moe_cap; the default block is moe_route.device_cap)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -326,7 +348,7 @@ def main(argv=None):
                                            ints(args.batches), args.steps, log, args.profile,
                                            args.cores_upto,
                                            gemv_mbs=ints(args.gemv_max_mb) if args.gemv_max_mb
-                                           else (None,))
+                                           else (None,), route_caps=ints(args.route_caps))
         except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             results["rows"].append(dict(shape=name, kind="error", error=str(exc)))
@@ -361,8 +383,12 @@ def print_table(res):
     if routed:
         print("\nMoE prefill routed on the device (its grouped GEMM in brackets):")
         for r in routed:
+            caps = {k[len("ms_device_route_cap"):]: round(v, 1) for k, v in r.items()
+                    if k.startswith("ms_device_route_cap")}
             print(f"  {r['shape']} T={r['T']}: {r['ms_device_route']:.1f} ms "
-                  f"({r.get('device_route_gemm', '?')}; host route: {r['ms']:.1f} ms)")
+                  f"({r.get('device_route_gemm', '?')}, block {r.get('device_route_cap', '-')}; "
+                  f"host route: {r.get('ms_host_route', r['ms']):.1f} ms)"
+                  + (f"; other blocks: {caps}" if caps else ""))
     cores = [r for r in res["rows"] if r["kind"] == "prefill" and "ms_cores" in r]
     if cores:
         print("\nprefill with attention on the CUDA-core kernel (tensor-core path off):")

@@ -578,6 +578,8 @@ def bench_shape(shape, args, log) -> dict:
     model, program = engine.model, engine._core.program
     if args.moe_dequant:
         model.runner.packed_grouped = False
+    if args.moe_route != "default":
+        model.runner.moe_device_route = args.moe_route == "device"
     if args.no_chain:           # (the Program asks the model before each step ahead)
         model.chains_token_steps = False
     load_s = getattr(model, "load_seconds", None)
@@ -683,6 +685,10 @@ def main(argv=None):
     ap.add_argument("--moe-dequant", action="store_true",
                     help="packed experts' prefill dequantized for cuBLASLt instead of the grouped "
                          "tensor-core GEMV (the default): the path it replaced, for comparison")
+    ap.add_argument("--moe-route", default="default", choices=("default", "host", "device"),
+                    help="bf16 MoE prefill: experts laid out on the host (one sync a layer) or "
+                         "on the device (StepRunner.moe_device_route; where the GPU's cuBLASLt "
+                         "or our grouped GEMM takes the shapes); the Engine rows only")
     ap.add_argument("--no-chain", action="store_true",
                     help="greedy decode steps one by one, each collected before the next "
                          "launch, instead of the pipelined decode (CudaModel.chains_token_steps): "

@@ -14,15 +14,21 @@ stores them into shared memory rows padded to SW = 20 words, where a fragment's 
 20 g + t of a row group) hit 32 distinct banks. Rows of a tile past m load zeros and are never
 stored. Only the tiles of the rows the routing gave an expert run: at most one partial tile an
 expert, no padding of every expert to a common capacity (the host path's strided batch).
+
+routed_silu_mul is the SwiGLU between the route's two products, over the rows some pair took
+only (the layout's src >= 0: not the padded block's unused rows, nor those past the overflow).
 """
 from numba import cuda, float32, int64, uint32
 
+from .common import f32_to_bf16, silu
 from .ptx import ld_v4, mma_bf16
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
     "grouped_gemm": ("f32*", "u32*", "u32*", "i32*", "i32", "i32", "i32"),
+    "routed_silu_mul": ("u16*", "f32*", "i32*", "i32"),
 }
+SILU_THREADS = 256
 
 BM = 64             # rows of a tile (moe_route_tiles' BM)
 BN = 64             # output columns of a block
@@ -143,3 +149,17 @@ def grouped_gemm():
                     out[y] = acc[o + 2]
                     out[y + 1] = acc[o + 3]
     return grouped_gemm_kernel
+
+
+def routed_silu_mul():
+    def routed_silu_mul_kernel(out, gu, src, inter):
+        # out[r, j] (bf16) = silu(gu[r, j]) * gu[r, inter + j] for the rows r with src[r] >= 0
+        # (the device route's row -> token map, -1 where no pair is); grid (rows, ceil(inter /
+        # SILU_THREADS)), block SILU_THREADS
+        t = cuda.blockIdx.x
+        j = cuda.blockIdx.y * SILU_THREADS + cuda.threadIdx.x
+        if j >= inter or src[t] < 0:
+            return
+        b = int64(t) * 2 * inter + j
+        out[int64(t) * inter + j] = f32_to_bf16(silu(gu[b]) * gu[b + inter])
+    return routed_silu_mul_kernel

@@ -20,9 +20,10 @@ SIGNATURES = {
     "moe_combine": ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32"),
     "gather_rows": ("u32*", "u32*", "i32*", "i32"),
     "moe_route_count": ("i32*", "i32*", "i32"),
-    "moe_route_scan": ("i32*", "i32*", "u64*", "u64*", "i32", "i32"),
-    "moe_route_place": ("i32*", "i32*", "i32*", "i32*", "i32"),
-    "moe_route_tiles": ("i32*", "i32*", "i32"),
+    "moe_route_scan": ("i32*", "i32*", "i32*", "u64*", "u64*", "i32*", "i32", "i32", "i32",
+                       "i32"),
+    "moe_route_place": ("i32*", "i32*", "i32*", "i32*", "i32*", "i32", "i32"),
+    "moe_route_tiles": ("i32*", "i32*", "i32*", "i32", "i32"),
 }
 
 ROUTER_THREADS = 32      # router_topk: one warp a token
@@ -246,12 +247,14 @@ def gather_rows():
     # a row is whole 16-byte groups (aligned: the workspace's rows start 256-byte aligned);
     # measured 11.3 ms of a 35B-A3B 4096-token prefill with a 2-byte element a thread
     def gather_rows_kernel(out, x, src_row, words):
-        # out[p, :] = x[src_row[p], :]; grid (rows, ceil(words / (4 * GATHER_THREADS)))
+        # out[p, :] = x[src_row[p], :]; grid (rows, ceil(words / (4 * GATHER_THREADS))); a row
+        # whose source is -1 (the device route's padding: moe_route_scan) is left as it is
         p = cuda.blockIdx.x
         j = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) * 4
-        if j >= words:
+        r = src_row[p]
+        if j >= words or r < 0:
             return
-        s = int64(src_row[p]) * words + j
+        s = int64(r) * words + j
         d = int64(p) * words + j
         if words % 4 == 0:
             a, b, c, e = ld_v4(x, s)
@@ -263,10 +266,13 @@ def gather_rows():
 
 
 # The MoE prefill's routed-row layout on the device (no host round trip): the router's pairs
-# (token t's k-th pick = pair t*K + k) sorted by expert, each expert's rows in pair order: the
-# layout moe_rows.expert_rows gives with cap 0, which the host computed before after a sync.
-# Three launches: count each chunk's pairs per expert, scan the counts into each chunk's first
-# row per expert (and each expert's rows and first-row addresses for the grouped GEMM), place.
+# (token t's k-th pick = pair t*K + k) sorted by expert, each expert's rows in pair order, in
+# moe_rows.expert_rows' layout for a block size `cap` the host picks from the pairs alone
+# (moe_route.device_cap): expert e's rank-r row (its r-th pair) at e*cap + r while r < cap, the
+# rest in the overflow region after the E*cap rows of the padded block, expert by expert; cap 0:
+# every expert's rows consecutive. Three launches: count each chunk's pairs per expert, scan the
+# counts into each chunk's first rank per expert (and each expert's rows, first overflow row and
+# the grouped GEMM's addresses), place.
 ROUTE_CHUNK = 512        # pairs a chunk (one block of count and place); counts: [chunks, E]
 ROUTE_COUNT_THREADS = 256
 
@@ -293,21 +299,24 @@ def moe_route_count(E):
 def moe_route_scan(E):
     EP = (E + 31) // 32 * 32
 
-    def moe_route_scan_kernel(counts, rows, ptrs, spec, chunks, nptr):
+    def moe_route_scan_kernel(counts, rows, first, ptrs, spec, src, chunks, nptr, cap, pairs):
         # grid (1,), block EP: a thread an expert. counts [chunks, E] becomes each chunk's first
-        # row of expert e (the experts' rows consecutive, expert-major, chunks in order); rows[e]
-        # = expert e's rows; ptrs[j, e] = spec[2j] + spec[2j + 1] * (expert e's first row): the
-        # addresses of its rows in the buffers the grouped GEMMs read and write (a base and a
-        # row's bytes each)
+        # rank among expert e's pairs (chunks in order); rows[e] = expert e's pairs; first[e] =
+        # the row of its rank cap (the overflow region, expert-major after the padded block:
+        # for cap 0 its first row); ptrs[j, e] = spec[2j] + spec[2j + 1] * first[e]: the
+        # addresses of its rows in the buffers cuBLASLt's grouped GEMM reads and writes (a base
+        # and a row's bytes each; cap 0). src (row -> token) gets -1 in the rows no pair takes,
+        # up to E*cap + pairs: the padded block's unused rows and the rows past the overflow
         e = cuda.threadIdx.x
         tot = cuda.shared.array(EP, int32)
         total = 0
         if e < E:
             for b in range(chunks):
                 total += counts[b * E + e]
-        tot[e] = total
+        over = max(total - cap, 0)
+        tot[e] = over
         cuda.syncthreads()
-        # inclusive scan over the experts (Hillis-Steele: log2(EP) rounds)
+        # inclusive scan over the experts' overflow rows (Hillis-Steele: log2(EP) rounds)
         step = 1
         while step < EP:
             v = 0
@@ -317,32 +326,39 @@ def moe_route_scan(E):
             tot[e] += v
             cuda.syncthreads()
             step *= 2
+        used = E * cap + tot[EP - 1]
+        for i in range(used + e, E * cap + pairs, EP):
+            src[i] = -1
         if e >= E:
             return
-        first = tot[e] - total
-        run = first
+        for r in range(min(total, cap), cap):
+            src[e * cap + r] = -1
+        f = E * cap + tot[e] - over
+        run = 0
         for b in range(chunks):
             c = counts[b * E + e]
             counts[b * E + e] = run
             run += c
         rows[e] = total
+        first[e] = f
         for j in range(nptr):
-            ptrs[j * E + e] = spec[2 * j] + spec[2 * j + 1] * uint64(first)
+            ptrs[j * E + e] = spec[2 * j] + spec[2 * j + 1] * uint64(f)
     return moe_route_scan_kernel
 
 
 def moe_route_place(E, K):
-    def moe_route_place_kernel(src, row_of_pair, ids, first, pairs):
+    def moe_route_place_kernel(src, row_of_pair, ids, rank0, first, cap, pairs):
         # grid (chunks,), block 32: one warp lays chunk b out 32 pairs at a time in pair order.
-        # A pair's row = its expert's next row in this chunk (first[b, e], after the scan) + the
-        # lower lanes routed to the same expert; the highest such lane moves the expert on.
+        # A pair's rank = its expert's next rank in this chunk (rank0[b, e], after the scan) +
+        # the lower lanes routed to the same expert; the highest such lane moves the expert on.
+        # Its row: e*cap + rank in the padded block, else first[e] + rank - cap (overflow).
         # src[row] = the pair's token; row_of_pair[pair] = row.
         b = cuda.blockIdx.x
         lane = cuda.threadIdx.x
         nxt = cuda.shared.array(E, int32)
         step_ids = cuda.shared.array(32, int32)
         for e in range(lane, E, 32):
-            nxt[e] = first[b * E + e]
+            nxt[e] = rank0[b * E + e]
         p0 = b * ROUTE_CHUNK
         for s in range(0, ROUTE_CHUNK, 32):
             p = p0 + s + lane
@@ -359,14 +375,17 @@ def moe_route_place(E, K):
                         rank += 1
                     elif j > lane:
                         last = False
-            row = 0
+            rk = 0
             if e >= 0:
-                row = nxt[e] + rank
+                rk = nxt[e] + rank
+                row = e * cap + rk
+                if rk >= cap:
+                    row = first[e] + rk - cap
                 src[row] = p // K
                 row_of_pair[p] = row
             cuda.syncthreads()
             if e >= 0 and last:
-                nxt[e] = row + 1
+                nxt[e] = rk + 1
             cuda.syncthreads()
     return moe_route_place_kernel
 
@@ -375,42 +394,38 @@ def moe_route_tiles(E, BM):
     EP = (E + 31) // 32 * 32
     assert EP <= 1024           # a thread an expert in one block (as moe_route_scan)
 
-    def moe_route_tiles_kernel(tiles, rows, t_cap):
+    def moe_route_tiles_kernel(tiles, rows, first, cap, t_cap):
         # grid (1,), block EP: a thread an expert. The grouped GEMM's work list (kernels/
-        # grouped_gemm.py) from the experts' row counts (moe_route_scan's `rows`): expert e's
-        # ceil(rows[e] / BM) tiles of BM rows, experts in order, each tile (expert, its first
-        # row in the cap-0 layout, its rows: BM or the expert's last few) at tiles[i],
-        # tiles[t_cap + i], tiles[2 t_cap + i]; the entries past the last tile: expert -1.
-        # t_cap >= ceil(pairs / BM) + E bounds the tiles of any routing
+        # grouped_gemm.py) over the overflow rows (moe_route_scan's rows and first; cap 0:
+        # every row): expert e's ceil(max(rows[e] - cap, 0) / BM) tiles of BM rows, experts in
+        # order, each tile (expert, its first row, its rows: BM or the expert's last few) at
+        # tiles[i], tiles[t_cap + i], tiles[2 t_cap + i]; the entries past the last tile:
+        # expert -1. t_cap >= ceil(pairs / BM) + E bounds the tiles of any routing
         e = cuda.threadIdx.x
         nt = cuda.shared.array(EP, int32)
-        nr = cuda.shared.array(EP, int32)
         total = 0
+        f = 0
         if e < E:
-            total = rows[e]
+            total = max(rows[e] - cap, 0)
+            f = first[e]
         mine = (total + BM - 1) // BM
         nt[e] = mine
-        nr[e] = total
         cuda.syncthreads()
-        # inclusive scans over the experts of tiles and rows (Hillis-Steele: log2(EP) rounds)
+        # inclusive scan over the experts' tiles (Hillis-Steele: log2(EP) rounds)
         step = 1
         while step < EP:
             a = 0
-            b = 0
             if e >= step:
                 a = nt[e - step]
-                b = nr[e - step]
             cuda.syncthreads()
             nt[e] += a
-            nr[e] += b
             cuda.syncthreads()
             step *= 2
         first_tile = nt[e] - mine
-        first_row = nr[e] - total
         for j in range(mine):
             i = first_tile + j
             tiles[i] = e
-            tiles[t_cap + i] = first_row + j * BM
+            tiles[t_cap + i] = f + j * BM
             tiles[2 * t_cap + i] = min(BM, total - j * BM)
         for i in range(nt[EP - 1] + e, t_cap, EP):
             tiles[i] = -1

@@ -393,8 +393,9 @@ def test_whole_model_on_the_simulator_matches_numpy(kind):
     numpy GEMMs, fake device memory) in both dtypes against the numpy backend: float32 within
     1e-5 (measured 6e-7) and the same greedy token; bfloat16 within its model tolerance. The MoE
     prefill of 3 tokens takes the grouped path, its decode the GEMVs: in bfloat16 routed on the
-    device (moe_route.py: the layout kernels, our grouped GEMM over the tiles of each expert's
-    rows), in float32 on the host (strided-batched GEMMs).
+    device (moe_route.py: the layout kernels, a padded block of 2 rows an expert on the
+    strided-batched GEMM and our grouped GEMM over the tiles of the rows past it), in float32 on
+    the host (strided-batched GEMMs).
     dense-split: paged attention with a kv head's query heads in two blocks (GS < G)."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_model.py"),

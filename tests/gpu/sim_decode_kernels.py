@@ -139,25 +139,29 @@ def rmsnorm(r, H: int, threads: int = 64) -> float:
     return rel(o.reshape(2, H), xs / np.sqrt((xs * xs).mean(1, keepdims=True) + 1e-6) * (1 + w))
 
 
-def gather(r, words: int, rows: int = 5) -> bool:
+def gather(r, words: int, rows: int = 6) -> bool:
     """gather_rows: rows of `words` 32-bit words (whole 16-byte groups: the vector path; else
     the word loop), a source row repeated, every output word written exactly once (poisoned
-    first, a row past the grid's rows untouched)."""
+    first); a row whose source is -1 (the device route's padding) and a row past the grid's
+    rows untouched."""
     from ninfer.models.qwen3_5.cuda.runner import GATHER_THREADS
     x = r.integers(0, 2 ** 32, (7, words), dtype=np.uint32)
-    src = np.array([3, 0, 6, 3, 5], np.int32)[:rows]
+    src = np.array([3, 0, -1, 6, 3, 5], np.int32)[:rows]
     out = np.full((rows + 1, words), 0xDEADBEEF, np.uint32)
     kernel("moe", "gather_rows")[(rows, -(-words // (4 * GATHER_THREADS)), 1),
                                  (GATHER_THREADS, 1, 1)](out.reshape(-1), x.reshape(-1), src,
                                                          words)
-    return bool(np.array_equal(out[:rows], x[src]) and (out[rows] == 0xDEADBEEF).all())
+    live = src >= 0
+    return bool(np.array_equal(out[:rows][live], x[src[live]])
+                and (out[:rows][~live] == 0xDEADBEEF).all() and (out[rows] == 0xDEADBEEF).all())
 
 
-def route(r, E: int, K: int, tokens: int, skew: float) -> bool:
-    """The MoE prefill's device layout (moe_route_count, _scan, _place): rows, each chunk's first
-    rows, the grouped GEMMs' addresses and the row maps exactly moe_rows.expert_rows' cap-0
-    layout (the host's, before), over several chunks and a partial last one, experts routed
-    nothing included; nothing written past the pairs."""
+def route(r, E: int, K: int, tokens: int, skew: float, cap: int = 0) -> bool:
+    """The MoE prefill's device layout (moe_route_count, _scan, _place) for block size cap: rows,
+    each chunk's first ranks, the first overflow rows, the grouped GEMMs' addresses and the row
+    maps exactly moe_rows.expert_rows' layout for that cap (the host's), the rows no pair takes
+    marked -1 up to E*cap + pairs, over several chunks and a partial last one, experts routed
+    nothing included; nothing written past them."""
     from ninfer.models.qwen3_5.cuda import moe_rows
     from ninfer.models.qwen3_5.cuda.moe_route import COUNT_THREADS, ROUTE_CHUNK
     p = 1.0 / np.arange(1, E + 1) ** skew
@@ -170,27 +174,36 @@ def route(r, E: int, K: int, tokens: int, skew: float) -> bool:
         counts, ids, pairs)
     per_chunk = counts.copy()
     rows = np.full(E + 1, -1, np.int32)
+    first = np.full(E + 1, -1, np.int32)
     spec = np.array([1000, 6, 1 << 40, 4096], np.uint64)         # (base, row bytes) x 2
     ptrs = np.zeros(2 * E + 1, np.uint64)
+    bound = E * cap + pairs
+    src = np.full(bound + 3, -5, np.int32)
     kernel("moe", "moe_route_scan", E=E)[(1, 1, 1), (-(-E // 32) * 32, 1, 1)](
-        counts, rows, ptrs, spec, chunks, 2)
-    src = np.full(pairs + 3, -5, np.int32)
+        counts, rows, first, ptrs, spec, src, chunks, 2, cap, pairs)
     row_of_pair = np.full(pairs + 3, -5, np.int32)
     kernel("moe", "moe_route_place", E=E, K=K)[(chunks, 1, 1), (32, 1, 1)](
-        src, row_of_pair, ids, counts, pairs)
-    lay = moe_rows.expert_rows(ids, K, E, pairs, cap=0)
+        src, row_of_pair, ids, counts, first, cap, pairs)
+    lay = moe_rows.expert_rows(ids, K, E, bound, cap=cap)
     total = np.bincount(ids, minlength=E)
-    first = np.concatenate([[0], np.cumsum(total)[:-1]])
-    chunk_first = first + np.cumsum(per_chunk.reshape(chunks, E), axis=0) - \
-        per_chunk.reshape(chunks, E)
-    want_ptrs = np.concatenate([1000 + 6 * first, (1 << 40) + 4096 * first]).astype(np.uint64)
+    over = np.maximum(total - cap, 0)
+    want_first = E * cap + np.concatenate([[0], np.cumsum(over)[:-1]])
+    chunk_rank = np.cumsum(per_chunk.reshape(chunks, E), axis=0) - per_chunk.reshape(chunks, E)
+    want_ptrs = np.concatenate([1000 + 6 * want_first,
+                                (1 << 40) + 4096 * want_first]).astype(np.uint64)
+    want_src = np.full(bound, -1, np.int32)
+    want_src[:lay.rows] = lay.src
+    for e in range(E):                 # the host's padding rows read token 0; here -1
+        want_src[e * cap + min(total[e], cap): (e + 1) * cap] = -1
     return bool(np.array_equal(per_chunk.reshape(chunks, E).sum(0), total)
-                and np.array_equal(counts.reshape(chunks, E), chunk_first)
+                and np.array_equal(counts.reshape(chunks, E), chunk_rank)
                 and np.array_equal(rows[:E], total) and rows[E] == -1
+                and np.array_equal(first[:E], want_first) and first[E] == -1
                 and np.array_equal(ptrs[:2 * E], want_ptrs) and ptrs[2 * E] == 0
-                and np.array_equal(src[:pairs], lay.src) and (src[pairs:] == -5).all()
+                and np.array_equal(src[:bound], want_src) and (src[bound:] == -5).all()
                 and np.array_equal(row_of_pair[:pairs], lay.row_of_pair)
-                and (row_of_pair[pairs:] == -5).all() and (total == 0).any())
+                and (row_of_pair[pairs:] == -5).all() and (total == 0).any()
+                and (cap == 0 or (over > 0).any() and (total < cap).any()))
 
 
 def gemv(r, M: int, n: int, k: int, beta: float) -> float:
@@ -230,6 +243,8 @@ def main(seed: int) -> dict:
         out[f"gather_rows/{words}w/ids"] = gather(r, words)
     # 3 chunks, the last partial, some experts routed nothing; E not a multiple of 32
     out["moe_route/300x4/ids"] = route(r, 300, 4, 300, 1.2)
+    # the padded block: experts short of cap and experts overflowing it
+    out["moe_route/300x4/cap16/ids"] = route(r, 300, 4, 300, 1.2, cap=16)
     for M, n, k, beta in ((1, 37, 256, 0.0), (3, 9, 1280, 1.0), (8, 5, 1280, 0.0)):
         out[f"gemv/{M}x{n}x{k}/f32"] = gemv(r, M, n, k, beta)
     return out

@@ -25,33 +25,41 @@ def launch(mem, name, params, grid, block, args):
     k[tuple(grid), tuple(block)](*conv)
 
 
-def host_tiles(rows, bm, t_cap):
-    """moe_route_tiles' work list, in numpy: (expert or -1, first row, rows) per entry."""
+def host_tiles(over, first, bm, t_cap):
+    """moe_route_tiles' work list, in numpy: (expert or -1, first row, rows) per entry over each
+    expert's `over` rows from row first[e]."""
     out = np.full((3, t_cap), -1, np.int32)
     out[1:] = 0
-    i, r0 = 0, 0
-    for e, m in enumerate(rows):
+    i = 0
+    for e, m in enumerate(over):
         for j in range(-(-int(m) // bm)):
-            out[:, i] = (e, r0 + j * bm, min(bm, m - j * bm))
+            out[:, i] = (e, first[e] + j * bm, min(bm, m - j * bm))
             i += 1
-        r0 += int(m)
     return out, i
 
 
-def run(rows, n, k, seed=0):
+def run(rows, n, k, cap=0, seed=0):
+    """Experts of `rows` routed rows in the device route's layout for block size cap (a padded
+    block of cap rows an expert, the rest in the overflow region): the tiles of the overflow
+    (every row for cap 0) exactly, their products against float64; the padded block's rows and
+    the rows past the layout untouched."""
     gg = _import_kernel_module("grouped_gemm")
     bm = gg.BM
     r = np.random.default_rng(seed)
     rows = np.asarray(rows, np.int32)
-    E, total = len(rows), int(rows.sum())
-    t_cap = -(-total // bm) + E
+    E = len(rows)
+    over = np.maximum(rows - cap, 0)
+    first = (E * cap + np.concatenate([[0], np.cumsum(over)[:-1]])).astype(np.int32)
+    total = E * cap + int(over.sum())                                # rows of the layout
+    t_cap = -(-int(rows.sum()) // bm) + E
     mem = Memory(16 << 20)
     d_rows = mem.put(rows)
+    d_first = mem.put(first)
     d_tiles = mem.alloc(4 * 3 * t_cap, 0xFF)                         # poisoned
     launch(mem, "moe_route_tiles", dict(E=E, BM=bm), (1,), (-(-E // 32) * 32,),
-           (d_tiles, d_rows, t_cap))
+           (d_tiles, d_rows, d_first, cap, t_cap))
     tiles = mem.get(d_tiles, (3, t_cap), np.int32)
-    want, used = host_tiles(rows, bm, t_cap)
+    want, used = host_tiles(over, first, bm, t_cap)
     res = {"tiles_exact": bool(np.array_equal(tiles[0], want[0])
                                and np.array_equal(tiles[1:, :used], want[1:, :used]))}
 
@@ -67,22 +75,44 @@ def run(rows, n, k, seed=0):
     out = mem.get(d_out, (total + extra, n), np.float32).astype(np.float64)
     xf = bf16_to_f32(xb).astype(np.float64)
     wf = bf16_to_f32(wb).astype(np.float64)
-    ref = np.concatenate([xf[a:a + m] @ wf[e].T for e, (a, m) in
-                          enumerate(zip(np.concatenate([[0], np.cumsum(rows)[:-1]]), rows))])
-    got = out[:total]
+    ref = np.concatenate([xf[a:a + m] @ wf[e].T for e, (a, m) in enumerate(zip(first, over))])
+    got = out[E * cap:total]
     res["finite"] = bool(np.all(np.isfinite(got)))
     res["rel"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if res["finite"] \
         else float("nan")
-    res["rows_past_untouched"] = bool(np.all(np.isnan(out[total:])))
+    res["rows_past_untouched"] = bool(np.all(np.isnan(out[total:]))
+                                      and np.all(np.isnan(out[:E * cap])))
     return res
+
+
+def silu(rows=7, inter=300, seed=1):
+    """routed_silu_mul: the rows some pair took (src >= 0) within one bf16 rounding of float64's
+    SwiGLU, over two blocks of a row and a partial one; the rows of src -1 untouched."""
+    gg = _import_kernel_module("grouped_gemm")
+    r = np.random.default_rng(seed)
+    gu = r.standard_normal((rows, 2 * inter)).astype(np.float32)
+    src = np.array([3, -1, 0, 5, -1, 2, 1], np.int32)[:rows]
+    mem = Memory(1 << 20)
+    d_out = mem.alloc(2 * rows * inter, 0xAB)
+    launch(mem, "routed_silu_mul", {}, (rows, -(-inter // gg.SILU_THREADS)), (gg.SILU_THREADS,),
+           (d_out, mem.put(gu), mem.put(src), inter))
+    out = mem.get(d_out, (rows, inter), np.uint16)
+    g, u = gu[:, :inter].astype(np.float64), gu[:, inter:].astype(np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    live = src >= 0
+    got = bf16_to_f32(out[live]).astype(np.float64)
+    return {"rel": float(np.max(np.abs(got - want[live]) / (np.abs(want[live]) + 1e-30))),
+            "rows_past_untouched": bool((out[~live] == 0xABAB).all())}
 
 
 CASES = {
     # experts with 0 rows, 1, a whole tile, a tile + 1, and a few; two column blocks, two k steps
     "small": dict(rows=[0, 1, 64, 65, 3], n=128, k=64),
+    # a padded block of 16 rows an expert: experts short of it, at it, and 1, 64, 65 rows past
+    "cap16": dict(rows=[0, 17, 16, 80, 81, 3], n=64, k=64, cap=16),
 }
 
 if __name__ == "__main__":
     sys.setswitchinterval(1e-4)     # the mma twin meets a warp's 32 threads at a barrier
-    names = sys.argv[1:] or list(CASES)
-    print(json.dumps({name: run(**CASES[name]) for name in names}))
+    names = sys.argv[1:] or list(CASES) + ["silu"]
+    print(json.dumps({name: silu() if name == "silu" else run(**CASES[name]) for name in names}))

@@ -293,7 +293,12 @@ def run(kind="dense", prompt_len=5, steps=3, kv_dtype="bfloat16"):
                              prefill_chunk=16, page_size=4, num_kv_pages=20, graphs=False,
                              kv_dtype=kv_dtype)
         gpu = cm.CudaModel(model_config(art), opts, artifact=art)
-        gpu.runner.moe_device_route = True     # (off by default: cuda/runner.py says why)
+        gpu.runner.moe_device_route = True     # (the default where the route is enabled)
+        if kind == "moe":
+            # our route's padded block of 2 rows an expert, and the third row of each of the
+            # prompt's 3 (every token routes to all 4 experts) past it: the strided-batched
+            # GEMM and our grouped GEMM over the overflow both run
+            gpu.runner.moe_cap = 2
         pages = np.arange(16, dtype=np.int32)
         kv_g, st_g = gpu.new_kv_pool(17, 4), gpu.new_state_pool(2)
         kv_c, st_c = cpu.new_kv_pool(17, 4), cpu.new_state_pool(2)

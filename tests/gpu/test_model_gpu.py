@@ -266,12 +266,14 @@ def test_forward_from_another_thread(pair, seqs_of):
     assert out[1].shape == (1,)
 
 
-@pytest.mark.parametrize("cap,launch_rows", [("device", 0), (None, 512), (0, 512), (16, 512),
-                                             (None, 0)])
+@pytest.mark.parametrize("cap,launch_rows", [("device", None), ("device", 16), ("device", 0),
+                                             (None, 512), (0, 512), (16, 512), (None, 0)])
 def test_moe_prefill_row_layouts_match_numpy(pair, seqs_of, cap, launch_rows):
-    """The MoE prefill's routed rows routed on the device (cuda/moe_route.py: grouped GEMMs; a
-    bf16 model where this cuBLASLt has them) and on the host (cuda/moe_rows.py) in each layout:
-    the chooser's, one GEMM per expert (cap 0), a 16-row strided batch with every expert
+    """The MoE prefill's routed rows routed on the device (cuda/moe_route.py, a bf16 model:
+    cuBLASLt's grouped GEMMs where it has them, else its strided batch over a padded block and
+    our grouped GEMM over the rest: the block device_cap picks (every row in it here), a 16-row
+    block with every expert overflowing, no block) and on the host (cuda/moe_rows.py) in each
+    layout: the chooser's, one GEMM per expert (cap 0), a 16-row strided batch with every expert
     overflowing (43 rows each), and the chooser with free launches; logits against numpy every
     time."""
     cpu, gpu = pair
@@ -280,6 +282,8 @@ def test_moe_prefill_row_layouts_match_numpy(pair, seqs_of, cap, launch_rows):
     route = gpu.ws.route_dev
     if cap == "device" and (route is None or not route.enabled):
         pytest.skip("no device route here (float32, or no grouped GEMM in this cuBLASLt)")
+    if cap == "device" and launch_rows is not None and not route.own:
+        pytest.skip("cuBLASLt's grouped GEMM takes no block")
     r = np.random.default_rng(11)
     V = cpu.config.text.vocab_size
     prompts = [r.integers(0, V, 43), r.integers(0, V, 7)]
@@ -290,6 +294,8 @@ def test_moe_prefill_row_layouts_match_numpy(pair, seqs_of, cap, launch_rows):
         runner.moe_device_route = cap == "device"
         if cap != "device":
             runner.moe_cap, runner.moe_launch_rows = cap, launch_rows
+        else:
+            runner.moe_cap = launch_rows        # (the device route's block: None = device_cap)
         sc, sg = seqs_of(cpu), seqs_of(gpu)
         out = gpu.forward(batch_for(sg, [0, 1], prompts, [0, 0]), sg.kv, sg.state)
         ref = cpu.forward(batch_for(sc, [0, 1], prompts, [0, 0]), sc.kv, sc.state)

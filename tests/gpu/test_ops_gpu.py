@@ -493,31 +493,41 @@ def test_gather_rows(g, f32, width):
     assert np.array_equal(g.get(out), x[src])
 
 
-def _route_on_device(g, r, tokens, E, K, spec_):
-    """Skewed routing of `tokens` tokens laid out by the route kernels (count, scan, place):
-    the pairs' expert ids, each expert's rows and the device arrays; asserts the layout is
-    moe_rows' cap-0 layout exactly (experts routed nothing, chunks whose last is partial)."""
+def _route_on_device(g, r, tokens, E, K, spec_, cap=0):
+    """Skewed routing of `tokens` tokens laid out by the route kernels (count, scan, place) for
+    block size cap: the pairs' expert ids, each expert's rows and the device arrays; asserts the
+    layout is moe_rows' layout for that cap exactly (experts routed nothing, chunks whose last
+    is partial; the rows no pair takes -1 up to E*cap + pairs)."""
     from ninfer.models.qwen3_5.cuda import moe_route, moe_rows
     p = 1.0 / np.arange(1, E + 1) ** 1.1
     ids = np.stack([r.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
     ids = ids.reshape(-1).astype(np.int32)
     pairs = len(ids)
+    bound = E * cap + pairs
     nb = moe_route.chunks(pairs)
     counts, rows = g.empty((nb * E,), np.int32), g.empty((E,), np.int32)
+    first = g.empty((E,), np.int32)
     ptrs = g.empty((moe_route.NPTR, E), np.uint64)
-    src, rop = g.empty((pairs + 1,), np.int32), g.empty((pairs + 1,), np.int32)
+    src, rop = g.empty((bound + 1,), np.int32, 0x7F), g.empty((pairs + 1,), np.int32)
     dids = g.put(ids)
     g.run("moe_route_count", (nb,), (moe_route.COUNT_THREADS,), (counts, dids, pairs), dict(E=E))
     g.run("moe_route_scan", (1,), (-(-E // 32) * 32,),
-          (counts, rows, ptrs, g.put(spec_), nb, moe_route.NPTR), dict(E=E))
-    g.run("moe_route_place", (nb,), (32,), (src, rop, dids, counts, pairs), dict(E=E, K=K))
-    lay = moe_rows.expert_rows(ids, K, E, pairs, cap=0)
+          (counts, rows, first, ptrs, g.put(spec_), src, nb, moe_route.NPTR, cap, pairs),
+          dict(E=E))
+    g.run("moe_route_place", (nb,), (32,), (src, rop, dids, counts, first, cap, pairs),
+          dict(E=E, K=K))
+    lay = moe_rows.expert_rows(ids, K, E, bound, cap=cap)
     total = np.bincount(ids, minlength=E)
     assert (total == 0).any() or tokens * K > 2 * E      # the small case routes some nothing
     assert np.array_equal(g.get(rows), total)
-    assert np.array_equal(g.get(src)[:pairs], lay.src) and g.get(src)[pairs] == -1
+    want = np.full(bound, -1, np.int32)
+    want[:lay.rows] = lay.src
+    for e in range(E):                  # the host's padding rows read token 0; here -1
+        want[e * cap + min(total[e], cap): (e + 1) * cap] = -1
+    got = g.get(src)
+    assert np.array_equal(got[:bound], want) and got[bound] == 0x7F7F7F7F
     assert np.array_equal(g.get(rop)[:pairs], lay.row_of_pair) and g.get(rop)[pairs] == -1
-    return ids, total, rows, ptrs
+    return ids, total, rows, first, ptrs
 
 
 def _expert_products(x, w, total):
@@ -542,7 +552,7 @@ def test_moe_route_and_grouped_gemm(g, tokens, E, K):
     w = bf16_bits(0.1 * r.standard_normal((E, N, Kd)))
     xg, y = g.put(x), g.empty((pairs, N), np.float32)
     spec_ = np.array([xg.ptr, 2 * Kd, y.ptr, 4 * N, 0, 0, 0, 0], np.uint64)
-    ids, total, rows, ptrs = _route_on_device(g, r, tokens, E, K, spec_)
+    ids, total, rows, _, ptrs = _route_on_device(g, r, tokens, E, K, spec_)
     ws = g.empty((32 << 20,), np.uint8)
     lt = CublasLt(ws.ptr, 32 << 20)
     try:
@@ -560,38 +570,46 @@ def test_moe_route_and_grouped_gemm(g, tokens, E, K):
     lt.close()
 
 
-@pytest.mark.parametrize("tokens,E,K,N,Kd", [(3, 40, 4, 128, 64), (700, 64, 8, 192, 256),
-                                             (1100, 256, 8, 1024, 2048), (900, 256, 8, 2048, 512)])
-def test_moe_route_and_own_grouped_gemm(g, tokens, E, K, N, Kd):
+@pytest.mark.parametrize("tokens,E,K,N,Kd,cap", [
+    (3, 40, 4, 128, 64, 0), (700, 64, 8, 192, 256, 0), (1100, 256, 8, 1024, 2048, 0),
+    (900, 256, 8, 2048, 512, 0), (700, 64, 8, 192, 256, 80), (1100, 256, 8, 1024, 2048, 32)])
+def test_moe_route_and_own_grouped_gemm(g, tokens, E, K, N, Kd, cap):
     """Our grouped GEMM (kernels/grouped_gemm.py, where cuBLASLt has none): moe_route_tiles'
-    work list from the counts the route kernels wrote (tiles of 64 rows, -1 past the last),
-    then each routed row's product within fp32's error of float64, every row written over a
-    NaN-poisoned output and the rows past the pairs untouched; the 35B-A3B's gate|up (1024 x
-    2048) and down (2048 x 512) among the shapes."""
+    work list from the counts the route kernels wrote (tiles of 64 rows of the rows past a
+    padded block of cap rows an expert: every row for cap 0; -1 past the last), then each of
+    those rows' product within fp32's error of float64, every one written over a NaN-poisoned
+    output and the block's rows and the rows past the layout untouched; the 35B-A3B's gate|up
+    (1024 x 2048) and down (2048 x 512) among the shapes."""
     from ninfer.models.qwen3_5.cuda import moe_route
-    r = rng(tokens + E + N)
+    r = rng(tokens + E + N + cap)
     pairs = tokens * K
-    x = bf16_bits(r.standard_normal((pairs, Kd)))
+    spec_ = np.zeros(8, np.uint64)
+    ids, total, rows, first, _ = _route_on_device(g, r, tokens, E, K, spec_, cap)
+    over = np.maximum(total - cap, 0)
+    assert cap == 0 or ((over > 0).any() and (total < cap).any())
+    used_rows = E * cap + int(over.sum())
+    x = bf16_bits(r.standard_normal((used_rows, Kd)))
     w = bf16_bits(r.standard_normal((E, N, Kd)) / np.sqrt(Kd))
-    xg, y = g.put(x), g.empty((pairs + 3, N), np.float32)
-    spec_ = np.array([xg.ptr, 2 * Kd, y.ptr, 4 * N, 0, 0, 0, 0], np.uint64)
-    ids, total, rows, _ = _route_on_device(g, r, tokens, E, K, spec_)
+    xg, y = g.put(x), g.empty((used_rows + 3, N), np.float32)
     tc = moe_route.tile_cap(pairs, E)
     tiles = g.empty((3 * tc,), np.int32)
-    g.run("moe_route_tiles", (1,), (-(-E // 32) * 32,), (tiles, rows, tc),
+    g.run("moe_route_tiles", (1,), (-(-E // 32) * 32,), (tiles, rows, first, cap, tc),
           dict(E=E, BM=moe_route.GEMM_BM))
     t = g.get(tiles).reshape(3, tc)
-    used = int(sum(-(-int(m) // moe_route.GEMM_BM) for m in total))
-    first = np.concatenate([[0], np.cumsum(total)[:-1]])
-    want = [(e, first[e] + j * 64, min(64, total[e] - j * 64)) for e in range(E)
-            for j in range(-(-int(total[e]) // 64))]
+    used = int(sum(-(-int(m) // moe_route.GEMM_BM) for m in over))
+    f = E * cap + np.concatenate([[0], np.cumsum(over)[:-1]])
+    assert np.array_equal(g.get(first), f)
+    want = [(e, f[e] + j * 64, min(64, over[e] - j * 64)) for e in range(E)
+            for j in range(-(-int(over[e]) // 64))]
     assert [tuple(int(v) for v in t[:, i]) for i in range(used)] == want
     assert (t[0, used:] == -1).all()
     g.run("grouped_gemm", (tc, N // moe_route.GEMM_BN), (moe_route.GEMM_THREADS,),
           (y, xg, g.put(w), tiles, tc, N, Kd))
     got = g.get(y)
-    assert np.isfinite(got[:pairs]).all() and np.isnan(got[pairs:]).all()
-    assert rel_err(got[:pairs], _expert_products(x, w, total)) < TOL_F32
+    assert np.isnan(got[:E * cap]).all() and np.isnan(got[used_rows:]).all()
+    assert np.isfinite(got[E * cap:used_rows]).all()
+    assert rel_err(got[E * cap:used_rows],
+                   _expert_products(x[E * cap:], w, over)) < TOL_F32
 
 
 @pytest.mark.parametrize("M,n,k,beta", [(1, 1281, 2048, 0.0), (3, 7, 256, 1.0),

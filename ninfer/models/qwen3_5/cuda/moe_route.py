@@ -3,19 +3,28 @@
 The host path (StepRunner.experts_grouped) copies the router's ids to the host, lays the routed
 rows out there (moe_rows.py) and launches the layer's expert GEMMs after it: one sync per MoE
 layer while the GPU idles, and the launches wait for Python. Here three small kernels lay the
-rows out on the device (kernels/moe.py moe_route_count, _scan, _place: the same layout as the
-host's with cap 0, every expert's rows consecutive in pair order) and write what cuBLASLt's
-grouped GEMM reads from device memory: each expert's row count and the addresses of its rows in
-the buffers it reads and writes. The expert GEMMs are then two grouped GEMMs (gate|up, down), one
-launch each, whatever the routing: cuBLASLt's where it has one (cuBLAS 13.10 and later), else our
-tensor-core kernel (kernels/grouped_gemm.py) over a work list of 64-row tiles that a fourth small
-kernel writes from the experts' row counts (moe_route_tiles): then no address tables are needed,
-and every layer's experts are read where they were loaded.
+rows out on the device (kernels/moe.py moe_route_count, _scan, _place: the host's layout for a
+given block size `cap`) and, for cap 0 (every expert's rows consecutive in pair order), write
+what cuBLASLt's grouped GEMM reads from device memory: each expert's row count and the addresses
+of its rows in the buffers it reads and writes. The expert GEMMs are then two grouped GEMMs
+(gate|up, down), one launch each, whatever the routing: cuBLASLt's where it has one (cuBLAS
+13.10 and later).
+
+Where it has none, the layout is the host's padded one (moe_rows.py) with a block size the host
+picks from the number of pairs alone (`device_cap`: the mean rows an expert and a margin, no
+sync): one strided-batched cuBLASLt GEMM over the padded block of every expert, and the rows past
+it (the overflow of the experts routed more than cap) on our tensor-core kernel
+(kernels/grouped_gemm.py) over a work list of 64-row tiles that a fourth small kernel writes
+from the experts' row counts (moe_route_tiles). Our kernel alone (cap 0) reads each expert's
+weights once but at 0.4-0.7 of cuBLASLt's rate over the padded block (H100, 35B-A3B,
+bench/probe_grouped_gemm.py: T=512 gate|up 0.78 against 0.54 ms, T=4096 2.02 against 0.88 ms),
+which computes the padding too, at its own rate.
 
 Device arrays (carved from the workspace, DeviceRoute.nbytes):
     counts   int32 [chunks_cap, E]   per chunk of ROUTE_CHUNK pairs: its pairs per expert, then
-                                     (after the scan) its first row of each expert
+                                     (after the scan) its first rank among each expert's pairs
     rows     int32 [E]               each expert's rows (the grouped GEMMs' m_g)
+    first    int32 [E]               each expert's first overflow row (cap 0: its first row)
     ptrs     uint64 [4, E]           each expert's first row in xg, gu, gact, my
     spec     uint64 [8]              (base, row bytes) of xg, gu, gact, my: the scan's input
     dims     int32 [3, E]            H, 2I, I for every expert (the layouts' other dimensions)
@@ -28,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from ....core.cuda import driver as _d
+from .moe_rows import CAP_ALIGN
 
 ROUTE_CHUNK = 512           # kernels/moe.ROUTE_CHUNK: pairs a block of moe_route_count / _place
 COUNT_THREADS = 256         # kernels/moe.ROUTE_COUNT_THREADS: moe_route_count's block
@@ -35,6 +45,13 @@ NPTR = 4                    # row-address arrays the scan writes: xg, gu, gact, 
 # kernels/grouped_gemm.py's tile: BM routed rows x BN outputs a block of GEMM_THREADS, k in steps
 # of BK (tests/test_grouped_gemm_nogpu.py checks these against the kernel's)
 GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS = 64, 64, 32, 128
+SILU_THREADS = 256          # kernels/grouped_gemm.SILU_THREADS: routed_silu_mul's block
+# The padded block's rows an expert over the mean: the mean again, at most this many (then
+# rounded up to CAP_ALIGN). The best blocks of a 35B-A3B prefill on the H100 (bench_decode
+# --route-caps; a random model's routing, more skewed than uniform): T = 64 / 512 / 1024 /
+# 2048 / 4096 / 8192 tokens (mean 2 / 16 / 32 / 64 / 128 / 256 rows) took 16 / 32 / 64 / 96 /
+# 160 / 272 (the largest tried). Padded rows cost cuBLASLt's rate, overflow rows our slower GEMM's
+CAP_MARGIN_ROWS = 32
 
 
 def chunks(pairs: int) -> int:
@@ -47,6 +64,19 @@ def tile_cap(pairs: int, num_experts: int) -> int:
     return -(-int(pairs) // GEMM_BM) + int(num_experts)
 
 
+def device_cap(pairs: int, num_experts: int, max_rows: int) -> int:
+    """The padded block's rows an expert for `pairs` routed pairs, chosen without their counts:
+    the mean + min(the mean, CAP_MARGIN_ROWS), rounded up to a multiple of CAP_ALIGN, at most
+    what keeps the block + every pair (the most the overflow can take) within max_rows (the
+    workspace's grouped_rows: always >= the mean + CAP_ALIGN). 0 for no pairs."""
+    pairs, E = int(pairs), int(num_experts)
+    if pairs <= 0:
+        return 0
+    mean = -(-pairs // E)
+    cap = CAP_ALIGN * -(-(mean + min(mean, CAP_MARGIN_ROWS)) // CAP_ALIGN)
+    return max(0, min(cap, (max_rows - pairs) // E // CAP_ALIGN * CAP_ALIGN))
+
+
 def own_gemm_fits(n: int, k: int) -> bool:
     """kernels/grouped_gemm.fits: whole column blocks and k steps (16-byte aligned rows)."""
     return n > 0 and k > 0 and n % GEMM_BN == 0 and k % GEMM_BK == 0
@@ -55,7 +85,7 @@ def own_gemm_fits(n: int, k: int) -> bool:
 def nbytes(n_cap: int, top_k: int, num_experts: int, tables: int) -> int:
     """Device bytes of DeviceRoute's arrays (before the arena's alignment of each)."""
     E = num_experts
-    return 4 * chunks(n_cap * top_k) * E + 4 * E + 8 * NPTR * E + 8 * 2 * NPTR + 4 * 3 * E + 8 \
+    return 4 * chunks(n_cap * top_k) * E + 2 * 4 * E + 8 * NPTR * E + 8 * 2 * NPTR + 4 * 3 * E + 8 \
         + 8 * 2 * E * tables + 4 * 3 * tile_cap(n_cap * top_k, E)
 
 
@@ -70,6 +100,7 @@ class DeviceRoute:
         self.H, self.I = cfg.hidden_size, cfg.moe_intermediate_size
         self.counts = take((chunks(n_cap * cfg.num_experts_per_tok) * E,), np.int32, region)
         self.rows = take((E,), np.int32, region)
+        self.first = take((E,), np.int32, region)
         self.ptrs = take((NPTR, E), np.uint64, region)
         self.spec = take((2 * NPTR,), np.uint64, region)
         self.dims = take((3, E), np.int32, region)

@@ -246,7 +246,8 @@ class StepRunner:
         self.profile = None          # list of (name, start event, end event) when profiling
         self.rows = None             # host (query_start, tokens, context) per row of the step
         # MoE prefill row layout (moe_rows.py): the launch-cost weight, a forced block size
-        # (None: chosen per call; tests force 0 = one GEMM per expert, or a small cap = overflow)
+        # (None: chosen per call; tests force 0 = one GEMM per expert, or a small cap = overflow;
+        # on the device route 0 = our grouped GEMM alone)
         self.moe_launch_rows = moe_rows.LAUNCH_ROWS
         self.moe_cap = None
         # packed experts' prefill on the grouped tensor-core GEMV (experts_grouped), reading the
@@ -254,11 +255,11 @@ class StepRunner:
         # slower path: 35B-A3B fp8 TTFT 512 78.8 ms against 182 ms; bench_engine --moe-dequant)
         self.packed_grouped = True
         # bf16 experts' prefill routed on the device (experts_routed) where the workspace's
-        # DeviceRoute is enabled (cuBLASLt has the grouped GEMM). Off by default: the GPUs this
-        # project measures on carry cuBLAS 13.1, which has no grouped GEMM, so the path has run
-        # on the simulator only (its layout kernels on the GPU too); False takes the host
-        # layout (experts_grouped), one sync per MoE layer
-        self.moe_device_route = False
+        # DeviceRoute is enabled (cuBLASLt's grouped GEMM, or its strided batch over a padded
+        # block + ours over the overflow): no sync a MoE layer, and faster (H100, 35B-A3B,
+        # bench_decode: T = 64 .. 8192 in 0.95-0.99 of the host route's time); False takes
+        # the host layout (experts_grouped), one sync per MoE layer
+        self.moe_device_route = True
         # products of at most this many weight bytes and GEMV_MAX_M tokens run on the decode
         # GEMV (gemv_fits), one launch instead of cuBLASLt's split-K nodes (H100, 35B-A3B
         # decode step: B=1 4.24 -> 4.05 ms at 16 MB, 4.09 at 64 MB; B=8 9.75 -> 9.77 at 16 MB,
@@ -725,39 +726,50 @@ class StepRunner:
 
     def experts_routed(self, st, n, lw):
         """Prefill with the routing on the device (moe_route.py): the routed rows laid out by
-        three small kernels (expert-sorted, pair order within an expert: experts_grouped's cap-0
-        layout), gathered, and the experts' gate|up and down as one grouped GEMM each, whose row
-        counts and addresses the layout kernels wrote (cuBLASLt's), or over a work list of
-        64-row tiles written from the counts (ours, where cuBLASLt has none). No host round
-        trip."""
+        three small kernels (expert-sorted, pair order within an expert: experts_grouped's
+        layout for a block size cap), gathered, and the experts' gate|up and down. Where
+        cuBLASLt has a grouped GEMM, cap 0 and one grouped GEMM a projection, whose row counts
+        and addresses the layout kernels wrote. Else (DeviceRoute.own) cap from the pairs alone
+        (moe_route.device_cap, or moe_cap where set): a strided-batched GEMM over the padded
+        block, then our grouped GEMM over a work list of 64-row tiles of the overflow, written
+        from the counts. No host round trip."""
         cfg, ws = self.cfg, self.res.ws
         route = ws.route_dev
         H, E, K, I = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, \
             cfg.moe_intermediate_size
         pairs = n * K
+        cap = 0
+        if route.own:
+            cap = moe_route.device_cap(pairs, E, ws.grouped_rows) if self.moe_cap is None \
+                else self.moe_cap
+        rows = E * cap + pairs          # the rows the layout may use (src -1 where unused)
+        assert rows <= ws.grouped_rows, (rows, ws.grouped_rows)
         nb = moe_route.chunks(pairs)
         self.launch(st, self.kernels.moe_route_count, (nb,), (moe_route.COUNT_THREADS,),
                     (route.counts, ws.ids, pairs))
         self.launch(st, self.kernels.moe_route_scan, (1,), (-(-E // 32) * 32,),
-                    (route.counts, route.rows, route.ptrs, route.spec, nb, moe_route.NPTR))
+                    (route.counts, route.rows, route.first, route.ptrs, route.spec, ws.route, nb,
+                     moe_route.NPTR, cap, pairs))
         self.launch(st, self.kernels.moe_route_place, (nb,), (32,),
-                    (ws.route, ws.route.ptr + 4 * ws.grouped_rows, ws.ids, route.counts, pairs))
-        words = H * ws.gin_bytes // 4
-        self.launch(st, self.kernels.gather_rows, (pairs, -(-words // (4 * GATHER_THREADS))),
+                    (ws.route, ws.route.ptr + 4 * ws.grouped_rows, ws.ids, route.counts,
+                     route.first, cap, pairs))
+        g = ws.gin_bytes
+        words = H * g // 4
+        self.launch(st, self.kernels.gather_rows, (rows, -(-words // (4 * GATHER_THREADS))),
                     (GATHER_THREADS,), (ws.xg, ws.x, ws.route, words))
         if route.own:
-            # our grouped GEMM (kernels/grouped_gemm.py) over the tiles of each expert's rows
+            # the padded block on cuBLASLt, the overflow's tiles on ours (kernels/grouped_gemm.py)
             t_cap = moe_route.tile_cap(pairs, E)
             self.launch(st, self.kernels.moe_route_tiles, (1,), (-(-E // 32) * 32,),
-                        (route.tiles, route.rows, t_cap))
+                        (route.tiles, route.rows, route.first, cap, t_cap))
 
             def gemm(out, x, w, n, k):
-                self._timed(st, "expert_gemm", lambda: self.launch(
-                    st, self.kernels.grouped_gemm, (t_cap, n // moe_route.GEMM_BN),
-                    (moe_route.GEMM_THREADS,), (out, x, w, route.tiles, t_cap, n, k)))
+                self._expert_gemm(st, w, x, out, cap, n, k, (), g)
+                self.launch(st, self.kernels.grouped_gemm, (t_cap, n // moe_route.GEMM_BN),
+                            (moe_route.GEMM_THREADS,), (out, x, w, route.tiles, t_cap, n, k))
             gemm(ws.gu, ws.xg, lw["experts_gu"], 2 * I, H)
-            self.launch(st, self.kernels.silu_mul, (pairs, (I + 255) // 256), (256,),
-                        (ws.gact, ws.gu, 2 * I, 0, I))
+            self.launch(st, self.kernels.routed_silu_mul, (rows, -(-I // moe_route.SILU_THREADS)),
+                        (moe_route.SILU_THREADS,), (ws.gact, ws.gu, ws.route, I))
             gemm(ws.my, ws.gact, lw["experts_down"], H, I)
             return
         plan_gu, plan_dn = route.plans(self.res.lt, pairs)
