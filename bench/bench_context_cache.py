@@ -122,8 +122,11 @@ def chat(path, args) -> list:
                                      ids(args.user_tokens, 20 + t)])
     with _engine(path, args, prefix_cache=False) as off:
         _ttft(off, ids(64, 1), one)
+        trace_off = CallTrace(off)
         for t, (r, prompt, answer) in enumerate(zip(rows, prompts, answers)):
+            trace_off.calls.clear()
             t_off, r_off = _ttft(off, prompt, params)
+            calls_off = trace_off.prefill_calls()
             # bf16: the cached prefix's KV was computed in other chunks (the answer's tokens one
             # at a time), so its rounding differs and a near-tie may pick another token; the
             # float32 identity is tests/gpu's (test_engine_cuda_prefix_checkpoint_hit_equals_cold)
@@ -132,6 +135,7 @@ def chat(path, args) -> list:
             new = r["new_tokens"]
             t_new = min(_ttft(off, ids(new, 1000 + 7 * t + k), one)[0] for k in range(2))
             r.update(ttft_no_cache_ms=1e3 * t_off, prefill_new_alone_ms=1e3 * t_new,
+                     prefill_calls_no_cache=calls_off,
                      ratio=1e-3 * r["ttft_cache_ms"] / t_new if t_new else float("nan"),
                      answer_differs_at=differs_at)
             cache, calls = r["cache"], r["prefill_calls"]
@@ -147,7 +151,9 @@ def chat(path, args) -> list:
                   f"{cache['slots']} slots"
                   + ("" if differs_at is None else f" | answer differs from token {differs_at}")
                   + "\n         prefill calls (tokens@context ms): "
-                  + " ".join(f"{n}@{c} {ms:.1f}" for n, c, ms in calls), flush=True)
+                  + " ".join(f"{n}@{c} {ms:.1f}" for n, c, ms in calls)
+                  + "; without the cache: "
+                  + " ".join(f"{n}@{c} {ms:.1f}" for n, c, ms in calls_off), flush=True)
     return rows
 
 

@@ -7,10 +7,9 @@ fresh state, GPU time by CUDA events (median of --reps), plus how far the two ou
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py --nv 32 --tokens 4096
     PYTHONPATH=. python3 bench/bench_gdn_chunk.py --tokens 4096 --sweep   # block shapes, chunks
 
-Each line is one configuration; the first three are a bf16 model's (the tensor cores: the split
-scan, a sequential state pass + a parallel output pass, "split": true, with the output pass's
-early loads off and on, "out_early", then the one scan kernel), the next a float32 model's
-(cuda/gdn_chunk.py's constants).
+Each line is one configuration; the first is a bf16 model's (the tensor cores: the scan as a
+sequential state pass + a parallel output pass), the next a float32 model's (cuda/gdn_chunk.py's
+constants).
 """
 from __future__ import annotations
 
@@ -123,17 +122,13 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
         st.synchronize()
         orr = d.download(out_r.ptr, out_r.shape, np.float32, st)
         t_rec = timed(st, recurrent, max(1, reps // 2))
-        # the tensor cores' scan: split (state + output passes; the output pass's early loads
-        # off and on: split 1, 2), then the one scan kernel (0)
-        variants = [(*v, split) for v in scan_variants(dk, dv, sweep, tc_sweep)
-                    for split in ((1, 2, 0) if v[-1] else (0,))]
-        for cn, vb, nc, ib, prep_nt, tc, split in variants:
+        for cn, vb, nc, ib, prep_nt, tc in scan_variants(dk, dv, sweep, tc_sweep):
             chunks = gc.max_chunks([(0, T, 0)], T, 1, cn)
-            if split:
+            if tc:
                 prep_k = cache.get(spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
                 geo = dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb)
                 state_k = cache.get(spec("gdn_chunk_state_tc", **geo))
-                out_k = cache.get(spec("gdn_chunk_out_tc", **geo, EL=split - 1))
+                out_k = cache.get(spec("gdn_chunk_out_tc", **geo))
                 nt = prep_nt
 
                 class SplitScan:         # the two passes where the scan kernel would launch
@@ -145,11 +140,6 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
                         out_k.launch(st, (grid[0], grid[1], chunks * grid[2]), block,
                                      (out, p, bufs["s"], g, qkv, qs))
                 scan_k = SplitScan
-            elif tc:
-                prep_k = cache.get(spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
-                scan_k = cache.get(spec("gdn_chunk_scan_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
-                                        VB=vb))
-                nt = prep_nt
             else:
                 prep_k = cache.get(spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
                                         NT=prep_nt, KT=gc.PREP_KT))
@@ -173,8 +163,7 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
             diff = float(np.linalg.norm(oc - orr) / max(np.linalg.norm(orr), 1e-30))
             t_prep = timed(st, prep, reps)
             t_scan = timed(st, lambda: (prep(), scan()), reps) - t_prep   # scan needs a fresh U
-            rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, tc=tc, split=bool(split),
-                             out_early=max(split - 1, 0), chunk=cn,
+            rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, tc=tc, chunk=cn,
                              VB=vb, NC=nc, IB=ib,
                              prep_threads=prep_nt, prep_ms=round(t_prep, 4),
                              scan_ms=round(t_scan, 4), chunked_ms=round(t_prep + t_scan, 4),

@@ -150,9 +150,9 @@ for part in $parts; do
             summary+=("profile: $(grep -h "kernels sum" "$OUT"/profile_*.log | tr '\n' ';')") ;;
         prefill)
             # the prefill's pieces and rows (issue 26): the delta rule's kernels and the grouped
-            # GEMMs on the GPU, one GDN layer's scan variants, our grouped GEMM beside the host
-            # path per layer, then every shape's prefill with its per-kernel profile (and the
-            # MoE prefill with the device route beside: ms_device_route)
+            # GEMMs on the GPU, one GDN layer's scan, our grouped GEMM beside the host path per
+            # layer, then every shape's prefill with its per-kernel profile (the MoE prefill
+            # routed on the device, the default, with the host route beside: ms_host_route)
             timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_gdn_chunk_gpu.py \
                 tests/gpu/test_ops_gpu.py -k "gdn or moe_route" >"$OUT/prefill_tests.log" 2>&1
             timeout 120 python3 bench/bench_gdn_chunk.py --tokens 4096 --nv 48 >"$OUT/gdn48.log" 2>&1

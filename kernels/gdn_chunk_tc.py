@@ -17,17 +17,14 @@ cores (only the tiles left of the diagonal), A and P formed with the decays, T i
 16 x 16 blocks (the diagonal ones by forward substitution, the rest from the rows above), then
 U (into `core`, in place of the output) and W as T times the scaled V and K tiles. Writes P and
 the per-token decay factors.
-gdn_chunk_scan_tc: grid (row, value head, VB value columns: 32, 16 or 8), sequential over the
-row's chunks.
-The state slice S [dk, VB] lives in the warps' accumulator registers; each chunk stages it in
-shared memory as the B operand of W S and Q S (one pass over dk for both), writes V' to shared
-memory for P V' and the update, and accumulates (K exp(G_last - G))^T V' into the registers.
-
-The same scan split in two (cuda/gdn_chunk.py TC_SPLIT), since the sequential pass is
-latency-bound (~17 us a chunk at 4 warps an SM) and only S's recurrence needs it:
-gdn_chunk_state_tc: the scan's grid and loop with W S, V' and the state update only: it writes
-each chunk's starting state S_c to `sbuf` (chunk slot qs[r] // Cn + r + z: at most
-n / Cn + rows slots) and V' over U in `core`.
+The scan over the chunks in two passes, since a sequential pass is latency-bound (~17 us a
+chunk at 4 warps an SM) and only S's recurrence needs one:
+gdn_chunk_state_tc: grid (row, value head, VB value columns: 32, 16 or 8), sequential over the
+row's chunks. The state slice S [dk, VB] lives in the warps' accumulator registers; each chunk
+stages it in shared memory as the B operand of W S, writes V' = U - W S to shared memory (and
+over U in `core`) for the update, accumulates (K exp(G_last - G))^T V' into the registers, and
+writes the chunk's starting state S_c to `sbuf` (chunk slot qs[r] // Cn + r + z: at most
+n / Cn + rows slots).
 gdn_chunk_out_tc: grid (row, value head, chunk x VB value columns), fully parallel: O =
 exp(G) (Q S_c) + P V' over V' in place (staged in shared memory before O is written).
 
@@ -57,7 +54,6 @@ SIGNATURES = {
     "gdn_chunk_prep_tc": (
         "f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32", "i32", "i32", "f32*", "f32*",
         "i32*"),
-    "gdn_chunk_scan_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*", "i32*"),
     "gdn_chunk_state_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "f32*", "i32*", "i32*",
                            "i32*"),
     "gdn_chunk_out_tc": ("f32*", "f32*", "f32*", "f32*", "f32*", "i32*"),
@@ -273,170 +269,15 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     return gdn_chunk_prep_tc_kernel
 
 
-def gdn_chunk_scan_tc(dk, dv, nk, nv, Cn, VB=32):
-    C = 2 * nk * dk + nv * dv
-    ratio = nv // nk
-    NW = Cn // 16
-    assert Cn % 16 == 0 and dk % (16 * NW) == 0 and dv % VB == 0 and VB % 8 == 0
-    SS = row_stride(VB)
-    MT = dk // (16 * NW)     # state m-tiles per warp
-    NT4 = VB // 8            # n-tiles of the value columns
-    KST = dk // 8
-    CT = Cn // 8
-    SSZ = dk * SS            # shared/local array sizes must be compile-time constants
-    VSZ = Cn * SS
-    SREG = MT * NT4 * 4
-    ACC = NT4 * 4
-
-    def gdn_chunk_scan_tc_kernel(core, wbuf, pbuf, gbuf, qkv, state, query_start, context_lens,
-                                 state_slots):
-        r = cuda.blockIdx.x
-        h = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        vb = cuda.blockIdx.z * VB
-        kh = h // ratio
-        lane = tid & 31
-        warp = tid >> 5
-        g = lane >> 2
-        t = lane & 3
-        i0 = warp * 16
-        ia = i0 + g
-        ib = ia + 8
-        sS = cuda.shared.array(SSZ, float32)
-        sV = cuda.shared.array(VSZ, float32)
-        gq = cuda.shared.array(Cn, float32)
-        gk = cuda.shared.array(Cn, float32)
-        Sr = cuda.local.array(SREG, float32)       # the state slice, as mma accumulators
-        accV = cuda.local.array(ACC, float32)
-        accO = cuda.local.array(ACC, float32)
-        slot = state_slots[r]
-        sbase = (slot * nv + h) * dk * dv + vb
-        fresh = context_lens[r] == 0
-        for u in range(MT):
-            for nt in range(NT4):
-                for e in range(4):
-                    row = (warp + NW * u) * 16 + g + 8 * (e // 2)
-                    x = float32(0.0)
-                    if not fresh:
-                        x = state[sbase + row * dv + nt * 8 + 2 * t + (e % 2)]
-                    Sr[(u * NT4 + nt) * 4 + e] = x
-        q0 = query_start[r]
-        q1 = query_start[r + 1]
-        hv = h * dv + vb
-        for c0 in range(q0, q1, Cn):
-            L = min(Cn, q1 - c0)
-            for u in range(MT):
-                for nt in range(NT4):
-                    for e in range(4):
-                        row = (warp + NW * u) * 16 + g + 8 * (e // 2)
-                        sS[row * SS + nt * 8 + 2 * t + (e % 2)] = Sr[(u * NT4 + nt) * 4 + e]
-            if tid < Cn:
-                x = float32(0.0)
-                y = float32(0.0)
-                if tid < L:
-                    x = gbuf[((c0 + tid) * nv + h) * 2]
-                    y = gbuf[((c0 + tid) * nv + h) * 2 + 1]
-                gq[tid] = x
-                gk[tid] = y
-            cuda.syncthreads()
-            oka = ia < L
-            okb = ib < L
-            # W S and Q S for the warp's rows, one pass over dk (S fragments shared by both)
-            for x in range(ACC):
-                accV[x] = float32(0.0)
-                accO[x] = float32(0.0)
-            wa = ((c0 + ia) * nv + h) * dk
-            wb = ((c0 + ib) * nv + h) * dk
-            qa = (c0 + ia) * C + kh * dk
-            qb = (c0 + ib) * C + kh * dk
-            for ks in range(KST):
-                c = ks * 8 + t
-                w0 = ld_tf32(wbuf, wa + c, oka)
-                w1 = ld_tf32(wbuf, wb + c, okb)
-                w2 = ld_tf32(wbuf, wa + c + 4, oka)
-                w3 = ld_tf32(wbuf, wb + c + 4, okb)
-                x0 = ld_tf32(qkv, qa + c, oka)
-                x1 = ld_tf32(qkv, qb + c, okb)
-                x2 = ld_tf32(qkv, qa + c + 4, oka)
-                x3 = ld_tf32(qkv, qb + c + 4, okb)
-                for nt in range(NT4):
-                    b0 = tf32(sS[c * SS + nt * 8 + g])
-                    b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
-                    mma_acc(accV, 4 * nt, w0, w1, w2, w3, b0, b1)
-                    mma_acc(accO, 4 * nt, x0, x1, x2, x3, b0, b1)
-            # V' = U - W S into shared memory (rows past L: U and W are zero there, so is V');
-            # O starts as exp(G_i) (Q S)
-            for nt in range(NT4):
-                for e in range(4):
-                    i = ia + 8 * (e // 2)
-                    cc = nt * 8 + 2 * t + (e % 2)
-                    uu = float32(0.0)
-                    if i < L:
-                        uu = core[(c0 + i) * nv * dv + hv + cc]
-                    sV[i * SS + cc] = uu - accV[4 * nt + e]
-                    accO[4 * nt + e] *= gq[i]
-            cuda.syncthreads()
-            # O += P V' (P is zero right of the diagonal: k-steps up to the warp's last row)
-            pa = ((c0 + ia) * nv + h) * Cn
-            pb = ((c0 + ib) * nv + h) * Cn
-            for ks in range(CT):
-                if ks * 8 <= i0 + 15 and ks * 8 < L:      # warp-uniform
-                    c = ks * 8 + t
-                    p0 = ld_tf32(pbuf, pa + c, oka)
-                    p1 = ld_tf32(pbuf, pb + c, okb)
-                    p2 = ld_tf32(pbuf, pa + c + 4, oka)
-                    p3 = ld_tf32(pbuf, pb + c + 4, okb)
-                    for nt in range(NT4):
-                        b0 = tf32(sV[c * SS + nt * 8 + g])
-                        b1 = tf32(sV[(c + 4) * SS + nt * 8 + g])
-                        mma_acc(accO, 4 * nt, p0, p1, p2, p3, b0, b1)
-            for nt in range(NT4):
-                for e in range(4):
-                    i = ia + 8 * (e // 2)
-                    if i < L:
-                        core[(c0 + i) * nv * dv + hv + nt * 8 + 2 * t + (e % 2)] = accO[4 * nt + e]
-            # S <- exp(G_last) S + (K exp(G_last - G))^T V' ; A operand: K^T (state rows m,
-            # chunk positions j), each element scaled by its token's exp(G_last - G_j)
-            decay = gq[L - 1]
-            for x in range(SREG):
-                Sr[x] *= decay
-            for ks in range(CT):
-                if ks * 8 < L:                            # block-uniform
-                    j = ks * 8 + t
-                    k0 = (c0 + j) * C + nk * dk + kh * dk
-                    k1 = k0 + 4 * C
-                    f0 = gk[j]
-                    f1 = gk[j + 4]
-                    for u in range(MT):
-                        m = (warp + NW * u) * 16 + g
-                        a0 = ld_tf32_scaled(qkv, k0 + m, f0, j < L)
-                        a1 = ld_tf32_scaled(qkv, k0 + m + 8, f0, j < L)
-                        a2 = ld_tf32_scaled(qkv, k1 + m, f1, j + 4 < L)
-                        a3 = ld_tf32_scaled(qkv, k1 + m + 8, f1, j + 4 < L)
-                        for nt in range(NT4):
-                            b0 = tf32(sV[j * SS + nt * 8 + g])
-                            b1 = tf32(sV[(j + 4) * SS + nt * 8 + g])
-                            s = (u * NT4 + nt) * 4
-                            mma_acc(Sr, s, a0, a1, a2, a3, b0, b1)
-            cuda.syncthreads()       # the next chunk rewrites sS, sV, gq, gk
-        for u in range(MT):
-            for nt in range(NT4):
-                for e in range(4):
-                    row = (warp + NW * u) * 16 + g + 8 * (e // 2)
-                    state[sbase + row * dv + nt * 8 + 2 * t + (e % 2)] = \
-                        Sr[(u * NT4 + nt) * 4 + e]
-    return gdn_chunk_scan_tc_kernel
-
-
 def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
-    """The sequential half of the split scan: gdn_chunk_scan_tc without Q S, P V' and O. Per
-    chunk: S_c to sbuf and shared memory, V' = U - W S into shared memory and over U in `core`,
-    then S <- exp(G_last) S + (K exp(G_last - G))^T V'. The final state to `state`.
-    The loads that do not depend on the state are issued early, into registers: the next
-    chunk's W fragments while this chunk's update runs, this chunk's K before its first barrier
-    (the same values in the same products as the one-kernel scan: the same bits). Measured on
-    an H100 at 4096 tokens (bench_gdn_chunk.py): without them this pass took 3x the one-kernel
-    scan's time; with them the split is 0.87x (48 heads) to 0.54x (16 heads) of it."""
+    """The sequential pass of the scan. Per chunk: S_c to sbuf and shared memory, V' = U - W S
+    into shared memory and over U in `core`, then S <- exp(G_last) S + (K exp(G_last - G))^T V'.
+    The final state to `state`. The loads that do not depend on the state are issued early,
+    into registers: the next chunk's W fragments while this chunk's update runs, this chunk's K
+    before its first barrier. Measured on an H100 at 4096 tokens (bench_gdn_chunk.py): without
+    them this pass took 3x the time of the one sequential kernel it replaced (Q S, P V' and O
+    in the same loop); with them the two passes take 0.87x (48 heads) to 0.54x (16 heads) of
+    it, and 1.05x at 512 tokens."""
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     NW = Cn // 16
@@ -599,11 +440,11 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
     return gdn_chunk_state_tc_kernel
 
 
-def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32, EL=0):
-    """The parallel half of the split scan: a block per (row, value head, chunk x VB columns)
-    stages S_c [dk, VB] (sbuf) and V' [Cn, VB] (core) in shared memory, then writes O =
-    exp(G) (Q S_c) + P V' over V'. EL=1: its Q and P fragments are loaded into registers
-    before the staging, as the state pass's are (the same products: the same bits)."""
+def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
+    """The parallel pass of the scan: a block per (row, value head, chunk x VB columns) stages
+    S_c [dk, VB] (sbuf) and V' [Cn, VB] (core) in shared memory, then writes O = exp(G) (Q S_c)
+    + P V' over V'. (Its Q and P fragments loaded into registers before the staging, as the
+    state pass does, measured slower on an H100: 1.05 against 0.97 ms at 48 heads, 4096 tokens.)"""
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     NW = Cn // 16
@@ -617,8 +458,6 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32, EL=0):
     SSZ = dk * SS
     VSZ = Cn * SS
     ACC = NT4 * 4
-    QF = 4 * KST if EL else 1
-    PF = 4 * CT if EL else 1
 
     def gdn_chunk_out_tc_kernel(core, pbuf, sbuf, gbuf, qkv, query_start):
         r = cuda.blockIdx.x
@@ -643,8 +482,6 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32, EL=0):
         sV = cuda.shared.array(VSZ, float32)
         gq = cuda.shared.array(Cn, float32)
         accO = cuda.local.array(ACC, float32)
-        qf = cuda.local.array(QF, uint32)
-        pf = cuda.local.array(PF, uint32)
         hv = h * dv + vb
         oka = ia < L
         okb = ib < L
@@ -652,20 +489,6 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32, EL=0):
         qb = (c0 + ib) * C + kh * dk
         pa = ((c0 + ia) * nv + h) * Cn
         pb = ((c0 + ib) * nv + h) * Cn
-        if EL:
-            for ks in range(KST):
-                c = ks * 8 + t
-                qf[4 * ks] = ld_tf32(qkv, qa + c, oka)
-                qf[4 * ks + 1] = ld_tf32(qkv, qb + c, okb)
-                qf[4 * ks + 2] = ld_tf32(qkv, qa + c + 4, oka)
-                qf[4 * ks + 3] = ld_tf32(qkv, qb + c + 4, okb)
-            for ks in range(CT):
-                c = ks * 8 + t
-                live = ks * 8 <= i0 + 15 and ks * 8 < L
-                pf[4 * ks] = ld_tf32(pbuf, pa + c, live and oka)
-                pf[4 * ks + 1] = ld_tf32(pbuf, pb + c, live and okb)
-                pf[4 * ks + 2] = ld_tf32(pbuf, pa + c + 4, live and oka)
-                pf[4 * ks + 3] = ld_tf32(pbuf, pb + c + 4, live and okb)
         cb = (chunk_slot(q0, r, z, Cn) * nv + h) * dk * dv + vb
         for e in range(tid, dk * VB, NT):
             row = e // VB
@@ -688,16 +511,10 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32, EL=0):
             accO[x] = float32(0.0)
         for ks in range(KST):
             c = ks * 8 + t
-            if EL:
-                x0 = qf[4 * ks]
-                x1 = qf[4 * ks + 1]
-                x2 = qf[4 * ks + 2]
-                x3 = qf[4 * ks + 3]
-            else:
-                x0 = ld_tf32(qkv, qa + c, oka)
-                x1 = ld_tf32(qkv, qb + c, okb)
-                x2 = ld_tf32(qkv, qa + c + 4, oka)
-                x3 = ld_tf32(qkv, qb + c + 4, okb)
+            x0 = ld_tf32(qkv, qa + c, oka)
+            x1 = ld_tf32(qkv, qb + c, okb)
+            x2 = ld_tf32(qkv, qa + c + 4, oka)
+            x3 = ld_tf32(qkv, qb + c + 4, okb)
             for nt in range(NT4):
                 b0 = tf32(sS[c * SS + nt * 8 + g])
                 b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
@@ -709,16 +526,10 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32, EL=0):
         for ks in range(CT):
             if ks * 8 <= i0 + 15 and ks * 8 < L:      # warp-uniform
                 c = ks * 8 + t
-                if EL:
-                    p0 = pf[4 * ks]
-                    p1 = pf[4 * ks + 1]
-                    p2 = pf[4 * ks + 2]
-                    p3 = pf[4 * ks + 3]
-                else:
-                    p0 = ld_tf32(pbuf, pa + c, oka)
-                    p1 = ld_tf32(pbuf, pb + c, okb)
-                    p2 = ld_tf32(pbuf, pa + c + 4, oka)
-                    p3 = ld_tf32(pbuf, pb + c + 4, okb)
+                p0 = ld_tf32(pbuf, pa + c, oka)
+                p1 = ld_tf32(pbuf, pb + c, okb)
+                p2 = ld_tf32(pbuf, pa + c + 4, oka)
+                p3 = ld_tf32(pbuf, pb + c + 4, okb)
                 for nt in range(NT4):
                     b0 = tf32(sV[c * SS + nt * 8 + g])
                     b1 = tf32(sV[(c + 4) * SS + nt * 8 + g])

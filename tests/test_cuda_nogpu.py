@@ -148,12 +148,9 @@ def test_signatures_read_from_the_text_are_the_kernels_own(monkeypatch):
                            1e-6, 1e6, (1, 3, 5), 16, 0)
     specs += [s for f32 in (False, True) for s in dflash_specs(drafter, f32).values()]
     specs += list(dflash_specs(drafter, kv_dtype="fp8").values())
-    # the tensor-core delta rule's scan either way (cuda/gdn_chunk.py TC_SPLIT)
-    from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
+    # the tensor-core delta rule (a bf16 model's prep and the scan's two passes)
     from ninfer.models.qwen3_5.cuda.kernel_set import gdn_chunk_specs
-    for split in (False, True):
-        monkeypatch.setattr(gc, "TC_SPLIT", split)
-        specs += list(gdn_chunk_specs(128, 128, 16, 32, tc=True).values())
+    specs += list(gdn_chunk_specs(128, 128, 16, 32, tc=True).values())
     assert {s.factory for s in specs} == set(SIGS)
     for s in specs:
         fn = getattr(K._import_kernel_module(s.module), s.factory)(**dict(s.params))

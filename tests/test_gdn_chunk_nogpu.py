@@ -16,7 +16,7 @@ from ninfer.errors import DeviceError
 from ninfer.models.qwen3_5.config import TextConfig
 from ninfer.models.qwen3_5.cuda import gdn_chunk as gc
 from ninfer.models.qwen3_5.cuda.kernel_set import (check_geometry, gdn_chunk_specs,
-                                                    geometry_specs, spec)
+                                                    geometry_specs)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # fp32 arithmetic against the float64 oracle (tests/gpu/gpu_harness.py TOL_F32); tf32 operands
@@ -51,9 +51,8 @@ def test_chunked_kernels_on_the_simulator():
         tol = TOL_TF32 if case == "tc" else TOL_F32
         assert res["spare_slot_untouched"], res
         if case == "tc":
-            # the split scan (state pass + output pass) ran, and equals the one-kernel scan bit
-            # for bit (the same products in the same order)
-            assert "gdn_chunk_out_tc" in res["kernels"] and res["split_equals_scan"], res
+            # the scan's state pass and output pass ran
+            assert {"gdn_chunk_state_tc", "gdn_chunk_out_tc"} <= set(res["kernels"]), res
         for key in ("chunk_out", "chunk_state"):
             assert res[key] < tol, (case, key, res)
         if "rec_out" in res:
@@ -113,19 +112,12 @@ def test_chunked_kernels_compile_to_ptx_at_the_real_geometry(nv):
 @pytest.mark.parametrize("nv", [48, 32])
 def test_tensor_core_kernels_compile_to_ptx_at_the_real_geometry(nv):
     """The tf32 variants at dk = dv = 128: mma.sync m16n8k8 tf32 in each, shared memory as
-    tc_prep_smem / tc_scan_smem / tc_pass_smem say (within the static limit), the scan's state
-    slice and accumulators in registers (no local memory); the split scan's two passes where
-    TC_SPLIT is on (the default), and the one scan kernel either way (the bench times both)."""
+    tc_prep_smem / tc_pass_smem say (within the static limit), the scan's state slice and
+    accumulators in registers (no local memory): the prep and the scan's two passes."""
     from ninfer.core.cuda import kernels as K
     specs = gdn_chunk_specs(128, 128, 16, nv, tc=True)
     passes = {"gdn_chunk_state_tc", "gdn_chunk_out_tc"}
-    assert set(specs) == {"gdn_chunk_prep_tc"} | (passes if gc.TC_SPLIT else
-                                                  {"gdn_chunk_scan_tc"})
-    geo = dict(dk=128, dv=128, nk=16, nv=nv, Cn=gc.TC_CHUNK, VB=gc.TC_VB)
-    specs.update({name: spec(name, **geo) for name in passes | {"gdn_chunk_scan_tc"}})
-    # the output pass with its fragments loaded early (EL): in registers too
-    specs["out_el"] = spec("gdn_chunk_out_tc", **geo, EL=1)
-    passes = passes | {"out_el"}
+    assert set(specs) == {"gdn_chunk_prep_tc"} | passes
     try:
         ptx = {name: K.compile_spec(sp, (9, 0)) for name, sp in specs.items()}
     except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
@@ -134,12 +126,10 @@ def test_tensor_core_kernels_compile_to_ptx_at_the_real_geometry(nv):
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text, name
         assert "cvt.rna.tf32.f32" in text, name
         assert sum(_decls(text, "local")) == 0, name
-    assert sum(_decls(ptx["gdn_chunk_scan_tc"], "shared")) == gc.tc_scan_smem(128) \
-        <= gc.STATIC_SMEM_BYTES
     assert sum(_decls(ptx["gdn_chunk_prep_tc"], "shared")) == gc.tc_prep_smem() \
         <= gc.STATIC_SMEM_BYTES
     for name in passes:
-        assert sum(_decls(ptx[name], "shared")) == gc.tc_pass_smem(128) <= gc.tc_scan_smem(128)
+        assert sum(_decls(ptx[name], "shared")) == gc.tc_pass_smem(128) <= gc.STATIC_SMEM_BYTES
 
 
 # ---- host helpers, geometry, the runner's path -------------------------------------------------
@@ -153,8 +143,7 @@ def test_tensor_core_variants_take_the_release_geometries():
     assert not gc.tc_ok(96, 128)
     cfg = TextConfig(layer_types=("linear_attention",), num_hidden_layers=1,
                      linear_key_head_dim=128, linear_value_head_dim=128)
-    tc_names = {"gdn_chunk_prep_tc"} | ({"gdn_chunk_state_tc", "gdn_chunk_out_tc"}
-                                        if gc.TC_SPLIT else {"gdn_chunk_scan_tc"})
+    tc_names = {"gdn_chunk_prep_tc", "gdn_chunk_state_tc", "gdn_chunk_out_tc"}
     assert tc_names <= set(geometry_specs(cfg))
     assert not {"gdn_chunk_prep", "gdn_chunk_scan"} & set(geometry_specs(cfg))
     f32 = geometry_specs(cfg, f32=True)
@@ -192,10 +181,10 @@ def test_max_chunks_and_workspace():
     assert shapes == {"w": (4096, 48, 128), "p": (4096, 48, 64), "g": (4096, 48, 2)}
     # P at the larger of the two paths' chunks (64, the tensor cores')
     assert gc.workspace_bytes(4096, 48, 128) == 4 * 4096 * 48 * (128 + 64 + 2)
-    # the split scan's chunk-start states: 4096 / 64 + 8 slots of [48, 128, 128]
+    # the tensor-core scan's chunk-start states: 4096 / 64 + 8 slots of [48, 128, 128]
     assert gc.buffer_shapes(4096, 48, 128, 64, 128, 8)["s"] == (72, 48, 128, 128)
     assert gc.workspace_bytes(4096, 48, 128, 128, 8) == 4 * 4096 * 48 * (128 + 64 + 2) \
-        + (4 * 72 * 48 * 128 * 128 if gc.TC_SPLIT else 0)
+        + 4 * 72 * 48 * 128 * 128
 
 
 def test_chunk_slots_are_distinct_and_within_the_bound():
@@ -258,8 +247,7 @@ def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode, t
         setattr(ws, name, _Buf(name))
     ws.gdn_tc = tc
     ws.gdn_cn = gc.TC_CHUNK if tc else gc.chunk_size(12)
-    split = tc and gc.TC_SPLIT
-    ws.gdn_s = _Buf("gdn_s") if split else None
+    ws.gdn_s = _Buf("gdn_s") if tc else None
     ws.gdn_rows = 3
     r = StepRunner(StepResources(cfg=cfg, ws=ws, weights={}, lt=None, kernels=_KernelNames(),
                                  num_sms=1, b_cap=1, moe_gemv_tokens=1, n_cap=64, route_host=None, media=None),
@@ -283,13 +271,12 @@ def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode, t
     assert not any(x.startswith("gdn_chunk") and x.endswith("_tc") != tc for x in names)
     longest = max(ln for _, ln, _ in rows)
     chunks = -(-longest // ws.gdn_cn)
-    if split:
+    if tc:
         # the scan as its state pass (the scan's grid) and output pass (a block per chunk and
         # value block), both through the chunk-start states buffer; U / V' / O share `core`
         prep, state_pass, out_pass = (next(c for c in rec.calls if c[0] == k) for k in
                                       ("gdn_chunk_prep_tc", "gdn_chunk_state_tc",
                                        "gdn_chunk_out_tc"))
-        assert "gdn_chunk_scan_tc" not in names
         nb = -(-40 // gc.TC_VB)
         assert prep[1] == (b, 6, chunks)
         assert state_pass[1] == (b, 6, nb) and out_pass[1] == (b, 6, chunks * nb)

@@ -42,13 +42,11 @@ from ninfer.models.qwen3_5.cuda.kernel_set import SIGS   # noqa: E402
 
 
 def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay=False,
-        recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB, tc=False, split=True,
-        el=gc.TC_OUT_EARLY):
+        recurrent=True, vb=gc.SCAN_VB, nc=gc.SCAN_NC, ib=gc.SCAN_IB, tc=False):
     """Returns the relative L2 errors of (chunked out, chunked state, recurrent out, recurrent
     state) against the float64 oracle, and chunked against recurrent (out, state). `tc`: the
-    tensor-core variants (kernels/gdn_chunk_tc.py) with chunks of `cn` (cn / 16 warps); `split`:
-    their scan as the state and output passes (gdn_chunk_state_tc + gdn_chunk_out_tc, its early
-    loads with `el`), else the one scan kernel."""
+    tensor-core variants (kernels/gdn_chunk_tc.py) with chunks of `cn` (cn / 16 warps), their
+    scan as the state and output passes (gdn_chunk_state_tc + gdn_chunk_out_tc)."""
     r = np.random.default_rng(seed)
     mem = Memory(8 << 20)
     n, nb = sum(lengths), len(lengths)
@@ -64,17 +62,15 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
     d = {name: mem.put(a) for name, a in (("qkv", qkv), ("proj", proj), ("a_log", A_log),
                                            ("dt_bias", dt_bias), ("qs", qs), ("ctx", ctx),
                                            ("slots", slots))}
-    split = tc and split
-    shapes = gc.buffer_shapes(n, nv, dk, cn, dv if split else 0, nb)
+    shapes = gc.buffer_shapes(n, nv, dk, cn, dv if tc else 0, nb)
     params = {"gdn_chunk_prep": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, NT=prep_threads,
                                      KT=gc.PREP_KT),
               "gdn_chunk_scan": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb, NC=nc,
                                      KS=gc.scan_ks(dk), IB=ib),
               "gdn_recurrent": dict(dk=dk, dv=dv, nk=nk, nv=nv),
               "gdn_chunk_prep_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn),
-              "gdn_chunk_scan_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb),
               "gdn_chunk_state_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb),
-              "gdn_chunk_out_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb, EL=el)}
+              "gdn_chunk_out_tc": dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb)}
     launched = []
 
     def launch(name, grid, block, args):
@@ -86,14 +82,12 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
         launched.append(name)
 
     results = {}
-    paths = ("chunked",) + (("recurrent",) if recurrent else ()) + (("scan",) if split else ())
+    paths = ("chunked",) + (("recurrent",) if recurrent else ())
     for path in paths:
         state = mem.put(state0)
         out = mem.alloc(n * nv * dv * 4, 0xFF)                       # NaN poison
-        if path in ("chunked", "scan"):
-            # "scan": the one-kernel scan on the same inputs (the split must equal it bitwise)
-            bufs = {k: mem.alloc(4 * int(np.prod(s)), 0xFF) for k, s in shapes.items()
-                    if path == "chunked" or k != "s"}
+        if path == "chunked":
+            bufs = {k: mem.alloc(4 * int(np.prod(s)), 0xFF) for k, s in shapes.items()}
             rows = [(int(qs[i]), lengths[i], int(ctx[i])) for i in range(nb)]
             gc.launch(launch, dk, dv, nv, cn, nb, gc.max_chunks(rows, n, nb, cn),
                       core=out, w=bufs["w"], p=bufs["p"], g=bufs["g"], qkv=d["qkv"],
@@ -120,9 +114,6 @@ def run(dk, dv, nk, nv, cn, lengths, ctxs, prep_threads=64, seed=0, strong_decay
     res = {"chunk_out": rel(co, ref), "chunk_state": rel(cs, ref_state),
            "spare_slot_untouched": bool(np.array_equal(cs[spare], state0[spare])),
            "kernels": sorted({k for k in launched if k.startswith("gdn_chunk")})}
-    if split:
-        so, ss = results["scan"]
-        res["split_equals_scan"] = bool(np.array_equal(co, so) and np.array_equal(cs, ss))
     if recurrent:
         ro, rs = results["recurrent"]
         res.update(rec_out=rel(ro, ref), rec_state=rel(rs, ref_state),
@@ -237,14 +228,8 @@ TC_CASES = {
     # narrower scan blocks (VB 16, 8): more blocks a head
     "tc16": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[1, 40], ctxs=[5, 0], tc=True, vb=16),
     "tc8": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[40], ctxs=[5], tc=True, vb=8),
-    # the one sequential scan kernel (TC_SPLIT off) on "tc"'s inputs
-    "tcscan": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[1, 40], ctxs=[5, 0], tc=True,
-                   split=False),
-    # the split scan over rows whose chunk slots interleave (starts not multiples of cn), two
-    # value blocks and two heads a key head: rows of 33, 1, 31 and 70 tokens
-    # the output pass with its fragments loaded early (EL), on tcsplit's rows
-    "tcel": dict(dk=32, dv=32, nk=1, nv=1, cn=32, lengths=[33, 1, 40], ctxs=[0, 4, 0], tc=True,
-                 recurrent=False, el=1),
+    # the scan over rows whose chunk slots interleave (starts not multiples of cn), two value
+    # blocks and two heads a key head: rows of 33, 1, 31 and 70 tokens
     "tcsplit": dict(dk=32, dv=32, nk=1, nv=2, cn=32, lengths=[33, 1, 31, 70], ctxs=[0, 4, 2, 0],
                     tc=True, vb=16, recurrent=False),
 }

@@ -11,10 +11,12 @@ Chunks never cross a row boundary; a row's last chunk may be partial (a 1-token 
 
 A bf16 model takes the tensor-core variants instead (kernels/gdn_chunk_tc.py, `tc=True`): chunks
 of TC_CHUNK tokens, every product a tf32 warp mma. A float32 model keeps the fp32 kernels (its
-exactness is the point of dtype="float32"). With TC_SPLIT the tensor-core scan runs as two
-launches: gdn_chunk_state_tc (sequential over the chunks: the state's recurrence alone, each
-chunk's starting state S_c written to a workspace buffer `s`) and gdn_chunk_out_tc (every chunk
-at once: the outputs from S_c), so the sequential pass does about half the work per chunk.
+exactness is the point of dtype="float32"). The tensor-core scan is two launches:
+gdn_chunk_state_tc (sequential over the chunks: the state's recurrence alone, each chunk's
+starting state S_c written to a workspace buffer `s`) and gdn_chunk_out_tc (every chunk at once:
+the outputs from S_c), so the sequential pass does about half the work per chunk (one layer at
+4096 tokens on an H100, bench_gdn_chunk.py, scan ms against the one sequential kernel it
+replaced: 48 value heads (27B) 0.97 / 1.12, 32 (9B, 35B-A3B) 0.70 / 1.21, 16 0.57 / 1.07).
 
 The constants below were chosen from the PTX (shared memory, no local memory, vector shared loads,
 shuffle counts), not from timings: `bench/bench_gdn_chunk.py --sweep` times the alternatives on a
@@ -39,28 +41,15 @@ SCAN_IB = 4                         # chunk rows a scan thread reduces together
 
 
 # the tensor-core variants: 64-token chunks (4 warps of 16 chunk rows), TC_VB value columns per
-# scan block (the scan kernel's VB: 32 measured fastest at the 27B heads, 16 and 8 slower), U / W
+# scan block (the scan passes' VB: 32 measured fastest at the 27B heads, 16 and 8 slower), U / W
 # in groups of 32 columns
 TC_CHUNK = 64
 TC_VB = 32
-# the tensor-core scan as a sequential state pass + a parallel output pass (S_c [dk, dv] fp32 a
-# chunk and value head in the workspace: buffer "s"); False: the one sequential scan kernel.
-# One layer at 4096 tokens on an H100 (bench_gdn_chunk.py), scan ms, split / one kernel: 48
-# value heads (27B) 0.97 / 1.12, 32 (9B, 35B-A3B) 0.70 / 1.21, 16 0.57 / 1.07
-TC_SPLIT = True
-# the output pass with its Q and P fragments loaded before its staging barrier (kernels/
-# gdn_chunk_tc.gdn_chunk_out_tc EL): the same bits; not yet timed on a GPU, so off
-TC_OUT_EARLY = 0
 
 
 def tc_row_stride(vb: int) -> int:
     """kernels/gdn_chunk_tc.row_stride: the scan's padded S / V' rows (8 or 24 mod 32 words)."""
     return vb + 8 if (vb + 8) % 16 == 8 else vb + 16
-
-
-def tc_scan_smem(dk: int, vb: int = None) -> int:
-    # the state slice [dk, VB] and V' [Cn, VB] (padded rows), two decay factors
-    return 4 * ((dk + TC_CHUNK) * tc_row_stride(vb or TC_VB) + 2 * TC_CHUNK)
 
 
 def tc_pass_smem(dk: int, vb: int = None) -> int:
@@ -82,7 +71,7 @@ def tc_ok(dk: int, dv: int) -> bool:
     (dk 128, every Qwen3.5 release: yes; dk 256 exceeds it)."""
     # (TC_CHUNK / 16 warps x 16 rows = TC_CHUNK state rows a pass)
     return (dk % TC_CHUNK == 0 and dv % TC_VB == 0
-            and tc_scan_smem(dk) <= STATIC_SMEM_BYTES and tc_prep_smem() <= STATIC_SMEM_BYTES)
+            and tc_pass_smem(dk) <= STATIC_SMEM_BYTES and tc_prep_smem() <= STATIC_SMEM_BYTES)
 
 
 def scan_ks(dk: int) -> int:
@@ -123,8 +112,8 @@ def state_chunk_slots(n: int, rows: int, cn: int) -> int:
 def buffer_shapes(n: int, nv: int, dk: int, cn: int, dv: int = 0, rows: int = 0) -> dict:
     """Workspace buffers (float32) for up to n tokens: W [n, nv, dk], P [n, nv, Cn] (row i of a
     chunk's causal q.k decay matrix), decay factors [n, nv, 2] (exp(G_i), exp(G_last - G_i)).
-    U lives in the output buffer `core` itself. With dv and rows (the split tensor-core scan):
-    S_c [state_chunk_slots, nv, dk, dv] too."""
+    U lives in the output buffer `core` itself. With dv and rows (the tensor-core scan's two
+    passes): S_c [state_chunk_slots, nv, dk, dv] too."""
     shapes = {"w": (n, nv, dk), "p": (n, nv, cn), "g": (n, nv, 2)}
     if dv and rows:
         shapes["s"] = (state_chunk_slots(n, rows, cn), nv, dk, dv)
@@ -133,10 +122,10 @@ def buffer_shapes(n: int, nv: int, dk: int, cn: int, dv: int = 0, rows: int = 0)
 
 def workspace_bytes(n: int, nv: int, dk: int, dv: int = 0, rows: int = 0) -> int:
     """An upper bound of buffer_shapes' bytes for either path (the S_c buffer where dv and rows
-    are given and TC_SPLIT is on)."""
+    are given)."""
     cn = max(chunk_size(dk) or CHUNK_SIZES[-1], TC_CHUNK)     # either path's (an upper bound)
     shapes = buffer_shapes(n, nv, dk, cn)
-    if TC_SPLIT and dv and rows:
+    if dv and rows:
         shapes["s"] = (state_chunk_slots(n, rows, TC_CHUNK), nv, dk, dv)
     return sum(4 * math.prod(s) for s in shapes.values())
 
@@ -157,8 +146,8 @@ def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *
     `scan_vb` and `scan_nt` must match the kernels' NT, VB and VB / NC * KS (the simulator tests
     and the benchmark's sweep compile other variants). `tc`: the tensor-core variants (chunk
     `cn` = 16 x their warps, usually TC_CHUNK; threads follow from it, `scan_vb` defaults to
-    TC_VB); with `s` (buffer_shapes' "s" for this call's tokens and rows) the split scan
-    (TC_SPLIT), else the one scan kernel."""
+    TC_VB) need `s` (buffer_shapes' "s" for this call's tokens and rows): the scan's state
+    and output passes."""
     if tc:
         prep_threads = scan_nt = 2 * cn            # a warp per 16 chunk rows
     scan_vb = scan_vb or (TC_VB if tc else SCAN_VB)
@@ -166,11 +155,12 @@ def launch(launch_fn, dk: int, dv: int, nv: int, cn: int, b: int, chunks: int, *
     launch_fn("gdn_chunk_prep" + sfx, (b, nv, chunks), (prep_threads,),
               (core, w, p, g, qkv, proj, proj_stride, a_off, b_off, a_log, dt_bias, query_start))
     nb = -(-dv // scan_vb)
-    if tc and s is not None:
+    if tc:
+        assert s is not None, "the tensor-core scan writes each chunk's state to `s`"
         launch_fn("gdn_chunk_state_tc", (b, nv, nb), (scan_nt,),
                   (core, w, s, g, qkv, state, query_start, context_lens, state_slots))
         launch_fn("gdn_chunk_out_tc", (b, nv, chunks * nb), (scan_nt,),
                   (core, p, s, g, qkv, query_start))
         return
-    launch_fn("gdn_chunk_scan" + sfx, (b, nv, nb), (scan_nt or scan_threads(dk),),
+    launch_fn("gdn_chunk_scan", (b, nv, nb), (scan_nt or scan_threads(dk),),
               (core, w, p, g, qkv, state, query_start, context_lens, state_slots))

@@ -291,12 +291,9 @@ def gdn_chunk_specs(dk, dv, nk, nv, tc: bool = False) -> dict:
     the tensor-core variants (a bf16 model whose geometry gc.tc_ok takes)."""
     if tc:
         geo = dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=gc.TC_CHUNK)
-        scans = ("gdn_chunk_state_tc", "gdn_chunk_out_tc") if gc.TC_SPLIT \
-            else ("gdn_chunk_scan_tc",)
         return {"gdn_chunk_prep_tc": spec("gdn_chunk_prep_tc", **geo),
-                **{name: spec(name, **geo, VB=gc.TC_VB,
-                              **({"EL": gc.TC_OUT_EARLY} if name == "gdn_chunk_out_tc" else {}))
-                   for name in scans}}
+                **{name: spec(name, **geo, VB=gc.TC_VB)
+                   for name in ("gdn_chunk_state_tc", "gdn_chunk_out_tc")}}
     cn = gc.chunk_size(dk)
     if cn is None:
         return {}                    # check_geometry refuses such a model

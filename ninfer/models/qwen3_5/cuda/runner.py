@@ -78,12 +78,11 @@ class Workspace:
             # bf16: the tensor-core variants where the geometry allows (kernel_set's choice too)
             self.gdn_tc = not f32 and gc.tc_ok(dk, cfg.linear_value_head_dim)
             self.gdn_cn = gc.TC_CHUNK if self.gdn_tc else gc.chunk_size(dk) or gc.CHUNK_SIZES[-1]
-            split = self.gdn_tc and gc.TC_SPLIT
-            shp = gc.buffer_shapes(n, nv, dk, self.gdn_cn, cfg.linear_value_head_dim if split
-                                   else 0, rows_cap)
+            shp = gc.buffer_shapes(n, nv, dk, self.gdn_cn, cfg.linear_value_head_dim
+                                   if self.gdn_tc else 0, rows_cap)
             self.gdn_w, self.gdn_p, self.gdn_g = (take(shp[k], np.float32, ws) for k in "wpg")
-            # the split scan's chunk-start states, for calls of up to rows_cap rows
-            self.gdn_s = take(shp["s"], np.float32, ws) if split else None
+            # the tensor-core scan's chunk-start states, for calls of up to rows_cap rows
+            self.gdn_s = take(shp["s"], np.float32, ws) if self.gdn_tc else None
             self.gdn_rows = rows_cap
         if cfg.attention_layer_ids:
             self.part = take((part_rows, nh, hd), np.float32, ws)
