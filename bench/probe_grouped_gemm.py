@@ -1,9 +1,10 @@
 """Probe: cuBLASLt's grouped GEMM (CUBLASLT_BATCH_MODE_GROUPED, experimental: every group's rows,
 columns and operand addresses read from device arrays) for the MoE prefill's routed experts, whose
 per-expert row counts are known only on the device. Checks it against float64 and times it beside
-the path the runner takes now (host layout: one strided-batched GEMM over a padded block + one
-GEMM per overflowing expert) and our own grouped GEMM (kernels/grouped_gemm.py over
-moe_route_tiles' work list: the device route where cuBLASLt has no grouped GEMM).
+the host route's layout (one strided-batched GEMM over a padded block + one GEMM per overflowing
+expert) and our own grouped GEMM with every row on it (kernels/grouped_gemm.py over
+moe_route_tiles' work list, at k steps of 32 and 64; the device route runs it over the rows past
+its padded block where cuBLASLt has no grouped GEMM).
 
     PYTHONPATH=.:bench python bench/probe_grouped_gemm.py [--tokens 512,4096] [--shape 35b-a3b]
 """
@@ -166,7 +167,10 @@ def main():
     rng = np.random.default_rng(0)
     buf = Buffers(stream)
     cache = KernelCache(dev.cc)
-    own_gemm = cache.get(spec("grouped_gemm"))
+    # our grouped GEMM at each k step (kernels/grouped_gemm.py: BK 32 is the route's)
+    own_gemms = {bk: cache.get(spec("grouped_gemm", **({} if bk == moe_route.GEMM_BK
+                                                        else {"BK": bk})))
+                 for bk in (32, 64)}
     own_tiles = cache.get(spec("moe_route_tiles", E=E, BM=moe_route.GEMM_BM))
     # 8 distinct random experts, repeated over E (weights' values do not change the timing)
     projs = (("gate_up", 2 * I, H), ("down", H, I))
@@ -218,30 +222,34 @@ def main():
                     rows.append((tag, ms))
                 except Exception as exc:
                     print(f"  grouped {tag}: {type(exc).__name__}: {exc}")
-            # ours: the work list from the counts, then one launch over every expert's tiles
+            # ours (every row on it: cap 0): the work list from the counts, then one launch over
+            # every expert's tiles
             tc = moe_route.tile_cap(pairs, E)
-            d_rows, tiles = buf.put(counts.astype(np.int32)), buf.empty(4 * 3 * tc)
-            y = buf.empty(4 * pairs * N)
-            d.memset_d8_async(y, 0xFF, 4 * pairs * N, stream)           # poisoned
-
-            def ours():
-                own_tiles.launch(stream, (1,), (-(-E // 32) * 32,), (tiles, d_rows, tc))
-                own_gemm.launch(stream, (tc, N // moe_route.GEMM_BN), (moe_route.GEMM_THREADS,),
-                                (y, xg, w, tiles, tc, N, Kd))
-            ours()
-            stream.synchronize()
-            yh = d.download(y, (pairs, N), np.float32, stream)
             off = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            errs = [float(np.abs(yh[off[e]:off[e] + counts[e]].astype(np.float64)
-                                 - xh[off[e]:off[e] + counts[e]].astype(np.float64)
-                                 @ base[e % 8].astype(np.float64).T).max()
-                          / max(float(np.abs(yh[off[e]:off[e] + counts[e]]).max()), 1e-30))
-                    for e in (0, 1, 7, E - 1) if counts[e]]
-            ms = event_ms(stream, ours)
-            print(f"  ours    T={T} {name}: max rel err {max(errs):.2e} all finite "
-                  f"{bool(np.isfinite(yh).all())} {ms * 1e3:8.1f} us  "
-                  f"{2 * pairs * N * Kd / ms / 1e9:6.1f} TFLOP/s (useful)")
-            rows.append((f"ours T={T} {name}", ms))
+            d_rows, tiles = buf.put(counts.astype(np.int32)), buf.empty(4 * 3 * tc)
+            d_first = buf.put(off.astype(np.int32))
+            for bk, own_gemm in own_gemms.items():
+                y = buf.empty(4 * pairs * N)
+                d.memset_d8_async(y, 0xFF, 4 * pairs * N, stream)       # poisoned
+
+                def ours():
+                    own_tiles.launch(stream, (1,), (-(-E // 32) * 32,),
+                                     (tiles, d_rows, d_first, 0, tc))
+                    own_gemm.launch(stream, (tc, N // moe_route.GEMM_BN),
+                                    (moe_route.GEMM_THREADS,), (y, xg, w, tiles, tc, N, Kd))
+                ours()
+                stream.synchronize()
+                yh = d.download(y, (pairs, N), np.float32, stream)
+                errs = [float(np.abs(yh[off[e]:off[e] + counts[e]].astype(np.float64)
+                                     - xh[off[e]:off[e] + counts[e]].astype(np.float64)
+                                     @ base[e % 8].astype(np.float64).T).max()
+                              / max(float(np.abs(yh[off[e]:off[e] + counts[e]]).max()), 1e-30))
+                        for e in (0, 1, 7, E - 1) if counts[e]]
+                ms = event_ms(stream, ours)
+                print(f"  ours    T={T} {name} BK {bk}: max rel err {max(errs):.2e} all finite "
+                      f"{bool(np.isfinite(yh).all())} {ms * 1e3:8.1f} us  "
+                      f"{2 * pairs * N * Kd / ms / 1e9:6.1f} TFLOP/s (useful)")
+                rows.append((f"ours T={T} {name} BK {bk}", ms))
             y = buf.empty(4 * (pairs + E * 64) * N)
             xg2 = buf.empty(2 * (pairs + E * 64) * Kd)
             fn, lay = padded_path(lt, stream, w, xg2, y, ids, E, K, N, Kd, pairs + E * 64)

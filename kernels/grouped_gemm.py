@@ -8,10 +8,11 @@ For every tile of the work list moe_route_tiles wrote (expert e, first row r0, m
 with W_e = w + e * n * k (a layer's experts' [n, k] bf16 weights back to back, as loaded).
 
 A block of 4 warps computes a BM x BN tile (64 x 64; a warp 32 x 32: 2 x 4 mma.sync m16n8k16,
-bf16 operands, fp32 accumulators), walking k in steps of BK = 32. Each thread holds 16 bytes of
-x's tile and of W's for the next step in registers, loaded while this step's products run, and
-stores them into shared memory rows padded to SW = 20 words, where a fragment's loads (word
-20 g + t of a row group) hit 32 distinct banks. Rows of a tile past m load zeros and are never
+bf16 operands, fp32 accumulators), walking k in steps of BK = 32 (the factory takes 64 too).
+Each thread holds its 16-byte pieces of x's tile and of W's for the next step in registers,
+loaded while this step's products run, and stores them into shared memory rows padded to
+BK / 2 + 4 words (SW = 20 at BK 32), where a fragment's loads (word 20 g + t of a row group)
+hit 32 distinct banks. Rows of a tile past m load zeros and are never
 stored. Only the tiles of the rows the routing gave an expert run: at most one partial tile an
 expert, no padding of every expert to a common capacity (the host path's strided batch).
 
@@ -43,10 +44,19 @@ def fits(n: int, k: int) -> bool:
     return n % BN == 0 and k % BK == 0 and n > 0 and k > 0
 
 
-def grouped_gemm():
+def grouped_gemm(BK=BK):
+    """BK: k a step (32, the default, or 64: twice the loads in flight a step and half the
+    barriers, for bench/probe_grouped_gemm.py to time)."""
+    assert BK % 32 == 0
     KW = BK // 2        # words of a row a step
-    SA = BM * SW        # shared array sizes: compile-time constants
-    SB = BN * SW
+    SWK = KW + 4        # shared row stride in words (SW at BK 32): a fragment's loads, word
+    #                     SWK g + t, hit 32 distinct banks when SWK is 4 mod 8
+    SA = BM * SWK       # shared array sizes: compile-time constants
+    SB = BN * SWK
+    LPR = KW // 4       # 16-byte pieces of a row a step
+    RSTEP = THREADS // LPR   # rows one pass of the threads covers
+    NL = BM // RSTEP    # pieces a thread loads of x's tile (and of W's: BN == BM) a step
+    NR = 4 * NL         # their words
 
     def grouped_gemm_kernel(out, x, w, tiles, t_cap, n, k):
         # grid (t_cap, n / BN), block THREADS. x [rows, k] and w [E, n, k] bf16 as words;
@@ -68,67 +78,54 @@ def grouped_gemm():
         sA = cuda.shared.array(SA, uint32)
         sB = cuda.shared.array(SB, uint32)
         acc = cuda.local.array(32, float32)
+        ra = cuda.local.array(NR, uint32)     # this step's pieces of x's and W's tiles
+        rb = cuda.local.array(NR, uint32)
         for i in range(32):
             acc[i] = float32(0.0)
         kw = k // 2
-        # this thread's 16-byte pieces of each step's tiles: rows lr and lr + 32, words lc..lc+3
-        lr = tid >> 2
-        lc = (tid & 3) * 4
+        # this thread's 16-byte pieces of each step's tiles: rows lr + RSTEP j, words lc..lc+3
+        lr = tid // LPR
+        lc = (tid % LPR) * 4
         xa = int64(r0 + lr) * kw + lc
-        xb = xa + 32 * kw
         wa = (int64(e) * n + n0 + lr) * kw + lc
-        wb = wa + 32 * kw
-        oka = lr < m
-        okb = lr + 32 < m
         z = uint32(0)
-        a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
-        if oka:
-            a0, a1, a2, a3 = ld_v4(x, xa)
-        if okb:
-            a4, a5, a6, a7 = ld_v4(x, xb)
-        b0, b1, b2, b3 = ld_v4(w, wa)
-        b4, b5, b6, b7 = ld_v4(w, wb)
-        sa = lr * SW + lc
-        sb = sa + 32 * SW
+        for j in range(NL):
+            ok = lr + RSTEP * j < m
+            for c in range(4):
+                ra[4 * j + c] = z
+            if ok:
+                ra[4 * j], ra[4 * j + 1], ra[4 * j + 2], ra[4 * j + 3] = \
+                    ld_v4(x, xa + RSTEP * j * kw)
+            rb[4 * j], rb[4 * j + 1], rb[4 * j + 2], rb[4 * j + 3] = \
+                ld_v4(w, wa + RSTEP * j * kw)
+        sa = lr * SWK + lc
         steps = k // BK
         for kt in range(steps):
-            sA[sa] = a0
-            sA[sa + 1] = a1
-            sA[sa + 2] = a2
-            sA[sa + 3] = a3
-            sA[sb] = a4
-            sA[sb + 1] = a5
-            sA[sb + 2] = a6
-            sA[sb + 3] = a7
-            sB[sa] = b0
-            sB[sa + 1] = b1
-            sB[sa + 2] = b2
-            sB[sa + 3] = b3
-            sB[sb] = b4
-            sB[sb + 1] = b5
-            sB[sb + 2] = b6
-            sB[sb + 3] = b7
+            for j in range(NL):
+                for c in range(4):
+                    sA[sa + RSTEP * j * SWK + c] = ra[4 * j + c]
+                    sB[sa + RSTEP * j * SWK + c] = rb[4 * j + c]
             cuda.syncthreads()
             if kt + 1 < steps:        # the next step's pieces, in flight under the products
                 off = (kt + 1) * KW
-                if oka:
-                    a0, a1, a2, a3 = ld_v4(x, xa + off)
-                if okb:
-                    a4, a5, a6, a7 = ld_v4(x, xb + off)
-                b0, b1, b2, b3 = ld_v4(w, wa + off)
-                b4, b5, b6, b7 = ld_v4(w, wb + off)
-            for ks in range(2):       # two k16 slices of the step
+                for j in range(NL):
+                    if lr + RSTEP * j < m:
+                        ra[4 * j], ra[4 * j + 1], ra[4 * j + 2], ra[4 * j + 3] = \
+                            ld_v4(x, xa + RSTEP * j * kw + off)
+                    rb[4 * j], rb[4 * j + 1], rb[4 * j + 2], rb[4 * j + 3] = \
+                        ld_v4(w, wa + RSTEP * j * kw + off)
+            for ks in range(BK // 16):   # the k16 slices of the step
                 c = ks * 8 + q
                 for mt in range(2):
-                    ra = (wm + mt * 16 + g) * SW + c
-                    f0 = sA[ra]
-                    f1 = sA[ra + 8 * SW]
-                    f2 = sA[ra + 4]
-                    f3 = sA[ra + 8 * SW + 4]
+                    fa = (wm + mt * 16 + g) * SWK + c
+                    f0 = sA[fa]
+                    f1 = sA[fa + 8 * SWK]
+                    f2 = sA[fa + 4]
+                    f3 = sA[fa + 8 * SWK + 4]
                     for nt in range(4):
-                        rb = (wn + nt * 8 + g) * SW + c
+                        fb = (wn + nt * 8 + g) * SWK + c
                         o = (mt * 4 + nt) * 4
-                        d0, d1, d2, d3 = mma_bf16(f0, f1, f2, f3, sB[rb], sB[rb + 4],
+                        d0, d1, d2, d3 = mma_bf16(f0, f1, f2, f3, sB[fb], sB[fb + 4],
                                                   acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
                         acc[o] = d0
                         acc[o + 1] = d1

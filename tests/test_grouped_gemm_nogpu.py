@@ -22,7 +22,7 @@ def test_grouped_gemm_on_the_simulator():
     routed row's products within float32's error of float64 over the same bf16 operands, over a
     NaN-poisoned output whose rows past the layout stay untouched. Behind a padded block of 16
     rows an expert (cap16: experts short of it, at it, 1, 64 and 65 rows past it): the tiles
-    cover the overflow rows alone, the block's rows untouched. routed_silu_mul within one bf16
+    cover the overflow rows alone, the block's rows untouched. At k steps of 64 (bk64) as at 32. routed_silu_mul within one bf16
     rounding of float64, the rows of src -1 untouched."""
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
@@ -31,7 +31,7 @@ def test_grouped_gemm_on_the_simulator():
                          env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     outs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(outs) == {"small", "cap16", "silu"}, outs
+    assert set(outs) == {"small", "cap16", "bk64", "silu"}, outs
     silu = outs.pop("silu")          # the SwiGLU between the products, rows no pair took skipped
     assert silu["rows_past_untouched"] and silu["rel"] < TOL_BF16, silu
     for out in outs.values():
@@ -49,7 +49,9 @@ def test_grouped_gemm_compiles_to_tensor_core_ptx():
     from ninfer.models.qwen3_5.cuda.kernel_set import spec
     try:
         ptx = K.compile_spec(spec("grouped_gemm"), (9, 0))
+        ptx64 = K.compile_spec(spec("grouped_gemm", BK=64), (9, 0))    # (k steps of 64)
         tiles = K.compile_spec(spec("moe_route_tiles", E=256, BM=64), (9, 0))
+        silu = K.compile_spec(spec("routed_silu_mul"), (9, 0))
     except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
         if isinstance(exc, TypingError):
             raise                  # (a kernel numba cannot type is a failure, not a skip)
@@ -60,7 +62,10 @@ def test_grouped_gemm_compiles_to_tensor_core_ptx():
     decl = lambda text, space: [int(x) for x in re.findall(   # noqa: E731
         rf"\.{space}\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", text)]
     assert sum(decl(ptx, "shared")) == 4 * (gg.BM + gg.BN) * gg.SW
-    assert sum(decl(ptx, "local")) == 0 and sum(decl(tiles, "local")) == 0
+    assert sum(decl(ptx64, "shared")) == 4 * (gg.BM + gg.BN) * (64 // 2 + 4)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx64
+    # the accumulators and the next step's pieces in registers
+    assert all(sum(decl(text, "local")) == 0 for text in (ptx, ptx64, tiles, silu))
     assert gg.fits(1024, 2048) and gg.fits(2048, 512)
     assert not gg.fits(1000, 2048) and not gg.fits(1024, 2040)
 
@@ -77,6 +82,10 @@ def test_host_constants_match_the_kernel():
     assert (moe_route.GEMM_BM, moe_route.GEMM_BN, moe_route.GEMM_BK, moe_route.GEMM_THREADS) \
         == (gg.BM, gg.BN, gg.BK, gg.THREADS)
     assert moe_route.SILU_THREADS == gg.SILU_THREADS
+    # the wide k step where k is whole steps of it, else BK (own_gemm_fits' granule)
+    assert moe_route.GEMM_BK_WIDE % gg.BK == 0
+    assert [moe_route.gemm_kernel(k) for k in (2048, 512, 96, 32)] \
+        == ["grouped_gemm64", "grouped_gemm64", "grouped_gemm", "grouped_gemm"]
     for n, k in ((1024, 2048), (2048, 512), (1000, 2048), (1024, 2040), (64, 32), (0, 32)):
         assert moe_route.own_gemm_fits(n, k) == gg.fits(n, k), (n, k)
     # the work list's bound: ceil(pairs / BM) + E entries hold any routing's tiles
@@ -162,8 +171,8 @@ def test_routed_prefill_launches_our_gemm_where_cublaslt_has_none():
     r.experts_routed(None, n, lw)
     names = [c[0] for c in calls]
     assert names == ["moe_route_count", "moe_route_scan", "moe_route_place", "gather_rows",
-                     "moe_route_tiles", "lt.gemm", "grouped_gemm", "routed_silu_mul", "lt.gemm",
-                     "grouped_gemm"]
+                     "moe_route_tiles", "lt.gemm", "grouped_gemm64", "routed_silu_mul",
+                     "lt.gemm", "grouped_gemm64"]       # (k 2048 and 512: steps of 64)
     rows = 256 * cap + pairs
     assert calls[1][3][-2:] == (cap, pairs) and calls[2][3][-2:] == (cap, pairs)
     assert calls[3][1][0] == rows and calls[7][1][0] == rows
@@ -184,8 +193,8 @@ def test_routed_prefill_launches_our_gemm_where_cublaslt_has_none():
     r.moe_cap = 0
     r.experts_routed(None, n, lw)
     assert [c[0] for c in calls] == ["moe_route_count", "moe_route_scan", "moe_route_place",
-                                     "gather_rows", "moe_route_tiles", "grouped_gemm",
-                                     "routed_silu_mul", "grouped_gemm"]
+                                     "gather_rows", "moe_route_tiles", "grouped_gemm64",
+                                     "routed_silu_mul", "grouped_gemm64"]
     assert calls[3][1][0] == pairs and calls[4][3][3] == 0
 
 

@@ -38,7 +38,7 @@ def host_tiles(over, first, bm, t_cap):
     return out, i
 
 
-def run(rows, n, k, cap=0, seed=0):
+def run(rows, n, k, cap=0, bk=None, seed=0):
     """Experts of `rows` routed rows in the device route's layout for block size cap (a padded
     block of cap rows an expert, the rest in the overflow region): the tiles of the overflow
     (every row for cap 0) exactly, their products against float64; the padded block's rows and
@@ -70,7 +70,8 @@ def run(rows, n, k, cap=0, seed=0):
     d_x = mem.put(xb)
     d_w = mem.put(wb)
     d_out = mem.alloc(4 * (total + extra) * n, 0xFF)                 # NaN poison
-    launch(mem, "grouped_gemm", {}, (t_cap, n // gg.BN), (gg.THREADS,),
+    launch(mem, "grouped_gemm", {} if bk is None else dict(BK=bk), (t_cap, n // gg.BN),
+           (gg.THREADS,),
            (d_out, d_x, d_w, d_tiles, t_cap, n, k))
     out = mem.get(d_out, (total + extra, n), np.float32).astype(np.float64)
     xf = bf16_to_f32(xb).astype(np.float64)
@@ -110,6 +111,8 @@ CASES = {
     "small": dict(rows=[0, 1, 64, 65, 3], n=128, k=64),
     # a padded block of 16 rows an expert: experts short of it, at it, and 1, 64, 65 rows past
     "cap16": dict(rows=[0, 17, 16, 80, 81, 3], n=64, k=64, cap=16),
+    # k steps of 64: a row's 32 words in 8 pieces, 4 pieces a thread; two steps
+    "bk64": dict(rows=[0, 1, 64, 65, 3], n=64, k=128, bk=64),
 }
 
 if __name__ == "__main__":

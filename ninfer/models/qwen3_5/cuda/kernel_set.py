@@ -257,6 +257,8 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         # our grouped GEMM (where cuBLASLt has none: moe_route.DeviceRoute.own), its work list
         specs["moe_route_tiles"] = spec("moe_route_tiles", E=E, BM=moe_route.GEMM_BM)
         specs["grouped_gemm"] = spec("grouped_gemm")
+        # ... at k steps of 64 where k is whole steps of it (moe_route.gemm_kernel)
+        specs["grouped_gemm64"] = spec("grouped_gemm", BK=moe_route.GEMM_BK_WIDE)
         specs["routed_silu_mul"] = spec("routed_silu_mul")
     return specs
 

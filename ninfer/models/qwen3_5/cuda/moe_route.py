@@ -45,6 +45,10 @@ NPTR = 4                    # row-address arrays the scan writes: xg, gu, gact, 
 # kernels/grouped_gemm.py's tile: BM routed rows x BN outputs a block of GEMM_THREADS, k in steps
 # of BK (tests/test_grouped_gemm_nogpu.py checks these against the kernel's)
 GEMM_BM, GEMM_BN, GEMM_BK, GEMM_THREADS = 64, 64, 32, 128
+# ... and its wider k step, taken where k is whole steps of it (twice the loads in flight, half
+# the barriers: H100, 35B-A3B experts, probe_grouped_gemm.py, every row on it: gate|up 0.81x of
+# BK 32's time at T=512, 0.75x at 4096; down 0.83x, 0.82x)
+GEMM_BK_WIDE = 64
 SILU_THREADS = 256          # kernels/grouped_gemm.SILU_THREADS: routed_silu_mul's block
 # The padded block's rows an expert over the mean: the mean again, at most this many (then
 # rounded up to CAP_ALIGN). The best blocks of a 35B-A3B prefill on the H100 (bench_decode
@@ -75,6 +79,12 @@ def device_cap(pairs: int, num_experts: int, max_rows: int) -> int:
     mean = -(-pairs // E)
     cap = CAP_ALIGN * -(-(mean + min(mean, CAP_MARGIN_ROWS)) // CAP_ALIGN)
     return max(0, min(cap, (max_rows - pairs) // E // CAP_ALIGN * CAP_ALIGN))
+
+
+def gemm_kernel(k: int) -> str:
+    """The kernel set's name of our grouped GEMM for products over k (own_gemm_fits): the wide
+    k step where k is whole steps of it."""
+    return "grouped_gemm64" if k % GEMM_BK_WIDE == 0 else "grouped_gemm"
 
 
 def own_gemm_fits(n: int, k: int) -> bool:

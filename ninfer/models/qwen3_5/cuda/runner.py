@@ -764,8 +764,9 @@ class StepRunner:
 
             def gemm(out, x, w, n, k):
                 self._expert_gemm(st, w, x, out, cap, n, k, (), g)
-                self.launch(st, self.kernels.grouped_gemm, (t_cap, n // moe_route.GEMM_BN),
-                            (moe_route.GEMM_THREADS,), (out, x, w, route.tiles, t_cap, n, k))
+                self.launch(st, getattr(self.kernels, moe_route.gemm_kernel(k)),
+                            (t_cap, n // moe_route.GEMM_BN), (moe_route.GEMM_THREADS,),
+                            (out, x, w, route.tiles, t_cap, n, k))
             gemm(ws.gu, ws.xg, lw["experts_gu"], 2 * I, H)
             self.launch(st, self.kernels.routed_silu_mul, (rows, -(-I // moe_route.SILU_THREADS)),
                         (moe_route.SILU_THREADS,), (ws.gact, ws.gu, ws.route, I))
