@@ -578,8 +578,8 @@ def test_moe_route_and_own_grouped_gemm(g, tokens, E, K, N, Kd, cap):
     work list from the counts the route kernels wrote (tiles of 64 rows of the rows past a
     padded block of cap rows an expert: every row for cap 0; -1 past the last), then each of
     those rows' product within fp32's error of float64, every one written over a NaN-poisoned
-    output and the block's rows and the rows past the layout untouched; the 35B-A3B's gate|up
-    (1024 x 2048) and down (2048 x 512) among the shapes."""
+    output and the block's rows and the rows past the layout untouched, at k steps of 32 and
+    (k allowing) 64; the 35B-A3B's gate|up (1024 x 2048) and down (2048 x 512) among the shapes."""
     from ninfer.models.qwen3_5.cuda import moe_route
     r = rng(tokens + E + N + cap)
     pairs = tokens * K
@@ -590,7 +590,7 @@ def test_moe_route_and_own_grouped_gemm(g, tokens, E, K, N, Kd, cap):
     used_rows = E * cap + int(over.sum())
     x = bf16_bits(r.standard_normal((used_rows, Kd)))
     w = bf16_bits(r.standard_normal((E, N, Kd)) / np.sqrt(Kd))
-    xg, y = g.put(x), g.empty((used_rows + 3, N), np.float32)
+    xg = g.put(x)
     tc = moe_route.tile_cap(pairs, E)
     tiles = g.empty((3 * tc,), np.int32)
     g.run("moe_route_tiles", (1,), (-(-E // 32) * 32,), (tiles, rows, first, cap, tc),
@@ -603,13 +603,17 @@ def test_moe_route_and_own_grouped_gemm(g, tokens, E, K, N, Kd, cap):
             for j in range(-(-int(over[e]) // 64))]
     assert [tuple(int(v) for v in t[:, i]) for i in range(used)] == want
     assert (t[0, used:] == -1).all()
-    g.run("grouped_gemm", (tc, N // moe_route.GEMM_BN), (moe_route.GEMM_THREADS,),
-          (y, xg, g.put(w), tiles, tc, N, Kd))
-    got = g.get(y)
-    assert np.isnan(got[:E * cap]).all() and np.isnan(got[used_rows:]).all()
-    assert np.isfinite(got[E * cap:used_rows]).all()
-    assert rel_err(got[E * cap:used_rows],
-                   _expert_products(x[E * cap:], w, over)) < TOL_F32
+    dw = g.put(w)
+    ref = _expert_products(x[E * cap:], w, over)
+    # k steps of 32, and of 64 where Kd is whole steps of it (the route's grouped_gemm64)
+    for bk in (32, 64) if Kd % 64 == 0 else (32,):
+        y = g.empty((used_rows + 3, N), np.float32)
+        g.run("grouped_gemm", (tc, N // moe_route.GEMM_BN), (moe_route.GEMM_THREADS,),
+              (y, xg, dw, tiles, tc, N, Kd), {} if bk == moe_route.GEMM_BK else dict(BK=bk))
+        got = g.get(y)
+        assert np.isnan(got[:E * cap]).all() and np.isnan(got[used_rows:]).all(), bk
+        assert np.isfinite(got[E * cap:used_rows]).all(), bk
+        assert rel_err(got[E * cap:used_rows], ref) < TOL_F32, bk
 
 
 @pytest.mark.parametrize("M,n,k,beta", [(1, 1281, 2048, 0.0), (3, 7, 256, 1.0),
