@@ -255,9 +255,9 @@ class StepRunner:
         self.packed_grouped = True
         # bf16 experts' prefill routed on the device (experts_routed) where the workspace's
         # DeviceRoute is enabled (cuBLASLt's grouped GEMM, or its strided batch over a padded
-        # block + ours over the overflow): no sync a MoE layer, and faster (H100, 35B-A3B,
-        # bench_decode: T = 64 .. 8192 in 0.95-0.99 of the host route's time); False takes
-        # the host layout (experts_grouped), one sync per MoE layer
+        # block + ours over the overflow): no sync a MoE layer, and faster (H100, 35B-A3B
+        # model step, bench_decode: T = 64 .. 4096 tokens in 0.83-0.96 of the host route's
+        # time); False takes the host layout (experts_grouped), one sync per MoE layer
         self.moe_device_route = True
         # products of at most this many weight bytes and GEMV_MAX_M tokens run on the decode
         # GEMV (gemv_fits), one launch instead of cuBLASLt's split-K nodes (H100, 35B-A3B
