@@ -275,10 +275,10 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
             model.runner.moe_device_route = True
             extra["device_route_gemm"] = "ours" if route.own else "cublaslt"
             if route.own:
-                extra["device_route_cap"] = moe_route.device_cap(
-                    T * cfg.num_experts_per_tok, cfg.num_experts, model.ws.grouped_rows)
-                # other padded blocks (--route-caps: rows an expert forced, 0 = ours alone)
                 pairs = T * cfg.num_experts_per_tok
+                extra["device_route_cap"] = moe_route.device_cap(pairs, cfg.num_experts,
+                                                                 model.ws.grouped_rows)
+                # other padded blocks (--route-caps: rows an expert forced, 0 = ours alone)
                 for cap in route_caps:
                     if cfg.num_experts * cap + pairs > model.ws.grouped_rows:
                         continue            # (the workspace's rows bound the block)

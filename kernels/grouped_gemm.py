@@ -46,7 +46,7 @@ def fits(n: int, k: int) -> bool:
 
 def grouped_gemm(BK=BK):
     """BK: k a step (32, the default, or 64: twice the loads in flight a step and half the
-    barriers, for bench/probe_grouped_gemm.py to time)."""
+    barriers; the route takes it where k is whole steps of 64: moe_route.gemm_kernel)."""
     assert BK % 32 == 0
     KW = BK // 2        # words of a row a step
     SWK = KW + 4        # shared row stride in words (SW at BK 32): a fragment's loads, word
