@@ -104,7 +104,10 @@ def chat(path, args) -> list:
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows, prompts, answers = [], [], []
     with _engine(path, args) as on:
-        _ttft(on, ids(64, 1), one)                      # warm (first-call costs)
+        # warm: a prompt of a turn's size (other ids: never a hit), so the process's first-use
+        # costs of the prefill's shapes (lazily loaded kernels, cuBLASLt's plans) fall on
+        # neither Engine's turn 1; the first Engine of the process had paid them alone
+        _ttft(on, ids(args.user_tokens, 2), one)
         prompt = ids(args.user_tokens, 10)
         trace = CallTrace(on)
         for t in range(args.turns):
@@ -121,7 +124,7 @@ def chat(path, args) -> list:
             prompt = np.concatenate([prompt, np.asarray(r_on.token_ids, np.int32),
                                      ids(args.user_tokens, 20 + t)])
     with _engine(path, args, prefix_cache=False) as off:
-        _ttft(off, ids(64, 1), one)
+        _ttft(off, ids(args.user_tokens, 2), one)
         trace_off = CallTrace(off)
         for t, (r, prompt, answer) in enumerate(zip(rows, prompts, answers)):
             trace_off.calls.clear()
