@@ -145,9 +145,10 @@ def _clocked(clock, backend: str, kind: str = "mtp"):
 
 
 def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend: str = "numpy",
-        dtype=None, batch: int = 1, drafter: str = "mtp") -> dict:
+        dtype=None, batch: int = 1, drafter: str = "mtp", draft_vocab: int = None) -> dict:
     """The prompts in groups of `batch` submitted at once (max_concurrency = batch)."""
-    kw = {} if k == 0 else dict(speculative=drafter, num_draft_tokens=k, draft_policy=policy)
+    kw = {} if k == 0 else dict(speculative=drafter, num_draft_tokens=k, draft_policy=policy,
+                                draft_vocab=draft_vocab)
     if backend == "cuda":
         kw.update(backend="cuda", dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -262,9 +263,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests at once (max_concurrency)")
     ap.add_argument("--dflash-layers", type=int, default=5,
                     help="--shapes with --drafter dflash: the random drafter's layers")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="EngineOptions.draft_vocab: MTP drafts from the first N ids (default: "
+                         "the Engine's)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch, drafter=args.drafter)
+    on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch, drafter=args.drafter,
+              draft_vocab=args.draft_vocab)
     figure = "wall" if args.backend == "cuda" else "cpu"
     count = max(args.prompts, args.batch)
     if args.shapes:

@@ -72,6 +72,9 @@ _OPTION_HELP = {
                         "1 .. its block size - 1 (the default) (with --speculative)",
     "draft_policy": "adaptive: each step drafts the 0..K tokens that measure fastest (0: plain "
                     "decoding where drafts do not pay); fixed: always K (with --speculative)",
+    "draft_vocab": "MTP drafts only the first N ids of the vocabulary: a draft step reads N "
+                   "rows of the lm_head (default 2**17; the vocabulary's size or more: every "
+                   "id) (with --speculative mtp)",
     "vision_max_patches": "cuda: the most 16x16 patches of one image the GPU vision tower "
                           "holds; larger images run on the host tower (0: host tower only) "
                           "(default 128x128 patches, a 2048x2048 image)",

@@ -124,8 +124,11 @@ class Engine:
             from .models.qwen3_5.cuda.drafter import CudaDrafter
             return CudaDrafter(self.model)
         from .models.qwen3_5.mtp import MtpDrafter
+        from .options import draft_vocab_size
         try:
-            return MtpDrafter.from_artifact(self.artifact, self.model)
+            return MtpDrafter.from_artifact(
+                self.artifact, self.model,
+                draft_vocab_size(self.options, self.model.text.vocab_size))
         except ArtifactError as exc:
             raise ArtifactError(f"speculative='mtp' needs the checkpoint's MTP head: {exc}") \
                 from None

@@ -77,6 +77,13 @@ class EngineOptions:
     # by the measured acceptance and step costs (0: plain decoding, where drafts do not pay);
     # "fixed": always num_draft_tokens
     draft_policy: Literal["adaptive", "fixed"] = "adaptive"
+    # MTP drafts are the argmax over the first draft_vocab ids only (None: DEFAULT_DRAFT_VOCAB,
+    # 131072 of the Qwen3.5 vocabulary's 248,320; any value >= the vocabulary: all of it). A
+    # draft step's lm_head product reads those rows alone (the 9B's lm_head is 2 GB, 0.11 of a
+    # decode step), and the Qwen vocabulary's ids below 131072 are 99.8-99.9% of English and
+    # Python text and 99.1% of Chinese (docs/performance.md). A token past them is never
+    # drafted: that draft is rejected, and the output is the same either way
+    draft_vocab: Optional[int] = None
     # cuda, a checkpoint with a vision tower: the tower runs on the GPU with buffers for one
     # image (or video frame group) of up to this many 16x16 patches (16384: 2048 x 2048 pixels;
     # its device memory at the 27B geometry: 1.8 GiB, taken from the KV pages); a larger image
@@ -170,6 +177,10 @@ class EngineOptions:
             bad("num_draft_tokens", f"must be an integer in 1..{most}")
         if self.draft_policy not in ("adaptive", "fixed"):
             bad("draft_policy", "must be 'adaptive' or 'fixed'")
+        if self.draft_vocab is not None and (not _is_int(self.draft_vocab)
+                                             or self.draft_vocab < 1):
+            bad("draft_vocab", "must be an integer >= 1 (or None: the default, "
+                               f"{DEFAULT_DRAFT_VOCAB})")
         timeout = self.queue_timeout_s
         if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
                                         and timeout > 0):
@@ -181,6 +192,17 @@ class EngineOptions:
 MAX_DRAFT_TOKENS = {"mtp": 4, "dflash": 15}
 # the default k where num_draft_tokens is None (DFlash: its block_size - 1)
 DEFAULT_MTP_DRAFT_TOKENS = 3
+
+
+# MTP drafts come from the first this many ids where EngineOptions.draft_vocab is None
+DEFAULT_DRAFT_VOCAB = 131072
+
+
+def draft_vocab_size(options, vocab_size: int) -> int:
+    """How many of the vocabulary's first ids an MTP draft may be (EngineOptions.draft_vocab,
+    bounded by the vocabulary)."""
+    n = getattr(options, "draft_vocab", None)
+    return min(int(vocab_size), DEFAULT_DRAFT_VOCAB if n is None else int(n))
 
 
 def draft_tokens(options) -> int:

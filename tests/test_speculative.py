@@ -178,7 +178,9 @@ def test_grammar_masks_apply_at_every_verified_position(sampling, rollback, draf
 def test_bad_options_are_refused_with_a_clear_error(tmp_path):
     for kw, words in [(dict(speculative="eagle"), "'mtp'"),
                       (dict(speculative="mtp", num_draft_tokens=0), "1..4"),
-                      (dict(speculative="mtp", num_draft_tokens=5), "1..4")]:
+                      (dict(speculative="mtp", num_draft_tokens=5), "1..4"),
+                      (dict(speculative="mtp", draft_vocab=0), "draft_vocab"),
+                      (dict(speculative="mtp", draft_vocab=2.5), "draft_vocab")]:
         with pytest.raises(RequestError, match=words):
             EngineOptions.from_kwargs(**kw)
     ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM", mtp=False)
@@ -442,6 +444,24 @@ def test_an_mtp_head_that_always_agrees_is_accepted_in_full(extremes, k):
     assert stats["spec_recompute_rows"] == 0
 
 
+def test_drafts_come_from_the_first_draft_vocab_ids(extremes):
+    """EngineOptions.draft_vocab = n: a head that always agrees with the target drafts the
+    argmax over the first n ids only, so a target token past them is never a draft: the output
+    is plain decoding's, and the accepted drafts are at most the output tokens below n (the
+    whole vocabulary accepts every draft: the test above)."""
+    params = SamplingParams(max_tokens=1 + 5 * 4, ignore_eos=True)
+    want, _ = _generate(extremes["always"], _id_prompts(), params, max_concurrency=8)
+    outs = [np.asarray(r.token_ids) for r in want]
+    n = int(np.median(np.concatenate([o[1:] for o in outs])))    # about half the tokens past it
+    got, stats = _generate(extremes["always"], _id_prompts(), params, max_concurrency=8,
+                           speculative="mtp", num_draft_tokens=3, draft_policy="fixed",
+                           draft_vocab=n)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    below = sum(int((o[1:] < n).sum()) for o in outs)
+    assert 0 < stats["spec_accepted_tokens"] <= below < sum(len(o) - 1 for o in outs)
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
 def test_a_random_mtp_head_through_pauses_with_mixed_rows(extremes, rollback):
     """Partial acceptance, prefill chunks and Replay / Snapshot mixed with verify rows."""
     prompts = _id_prompts()
@@ -580,9 +600,11 @@ def test_cli_refuses_bad_speculative_flags_in_one_line(flags, words, capsys):
     assert len(err) == 1 and err[0].startswith("ninfer: error:") and words in err[0], err
 
 
-def test_draft_argmax_equals_the_full_argmax(extremes):
+@pytest.mark.parametrize("draft_vocab", [None, 41, V // 2])
+def test_draft_argmax_equals_the_full_argmax(extremes, draft_vocab):
     """The reduced-vocabulary draft argmax (lm_head rows that are all zero skipped) against
-    np.argmax of the full logits: random hiddens, all live logits negative, ties at 0."""
+    np.argmax of the logits of the first draft_vocab ids (EngineOptions.draft_vocab; None:
+    every id): random hiddens, all live logits negative, ties at 0."""
     with Artifact(extremes["never"]) as art:
         model = NumpyModel.from_artifact(art)
         params = MtpDrafter.from_artifact(art, model).p
@@ -593,13 +615,17 @@ def test_draft_argmax_equals_the_full_argmax(extremes):
     negative = head.copy()
     negative[[i for i in range(V) if i not in (0, 3, 40)]] = -np.abs(rng.standard_normal(
         (V - 3, 1))).astype(np.float32) * u                 # every live logit -c * (h . u)
+    n = V if draft_vocab is None else draft_vocab
     for lm_head in (head, negative):
-        drafter = MtpDrafter(model.text, params, model._embed, lm_head)
-        assert drafter._head._ids is not None and len(drafter._head._ids) == V - 3
+        drafter = MtpDrafter(model.text, params, model._embed, lm_head, draft_vocab)
+        assert drafter._head._ids is not None and len(drafter._head._ids) == n - 3
         hidden = np.concatenate([rng.standard_normal((40, H)), np.zeros((2, H)), u[None] * 2,
                                  (u - u @ u / (u @ u) * u)[None]]).astype(np.float32)
-        want = np.argmax(hidden @ lm_head.T, axis=1)
+        want = np.argmax(hidden @ lm_head[:n].T, axis=1)
         assert drafter.draft_argmax(hidden).tolist() == want.tolist()
+        assert drafter.logits(hidden).shape == (len(hidden), V)     # (logits: every id)
+        if draft_vocab is not None and lm_head is head:    # (a draft past n was possible)
+            assert (np.argmax(hidden @ lm_head.T, axis=1) >= n).any()
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)

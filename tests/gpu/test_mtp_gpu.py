@@ -163,15 +163,17 @@ def test_a_verify_through_its_graph_equals_the_eager_verify(kind):
         gpu.close()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind):
+@pytest.mark.parametrize("kind, draft_vocab", [("dense", None), ("moe", None), ("dense", 161),
+                                               ("moe", 97)])
+def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind, draft_vocab):
     """mtp_argmax (the feed's and each draft step's MTP call, issue 25): the MTP hidden of
     every token as mtp_forward gives it, and per row the argmax of its last token's logits
-    (float32: the head's own argmax of the same rows)."""
+    over the first draft_vocab ids (float32: the head's own argmax of the same rows; the
+    fixtures' 320 ids are all below the default draft vocabulary)."""
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     art = mtp_artifact(kind)
     opts = EngineOptions(backend="cuda", dtype="float32", max_concurrency=3, max_context=128,
-                         prefill_chunk=64, page_size=4, graphs=False)
+                         prefill_chunk=64, page_size=4, graphs=False, draft_vocab=draft_vocab)
     gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
     try:
         r = np.random.default_rng(10)
@@ -191,27 +193,32 @@ def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind):
                            else gpu.mtp_argmax(b, h, kv))
             kv.close()
         (logits, g_f), (ids, g_a) = results
-        assert np.array_equal(g_f, g_a)
-        assert ids.tolist() == logits[qs[1:] - 1].argmax(1).tolist()
+        assert np.array_equal(g_f, g_a) and logits.shape[1] == V
+        n = V if draft_vocab is None else draft_vocab
+        assert ids.tolist() == logits[qs[1:] - 1, :n].argmax(1).tolist()
+        if draft_vocab is not None:     # (the rows' argmax over every id lies past it somewhere)
+            assert (logits[qs[1:] - 1].argmax(1) >= n).any()
     finally:
         gpu.close()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_the_draft_chain_in_its_graph_equals_the_drafts_step_by_step(kind):
+@pytest.mark.parametrize("kind, draft_vocab", [("dense", None), ("moe", None), ("dense", 161)])
+def test_the_draft_chain_in_its_graph_equals_the_drafts_step_by_step(kind, draft_vocab):
     """CudaModel.mtp_chain through its captured graph (decode_graphs.chain: k - 1 MTP steps,
     each step's argmaxes fed to the next on the device) gives the drafts and drafter KV of
     mtp.draft_greedy step by step (one host round trip per step) bit for bit, at B = 1 and 3
-    and every step count; the numpy drafter agrees in float32; CudaDrafter.draft_greedy takes
-    the chain where rows draft alike and steps otherwise."""
+    and every step count; the numpy drafter agrees in float32 (both over the first draft_vocab
+    ids where given); CudaDrafter.draft_greedy takes the chain where rows draft alike and steps
+    otherwise."""
     from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     from ninfer.models.qwen3_5.mtp import draft_greedy
     art = mtp_artifact(kind)
     cpu = NumpyModel.from_artifact(art)
-    drafter = MtpDrafter.from_artifact(art, cpu)
+    drafter = MtpDrafter.from_artifact(art, cpu, draft_vocab)
     opts = EngineOptions(backend="cuda", dtype="float32", max_concurrency=3, max_context=128,
-                         prefill_chunk=64, page_size=4, num_draft_tokens=4)
+                         prefill_chunk=64, page_size=4, num_draft_tokens=4,
+                         draft_vocab=draft_vocab)
     gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
     try:
         assert gpu.chain_steps == 3
@@ -246,6 +253,8 @@ def test_the_draft_chain_in_its_graph_equals_the_drafts_step_by_step(kind):
                 host, _ = draft_greedy(drafter, kv_c, g1, first, lens[rows], tables[rows],
                                        steps, with_logits=False)
                 assert np.array_equal(got, host), (rows, steps)
+                if draft_vocab is not None:
+                    assert got.max() < draft_vocab
         # rows drafting unlike counts, or more steps than the chain holds: step by step
         captured = len(gpu.graphs)
         cuda_drafter.draft_greedy(kv_g, g[ends], np.zeros(3, np.int32), lens, tables, [1, 2, 3],

@@ -38,7 +38,7 @@ from ...core.cuda.arena import Arena
 from ...core.cuda.cublaslt import CublasLt
 from ...core.cuda.kernels import KernelCache
 from ...errors import ArtifactError, DeviceError, RequestError
-from ...options import draft_tokens
+from ...options import draft_tokens, draft_vocab_size
 from .config import ModelConfig
 from .load import model_config
 from .memory_plan import state_slot_bytes
@@ -166,6 +166,8 @@ class CudaModel(MediaEncoding):
             if dflash else ())
         self.config, self.text = config, config.text
         self.options = options
+        # MTP drafts: argmaxes over the first draft_vocab ids (EngineOptions.draft_vocab)
+        self.draft_vocab = draft_vocab_size(options, t.vocab_size)
         # what close() releases: None until made (a failed load closes what it got to)
         self.arena = self.lt = self.kernels = self.sampler = self.graphs = None
         self.staging = self.out_host = self.ids_host = self.route_host = self.media_rows = None
@@ -710,7 +712,8 @@ class CudaModel(MediaEncoding):
         logits (the drafter's next draft of that row): (int32 [B], MTP hidden [N, H] float32),
         B ids down instead of B x V logits; one wait."""
         n, B = batch.num_tokens, batch.num_rows
-        self._mtp_run("mtp_argmax", batch, hidden, kv, self._row_ends(batch))
+        self._mtp_run("mtp_argmax", batch, hidden, kv, self._row_ends(batch),
+                      vocab=self.draft_vocab)
         _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, 4 * B, self.stream)
         self._queue_hidden(self.ws.x, n)
         self.stream.synchronize()
@@ -773,7 +776,7 @@ class CudaModel(MediaEncoding):
         pass) copies nothing."""
         ws, runner = self.ws, self.runner
         for i in range(steps):
-            runner.mtp(st, self.chain_metas[i], B, B, B, kv)
+            runner.mtp(st, self.chain_metas[i], B, B, B, kv, vocab=self.draft_vocab)
             if runner.dry:
                 continue
             _d.copy_dtod_async(self.chain_ids + 4 * i * B, ws.tokens.ptr, 4 * B, st)
@@ -786,9 +789,10 @@ class CudaModel(MediaEncoding):
     def _row_ends(batch) -> np.ndarray:
         return np.asarray(batch.query_start[1:], np.int32) - 1
 
-    def _mtp_run(self, what: str, batch, hidden, kv, out_rows) -> None:
+    def _mtp_run(self, what: str, batch, hidden, kv, out_rows, vocab: int = None) -> None:
         """The checks, uploads and launches of an MTP step whose head covers out_rows (logits
-        and argmax into the workspace; MTP hidden of every token in ws.x)."""
+        and argmax into the workspace, over the first `vocab` ids where given; MTP hidden of
+        every token in ws.x)."""
         self._need_mtp(what)
         n, H = batch.num_tokens, self.text.hidden_size
         hidden = np.asarray(hidden, np.float32)
@@ -797,7 +801,8 @@ class CudaModel(MediaEncoding):
         self._drafter_call(what, batch, kv, len(out_rows))
         self._put_hidden(self.ws.mtp_h, hidden)
         self._upload_meta(self.eager_layout, self.eager_meta, 0, batch, out_rows)
-        self.runner.mtp(self.stream, self.eager_meta, n, batch.num_rows, len(out_rows), kv)
+        self.runner.mtp(self.stream, self.eager_meta, n, batch.num_rows, len(out_rows), kv,
+                        vocab=vocab)
 
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T on the device (a draft's MTP

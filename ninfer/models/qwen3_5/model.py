@@ -174,16 +174,19 @@ def head_product(hidden: np.ndarray, head: np.ndarray) -> np.ndarray:
 
 class DraftHead:
     """A drafter's vocabulary product over the target's lm_head (shared array, no copy): `logits`
-    and `argmax`. lm_head rows that are all zero give logit 0 for any hidden (the reference
-    models' unseen ids): the argmax searches the others and compares with 0, exactly the full
-    argmax at a fraction of the product (every row counts in real checkpoints)."""
+    (every id) and `argmax` (over the first `vocab` ids: EngineOptions.draft_vocab; None: every
+    id). lm_head rows that are all zero give logit 0 for any hidden (the reference models'
+    unseen ids): the argmax searches the others and compares with 0, exactly the argmax over
+    every row at a fraction of the product (every row counts in real checkpoints)."""
 
-    def __init__(self, lm_head: np.ndarray):
+    def __init__(self, lm_head: np.ndarray, vocab: int = None):
         self.lm_head = lm_head
-        live = np.flatnonzero(np.any(lm_head != 0, axis=1))
-        self._ids = live if 0 < len(live) < len(lm_head) else None
-        self._head = None if self._ids is None else np.ascontiguousarray(lm_head[live])
-        zero = np.flatnonzero(~np.any(lm_head != 0, axis=1)) if self._ids is not None else ()
+        head = lm_head if vocab is None else lm_head[:max(1, int(vocab))]
+        self._argmax_head = head
+        live = np.flatnonzero(np.any(head != 0, axis=1))
+        self._ids = live if 0 < len(live) < len(head) else None
+        self._head = None if self._ids is None else np.ascontiguousarray(head[live])
+        zero = np.flatnonzero(~np.any(head != 0, axis=1)) if self._ids is not None else ()
         self._first_zero_id = int(zero[0]) if len(zero) else -1
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -191,10 +194,11 @@ class DraftHead:
         return head_product(np.asarray(hidden, np.float32), self.lm_head)
 
     def argmax(self, hidden: np.ndarray) -> np.ndarray:
-        """int32 [N]: argmax of logits(hidden), lowest id on ties."""
+        """int32 [N]: argmax of logits(hidden) over the head's first `vocab` ids, lowest id on
+        ties."""
         hidden = np.asarray(hidden, np.float32)
         if self._ids is None:
-            return np.argmax(self.logits(hidden), axis=1).astype(np.int32)
+            return np.argmax(head_product(hidden, self._argmax_head), axis=1).astype(np.int32)
         live = head_product(hidden, self._head)                              # [N, K]
         best = np.argmax(live, axis=1)
         value = live[np.arange(len(best)), best]

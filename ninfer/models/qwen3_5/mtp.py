@@ -84,19 +84,23 @@ class MtpDrafter:
     max_draft_tokens = MAX_DRAFT_TOKENS["mtp"]
     pages_ahead = 0             # its draft steps write KV only where the verify will
 
-    def __init__(self, cfg: TextConfig, params: dict, embed: np.ndarray, lm_head: np.ndarray):
+    def __init__(self, cfg: TextConfig, params: dict, embed: np.ndarray, lm_head: np.ndarray,
+                 draft_vocab: int = None):
+        """draft_vocab: drafts are argmaxes over the first draft_vocab ids (options.
+        draft_vocab_size; None: every id); `logits` covers every id."""
         self.text, self.p = cfg, params
         self._embed, self._lm_head = embed, lm_head
         layer = params["layer"]
         self._attn = GatedAttention(layer, cfg, 0)          # ordinal 0 of the drafter's pool
         self._mlp = SparseMoE(layer, cfg) if cfg.is_moe else DenseMLP(layer)
-        self._head = DraftHead(lm_head)
+        self._head = DraftHead(lm_head, draft_vocab)
 
     @classmethod
-    def from_artifact(cls, artifact, target) -> "MtpDrafter":
+    def from_artifact(cls, artifact, target, draft_vocab: int = None) -> "MtpDrafter":
         """target: the NumpyModel of the same artifact (its embedding and lm_head are shared)."""
         cfg = target.text
-        return cls(cfg, read_mtp_params(artifact, cfg), target._embed, target._lm_head)
+        return cls(cfg, read_mtp_params(artifact, cfg), target._embed, target._lm_head,
+                   draft_vocab)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         """One attention layer's KV, paged like the target's."""
@@ -121,7 +125,8 @@ class MtpDrafter:
         return self._head.logits(hidden)
 
     def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
-        """int32 [N]: argmax of logits(hidden) (lowest id on ties; DraftHead)."""
+        """int32 [N]: argmax of logits(hidden) over the first draft_vocab ids (lowest id on
+        ties; DraftHead)."""
         return self._head.argmax(hidden)
 
     def forward_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool) -> tuple:

@@ -473,11 +473,11 @@ class StepRunner:
                 capture(st, i, n)
         self.head(st, meta, n_out, out_start)
 
-    def mtp(self, st, meta, n: int, b: int, n_out: int, kv):
+    def mtp(self, st, meta, n: int, b: int, n_out: int, kv, vocab: int = None):
         """One MTP head step over the n tokens of `meta` (models/qwen3_5/mtp.py): its input
         hidden states in ws.mtp_h, its KV the pool's last attention layer; leaves the final-normed
         MTP hidden of every token in ws.x and the logits and argmax of the meta's n_out output
-        rows (head)."""
+        rows (head; over the first `vocab` ids where given: a draft's)."""
         cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         M, H = W["mtp"], cfg.hidden_size
         self.rows = None                  # (CUDA-core attention for every row)
@@ -495,11 +495,17 @@ class StepRunner:
         else:
             self.mlp(st, n, M)
         self.rmsnorm(st, ws.x, ws.h, M["norm"], n)
-        self.head(st, meta, n_out, norm=M["norm"])
+        self.head(st, meta, n_out, norm=M["norm"], vocab=vocab)
 
-    def head(self, st, meta, n_out: int, out_start: int = 0, norm=None):
+    def head(self, st, meta, n_out: int, out_start: int = 0, norm=None, vocab: int = None):
+        """Logits [n_out, V] and their argmax of the meta's output rows. vocab: the first
+        `vocab` ids only (MTP drafts, EngineOptions.draft_vocab): a bf16 lm_head's first rows
+        are a matrix of their own, so the product reads those alone and the argmax runs over
+        them; a packed lm_head's segments cover every id, so it keeps them all."""
         cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         H, V = cfg.hidden_size, cfg.vocab_size
+        if vocab is not None and not isinstance(W["lm_head"], qw.QMatrix):
+            V = min(V, int(vocab))
         self.rmsnorm(st, ws.xf, ws.h, W["norm"] if norm is None else norm, n_out,
                      row_idx=meta.out_rows + 4 * out_start)
         self.linear(st, ws.xf.ptr, W["lm_head"], ws.logits.ptr, n_out, V, H)
