@@ -1,4 +1,5 @@
-"""`python -m ninfer serve`: the OpenAI / Anthropic HTTP server over one Engine (ninfer/serve/).
+"""`python -m ninfer serve`: the OpenAI / Anthropic HTTP server over one Engine (ninfer/serve/),
+or over N replicas behind a router (--data-parallel N).
 
 Bad input ends with one `ninfer: error: ...` line and exit status 2 (cli.main prints it).
 """
@@ -72,7 +73,17 @@ def add_serve_parser(sub) -> None:
                    choices=("debug", "info", "warning", "error", "critical"),
                    help="the server's (gunicorn and uvicorn) log lines on stderr at this level "
                         "and above (default info)")
-    s.set_defaults(handler=serve_command)
+    s.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="serve with N replicas, each a whole server with its own Engine on its "
+                        "own GPU, behind a router on --host/--port that keeps each "
+                        "conversation on one replica (docs/serving.md; default 1: one Engine, "
+                        "no router)")
+    s.add_argument("--replica-devices", metavar="LIST", default=None,
+                   help="with --data-parallel N: the N CUDA_VISIBLE_DEVICES values of the "
+                        "replicas, comma-separated (default: the first N entries of "
+                        "$CUDA_VISIBLE_DEVICES when it lists enough, else 0,1,...,N-1)")
+    # the parser itself, so that --data-parallel can give its replicas the flags this one got
+    s.set_defaults(handler=serve_command, serve_parser=s)
 
 
 def serve_command(args) -> int:
@@ -106,10 +117,13 @@ def serve_command(args) -> int:
         except ValueError as exc:
             raise Error(str(exc)) from None
     template = read_chat_template(args.chat_template)
+    devices = _replica_devices(args)
     _check_can_listen(args.host, args.port)
     note = settle_backend(args, concurrency_default=4)
     path, _ = _artifact_or_demo(args.artifact)
     say_backend(note)
+    if devices is not None:
+        return _serve_replicated(args, path, config, devices)
     kwargs = dict(resolved_engine_kwargs(args, path, concurrency_default=4),
                   default_enable_thinking=args.thinking)     # None: the model's default
     options = EngineOptions.from_kwargs(**kwargs)
@@ -153,3 +167,98 @@ def _check_can_listen(host: str, port: int) -> None:
             sock.bind(address)
     except OSError as exc:
         raise Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+# ---- --data-parallel N: replicas behind a router (serve/dp_launcher.py, replicas.py, router.py) --
+
+# flags a replica does not get from the router's command line: the router owns them, or sets
+# them per replica (the API key travels in the environment, not on a command line `ps` shows;
+# the access log is the router's, which sees every request, not the replicas' /health probes)
+_ROUTER_ONLY = frozenset(("artifact", "host", "port", "data_parallel", "replica_devices",
+                          "api_key", "access_log", "serve_parser", "handler", "command"))
+
+
+def _replica_devices(args) -> list | None:
+    """The replicas' CUDA_VISIBLE_DEVICES values, or None for one Engine without a router."""
+    n = args.data_parallel
+    if n < 1:
+        raise Error(f"--data-parallel {n}: must be >= 1")
+    if n == 1:
+        if args.replica_devices is not None:
+            raise Error("--replica-devices needs --data-parallel N with N >= 2")
+        return None
+    if args.device_id is not None:
+        raise Error("--device-id: with --data-parallel each replica sees only its own GPU "
+                    "(device 0); name the GPUs with --replica-devices")
+    if args.replica_devices is None:
+        # the GPUs this process may use: the first N of its own CUDA_VISIBLE_DEVICES, if set
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                   if d.strip()]
+        return visible[:n] if len(visible) >= n else [str(i) for i in range(n)]
+    devices = [d.strip() for d in args.replica_devices.split(",")]
+    if len(devices) != n or not all(devices):
+        raise Error(f"--replica-devices {args.replica_devices!r}: must list {n} devices "
+                    f"(--data-parallel {n}), comma-separated")
+    return devices
+
+
+def replica_flags(parser, args) -> list:
+    """The command-line flags that give a replica the options `args` holds, but those in
+    _ROUTER_ONLY: each flag whose value differs from the parser's default, written back as the
+    parser reads it (tests/test_serve_replicas.py parses the result again)."""
+    import argparse
+    defaults = vars(parser.parse_args([]))
+    out, done = [], set()
+    for action in parser._actions:      # argparse lists them nowhere public
+        dest = action.dest
+        if not action.option_strings or dest in _ROUTER_ONLY or dest in done \
+                or dest not in defaults:
+            continue
+        value = getattr(args, dest, None)
+        if value == defaults[dest]:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            negative = [o for o in action.option_strings if o.startswith("--no-")]
+            out.append(action.option_strings[0] if value else negative[0])
+        elif action.nargs == 0:         # store_true / store_false / store_const
+            if value != action.const:
+                continue                # another action of this dest writes it
+            out.append(action.option_strings[0])
+        elif isinstance(value, list):   # append
+            for item in value:
+                out += [action.option_strings[0], str(item)]
+        else:
+            out += [action.option_strings[0], str(value)]
+        done.add(dest)
+    return out
+
+
+def _serve_replicated(args, path, config, devices: list) -> int:
+    from .commands import engine_kwargs
+    try:
+        from .serve.dp_launcher import serve_replicas
+    except ImportError as exc:
+        raise Error(f"serve needs the [serve] extra ({exc}); pip install 'ninfer[serve]'") from None
+    if args.backend == "cuda" and args.replica_devices is None:
+        from .backend_auto import cuda_device_count
+        count, why = cuda_device_count()
+        if count < len(devices):
+            raise Error(f"--data-parallel {len(devices)}: {count} CUDA devices found"
+                        f"{f' ({why})' if why else ''}; name the devices with --replica-devices")
+    flags = replica_flags(args.serve_parser, args)
+    env = dict(os.environ)
+    if args.api_key:
+        env["NINFER_API_KEY"] = args.api_key
+
+    def argv_for(port: int) -> list:
+        return [sys.executable, "-m", "ninfer", "serve", str(path), *flags,
+                "--host", "127.0.0.1", "--port", str(port)]
+    print(f"ninfer: serving {path} on http://{args.host}:{args.port} with {len(devices)} "
+          f"replicas (CUDA_VISIBLE_DEVICES {', '.join(devices)}) behind a router",
+          file=sys.stderr)
+    # the load bound: a replica with a full batch of requests more than the least-loaded one
+    # waits for them rather than take more of its keys
+    slack = engine_kwargs(args, concurrency_default=4)["max_concurrency"]
+    serve_replicas(argv_for, devices, config, host=args.host, port=args.port, slack=slack,
+                   env=env, access_log=args.access_log, log_level=args.log_level)
+    return 0
