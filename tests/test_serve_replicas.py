@@ -258,6 +258,47 @@ def test_router_answers_503_in_the_routes_shape_when_no_replica_is_ready():
     assert app.stats.num_unavailable == 2
 
 
+def test_the_router_answers_413_and_408_itself_before_any_replica_is_asked():
+    """A body over max_body_bytes (declared, or only found while reading it) is a 413 and one
+    that does not arrive within body_timeout_s a 408, both in the route's error shape with the
+    connection closed; no replica is chosen for them (the handler would fail the test)."""
+    from ninfer.serve.config import ServeConfig
+    from ninfer.serve.router import RouterApp
+
+    def handler(request):
+        raise AssertionError(f"forwarded {request.url}")
+    app = RouterApp(_StubSupervisor(["ready"]), client=httpx.AsyncClient(
+        transport=httpx.MockTransport(handler)),
+        config=ServeConfig(max_body_bytes=100, body_timeout_s=0.2), slack=4)
+
+    def call(chunks, declared):
+        sent, incoming = [], list(chunks)
+
+        async def receive():
+            if incoming:
+                return incoming.pop(0)
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "method": "POST", "path": CHAT, "raw_path": CHAT.encode(),
+                 "query_string": b"", "headers": [] if declared is None
+                 else [(b"content-length", str(declared).encode())]}
+        asyncio.run(app(scope, receive, send))
+        return sent[0]["status"], dict(sent[0]["headers"]), json.loads(sent[1]["body"])
+    part = {"type": "http.request", "body": b"x" * 60, "more_body": True}
+    end = {"type": "http.request", "body": b"", "more_body": False}
+    for chunks, declared in (([end], 500), ([part, part, end], None)):
+        status, headers, body = call(chunks, declared)
+        assert status == 413 and headers[b"connection"] == b"close", (status, headers)
+        assert body["error"]["code"] == "request_too_large"
+        assert ("500" if declared else "more than 100") in body["error"]["message"]
+    status, headers, body = call([part], 90)            # the rest never comes
+    assert status == 408 and headers[b"connection"] == b"close"
+    assert body["error"]["code"] == "request_timeout"
+    assert sum(app.stats.outstanding) == 0 and not app.stats.routed
+
+
 def test_a_request_moves_to_another_replica_when_its_own_cannot_take_it():
     key = "s:some-conversation"
     home, other = rendezvous_order(key, [0, 1])

@@ -24,14 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from email.utils import formatdate
 from typing import Optional, Sequence
 
 import httpx
 
-from . import routing
+from . import forwarding, routing
 from .config import ServeConfig
 from .errors import ApiError, flavour_of
 from .metrics import CONTENT_TYPE
@@ -45,7 +44,6 @@ log = logging.getLogger("ninfer.serve")
 _HOP = frozenset((b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
                   b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host",
                   b"content-length", b"expect"))
-_INLINE_PARSE_BYTES = 256 << 10     # larger bodies are parsed for routing on a thread
 _DISCARD_BYTES = 64 << 20           # of a body over the limit, read and dropped (asgi.py's rule)
 _METRICS_TIMEOUT_S = 5.0
 
@@ -143,14 +141,14 @@ class RouterApp:
         data = await self._read_body(scope, receive, send)
         if data is None:
             return                                  # answered already (408, 413)
-        key = await self._affinity_key(scope, data)
+        key = await forwarding.affinity_key(scope["method"], scope["path"], data)
         started = []
 
         async def tracked_send(message):
             started.append(True)
             await send(message)
         work = asyncio.ensure_future(self._forward(scope, tracked_send, data, key))
-        gone = asyncio.ensure_future(_until_disconnect(receive))
+        gone = asyncio.ensure_future(forwarding.until_disconnect(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -169,42 +167,22 @@ class RouterApp:
                                                          f"{exc}", code="internal_error"))
 
     async def _read_body(self, scope, receive, send) -> Optional[bytes]:
+        """The body (forwarding.read_body), or None when it was answered (408, 413) or the client
+        left."""
         cfg = self.config
-        limit = cfg.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._too_large(scope, receive, send, int(declared))
-            return None
-        parts, size = [], 0
-
-        async def read_all() -> bool:
-            nonlocal size
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return False
-                parts.append(message.get("body", b""))
-                size += len(parts[-1])
-                if size > limit or not message.get("more_body", False):
-                    return True
         try:
-            complete = await asyncio.wait_for(read_all(), cfg.body_timeout_s)
-        except asyncio.TimeoutError:
-            await _send_error(scope, send, ApiError(
-                408, f"the request body did not arrive within {cfg.body_timeout_s:g} s",
-                code="request_timeout"), [(b"connection", b"close")])
-            return None
-        if not complete:
-            return None                             # the client left before its body was in
-        if size > limit:
-            await self._too_large(scope, receive, send, f"more than {limit}")
-            return None
-        return b"".join(parts)
+            return await forwarding.read_body(scope, receive, cfg.max_body_bytes,
+                                              cfg.body_timeout_s)
+        except forwarding.BodyTooLarge as err:
+            await self._too_large(scope, receive, send, err)
+        except ApiError as err:                     # 408
+            await _send_error(scope, send, err, [(b"connection", b"close")])
+        return None
 
-    async def _too_large(self, scope, receive, send, size) -> None:
+    async def _too_large(self, scope, receive, send, err) -> None:
         """413 after reading and dropping the rest of the body (up to _DISCARD_BYTES, within the
         body timeout), so a client that writes its whole body before reading gets the answer."""
-        limit = self.config.max_body_bytes
+        limit, size = self.config.max_body_bytes, err.size
 
         async def drain():
             budget = _DISCARD_BYTES
@@ -216,22 +194,7 @@ class RouterApp:
         if not (isinstance(size, int) and size > limit + _DISCARD_BYTES):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(drain(), self.config.body_timeout_s)
-        await _send_error(scope, send, ApiError(
-            413, f"request body of {size} bytes exceeds the limit of {limit} bytes",
-            code="request_too_large"), [(b"connection", b"close")])
-
-    async def _affinity_key(self, scope, data: bytes) -> Optional[tuple]:
-        path = scope["path"]
-        if scope["method"] != "POST" or path not in routing.AFFINE_ROUTES:
-            return None
-        try:
-            if len(data) <= _INLINE_PARSE_BYTES:
-                body = json.loads(data)
-            else:
-                body = await asyncio.to_thread(json.loads, data)
-        except (ValueError, RecursionError):
-            return None                             # the replica answers its 400
-        return routing.affinity_key(path, body)
+        await _send_error(scope, send, err, [(b"connection", b"close")])
 
     def _choose(self, key: Optional[tuple], tried: set) -> Optional[routing.Choice]:
         live = [i for i in self.supervisor.ready() if i not in tried]
@@ -308,12 +271,6 @@ def _unavailable(supervisor: Supervisor, tried_some: bool) -> ApiError:
     counts = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states))
     what = "no replica could take the request" if tried_some else "no replica is ready"
     return ApiError(503, f"{what} ({counts}); retry later", code="no_replica_ready")
-
-
-async def _until_disconnect(receive) -> None:
-    """Returns when the client has gone (uvicorn also says so once the response is complete)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _send(scope, send, status: int, headers: list, body: bytes) -> None:
