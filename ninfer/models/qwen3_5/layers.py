@@ -27,6 +27,7 @@ class StepPlan:
 
 class GatedDeltaNet:
     """Linear-attention mixer. State per sequence: conv inputs [C, K-1] and S [Hv, dk, dv]."""
+    reads_kv = False            # the pool it is handed: the StatePool (model._trunk)
 
     def __init__(self, p: dict, cfg: TextConfig, ordinal: int):
         self.p, self.ordinal = p, ordinal
@@ -98,6 +99,7 @@ class GatedDeltaNet:
 
 class GatedAttention:
     """Full attention with an output gate: per head q_proj emits [query(hd), gate(hd)]."""
+    reads_kv = True             # the pool it is handed: the KVPool (model._trunk)
 
     def __init__(self, p: dict, cfg: TextConfig, ordinal: int):
         self.p, self.ordinal = p, ordinal
@@ -140,6 +142,11 @@ class SparseMoE:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         p = self.p
         weights, ids = ops.route_topk(ops.linear(x, p["router"]), self.top_k, self.normalize)
-        routed = ops.moe_experts(x, ids, weights, p["experts_gate_up"], p["experts_down"])
+        routed = self.routed(x, ids, weights)
         shared = ops.swiglu(x, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"])
         return routed + ops.sigmoid(ops.linear(x, p["shared_expert_gate"])) * shared
+
+    def routed(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The routed experts' weighted sum [N, H] for the chosen ids / weights [N, top_k] (an
+        expert-parallel shard overrides it to run only its own experts: ninfer/parallel)."""
+        return ops.moe_experts(x, ids, weights, self.p["experts_gate_up"], self.p["experts_down"])

@@ -119,7 +119,7 @@ class NumpyModel(MediaEncoding):
         after = {}
         for i, (in_norm, mixer, post_norm, mlp) in enumerate(self._layers):
             x = ops.rmsnorm_zero_centred(h, in_norm, cfg.rms_norm_eps)
-            pool = kv if isinstance(mixer, GatedAttention) else state
+            pool = kv if mixer.reads_kv else state
             h = h + mixer(x, plan, pool)
             h = h + mlp(ops.rmsnorm_zero_centred(h, post_norm, cfg.rms_norm_eps))
             if keep and i in keep:
