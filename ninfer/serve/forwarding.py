@@ -4,6 +4,7 @@ request's affinity key (routing.py) from that body, and noticing that the client
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Optional
 
@@ -72,3 +73,26 @@ async def until_disconnect(receive) -> None:
     """Returns when the client has gone (uvicorn also says so once the response is complete)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def forward_while_connected(forward, send, receive) -> tuple:
+    """Run `forward(send)` (a coroutine function relaying an answer through `send`) until it
+    ends or the client disconnects, which cancels it (closing the upstream call cancels the
+    replica's generation). Returns (the finished task, whether anything was sent): the task is
+    cancelled when the client left, else it holds the forward's result or exception."""
+    started = []
+
+    async def tracked_send(message):
+        started.append(True)
+        await send(message)
+    work = asyncio.ensure_future(forward(tracked_send))
+    gone = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():         # the client left (or this request was cancelled)
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    return work, bool(started)

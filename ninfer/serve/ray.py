@@ -258,23 +258,8 @@ class IngressApp:
         if data is None:
             return                                  # the client left before its body was in
         key = await forwarding.affinity_key(scope["method"], _route_path(scope), data)
-        started = []
-
-        async def tracked_send(message):
-            started.append(True)
-            await send(message)
-        work = asyncio.ensure_future(self._forward(scope, tracked_send, data, key))
-        gone = asyncio.ensure_future(forwarding.until_disconnect(receive))
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():     # the client left (or this request was cancelled)
-                work.cancel()
-                try:
-                    await work
-                except asyncio.CancelledError:
-                    pass
+        work, started = await forwarding.forward_while_connected(
+            lambda out: self._forward(scope, out, data, key), send, receive)
         if work.cancelled() or work.exception() is None:
             return
         exc = work.exception()

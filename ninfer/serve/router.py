@@ -142,21 +142,8 @@ class RouterApp:
         if data is None:
             return                                  # answered already (408, 413)
         key = await forwarding.affinity_key(scope["method"], scope["path"], data)
-        started = []
-
-        async def tracked_send(message):
-            started.append(True)
-            await send(message)
-        work = asyncio.ensure_future(self._forward(scope, tracked_send, data, key))
-        gone = asyncio.ensure_future(forwarding.until_disconnect(receive))
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():     # the client left: closing the upstream cancels the request
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
+        work, started = await forwarding.forward_while_connected(
+            lambda out: self._forward(scope, out, data, key), send, receive)
         if work.cancelled() or work.exception() is None:
             return
         log.error("forwarding %s %s failed", scope["method"], scope["path"],
