@@ -193,7 +193,8 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
             np.array(base.get("spec_units_by_k", [0] * (k + 1)))
         out.update(delta, acceptance=(accepted / np.maximum(drafted, 1)).tolist(),
                    tokens_per_verify=delta["spec_emitted_tokens"] / max(delta["spec_verify_rows"], 1),
-                   units_by_k=units.tolist())
+                   units_by_k=units.tolist(), unit_costs=stats.get("spec_unit_costs", {}),
+                   units_first_use=stats.get("spec_units_first_use", 0))
     return out
 
 
@@ -244,12 +245,22 @@ def table(title, rows, plain, args, figure: str) -> None:
                     f"{r['spec_recompute_tokens']}")
         else:
             spec = "(plain decoding) | 1 | -"
+        if r["policy"] == "adaptive" and r.get("unit_costs"):
+            # (printed after the table: what the policy measured of each k, B x k: units timed,
+            # their mean ms, the policy's cost ms)
+            r["_costs_line"] = (f"  adaptive <= {r['k']}: units timed per B x k (mean ms measured "
+                                f"/ policy's cost ms); {r['units_first_use']} untimed (first "
+                                "use): " + ", ".join(f"{key} {n}: {m:.2f}/{c:.2f}" for key, (n, m, c)
+                                                     in r["unit_costs"].items()))
         later = ""
         if r.get("later_wall_tok_s") and plain.get("later_wall_tok_s"):
             later = f" (rounds 2..: {r['later_wall_tok_s'] / plain['later_wall_tok_s']:.2f}x)"
         print(f"| {label} | {spec} | {r['cpu_tok_s']:.1f} | "
               f"{r['cpu_tok_s'] / plain['cpu_tok_s']:.2f}x | {r['wall_tok_s']:.1f} | "
               f"{r['wall_tok_s'] / plain['wall_tok_s']:.2f}x{later} | {split} |")
+    for r in rows:
+        if "_costs_line" in r:
+            print(r.pop("_costs_line"))
 
 
 def main() -> None:

@@ -266,3 +266,19 @@ def test_batch_sizes_bucket_past_eight(rows, key):
 def test_max_k_must_be_positive():
     with pytest.raises(ValueError, match="max_k"):
         DraftPolicy(0)
+
+
+def test_stats_show_what_each_k_was_measured_at_and_what_the_policy_holds():
+    """spec_unit_costs: per "B x k", the timed units, their mean as measured and the policy's
+    cost (a running mean whose steps are clamped to half / double: one slow unit moves it less
+    than the raw mean), so a cost the policy holds wrong shows beside what the units took."""
+    p = DraftPolicy(2)
+    for seconds in (0.010, 0.010, 0.050):
+        p.observe_unit(8, 2, seconds)
+    p.observe_unit(3, 0, 0.004, pipelined=True)
+    costs = p.stats()["spec_unit_costs"]
+    assert set(costs) == {"8x2", "3x0"}
+    n, mean_ms, cost_ms = costs["8x2"]
+    assert n == 3 and mean_ms == pytest.approx(70 / 3)
+    assert cost_ms == pytest.approx(10 + 0.25 * (20 - 10))     # 50 ms clamped to 2 x 10
+    assert costs["3x0"] == pytest.approx([1, 4.0, 4.0])

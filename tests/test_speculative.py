@@ -868,3 +868,6 @@ def test_a_unit_that_paid_a_first_use_is_not_timed(extremes, monkeypatch):
     assert all(n >= 2 for n in by_k[1:]), by_k          # each drafting k ran again, timed
     assert len(timed) == sum(by_k) - first_uses, (timed, by_k)     # every other unit timed
     assert sorted(set(timed)) == [0, 1, 2, 3]
+    assert stats["spec_units_first_use"] == first_uses
+    costs = stats["spec_unit_costs"]                    # what the policy saw, by B x k
+    assert sum(n for n, _, _ in costs.values()) == len(timed)

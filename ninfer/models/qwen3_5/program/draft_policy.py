@@ -80,6 +80,7 @@ class DraftPolicy:
         self._streak = (None, 0)                   # (batch_key, timed units in a row at it)
         self._pipelined: set = set()               # batch_keys whose k = 0 cost is pipelined
         self.units_by_k = [0] * (self.max_k + 1)   # units run at each k (stats)
+        self._observed: dict = {}                  # (batch_key, k) -> [units, seconds] (stats)
 
     # ---- the choice --------------------------------------------------------------------------
     def choose(self, rows: int, timed: bool = True) -> int:
@@ -214,11 +215,20 @@ class DraftPolicy:
             self._pipelined.add(b)
             self._cost.pop((b, 0), None)           # the lone steps' mean is not plain decoding's
         key = (b, k)
+        seen = self._observed.setdefault(key, [0, 0.0])
+        seen[0] += 1
+        seen[1] += seconds
         old = self._cost.get(key)
         if old is not None:     # one unit moves the mean by at most a quarter (a busy host)
             seconds = min(max(seconds, old / 2), 2 * old)
         self._cost[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
     def stats(self) -> dict:
+        """spec_unit_costs: "B x k" -> [units timed, their mean ms as measured, the policy's
+        cost ms now (the clamped running mean)]: what the policy saw of each k at each batch
+        key, for finding a cost it holds wrong (bench_speculative prints it)."""
+        costs = {f"{b}x{k}": [n, 1e3 * total / n, 1e3 * self._cost.get((b, k), float("nan"))]
+                 for (b, k), (n, total) in sorted(self._observed.items())}
         return {"spec_adaptive": self.adaptive, "spec_units_by_k": list(self.units_by_k),
-                "spec_expected_tokens_by_k": [float(e) for e in self.expected_tokens()]}
+                "spec_expected_tokens_by_k": [float(e) for e in self.expected_tokens()],
+                "spec_unit_costs": costs}

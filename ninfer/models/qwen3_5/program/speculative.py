@@ -281,7 +281,10 @@ class Speculator:
         self._counts = dict(spec_verify_rows=0, spec_emitted_tokens=0, spec_recompute_rows=0,
                             spec_recompute_tokens=0, spec_snapshot_selects=0,
                             # plain decode steps at k = 0 (runs_plain), of them launched ahead
-                            spec_plain_steps=0, spec_plain_ahead=0)
+                            spec_plain_steps=0, spec_plain_ahead=0,
+                            # timed units left out of the policy's costs: they paid a first
+                            # use (a graph captured, a GEMM planned: Model.one_off_work)
+                            spec_units_first_use=0)
 
     def use_snapshot_slots(self, first: int) -> None:
         """The snapshot slots (memory_plan.snapshot_slots, which the CUDA plan reserved) start
@@ -503,6 +506,8 @@ class Speculator:
             # cost; the cold start runs that k again)
             t0, num_rows, k, _ = unit
             self.policy.observe_unit(num_rows, k, self._unit_seconds(t0, now))
+        elif unit is not None:
+            self._counts["spec_units_first_use"] += 1
         self._last_commit = now
 
     def _unit_seconds(self, t0: float, now: float) -> float:
