@@ -18,6 +18,11 @@ class DeviceError(Error):
     """The requested backend cannot run here (no driver, no device, too little memory for the plan)."""
 
 
+class ShardingError(DeviceError):
+    """A model's geometry cannot be split over this many ranks (tensor / expert parallel,
+    ninfer/parallel): the message names the numbers and the rule they break."""
+
+
 class RequestError(Error):
     """A request is invalid or cannot be accepted (bad parameters, prompt too long, queue full).
 

@@ -38,13 +38,8 @@ import dataclasses
 
 import numpy as np
 
-from ..errors import DeviceError
+from ..errors import ShardingError
 from ..models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
-
-
-class ShardingError(DeviceError):
-    """The model's geometry cannot be split over this many ranks (the message names the numbers
-    and the rule they break)."""
 
 
 _COMMON = ("input_norm", "post_norm")
