@@ -245,22 +245,18 @@ def table(title, rows, plain, args, figure: str) -> None:
                     f"{r['spec_recompute_tokens']}")
         else:
             spec = "(plain decoding) | 1 | -"
-        if r["policy"] == "adaptive" and r.get("unit_costs"):
-            # (printed after the table: what the policy measured of each k, B x k: units timed,
-            # their mean ms, the policy's cost ms)
-            r["_costs_line"] = (f"  adaptive <= {r['k']}: units timed per B x k (mean ms measured "
-                                f"/ policy's cost ms); {r['units_first_use']} untimed (first "
-                                "use): " + ", ".join(f"{key} {n}: {m:.2f}/{c:.2f}" for key, (n, m, c)
-                                                     in r["unit_costs"].items()))
         later = ""
         if r.get("later_wall_tok_s") and plain.get("later_wall_tok_s"):
             later = f" (rounds 2..: {r['later_wall_tok_s'] / plain['later_wall_tok_s']:.2f}x)"
         print(f"| {label} | {spec} | {r['cpu_tok_s']:.1f} | "
               f"{r['cpu_tok_s'] / plain['cpu_tok_s']:.2f}x | {r['wall_tok_s']:.1f} | "
               f"{r['wall_tok_s'] / plain['wall_tok_s']:.2f}x{later} | {split} |")
-    for r in rows:
-        if "_costs_line" in r:
-            print(r.pop("_costs_line"))
+    for r in rows:      # what the adaptive policy measured of each B x k, below the table
+        if r["policy"] == "adaptive" and r.get("unit_costs"):
+            print(f"  adaptive <= {r['k']}: units timed per B x k (mean ms measured / policy's "
+                  f"cost ms); {r['units_first_use']} untimed (first use): "
+                  + ", ".join(f"{key} {n}: {m:.2f}/{c:.2f}"
+                              for key, (n, m, c) in r["unit_costs"].items()))
 
 
 def main() -> None:

@@ -165,6 +165,12 @@ class RouterGaps:
 def float32_tolerance(model, *id_seqs) -> float:
     """The rel_err two correct float32 evaluations of `id_seqs` on `model` may show: TOL_MODEL, or
     NOISE_FACTOR x the logits' response to ulp-sized noise on the embeddings if that is larger."""
+    return max(TOL_MODEL, NOISE_FACTOR * embedding_noise_response(model, *id_seqs))
+
+
+def embedding_noise_response(model, *id_seqs) -> float:
+    """The largest rel_err of the logits of `id_seqs` on `model` when its embeddings carry
+    ulp-sized noise: how much this draw amplifies rounding."""
     amplification = 0.0
     emb = model._embed
     noise = np.random.default_rng().choice(np.float32([-1, 1]), emb.shape) * np.float32(2 ** -23)
@@ -177,7 +183,7 @@ def float32_tolerance(model, *id_seqs) -> float:
             model._embed = emb
         amplification = max(amplification, rel_err(noisy, clean))
     assert amplification > 0, "the embedding noise did not reach the logits: the guard is blind"
-    return max(TOL_MODEL, NOISE_FACTOR * amplification)
+    return amplification
 
 
 def draw_well_routed(model, size, reference, tries=20):

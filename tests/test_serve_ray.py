@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import os
 import socket
-import time
 import types
 
 import pytest
@@ -27,33 +25,16 @@ httpx = pytest.importorskip("httpx")
 
 from ninfer.serve import routing                            # noqa: E402
 from ninfer.serve.routing import rendezvous_order           # noqa: E402
+from replica_helpers import (CHAT, chat, keys_for_each_replica, poll, post,  # noqa: E402
+                             streamed_text)
 
 pytestmark = pytest.mark.timeout(300)
-
-CHAT = "/v1/chat/completions"
-
-
-def chat(content, system=None, **kw):
-    messages = ([{"role": "system", "content": system}] if system else []) + \
-        [{"role": "user", "content": content}]
-    return {"model": "m", "messages": messages, **kw}
 
 
 def _free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _poll(check, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s (last: {value!r})")
-        time.sleep(0.1)
 
 
 # ---- the request router alone: Ray Serve's RunningReplica and PendingRequest, stubbed -----------
@@ -177,7 +158,7 @@ def url():
             if r.status_code == 200:
                 seen.add(r.headers["x-ninfer-replica"])
             return seen == {"0", "1"}
-        _poll(both_seen, 60, "keyless requests reach both replicas")
+        poll(both_seen, 60, "keyless requests reach both replicas")
         yield base
     finally:
         try:
@@ -191,61 +172,40 @@ def url():
                     os.environ[k] = v
 
 
-def _post(url, path, body, **kw):
-    return httpx.post(url + path, json=body, timeout=60, **kw)
-
-
-def _keys_for_each_replica():
-    """A session key that rendezvous hashing sends to rank 0, and one it sends to rank 1."""
-    found = {}
-    for i in range(100):
-        key = f"conversation-{i}"
-        found.setdefault(rendezvous_order("s:" + key, [0, 1])[0], key)
-    return found[0], found[1]
-
-
 @pytest.mark.slow
 def test_a_chat_completion_and_its_stream(url):
-    key = _keys_for_each_replica()[0]
+    key = keys_for_each_replica()[0]
     body = chat("def parse(text):", max_tokens=12, prompt_cache_key=key)
-    r = _post(url, CHAT, body)
+    r = post(url, CHAT, body)
     assert r.status_code == 200, r.text
     assert r.headers["x-ninfer-replica"] == "0"
     assert len(r.headers.get_list("x-request-id")) == 1       # Ray's proxy's, not a second one
     reply = r.json()
     assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
     whole = reply["choices"][0]["message"]["content"]
-    with httpx.stream("POST", url + CHAT, json=dict(body, stream=True), timeout=60) as r:
-        assert r.status_code == 200 and r.headers["x-ninfer-replica"] == "0"
-        assert r.headers["content-type"].startswith("text/event-stream")
-        events = [line for line in r.iter_lines() if line]
-    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
-    chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"][0]["finish_reason"] is not None
     # greedy: the stream carries the same text as the whole answer
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
+    assert streamed_text(url, body, "0") == whole
 
 
 @pytest.mark.slow
 def test_a_session_key_stays_on_its_replica(url):
-    for expected, key in enumerate(_keys_for_each_replica()):
+    for expected, key in enumerate(keys_for_each_replica()):
         seen = [
-            _post(url, CHAT, chat(f"def f{turn}(x):", max_tokens=2, prompt_cache_key=key))
+            post(url, CHAT, chat(f"def f{turn}(x):", max_tokens=2, prompt_cache_key=key))
             for turn in range(4)]
         assert [r.status_code for r in seen] == [200] * 4, [r.text for r in seen]
         assert {r.headers["x-ninfer-replica"] for r in seen} == {str(expected)}, key
         # `user` is the next hint, and /v1/completions keys the same way
-        r = _post(url, CHAT, chat("def g():", max_tokens=2, user=key))
+        r = post(url, CHAT, chat("def g():", max_tokens=2, user=key))
         assert r.status_code == 200 and r.headers["x-ninfer-replica"] == str(expected)
-        r = _post(url, "/v1/completions", {"model": "m", "prompt": "def h():", "max_tokens": 2,
+        r = post(url, "/v1/completions", {"model": "m", "prompt": "def h():", "max_tokens": 2,
                                            "prompt_cache_key": key})
         assert r.status_code == 200 and r.headers["x-ninfer-replica"] == str(expected), r.text
     # Anthropic's metadata.user_id is a session key too
-    key = _keys_for_each_replica()[1]
+    key = keys_for_each_replica()[1]
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
             "metadata": {"user_id": key}}
-    r = _post(url, "/v1/messages", body)
+    r = post(url, "/v1/messages", body)
     assert r.status_code == 200 and r.headers["x-ninfer-replica"] == "1", r.text
     assert r.json()["type"] == "message"
 
@@ -261,18 +221,18 @@ def test_without_a_hint_a_conversation_stays_with_its_prompt(url):
     assert rule == routing.PREFIX
     expected = str(rendezvous_order(hashed, [0, 1])[0])
     for body in (first, later, first):
-        r = _post(url, CHAT, body)
+        r = post(url, CHAT, body)
         assert r.status_code == 200 and r.headers["x-ninfer-replica"] == expected, r.text
 
 
 @pytest.mark.slow
 def test_replica_errors_pass_through_unchanged(url):
-    r = _post(url, CHAT, chat("hi", temperature=7))
+    r = post(url, CHAT, chat("hi", temperature=7))
     assert r.status_code == 400 and r.headers["x-ninfer-replica"] in ("0", "1")
     assert r.json() == {"error": {"message": "'temperature' must be <= 2.0, got 7.0",
                                   "type": "invalid_request_error", "param": "temperature",
                                   "code": "invalid_value"}}
-    r = _post(url, "/v1/messages", {"model": "m", "messages": [{"role": "user",
+    r = post(url, "/v1/messages", {"model": "m", "messages": [{"role": "user",
                                                                  "content": "hi"}]})
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
@@ -299,12 +259,12 @@ def _metrics_of(url, replica):
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)
         return out
-    return _poll(fetch, 30, f"/metrics of replica {replica}")
+    return poll(fetch, 30, f"/metrics of replica {replica}")
 
 
 @pytest.mark.slow
 def test_a_client_that_leaves_mid_stream_cancels_the_generation(url):
-    key = _keys_for_each_replica()[1]
+    key = keys_for_each_replica()[1]
     cancelled = 'ninfer_generations_finished_total{reason="cancelled"}'
     generated = "ninfer_generated_tokens_total"
     before = _metrics_of(url, "1")
@@ -316,7 +276,7 @@ def test_a_client_that_leaves_mid_stream_cancels_the_generation(url):
         first = [next(lines) for _ in range(4)]
         assert all(not line or line.startswith("data: {") for line in first)
     # (keyless routes go to the least-loaded replica: replica 1 answers once it is idle again)
-    m = _poll(lambda: m if (m := _metrics_of(url, "1")).get(cancelled, 0.0)
+    m = poll(lambda: m if (m := _metrics_of(url, "1")).get(cancelled, 0.0)
               == before.get(cancelled, 0.0) + 1 else None,
               30, "the replica cancelled the abandoned stream")
     assert m["ninfer_generations_in_flight"] == 0

@@ -14,23 +14,15 @@ import json
 import os
 import signal
 import sys
-import time
 
 import httpx
 import pytest
 
 from ninfer.serve import routing
 from ninfer.serve.routing import ANY, LOAD_BOUND, PREFIX, SESSION, choose, rendezvous_order
+from replica_helpers import CHAT, chat, keys_for_each_replica, poll, post, streamed_text
 
 pytestmark = pytest.mark.timeout(180)
-
-CHAT = "/v1/chat/completions"
-
-
-def chat(content, system=None, **kw):
-    messages = ([{"role": "system", "content": system}] if system else []) + \
-        [{"role": "user", "content": content}]
-    return {"model": "m", "messages": messages, **kw}
 
 
 # ---- routing: keys ----------------------------------------------------------------------------
@@ -333,21 +325,9 @@ def _health(srv):
     return httpx.get(srv.url + "/health", timeout=5).json()
 
 
-def _poll(check, timeout, what):
-    """check()'s first truthy value within `timeout` s, else fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s (last: {value!r})")
-        time.sleep(0.05)
-
-
 def _health_when(srv, pred, timeout, what):
     """/health's body once `pred(body)` holds."""
-    return _poll(lambda: h if pred(h := _health(srv)) else None, timeout, what)
+    return poll(lambda: h if pred(h := _health(srv)) else None, timeout, what)
 
 
 def _pid_alive(pid):
@@ -381,19 +361,6 @@ def router():
                 os.kill(pid, signal.SIGKILL)
 
 
-def _post(srv, path, body, **kw):
-    return httpx.post(srv.url + path, json=body, timeout=60, **kw)
-
-
-def _keys_for_each_replica():
-    """A session key that rendezvous hashing sends to replica 0, and one it sends to 1."""
-    found = {}
-    for i in range(100):
-        key = f"conversation-{i}"
-        found.setdefault(rendezvous_order("s:" + key, [0, 1])[0], key)
-    return found[0], found[1]
-
-
 def _metrics(srv):
     out = {}
     for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
@@ -404,18 +371,18 @@ def _metrics(srv):
 
 
 def test_a_session_key_stays_on_its_replica_and_keys_spread(router):
-    keys = _keys_for_each_replica()
+    keys = keys_for_each_replica()
     for expected, key in enumerate(keys):
         seen = set()
         for turn in range(3):
-            r = _post(router, CHAT, chat(f"def f{turn}(x):", max_tokens=2, prompt_cache_key=key))
+            r = post(router.url, CHAT, chat(f"def f{turn}(x):", max_tokens=2, prompt_cache_key=key))
             assert r.status_code == 200, r.text
             seen.add(r.headers["x-ninfer-replica"])
         assert seen == {str(expected)}, (key, seen)
     # Anthropic's metadata.user_id is a session key too
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
             "metadata": {"user_id": keys[1]}}
-    r = _post(router, "/v1/messages", body)
+    r = post(router.url, "/v1/messages", body)
     assert r.status_code == 200 and r.headers["x-ninfer-replica"] == "1", r.text
     m = _metrics(router)
     assert m['ninfer_router_requests_total{replica="0",rule="session"}'] >= 3
@@ -423,23 +390,14 @@ def test_a_session_key_stays_on_its_replica_and_keys_spread(router):
 
 
 def test_a_stream_is_relayed_as_it_is_generated_and_intact(router):
-    key = _keys_for_each_replica()[0]
+    key = keys_for_each_replica()[0]
     body = chat("def parse(text):", max_tokens=12, prompt_cache_key=key)
-    whole = _post(router, CHAT, body).json()["choices"][0]["message"]["content"]
-    events = []
-    with httpx.stream("POST", router.url + CHAT, json=dict(body, stream=True), timeout=60) as r:
-        assert r.status_code == 200 and r.headers["x-ninfer-replica"] == "0"
-        assert r.headers["content-type"].startswith("text/event-stream")
-        events = [line for line in r.iter_lines() if line]
-    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
-    chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"][0]["finish_reason"] is not None
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
+    whole = post(router.url, CHAT, body).json()["choices"][0]["message"]["content"]
+    assert streamed_text(router.url, body, "0") == whole
 
 
 def test_a_client_that_leaves_mid_stream_cancels_the_replicas_generation(router):
-    key = _keys_for_each_replica()[1]
+    key = keys_for_each_replica()[1]
     in_flight = 'ninfer_generations_in_flight{replica="1"}'
     cancelled = 'ninfer_generations_finished_total{reason="cancelled",replica="1"}'
     before = _metrics(router).get(cancelled, 0.0)
@@ -452,18 +410,18 @@ def test_a_client_that_leaves_mid_stream_cancels_the_replicas_generation(router)
         assert all(not line or line.startswith("data: {") for line in first)
         # the first events came while the replica was still generating: relayed, not buffered
         assert _metrics(router)[in_flight] == 1
-    m = _poll(lambda: m if (m := _metrics(router)).get(cancelled) == before + 1 else None, 10,
+    m = poll(lambda: m if (m := _metrics(router)).get(cancelled) == before + 1 else None, 10,
               "the replica cancelled the abandoned stream")
     assert m[in_flight] == 0 and m['ninfer_router_outstanding{replica="1"}'] == 0
 
 
 def test_replica_errors_pass_through_unchanged(router):
-    r = _post(router, CHAT, chat("hi", temperature=7))
+    r = post(router.url, CHAT, chat("hi", temperature=7))
     assert r.status_code == 400 and r.headers["x-ninfer-replica"] in ("0", "1")
     assert r.json() == {"error": {"message": "'temperature' must be <= 2.0, got 7.0",
                                   "type": "invalid_request_error", "param": "temperature",
                                   "code": "invalid_value"}}
-    r = _post(router, "/v1/messages", {"model": "m", "messages": [{"role": "user",
+    r = post(router.url, "/v1/messages", {"model": "m", "messages": [{"role": "user",
                                                                     "content": "hi"}]})
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
@@ -500,7 +458,7 @@ def test_metrics_label_every_replicas_samples(router):
 
 
 def test_a_killed_replica_is_routed_around_and_restarted(router):
-    keys = _keys_for_each_replica()
+    keys = keys_for_each_replica()
     victim = next(r for r in _health(router)["replicas"] if r["index"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)      # its gunicorn master; the worker follows it
     health = _health_when(router, lambda h: h["replicas"][1]["state"] != "ready", 5,
@@ -509,13 +467,13 @@ def test_a_killed_replica_is_routed_around_and_restarted(router):
     assert health["replicas"][0]["state"] == "ready"
     # its keys go to the other replica meanwhile, and no request fails
     for turn in range(4):
-        r = _post(router, CHAT, chat(f"def g{turn}():", max_tokens=2, prompt_cache_key=keys[1]))
+        r = post(router.url, CHAT, chat(f"def g{turn}():", max_tokens=2, prompt_cache_key=keys[1]))
         assert r.status_code == 200 and r.headers["x-ninfer-replica"] == "0", r.text
     health = _health_when(router, lambda h: h["ready"] == 2, 60, "the replica restarted")
     again = health["replicas"][1]
     assert again["restarts"] == 1 and again["pid"] != victim["pid"]
     router.replica_pids.add(again["pid"])
-    r = _post(router, CHAT, chat("def h():", max_tokens=2, prompt_cache_key=keys[1]))
+    r = post(router.url, CHAT, chat("def h():", max_tokens=2, prompt_cache_key=keys[1]))
     assert r.status_code == 200 and r.headers["x-ninfer-replica"] == "1"
     assert _metrics(router)['ninfer_router_replica_restarts_total{replica="1"}'] == 1
 

@@ -35,8 +35,9 @@ from ninfer.models.qwen3_5.layers import SparseMoE
 from ninfer.parallel import (LocalComm, ShardingError, TensorParallelModel, attention_heads,
                              check_geometry, linear_heads, merge_layer, owned_experts, shard_layer)
 from ninfer.parallel.tp_model import ExpertShardMoE, RankSum
-from test_model import (MAX_TOL, ROUTER_GAP, FakeArtifact, RouterGaps, _batch, random_text_weights,
-                        rel_err, run_in_chunks, tiny_config)
+from test_model import (MAX_TOL, ROUTER_GAP, FakeArtifact, RouterGaps, _batch,
+                        embedding_noise_response, random_text_weights, rel_err,
+                        tiny_config)
 
 TOL_LAYER = 1e-6
 TOL_TP = 1e-4
@@ -74,19 +75,6 @@ def build(case: str, seed=None):
                 bias = r.normal(size=n) * 0.5
                 w[a + name + ".bias"] = bias.astype(w[a + "q_proj.weight"].dtype)
     return load_model(FakeArtifact(cfg, w), EngineOptions(backend="numpy"))
-
-
-def amplification(model, ids) -> float:
-    """rel_err of the logits of `ids` when the embeddings carry ulp-sized noise."""
-    emb = model._embed
-    noise = np.random.default_rng().choice(np.float32([-1, 1]), emb.shape) * np.float32(2 ** -23)
-    clean = run_in_chunks(model, ids, len(ids))[0]
-    try:
-        model._embed = (emb * (1 + noise)).astype(emb.dtype)
-        noisy = run_in_chunks(model, ids, len(ids))[0]
-    finally:
-        model._embed = emb
-    return rel_err(noisy, clean)
 
 
 def layer_tolerance(layer, x, *pools) -> float:
@@ -136,7 +124,7 @@ def draw(model, size, steps=16, page_size=4, tries=20):
         table = r.permutation(-(-(size + steps) // page_size) + 2)     # pages out of order
         with RouterGaps() as gaps:
             ref = greedy(model, prompt, steps, table, page_size)
-            tol = max(TOL_TP, TP_NOISE_FACTOR * amplification(
+            tol = max(TOL_TP, TP_NOISE_FACTOR * embedding_noise_response(
                 model, np.concatenate([prompt, ref[2]])))
         logits = np.concatenate([ref[0][-1:], ref[1]])
         top2 = -np.sort(-logits, axis=1)[:, :2]
@@ -358,7 +346,7 @@ def test_batched_rows_equal_the_single_rank_model(case):
     slots, tables = [3, 0, 2, 1], [[9, 2, 5], [0, 7], [4, 1, 8], [6]]
     for _ in range(20):
         seqs = [r.integers(0, V, size=c + n) for c, n in shape]
-        tol = max(TOL_TP, TP_NOISE_FACTOR * max(amplification(model, s) for s in seqs))
+        tol = max(TOL_TP, TP_NOISE_FACTOR * embedding_noise_response(model, *seqs))
         outs = []
         with RouterGaps() as gaps:
             for m in (model, tp):

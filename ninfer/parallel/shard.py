@@ -110,30 +110,29 @@ def _group_range(heads: range, n_heads: int, n_groups: int) -> range:
     return range(heads.start // per, (heads.stop - 1) // per + 1)
 
 
-def attention_heads(cfg: TextConfig, rank: int, world_size: int) -> tuple:
-    """(query heads, KV heads) of `rank` as ranges of global head indices."""
+def _block(cfg: TextConfig, count: int, rank: int, world_size: int) -> range:
+    """Rank `rank`'s contiguous block of `count` things (heads, experts) split over N ranks."""
     N = _check_world(world_size)
     check_geometry(cfg, N)
-    r, per = _check_rank(rank, N), cfg.num_attention_heads // N
-    q = range(r * per, (r + 1) * per)
+    r, per = _check_rank(rank, N), count // N
+    return range(r * per, (r + 1) * per)
+
+
+def attention_heads(cfg: TextConfig, rank: int, world_size: int) -> tuple:
+    """(query heads, KV heads) of `rank` as ranges of global head indices."""
+    q = _block(cfg, cfg.num_attention_heads, rank, world_size)
     return q, _group_range(q, cfg.num_attention_heads, cfg.num_key_value_heads)
 
 
 def linear_heads(cfg: TextConfig, rank: int, world_size: int) -> tuple:
     """(value heads, key heads) of `rank` in a Gated DeltaNet layer, as ranges."""
-    N = _check_world(world_size)
-    check_geometry(cfg, N)
-    r, per = _check_rank(rank, N), cfg.linear_num_value_heads // N
-    v = range(r * per, (r + 1) * per)
+    v = _block(cfg, cfg.linear_num_value_heads, rank, world_size)
     return v, _group_range(v, cfg.linear_num_value_heads, cfg.linear_num_key_heads)
 
 
 def owned_experts(cfg: TextConfig, rank: int, world_size: int) -> range:
     """The experts rank `rank` owns: the contiguous block [r E/N, (r+1) E/N)."""
-    N = _check_world(world_size)
-    check_geometry(cfg, N)
-    r, per = _check_rank(rank, N), cfg.num_experts // N
-    return range(r * per, (r + 1) * per)
+    return _block(cfg, cfg.num_experts, rank, world_size)
 
 
 def rank_config(cfg: TextConfig, world_size: int) -> TextConfig:
