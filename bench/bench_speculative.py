@@ -4,7 +4,7 @@
         [--drafter mtp|dflash] [--ks 1,2,3,4] [--adaptive 4] [--prompts 4] [--prompt-tokens 48]
         [--max-tokens 64]
         [--backend numpy|cuda] [--dtype bfloat16] [--oracle 0.5,0.9] [--json out.json]
-        [--shapes 9b,27b [--workdir DIR]] [--batch B]
+        [--shapes 9b,27b [--workdir DIR]] [--batch B] [--no-drafts-behind]
 
 For each trained reference model: greedy generation of `--max-tokens` tokens after `--prompts`
 windows of the held-out text (`--prompt-tokens` ids each), one request at a time, without
@@ -127,6 +127,9 @@ def _clocked(clock, backend: str, kind: str = "mtp"):
         # (verify_tokens: the device-sampled verify, which plain greedy / seeded rows take)
         target = [(CudaModel, "verify_forward"), (CudaModel, "verify_tokens")]
         drafter = CudaDrafter
+        # (a verify whose feed and next drafts ran behind it, in one call)
+        stack.enter_context(clock.wrap(CudaModel, "verify_and_draft",
+                                       "verify + feed + next drafts"))
     else:
         target = [(NumpyModel, "verify_forward"), (NumpyModel, "final_hidden"),
                   (NumpyModel, "forward")]
@@ -290,8 +293,14 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="EngineOptions.draft_vocab: MTP drafts from the first N ids (default: "
                          "the Engine's)")
+    ap.add_argument("--no-drafts-behind", action="store_true",
+                    help="cuda: the feed and the next drafts as their own calls before each "
+                         "verify, not behind it (CudaDrafter.drafts_in_verify off)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.no_drafts_behind:
+        from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+        CudaDrafter.drafts_in_verify = False
     on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch, drafter=args.drafter,
               draft_vocab=args.draft_vocab)
     figure = "wall" if args.backend == "cuda" else "cpu"

@@ -13,6 +13,14 @@ gives the tokens the non-speculative path would give.
                    snapshots (a plain decode row beside the verify: its State is current)
     state_select   per row with a slot to keep: copies that slot's row of one State array (a
                    layer's S or conv window, as 32-bit words) over the row's own slot
+    spec_feed      per row of a verify whose every row drafted: the metadata of the MTP
+                   drafter's feed and of the next drafts, so the feed and the draft chain run
+                   behind the verify with no host round trip (CudaModel.verify_and_draft). The
+                   verify's token ids become its picks (the feed pairs the target's hidden at
+                   position F + i with the token after it, t_i), the row's output row its last
+                   produced position F + j (its MTP hidden and argmax: the next g_1, d_1), and
+                   each chain step's context length and positions move by the produced count
+                   j + 1 (the host staged them for a row that produced nothing)
 
 The Engine may keep fewer tokens than produced (a stop string, max_tokens, a cancel), but only
 for a request that ends there: its State is not read again.
@@ -23,6 +31,7 @@ from numba import cuda, int32, int64
 SIGNATURES = {
     "spec_accept": ("i32*", "i32*", "i32*", "i32*", "i32*", "i32*", "i32", "i32"),
     "state_select": ("u32*", "i32*", "i32*", "i32", "i32"),
+    "spec_feed": ("i32*", "i32*", "i32*", "i32*", "i32*", "i32*", "i32", "i32", "i32", "i32"),
 }
 
 THREADS = 256
@@ -63,3 +72,31 @@ def state_select():
             rows[d + i] = rows[s + i]
             i += stride
     return state_select_kernel
+
+
+def spec_feed():
+    def spec_feed_kernel(out_rows, token_ids, chain_ctx, chain_pos, picks, query_start, B, steps,
+                         stride, axis_stride):
+        # one thread per row. token_ids: the verify's metadata token ids, [x, d_1 .. d_k] per row
+        # (rows packed as query_start), rewritten in place with the row's picks t_0 .. t_k (its
+        # drafts are read before they are overwritten: only this thread touches the row);
+        # out_rows[r]: the row's last produced position. chain_ctx / chain_pos: the context
+        # lengths / positions (3 axes, axis_stride apart) of chain step 0's metadata, step s
+        # `stride` words after it; every row has one token a step
+        r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if r >= B:
+            return
+        q0 = query_start[r]
+        k = query_start[r + 1] - q0 - 1
+        j = int32(0)
+        while j < k and picks[q0 + j] == token_ids[q0 + j + 1]:
+            j += 1
+        out_rows[r] = q0 + j
+        for i in range(k + 1):
+            token_ids[q0 + i] = picks[q0 + i]
+        for s in range(steps):
+            at = s * stride + r
+            chain_ctx[at] += j + 1
+            for axis in range(3):
+                chain_pos[at + axis * axis_stride] += j + 1
+    return spec_feed_kernel

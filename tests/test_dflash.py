@@ -302,7 +302,7 @@ def test_a_random_drafter_changes_nothing_greedy_and_seeded(tiny, rollback):
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         assert stats["spec_num_draft_tokens"] == 4          # the default: block_size - 1
         assert stats["spec_draft_tokens"] >= 8 * 4 * 8
-        assert _rolled_back(stats, rollback) > 0
+        assert _rolled_back(stats, rollback, mtp=False) > 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True),

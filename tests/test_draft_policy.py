@@ -282,3 +282,59 @@ def test_stats_show_what_each_k_was_measured_at_and_what_the_policy_holds():
     assert n == 3 and mean_ms == pytest.approx(70 / 3)
     assert cost_ms == pytest.approx(10 + 0.25 * (20 - 10))     # 50 ms clamped to 2 x 10
     assert costs["3x0"] == pytest.approx([1, 4.0, 4.0])
+
+
+def test_a_units_expected_tokens_are_its_rows_own(monkeypatch):
+    """With the unit's rows named, E(k) is the mean of each row's own: its counts (undecayed
+    here) shrunk toward the traffic's conditional acceptance by ROW_PRIOR_TRIES tries; a row
+    never seen, or forgotten, counts as the traffic."""
+    from ninfer.models.qwen3_5.program import draft_policy
+    from ninfer.models.qwen3_5.program.draft_policy import ROW_PRIOR_TRIES
+    monkeypatch.setattr(draft_policy, "ACCEPT_DECAY", 1.0)
+    monkeypatch.setattr(draft_policy, "ROW_DECAY", 1.0)
+    rng = np.random.default_rng(3)
+    pol, seen = DraftPolicy(4), {7: [], 8: [], 9: []}
+    for _ in range(120):
+        row = int(rng.choice([7, 8, 9]))
+        k = int(rng.integers(1, 5))
+        m = int(min(k, rng.geometric(0.2 if row == 7 else 0.7) - 1))
+        seen[row].append((k, m))
+        pol.observe_row(k, m, row)
+    traffic = np.diff(pol.expected_tokens())
+    cond_traffic = traffic / np.concatenate([[1.0], traffic[:-1]])
+
+    def own(rows):
+        prefix, out = 1.0, [1.0]
+        for j in range(1, 5):
+            tries = sum(1 for k, m in rows if k >= j and m >= j - 1)
+            accepts = sum(1 for k, m in rows if k >= j and m >= j)
+            prefix *= (accepts + ROW_PRIOR_TRIES * cond_traffic[j - 1]) / (tries + ROW_PRIOR_TRIES)
+            out.append(out[-1] + prefix)
+        return np.array(out)
+    np.testing.assert_allclose(pol.expected_tokens([7, 9]), (own(seen[7]) + own(seen[9])) / 2,
+                               rtol=1e-12)
+    assert pol.expected_tokens([7])[4] > pol.expected_tokens([8])[4] + 0.5
+    np.testing.assert_allclose(pol.expected_tokens([42]), pol.expected_tokens(), rtol=1e-12)
+    pol.forget_row(7)
+    np.testing.assert_allclose(pol.expected_tokens([7]), pol.expected_tokens(), rtol=1e-12)
+
+
+def test_rows_that_stopped_accepting_decode_plainly_while_the_traffic_drafts():
+    """The traffic accepts 0.7 of its drafts (rows 1..8: k >= 3 pays at B = 2), but the unit's two rows
+    accepted none of their last 10 verifies (their output left the drafter's reach): the policy
+    runs them plainly, and drafts again for rows that accept (bench_speculative --batch 8 ran
+    two such rows at k = 4 for 81 units, 1.6x a plain step's cost each)."""
+    pol, rng = DraftPolicy(4), np.random.default_rng(5)
+    for _ in range(50):
+        for row in range(1, 9):
+            pol.observe_row(4, int(min(4, rng.geometric(0.3) - 1)), row)   # 0.7 a draft
+    for k in range(5):
+        pol.observe_unit(2, k, 1.0 + 0.15 * k)
+    for _ in range(10):
+        for row in (20, 21):
+            pol.observe_row(4, 0, row)
+    assert pol.best(2) >= 3 and pol.best(2, [1, 2]) >= 3     # the traffic's, and theirs
+    assert pol.best(2, [20, 21]) == 0
+    assert pol.best(2, [1, 20]) > 0                     # one row still pays for the unit
+    ks = [pol.choose(2, row_ids=[20, 21]) for _ in range(EXPLORE_EVERY - 1)]
+    assert ks.count(0) == len(ks), ks

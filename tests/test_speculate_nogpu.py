@@ -17,7 +17,9 @@ def test_acceptance_and_state_select_on_the_simulator(seed):
     its drafts or all of them: spec_accept's produced counts and kept snapshot slots equal the
     oracle's (outputs poisoned first), and state_select copies each speculative row's kept
     snapshot over its own slot, word for word, 300-word rows over a 2 x 64-thread grid, and
-    changes no other row."""
+    changes no other row; spec_feed (the MTP feed behind a verify) turns the rows' token ids
+    into their picks, points each row's output row at its last produced position and moves the
+    chain steps' context lengths and positions by the produced count, and nothing else."""
     pytest.importorskip("numba.cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "tests/gpu/sim_speculate.py"),
@@ -27,4 +29,6 @@ def test_acceptance_and_state_select_on_the_simulator(seed):
     assert out["speculative_rows"] > 20 and out["full_accepts"] > 0, out
     assert out["produced_mismatches"] == 0 and out["keep_mismatches"] == 0, out
     assert out["state_exact"], out
+    assert out["feed_out_rows_exact"] and out["feed_token_ids_exact"], out
+    assert out["feed_chain_exact"], out
     assert out["rows_changed"] == out["rows_expected_changed"] == out["speculative_rows"], out

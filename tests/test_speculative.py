@@ -84,6 +84,34 @@ def test_seeded_equals_plain_sampling_at_batch_1_and_4(rollback, drafter):
                                num_draft_tokens=3)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         assert stats["spec_verify_rows"] > 0
+        if drafter == "mtp":
+            assert (stats["spec_drafts_behind_verify"] > 0) == \
+                (rollback == "drafts-behind-verify"), stats
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_drafts_made_behind_the_verify_are_the_drafts_made_before_it(monkeypatch, batch):
+    """The drafts a verify makes behind itself for the next unit (mtp.verify_and_draft: the
+    feed over the verify's positions with its picks, d_1 at the last produced one, the chain
+    after it) are the ones the next unit would draft itself (feed, then chain): the same
+    tokens, and the same acceptance at every draft position, on the dense reference model at
+    fixed k = 3, greedy and seeded (the Engine cuts the last unit of each request short at
+    max_tokens: the row's drafts are made again there)."""
+    ref = ensure_reference_artifact("dense")
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **({} if i % 2 else SEEDED))
+              for i in range(4)]
+    _device_steps(monkeypatch, plain=True)
+    runs = {}
+    for behind in (False, True):
+        monkeypatch.setattr(MtpDrafter, "drafts_in_verify", behind)
+        runs[behind] = _generate(ref, PROMPTS[:4], params, max_concurrency=batch,
+                                 speculative="mtp", num_draft_tokens=3, draft_policy="fixed")
+    (before, s0), (behind, s1) = runs[False], runs[True]
+    assert [r.token_ids for r in behind] == [r.token_ids for r in before]
+    assert s0["spec_drafts_behind_verify"] == 0 and s1["spec_drafts_behind_verify"] > 10, s1
+    assert s1["spec_accepted_tokens"] > 0
+    for key in ("spec_drafted_by_position", "spec_accepted_by_position", "spec_verify_rows"):
+        assert s1[key] == s0[key], (key, s0[key], s1[key])
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
@@ -358,7 +386,8 @@ def _device_steps(monkeypatch, plain: bool) -> None:
     monkeypatch.setattr(NumpyModel, "step_hidden", plain)
 
 
-@pytest.fixture(params=["recompute", "snapshot", "snapshot-device-sampling", "plain-steps"])
+@pytest.fixture(params=["recompute", "snapshot", "snapshot-device-sampling", "plain-steps",
+                        "drafts-behind-verify"])
 def rollback(request, monkeypatch):
     """How a verify row that rejected a draft gets its State back: recompute (numpy's way) or
     the snapshot slot after its last accepted token (CUDA's way: a model with
@@ -375,13 +404,21 @@ def rollback(request, monkeypatch):
         monkeypatch.setattr(NumpyModel, "verify_tokens", _verify_tokens, raising=False)
         monkeypatch.setattr(Program, "samples_on_device", lambda self, seqs, units, masks:
                             packing.device_path(_DeviceSampler, seqs, units, masks) is not None)
-    if request.param == "plain-steps":
+    if request.param in ("plain-steps", "drafts-behind-verify"):
         _device_steps(monkeypatch, plain=True)
+    if request.param == "drafts-behind-verify":
+        # CUDA's whole way: a unit whose every row drafted runs the drafter's feed and the
+        # next unit's drafts behind its verify (mtp.verify_and_draft: the host calls the
+        # device's one call stands for)
+        monkeypatch.setattr(MtpDrafter, "drafts_in_verify", True)
     return request.param
 
 
-def _rolled_back(stats, rollback) -> int:
-    """Verify rows whose State went back to an accepted prefix, the one way `rollback` allows."""
+def _rolled_back(stats, rollback, mtp: bool = True) -> int:
+    """Verify rows whose State went back to an accepted prefix, the one way `rollback` allows
+    (and with drafts-behind-verify, an MTP drafter took that way; a DFlash drafter never)."""
+    assert (stats["spec_drafts_behind_verify"] > 0) == \
+        (mtp and rollback == "drafts-behind-verify"), stats
     if rollback != "recompute":
         assert stats["spec_recompute_rows"] == 0, stats
         return stats["spec_snapshot_selects"]
@@ -672,7 +709,7 @@ def test_a_queued_drafter_feed_is_settled_before_the_pages_are_copied(monkeypatc
         prog = Program(model, EngineOptions(max_concurrency=1, max_context=64, page_size=4,
                                             speculative="mtp", num_draft_tokens=2),
                        drafter=drafter)
-        prog.speculator.policy.choose = lambda rows, timed=True: 0    # plain decoding only
+        prog.speculator.policy.choose = lambda rows, timed=True, row_ids=None: 0    # plain decoding only
         sid = prog.bind(prompt, greedy)
         for _ in range(12):                                     # the prefill, 11 plain steps
             assert prog.reserve_units([sid]) == [True]
@@ -788,7 +825,7 @@ def plain_steps_against_units(monkeypatch, path, drafter: str, params) -> None:
         return ids, g
     monkeypatch.setattr(DFlashDrafter, "draft", draft)
 
-    def choose(self, rows, timed=True):
+    def choose(self, rows, timed=True, row_ids=None):
         n = turns[id(self)] = turns.get(id(self), -1) + 1
         k = (0, 0, 2)[n % 3]
         self.units_by_k[k] += 1

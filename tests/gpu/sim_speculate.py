@@ -68,13 +68,47 @@ def main(seed: int) -> dict:
     for row in range(B):
         if want_keep[row] >= 0:
             want_state[slots[row]] = state0[want_keep[row]]
-    return {"rows": B, "speculative_rows": int((ks > 0).sum()),
+    feed = check_spec_feed(r, tokens, drafts, qs, ks)
+    return {**feed, "rows": B, "speculative_rows": int((ks > 0).sum()),
             "full_accepts": int(((want_n == ks + 1) & (ks > 0)).sum()),
             "produced_mismatches": int((produced != want_n).sum()),
             "keep_mismatches": int((keep_slot != want_keep).sum()),
             "state_exact": bool(np.array_equal(state, want_state)),
             "rows_changed": int((state != state0).any(1).sum()),
             "rows_expected_changed": int((want_state != state0).any(1).sum())}
+
+
+def check_spec_feed(r, picks, drafts, qs, ks) -> dict:
+    """spec_feed over the same rows: the verify's token ids [x, d_1 .. d_k] become the picks, each
+    row's output row its last produced position, and every chain step's context length and
+    three positions move by the produced count; nothing else changes (poisoned margins)."""
+    B, steps, stride, axis_stride = len(ks), 3, 200, 50
+    x = r.integers(0, 50, B)
+    token_ids = np.concatenate([np.concatenate([[x[row]], drafts[row, :ks[row]]])
+                                for row in range(B)]).astype(np.int32)
+    token_ids = np.concatenate([token_ids, [-5, -6]]).astype(np.int32)   # past the rows: kept
+    picks_in = np.concatenate([picks, [-7, -8]]).astype(np.int32)
+    out_rows = np.full(B + 3, -99, np.int32)
+    ctx0 = r.integers(0, 10_000, steps * stride).astype(np.int32)
+    pos0 = r.integers(0, 10_000, steps * stride).astype(np.int32)
+    ctx, pos, ids = ctx0.copy(), pos0.copy(), token_ids.copy()
+    kern = cuda.jit(M.spec_feed())
+    kern[(-(-B // 16),), (16,)](out_rows, ids, ctx, pos, picks_in, qs, B, steps, stride,
+                                axis_stride)
+    want_n, _ = oracle(picks, drafts, qs, np.full(B, -1, np.int32))
+    want_out = np.full(B + 3, -99, np.int32)
+    want_out[:B] = qs[:-1] + want_n - 1
+    want_ids = token_ids.copy()
+    want_ids[:qs[-1]] = picks[:qs[-1]]
+    want_ctx, want_pos = ctx0.copy(), pos0.copy()
+    for s in range(steps):
+        want_ctx[s * stride + np.arange(B)] += want_n
+        for axis in range(3):
+            want_pos[s * stride + axis * axis_stride + np.arange(B)] += want_n
+    return {"feed_out_rows_exact": bool(np.array_equal(out_rows, want_out)),
+            "feed_token_ids_exact": bool(np.array_equal(ids, want_ids)),
+            "feed_chain_exact": bool(np.array_equal(ctx, want_ctx)
+                                     and np.array_equal(pos, want_pos))}
 
 
 if __name__ == "__main__":

@@ -265,3 +265,79 @@ def test_the_draft_chain_in_its_graph_equals_the_drafts_step_by_step(kind, draft
         kv_g.close()
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_drafts_behind_the_verify_equal_the_host_calls(kind):
+    """CudaModel.verify_and_draft (issue 25: the verify, then on the device the drafter's feed
+    over the verify's positions with its picks, d_1 and g_1 at each row's last produced
+    position and the chained drafts after it; one wait) gives what mtp.verify_and_draft's host
+    calls give over the same model (verify_tokens, the feed of the produced positions, the
+    chain step by step): the same picks and next drafts, g_1 within the float32 model
+    tolerance, with the verify and chain graphs and without; rows that produce 4, 2 and 1
+    tokens; 0 to 2 chained steps."""
+    import dataclasses
+
+    from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.mtp import verify_and_draft
+    art = mtp_artifact(kind)
+    opts = EngineOptions(backend="cuda", dtype="float32", max_concurrency=3, max_context=128,
+                         prefill_chunk=64, page_size=4, num_draft_tokens=3)
+    gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
+    try:
+        r = np.random.default_rng(21)
+        V, k, B = gpu.text.vocab_size, 3, 3
+        kv, st = gpu.new_kv_pool(60, 4), gpu.new_state_pool(B + B * (k + 1))
+        tables = np.arange(48, dtype=np.int32).reshape(B, 16)
+        ctx = np.array([13, 21, 6], np.int32)
+        for row in range(B):
+            gpu.forward(ForwardBatch.single(r.integers(0, V, ctx[row]).astype(np.int32), 0,
+                                            tables[row], row), kv, st)
+        pre = [st.read(s) for s in range(B)]
+        snap = [B + s * (k + 1) for s in range(B)]
+        x = r.integers(0, V, B).astype(np.int32)
+        drafts = r.integers(0, V, (B, k)).astype(np.int32)
+
+        def batch():
+            tokens = np.concatenate([[x[i], *drafts[i]] for i in range(B)]).astype(np.int32)
+            return ForwardBatch(tokens, ForwardBatch.text_positions(ctx, np.full(B, k + 1)),
+                                np.arange(0, B * (k + 1) + 1, k + 1, dtype=np.int32), ctx,
+                                tables.copy(), np.arange(B, dtype=np.int32))
+
+        def restore():
+            for s in range(B):
+                st.write(s, pre[s])
+        none = [None] * (B * (k + 1))
+        # row 0 takes every draft (its drafts set to the picks one position at a time), row 1
+        # its first, row 2 none (random drafts: the fixtures' picks are never those)
+        for j in range(k):
+            restore()
+            picks, _ = gpu.verify_tokens(batch(), kv, st, np.arange(B * (k + 1), dtype=np.int32),
+                                         none, snap_base=snap)
+            picks = picks.reshape(B, k + 1)
+            drafts[0, j] = picks[0, j]
+            if j == 0:
+                drafts[1, 0] = picks[1, 0]
+                drafts[1, 1] = (picks[1, 1] + 1) % V
+                drafts[2, 0] = (picks[2, 0] + 1) % V
+        for steps in (0, 1, 2):
+            restore()
+            want = verify_and_draft(CudaDrafter(gpu), gpu, batch(), kv, st, none,
+                                    snap_base=snap, steps=steps)
+            for graphs in (True, False):
+                gpu.options = dataclasses.replace(opts, graphs=graphs)
+                restore()
+                got = gpu.verify_and_draft(batch(), kv, st, none, snap_base=snap, steps=steps)
+                assert np.array_equal(got[0], want[0]), (steps, graphs)
+                produced = [1 + int(np.argmin(np.r_[got[0].reshape(B, k + 1)[i, :k]
+                                                    == drafts[i], False])) for i in range(B)]
+                assert produced == [4, 2, 1], produced
+                assert got[1].shape == (B, 1 + steps) and np.array_equal(got[1], want[1]), \
+                    (steps, graphs, got[1], want[1])
+                assert rel_err(got[2], want[2]) < TOL_MODEL_F32, (steps, graphs)
+        gpu.options = opts
+        kv.close()
+        st.close()
+    finally:
+        gpu.close()

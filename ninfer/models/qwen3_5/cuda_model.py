@@ -988,6 +988,90 @@ class CudaModel(MediaEncoding):
         self.stream.synchronize()
         return self.ids_host.view(np.int32, 0, m).copy(), self._read_hidden(n, width)
 
+    def verify_and_draft(self, batch: ForwardBatch, kv, state, rows, *, snap_base,
+                         steps: int) -> tuple:
+        """verify_tokens of a unit whose every row drafted the same k (MTP, no media, every
+        position's token picked), then on the device, with no host round trip: each row's
+        produced count j + 1 (its first pick t_j that differs from the next draft, or j = k),
+        the drafter's feed over the row's k + 1 positions F .. F+k with the picks as the tokens
+        after them (its KV there: past F + j provisional, rewritten by the next unit's feed),
+        the next first draft d_1 and MTP hidden g_1 at F + j, and `steps` chained drafts after
+        d_1 from F + j + 1 (mtp_chain's launches: its graph where graphs are on). One wait.
+        The rows' pages must cover F + k + steps (the chain's last KV write). Returns (int32
+        [n] picks, int32 [B, 1 + steps] the next drafts, float32 [B, H] g_1). speculative.py
+        keeps the drafts when the Engine takes every produced token (else the row's feed
+        covers what it took and its next draft is made again)."""
+        self._need_mtp("verify_and_draft")
+        n, B, H = batch.num_tokens, batch.num_rows, self.text.hidden_size
+        lens = np.diff(np.asarray(batch.query_start, np.int64))
+        if not self.verify_draft_fits(n, B, steps) or np.any(lens != lens[0]) or lens[0] < 2:
+            raise ValueError(f"verify_and_draft: {n} tokens over {B} rows, {steps} chain steps; "
+                             f"it takes rows of one length >= 2 and verify_draft_fits's shapes")
+        if len(rows) != n:
+            raise ValueError(f"verify_and_draft: {len(rows)} sampling rows for {n} positions")
+        # the chain's graph first: its capture's dry run must come before this call's uploads
+        graph = self.graphs.chain(B, steps, kv, self._chain_launches) \
+            if steps and self.options.graphs else None
+        lay = self.decode_layout
+        if steps:
+            # the chain steps' metadata as for a row that produced nothing (spec_feed adds the
+            # produced count on the device): step i at F + i, the rows' pages as the verify's
+            ctx = np.asarray(batch.context_lens, np.int32)
+            tables = np.asarray(batch.block_tables, np.int32).reshape(B, -1)
+            zeros, ones = np.zeros(B, np.int32), np.ones(B, int)
+            off = self.eager_layout.nbytes + 2 * lay.nbytes
+            for i in range(steps):
+                b = ForwardBatch(zeros, ForwardBatch.text_positions(ctx + i, ones),
+                                 np.arange(B + 1, dtype=np.int32), ctx + i, tables,
+                                 np.arange(B, dtype=np.int32))
+                if i in (0, steps - 1):         # (positions only grow between them)
+                    self._drafter_call("verify_and_draft", b, kv, B)
+                lay.pack_decode(self.staging.view(np.int32, off + i * lay.nbytes, lay.count), b)
+            _d.copy_htod_async(self.chain_metas[0].base, self.staging.ptr + off,
+                               steps * lay.nbytes, self.stream)
+        _, snap = self._verify_run(batch, kv, state, snap_base, None)
+        if snap is None:
+            raise ValueError("verify_and_draft: every row drafts (snap_base >= 0 each)")
+        ws, meta, out_rows = self.ws, self.eager_meta, np.arange(n, dtype=np.int32)
+        if not self._verify_graph_launch(batch, kv, state, out_rows, snap, None):
+            self._eager(batch, kv, state, out_rows, want_logits=False, snap=snap)
+            self.runner.final_hidden(self.stream, n)
+        self.sampler.launch(self.stream, ws.logits.ptr, ws.tokens.ptr, list(rows))
+        _d.copy_dtoh_async(self.ids_host.ptr, ws.tokens.ptr, 4 * n, self.stream)
+        first_chain = self.chain_metas[0] if steps else meta
+        self.runner.launch(self.stream, self.kernels.spec_feed, (-(-B // 32),), (32,),
+                           (meta.out_rows, meta.token_ids, first_chain.context_lens,
+                            first_chain.positions, ws.tokens, meta.query_start, B, steps,
+                            lay.count, lay.n_cap))
+        # the feed: the verify's final-normed hidden (ws.mtp_h) and its picks, every position;
+        # the head over each row's last produced position: g_1 in ws.xf, d_1 in ws.tokens
+        self.runner.mtp(self.stream, meta, n, B, B, kv, vocab=self.draft_vocab)
+        _d.copy_dtoh_async(self.ids_host.ptr + 4 * n, ws.tokens.ptr, 4 * B, self.stream)
+        self._queue_hidden(ws.xf, B)
+        if steps:
+            _d.copy_dtod_async(self.chain_metas[0].token_ids, ws.tokens.ptr, 4 * B, self.stream)
+            _d.copy_dtod_async(ws.mtp_h.ptr, ws.xf.ptr, B * H * ws.gin_bytes, self.stream)
+            if graph is not None:
+                graph.launch()
+            else:
+                self._chain_launches(self.stream, B, steps, kv)
+            _d.copy_dtoh_async(self.ids_host.ptr + 4 * (n + B), self.chain_ids, 4 * steps * B,
+                               self.stream)
+        self.stream.synchronize()
+        ids = self.ids_host.view(np.int32, 0, n + B + steps * B)
+        picks = ids[:n].copy()
+        drafts = np.concatenate([ids[n:n + B, None],
+                                 ids[n + B:].reshape(steps, B).T], axis=1).astype(np.int32)
+        return picks, drafts, self._read_hidden(B)
+
+    def verify_draft_fits(self, n: int, B: int, steps: int) -> bool:
+        """Whether verify_and_draft takes a verify of n tokens over B rows and `steps` chained
+        drafts behind it (the verify's sampler rows, the chain's step regions and rows, the
+        ids' pinned buffer)."""
+        return self.mtp and 0 < B <= min(self.b_cap, self.eager_layout.b_cap) \
+            and 0 < n <= min(self.lg_cap, self.sampler.layout.rows_cap, self.n_cap) \
+            and 0 <= steps <= self.chain_steps and n + B * (1 + steps) <= 2 * self.lg_cap
+
     def _verify_graph_launch(self, batch, kv, state, out_rows, snap, media,
                              capture=None) -> bool:
         """Launch the verify through its captured graph (cuda/decode_graphs.py; captured on

@@ -182,6 +182,19 @@ class MtpDrafter:
         return draft_greedy(self, kv, hidden, next_tokens, context_lens, block_tables, k,
                             with_logits=with_logits, pick=pick)
 
+    # the speculator drafts behind the verify (verify_and_draft) only where that saves round
+    # trips: the CUDA drafter's one call. Here it is the reference the tests run it against.
+    drafts_in_verify = False
+
+    def verify_draft_fits(self, n: int, rows: int, steps: int) -> bool:
+        return True
+
+    def verify_and_draft(self, model, batch: ForwardBatch, kv, state, rows, *, snap_base,
+                         steps: int) -> tuple:
+        """verify_and_draft(self, model, ...): the function's contract."""
+        return verify_and_draft(self, model, batch, kv, state, rows, snap_base=snap_base,
+                                steps=steps)
+
 
 def draft_greedy(drafter, kv, hidden: np.ndarray, next_tokens, context_lens, block_tables, k, *,
                  with_logits: bool = True, pick=None) -> tuple:
@@ -226,3 +239,40 @@ def draft_greedy(drafter, kv, hidden: np.ndarray, next_tokens, context_lens, blo
         h[live] = g
         ctx[live] += 1
     return drafts, logits
+
+
+def verify_and_draft(drafter, model, batch: ForwardBatch, kv, state, rows, *, snap_base,
+                     steps: int) -> tuple:
+    """A verify whose every row drafted (batch: rows [x_F, d_1 .. d_k] at F .. F+k), its
+    positions' picks (model.verify_tokens with the SampleRows `rows`), and the next unit's drafts
+    behind it: row r produced t_0 .. t_j (j: its first pick that differs from the next draft,
+    or k); the drafter's feed over F .. F+j pairs the target's hidden at F + i with t_i (its KV
+    there; the device's feed also writes F+j+1 .. F+k, provisional), giving the next first
+    draft d_1 and MTP hidden g_1 at F + j; `steps` greedy steps from (g_1, d_1) at F+j+1 ..
+    (draft_greedy) give the drafts after it. Returns (int32 [n] picks, int32 [B, 1 + steps]
+    drafts, float32 [B, H] g_1): CudaModel.verify_and_draft's contract, in host calls."""
+    picks, hidden = model.verify_tokens(batch, kv, state,
+                                        np.arange(batch.num_tokens, dtype=np.int32), rows,
+                                        snap_base=snap_base)
+    qs = np.asarray(batch.query_start, np.int64)
+    ids = np.asarray(batch.token_ids, np.int32)
+    produced = []
+    for r in range(batch.num_rows):
+        q0, k, j = qs[r], qs[r + 1] - qs[r] - 1, 0
+        while j < k and picks[q0 + j] == ids[q0 + j + 1]:
+            j += 1
+        produced.append(j + 1)
+    produced = np.array(produced, np.int32)
+    idx = np.concatenate([np.arange(qs[r], qs[r] + produced[r]) for r in range(batch.num_rows)])
+    ctx = np.asarray(batch.context_lens, np.int32)
+    feed = ForwardBatch(picks[idx].astype(np.int32), np.asarray(batch.positions)[:, idx],
+                        np.concatenate([[0], np.cumsum(produced)]).astype(np.int32), ctx,
+                        batch.block_tables, batch.state_slots)
+    first, g = drafter.forward_argmax(feed, np.asarray(hidden, np.float32)[idx], kv)
+    g1 = g[np.cumsum(produced) - 1]
+    drafts = np.asarray(first, np.int32)[:, None]
+    if steps:
+        tail, _ = drafter.draft_greedy(kv, g1, first, ctx + produced, batch.block_tables, steps,
+                                       with_logits=False)
+        drafts = np.concatenate([drafts, tail], axis=1)
+    return np.asarray(picks, np.int32), drafts.astype(np.int32), g1

@@ -100,6 +100,20 @@ class CudaDrafter:
             return self.model.mtp_forward(batch, hidden, kv)
         return None, self.forward_argmax(batch, hidden, kv)[1]
 
+    # the speculator runs a verify whose every row drafted through verify_and_draft: the feed
+    # and the next unit's drafts behind the verify, one wait instead of three
+    drafts_in_verify = True
+
+    def verify_draft_fits(self, n: int, rows: int, steps: int) -> bool:
+        return self.model.verify_draft_fits(n, rows, steps)
+
+    def verify_and_draft(self, model, batch: ForwardBatch, kv, state, rows, *, snap_base,
+                         steps: int) -> tuple:
+        """mtp.verify_and_draft's contract: CudaModel.verify_and_draft (model is this
+        drafter's)."""
+        return self.model.verify_and_draft(batch, kv, state, rows, snap_base=snap_base,
+                                           steps=steps)
+
     def draft_greedy(self, kv, hidden: np.ndarray, next_tokens, context_lens, block_tables, k, *,
                      with_logits: bool = True, pick=None) -> tuple:
         """mtp.draft_greedy over this drafter: where no logits and no picks are wanted and every

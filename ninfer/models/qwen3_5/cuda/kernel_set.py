@@ -141,9 +141,10 @@ def dflash_specs(dcfg, f32: bool = False, kv_dtype: str = None) -> dict:
 def speculation_specs(cfg: TextConfig) -> dict:
     """The kernels a speculative verify adds to a geometry's (issue 25; not loaded until the
     CUDA verify path uses them): the delta rule's S and the conv window written after every
-    token of a row into its snapshot State slots, the acceptance (kernels/speculate.py) and the
-    kept snapshot copied over each row's State."""
-    specs = {"spec_accept": spec("spec_accept"), "state_select": spec("state_select")}
+    token of a row into its snapshot State slots, the acceptance (kernels/speculate.py), the
+    kept snapshot copied over each row's State and the MTP feed's metadata behind a verify."""
+    specs = {"spec_accept": spec("spec_accept"), "state_select": spec("state_select"),
+             "spec_feed": spec("spec_feed")}
     if not cfg.linear_layer_ids:
         return specs
     return {**specs,

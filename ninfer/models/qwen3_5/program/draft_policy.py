@@ -21,7 +21,13 @@ k = 0 is plain decoding (E = 1), so the policy never picks a k its own measureme
 slower than not speculating. P(drafts 1..j accepted) = prod_{i<=j} c_i, c_i the acceptance of
 draft i given drafts 1..i-1 were: decayed counts over the verify rows (recent traffic weighs
 most), with a prior of one accept in two tries so an untried position is neither hopeless nor
-certain. B is exact up to 8, else bucketed by powers of two. At start every k is measured once
+certain. Acceptance is a property of the request as much as of the model (code drafts far
+better than free prose; a row whose output left the drafter's reach accepts nothing): where the
+unit's rows are named, E(k) is the mean of each row's own, from its own decayed counts
+(ROW_DECAY: its last ~10 verifies) shrunk toward the traffic's c_i by ROW_PRIOR_TRIES tries,
+so rows that stopped accepting run plainly while the others still draft (bench_speculative
+--batch 8: two rows past the drafter's reach, left alone at the end of a round, drafted k = 4
+for 81 units at 1.6x a plain step's cost on the traffic's acceptance). B is exact up to 8, else bucketed by powers of two. At start every k is measured once
 at the first B that runs COLD_START_STREAK units in a row (before that, plain decoding)
 (the Speculator does not time a unit that paid a first use, Model.one_off_work: a CUDA verify
 shape's first unit captures its graph, so that k runs again); after that a new B takes the
@@ -55,6 +61,8 @@ COLD_START_STREAK = 4
 COST_WEIGHT = 0.25      # running mean of T(B, k): the new unit's weight
 ACCEPT_DECAY = 0.995    # the acceptance counts' decay per verify row (~200 rows' memory)
 PRIOR_TRIES, PRIOR_ACCEPTS = 2.0, 1.0
+ROW_DECAY = 0.9         # a row's own counts' decay per verify of that row (~10 verifies' memory)
+ROW_PRIOR_TRIES = 2.0   # a row's acceptance starts as the traffic's, worth this many tries
 
 
 def batch_key(rows: int) -> int:
@@ -69,8 +77,10 @@ class DraftPolicy:
             raise ValueError(f"DraftPolicy: max_k={max_k} must be >= 1")
         self.max_k, self.adaptive = int(max_k), bool(adaptive)
         self.cold_start_streak = int(cold_start_streak)
-        self._tries = np.zeros(self.max_k)         # decayed: rows that drafted position i ...
-        self._accepts = np.zeros(self.max_k)       # ... with drafts 1..i-1 accepted; of them, i too
+        # (Python floats: the policy runs on the host every unit, and numpy's per-call cost on
+        # arrays of max_k entries is most of its time)
+        self._tries = [0.0] * self.max_k           # decayed: rows that drafted position i ...
+        self._accepts = [0.0] * self.max_k         # ... with drafts 1..i-1 accepted; of them, i too
         self._cost: dict = {}                      # (batch_key, k) -> running mean seconds
         self._since: dict = {}                     # batch_key -> units since its last exploration
         self._period: dict = {}                    # batch_key -> units between explorations
@@ -79,12 +89,14 @@ class DraftPolicy:
         self._plain_left: dict = {}                # batch_key -> plain units left in a k = 0 run
         self._streak = (None, 0)                   # (batch_key, timed units in a row at it)
         self._pipelined: set = set()               # batch_keys whose k = 0 cost is pipelined
+        self._rows: dict = {}                      # row id -> decayed (tries, accepts) of its own
         self.units_by_k = [0] * (self.max_k + 1)   # units run at each k (stats)
         self._observed: dict = {}                  # (batch_key, k) -> [units, seconds] (stats)
 
     # ---- the choice --------------------------------------------------------------------------
-    def choose(self, rows: int, timed: bool = True) -> int:
-        """k for a unit of `rows` rows that can speculate (0: plain decoding). timed=False: the
+    def choose(self, rows: int, timed: bool = True, row_ids=None) -> int:
+        """k for a unit of `rows` rows that can speculate (0: plain decoding); row_ids: theirs
+        (observe_row's), whose own acceptance then sets E(k), else the traffic's. timed=False: the
         unit has other rows beside them (a prefill, a Replay, ...), so its time is not a cost
         the policy can use: it runs the best k known, never a cold start's or an exploration's
         (before any B is measured, 0: drafting blind could only lose; such units at the cold
@@ -92,13 +104,14 @@ class DraftPolicy:
         if not self.adaptive or rows <= 0:
             k = self.max_k
         elif timed:
-            k = self._choose(rows)
+            k = self._choose(rows, row_ids)
         else:
-            k = self.best(rows) if self._nearest_complete(batch_key(rows)) is not None else 0
+            k = self.best(rows, row_ids) \
+                if self._nearest_complete(batch_key(rows)) is not None else 0
         self.units_by_k[k] += 1
         return k
 
-    def _choose(self, rows: int) -> int:
+    def _choose(self, rows: int, row_ids) -> int:
         b = batch_key(rows)
         last, n = self._streak
         self._streak = (b, n + 1 if b == last else 1)
@@ -113,7 +126,7 @@ class DraftPolicy:
                     if k == 0:                     # (a run of plain units: one runs ahead)
                         self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
                     return k
-        best = self.best(rows)
+        best = self.best(rows, row_ids)
         old = self._last_best.get(b)
         if best != old:                            # a new best: explore around it soon again
             self._last_best[b] = best
@@ -138,10 +151,11 @@ class DraftPolicy:
             self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
         return k
 
-    def best(self, rows: int) -> int:
+    def best(self, rows: int, row_ids=None) -> int:
         """The k of the highest score at this B (the lowest k on ties): measured costs, or
         estimated ones (_estimate), or the nearest fully measured B's choice when nothing was
-        measured at this one; max_k before any B is fully measured."""
+        measured at this one; max_k before any B is fully measured. row_ids: E(k) of these
+        rows (expected_tokens)."""
         b = batch_key(rows)
         costs = self._costs_at(b)
         if costs is None:
@@ -149,7 +163,7 @@ class DraftPolicy:
             if near is None:
                 return self.max_k
             costs = self._costs_at(near)
-        expected = self.expected_tokens()
+        expected = self.expected_tokens(row_ids)
         return int(np.argmax([expected[k] / max(costs[k], 1e-12)
                               for k in range(self.max_k + 1)]))
 
@@ -186,20 +200,49 @@ class DraftPolicy:
         keys = {key for key, _ in self._cost} - {b}
         return sorted(keys, key=lambda b2: (abs(np.log2(b2) - np.log2(b)), b2))
 
-    def expected_tokens(self) -> np.ndarray:
-        """[max_k + 1]: E(k), the tokens a verify row drafting k emits on average."""
-        cond = (self._accepts + PRIOR_ACCEPTS) / (self._tries + PRIOR_TRIES)
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(cond))])
+    def expected_tokens(self, row_ids=None) -> np.ndarray:
+        """[max_k + 1]: E(k), the tokens a verify row drafting k emits on average: over the
+        traffic, or with row_ids the mean of those rows' own (each row's counts shrunk toward
+        the traffic's acceptance by ROW_PRIOR_TRIES tries)."""
+        cond = [(a + PRIOR_ACCEPTS) / (t + PRIOR_TRIES)
+                for t, a in zip(self._tries, self._accepts)]
+        rows = [cond]
+        if row_ids:
+            rows = []
+            for r in row_ids:
+                own = self._rows.get(r)
+                rows.append(cond if own is None else
+                            [(a + ROW_PRIOR_TRIES * c) / (t + ROW_PRIOR_TRIES)
+                             for t, a, c in zip(own[0], own[1], cond)])
+        out = [0.0] * (self.max_k + 1)
+        for row in rows:
+            prefix, total = 1.0, 1.0
+            out[0] += 1.0
+            for j, c in enumerate(row):
+                prefix *= c
+                total += prefix
+                out[j + 1] += total
+        return np.array(out) / len(rows)
 
-    # ---- what was measured -------------------------------------------------------------------
-    def observe_row(self, k: int, matched: int) -> None:
+    def observe_row(self, k: int, matched: int, row_id=None) -> None:
         """A verify row drafted k tokens and its first `matched` of them were accepted (by the
-        sampling rule, before any stop or max_tokens cut)."""
-        self._tries *= ACCEPT_DECAY
-        self._accepts *= ACCEPT_DECAY
-        tried = min(k, matched + 1)
-        self._tries[:tried] += 1.0
-        self._accepts[:min(matched, k)] += 1.0
+        sampling rule, before any stop or max_tokens cut); row_id: the row's own counts too
+        (forget_row drops them)."""
+        tried, kept = min(k, matched + 1), min(matched, k)
+        counts = [(self._tries, self._accepts, ACCEPT_DECAY)]
+        if row_id is not None:
+            own = self._rows.get(row_id)
+            if own is None:
+                own = self._rows[row_id] = ([0.0] * self.max_k, [0.0] * self.max_k)
+            counts.append((own[0], own[1], ROW_DECAY))
+        for tries, accepts, decay in counts:
+            for i in range(self.max_k):
+                tries[i] = tries[i] * decay + (i < tried)
+                accepts[i] = accepts[i] * decay + (i < kept)
+
+    def forget_row(self, row_id) -> None:
+        """The row left (released or paused): its own counts go."""
+        self._rows.pop(row_id, None)
 
     def observe_unit(self, rows: int, k: int, seconds: float, pipelined: bool = False) -> None:
         """A unit of `rows` rows at k took `seconds` (the time between its commit and the one

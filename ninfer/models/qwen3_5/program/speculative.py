@@ -49,6 +49,13 @@ One cycle of a decode-ready row (N tokens, frontier F = N - 1: x_{N-1} is sample
              paused, or LAG_TOKENS are queued, one drafter call writes its KV of the queued
              positions (MTP: from them and the accepted tokens, and its last MTP hidden is kept
              for d_1; DFlash: its context KV from the features alone).
+    behind   (MTP drafter with drafts_in_verify: CUDA) a unit whose every row drafted the same
+             k, none masked, runs the feed and the next unit's drafts on the device behind its
+             verify (drafter.verify_and_draft; _tail_plan picks the next k now): the feed over
+             F .. F+k with the picks as the next tokens, d_1 and g_1 at each row's last produced
+             position, the chain after d_1; one wait for the unit instead of three (verify,
+             feed, chain). Commit keeps those drafts where the Engine took every produced
+             token; else the feed covers what it took and the row's next draft is made again.
 
 Sampling rule. The drafts are greedy, so the draft distribution q at position j is the point mass
 on d_{j+1}. The standard speculative-sampling rule then reads: accept d with probability
@@ -106,6 +113,7 @@ class _Row:
     seq_id: int
     start: int                  # the row's frontier when the unit ran
     hidden: np.ndarray          # [n, H] the target's final-normed hidden of its new tokens
+                                # (None: fed behind the verify, verify_and_draft)
     drafts: tuple = ()          # a verify row's drafts d_1 .. d_k (empty: not speculative)
     backup: object = None       # a verify row's StateImage before the verify (recompute)
     snap: int = -1              # its first snapshot slot: the State after token i in snap + i
@@ -163,12 +171,22 @@ class _ChainProposer:
         # seq_id -> (g_1 [H], d_1): kept by the feed, for the next unit that drafts (g_1: a
         # masked d_1 and the next draft step)
         self.first: dict = {}
+        # seq_id -> int32 [1 + steps] the next unit's drafts d_1 .. made behind the last verify
+        # (verify_and_draft), for a row without masks drafting at most that many
+        self.drafts: dict = {}
 
     def ready(self, seq_id: int) -> bool:
         return seq_id in self.first
 
     def forget(self, seq_id: int) -> None:
         self.first.pop(seq_id, None)
+        self.drafts.pop(seq_id, None)
+
+    def keep(self, seq_id: int, g1: np.ndarray, drafts: np.ndarray) -> None:
+        """The drafts a verify made behind itself for the row's next unit (its feed covers the
+        row's frontier): g_1 and d_1 as a feed keeps them, and the chained drafts after d_1."""
+        self.first[seq_id] = (g1, int(drafts[0]))
+        self.drafts[seq_id] = drafts
 
     def feed(self, prog, batch: ForwardBatch, hidden: np.ndarray, seqs) -> None:
         """The drafter's KV of the batch's positions from the pairs (h_t, x_{t+1}); each row's
@@ -177,9 +195,18 @@ class _ChainProposer:
         last = np.asarray(batch.query_start[1:], np.int64) - 1
         for i, seq in enumerate(seqs):
             self.first[seq.seq_id] = (g[last[i]].copy(), int(ids[i]))
+            self.drafts.pop(seq.seq_id, None)
 
     def propose(self, prog, seqs, ks: dict, guide: "_Guide") -> dict:
-        """{row index: int32 drafts} of the rows in ks (row -> its k), each within its masks."""
+        """{row index: int32 drafts} of the rows in ks (row -> its k), each within its masks:
+        the drafts the last verify made behind itself where a row has enough of them and no
+        masks, else drafted now."""
+        made = {r: self.drafts[seqs[r].seq_id][:k] for r, k in ks.items()
+                if r not in guide.rows and len(self.drafts.get(seqs[r].seq_id, ())) >= k}
+        rest = {r: k for r, k in ks.items() if r not in made}
+        return {**made, **self._chain(prog, seqs, rest, guide)} if rest else made
+
+    def _chain(self, prog, seqs, ks: dict, guide: "_Guide") -> dict:
         g1 = np.stack([self.first[seqs[r].seq_id][0] for r in ks])
         first = np.array([self.first[seqs[r].seq_id][1] for r in ks], np.int32)
         for i, r in enumerate(ks):
@@ -273,6 +300,7 @@ class Speculator:
         self._epoch: Optional[int] = None
         self._unit = None             # (start time, rows, k, one_off_work) of a unit the policy times
         self._chosen = None           # the policy's k for the next unit, taken ahead of it
+        self._next: dict = {}         # seq_id -> (g_1, drafts) the pending verify made behind it
         self._plain_started = collections.deque()   # launch times of plain steps in flight
         self._last_commit = 0.0       # perf_counter at the end of the last commit
         k = self.num_draft_tokens
@@ -284,7 +312,9 @@ class Speculator:
                             spec_plain_steps=0, spec_plain_ahead=0,
                             # timed units left out of the policy's costs: they paid a first
                             # use (a graph captured, a GEMM planned: Model.one_off_work)
-                            spec_units_first_use=0)
+                            spec_units_first_use=0,
+                            # verifies whose drafter feed and next drafts ran behind them
+                            spec_drafts_behind_verify=0)
 
     def use_snapshot_slots(self, first: int) -> None:
         """The snapshot slots (memory_plan.snapshot_slots, which the CUDA plan reserved) start
@@ -305,7 +335,12 @@ class Speculator:
         drafts = self._draft(prog, seqs, units, t0, masks, draft_masks)
         units = [dataclasses.replace(u, num_new_tokens=1 + len(drafts[r])) if r in drafts else u
                  for r, u in enumerate(units)]
+        tail = self._tail_plan(prog, seqs, masks, drafts)
         batch = prog.pack_rows(seqs, units)
+        if tail:        # (the chain writes KV past the verify's tokens: the pages that hold it)
+            reach = max(s.num_tokens for s in seqs) + len(drafts[0]) + tail
+            width = max(batch.block_tables.shape[1], -(-reach // prog.kv.page_size))
+            batch = dataclasses.replace(batch, block_tables=prog.block_tables(seqs)[:, :width])
         # the State before the unit: for the Engine's rollback, and (recompute) a verify row's
         recompute = not self.snapshots
         backups = [prog.state.read(s.slot) if keep_rollback or (recompute and r in drafts)
@@ -317,7 +352,7 @@ class Speculator:
         snap_base = snaps if self.snapshots and drafts else None
         if prog.samples_on_device(seqs, units, masks):
             rows, hidden = self._sample_on_device(prog, seqs, units, masks, drafts, draft_masks,
-                                                  batch, starts, snap_base, media)
+                                                  batch, starts, snap_base, media, tail)
         else:
             # logits: every position of a verify row, the last token of the others
             picks = [np.arange(starts[r], starts[r + 1]) if r in drafts else [starts[r + 1] - 1]
@@ -337,7 +372,8 @@ class Speculator:
         self._rows = {}
         for r, (seq, unit) in enumerate(zip(seqs, units)):
             self._rows[seq.seq_id] = _Row(seq.seq_id, seq.num_computed_tokens,
-                                          hidden[starts[r]:starts[r + 1]].copy(),
+                                          None if hidden is None
+                                          else hidden[starts[r]:starts[r + 1]].copy(),
                                           tuple(drafts.get(r, ())),
                                           backups[r] if r in drafts else None, snaps[r])
         pending = PendingBatch(tuple(rows), backups, prog.new_unit_id())
@@ -379,7 +415,7 @@ class Speculator:
         drafts end where the masks do (the output ends there, or nothing is allowed)."""
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
         timed = bool(able) and len(able) == len(seqs)
-        k = self._choice(len(able), timed) if able else 0
+        k = self._choice([seqs[r] for r in able], timed) if able else 0
         self._unit = (t0, len(able), k, prog.model.one_off_work) if timed else None
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
@@ -394,13 +430,40 @@ class Speculator:
             prog.write_provisional(seqs[r], d)
         return drafts
 
+    def _tail_plan(self, prog, seqs, masks, drafts) -> Optional[int]:
+        """The chained steps the next unit's drafts take behind this unit's verify
+        (verify_and_draft: its drafter feed and those drafts run on the device behind the
+        verify, one wait instead of three), or None where that does not apply: a drafter that
+        drafts in its verify (CUDA's MTP), snapshot rollback, every row drafting the same k and
+        none masked. The policy's k for the next unit is chosen now (kept for it: _choice);
+        steps is that k - 1, fewer where a row's pages cannot take the chain's KV writes (up to
+        F + k + steps: its pages are taken now, commit's trim returns them)."""
+        if not getattr(self.drafter, "drafts_in_verify", False) or not self.snapshots \
+                or not drafts or len(drafts) != len(seqs) or any(m is not None for m in masks):
+            return None
+        k = len(drafts[0])
+        if any(len(d) != k for d in drafts.values()):
+            return None
+        self._chosen = self._choice(seqs)
+        steps = max(self._chosen - 1, 0)
+        for seq in seqs:
+            n = seq.num_tokens
+            steps = max(0, min(steps, prog.max_context - n - k))
+            if steps:
+                steps = max(0, min(steps, prog.grow_pages(seq, n + k + steps) - n - k))
+        if not self.drafter.verify_draft_fits(len(seqs) * (k + 1), len(seqs), steps):
+            return None
+        return steps
+
     def _sample_on_device(self, prog, seqs, units, masks, drafts, draft_masks, batch, starts,
-                          snap_base, media) -> tuple:
+                          snap_base, media, tail=None) -> tuple:
         """The unit's forward with every sampled position sampled on the device (verify_tokens):
         a verify row's positions 0 .. k (as many as its masks reach) each as the decode step
         there would sample it (history: the tokens before it, drafts included; the mask after
         the drafts before it; the draw at its position), the other rows' last token. Returns
-        (RowResults, hidden)."""
+        (RowResults, hidden); hidden is None where the drafter's feed and the next unit's drafts
+        ran behind the verify (tail: their chained steps, _tail_plan), the drafts kept in
+        self._next until commit."""
         picks, requests, spans = [], [], []
         for r, (seq, unit) in enumerate(zip(seqs, units)):
             n = seq.num_tokens
@@ -414,10 +477,20 @@ class Speculator:
                 requests.append(prog.sample_request(seq, n, masks[r]) if unit.is_sampling
                                 else None)
             spans.append(len(row_masks))
-        tokens, hidden = prog.model.verify_tokens(batch, prog.kv, prog.state,
-                                                  np.asarray(picks, np.int32), requests,
-                                                  snap_base=snap_base, media=media,
-                                                  **self.feed_kind())
+        if tail is not None and len(picks) == batch.num_tokens \
+                and all(q is not None and q.mask is None for q in requests):
+            tokens, nxt, g1 = self.drafter.verify_and_draft(prog.model, batch, prog.kv,
+                                                            prog.state, requests,
+                                                            snap_base=snap_base, steps=tail)
+            self._next = {seq.seq_id: (g1[r].copy(), nxt[r].copy())
+                          for r, seq in enumerate(seqs)}
+            self._counts["spec_drafts_behind_verify"] += 1
+            hidden = None
+        else:
+            tokens, hidden = prog.model.verify_tokens(batch, prog.kv, prog.state,
+                                                      np.asarray(picks, np.int32), requests,
+                                                      snap_base=snap_base, media=media,
+                                                      **self.feed_kind())
         rows, at = [], 0
         for r, (seq, unit) in enumerate(zip(seqs, units)):
             got = [int(t) for t in tokens[at:at + spans[r]]]
@@ -473,6 +546,7 @@ class Speculator:
         if pending._epoch != self._epoch:
             raise ProgramError("speculative: commit of a unit it did not run")
         rows, self._rows, self._epoch = self._rows, {}, None
+        made, self._next = self._next, {}
         unit, self._unit = self._unit, None
         recompute, feed, selects = [], [], 0
         for row, d in zip(pending.rows, decisions):
@@ -493,7 +567,14 @@ class Speculator:
                     else:
                         prog.state.copy(rec.snap + advance - 1, seq.slot)
                         selects += 1
-            if advance > 0:
+            if rec.hidden is None:
+                # fed behind the verify (verify_and_draft): its KV covers what the Engine took;
+                # the next drafts hold where it took every produced token, else made again
+                if advance == len(row.produced) and row.seq_id in made:
+                    self.proposer.keep(row.seq_id, *made[row.seq_id])
+                else:
+                    self.proposer.forget(row.seq_id)
+            elif advance > 0:
                 feed.append((seq, rec, advance))
         self._counts["spec_snapshot_selects"] += selects
         if recompute:
@@ -545,29 +626,31 @@ class Speculator:
         if not prog.model.step_hidden or not prog.samples_on_device(seqs, units, masks) \
                 or not all(self._can_draft(s, u) for s, u in zip(seqs, units)):
             return False
-        return self._plain_choice(len(seqs))
+        return self._plain_choice(seqs)
 
     def runs_plain_ahead(self, seqs) -> bool:
         """Whether the step after a plain one over the same rows (launched ahead of its
         collect) is plain too: the policy's pick for that unit, kept for it when not 0."""
-        if not self._plain_choice(len(seqs)):
+        if not self._plain_choice(seqs):
             return False
         self._counts["spec_plain_ahead"] += 1
         return True
 
-    def _plain_choice(self, rows: int) -> bool:
-        k = self._choice(rows)
+    def _plain_choice(self, seqs) -> bool:
+        k = self._choice(seqs)
         if k:
             self._chosen = k            # the next unit drafts k (its _draft takes it)
             return False
         self._plain_started.append(time.perf_counter())
         return True
 
-    def _choice(self, rows: int, timed: bool = True) -> int:
-        """The policy's k for the next unit of `rows` rows that can draft (one taken by
-        _plain_choice and not used yet, first); timed: the unit has no other rows."""
+    def _choice(self, seqs, timed: bool = True) -> int:
+        """The policy's k for the next unit of these rows that can draft (one taken ahead by
+        _plain_choice or _tail_plan and not used yet, first; else from the rows' own
+        acceptance); timed: the unit has no other rows."""
         k, self._chosen = self._chosen, None
-        return k if k is not None else self.policy.choose(rows, timed)
+        return k if k is not None else self.policy.choose(len(seqs), timed,
+                                                          [s.seq_id for s in seqs])
 
     def after_plain(self, prog, pending: PendingBatch, decisions, hidden: np.ndarray) -> None:
         """After the Program committed a plain step (runs_plain): each row that took its token
@@ -601,7 +684,7 @@ class Speculator:
         while matched < min(k, len(row.produced)) and row.produced[matched] == rec.drafts[matched]:
             matched += 1
         kept = min(matched, accepted)
-        self.policy.observe_row(k, matched)
+        self.policy.observe_row(k, matched, rec.seq_id)
         self._drafted_at[:k] += 1
         self._accepted_at[:kept] += 1
         self._counts["spec_verify_rows"] += 1
@@ -651,10 +734,11 @@ class Speculator:
         self._catch_up(prog, [seq])
 
     def forget(self, seq_id: int) -> None:
-        """The sequence left the Program (released or paused): its next draft and queued feed
-        go with it."""
+        """The sequence left the Program (released or paused): its next draft, queued feed and
+        acceptance of its own go with it."""
         self.proposer.forget(seq_id)
         self._lag.pop(seq_id, None)
+        self.policy.forget_row(seq_id)
 
     def stats(self) -> dict:
         drafted, accepted = int(self._drafted_at.sum()), int(self._accepted_at.sum())
