@@ -27,6 +27,8 @@ for a request that ends there: its State is not read again.
 """
 from numba import cuda, int32, int64
 
+from .common import inlined
+
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
     "spec_accept": ("i32*", "i32*", "i32*", "i32*", "i32*", "i32*", "i32", "i32"),
@@ -37,6 +39,18 @@ SIGNATURES = {
 THREADS = 256
 
 
+@inlined
+def verify_row(query_start, r, picks, drafts, d0):
+    """(row r's first position q0, its k, j: the drafts kept before its first pick that differs
+    from the next draft): picks at q0 .. q0+k, the row's drafts at d0 .. d0+k-1."""
+    q0 = query_start[r]
+    k = query_start[r + 1] - q0 - 1
+    j = int32(0)
+    while j < k and picks[q0 + j] == drafts[d0 + j]:
+        j += 1
+    return q0, k, j
+
+
 def spec_accept():
     def spec_accept_kernel(produced, keep_slot, tokens, drafts, query_start, snap_base, B, kmax):
         # one thread per row. tokens: the sampler's pick per verify position (rows packed as
@@ -44,11 +58,7 @@ def spec_accept():
         r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if r >= B:
             return
-        q0 = query_start[r]
-        k = query_start[r + 1] - q0 - 1
-        j = int32(0)
-        while j < k and tokens[q0 + j] == drafts[r * kmax + j]:
-            j += 1
+        _, _, j = verify_row(query_start, r, tokens, drafts, r * kmax)
         produced[r] = j + 1
         base = snap_base[r]
         keep_slot[r] = base + j if base >= 0 else int32(-1)
@@ -86,11 +96,7 @@ def spec_feed():
         r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if r >= B:
             return
-        q0 = query_start[r]
-        k = query_start[r + 1] - q0 - 1
-        j = int32(0)
-        while j < k and picks[q0 + j] == token_ids[q0 + j + 1]:
-            j += 1
+        q0, k, j = verify_row(query_start, r, picks, token_ids, query_start[r] + 1)
         out_rows[r] = q0 + j
         for i in range(k + 1):
             token_ids[q0 + i] = picks[q0 + i]

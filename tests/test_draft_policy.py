@@ -75,20 +75,38 @@ def _geometric_acceptance(p: float):
 
 def test_every_k_is_measured_once_at_start_then_a_new_batch_size_borrows():
     pol = DraftPolicy(3, cold_start_streak=1)
-    assert [pol.choose(2) for _ in range(4)] == [3, 3, 3, 3]     # nothing measured: max_k first
+    assert [pol.choose(2) for _ in range(4)] == [0, 0, 0, 0]     # nothing measured: k = 0 first
     pol = DraftPolicy(3, cold_start_streak=1)
     seen = []
-    for _ in range(4):
+    for _ in range(3 + 3):
         k = pol.choose(5)
         seen.append(k)
-        pol.observe_unit(5, k, 1.0 + 2.0 * k)          # drafts cost much: 0 is best at B=5
-    assert seen == [3, 2, 1, 0]
+        pol.observe_unit(5, k, 1.0 + 0.5 * k)          # drafts cost much: 0 is best at B=5
+    # k = 0 as a run of plain units, then k = 1, 2, 3; the next unit runs the best, 0
+    assert seen == [0, 0, 0, 1, 2, 3]
+    assert pol.choose(5) == 0
     # B=6 was never measured: the nearest measured B's choice, no second round of every k
     assert pol.choose(6) == 0
     pol.observe_unit(6, 0, 2.0)
     # the other ks at B=6 estimated from B=5's ratios: T(6, k) = 2.0 * T(5, k) / T(5, 0)
-    np.testing.assert_allclose(pol._costs_at(6), [2.0, 6.0, 10.0, 14.0])
+    np.testing.assert_allclose(pol._costs_at(6), [2.0, 3.0, 4.0, 5.0])
     assert pol._costs_at(7) is None                    # nothing measured at 7 to scale
+
+
+def test_the_cold_start_stops_where_no_deeper_k_can_pay():
+    """A unit at k costs at least one at k - 1 and emits at most k + 1 tokens: once a k costs
+    max_k + 1 plain steps (a small model whose step is all host work: a drafting unit ~10 plain
+    steps), the deeper ks are not run; they take that cost, a lower bound, and plain decoding
+    is the best."""
+    pol = DraftPolicy(4, cold_start_streak=1)
+    seen = []
+    for _ in range(3 + 2):
+        k = pol.choose(1)
+        seen.append(k)
+        pol.observe_unit(1, k, 1.0 if k == 0 else 10.0 + k)
+    assert seen == [0, 0, 0, 1, 0], seen              # k = 1 at 11 steps: 2..4 never run
+    np.testing.assert_allclose(pol._costs_at(1), [1.0, 11.0, 11.0, 11.0, 11.0])
+    assert pol.best(1) == 0
 
 
 def test_a_unit_with_other_rows_runs_the_best_known_k_never_an_exploration():
@@ -98,8 +116,8 @@ def test_a_unit_with_other_rows_runs_the_best_known_k_never_an_exploration():
     exploration schedule moves on."""
     pol = DraftPolicy(3, cold_start_streak=1)
     assert [pol.choose(4, timed=False) for _ in range(5)] == [0] * 5
-    assert pol.choose(4) == 3                          # the cold start begins at timed units
-    for k in (3, 2, 1, 0):
+    assert pol.choose(4) == 0                          # the cold start begins at timed units
+    for k in (0, 1, 2, 3):
         pol.observe_unit(4, k, 1.0 + 0.1 * k)          # drafting is cheap: max_k is best
     for _ in range(3):
         pol.observe_row(3, 3)
@@ -128,7 +146,7 @@ def test_the_cold_start_waits_for_a_batch_size_that_stays():
     for _ in range(COLD_START_STREAK - 1 + 3):          # B = 8 stays
         ks.append(pol.choose(8))
         pol.observe_unit(8, ks[-1], 1.0 + ks[-1], pipelined=ks[-1] == 0)
-    assert ks == [0] * (COLD_START_STREAK - 1) + [3, 2, 1]    # k = 0 was measured already
+    assert ks == [0] * (COLD_START_STREAK - 1) + [1, 2, 3]    # k = 0 was measured already
     assert pol._nearest_complete(8) == 8
 
 
@@ -174,10 +192,10 @@ def test_k_0_runs_several_units_in_a_row_when_explored_or_measured_first():
     a row (the first of a run is not launched ahead, so it does not show plain decoding's
     pipelined cost)."""
     pol = DraftPolicy(1, cold_start_streak=1)
-    assert pol.choose(1) == 1
-    pol.observe_unit(1, 1, 1.0)
     assert [pol.choose(1) for _ in range(EXPLORE_PLAIN_UNITS)] == [0] * EXPLORE_PLAIN_UNITS
-    pol.observe_unit(1, 0, 2.0, pipelined=True)        # drafting is cheaper: 1 is best
+    pol.observe_unit(1, 0, 2.0, pipelined=True)
+    assert pol.choose(1) == 1
+    pol.observe_unit(1, 1, 1.0)                        # drafting is cheaper: 1 is best
     for _ in range(3):
         pol.observe_row(1, 1)
     ks = [pol.choose(1) for _ in range(EXPLORE_EVERY + EXPLORE_PLAIN_UNITS)]
@@ -212,8 +230,8 @@ def test_verify_that_costs_about_one_step_drafts_where_acceptance_pays():
 def test_a_neighbour_of_the_best_runs_at_doubling_intervals():
     pol = DraftPolicy(4, cold_start_streak=1)
     ks = _run(pol, 3, 1600, cost=lambda k: 1.0 + 0.9 * k, accept=lambda k: 0)
-    # the cold start: each k once, k = 0 as a run of EXPLORE_PLAIN_UNITS
-    assert ks[:4 + EXPLORE_PLAIN_UNITS] == [4, 3, 2, 1] + [0] * EXPLORE_PLAIN_UNITS
+    # the cold start: each k once, k = 0 first as a run of EXPLORE_PLAIN_UNITS
+    assert ks[:4 + EXPLORE_PLAIN_UNITS] == [0] * EXPLORE_PLAIN_UNITS + [1, 2, 3, 4]
     after = ks[4 + EXPLORE_PLAIN_UNITS:]
     off = [i for i, k in enumerate(after) if k != 0]
     assert off and all(after[i] == 1 for i in off)     # best 0: its neighbour is 1
@@ -338,3 +356,18 @@ def test_rows_that_stopped_accepting_decode_plainly_while_the_traffic_drafts():
     assert pol.best(2, [1, 20]) > 0                     # one row still pays for the unit
     ks = [pol.choose(2, row_ids=[20, 21]) for _ in range(EXPLORE_EVERY - 1)]
     assert ks.count(0) == len(ks), ks
+
+
+def test_a_far_dearer_neighbour_is_explored_within_the_budget():
+    """A neighbour whose unit costs 10 plain steps (a host-bound model) is explored no sooner
+    than a unit there loses EXPLORE_BUDGET of the units since the last exploration: (10 - 1) /
+    EXPLORE_BUDGET units, not EXPLORE_EVERY; a cheap neighbour keeps EXPLORE_EVERY."""
+    from ninfer.models.qwen3_5.program.draft_policy import EXPLORE_BUDGET
+    for dear, first in ((10.0, int(np.ceil((10.0 - 1.0) / EXPLORE_BUDGET))), (1.5, EXPLORE_EVERY)):
+        pol = DraftPolicy(1, cold_start_streak=1)
+        ks = _run(pol, 1, 400, cost=lambda k: dear if k else 1.0, accept=lambda k: 0)
+        after = ks[EXPLORE_PLAIN_UNITS + 1:]           # past the cold start (0, 0, 0, 1)
+        off = [i for i, k in enumerate(after) if k]
+        # (E(1) with nothing accepted is a little over 1: the prior's accept in two tries,
+        # against the cold start's one try, makes it 1.33, so a little sooner)
+        assert off and 0.9 * first <= off[0] + 1 <= first, (dear, off[:3])

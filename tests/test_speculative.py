@@ -442,10 +442,11 @@ def test_an_mtp_head_that_never_agrees_changes_nothing(extremes, rollback):
 @pytest.mark.parametrize("plain_steps", [False, True], ids=["speculator", "plain-steps"])
 def test_adaptive_k_stops_drafting_for_a_head_that_never_agrees(extremes, monkeypatch,
                                                                  plain_steps):
-    # the default policy measures every k once, then runs plain decoding (k = 0) but for a
-    # neighbour every EXPLORE_EVERY units: numpy verifies cost ~k + 1 steps and nothing is
-    # accepted. (While the 8 rows enter decoding one unit after another, each new B starts with
-    # max_k until some B has every k measured: a few units of the run.) plain_steps: a backend
+    # the default policy measures k = 0, 1, ... once (up to the first k that costs max_k + 1
+    # plain steps: no deeper k could pay), then runs plain decoding (k = 0) but for a
+    # neighbour every EXPLORE_EVERY units or more: numpy verifies cost ~k + 1 steps and nothing
+    # is accepted. (The 8 rows enter decoding one unit after another: the cold start waits for
+    # a B that stays, draft_policy.COLD_START_STREAK.) plain_steps: a backend
     # whose token steps keep their hidden states (Model.step_hidden: CUDA) runs the k = 0 units
     # as the Program's plain decode steps, launched ahead as without speculation (runs_plain,
     # runs_plain_ahead)
@@ -457,7 +458,7 @@ def test_adaptive_k_stops_drafting_for_a_head_that_never_agrees(extremes, monkey
                            speculative="mtp", num_draft_tokens=4)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     units = stats["spec_units_by_k"]
-    assert stats["spec_adaptive"] and len(units) == 5 and min(units) >= 1   # each k measured
+    assert stats["spec_adaptive"] and len(units) == 5 and units[1] >= 1     # k = 1 measured
     assert units[0] >= 3 * sum(units[1:]), units
     assert stats["spec_accepted_tokens"] == 0
     assert stats["spec_expected_tokens_by_k"][1] < 1.2

@@ -27,7 +27,8 @@ unit's rows are named, E(k) is the mean of each row's own, from its own decayed 
 (ROW_DECAY: its last ~10 verifies) shrunk toward the traffic's c_i by ROW_PRIOR_TRIES tries,
 so rows that stopped accepting run plainly while the others still draft (bench_speculative
 --batch 8: two rows past the drafter's reach, left alone at the end of a round, drafted k = 4
-for 81 units at 1.6x a plain step's cost on the traffic's acceptance). B is exact up to 8, else bucketed by powers of two. At start every k is measured once
+for 81 units at 1.6x a plain step's cost on the traffic's acceptance). B is exact up to 8, else bucketed by powers of two. At start every k is measured once, k = 0
+up (_cold_start_k: a k whose cost is max_k + 1 plain steps ends it, no deeper k could pay),
 at the first B that runs COLD_START_STREAK units in a row (before that, plain decoding)
 (the Speculator does not time a unit that paid a first use, Model.one_off_work: a CUDA verify
 shape's first unit captures its graph, so that k runs again); after that a new B takes the
@@ -35,7 +36,7 @@ nearest measured B's choice and estimates the costs it has not
 measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour
 of its best k once (k = 0: EXPLORE_PLAIN_UNITS units in a row), so costs and the acceptance of
 deeper drafts stay current (the wait doubles, up to EXPLORE_MAX, while the best k stays the
-same; after the best changed, the first exploration is EXPLORE_AFTER_CHANGE units away, toward
+same, and is at least what keeps the neighbour's loss within EXPLORE_BUDGET of the time; after the best changed, the first exploration is EXPLORE_AFTER_CHANGE units away, toward
 the old best). A unit with other rows beside its drafting ones (a prefill, a Replay) is not
 timed and runs the best k known, never a cold start's or an exploration's. "fixed" always
 drafts max_k (benchmarks, tests of the mechanism).
@@ -46,6 +47,9 @@ import numpy as np
 
 EXPLORE_EVERY = 32      # units at one B between two runs of a neighbour of the best k, ...
 EXPLORE_MAX = 256       # ... doubling up to this while the best k stays the same
+# ... and at least until a unit at the neighbour loses at most this share of the units since
+# the last (a small, host-bound model's drafting unit costs ~10 plain steps: every 180 units)
+EXPLORE_BUDGET = 0.05
 # after the best k changed, the first exploration comes this soon, toward the old best: a best
 # moved by one noisy unit time (a busy host) would otherwise hold for EXPLORE_EVERY units
 EXPLORE_AFTER_CHANGE = 4
@@ -121,11 +125,9 @@ class DraftPolicy:
         if self._nearest_complete(b) is None:      # cold start: measure every k once ...
             if self._streak[1] < self.cold_start_streak:
                 return 0                           # (... at a B that stays, not one passed)
-            for k in range(self.max_k, -1, -1):
-                if (b, k) not in self._cost:
-                    if k == 0:                     # (a run of plain units: one runs ahead)
-                        self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
-                    return k
+            k = self._cold_start_k(b)
+            if k is not None:
+                return k
         best = self.best(rows, row_ids)
         old = self._last_best.get(b)
         if best != old:                            # a new best: explore around it soon again
@@ -136,20 +138,56 @@ class DraftPolicy:
                 self._explore_up[b] = old > best
         since = self._since.get(b, 0) + 1
         period = self._period.get(b, EXPLORE_EVERY)
-        if since < period:
-            self._since[b] = since
-            return best
         # a neighbour of the best, alternately above and below; each run that leaves the best
         # where it was doubles the wait for the next (a neighbour that costs 1.5x a plain step
-        # run every 32 units would cost 1.5%; every 256, 0.2%)
+        # run every 32 units would cost 1.5%; every 256, 0.2%), and a neighbour far dearer
+        # than the best waits until its unit is at most EXPLORE_BUDGET of the units since
+        up = self._explore_up.get(b, True)
+        k = best + (1 if (up and best < self.max_k) or best == 0 else -1)
+        if since < period or since < self._explore_wait(b, best, k, row_ids):
+            self._since[b] = since
+            return best
         self._since[b] = 0
         self._period[b] = min(2 * period, EXPLORE_MAX)
-        up = self._explore_up.get(b, True)
         self._explore_up[b] = not up
-        k = best + (1 if (up and best < self.max_k) or best == 0 else -1)
         if k == 0:
             self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
         return k
+
+    def _cold_start_k(self, b: int):
+        """The cold start's next k at batch key b, or None once every k there has a cost: k = 0
+        first (a run of plain units, one launched ahead; usually measured already by the plain
+        units before the streak), then k = 1, 2, ... up to max_k. A unit at k costs at least
+        what one at k - 1 does (a verify of more positions, more draft steps) and emits at most
+        k + 1 tokens, so once a k costs (max_k + 1) plain steps no deeper k can beat plain
+        decoding: those take that cost as theirs, a lower bound, unrun (a small model whose
+        step is all host work: each drafting unit there costs ~10 plain steps, and measuring
+        every k once cost more than a short run can win back)."""
+        if (b, 0) not in self._cost:
+            self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
+            return 0
+        plain = self._cost[(b, 0)]
+        for k in range(1, self.max_k + 1):
+            if (b, k) in self._cost:
+                continue
+            prev = self._cost.get((b, k - 1))
+            if k > 1 and prev >= (self.max_k + 1) * plain:
+                for j in range(k, self.max_k + 1):
+                    self._cost[(b, j)] = prev
+                return None
+            return k
+        return None
+
+    def _explore_wait(self, b: int, best: int, k: int, row_ids) -> float:
+        """Units since the last exploration before one at k may run: the time a unit at k
+        loses against the best, as a share of a best unit (T(k) / T(best) - E(k) / E(best)),
+        over EXPLORE_BUDGET (0 where it loses nothing or nothing is known)."""
+        costs = self._costs_at(b)
+        if costs is None:
+            return 0.0
+        e = self.expected_tokens(row_ids)
+        lost = costs[k] / max(costs[best], 1e-12) - e[k] / e[best]
+        return max(lost, 0.0) / EXPLORE_BUDGET
 
     def best(self, rows: int, row_ids=None) -> int:
         """The k of the highest score at this B (the lowest k on ties): measured costs, or
