@@ -15,7 +15,8 @@ that every run's tokens equal k = 0's, then reports per run: acceptance by draft
 recompute share (verify steps that rolled back, tokens run again), decode throughput and its
 ratio to k = 0, in process CPU seconds (the figure to compare on a shared machine) and in wall
 seconds; and where a speculative run's CPU time goes: target forwards, drafting, the drafter
-feed, the State recompute, sampling/other.
+feed, on CUDA the verifies whose feed and next drafts ran behind them in one call ("behind"),
+the State recompute, sampling/other.
 
 numpy figures are of 4-5 M-parameter models whose 248,320 x 128 lm_head is most of a step's work:
 they show the mechanism, not a GPU speed-up. `--backend cuda` runs the same on the GPU (wall
@@ -230,13 +231,14 @@ def table(title, rows, plain, args, figure: str) -> None:
              "tokens equal plain decoding at every k") + ")")
     print("| k | acceptance by draft position | tokens / verify | recompute (steps, tokens) "
           f"| tok/s CPU | speed-up CPU | tok/s wall | speed-up wall | {figure}: target / draft / "
-          "feed / recompute / other |")
+          "feed / behind (verify + feed + next drafts, one call) / recompute / other |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         parts, total = r["parts"], r[f"{figure}_s"]
         known = sum(parts.values())
         split = " / ".join(f"{parts.get(p, 0.0) / total:.0%}" for p in
-                           ("target forward", "draft", "drafter feed", "State recompute"))
+                           ("target forward", "draft", "drafter feed",
+                            "verify + feed + next drafts", "State recompute"))
         split += f" / {(total - known) / total:.0%}"
         label = r["k"] if r["policy"] != "adaptive" else \
             f"adaptive <= {r['k']} (units at k = 0..{r['k']}: " \
