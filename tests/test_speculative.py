@@ -89,6 +89,25 @@ def test_seeded_equals_plain_sampling_at_batch_1_and_4(rollback, drafter):
                 (rollback == "drafts-behind-verify"), stats
 
 
+def test_drafts_behind_the_verify_at_the_edge_of_pages_and_context(monkeypatch):
+    """The chain behind a verify writes drafter KV up to F + k + steps: near max_context and
+    with few free pages its steps shrink to what the rows' pages (taken then, returned by the
+    trim) and the context allow, and the next unit drafts the rest itself; through pauses the
+    drafts kept for a row are dropped with it. Tokens equal plain decoding's."""
+    path = ensure_reference_artifact("dense")
+    params = [SamplingParams(max_tokens=26, ignore_eos=True),
+              SamplingParams(max_tokens=26, ignore_eos=True, **SEEDED)] * 2
+    want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=1, max_context=48)
+    _device_steps(monkeypatch, plain=True)
+    monkeypatch.setattr(MtpDrafter, "drafts_in_verify", True)
+    got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=48,
+                           page_size=8, num_kv_pages=10, prefill_chunk=8,
+                           speculative="mtp", num_draft_tokens=4, draft_policy="fixed")
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert stats["pauses"] > 0 and stats["spec_drafts_behind_verify"] > 0, stats
+    assert stats["spec_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_drafts_made_behind_the_verify_are_the_drafts_made_before_it(monkeypatch, batch):
     """The drafts a verify makes behind itself for the next unit (mtp.verify_and_draft: the
