@@ -338,9 +338,9 @@ def test_a_units_expected_tokens_are_its_rows_own(monkeypatch):
 
 
 def test_rows_that_stopped_accepting_decode_plainly_while_the_traffic_drafts():
-    """The traffic accepts 0.7 of its drafts (rows 1..8: k >= 3 pays at B = 2), but the unit's two rows
-    accepted none of their last 10 verifies (their output left the drafter's reach): the policy
-    runs them plainly, and drafts again for rows that accept (bench_speculative --batch 8 ran
+    """The traffic accepts 0.7 of its drafts (rows 1..8: k >= 3 pays at B = 2), but the unit's
+    two rows accepted none of their last 10 verifies (their output left the drafter's reach):
+    the policy runs them plainly, and drafts again for rows that accept (bench_speculative --batch 8 ran
     two such rows at k = 4 for 81 units, 1.6x a plain step's cost each)."""
     pol, rng = DraftPolicy(4), np.random.default_rng(5)
     for _ in range(50):
@@ -363,7 +363,8 @@ def test_a_far_dearer_neighbour_is_explored_within_the_budget():
     than a unit there loses EXPLORE_BUDGET of the units since the last exploration: (10 - 1) /
     EXPLORE_BUDGET units, not EXPLORE_EVERY; a cheap neighbour keeps EXPLORE_EVERY."""
     from ninfer.models.qwen3_5.program.draft_policy import EXPLORE_BUDGET
-    for dear, first in ((10.0, int(np.ceil((10.0 - 1.0) / EXPLORE_BUDGET))), (1.5, EXPLORE_EVERY)):
+    budgeted = int(np.ceil((10.0 - 1.0) / EXPLORE_BUDGET))
+    for dear, first in ((10.0, budgeted), (1.5, EXPLORE_EVERY)):
         pol = DraftPolicy(1, cold_start_streak=1)
         ks = _run(pol, 1, 400, cost=lambda k: dear if k else 1.0, accept=lambda k: 0)
         after = ks[EXPLORE_PLAIN_UNITS + 1:]           # past the cold start (0, 0, 0, 1)

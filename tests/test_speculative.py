@@ -100,11 +100,20 @@ def test_drafts_behind_the_verify_at_the_edge_of_pages_and_context(monkeypatch):
     want, _ = _generate(path, PROMPTS[:4], params, max_concurrency=1, max_context=48)
     _device_steps(monkeypatch, plain=True)
     monkeypatch.setattr(MtpDrafter, "drafts_in_verify", True)
+    tails, plan = [], speculative.Speculator._tail_plan
+
+    def tail_plan(self, *args):
+        steps = plan(self, *args)
+        if steps is not None:
+            tails.append((self._chosen - 1, steps))     # (steps wanted, steps taken)
+        return steps
+    monkeypatch.setattr(speculative.Speculator, "_tail_plan", tail_plan)
     got, stats = _generate(path, PROMPTS[:4], params, max_concurrency=4, max_context=48,
                            page_size=8, num_kv_pages=10, prefill_chunk=8,
                            speculative="mtp", num_draft_tokens=4, draft_policy="fixed")
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats["pauses"] > 0 and stats["spec_drafts_behind_verify"] > 0, stats
+    assert any(taken < wanted for wanted, taken in tails), tails
     assert stats["spec_accepted_tokens"] > 0
 
 

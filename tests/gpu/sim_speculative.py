@@ -32,7 +32,7 @@ from tiny_model import mtp_artifact   # noqa: E402
 
 SPECS = [SamplingSpec(seed=0), SamplingSpec(seed=5, temperature=0.9, top_p=0.95)]
 STAT_KEYS = ("spec_verify_rows", "spec_draft_tokens", "spec_accepted_tokens",
-             "spec_recompute_rows", "spec_snapshot_selects")
+             "spec_recompute_rows", "spec_snapshot_selects", "spec_drafts_behind_verify")
 
 
 def drive(model, drafter, opts, prompts, units: int) -> tuple:

@@ -743,6 +743,18 @@ class CudaModel(MediaEncoding):
         hidden = np.asarray(hidden, np.float32)
         if hidden.shape != (B, H):
             raise ValueError(f"mtp_chain: hidden shape {hidden.shape} != ({B}, {H})")
+        graph = self._stage_chain("mtp_chain", first, context_lens, block_tables, steps, kv)
+        self._put_hidden(self.ws.mtp_h, hidden)
+        self._run_chain(graph, B, steps, kv, 0)
+        self.stream.synchronize()
+        return self.ids_host.view(np.int32, 0, steps * B).reshape(steps, B).T.copy()
+
+    def _stage_chain(self, what: str, first, context_lens, block_tables, steps: int, kv):
+        """The chain's graph (None with graphs off) and its steps' metadata staged and copied
+        up: row r's step i at position context_lens[r] + i, token first[r] at i = 0. The graph
+        comes first: its capture's dry run must come before this call's uploads."""
+        first = np.asarray(first, np.int32)
+        B = len(first)
         ctx = np.asarray(context_lens, np.int32)
         tables = np.asarray(block_tables, np.int32).reshape(B, -1)
         rows = np.arange(B, dtype=np.int32)
@@ -751,23 +763,25 @@ class CudaModel(MediaEncoding):
                                    np.arange(B + 1, dtype=np.int32), ctx + i, tables, rows)
                       for i in range(steps)]
         for b in (steps_meta[0], steps_meta[-1]):     # (positions only grow between them)
-            self._drafter_call("mtp_chain", b, kv, B)
-        # the graph first: its capture's dry run must come before this call's uploads
+            self._drafter_call(what, b, kv, B)
         graph = self.graphs.chain(B, steps, kv, self._chain_launches) \
             if self.options.graphs else None
-        self._put_hidden(self.ws.mtp_h, hidden)
         off = self.eager_layout.nbytes + 2 * lay.nbytes
         for i, b in enumerate(steps_meta):
             lay.pack_decode(self.staging.view(np.int32, off + i * lay.nbytes, lay.count), b)
         _d.copy_htod_async(self.chain_metas[0].base, self.staging.ptr + off, steps * lay.nbytes,
                            self.stream)
+        return graph
+
+    def _run_chain(self, graph, B: int, steps: int, kv, ids_at: int) -> None:
+        """The staged chain through its graph (or eagerly), its argmaxes [steps, B] copied down
+        into the ids' pinned buffer from int32 index ids_at."""
         if graph is not None:
             graph.launch()
         else:
             self._chain_launches(self.stream, B, steps, kv)
-        _d.copy_dtoh_async(self.ids_host.ptr, self.chain_ids, 4 * steps * B, self.stream)
-        self.stream.synchronize()
-        return self.ids_host.view(np.int32, 0, steps * B).reshape(steps, B).T.copy()
+        _d.copy_dtoh_async(self.ids_host.ptr + 4 * ids_at, self.chain_ids, 4 * steps * B,
+                           self.stream)
 
     def _chain_launches(self, st, B: int, steps: int, kv) -> None:
         """mtp_chain's launches over its step regions (graph or eager): step i's argmaxes into
@@ -1009,26 +1023,12 @@ class CudaModel(MediaEncoding):
                              f"it takes rows of one length >= 2 and verify_draft_fits's shapes")
         if len(rows) != n:
             raise ValueError(f"verify_and_draft: {len(rows)} sampling rows for {n} positions")
-        # the chain's graph first: its capture's dry run must come before this call's uploads
-        graph = self.graphs.chain(B, steps, kv, self._chain_launches) \
-            if steps and self.options.graphs else None
+        # the chain steps' metadata as for a row that produced nothing (spec_feed adds the
+        # produced count on the device): step i at F + i, the rows' pages as the verify's; its
+        # token ids are d_1, copied in on the device
+        graph = self._stage_chain("verify_and_draft", np.zeros(B, np.int32), batch.context_lens,
+                                  batch.block_tables, steps, kv) if steps else None
         lay = self.decode_layout
-        if steps:
-            # the chain steps' metadata as for a row that produced nothing (spec_feed adds the
-            # produced count on the device): step i at F + i, the rows' pages as the verify's
-            ctx = np.asarray(batch.context_lens, np.int32)
-            tables = np.asarray(batch.block_tables, np.int32).reshape(B, -1)
-            zeros, ones = np.zeros(B, np.int32), np.ones(B, int)
-            off = self.eager_layout.nbytes + 2 * lay.nbytes
-            for i in range(steps):
-                b = ForwardBatch(zeros, ForwardBatch.text_positions(ctx + i, ones),
-                                 np.arange(B + 1, dtype=np.int32), ctx + i, tables,
-                                 np.arange(B, dtype=np.int32))
-                if i in (0, steps - 1):         # (positions only grow between them)
-                    self._drafter_call("verify_and_draft", b, kv, B)
-                lay.pack_decode(self.staging.view(np.int32, off + i * lay.nbytes, lay.count), b)
-            _d.copy_htod_async(self.chain_metas[0].base, self.staging.ptr + off,
-                               steps * lay.nbytes, self.stream)
         _, snap = self._verify_run(batch, kv, state, snap_base, None)
         if snap is None:
             raise ValueError("verify_and_draft: every row drafts (snap_base >= 0 each)")
@@ -1051,12 +1051,7 @@ class CudaModel(MediaEncoding):
         if steps:
             _d.copy_dtod_async(self.chain_metas[0].token_ids, ws.tokens.ptr, 4 * B, self.stream)
             _d.copy_dtod_async(ws.mtp_h.ptr, ws.xf.ptr, B * H * ws.gin_bytes, self.stream)
-            if graph is not None:
-                graph.launch()
-            else:
-                self._chain_launches(self.stream, B, steps, kv)
-            _d.copy_dtoh_async(self.ids_host.ptr + 4 * (n + B), self.chain_ids, 4 * steps * B,
-                               self.stream)
+            self._run_chain(graph, B, steps, kv, n + B)
         self.stream.synchronize()
         ids = self.ids_host.view(np.int32, 0, n + B + steps * B)
         picks = ids[:n].copy()

@@ -21,25 +21,26 @@ k = 0 is plain decoding (E = 1), so the policy never picks a k its own measureme
 slower than not speculating. P(drafts 1..j accepted) = prod_{i<=j} c_i, c_i the acceptance of
 draft i given drafts 1..i-1 were: decayed counts over the verify rows (recent traffic weighs
 most), with a prior of one accept in two tries so an untried position is neither hopeless nor
-certain. Acceptance is a property of the request as much as of the model (code drafts far
-better than free prose; a row whose output left the drafter's reach accepts nothing): where the
-unit's rows are named, E(k) is the mean of each row's own, from its own decayed counts
-(ROW_DECAY: its last ~10 verifies) shrunk toward the traffic's c_i by ROW_PRIOR_TRIES tries,
-so rows that stopped accepting run plainly while the others still draft (bench_speculative
---batch 8: two rows past the drafter's reach, left alone at the end of a round, drafted k = 4
-for 81 units at 1.6x a plain step's cost on the traffic's acceptance). B is exact up to 8, else bucketed by powers of two. At start every k is measured once, k = 0
-up (_cold_start_k: a k whose cost is max_k + 1 plain steps ends it, no deeper k could pay),
-at the first B that runs COLD_START_STREAK units in a row (before that, plain decoding)
-(the Speculator does not time a unit that paid a first use, Model.one_off_work: a CUDA verify
-shape's first unit captures its graph, so that k runs again); after that a new B takes the
-nearest measured B's choice and estimates the costs it has not
-measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour
-of its best k once (k = 0: EXPLORE_PLAIN_UNITS units in a row), so costs and the acceptance of
-deeper drafts stay current (the wait doubles, up to EXPLORE_MAX, while the best k stays the
-same, and is at least what keeps the neighbour's loss within EXPLORE_BUDGET of the time; after the best changed, the first exploration is EXPLORE_AFTER_CHANGE units away, toward
-the old best). A unit with other rows beside its drafting ones (a prefill, a Replay) is not
-timed and runs the best k known, never a cold start's or an exploration's. "fixed" always
-drafts max_k (benchmarks, tests of the mechanism).
+certain. Acceptance is a property of the request as much as of the model (code drafts far better
+than free prose; a row whose output left the drafter's reach accepts nothing): where the unit's
+rows are named, E(k) is the mean of each row's own, from its own decayed counts (ROW_DECAY: its
+last ~10 verifies) shrunk toward the traffic's c_i by ROW_PRIOR_TRIES tries, so rows that stopped
+accepting run plainly while the others still draft (bench_speculative --batch 8: two rows past the
+drafter's reach, left alone at the end of a round, drafted k = 4 for 81 units at 1.6x a plain
+step's cost on the traffic's acceptance). B is exact up to 8, else bucketed by powers of two. At
+start every k is measured once, k = 0 up (_cold_start_k: a k whose cost is max_k + 1 plain steps
+ends it, no deeper k could pay), at the first B that runs COLD_START_STREAK units in a row (before
+that, plain decoding) (the Speculator does not time a unit that paid a first use,
+Model.one_off_work: a CUDA verify shape's first unit captures its graph, so that k runs again);
+after that a new B takes the nearest measured B's choice and estimates the costs it has not
+measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour of
+its best k once (k = 0: EXPLORE_PLAIN_UNITS units in a row), so costs and the acceptance of deeper
+drafts stay current (the wait doubles, up to EXPLORE_MAX, while the best k stays the same, and is
+at least what keeps the neighbour's loss within EXPLORE_BUDGET of the time; after the best changed,
+the first exploration is EXPLORE_AFTER_CHANGE units away, toward the old best). A unit with other
+rows beside its drafting ones (a prefill, a Replay) is not timed and runs the best k known, never a
+cold start's or an exploration's. "fixed" always drafts max_k (benchmarks, tests of the
+mechanism).
 """
 from __future__ import annotations
 
@@ -262,6 +263,7 @@ class DraftPolicy:
                 out[j + 1] += total
         return np.array(out) / len(rows)
 
+    # ---- what was measured -------------------------------------------------------------------
     def observe_row(self, k: int, matched: int, row_id=None) -> None:
         """A verify row drafted k tokens and its first `matched` of them were accepted (by the
         sampling rule, before any stop or max_tokens cut); row_id: the row's own counts too

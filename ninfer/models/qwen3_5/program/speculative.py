@@ -335,7 +335,8 @@ class Speculator:
         drafts = self._draft(prog, seqs, units, t0, masks, draft_masks)
         units = [dataclasses.replace(u, num_new_tokens=1 + len(drafts[r])) if r in drafts else u
                  for r, u in enumerate(units)]
-        tail = self._tail_plan(prog, seqs, masks, drafts)
+        on_device = prog.samples_on_device(seqs, units, masks)
+        tail = self._tail_plan(prog, seqs, masks, drafts) if on_device else None
         batch = prog.pack_rows(seqs, units)
         if tail:        # (the chain writes KV past the verify's tokens: the pages that hold it)
             reach = max(s.num_tokens for s in seqs) + len(drafts[0]) + tail
@@ -350,7 +351,7 @@ class Speculator:
         media = prog.media_rows(seqs, units)
         starts = np.asarray(batch.query_start, np.int64)
         snap_base = snaps if self.snapshots and drafts else None
-        if prog.samples_on_device(seqs, units, masks):
+        if on_device:
             rows, hidden = self._sample_on_device(prog, seqs, units, masks, drafts, draft_masks,
                                                   batch, starts, snap_base, media, tail)
         else:
@@ -433,9 +434,9 @@ class Speculator:
     def _tail_plan(self, prog, seqs, masks, drafts) -> Optional[int]:
         """The chained steps the next unit's drafts take behind this unit's verify
         (verify_and_draft: its drafter feed and those drafts run on the device behind the
-        verify, one wait instead of three), or None where that does not apply: a drafter that
-        drafts in its verify (CUDA's MTP), snapshot rollback, every row drafting the same k and
-        none masked. The policy's k for the next unit is chosen now (kept for it: _choice);
+        verify, one wait instead of three), or None where that does not apply: a unit sampled on
+        the device (execute asks) with a drafter that drafts in its verify (CUDA's MTP),
+        snapshot rollback, every row drafting the same k and none masked. The policy's k for the next unit is chosen now (kept for it: _choice);
         steps is that k - 1, fewer where a row's pages cannot take the chain's KV writes (up to
         F + k + steps: its pages are taken now, commit's trim returns them)."""
         if not getattr(self.drafter, "drafts_in_verify", False) or not self.snapshots \
