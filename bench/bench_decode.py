@@ -194,7 +194,7 @@ def time_prefill(model, batch, kv, state, reps=2):
 
 
 def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False,
-                cores_upto=0, invariant=False, gemv_mbs=(None,), route_caps=()):
+                cores_upto=0, invariant=False, gemv_mbs=(None,), route_caps=(), fuse_tails=(None,)):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
@@ -213,10 +213,18 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
     rng = np.random.default_rng(0)
     rows = []
     ev0, ev1 = d.Event(), d.Event()
-    for gmb, ctx, B in [(g, c, b) for g in gemv_mbs for c in contexts for b in batch_sizes]:
+    for fuse, gmb, ctx, B in [(f, g, c, b) for f in fuse_tails for g in gemv_mbs for c in contexts
+                              for b in batch_sizes]:
         if gmb is not None and gmb << 20 != model.runner.gemv_max_bytes:
             # the decode GEMV's threshold (runner.gemv_fits): graphs captured again under it
             model.runner.gemv_max_bytes = gmb << 20
+            for g in model.graphs.take_all():
+                g.destroy()
+        if fuse is not None and bool(fuse) != model.runner.fuse_moe_tail:
+            # the MoE tail in one launch or four (runner.fused_tail): graphs captured again
+            if fuse and not cfg.is_moe:
+                continue
+            model.runner.fuse_moe_tail = bool(fuse)
             for g in model.graphs.take_all():
                 g.destroy()
         batch = decode_batch(B, ctx, page, pages_per_row, rng, cfg.vocab_size)
@@ -237,6 +245,7 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
         step_s = float(np.median(gpu_ms)) / 1e3
         rows.append(dict(shape=name, kind="decode", B=B, ctx=ctx, step_ms=step_s * 1e3,
                          gemv_max_mb=model.runner.gemv_max_bytes >> 20,
+                         fused_moe_tail=model.runner.fuse_moe_tail,
                          wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
                          host_parts_us=[float(x) for x in np.median(np.array(parts), 0)],
                          limit_ms=limit_s * 1e3, ratio=limit_s / step_s))
@@ -329,6 +338,9 @@ def main(argv=None):
                     help="MoE prefills routed on the device with our grouped GEMM: also time "
                          "these padded blocks, rows an expert (comma-separated; 0: our GEMM "
                          "alone; runner.moe_cap; the default block is moe_route.device_cap)")
+    ap.add_argument("--fuse-moe-tail", default=None,
+                    help="decode rows with the MoE tail fused (1) and/or in four launches (0), "
+                         "comma-separated (runner.fuse_moe_tail; default: the model's)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -348,7 +360,9 @@ def main(argv=None):
                                            ints(args.batches), args.steps, log, args.profile,
                                            args.cores_upto,
                                            gemv_mbs=ints(args.gemv_max_mb) if args.gemv_max_mb
-                                           else (None,), route_caps=ints(args.route_caps))
+                                           else (None,), route_caps=ints(args.route_caps),
+                                           fuse_tails=ints(args.fuse_moe_tail)
+                                           if args.fuse_moe_tail else (None,))
         except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             results["rows"].append(dict(shape=name, kind="error", error=str(exc)))

@@ -8,8 +8,8 @@ import math
 
 from numba import cuda, float32, int32, int64, uint64
 
-from .common import (FULL_MASK, bf16x2_hi, bf16x2_lo, inlined, sigmoid, silu, storage, warp_max,
-                     warp_sum)
+from .common import (FULL_MASK, bf16_pair, bf16_round, bf16x2_hi, bf16x2_lo, inlined, sigmoid,
+                     silu, storage, warp_max, warp_sum)
 from .ptx import ld_v4, ld_v4_stream, st_v4
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
@@ -18,6 +18,7 @@ SIGNATURES = {
     "expert_gate_up": ("f32*", "u32*", "u32*", "i32*", "i32"),
     "expert_down": ("f32*", "f32*", "u32*", "i32*"),
     "moe_combine": ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32"),
+    "moe_down_combine": ("f32*", "f32*", "u32*", "i32*", "f32*", "f32*", "i32", "i32", "u32*"),
     "gather_rows": ("u32*", "u32*", "i32*", "i32"),
     "moe_route_count": ("i32*", "i32*", "i32"),
     "moe_route_scan": ("i32*", "i32*", "i32*", "u64*", "u64*", "i32*", "i32", "i32", "i32",
@@ -237,6 +238,126 @@ def moe_combine(H, K):
             acc += weights[t * K + k] * y[row * H + i]
         h[t * H + i] += acc
     return moe_combine_kernel
+
+
+def moe_down_combine(H, inter, shared, K):
+    """The decode MoE layer's tail in one launch: the K routed experts' down projections, the
+    shared expert's SwiGLU and down projection, the sigmoid-gated combine and the residual add
+    (what silu_mul, the shared down GEMV, expert_down and moe_combine do in four; bf16
+    weights). A block is DOWN_ROWS output rows of one token, a warp per expert slot and one for
+    the shared expert; the routed warps' sums are expert_down's (the same loads and order) and
+    the combine is moe_combine's (the same order), so only the shared expert's sums are ordered
+    differently from the four-launch path."""
+    IW = inter // 2                  # words of a routed expert's down row
+    SW = shared // 2                 # words of the shared expert's down row
+    R = DOWN_ROWS
+    assert R == 4 and H % R == 0 and inter % 2 == 0 and shared % 2 == 0
+    # rows of whole 512-byte warp spans: 16-byte words, the R rows' loads in flight together
+    VEC, SVEC = IW % 128 == 0, SW % 128 == 0
+    PART = (K + 1) * R               # a block's sums: K routed slots' rows, then the shared's
+
+    def moe_down_combine_kernel(h, act, w, ids, weights, proj, P, E, sw):
+        # grid (H / R, n), block 32 * (K + 1). act [n*K, inter] fp32 (expert_gate_up's SwiGLU);
+        # w [E, H, inter], sw [H, shared] bf16 pairs; proj [n, P] fp32: the router logits
+        # [0, E), the shared gate [E, E + shared), up [E + shared, E + 2 * shared) and the
+        # shared expert's gate logit at E + 2 * shared. h [n, H] += the layer's output.
+        t = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * R
+        slot = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        part = cuda.shared.array(PART, float32)
+        a0 = float32(0.0)
+        a1 = float32(0.0)
+        a2 = float32(0.0)
+        a3 = float32(0.0)
+        if slot < K:
+            pair = t * K + slot
+            ab = pair * inter
+            wb = (int64(ids[pair]) * H + i0) * IW
+            if VEC:
+                for it in range(IW // 128):
+                    c = it * 128 + lane * 4
+                    v0, v1, v2, v3, v4, v5, v6, v7 = (act[ab + 2 * c], act[ab + 2 * c + 1],
+                                                      act[ab + 2 * c + 2], act[ab + 2 * c + 3],
+                                                      act[ab + 2 * c + 4], act[ab + 2 * c + 5],
+                                                      act[ab + 2 * c + 6], act[ab + 2 * c + 7])
+                    p0, p1, p2, p3 = ld_v4_stream(w, wb + c)
+                    q0, q1, q2, q3 = ld_v4_stream(w, wb + IW + c)
+                    r0, r1, r2, r3 = ld_v4_stream(w, wb + 2 * IW + c)
+                    s0, s1, s2, s3 = ld_v4_stream(w, wb + 3 * IW + c)
+                    a0 += dot_act(p0, p1, p2, p3, v0, v1, v2, v3, v4, v5, v6, v7)
+                    a1 += dot_act(q0, q1, q2, q3, v0, v1, v2, v3, v4, v5, v6, v7)
+                    a2 += dot_act(r0, r1, r2, r3, v0, v1, v2, v3, v4, v5, v6, v7)
+                    a3 += dot_act(s0, s1, s2, s3, v0, v1, v2, v3, v4, v5, v6, v7)
+            else:
+                for c in range(lane, IW, 32):
+                    a0, a1, a2, a3 = rows4_pair(a0, a1, a2, a3, w, wb + c, IW,
+                                                act[ab + 2 * c], act[ab + 2 * c + 1])
+        else:
+            # the shared expert's SwiGLU on the fly, rounded to bf16 as silu_mul stores it
+            g = t * P + E
+            wb = int64(i0) * SW
+            if SVEC:
+                for it in range(SW // 128):
+                    c = it * 128 + lane * 4
+                    p0, p1, p2, p3 = ld_v4_stream(sw, wb + c)
+                    q0, q1, q2, q3 = ld_v4_stream(sw, wb + SW + c)
+                    r0, r1, r2, r3 = ld_v4_stream(sw, wb + 2 * SW + c)
+                    s0, s1, s2, s3 = ld_v4_stream(sw, wb + 3 * SW + c)
+                    j = g + 2 * c
+                    v0 = swiglu_bf16(proj, j, shared)
+                    v1 = swiglu_bf16(proj, j + 1, shared)
+                    v2 = swiglu_bf16(proj, j + 2, shared)
+                    v3 = swiglu_bf16(proj, j + 3, shared)
+                    v4 = swiglu_bf16(proj, j + 4, shared)
+                    v5 = swiglu_bf16(proj, j + 5, shared)
+                    v6 = swiglu_bf16(proj, j + 6, shared)
+                    v7 = swiglu_bf16(proj, j + 7, shared)
+                    a0 += dot_act(p0, p1, p2, p3, v0, v1, v2, v3, v4, v5, v6, v7)
+                    a1 += dot_act(q0, q1, q2, q3, v0, v1, v2, v3, v4, v5, v6, v7)
+                    a2 += dot_act(r0, r1, r2, r3, v0, v1, v2, v3, v4, v5, v6, v7)
+                    a3 += dot_act(s0, s1, s2, s3, v0, v1, v2, v3, v4, v5, v6, v7)
+            else:
+                for c in range(lane, SW, 32):
+                    j = g + 2 * c
+                    a0, a1, a2, a3 = rows4_pair(a0, a1, a2, a3, sw, wb + c, SW,
+                                                swiglu_bf16(proj, j, shared),
+                                                swiglu_bf16(proj, j + 1, shared))
+        a0 = warp_sum(a0)
+        a1 = warp_sum(a1)
+        a2 = warp_sum(a2)
+        a3 = warp_sum(a3)
+        if lane == 0:
+            part[slot * R] = a0
+            part[slot * R + 1] = a1
+            part[slot * R + 2] = a2
+            part[slot * R + 3] = a3
+        cuda.syncthreads()
+        r = cuda.threadIdx.x
+        if r < R:
+            acc = sigmoid(proj[t * P + E + 2 * shared]) * part[K * R + r]
+            for k in range(K):
+                acc += weights[t * K + k] * part[k * R + r]
+            h[t * H + i0 + r] += acc
+    return moe_down_combine_kernel
+
+
+@inlined
+def swiglu_bf16(proj, j, shared):
+    # silu(gate) * up of column j of the shared expert's gate (up `shared` columns on), rounded
+    # to bf16 as silu_mul stores it
+    return bf16_round(silu(proj[j]) * proj[j + shared])
+
+
+@inlined
+def rows4_pair(a0, a1, a2, a3, w, i, stride, x0, x1):
+    # the four sums of rows i, i + stride, ... (bf16 pair words) after word i's two products
+    p0, p1 = bf16_pair(w, i)
+    q0, q1 = bf16_pair(w, i + stride)
+    r0, r1 = bf16_pair(w, i + 2 * stride)
+    s0, s1 = bf16_pair(w, i + 3 * stride)
+    return (a0 + (p0 * x0 + p1 * x1), a1 + (q0 * x0 + q1 * x1), a2 + (r0 * x0 + r1 * x1),
+            a3 + (s0 * x0 + s1 * x1))
 
 
 GATHER_THREADS = 128     # gather_rows: 16 bytes a thread, grid.y = ceil(words / (4 * 128))

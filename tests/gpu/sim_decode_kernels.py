@@ -88,6 +88,37 @@ def experts(r, n: int = 2, K: int = 2, E: int = 3) -> dict:
     return out
 
 
+def moe_tail(r, inter: int, shared: int, n: int = 2, K: int = 3, E: int = 5) -> dict:
+    """moe_down_combine (H 12: three blocks of 4 rows): h += sigmoid(gate) *
+    shared_down(SwiGLU(gate, up)) + sum_k w_k * down[e_k](act_k), the SwiGLU rounded to bf16 as
+    silu_mul stores it. The change of h against float64 (within a bf16 rounding: the oracle's
+    SwiGLU rounds its own float64 values), and a row past the n launched untouched."""
+    H = 12
+    P = E + 2 * shared + 1
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    ids = np.stack([r.permutation(E)[:K] for _ in range(n)]).astype(np.int32).reshape(-1)
+    wts = r.uniform(0.1, 1.0, n * K).astype(np.float32)
+    act = r.standard_normal(n * K * inter).astype(np.float32)
+    wdb, wd = bf16_exact(r, (E, H, inter))
+    sdb, sd = bf16_exact(r, (H, shared))
+    h0 = r.standard_normal((n + 1, H)).astype(np.float32)
+    h = h0.copy()
+    kernel("moe", "moe_down_combine", H=H, inter=inter, shared=shared, K=K)[
+        (H // EXPERT_DOWN_ROWS, n, 1), (32 * (K + 1), 1, 1)](
+        h.reshape(-1), act, wdb.view(np.uint32).reshape(-1), ids, wts, proj.reshape(-1), P, E,
+        sdb.view(np.uint32).reshape(-1))
+    p64 = proj.astype(np.float64)
+    g, u = p64[:, E:E + shared], p64[:, E + shared:E + 2 * shared]
+    swiglu = bf16_to_f64(bf16_bits(g / (1 + np.exp(-g)) * u))
+    gate = 1 / (1 + np.exp(-p64[:, E + 2 * shared]))
+    a64 = act.reshape(n, K, inter).astype(np.float64)
+    want = gate[:, None] * (swiglu @ sd.T) + np.stack(
+        [sum(wts[t * K + k] * (wd[ids[t * K + k]] @ a64[t, k]) for k in range(K))
+         for t in range(n)])
+    return {"rel": rel(h[:n].astype(np.float64) - h0[:n], want),
+            "untouched": bool(np.array_equal(h[n], h0[n]))}
+
+
 def router(r, E: int, K: int, norm: bool, n: int = 2) -> dict:
     """router_topk against a stable sort of float64 softmax probabilities: ids exactly, weights
     within float32's error; ties among the logits (lower id first) and E above the block's 256
@@ -239,6 +270,12 @@ def main(seed: int) -> dict:
         out[f"rmsnorm/{H}/f32"] = rmsnorm(r, H)
     for key, v in experts(r).items():
         out[f"expert_{key}/vec/bf16"] = v
+    # rows of whole warp spans (the 16-byte loads; the shared one two spans), and rows that
+    # are not (two words a lane and a partial last one)
+    for inter, shared in ((256, 512), (36, 90)):
+        res = moe_tail(r, inter, shared)
+        out[f"moe_down_combine/{inter}x{shared}/bf16"] = res["rel"]
+        out[f"moe_down_combine/{inter}x{shared}/untouched"] = res["untouched"]
     for words in (1024, 150):              # 16-byte groups over two blocks; a partial group
         out[f"gather_rows/{words}w/ids"] = gather(r, words)
     # 3 chunks, the last partial, some experts routed nothing; E not a multiple of 32

@@ -198,6 +198,53 @@ def test_graph_replay_equals_eager_and_batched_rows(pair, seqs_of):
     assert rel_err(np.stack(singles), graphed) < 1e-4
 
 
+def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
+    """A decode step of three rows with the MoE layer's tail fused (moe_down_combine, the
+    default) and in four launches (silu_mul, the shared down GEMV, expert_down, moe_combine),
+    graphs off and on: each against numpy within the model's bf16 tolerance, and the two
+    within float32 rounding amplified by the later bf16 roundings of each other. The profile
+    shows which kernels ran."""
+    cpu, gpu = pair
+    if not cpu.config.text.is_moe:
+        pytest.skip("dense model")
+    runner = gpu.runner
+    assert runner.fuse_moe_tail, "the tiny MoE geometry should take the fused tail"
+    r = np.random.default_rng(5)
+    V = cpu.config.text.vocab_size
+    rows, ctxs = [0, 1, 2], [6, 3, 11]
+    prompts = [r.integers(0, V, c) for c in ctxs]
+    step_tokens = [r.integers(0, V, 1) for _ in rows]
+    sc = seqs_of(cpu)
+    cpu.forward(batch_for(sc, rows, prompts, [0, 0, 0]), sc.kv, sc.state)
+    ref = cpu.forward(batch_for(sc, rows, step_tokens, ctxs), sc.kv, sc.state)
+    outs = {}
+    try:
+        for fused in (True, False):
+            for graphs in (False, True):
+                runner.fuse_moe_tail = fused
+                for g in gpu.graphs.take_all():
+                    g.destroy()
+                gpu.options = options(graphs=graphs)
+                sg = seqs_of(gpu)
+                gpu.forward(batch_for(sg, rows, prompts, [0, 0, 0]), sg.kv, sg.state)
+                if not graphs:
+                    runner.profile = []
+                out = gpu.forward(batch_for(sg, rows, step_tokens, ctxs), sg.kv, sg.state)
+                if not graphs:
+                    names = set(runner.profile_summary())
+                    assert ("moe_down_combine" in names) == fused, names
+                    assert ("moe_combine" in names) != fused, names
+                assert rel_err(out, ref) < TOL_MODEL_BF16, (fused, graphs)
+                outs[fused, graphs] = out
+    finally:
+        runner.fuse_moe_tail = True
+        gpu.options = options()
+        for g in gpu.graphs.take_all():
+            g.destroy()
+    assert np.array_equal(outs[True, False], outs[True, True])
+    assert rel_err(outs[True, False], outs[False, False]) < 1e-2
+
+
 def test_chunked_prefill_equals_full_then_decode(pair, seqs_of):
     _, gpu = pair
     r = np.random.default_rng(4)

@@ -410,7 +410,7 @@ class CudaModel(MediaEncoding):
             invariant=self.batch_invariant,
             # (bf16 only: a float32 model runs every row on the CUDA-core kernel)
             attn_tc_min_tokens=math.inf if self.f32 else attention_tc.TC_MIN_TOKENS,
-            w8a8=self.w8a8)
+            w8a8=self.w8a8, fuse_moe_tail="moe_down_combine" in self.kernels.specs)
         if self.ws.route_dev is not None:
             # the MoE prefill's routing on the device where cuBLASLt has the grouped GEMM
             # (cuda/moe_route.py): every MoE layer's expert addresses, the MTP head's too

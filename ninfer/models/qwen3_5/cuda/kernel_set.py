@@ -138,6 +138,15 @@ def dflash_specs(dcfg, f32: bool = False, kv_dtype: str = None) -> dict:
     return specs
 
 
+def fused_moe_tail(cfg: TextConfig) -> bool:
+    """Whether a bf16 MoE geometry's decode tail runs as one launch (kernels/moe.py
+    moe_down_combine): a shared expert of bf16 pairs, H a multiple of the kernel's rows a block,
+    K + 1 warps a block."""
+    Is = cfg.shared_expert_intermediate_size
+    return (cfg.is_moe and Is > 0 and Is % 2 == 0 and cfg.moe_intermediate_size % 2 == 0
+            and cfg.hidden_size % 4 == 0 and cfg.num_experts_per_tok + 1 <= 32)
+
+
 def speculation_specs(cfg: TextConfig) -> dict:
     """The kernels a speculative verify adds to a geometry's (issue 25; not loaded until the
     CUDA verify path uses them): the delta rule's S and the conv window written after every
@@ -250,6 +259,9 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["expert_gate_up"] = spec("expert_gate_up", H=H, inter=inter)
         specs["expert_down"] = spec("expert_down", H=H, inter=inter)
         specs["moe_combine"] = spec("moe_combine", H=H, K=k)
+        if fused_moe_tail(cfg):
+            specs["moe_down_combine"] = spec("moe_down_combine", H=H, inter=inter,
+                                             shared=cfg.shared_expert_intermediate_size, K=k)
         specs["gather_rows"] = spec("gather_rows")
         # the prefill's routing on the device (cuda/moe_route.py)
         specs["moe_route_count"] = spec("moe_route_count", E=E)
@@ -280,7 +292,8 @@ def _f32_specs(cfg: TextConfig) -> dict:
     for name, sp in geometry_specs(cfg).items():
         if name in F32_VARIANTS:
             specs[name] = spec(name, True, **dict(sp.params))
-        elif sp.module not in ("attention_tc", "gdn_chunk_tc", "grouped_gemm"):   # (bf16 only)
+        elif sp.module not in ("attention_tc", "gdn_chunk_tc", "grouped_gemm") \
+                and name != "moe_down_combine":                                # (bf16 only)
             specs[name] = sp
     if cfg.linear_layer_ids:                       # the fp32 chunked delta rule instead
         specs.update(gdn_chunk_specs(cfg.linear_key_head_dim, cfg.linear_value_head_dim,

@@ -225,7 +225,7 @@ class StepRunner:
     w8a8 = False
 
     def __init__(self, res: StepResources, *, invariant: bool, attn_tc_min_tokens,
-                 w8a8: bool = False):
+                 w8a8: bool = False, fuse_moe_tail: bool = False):
         self.res = res
         # paged attention's blocks per kv head: G / GS (the GS its kernel was compiled with)
         cfg = res.cfg
@@ -265,6 +265,10 @@ class StepRunner:
         # 10.03 at 64 MB; bench_decode --gemv-max-mb sweeps it); 0: none
         self.gemv_max_bytes = GEMV_MAX_BYTES
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
+        # a decode MoE layer's tail (shared expert, experts' down, combine, residual) in one
+        # launch instead of four (fused_tail): on where the kernel set has moe_down_combine
+        # (kernel_set.fused_moe_tail); False: the four (bench_decode --fuse-moe-tail 0)
+        self.fuse_moe_tail = bool(fuse_moe_tail)
 
     # -- primitives --------------------------------------------------------------------------------
     def _timed(self, st, name, fn):
@@ -635,9 +639,11 @@ class StepRunner:
         self.linear(st, ws.x.ptr, lw["w_rs"], ws.proj.ptr, n, P, H)
         self.launch(st, self.kernels.router_topk, (n,), (ROUTER_THREADS,),
                     (ws.ids, ws.wts, ws.proj, P))
-        self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
-                    (ws.act, ws.proj, P, E, Is))
-        self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
+        fused = self.fused_tail(n, lw)
+        if not fused:
+            self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
+                        (ws.act, ws.proj, P, E, Is))
+            self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
         if n > self.res.moe_gemv_tokens and not self.dry:
             # (an enabled route holds every MoE layer's expert addresses: DeviceRoute.bind)
             if self.moe_device_route and ws.route_dev is not None and ws.route_dev.enabled:
@@ -652,6 +658,13 @@ class StepRunner:
             # decode / small batches (and every graph): warp-per-row GEMVs over the K experts
             self.launch(st, self.kernels.expert_gate_up, (n * K, (I + 3) // 4), (128,),
                         (ws.mact, ws.x, lw["experts_gu"], ws.ids, K))
+            if fused:
+                # the shared expert, the experts' down rows, the combine and the residual add
+                self.launch(st, self.kernels.moe_down_combine, (H // EXPERT_DOWN_ROWS, n),
+                            (32 * (K + 1),),
+                            (ws.h, ws.mact, lw["experts_down"], ws.ids, ws.wts, ws.proj, P, E,
+                             lw["shared_down"]))
+                return
             self.launch(st, self.kernels.expert_down, (n * K, -(-H // (4 * EXPERT_DOWN_ROWS))),
                         (128,),
                         (ws.my, ws.mact, lw["experts_down"], ws.ids))
@@ -659,6 +672,14 @@ class StepRunner:
         self.launch(st, self.kernels.moe_combine, ((H + 255) // 256, n), (256,),
                     (ws.h, ws.my, ws.route.ptr + 4 * ws.grouped_rows, use_rows, ws.wts, ws.shared,
                      ws.proj.ptr + 4 * (E + 2 * Is), P))
+
+    def fused_tail(self, n, lw) -> bool:
+        """Whether this MoE call's tail runs as moe_down_combine: a decode-sized call (the
+        warp-per-row expert GEMVs) of bf16 experts and shared expert, `fuse_moe_tail` on."""
+        return (self.fuse_moe_tail and n <= self.res.moe_gemv_tokens
+                and not isinstance(lw["experts_gu"], qw.QMatrix)
+                and not isinstance(lw["experts_down"], qw.QMatrix)
+                and not isinstance(lw["shared_down"], qw.QMatrix))
 
     def experts_packed(self, st, n, lw):
         """Decode with packed experts: one GEMV launch per projection over every (token, slot)
