@@ -194,7 +194,7 @@ def time_prefill(model, batch, kv, state, reps=2):
 
 
 def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False,
-                cores_upto=0, invariant=False, gemv_mbs=(None,), route_caps=(), fuse_tails=(None,)):
+                cores_upto=0, invariant=False, variants=({},), route_caps=()):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
@@ -213,18 +213,12 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
     rng = np.random.default_rng(0)
     rows = []
     ev0, ev1 = d.Event(), d.Event()
-    for fuse, gmb, ctx, B in [(f, g, c, b) for f in fuse_tails for g in gemv_mbs for c in contexts
-                              for b in batch_sizes]:
-        if gmb is not None and gmb << 20 != model.runner.gemv_max_bytes:
-            # the decode GEMV's threshold (runner.gemv_fits): graphs captured again under it
-            model.runner.gemv_max_bytes = gmb << 20
-            for g in model.graphs.take_all():
-                g.destroy()
-        if fuse is not None and bool(fuse) != model.runner.fuse_moe_tail:
-            # the MoE tail in one launch or four (runner.fused_tail): graphs captured again
-            if fuse and not cfg.is_moe:
-                continue
-            model.runner.fuse_moe_tail = bool(fuse)
+    for variant, ctx, B in [(v, c, b) for v in variants for c in contexts for b in batch_sizes]:
+        # the runner's settings of this row (variants: --gemv-max-mb, --fuse-moe-tail,
+        # --gemv-split); the graphs captured again under them where they change
+        if any(getattr(model.runner, k) != v for k, v in variant.items()):
+            for k, v in variant.items():
+                setattr(model.runner, k, v)
             for g in model.graphs.take_all():
                 g.destroy()
         batch = decode_batch(B, ctx, page, pages_per_row, rng, cfg.vocab_size)
@@ -245,7 +239,9 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
         step_s = float(np.median(gpu_ms)) / 1e3
         rows.append(dict(shape=name, kind="decode", B=B, ctx=ctx, step_ms=step_s * 1e3,
                          gemv_max_mb=model.runner.gemv_max_bytes >> 20,
-                         fused_moe_tail=model.runner.fuse_moe_tail,
+                         gemv_split=model.runner.gemv_splits,
+                         fused_moe_tail=cfg.is_moe and model.runner.fused_tail(
+                             B, model.weights["layers"][0]),
                          wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
                          host_parts_us=[float(x) for x in np.median(np.array(parts), 0)],
                          limit_ms=limit_s * 1e3, ratio=limit_s / step_s))
@@ -339,8 +335,12 @@ def main(argv=None):
                          "these padded blocks, rows an expert (comma-separated; 0: our GEMM "
                          "alone; runner.moe_cap; the default block is moe_route.device_cap)")
     ap.add_argument("--fuse-moe-tail", default=None,
-                    help="decode rows with the MoE tail fused (1) and/or in four launches (0), "
-                         "comma-separated (runner.fuse_moe_tail; default: the model's)")
+                    help="decode rows with the MoE tail in one launch for calls of up to N "
+                         "tokens (N) and/or in four launches (0), comma-separated "
+                         "(runner.fuse_moe_tail, fused_tail_tokens; default: the model's)")
+    ap.add_argument("--gemv-split", default=None,
+                    help="decode rows with long GEMV rows on several warps (1) and/or a warp a "
+                         "row (0), comma-separated (runner.gemv_splits; default: the model's)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -358,11 +358,8 @@ def main(argv=None):
         try:
             results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
                                            ints(args.batches), args.steps, log, args.profile,
-                                           args.cores_upto,
-                                           gemv_mbs=ints(args.gemv_max_mb) if args.gemv_max_mb
-                                           else (None,), route_caps=ints(args.route_caps),
-                                           fuse_tails=ints(args.fuse_moe_tail)
-                                           if args.fuse_moe_tail else (None,))
+                                           args.cores_upto, variants=runner_variants(args),
+                                           route_caps=ints(args.route_caps))
         except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             results["rows"].append(dict(shape=name, kind="error", error=str(exc)))
@@ -371,6 +368,21 @@ def main(argv=None):
                 json.dump(results, f, indent=1)
     print_table(results)
     return 0
+
+
+def runner_variants(args) -> list:
+    """The StepRunner settings the decode rows run under: every combination of the values
+    given (--gemv-max-mb MB, --fuse-moe-tail N: the MoE tail in one launch for calls of up to N
+    tokens, 0: in four, --gemv-split 1/0), in the order given; [{}]: the model's own."""
+    ints = lambda s: [int(x) for x in s.split(",") if x] if s else []   # noqa: E731
+    axes = [[{"gemv_max_bytes": mb << 20} for mb in ints(args.gemv_max_mb)],
+            [{"fuse_moe_tail": bool(n), **({"fused_tail_tokens": n} if n else {})}
+             for n in ints(args.fuse_moe_tail)],
+            [{"gemv_splits": bool(v)} for v in ints(args.gemv_split)]]
+    out = [{}]
+    for axis in [a for a in axes if a]:
+        out = [{**v, **a} for v in out for a in axis]
+    return out
 
 
 def print_table(res):

@@ -40,14 +40,15 @@ def short(name: str) -> str:
 
 
 def kernel_times(fn, reps: int) -> tuple:
-    """{family: (us per step, launches per step)} and the summed us per step."""
+    """{family: (us per step, launches per step)}, the summed us per step, and the kernels in
+    the order they ran as (family, start us, duration us)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    us, count = defaultdict(float), defaultdict(int)
+    us, count, seq = defaultdict(float), defaultdict(int), []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -56,7 +57,25 @@ def kernel_times(fn, reps: int) -> tuple:
             dt = e.cuda_time
         us[short(e.name)] += dt / reps
         count[short(e.name)] += 1
-    return {k: (us[k], count[k] / reps) for k in us}, sum(us.values())
+        seq.append((short(e.name), e.time_range.start, dt))
+    seq.sort(key=lambda x: x[1])
+    return {k: (us[k], count[k] / reps) for k in us}, sum(us.values()), seq
+
+
+def print_sequence(seq, first: int, count: int) -> None:
+    """Kernels first .. first + count of the recorded order: each one's duration and the idle
+    time since the one before it ended (the graph's launch gap)."""
+    print("| # | kernel | us | gap us |")
+    print("|---|---|---|---|")
+    for i in range(first, min(first + count, len(seq))):
+        name, start, dur = seq[i]
+        gap = start - (seq[i - 1][1] + seq[i - 1][2]) if i else 0.0
+        print(f"| {i} | {name} | {dur:.2f} | {gap:.2f} |")
+    gaps = [seq[i][1] - (seq[i - 1][1] + seq[i - 1][2]) for i in range(1, len(seq))]
+    gaps = [g for g in gaps if g < 50]          # (between steps the host waits)
+    if gaps:
+        print(f"gaps between kernels: median {np.median(gaps):.2f} us, "
+              f"sum {sum(gaps):.0f} us over {len(gaps)}")
 
 
 def main(argv=None):
@@ -65,6 +84,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sequence", type=int, default=0,
+                    help="also print this many kernels of one step in order (from the second "
+                         "layer on), each one's time and the gap before it")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     cfg_m = make_config(args.shape)
@@ -81,13 +103,16 @@ def main(argv=None):
         batch = decode_batch(B, args.ctx, page, pages_per_row, rng, cfg_m.text.vocab_size)
         for _ in range(3):
             model.decode_greedy(batch, kv, state)
-        table, total = kernel_times(lambda: model.decode_greedy(batch, kv, state), args.reps)
+        table, total, seq = kernel_times(lambda: model.decode_greedy(batch, kv, state),
+                                         args.reps)
         print(f"\n[{args.shape}] decode B={B} ctx={args.ctx}: kernels sum {total / 1e3:.3f} ms "
               f"per step (graph replay)")
         print("| kernel | us / step | launches / step | us / launch |")
         print("|---|---|---|---|")
         for k, (t, n) in sorted(table.items(), key=lambda kv: -kv[1][0]):
             print(f"| {k} | {t:.1f} | {n:.0f} | {t / max(n, 1):.2f} |")
+        if args.sequence:
+            print_sequence(seq, 3, args.sequence)
     model.close()
 
 
