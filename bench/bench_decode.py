@@ -214,8 +214,8 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
     rows = []
     ev0, ev1 = d.Event(), d.Event()
     for variant, ctx, B in [(v, c, b) for v in variants for c in contexts for b in batch_sizes]:
-        # the runner's settings of this row (variants: --gemv-max-mb, --fuse-moe-tail,
-        # --gemv-split); the graphs captured again under them where they change
+        # the runner's settings of this row (variants: --gemv-max-mb, --fuse-moe-tail); the
+        # graphs captured again under them where they change
         if any(getattr(model.runner, k) != v for k, v in variant.items()):
             for k, v in variant.items():
                 setattr(model.runner, k, v)
@@ -239,7 +239,6 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
         step_s = float(np.median(gpu_ms)) / 1e3
         rows.append(dict(shape=name, kind="decode", B=B, ctx=ctx, step_ms=step_s * 1e3,
                          gemv_max_mb=model.runner.gemv_max_bytes >> 20,
-                         gemv_split=model.runner.gemv_splits,
                          fused_moe_tail=cfg.is_moe and model.runner.fused_tail(
                              B, model.weights["layers"][0]),
                          wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
@@ -338,9 +337,6 @@ def main(argv=None):
                     help="decode rows with the MoE tail in one launch for calls of up to N "
                          "tokens (N) and/or in four launches (0), comma-separated "
                          "(runner.fuse_moe_tail, fused_tail_tokens; default: the model's)")
-    ap.add_argument("--gemv-split", default=None,
-                    help="decode rows with long GEMV rows on several warps (1) and/or a warp a "
-                         "row (0), comma-separated (runner.gemv_splits; default: the model's)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -373,12 +369,11 @@ def main(argv=None):
 def runner_variants(args) -> list:
     """The StepRunner settings the decode rows run under: every combination of the values
     given (--gemv-max-mb MB, --fuse-moe-tail N: the MoE tail in one launch for calls of up to N
-    tokens, 0: in four, --gemv-split 1/0), in the order given; [{}]: the model's own."""
+    tokens, 0: in four), in the order given; [{}]: the model's own."""
     ints = lambda s: [int(x) for x in s.split(",") if x] if s else []   # noqa: E731
     axes = [[{"gemv_max_bytes": mb << 20} for mb in ints(args.gemv_max_mb)],
             [{"fuse_moe_tail": bool(n), **({"fused_tail_tokens": n} if n else {})}
-             for n in ints(args.fuse_moe_tail)],
-            [{"gemv_splits": bool(v)} for v in ints(args.gemv_split)]]
+             for n in ints(args.fuse_moe_tail)]]
     out = [{}]
     for axis in [a for a in axes if a]:
         out = [{**v, **a} for v in out for a in axis]

@@ -26,14 +26,8 @@ SPAN = 128          # 32-bit words a warp reads at once (32 lanes x 16 bytes)
 UNROLL = 4          # spans in flight a warp
 
 
-def gemv(M, S=1):
-    """S warps a row (1, 2 or 4; WARPS // S rows a block): warp q of a row takes its spans q,
-    q + S, q + 2S, ... and the row's S sums are added in q's order through shared memory, so a
-    long row has S times the loads in flight (a row of 16 spans at S = 1 is four rounds of
-    UNROLL loads, each waiting on the last; at S = 4, one)."""
-    assert 1 <= M <= MAX_M and S in (1, 2, 4)
-    if S > 1:
-        return _gemv_split(M, S)
+def gemv(M):
+    assert 1 <= M <= MAX_M
 
     def gemv_kernel(y, x, w, n, kw, beta):
         # grid (ceil(n / WARPS),), block 32 * WARPS. x [M, 2 * kw], w [n, 2 * kw] bf16 as words
@@ -82,68 +76,6 @@ def gemv(M, S=1):
                     v += beta * y[i]
                 y[i] = v
     return gemv_kernel
-
-
-def _gemv_split(M, S):
-    ROWS = WARPS // S
-    STEP = S * SPAN                  # words from one of a warp's spans to its next
-    PART = WARPS * M                 # a block's warp sums
-
-    def gemv_split_kernel(y, x, w, n, kw, beta):
-        # grid (ceil(n / ROWS),), block 32 * WARPS; as gemv_kernel, warp q = warp % S of row j
-        warp = cuda.threadIdx.x >> 5
-        j = cuda.blockIdx.x * ROWS + warp // S
-        q = warp % S
-        lane = cuda.threadIdx.x & 31
-        part = cuda.shared.array(PART, float32)
-        acc = cuda.local.array(M, float32)
-        for t in range(M):
-            acc[t] = float32(0.0)
-        live = j < n                 # (a dead warp still meets the barrier below)
-        wb = int64(min(j, n - 1)) * kw
-        spans = kw // SPAN
-        mine = (spans - q + S - 1) // S          # spans q, q + S, ... below spans
-        c = q * SPAN + lane * 4
-        s = 0
-        while live and s + UNROLL <= mine:
-            w00, w01, w02, w03 = ld_v4_stream(w, wb + c)
-            w10, w11, w12, w13 = ld_v4_stream(w, wb + c + STEP)
-            w20, w21, w22, w23 = ld_v4_stream(w, wb + c + 2 * STEP)
-            w30, w31, w32, w33 = ld_v4_stream(w, wb + c + 3 * STEP)
-            for t in range(M):
-                xb = int64(t) * kw + c
-                x00, x01, x02, x03 = ld_v4(x, xb)
-                x10, x11, x12, x13 = ld_v4(x, xb + STEP)
-                x20, x21, x22, x23 = ld_v4(x, xb + 2 * STEP)
-                x30, x31, x32, x33 = ld_v4(x, xb + 3 * STEP)
-                acc[t] += (dot4(w00, w01, w02, w03, x00, x01, x02, x03)
-                           + dot4(w10, w11, w12, w13, x10, x11, x12, x13)
-                           + dot4(w20, w21, w22, w23, x20, x21, x22, x23)
-                           + dot4(w30, w31, w32, w33, x30, x31, x32, x33))
-            c += UNROLL * STEP
-            s += UNROLL
-        while live and s < mine:
-            w00, w01, w02, w03 = ld_v4_stream(w, wb + c)
-            for t in range(M):
-                x00, x01, x02, x03 = ld_v4(x, int64(t) * kw + c)
-                acc[t] += dot4(w00, w01, w02, w03, x00, x01, x02, x03)
-            c += STEP
-            s += 1
-        for t in range(M):
-            v = warp_sum(acc[t])
-            if lane == 0:
-                part[warp * M + t] = v
-        cuda.syncthreads()
-        if live and q == 0 and lane < M:
-            t = lane
-            v = part[warp * M + t]
-            for r in range(1, S):
-                v += part[(warp + r) * M + t]
-            i = int64(t) * n + j
-            if beta != 0.0:
-                v += beta * y[i]
-            y[i] = v
-    return gemv_split_kernel
 
 
 @inlined

@@ -30,8 +30,7 @@ def test_decode_kernels_on_the_simulator(seed=0):
     _scan, _place) exactly the host's layout (moe_rows.expert_rows) for cap 0 and for a padded
     block with experts short of it and past it. The decode GEMV
     (kernels/gemv.py) within float32's error of float64: 1 to 8 tokens, the unrolled and the
-    tail loops, beta 0 over a poisoned output and 1, on a warp a row and on 2 and 4 (rows not a
-    multiple of a block's, a warp with no span of its own). The decode MoE layer's fused tail
+    tail loops, beta 0 over a poisoned output and 1. The decode MoE layer's fused tail
     (moe_down_combine: the shared expert's SwiGLU and down, the routed experts' down, the gated
     combine and the residual add) within a bf16 rounding of float64, on rows of whole warp spans
     and rows that are not, rows past the launch untouched."""
@@ -42,7 +41,7 @@ def test_decode_kernels_on_the_simulator(seed=0):
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out) == 31, out
+    assert len(out) == 28, out
     for key, v in out.items():
         if key.endswith(("untouched", "ids")):
             assert v is True, key

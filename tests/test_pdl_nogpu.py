@@ -135,8 +135,11 @@ def test_pdl_only_when_asked_for_on_sm90_with_a_new_enough_driver(fake, monkeypa
     for off in ("0", ""):
         monkeypatch.setenv(K.PDL_ENV, off)
         assert not K.pdl_supported((9, 0))
+        assert not K.pdl_supported((9, 0), default=True)    # the variable wins
     monkeypatch.delenv(K.PDL_ENV)
-    assert not K.pdl_supported((9, 0))          # off by default
+    assert not K.pdl_supported((9, 0))          # off by default ...
+    assert K.pdl_supported((9, 0), default=True)            # ... unless the model asks
+    assert not K.pdl_supported((8, 9), default=True)
 
 
 def test_the_cache_decides_once_and_loads_every_kernel_the_same_way(fake, tmp_path, monkeypatch):

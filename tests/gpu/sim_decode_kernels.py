@@ -237,7 +237,7 @@ def route(r, E: int, K: int, tokens: int, skew: float, cap: int = 0) -> bool:
                 and (cap == 0 or (over > 0).any() and (total < cap).any()))
 
 
-def gemv(r, M: int, n: int, k: int, beta: float, S: int = 1) -> float:
+def gemv(r, M: int, n: int, k: int, beta: float) -> float:
     """The decode GEMV (kernels/gemv.py): M tokens, n rows not a multiple of its block's, k of
     one span (the tail loop alone) or five (the unrolled loop and the tail), beta 0 over a
     poisoned output and 1 over a live one: relative error against float64."""
@@ -247,9 +247,7 @@ def gemv(r, M: int, n: int, k: int, beta: float, S: int = 1) -> float:
     y0 = r.standard_normal((M, n)).astype(np.float32) if beta else \
         np.full((M, n), np.nan, np.float32)
     y = y0.copy()
-    params = {"S": S} if S > 1 else {}
-    kernel("gemv", "gemv", M=M, **params)[(-(-n // (GEMV_WARPS // S)), 1, 1),
-                                          (32 * GEMV_WARPS, 1, 1)](
+    kernel("gemv", "gemv", M=M)[(-(-n // GEMV_WARPS), 1, 1), (32 * GEMV_WARPS, 1, 1)](
         y.reshape(-1), x.view(np.uint32).reshape(-1), w.view(np.uint32).reshape(-1), n, k // 2,
         np.float32(beta))
     want = bf16_to_f64(x) @ bf16_to_f64(w).T + (beta * y0.astype(np.float64) if beta else 0.0)
@@ -286,10 +284,6 @@ def main(seed: int) -> dict:
     out["moe_route/300x4/cap16/ids"] = route(r, 300, 4, 300, 1.2, cap=16)
     for M, n, k, beta in ((1, 37, 256, 0.0), (3, 9, 1280, 1.0), (8, 5, 1280, 0.0)):
         out[f"gemv/{M}x{n}x{k}/f32"] = gemv(r, M, n, k, beta)
-    # S warps a row: rows not a multiple of a block's (dead warps at the barrier), a warp with
-    # no span (3 spans on 4 warps), the unrolled loop and the tail (9 and 6 spans on 2 warps)
-    for M, n, k, beta, S in ((2, 7, 768, 1.0, 4), (1, 5, 2304, 0.0, 2), (8, 3, 4608, 0.0, 4)):
-        out[f"gemv/{M}x{n}x{k}s{S}/f32"] = gemv(r, M, n, k, beta, S)
     return out
 
 

@@ -198,11 +198,12 @@ PDL_ENV = "NINFER_PDL"
 PDL_MIN_DRIVER = 12030          # stream capture of programmatic launches (CUDA 12.3)
 
 
-def pdl_supported(cc: tuple) -> bool:
+def pdl_supported(cc: tuple, default: bool = False) -> bool:
     """Programmatic dependent launch for kernels loaded on a device of compute capability `cc`:
-    asked for (NINFER_PDL=1: off by default, it measured no faster on the H200, docs/gpu.md),
+    asked for (NINFER_PDL=1; 0: never; unset: `default`, the model's choice, docs/gpu.md),
     sm_90+ and a driver of CUDA 12.3 or later (graph capture of such launches)."""
-    if os.environ.get(PDL_ENV, "0") != "1" or tuple(cc) < (9, 0):
+    asked = os.environ.get(PDL_ENV)
+    if not (asked == "1" or (asked is None and default)) or tuple(cc) < (9, 0):
         return False
     version = _d.check(_d.driver().cuDriverGetVersion(), "cuDriverGetVersion")
     return int(version or 0) >= PDL_MIN_DRIVER

@@ -14,7 +14,6 @@ from . import moe_route
 from . import qweights as qw
 
 GEMV_MAX_M = 8              # kernels/gemv.MAX_M (runner.GEMV_MAX_M)
-GEMV_SPLITS = (1, 2, 4)     # kernels/gemv.gemv's S: warps a row
 
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
@@ -166,11 +165,6 @@ def speculation_specs(cfg: TextConfig) -> dict:
                                            C=cfg.linear_conv_dim)}
 
 
-def gemv_name(m: int, S: int = 1) -> str:
-    """The decode GEMV of m tokens, S warps a row (kernels/gemv.py)."""
-    return f"gemv{m}" + (f"s{S}" if S > 1 else "")
-
-
 def qgemv_name(layout: str, bm: int, asym: bool) -> str:
     return f"qgemv_{layout}_{bm}" + ("_z" if asym else "")
 
@@ -239,8 +233,7 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
                                   "argmax", "sample_prep", "sample_stats", "sample",
                                   "random_bf16", "random_f32")}
     # the decode GEMV (kernels/gemv.py), a kernel per token count (StepRunner.gemv_fits)
-    specs.update({gemv_name(m, S): spec("gemv", M=m, **({"S": S} if S > 1 else {}))
-                  for m in range(1, GEMV_MAX_M + 1) for S in GEMV_SPLITS})
+    specs.update({f"gemv{m}": spec("gemv", M=m) for m in range(1, GEMV_MAX_M + 1)})
     if cfg.linear_layer_ids:
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)

@@ -22,8 +22,7 @@ from . import attention_tc as tc
 from . import moe_route, moe_rows
 from . import gdn_chunk as gc
 from . import qweights as qw
-from .kernel_set import (GEMV_MAX_M, dequant_name, gemv_name, paged_attention_group, qgemv_name,
-                         qmma_name)
+from .kernel_set import GEMV_MAX_M, dequant_name, paged_attention_group, qgemv_name, qmma_name
 from .media_rows import MediaRows
 
 
@@ -153,7 +152,6 @@ GATHER_THREADS = 128        # kernels/moe.GATHER_THREADS: gather_rows' block, 16
 GEMV_WARPS = 4              # kernels/gemv.WARPS: the decode GEMV's output rows a block
 GEMV_SPAN_BYTES = 512       # kernels/gemv.SPAN words of 4 bytes: its rows' granule
 GEMV_MAX_BYTES = 16 << 20   # StepRunner.gemv_max_bytes' default
-GEMV_UNROLL = 4             # kernels/gemv.UNROLL: spans a warp has in flight
 # MoE calls of at most this many tokens run the layer's tail as one launch (fused_tail): a
 # 35B-A3B decode step on the H100 3.79 -> 3.59 ms at B = 1, but 9.40 -> 9.55 ms at B = 8, where
 # a block a token re-reads the shared expert's rows and recomputes its SwiGLU for every token
@@ -270,9 +268,6 @@ class StepRunner:
         # decode step: B=1 4.24 -> 4.05 ms at 16 MB, 4.09 at 64 MB; B=8 9.75 -> 9.77 at 16 MB,
         # 10.03 at 64 MB; bench_decode --gemv-max-mb sweeps it); 0: none
         self.gemv_max_bytes = GEMV_MAX_BYTES
-        # long rows of the decode GEMV on 2 or 4 warps each (gemv_split); False: a warp a row
-        # (bench_decode --gemv-split 0)
-        self.gemv_splits = True
         self.last_moe_layout = None  # (cap, rows, overflow experts) of the last grouped call
         # a decode MoE layer's tail (shared expert, experts' down, combine, residual) in one
         # launch instead of four (fused_tail): on where the kernel set has moe_down_combine
@@ -311,20 +306,10 @@ class StepRunner:
                 and batch == 1 and ldc in (0, n) and (2 * k) % GEMV_SPAN_BYTES == 0
                 and x % 16 == 0 and w % 16 == 0 and self.res.ws.gin_bytes == 2)
 
-    def gemv_split(self, k: int) -> int:
-        """Warps a row of the decode GEMV over rows of k bf16 (kernels/gemv.py's S): each warp's
-        spans at most one round of its UNROLL loads in flight, up to 4 warps; 1 where
-        gemv_splits is off."""
-        if not self.gemv_splits:
-            return 1
-        rounds = -(-(2 * k) // (GEMV_SPAN_BYTES * GEMV_UNROLL))
-        return 4 if rounds >= 4 else 2 if rounds >= 2 else 1
-
     def gemm(self, st, x, w, y, m, n, k, beta=0.0, w_kn=False, name="gemm", batch=1,
              strides=(0, 0, 0), ldc=0):
         if self.gemv_fits(x, w, m, n, k, w_kn, batch, ldc):
-            S = self.gemv_split(k)
-            self.launch(st, getattr(self.kernels, gemv_name(m, S)), (-(-n // (GEMV_WARPS // S)),),
+            self.launch(st, getattr(self.kernels, f"gemv{m}"), (-(-n // GEMV_WARPS),),
                         (32 * GEMV_WARPS,), (y, x, w, n, k // 2, float(beta)))
             return
         lt = self.res.lt
