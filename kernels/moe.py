@@ -159,6 +159,22 @@ def dot_act(w0, w1, w2, w3, v0, v1, v2, v3, v4, v5, v6, v7):
             bf16x2_lo(w2) * v4 + bf16x2_hi(w2) * v5 + bf16x2_lo(w3) * v6 + bf16x2_hi(w3) * v7)
 
 
+@inlined
+def rows4_act(a0, a1, a2, a3, w, i, stride, act, j):
+    # the sums of bf16 rows i, i + stride, i + 2 * stride, i + 3 * stride (16 bytes each, read
+    # once) after their products with the eight fp32 activations act[j .. j + 8)
+    v0, v1, v2, v3, v4, v5, v6, v7 = (act[j], act[j + 1], act[j + 2], act[j + 3], act[j + 4],
+                                      act[j + 5], act[j + 6], act[j + 7])
+    p0, p1, p2, p3 = ld_v4_stream(w, i)
+    q0, q1, q2, q3 = ld_v4_stream(w, i + stride)
+    r0, r1, r2, r3 = ld_v4_stream(w, i + 2 * stride)
+    s0, s1, s2, s3 = ld_v4_stream(w, i + 3 * stride)
+    return (a0 + dot_act(p0, p1, p2, p3, v0, v1, v2, v3, v4, v5, v6, v7),
+            a1 + dot_act(q0, q1, q2, q3, v0, v1, v2, v3, v4, v5, v6, v7),
+            a2 + dot_act(r0, r1, r2, r3, v0, v1, v2, v3, v4, v5, v6, v7),
+            a3 + dot_act(s0, s1, s2, s3, v0, v1, v2, v3, v4, v5, v6, v7))
+
+
 def expert_down(H, inter, f32=False):
     ld_pair = storage(f32)[2]
     IW = inter // 2                  # words of a bf16 row
@@ -186,18 +202,7 @@ def expert_down(H, inter, f32=False):
             a3 = float32(0.0)
             for it in range(IW // 128):
                 c = it * 128 + lane * 4
-                v0, v1, v2, v3, v4, v5, v6, v7 = (act[ab + 2 * c], act[ab + 2 * c + 1],
-                                                  act[ab + 2 * c + 2], act[ab + 2 * c + 3],
-                                                  act[ab + 2 * c + 4], act[ab + 2 * c + 5],
-                                                  act[ab + 2 * c + 6], act[ab + 2 * c + 7])
-                p0, p1, p2, p3 = ld_v4_stream(w, wb + c)
-                q0, q1, q2, q3 = ld_v4_stream(w, wb + IW + c)
-                r0, r1, r2, r3 = ld_v4_stream(w, wb + 2 * IW + c)
-                s0, s1, s2, s3 = ld_v4_stream(w, wb + 3 * IW + c)
-                a0 += dot_act(p0, p1, p2, p3, v0, v1, v2, v3, v4, v5, v6, v7)
-                a1 += dot_act(q0, q1, q2, q3, v0, v1, v2, v3, v4, v5, v6, v7)
-                a2 += dot_act(r0, r1, r2, r3, v0, v1, v2, v3, v4, v5, v6, v7)
-                a3 += dot_act(s0, s1, s2, s3, v0, v1, v2, v3, v4, v5, v6, v7)
+                a0, a1, a2, a3 = rows4_act(a0, a1, a2, a3, w, wb + c, IW, act, ab + 2 * c)
             a0 = warp_sum(a0)
             a1 = warp_sum(a1)
             a2 = warp_sum(a2)
@@ -277,18 +282,7 @@ def moe_down_combine(H, inter, shared, K):
             if VEC:
                 for it in range(IW // 128):
                     c = it * 128 + lane * 4
-                    v0, v1, v2, v3, v4, v5, v6, v7 = (act[ab + 2 * c], act[ab + 2 * c + 1],
-                                                      act[ab + 2 * c + 2], act[ab + 2 * c + 3],
-                                                      act[ab + 2 * c + 4], act[ab + 2 * c + 5],
-                                                      act[ab + 2 * c + 6], act[ab + 2 * c + 7])
-                    p0, p1, p2, p3 = ld_v4_stream(w, wb + c)
-                    q0, q1, q2, q3 = ld_v4_stream(w, wb + IW + c)
-                    r0, r1, r2, r3 = ld_v4_stream(w, wb + 2 * IW + c)
-                    s0, s1, s2, s3 = ld_v4_stream(w, wb + 3 * IW + c)
-                    a0 += dot_act(p0, p1, p2, p3, v0, v1, v2, v3, v4, v5, v6, v7)
-                    a1 += dot_act(q0, q1, q2, q3, v0, v1, v2, v3, v4, v5, v6, v7)
-                    a2 += dot_act(r0, r1, r2, r3, v0, v1, v2, v3, v4, v5, v6, v7)
-                    a3 += dot_act(s0, s1, s2, s3, v0, v1, v2, v3, v4, v5, v6, v7)
+                    a0, a1, a2, a3 = rows4_act(a0, a1, a2, a3, w, wb + c, IW, act, ab + 2 * c)
             else:
                 for c in range(lane, IW, 32):
                     a0, a1, a2, a3 = rows4_pair(a0, a1, a2, a3, w, wb + c, IW,
