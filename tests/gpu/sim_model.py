@@ -190,7 +190,7 @@ def install(machine):
             self.fn[g, b](*conv)
 
     class Cache:
-        def __init__(self, cc, cache_dir=None):
+        def __init__(self, cc, cache_dir=None, pdl_default=False):
             self.k = {}
 
         def get(self, spec):

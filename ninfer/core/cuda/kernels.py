@@ -363,10 +363,13 @@ class Precompile:
 class KernelCache:
     """Compile-once, load-once: PTX on disk, modules in this process."""
 
-    def __init__(self, cc: tuple, cache_dir=None, use_pack: bool = True, pdl: bool = None):
+    def __init__(self, cc: tuple, cache_dir=None, use_pack: bool = True, pdl: bool = None,
+                 pdl_default: bool = False):
         self.cc = tuple(cc)
         self.use_pack = use_pack    # False: building a pack (compile what the cache lacks)
-        self.pdl = pdl              # programmatic dependent launch; None: pdl_supported(cc)
+        # programmatic dependent launch; None: pdl_supported(cc, pdl_default) at the first load
+        self.pdl = pdl
+        self.pdl_default = pdl_default
         self.dir = pathlib.Path(cache_dir) if cache_dir else default_cache_dir()
         self._loaded: dict = {}
         self._lock = threading.Lock()
@@ -430,7 +433,7 @@ class KernelCache:
         if k is not None:
             return k
         if self.pdl is None:
-            self.pdl = pdl_supported(self.cc)
+            self.pdl = pdl_supported(self.cc, self.pdl_default)
         k = Kernel.from_ptx(self.ptx(spec), spec, pdl=self.pdl)
         with self._lock:
             first = self._loaded.setdefault(spec, k)

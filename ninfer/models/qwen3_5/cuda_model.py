@@ -36,7 +36,7 @@ from ...contracts import BatchLimits, ForwardBatch
 from ...core.cuda import driver as _d
 from ...core.cuda.arena import Arena
 from ...core.cuda.cublaslt import CublasLt
-from ...core.cuda.kernels import KernelCache, pdl_supported
+from ...core.cuda.kernels import KernelCache
 from ...errors import ArtifactError, DeviceError, RequestError
 from ...options import draft_tokens, draft_vocab_size
 from .config import ModelConfig
@@ -248,10 +248,11 @@ class CudaModel(MediaEncoding):
         # programmatic dependent launch: each kernel of ours resident and waiting when the one
         # before ends. A bf16 MoE decode step is mostly small kernels of ours (35B-A3B, H100:
         # 3.55 -> 3.37 ms at B = 1, 9.6 -> 9.2 at B = 8); dense bf16 steps moved within the
-        # noise and a 9B fp8 one lost 5% at B = 8 (H200), so those keep it off (NINFER_PDL=1/0)
-        pdl = pdl_supported(self.device.cc, default=cfg.is_moe and not self.f32 and not self.qplans)
-        self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir, pdl=pdl),
-                                 self.f32,
+        # noise and a 9B fp8 one lost 5% at B = 8 (H200), so those keep it off (NINFER_PDL=1/0;
+        # kernels.pdl_supported)
+        pdl = cfg.is_moe and not self.f32 and not self.qplans
+        self.kernels = KernelSet(cfg, KernelCache(self.device.cc, kernel_cache_dir,
+                                                  pdl_default=pdl), self.f32,
                                  qw.formats(self.qplans.values()), self.kv_dtype,
                                  vision_head_dim=vcfg.head_dim if vis_patches else 0,
                                  mtp=self.mtp, dflash=self.dflash_cfg)
