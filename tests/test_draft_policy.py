@@ -340,8 +340,8 @@ def test_a_units_expected_tokens_are_its_rows_own(monkeypatch):
 def test_rows_that_stopped_accepting_decode_plainly_while_the_traffic_drafts():
     """The traffic accepts 0.7 of its drafts (rows 1..8: k >= 3 pays at B = 2), but the unit's
     two rows accepted none of their last 10 verifies (their output left the drafter's reach):
-    the policy runs them plainly, and drafts again for rows that accept (bench_speculative --batch 8 ran
-    two such rows at k = 4 for 81 units, 1.6x a plain step's cost each)."""
+    the policy runs them plainly, and drafts again for rows that accept (bench_speculative
+    --batch 8 ran two such rows at k = 4 for 81 units, 1.6x a plain step's cost each)."""
     pol, rng = DraftPolicy(4), np.random.default_rng(5)
     for _ in range(50):
         for row in range(1, 9):

@@ -434,10 +434,11 @@ class Speculator:
     def _tail_plan(self, prog, seqs, masks, drafts) -> Optional[int]:
         """The chained steps the next unit's drafts take behind this unit's verify
         (verify_and_draft: its drafter feed and those drafts run on the device behind the
-        verify, one wait instead of three), or None where that does not apply: a unit sampled on
-        the device (execute asks) with a drafter that drafts in its verify (CUDA's MTP),
-        snapshot rollback, every row drafting the same k and none masked. The policy's k for the next unit is chosen now (kept for it: _choice);
-        steps is that k - 1, fewer where a row's pages cannot take the chain's KV writes (up to
+        verify, one wait instead of three), or None where that does not apply. It applies to a
+        unit sampled on the device (execute asks) with a drafter that drafts in its verify
+        (CUDA's MTP) under snapshot rollback, every row drafting the same k and none masked.
+        The policy's k for the next unit is chosen now (kept for it: _choice); steps is that
+        k - 1, fewer where a row's pages cannot take the chain's KV writes (up to
         F + k + steps: its pages are taken now, commit's trim returns them)."""
         if not getattr(self.drafter, "drafts_in_verify", False) or not self.snapshots \
                 or not drafts or len(drafts) != len(seqs) or any(m is not None for m in masks):
