@@ -10,7 +10,7 @@ from numba import cuda, float32, int32, int64, uint64
 
 from .common import (FULL_MASK, bf16_pair, bf16_round, bf16x2_hi, bf16x2_lo, inlined, sigmoid,
                      silu, storage, warp_max, warp_sum)
-from .ptx import ld_v4, ld_v4_stream, st_v4
+from .ptx import grid_wait, ld_v4, ld_v4_stream, prefetch_l2, st_v4
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -96,6 +96,7 @@ def router_topk(E, K, norm):
 
 
 DOWN_ROWS = 4            # expert_down: output rows per warp (grid.y = ceil(H / (4 * DOWN_ROWS)))
+LINE = 32                # 32-bit words of a 128-byte L2 line (the tail's shared-row prefetch)
 
 
 @inlined
@@ -271,6 +272,14 @@ def moe_down_combine(H, inter, shared, K):
         slot = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         part = cuda.shared.array(PART, float32)
+        if slot == K:
+            # the shared expert's R rows (contiguous, weights only) asked of L2 before the wait
+            # for the kernel before (ptx.grid_wait); the routed rows depend on its ids
+            q = lane * LINE
+            while q < R * SW:
+                prefetch_l2(sw, int64(i0) * SW + q)
+                q += 32 * LINE
+        grid_wait()
         a0 = float32(0.0)
         a1 = float32(0.0)
         a2 = float32(0.0)

@@ -14,6 +14,13 @@ with a twin for numba's CPU simulator that computes the same bits with numpy.
     ld_v4_f32(p, i)       ld.global.nc.v4.f32 of a float32 pointer: four floats
     st_v4(p, i, a, b, c, d)
                           st.global.v4.u32 of four words at p[i .. i + 4) (i a multiple of 4)
+    prefetch_l2(p, i)     prefetch.global.L2 of the 128-byte line holding p[i]: the load
+                          starts, nothing waits for it (weights a kernel reads next)
+    grid_wait()           where the kernel waits for the kernel before it under programmatic
+                          dependent launch: a PTX comment, GRID_WAIT_MARK, that the kernel
+                          loader (ninfer/core/cuda/kernels.py) turns into griddepcontrol.wait
+                          when it launches the kernel that way (else it stays a comment); the
+                          code before it may read only what no kernel writes (weights)
     mma_bf16(a0..a3, b0, b1, c0..c3)
                           mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a warp's
                           D[16, 8] = A[16, 16] B[16, 8] + C in fp32. Lane l (g = l / 4, t = l % 4)
@@ -37,6 +44,8 @@ import threading
 
 import numpy as np
 from numba import config
+
+GRID_WAIT_MARK = "// ninfer: grid dependency wait"   # (kernels.py's, asserted equal in a test)
 
 if config.ENABLE_CUDASIM:
     def _bf16(bits):
@@ -83,6 +92,12 @@ if config.ENABLE_CUDASIM:
 
     def st_v4(p, i, a, b, c, d):
         p[i], p[i + 1], p[i + 2], p[i + 3] = a, b, c, d
+
+    def prefetch_l2(p, i):
+        p[i]            # (an address past the array fails here as the load would)
+
+    def grid_wait():
+        pass
 
     _WARPS, _LOCK = {}, threading.Lock()
 
@@ -233,6 +248,28 @@ else:
             ftype = ir.FunctionType(ir.VoidType(), [addr.type] + [_I32] * 4)
             builder.asm(ftype, "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
                         [addr, *args[2:]], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, p, i):
+        sig = types.void(p, types.int64)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            builder.asm(ir.FunctionType(ir.VoidType(), [addr.type]), "prefetch.global.L2 [$0];",
+                        "l", [addr], side_effect=True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def grid_wait(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            # side_effect: kept, and no load of the kernel's moves above it
+            builder.asm(ir.FunctionType(ir.VoidType(), []), GRID_WAIT_MARK, "", [],
+                        side_effect=True)
             return context.get_dummy_value()
         return sig, codegen
 

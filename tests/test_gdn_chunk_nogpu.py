@@ -222,7 +222,8 @@ class _Recorder:
 
 class _KernelNames:
     """A kernel set whose kernels are their names: a recorder in place of StepRunner.launch
-    sees which kernel each launch names."""
+    sees which kernel each launch names (none fused into the GEMV: no specs)."""
+    specs = frozenset()
 
     def __getattr__(self, name):
         return name
@@ -259,7 +260,8 @@ def test_runner_takes_the_chunked_path_for_every_non_decode_call(rows, decode, t
     meta = type("Meta", (), {k: _Buf(k) for k in ("token_row", "query_start", "context_lens",
                                                   "state_slots")})()
     state = type("State", (), {"conv": [_Buf("conv")], "recurrent": [_Buf("rec")]})()
-    lw = {k: _Buf(k) for k in ("w_in", "conv_w", "a_log", "dt_bias", "norm_w", "w_out")}
+    lw = {k: _Buf(k) for k in ("input_norm", "w_in", "conv_w", "a_log", "dt_bias", "norm_w",
+                               "w_out")}
     n, b = sum(ln for _, ln, _ in rows), len(rows)
     r.gdn(None, meta, n, b, lw, state, 0)
     names = [c[0] for c in rec.calls]

@@ -104,7 +104,7 @@ def _runner(invariant):
                          ml=0, tc=SimpleNamespace(l_cap=0))
     # kernels: each its own name, so a recorder in place of launch sees which one is launched
     names = SimpleNamespace(**{k: k for k in ("qk_norm_rope_kv", "paged_attention",
-                                              "attn_combine")})
+                                              "attn_combine", "rmsnorm")}, specs={})
     r = R.StepRunner(R.StepResources(cfg=cfg, ws=ws, weights={}, lt=lt, kernels=names,
                                      num_sms=132, b_cap=1, moe_gemv_tokens=1, n_cap=16, route_host=None, media=None),
                      invariant=invariant, attn_tc_min_tokens=64)
@@ -151,6 +151,42 @@ def test_small_decode_products_take_the_gemv():
         assert len(launches) == 1 and len(r.gemms) == 6
 
 
+def test_a_norm_runs_in_the_gemv_prologue_where_the_product_takes_the_gemv():
+    """StepRunner.normed: the norm and the product after it as one gemv_norm launch (its
+    block 0 stores ws.x) where the decode GEMV takes the product and the set has the kernel for
+    that many tokens; else the norm kernel, then the product (here cuBLASLt's, recorded)."""
+    from ninfer.core.cuda.cublaslt import PIN_M
+    from ninfer.models.qwen3_5.cuda import runner as R
+    for invariant in (False, True):
+        r = _runner(invariant)
+        r.gemv_max_bytes = 2 * 64 * 256
+        r.res.ws.gin_bytes = 2
+        launches = []
+        r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append(
+            (kernel, grid, args))
+        r.kernels.specs = {f"gemv_norm{m}" for m in range(1, 5)}
+        for m in range(1, 9):
+            setattr(r.kernels, f"gemv_norm{m}", f"gemv_norm{m}")
+            setattr(r.kernels, f"gemv{m}", f"gemv{m}")
+        ws, norm = r.res.ws, SimpleNamespace(ptr=0x40)
+        w = SimpleNamespace(ptr=0x200, shape=(64, 256))
+        r.normed(None, norm, w, 3, 64)
+        assert launches == [("gemv_norm3", (-(-64 // R.GEMV_WARPS),),
+                             (ws.proj, ws.h, w, 64, 128, 0.0, norm, ws.x, r.cfg.rms_norm_eps))]
+        assert r.gemms == []
+        launches.clear()
+        big = SimpleNamespace(ptr=0x200, shape=(65, 256))        # over the GEMV's bytes
+        for args in ((norm, w, 5, 64),                           # no kernel for 5 tokens
+                     (norm, big, 3, 65)):
+            r.normed(None, *args)
+        assert [k for k, *_ in launches] == ["rmsnorm", "gemv5", "rmsnorm"]
+        assert r.gemms == [(PIN_M if invariant else 3, 65, 256)]
+        r.fuse_norm = False
+        launches.clear()
+        r.normed(None, norm, w, 3, 64)
+        assert [k for k, *_ in launches] == ["rmsnorm", "gemv3"]
+
+
 # ---- decode attention splits -------------------------------------------------------------------
 
 def _attention_splits_of(invariant, n):
@@ -159,7 +195,8 @@ def _attention_splits_of(invariant, n):
     r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append((kernel, grid))
     meta = SimpleNamespace(layout=SimpleNamespace(n_cap=16, p_cap=4), positions=0, token_row=0,
                            query_start=0, context_lens=0, block_tables=0)
-    lw = {k: SimpleNamespace(ptr=0) for k in ("w_in", "w_out", "q_norm", "k_norm")}
+    lw = {k: SimpleNamespace(ptr=0, shape=(64, 256))
+          for k in ("w_in", "w_out", "q_norm", "k_norm", "input_norm")}
     kv = SimpleNamespace(k=[0], v=[0], page_size=16)
     r.attention(None, meta, n, n, lw, kv, 0)
     return [grid[2] for kernel, grid in launches if kernel == "paged_attention"]

@@ -29,6 +29,51 @@ def test_every_entry_waits_then_lets_the_next_kernel_launch():
     assert out.replace(K.GRID_DEPENDENCY, "") == _ptx()
 
 
+def test_a_kernel_that_places_its_wait_gets_it_there_and_nowhere_else():
+    """kernels/ptx.grid_wait leaves GRID_WAIT_MARK (a PTX comment) where a kernel waits: that
+    entry gets the two instructions in its place (its weight prefetch before them), the other
+    entries at their start as before; unpatched, the mark stays a comment."""
+    from ninfer.core.cuda.kernels import _import_kernel_module
+    assert _import_kernel_module("ptx").GRID_WAIT_MARK == K.GRID_WAIT_MARK
+    marked = _ptx().replace("\tret;\n}\n.visible .entry b",
+                            "\tprefetch.global.L2 [%rd1];\n\t" + K.GRID_WAIT_MARK
+                            + "\n\tret;\n}\n.visible .entry b", 1)
+    assert marked.count(K.GRID_WAIT_MARK) == 1
+    out = K.with_grid_dependency(marked)
+    a, b = out.split(".entry ")[1:]
+    a_lines = [ln.strip() for ln in a.split("{\n", 1)[1].splitlines()]
+    assert a_lines[1:4] == ["prefetch.global.L2 [%rd1];", WAIT, TRIGGER]   # after the prefetch
+    assert a.count(WAIT) == 1 and K.GRID_WAIT_MARK not in out
+    assert [ln.strip() for ln in b.split("{\n", 1)[1].splitlines()][:2] == [WAIT, TRIGGER]
+    assert K.with_grid_dependency(out) == out
+
+
+def test_the_decode_gemv_waits_after_asking_for_its_weights(tmp_path):
+    """The real decode GEMVs (kernels/gemv.py) and the MoE tail (its shared expert's rows):
+    their PTX asks L2 for weight rows, then waits, and assembles for sm_90 with the wait placed
+    there."""
+    try:
+        ptxs = [K.compile_spec(spec("gemv", M=2), (9, 0)),
+                K.compile_spec(spec("gemv_norm", M=2, hidden=512), (9, 0)),
+                K.compile_spec(spec("moe_down_combine", H=2048, inter=512, shared=512, K=8),
+                               (9, 0))]
+    except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
+        pytest.skip(f"numba-cuda cannot compile here: {exc}")
+    for i, ptx in enumerate(ptxs):
+        assert ptx.count(K.GRID_WAIT_MARK) == 1
+        out = K.with_grid_dependency(ptx)
+        body = out.split(".entry ", 1)[1]
+        assert body.count(WAIT) == 1
+        assert 0 < body.index("prefetch.global.L2") < body.index(WAIT)
+        ptxas = shutil.which("ptxas")
+        if ptxas is not None:
+            src = tmp_path / f"k{i}.ptx"
+            src.write_text(out)
+            r = subprocess.run([ptxas, "-arch=sm_90", str(src), "-o", str(tmp_path / "k.cubin")],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("target,version", [("sm_80", "8.0"), ("sm_89", "8.3"), ("sm_90", "7.7")])
 def test_no_grid_dependency_where_the_ptx_cannot_hold_it(target, version):
     assert K.with_grid_dependency(_ptx(target, version)) is None

@@ -254,6 +254,30 @@ def gemv(r, M: int, n: int, k: int, beta: float) -> float:
     return rel(y.astype(np.float64), want)
 
 
+def gemv_norm(r, M: int, n: int, hidden: int) -> dict:
+    """gemv_norm (kernels/gemv.py): the RMS norm of M fp32 rows in the prologue, then the product
+    of its bf16 rows; beta 1 over a live output. The normed rows it stores (block 0) against
+    float64's norm (within a bf16 rounding), the product against float64 over those rows."""
+    from ninfer.models.qwen3_5.cuda.runner import GEMV_WARPS
+    eps = 1e-6
+    h = (3.0 * r.standard_normal((M, hidden))).astype(np.float32)
+    nw = (0.1 * r.standard_normal(hidden)).astype(np.float32)
+    w = bf16_bits(0.05 * r.standard_normal((n, hidden)))
+    y0 = r.standard_normal((M, n)).astype(np.float32)
+    y = y0.copy()
+    xout = np.full((M + 1) * hidden, 0xFFFF, np.uint16)         # a row past M: untouched
+    kernel("gemv", "gemv_norm", M=M, hidden=hidden)[(-(-n // GEMV_WARPS), 1, 1),
+                                                    (32 * GEMV_WARPS, 1, 1)](
+        y.reshape(-1), h.reshape(-1), w.view(np.uint32).reshape(-1), n, hidden // 2,
+        np.float32(1.0), nw, xout, np.float32(eps))
+    h64 = h.astype(np.float64)
+    normed = h64 / np.sqrt((h64 ** 2).mean(-1, keepdims=True) + eps) * (1 + nw.astype(np.float64))
+    x = bf16_to_f64(xout[:M * hidden].reshape(M, hidden))
+    want = x @ bf16_to_f64(w).T + y0.astype(np.float64)
+    return {"x": rel(x, normed), "y": rel(y.astype(np.float64), want),
+            "untouched": bool((xout[M * hidden:] == 0xFFFF).all())}
+
+
 def main(seed: int) -> dict:
     r = np.random.default_rng(seed)
     out = {}
@@ -284,6 +308,12 @@ def main(seed: int) -> dict:
     out["moe_route/300x4/cap16/ids"] = route(r, 300, 4, 300, 1.2, cap=16)
     for M, n, k, beta in ((1, 37, 256, 0.0), (3, 9, 1280, 1.0), (8, 5, 1280, 0.0)):
         out[f"gemv/{M}x{n}x{k}/f32"] = gemv(r, M, n, k, beta)
+    # one span a row (the tail loop alone); five (unrolled + tail); 8 tokens of two spans
+    for M, n, hidden in ((1, 37, 256), (3, 9, 1280), (8, 5, 512)):
+        res = gemv_norm(r, M, n, hidden)
+        out[f"gemv_norm/{M}x{n}x{hidden}/x/bf16"] = res["x"]
+        out[f"gemv_norm/{M}x{n}x{hidden}/f32"] = res["y"]
+        out[f"gemv_norm/{M}x{n}x{hidden}/untouched"] = res["untouched"]
     return out
 
 

@@ -17,9 +17,9 @@ ROUTER_SCALE = 3.0
 MOE_EXPERTS = 4
 
 
-def tiny_config(moe: bool = False, tied: bool = False) -> ModelConfig:
+def tiny_config(moe: bool = False, tied: bool = False, hidden: int = 64) -> ModelConfig:
     layers = (LIN, LIN, LIN, FULL, LIN, FULL)
-    t = TextConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=len(layers),
+    t = TextConfig(vocab_size=320, hidden_size=hidden, intermediate_size=96, num_hidden_layers=len(layers),
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
                    tie_word_embeddings=tied, rope_theta=10000.0, partial_rotary_factor=0.25,
                    mrope_section=(3, 3, 2), mrope_interleaved=True, linear_conv_kernel_dim=4,

@@ -19,10 +19,13 @@ in the stream has finished and its writes are visible) then `griddepcontrol.laun
 (the next kernel may be scheduled now), and the kernel is launched with cuLaunchKernelEx and the
 programmatic-stream-serialization attribute. The next kernel's blocks are then resident and
 waiting when this one ends, instead of being launched after it: the launch gap between two
-dependent kernels overlaps the kernel before. Off by default: on the H200 it measured no faster
-(a graph's gap is already about a microsecond; docs/gpu.md).
+dependent kernels overlaps the kernel before. The model decides the default (`pdl_supported`):
+on for a bf16 MoE model (its many small kernels measured 5% faster a decode step), off for the
+dense ones (no faster on the H200: a graph's gap is already about a microsecond; docs/gpu.md).
 Every kernel of ours waits before its first instruction, so the order of memory effects is the
-plain stream's; kernels we do not build (cuBLASLt) are launched as before.
+plain stream's, except a kernel that places its wait itself (kernels/ptx.grid_wait: the decode
+GEMV asks for its weight rows first, which nothing writes); kernels we do not build (cuBLASLt)
+are launched as before.
 
 Numba's dispatcher is never used: the cache turns numba into a compiler, and a warm cache needs no
 numba import at all.
@@ -194,6 +197,7 @@ _ENTRY_BODY = re.compile(r"(\.entry\s[^{]*\{[ \t]*\n)")
 _TARGET = re.compile(r"^\s*\.target\s+sm_(\d+)", re.M)
 _VERSION = re.compile(r"^\s*\.version\s+(\d+)\.(\d+)", re.M)
 GRID_DEPENDENCY = "\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n"
+GRID_WAIT_MARK = "// ninfer: grid dependency wait"     # kernels/ptx.grid_wait's PTX comment
 PDL_ENV = "NINFER_PDL"
 PDL_MIN_DRIVER = 12030          # stream capture of programmatic launches (CUDA 12.3)
 
@@ -210,17 +214,28 @@ def pdl_supported(cc: tuple, default: bool = False) -> bool:
 
 
 def with_grid_dependency(ptx: str):
-    """`ptx` with GRID_DEPENDENCY first in every entry's body (module docstring), or None when
-    the PTX cannot hold it (a target below sm_90, a PTX ISA below 7.8). ptxas takes the
-    instructions before the body's register declarations."""
+    """`ptx` with GRID_DEPENDENCY first in every entry's body (module docstring), or in place of
+    the entry's GRID_WAIT_MARK where the kernel placed its wait itself (kernels/ptx.grid_wait:
+    weight loads issued before it overlap the kernel before); None when the PTX cannot hold it
+    (a target below sm_90, a PTX ISA below 7.8). ptxas takes the instructions before the body's
+    register declarations."""
     target, version = _TARGET.search(ptx), _VERSION.search(ptx)
     if not target or int(target.group(1)) < 90 or not version \
             or (int(version.group(1)), int(version.group(2))) < (7, 8):
         return None
-    if GRID_DEPENDENCY in ptx:
+    if "griddepcontrol.wait" in ptx:
         return ptx
-    out, n = _ENTRY_BODY.subn(lambda m: m.group(1) + GRID_DEPENDENCY, ptx)
-    return out if n else None
+    parts = _ENTRY_BODY.split(ptx)           # [before, head, body, head, body, ...]
+    if len(parts) == 1:
+        return None
+    out = [parts[0]]
+    for head, body in zip(parts[1::2], parts[2::2]):
+        if GRID_WAIT_MARK in body:
+            body = body.replace(GRID_WAIT_MARK, GRID_DEPENDENCY.strip())
+        else:
+            body = GRID_DEPENDENCY + body
+        out += [head, body]
+    return "".join(out)
 
 
 def entry_name(ptx: str) -> str:

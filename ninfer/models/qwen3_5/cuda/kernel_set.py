@@ -147,6 +147,12 @@ def fused_moe_tail(cfg: TextConfig) -> bool:
             and cfg.hidden_size % 4 == 0 and cfg.num_experts_per_tok + 1 <= 32)
 
 
+def norm_gemv_fits(hidden: int, m: int) -> bool:
+    """Whether kernels/gemv.py's gemv_norm takes m rows of `hidden`: whole 512-byte spans, the
+    bf16 rows within its static shared memory (NORM_SMEM, 48 KB)."""
+    return hidden % 256 == 0 and m * hidden * 2 <= 48 * 1024
+
+
 def speculation_specs(cfg: TextConfig) -> dict:
     """The kernels a speculative verify adds to a geometry's (issue 25; not loaded until the
     CUDA verify path uses them): the delta rule's S and the conv window written after every
@@ -234,6 +240,13 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
                                   "random_bf16", "random_f32")}
     # the decode GEMV (kernels/gemv.py), a kernel per token count (StepRunner.gemv_fits)
     specs.update({f"gemv{m}": spec("gemv", M=m) for m in range(1, GEMV_MAX_M + 1)})
+    # ... with the norm before the product in its prologue (StepRunner.normed), for the token
+    # counts whose rows fit its shared memory, where some normed product can take the GEMV
+    # (a MoE layer's router + shared gate|up; the input projections of hidden <= 2048)
+    H = cfg.hidden_size
+    if cfg.is_moe or H <= 2048:
+        specs.update({f"gemv_norm{m}": spec("gemv_norm", M=m, hidden=H)
+                      for m in range(1, GEMV_MAX_M + 1) if norm_gemv_fits(H, m)})
     if cfg.linear_layer_ids:
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)
@@ -293,7 +306,7 @@ def _f32_specs(cfg: TextConfig) -> dict:
         if name in F32_VARIANTS:
             specs[name] = spec(name, True, **dict(sp.params))
         elif sp.module not in ("attention_tc", "gdn_chunk_tc", "grouped_gemm") \
-                and name != "moe_down_combine":                                # (bf16 only)
+                and name != "moe_down_combine" and sp.factory != "gemv_norm":   # (bf16 only)
             specs[name] = sp
     if cfg.linear_layer_ids:                       # the fp32 chunked delta rule instead
         specs.update(gdn_chunk_specs(cfg.linear_key_head_dim, cfg.linear_value_head_dim,

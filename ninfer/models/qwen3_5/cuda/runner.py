@@ -276,6 +276,12 @@ class StepRunner:
         # so a row's sums never depend on B)
         self.fuse_moe_tail = bool(fuse_moe_tail)
         self.fused_tail_tokens = FUSED_TAIL_TOKENS
+        # a norm in the prologue of the product after it (kernels/gemv.py gemv_norm;
+        # norm_fused): one launch instead of two where the kernel set has it and the product
+        # takes the decode GEMV (a MoE layer's router + shared gate|up; at a raised
+        # gemv_max_bytes the blocks' input projections too); False: the norm kernel
+        # (bench_decode --fuse-norm 0)
+        self.fuse_norm = True
 
     # -- primitives --------------------------------------------------------------------------------
     def _timed(self, st, name, fn):
@@ -468,14 +474,13 @@ class StepRunner:
             self.res.media.write(st, media)
         n_attn = n_lin = 0
         for i, lw in enumerate(W["layers"]):
-            self.rmsnorm(st, ws.x, ws.h, lw["input_norm"], n)
+            # each block norms ws.h into ws.x itself (normed: in its first product where it can)
             if cfg.layer_types[i] == FULL_ATTENTION:
                 self.attention(st, meta, n, b, lw, kv, n_attn)
                 n_attn += 1
             else:
                 self.gdn(st, meta, n, b, lw, state, n_lin, snap)
                 n_lin += 1
-            self.rmsnorm(st, ws.x, ws.h, lw["post_norm"], n)
             if cfg.is_moe:
                 self.moe(st, n, lw)
             else:
@@ -498,9 +503,7 @@ class StepRunner:
                     (ws.act, ws.h, ws.mtp_h, M["norm_embedding"], M["norm_hidden"], H,
                      cfg.rms_norm_eps))
         self.linear(st, ws.act.ptr, M["fc"], ws.h.ptr, n, H, 2 * H)
-        self.rmsnorm(st, ws.x, ws.h, M["input_norm"], n)
         self.attention(st, meta, n, b, M, kv, len(kv.k) - 1)
-        self.rmsnorm(st, ws.x, ws.h, M["post_norm"], n)
         if cfg.is_moe:
             self.moe(st, n, M)
         else:
@@ -548,7 +551,7 @@ class StepRunner:
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         P = C + Vd + 2 * nv
-        self.linear(st, ws.x.ptr, lw["w_in"], ws.proj.ptr, n, P, H)
+        self.normed(st, lw["input_norm"], lw["w_in"], n, P)
         blk = (max(dk, dv) + 31) // 32 * 32
         decode = int(n == b and snap is None)
         self.launch(st, self.kernels.conv_silu, (n, 2 * nk + nv), (blk,),
@@ -593,7 +596,7 @@ class StepRunner:
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         P = 2 * nh * hd + 2 * nkv * hd
         lay = meta.layout
-        self.linear(st, ws.x.ptr, lw["w_in"], ws.proj.ptr, n, P, H)
+        self.normed(st, lw["input_norm"], lw["w_in"], n, P)
         self.launch(st, self.kernels.qk_norm_rope_kv, (n, nh + nkv), ((hd + 31) // 32 * 32,),
                     (ws.mid, ws.proj, P, lw["q_norm"], lw["k_norm"], kv.k[a], kv.v[a],
                      meta.positions, lay.n_cap, meta.token_row, meta.query_start,
@@ -633,7 +636,7 @@ class StepRunner:
     def mlp(self, st, n, lw):
         cfg, ws = self.cfg, self.res.ws
         H, I = cfg.hidden_size, cfg.intermediate_size
-        self.linear(st, ws.x.ptr, lw["w_gu"], ws.proj.ptr, n, 2 * I, H)
+        self.normed(st, lw["post_norm"], lw["w_gu"], n, 2 * I)
         self.launch(st, self.kernels.silu_mul, (n, (I + 255) // 256), (256,),
                     (ws.act, ws.proj, 2 * I, 0, I))
         self.linear(st, ws.act.ptr, lw["w_down"], ws.h.ptr, n, H, I, beta=1.0)
@@ -643,7 +646,7 @@ class StepRunner:
         H, E, K = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
         I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         P = E + 2 * Is + 1
-        self.linear(st, ws.x.ptr, lw["w_rs"], ws.proj.ptr, n, P, H)
+        self.normed(st, lw["post_norm"], lw["w_rs"], n, P)
         self.launch(st, self.kernels.router_topk, (n,), (ROUTER_THREADS,),
                     (ws.ids, ws.wts, ws.proj, P))
         fused = self.fused_tail(n, lw)
@@ -679,6 +682,28 @@ class StepRunner:
         self.launch(st, self.kernels.moe_combine, ((H + 255) // 256, n), (256,),
                     (ws.h, ws.my, ws.route.ptr + 4 * ws.grouped_rows, use_rows, ws.wts, ws.shared,
                      ws.proj.ptr + 4 * (E + 2 * Is), P))
+
+    def normed(self, st, norm, w, n, N):
+        """ws.x = the RMS norm of ws.h (weights `norm`), then ws.proj[n, N] = ws.x @ w^T: a
+        block's norm and its first product. One launch (gemv_norm, whose block 0 also stores
+        ws.x for the kernels after) where norm_fused, else the norm kernel and the product."""
+        cfg, ws = self.cfg, self.res.ws
+        H = cfg.hidden_size
+        if self.norm_fused(n, w):
+            self.launch(st, getattr(self.kernels, f"gemv_norm{n}"), (-(-N // GEMV_WARPS),),
+                        (32 * GEMV_WARPS,), (ws.proj, ws.h, w, N, H // 2, 0.0, norm, ws.x,
+                                             cfg.rms_norm_eps))
+            return
+        self.rmsnorm(st, ws.x, ws.h, norm, n)
+        self.linear(st, ws.x.ptr, w, ws.proj.ptr, n, N, H)
+
+    def norm_fused(self, n, w) -> bool:
+        """Whether a norm and the product after it run as one gemv_norm launch: `fuse_norm`
+        on, a kernel for n tokens in the set, a bf16 product the decode GEMV takes."""
+        return (self.fuse_norm and f"gemv_norm{n}" in self.kernels.specs
+                and not isinstance(w, qw.QMatrix)
+                and self.gemv_fits(self.res.ws.x.ptr, w.ptr, n, w.shape[0], self.cfg.hidden_size,
+                                   False, 1, 0))
 
     def fused_tail(self, n, lw) -> bool:
         """Whether this MoE call's tail runs as moe_down_combine: a decode-sized call (the
