@@ -165,6 +165,7 @@ def test_a_norm_runs_in_the_gemv_prologue_where_the_product_takes_the_gemv():
         r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append(
             (kernel, grid, args))
         r.kernels.specs = {f"gemv_norm{m}" for m in range(1, 5)}
+        r.fuse_norm = True
         for m in range(1, 9):
             setattr(r.kernels, f"gemv_norm{m}", f"gemv_norm{m}")
             setattr(r.kernels, f"gemv{m}", f"gemv{m}")

@@ -198,18 +198,14 @@ def test_graph_replay_equals_eager_and_batched_rows(pair, seqs_of):
     assert rel_err(np.stack(singles), graphed) < 1e-4
 
 
-def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
-    """A decode step of three rows with the MoE layer's tail fused (moe_down_combine, the
-    default) and in four launches (silu_mul, the shared down GEMV, expert_down, moe_combine),
-    graphs off and on: each against numpy within the model's bf16 tolerance, and the two
-    within float32 rounding amplified by the later bf16 roundings of each other. The profile
-    shows which kernels ran."""
-    cpu, gpu = pair
-    if not cpu.config.text.is_moe:
-        pytest.skip("dense model")
+def _decode_under(cpu, gpu, seqs_of, setting, ran, seed):
+    """A decode step of three rows on `gpu` with the runner's `setting` True and False, graphs
+    off and on: each against numpy within the model's bf16 tolerance, graph replay the same
+    bits as eager, the two settings within float32 rounding amplified by the later bf16
+    roundings. ran(names, on): checks the eager profile's kernel names under each setting."""
     runner = gpu.runner
-    assert runner.fuse_moe_tail, "the tiny MoE geometry should take the fused tail"
-    r = np.random.default_rng(5)
+    before = getattr(runner, setting)
+    r = np.random.default_rng(seed)
     V = cpu.config.text.vocab_size
     rows, ctxs = [0, 1, 2], [6, 3, 11]
     prompts = [r.integers(0, V, c) for c in ctxs]
@@ -219,9 +215,9 @@ def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
     ref = cpu.forward(batch_for(sc, rows, step_tokens, ctxs), sc.kv, sc.state)
     outs = {}
     try:
-        for fused in (True, False):
+        for on in (True, False):
             for graphs in (False, True):
-                runner.fuse_moe_tail = fused
+                setattr(runner, setting, on)
                 for g in gpu.graphs.take_all():
                     g.destroy()
                 gpu.options = options(graphs=graphs)
@@ -231,13 +227,11 @@ def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
                     runner.profile = []
                 out = gpu.forward(batch_for(sg, rows, step_tokens, ctxs), sg.kv, sg.state)
                 if not graphs:
-                    names = set(runner.profile_summary())
-                    assert ("moe_down_combine" in names) == fused, names
-                    assert ("moe_combine" in names) != fused, names
-                assert rel_err(out, ref) < TOL_MODEL_BF16, (fused, graphs)
-                outs[fused, graphs] = out
+                    ran(set(runner.profile_summary()), on)
+                assert rel_err(out, ref) < TOL_MODEL_BF16, (setting, on, graphs)
+                outs[on, graphs] = out
     finally:
-        runner.fuse_moe_tail = True
+        setattr(runner, setting, before)
         gpu.options = options()
         for g in gpu.graphs.take_all():
             g.destroy()
@@ -245,47 +239,36 @@ def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
     assert rel_err(outs[True, False], outs[False, False]) < 1e-2
 
 
-def test_moe_router_norm_in_the_gemv_matches_numpy(seqs_of):
-    """A MoE decode step of three rows (hidden 256: the decode GEMV takes the router product)
-    with the post-attention norm in the router product's prologue (gemv_norm, the default) and
-    as its own kernel, graphs off and on: each against numpy within the model's bf16
-    tolerance, graph replay the same bits as eager, the two within float32 rounding amplified
-    by later bf16 roundings. The profile shows which kernels ran."""
+def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
+    """The MoE layer's tail fused (moe_down_combine, the default) and in four launches
+    (silu_mul, the shared down GEMV, expert_down, moe_combine): _decode_under."""
+    cpu, gpu = pair
+    if not cpu.config.text.is_moe:
+        pytest.skip("dense model")
+    assert gpu.runner.fuse_moe_tail, "the tiny MoE geometry should take the fused tail"
+
+    def ran(names, fused):
+        assert ("moe_down_combine" in names) == fused, names
+        assert ("moe_combine" in names) != fused, names
+    _decode_under(cpu, gpu, seqs_of, "fuse_moe_tail", ran, seed=5)
+
+
+def test_moe_norm_in_the_router_gemv_matches_numpy(seqs_of):
+    """A MoE model of hidden 256 (the decode GEMV takes its router + shared gate|up product):
+    the post-attention norm in that product's prologue (gemv_norm) and as its own kernel (the
+    default until measured on a GPU): _decode_under."""
     from ninfer.models.qwen3_5 import load_model
     from ninfer.models.qwen3_5.cuda_model import load_cuda_model
     art = TinyArtifact(tiny_config(moe=True, hidden=256), seed=7)
     cpu = load_model(art, EngineOptions(backend="numpy"))
     gpu = load_cuda_model(art, options())
     try:
-        runner = gpu.runner
-        assert runner.norm_fused(3, gpu.weights["layers"][0]["w_rs"])
-        r = np.random.default_rng(6)
-        V = cpu.config.text.vocab_size
-        rows, ctxs = [0, 1, 2], [5, 2, 9]
-        prompts = [r.integers(0, V, c) for c in ctxs]
-        step_tokens = [r.integers(0, V, 1) for _ in rows]
-        sc = seqs_of(cpu)
-        cpu.forward(batch_for(sc, rows, prompts, [0, 0, 0]), sc.kv, sc.state)
-        ref = cpu.forward(batch_for(sc, rows, step_tokens, ctxs), sc.kv, sc.state)
-        outs = {}
-        for fused in (True, False):
-            for graphs in (False, True):
-                runner.fuse_norm = fused
-                for g in gpu.graphs.take_all():
-                    g.destroy()
-                gpu.options = options(graphs=graphs)
-                sg = seqs_of(gpu)
-                gpu.forward(batch_for(sg, rows, prompts, [0, 0, 0]), sg.kv, sg.state)
-                if not graphs:
-                    runner.profile = []
-                out = gpu.forward(batch_for(sg, rows, step_tokens, ctxs), sg.kv, sg.state)
-                if not graphs:
-                    names = set(runner.profile_summary())
-                    assert ("gemv_norm" in names) == fused, names
-                assert rel_err(out, ref) < TOL_MODEL_BF16, (fused, graphs)
-                outs[fused, graphs] = out
-        assert np.array_equal(outs[True, False], outs[True, True])
-        assert rel_err(outs[True, False], outs[False, False]) < 1e-2
+        gpu.runner.fuse_norm = True
+        assert gpu.runner.norm_fused(3, gpu.weights["layers"][0]["w_rs"])
+
+        def ran(names, fused):
+            assert ("gemv_norm" in names) == fused, names
+        _decode_under(cpu, gpu, seqs_of, "fuse_norm", ran, seed=6)
     finally:
         gpu.close()
         cpu.close()
