@@ -2,9 +2,9 @@
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
 #     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
-#                             [vision] [mtp] [profile] [prefill] [full]
+#                             [vision] [mtp] [profile] [prefill] [fused] [full]
 #                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, profile,
-#                        prefill, full)
+#                        prefill, fused, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -139,6 +139,21 @@ for part in $parts; do
                     --json "$OUT/speculative_9b_b$b.json" >"$OUT/speculative_9b_b$b.log" 2>&1
             done
             summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log, speculative*.log)") ;;
+        fused)
+            # the decode's fused launches (issue 26): the GPU tests of the norm in the GEMV's
+            # prologue, the fused MoE tail and PDL; then the 35B-A3B and 2B decode with each norm
+            # in its product's prologue (--fuse-norm 1) and as its own kernel (0), at the GEMV's
+            # default threshold and one that takes the input projections too (64 MB), PDL on
+            # (the MoE model's default; forced for the 2B)
+            timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_model_gpu.py \
+                tests/gpu/test_pdl_gpu.py -k "moe or pdl or graph" >"$OUT/fused_tests.log" 2>&1
+            timeout 150 python3 bench/bench_decode.py --shapes 35b-a3b --prefill 64 --contexts 2048 \
+                --batches 1,2,8 --steps 30 --fuse-norm 1,0 --gemv-max-mb 16,64 \
+                >"$OUT/fused_35b.log" 2>&1
+            NINFER_PDL=1 timeout 150 python3 bench/bench_decode.py --shapes 2b --prefill 64 \
+                --contexts 2048 --batches 1,8 --steps 30 --fuse-norm 1,0 --gemv-max-mb 16,64 \
+                >"$OUT/fused_2b.log" 2>&1
+            summary+=("fused: $(tail -1 "$OUT/fused_tests.log") (see fused_*.log)") ;;
         profile)
             # GPU time per kernel inside the captured decode graph (tools/profile_graph.py: CUPTI
             # through torch.profiler, the image's torch), B = 1 and 8 at context 2048, for each

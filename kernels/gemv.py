@@ -16,10 +16,10 @@ while that kernel (a norm, 2-3 us) runs, instead of after it.
 
 gemv_norm: the same product of the RMS-normed residual stream, the norm in the prologue (a
 MoE layer's post-attention norm into its router + shared gate|up product: one launch instead
-of two). Every block norms the M rows of h itself (8 KB a token, from L2), rounds them to bf16
-as the norm kernel stores them, and keeps them in shared memory in a lane-major order (each of a
-lane's four words of a span at a bank of its own); block 0 also stores them for the kernels
-after (the experts read the normed rows).
+of two). Every block norms the M rows of h itself (hidden fp32 a token, from L2), rounds them
+to bf16 as the norm kernel stores them, and keeps them in shared memory in a lane-major order
+(the 32 lanes' k-th words of a span are 32 consecutive words: one bank each, no conflicts);
+block 0 also stores them for the kernels after (the experts read the normed rows).
 """
 import math
 
