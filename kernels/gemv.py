@@ -39,7 +39,7 @@ MAX_M = 8           # tokens a launch at most (decode rows)
 SPAN = 128          # 32-bit words a warp reads at once (32 lanes x 16 bytes)
 UNROLL = 4          # spans in flight a warp
 LINE = 32           # 32-bit words of a 128-byte L2 line
-NORM_SMEM = 48 * 1024   # gemv_norm's rows in static shared memory: M * hidden * 2 bytes at most
+NORM_SMEM = 48 * 1024   # static shared memory: gemv_norm's bf16 rows and its M * WARPS partial sums
 
 
 @inlined
@@ -136,7 +136,8 @@ def gemv(M):
 def gemv_norm(M, hidden):
     """gemv over rmsnorm(h) (zero-centred weights: x * rsqrt(mean x^2 + eps) * (1 + nw), bf16 as
     kernels/norm.rmsnorm stores it); `hidden` fixes the shared rows' size."""
-    assert 1 <= M <= MAX_M and hidden % (2 * SPAN) == 0 and M * hidden * 2 <= NORM_SMEM
+    assert 1 <= M <= MAX_M and hidden % (2 * SPAN) == 0 \
+        and M * hidden * 2 + M * WARPS * 4 <= NORM_SMEM
     KW = hidden // 2
     XS, PARTS = M * KW, M * WARPS               # (shared arrays take literal sizes)
     row_dots, store = _row_dots(M, _shared_x), _store(M)

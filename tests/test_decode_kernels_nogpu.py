@@ -80,3 +80,47 @@ def test_gather_rows_copies_16_bytes_a_thread_in_its_ptx():
     except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
         pytest.skip(f"numba-cuda cannot compile here: {exc}")
     assert ptx.count("ld.global.nc.v4.u32") == 1 and ptx.count("st.global.v4.u32") == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda")
+def test_every_release_gemv_norm_fits_static_shared_memory(tmp_path):
+    """The norm-in-GEMV kernels a release geometry's set holds (kernel_set.norm_gemv_fits): the
+    largest token count of each hidden size assembles for sm_90 (its bf16 rows and partial sums
+    within 48 KB of static shared memory: one count more would not), and the rule agrees with
+    the kernel's own assertion."""
+    import shutil
+    import subprocess
+    from ninfer.core.cuda import kernels as K
+    from ninfer.core.cuda.kernels import _import_kernel_module
+    from ninfer.models.qwen3_5.cuda.kernel_set import geometry_specs, norm_gemv_fits, spec
+    from ninfer.models.qwen3_5.releases import RELEASES, release_config
+    gemv = _import_kernel_module("gemv")
+    largest = {}
+    for name in RELEASES:
+        cfg = release_config(name)
+        ms = [dict(sp.params)["M"] for n, sp in geometry_specs(cfg).items()
+              if n.startswith("gemv_norm")]
+        H = cfg.hidden_size
+        assert ms == [m for m in range(1, gemv.MAX_M + 1) if norm_gemv_fits(H, m)] \
+            if (cfg.is_moe or H <= 2048) else ms == [], name
+        if ms:
+            largest[H] = max(ms)
+    assert largest == {1024: 8, 2048: 8, 3072: 7, 4096: 5}
+    for H, m in largest.items():
+        gemv.gemv_norm(m, H)                           # the kernel's assertion holds
+        if m < gemv.MAX_M:
+            with pytest.raises(AssertionError):
+                gemv.gemv_norm(m + 1, H)
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas on this machine")
+    for H, m in largest.items():
+        try:
+            ptx = K.with_grid_dependency(K.compile_spec(spec("gemv_norm", M=m, hidden=H), (9, 0)))
+        except Exception as exc:   # noqa: BLE001 - no NVVM/NVRTC here: nothing to check
+            pytest.skip(f"numba-cuda cannot compile here: {exc}")
+        src = tmp_path / f"g{H}.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90", str(src), "-o", str(tmp_path / "g.cubin")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, (H, m, r.stderr)

@@ -149,8 +149,9 @@ def fused_moe_tail(cfg: TextConfig) -> bool:
 
 def norm_gemv_fits(hidden: int, m: int) -> bool:
     """Whether kernels/gemv.py's gemv_norm takes m rows of `hidden`: whole 512-byte spans, the
-    bf16 rows within its static shared memory (NORM_SMEM, 48 KB)."""
-    return hidden % 256 == 0 and m * hidden * 2 <= 48 * 1024
+    bf16 rows and the m * 4 warps' partial sums within its static shared memory (NORM_SMEM,
+    48 KB)."""
+    return hidden % 256 == 0 and m * hidden * 2 + m * 4 * 4 <= 48 * 1024
 
 
 def speculation_specs(cfg: TextConfig) -> dict:
