@@ -98,9 +98,17 @@ def _prefetch_row(w, wb, lane, kw):
         i += 32 * LINE
 
 
-def _store(M):
+def _row_product(M, xload):
+    """y[t, j] (+ beta * y) = x[t, :] . w[row j] for the M tokens, the warp's sums through
+    warp_sum, lane 0 storing them."""
+    row_dots = _row_dots(M, xload)
+
     @inlined
-    def store(y, acc, j, n, lane, beta):
+    def row_product(y, x, w, wb, j, n, lane, kw, beta):
+        acc = cuda.local.array(M, float32)
+        for t in range(M):
+            acc[t] = float32(0.0)
+        row_dots(acc, x, w, wb, lane, kw)
         for t in range(M):
             v = warp_sum(acc[t])
             if lane == 0:
@@ -108,12 +116,12 @@ def _store(M):
                 if beta != 0.0:
                     v += beta * y[i]
                 y[i] = v
-    return store
+    return row_product
 
 
 def gemv(M):
     assert 1 <= M <= MAX_M
-    row_dots, store = _row_dots(M, _global_x), _store(M)
+    row_product = _row_product(M, _global_x)
 
     def gemv_kernel(y, x, w, n, kw, beta):
         # grid (ceil(n / WARPS),), block 32 * WARPS. x [M, 2 * kw], w [n, 2 * kw] bf16 as words
@@ -125,11 +133,7 @@ def gemv(M):
         wb = int64(j) * kw
         _prefetch_row(w, wb, lane, kw)
         grid_wait()
-        acc = cuda.local.array(M, float32)
-        for t in range(M):
-            acc[t] = float32(0.0)
-        row_dots(acc, x, w, wb, lane, kw)
-        store(y, acc, j, n, lane, beta)
+        row_product(y, x, w, wb, j, n, lane, kw, beta)
     return gemv_kernel
 
 
@@ -140,7 +144,7 @@ def gemv_norm(M, hidden):
         and M * hidden * 2 + M * WARPS * 4 <= NORM_SMEM
     KW = hidden // 2
     XS, PARTS = M * KW, M * WARPS               # (shared arrays take literal sizes)
-    row_dots, store = _row_dots(M, _shared_x), _store(M)
+    row_product = _row_product(M, _shared_x)
 
     def gemv_norm_kernel(y, h, w, n, kw, beta, nw, xout, eps):
         # grid (ceil(n / WARPS),), block 32 * WARPS; h [M, hidden] fp32, nw [hidden] fp32, xout
@@ -182,11 +186,7 @@ def gemv_norm(M, hidden):
         cuda.syncthreads()
         if j >= n:
             return
-        acc = cuda.local.array(M, float32)
-        for t in range(M):
-            acc[t] = float32(0.0)
-        row_dots(acc, xs, w, wb, lane, KW)
-        store(y, acc, j, n, lane, beta)
+        row_product(y, xs, w, wb, j, n, lane, KW, beta)
     return gemv_norm_kernel
 
 
