@@ -54,11 +54,24 @@ def _shared_x(xs, i, lane):
     return xs[b], xs[b + 32], xs[b + 64], xs[b + 96]
 
 
-def _row_dots(M, xload):
-    """acc[t] += x[t, :] . w[row] for the M tokens: the lane's words of each span, UNROLL 16-byte
-    weight loads issued before any is used."""
+@inlined
+def _prefetch_row(w, wb, lane, kw):
+    # the row's 128-byte lines into L2, the warp's lanes taking them in turn
+    i = lane * LINE
+    while i < kw:
+        prefetch_l2(w, wb + i)
+        i += 32 * LINE
+
+
+def _row_product(M, xload):
+    """y[t, j] (+ beta * y) = x[t, :] . w[row j] for the M tokens: the lane's words of each
+    span (UNROLL 16-byte weight loads issued before any is used), the warp's sums through
+    warp_sum, lane 0 storing them."""
     @inlined
-    def row_dots(acc, x, w, wb, lane, kw):
+    def row_product(y, x, w, wb, j, n, lane, kw, beta):
+        acc = cuda.local.array(M, float32)
+        for t in range(M):
+            acc[t] = float32(0.0)
         c = lane * 4
         spans = kw // SPAN
         s = 0
@@ -86,29 +99,6 @@ def _row_dots(M, xload):
                 acc[t] += dot4(w00, w01, w02, w03, x00, x01, x02, x03)
             c += SPAN
             s += 1
-    return row_dots
-
-
-@inlined
-def _prefetch_row(w, wb, lane, kw):
-    # the row's 128-byte lines into L2, the warp's lanes taking them in turn
-    i = lane * LINE
-    while i < kw:
-        prefetch_l2(w, wb + i)
-        i += 32 * LINE
-
-
-def _row_product(M, xload):
-    """y[t, j] (+ beta * y) = x[t, :] . w[row j] for the M tokens, the warp's sums through
-    warp_sum, lane 0 storing them."""
-    row_dots = _row_dots(M, xload)
-
-    @inlined
-    def row_product(y, x, w, wb, j, n, lane, kw, beta):
-        acc = cuda.local.array(M, float32)
-        for t in range(M):
-            acc[t] = float32(0.0)
-        row_dots(acc, x, w, wb, lane, kw)
         for t in range(M):
             v = warp_sum(acc[t])
             if lane == 0:

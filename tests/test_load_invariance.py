@@ -123,6 +123,22 @@ def test_invariant_gemms_run_every_small_m_as_pin_m():
         assert [g[0] for g in r.gemms] == want
 
 
+def _gemv_runner(invariant, gemv_max_bytes):
+    """_runner with bf16 operands, the decode GEMV taking products of up to gemv_max_bytes and
+    its kernels (gemv{m}, gemv_norm{m}) named in the set; launches recorded as (kernel, grid,
+    block, args)."""
+    r = _runner(invariant)
+    r.gemv_max_bytes = gemv_max_bytes
+    r.res.ws.gin_bytes = 2
+    launches = []
+    r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append(
+        (kernel, grid, block, args))
+    for m in range(1, 9):
+        setattr(r.kernels, f"gemv{m}", f"gemv{m}")
+        setattr(r.kernels, f"gemv_norm{m}", f"gemv_norm{m}")
+    return r, launches
+
+
 def test_small_decode_products_take_the_gemv():
     """StepRunner.gemv_fits: products of 1..GEMV_MAX_M tokens, weights of at most
     gemv_max_bytes with rows of whole 512-byte spans, 16-byte aligned operands, W[n, k] (not
@@ -131,13 +147,7 @@ def test_small_decode_products_take_the_gemv():
     the invariant mode takes it too."""
     from ninfer.models.qwen3_5.cuda import runner as R
     for invariant in (False, True):
-        r = _runner(invariant)
-        r.gemv_max_bytes = 2 * 64 * 512
-        r.res.ws.gin_bytes = 2
-        launches = []
-        r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append(
-            (kernel, grid, block, args))
-        r.kernels = SimpleNamespace(**{f"gemv{m}": f"gemv{m}" for m in range(1, 9)})
+        r, launches = _gemv_runner(invariant, 2 * 64 * 512)
         r.gemm(None, 0x100, 0x200, 0x300, 3, 64, 512, beta=1.0)
         assert launches == [("gemv3", (-(-64 // R.GEMV_WARPS),), (32 * R.GEMV_WARPS,),
                              (0x300, 0x100, 0x200, 64, 256, 1.0))]
@@ -158,21 +168,13 @@ def test_a_norm_runs_in_the_gemv_prologue_where_the_product_takes_the_gemv():
     from ninfer.core.cuda.cublaslt import PIN_M
     from ninfer.models.qwen3_5.cuda import runner as R
     for invariant in (False, True):
-        r = _runner(invariant)
-        r.gemv_max_bytes = 2 * 64 * 256
-        r.res.ws.gin_bytes = 2
-        launches = []
-        r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append(
-            (kernel, grid, args))
+        r, launches = _gemv_runner(invariant, 2 * 64 * 256)
         r.kernels.specs = {f"gemv_norm{m}" for m in range(1, 5)}
         r.fuse_norm = True
-        for m in range(1, 9):
-            setattr(r.kernels, f"gemv_norm{m}", f"gemv_norm{m}")
-            setattr(r.kernels, f"gemv{m}", f"gemv{m}")
         ws, norm = r.res.ws, SimpleNamespace(ptr=0x40)
         w = SimpleNamespace(ptr=0x200, shape=(64, 256))
         r.normed(None, norm, w, 3, 64)
-        assert launches == [("gemv_norm3", (-(-64 // R.GEMV_WARPS),),
+        assert launches == [("gemv_norm3", (-(-64 // R.GEMV_WARPS),), (32 * R.GEMV_WARPS,),
                              (ws.proj, ws.h, w, 64, 128, 0.0, norm, ws.x, r.cfg.rms_norm_eps))]
         assert r.gemms == []
         launches.clear()
