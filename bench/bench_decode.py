@@ -244,6 +244,7 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
                          norms_fused=sum(model.runner.norm_fused(B, lw[k]) for lw in
                                          model.weights["layers"] for k in ("w_in", "w_rs", "w_gu")
                                          if k in lw),
+                         attn_mma=bool(cfg.attention_layer_ids) and model.runner.attention_mma(kv),
                          wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
                          host_parts_us=[float(x) for x in np.median(np.array(parts), 0)],
                          limit_ms=limit_s * 1e3, ratio=limit_s / step_s))
@@ -344,6 +345,10 @@ def main(argv=None):
                     help="decode rows with the norms in the decode GEMV's prologue where the "
                          "product takes it (1) and/or as their own kernel (0), comma-separated "
                          "(runner.fuse_norm)")
+    ap.add_argument("--attn-mma", default=None,
+                    help="decode rows with the attention on tensor cores (1, "
+                         "kernels/attention_mma.py) and/or the CUDA-core kernel (0), "
+                         "comma-separated (runner.attn_mma)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -376,12 +381,14 @@ def main(argv=None):
 def runner_variants(args) -> list:
     """The StepRunner settings the decode rows run under: every combination of the values
     given (--gemv-max-mb MB, --fuse-moe-tail N: the MoE tail in one launch for calls of up to N
-    tokens, 0: in four; --fuse-norm 1/0), in the order given; [{}]: the model's own."""
+    tokens, 0: in four; --fuse-norm 1/0; --attn-mma 1/0), in the order given; [{}]: the
+    model's own."""
     ints = lambda s: [int(x) for x in s.split(",") if x] if s else []   # noqa: E731
     axes = [[{"gemv_max_bytes": mb << 20} for mb in ints(args.gemv_max_mb)],
             [{"fuse_moe_tail": bool(n), **({"fused_tail_tokens": n} if n else {})}
              for n in ints(args.fuse_moe_tail)],
-            [{"fuse_norm": bool(n)} for n in ints(args.fuse_norm)]]
+            [{"fuse_norm": bool(n)} for n in ints(args.fuse_norm)],
+            [{"attn_mma": bool(n)} for n in ints(args.attn_mma)]]
     out = [{}]
     for axis in [a for a in axes if a]:
         out = [{**v, **a} for v in out for a in axis]

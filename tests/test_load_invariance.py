@@ -104,7 +104,8 @@ def _runner(invariant):
                          ml=0, tc=SimpleNamespace(l_cap=0))
     # kernels: each its own name, so a recorder in place of launch sees which one is launched
     names = SimpleNamespace(**{k: k for k in ("qk_norm_rope_kv", "paged_attention",
-                                              "attn_combine", "rmsnorm")}, specs={})
+                                              "paged_attention_mma", "attn_combine", "rmsnorm")},
+                            specs={"paged_attention_mma": None})
     r = R.StepRunner(R.StepResources(cfg=cfg, ws=ws, weights={}, lt=lt, kernels=names,
                                      num_sms=132, b_cap=1, moe_gemv_tokens=1, n_cap=16, route_host=None, media=None),
                      invariant=invariant, attn_tc_min_tokens=64)
@@ -192,27 +193,43 @@ def test_a_norm_runs_in_the_gemv_prologue_where_the_product_takes_the_gemv():
 
 # ---- decode attention splits -------------------------------------------------------------------
 
-def _attention_splits_of(invariant, n):
+def _attention_splits_of(invariant, n, mma=False, page_size=16):
     r = _runner(invariant)
+    r.attn_mma = mma
     launches = []
     r.launch = lambda st, kernel, grid, block, args, smem=0: launches.append((kernel, grid))
     meta = SimpleNamespace(layout=SimpleNamespace(n_cap=16, p_cap=4), positions=0, token_row=0,
                            query_start=0, context_lens=0, block_tables=0)
     lw = {k: SimpleNamespace(ptr=0, shape=(64, 256))
           for k in ("w_in", "w_out", "q_norm", "k_norm", "input_norm")}
-    kv = SimpleNamespace(k=[0], v=[0], page_size=16)
+    kv = SimpleNamespace(k=[0], v=[0], page_size=page_size)
     r.attention(None, meta, n, n, lw, kv, 0)
-    return [grid[2] for kernel, grid in launches if kernel == "paged_attention"]
+    return [(kernel, grid[2]) for kernel, grid in launches
+            if kernel.startswith("paged_attention")]
 
 
 def test_decode_attention_splits_do_not_depend_on_b_when_invariant():
     from ninfer.models.qwen3_5.cuda import runner as R
-    fixed = {tuple(_attention_splits_of(True, b)) for b in range(1, 9)}
-    assert fixed == {(R.decode_splits(2, 132),)}
-    varying = {tuple(_attention_splits_of(False, b)) for b in range(1, 9)}
-    assert len(varying) > 1                                # what the mode removes
+    for mma, name in ((False, "paged_attention"), (True, "paged_attention_mma")):
+        fixed = {tuple(_attention_splits_of(True, b, mma)) for b in range(1, 9)}
+        assert fixed == {((name, R.decode_splits(2, 132, mma)),)}
+        varying = {tuple(_attention_splits_of(False, b, mma)) for b in range(1, 9)}
+        assert len(varying) > 1                                # what the mode removes
     # the partial-result buffer holds b_cap rows at the fixed split
     assert R.part_rows_needed(16, 2, 132, 8) >= 8 * R.decode_splits(2, 132)
+
+
+def test_attention_on_tensor_cores_where_the_pages_hold_whole_tiles():
+    from ninfer.models.qwen3_5.cuda import runner as R
+    assert _attention_splits_of(False, 3, mma=True) == [("paged_attention_mma",
+                                                          R.mma_splits(3, 2, 132))]
+    # pages of 8 keys: a 16-key tile would span two; the CUDA-core kernel
+    assert _attention_splits_of(False, 3, mma=True, page_size=8) == [
+        ("paged_attention", R.attention_splits(3, 2, 132))]
+    # the partial-result buffer, sized by attention_splits, holds every mma launch's splits
+    for n in range(1, 300):
+        for nkv in (1, 2, 4):
+            assert R.mma_splits(n, nkv, 132) <= R.attention_splits(n, nkv, 132)
 
 
 # ---- the whole Engine on the numpy model --------------------------------------------------------

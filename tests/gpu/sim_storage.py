@@ -26,10 +26,10 @@ from ninfer.models.qwen3_5.cuda.runner import combine_launch   # noqa: E402
 _WARPS, _WARPS_LOCK = {}, threading.Lock()
 
 
-def _shfl_xor_sync(self, mask, value, offset):
+def _shuffle(value, source):
     """Warp shuffle for the simulator (it has none): the 32 lanes of a warp (Python threads of
-    one block) meet at a barrier, each reads its partner's value. Every kernel here shuffles
-    with whole warps, as on the GPU."""
+    one block) meet at a barrier, each reads the value of lane source(lane). Every kernel here
+    shuffles with whole warps, as on the GPU."""
     t = threading.current_thread()
     key = (id(t._manager), tuple(t.blockIdx), t.thread_id // 32)
     with _WARPS_LOCK:
@@ -37,12 +37,21 @@ def _shfl_xor_sync(self, mask, value, offset):
     lane = t.thread_id % 32
     vals[lane] = value
     bar.wait()
-    out = vals[lane ^ offset]
+    out = vals[source(lane) % 32]
     bar.wait()
     return out
 
 
+def _shfl_xor_sync(self, mask, value, offset):
+    return _shuffle(value, lambda lane: lane ^ offset)
+
+
+def _shfl_sync(self, mask, value, src_lane):
+    return _shuffle(value, lambda lane: src_lane)
+
+
 _fake.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
+_fake.FakeCUDAModule.shfl_sync = _shfl_sync
 _fake.FakeCUDAModule.libdevice = SimpleNamespace(
     float_as_int=lambda x: np.array([x], np.float32).view(np.int32)[0],
     int_as_float=lambda i: np.array([int(i) & 0xFFFFFFFF], np.uint32).view(np.float32)[0],

@@ -366,6 +366,49 @@ def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS, f32)
     assert rel_err(load_from(g.get(out), f32).reshape(n, nh, hd), ref) < out_tol(f32)
 
 
+# Decode attention on tensor cores (kernels/attention_mma.py): bf16 q and P into the mma, fp32
+# accumulation (the simulator's float64 check: 0.9-3.1e-3). Pools poisoned (NaN) wherever no row
+# owns a key, partials NaN first; the release geometries (G 4 / 6 / 8 at head_dim 256), splits
+# past the keys (empty), several tiles a warp, prefill tokens, a launch from t_base > 0.
+@pytest.mark.parametrize("hd,G,nkv,lengths,ctxs,splits,ps", [
+    (256, 6, 4, [1] * 8, [0, 15, 16, 17, 300, 1000, 64, 2047], 17, 16),   # 27B decode, B = 8
+    (256, 4, 2, [1], [4095], 66, 16),                                    # 9B / 2B, 66 splits
+    (256, 8, 2, [1, 1], [70, 200], 1, 16),                                # 35B-A3B, one split
+    (64, 2, 2, [5, 3], [0, 33], 3, 32),                                  # prefill rows, pages of 32
+    (128, 6, 1, [9, 2], [0, 40], 2, 16)])
+def test_paged_attention_mma(g, hd, G, nkv, lengths, ctxs, splits, ps):
+    r = rng(hd * G + sum(ctxs) + splits)
+    nh = G * nkv
+    n, b = sum(lengths), len(lengths)
+    qs, token_row, ctx = _rows(r, lengths, ctxs)
+    bt, p_cap, num_pages = page_tables(r, lengths, ctxs, ps)
+    kbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
+    vbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
+    owned = np.zeros((num_pages, ps), bool)
+    for row, (ln, c) in enumerate(zip(lengths, ctxs)):
+        keys = np.arange(c + ln)
+        owned[bt[row, keys // ps], keys % ps] = True
+    kbits[~owned] = 0x7FC0
+    vbits[~owned] = 0x7FC0
+    q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)
+    P = 2 * nh * hd + 5
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    part = g.put(np.full((n * splits, nh, hd), np.nan, np.float32))
+    ml = g.put(np.full((n * splits, nh, 2), np.nan, np.float32))
+    out = g.put(np.full((n, nh * hd), 0x7FC0, np.uint16))
+    args = [g.put(q), g.put(kbits), g.put(vbits), g.put(token_row), g.put(qs), g.put(ctx), g.put(bt),
+            p_cap, ps, splits, 1 / math.sqrt(hd)]
+    for t0, t1 in ([(0, int(qs[1])), (int(qs[1]), n)] if b > 1 else [(0, n)]):
+        g.run("paged_attention_mma", (t1 - t0, nkv, splits), (128,), (part, ml, *args, t0),
+              dict(hd=hd, G=G, nkv=nkv))
+        g.run("attn_combine", *combine_launch(t1 - t0, nh, hd), (out, part, ml, g.put(proj), P, splits, t0),
+              dict(hd=hd, nh=nh))
+    gate = proj[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, hd:].astype(np.float64)
+    kv = [bits_to_f64(x).reshape(x.shape) for x in (kbits, vbits)]
+    ref = attention_oracle(q.astype(np.float64), *kv, bt, ctx, qs, token_row, ps, gate, G)
+    assert rel_err(bits_to_f64(g.get(out)).reshape(n, nh, hd), ref) < TOL_BF16_OUT
+
+
 # Tensor-core prefill attention (cuda/attention_tc.py): bf16 q and bf16 softmax weights P into
 # the cuBLASLt GEMMs, fp32 accumulation; a CPU emulation of those roundings gives 2.3-2.6e-3 on
 # these shapes, within TOL_BF16_OUT. s_cap: S/P buffer elements (None: the model's default),

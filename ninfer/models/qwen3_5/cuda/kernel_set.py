@@ -18,7 +18,7 @@ GEMV_MAX_M = 8              # kernels/gemv.MAX_M (runner.GEMV_MAX_M)
 # the kernel modules (kernels/<module>.py) of the set; each declares its kernels' argument types
 # in a SIGNATURES literal beside them (kernels/__init__.py)
 MODULES = ("norm", "act", "fill", "conv", "gdn", "gdn_chunk", "gdn_chunk_tc", "rope_kv",
-           "attention", "attention_tc", "moe", "sample", "quant_gemv", "act_quant", "vision",
+           "attention", "attention_tc", "attention_mma", "moe", "sample", "quant_gemv", "act_quant", "vision",
            "speculate", "gemv", "grouped_gemm")
 
 
@@ -227,6 +227,7 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs = geometry_specs(cfg, f32, quant)
         for name in set(KVQ_VARIANTS) & set(specs):
             specs[name] = kvq_spec(name, kv_dtype, **dict(specs[name].params))
+        specs.pop("paged_attention_mma", None)      # (bf16 pools only)
         return specs
     if quant:
         return {**geometry_specs(cfg, f32), **quant_specs(quant, f32)}
@@ -262,6 +263,8 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["paged_attention"] = spec("paged_attention", hd=hd, G=G, nkv=nkv,
                                         **({"GS": GS} if GS != G else {}))
         specs["attn_combine"] = spec("attn_combine", hd=hd, nh=nh)
+        if attention_mma_fits(hd, G):
+            specs["paged_attention_mma"] = spec("paged_attention_mma", hd=hd, G=G, nkv=nkv)
         specs["kv_gather"] = spec("kv_gather", hd=hd, nkv=nkv)
         specs["q_to_bf16"] = spec("q_to_bf16", hd=hd, G=G, nkv=nkv)
         specs["causal_softmax"] = spec("causal_softmax", G=G)
@@ -290,6 +293,14 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
     return specs
 
 
+def attention_mma_fits(hd: int, G: int) -> bool:
+    """Geometries kernels/attention_mma.py serves (its factory asserts the same): whole 64-dim
+    groups (a lane's 16-byte V words, 4 a row of 32 lanes), at most 8 query heads a kv head (the
+    n8 of its PV mma), its 4 warps' merge in the static shared memory. Every Qwen3.5 release
+    but the G = 16 ones (122B-A10B, 397B-A17B)."""
+    return hd % 64 == 0 and 1 <= G <= 8 and 4 * G * hd * 4 + 2 * 4 * 8 * 4 <= STATIC_SMEM_BYTES
+
+
 def paged_attention_group(G: int, hd: int) -> int:
     """Query heads per paged-attention block (the kernel's GS): all G heads of a kv head when
     their 4 warps' merge fits the static shared memory (each K/V row read once: fastest), else
@@ -306,7 +317,7 @@ def _f32_specs(cfg: TextConfig) -> dict:
     for name, sp in geometry_specs(cfg).items():
         if name in F32_VARIANTS:
             specs[name] = spec(name, True, **dict(sp.params))
-        elif sp.module not in ("attention_tc", "gdn_chunk_tc", "grouped_gemm") \
+        elif sp.module not in ("attention_tc", "attention_mma", "gdn_chunk_tc", "grouped_gemm") \
                 and name != "moe_down_combine" and sp.factory != "gemv_norm":   # (bf16 only)
             specs[name] = sp
     if cfg.linear_layer_ids:                       # the fp32 chunked delta rule instead

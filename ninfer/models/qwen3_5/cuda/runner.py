@@ -171,11 +171,20 @@ def attention_splits(n: int, nkv: int, num_sms: int) -> int:
     return max(1, min(128, math.ceil(4 * num_sms / max(n * nkv, 1))))
 
 
-def decode_splits(nkv: int, num_sms: int) -> int:
+def mma_splits(n: int, nkv: int, num_sms: int) -> int:
+    """Key splits per (token, kv head) of paged_attention_mma: the grid in one wave of 2 blocks
+    an SM (its 204 registers a thread leave room for 2 blocks of 128), at most 128. A warp keeps
+    16 KB of K/V loads in flight, so fewer splits than the CUDA-core kernel's suffice; a grid
+    just past a wave would run a second, nearly empty one. Never more than attention_splits
+    (the partial-result buffer is sized by it)."""
+    return max(1, min(128, 2 * num_sms // max(n * nkv, 1)))
+
+
+def decode_splits(nkv: int, num_sms: int, mma: bool = False) -> int:
     """Key splits of every decode token in batch-invariant mode: B = 1's choice for every B (a
     token's attention sum must run in the same order whatever B is; attention_splits varies
-    with B)."""
-    return attention_splits(1, nkv, num_sms)
+    with B); `mma`: paged_attention_mma's."""
+    return (mma_splits if mma else attention_splits)(1, nkv, num_sms)
 
 
 def part_rows_needed(n_cap: int, nkv: int, num_sms: int, invariant_rows: int = 0) -> int:
@@ -284,6 +293,11 @@ class StepRunner:
         # kernel is checked against float64 on the simulator only; bench_decode --fuse-norm 1,0
         # and test_model_gpu's test_moe_norm_in_the_router_gemv_matches_numpy are the next step)
         self.fuse_norm = False
+        # the decode step's attention (and short prefill rows') on tensor cores
+        # (kernels/attention_mma.py; attention_mma): off until measured on a GPU (checked
+        # against float64 on the simulator only; bench_decode --attn-mma 1,0 and
+        # test_ops_gpu's test_paged_attention_mma are the next step)
+        self.attn_mma = False
 
     # -- primitives --------------------------------------------------------------------------------
     def _timed(self, st, name, fn):
@@ -607,20 +621,24 @@ class StepRunner:
         scale = 1.0 / math.sqrt(hd)
         big, runs = split_rows(self.rows or [], n, self.attn_tc_min_tokens, ws.tc.l_cap)
         rows = self.rows
+        mma = self.attention_mma(kv)
         for r0, r1 in runs:
             m = r1 - r0
             if n == b and self.invariant:     # a decode step: splits fixed for every B
-                splits = decode_splits(nkv, self.res.num_sms)
+                splits = decode_splits(nkv, self.res.num_sms, mma)
             else:
-                splits = attention_splits(m, nkv, self.res.num_sms)
-            # all G heads of a kv group per block where they fit (splitting them, GS < G,
-            # measured 1.45x slower for the 27B 4096-token prefill: K/V re-reads outweigh the
-            # extra resident warps); G/GS blocks per kv head where they do not (G = 16)
-            self.launch(st, self.kernels.paged_attention, (m, nkv * self.attn_subgroups, splits),
-                        (128,),
-                        (ws.part, ws.ml, ws.mid, kv.k[a], kv.v[a], meta.token_row,
-                         meta.query_start, meta.context_lens, meta.block_tables, lay.p_cap,
-                         kv.page_size, splits, scale, r0))
+                splits = (mma_splits if mma else attention_splits)(m, nkv, self.res.num_sms)
+            args = (ws.part, ws.ml, ws.mid, kv.k[a], kv.v[a], meta.token_row, meta.query_start,
+                    meta.context_lens, meta.block_tables, lay.p_cap, kv.page_size, splits, scale,
+                    r0)
+            if mma:
+                self.launch(st, self.kernels.paged_attention_mma, (m, nkv, splits), (128,), args)
+            else:
+                # all G heads of a kv group per block where they fit (splitting them, GS < G,
+                # measured 1.45x slower for the 27B 4096-token prefill: K/V re-reads outweigh
+                # the extra resident warps); G/GS blocks per kv head where they do not (G = 16)
+                self.launch(st, self.kernels.paged_attention,
+                            (m, nkv * self.attn_subgroups, splits), (128,), args)
             self.launch(st, self.kernels.attn_combine, *combine_launch(m, nh, hd),
                         (ws.act, ws.part, ws.ml, ws.proj, P, splits, r0))
         for i in big:
@@ -698,6 +716,13 @@ class StepRunner:
             return
         self.rmsnorm(st, ws.x, ws.h, norm, n)
         self.linear(st, ws.x.ptr, w, ws.proj.ptr, n, N, H)
+
+    def attention_mma(self, kv) -> bool:
+        """Whether the CUDA-core path's query tokens take paged_attention_mma (tensor cores, 16
+        keys a warp at once): `attn_mma` on, the kernel in the set (bf16 pools, G <= 8, head_dim
+        a multiple of 64: kernel_set.attention_mma_fits), pages of whole 16-key tiles."""
+        return (self.attn_mma and "paged_attention_mma" in self.kernels.specs
+                and kv.page_size % 16 == 0)
 
     def norm_fused(self, n, w) -> bool:
         """Whether a norm and the product after it run as one gemv_norm launch: `fuse_norm`
