@@ -244,7 +244,7 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
                          norms_fused=sum(model.runner.norm_fused(B, lw[k]) for lw in
                                          model.weights["layers"] for k in ("w_in", "w_rs", "w_gu")
                                          if k in lw),
-                         attn_mma=bool(cfg.attention_layer_ids) and model.runner.attention_mma(kv),
+                         attn_mma=bool(cfg.attention_layer_ids) and model.runner.attention_mma(),
                          wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
                          host_parts_us=[float(x) for x in np.median(np.array(parts), 0)],
                          limit_ms=limit_s * 1e3, ratio=limit_s / step_s))

@@ -28,8 +28,9 @@ scaled scores; Q and P enter the mma rounded to bf16 (as the tensor-core prefill
 cuda/attention_tc.py, rounds them), the row sums from the unrounded P.
 
 grid (query tokens, nkv, splits), 4 warps; split s takes keys [s * chunk, ...) with chunk a
-multiple of 16, the warps its 16-key tiles in turn; page_size a multiple of 16 (a tile lies in
-one page: one block-table read a tile). The block's 4 warps merge through shared memory and write
+multiple of 16, the warps its 16-key tiles in turn. Pages of a multiple of 16 keys (the
+default 16) hold whole tiles: one block-table read a tile; other page sizes read each key's
+page. The block's 4 warps merge through shared memory and write
 the same partials as paged_attention, for attn_combine.
 """
 import math
@@ -61,6 +62,16 @@ def _row4(cache, row, live):
     if live:
         x0, x1, x2, x3 = ld_v4(cache, row)
     return x0, x1, x2, x3
+
+
+@inlined
+def _slot(block_tables, tb, key, page_size, k1):
+    # the pool row of a key (pages smaller than a tile, or not whole tiles); past the split: 0,
+    # never loaded (a row's table may end there)
+    sl = 0
+    if key < k1:
+        sl = block_tables[tb + key // page_size] * page_size + key % page_size
+    return sl
 
 
 def paged_attention_mma(hd, G, nkv):
@@ -108,28 +119,39 @@ def paged_attention_mma(hd, G, nkv):
         vb = cuda.local.array(NV, uint32)
         vc = cuda.local.array(NV, uint32)
         vd = cuda.local.array(NV, uint32)
+        tb = r * bt_stride
+        whole = page_size % TILE == 0       # a tile in one page: one block-table read
         kt = k0 + TILE * w
         while kt < k1:
-            page = block_tables[r * bt_stride + kt // page_size]
-            slot = page * page_size + kt % page_size      # the tile's first key's pool row
-            # every load of the tile before any use: K rows of keys rn, 8 + rn; V rows of keys
-            # 2c, 2c + 1, 2c + 8, 2c + 9
+            # the pool rows of the lane's keys: K rows of keys rn, 8 + rn; V rows of keys 2c,
+            # 2c + 1, 2c + 8, 2c + 9 (tile offsets)
+            if whole:
+                slot = block_tables[tb + kt // page_size] * page_size + kt % page_size
+                ra, rb = slot + rn, slot + 8 + rn
+                r0, r1, r2, r3 = slot + 2 * c, slot + 2 * c + 1, slot + 2 * c + 8, slot + 2 * c + 9
+            else:
+                ra = _slot(block_tables, tb, kt + rn, page_size, k1)
+                rb = _slot(block_tables, tb, kt + 8 + rn, page_size, k1)
+                r0 = _slot(block_tables, tb, kt + 2 * c, page_size, k1)
+                r1 = _slot(block_tables, tb, kt + 2 * c + 1, page_size, k1)
+                r2 = _slot(block_tables, tb, kt + 2 * c + 8, page_size, k1)
+                r3 = _slot(block_tables, tb, kt + 2 * c + 9, page_size, k1)
+            # every load of the tile before any use
             for i in range(KQ):
                 ka[4 * i], ka[4 * i + 1], ka[4 * i + 2], ka[4 * i + 3] = _row4(
-                    k_cache, ((slot + rn) * nkv + g) * HP + 4 * c + 16 * i, kt + rn < k1)
+                    k_cache, (ra * nkv + g) * HP + 4 * c + 16 * i, kt + rn < k1)
                 kb[4 * i], kb[4 * i + 1], kb[4 * i + 2], kb[4 * i + 3] = _row4(
-                    k_cache, ((slot + 8 + rn) * nkv + g) * HP + 4 * c + 16 * i,
-                    kt + 8 + rn < k1)
+                    k_cache, (rb * nkv + g) * HP + 4 * c + 16 * i, kt + 8 + rn < k1)
             for i in range(VQ):
                 wo = 4 * rn + 32 * i
                 va[4 * i], va[4 * i + 1], va[4 * i + 2], va[4 * i + 3] = _row4(
-                    v_cache, ((slot + 2 * c) * nkv + g) * HP + wo, kt + 2 * c < k1)
+                    v_cache, (r0 * nkv + g) * HP + wo, kt + 2 * c < k1)
                 vb[4 * i], vb[4 * i + 1], vb[4 * i + 2], vb[4 * i + 3] = _row4(
-                    v_cache, ((slot + 2 * c + 1) * nkv + g) * HP + wo, kt + 2 * c + 1 < k1)
+                    v_cache, (r1 * nkv + g) * HP + wo, kt + 2 * c + 1 < k1)
                 vc[4 * i], vc[4 * i + 1], vc[4 * i + 2], vc[4 * i + 3] = _row4(
-                    v_cache, ((slot + 2 * c + 8) * nkv + g) * HP + wo, kt + 2 * c + 8 < k1)
+                    v_cache, (r2 * nkv + g) * HP + wo, kt + 2 * c + 8 < k1)
                 vd[4 * i], vd[4 * i + 1], vd[4 * i + 2], vd[4 * i + 3] = _row4(
-                    v_cache, ((slot + 2 * c + 9) * nkv + g) * HP + wo, kt + 2 * c + 9 < k1)
+                    v_cache, (r3 * nkv + g) * HP + wo, kt + 2 * c + 9 < k1)
             # S = Q K^T, keys 0-7 (a) and 8-15 (b) of the tile; rows 8-15 (d2, d3) are zero
             zero = uint32(0)
             s0 = s1 = s2 = s3 = float32(0.0)

@@ -219,13 +219,11 @@ def test_decode_attention_splits_do_not_depend_on_b_when_invariant():
     assert R.part_rows_needed(16, 2, 132, 8) >= 8 * R.decode_splits(2, 132)
 
 
-def test_attention_on_tensor_cores_where_the_pages_hold_whole_tiles():
+def test_attention_on_tensor_cores_at_its_own_splits():
     from ninfer.models.qwen3_5.cuda import runner as R
-    assert _attention_splits_of(False, 3, mma=True) == [("paged_attention_mma",
-                                                          R.mma_splits(3, 2, 132))]
-    # pages of 8 keys: a 16-key tile would span two; the CUDA-core kernel
-    assert _attention_splits_of(False, 3, mma=True, page_size=8) == [
-        ("paged_attention", R.attention_splits(3, 2, 132))]
+    for ps in (16, 8, 5):                # (pages smaller than a tile: each key's page read)
+        assert _attention_splits_of(False, 3, mma=True, page_size=ps) == [
+            ("paged_attention_mma", R.mma_splits(3, 2, 132))]
     # the partial-result buffer, sized by attention_splits, holds every mma launch's splits
     for n in range(1, 300):
         for nkv in (1, 2, 4):

@@ -26,6 +26,7 @@ CASES = [
     ("prefill_rows_g6", 128, 6, 1, [3, 2], [20, 5], 2, 32, 1),       # causal tokens, launch from t 1
     ("decode_g8_warp_tiles", 64, 8, 1, [1], [70], 1, 16, 0),          # 5 tiles over 4 warps
     ("decode_hd256_g6", 256, 6, 1, [1], [33], 2, 16, 0),              # the 27B geometry
+    ("pages_of_5_keys", 64, 4, 1, [2, 1], [30, 17], 2, 5, 0),        # a key's page each
 ]
 
 

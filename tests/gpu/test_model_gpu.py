@@ -239,6 +239,18 @@ def _decode_under(cpu, gpu, seqs_of, setting, ran, seed):
     assert rel_err(outs[True, False], outs[False, False]) < 1e-2
 
 
+def test_decode_attention_on_tensor_cores_matches_numpy(pair, seqs_of):
+    """The decode step's attention on tensor cores (kernels/attention_mma.py) and on the CUDA
+    cores: _decode_under (the prompts' prefill rows take the same kernel; pages of 4 keys: each
+    key's page read)."""
+    cpu, gpu = pair
+    assert "paged_attention_mma" in gpu.kernels.specs
+
+    def ran(names, on):
+        assert ("paged_attention_mma" in names) == on, names
+    _decode_under(cpu, gpu, seqs_of, "attn_mma", ran, seed=8)
+
+
 def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
     """The MoE layer's tail fused (moe_down_combine, the default) and in four launches
     (silu_mul, the shared down GEMV, expert_down, moe_combine): _decode_under."""

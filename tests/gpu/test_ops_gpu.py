@@ -375,7 +375,8 @@ def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS, f32)
     (256, 4, 2, [1], [4095], 66, 16),                                    # 9B / 2B, 66 splits
     (256, 8, 2, [1, 1], [70, 200], 1, 16),                                # 35B-A3B, one split
     (64, 2, 2, [5, 3], [0, 33], 3, 32),                                  # prefill rows, pages of 32
-    (128, 6, 1, [9, 2], [0, 40], 2, 16)])
+    (128, 6, 1, [9, 2], [0, 40], 2, 16),
+    (256, 6, 2, [1, 2], [37, 100], 5, 4)])                                # pages of 4 keys
 def test_paged_attention_mma(g, hd, G, nkv, lengths, ctxs, splits, ps):
     r = rng(hd * G + sum(ctxs) + splits)
     nh = G * nkv

@@ -621,7 +621,7 @@ class StepRunner:
         scale = 1.0 / math.sqrt(hd)
         big, runs = split_rows(self.rows or [], n, self.attn_tc_min_tokens, ws.tc.l_cap)
         rows = self.rows
-        mma = self.attention_mma(kv)
+        mma = self.attention_mma()
         for r0, r1 in runs:
             m = r1 - r0
             if n == b and self.invariant:     # a decode step: splits fixed for every B
@@ -717,12 +717,11 @@ class StepRunner:
         self.rmsnorm(st, ws.x, ws.h, norm, n)
         self.linear(st, ws.x.ptr, w, ws.proj.ptr, n, N, H)
 
-    def attention_mma(self, kv) -> bool:
+    def attention_mma(self) -> bool:
         """Whether the CUDA-core path's query tokens take paged_attention_mma (tensor cores, 16
-        keys a warp at once): `attn_mma` on, the kernel in the set (bf16 pools, G <= 8, head_dim
-        a multiple of 64: kernel_set.attention_mma_fits), pages of whole 16-key tiles."""
-        return (self.attn_mma and "paged_attention_mma" in self.kernels.specs
-                and kv.page_size % 16 == 0)
+        keys a warp at once): `attn_mma` on and the kernel in the set (bf16 pools, G <= 8,
+        head_dim a multiple of 64: kernel_set.attention_mma_fits)."""
+        return self.attn_mma and "paged_attention_mma" in self.kernels.specs
 
     def norm_fused(self, n, w) -> bool:
         """Whether a norm and the product after it run as one gemv_norm launch: `fuse_norm`
