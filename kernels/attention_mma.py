@@ -1,5 +1,6 @@
 """Paged causal GQA attention of a few query tokens on tensor cores: the decode step's attention
-(and a short prefill row's), bf16 KV pools, a kv head's G <= 8 query heads a block.
+(and a short prefill row's), bf16 KV pools, up to 8 query heads of a kv head a block (GS; G = 16
+releases: two blocks a kv head).
 
 kernels/attention.py's paged_attention walks one key at a time a warp: two 4-byte loads a lane,
 then G warp-wide sums of the dot products (5 shuffles each). That is a load's latency and ~270
@@ -9,7 +10,7 @@ issues its 32 16-byte loads of the tile's K and V rows before the first is used 
 flight a warp), and the dot products and the weighted sum of V run as m16n8k16 bf16 mma
 (kernels/ptx.mma_bf16), fp32 accumulation:
 
-    S (16 rows: the G heads, zero past G; 8 keys) = Q K^T        two mma a k-step of 16 dims
+    S (16 rows: the GS heads, zero past GS; 8 keys) = Q K^T      two mma a k-step of 16 dims
     O^T (16 dims; 8 heads) += V^T (16 dims; 16 keys) P^T        hd / 16 mma a tile
 
 The mma's k index may run in any order as long as both operands agree, so each lane loads whole
@@ -27,7 +28,7 @@ Softmax is online per head (a row of S: its 4 lanes meet by two shuffles), in fp
 scaled scores; Q and P enter the mma rounded to bf16 (as the tensor-core prefill path,
 cuda/attention_tc.py, rounds them), the row sums from the unrounded P.
 
-grid (query tokens, nkv, splits), 4 warps; split s takes keys [s * chunk, ...) with chunk a
+grid (query tokens, nkv * G / GS, splits), 4 warps; split s takes keys [s * chunk, ...) with chunk a
 multiple of 16, the warps its 16-key tiles in turn. Pages of a multiple of 16 keys (the
 default 16) hold whole tiles: one block-table read a tile; other page sizes read each key's
 page. The block's 4 warps merge through shared memory and write
@@ -74,9 +75,14 @@ def _slot(block_tables, tb, key, page_size, k1):
     return sl
 
 
-def paged_attention_mma(hd, G, nkv):
-    # (kernel_set.attention_mma_fits: also its merge in 48 KB of shared memory)
-    assert hd % 64 == 0 and 1 <= G <= MAX_G
+def paged_attention_mma(hd, G, nkv, GS=0):
+    # GS: query heads a block (a divisor of G, at most 8; 0 -> G): G / GS blocks a kv head, each
+    # reading its K/V rows (kernel_set.attention_mma_group: also the merge in 48 KB of shared
+    # memory)
+    if GS == 0:
+        GS = G
+    assert hd % 64 == 0 and 1 <= GS <= MAX_G and G % GS == 0
+    NSUB = G // GS
     HP = hd // 2          # words (bf16 pairs) a K/V row
     KQ = HP // 16         # 16-byte loads a lane a K row (two k-steps each)
     VQ = HP // 32         # 16-byte loads a lane a V row (four PV mma each)
@@ -88,7 +94,8 @@ def paged_attention_mma(hd, G, nkv):
                                    scale, t_base):
         tl = cuda.blockIdx.x
         t = t_base + tl
-        g = cuda.blockIdx.y
+        g = cuda.blockIdx.y // NSUB
+        h0 = g * G + (cuda.blockIdx.y % NSUB) * GS     # the block's first query head
         s = cuda.blockIdx.z
         lane = cuda.threadIdx.x & 31
         w = cuda.threadIdx.x >> 5
@@ -99,13 +106,13 @@ def paged_attention_mma(hd, G, nkv):
         chunk = ((L + n_splits - 1) // n_splits + TILE - 1) // TILE * TILE
         k0 = s * chunk
         k1 = min(L, k0 + chunk)
-        # Q's A fragment: head rn's words 4c + 16i + j as bf16 pairs (zero rows past G)
+        # Q's A fragment: head h0 + rn's words 4c + 16i + j as bf16 pairs (zero rows past GS)
         qf = cuda.local.array(NK, uint32)
         for i in range(KQ):
             for j in range(4):
                 x = uint32(0)
-                if rn < G:
-                    e = (t * nh + g * G + rn) * hd + 2 * (4 * c + 16 * i + j)
+                if rn < GS:
+                    e = (t * nh + h0 + rn) * hd + 2 * (4 * c + 16 * i + j)
                     x = cvt_bf16x2(q[e + 1], q[e])
                 qf[4 * i + j] = x
         o = cuda.local.array(NO, float32)
@@ -200,7 +207,7 @@ def paged_attention_mma(hd, G, nkv):
         # the 4 warps' (max, sum, O) through shared memory, merged as paged_attention merges
         sh_m = cuda.shared.array((WARPS, MAX_G), float32)
         sh_l = cuda.shared.array((WARPS, MAX_G), float32)
-        sh_o = cuda.shared.array((WARPS, G, hd), float32)
+        sh_o = cuda.shared.array((WARPS, GS, hd), float32)
         if c == 0:
             sh_m[w, rn] = m
             sh_l[w, rn] = lsum
@@ -208,14 +215,14 @@ def paged_attention_mma(hd, G, nkv):
             for j in range(4):
                 y = 4 * (4 * i + j)
                 d = 2 * (4 * rn + 32 * i + j)
-                if 2 * c < G:
+                if 2 * c < GS:
                     sh_o[w, 2 * c, d] = o[y]
                     sh_o[w, 2 * c, d + 1] = o[y + 2]
-                if 2 * c + 1 < G:
+                if 2 * c + 1 < GS:
                     sh_o[w, 2 * c + 1, d] = o[y + 1]
                     sh_o[w, 2 * c + 1, d + 1] = o[y + 3]
         cuda.syncthreads()
-        for idx in range(cuda.threadIdx.x, G * hd, WARPS * 32):
+        for idx in range(cuda.threadIdx.x, GS * hd, WARPS * 32):
             gi = idx // hd
             dd = idx % hd
             mx = NEG_INF
@@ -228,7 +235,7 @@ def paged_attention_mma(hd, G, nkv):
                     f = math.exp(sh_m[ww, gi] - mx)
                     tot_l += f * sh_l[ww, gi]
                     tot_a += f * sh_o[ww, gi, dd]
-            pbase = (tl * nh + g * G + gi) * n_splits + s
+            pbase = (tl * nh + h0 + gi) * n_splits + s
             part[pbase * hd + dd] = tot_a
             if dd == 0:
                 ml[pbase * 2] = mx

@@ -58,14 +58,15 @@ def test_decode_attention_on_tensor_cores_on_the_simulator(seed=1):
     """kernels/attention_mma.py (the mma twins of kernels/ptx.py meet the 32 lanes of a
     simulated warp) against float64 attention over the same bf16 K/V: decode rows of empty and
     long contexts, splits past the keys, a warp with two tiles, causal prefill tokens launched
-    from t_base > 0, head_dim 64 / 128 / 256 and G 4 / 6 / 8, pages of 16, 32 and 5 keys (the
+    from t_base > 0, head_dim 64 / 128 / 256, G 4 / 6 / 8 and 16 in two blocks of 8, pages of 16,
+    32 and 5 keys (the
     last: each key's page read); pools poisoned (NaN) where no row
     owns a key, every partial written. The wrong rescale of one head's sum (the shuffle's
     source lane off by one) measured 0.17 here, a key past the row's length read 0.16-1.0."""
     pytest.importorskip("numba.cuda")
     from sim_run import run_sim
     out = run_sim("sim_attention_mma.py", seed)
-    assert len(out) == 10, out
+    assert len(out) == 12, out
     for key, v in out.items():
         if key.endswith("_written"):
             assert v is True, key

@@ -99,19 +99,19 @@ def test_paged_attention_splits_a_group_only_when_it_must():
         assert params.get("GS") == (8 if name in ("122b-a10b", "397b-a17b") else None), name
 
 
-def test_decode_attention_on_tensor_cores_in_every_set_but_the_g16_releases():
-    """paged_attention_mma (G <= 8 query heads a kv head, head_dim a multiple of 64) is in every
-    release's bf16 set but 122B-A10B's and 397B-A17B's (G = 16), in no fp32 set (no tensor
-    cores in float32 mode) and in no quantized-KV set (its loads read bf16 pairs)."""
-    from ninfer.models.qwen3_5.cuda.kernel_set import attention_mma_fits
+def test_decode_attention_on_tensor_cores_in_every_bf16_set():
+    """paged_attention_mma (head_dim a multiple of 64) is in every release's bf16 set, its whole
+    group a block but where G = 16 (122B-A10B, 397B-A17B: blocks of 8 heads); in no fp32 set
+    (no tensor cores in float32 mode) and no quantized-KV set (its loads read bf16 pairs)."""
+    from ninfer.models.qwen3_5.cuda.kernel_set import attention_mma_group
     for name in RELEASES:
         cfg = release_config(name)
-        has = "paged_attention_mma" in geometry_specs(cfg)
-        assert has == (name not in ("122b-a10b", "397b-a17b")), name
+        params = dict(geometry_specs(cfg)["paged_attention_mma"].params)
+        assert params.get("GS") == (8 if name in ("122b-a10b", "397b-a17b") else None), name
         assert "paged_attention_mma" not in geometry_specs(cfg, f32=True)
         assert "paged_attention_mma" not in geometry_specs(cfg, kv_dtype="fp8")
-    assert attention_mma_fits(256, 8) and attention_mma_fits(64, 1)
-    assert not attention_mma_fits(256, 16) and not attention_mma_fits(96, 4)
+    assert [attention_mma_group(G, 256) for G in (1, 4, 6, 8, 12, 16)] == [1, 4, 6, 8, 6, 8]
+    assert attention_mma_group(4, 96) == 0 and attention_mma_group(7, 64) == 7
 
 
 # ---- loading modules in threads, beside the weights --------------------------------------------

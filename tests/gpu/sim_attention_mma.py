@@ -20,13 +20,14 @@ from sim_storage import bf16_bits, kernel   # (the simulator switched on, its pa
 from oracles import page_tables   # noqa: E402
 
 NEG_INF = -3.0e38
-# (name, hd, G, nkv, new tokens per row, contexts, splits, page size, t_base)
+# (name, hd, G, nkv, new tokens per row, contexts, splits, page size, t_base, GS)
 CASES = [
-    ("decode_short_rows", 64, 4, 2, [1, 1], [0, 40], 3, 16, 0),      # L = 1: two splits empty
-    ("prefill_rows_g6", 128, 6, 1, [3, 2], [20, 5], 2, 32, 1),       # causal tokens, launch from t 1
-    ("decode_g8_warp_tiles", 64, 8, 1, [1], [70], 1, 16, 0),          # 5 tiles over 4 warps
-    ("decode_hd256_g6", 256, 6, 1, [1], [33], 2, 16, 0),              # the 27B geometry
-    ("pages_of_5_keys", 64, 4, 1, [2, 1], [30, 17], 2, 5, 0),        # a key's page each
+    ("decode_short_rows", 64, 4, 2, [1, 1], [0, 40], 3, 16, 0, 0),     # L = 1: two splits empty
+    ("prefill_rows_g6", 128, 6, 1, [3, 2], [20, 5], 2, 32, 1, 0),      # causal, launch from t 1
+    ("decode_g8_warp_tiles", 64, 8, 1, [1], [70], 1, 16, 0, 0),         # 5 tiles over 4 warps
+    ("decode_hd256_g6", 256, 6, 1, [1], [33], 2, 16, 0, 0),             # the 27B geometry
+    ("pages_of_5_keys", 64, 4, 1, [2, 1], [30, 17], 2, 5, 0, 0),       # a key's page each
+    ("g16_in_two_blocks", 64, 16, 1, [1], [20], 1, 16, 0, 8),          # 122B / 397B: GS = 8
 ]
 
 
@@ -34,7 +35,7 @@ def bf16_f64(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def case(r, hd, G, nkv, lengths, ctxs, splits, ps, t_base):
+def case(r, hd, G, nkv, lengths, ctxs, splits, ps, t_base, GS):
     nh = G * nkv
     n = sum(lengths)
     qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -53,8 +54,8 @@ def case(r, hd, G, nkv, lengths, ctxs, splits, ps, t_base):
     m = n - t_base
     part = np.full(m * nh * splits * hd, np.nan, np.float32)
     ml = np.full(m * nh * splits * 2, np.nan, np.float32)
-    kernel("attention_mma", "paged_attention_mma", hd=hd, G=G, nkv=nkv)[
-        (m, nkv, splits), (128, 1, 1)](
+    kernel("attention_mma", "paged_attention_mma", hd=hd, G=G, nkv=nkv, GS=GS)[
+        (m, nkv * G // (GS or G), splits), (128, 1, 1)](
         part, ml, q.reshape(-1), kbits.view(np.uint32).reshape(-1),
         vbits.view(np.uint32).reshape(-1), token_row, qs, ctx, bt.reshape(-1), p_cap, ps, splits,
         np.float32(1 / math.sqrt(hd)), t_base)

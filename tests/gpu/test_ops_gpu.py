@@ -369,15 +369,17 @@ def test_paged_attention_and_gate(g, hd, G, nkv, lengths, ctxs, splits, GS, f32)
 # Decode attention on tensor cores (kernels/attention_mma.py): bf16 q and P into the mma, fp32
 # accumulation (the simulator's float64 check: 0.9-3.1e-3). Pools poisoned (NaN) wherever no row
 # owns a key, partials NaN first; the release geometries (G 4 / 6 / 8 at head_dim 256), splits
-# past the keys (empty), several tiles a warp, prefill tokens, a launch from t_base > 0.
-@pytest.mark.parametrize("hd,G,nkv,lengths,ctxs,splits,ps", [
-    (256, 6, 4, [1] * 8, [0, 15, 16, 17, 300, 1000, 64, 2047], 17, 16),   # 27B decode, B = 8
-    (256, 4, 2, [1], [4095], 66, 16),                                    # 9B / 2B, 66 splits
-    (256, 8, 2, [1, 1], [70, 200], 1, 16),                                # 35B-A3B, one split
-    (64, 2, 2, [5, 3], [0, 33], 3, 32),                                  # prefill rows, pages of 32
-    (128, 6, 1, [9, 2], [0, 40], 2, 16),
-    (256, 6, 2, [1, 2], [37, 100], 5, 4)])                                # pages of 4 keys
-def test_paged_attention_mma(g, hd, G, nkv, lengths, ctxs, splits, ps):
+# past the keys (empty), several tiles a warp, prefill tokens, a launch from t_base > 0, G = 16
+# in blocks of 8 heads.
+@pytest.mark.parametrize("hd,G,nkv,lengths,ctxs,splits,ps,GS", [
+    (256, 6, 4, [1] * 8, [0, 15, 16, 17, 300, 1000, 64, 2047], 17, 16, 6),   # 27B decode, B = 8
+    (256, 4, 2, [1], [4095], 66, 16, 4),                                    # 9B / 2B, 66 splits
+    (256, 8, 2, [1, 1], [70, 200], 1, 16, 8),                                # 35B-A3B, one split
+    (64, 2, 2, [5, 3], [0, 33], 3, 32, 2),                                  # prefill, pages of 32
+    (128, 6, 1, [9, 2], [0, 40], 2, 16, 6),
+    (256, 6, 2, [1, 2], [37, 100], 5, 4, 6),                                 # pages of 4 keys
+    (256, 16, 2, [1, 1], [90, 513], 3, 16, 8)])                              # 122B / 397B: G = 16
+def test_paged_attention_mma(g, hd, G, nkv, lengths, ctxs, splits, ps, GS):
     r = rng(hd * G + sum(ctxs) + splits)
     nh = G * nkv
     n, b = sum(lengths), len(lengths)
@@ -400,8 +402,8 @@ def test_paged_attention_mma(g, hd, G, nkv, lengths, ctxs, splits, ps):
     args = [g.put(q), g.put(kbits), g.put(vbits), g.put(token_row), g.put(qs), g.put(ctx), g.put(bt),
             p_cap, ps, splits, 1 / math.sqrt(hd)]
     for t0, t1 in ([(0, int(qs[1])), (int(qs[1]), n)] if b > 1 else [(0, n)]):
-        g.run("paged_attention_mma", (t1 - t0, nkv, splits), (128,), (part, ml, *args, t0),
-              dict(hd=hd, G=G, nkv=nkv))
+        g.run("paged_attention_mma", (t1 - t0, nkv * G // GS, splits), (128,),
+              (part, ml, *args, t0), dict(hd=hd, G=G, nkv=nkv, **({"GS": GS} if GS != G else {})))
         g.run("attn_combine", *combine_launch(t1 - t0, nh, hd), (out, part, ml, g.put(proj), P, splits, t0),
               dict(hd=hd, nh=nh))
     gate = proj[:, :2 * nh * hd].reshape(n, nh, 2 * hd)[:, :, hd:].astype(np.float64)

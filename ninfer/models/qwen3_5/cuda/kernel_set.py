@@ -263,8 +263,10 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["paged_attention"] = spec("paged_attention", hd=hd, G=G, nkv=nkv,
                                         **({"GS": GS} if GS != G else {}))
         specs["attn_combine"] = spec("attn_combine", hd=hd, nh=nh)
-        if attention_mma_fits(hd, G):
-            specs["paged_attention_mma"] = spec("paged_attention_mma", hd=hd, G=G, nkv=nkv)
+        GM = attention_mma_group(G, hd)
+        if GM:
+            specs["paged_attention_mma"] = spec("paged_attention_mma", hd=hd, G=G, nkv=nkv,
+                                                **({"GS": GM} if GM != G else {}))
         specs["kv_gather"] = spec("kv_gather", hd=hd, nkv=nkv)
         specs["q_to_bf16"] = spec("q_to_bf16", hd=hd, G=G, nkv=nkv)
         specs["causal_softmax"] = spec("causal_softmax", G=G)
@@ -293,12 +295,18 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
     return specs
 
 
-def attention_mma_fits(hd: int, G: int) -> bool:
-    """Geometries kernels/attention_mma.py serves (its factory asserts the same): whole 64-dim
-    groups (a lane's 16-byte V words, 4 a row of 32 lanes), at most 8 query heads a kv head (the
-    n8 of its PV mma), its 4 warps' merge in the static shared memory. Every Qwen3.5 release
-    but the G = 16 ones (122B-A10B, 397B-A17B)."""
-    return hd % 64 == 0 and 1 <= G <= 8 and 4 * G * hd * 4 + 2 * 4 * 8 * 4 <= STATIC_SMEM_BYTES
+def attention_mma_group(G: int, hd: int) -> int:
+    """Query heads a paged_attention_mma block (its GS): the largest divisor of G of at most 8
+    (the n8 of its PV mma) whose 4 warps' merge fits the static shared memory; 0 where the kernel
+    does not serve the geometry (head_dim not whole 64-dim groups: a lane's 16-byte V words, 4 a
+    row of 32 lanes). Every Qwen3.5 release has G <= 8 but 122B-A10B and 397B-A17B (G = 16:
+    two blocks a kv head, each reading its K/V rows)."""
+    if hd % 64:
+        return 0
+    for gs in range(min(G, 8), 0, -1):
+        if G % gs == 0 and 4 * gs * hd * 4 + 2 * 4 * 8 * 4 <= STATIC_SMEM_BYTES:
+            return gs
+    return 0
 
 
 def paged_attention_group(G: int, hd: int) -> int:

@@ -23,7 +23,8 @@ from . import attention_tc as tc
 from . import moe_route, moe_rows
 from . import gdn_chunk as gc
 from . import qweights as qw
-from .kernel_set import GEMV_MAX_M, dequant_name, paged_attention_group, qgemv_name, qmma_name
+from .kernel_set import (GEMV_MAX_M, attention_mma_group, dequant_name, paged_attention_group,
+                         qgemv_name, qmma_name)
 from .media_rows import MediaRows
 
 
@@ -246,6 +247,8 @@ class StepRunner:
         G = cfg.num_attention_heads // max(cfg.num_key_value_heads, 1)
         self.attn_subgroups = G // paged_attention_group(G, cfg.head_dim) \
             if cfg.attention_layer_ids else 1
+        gm = attention_mma_group(G, cfg.head_dim) if cfg.attention_layer_ids else 0
+        self.attn_mma_subgroups = G // gm if gm else 1
         self.cfg: TextConfig = res.cfg
         self.kernels = res.kernels   # launched by attribute: self.kernels.rmsnorm
         self.invariant = bool(invariant)
@@ -632,7 +635,8 @@ class StepRunner:
                     meta.context_lens, meta.block_tables, lay.p_cap, kv.page_size, splits, scale,
                     r0)
             if mma:
-                self.launch(st, self.kernels.paged_attention_mma, (m, nkv, splits), (128,), args)
+                self.launch(st, self.kernels.paged_attention_mma,
+                            (m, nkv * self.attn_mma_subgroups, splits), (128,), args)
             else:
                 # all G heads of a kv group per block where they fit (splitting them, GS < G,
                 # measured 1.45x slower for the 27B 4096-token prefill: K/V re-reads outweigh
@@ -719,8 +723,8 @@ class StepRunner:
 
     def attention_mma(self) -> bool:
         """Whether the CUDA-core path's query tokens take paged_attention_mma (tensor cores, 16
-        keys a warp at once): `attn_mma` on and the kernel in the set (bf16 pools, G <= 8,
-        head_dim a multiple of 64: kernel_set.attention_mma_fits)."""
+        keys a warp at once): `attn_mma` on and the kernel in the set (bf16 pools, head_dim a
+        multiple of 64: kernel_set.attention_mma_group)."""
         return self.attn_mma and "paged_attention_mma" in self.kernels.specs
 
     def norm_fused(self, n, w) -> bool:
