@@ -16,6 +16,7 @@ from .ptx import grid_wait, ld_v4, ld_v4_stream, prefetch_l2, st_v4
 SIGNATURES = {
     "router_topk": ("i32*", "f32*", "f32*", "i32"),
     "expert_gate_up": ("f32*", "u32*", "u32*", "i32*", "i32"),
+    "expert_gate_up_routed": ("f32*", "u32*", "u32*", "i32*", "f32*", "f32*", "i32"),
     "expert_down": ("f32*", "f32*", "u32*", "i32*"),
     "moe_combine": ("f32*", "f32*", "i32*", "i32", "f32*", "f32*", "f32*", "i32"),
     "moe_down_combine": ("f32*", "f32*", "u32*", "i32*", "f32*", "f32*", "i32", "i32", "u32*"),
@@ -30,27 +31,26 @@ SIGNATURES = {
 ROUTER_THREADS = 32      # router_topk: one warp a token
 
 
-def router_topk(E, K, norm):
+def _router_picks(E, K, norm):
+    """picks(logits, base, lane) -> (expert, weight) of lane k's pick (the k-th largest logit of
+    logits[base .. base + E)) for lanes k < K, as one warp computes them (router_topk)."""
     PER = (E + 31) // 32                 # logits a lane holds: experts lane, lane + 32, ...
     LOW = float32(-3.0e38)
 
-    def router_topk_kernel(ids, weights, logits, stride):
-        # grid (tokens,), block 32: one warp a token, its logits in registers. K rounds: each
-        # lane's best (the largest, ties -> its lowest expert), then the warp's (ties -> the
-        # lower id: a stable sort's order; softmax is monotonic, so logits rank as the
-        # probabilities do), which its lane retires. Weights: softmax over the E experts, or with
-        # `norm` renormalised over the K picks: the softmax over the picks alone. (A 256-thread
-        # block, its warps' candidates merged through shared memory, took 9-10 us a token on
-        # the H200 whether by K warp arg-maxes or by ranking all E at once.)
-        t = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
+    @inlined
+    def picks(logits, base, lane):
+        # the warp's logits in registers. K rounds: each lane's best (the largest, ties -> its
+        # lowest expert), then the warp's (ties -> the lower id: a stable sort's order; softmax
+        # is monotonic, so logits rank as the probabilities do), which its lane retires.
+        # Weights: softmax over the E experts, or with `norm` renormalised over the K picks:
+        # the softmax over the picks alone.
         vals = cuda.local.array(PER, float32)
         m = LOW
         for q in range(PER):
             e = q * 32 + lane
             v = LOW
             if e < E:
-                v = logits[t * stride + e]
+                v = logits[base + e]
             vals[q] = v
             m = max(m, v)
         total = float32(0.0)
@@ -60,7 +60,8 @@ def router_topk(E, K, norm):
                 if q * 32 + lane < E:
                     total += math.exp(vals[q] - m)
             total = warp_sum(total)
-        mine = LOW                        # lane k keeps pick k's logit
+        mine = LOW                        # lane k keeps pick k's logit and expert
+        mine_e = int32(0)
         first = LOW                       # every lane: the top pick's logit
         for k in range(K):
             bv = LOW
@@ -80,18 +81,32 @@ def router_topk(E, K, norm):
                     vals[q] = math.nan        # retired: never larger than anything
             if lane == k:
                 mine = bv
+                mine_e = be
             if k == 0:
                 first = bv
-            if lane == 0:
-                ids[t * K + k] = be
         if norm:
             m = first
             p = float32(0.0)
             if lane < K:
                 p = math.exp(mine - m)
             total = warp_sum(p)
+        return mine_e, math.exp(mine - m) / total
+    return picks
+
+
+def router_topk(E, K, norm):
+    picks = _router_picks(E, K, norm)
+
+    def router_topk_kernel(ids, weights, logits, stride):
+        # grid (tokens,), block 32: one warp a token (_router_picks). (A 256-thread block, its
+        # warps' candidates merged through shared memory, took 9-10 us a token on the H200
+        # whether by K warp arg-maxes or by ranking all E at once.)
+        t = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        e, wt = picks(logits, t * stride, lane)
         if lane < K:
-            weights[t * K + lane] = math.exp(mine - m) / total
+            ids[t * K + lane] = e
+            weights[t * K + lane] = wt
     return router_topk_kernel
 
 
@@ -105,7 +120,9 @@ def dot_bf16x2(a, b):
     return bf16x2_lo(a) * bf16x2_lo(b) + bf16x2_hi(a) * bf16x2_hi(b)
 
 
-def expert_gate_up(H, inter, f32=False):
+def _gate_up_row(H, inter, f32):
+    """row(act, x, w, e, pair, t, j, lane): a warp's output j of pair `pair` (token t, expert
+    e): act[pair, j] = silu(g_j . x_t) * (u_j . x_t)."""
     HP = H // 2
     _, _, ld_pair, rounded = storage(f32)
     # bf16 rows of whole 512-byte warp spans: each lane reads 16-byte words (ld.v4), the
@@ -113,15 +130,8 @@ def expert_gate_up(H, inter, f32=False):
     # loads (2.5 TB/s)
     VEC = not f32 and H % 256 == 0
 
-    def expert_gate_up_kernel(act, x, w, ids, K):
-        # grid (n*K, ceil(inter/4)), block 128: warp -> output j: silu(g_j . x) * (u_j . x)
-        pair = cuda.blockIdx.x
-        j = cuda.blockIdx.y * 4 + (cuda.threadIdx.x >> 5)
-        lane = cuda.threadIdx.x & 31
-        if j >= inter:
-            return
-        e = ids[pair]
-        t = pair // K
+    @inlined
+    def row(act, x, w, e, pair, t, j, lane):
         gb = (int64(e) * 2 * inter + j) * HP
         ub = (int64(e) * 2 * inter + inter + j) * HP
         xb = int64(t) * HP
@@ -150,7 +160,52 @@ def expert_gate_up(H, inter, f32=False):
             # rounded to bf16 like the grouped (cuBLASLt) path's GEMM input, so both paths agree
             # (fp32 storage: not rounded, like that path's fp32 input)
             act[pair * inter + j] = rounded(silu(g) * u)
+    return row
+
+
+def expert_gate_up(H, inter, f32=False):
+    row = _gate_up_row(H, inter, f32)
+
+    def expert_gate_up_kernel(act, x, w, ids, K):
+        # grid (n*K, ceil(inter/4)), block 128: warp -> output j: silu(g_j . x) * (u_j . x)
+        pair = cuda.blockIdx.x
+        j = cuda.blockIdx.y * 4 + (cuda.threadIdx.x >> 5)
+        lane = cuda.threadIdx.x & 31
+        if j >= inter:
+            return
+        row(act, x, w, ids[pair], pair, pair // K, j, lane)
     return expert_gate_up_kernel
+
+
+def expert_gate_up_routed(H, inter, E, K, norm):
+    """expert_gate_up with the router's top-k in its prologue (a decode MoE layer: one launch
+    instead of router_topk's and this one's): every block's first warp ranks its token's E
+    logits as router_topk does and takes its pair's expert; the blocks of column 0 of a token's
+    first pair also store the token's K ids and weights for the kernels after."""
+    picks = _router_picks(E, K, norm)
+    row = _gate_up_row(H, inter, False)
+
+    def expert_gate_up_routed_kernel(act, x, w, ids, weights, logits, stride):
+        # grid (n*K, ceil(inter/4)), block 128; logits [n, stride] fp32 (the router's E first)
+        pair = cuda.blockIdx.x
+        t = pair // K
+        k = pair % K
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        pick = cuda.shared.array(1, int32)
+        if tid < 32:
+            e, wt = picks(logits, t * stride, lane)
+            if lane == k:
+                pick[0] = e
+            if k == 0 and cuda.blockIdx.y == 0 and lane < K:
+                ids[t * K + lane] = e
+                weights[t * K + lane] = wt
+        cuda.syncthreads()
+        j = cuda.blockIdx.y * 4 + (tid >> 5)
+        if j >= inter:
+            return
+        row(act, x, w, pick[0], pair, t, j, lane)
+    return expert_gate_up_routed_kernel
 
 
 @inlined

@@ -23,7 +23,9 @@ def test_decode_kernels_on_the_simulator(seed=0):
     sim_storage's): gate_up within a bf16 rounding (its output is rounded), down within float32's
     error of float64 over the same activations. router_topk (a warp a token): ids exactly a
     stable sort's (ties among the logits, one for the top), E not a multiple of 32 and above
-    256, with and without renormalised weights. argmax (16-byte groups, four a thread at once): np.argmax's
+    256, with and without renormalised weights; expert_gate_up_routed (the top-k in the gate|up
+    GEMV's prologue): the ids and weights router_topk's, each pair's SwiGLU over the expert it
+    picked within a bf16 rounding. argmax (16-byte groups, four a thread at once): np.argmax's
     ids exactly, ties and rows of -inf included. rmsnorm with the row in registers and wider than
     that (the two-pass loop). gather_rows (16 bytes a thread): the source rows exactly, whole and
     partial 16-byte groups. The MoE prefill's routed-row layout on the device (moe_route_count,
@@ -43,7 +45,7 @@ def test_decode_kernels_on_the_simulator(seed=0):
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(out) == 37, out
+    assert len(out) == 43, out
     for key, v in out.items():
         if key.endswith(("untouched", "ids")):
             assert v is True, key

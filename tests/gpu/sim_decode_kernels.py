@@ -136,6 +136,32 @@ def router(r, E: int, K: int, norm: bool, n: int = 2) -> dict:
             "rel": rel(wts.reshape(n, K).astype(np.float64), want_w)}
 
 
+def routed(r, E: int, K: int, norm: bool, n: int = 2) -> dict:
+    """expert_gate_up_routed (the router's top-k in the gate|up GEMV's prologue; H 256, inter 8:
+    two column blocks a pair): the ids it stores exactly router_oracle's, the weights within
+    float32's error, and each pair's SwiGLU over the expert it picked itself within a bf16
+    rounding; ties among the logits; outputs poisoned first."""
+    H, inter, stride = 256, 8, E + 3
+    logits = r.standard_normal((n, stride)).astype(np.float32)
+    logits[:, 5:9] = logits[:, 2:3]                  # ties among the logits
+    xb, x = bf16_exact(r, (n, H))
+    wgb, wg = bf16_exact(r, (E, 2 * inter, H))
+    ids = np.full(n * K, -1, np.int32)
+    wts = np.full(n * K, np.nan, np.float32)
+    act = np.full(n * K * inter, np.nan, np.float32)
+    kernel("moe", "expert_gate_up_routed", H=H, inter=inter, E=E, K=K, norm=norm)[
+        (n * K, inter // 4, 1), (128, 1, 1)](
+        act, xb.view(np.uint32).reshape(-1), wgb.view(np.uint32).reshape(-1), ids, wts,
+        logits.reshape(-1), stride)
+    want_ids, want_w = router_oracle(logits, E, K, norm)
+    e = want_ids.reshape(-1)
+    g = np.stack([wg[e[p], :inter] @ x[p // K] for p in range(n * K)])
+    u = np.stack([wg[e[p], inter:] @ x[p // K] for p in range(n * K)])
+    return {"ids": bool(np.array_equal(ids.reshape(n, K), want_ids)),
+            "weights": rel(wts.reshape(n, K).astype(np.float64), want_w),
+            "act": rel(act.reshape(n * K, inter), g / (1 + np.exp(-g)) * u)}
+
+
 def argmax(r, threads: int = 32) -> dict:
     """argmax (a small block, so the simulator is quick) against np.argmax: rows of whole 16-byte
     groups through the four-groups loop and its tail, the first maximum kept on ties within a
@@ -289,6 +315,11 @@ def main(seed: int) -> dict:
         res = router(r, E, K, norm)
         out[f"router_topk/{E}x{K}/ids"] = res["ids"]
         out[f"router_topk/{E}x{K}/f32"] = res["rel"]
+    for E, K, norm in ((40, 5, True), (300, 3, False)):
+        res = routed(r, E, K, norm)
+        out[f"expert_gate_up_routed/{E}x{K}/ids"] = res["ids"]
+        out[f"expert_gate_up_routed/{E}x{K}/weights/f32"] = res["weights"]
+        out[f"expert_gate_up_routed/{E}x{K}/bf16"] = res["act"]
     out["argmax/ids"] = argmax(r)["exact"]
     for H in (500, 600):                   # registers (500 <= 8 * 64), the two-pass loop
         out[f"rmsnorm/{H}/f32"] = rmsnorm(r, H)

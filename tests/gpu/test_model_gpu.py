@@ -251,6 +251,19 @@ def test_decode_attention_on_tensor_cores_matches_numpy(pair, seqs_of):
     _decode_under(cpu, gpu, seqs_of, "attn_mma", ran, seed=8)
 
 
+def test_moe_router_in_the_gate_up_prologue_matches_numpy(pair, seqs_of):
+    """A MoE decode's top-k in the experts' gate|up GEMV (expert_gate_up_routed) and as its own
+    kernel: _decode_under."""
+    cpu, gpu = pair
+    if not cpu.config.text.is_moe:
+        pytest.skip("dense model: no router")
+    assert gpu.runner.router_fused(3, gpu.weights["layers"][0]) is False      # (off: default)
+
+    def ran(names, on):
+        assert ("expert_gate_up_routed" in names) == on and ("router_topk" in names) != on, names
+    _decode_under(cpu, gpu, seqs_of, "fuse_router", ran, seed=9)
+
+
 def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
     """The MoE layer's tail fused (moe_down_combine, the default) and in four launches
     (silu_mul, the shared down GEMV, expert_down, moe_combine): _decode_under."""

@@ -276,6 +276,9 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         H, inter = cfg.hidden_size, cfg.moe_intermediate_size
         specs["router_topk"] = spec("router_topk", E=E, K=k, norm=bool(cfg.norm_topk_prob))
         specs["expert_gate_up"] = spec("expert_gate_up", H=H, inter=inter)
+        # ... with the router's top-k in its prologue (decode: StepRunner.router_fused)
+        specs["expert_gate_up_routed"] = spec("expert_gate_up_routed", H=H, inter=inter, E=E,
+                                              K=k, norm=bool(cfg.norm_topk_prob))
         specs["expert_down"] = spec("expert_down", H=H, inter=inter)
         specs["moe_combine"] = spec("moe_combine", H=H, K=k)
         if fused_moe_tail(cfg):
@@ -326,7 +329,8 @@ def _f32_specs(cfg: TextConfig) -> dict:
         if name in F32_VARIANTS:
             specs[name] = spec(name, True, **dict(sp.params))
         elif sp.module not in ("attention_tc", "attention_mma", "gdn_chunk_tc", "grouped_gemm") \
-                and name != "moe_down_combine" and sp.factory != "gemv_norm":   # (bf16 only)
+                and name not in ("moe_down_combine", "expert_gate_up_routed") \
+                and sp.factory != "gemv_norm":                                  # (bf16 only)
             specs[name] = sp
     if cfg.linear_layer_ids:                       # the fp32 chunked delta rule instead
         specs.update(gdn_chunk_specs(cfg.linear_key_head_dim, cfg.linear_value_head_dim,

@@ -301,6 +301,10 @@ class StepRunner:
         # against float64 on the simulator only; bench_decode --attn-mma 1,0 and
         # test_ops_gpu's test_paged_attention_mma are the next step)
         self.attn_mma = False
+        # a decode MoE layer's top-k in the prologue of its experts' gate|up GEMV
+        # (expert_gate_up_routed; router_fused): one launch instead of two. Off until measured
+        # on a GPU (simulator-checked only; bench_decode --fuse-router 1,0)
+        self.fuse_router = False
 
     # -- primitives --------------------------------------------------------------------------------
     def _timed(self, st, name, fn):
@@ -671,8 +675,10 @@ class StepRunner:
         I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         P = E + 2 * Is + 1
         self.normed(st, lw["post_norm"], lw["w_rs"], n, P)
-        self.launch(st, self.kernels.router_topk, (n,), (ROUTER_THREADS,),
-                    (ws.ids, ws.wts, ws.proj, P))
+        routed = self.router_fused(n, lw)
+        if not routed:
+            self.launch(st, self.kernels.router_topk, (n,), (ROUTER_THREADS,),
+                        (ws.ids, ws.wts, ws.proj, P))
         fused = self.fused_tail(n, lw)
         if not fused:
             self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
@@ -690,8 +696,13 @@ class StepRunner:
             use_rows = 0
         else:
             # decode / small batches (and every graph): warp-per-row GEMVs over the K experts
-            self.launch(st, self.kernels.expert_gate_up, (n * K, (I + 3) // 4), (128,),
-                        (ws.mact, ws.x, lw["experts_gu"], ws.ids, K))
+            if routed:
+                self.launch(st, self.kernels.expert_gate_up_routed, (n * K, (I + 3) // 4),
+                            (128,), (ws.mact, ws.x, lw["experts_gu"], ws.ids, ws.wts, ws.proj,
+                                     P))
+            else:
+                self.launch(st, self.kernels.expert_gate_up, (n * K, (I + 3) // 4), (128,),
+                            (ws.mact, ws.x, lw["experts_gu"], ws.ids, K))
             if fused:
                 # the shared expert, the experts' down rows, the combine and the residual add
                 self.launch(st, self.kernels.moe_down_combine, (H // EXPERT_DOWN_ROWS, n),
@@ -734,6 +745,14 @@ class StepRunner:
                 and not isinstance(w, qw.QMatrix)
                 and self.gemv_fits(self.res.ws.x.ptr, w.ptr, n, w.shape[0], self.cfg.hidden_size,
                                    False, 1, 0))
+
+    def router_fused(self, n, lw) -> bool:
+        """Whether this MoE call's top-k runs in the prologue of the experts' gate|up GEMV
+        (expert_gate_up_routed) instead of router_topk: `fuse_router` on, a decode-sized call
+        of bf16 experts (the warp-per-row GEMVs), the kernel in the set."""
+        return (self.fuse_router and n <= self.res.moe_gemv_tokens
+                and not isinstance(lw["experts_gu"], qw.QMatrix)
+                and "expert_gate_up_routed" in self.kernels.specs)
 
     def fused_tail(self, n, lw) -> bool:
         """Whether this MoE call's tail runs as moe_down_combine: a decode-sized call (the
