@@ -85,6 +85,7 @@ def paged_attention(hd, G, nkv, GS=0, f32=False, kvq="", causal=True):
     QN = GS * 2 * NC
     NC2 = 2 * NC
     kv_pairs = _kv_pairs(f32, kvq)
+    merge = merge_warps(GS, hd)
     quant = bool(kvq)      # (k_cache / v_cache "u16*": kernel_set.KVQ_VARIANTS; f32 unused)
 
     def paged_attention_kernel(part, ml, q, k_cache, v_cache, token_row, query_start,
@@ -177,6 +178,17 @@ def paged_attention(hd, G, nkv, GS=0, f32=False, kvq="", causal=True):
                     sh_acc[w, gi, 2 * e] = acc[gi * 2 * NC + 2 * c]
                     sh_acc[w, gi, 2 * e + 1] = acc[gi * 2 * NC + 2 * c + 1]
         cuda.syncthreads()
+        merge(part, ml, sh_m, sh_l, sh_acc, tl * nh + h0, n_splits, s)
+    return paged_attention_kernel
+
+
+def merge_warps(GS, hd):
+    """merge(part, ml, sh_m, sh_l, sh_o, th0, n_splits, s): the block's WARPS partial softmax
+    sums of its GS heads (sh_m [WARPS, *] maxima, sh_l sums, sh_o [WARPS, GS, hd] unnormalised
+    outputs; a warp without keys: max NEG_INF) rescaled to their common max and written as split
+    s's partials of rows th0 .. th0 + GS (token * nh + head) for attn_combine. After a barrier."""
+    @inlined
+    def merge(part, ml, sh_m, sh_l, sh_o, th0, n_splits, s):
         for idx in range(cuda.threadIdx.x, GS * hd, WARPS * 32):
             gi = idx // hd
             dd = idx % hd
@@ -186,18 +198,16 @@ def paged_attention(hd, G, nkv, GS=0, f32=False, kvq="", causal=True):
             tot_l = float32(0.0)
             tot_a = float32(0.0)
             for ww in range(WARPS):
-                f = float32(0.0)
                 if sh_m[ww, gi] > NEG_INF:
                     f = math.exp(sh_m[ww, gi] - m)
-                tot_l += f * sh_l[ww, gi]
-                tot_a += f * sh_acc[ww, gi, dd]
-            h = h0 + gi
-            pbase = (tl * nh + h) * n_splits + s
+                    tot_l += f * sh_l[ww, gi]
+                    tot_a += f * sh_o[ww, gi, dd]
+            pbase = (th0 + gi) * n_splits + s
             part[pbase * hd + dd] = tot_a
             if dd == 0:
                 ml[pbase * 2] = m
                 ml[pbase * 2 + 1] = tot_l
-    return paged_attention_kernel
+    return merge
 
 
 @inlined

@@ -38,6 +38,7 @@ import math
 
 from numba import cuda, float32, uint32
 
+from .attention import WARPS, merge_warps
 from .common import FULL_MASK, inlined
 from .ptx import cvt_bf16x2, ld_v4, mma_bf16, prmt
 
@@ -48,7 +49,6 @@ SIGNATURES = {
         "f32", "i32"),
 }
 
-WARPS = 4
 TILE = 16                  # keys a warp takes at once
 MAX_G = 8                  # query heads a block (the n8 of the PV mma)
 NEG_INF = float32(-3.0e38)
@@ -88,6 +88,7 @@ def paged_attention_mma(hd, G, nkv, GS=0):
     VQ = HP // 32         # 16-byte loads a lane a V row (four PV mma each)
     nh = G * nkv
     NK, NV, NO = 4 * KQ, 4 * VQ, 16 * VQ      # (local arrays take literal sizes)
+    merge = merge_warps(GS, hd)
 
     def paged_attention_mma_kernel(part, ml, q, k_cache, v_cache, token_row, query_start,
                                    context_lens, block_tables, bt_stride, page_size, n_splits,
@@ -204,7 +205,7 @@ def paged_attention_mma(hd, G, nkv, GS=0):
             kt += TILE * WARPS
         lsum += cuda.shfl_xor_sync(FULL_MASK, lsum, 1)
         lsum += cuda.shfl_xor_sync(FULL_MASK, lsum, 2)
-        # the 4 warps' (max, sum, O) through shared memory, merged as paged_attention merges
+        # the 4 warps' (max, sum, O) through shared memory, merged as paged_attention's are
         sh_m = cuda.shared.array((WARPS, MAX_G), float32)
         sh_l = cuda.shared.array((WARPS, MAX_G), float32)
         sh_o = cuda.shared.array((WARPS, GS, hd), float32)
@@ -222,22 +223,5 @@ def paged_attention_mma(hd, G, nkv, GS=0):
                     sh_o[w, 2 * c + 1, d] = o[y + 1]
                     sh_o[w, 2 * c + 1, d + 1] = o[y + 3]
         cuda.syncthreads()
-        for idx in range(cuda.threadIdx.x, GS * hd, WARPS * 32):
-            gi = idx // hd
-            dd = idx % hd
-            mx = NEG_INF
-            for ww in range(WARPS):
-                mx = max(mx, sh_m[ww, gi])
-            tot_l = float32(0.0)
-            tot_a = float32(0.0)
-            for ww in range(WARPS):
-                if sh_m[ww, gi] > NEG_INF:
-                    f = math.exp(sh_m[ww, gi] - mx)
-                    tot_l += f * sh_l[ww, gi]
-                    tot_a += f * sh_o[ww, gi, dd]
-            pbase = (tl * nh + h0 + gi) * n_splits + s
-            part[pbase * hd + dd] = tot_a
-            if dd == 0:
-                ml[pbase * 2] = mx
-                ml[pbase * 2 + 1] = tot_l
+        merge(part, ml, sh_m, sh_l, sh_o, tl * nh + h0, n_splits, s)
     return paged_attention_mma_kernel

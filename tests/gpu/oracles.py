@@ -64,6 +64,18 @@ def page_tables(r, lengths, ctxs, ps, spare=3):
     return bt, p_cap, num_pages
 
 
+def poison_unowned(pools, bt, lengths, ctxs, ps):
+    """Set every pool slot [page, offset] that no row owns below its ctx + length keys to bf16
+    NaN (0x7FC0) in each bf16-bits pool [num_pages, ps, ...]: a kernel that reads a key past a
+    row's length shows it."""
+    owned = np.zeros(pools[0].shape[:2], bool)
+    for row, (ln, c) in enumerate(zip(lengths, ctxs)):
+        keys = np.arange(c + ln)
+        owned[bt[row, keys // ps], keys % ps] = True
+    for p in pools:
+        p[~owned] = 0x7FC0
+
+
 def gdn_inputs(r, dk, dv, nk, nv, n, strong_decay=False):
     """Random inputs of the delta-rule kernels for n tokens, laid out as the model's buffers:
     qkv [n, 2*nk*dk + nv*dv] (q, k L2-normalised, q also scaled by 1/sqrt(dk)), the proj row with

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from sim_storage import bf16_bits, kernel   # (the simulator switched on, its patches applied)
-from oracles import page_tables   # noqa: E402
+from oracles import page_tables, poison_unowned   # noqa: E402
 
 NEG_INF = -3.0e38
 # (name, hd, G, nkv, new tokens per row, contexts, splits, page size, t_base, GS)
@@ -44,12 +44,7 @@ def case(r, hd, G, nkv, lengths, ctxs, splits, ps, t_base, GS):
     bt, p_cap, num_pages = page_tables(r, lengths, ctxs, ps)
     kbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
     vbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
-    owned = np.zeros((num_pages, ps), bool)
-    for row, (ln, c) in enumerate(zip(lengths, ctxs)):
-        keys = np.arange(c + ln)
-        owned[bt[row, keys // ps], keys % ps] = True
-    kbits[~owned] = 0x7FC0                     # NaN: never part of a row's keys
-    vbits[~owned] = 0x7FC0
+    poison_unowned((kbits, vbits), bt, lengths, ctxs, ps)
     q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)
     m = n - t_base
     part = np.full(m * nh * splits * hd, np.nan, np.float32)

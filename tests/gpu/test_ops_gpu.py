@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from oracles import gated_delta_rows, gdn_inputs, page_tables, router_oracle
+from oracles import gated_delta_rows, gdn_inputs, page_tables, poison_unowned, router_oracle
 from ninfer.models.qwen3_5.cuda.runner import EXPERT_DOWN_ROWS, ROUTER_THREADS, combine_launch
 from gpu_harness import (TOL_BF16_OUT, TOL_F32, TOL_ROPE_F32, bf16_bits, bf16_round, bits_to_f64,
                          rel_err)
@@ -387,12 +387,7 @@ def test_paged_attention_mma(g, hd, G, nkv, lengths, ctxs, splits, ps, GS):
     bt, p_cap, num_pages = page_tables(r, lengths, ctxs, ps)
     kbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
     vbits = bf16_bits(r.standard_normal((num_pages, ps, nkv, hd)))
-    owned = np.zeros((num_pages, ps), bool)
-    for row, (ln, c) in enumerate(zip(lengths, ctxs)):
-        keys = np.arange(c + ln)
-        owned[bt[row, keys // ps], keys % ps] = True
-    kbits[~owned] = 0x7FC0
-    vbits[~owned] = 0x7FC0
+    poison_unowned((kbits, vbits), bt, lengths, ctxs, ps)
     q = (2.0 * r.standard_normal((n, nh, hd))).astype(np.float32)
     P = 2 * nh * hd + 5
     proj = r.standard_normal((n, P)).astype(np.float32)
