@@ -41,7 +41,8 @@ def test_kvq_specs_replace_the_pool_kernels_only(kv_dtype, f32):
     for shape in SHAPES:
         base = geometry_specs(_cfg(shape), f32)
         got = geometry_specs(_cfg(shape), f32, kv_dtype=kv_dtype)
-        assert set(got) == set(base)
+        # the tensor-core decode attention reads bf16 pairs: quantized pools take paged_attention
+        assert set(got) == set(base) - {"paged_attention_mma"}
         for name, sp in got.items():
             if name not in KVQ_VARIANTS:
                 assert sp == base[name], name
