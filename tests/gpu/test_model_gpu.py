@@ -281,7 +281,7 @@ def test_moe_decode_tail_in_one_launch_matches_numpy(pair, seqs_of):
 def test_moe_norm_in_the_router_gemv_matches_numpy(seqs_of):
     """A MoE model of hidden 256 (the decode GEMV takes its router + shared gate|up product):
     the post-attention norm in that product's prologue (gemv_norm) and as its own kernel (the
-    default until measured on a GPU): _decode_under."""
+    default: the fused form measured slower): _decode_under."""
     from ninfer.models.qwen3_5 import load_model
     from ninfer.models.qwen3_5.cuda_model import load_cuda_model
     art = TinyArtifact(tiny_config(moe=True, hidden=256), seed=7)
