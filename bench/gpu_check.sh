@@ -141,15 +141,22 @@ for part in $parts; do
             summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log, speculative*.log)") ;;
         fused)
             # the decode's fused launches (issue 26): the GPU tests of the norm in the GEMV's
-            # prologue, the fused MoE tail and PDL; then the 35B-A3B and 2B decode with each norm
-            # in its product's prologue (--fuse-norm 1) and as its own kernel (0), at the GEMV's
-            # default threshold and one that takes the input projections too (64 MB), PDL on
-            # (the MoE model's default; forced for the 2B)
+            # prologue, the router in the gate|up GEMV, the fused MoE tail, PDL and the attention
+            # on tensor cores; then the 35B-A3B and 2B decode with each norm in its product's
+            # prologue (--fuse-norm 1) and as its own kernel (0), at the GEMV's default threshold
+            # and one that takes the input projections too (64 MB), the router fused or not, PDL
+            # on (the MoE model's default; forced for the 2B); the attention's two kernels
             timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_model_gpu.py \
-                tests/gpu/test_pdl_gpu.py -k "moe or pdl or graph" >"$OUT/fused_tests.log" 2>&1
+                tests/gpu/test_pdl_gpu.py tests/gpu/test_ops_gpu.py \
+                -k "moe or pdl or graph or tensor_cores or paged_attention_mma" \
+                >"$OUT/fused_tests.log" 2>&1
             timeout 150 python3 bench/bench_decode.py --shapes 35b-a3b --prefill 64 --contexts 2048 \
-                --batches 1,2,8 --steps 30 --fuse-norm 1,0 --gemv-max-mb 16,64 \
+                --batches 1,2,8 --steps 30 --fuse-norm 1,0 --gemv-max-mb 16,64 --fuse-router 1,0 \
                 >"$OUT/fused_35b.log" 2>&1
+            # the attention on tensor cores against the CUDA-core kernel at long contexts
+            timeout 150 python3 bench/bench_decode.py --shapes 27b,9b --prefill 64 \
+                --contexts 2048,32768 --batches 1,8 --steps 10 --attn-mma 1,0 \
+                >"$OUT/fused_attn.log" 2>&1
             NINFER_PDL=1 timeout 150 python3 bench/bench_decode.py --shapes 2b --prefill 64 \
                 --contexts 2048 --batches 1,8 --steps 30 --fuse-norm 1,0 --gemv-max-mb 16,64 \
                 >"$OUT/fused_2b.log" 2>&1
