@@ -174,7 +174,7 @@ def attention_splits(n: int, nkv: int, num_sms: int) -> int:
 
 def mma_splits(n: int, nkv: int, num_sms: int) -> int:
     """Key splits per (token, kv head) of paged_attention_mma: the grid in one wave of 2 blocks
-    an SM (its 204 registers a thread leave room for 2 blocks of 128), at most 128. A warp keeps
+    an SM (its 206 registers a thread leave room for 2 blocks of 128), at most 128. A warp keeps
     16 KB of K/V loads in flight, so fewer splits than the CUDA-core kernel's suffice; a grid
     just past a wave would run a second, nearly empty one. Never more than attention_splits
     (the partial-result buffer is sized by it)."""
