@@ -75,10 +75,12 @@ class _DeviceStandIn:
         self.calls.append(batch.num_tokens)
         return self.drafter.forward(batch, hidden, kv, with_logits=with_logits)
 
-    def mtp_argmax(self, batch, hidden, kv):
+    def mtp_argmax(self, batch, hidden, kv, last_only=False):
         assert batch.num_tokens <= self.n_cap
         self.calls.append(batch.num_tokens)
-        return self.drafter.forward_argmax(batch, hidden, kv)
+        _, g = self.drafter.forward(batch, hidden, kv, with_logits=False)
+        ends = np.asarray(batch.query_start[1:], np.int64) - 1
+        return self.drafter.draft_argmax(g[ends]), g[ends] if last_only else g
 
     def head_logits(self, hidden):
         return self.drafter.logits(hidden)
@@ -134,9 +136,9 @@ def test_a_feed_cut_into_device_calls_gives_each_rows_next_draft():
         device = _DeviceStandIn(numpy_drafter, n_cap=cap)
         ids, g = CudaDrafter(device).forward_argmax(batch, hidden, kv_cut)
         assert device.calls == calls
+        assert g.shape == want_g.shape == (len(lengths), target.text.hidden_size)
         assert np.abs(g - want_g).max() / np.abs(want_g).max() < CUT_TOL
-        ends = np.asarray(batch.query_start[1:]) - 1
-        assert ids.tolist() == want_ids.tolist() == numpy_drafter.draft_argmax(g[ends]).tolist()
+        assert ids.tolist() == want_ids.tolist() == numpy_drafter.draft_argmax(g).tolist()
 
 
 def test_a_model_without_its_mtp_head_is_refused():

@@ -105,6 +105,15 @@ def chain(gpu, drafter, r, dtype: str, steps: int = 3) -> dict:
     _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
     drafter.forward(feed, h, kv_c, with_logits=False)
     g1 = g[[4, 7]]
+    # the feed's call (mtp_argmax last_only): the rows' last MTP hidden states alone, as the
+    # call that brings every token's down has them
+    kv_a, kv_l = gpu.new_kv_pool(17, 4), gpu.new_kv_pool(17, 4)
+    ids_a, g_a = gpu.mtp_argmax(feed, h, kv_a)
+    ids_l, g_l = gpu.mtp_argmax(feed, h, kv_l, last_only=True)
+    kv_a.close()
+    kv_l.close()
+    feed_last = bool(np.array_equal(g_a, g) and np.array_equal(g_l, g1)
+                     and np.array_equal(ids_l, ids_a))
     first = r.integers(0, V, 2).astype(np.int32)
     ctx = np.array(lens, np.int32)
     got = gpu.mtp_chain(g1, first, ctx, tables, steps, kv_g)
@@ -113,7 +122,8 @@ def chain(gpu, drafter, r, dtype: str, steps: int = 3) -> dict:
                            with_logits=False)
     host, _ = draft_greedy(drafter, kv_c, g1, first, ctx, tables, steps, with_logits=False)
     kv_step = _arrays(kv_g.read_pages(np.arange(16)))
-    out = {"chain_shape": list(got.shape), "chain_equals_stepwise": bool(np.array_equal(got, step)),
+    out = {"feed_last_rows": feed_last,
+           "chain_shape": list(got.shape), "chain_equals_stepwise": bool(np.array_equal(got, step)),
            "chain_equals_numpy": bool(np.array_equal(got, host)),
            "chain_kv_stepwise": len(kv_chain) > 0 and all(
                np.array_equal(a, b) for a, b in zip(kv_chain, kv_step))}

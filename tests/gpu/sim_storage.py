@@ -115,6 +115,15 @@ def run(f32, r):
     kernel("act", "silu_mul", f32=f32)[(n, 1, 1), (64, 1, 1)](o, gu.reshape(-1), stride, off, inter)
     g, u = gu[:, off: off + inter].astype(np.float64), gu[:, off + inter: off + 2 * inter]
     out[f"silu_mul/{tag}"] = rel(load(o, f32).reshape(n, inter), g / (1 + np.exp(-g)) * u)
+    # ... four columns a thread (16-byte loads: stride, offset and inter multiples of 4), the
+    # output poisoned: a column past the last thread's four or a wrong row shows
+    inter, stride, off = 44, 96, 8
+    gu = r.standard_normal((n, stride)).astype(np.float32)
+    o = np.full(n * inter, np.nan, np.float32) if f32 else np.full(n * inter, 0x7FC1, np.uint16)
+    kernel("act", "silu_mul4", f32=f32)[(n, 2, 1), (8, 1, 1)](o, gu.reshape(-1), stride, off,
+                                                              inter)
+    g, u = gu[:, off: off + inter].astype(np.float64), gu[:, off + inter: off + 2 * inter]
+    out[f"silu_mul4/{tag}"] = rel(load(o, f32).reshape(n, inter), g / (1 + np.exp(-g)) * u)
     # embedding gather of bf16-exact weights: exact in both variants
     V = 7
     table = exact(r, (V, H))

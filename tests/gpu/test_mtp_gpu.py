@@ -167,7 +167,7 @@ def test_a_verify_through_its_graph_equals_the_eager_verify(kind):
                                                ("moe", 97)])
 def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind, draft_vocab):
     """mtp_argmax (the feed's and each draft step's MTP call, issue 25): the MTP hidden of
-    every token as mtp_forward gives it, and per row the argmax of its last token's logits
+    every token as mtp_forward gives it (last_only: each row's last token's), and per row the argmax of its last token's logits
     over the first draft_vocab ids (float32: the head's own argmax of the same rows; the
     fixtures' 320 ids are all below the default draft vocabulary)."""
     from ninfer.models.qwen3_5.cuda_model import CudaModel
@@ -187,13 +187,15 @@ def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind, draft_vocab):
                          np.arange(3, dtype=np.int32))
         h = r.standard_normal((qs[-1], H)).astype(np.float32)
         results = []
-        for call in ("forward", "argmax"):
+        for call in ("forward", "argmax", "last"):
             kv = gpu.new_kv_pool(30, 4)
             results.append(gpu.mtp_forward(b, h, kv) if call == "forward"
-                           else gpu.mtp_argmax(b, h, kv))
+                           else gpu.mtp_argmax(b, h, kv, last_only=call == "last"))
             kv.close()
-        (logits, g_f), (ids, g_a) = results
+        (logits, g_f), (ids, g_a), (ids_l, g_l) = results
         assert np.array_equal(g_f, g_a) and logits.shape[1] == V
+        # the feed's: the rows' last hidden states alone (rows ending at 4, 5: one copy; 8)
+        assert ids_l.tolist() == ids.tolist() and np.array_equal(g_l, g_f[qs[1:] - 1])
         n = V if draft_vocab is None else draft_vocab
         assert ids.tolist() == logits[qs[1:] - 1, :n].argmax(1).tolist()
         if draft_vocab is not None:     # (the rows' argmax over every id lies past it somewhere)

@@ -672,6 +672,19 @@ class CudaModel(MediaEncoding):
         nbytes = n * (width or self.text.hidden_size) * self.ws.gin_bytes
         _d.copy_dtoh_async(self.hidden_host.ptr, src.ptr, nbytes, self.stream)
 
+    def _queue_hidden_rows(self, src, rows) -> None:
+        """Rows `rows` (ascending) of a workspace buffer of H-wide rows into the pinned buffer,
+        packed: one copy per run of consecutive rows."""
+        row_bytes = self.text.hidden_size * self.ws.gin_bytes
+        rows = np.asarray(rows, np.int64)
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        at = 0
+        for run in np.split(rows, breaks):
+            _d.copy_dtoh_async(self.hidden_host.ptr + at * row_bytes,
+                               src.ptr + int(run[0]) * row_bytes, len(run) * row_bytes,
+                               self.stream)
+            at += len(run)
+
     def _read_hidden(self, n: int, width: int = None) -> np.ndarray:
         """What _queue_hidden copied, once the stream has passed it."""
         H = width or self.text.hidden_size
@@ -714,17 +727,25 @@ class CudaModel(MediaEncoding):
         logits = self._logits_out(n).copy() if with_logits else None
         return logits, self._get_hidden(self.ws.x, n)
 
-    def mtp_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv) -> tuple:
+    def mtp_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv, *,
+                   last_only: bool = False) -> tuple:
         """mtp_forward without logits, and the device's argmax of each row's last token's
-        logits (the drafter's next draft of that row): (int32 [B], MTP hidden [N, H] float32),
-        B ids down instead of B x V logits; one wait."""
+        logits (the drafter's next draft of that row): (int32 [B], MTP hidden [N, H] float32,
+        or with last_only [B, H]: each row's last token's alone), B ids down instead of B x V
+        logits; one wait. last_only is the feed's: of a catch-up over thousands of queued
+        positions only the rows' last MTP hidden states are used, and bringing down and
+        widening all of them cost more host time than the feed's whole device work."""
         n, B = batch.num_tokens, batch.num_rows
-        self._mtp_run("mtp_argmax", batch, hidden, kv, self._row_ends(batch),
-                      vocab=self.draft_vocab)
+        ends = self._row_ends(batch)
+        self._mtp_run("mtp_argmax", batch, hidden, kv, ends, vocab=self.draft_vocab)
         _d.copy_dtoh_async(self.ids_host.ptr, self.ws.tokens.ptr, 4 * B, self.stream)
-        self._queue_hidden(self.ws.x, n)
+        if last_only:
+            self._queue_hidden_rows(self.ws.x, ends)
+        else:
+            self._queue_hidden(self.ws.x, n)
         self.stream.synchronize()
-        return self.ids_host.view(np.int32, 0, B).copy(), self._read_hidden(n)
+        return self.ids_host.view(np.int32, 0, B).copy(), self._read_hidden(B if last_only
+                                                                             else n)
 
     def mtp_chain_fits(self, rows: int, steps: int) -> bool:
         """Whether mtp_chain takes `steps` steps of `rows` rows (its step regions, the decode

@@ -131,11 +131,13 @@ class MtpDrafter:
 
     def forward_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool) -> tuple:
         """forward without logits, and each row's next draft: (int32 [B] draft_argmax of the
-        MTP hidden of its last token, MTP hidden [N, H]). The feed's last position gives the
-        row's first draft, a draft step each row's next (draft_greedy); the CUDA drafter takes
-        the argmax inside the step."""
+        MTP hidden of its last token, that MTP hidden [B, H]). The feed's last position gives
+        the row's first draft (and the g_1 the next draft step continues), a draft step each
+        row's next (draft_greedy); the CUDA drafter takes the argmax inside the step, and only
+        the rows' last hidden states come down (a feed of thousands of positions needs B)."""
         _, g = self.forward(batch, hidden, kv, with_logits=False)
-        return self.draft_argmax(g[np.asarray(batch.query_start[1:], np.int64) - 1]), g
+        g = g[np.asarray(batch.query_start[1:], np.int64) - 1]
+        return self.draft_argmax(g), g
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool, *,
                 with_logits: bool = True) -> tuple:
@@ -268,8 +270,7 @@ def verify_and_draft(drafter, model, batch: ForwardBatch, kv, state, rows, *, sn
     feed = ForwardBatch(picks[idx].astype(np.int32), np.asarray(batch.positions)[:, idx],
                         np.concatenate([[0], np.cumsum(produced)]).astype(np.int32), ctx,
                         batch.block_tables, batch.state_slots)
-    first, g = drafter.forward_argmax(feed, np.asarray(hidden, np.float32)[idx], kv)
-    g1 = g[np.cumsum(produced) - 1]
+    first, g1 = drafter.forward_argmax(feed, np.asarray(hidden, np.float32)[idx], kv)
     drafts = np.asarray(first, np.int32)[:, None]
     if steps:
         tail, _ = drafter.draft_greedy(kv, g1, first, ctx + produced, batch.block_tables, steps,

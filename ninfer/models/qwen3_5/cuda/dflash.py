@@ -142,8 +142,7 @@ class DFlashRunner:
             r.linear(st, b.act.ptr, lw["w_out"], b.h.ptr, n, H, nh * hd, beta=1.0)
             self._norm(st, b.x, b.h, lw["post_norm"], n)
             r.linear(st, b.x.ptr, lw["w_gu"], b.proj.ptr, n, 2 * I, H)
-            r.launch(st, self.kernels.silu_mul, (n, (I + 255) // 256), (256,),
-                     (b.act, b.proj, 2 * I, 0, I))
+            r.swiglu(st, b.act, b.proj, n, 2 * I, 0, I)
             r.linear(st, b.act.ptr, lw["w_down"], b.h.ptr, n, H, I, beta=1.0)
         self._norm(st, ws.xf, b.h, W["norm"], n_out, row_idx=meta.out_rows)
         r.linear(st, ws.xf.ptr, TW["lm_head"], ws.logits.ptr, n_out, V, H)

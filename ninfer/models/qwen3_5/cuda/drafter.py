@@ -76,21 +76,11 @@ class CudaDrafter:
     def forward_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv) -> tuple:
         """MtpDrafter.forward_argmax's contract on the device: (int32 [B] argmax of each row's
         last token's logits, taken by the head's argmax kernel: B ids come down, not B x V
-        logits; MTP hidden [N, H]). A batch of more tokens than one call takes runs as several
-        calls (token_pieces); a row's id is the one of the call where its last token ran."""
-        if batch.num_tokens <= self.model.n_cap:
-            return self.model.mtp_argmax(batch, hidden, kv)
-        hidden = np.asarray(hidden, np.float32)
-        g = np.empty_like(hidden)
-        ends = np.asarray(batch.query_start[1:], np.int64) - 1
-        ids = np.full(batch.num_rows, -1, np.int32)
-        for sub, idx in token_pieces(batch, self.model.n_cap):
-            sub_ids, g[idx] = self.model.mtp_argmax(sub, hidden[idx], kv)
-            sub_ends = idx[np.asarray(sub.query_start[1:], np.int64) - 1]
-            rows = np.searchsorted(ends, sub_ends)
-            done = ends[np.minimum(rows, len(ends) - 1)] == sub_ends
-            ids[rows[done]] = sub_ids[done]
-        return ids, g
+        logits; that token's MTP hidden [B, H], the rows' last alone: a feed's other MTP hidden
+        states stay on the device). A batch of more tokens than one call takes runs as several
+        calls (token_pieces); a row's id and hidden are those of the call where its last token
+        ran."""
+        return self._argmax(batch, hidden, kv, last_only=True)
 
     def forward(self, batch: ForwardBatch, hidden: np.ndarray, kv, *,
                 with_logits: bool = True) -> tuple:
@@ -98,7 +88,29 @@ class CudaDrafter:
         more tokens than one call takes runs as several calls (token_pieces), in order."""
         if with_logits:
             return self.model.mtp_forward(batch, hidden, kv)
-        return None, self.forward_argmax(batch, hidden, kv)[1]
+        return None, self._argmax(batch, hidden, kv, last_only=False)[1]
+
+    def _argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv, last_only: bool) -> tuple:
+        """(ids [B], MTP hidden [B, H] of the rows' last tokens with last_only, else [N, H])
+        through calls of at most n_cap tokens."""
+        if batch.num_tokens <= self.model.n_cap:
+            return self.model.mtp_argmax(batch, hidden, kv, last_only=last_only)
+        hidden = np.asarray(hidden, np.float32)
+        g = np.empty((batch.num_rows if last_only else len(hidden), hidden.shape[1]),
+                     np.float32)
+        ends = np.asarray(batch.query_start[1:], np.int64) - 1
+        ids = np.full(batch.num_rows, -1, np.int32)
+        for sub, idx in token_pieces(batch, self.model.n_cap):
+            sub_ids, sub_g = self.model.mtp_argmax(sub, hidden[idx], kv, last_only=last_only)
+            sub_ends = idx[np.asarray(sub.query_start[1:], np.int64) - 1]
+            rows = np.searchsorted(ends, sub_ends)
+            done = ends[np.minimum(rows, len(ends) - 1)] == sub_ends
+            ids[rows[done]] = sub_ids[done]
+            if last_only:
+                g[rows[done]] = sub_g[done]
+            else:
+                g[idx] = sub_g
+        return ids, g
 
     # the speculator runs a verify whose every row drafted through verify_and_draft: the feed
     # and the next unit's drafts behind the verify, one wait instead of three

@@ -62,8 +62,8 @@ SIGS = _collect_signatures()
 
 # kernels with an fp32-storage variant (dtype="float32"): factory parameter f32=True, and every
 # bf16 ("u16*") or bf16-pair ("u32*") argument of theirs becomes "f32*"
-F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather", "random_bf16",
-                          "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
+F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "silu_mul4", "embed_gather",
+                          "random_bf16", "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
                           "expert_down", "qgemv", "dequant",
                           "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax",
                           "mtp_prologue", "store_columns"))
@@ -237,7 +237,8 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
     K, dk, dv = cfg.linear_conv_kernel_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     sec = tuple(cfg.mrope_section) + (0, 0, 0)
-    specs = {n: spec(n) for n in ("rmsnorm", "gated_rmsnorm", "silu_mul", "embed_gather",
+    specs = {n: spec(n) for n in ("rmsnorm", "gated_rmsnorm", "silu_mul", "silu_mul4",
+                                  "embed_gather",
                                   "argmax", "sample_prep", "sample_stats", "sample",
                                   "random_bf16", "random_f32")}
     # the decode GEMV (kernels/gemv.py), a kernel per token count (StepRunner.gemv_fits)

@@ -475,6 +475,18 @@ class StepRunner:
         name = kernel.spec.factory if self.profile is not None else None
         self._timed(st, name, lambda: kernel.launch(st, grid, block, args, smem))
 
+    def swiglu(self, st, out, gu, rows, stride, off, inter):
+        """out [rows, inter] = silu(gate) * up of gu's rows (gate at columns off .., up at
+        off + inter .., rows `stride` apart): four columns a thread (silu_mul4) where the rows'
+        words are 16-byte aligned, else one (a MoE layer's shared gate|up sits at an odd offset
+        of the router's row)."""
+        if (stride | off | inter) % 4 == 0 and "silu_mul4" in self.kernels.specs:
+            self.launch(st, self.kernels.silu_mul4, (rows, -(-inter // 1024)), (256,),
+                        (out, gu, stride, off, inter))
+        else:
+            self.launch(st, self.kernels.silu_mul, (rows, -(-inter // 256)), (256,),
+                        (out, gu, stride, off, inter))
+
     def launch_named(self, st, name, grid, block, args):
         # the helper modules (gdn_chunk.launch, attention_tc.attend_row) hand their kernels' names
         # as data: they also drive other kernel sets (the simulator tests, the benchmark's sweep)
@@ -668,8 +680,7 @@ class StepRunner:
         cfg, ws = self.cfg, self.res.ws
         H, I = cfg.hidden_size, cfg.intermediate_size
         self.normed(st, lw["post_norm"], lw["w_gu"], n, 2 * I)
-        self.launch(st, self.kernels.silu_mul, (n, (I + 255) // 256), (256,),
-                    (ws.act, ws.proj, 2 * I, 0, I))
+        self.swiglu(st, ws.act, ws.proj, n, 2 * I, 0, I)
         self.linear(st, ws.act.ptr, lw["w_down"], ws.h.ptr, n, H, I, beta=1.0)
 
     def moe(self, st, n, lw):
@@ -684,8 +695,7 @@ class StepRunner:
                         (ws.ids, ws.wts, ws.proj, P))
         fused = self.fused_tail(n, lw)
         if not fused:
-            self.launch(st, self.kernels.silu_mul, (n, (Is + 255) // 256), (256,),
-                        (ws.act, ws.proj, P, E, Is))
+            self.swiglu(st, ws.act, ws.proj, n, P, E, Is)
             self.linear(st, ws.act.ptr, lw["shared_down"], ws.shared.ptr, n, H, Is)
         if n > self.res.moe_gemv_tokens and not self.dry:
             # (an enabled route holds every MoE layer's expert addresses: DeviceRoute.bind)
@@ -773,8 +783,7 @@ class StepRunner:
         H, K, I = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         pairs = n * K
         self._expert_gemv(st, lw["experts_gu"], ws.x, ws.gu, pairs, 2 * I, H, K, 0)
-        self.launch(st, self.kernels.silu_mul, (pairs, (I + 255) // 256), (256,),
-                    (ws.gact, ws.gu, 2 * I, 0, I))
+        self.swiglu(st, ws.gact, ws.gu, pairs, 2 * I, 0, I)
         self._expert_gemv(st, lw["experts_down"], ws.gact, ws.my, pairs, H, I, K, 1)
 
     def _expert_gemv(self, st, w, x, y, pairs, n, k, top_k, x_per_pair, ids=None):
@@ -890,8 +899,7 @@ class StepRunner:
         lt = self.res.lt
         self._timed(st, "expert_gemm", lambda: lt.grouped_gemm(
             st, plan_gu, w_gu, route.ptrs.at(0), route.ptrs.at(1), one, zero))
-        self.launch(st, self.kernels.silu_mul, (pairs, (I + 255) // 256), (256,),
-                    (ws.gact, ws.gu, 2 * I, 0, I))
+        self.swiglu(st, ws.gact, ws.gu, pairs, 2 * I, 0, I)
         self._timed(st, "expert_gemm", lambda: lt.grouped_gemm(
             st, plan_dn, w_dn, route.ptrs.at(2), route.ptrs.at(3), one, zero))
 
@@ -936,8 +944,7 @@ class StepRunner:
             self._expert_gemv(st, gu_w, ws.xg, ws.gu, ng, 2 * I, H, -1, 0, ids=table)
         else:
             self._expert_gemm(st, gu_w, ws.xg, ws.gu, lay.cap, 2 * I, H, lay.overflow, g)
-        self.launch(st, self.kernels.silu_mul, (rows, (I + 255) // 256), (256,),
-                    (ws.gact, ws.gu, 2 * I, 0, I))
+        self.swiglu(st, ws.gact, ws.gu, rows, 2 * I, 0, I)
         if grouped_mma:
             self._expert_gemv(st, dn_w, ws.gact, ws.my, ng, H, I, -1, 0, ids=table)
         else:

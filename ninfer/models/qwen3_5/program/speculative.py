@@ -192,9 +192,8 @@ class _ChainProposer:
         """The drafter's KV of the batch's positions from the pairs (h_t, x_{t+1}); each row's
         last MTP hidden and its argmax are kept."""
         ids, g = self.drafter.forward_argmax(batch, hidden, prog.kv)
-        last = np.asarray(batch.query_start[1:], np.int64) - 1
         for i, seq in enumerate(seqs):
-            self.first[seq.seq_id] = (g[last[i]].copy(), int(ids[i]))
+            self.first[seq.seq_id] = (g[i].copy(), int(ids[i]))
             self.drafts.pop(seq.seq_id, None)
 
     def propose(self, prog, seqs, ks: dict, guide: "_Guide") -> dict:
