@@ -109,6 +109,36 @@ def test_the_cold_start_stops_where_no_deeper_k_can_pay():
     assert pol.best(1) == 0
 
 
+@pytest.mark.parametrize("accepted, want", [(0, [0, 0, 0, 1, 0]), (1, [0, 0, 0, 1, 2])])
+def test_the_cold_start_stops_where_the_first_drafts_acceptance_says_no_deeper_k_can_pay(
+        accepted, want):
+    """Eight rows' first drafts all rejected (c_1 = 1/10 with the prior): no k emits more than
+    1 + 4 * 0.1 = 1.4 tokens a row, so a k = 1 unit at 1.5 plain steps ends the cold start
+    (bench_speculative --batch 8 with a random head ran k = 2..4 at 1.6-1.8 steps each for
+    nothing); the same costs with every first draft accepted go on to k = 2. Fewer than
+    BOUND_TRIES rows verified say nothing yet (max_k + 1)."""
+    pol = DraftPolicy(4, cold_start_streak=1)
+    assert pol.most_tokens() == 5.0
+    for _ in range(3):
+        pol.observe_row(1, accepted)
+    assert pol.most_tokens() == 5.0                   # 3 < BOUND_TRIES rows: no bound yet
+    pol = DraftPolicy(4, cold_start_streak=1)
+    seen = []
+    for _ in range(len(want)):
+        k = pol.choose(8)
+        seen.append(k)
+        if k:
+            for _ in range(8):
+                pol.observe_row(k, accepted * k)
+        pol.observe_unit(8, k, 1.0 if k == 0 else 1.5 + 0.1 * k)
+    assert seen == want, seen
+    if not accepted:
+        np.testing.assert_allclose(pol.most_tokens(), 1.0 + 4 * PRIOR_ACCEPTS / (8 + PRIOR_TRIES),
+                                   rtol=1e-2)       # (the counts decay a little per row)
+        np.testing.assert_allclose(pol._costs_at(8), [1.0, 1.6, 1.6, 1.6, 1.6])
+        assert pol.best(8) == 0
+
+
 def test_a_unit_with_other_rows_runs_the_best_known_k_never_an_exploration():
     """choose(rows, timed=False) (a unit beside a prefill or Replay row: its time is no cost of
     k): 0 before anything is measured (the cold start's k would run untimed, at up to twice a
@@ -230,9 +260,10 @@ def test_verify_that_costs_about_one_step_drafts_where_acceptance_pays():
 def test_a_neighbour_of_the_best_runs_at_doubling_intervals():
     pol = DraftPolicy(4, cold_start_streak=1)
     ks = _run(pol, 3, 1600, cost=lambda k: 1.0 + 0.9 * k, accept=lambda k: 0)
-    # the cold start: each k once, k = 0 first as a run of EXPLORE_PLAIN_UNITS
-    assert ks[:4 + EXPLORE_PLAIN_UNITS] == [0] * EXPLORE_PLAIN_UNITS + [1, 2, 3, 4]
-    after = ks[4 + EXPLORE_PLAIN_UNITS:]
+    # the cold start: k = 0 first as a run of EXPLORE_PLAIN_UNITS, then k = 1, 2, where 6
+    # rejected first drafts bound any k's tokens by 1 + 4 / 8 = 1.5, below k = 2's 2.8 steps
+    assert ks[:2 + EXPLORE_PLAIN_UNITS] == [0] * EXPLORE_PLAIN_UNITS + [1, 2]
+    after = ks[2 + EXPLORE_PLAIN_UNITS:]
     off = [i for i, k in enumerate(after) if k != 0]
     assert off and all(after[i] == 1 for i in off)     # best 0: its neighbour is 1
     gaps = np.diff([-1] + off).tolist()                # units from one exploration to the next

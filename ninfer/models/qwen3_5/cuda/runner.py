@@ -302,6 +302,9 @@ class StepRunner:
         # 35B-A3B B=8 at 2K 8.95-9.03 / 9.30; B=1 at 2K within 1% either way
         # (bench_decode --attn-mma 1,0; docs/performance.md)
         self.attn_mma = True
+        # SwiGLU four columns a thread where the rows allow (silu_mul4; swiglu). H100 9B
+        # prefill of 4096: 8.86 -> 6.59 ms of SwiGLU (bench_decode --swiglu4 for decode rows)
+        self.swiglu4 = True
         # a decode MoE layer's top-k in the prologue of its experts' gate|up GEMV
         # (expert_gate_up_routed; router_fused): one launch instead of two. Off: correct on the
         # GPU but no faster (H100, 35B-A3B at 2K: B=1 within 1% either way, B=2 and 4 2.5-4%
@@ -480,7 +483,8 @@ class StepRunner:
         off + inter .., rows `stride` apart): four columns a thread (silu_mul4) where the rows'
         words are 16-byte aligned, else one (a MoE layer's shared gate|up sits at an odd offset
         of the router's row)."""
-        if (stride | off | inter) % 4 == 0 and "silu_mul4" in self.kernels.specs:
+        if self.swiglu4 and (stride | off | inter) % 4 == 0 \
+                and "silu_mul4" in self.kernels.specs:
             self.launch(st, self.kernels.silu_mul4, (rows, -(-inter // 1024)), (256,),
                         (out, gu, stride, off, inter))
         else:

@@ -28,8 +28,9 @@ last ~10 verifies) shrunk toward the traffic's c_i by ROW_PRIOR_TRIES tries, so 
 accepting run plainly while the others still draft (bench_speculative --batch 8: two rows past the
 drafter's reach, left alone at the end of a round, drafted k = 4 for 81 units at 1.6x a plain
 step's cost on the traffic's acceptance). B is exact up to 8, else bucketed by powers of two. At
-start every k is measured once, k = 0 up (_cold_start_k: a k whose cost is max_k + 1 plain steps
-ends it, no deeper k could pay), at the first B that runs COLD_START_STREAK units in a row (before
+start every k is measured once, k = 0 up (_cold_start_k: a k that costs as many plain steps as
+a verify row can emit at any k ends it, no deeper k could pay: max_k + 1, or less once the first
+drafts' acceptance is known), at the first B that runs COLD_START_STREAK units in a row (before
 that, plain decoding) (the Speculator does not time a unit that paid a first use,
 Model.one_off_work: a CUDA verify shape's first unit captures its graph, so that k runs again);
 after that a new B takes the nearest measured B's choice and estimates the costs it has not
@@ -63,6 +64,9 @@ EXPLORE_PLAIN_UNITS = 3
 # dearest k first, ran 7 units at 2-4x a step's cost (bench_speculative --batch 8); until then
 # such units decode plainly
 COLD_START_STREAK = 4
+# the cold start's bound on a deeper k's tokens uses the first draft's acceptance once this
+# many rows verified one (most_tokens); one unit at B = 8 gives as many
+BOUND_TRIES = 4.0
 COST_WEIGHT = 0.25      # running mean of T(B, k): the new unit's weight
 ACCEPT_DECAY = 0.995    # the acceptance counts' decay per verify row (~200 rows' memory)
 PRIOR_TRIES, PRIOR_ACCEPTS = 2.0, 1.0
@@ -160,10 +164,12 @@ class DraftPolicy:
         first (a run of plain units, one launched ahead; usually measured already by the plain
         units before the streak), then k = 1, 2, ... up to max_k. A unit at k costs at least
         what one at k - 1 does (a verify of more positions, more draft steps) and emits at most
-        k + 1 tokens, so once a k costs (max_k + 1) plain steps no deeper k can beat plain
+        most_tokens(), so once a k costs that many plain steps no deeper k can beat plain
         decoding: those take that cost as theirs, a lower bound, unrun (a small model whose
         step is all host work: each drafting unit there costs ~10 plain steps, and measuring
-        every k once cost more than a short run can win back)."""
+        every k once cost more than a short run can win back; a head whose first drafts were
+        all rejected: bench_speculative --batch 8, k = 2..4 ran at 1.6-1.8 plain steps each
+        for nothing)."""
         if (b, 0) not in self._cost:
             self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
             return 0
@@ -172,12 +178,22 @@ class DraftPolicy:
             if (b, k) in self._cost:
                 continue
             prev = self._cost.get((b, k - 1))
-            if k > 1 and prev >= (self.max_k + 1) * plain:
+            if k > 1 and prev >= self.most_tokens() * plain:
                 for j in range(k, self.max_k + 1):
                     self._cost[(b, j)] = prev
                 return None
             return k
         return None
+
+    def most_tokens(self) -> float:
+        """What a verify row can emit at any k, as far as the first draft's acceptance says:
+        E(k) = 1 + sum_j prod_{i<=j} c_i <= 1 + max_k * c_1 (every product is at most c_1), with
+        c_1 the traffic's once BOUND_TRIES first drafts were verified (before that max_k + 1:
+        an untried head may be right every time)."""
+        if self._tries[0] < BOUND_TRIES:
+            return self.max_k + 1.0
+        return 1.0 + self.max_k * (self._accepts[0] + PRIOR_ACCEPTS) / (self._tries[0]
+                                                                          + PRIOR_TRIES)
 
     def _explore_wait(self, b: int, best: int, k: int, row_ids) -> float:
         """Units since the last exploration before one at k may run: the time a unit at k
