@@ -108,6 +108,19 @@ def run(f32, r):
     xs = x[idx].astype(np.float64)
     ref = xs / np.sqrt((xs * xs).mean(1, keepdims=True) + eps) * (1 + w)
     out[f"rmsnorm/{tag}"] = rel(load(o, f32).reshape(n, H), ref)
+    # gated_rmsnorm4: a warp a (token, head), 5 pairs (the second block's last 3 warps idle),
+    # z strided at a 16-byte-aligned offset, the output poisoned
+    nv, dv, zs, zoff = 5, 128, 5 * 128 + 12, 8
+    x = r.standard_normal((1, nv * dv)).astype(np.float32)
+    z = r.standard_normal((1, zs)).astype(np.float32)
+    w = (1 + 0.2 * r.standard_normal(dv)).astype(np.float32)
+    o = np.full(nv * dv, 0x7FC0 if not f32 else np.nan, np.float32 if f32 else np.uint16)
+    kernel("norm", "gated_rmsnorm4", dv=dv, f32=f32)[(2, 1, 1), (128, 1, 1)](
+        o, x.reshape(-1), z.reshape(-1), zs, zoff, w, nv, nv, np.float32(eps))
+    xh = x.astype(np.float64).reshape(nv, dv)
+    zz = z[0, zoff: zoff + nv * dv].astype(np.float64).reshape(nv, dv)
+    ref = xh / np.sqrt((xh ** 2).mean(1, keepdims=True) + eps) * w * (zz / (1 + np.exp(-zz)))
+    out[f"gated_rmsnorm4/{tag}"] = rel(load(o, f32).reshape(nv, dv), ref)
     # silu_mul from a strided projection
     inter, stride, off = 37, 90, 5
     gu = r.standard_normal((n, stride)).astype(np.float32)

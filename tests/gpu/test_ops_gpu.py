@@ -86,6 +86,25 @@ def test_gated_rmsnorm(g, n, nv, dv, f32):
 
 
 @STORAGE
+@pytest.mark.parametrize("n,nv,dv", [(1, 1, 128), (5, 3, 128), (2, 4, 256), (3, 48, 128)])
+def test_gated_rmsnorm4(g, n, nv, dv, f32):
+    """A warp a (token, head) pair, four columns a lane, z at a 16-byte-aligned offset and
+    stride; the block's tail warps past the last pair (pairs not a multiple of 4) idle."""
+    r = rng(n * nv + dv + 1)
+    x = r.standard_normal((n, nv * dv)).astype(np.float32)
+    zs, zoff = nv * dv + 12, 8
+    z = r.standard_normal((n, zs)).astype(np.float32)
+    w = (1 + 0.2 * r.standard_normal(dv)).astype(np.float32)
+    out = g.empty((n, nv * dv), gin(f32))
+    g.run("gated_rmsnorm4", (-(-n * nv // 4),), (128,),
+          (out, g.put(x), g.put(z), zs, zoff, g.put(w), nv, n * nv, 1e-6), dict(dv=dv, f32=f32))
+    xh = x.astype(np.float64).reshape(n, nv, dv)
+    zz = z[:, zoff: zoff + nv * dv].astype(np.float64).reshape(n, nv, dv)
+    ref = xh / np.sqrt((xh ** 2).mean(-1, keepdims=True) + 1e-6) * w * silu(zz)
+    assert rel_err(load_from(g.get(out), f32).reshape(n, nv, dv), ref) < out_tol(f32)
+
+
+@STORAGE
 @pytest.mark.parametrize("n,inter,off", [(1, 1, 0), (4, 255, 3), (2, 257, 0)])
 def test_silu_mul(g, n, inter, off, f32):
     r = rng(inter)

@@ -62,9 +62,9 @@ SIGS = _collect_signatures()
 
 # kernels with an fp32-storage variant (dtype="float32"): factory parameter f32=True, and every
 # bf16 ("u16*") or bf16-pair ("u32*") argument of theirs becomes "f32*"
-F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "silu_mul", "silu_mul4", "embed_gather",
-                          "random_bf16", "qk_norm_rope_kv", "paged_attention", "attn_combine", "expert_gate_up",
-                          "expert_down", "qgemv", "dequant",
+F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "gated_rmsnorm4", "silu_mul", "silu_mul4",
+                          "embed_gather", "random_bf16", "qk_norm_rope_kv", "paged_attention",
+                          "attn_combine", "expert_gate_up", "expert_down", "qgemv", "dequant",
                           "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax",
                           "mtp_prologue", "store_columns"))
 
@@ -254,6 +254,8 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)
         specs["gdn_recurrent"] = spec("gdn_recurrent", dk=dk, dv=dv, nk=nk, nv=nv)
+        if dv % 128 == 0:           # (a warp a head: four columns a lane a step)
+            specs["gated_rmsnorm4"] = spec("gated_rmsnorm4", dv=dv)
         specs.update(gdn_chunk_specs(dk, dv, nk, nv, tc=gc.tc_ok(dk, dv)))
     if cfg.attention_layer_ids:
         specs["qk_norm_rope_kv"] = spec("qk_norm_rope_kv", hd=hd, rot=cfg.rotary_dim, nh=nh,

@@ -151,6 +151,7 @@ COMBINE_GROUPS = 8          # kernels/attention.COMBINE_GROUPS (the kernels' mod
 EXPERT_DOWN_ROWS = 4        # kernels/moe.DOWN_ROWS: expert_down's output rows per warp
 ROUTER_THREADS = 32         # kernels/moe.ROUTER_THREADS: router_topk's block, a warp a token
 GATHER_THREADS = 128        # kernels/moe.GATHER_THREADS: gather_rows' block, 16 bytes a thread
+GATED_WARPS = 4             # kernels/norm.GATED_WARPS: gated_rmsnorm4's (token, head) pairs a block
 GEMV_WARPS = 4              # kernels/gemv.WARPS: the decode GEMV's output rows a block
 GEMV_SPAN_BYTES = 512       # kernels/gemv.SPAN words of 4 bytes: its rows' granule
 GEMV_MAX_BYTES = 16 << 20   # StepRunner.gemv_max_bytes' default
@@ -302,8 +303,9 @@ class StepRunner:
         # 35B-A3B B=8 at 2K 8.95-9.03 / 9.30; B=1 at 2K within 1% either way
         # (bench_decode --attn-mma 1,0; docs/performance.md)
         self.attn_mma = True
-        # SwiGLU four columns a thread where the rows allow (silu_mul4; swiglu). H100 9B
-        # prefill of 4096: 8.86 -> 6.59 ms of SwiGLU (bench_decode --swiglu4 for decode rows)
+        # SwiGLU four columns a thread (silu_mul4; swiglu) and the GDN output's gated norm a
+        # warp a head (gated_rmsnorm4; gated_norm) where the rows allow. H100 9B prefill of
+        # 4096: 8.86 -> 6.59 ms of SwiGLU (bench_decode --swiglu4 for decode rows)
         self.swiglu4 = True
         # a decode MoE layer's top-k in the prologue of its experts' gate|up GEMV
         # (expert_gate_up_routed; router_fused): one launch instead of two. Off: correct on the
@@ -491,6 +493,20 @@ class StepRunner:
             self.launch(st, self.kernels.silu_mul, (rows, -(-inter // 256)), (256,),
                         (out, gu, stride, off, inter))
 
+    def gated_norm(self, st, out, x, z, z_stride, z_off, w, n, nv, dv):
+        """out [n, nv * dv] = rmsnorm(x) * w * silu(z) per (token, value head), z of token t at
+        z[t * z_stride + z_off ..]: a warp a head (gated_rmsnorm4) where its rows' words are
+        16-byte aligned and the kernel set has it, else a block a head."""
+        eps = self.cfg.rms_norm_eps
+        if self.swiglu4 and (z_stride | z_off) % 4 == 0 \
+                and "gated_rmsnorm4" in self.kernels.specs:
+            pairs = n * nv
+            self.launch(st, self.kernels.gated_rmsnorm4, (-(-pairs // GATED_WARPS),),
+                        (32 * GATED_WARPS,), (out, x, z, z_stride, z_off, w, nv, pairs, eps))
+        else:
+            self.launch(st, self.kernels.gated_rmsnorm, (n, nv),
+                        (min(128, (dv + 31) // 32 * 32),), (out, x, z, z_stride, z_off, w, dv, eps))
+
     def launch_named(self, st, name, grid, block, args):
         # the helper modules (gdn_chunk.launch, attention_tc.attend_row) hand their kernels' names
         # as data: they also drive other kernel sets (the simulator tests, the benchmark's sweep)
@@ -629,8 +645,7 @@ class StepRunner:
                       dt_bias=lw["dt_bias"], state=state.recurrent[l],
                       query_start=meta.query_start, context_lens=meta.context_lens,
                       state_slots=meta.state_slots, tc=ws.gdn_tc, s=ws.gdn_s)
-        self.launch(st, self.kernels.gated_rmsnorm, (n, nv), (min(128, (dv + 31) // 32 * 32),),
-                    (ws.act, ws.core, ws.proj, P, C, lw["norm_w"], dv, cfg.rms_norm_eps))
+        self.gated_norm(st, ws.act, ws.core, ws.proj, P, C, lw["norm_w"], n, nv, dv)
         self.linear(st, ws.act.ptr, lw["w_out"], ws.h.ptr, n, H, Vd, beta=1.0)
 
     def attention(self, st, meta, n, b, lw, kv, a):
