@@ -39,7 +39,8 @@ def all_specs():
         out.add(spec("attn_combine", hd=hd, nh=G * nkv))
     for hd, G, nkv in ((64, 2, 2), (128, 1, 3), (128, 4, 2), (20, 3, 2), (256, 6, 1), (256, 6, 4)):
         out |= {spec("q_to_bf16", hd=hd, G=G, nkv=nkv), spec("kv_gather", hd=hd, nkv=nkv),
-                spec("causal_softmax", G=G), spec("attn_gate_tc", hd=hd, G=G, nkv=nkv)}
+                spec("causal_softmax", G=G), spec("causal_softmax_reg", G=G),
+                spec("attn_gate_tc", hd=hd, G=G, nkv=nkv)}
     for E, K, norm in ((4, 2, True), (256, 8, True), (60, 3, False)):
         out.add(spec("router_topk", E=E, K=K, norm=norm))
     for H, I, K in ((64, 32, 2), (2048, 512, 8)):

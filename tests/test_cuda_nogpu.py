@@ -351,7 +351,8 @@ def test_query_blocks_fit_the_s_buffer(n, ctx, G, s_cap):
 
 def test_tensor_core_attention_kernels_on_the_simulator():
     """kernels/attention_tc.py + attend_row's blocking on numba-cuda's CPU simulator against the
-    float64 oracle (two rows, ctx > 0 across pages, padded head rows, several query blocks)."""
+    float64 oracle (two rows, ctx > 0 across pages, padded head rows, several query blocks),
+    with either softmax kernel."""
     import os
     import subprocess
     import sys
@@ -362,9 +363,11 @@ def test_tensor_core_attention_kernels_on_the_simulator():
     res = subprocess.run([sys.executable, "-W", "ignore", str(root / "tests/gpu/sim_attention_tc.py")],
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    err = float(res.stdout.strip().splitlines()[-1])
-    # bf16 q, P and output roundings (the GPU op test's TOL_BF16_OUT)
-    assert err < 8e-3, err
+    errs = [float(e) for e in res.stdout.strip().splitlines()[-1].split()]
+    # bf16 q, P and output roundings (the GPU op test's TOL_BF16_OUT); the softmax with the
+    # row in registers (causal_softmax_reg), then the two-pass one (causal_softmax); then the
+    # first alone over rows of 1,032 keys (bf16 P: ~2e-3)
+    assert len(errs) == 3 and max(errs) < 8e-3, errs
 
 
 # ---- review: batch checks agree with the numpy model, geometry limits, cache races, close -------

@@ -16,9 +16,10 @@ from ninfer.core.cuda import numba_shim
 from oracles import page_tables
 
 cuda, _ = numba_shim.import_numba_cuda()
-from sim_patches import fix_shared_array_race, yield_while_polling   # noqa: E402
+from sim_patches import fix_shared_array_race, warp_shuffles, yield_while_polling   # noqa: E402
 fix_shared_array_race()
 yield_while_polling()
+warp_shuffles()     # (sim_gdn_chunk.py, importing this, puts its block-wide one in their place)
 import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 
 from ninfer.core.cuda.kernels import ARG_TYPES, _import_kernel_module   # noqa: E402
@@ -73,6 +74,8 @@ def f32_to_bf16(a):
     return np.ascontiguousarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
+LAUNCHED = set()     # kernel names attend_row launched
+
 def run(hd, G, nkv, lengths, ctxs, ps, s_cap=None, seed=0) -> float:
     mem = Memory(16 << 20)
     r = np.random.default_rng(seed)
@@ -93,10 +96,12 @@ def run(hd, G, nkv, lengths, ctxs, ps, s_cap=None, seed=0) -> float:
     out = mem.alloc(n * nh * hd * 2, 0xFF)
     d_q, d_k, d_v, d_bt, d_proj = (mem.put(a) for a in (q, kbits, vbits, bt, proj))
     params = {"q_to_bf16": dict(hd=hd, G=G, nkv=nkv), "kv_gather": dict(hd=hd, nkv=nkv),
-              "causal_softmax": dict(G=G), "attn_gate_tc": dict(hd=hd, G=G, nkv=nkv)}
+              "causal_softmax": dict(G=G), "causal_softmax_reg": dict(G=G),
+              "attn_gate_tc": dict(hd=hd, G=G, nkv=nkv)}
     jitted = {}
 
     def launch(name, grid, block, args):
+        LAUNCHED.add(name)
         module, factory, sig = SIGS[name]
         if name not in jitted:
             jitted[name] = cuda.jit(getattr(_import_kernel_module(module), factory)(**params[name]))
@@ -134,8 +139,33 @@ def run(hd, G, nkv, lengths, ctxs, ps, s_cap=None, seed=0) -> float:
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
+def softmax_rows(n_cols=1032, first_len=1020, rows=6, G=2) -> float:
+    """causal_softmax_reg alone over rows longer than one pass of the block (columns past
+    4 * SM_THREADS: a thread's second group), the output poisoned, against float64."""
+    r = np.random.default_rng(3)
+    s = (4.0 * r.standard_normal((rows, n_cols))).astype(np.float32)
+    p = np.full(rows * n_cols, 0x7FC0, np.uint16)
+    fn = cuda.jit(getattr(_import_kernel_module("attention_tc"), "causal_softmax_reg")(G=G))
+    fn[(rows, 1, 1), (256, 1, 1)](p, s.reshape(-1), n_cols, first_len, np.float32(0.125))
+    got = bf16_to_f32(p.reshape(rows, n_cols)).astype(np.float64)
+    ref = np.zeros((rows, n_cols))
+    for i in range(rows):
+        x = s[i, :first_len + i // G].astype(np.float64) * 0.125
+        e = np.exp(x - x.max())
+        ref[i, :len(x)] = e / e.sum()
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if np.all(np.isfinite(got)) \
+        else float("nan")
+
+
 if __name__ == "__main__":
     # two rows (the second continuing after 6 keys, crossing 4-key pages), G = 2, head_dim 6
     # (rows padded to 8), an S/P buffer of 2 * 16 elements: at most two query tokens per block
-    print(run(6, 2, 1, [3, 2], [0, 6], 4, s_cap=32))
+    # (rows of S within SOFTMAX_REG_COLS: causal_softmax_reg; then with it 0: causal_softmax)
+    reg = run(6, 2, 1, [3, 2], [0, 6], 4, s_cap=32)
+    assert "causal_softmax_reg" in LAUNCHED and "causal_softmax" not in LAUNCHED, LAUNCHED
+    tc.SOFTMAX_REG_COLS = 0
+    LAUNCHED.clear()
+    online = run(6, 2, 1, [3, 2], [0, 6], 4, s_cap=32)
+    assert "causal_softmax" in LAUNCHED and "causal_softmax_reg" not in LAUNCHED, LAUNCHED
+    print(reg, online, softmax_rows())
     sys.exit(0)

@@ -14,7 +14,8 @@ exception handling) and gives up the GIL after each pass so the block's threads 
 1,024-thread rmsnorm: 23 s -> 6 s; sim_mtp.py's step 195 s -> 54 s).
 
 The simulator has no libdevice: `fake_libdevice` gives it the two bit casts kernels/sample.py
-uses (the device sampler's).
+uses (the device sampler's). Nor warp shuffles: `warp_shuffles` gives it shfl_xor_sync and
+shfl_sync over the 32 lanes of a warp.
 """
 import sys
 import threading
@@ -99,3 +100,29 @@ def fake_libdevice():
     fake.FakeCUDAModule.libdevice = SimpleNamespace(
         double_as_longlong=lambda x: np.array([x], np.float64).view(np.int64)[0],
         hiloint2double=lambda hi, lo: np.array([lo, hi], np.int32).view(np.float64)[0])
+
+
+_WARPS, _WARPS_LOCK = {}, threading.Lock()
+
+
+def _shuffle(value, source):
+    """The 32 lanes of a warp (Python threads of one block) meet at a barrier, each reads the
+    value of lane source(lane). Every kernel here shuffles with whole warps, as on the GPU."""
+    t = threading.current_thread()
+    key = (id(t._manager), tuple(t.blockIdx), t.thread_id // 32)
+    with _WARPS_LOCK:
+        bar, vals = _WARPS.setdefault(key, (threading.Barrier(32, timeout=120), [None] * 32))
+    lane = t.thread_id % 32
+    vals[lane] = value
+    bar.wait()
+    out = vals[source(lane) % 32]
+    bar.wait()
+    return out
+
+
+def warp_shuffles():
+    import numba.cuda.simulator.kernelapi as fake
+    fake.FakeCUDAModule.shfl_xor_sync = \
+        lambda self, mask, value, offset: _shuffle(value, lambda lane: lane ^ offset)
+    fake.FakeCUDAModule.shfl_sync = \
+        lambda self, mask, value, src_lane: _shuffle(value, lambda lane: src_lane)

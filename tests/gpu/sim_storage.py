@@ -7,7 +7,6 @@ printed JSON: {"<kernel>/<bf16|f32>": relative L2 error}.
 """
 import json
 import math
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +14,7 @@ import numpy as np
 from ninfer.core.cuda import numba_shim
 
 cuda, _ = numba_shim.import_numba_cuda()
-from sim_patches import fix_shared_array_race, yield_while_polling   # noqa: E402
+from sim_patches import fix_shared_array_race, warp_shuffles, yield_while_polling   # noqa: E402
 fix_shared_array_race()
 yield_while_polling()
 import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
@@ -23,35 +22,7 @@ import numba.cuda.simulator.kernelapi as _fake   # noqa: E402
 from ninfer.core.cuda.kernels import _import_kernel_module   # noqa: E402
 from ninfer.models.qwen3_5.cuda.runner import combine_launch   # noqa: E402
 
-_WARPS, _WARPS_LOCK = {}, threading.Lock()
-
-
-def _shuffle(value, source):
-    """Warp shuffle for the simulator (it has none): the 32 lanes of a warp (Python threads of
-    one block) meet at a barrier, each reads the value of lane source(lane). Every kernel here
-    shuffles with whole warps, as on the GPU."""
-    t = threading.current_thread()
-    key = (id(t._manager), tuple(t.blockIdx), t.thread_id // 32)
-    with _WARPS_LOCK:
-        bar, vals = _WARPS.setdefault(key, (threading.Barrier(32, timeout=120), [None] * 32))
-    lane = t.thread_id % 32
-    vals[lane] = value
-    bar.wait()
-    out = vals[source(lane) % 32]
-    bar.wait()
-    return out
-
-
-def _shfl_xor_sync(self, mask, value, offset):
-    return _shuffle(value, lambda lane: lane ^ offset)
-
-
-def _shfl_sync(self, mask, value, src_lane):
-    return _shuffle(value, lambda lane: src_lane)
-
-
-_fake.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
-_fake.FakeCUDAModule.shfl_sync = _shfl_sync
+warp_shuffles()
 _fake.FakeCUDAModule.libdevice = SimpleNamespace(
     float_as_int=lambda x: np.array([x], np.float32).view(np.int32)[0],
     int_as_float=lambda i: np.array([int(i) & 0xFFFFFFFF], np.uint32).view(np.float32)[0],

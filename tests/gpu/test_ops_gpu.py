@@ -426,6 +426,34 @@ def test_paged_attention_mma(g, hd, G, nkv, lengths, ctxs, splits, ps, GS):
     assert rel_err(bits_to_f64(g.get(out)).reshape(n, nh, hd), ref) < TOL_BF16_OUT
 
 
+@pytest.mark.parametrize("G,n_cols,first_len,rows", [(1, 8, 1, 3), (6, 520, 300, 12),
+                                                      (4, 4104, 4000, 9), (2, 8192, 8100, 6)])
+def test_causal_softmax_reg(g, G, n_cols, first_len, rows):
+    """The softmax with the row in registers (the tensor-core prefill's rows of at most
+    SOFTMAX_REG_COLS keys) against float64 and against the two-pass kernel: row r sees
+    first_len + r // G keys, zeros past them up to n_cols (the poisoned output written)."""
+    from ninfer.models.qwen3_5.cuda.attention_tc import SOFTMAX_REG_COLS
+    assert n_cols <= SOFTMAX_REG_COLS
+    r = rng(n_cols + rows)
+    s = (4.0 * r.standard_normal((rows, n_cols))).astype(np.float32)
+    scale = 0.125
+    d_s = g.put(s)
+    outs = []
+    for name in ("causal_softmax_reg", "causal_softmax"):
+        out = g.empty((rows, n_cols), np.uint16)
+        g.run(name, (rows,), (256,), (out, d_s, n_cols, first_len, np.float32(scale)), dict(G=G))
+        outs.append(bits_to_f64(g.get(out)))
+    ref = np.zeros((rows, n_cols))
+    for i in range(rows):
+        v = first_len + i // G
+        x = s[i, :v].astype(np.float64) * scale
+        e = np.exp(x - x.max())
+        ref[i, :v] = e / e.sum()
+    assert rel_err(outs[0], ref) < TOL_BF16_OUT
+    assert np.abs(outs[0] - outs[1]).max() <= 2.0 ** -8 * np.abs(ref).max()   # a bf16 ulp
+    assert np.all(outs[0][ref == 0] == 0)
+
+
 # Tensor-core prefill attention (cuda/attention_tc.py): bf16 q and bf16 softmax weights P into
 # the cuBLASLt GEMMs, fp32 accumulation; a CPU emulation of those roundings gives 2.3-2.6e-3 on
 # these shapes, within TOL_BF16_OUT. s_cap: S/P buffer elements (None: the model's default),
@@ -465,7 +493,8 @@ def test_prefill_attention_tensor_core(g, hd, G, nkv, lengths, ctxs, ps, s_cap):
     ws = g.empty((32 << 20,), np.uint8)
     lt = CublasLt(ws.ptr, 32 << 20)
     params = {"q_to_bf16": dict(hd=hd, G=G, nkv=nkv), "kv_gather": dict(hd=hd, nkv=nkv),
-              "causal_softmax": dict(G=G), "attn_gate_tc": dict(hd=hd, G=G, nkv=nkv)}
+              "causal_softmax": dict(G=G), "causal_softmax_reg": dict(G=G),
+              "attn_gate_tc": dict(hd=hd, G=G, nkv=nkv)}
     d_q, d_k, d_v, d_bt, d_proj = g.put(q), g.put(kbits), g.put(vbits), g.put(bt), g.put(proj)
     for row in range(b):
         tc.attend_row(lambda name, grid, block, args: g.run(name, grid, block, args, params[name]),

@@ -7,6 +7,7 @@ and short rows keep the split-over-keys CUDA-core kernel (kernels/attention.py).
     per query block [t0, t1) of the row, per kv head g:
         S = qb_g[t0:t1] @ kc_g[:N]^T    M = (t1 - t0) * G, N = pad8(ctx + t1), K = hdp  fp32
         P = causal_softmax(scale * S)   query i of the block sees ctx + t0 + i + 1 keys  bf16
+                                        (causal_softmax_reg where N <= SOFTMAX_REG_COLS)
         o_g[t0:t1] = P @ vc_g[:N]       M, N = hdp, K = N (w_kn: V rows as gathered)     fp32
     (hdp = pad8(head_dim), zero-padded: 16-byte leading dimensions for every GEMM operand)
     attn_gate_tc   o * sigmoid(gate) -> bf16 [t, nh*hd] for o_proj
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 TC_MIN_TOKENS = 64
 S_CAP_ELEMS = 1 << 26          # S (fp32) + P (bf16): 384 MiB at most
 KB = 8                         # keys per kv_gather block (kernels/attention_tc.py)
+# rows of S up to this many keys take causal_softmax_reg (the row in registers, read once;
+# kernels/attention_tc.SMR_COLS), longer ones the two-pass causal_softmax
+SOFTMAX_REG_COLS = 8192
 # Query tokens per block at most: a block's keys stop at its last query, so smaller blocks waste
 # less of the masked triangle (1024 at 4096 tokens: 1.25x the causal work, S/P traffic alike)
 # while M = 1024 * G rows still fill the GEMMs.
@@ -97,6 +101,7 @@ def attend_row(launch, gemm, bufs: TcBuffers, hd: int, G: int, nkv: int, scale: 
             rows_at = (g * bufs.t_cap + q_start + t0) * G * hdp
             kv_at = 2 * g * bufs.l_cap * hdp
             gemm(bufs.qb + 2 * rows_at, bufs.kc + kv_at, bufs.s, M, N, hdp, False)
-            launch("causal_softmax", (M,), (256,), (bufs.p, bufs.s, N, ctx + t0 + 1, scale))
+            launch("causal_softmax_reg" if N <= SOFTMAX_REG_COLS else "causal_softmax", (M,),
+                   (256,), (bufs.p, bufs.s, N, ctx + t0 + 1, scale))
             gemm(bufs.p, bufs.vc + kv_at, bufs.o + 4 * rows_at, M, hdp, N, True)
     launch("attn_gate_tc", (n, nh), (hb,), (out, bufs.o, proj, proj_stride, q_start, bufs.t_cap))

@@ -273,6 +273,7 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
         specs["kv_gather"] = spec("kv_gather", hd=hd, nkv=nkv)
         specs["q_to_bf16"] = spec("q_to_bf16", hd=hd, G=G, nkv=nkv)
         specs["causal_softmax"] = spec("causal_softmax", G=G)
+        specs["causal_softmax_reg"] = spec("causal_softmax_reg", G=G)
         specs["attn_gate_tc"] = spec("attn_gate_tc", hd=hd, G=G, nkv=nkv)
     if cfg.is_moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
