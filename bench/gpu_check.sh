@@ -2,9 +2,9 @@
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
 #     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
-#                             [vision] [mtp] [profile] [prefill] [fused] [full]
+#                             [vision] [mtp] [profile] [prefill] [fused] [wide] [full]
 #                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, profile,
-#                        prefill, fused, full)
+#                        prefill, fused, wide, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -184,6 +184,22 @@ for part in $parts; do
                 --contexts 2048 --batches 1 --steps 5 --profile --out "$OUT/prefill.json" \
                 >"$OUT/prefill.log" 2>&1
             summary+=("prefill: $(tail -1 "$OUT/prefill_tests.log") (see gdn*.log, probe.log, prefill.log)") ;;
+        wide)
+            # the prefill's elementwise kernels (issue 26, 12-07): the SwiGLU four columns a
+            # thread (silu_mul4), the GDN gated norm a warp a head (gated_rmsnorm4), the
+            # attention softmax with the row in registers (causal_softmax_reg): their op tests,
+            # the whole-model tests, decode rows with the 4-wide kernels and without (--swiglu4),
+            # the 9B and 27B prefill profiles (before them, H100 9B 4096: silu_mul 8.86,
+            # gated_rmsnorm 4.61, causal_softmax 6.04 ms; 27B: 25.4 / - / 17.9)
+            timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_ops_gpu.py \
+                -k "gated or silu or softmax or tensor_core" >"$OUT/wide_tests.log" 2>&1
+            timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_model_gpu.py \
+                >>"$OUT/wide_tests.log" 2>&1
+            timeout 120 python3 bench/bench_decode.py --shapes 2b,9b --prefill 64 --contexts 2048 \
+                --batches 1,8 --steps 30 --swiglu4 1,0,1,0 >"$OUT/wide_decode.log" 2>&1
+            timeout 200 python3 bench/bench_decode.py --shapes 9b,27b --prefill 4096 --contexts 2048 \
+                --batches 1 --steps 3 --profile >"$OUT/wide_prefill.log" 2>&1
+            summary+=("wide: $(grep -E 'passed|failed' "$OUT/wide_tests.log" | tr '\n' ' ') (see wide_*.log)") ;;
         full)
             python3 bench/bench_decode.py --profile --steps 30 --out "$OUT/full.json" >"$OUT/full.log" 2>&1
             summary+=("full: rc=$? (see full.log)") ;;
