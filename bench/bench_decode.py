@@ -245,7 +245,7 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
                                          model.weights["layers"] for k in ("w_in", "w_rs", "w_gu")
                                          if k in lw),
                          attn_mma=bool(cfg.attention_layer_ids) and model.runner.attention_mma(),
-                         swiglu4=model.runner.swiglu4,
+                         wide_kernels=model.runner.wide_kernels,
                          router_fused=cfg.is_moe and model.runner.router_fused(
                              B, model.weights["layers"][0]),
                          wall_ms=wall * 1e3, tok_s=B / wall, host_us=float(np.median(host)),
@@ -356,9 +356,10 @@ def main(argv=None):
                     help="decode rows with the MoE top-k in the experts' gate|up GEMV's "
                          "prologue (1) and/or as its own kernel (0), comma-separated "
                          "(runner.fuse_router)")
-    ap.add_argument("--swiglu4", default=None,
-                    help="decode rows with the SwiGLU four columns a thread (1, silu_mul4) "
-                         "and/or one (0), comma-separated (runner.swiglu4)")
+    ap.add_argument("--wide-kernels", default=None,
+                    help="decode rows with the wide elementwise kernels (1: the SwiGLU four "
+                         "columns a thread, the gated norm a warp a head) and/or the narrow ones "
+                         "(0), comma-separated (runner.wide_kernels)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -391,7 +392,7 @@ def main(argv=None):
 def runner_variants(args) -> list:
     """The StepRunner settings the decode rows run under: every combination of the values
     given (--gemv-max-mb MB, --fuse-moe-tail N: the MoE tail in one launch for calls of up to N
-    tokens, 0: in four; --fuse-norm 1/0; --attn-mma 1/0; --fuse-router 1/0; --swiglu4 1/0), in
+    tokens, 0: in four; --fuse-norm 1/0; --attn-mma 1/0; --fuse-router 1/0; --wide-kernels 1/0), in
     the order given; [{}]: the model's own."""
     ints = lambda s: [int(x) for x in s.split(",") if x] if s else []   # noqa: E731
     axes = [[{"gemv_max_bytes": mb << 20} for mb in ints(args.gemv_max_mb)],
@@ -400,7 +401,7 @@ def runner_variants(args) -> list:
             [{"fuse_norm": bool(n)} for n in ints(args.fuse_norm)],
             [{"attn_mma": bool(n)} for n in ints(args.attn_mma)],
             [{"fuse_router": bool(n)} for n in ints(args.fuse_router)],
-            [{"swiglu4": bool(n)} for n in ints(args.swiglu4)]]
+            [{"wide_kernels": bool(n)} for n in ints(args.wide_kernels)]]
     out = [{}]
     for axis in [a for a in axes if a]:
         out = [{**v, **a} for v in out for a in axis]

@@ -188,7 +188,7 @@ for part in $parts; do
             # the prefill's elementwise kernels (issue 26, 12-07): the SwiGLU four columns a
             # thread (silu_mul4), the GDN gated norm a warp a head (gated_rmsnorm4), the
             # attention softmax with the row in registers (causal_softmax_reg): their op tests,
-            # the whole-model tests, decode rows with the 4-wide kernels and without (--swiglu4),
+            # the whole-model tests, decode rows with the 4-wide kernels and without (--wide-kernels),
             # the 9B and 27B prefill profiles (before them, H100 9B 4096: silu_mul 8.86,
             # gated_rmsnorm 4.61, causal_softmax 6.04 ms; 27B: 25.4 / - / 17.9)
             timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_ops_gpu.py \
@@ -196,7 +196,7 @@ for part in $parts; do
             timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_model_gpu.py \
                 >>"$OUT/wide_tests.log" 2>&1
             timeout 120 python3 bench/bench_decode.py --shapes 2b,9b --prefill 64 --contexts 2048 \
-                --batches 1,8 --steps 30 --swiglu4 1,0,1,0 >"$OUT/wide_decode.log" 2>&1
+                --batches 1,8 --steps 30 --wide-kernels 1,0,1,0 >"$OUT/wide_decode.log" 2>&1
             timeout 200 python3 bench/bench_decode.py --shapes 9b,27b --prefill 4096 --contexts 2048 \
                 --batches 1 --steps 3 --profile >"$OUT/wide_prefill.log" 2>&1
             summary+=("wide: $(grep -E 'passed|failed' "$OUT/wide_tests.log" | tr '\n' ' ') (see wide_*.log)") ;;

@@ -10,11 +10,13 @@ import math
 
 from numba import cuda, float32
 
-from .common import block_sum, inlined, silu
+from .common import block_sum, inlined, silu, warp_sum
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
     "conv_silu": ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*", "i32"),
+    "conv_silu_chunk": ("f32*", "f32*", "i32", "f32*", "f32*", "i32*", "i32*", "i32*", "i32*",
+                        "i32"),
     "conv_state_update": ("f32*", "f32*", "i32", "i32*", "i32*", "i32*"),
     "conv_state_update_snap": ("f32*", "f32*", "i32", "i32*", "i32*", "i32*", "i32*"),
 }
@@ -69,6 +71,97 @@ def conv_silu(K, dk, dv, nk, nv):
         if j < width:
             out[t * C + c] = y
     return conv_silu_kernel
+
+
+CONV_TOKENS = 16    # conv_silu_chunk: consecutive tokens a block
+
+
+def conv_silu_chunk(K, dk, dv, nk, nv):
+    """conv_silu over CONV_TOKENS consecutive tokens of the call a block (a prefill's): each
+    thread slides its channel's window along them, one load an input where conv_silu's block a
+    token loaded K, the K weights loaded once, and the q/k heads' L2 norms of the block's tokens
+    through warp sums and one barrier (conv_silu: two a token). The same products in the same
+    order as conv_silu, so the v channels are the same bits. State reads as conv_silu's; it
+    writes no state (conv_state_update does, after it)."""
+    C = 2 * nk * dk + nv * dv
+    KM1 = K - 1
+    TT = CONV_TOKENS
+    NW = (max(dk, dv) + 31) // 32           # warps a block
+    PARTS = TT * NW
+
+    def conv_silu_chunk_kernel(out, proj, proj_stride, w, conv_state, token_row, query_start,
+                               context_lens, state_slots, n):
+        # grid (ceil(n / TT), 2 * nk + nv), block 32 * NW: thread j is channel j of head h for
+        # tokens t0 .. t0 + TT - 1 (rows change inside a block: the window is refilled there)
+        part = cuda.shared.array(PARTS, float32)
+        h = cuda.blockIdx.y
+        j = cuda.threadIdx.x
+        lane = j & 31
+        wid = j >> 5
+        if h < 2 * nk:
+            width = dk
+            c0 = h * dk
+        else:
+            width = dv
+            c0 = 2 * nk * dk + (h - 2 * nk) * dv
+        live = j < width
+        c = c0 + min(j, width - 1)          # (idle lanes load a live channel, store nothing)
+        wv = cuda.local.array(K, float32)
+        for tap in range(K):
+            wv[tap] = w[c * K + tap]
+        win = cuda.local.array(KM1, float32)    # the KM1 inputs before the token, oldest first
+        ys = cuda.local.array(TT, float32)
+        t0 = cuda.blockIdx.x * TT
+        prev = -1
+        for i in range(TT):
+            t = t0 + i
+            y = float32(0.0)
+            if t < n:
+                r = token_row[t]
+                if r != prev:
+                    prev = r
+                    q0 = query_start[r]
+                    ctx = context_lens[r]
+                    slot = state_slots[r]
+                    for m in range(KM1):
+                        s = t - q0 - KM1 + m
+                        if s >= 0:
+                            win[m] = proj[(q0 + s) * proj_stride + c]
+                        elif ctx > 0:
+                            win[m] = conv_state[(slot * C + c) * KM1 + KM1 + s]
+                        else:
+                            win[m] = float32(0.0)
+                xv = proj[t * proj_stride + c]
+                acc = float32(0.0)
+                for m in range(KM1):
+                    acc += wv[m] * win[m]
+                acc += wv[KM1] * xv
+                for m in range(KM1 - 1):
+                    win[m] = win[m + 1]
+                win[KM1 - 1] = xv
+                y = silu(acc)
+            ys[i] = y
+        if h < 2 * nk:
+            for i in range(TT):
+                v = ys[i] if live else float32(0.0)
+                v = warp_sum(v * v)
+                if lane == 0:
+                    part[i * NW + wid] = v
+            cuda.syncthreads()
+            for i in range(TT):
+                tot = float32(0.0)
+                for k in range(NW):
+                    tot += part[i * NW + k]
+                y = ys[i] / math.sqrt(tot + float32(1e-6))
+                if h < nk:
+                    y = y * float32(1.0 / math.sqrt(dk))
+                ys[i] = y
+        if live:
+            for i in range(TT):
+                t = t0 + i
+                if t < n:
+                    out[t * C + c] = ys[i]
+    return conv_silu_chunk_kernel
 
 
 def conv_state_update(K, C):

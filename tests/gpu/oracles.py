@@ -5,6 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
 def softplus(x):
     # torch.nn.functional.softplus with threshold 20
     return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
@@ -136,3 +140,18 @@ def router_oracle(logits: np.ndarray, E: int, K: int, norm: bool):
     if norm:
         w /= w.sum(-1, keepdims=True)
     return ids, w
+
+
+def conv_oracle(proj, P_cols, w, state, qs, ctxs, slots, K):
+    """Full causal conv over [state | row inputs] + SiLU; new state = last K-1 inputs."""
+    C = w.shape[0]
+    out = np.zeros((proj.shape[0], C))
+    new_state = state.astype(np.float64).copy()
+    for r in range(len(ctxs)):
+        xs = proj[qs[r]: qs[r + 1], :C].astype(np.float64)
+        old = state[slots[r]].astype(np.float64).T if ctxs[r] > 0 else np.zeros((K - 1, C))
+        seq = np.concatenate([old, xs])                      # [K-1+n, C]
+        for i in range(len(xs)):
+            out[qs[r] + i] = silu((seq[i: i + K] * w.T).sum(0))
+        new_state[slots[r]] = seq[-(K - 1):].T
+    return out, new_state

@@ -193,10 +193,44 @@ def fills():
             "fill spread": float(np.std(b))}
 
 
+def conv_chunk(r) -> dict:
+    """conv_silu_chunk (a prefill's conv, 16 tokens a block) over rows of 5, 20 and 3 tokens
+    after 0, 3 and 2 (two blocks; rows start and end inside them, one crosses them), the output
+    poisoned: the float64 oracle's q/k (L2-normed) and v channels, and the v channels the same
+    bits as conv_silu's."""
+    from oracles import conv_oracle
+    K, dk, dv, nk, nv = 4, 32, 64, 2, 2
+    C = 2 * nk * dk + nv * dv
+    lengths, ctxs = [5, 20, 3], np.array([0, 3, 2], np.int32)
+    n, P = sum(lengths), C + 12
+    qs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat(np.arange(3), lengths).astype(np.int32)
+    slots = np.array([3, 0, 2], np.int32)
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    w = (0.5 * r.standard_normal((C, K))).astype(np.float32)
+    state = r.standard_normal((4, C, K - 1)).astype(np.float32)
+    args = (proj.reshape(-1), P, w.reshape(-1), state.reshape(-1), rows, qs, ctxs, slots)
+    got, old = np.full(n * C, np.nan, np.float32), np.full(n * C, np.nan, np.float32)
+    kernel("conv", "conv_silu_chunk", K=K, dk=dk, dv=dv, nk=nk, nv=nv)[
+        (2, 2 * nk + nv, 1), (64, 1, 1)](got, *args, n)
+    kernel("conv", "conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)[
+        (n, 2 * nk + nv, 1), (64, 1, 1)](old, *args, 0)
+    ref, _ = conv_oracle(proj, P, w, state, qs, ctxs, slots, K)
+    qk = ref[:, :2 * nk * dk].reshape(n, 2 * nk, dk)
+    qk = qk / np.sqrt((qk ** 2).sum(-1, keepdims=True) + 1e-6)
+    qk[:, :nk] *= 1 / math.sqrt(dk)
+    ref[:, :2 * nk * dk] = qk.reshape(n, -1)
+    got, old = got.reshape(n, C), old.reshape(n, C)
+    return {"conv_silu_chunk/f32": rel(got, ref),
+            "conv_silu_chunk v == conv_silu": bool(np.array_equal(got[:, 2 * nk * dk:],
+                                                                  old[:, 2 * nk * dk:]))}
+
+
 if __name__ == "__main__":
     r = np.random.default_rng(0)
     res = {}
     for f32 in (False, True):
         res.update(run(f32, r))
     res.update(fills())
+    res.update(conv_chunk(r))
     print(json.dumps(res))

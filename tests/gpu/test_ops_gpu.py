@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from oracles import gated_delta_rows, gdn_inputs, page_tables, poison_unowned, router_oracle
+from oracles import (conv_oracle, gated_delta_rows, gdn_inputs, page_tables, poison_unowned,
+                     router_oracle)
 from ninfer.models.qwen3_5.cuda.runner import EXPERT_DOWN_ROWS, ROUTER_THREADS, combine_launch
 from gpu_harness import (TOL_BF16_OUT, TOL_F32, TOL_ROPE_F32, bf16_bits, bf16_round, bits_to_f64,
                          rel_err)
@@ -185,21 +186,6 @@ def _rows(r, lengths, ctxs):
     return qs, token_row, np.asarray(ctxs, np.int32)
 
 
-def conv_oracle(proj, P_cols, w, state, qs, ctxs, slots, K):
-    """Full causal conv over [state | row inputs] + SiLU; new state = last K-1 inputs."""
-    C = w.shape[0]
-    out = np.zeros((proj.shape[0], C))
-    new_state = state.astype(np.float64).copy()
-    for r in range(len(ctxs)):
-        xs = proj[qs[r]: qs[r + 1], :C].astype(np.float64)
-        old = state[slots[r]].astype(np.float64).T if ctxs[r] > 0 else np.zeros((K - 1, C))
-        seq = np.concatenate([old, xs])                      # [K-1+n, C]
-        for i in range(len(xs)):
-            out[qs[r] + i] = silu((seq[i: i + K] * w.T).sum(0))
-        new_state[slots[r]] = seq[-(K - 1):].T
-    return out, new_state
-
-
 @pytest.mark.parametrize("lengths,ctxs", [([1], [0]), ([1, 1, 1], [5, 0, 2]), ([2, 7, 1], [3, 0, 9])])
 def test_conv_silu_l2norm_and_state(g, lengths, ctxs):
     K, dk, dv, nk, nv = 4, 32, 64, 2, 4
@@ -230,6 +216,36 @@ def test_conv_silu_l2norm_and_state(g, lengths, ctxs):
     ref[:, :2 * nk * dk] = qk.reshape(n, -1)
     assert rel_err(g.get(out), ref) < TOL_F32
     assert rel_err(g.get(dstate), ref_state) < TOL_F32
+
+
+@pytest.mark.parametrize("lengths,ctxs", [([5, 20, 3], [0, 3, 2]), ([40], [7]), ([1, 2], [0, 5])])
+def test_conv_silu_chunk(g, lengths, ctxs):
+    """A prefill's conv 16 tokens a block (rows starting and ending inside blocks, a row across
+    blocks): the oracle's outputs, and the v channels the same bits as conv_silu's."""
+    K, dk, dv, nk, nv = 4, 32, 64, 2, 4
+    C = 2 * nk * dk + nv * dv
+    r = rng(sum(lengths) * 7 + sum(ctxs))
+    n, b = sum(lengths), len(lengths)
+    P = C + 12
+    proj = r.standard_normal((n, P)).astype(np.float32)
+    w = (0.5 * r.standard_normal((C, K))).astype(np.float32)
+    slots = r.permutation(b + 2)[:b].astype(np.int32)
+    state = r.standard_normal((b + 2, C, K - 1)).astype(np.float32)
+    qs, token_row, ctx = _rows(r, lengths, ctxs)
+    params = dict(K=K, dk=dk, dv=dv, nk=nk, nv=nv)
+    common = (g.put(proj), P, g.put(w), g.put(state), g.put(token_row), g.put(qs), g.put(ctx),
+              g.put(slots))
+    out, old = g.empty((n, C), np.float32), g.empty((n, C), np.float32)
+    g.run("conv_silu_chunk", (-(-n // 16), 2 * nk + nv), (64,), (out,) + common + (n,), params)
+    g.run("conv_silu", (n, 2 * nk + nv), (64,), (old,) + common + (0,), params)
+    ref, _ = conv_oracle(proj, P, w, state, qs, ctx, slots, K)
+    qk = ref[:, :2 * nk * dk].reshape(n, 2 * nk, dk)
+    qk = qk / np.sqrt((qk ** 2).sum(-1, keepdims=True) + 1e-6)
+    qk[:, :nk] *= 1 / math.sqrt(dk)
+    ref[:, :2 * nk * dk] = qk.reshape(n, -1)
+    got = g.get(out)
+    assert rel_err(got, ref) < TOL_F32
+    assert np.array_equal(got[:, 2 * nk * dk:], g.get(old)[:, 2 * nk * dk:])
 
 
 @pytest.mark.parametrize("lengths,ctxs,dk,dv", [([1], [0], 32, 32), ([1, 1], [4, 0], 128, 128),

@@ -252,6 +252,7 @@ def geometry_specs(cfg: TextConfig, f32: bool = False, quant=frozenset(),
                       for m in range(1, GEMV_MAX_M + 1) if norm_gemv_fits(H, m)})
     if cfg.linear_layer_ids:
         specs["conv_silu"] = spec("conv_silu", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
+        specs["conv_silu_chunk"] = spec("conv_silu_chunk", K=K, dk=dk, dv=dv, nk=nk, nv=nv)
         specs["conv_state_update"] = spec("conv_state_update", K=K, C=cfg.linear_conv_dim)
         specs["gdn_recurrent"] = spec("gdn_recurrent", dk=dk, dv=dv, nk=nk, nv=nv)
         if dv % 128 == 0:           # (a warp a head: four columns a lane a step)

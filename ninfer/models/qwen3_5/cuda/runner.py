@@ -152,6 +152,7 @@ EXPERT_DOWN_ROWS = 4        # kernels/moe.DOWN_ROWS: expert_down's output rows p
 ROUTER_THREADS = 32         # kernels/moe.ROUTER_THREADS: router_topk's block, a warp a token
 GATHER_THREADS = 128        # kernels/moe.GATHER_THREADS: gather_rows' block, 16 bytes a thread
 GATED_WARPS = 4             # kernels/norm.GATED_WARPS: gated_rmsnorm4's (token, head) pairs a block
+CONV_TOKENS = 16            # kernels/conv.CONV_TOKENS: conv_silu_chunk's tokens a block
 GEMV_WARPS = 4              # kernels/gemv.WARPS: the decode GEMV's output rows a block
 GEMV_SPAN_BYTES = 512       # kernels/gemv.SPAN words of 4 bytes: its rows' granule
 GEMV_MAX_BYTES = 16 << 20   # StepRunner.gemv_max_bytes' default
@@ -303,10 +304,11 @@ class StepRunner:
         # 35B-A3B B=8 at 2K 8.95-9.03 / 9.30; B=1 at 2K within 1% either way
         # (bench_decode --attn-mma 1,0; docs/performance.md)
         self.attn_mma = True
-        # SwiGLU four columns a thread (silu_mul4; swiglu) and the GDN output's gated norm a
-        # warp a head (gated_rmsnorm4; gated_norm) where the rows allow. H100 9B prefill of
-        # 4096: 8.86 -> 6.59 ms of SwiGLU (bench_decode --swiglu4 for decode rows)
-        self.swiglu4 = True
+        # SwiGLU four columns a thread (silu_mul4; swiglu), the GDN output's gated norm a
+        # warp a head (gated_rmsnorm4; gated_norm) where the rows allow, and a prefill's conv
+        # CONV_TOKENS tokens a block (conv_silu_chunk). H100 9B prefill of 4096: 8.86 -> 6.59
+        # ms of SwiGLU (bench_decode --wide-kernels 1,0: decode rows with them and without)
+        self.wide_kernels = True
         # a decode MoE layer's top-k in the prologue of its experts' gate|up GEMV
         # (expert_gate_up_routed; router_fused): one launch instead of two. Off: correct on the
         # GPU but no faster (H100, 35B-A3B at 2K: B=1 within 1% either way, B=2 and 4 2.5-4%
@@ -485,7 +487,7 @@ class StepRunner:
         off + inter .., rows `stride` apart): four columns a thread (silu_mul4) where the rows'
         words are 16-byte aligned, else one (a MoE layer's shared gate|up sits at an odd offset
         of the router's row)."""
-        if self.swiglu4 and (stride | off | inter) % 4 == 0 \
+        if self.wide_kernels and (stride | off | inter) % 4 == 0 \
                 and "silu_mul4" in self.kernels.specs:
             self.launch(st, self.kernels.silu_mul4, (rows, -(-inter // 1024)), (256,),
                         (out, gu, stride, off, inter))
@@ -498,7 +500,7 @@ class StepRunner:
         z[t * z_stride + z_off ..]: a warp a head (gated_rmsnorm4) where its rows' words are
         16-byte aligned and the kernel set has it, else a block a head."""
         eps = self.cfg.rms_norm_eps
-        if self.swiglu4 and (z_stride | z_off) % 4 == 0 \
+        if self.wide_kernels and (z_stride | z_off) % 4 == 0 \
                 and "gated_rmsnorm4" in self.kernels.specs:
             pairs = n * nv
             self.launch(st, self.kernels.gated_rmsnorm4, (-(-pairs // GATED_WARPS),),
@@ -612,9 +614,16 @@ class StepRunner:
         self.normed(st, lw["input_norm"], lw["w_in"], n, P)
         blk = (max(dk, dv) + 31) // 32 * 32
         decode = int(n == b and snap is None)
-        self.launch(st, self.kernels.conv_silu, (n, 2 * nk + nv), (blk,),
-                    (ws.mid, ws.proj, P, lw["conv_w"], state.conv[l], meta.token_row,
-                     meta.query_start, meta.context_lens, meta.state_slots, decode))
+        if not decode and n > b and self.wide_kernels and "conv_silu_chunk" in self.kernels.specs:
+            # (a prefill: CONV_TOKENS consecutive tokens a block, each input loaded once)
+            self.launch(st, self.kernels.conv_silu_chunk, (-(-n // CONV_TOKENS), 2 * nk + nv),
+                        (blk,), (ws.mid, ws.proj, P, lw["conv_w"], state.conv[l],
+                                 meta.token_row, meta.query_start, meta.context_lens,
+                                 meta.state_slots, n))
+        else:
+            self.launch(st, self.kernels.conv_silu, (n, 2 * nk + nv), (blk,),
+                        (ws.mid, ws.proj, P, lw["conv_w"], state.conv[l], meta.token_row,
+                         meta.query_start, meta.context_lens, meta.state_slots, decode))
         if snap is not None:
             # a verify: the windows and S after each token into the row's snapshot slots too
             self.launch(st, self.kernels.conv_state_update_snap, ((C + 127) // 128, b), (128,),
