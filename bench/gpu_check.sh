@@ -187,12 +187,14 @@ for part in $parts; do
         wide)
             # the prefill's elementwise kernels (issue 26, 12-07): the SwiGLU four columns a
             # thread (silu_mul4), the GDN gated norm a warp a head (gated_rmsnorm4), the
-            # attention softmax with the row in registers (causal_softmax_reg): their op tests,
+            # attention softmax with the row in registers (causal_softmax_reg), the conv 16
+            # tokens a block (conv_silu_chunk): their op tests,
             # the whole-model tests, decode rows with the 4-wide kernels and without (--wide-kernels),
             # the 9B and 27B prefill profiles (before them, H100 9B 4096: silu_mul 8.86,
-            # gated_rmsnorm 4.61, causal_softmax 6.04 ms; 27B: 25.4 / - / 17.9)
+            # gated_rmsnorm 4.61, causal_softmax 6.04, conv_silu 5.55 ms; 27B: silu_mul 25.4,
+            # causal_softmax 17.9)
             timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_ops_gpu.py \
-                -k "gated or silu or softmax or tensor_core" >"$OUT/wide_tests.log" 2>&1
+                -k "gated or silu or softmax or tensor_core or conv" >"$OUT/wide_tests.log" 2>&1
             timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_model_gpu.py \
                 >>"$OUT/wide_tests.log" 2>&1
             timeout 120 python3 bench/bench_decode.py --shapes 2b,9b --prefill 64 --contexts 2048 \

@@ -80,14 +80,16 @@ def conv_silu_chunk(K, dk, dv, nk, nv):
     """conv_silu over CONV_TOKENS consecutive tokens of the call a block (a prefill's): each
     thread slides its channel's window along them, one load an input where conv_silu's block a
     token loaded K, the K weights loaded once, and the q/k heads' L2 norms of the block's tokens
-    through warp sums and one barrier (conv_silu: two a token). The same products in the same
-    order as conv_silu, so the v channels are the same bits. State reads as conv_silu's; it
-    writes no state (conv_state_update does, after it)."""
+    through warp sums and one barrier (conv_silu: two a token). The same products and sums in
+    the same order as conv_silu: the same bits, whichever kernel a call takes (a decode row
+    beside a prefill row takes this one). State reads as conv_silu's; it writes no state
+    (conv_state_update does, after it)."""
     C = 2 * nk * dk + nv * dv
     KM1 = K - 1
     TT = CONV_TOKENS
     NW = (max(dk, dv) + 31) // 32           # warps a block
     PARTS = TT * NW
+    NWP = 1 << (NW - 1).bit_length()        # NW rounded up to a power of two
 
     def conv_silu_chunk_kernel(out, proj, proj_stride, w, conv_state, token_row, query_start,
                                context_lens, state_slots, n):
@@ -148,11 +150,19 @@ def conv_silu_chunk(K, dk, dv, nk, nv):
                 if lane == 0:
                     part[i * NW + wid] = v
             cuda.syncthreads()
+            tmp = cuda.local.array(NWP, float32)
             for i in range(TT):
-                tot = float32(0.0)
-                for k in range(NW):
-                    tot += part[i * NW + k]
-                y = ys[i] / math.sqrt(tot + float32(1e-6))
+                # the warps' sums added as block_sum's closing warp_sum adds them (an xor
+                # butterfly over the first NWP lanes, the rest zeros): the same bits as
+                # conv_silu, so a decode row's q/k do not depend on a prefill row beside it
+                for k in range(NWP):
+                    tmp[k] = part[i * NW + k] if k < NW else float32(0.0)
+                off = NWP // 2
+                while off > 0:
+                    for k in range(off):
+                        tmp[k] += tmp[k + off]
+                    off //= 2
+                y = ys[i] / math.sqrt(tmp[0] + float32(1e-6))
                 if h < nk:
                     y = y * float32(1.0 / math.sqrt(dk))
                 ys[i] = y

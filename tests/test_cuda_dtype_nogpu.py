@@ -179,7 +179,7 @@ def test_storage_variants_on_the_simulator():
     err = json.loads(res.stdout.strip().splitlines()[-1])
     assert err.pop("random_bf16 f32 == bf16") is True       # the same random model in both
     assert err.pop("widen exact") is True
-    assert err.pop("conv_silu_chunk v == conv_silu") is True      # (the same products, in order)
+    assert err.pop("conv_silu_chunk == conv_silu") is True    # (the same products and sums)
     assert err.pop("fill spread") > 0.1
     for key, e in err.items():
         kernel, variant = key.split("/")
