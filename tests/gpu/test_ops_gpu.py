@@ -1,6 +1,7 @@
 """Every CUDA kernel against a naive float64 numpy oracle: fresh random inputs, poisoned outputs,
 boundary sizes, named tolerances (gpu_harness)."""
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -186,36 +187,44 @@ def _rows(r, lengths, ctxs):
     return qs, token_row, np.asarray(ctxs, np.int32)
 
 
-@pytest.mark.parametrize("lengths,ctxs", [([1], [0]), ([1, 1, 1], [5, 0, 2]), ([2, 7, 1], [3, 0, 9])])
-def test_conv_silu_l2norm_and_state(g, lengths, ctxs):
+def _conv_case(seed, lengths, ctxs, pad):
+    """Random inputs of the conv kernels' tests (K 4, dk 32, dv 64, nk 2, nv 4; projection rows
+    `pad` columns wider than the conv's), and the oracle: outputs with q/k L2-normed, state."""
     K, dk, dv, nk, nv = 4, 32, 64, 2, 4
     C = 2 * nk * dk + nv * dv
-    r = rng(sum(lengths) * 31 + sum(ctxs))
+    r = rng(seed)
     n, b = sum(lengths), len(lengths)
-    P = C + 11
+    P = C + pad
     proj = r.standard_normal((n, P)).astype(np.float32)
     w = (0.5 * r.standard_normal((C, K))).astype(np.float32)
     slots = r.permutation(b + 2)[:b].astype(np.int32)
     state = r.standard_normal((b + 2, C, K - 1)).astype(np.float32)
     qs, token_row, ctx = _rows(r, lengths, ctxs)
-    params = dict(K=K, dk=dk, dv=dv, nk=nk, nv=nv)
-    out = g.empty((n, C), np.float32)
-    dstate = g.put(state)
-    dproj = g.put(proj)
-    decode = int(n == b)        # one token per row: the conv kernel updates the state itself
-    args = (out, dproj, P, g.put(w), dstate, g.put(token_row), g.put(qs), g.put(ctx), g.put(slots),
-            decode)
-    g.run("conv_silu", (n, 2 * nk + nv), (64,), args, params)
-    if not decode:
-        g.run("conv_state_update", ((C + 127) // 128, b), (128,),
-              (dstate, dproj, P, g.put(qs), g.put(ctx), g.put(slots)), dict(K=K, C=C))
     ref, ref_state = conv_oracle(proj, P, w, state, qs, ctx, slots, K)
     qk = ref[:, :2 * nk * dk].reshape(n, 2 * nk, dk)
     qk = qk / np.sqrt((qk ** 2).sum(-1, keepdims=True) + 1e-6)
     qk[:, :nk] *= 1 / math.sqrt(dk)
     ref[:, :2 * nk * dk] = qk.reshape(n, -1)
-    assert rel_err(g.get(out), ref) < TOL_F32
-    assert rel_err(g.get(dstate), ref_state) < TOL_F32
+    return SimpleNamespace(K=K, C=C, n=n, b=b, P=P, proj=proj, w=w, slots=slots, state=state,
+                           qs=qs, token_row=token_row, ctx=ctx, heads=2 * nk + nv, ref=ref,
+                           ref_state=ref_state, params=dict(K=K, dk=dk, dv=dv, nk=nk, nv=nv))
+
+
+@pytest.mark.parametrize("lengths,ctxs", [([1], [0]), ([1, 1, 1], [5, 0, 2]), ([2, 7, 1], [3, 0, 9])])
+def test_conv_silu_l2norm_and_state(g, lengths, ctxs):
+    c = _conv_case(sum(lengths) * 31 + sum(ctxs), lengths, ctxs, 11)
+    out = g.empty((c.n, c.C), np.float32)
+    dstate, dproj = g.put(c.state), g.put(c.proj)
+    decode = int(c.n == c.b)    # one token per row: the conv kernel updates the state itself
+    args = (out, dproj, c.P, g.put(c.w), dstate, g.put(c.token_row), g.put(c.qs), g.put(c.ctx),
+            g.put(c.slots), decode)
+    g.run("conv_silu", (c.n, c.heads), (64,), args, c.params)
+    if not decode:
+        g.run("conv_state_update", ((c.C + 127) // 128, c.b), (128,),
+              (dstate, dproj, c.P, g.put(c.qs), g.put(c.ctx), g.put(c.slots)),
+              dict(K=c.K, C=c.C))
+    assert rel_err(g.get(out), c.ref) < TOL_F32
+    assert rel_err(g.get(dstate), c.ref_state) < TOL_F32
 
 
 @pytest.mark.parametrize("lengths,ctxs", [([5, 20, 3], [0, 3, 2]), ([40], [7]), ([1, 2], [0, 5])])
@@ -223,29 +232,14 @@ def test_conv_silu_chunk(g, lengths, ctxs):
     """A prefill's conv 16 tokens a block (rows starting and ending inside blocks, a row across
     blocks): the oracle's outputs, and the same bits as conv_silu's (a decode row beside a
     prefill row takes this kernel: batch-invariant mode needs them equal)."""
-    K, dk, dv, nk, nv = 4, 32, 64, 2, 4
-    C = 2 * nk * dk + nv * dv
-    r = rng(sum(lengths) * 7 + sum(ctxs))
-    n, b = sum(lengths), len(lengths)
-    P = C + 12
-    proj = r.standard_normal((n, P)).astype(np.float32)
-    w = (0.5 * r.standard_normal((C, K))).astype(np.float32)
-    slots = r.permutation(b + 2)[:b].astype(np.int32)
-    state = r.standard_normal((b + 2, C, K - 1)).astype(np.float32)
-    qs, token_row, ctx = _rows(r, lengths, ctxs)
-    params = dict(K=K, dk=dk, dv=dv, nk=nk, nv=nv)
-    common = (g.put(proj), P, g.put(w), g.put(state), g.put(token_row), g.put(qs), g.put(ctx),
-              g.put(slots))
-    out, old = g.empty((n, C), np.float32), g.empty((n, C), np.float32)
-    g.run("conv_silu_chunk", (-(-n // 16), 2 * nk + nv), (64,), (out,) + common + (n,), params)
-    g.run("conv_silu", (n, 2 * nk + nv), (64,), (old,) + common + (0,), params)
-    ref, _ = conv_oracle(proj, P, w, state, qs, ctx, slots, K)
-    qk = ref[:, :2 * nk * dk].reshape(n, 2 * nk, dk)
-    qk = qk / np.sqrt((qk ** 2).sum(-1, keepdims=True) + 1e-6)
-    qk[:, :nk] *= 1 / math.sqrt(dk)
-    ref[:, :2 * nk * dk] = qk.reshape(n, -1)
+    c = _conv_case(sum(lengths) * 7 + sum(ctxs), lengths, ctxs, 12)
+    common = (g.put(c.proj), c.P, g.put(c.w), g.put(c.state), g.put(c.token_row), g.put(c.qs),
+              g.put(c.ctx), g.put(c.slots))
+    out, old = g.empty((c.n, c.C), np.float32), g.empty((c.n, c.C), np.float32)
+    g.run("conv_silu_chunk", (-(-c.n // 16), c.heads), (64,), (out,) + common + (c.n,), c.params)
+    g.run("conv_silu", (c.n, c.heads), (64,), (old,) + common + (0,), c.params)
     got = g.get(out)
-    assert rel_err(got, ref) < TOL_F32
+    assert rel_err(got, c.ref) < TOL_F32
     assert np.array_equal(got, g.get(old))
 
 
