@@ -41,6 +41,11 @@ def all_specs():
         out |= {spec("q_to_bf16", hd=hd, G=G, nkv=nkv), spec("kv_gather", hd=hd, nkv=nkv),
                 spec("causal_softmax", G=G), spec("causal_softmax_reg", G=G),
                 spec("attn_gate_tc", hd=hd, G=G, nkv=nkv)}
+    for G in (1, 2, 4, 6):
+        out.add(spec("causal_softmax_reg", G=G))
+    out.add(spec("conv_silu_chunk", K=4, dk=32, dv=64, nk=2, nv=4))
+    for dv in (128, 256):
+        out |= {spec("gated_rmsnorm4", dv=dv), spec("gated_rmsnorm4", True, dv=dv)}
     for E, K, norm in ((4, 2, True), (256, 8, True), (60, 3, False)):
         out.add(spec("router_topk", E=E, K=K, norm=norm))
     for H, I, K in ((64, 32, 2), (2048, 512, 8)):
