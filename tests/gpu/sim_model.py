@@ -15,11 +15,11 @@ import json
 import pathlib
 import sys
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import sim_patches   # noqa: E402
 import sim_storage   # noqa: E402,F401  (simulator patches: warp shuffle, libdevice bit casts)
 from sim_storage import cuda, _fake   # noqa: E402
 
@@ -35,7 +35,7 @@ from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray   # noqa: E40
 
 
 def _syncwarp(self, mask=0xFFFFFFFF):
-    sim_storage._shfl_xor_sync(self, mask, 0, 0)      # a warp barrier
+    sim_patches.warp_barrier()
 
 
 _fake.FakeCUDAModule.syncwarp = _syncwarp

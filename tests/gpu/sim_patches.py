@@ -111,7 +111,9 @@ def _shuffle(value, source):
     t = threading.current_thread()
     key = (id(t._manager), tuple(t.blockIdx), t.thread_id // 32)
     with _WARPS_LOCK:
-        bar, vals = _WARPS.setdefault(key, (threading.Barrier(32, timeout=120), [None] * 32))
+        # (a loaded host can keep a 1,024-thread block's lanes apart for minutes: a lane that
+        # never comes still ends the run, at the subprocess's own timeout at the latest)
+        bar, vals = _WARPS.setdefault(key, (threading.Barrier(32, timeout=900), [None] * 32))
     lane = t.thread_id % 32
     vals[lane] = value
     bar.wait()
@@ -126,3 +128,8 @@ def warp_shuffles():
         lambda self, mask, value, offset: _shuffle(value, lambda lane: lane ^ offset)
     fake.FakeCUDAModule.shfl_sync = \
         lambda self, mask, value, src_lane: _shuffle(value, lambda lane: src_lane)
+
+
+def warp_barrier():
+    """The calling thread's warp meets (syncwarp)."""
+    _shuffle(0, lambda lane: lane)
