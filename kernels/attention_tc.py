@@ -17,8 +17,8 @@ import math
 
 from numba import cuda, float32, int64, uint32
 
-from .common import f32_to_bf16, inlined, kv_codec, kvq_row, sigmoid, u16_pair_f32, warp_max, \
-    warp_sum
+from .common import block_sum, f32_to_bf16, inlined, kv_codec, kvq_row, sigmoid, u16_pair_f32, \
+    warp_max
 from .ptx import ld_v4_f32
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
@@ -173,6 +173,7 @@ def causal_softmax_reg(G):
         lane = tid & 31
         wid = tid >> 5
         red = cuda.shared.array(WARPS, float32)
+        scratch = cuda.shared.array(32, float32)
         valid = first_len + r // G
         base = int64(r) * n_cols
         xs = cuda.local.array(NL, float32)
@@ -204,7 +205,6 @@ def causal_softmax_reg(G):
         m = red[0]
         for w in range(1, WARPS):
             m = max(m, red[w])
-        cuda.syncthreads()          # (red is reused for the sums)
         sm = float32(0.0)
         for i in range(NL):
             e = float32(0.0)
@@ -212,14 +212,7 @@ def causal_softmax_reg(G):
                 e = math.exp(xs[i] - m)
             xs[i] = e
             sm += e
-        sm = warp_sum(sm)
-        if lane == 0:
-            red[wid] = sm
-        cuda.syncthreads()
-        tot = float32(0.0)
-        for w in range(WARPS):
-            tot += red[w]
-        inv = float32(1.0) / tot
+        inv = float32(1.0) / block_sum(sm, scratch)
         for k in range(GROUPS):
             j = 4 * (tid + k * SM_THREADS)
             if j < n_cols:

@@ -614,7 +614,7 @@ class StepRunner:
         self.normed(st, lw["input_norm"], lw["w_in"], n, P)
         blk = (max(dk, dv) + 31) // 32 * 32
         decode = int(n == b and snap is None)
-        if not decode and n > b and self.wide_kernels and "conv_silu_chunk" in self.kernels.specs:
+        if n > b and self.wide_kernels and "conv_silu_chunk" in self.kernels.specs:
             # (a prefill: CONV_TOKENS consecutive tokens a block, each input loaded once)
             self.launch(st, self.kernels.conv_silu_chunk, (-(-n // CONV_TOKENS), 2 * nk + nv),
                         (blk,), (ws.mid, ws.proj, P, lw["conv_w"], state.conv[l],
