@@ -203,7 +203,10 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
         out.update(delta, acceptance=(accepted / np.maximum(drafted, 1)).tolist(),
                    tokens_per_verify=delta["spec_emitted_tokens"] / max(delta["spec_verify_rows"], 1),
                    units_by_k=units.tolist(), unit_costs=stats.get("spec_unit_costs", {}),
-                   units_first_use=stats.get("spec_units_first_use", 0))
+                   units_first_use=stats.get("spec_units_first_use", 0),
+                   first_use_ms=1e3 * stats.get("spec_first_use_seconds", 0.0),
+                   catch_up=(stats.get("spec_catch_up_feeds", 0),
+                             stats.get("spec_catch_up_positions", 0)))
     return out
 
 
@@ -265,8 +268,10 @@ def table(title, rows, plain, args, figure: str) -> None:
               f"{r['wall_tok_s'] / plain['wall_tok_s']:.2f}x{later} | {split} |")
     for r in rows:      # what the adaptive policy measured of each B x k, below the table
         if r["policy"] == "adaptive" and r.get("unit_costs"):
+            feeds, fed = r["catch_up"]
             print(f"  adaptive <= {r['k']}: units timed per B x k (mean ms measured / policy's "
-                  f"cost ms); {r['units_first_use']} untimed (first use): "
+                  f"cost ms; {r['units_first_use']} paid a first use, {r['first_use_ms']:.1f} ms "
+                  f"left out of their costs; {feeds} catch-up feeds of {fed} positions): "
                   + ", ".join(f"{key} {n}: {m:.2f}/{c:.2f}"
                               for key, (n, m, c) in r["unit_costs"].items()))
 

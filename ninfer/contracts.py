@@ -473,8 +473,9 @@ class Model(Protocol):
     token of row r into slots snap_base[r] + i) and, with `samples_on_device`,
     `verify_tokens(batch, kv, state, out_rows, rows, ...) -> (int32 token per out row, hidden)`;
     one with `step_hidden` also takes `launch_tokens(..., keep_hidden=True)`, whose step's
-    `hidden() -> float32 [B, H]` (after collect) is every row's final-normed hidden state: the
-    drafter's feed of a plain decode step a speculative Program runs at k = 0.
+    `hidden() -> [B, H]` (after collect) is every row's final-normed hidden state (float32, or
+    a bf16 backend's own bits as ml_dtypes.bfloat16, which its drafter takes back as they are):
+    the drafter's feed of a plain decode step a speculative Program runs at k = 0.
     `checks_batches=False` (set by the Program unless its debug option asks otherwise) lets the
     backend trust the batches it is given: the Program validated them once, when it built them."""
 
@@ -490,10 +491,10 @@ class Model(Protocol):
     chains_token_steps: bool
     # launch_tokens(..., keep_hidden=True): the step's final-normed hidden states too (above)
     step_hidden: bool
-    # a count of one-off work done so far (CUDA: graphs captured, GEMM plans made), read before
-    # and after a call: a speculative unit during which it grew paid a first use, so the draft
-    # policy does not take its time as that k's cost (0 for ever on a backend without any)
-    one_off_work: int
+    # seconds of one-off work done so far (CUDA: graphs captured, GEMM plans made), read before
+    # and after a call: the draft policy takes a speculative unit's time less what grew during
+    # it as that k's cost (0.0 for ever on a backend without any)
+    one_off_seconds: float
     checks_batches: bool
     max_kv_pages: Optional[int]     # KV pages the backend's memory plan holds (None: no limit)
     max_state_slots: Optional[int]  # State slots its memory plan holds (None: no limit)

@@ -5,6 +5,7 @@ import importlib.util
 import pathlib
 import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -1299,13 +1300,18 @@ def test_a_verify_runs_through_its_graph_only_where_the_graph_is_the_eager_call(
         return SimpleNamespace(num_tokens=int(qs[-1]), num_rows=len(lens), query_start=qs)
     kv, st, snap = "kv", "state", 0xABC
     every = np.arange(8, dtype=np.int32)
+    m.lt = SimpleNamespace(plan_seconds=0.25)       # (the GEMM plans' share of one_off_seconds)
+    assert m.one_off_seconds == 0.25
     assert m._verify_graph_launch(batch([4, 4]), kv, st, every, snap, None)
     assert calls == [("run", True, "meta", 8, 2, 8, kv, st, snap), ("final_hidden", True, 8),
                      ("run", False, "meta", 8, 2, 8, kv, st, snap), ("final_hidden", False, 8)]
     assert uploads == [("layout", "meta", every.tolist())] and len(launched) == 1
+    captured = m.one_off_seconds                    # the capture's time counts as one-off work
+    assert captured > 0.25 and m.graphs.capture_seconds == pytest.approx(captured - 0.25)
     calls.clear()
     assert m._verify_graph_launch(batch([4, 4]), kv, st, every, snap, None)
     assert calls == [] and len(launched) == 2 and launched[0] is launched[1]   # captured once
+    assert m.one_off_seconds == captured            # a replay is no one-off work
     assert len(m.graphs) == 1
     refused = [(batch([4, 3]), np.arange(7, dtype=np.int32), snap, None),       # uneven rows
                (batch([4, 4]), every, None, None),                              # no snapshots
@@ -1404,7 +1410,7 @@ def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
     """launch_tokens(keep_hidden=True) (CudaModel._queue_step_hidden): the step's B rows of
     ws.xf (the head's final-normed hidden of each row's last token) are copied into the pinned
     buffer of its turn, so two steps in flight keep theirs apart; TokenStep reads them at
-    collect (widened from bf16, or as stored in float32), hidden() collects first; a model
+    collect (bf16 or float32, as stored), hidden() collects first; a model
     without a drafter refuses, as a step launched without keep_hidden does. (A DFlash model's
     steps copy its feature rows the same way: test_dflash_gpu.py.)"""
     from types import SimpleNamespace
@@ -1434,6 +1440,7 @@ def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
         steps = [TokenStep(np.arange(3, dtype=np.int32), SimpleNamespace(synchronize=lambda: None),
                            lambda step: None, rd) for rd in readers]
         assert np.array_equal(steps[1].hidden(), values[1][:3])
+        assert steps[1].hidden().dtype == (np.float32 if f32 else ml_dtypes.bfloat16)
         assert np.array_equal(steps[0].collect(), np.arange(3))
         assert np.array_equal(steps[0].hidden(), values[0][:3])
     with pytest.raises(RuntimeError, match="without keep_hidden"):
@@ -1442,3 +1449,33 @@ def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
     m.step_hidden = False
     with pytest.raises(RuntimeError, match="loaded without a drafter"):
         m._queue_step_hidden(0, 1, xf, H)
+
+
+def test_hidden_rows_go_up_as_the_device_stores_them(monkeypatch):
+    """CudaModel._put_hidden and drafter.host_rows: a bf16 model's own rows (TokenStep.hidden,
+    bfloat16) go up as they are, float32 rows are rounded to bf16 on the way (the same bits for
+    bf16-exact values), a float32 model's as float32; host_rows keeps bfloat16 rows and makes
+    anything else float32 (the catch-up feed's thousands of queued rows are never widened and
+    narrowed again on the host)."""
+    from ninfer.models.qwen3_5.cuda.drafter import host_rows
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    dev, r = _FakeDevice(monkeypatch, 1 << 20), np.random.default_rng(8)
+    n, H = 5, 8
+    m = CudaModel.__new__(CudaModel)
+    m.stream = dev.stream
+    m.hidden_host = buf = dev._pinned(n * H * 4)
+    buf.view = lambda dt, off=0, count=None, a=buf.array: \
+        a[off: off + count * np.dtype(dt).itemsize].view(dt)
+    exact = _bf16_exact(r, (n, H))
+    bits = exact.astype(ml_dtypes.bfloat16).view(np.uint16)
+    for f32 in (False, True):
+        m.f32 = f32
+        dst = dev.arena.take((n, H), np.float32 if f32 else np.uint16, "h")
+        for given in (exact, exact.astype(ml_dtypes.bfloat16), exact.astype(np.float64)):
+            dev._dev(dst.ptr, dst.nbytes)[:] = 0xFF
+            m._put_hidden(dst, host_rows(given))
+            got = dev._dev(dst.ptr, dst.nbytes).view(np.float32 if f32 else np.uint16)
+            assert np.array_equal(got.reshape(n, H), exact if f32 else bits), (f32, given.dtype)
+    assert host_rows(exact.astype(ml_dtypes.bfloat16)).dtype == ml_dtypes.bfloat16
+    assert host_rows(exact.astype(np.float64)).dtype == np.float32
+    assert host_rows([[1, 2]]).dtype == np.float32

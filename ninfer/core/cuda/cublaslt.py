@@ -36,6 +36,7 @@ import ctypes
 import glob
 import os
 import sys
+import time
 
 from ...errors import DeviceError
 
@@ -147,7 +148,8 @@ class CublasLt:
     f32, ab_type, invariant = False, CUDA_R_16BF, False
 
     sm_count = 0
-    plans_made = 0      # matmul plans made so far (each a heuristic query: one-off work)
+    plans_made = 0      # matmul plans made so far (each a heuristic query: one-off work) ...
+    plan_seconds = 0.0  # ... and the seconds they took (CudaModel.one_off_seconds)
 
     def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False,
                  invariant: bool = False, sm_count: int = 0):
@@ -254,6 +256,13 @@ class CublasLt:
         p = self._plans.get(key)
         if p is not None:
             return p
+        t0 = time.perf_counter()
+        try:
+            return self._new_plan(key, m, n, k, beta, align, w_kn, batch, strides, ldc, fp8)
+        finally:
+            self.plan_seconds += time.perf_counter() - t0
+
+    def _new_plan(self, key, m, n, k, beta, align, w_kn, batch, strides, ldc, fp8) -> Plan:
         if min(m, n, k, batch) < 1:
             raise ValueError(f"gemm: empty shape M={m} N={n} K={k} batch={batch}")
         if fp8 and (self.f32 or w_kn or batch > 1 or k % FP8_K_MULTIPLE):
@@ -410,6 +419,14 @@ class CublasLt:
         p = self._plans.get(key)
         if p is not None:
             return p
+        t0 = time.perf_counter()
+        try:
+            return self._new_grouped_plan(key, n, k, groups, rows_dev, n_dev, k_dev, avg_rows)
+        finally:
+            self.plan_seconds += time.perf_counter() - t0
+
+    def _new_grouped_plan(self, key, n, k, groups, rows_dev, n_dev, k_dev,
+                          avg_rows) -> GroupedPlan:
         if not self.has_grouped_gemm():
             raise DeviceError("cuBLASLt: no grouped GEMM here (needs cuBLAS 13's "
                               "cublasLtGroupedMatrixLayoutCreate; bf16 only)")

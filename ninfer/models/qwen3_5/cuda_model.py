@@ -48,6 +48,7 @@ from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGI
                                  call_capacities, check_capacity, plan_cuda_memory,
                                  workspace_bytes)
 from .cuda.device_pools import DeviceKVPool, DeviceStatePool, HostStaging, PinnedPool, PoolDevice
+from .cuda.drafter import BF16, host_rows
 from .cuda.host_tier import CHUNK_BYTES, PinnedReserve
 from .cuda.kernel_set import KernelSet
 from .cuda.meta import DeviceMeta, MetaLayout
@@ -456,11 +457,12 @@ class CudaModel(MediaEncoding):
         return int(self.vision_sm_count)
 
     @property
-    def one_off_work(self) -> int:
-        """contracts.Model.one_off_work: graphs captured and cuBLASLt plans made so far (a verify
-        shape's first unit captures its graph: seconds, not the shape's cost)."""
-        return (self.graphs.captured if self.graphs is not None else 0) + \
-            (self.lt.plans_made if self.lt is not None else 0)
+    def one_off_seconds(self) -> float:
+        """contracts.Model.one_off_seconds: what capturing graphs and making cuBLASLt plans took
+        so far (a drafter's catch-up feed of a new length plans its GEMMs; a graph captured
+        lazily takes seconds: neither is the unit's cost)."""
+        return (self.graphs.capture_seconds if self.graphs is not None else 0.0) + \
+            (self.lt.plan_seconds if self.lt is not None else 0.0)
 
     def _steps_running(self) -> bool:
         """A step is in flight or one was launched in the last VISION_BUSY_S (the vision
@@ -604,8 +606,10 @@ class CudaModel(MediaEncoding):
         _d.copy_dtoh_async(self.step_hidden_host.ptr + off, src.ptr, B * row_bytes, self.stream)
         if self.f32:
             return lambda: self.step_hidden_host.view(np.float32, off, B * H).reshape(B, H).copy()
-        return lambda: (self.step_hidden_host.view(np.uint16, off, B * H).reshape(B, H)
-                        .astype(np.uint32) << 16).view(np.float32)
+        # (bf16 as stored: a plain step's rows wait in the drafter's queue and go up again as
+        # they are, drafter.host_rows)
+        return lambda: self.step_hidden_host.view(np.uint16, off, B * H).reshape(B, H).copy() \
+            .view(BF16)
 
     def _step_collected(self, step: TokenStep) -> None:
         if step in self._in_flight:
@@ -651,13 +655,15 @@ class CudaModel(MediaEncoding):
     verify_snapshots = True     # verify_forward writes each verify row's per-token States
 
     def _put_hidden(self, dst, hidden: np.ndarray) -> None:
-        """float32 [n, width] host rows into a workspace buffer of the GEMM inputs' type (bf16,
-        or fp32 with dtype float32)."""
+        """float32 [n, width] host rows, or a bf16 model's own (drafter.host_rows: bfloat16, as
+        stored), into a workspace buffer of the GEMM inputs' type (bf16, or fp32 with dtype
+        float32)."""
         if self.f32:
             stored = np.ascontiguousarray(hidden, np.float32)
+        elif hidden.dtype == BF16:
+            stored = np.ascontiguousarray(hidden).view(np.uint16)
         else:
-            import ml_dtypes
-            stored = np.asarray(hidden, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+            stored = np.asarray(hidden, np.float32).astype(BF16).view(np.uint16)
         self.hidden_host.view(stored.dtype, 0, stored.size)[:] = stored.reshape(-1)
         _d.copy_htod_async(dst.ptr, self.hidden_host.ptr, stored.nbytes, self.stream)
 
@@ -837,7 +843,7 @@ class CudaModel(MediaEncoding):
         every token in ws.x)."""
         self._need_mtp(what)
         n, H = batch.num_tokens, self.text.hidden_size
-        hidden = np.asarray(hidden, np.float32)
+        hidden = host_rows(hidden)
         if hidden.shape != (n, H):
             raise ValueError(f"{what}: hidden shape {hidden.shape} != ({n}, {H})")
         self._drafter_call(what, batch, kv, len(out_rows))
@@ -886,7 +892,7 @@ class CudaModel(MediaEncoding):
         read. N <= the tokens of one call (cuda/dflash.py splits longer feeds). Waits."""
         self._need_dflash("dflash_feed")
         n = batch.num_tokens
-        features = np.asarray(features, np.float32)
+        features = host_rows(features)
         if features.shape != (n, self.hidden_width):
             raise ValueError(f"dflash_feed: features shape {features.shape} != ({n}, "
                              f"{self.hidden_width})")

@@ -76,7 +76,7 @@ class FakeModel(ImmediateTokenSteps):
     mixed_batches = True
     chains_token_steps = False      # (ChainingModel: True)
     step_hidden = False             # (no hidden states: no speculative plain steps)
-    one_off_work = 0
+    one_off_seconds = 0.0
     load_phases: dict = {}
     warm_up_phases: dict = {}
     checks_batches = True

@@ -31,7 +31,7 @@ class NumpyModel(MediaEncoding):
     mixed_batches = True        # forward takes any rows (contracts.Model)
     chains_token_steps = False  # no device token path
     step_hidden = False         # (nor its hidden states: contracts.Model)
-    one_off_work = 0            # (no graphs or plans made on first use)
+    one_off_seconds = 0.0       # (no graphs or plans made on first use)
     checks_batches = True       # direct callers get checked; a Program turns it off (contracts)
     max_kv_pages = None         # host memory: the Program's default pool size
     max_state_slots = None

@@ -13,11 +13,14 @@ A graph writes into its pools' arena regions: closing a pool destroys the graphs
 """
 from __future__ import annotations
 
+import time
+
 from ....core.cuda.graph import Graph
 
 
 class DecodeGraphs:
-    captured = 0        # graphs captured so far (CudaModel.one_off_work)
+    captured = 0        # graphs captured so far ...
+    capture_seconds = 0.0   # ... and the seconds it took (CudaModel.one_off_seconds)
     # StepRunner.run's capture hook for the decode graphs (a DFlash drafter's features: each
     # plain step hands them, so a k = 0 unit can be a plain step); None: none
     capture = None
@@ -71,6 +74,7 @@ class DecodeGraphs:
         entry = self._graphs.get(key)
         if entry is not None:
             return entry[0]
+        t0 = time.perf_counter()
         runner = self._runner
         runner.dry = True
         try:
@@ -80,6 +84,7 @@ class DecodeGraphs:
         graph = Graph(self._stream, run)
         self._graphs[key] = (graph, kv, state)
         self.captured += 1
+        self.capture_seconds += time.perf_counter() - t0
         return graph
 
     def forget(self, pool) -> None:

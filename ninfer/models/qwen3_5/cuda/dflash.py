@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from ..batch import ForwardBatch
-from .drafter import token_pieces
+from .drafter import host_rows, token_pieces
 from .kernel_set import paged_attention_group
 from .runner import attention_splits, combine_launch, part_rows_needed
 
@@ -185,7 +185,7 @@ class CudaDFlashDrafter:
         positions from the target's features [N, F * H] (longer batches run as several calls
         of at most the model's token capacity)."""
         F, H = len(self.hidden_layers), self.cfg.hidden_size
-        features = np.asarray(features, np.float32)
+        features = host_rows(features)
         if features.shape != (batch.num_tokens, F * H):
             raise ValueError(f"DFlash: features shape {features.shape} != ({batch.num_tokens}, "
                              f"{F * H})")

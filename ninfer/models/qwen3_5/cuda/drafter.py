@@ -5,6 +5,7 @@ model loaded with mtp=True: the MTP layer's weights, kernels, and its KV as the 
 layer). Host arrays in and out, as the numpy drafter's."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from ....options import MAX_DRAFT_TOKENS
@@ -12,6 +13,18 @@ from ....options import MAX_DRAFT_TOKENS
 from ..batch import ForwardBatch
 from ..mtp import draft_greedy
 
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def host_rows(rows) -> np.ndarray:
+    """Hidden states (or DFlash features) on the host as a drafter call takes them: a bf16
+    model's rows as its steps hand them (ml_dtypes.bfloat16, the device's bits: TokenStep.hidden)
+    stay as they are, anything else is float32. A catch-up feed concatenates and uploads
+    thousands of rows; widening each to float32 and narrowing it back on the host cost more
+    than the feed's device work."""
+    a = np.asarray(rows)
+    return a if a.dtype == BF16 else np.asarray(a, np.float32)
 
 def token_pieces(batch: ForwardBatch, cap: int) -> list:
     """The batch cut into calls of at most `cap` tokens, in order: [(sub-batch, token indices
@@ -95,7 +108,7 @@ class CudaDrafter:
         through calls of at most n_cap tokens."""
         if batch.num_tokens <= self.model.n_cap:
             return self.model.mtp_argmax(batch, hidden, kv, last_only=last_only)
-        hidden = np.asarray(hidden, np.float32)
+        hidden = host_rows(hidden)
         g = np.empty((batch.num_rows if last_only else len(hidden), hidden.shape[1]),
                      np.float32)
         ends = np.asarray(batch.query_start[1:], np.int64) - 1

@@ -23,7 +23,7 @@ class TokenStep:
         self._host_ids = host_ids         # int32 [B] view of the pinned buffer the copy fills
         self._event = event
         self._on_collect = on_collect     # the model's in-flight slot is free again
-        self._read_hidden = read_hidden   # () -> float32 [B, H] from its pinned buffer, or None
+        self._read_hidden = read_hidden   # () -> [B, H] from its pinned buffer, or None
         self._ids = self._hidden = None
 
     @property
@@ -47,8 +47,8 @@ class TokenStep:
         return self._ids
 
     def hidden(self) -> np.ndarray:
-        """float32 [B, H]: every row's final-normed hidden state (a step launched with
-        keep_hidden); collects first."""
+        """[B, H]: every row's final-normed hidden state (a step launched with keep_hidden),
+        float32 or, in a bf16 model, bfloat16 as the device holds it; collects first."""
         if self._read_hidden is None:
             raise RuntimeError("TokenStep.hidden: the step was launched without keep_hidden")
         self.collect()

@@ -31,8 +31,8 @@ step's cost on the traffic's acceptance). B is exact up to 8, else bucketed by p
 start every k is measured once, k = 0 up (_cold_start_k: a k that costs as many plain steps as
 a verify row can emit at any k ends it, no deeper k could pay: max_k + 1, or less once the first
 drafts' acceptance is known), at the first B that runs COLD_START_STREAK units in a row (before
-that, plain decoding) (the Speculator does not time a unit that paid a first use,
-Model.one_off_work: a CUDA verify shape's first unit captures its graph, so that k runs again);
+that, plain decoding) (the Speculator takes a unit's time less the one-off work done in it,
+Model.one_off_seconds: a graph captured, the GEMM plans of a catch-up feed of a new length);
 after that a new B takes the nearest measured B's choice and estimates the costs it has not
 measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour of
 its best k once (k = 0: EXPLORE_PLAIN_UNITS units in a row), so costs and the acceptance of deeper

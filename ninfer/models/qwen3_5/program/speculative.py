@@ -105,6 +105,9 @@ from .sampling import sample_row
 # queue without this bound: a drafter call between two chained steps would overwrite the token
 # ids the next one reads on the device; the policy's explorations, every <= 256 units, drain it)
 LAG_TOKENS = 64
+# a unit's cost less its one-off work is at least this (the one-off seconds are measured inside
+# the unit's, so only clock granularity could take it lower; a cost of 0 would win every choice)
+MIN_UNIT_SECONDS = 1e-6
 
 
 @dataclass(slots=True, eq=False)
@@ -297,7 +300,7 @@ class Speculator:
         self._lag: dict = {}
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
-        self._unit = None             # (start time, rows, k, one_off_work) of a unit the policy times
+        self._unit = None             # (start time, rows, k, one_off_seconds) of a unit the policy times
         self._chosen = None           # the policy's k for the next unit, taken ahead of it
         self._next: dict = {}         # seq_id -> (g_1, drafts) the pending verify made behind it
         self._plain_started = collections.deque()   # launch times of plain steps in flight
@@ -309,11 +312,14 @@ class Speculator:
                             spec_recompute_tokens=0, spec_snapshot_selects=0,
                             # plain decode steps at k = 0 (runs_plain), of them launched ahead
                             spec_plain_steps=0, spec_plain_ahead=0,
-                            # timed units left out of the policy's costs: they paid a first
-                            # use (a graph captured, a GEMM planned: Model.one_off_work)
-                            spec_units_first_use=0,
+                            # timed units that paid a first use (a graph captured, a GEMM
+                            # planned: Model.one_off_seconds), and those seconds: left out of
+                            # the unit's cost
+                            spec_units_first_use=0, spec_first_use_seconds=0.0,
                             # verifies whose drafter feed and next drafts ran behind them
-                            spec_drafts_behind_verify=0)
+                            spec_drafts_behind_verify=0,
+                            # catch-up feeds (_catch_up) and the positions they fed
+                            spec_catch_up_feeds=0, spec_catch_up_positions=0)
 
     def use_snapshot_slots(self, first: int) -> None:
         """The snapshot slots (memory_plan.snapshot_slots, which the CUDA plan reserved) start
@@ -416,7 +422,7 @@ class Speculator:
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
         timed = bool(able) and len(able) == len(seqs)
         k = self._choice([seqs[r] for r in able], timed) if able else 0
-        self._unit = (t0, len(able), k, prog.model.one_off_work) if timed else None
+        self._unit = (t0, len(able), k, prog.model.one_off_seconds) if timed else None
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
         if not ks:
@@ -583,13 +589,18 @@ class Speculator:
         due = [seq for seq, rec, n in feed if self._queue(seq, rec.start, rec.hidden[:n])]
         self._catch_up(prog, due)
         now = time.perf_counter()
-        if unit is not None and unit[3] == prog.model.one_off_work:
-            # (a unit that captured a graph or planned a GEMM paid a first use: not its k's
-            # cost; the cold start runs that k again)
-            t0, num_rows, k, _ = unit
-            self.policy.observe_unit(num_rows, k, self._unit_seconds(t0, now))
-        elif unit is not None:
-            self._counts["spec_units_first_use"] += 1
+        if unit is not None:
+            # (a graph captured or a GEMM planned during the unit is a first use, not its k's
+            # cost: a catch-up feed of a length not fed before plans its GEMMs, and such units
+            # left out entirely made the cold start run each k up to three times, and most
+            # explorations after a run of plain steps go untimed)
+            t0, num_rows, k, before = unit
+            once = prog.model.one_off_seconds - before
+            if once > 0:
+                self._counts["spec_units_first_use"] += 1
+                self._counts["spec_first_use_seconds"] += once
+            self.policy.observe_unit(num_rows, k,
+                                     max(self._unit_seconds(t0, now) - once, MIN_UNIT_SECONDS))
         self._last_commit = now
 
     def _unit_seconds(self, t0: float, now: float) -> float:
@@ -712,6 +723,8 @@ class Speculator:
         rows = [(seq, start, sum(len(c) for c in chunks)) for seq, start, chunks in items]
         batch = self._batch(prog, rows, [prog.token_ids(seq, start + 1, start + 1 + n)
                                          for seq, start, n in rows])
+        self._counts["spec_catch_up_feeds"] += 1
+        self._counts["spec_catch_up_positions"] += int(batch.num_tokens)
         hidden = np.concatenate([c for _, _, chunks in items for c in chunks])
         self.proposer.feed(prog, batch, hidden, [seq for seq, _, _ in rows])
 
