@@ -19,6 +19,7 @@ def fake_cublaslt(*, f32: bool = False, invariant: bool = False, sm_count: int =
             return call
     lt = C.CublasLt.__new__(C.CublasLt)
     lt.lib, lt.handle, lt.workspace_bytes, lt._prefs, lt._plans = Lib(), "handle", 1 << 20, {}, {}
+    lt._shared_algos = {}
     lt.f32, lt.invariant, lt.sm_count = f32, invariant, sm_count
     lt.ab_type = C.CUDA_R_32F if f32 else C.CUDA_R_16BF
     return lt, calls

@@ -649,6 +649,57 @@ def test_cublaslt_sm_count_is_set_on_every_plan():
         assert got == want * 2, (sm_count, got)
 
 
+def test_cublaslt_products_past_64_rows_share_their_power_of_twos_algorithm():
+    """A plan of M > SHARED_ALGO_FROM rows takes the algorithm the heuristic picks for
+    algo_rows(M) (the next power of two; asked once per such shape, over layouts of that many
+    rows) where cublasLtMatmulAlgoCheck accepts it for the exact layouts, else the exact shape's
+    own (a new kernel's first launch costs milliseconds: an MTP catch-up feed has a new length
+    most times). M <= 64, batched and fp8 plans keep their own; the exact layouts are always
+    the plan's."""
+    from fake_cublaslt import fake_cublaslt
+    from ninfer.core.cuda import cublaslt as L
+    assert [L.algo_rows(m) for m in (1, 8, 64, 65, 128, 129, 337, 512, 4097)] == \
+        [1, 8, 64, 128, 128, 256, 512, 512, 8192]
+
+    def counts(calls, n=16):
+        return (sum(c[0] == "cublasLtMatmulAlgoGetHeuristic" for c in calls),
+                sum(c[0] == "cublasLtMatmulAlgoCheck" for c in calls),
+                [c[1][3] for c in calls if c[0] == "cublasLtMatrixLayoutCreate"
+                 and c[1][2] == 32 and c[1][3] != n])     # X's layouts (K = 32 rows): their M
+    lt, calls = fake_cublaslt()
+    shapes = [(337, 16, 32), (400, 16, 32), (512, 16, 32), (64, 16, 32), (300, 24, 32)]
+    for shape in shapes:
+        calls.clear()
+        p = lt.plan(*shape)
+        assert (p.m, p.n, p.k) == shape
+        got = counts(calls, shape[1])
+        want = {(337, 16, 32): (1, 1, [337, 512]),     # the 512-row heuristic, checked at 337
+                (400, 16, 32): (0, 1, [400]),          # shared: checked only
+                (512, 16, 32): (1, 0, [512]),          # a power of two is its own
+                (64, 16, 32): (1, 0, [64]),
+                (300, 24, 32): (1, 1, [300, 512])}[shape]     # another N: its own shared one
+        assert got == want, (shape, got)
+    assert len(lt._shared_algos) == 2
+    for batched in (dict(batch=2, strides=(0, 300 * 32, 300 * 16)), dict(fp8=True)):
+        calls.clear()
+        lt.plan(300, 128, 128, **batched)
+        assert counts(calls)[:2] == (1, 0), batched
+
+    class Refusing:                                 # cuBLASLt: the shared algorithm cannot run it
+        def __init__(self, lib):
+            self.lib = lib
+
+        def __getattr__(self, name):
+            f = getattr(self.lib, name)
+            return (lambda *a: (f(*a), 15)[1]) if name == "cublasLtMatmulAlgoCheck" else f
+    lt, calls = fake_cublaslt()
+    lt.lib = Refusing(lt.lib)
+    lt.plan(337, 16, 32)
+    assert counts(calls) == (2, 1, [337, 512])      # the shared one refused: the exact one's
+    lt.plan(400, 16, 32)
+    assert counts(calls)[:2] == (3, 2)
+
+
 def test_model_close_releases_everything_even_after_a_kernel_fault():
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     from ninfer.models.qwen3_5.cuda.thread_context import ThreadContext

@@ -59,6 +59,12 @@ REDUCTION_NONE, REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE, REDUCTION_OUTPUT_TYPE
 # invariant mode: split-K partials only through a workspace, reduced in a fixed order
 INVARIANT_REDUCTIONS = REDUCTION_COMPUTE_TYPE | REDUCTION_OUTPUT_TYPE
 PIN_M = 8                             # invariant mode: decode GEMMs of M < PIN_M rows run as PIN_M
+# a product of more rows than this runs the algorithm the heuristic picks for the next power of
+# two (algo_rows), where it takes the exact shape (cublasLtMatmulAlgoCheck): the first launch of
+# each new kernel costs milliseconds (H100, cuBLAS 13: an MTP catch-up feed of 336 rows after one
+# of 337 took 9.3 ms against 3.3 warm, with or without CUDA_MODULE_LOADING=EAGER), and a drafter
+# feed or a prompt's last chunk has a new length most times
+SHARED_ALGO_FROM = 64
 PREF_MIN_ALIGNMENT = (5, 6, 7, 8)     # A, B, C, D bytes (uint32, default 256)
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6     # int32 count, int64 element stride
 # the grouped GEMM (cuBLAS 13's experimental CUBLASLT_BATCH_MODE_GROUPED): alpha and beta by
@@ -77,6 +83,11 @@ class HeuristicResult(ctypes.Structure):
     _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t),
                 ("state", ctypes.c_int), ("wavesCount", ctypes.c_float),
                 ("reserved", ctypes.c_int * 4)]
+
+
+def algo_rows(m: int) -> int:
+    """The rows whose heuristic algorithm a product of m rows runs (SHARED_ALGO_FROM)."""
+    return m if m <= SHARED_ALGO_FROM else 1 << (m - 1).bit_length()
 
 
 def lt_check(status: int, what: str) -> None:
@@ -173,19 +184,22 @@ class CublasLt:
                                                        ctypes.POINTER(i32)]
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, u64, vp, u64, vp, vp, u64, vp, u64, vp, vp,
                                        u64, ctypes.c_size_t, vp]
+        lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, vp,
+                                                ctypes.POINTER(HeuristicResult)]
         for f in _DESTROYERS:
             getattr(lib, f).argtypes = [vp]
         for f in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute",
                   "cublasLtMatrixLayoutCreate", "cublasLtMatrixLayoutSetAttribute",
                   "cublasLtMatmulPreferenceCreate",
                   "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
-                  "cublasLtMatmul") + _DESTROYERS:
+                  "cublasLtMatmulAlgoCheck", "cublasLtMatmul") + _DESTROYERS:
             getattr(lib, f).restype = i32
         self.handle = vp()
         lt_check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace_ptr, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
         self._prefs = {}
         self._plans = {}
+        self._shared_algos = {}       # plan key at algo_rows(M) -> its HeuristicResult, or None
         self._fp8_refused = set()
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.calls = 0
@@ -319,15 +333,21 @@ class CublasLt:
                     lt_check(lib.cublasLtMatrixLayoutSetAttribute(
                         layout, LAYOUT_STRIDED_BATCH_OFFSET, ctypes.byref(st), 8),
                         "set STRIDED_BATCH_OFFSET")
-            res = (HeuristicResult * 1)()
-            count = ctypes.c_int(0)
-            lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
-                                                        self._pref(align), 1, res,
-                                                        ctypes.byref(count)),
-                     f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
-            if count.value < 1:
-                what = "fp8 block-scaled" if fp8 else ("fp32" if self.f32 else "bf16")
-                raise DeviceError(f"cuBLASLt: no algorithm for {what} GEMM M={m} N={n} K={k}")
+            res = None
+            if batch == 1 and not fp8 and algo_rows(m) != m:
+                res = self._shared_algo((algo_rows(m),) + key[1:], desc, (a, b, c), n, k, ldc,
+                                        ab_type, align)
+            if res is None:
+                res = (HeuristicResult * 1)()
+                count = ctypes.c_int(0)
+                lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
+                                                            self._pref(align), 1, res,
+                                                            ctypes.byref(count)),
+                         f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
+                if count.value < 1:
+                    what = "fp8 block-scaled" if fp8 else ("fp32" if self.f32 else "bf16")
+                    raise DeviceError(f"cuBLASLt: no algorithm for {what} GEMM M={m} N={n} "
+                                      f"K={k}")
         except BaseException:
             _destroy_partial(lib, (a, b, c), desc)
             raise
@@ -339,6 +359,45 @@ class CublasLt:
         self._plans[key] = p
         self.plans_made += 1
         return p
+
+    def _shared_algo(self, shared_key, desc, layouts, n: int, k: int, ldc: int, ab_type,
+                     align: int):
+        """[1] HeuristicResult: the algorithm the heuristic picks for shared_key's rows (asked
+        once per key, over layouts of that many rows), where it runs these layouts (the exact
+        rows: cublasLtMatmulAlgoCheck, within the workspace); else None (the caller asks the
+        heuristic for the exact shape)."""
+        lib, mb = self.lib, shared_key[0]
+        if shared_key not in self._shared_algos:
+            found = None
+            b, c = ctypes.c_void_p(), ctypes.c_void_p()
+            try:
+                res = (HeuristicResult * 1)()
+                count = ctypes.c_int(0)
+                if lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), ab_type, k, mb, k) == 0 and \
+                        lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, mb,
+                                                       ldc) == 0 and \
+                        lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], b, c,
+                                                           c, self._pref(align), 1, res,
+                                                           ctypes.byref(count)) == 0 and \
+                        count.value >= 1:
+                    found = HeuristicResult()
+                    ctypes.memmove(ctypes.byref(found), ctypes.byref(res[0]),
+                                   ctypes.sizeof(HeuristicResult))
+            finally:
+                _destroy_partial(lib, (b, c), ctypes.c_void_p())
+            self._shared_algos[shared_key] = found
+        found = self._shared_algos[shared_key]
+        if found is None:
+            return None
+        a, b, c = layouts
+        checked = HeuristicResult()
+        if lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c, ctypes.byref(found.algo),
+                                       ctypes.byref(checked)) != 0 \
+                or checked.state != 0 or checked.workspaceSize > self.workspace_bytes:
+            return None
+        res = (HeuristicResult * 1)()
+        ctypes.memmove(ctypes.byref(res[0]), ctypes.byref(found), ctypes.sizeof(HeuristicResult))
+        return res
 
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
              beta: float = 0.0, w_kn: bool = False, batch: int = 1,
