@@ -660,6 +660,10 @@ def test_cublaslt_products_past_64_rows_share_their_power_of_twos_algorithm():
     from ninfer.core.cuda import cublaslt as L
     assert [L.algo_rows(m) for m in (1, 8, 64, 65, 128, 129, 337, 512, 4097)] == \
         [1, 8, 64, 128, 128, 256, 512, 512, 8192]
+    # (warm_up's row counts: one product in each shared algorithm's range up to n)
+    assert [L.shared_algo_rows(n) for n in (64, 65, 128, 129, 400)] == \
+        [[], [65], [128], [128, 129], [128, 256, 400]]
+    assert L.shared_algo_rows(4096) == [128, 256, 512, 1024, 2048, 4096]
 
     def counts(calls, n=16):
         return (sum(c[0] == "cublasLtMatmulAlgoGetHeuristic" for c in calls),
@@ -1392,12 +1396,13 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
 
     from ninfer.models.qwen3_5.cuda_model import CudaModel
 
-    def model(speculative, dflash=None, k=3, lg_cap=64, moe=64, chain_steps=0):
+    def model(speculative, dflash=None, k=3, lg_cap=64, moe=64, chain_steps=0, mtp=False,
+              n_cap=64, chunk=512):
         m = CudaModel.__new__(CudaModel)
-        m.options = SimpleNamespace(graphs=True, num_draft_tokens=k)
+        m.options = SimpleNamespace(graphs=True, num_draft_tokens=k, prefill_chunk=chunk)
         m.speculative, m.dflash, m.lg_cap, m.b_cap, m.n_cap, m.p_cap = \
-            speculative, dflash, lg_cap, 4, 64, 8
-        m.chain_steps = chain_steps
+            speculative, dflash, lg_cap, 4, n_cap, 400
+        m.chain_steps, m.mtp, m.text = chain_steps, mtp, SimpleNamespace(hidden_size=8)
         m.runner = SimpleNamespace(attn_tc_min_tokens=64,
                                    res=SimpleNamespace(moe_gemv_tokens=moe))
         m.eager_meta, m.ws = "meta", SimpleNamespace(snap=SimpleNamespace(ptr=0xABC))
@@ -1420,8 +1425,10 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
                 return len(calls)
         m.graphs = Graphs()
         m._current = lambda: None
-        m.decode_greedy = lambda *a: None
+        m.decode_greedy = lambda batch, kv, st: calls.append(("prefill", batch.num_tokens))
         m.sample = lambda *a: None
+        m.mtp_argmax = lambda batch, h, kv, last_only: calls.append(
+            ("mtp", batch.num_tokens, h.shape, last_only))
         return m, calls
     kv = SimpleNamespace(num_pages=100, page_size=4)
     st = SimpleNamespace(num_slots=100)
@@ -1455,6 +1462,15 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
     assert m.verify_shapes(4) == []
     m.warm_up(kv, st)
     assert [c for c in calls if c[0] == "verify"] == []
+    # the row counts whose GEMM algorithms longer calls share (cublaslt.shared_algo_rows): the
+    # prefill's up to its chunk, the MTP feed's up to a call's tokens (here 100 pages of 4)
+    assert [c for c in calls if c[0] in ("prefill", "mtp")][4:] == [("prefill", 64)]  # (B 1..4)
+    for mtp, chunk, want_prefill in ((False, 512, [400, 128, 256]), (True, 128, [400, 128])):
+        m, calls = model(False, mtp=mtp, n_cap=1000, chunk=chunk)
+        m.warm_up(kv, st)
+        assert [c[1] for c in calls if c[0] == "prefill"][4:] == want_prefill   # (B = 1..4 first)
+        assert [c[1:] for c in calls if c[0] == "mtp"] == \
+            ([(r, (r, 8), True) for r in (128, 256, 400)] if mtp else [])
 
 
 def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):

@@ -90,6 +90,18 @@ def algo_rows(m: int) -> int:
     return m if m <= SHARED_ALGO_FROM else 1 << (m - 1).bit_length()
 
 
+def shared_algo_rows(n: int) -> list:
+    """Row counts up to n whose products load every algorithm products of 65 .. n rows share:
+    each power of two past SHARED_ALGO_FROM below 2n, n itself in place of the last where n is
+    not one (CudaModel.warm_up runs them, so no call while serving pays a kernel's first
+    launch)."""
+    rows, b = [], 2 * SHARED_ALGO_FROM
+    while b // 2 < n:
+        rows.append(min(b, n))
+        b *= 2
+    return rows
+
+
 def lt_check(status: int, what: str) -> None:
     if status != 0:
         raise DeviceError(f"{what} failed: {STATUS_NAMES.get(status, f'cublasStatus {status}')}")

@@ -35,7 +35,7 @@ import numpy as np
 from ...contracts import BatchLimits, ForwardBatch
 from ...core.cuda import driver as _d
 from ...core.cuda.arena import Arena
-from ...core.cuda.cublaslt import CublasLt
+from ...core.cuda.cublaslt import CublasLt, shared_algo_rows
 from ...core.cuda.kernels import KernelCache
 from ...errors import ArtifactError, DeviceError, RequestError
 from ...options import draft_tokens, draft_vocab_size
@@ -1166,9 +1166,11 @@ class CudaModel(MediaEncoding):
     def warm_up(self, kv, state) -> None:
         """Capture and replay the decode graph of every B = 1..b_cap, capture the speculative
         verify graphs (verify_shapes), the MTP drafter's chains (mtp_chain) and the DFlash
-        drafter's block passes (dflash_draft), run the device sampler and one eager call of the
-        widest prefill: nothing is built lazily while serving. Rows use pages 0..B-1 and slots
-        0..B-1 at context 0 (the pools hold nothing yet)."""
+        drafter's block passes (dflash_draft), run the device sampler, one eager call of the
+        widest prefill and one of each row count that loads the GEMM algorithms longer calls
+        share (shared_algo_rows: prefill chunks, and the MTP drafter's feed): nothing is built
+        or loaded lazily while serving. Rows use pages 0..B-1 and slots 0..B-1 at context 0
+        (the pools hold nothing yet)."""
         from ...contracts import SampleRow, SamplingSpec
         self._current()
         b_max = min(self.b_cap, kv.num_pages, state.num_slots)
@@ -1194,9 +1196,23 @@ class CudaModel(MediaEncoding):
         self.sample(ForwardBatch.single([0], 0, [0]), kv, state,
                     [SampleRow(SamplingSpec(seed=0, temperature=1.0, top_p=0.9), 0, empty, empty)])
         n = min(self.n_cap, min(kv.num_pages, self.p_cap - 1) * kv.page_size)
-        self.decode_greedy(ForwardBatch.single(np.zeros(n, np.int32), 0,
-                                               np.arange(-(-n // kv.page_size), dtype=np.int32)),
-                           kv, state)
+
+        def single(rows):
+            return ForwardBatch.single(np.zeros(rows, np.int32), 0,
+                                       np.arange(-(-rows // kv.page_size), dtype=np.int32))
+        self.decode_greedy(single(n), kv, state)
+        # a GEMM kernel's first launch costs milliseconds, and a product of more than 64 rows
+        # runs the algorithm of its power of two's (cublaslt.SHARED_ALGO_FROM): one call of each
+        # such row count loads them all, for the prefill chunks (up to prefill_chunk tokens) and
+        # the MTP drafter's catch-up feeds (up to a call's tokens: 9B on an H100, a feed of 337
+        # positions took 19.5 ms the first time, 3.3 ms warm)
+        chunk = getattr(self.options, "prefill_chunk", n)
+        for rows in shared_algo_rows(n):
+            if rows <= chunk and rows != n:
+                self.decode_greedy(single(rows), kv, state)
+            if self.mtp:
+                self.mtp_argmax(single(rows), np.zeros((rows, self.text.hidden_size), np.float32),
+                                kv, last_only=True)
 
     def capture_graphs(self, kv, state, sizes=None) -> int:
         self._current()
