@@ -2,9 +2,9 @@
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
 #     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
-#                             [vision] [mtp] [profile] [prefill] [fused] [wide] [full]
-#                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, profile,
-#                        prefill, fused, wide, full)
+#                             [vision] [mtp] [spec] [profile] [prefill] [fused] [wide] [full]
+#                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, spec,
+#                        profile, prefill, fused, wide, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -139,6 +139,22 @@ for part in $parts; do
                     --json "$OUT/speculative_9b_b$b.json" >"$OUT/speculative_9b_b$b.log" 2>&1
             done
             summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log, speculative*.log)") ;;
+        spec)
+            # issue 25's floor (>= 0.97x plain decoding at any acceptance): the 9B's own head
+            # (acceptance 0) at B = 8 (200 tokens) and B = 1 (64), adaptive k only; then where
+            # the drafter's catch-up feeds go (bench_catch_up.py: each feed timed, run again at
+            # its token count and at one fewer). H100 12-07 before cuBLASLt shared algorithms
+            # past 64 rows: B = 8 0.93x, B = 1 0.96x; a feed of 337 positions 19.5 ms cold, 3.3 warm
+            for b in 8 1; do
+                timeout 200 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch $b \
+                    --prompts 8 --ks "" --adaptive 4 --max-tokens $((b == 8 ? 200 : 64)) \
+                    >"$OUT/spec_floor_b$b.log" 2>&1
+            done
+            timeout 200 python3 bench/bench_catch_up.py --backend cuda --shapes 9b --batch 8 \
+                --prompts 8 --ks "" --adaptive 4 --max-tokens 200 >"$OUT/catch_up.log" 2>&1
+            summary+=("spec: B=8 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b8.log")," \
+                      "B=1 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b1.log")" \
+                      "(see spec_floor_*.log, catch_up.log)") ;;
         fused)
             # the decode's fused launches (issue 26): the GPU tests of the norm in the GEMV's
             # prologue, the router in the gate|up GEMV, the fused MoE tail, PDL and the attention
