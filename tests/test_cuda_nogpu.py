@@ -1429,6 +1429,9 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
         m.sample = lambda *a: None
         m.mtp_argmax = lambda batch, h, kv, last_only: calls.append(
             ("mtp", batch.num_tokens, h.shape, last_only))
+        m.hidden_width = 24
+        m.dflash_feed = lambda batch, f, kv: calls.append(("dflash feed", batch.num_tokens,
+                                                            f.shape))
         return m, calls
     kv = SimpleNamespace(num_pages=100, page_size=4)
     st = SimpleNamespace(num_slots=100)
@@ -1471,6 +1474,12 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
         assert [c[1] for c in calls if c[0] == "prefill"][4:] == want_prefill   # (B = 1..4 first)
         assert [c[1:] for c in calls if c[0] == "mtp"] == \
             ([(r, (r, 8), True) for r in (128, 256, 400)] if mtp else [])
+        assert [c for c in calls if c[0] == "dflash feed"] == []
+    m, calls = model(True, dflash=SimpleNamespace(capture=hook, cfg=SimpleNamespace(block_size=3)),
+                     n_cap=1000)
+    m.warm_up(kv, st)
+    assert [c[1:] for c in calls if c[0] == "dflash feed"] == [(r, (r, 24))
+                                                               for r in (128, 256, 400)]
 
 
 def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):
