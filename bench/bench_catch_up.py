@@ -9,7 +9,7 @@ are not the bench's (the probes add their time).
     python bench/bench_catch_up.py --backend cuda --shapes 9b --batch 8 --prompts 8 --ks "" \
         --adaptive 4 --max-tokens 200
 
-Measured (H100, 2026-12-07, before cuBLASLt shared its algorithms past 64 rows): a feed of 337
+Measured (H100, 2026-12-07, before cuBLASLt shared its algorithms past 8 rows): a feed of 337
 positions took 19.5 ms of kernels the first time, 3.3 ms again at 337, 9.3 ms at 336 (plans
 0.9 ms of it); the time is the GEMMs' (the first launch of a kernel the heuristic picks for a
 new row count), with CUDA_MODULE_LOADING=EAGER too.

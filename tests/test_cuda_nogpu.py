@@ -649,21 +649,23 @@ def test_cublaslt_sm_count_is_set_on_every_plan():
         assert got == want * 2, (sm_count, got)
 
 
-def test_cublaslt_products_past_64_rows_share_their_power_of_twos_algorithm():
+def test_cublaslt_products_past_8_rows_share_their_power_of_twos_algorithm():
     """A plan of M > SHARED_ALGO_FROM rows takes the algorithm the heuristic picks for
     algo_rows(M) (the next power of two; asked once per such shape, over layouts of that many
     rows) where cublasLtMatmulAlgoCheck accepts it for the exact layouts, else the exact shape's
     own (a new kernel's first launch costs milliseconds: an MTP catch-up feed has a new length
-    most times). M <= 64, batched and fp8 plans keep their own; the exact layouts are always
-    the plan's."""
+    most times). M <= 8 (decode), batched and fp8 plans keep their own; the exact layouts are
+    always the plan's."""
     from fake_cublaslt import fake_cublaslt
     from ninfer.core.cuda import cublaslt as L
-    assert [L.algo_rows(m) for m in (1, 8, 64, 65, 128, 129, 337, 512, 4097)] == \
-        [1, 8, 64, 128, 128, 256, 512, 512, 8192]
+    assert L.SHARED_ALGO_FROM == L.PIN_M == 8        # (decode-sized products keep their own)
+    assert [L.algo_rows(m) for m in (1, 8, 9, 20, 64, 65, 128, 129, 337, 512, 4097)] == \
+        [1, 8, 16, 32, 64, 128, 128, 256, 512, 512, 8192]
     # (warm_up's row counts: one product in each shared algorithm's range up to n)
-    assert [L.shared_algo_rows(n) for n in (64, 65, 128, 129, 400)] == \
-        [[], [65], [128], [128, 129], [128, 256, 400]]
-    assert L.shared_algo_rows(4096) == [128, 256, 512, 1024, 2048, 4096]
+    assert [L.shared_algo_rows(n) for n in (8, 9, 64, 65, 129, 400)] == \
+        [[], [9], [16, 32, 64], [16, 32, 64, 65], [16, 32, 64, 128, 129],
+         [16, 32, 64, 128, 256, 400]]
+    assert L.shared_algo_rows(4096) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
     def counts(calls, n=16):
         return (sum(c[0] == "cublasLtMatmulAlgoGetHeuristic" for c in calls),
@@ -671,7 +673,8 @@ def test_cublaslt_products_past_64_rows_share_their_power_of_twos_algorithm():
                 [c[1][3] for c in calls if c[0] == "cublasLtMatrixLayoutCreate"
                  and c[1][2] == 32 and c[1][3] != n])     # X's layouts (K = 32 rows): their M
     lt, calls = fake_cublaslt()
-    shapes = [(337, 16, 32), (400, 16, 32), (512, 16, 32), (64, 16, 32), (300, 24, 32)]
+    shapes = [(337, 16, 32), (400, 16, 32), (512, 16, 32), (64, 16, 32), (8, 16, 32), (9, 24, 32),
+              (300, 24, 32)]
     for shape in shapes:
         calls.clear()
         p = lt.plan(*shape)
@@ -681,9 +684,11 @@ def test_cublaslt_products_past_64_rows_share_their_power_of_twos_algorithm():
                 (400, 16, 32): (0, 1, [400]),          # shared: checked only
                 (512, 16, 32): (1, 0, [512]),          # a power of two is its own
                 (64, 16, 32): (1, 0, [64]),
+                (8, 16, 32): (1, 0, [8]),               # decode-sized: its own
+                (9, 24, 32): (1, 1, [9, 16]),
                 (300, 24, 32): (1, 1, [300, 512])}[shape]     # another N: its own shared one
         assert got == want, (shape, got)
-    assert len(lt._shared_algos) == 2
+    assert len(lt._shared_algos) == 3
     for batched in (dict(batch=2, strides=(0, 300 * 32, 300 * 16)), dict(fp8=True)):
         calls.clear()
         lt.plan(300, 128, 128, **batched)
@@ -1467,19 +1472,21 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
     assert [c for c in calls if c[0] == "verify"] == []
     # the row counts whose GEMM algorithms longer calls share (cublaslt.shared_algo_rows): the
     # prefill's up to its chunk, the MTP feed's up to a call's tokens (here 100 pages of 4)
-    assert [c for c in calls if c[0] in ("prefill", "mtp")][4:] == [("prefill", 64)]  # (B 1..4)
-    for mtp, chunk, want_prefill in ((False, 512, [400, 128, 256]), (True, 128, [400, 128])):
+    assert [c for c in calls if c[0] in ("prefill", "mtp")][4:] == \
+        [("prefill", 64), ("prefill", 16), ("prefill", 32)]     # (B = 1..4 first; n_cap 64)
+    every = (16, 32, 64, 128, 256, 400)
+    for mtp, chunk, want_prefill in ((False, 512, [400, 16, 32, 64, 128, 256]),
+                                     (True, 64, [400, 16, 32, 64])):
         m, calls = model(False, mtp=mtp, n_cap=1000, chunk=chunk)
         m.warm_up(kv, st)
-        assert [c[1] for c in calls if c[0] == "prefill"][4:] == want_prefill   # (B = 1..4 first)
+        assert [c[1] for c in calls if c[0] == "prefill"][4:] == want_prefill
         assert [c[1:] for c in calls if c[0] == "mtp"] == \
-            ([(r, (r, 8), True) for r in (128, 256, 400)] if mtp else [])
+            ([(r, (r, 8), True) for r in every] if mtp else [])
         assert [c for c in calls if c[0] == "dflash feed"] == []
     m, calls = model(True, dflash=SimpleNamespace(capture=hook, cfg=SimpleNamespace(block_size=3)),
                      n_cap=1000)
     m.warm_up(kv, st)
-    assert [c[1:] for c in calls if c[0] == "dflash feed"] == [(r, (r, 24))
-                                                               for r in (128, 256, 400)]
+    assert [c[1:] for c in calls if c[0] == "dflash feed"] == [(r, (r, 24)) for r in every]
 
 
 def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):

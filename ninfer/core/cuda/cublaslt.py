@@ -63,8 +63,9 @@ PIN_M = 8                             # invariant mode: decode GEMMs of M < PIN_
 # two (algo_rows), where it takes the exact shape (cublasLtMatmulAlgoCheck): the first launch of
 # each new kernel costs milliseconds (H100, cuBLAS 13: an MTP catch-up feed of 336 rows after one
 # of 337 took 9.3 ms against 3.3 warm, with or without CUDA_MODULE_LOADING=EAGER), and a drafter
-# feed or a prompt's last chunk has a new length most times
-SHARED_ALGO_FROM = 64
+# feed (at B = 1 often 30-100 positions) or a prompt's last chunk has a new length most times.
+# Decode-sized products (the GEMVs of B <= 8 rows, PIN_M's) keep their own.
+SHARED_ALGO_FROM = PIN_M
 PREF_MIN_ALIGNMENT = (5, 6, 7, 8)     # A, B, C, D bytes (uint32, default 256)
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6     # int32 count, int64 element stride
 # the grouped GEMM (cuBLAS 13's experimental CUBLASLT_BATCH_MODE_GROUPED): alpha and beta by
@@ -91,7 +92,7 @@ def algo_rows(m: int) -> int:
 
 
 def shared_algo_rows(n: int) -> list:
-    """Row counts up to n whose products load every algorithm products of 65 .. n rows share:
+    """Row counts up to n whose products load every algorithm products of 9 .. n rows share:
     each power of two past SHARED_ALGO_FROM below 2n, n itself in place of the last where n is
     not one (CudaModel.warm_up runs them, so no call while serving pays a kernel's first
     launch)."""

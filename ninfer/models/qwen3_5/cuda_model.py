@@ -1201,7 +1201,7 @@ class CudaModel(MediaEncoding):
             return ForwardBatch.single(np.zeros(rows, np.int32), 0,
                                        np.arange(-(-rows // kv.page_size), dtype=np.int32))
         self.decode_greedy(single(n), kv, state)
-        # a GEMM kernel's first launch costs milliseconds, and a product of more than 64 rows
+        # a GEMM kernel's first launch costs milliseconds, and a product of more than 8 rows
         # runs the algorithm of its power of two's (cublaslt.SHARED_ALGO_FROM): one call of each
         # such row count loads them all, for the prefill chunks (up to prefill_chunk tokens) and
         # the drafter's catch-up feeds (up to a call's tokens: 9B on an H100, an MTP feed of 337
