@@ -208,6 +208,8 @@ def install(machine):
             self.k.clear()
 
     class Lt:
+        plan_seconds = 0.0          # (CudaModel.one_off_seconds: no plans made here)
+
         def __init__(self, ws_ptr, ws_bytes, f32=False, invariant=False):
             self.f32, self.calls = f32, 0
 
