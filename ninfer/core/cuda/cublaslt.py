@@ -172,8 +172,7 @@ class CublasLt:
     f32, ab_type, invariant = False, CUDA_R_16BF, False
 
     sm_count = 0
-    plans_made = 0      # matmul plans made so far (each a heuristic query: one-off work) ...
-    plan_seconds = 0.0  # ... and the seconds they took (CudaModel.one_off_seconds)
+    plan_seconds = 0.0  # seconds spent making plans so far (one-off work: CudaModel.one_off_seconds)
 
     def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False,
                  invariant: bool = False, sm_count: int = 0):
@@ -370,7 +369,6 @@ class CublasLt:
         p.algo = HeuristicResult()
         ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
         self._plans[key] = p
-        self.plans_made += 1
         return p
 
     def _shared_algo(self, shared_key, desc, layouts, n: int, k: int, ldc: int, ab_type,
@@ -544,7 +542,6 @@ class CublasLt:
         # the preference is the plan's own (its hints are per plan): destroyed with it
         self._prefs[key] = pref
         self._plans[key] = p
-        self.plans_made += 1
         return p
 
     def grouped_gemm(self, stream, p: GroupedPlan, w_ptrs: int, x_ptrs: int, y_ptrs: int,
