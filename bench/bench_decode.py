@@ -20,7 +20,7 @@ import numpy as np
 
 from ninfer.core.cuda import driver as d
 from ninfer.core.cuda.arena import Arena
-from ninfer.core.cuda.cublaslt import CublasLt
+from ninfer.core.cuda.cublaslt import CublasLt, algo_rows
 from ninfer.models.qwen3_5.batch import ForwardBatch
 from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, TextConfig
 from ninfer.models.qwen3_5.cuda import moe_route
@@ -194,7 +194,7 @@ def time_prefill(model, batch, kv, state, reps=2):
 
 
 def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log, profile=False,
-                cores_upto=0, invariant=False, variants=({},), route_caps=()):
+                cores_upto=0, invariant=False, variants=({},), route_caps=(), own_algos=False):
     cfg_m = make_config(name)
     cfg = cfg_m.text
     page = 16
@@ -266,6 +266,12 @@ def bench_shape(name, bw, rate, prefill_sizes, contexts, batch_sizes, steps, log
         batch = ForwardBatch.single(toks, 0, table, 0)
         t = time_prefill(model, batch, kv, state)
         extra = {}
+        if own_algos and algo_rows(T) != T:
+            # the same prefill with every GEMM on its own shape's algorithm (cuBLASLt's plans
+            # past 8 rows share their power of two's by default: cublaslt.SHARED_ALGO_FROM)
+            model.lt.share_algos = False
+            extra["ms_own_algos"] = time_prefill(model, batch, kv, state) * 1e3
+            model.lt.share_algos = True
         if T <= cores_upto:
             # the same prefill with attention on the CUDA-core kernel (the tensor-core path off)
             saved, model.attn_tc_min_tokens = model.attn_tc_min_tokens, 1 << 30
@@ -360,6 +366,10 @@ def main(argv=None):
                     help="decode rows with the wide elementwise kernels (1: the SwiGLU four "
                          "columns a thread, the gated norm a warp a head) and/or the narrow ones "
                          "(0), comma-separated (runner.wide_kernels)")
+    ap.add_argument("--own-algos", action="store_true",
+                    help="prefills of a length that is not a power of two also timed with every "
+                         "GEMM on its own shape's algorithm (ms_own_algos; by default cuBLASLt "
+                         "plans past 8 rows take their power of two's)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -378,7 +388,8 @@ def main(argv=None):
             results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
                                            ints(args.batches), args.steps, log, args.profile,
                                            args.cores_upto, variants=runner_variants(args),
-                                           route_caps=ints(args.route_caps))
+                                           route_caps=ints(args.route_caps),
+                                           own_algos=args.own_algos)
         except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             results["rows"].append(dict(shape=name, kind="error", error=str(exc)))
@@ -438,6 +449,12 @@ def print_table(res):
                   f"({r.get('device_route_gemm', '?')}, block {r.get('device_route_cap', '-')}; "
                   f"host route: {r.get('ms_host_route', r['ms']):.1f} ms)"
                   + (f"; other blocks: {caps}" if caps else ""))
+    own = [r for r in res["rows"] if r["kind"] == "prefill" and "ms_own_algos" in r]
+    if own:
+        print("\nprefill with every GEMM on its own shape's algorithm (not its power of two's):")
+        for r in own:
+            print(f"  {r['shape']} T={r['T']}: {r['ms_own_algos']:.1f} ms "
+                  f"(shared: {r['ms']:.1f} ms)")
     cores = [r for r in res["rows"] if r["kind"] == "prefill" and "ms_cores" in r]
     if cores:
         print("\nprefill with attention on the CUDA-core kernel (tensor-core path off):")

@@ -152,9 +152,13 @@ for part in $parts; do
             done
             timeout 200 python3 bench/bench_catch_up.py --backend cuda --shapes 9b --batch 8 \
                 --prompts 8 --ks "" --adaptive 4 --max-tokens 200 >"$OUT/catch_up.log" 2>&1
+            # the shared algorithms' cost to prefills of other lengths (--own-algos: each GEMM
+            # on its own shape's algorithm beside)
+            timeout 200 python3 bench/bench_decode.py --shapes 9b,35b-a3b --prefill 100,500,3000 \
+                --contexts 2048 --batches 1 --steps 5 --own-algos >"$OUT/own_algos.log" 2>&1
             summary+=("spec: B=8 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b8.log")," \
                       "B=1 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b1.log")" \
-                      "(see spec_floor_*.log, catch_up.log)") ;;
+                      "(see spec_floor_*.log, catch_up.log, own_algos.log)") ;;
         fused)
             # the decode's fused launches (issue 26): the GPU tests of the norm in the GEMV's
             # prologue, the router in the gate|up GEMV, the fused MoE tail, PDL and the attention

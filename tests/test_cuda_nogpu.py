@@ -693,6 +693,12 @@ def test_cublaslt_products_past_8_rows_share_their_power_of_twos_algorithm():
         calls.clear()
         lt.plan(300, 128, 128, **batched)
         assert counts(calls)[:2] == (1, 0), batched
+    lt.share_algos = False                          # (bench_decode --own-algos: the A/B)
+    calls.clear()
+    own = lt.plan(337, 16, 32)
+    assert counts(calls) == (1, 0, [337]) and lt.plan(337, 16, 32) is own
+    lt.share_algos = True
+    assert lt.plan(337, 16, 32) is not own          # (each setting keeps its own plans)
 
     class Refusing:                                 # cuBLASLt: the shared algorithm cannot run it
         def __init__(self, lib):

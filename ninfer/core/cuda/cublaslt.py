@@ -173,6 +173,7 @@ class CublasLt:
 
     sm_count = 0
     plan_seconds = 0.0  # seconds spent making plans so far (one-off work: CudaModel.one_off_seconds)
+    share_algos = True  # past SHARED_ALGO_FROM rows, the power of two's algorithm (False: bench A/B)
 
     def __init__(self, workspace_ptr: int, workspace_bytes: int, f32: bool = False,
                  invariant: bool = False, sm_count: int = 0):
@@ -278,7 +279,7 @@ class CublasLt:
         strides = tuple(int(s) for s in strides) if batch > 1 else (0, 0, 0)
         ldc = int(ldc) or int(n)
         key = (int(m), int(n), int(k), float(beta), int(align), bool(w_kn), int(batch), strides,
-               ldc, bool(fp8))
+               ldc, bool(fp8), bool(self.share_algos))
         p = self._plans.get(key)
         if p is not None:
             return p
@@ -346,7 +347,7 @@ class CublasLt:
                         layout, LAYOUT_STRIDED_BATCH_OFFSET, ctypes.byref(st), 8),
                         "set STRIDED_BATCH_OFFSET")
             res = None
-            if batch == 1 and not fp8 and algo_rows(m) != m:
+            if self.share_algos and batch == 1 and not fp8 and algo_rows(m) != m:
                 res = self._shared_algo((algo_rows(m),) + key[1:], desc, (a, b, c), n, k, ldc,
                                         ab_type, align)
             if res is None:
