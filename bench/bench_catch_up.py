@@ -1,10 +1,10 @@
 """Where the MTP drafter's catch-up feeds go (issue 25): bench_speculative's runs (same arguments)
 with every catch-up feed (Speculator._catch_up: the positions rows decoded plainly since their
 last draft, fed in one call) timed, the runner's per-kernel events on during it, and each feed run
-again twice right after: at the same token count (warm: what the feed costs) and at one token
-fewer (a new count: what a first use of that count costs). The second and third calls rewrite
+again twice right after, outside its timing: at the same token count (warm: what the feed costs)
+and at one token fewer (a new count: what a first use of that count costs). The probes rewrite
 the same KV entries with the same values, so the run's tokens are unchanged; its speed figures
-are not the bench's (the probes add their time).
+are not the bench's (the probes and the events add their time).
 
     python bench/bench_catch_up.py --backend cuda --shapes 9b --batch 8 --prompts 8 --ks "" \
         --adaptive 4 --max-tokens 200
@@ -30,11 +30,14 @@ def main() -> None:
     catch_up = speculative.Speculator._catch_up
     forward_argmax = CudaDrafter.forward_argmax
 
+    last = []                   # the feed's (drafter, batch, hidden, kv), for the probes
+
     def timed_catch_up(self, prog, seqs):
         queued = [s for s in seqs if s.seq_id in self._lag]
         positions = sum(sum(len(c) for c in self._lag[s.seq_id][1]) for s in queued)
         runner = prog.model.runner
         runner.profile = []
+        last.clear()
         t = time.perf_counter()
         try:
             catch_up(self, prog, seqs)
@@ -45,26 +48,28 @@ def main() -> None:
             kernels[name] += ms
         if queued:
             feeds.append((len(queued), positions, wall * 1e3, sum(profile.values())))
+        if last:
+            probes.append(probe(*last))
 
-    def probed(self, batch, hidden, kv):
-        out = forward_argmax(self, batch, hidden, kv)
-        n, lt = int(batch.num_tokens), self.model.lt
-        if n > 1:
-            row = []
-            for again in ("same", "one fewer"):
-                sub, h = batch, hidden
-                if again == "one fewer":
-                    sub, idx = token_pieces(batch, n - 1)[0]
-                    h = hidden[idx]
-                plans, t = lt.plan_seconds, time.perf_counter()
-                self._argmax(sub, h, kv, last_only=True)     # (split past a call's tokens)
-                row.append((int(sub.num_tokens), (time.perf_counter() - t) * 1e3,
-                            (lt.plan_seconds - plans) * 1e3))
-            probes.append(row)
-        return out
+    def recorded(self, batch, hidden, kv):
+        last[:] = [self, batch, hidden, kv]
+        return forward_argmax(self, batch, hidden, kv)
+
+    def probe(drafter, batch, hidden, kv) -> list:
+        """The feed again (after it, outside its timing): at its token count, then one fewer."""
+        n, lt, row = int(batch.num_tokens), drafter.model.lt, []
+        for sub, idx in ((batch, None), token_pieces(batch, n - 1)[0] if n > 1 else (None, None)):
+            if sub is None:
+                continue
+            h = hidden if idx is None else hidden[idx]
+            plans, t = lt.plan_seconds, time.perf_counter()
+            drafter._argmax(sub, h, kv, last_only=True)       # (split past a call's tokens)
+            row.append((int(sub.num_tokens), (time.perf_counter() - t) * 1e3,
+                        (lt.plan_seconds - plans) * 1e3))
+        return row
 
     speculative.Speculator._catch_up = timed_catch_up
-    CudaDrafter.forward_argmax = probed
+    CudaDrafter.forward_argmax = recorded
     try:
         bench_speculative.main()
     finally:
