@@ -346,18 +346,15 @@ class CublasLt:
                     lt_check(lib.cublasLtMatrixLayoutSetAttribute(
                         layout, LAYOUT_STRIDED_BATCH_OFFSET, ctypes.byref(st), 8),
                         "set STRIDED_BATCH_OFFSET")
-            res = None
+            algo = None
             if self.share_algos and batch == 1 and not fp8 and algo_rows(m) != m:
-                res = self._shared_algo((algo_rows(m),) + key[1:], desc, (a, b, c), n, k, ldc,
-                                        ab_type, align)
-            if res is None:
-                res = (HeuristicResult * 1)()
-                count = ctypes.c_int(0)
-                lt_check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
-                                                            self._pref(align), 1, res,
-                                                            ctypes.byref(count)),
-                         f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, batch={batch})")
-                if count.value < 1:
+                algo = self._shared_algo((algo_rows(m),) + key[1:], desc, (a, b, c), n, k, ldc,
+                                         ab_type, align)
+            if algo is None:
+                status, algo = self._heuristic(desc, a, b, c, align)
+                lt_check(status, f"cublasLtMatmulAlgoGetHeuristic(M={m}, N={n}, K={k}, "
+                                 f"batch={batch})")
+                if algo is None:
                     what = "fp8 block-scaled" if fp8 else ("fp32" if self.f32 else "bf16")
                     raise DeviceError(f"cuBLASLt: no algorithm for {what} GEMM M={m} N={n} "
                                       f"K={k}")
@@ -366,35 +363,34 @@ class CublasLt:
             raise
         p = Plan()
         p.desc, p.layouts, p.m, p.n, p.k, p.beta = desc, (a, b, c), m, n, k, float(beta)
-        p.w_kn, p.batch, p.fp8 = bool(w_kn), int(batch), bool(fp8)
-        p.algo = HeuristicResult()
-        ctypes.memmove(ctypes.byref(p.algo), ctypes.byref(res[0]), ctypes.sizeof(HeuristicResult))
+        p.w_kn, p.batch, p.fp8, p.algo = bool(w_kn), int(batch), bool(fp8), algo
         self._plans[key] = p
         return p
 
+    def _heuristic(self, desc, a, b, c, align: int) -> tuple:
+        """(cublasStatus, the heuristic's best HeuristicResult for these layouts or None)."""
+        res = (HeuristicResult * 1)()
+        count = ctypes.c_int(0)
+        status = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c,
+                                                         self._pref(align), 1, res,
+                                                         ctypes.byref(count))
+        return status, (res[0] if status == 0 and count.value >= 1 else None)
+
     def _shared_algo(self, shared_key, desc, layouts, n: int, k: int, ldc: int, ab_type,
                      align: int):
-        """[1] HeuristicResult: the algorithm the heuristic picks for shared_key's rows (asked
-        once per key, over layouts of that many rows), where it runs these layouts (the exact
-        rows: cublasLtMatmulAlgoCheck, within the workspace); else None (the caller asks the
-        heuristic for the exact shape)."""
+        """A copy of the HeuristicResult the heuristic picks for shared_key's rows (asked once
+        per key, over layouts of that many rows), where it runs these layouts (the exact rows:
+        cublasLtMatmulAlgoCheck, within the workspace); else None (the caller asks the heuristic
+        for the exact shape)."""
         lib, mb = self.lib, shared_key[0]
         if shared_key not in self._shared_algos:
             found = None
             b, c = ctypes.c_void_p(), ctypes.c_void_p()
             try:
-                res = (HeuristicResult * 1)()
-                count = ctypes.c_int(0)
                 if lib.cublasLtMatrixLayoutCreate(ctypes.byref(b), ab_type, k, mb, k) == 0 and \
                         lib.cublasLtMatrixLayoutCreate(ctypes.byref(c), CUDA_R_32F, n, mb,
-                                                       ldc) == 0 and \
-                        lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], b, c,
-                                                           c, self._pref(align), 1, res,
-                                                           ctypes.byref(count)) == 0 and \
-                        count.value >= 1:
-                    found = HeuristicResult()
-                    ctypes.memmove(ctypes.byref(found), ctypes.byref(res[0]),
-                                   ctypes.sizeof(HeuristicResult))
+                                                       ldc) == 0:
+                    found = self._heuristic(desc, layouts[0], b, c, align)[1]
             finally:
                 _destroy_partial(lib, (b, c), ctypes.c_void_p())
             self._shared_algos[shared_key] = found
@@ -407,9 +403,7 @@ class CublasLt:
                                        ctypes.byref(checked)) != 0 \
                 or checked.state != 0 or checked.workspaceSize > self.workspace_bytes:
             return None
-        res = (HeuristicResult * 1)()
-        ctypes.memmove(ctypes.byref(res[0]), ctypes.byref(found), ctypes.sizeof(HeuristicResult))
-        return res
+        return HeuristicResult.from_buffer_copy(found)
 
     def gemm(self, stream, x_ptr: int, w_ptr: int, y_ptr: int, m: int, n: int, k: int,
              beta: float = 0.0, w_kn: bool = False, batch: int = 1,

@@ -1206,9 +1206,8 @@ class CudaModel(MediaEncoding):
         # such row count loads them all, for the prefill chunks (up to prefill_chunk tokens) and
         # the drafter's catch-up feeds (up to a call's tokens: 9B on an H100, an MTP feed of 337
         # positions took 19.5 ms the first time, 3.3 ms warm)
-        chunk = getattr(self.options, "prefill_chunk", n)
         for rows in shared_algo_rows(n):
-            if rows <= chunk and rows != n:
+            if rows <= self.options.prefill_chunk and rows != n:
                 self.decode_greedy(single(rows), kv, state)
             if self.mtp:
                 self.mtp_argmax(single(rows), np.zeros((rows, self.text.hidden_size), np.float32),
