@@ -44,16 +44,19 @@ def scan_variants(dk, dv, sweep, tc_sweep=False):
     """(chunk, VB, NC, IB, prep NT, tc) to time: the shipped configurations first (the tensor
     cores', where tc_ok, then the fp32 kernels'), then (--sweep) a curated set of fp32 variants
     (~20: each costs a few seconds of compilation) that the kernels' shared memory and
-    thread-count rules accept. `tc_sweep`: also the tensor-core scan at the other block widths
-    (VB 32 / 16 / 8: more blocks a head, each re-reading the chunk's W, Q, K and P)."""
+    thread-count rules accept. A tensor-core variant's VB is the pair (state pass, output pass)
+    and its NC / IB are unused. `tc_sweep`: also the tensor-core passes at other block widths
+    (VB 16 / 8: more blocks a head, each re-reading the chunk's W and K, or Q, P and S_c)."""
     ks = gc.scan_ks(dk)
     cn0 = gc.chunk_size(dk)
     tc = gc.tc_ok(dk, dv)
-    out = [(gc.TC_CHUNK, gc.TC_VB, 1, 1, 2 * gc.TC_CHUNK, True)] if tc else []
+    shipped = (gc.TC_VB, gc.TC_VB)
+    out = [(gc.TC_CHUNK, shipped, 1, 1, 2 * gc.TC_CHUNK, True)] if tc else []
     out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, gc.PREP_THREADS, False))
     if tc_sweep and tc:
-        out += [(gc.TC_CHUNK, vb, 1, 1, 2 * gc.TC_CHUNK, True) for vb in (32, 16, 8)
-                if vb != gc.TC_VB and dv % vb == 0]
+        out += [(gc.TC_CHUNK, vbs, 1, 1, 2 * gc.TC_CHUNK, True)
+                for vbs in ((16, 32), (8, 32), (16, 16), (32, 16), (8, 16))
+                if vbs != shipped and dv % vbs[0] == 0 and dv % vbs[1] == 0]
     if not sweep:
         return out
     out.append((cn0, gc.SCAN_VB, gc.SCAN_NC, gc.SCAN_IB, 128, False))
@@ -126,19 +129,23 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
             chunks = gc.max_chunks([(0, T, 0)], T, 1, cn)
             if tc:
                 prep_k = cache.get(spec("gdn_chunk_prep_tc", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn))
-                geo = dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn, VB=vb)
-                state_k = cache.get(spec("gdn_chunk_state_tc", **geo))
-                out_k = cache.get(spec("gdn_chunk_out_tc", **geo))
+                geo = dict(dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn)
+                vb, vb_out = vb
+                state_k = cache.get(spec("gdn_chunk_state_tc", **geo, VB=vb))
+                out_k = cache.get(spec("gdn_chunk_out_tc", **geo, VB=vb_out))
                 nt = prep_nt
 
                 class SplitScan:         # the two passes where the scan kernel would launch
-                    @staticmethod
-                    def launch(st, grid, block, args):
+                    passes = 2           # the output pass left out (1): the state pass alone
+
+                    @classmethod
+                    def launch(cls, st, grid, block, args):
                         out, w, p, g, qkv, state, qs, ctx, slots = args
-                        state_k.launch(st, grid, block,
+                        state_k.launch(st, (grid[0], grid[1], -(-dv // vb)), block,
                                        (out, w, bufs["s"], g, qkv, state, qs, ctx, slots))
-                        out_k.launch(st, (grid[0], grid[1], chunks * grid[2]), block,
-                                     (out, p, bufs["s"], g, qkv, qs))
+                        if cls.passes == 2:
+                            out_k.launch(st, (grid[0], grid[1], chunks * -(-dv // vb_out)),
+                                         block, (out, p, bufs["s"], g, qkv, qs))
                 scan_k = SplitScan
             else:
                 prep_k = cache.get(spec("gdn_chunk_prep", dk=dk, dv=dv, nk=nk, nv=nv, Cn=cn,
@@ -163,8 +170,14 @@ def bench(dev, cache, T, dk, dv, nk, nv, reps, sweep=False, seed=0, tc_sweep=Fal
             diff = float(np.linalg.norm(oc - orr) / max(np.linalg.norm(orr), 1e-30))
             t_prep = timed(st, prep, reps)
             t_scan = timed(st, lambda: (prep(), scan()), reps) - t_prep   # scan needs a fresh U
+            passes = {}
+            if tc:                   # the state pass alone, and so the output pass's share
+                scan_k.passes = 1
+                passes["state_ms"] = round(timed(st, lambda: (prep(), scan()), reps) - t_prep, 4)
+                passes["out_ms"] = round(t_scan - passes["state_ms"], 4)
+                passes["VB_out"] = vb_out
             rows.append(dict(T=T, dk=dk, dv=dv, nk=nk, nv=nv, tc=tc, chunk=cn,
-                             VB=vb, NC=nc, IB=ib,
+                             VB=vb, NC=nc, IB=ib, **passes,
                              prep_threads=prep_nt, prep_ms=round(t_prep, 4),
                              scan_ms=round(t_scan, 4), chunked_ms=round(t_prep + t_scan, 4),
                              recurrent_ms=round(t_rec, 4),

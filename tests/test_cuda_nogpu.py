@@ -1493,6 +1493,19 @@ def test_warm_up_captures_every_verify_graph_a_unit_can_launch(monkeypatch):
                      n_cap=1000)
     m.warm_up(kv, st)
     assert [c[1:] for c in calls if c[0] == "dflash feed"] == [(r, (r, 24)) for r in every]
+    # a row shorter than a call (p_cap - 1 pages: 16 tokens here): the calls of 32 and 64
+    # tokens span rows of 16 on their own pages and slots, as a catch-up feed of B rows does
+    m, calls = model(False, mtp=True, n_cap=1000)
+    m.p_cap = 5
+    seen = []
+    m.mtp_argmax = lambda batch, h, kv, last_only: seen.append(batch)
+    m.warm_up(kv, st)
+    assert [b.num_tokens for b in seen] == [16, 32, 64]
+    for b in seen:
+        b.validate(kv.page_size)
+        assert np.all(np.diff(b.query_start) == 16) and np.all(b.context_lens == 0)
+        assert sorted(b.block_tables.ravel()) == list(range(b.block_tables.size))
+        assert list(b.state_slots) == list(range(b.num_rows))
 
 
 def test_a_token_step_keeps_its_rows_hidden_states(monkeypatch):

@@ -1195,26 +1195,40 @@ class CudaModel(MediaEncoding):
         empty = np.zeros(0, np.int32)
         self.sample(ForwardBatch.single([0], 0, [0]), kv, state,
                     [SampleRow(SamplingSpec(seed=0, temperature=1.0, top_p=0.9), 0, empty, empty)])
-        n = min(self.n_cap, min(kv.num_pages, self.p_cap - 1) * kv.page_size)
-
-        def single(rows):
-            return ForwardBatch.single(np.zeros(rows, np.int32), 0,
-                                       np.arange(-(-rows // kv.page_size), dtype=np.int32))
-        self.decode_greedy(single(n), kv, state)
+        # a call of n tokens over as many rows as it takes (a row holds p_cap - 1 pages here):
+        # a catch-up feed of B rows is as long as a call, longer than one row may be
+        per_row = (self.p_cap - 1) * kv.page_size
+        n = min(self.n_cap, b_max * per_row, kv.num_pages * kv.page_size)
+        self.decode_greedy(self._filler(n, per_row, kv), kv, state)
         # a GEMM kernel's first launch costs milliseconds, and a product of more than 8 rows
         # runs the algorithm of its power of two's (cublaslt.SHARED_ALGO_FROM): one call of each
         # such row count loads them all, for the prefill chunks (up to prefill_chunk tokens) and
         # the drafter's catch-up feeds (up to a call's tokens: 9B on an H100, an MTP feed of 337
         # positions took 19.5 ms the first time, 3.3 ms warm)
         for rows in shared_algo_rows(n):
+            batch = self._filler(rows, per_row, kv)
             if rows <= self.options.prefill_chunk and rows != n:
-                self.decode_greedy(single(rows), kv, state)
+                self.decode_greedy(batch, kv, state)
             if self.mtp:
-                self.mtp_argmax(single(rows), np.zeros((rows, self.text.hidden_size), np.float32),
+                self.mtp_argmax(batch, np.zeros((rows, self.text.hidden_size), np.float32),
                                 kv, last_only=True)
             if self.dflash is not None:
-                self.dflash_feed(single(rows), np.zeros((rows, self.hidden_width), np.float32),
-                                 kv)
+                self.dflash_feed(batch, np.zeros((rows, self.hidden_width), np.float32), kv)
+
+    @staticmethod
+    def _filler(n: int, per_row: int, kv) -> ForwardBatch:
+        """n tokens at context 0 in rows of at most per_row, each on its own pages and state
+        slot from 0 (warm_up's: the pools hold nothing yet)."""
+        lengths = [min(per_row, n - q) for q in range(0, n, per_row)]
+        pages = [-(-ln // kv.page_size) for ln in lengths]
+        first = np.cumsum([0] + pages)
+        tables = np.zeros((len(lengths), max(pages)), np.int32)
+        for r, p in enumerate(pages):
+            tables[r, :p] = np.arange(first[r], first[r] + p)
+        B = len(lengths)
+        return ForwardBatch(np.zeros(n, np.int32), ForwardBatch.text_positions([0] * B, lengths),
+                            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+                            np.zeros(B, np.int32), tables, np.arange(B, dtype=np.int32))
 
     def capture_graphs(self, kv, state, sizes=None) -> int:
         self._current()

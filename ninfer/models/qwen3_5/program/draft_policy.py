@@ -50,8 +50,10 @@ import numpy as np
 EXPLORE_EVERY = 32      # units at one B between two runs of a neighbour of the best k, ...
 EXPLORE_MAX = 256       # ... doubling up to this while the best k stays the same
 # ... and at least until a unit at the neighbour loses at most this share of the units since
-# the last (a small, host-bound model's drafting unit costs ~10 plain steps: every 180 units)
-EXPLORE_BUDGET = 0.05
+# the last (a small, host-bound model's drafting unit costs ~10 plain steps: every 450 units).
+# It bounds what a head that is never right costs in the steady state: at 0.05 the 9B at B = 8
+# explored k = 1 (2.4 plain steps lost a unit) every ~47 units, 0.95x plain decoding (H100)
+EXPLORE_BUDGET = 0.02
 # after the best k changed, the first exploration comes this soon, toward the old best: a best
 # moved by one noisy unit time (a busy host) would otherwise hold for EXPLORE_EVERY units
 EXPLORE_AFTER_CHANGE = 4
@@ -149,7 +151,10 @@ class DraftPolicy:
         # than the best waits until its unit is at most EXPLORE_BUDGET of the units since
         up = self._explore_up.get(b, True)
         k = best + (1 if (up and best < self.max_k) or best == 0 else -1)
-        if since < period or since < self._explore_wait(b, best, k, row_ids):
+        # (the first exploration after a change of the best keeps its EXPLORE_AFTER_CHANGE:
+        # it checks a choice one noisy unit may have made, once a change)
+        if since < period or (period > EXPLORE_AFTER_CHANGE
+                              and since < self._explore_wait(b, best, k, row_ids)):
             self._since[b] = since
             return best
         self._since[b] = 0
