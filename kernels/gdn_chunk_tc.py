@@ -273,8 +273,9 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
     """The sequential pass of the scan. Per chunk: S_c to sbuf and shared memory, V' = U - W S
     into shared memory and over U in `core`, then S <- exp(G_last) S + (K exp(G_last - G))^T V'.
     The final state to `state`. The loads that do not depend on the state are issued early,
-    into registers: the next chunk's W fragments while this chunk's update runs, this chunk's K
-    before its first barrier. Measured on an H100 at 4096 tokens (bench_gdn_chunk.py): without
+    into registers: the next chunk's W fragments while this chunk's update runs, this chunk's U,
+    key factors, decay and K before its first barrier (U, the factors and the decay had been
+    loaded where used, three global round trips on each chunk's chain). Measured on an H100 at 4096 tokens (bench_gdn_chunk.py): without
     them this pass took 3x the time of the one sequential kernel it replaced (Q S, P V' and O
     in the same loop); with them the two passes take 0.87x (48 heads) to 0.54x (16 heads) of
     it, and 1.05x at 512 tokens."""
@@ -324,6 +325,7 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
         gk = cuda.shared.array(Cn, float32)
         Sr = cuda.local.array(SREG, float32)       # the state slice, as mma accumulators
         accV = cuda.local.array(ACC, float32)
+        uf = cuda.local.array(ACC, float32)         # this chunk's U at the accumulators' places
         wf = cuda.local.array(WF, uint32)
         kf = cuda.local.array(KF, float32)
         slot = state_slots[r]
@@ -343,6 +345,19 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
         load_w(wf, wbuf, q0, min(Cn, q1 - q0), h, ia, ib, t)
         for c0 in range(q0, q1, Cn):
             L = min(Cn, q1 - c0)
+            # the chunk's state-independent loads first, in flight while S_c is written and
+            # W S runs: U (for V' = U - W S), the key factors, the chunk's decay
+            for nt in range(NT4):
+                for e in range(4):
+                    i = ia + 8 * (e // 2)
+                    uu = float32(0.0)
+                    if i < L:
+                        uu = core[(c0 + i) * nv * dv + hv + nt * 8 + 2 * t + (e % 2)]
+                    uf[4 * nt + e] = uu
+            y = float32(0.0)
+            if tid < L:
+                y = gbuf[((c0 + tid) * nv + h) * 2 + 1]
+            decay = gbuf[((c0 + L - 1) * nv + h) * 2]
             # this chunk's K fragments (the update's A operand), scaled once gk is staged
             for ks in range(CT):
                 j = ks * 8 + t
@@ -376,9 +391,6 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
                         sS[row * SS + col] = x
                         sbuf[cb + row * dv + col] = x
             if tid < Cn:
-                y = float32(0.0)
-                if tid < L:
-                    y = gbuf[((c0 + tid) * nv + h) * 2 + 1]
                 gk[tid] = y
             cuda.syncthreads()
             for x in range(ACC):
@@ -400,17 +412,13 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
                 for e in range(4):
                     i = ia + 8 * (e // 2)
                     cc = nt * 8 + 2 * t + (e % 2)
-                    uu = float32(0.0)
-                    if i < L:
-                        uu = core[(c0 + i) * nv * dv + hv + cc]
-                    v = uu - accV[4 * nt + e]
+                    v = uf[4 * nt + e] - accV[4 * nt + e]
                     sV[i * SS + cc] = v
                     if i < L:
                         core[(c0 + i) * nv * dv + hv + cc] = v
             cuda.syncthreads()
-            # S <- exp(G_last) S + (K exp(G_last - G))^T V' (exp(G_last): gbuf's first factor
-            # at the chunk's last token)
-            decay = gbuf[((c0 + L - 1) * nv + h) * 2]
+            # S <- exp(G_last) S + (K exp(G_last - G))^T V' (exp(G_last), `decay`: gbuf's first
+            # factor at the chunk's last token)
             for x in range(SREG):
                 Sr[x] *= decay
             for ks in range(CT):
