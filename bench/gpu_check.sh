@@ -144,7 +144,8 @@ for part in $parts; do
             # (acceptance 0) at B = 8 (200 tokens) and B = 1 (64), adaptive k only; then where
             # the drafter's catch-up feeds go (bench_catch_up.py: each feed timed, run again at
             # its token count and at one fewer). H100 12-07 before cuBLASLt shared algorithms
-            # past 8 rows: B = 8 0.93x, B = 1 0.96x; a feed of 337 positions 19.5 ms cold, 3.3 warm
+            # past 8 rows: B = 8 0.93x, B = 1 0.96x; a feed of 337 positions 19.5 ms cold, 3.3 warm;
+            # with them (exploration budget 5%): B = 8 0.94-0.95x, B = 1 0.97x, 336 after 337 warm
             for b in 8 1; do
                 timeout 200 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch $b \
                     --prompts 8 --ks "" --adaptive 4 --max-tokens $((b == 8 ? 200 : 64)) \
