@@ -141,14 +141,14 @@ for part in $parts; do
             summary+=("mtp: $(tail -1 "$OUT/mtp_tests.log") (see mtp.log, speculative*.log)") ;;
         spec)
             # issue 25's floor (>= 0.97x plain decoding at any acceptance): the 9B's own head
-            # (acceptance 0) at B = 8 (200 tokens) and B = 1 (64), adaptive k only; then where
+            # (acceptance 0) at B = 8 and 4 (200 tokens) and B = 1 (64), adaptive k only; then where
             # the drafter's catch-up feeds go (bench_catch_up.py: each feed timed, run again at
             # its token count and at one fewer). H100 12-07 before cuBLASLt shared algorithms
             # past 8 rows: B = 8 0.93x, B = 1 0.96x; a feed of 337 positions 19.5 ms cold, 3.3 warm;
             # with them (exploration budget 5%): B = 8 0.94-0.95x, B = 1 0.97x, 336 after 337 warm
-            for b in 8 1; do
+            for b in 8 4 1; do
                 timeout 200 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch $b \
-                    --prompts 8 --ks "" --adaptive 4 --max-tokens $((b == 8 ? 200 : 64)) \
+                    --prompts 8 --ks "" --adaptive 4 --max-tokens $((b == 1 ? 64 : 200)) \
                     >"$OUT/spec_floor_b$b.log" 2>&1
             done
             timeout 200 python3 bench/bench_catch_up.py --backend cuda --shapes 9b --batch 8 \
@@ -158,6 +158,7 @@ for part in $parts; do
             timeout 200 python3 bench/bench_decode.py --shapes 9b,35b-a3b --prefill 100,500,3000 \
                 --contexts 2048 --batches 1 --steps 5 --own-algos >"$OUT/own_algos.log" 2>&1
             summary+=("spec: B=8 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b8.log")," \
+                      "B=4 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b4.log")," \
                       "B=1 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b1.log")" \
                       "(see spec_floor_*.log, catch_up.log, own_algos.log)") ;;
         fused)
