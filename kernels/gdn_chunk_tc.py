@@ -275,10 +275,11 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
     The final state to `state`. The loads that do not depend on the state are issued early,
     into registers: the next chunk's W fragments while this chunk's update runs, this chunk's U,
     key factors, decay and K before its first barrier (U, the factors and the decay had been
-    loaded where used, three global round trips on each chunk's chain). Measured on an H100 at 4096 tokens (bench_gdn_chunk.py): without
-    them this pass took 3x the time of the one sequential kernel it replaced (Q S, P V' and O
-    in the same loop); with them the two passes take 0.87x (48 heads) to 0.54x (16 heads) of
-    it, and 1.05x at 512 tokens."""
+    loaded where used, three global round trips on each chunk's chain). Measured on an H100 at
+    4096 tokens (bench_gdn_chunk.py), with the early W and K: without them this pass took 3x
+    the time of the one sequential kernel it replaced (Q S, P V' and O in the same loop); with
+    them the two passes take 0.87x (48 heads) to 0.54x (16 heads) of it, and 1.05x at 512
+    tokens."""
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     NW = Cn // 16
