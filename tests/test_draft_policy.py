@@ -407,3 +407,16 @@ def test_a_far_dearer_neighbour_is_explored_within_the_budget():
         # (E(1) with nothing accepted is a little over 1: the prior's accept in two tries,
         # against the cold start's one try, makes it 1.33, so a little sooner)
         assert off and 0.9 * first <= off[0] + 1 <= first, (dear, off[:3])
+
+
+@pytest.mark.parametrize("units", [200, 1000])
+def test_a_head_that_is_never_right_keeps_the_floor(units):
+    """Issue 25's floor (>= 0.97x plain decoding at any acceptance) as far as the policy's own
+    choices go: drafts never accepted, a drafting unit dear (the 9B at B = 8 on an H100: a k = 1
+    unit ~2.9 plain steps with its catch-up feed). Every unit emits one token whatever its k,
+    so the units' time against as many plain steps is the speed ratio, the cold start and the
+    explorations included (0.972 over 200 units, 0.989 over 1,000)."""
+    cost = lambda k: 1.0 if k == 0 else 2.9 + 0.3 * (k - 1)     # noqa: E731
+    pol = DraftPolicy(4)
+    ks = _run(pol, 8, units, cost, accept=lambda k: 0)
+    assert units / sum(cost(k) for k in ks) >= 0.97, np.bincount(ks, minlength=5)
