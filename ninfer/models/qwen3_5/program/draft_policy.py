@@ -52,7 +52,7 @@ EXPLORE_MAX = 256       # ... doubling up to this while the best k stays the sam
 # ... and at least until a unit at the neighbour loses at most this share of the units since
 # the last (a small, host-bound model's drafting unit costs ~10 plain steps: every 450 units).
 # It bounds what a head that is never right costs in the steady state: at 0.05 the 9B at B = 8
-# explored k = 1 (2.4 plain steps lost a unit) every ~47 units, 0.95x plain decoding (H100)
+# on an H100 explored k = 1 (2.4 plain steps lost a unit) every ~47 units, ~5% by itself
 EXPLORE_BUDGET = 0.02
 # after the best k changed, the first exploration comes this soon, toward the old best: a best
 # moved by one noisy unit time (a busy host) would otherwise hold for EXPLORE_EVERY units
