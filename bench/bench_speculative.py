@@ -148,6 +148,31 @@ def _clocked(clock, backend: str, kind: str = "mtp"):
     return stack
 
 
+@contextlib.contextmanager
+def _plain_intervals(batch: int, out: list):
+    """Time from each plain decode unit of `batch` rows committing to the next one's, where the
+    two follow each other (Program.commit): what a plain step costs in this Engine, comparable
+    between plain decoding and a speculative Engine's plain units (the draft policy's k = 0
+    cost). Intervals go to `out`, in seconds."""
+    from ninfer.models.qwen3_5.program.program import Program
+    commit = Program.commit
+    last = [None]
+
+    def timed_commit(self, pending, decisions):
+        commit(self, pending, decisions)
+        now = time.perf_counter()
+        plain = len(pending.rows) == batch and all(
+            r.num_new_tokens == 1 and not r.is_speculative for r in pending.rows)
+        if plain and last[0] is not None:
+            out.append(now - last[0])
+        last[0] = now if plain else None
+    Program.commit = timed_commit
+    try:
+        yield
+    finally:
+        Program.commit = commit
+
+
 def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend: str = "numpy",
         dtype=None, batch: int = 1, drafter: str = "mtp", draft_vocab: int = None,
         rounds: int = 1) -> dict:
@@ -161,10 +186,12 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
         kw.update(backend="cuda", dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     clock = CpuClock(time.perf_counter if backend == "cuda" else time.process_time)
+    intervals = []
     with Engine(path, max_concurrency=batch, max_context=256, prefix_cache=False, **kw) as engine, \
-            _clocked(clock, backend, drafter):
+            _clocked(clock, backend, drafter), _plain_intervals(batch, intervals):
         engine.generate(ids_list[0][:8], SamplingParams(max_tokens=4))      # warm the caches
         clock.seconds.clear()
+        intervals.clear()
         base = engine.stats()
         tokens, wall, cpu, later_n, later_wall, later_differ = [], 0.0, 0.0, 0, 0.0, 0
         for rnd in range(rounds):
@@ -185,11 +212,14 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
                                         for i, r in enumerate(results))
             if rnd == 0:
                 stats, parts = engine.stats(), dict(clock.seconds)
+                plain_steps = list(intervals)
     n = sum(len(t) for t in tokens)
     out = dict(k=k, policy=policy if k else "plain", backend=backend, tokens=tokens, num_tokens=n, cpu_s=cpu, wall_s=wall,
                cpu_tok_s=n / cpu, wall_tok_s=n / wall, parts=parts,
                later_wall_tok_s=later_n / later_wall if later_wall else None,
-               later_differ=later_differ)
+               later_differ=later_differ,
+               plain_step_ms=(1e3 * float(np.median(plain_steps)), len(plain_steps))
+               if plain_steps else None)
     if k:
         delta = {key: stats[key] - base.get(key, 0) for key in
                  ("spec_verify_rows", "spec_emitted_tokens", "spec_draft_tokens",
@@ -266,6 +296,11 @@ def table(title, rows, plain, args, figure: str) -> None:
         print(f"| {label} | {spec} | {r['cpu_tok_s']:.1f} | "
               f"{r['cpu_tok_s'] / plain['cpu_tok_s']:.2f}x | {r['wall_tok_s']:.1f} | "
               f"{r['wall_tok_s'] / plain['wall_tok_s']:.2f}x{later} | {split} |")
+    steps = [r for r in rows if r.get("plain_step_ms")]
+    if steps:           # (commit to commit, a plain unit of the full batch after another)
+        print("  plain units of the full batch, median ms commit to commit (units): " + ", ".join(
+            f"{r['policy'] + ' <= ' + str(r['k']) if r['k'] else 'plain'} "
+            f"{r['plain_step_ms'][0]:.2f} ({r['plain_step_ms'][1]})" for r in steps))
     for r in rows:      # what the adaptive policy measured of each B x k, below the table
         if r["policy"] == "adaptive" and r.get("unit_costs"):
             feeds, fed = r["catch_up"]
