@@ -51,8 +51,10 @@ EXPLORE_EVERY = 32      # units at one B between two runs of a neighbour of the 
 EXPLORE_MAX = 256       # ... doubling up to this while the best k stays the same
 # ... and at least until a unit at the neighbour loses at most this share of the units since
 # the last (a small, host-bound model's drafting unit costs ~10 plain steps: every 450 units).
-# It bounds what a head that is never right costs in the steady state: at 0.05 the 9B at B = 8
-# on an H100 explored k = 1 (2.4 plain steps lost a unit) every ~47 units, ~5% by itself
+# The wait is the larger of this and the doubling period, so the budget decides the first waits
+# and where a neighbour is dear: the 9B's never-right head at B = 8 on an H100 (k = 1 lost 2.4
+# plain steps a unit) waited ~47 units for its first exploration at 0.05, ~108 at 0.02; later
+# waits double to EXPLORE_MAX either way
 EXPLORE_BUDGET = 0.02
 # after the best k changed, the first exploration comes this soon, toward the old best: a best
 # moved by one noisy unit time (a busy host) would otherwise hold for EXPLORE_EVERY units
