@@ -9,7 +9,12 @@ at k = 0 (every unit a plain keep-hidden step); the same without the hidden copy
 queued instead: the drafter never runs, as k stays 0); plain decoding again (drift). Each
 prints the median commit-to-commit time of a plain unit of the full batch after another.
 
-    python bench/bench_plain_units.py --batch 8 --max-tokens 200
+    python bench/bench_plain_units.py --batch 8 --max-tokens 200 [--order plain,held,...]
+
+Measured (H100, 2026-12-07, bench/results_h100_plain_units_1207.log): the order decides, not the
+kind: a process's first Engine steps in 6.99-7.00 ms (9B, B = 8), every later one in 7.14-7.16,
+plain or speculative, with the hidden copy or without. So bench_speculative runs each
+configuration in a process of its own.
 """
 import argparse
 import pathlib
@@ -27,6 +32,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--workdir", default="/tmp/ninfer-bench")
+    ap.add_argument("--order", default="plain,held,nocopy,plain,held",
+                    help="the runs, in order, each a fresh Engine in this process: plain, held "
+                         "(k held at 0), nocopy (held, without the hidden copy)")
     args = ap.parse_args()
     from ninfer.models.qwen3_5.cuda_model import CudaModel
     ids = [np.asarray(prompt_ids(48, seed), np.int32) for seed in range(max(8, args.batch))]
@@ -37,9 +45,10 @@ def main() -> None:
     def zeros(self, turn, B, src, H):
         return lambda: np.zeros((B, H), np.float32)
 
-    runs = [("plain decoding", 0, False, False), ("speculative, k held at 0", 4, True, False),
-            ("the same, no hidden copy", 4, True, True), ("plain decoding again", 0, False, False),
-            ("speculative, k held at 0, again", 4, True, False)]
+    kinds = {"plain": ("plain decoding", 0, False, False),
+             "held": ("speculative, k held at 0", 4, True, False),
+             "nocopy": ("speculative, k held at 0, no hidden copy", 4, True, True)}
+    runs = [kinds[name] for name in args.order.split(",")]
     print(f"{args.shape}, B = {args.batch}, {args.max_tokens} greedy tokens a request")
     print("| run | tok/s wall | plain unit, median ms commit to commit (units) |")
     print("|---|---|---|")

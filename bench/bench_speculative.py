@@ -36,6 +36,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -240,7 +246,42 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
     return out
 
 
-def speculative_rows(name, path, ids_list, plain, args, on, strict: bool = True) -> list:
+def measure(path, ids_list, k: int, max_tokens: int, *, oracle=None, isolate: bool = False,
+            **kw) -> dict:
+    """run(), under oracle_drafts(*oracle) when given; isolate: in a Python process of its own.
+    On the GPU the first Engine of a process decodes ~2% faster than any later one, whatever
+    its kind (H100, 2026-12-07, bench_plain_units.py: the 9B at B = 8, 6.99 / 7.00 ms a step
+    first, 7.14-7.15 after; B = 1 6.51 against 6.66), so runs made one after another in one
+    process favoured the first, plain decoding; each in its own process is what a user's
+    Engine meets."""
+    if not isolate:
+        with oracle_drafts(*oracle) if oracle is not None else contextlib.nullcontext():
+            return run(path, ids_list, k, max_tokens, **kw)
+    from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+    job = dict(path=str(path), ids_list=[np.asarray(ids).tolist() for ids in ids_list], k=k,
+               max_tokens=max_tokens, oracle=oracle, kw=kw,
+               drafts_behind=CudaDrafter.drafts_in_verify)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = pathlib.Path(tmp, "job.pkl"), pathlib.Path(tmp, "result.pkl")
+        src.write_bytes(pickle.dumps(job))
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(src), str(dst)],
+                       check=True)
+        return pickle.loads(dst.read_bytes())
+
+
+def _child(src: str, dst: str) -> None:
+    """One measure(isolate=True) run: its job from src, its result to dst."""
+    from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+    job = pickle.loads(pathlib.Path(src).read_bytes())
+    CudaDrafter.drafts_in_verify = job["drafts_behind"]
+    ids_list = [np.asarray(ids, np.int32) for ids in job["ids_list"]]
+    r = measure(job["path"], ids_list, job["k"], job["max_tokens"], oracle=job["oracle"],
+                **job["kw"])
+    pathlib.Path(dst).write_bytes(pickle.dumps(r))
+
+
+def speculative_rows(name, path, ids_list, plain, args, on, strict: bool = True,
+                     oracle=None) -> list:
     """The fixed-k runs and the adaptive one; each one's tokens must equal plain decoding's
     (strict), or (random weights: bf16 near-ties a verify's multi-token GEMMs may round the
     other way than a decode step's GEMVs) the tokens that differ are counted."""
@@ -249,7 +290,8 @@ def speculative_rows(name, path, ids_list, plain, args, on, strict: bool = True)
         runs.append((args.adaptive, "adaptive"))
     rows = []
     for k, policy in runs:
-        r = run(path, ids_list, k, args.max_tokens, policy=policy, rounds=args.rounds, **on)
+        r = measure(path, ids_list, k, args.max_tokens, policy=policy, rounds=args.rounds,
+                    oracle=oracle, isolate=args.isolate, **on)
         differ = sum(int(np.any(np.asarray(a) != np.asarray(b))) if len(a) == len(b) else 1
                      for a, b in zip(r["tokens"], plain["tokens"]))
         if differ and strict:
@@ -312,6 +354,9 @@ def table(title, rows, plain, args, figure: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:            # (measure(isolate=True)'s process)
+        _child(*sys.argv[2:4])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="dense,moe")
     ap.add_argument("--drafter", choices=("mtp", "dflash"), default="mtp",
@@ -345,8 +390,13 @@ def main() -> None:
     ap.add_argument("--no-drafts-behind", action="store_true",
                     help="cuda: the feed and the next drafts as their own calls before each "
                          "verify, not behind it (CudaDrafter.drafts_in_verify off)")
+    ap.add_argument("--in-process", dest="isolate", action="store_false",
+                    help="cuda: every run in this process, one Engine after another (by default "
+                         "each run is a process of its own: a process's first Engine decodes "
+                         "~2%% faster than its later ones)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.isolate &= args.backend == "cuda"
     if args.no_drafts_behind:
         from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
         CudaDrafter.drafts_in_verify = False
@@ -355,8 +405,6 @@ def main() -> None:
     figure = "wall" if args.backend == "cuda" else "cpu"
     count = max(args.prompts, args.batch)
     if args.shapes:
-        import pathlib
-
         from bench_engine import make_artifact, prompt_ids
         # the random checkpoints' tokenizer is the tiny test one: ids below 90
         ids_list = [np.asarray(prompt_ids(args.prompt_tokens, seed), np.int32)
@@ -369,12 +417,13 @@ def main() -> None:
         models = [(name, ensure_reference_artifact(name)) for name in args.models.split(",")]
     report = {}
     for name, path in models:
-        plain = run(path, ids_list, 0, args.max_tokens, rounds=args.rounds, **on)
+        plain = measure(path, ids_list, 0, args.max_tokens, rounds=args.rounds,
+                        isolate=args.isolate, **on)
         outputs = {tuple(ids.tolist()): toks for ids, toks in zip(ids_list, plain["tokens"])}
         for p in [None] + [float(x) for x in args.oracle.split(",") if x]:
-            with oracle_drafts(p, outputs) if p is not None else contextlib.nullcontext():
-                rows = [plain] + speculative_rows(name, path, ids_list, plain, args, on,
-                                                  strict=not args.shapes)
+            rows = [plain] + speculative_rows(name, path, ids_list, plain, args, on,
+                                              strict=not args.shapes,
+                                              oracle=None if p is None else (p, outputs))
             title = f"{name}, {args.drafter}{'' if p is None else f', drafts replaced: acceptance {p}'}"
             table(title, rows, plain, args, figure)
             report[title] = [{key: v for key, v in r.items() if key != "tokens"} for r in rows]

@@ -146,6 +146,8 @@ for part in $parts; do
             # its token count and at one fewer). H100 12-07 before cuBLASLt shared algorithms
             # past 8 rows: B = 8 0.93x, B = 1 0.96x; a feed of 337 positions 19.5 ms cold, 3.3 warm;
             # with them (exploration budget 5%): B = 8 0.94-0.95x, B = 1 0.97x, 336 after 337 warm
+            # (those in one process, plain decoding first: ~2% in its favour, a process's first
+            # Engine's; bench_speculative now runs each configuration in a process of its own)
             for b in 8 4 1; do
                 timeout 200 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch $b \
                     --prompts 8 --ks "" --adaptive 4 --max-tokens $((b == 1 ? 64 : 200)) \
