@@ -16,7 +16,9 @@ gdn_chunk_prep_tc: grid (row, value head, chunk), fully parallel. K K^T and Q K^
 cores (only the tiles left of the diagonal), A and P formed with the decays, T in fp32 by
 16 x 16 blocks (the diagonal ones by forward substitution, the rest from the rows above), then
 U (into `core`, in place of the output) and W as T times the scaled V and K tiles. Writes P and
-the per-token decay factors.
+the per-token decay factors. The mma operands from global memory (K and Q, then each group's V
+or K columns) are staged in shared memory by 16-byte loads, a stage's loads all in flight at
+once (bit-identical to loading each fragment where used, on the simulator).
 The scan over the chunks in two passes, since a sequential pass is latency-bound (~17 us a
 chunk at 4 warps an SM) and only S's recurrence needs one:
 gdn_chunk_state_tc: grid (row, value head, VB value columns: 32, 16 or 8), sequential over the
@@ -39,7 +41,7 @@ from numba import cuda, float32, float64, uint32
 
 from .common import inlined
 from .gdn_chunk import chunk_gates
-from .ptx import mma_tf32, tf32
+from .ptx import ld_v4_f32, mma_tf32, tf32
 
 
 
@@ -100,7 +102,6 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     assert Cn % 16 == 0 and dk % GROUP == 0 and dv % GROUP == 0
     TS = Cn + 4              # A / T row stride: a fragment's (g, t) loads hit 32 distinct banks
     CT = Cn // 8             # n-tiles of K K^T (chunk columns); k-steps of T X (chunk positions)
-    KST = dk // 8            # k-steps over the key dimension
     GU = dv // GROUP
     GW = dk // GROUP
     TT = Cn * TS             # shared/local array sizes must be compile-time constants
@@ -109,6 +110,21 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     XSZ = max(256, (Cn // 16 - 1) * 256)       # X of one block row of T (below its diagonal)
     XU = -(-XSZ // NT)
     GACC = GROUP // 8 * 4
+    # the chunk's operands are staged in shared memory with 16-byte loads, every load of a
+    # stage in flight at once, before the mma loops read their fragments there: K and Q in
+    # passes of KP columns (over A's and T's space, free until A is formed), each group's scaled
+    # V or K columns (over A's space, free once T is formed). Loaded where used, fragment by
+    # fragment from global memory (8 rows of 16 bytes a warp load, each tile's B operand again
+    # by every warp), the loads' latency was most of this kernel's time.
+    KP = GROUP               # K / Q columns a pass (a multiple of 8; dk a multiple of it)
+    KS = KP + 4              # staged K / Q row stride: fragment loads (rows g, columns t) hit
+                             # 32 distinct banks (4 mod 32)
+    BS = GROUP + 8           # staged B row stride (rows t, columns g: 8 mod 32)
+    TA = max(TT, Cn * BS)    # T's offset: past A and a group's staged B (which go over A)
+    SH = TA + TT             # A, T (and the staging over them)
+    ST = Cn * KP // 4 // NT  # 16-byte loads a thread a stage (a pass's K or Q, a group's B)
+    LST = 4 * ST             # (array sizes: names of the factory, not expressions)
+    assert Cn * KS <= TA and ST * NT * 4 == Cn * KP and dk % KP == 0
 
     def gdn_chunk_prep_tc_kernel(core, wbuf, pbuf, gbuf, qkv, proj, proj_stride, a_off, b_off,
                                  a_log, dt_bias, query_start):
@@ -124,12 +140,10 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         G = cuda.shared.array(Cn, float64)
         eg = cuda.shared.array(Cn, float32)
         bt = cuda.shared.array(Cn, float32)
-        sA = cuda.shared.array(TT, float32)
-        sT = cuda.shared.array(TT, float32)
+        sh = cuda.shared.array(SH, float32)    # A at 0, T at TA
         sX = cuda.shared.array(XSZ, float32)
         chunk_gates(G, eg, bt, gbuf, proj, proj_stride, a_off, b_off, a_log, dt_bias, t0, L, h,
                     nv, tid, Cn)
-        cuda.syncthreads()
 
         lane = tid & 31
         g = lane >> 2
@@ -137,36 +151,68 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         i0 = (tid >> 5) * 16         # this warp's chunk rows
         ia = i0 + g
         ib = ia + 8
-        oka = ia < L
-        okb = ib < L
-        qa = (t0 + ia) * C + kh * dk
-        qb = (t0 + ib) * C + kh * dk
         ko = nk * dk                 # k follows q in a qkv row
+        sr = tid // (KP // 4)        # the staged row and 4 columns of this thread's first load
+        sc = (tid % (KP // 4)) * 4
+        SR = NT // (KP // 4)         # rows between a thread's loads
+        lk = cuda.local.array(LST, float32)
+        lq = cuda.local.array(LST, float32)
 
-        # K K^T and Q K^T for the warp's rows, the tiles left of (and on) the diagonal block
+        # K K^T and Q K^T for the warp's rows, the tiles left of (and on) the diagonal block;
+        # K at sh[0 ..), Q at sh[TA ..), rows past the chunk's length staged as zeros
         accK = cuda.local.array(ACC, float32)
         accQ = cuda.local.array(ACC, float32)
         for x in range(ACC):
             accK[x] = float32(0.0)
             accQ[x] = float32(0.0)
-        for ks in range(KST):
-            c = ks * 8 + t
-            k0 = ld_tf32(qkv, qa + ko + c, oka)
-            k1 = ld_tf32(qkv, qb + ko + c, okb)
-            k2 = ld_tf32(qkv, qa + ko + c + 4, oka)
-            k3 = ld_tf32(qkv, qb + ko + c + 4, okb)
-            q0 = ld_tf32(qkv, qa + c, oka)
-            q1 = ld_tf32(qkv, qb + c, okb)
-            q2 = ld_tf32(qkv, qa + c + 4, oka)
-            q3 = ld_tf32(qkv, qb + c + 4, okb)
-            for nt in range(CT):
-                if nt * 8 <= i0 + 15:                    # warp-uniform
-                    j = nt * 8 + g
-                    kj = (t0 + j) * C + kh * dk + ko + c
-                    b0 = ld_tf32(qkv, kj, j < L)
-                    b1 = ld_tf32(qkv, kj + 4, j < L)
-                    mma_acc(accK, 4 * nt, k0, k1, k2, k3, b0, b1)
-                    mma_acc(accQ, 4 * nt, q0, q1, q2, q3, b0, b1)
+        for kp in range(dk // KP):
+            for u in range(ST):      # the pass's loads, all issued before any store
+                i = sr + u * SR
+                x0 = float32(0.0)
+                x1 = float32(0.0)
+                x2 = float32(0.0)
+                x3 = float32(0.0)
+                y0 = float32(0.0)
+                y1 = float32(0.0)
+                y2 = float32(0.0)
+                y3 = float32(0.0)
+                if i < L:
+                    q = (t0 + i) * C + kh * dk + kp * KP + sc
+                    x0, x1, x2, x3 = ld_v4_f32(qkv, q + ko)
+                    y0, y1, y2, y3 = ld_v4_f32(qkv, q)
+                lk[4 * u] = x0
+                lk[4 * u + 1] = x1
+                lk[4 * u + 2] = x2
+                lk[4 * u + 3] = x3
+                lq[4 * u] = y0
+                lq[4 * u + 1] = y1
+                lq[4 * u + 2] = y2
+                lq[4 * u + 3] = y3
+            cuda.syncthreads()       # (the last pass's fragments are read)
+            for u in range(ST):
+                at = (sr + u * SR) * KS + sc
+                for e in range(4):
+                    sh[at + e] = lk[4 * u + e]
+                    sh[TA + at + e] = lq[4 * u + e]
+            cuda.syncthreads()
+            for ks in range(KP // 8):
+                c = ks * 8 + t
+                k0 = tf32(sh[ia * KS + c])
+                k1 = tf32(sh[ib * KS + c])
+                k2 = tf32(sh[ia * KS + c + 4])
+                k3 = tf32(sh[ib * KS + c + 4])
+                q0 = tf32(sh[TA + ia * KS + c])
+                q1 = tf32(sh[TA + ib * KS + c])
+                q2 = tf32(sh[TA + ia * KS + c + 4])
+                q3 = tf32(sh[TA + ib * KS + c + 4])
+                for nt in range(CT):
+                    if nt * 8 <= i0 + 15:                    # warp-uniform
+                        j = nt * 8 + g
+                        b0 = tf32(sh[j * KS + c])
+                        b1 = tf32(sh[j * KS + c + 4])
+                        mma_acc(accK, 4 * nt, k0, k1, k2, k3, b0, b1)
+                        mma_acc(accQ, 4 * nt, q0, q1, q2, q3, b0, b1)
+        cuda.syncthreads()           # (the staged K and Q are read: A and T go over them)
         # A (strictly lower, into shared) and P (lower with the diagonal, to pbuf) with decays
         for nt in range(CT):
             for e in range(4):
@@ -179,7 +225,7 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
                     pv = accQ[4 * nt + e] * dec
                     if j < i:
                         av = bt[i] * accK[4 * nt + e] * dec
-                sA[i * TS + j] = av
+                sh[i * TS + j] = av
                 if i < L:
                     pbuf[((t0 + i) * nv + h) * Cn + j] = pv
         cuda.syncthreads()
@@ -195,16 +241,16 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
             for rr in range(16):
                 v = float32(0.0)
                 for q in range(rr):              # the column's rows above, written just now
-                    v += sA[(r0 + rr) * TS + r0 + q] * sT[(r0 + q) * TS + r0 + c]
+                    v += sh[(r0 + rr) * TS + r0 + q] * sh[TA + (r0 + q) * TS + r0 + c]
                 x = float32(0.0)
                 if rr > c:
                     x = -v
                 elif rr == c:
                     x = float32(1.0)
-                sT[(r0 + rr) * TS + r0 + c] = x
+                sh[TA + (r0 + rr) * TS + r0 + c] = x
             for rr in range(Cn):
                 if rr < r0:
-                    sT[rr * TS + r0 + c] = float32(0.0)     # above the diagonal block
+                    sh[TA + rr * TS + r0 + c] = float32(0.0)     # above the diagonal block
         cuda.syncthreads()
         for bi in range(1, Cn // 16):
             for u in range(XU):
@@ -215,7 +261,7 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
                     c = e & 15
                     x = float32(0.0)
                     for k in range(bj * 16, bi * 16):
-                        x += sA[(bi * 16 + rr) * TS + k] * sT[k * TS + bj * 16 + c]
+                        x += sh[(bi * 16 + rr) * TS + k] * sh[TA + k * TS + bj * 16 + c]
                     sX[e] = x
             cuda.syncthreads()
             for u in range(XU):
@@ -226,35 +272,54 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
                     c = e & 15
                     x = float32(0.0)
                     for q in range(16):
-                        x += sT[(bi * 16 + rr) * TS + bi * 16 + q] * sX[bj * 256 + q * 16 + c]
-                    sT[(bi * 16 + rr) * TS + bj * 16 + c] = -x
+                        x += sh[TA + (bi * 16 + rr) * TS + bi * 16 + q] * sX[bj * 256 + q * 16 + c]
+                    sh[TA + (bi * 16 + rr) * TS + bj * 16 + c] = -x
             cuda.syncthreads()
 
-        # U = T (beta V) into core, W = T (beta exp(G) K) into wbuf, GROUP columns a pass
+        # U = T (beta V) into core, W = T (beta exp(G) K) into wbuf, GROUP columns a pass: the
+        # group's scaled columns staged at sh[0 ..) (A is no longer read), rows past L as zeros
         acc = cuda.local.array(GACC, float32)
+        br = tid // (GROUP // 4)
+        bc = (tid % (GROUP // 4)) * 4
+        BR = NT // (GROUP // 4)
         for grp in range(GU + GW):
+            if grp < GU:
+                col = 2 * nk * dk + h * dv + grp * GROUP
+            else:
+                col = ko + kh * dk + (grp - GU) * GROUP
+            for u in range(ST):
+                i = br + u * BR
+                x0 = float32(0.0)
+                x1 = float32(0.0)
+                x2 = float32(0.0)
+                x3 = float32(0.0)
+                if i < L:
+                    x0, x1, x2, x3 = ld_v4_f32(qkv, (t0 + i) * C + col + bc)
+                lk[4 * u] = x0
+                lk[4 * u + 1] = x1
+                lk[4 * u + 2] = x2
+                lk[4 * u + 3] = x3
+            cuda.syncthreads()       # (T is formed; the last group's B is read)
+            for u in range(ST):
+                i = br + u * BR
+                f = bt[i]
+                if grp >= GU:
+                    f = bt[i] * eg[i]
+                for e in range(4):
+                    sh[i * BS + bc + e] = f * lk[4 * u + e]
+            cuda.syncthreads()
             for x in range(GACC):
                 acc[x] = float32(0.0)
             for ks in range(CT):
                 if ks * 8 <= i0 + 15:                    # T is lower triangular
                     c = ks * 8 + t
-                    a0 = tf32(sT[ia * TS + c])
-                    a1 = tf32(sT[ib * TS + c])
-                    a2 = tf32(sT[ia * TS + c + 4])
-                    a3 = tf32(sT[ib * TS + c + 4])
-                    if grp < GU:
-                        col = 2 * nk * dk + h * dv + grp * GROUP
-                        f0 = bt[c]
-                        f1 = bt[c + 4]
-                    else:
-                        col = ko + kh * dk + (grp - GU) * GROUP
-                        f0 = bt[c] * eg[c]
-                        f1 = bt[c + 4] * eg[c + 4]
-                    x0 = (t0 + c) * C + col + g
-                    x1 = x0 + 4 * C
+                    a0 = tf32(sh[TA + ia * TS + c])
+                    a1 = tf32(sh[TA + ib * TS + c])
+                    a2 = tf32(sh[TA + ia * TS + c + 4])
+                    a3 = tf32(sh[TA + ib * TS + c + 4])
                     for nt in range(GROUP // 8):
-                        b0 = ld_tf32_scaled(qkv, x0 + nt * 8, f0, c < L)
-                        b1 = ld_tf32_scaled(qkv, x1 + nt * 8, f1, c + 4 < L)
+                        b0 = tf32(sh[c * BS + nt * 8 + g])
+                        b1 = tf32(sh[(c + 4) * BS + nt * 8 + g])
                         mma_acc(acc, 4 * nt, a0, a1, a2, a3, b0, b1)
             for nt in range(GROUP // 8):
                 for e in range(4):
