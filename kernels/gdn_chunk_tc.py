@@ -97,6 +97,28 @@ def ld_tf32_scaled(p, i, f, ok):
     return x
 
 
+def staged_loads(ST, SR):
+    """An inlined loader of a stage of rows into registers: ST 16-byte loads a thread, every one
+    issued before any is used, rows sr + u SR (u < ST; zeros from row L on) at columns sc ..
+    sc + 3 of src[base + row * stride ..] into regs[4u .. 4u + 4). (ST and SR are constants of
+    the kernel: its loops unroll and regs stays in registers.)"""
+    @inlined
+    def load(regs, src, base, stride, L, sr, sc):
+        for u in range(ST):
+            i = sr + u * SR
+            x0 = float32(0.0)
+            x1 = float32(0.0)
+            x2 = float32(0.0)
+            x3 = float32(0.0)
+            if i < L:
+                x0, x1, x2, x3 = ld_v4_f32(src, base + i * stride + sc)
+            regs[4 * u] = x0
+            regs[4 * u + 1] = x1
+            regs[4 * u + 2] = x2
+            regs[4 * u + 3] = x3
+    return load
+
+
 def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
@@ -126,6 +148,8 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     ST = Cn * KP // 4 // NT  # 16-byte loads a thread a stage (a pass's K or Q, a group's B)
     LST = 4 * ST             # (array sizes: names of the factory, not expressions)
     assert Cn * KS <= TA and ST * NT * 4 == Cn * KP and dk % KP == 0
+    SR = NT // (KP // 4)     # rows between a thread's loads (a group's B: GROUP = KP)
+    load = staged_loads(ST, SR)
 
     def gdn_chunk_prep_tc_kernel(core, wbuf, pbuf, gbuf, qkv, proj, proj_stride, a_off, b_off,
                                  a_log, dt_bias, query_start):
@@ -155,7 +179,6 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         ko = nk * dk                 # k follows q in a qkv row
         sr = tid // (KP // 4)        # the staged row and 4 columns of this thread's first load
         sc = (tid % (KP // 4)) * 4
-        SR = NT // (KP // 4)         # rows between a thread's loads
         lk = cuda.local.array(LST, float32)
         lq = cuda.local.array(LST, float32)
 
@@ -167,28 +190,9 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
             accK[x] = float32(0.0)
             accQ[x] = float32(0.0)
         for kp in range(dk // KP):
-            for u in range(ST):      # the pass's loads, all issued before any store
-                i = sr + u * SR
-                x0 = float32(0.0)
-                x1 = float32(0.0)
-                x2 = float32(0.0)
-                x3 = float32(0.0)
-                y0 = float32(0.0)
-                y1 = float32(0.0)
-                y2 = float32(0.0)
-                y3 = float32(0.0)
-                if i < L:
-                    q = (t0 + i) * C + kh * dk + kp * KP + sc
-                    x0, x1, x2, x3 = ld_v4_f32(qkv, q + ko)
-                    y0, y1, y2, y3 = ld_v4_f32(qkv, q)
-                lk[4 * u] = x0
-                lk[4 * u + 1] = x1
-                lk[4 * u + 2] = x2
-                lk[4 * u + 3] = x3
-                lq[4 * u] = y0
-                lq[4 * u + 1] = y1
-                lq[4 * u + 2] = y2
-                lq[4 * u + 3] = y3
+            row = t0 * C + kh * dk + kp * KP
+            load(lk, qkv, row + ko, C, L, sr, sc)
+            load(lq, qkv, row, C, L, sr, sc)
             cuda.syncthreads()       # (the last pass's fragments are read)
             for u in range(ST):
                 at = (sr + u * SR) * KS + sc
@@ -282,27 +286,15 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         acc = cuda.local.array(GACC, float32)
         br = tid // (GROUP // 4)
         bc = (tid % (GROUP // 4)) * 4
-        BR = NT // (GROUP // 4)
         for grp in range(GU + GW):
             if grp < GU:
                 col = 2 * nk * dk + h * dv + grp * GROUP
             else:
                 col = ko + kh * dk + (grp - GU) * GROUP
-            for u in range(ST):
-                i = br + u * BR
-                x0 = float32(0.0)
-                x1 = float32(0.0)
-                x2 = float32(0.0)
-                x3 = float32(0.0)
-                if i < L:
-                    x0, x1, x2, x3 = ld_v4_f32(qkv, (t0 + i) * C + col + bc)
-                lk[4 * u] = x0
-                lk[4 * u + 1] = x1
-                lk[4 * u + 2] = x2
-                lk[4 * u + 3] = x3
+            load(lk, qkv, t0 * C + col, C, L, br, bc)
             cuda.syncthreads()       # (T is formed; the last group's B is read)
             for u in range(ST):
-                i = br + u * BR
+                i = br + u * SR
                 f = bt[i]
                 if grp >= GU:
                     f = bt[i] * eg[i]
@@ -540,22 +532,12 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
     LST = 4 * ST
     assert dk % OUT_COLS == 0 and Cn % OUT_COLS == 0 and ST * NT * 4 == Cn * OUT_COLS
     SR = NT // (OUT_COLS // 4)               # rows between a thread's loads
+    load = staged_loads(ST, SR)
 
     @inlined
     def stage(sQ, lq, src, base, stride, L, sr, sc):
         """src[base + i * stride + sc ..] of the stage's rows i (zeros past L) into sQ."""
-        for u in range(ST):      # every load issued before any store
-            i = sr + u * SR
-            x0 = float32(0.0)
-            x1 = float32(0.0)
-            x2 = float32(0.0)
-            x3 = float32(0.0)
-            if i < L:
-                x0, x1, x2, x3 = ld_v4_f32(src, base + i * stride + sc)
-            lq[4 * u] = x0
-            lq[4 * u + 1] = x1
-            lq[4 * u + 2] = x2
-            lq[4 * u + 3] = x3
+        load(lq, src, base, stride, L, sr, sc)
         cuda.syncthreads()       # (the last stage's fragments are read)
         for u in range(ST):
             at = (sr + u * SR) * QS + sc
