@@ -265,8 +265,13 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
                     rr = (e >> 4) & 15
                     c = e & 15
                     x = float32(0.0)
-                    for k in range(bj * 16, bi * 16):
-                        x += sh[(bi * 16 + rr) * TS + k] * sh[TA + k * TS + bj * 16 + c]
+                    # (k from bj * 16 to bi * 16 in constant blocks of 16: each block's loads
+                    # issue together, not one FMA's pair per shared-memory round trip)
+                    for kb in range(Cn // 16 - 1):
+                        if kb >= bj and kb < bi:                 # warp-uniform
+                            for q in range(16):
+                                k = kb * 16 + q
+                                x += sh[(bi * 16 + rr) * TS + k] * sh[TA + k * TS + bj * 16 + c]
                     sX[e] = x
             cuda.syncthreads()
             for u in range(XU):
