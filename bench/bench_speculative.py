@@ -4,7 +4,7 @@
         [--drafter mtp|dflash] [--ks 1,2,3,4] [--adaptive 4] [--prompts 4] [--prompt-tokens 48]
         [--max-tokens 64]
         [--backend numpy|cuda] [--dtype bfloat16] [--oracle 0.5,0.9] [--json out.json]
-        [--shapes 9b,27b [--workdir DIR]] [--batch B] [--no-drafts-behind]
+        [--shapes 9b,27b [--workdir DIR]] [--batch B] [--no-drafts-behind] [--in-process]
 
 For each trained reference model: greedy generation of `--max-tokens` tokens after `--prompts`
 windows of the held-out text (`--prompt-tokens` ids each), one request at a time, without

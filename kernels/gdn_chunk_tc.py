@@ -89,14 +89,6 @@ def ld_tf32(p, i, ok):
     return x
 
 
-@inlined
-def ld_tf32_scaled(p, i, f, ok):
-    x = uint32(0)
-    if ok:
-        x = tf32(f * p[i])
-    return x
-
-
 def staged_loads(ST, SR):
     """An inlined loader of a stage of rows into registers: ST 16-byte loads a thread, every one
     issued before any is used, rows sr + u SR (u < ST; zeros from row L on) at columns sc ..
@@ -148,7 +140,7 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
     ST = Cn * KP // 4 // NT  # 16-byte loads a thread a stage (a pass's K or Q, a group's B)
     LST = 4 * ST             # (array sizes: names of the factory, not expressions)
     assert Cn * KS <= TA and ST * NT * 4 == Cn * KP and dk % KP == 0
-    SR = NT // (KP // 4)     # rows between a thread's loads (a group's B: GROUP = KP)
+    SR = NT // (KP // 4)     # rows between a thread's loads
     load = staged_loads(ST, SR)
 
     def gdn_chunk_prep_tc_kernel(core, wbuf, pbuf, gbuf, qkv, proj, proj_stride, a_off, b_off,
@@ -167,6 +159,7 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         bt = cuda.shared.array(Cn, float32)
         sh = cuda.shared.array(SH, float32)    # A at 0, T at TA
         sX = cuda.shared.array(XSZ, float32)
+        # (the first staging barrier below also orders chunk_gates' writes before their reads)
         chunk_gates(G, eg, bt, gbuf, proj, proj_stride, a_off, b_off, a_log, dt_bias, t0, L, h,
                     nv, tid, Cn)
 
@@ -178,7 +171,7 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         ib = ia + 8
         ko = nk * dk                 # k follows q in a qkv row
         sr = tid // (KP // 4)        # the staged row and 4 columns of this thread's first load
-        sc = (tid % (KP // 4)) * 4
+        sc = (tid % (KP // 4)) * 4   # (a K / Q pass's and a U / W group's: GROUP = KP)
         lk = cuda.local.array(LST, float32)
         lq = cuda.local.array(LST, float32)
 
@@ -289,22 +282,20 @@ def gdn_chunk_prep_tc(dk, dv, nk, nv, Cn):
         # U = T (beta V) into core, W = T (beta exp(G) K) into wbuf, GROUP columns a pass: the
         # group's scaled columns staged at sh[0 ..) (A is no longer read), rows past L as zeros
         acc = cuda.local.array(GACC, float32)
-        br = tid // (GROUP // 4)
-        bc = (tid % (GROUP // 4)) * 4
         for grp in range(GU + GW):
             if grp < GU:
                 col = 2 * nk * dk + h * dv + grp * GROUP
             else:
                 col = ko + kh * dk + (grp - GU) * GROUP
-            load(lk, qkv, t0 * C + col, C, L, br, bc)
+            load(lk, qkv, t0 * C + col, C, L, sr, sc)
             cuda.syncthreads()       # (T is formed; the last group's B is read)
             for u in range(ST):
-                i = br + u * SR
+                i = sr + u * SR
                 f = bt[i]
                 if grp >= GU:
                     f = bt[i] * eg[i]
                 for e in range(4):
-                    sh[i * BS + bc + e] = f * lk[4 * u + e]
+                    sh[i * BS + sc + e] = f * lk[4 * u + e]
             cuda.syncthreads()
             for x in range(GACC):
                 acc[x] = float32(0.0)
