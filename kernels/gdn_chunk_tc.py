@@ -50,7 +50,6 @@ def row_stride(vb):
     distinct banks when it is 8 or 24 mod 32."""
     return vb + 8 if (vb + 8) % 16 == 8 else vb + 16
 GROUP = 32               # columns of U / W per pass of the prep (4 n-tiles of 8)
-OUT_COLS = 16            # Q and P columns the output pass stages at a time
 
 # kernel -> its argument types, in order; a plain literal (kernels/__init__.py says why)
 SIGNATURES = {
@@ -506,11 +505,11 @@ def gdn_chunk_state_tc(dk, dv, nk, nv, Cn, VB=32):
 def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
     """The parallel pass of the scan: a block per (row, value head, chunk x VB columns) stages
     S_c [dk, VB] (sbuf) and V' [Cn, VB] (core) in shared memory, then writes O = exp(G) (Q S_c)
-    + P V' over V'. Q and P are staged too, OUT_COLS columns at a time, by 16-byte loads all in
-    flight at once (loaded fragment by fragment where used, 8 rows of 16 bytes a warp load, their
-    latency was paid one load after another; loaded into registers before the staging instead,
-    as the state pass does its W, it measured slower on an H100: 1.05 against 0.97 ms at 48
-    heads, 4096 tokens)."""
+    + P V' over V'. Q and P are loaded fragment by fragment where used. Two ways of loading them
+    ahead measured slower on an H100: into registers before the staging, as the state pass does
+    its W (1.05 against 0.97 ms at 48 heads, 4096 tokens), and staged in shared memory 16 columns
+    at a time by 16-byte loads, as the prep stages K and Q (0.258-0.277 against 0.234-0.238 ms at
+    32 heads: 64 registers against 51 and 36 KB of shared memory, 6 blocks an SM instead of 7)."""
     C = 2 * nk * dk + nv * dv
     ratio = nv // nk
     NW = Cn // 16
@@ -519,27 +518,11 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
     NB = dv // VB            # value blocks a chunk
     SS = row_stride(VB)
     NT4 = VB // 8
+    KST = dk // 8
+    CT = Cn // 8
     SSZ = dk * SS
     VSZ = Cn * SS
     ACC = NT4 * 4
-    QS = OUT_COLS + 4        # staged Q / P row stride: fragment loads hit 32 distinct banks
-    QSZ = Cn * QS
-    ST = Cn * OUT_COLS // 4 // NT          # 16-byte loads a thread a stage
-    LST = 4 * ST
-    assert dk % OUT_COLS == 0 and Cn % OUT_COLS == 0 and ST * NT * 4 == Cn * OUT_COLS
-    SR = NT // (OUT_COLS // 4)               # rows between a thread's loads
-    load = staged_loads(ST, SR)
-
-    @inlined
-    def stage(sQ, lq, src, base, stride, L, sr, sc):
-        """src[base + i * stride + sc ..] of the stage's rows i (zeros past L) into sQ."""
-        load(lq, src, base, stride, L, sr, sc)
-        cuda.syncthreads()       # (the last stage's fragments are read)
-        for u in range(ST):
-            at = (sr + u * SR) * QS + sc
-            for e in range(4):
-                sQ[at + e] = lq[4 * u + e]
-        cuda.syncthreads()
 
     def gdn_chunk_out_tc_kernel(core, pbuf, sbuf, gbuf, qkv, query_start):
         r = cuda.blockIdx.x
@@ -562,13 +545,15 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
         ib = ia + 8
         sS = cuda.shared.array(SSZ, float32)
         sV = cuda.shared.array(VSZ, float32)
-        sQ = cuda.shared.array(QSZ, float32)
         gq = cuda.shared.array(Cn, float32)
         accO = cuda.local.array(ACC, float32)
-        lq = cuda.local.array(LST, float32)
-        sr = tid // (OUT_COLS // 4)
-        sc = (tid % (OUT_COLS // 4)) * 4
         hv = h * dv + vb
+        oka = ia < L
+        okb = ib < L
+        qa = (c0 + ia) * C + kh * dk
+        qb = (c0 + ib) * C + kh * dk
+        pa = ((c0 + ia) * nv + h) * Cn
+        pb = ((c0 + ib) * nv + h) * Cn
         cb = (chunk_slot(q0, r, z, Cn) * nv + h) * dk * dv + vb
         for e in range(tid, dk * VB, NT):
             row = e // VB
@@ -586,40 +571,34 @@ def gdn_chunk_out_tc(dk, dv, nk, nv, Cn, VB=32):
             if tid < L:
                 y = gbuf[((c0 + tid) * nv + h) * 2]
             gq[tid] = y
+        cuda.syncthreads()
         for x in range(ACC):
             accO[x] = float32(0.0)
-        for qp in range(dk // OUT_COLS):       # (stage's first barrier: S_c, V', gq staged)
-            stage(sQ, lq, qkv, c0 * C + kh * dk + qp * OUT_COLS, C, L, sr, sc)
-            for ks in range(OUT_COLS // 8):
-                c = ks * 8 + t
-                x0 = tf32(sQ[ia * QS + c])
-                x1 = tf32(sQ[ib * QS + c])
-                x2 = tf32(sQ[ia * QS + c + 4])
-                x3 = tf32(sQ[ib * QS + c + 4])
-                cs = qp * OUT_COLS + c
-                for nt in range(NT4):
-                    b0 = tf32(sS[cs * SS + nt * 8 + g])
-                    b1 = tf32(sS[(cs + 4) * SS + nt * 8 + g])
-                    mma_acc(accO, 4 * nt, x0, x1, x2, x3, b0, b1)
+        for ks in range(KST):
+            c = ks * 8 + t
+            x0 = ld_tf32(qkv, qa + c, oka)
+            x1 = ld_tf32(qkv, qb + c, okb)
+            x2 = ld_tf32(qkv, qa + c + 4, oka)
+            x3 = ld_tf32(qkv, qb + c + 4, okb)
+            for nt in range(NT4):
+                b0 = tf32(sS[c * SS + nt * 8 + g])
+                b1 = tf32(sS[(c + 4) * SS + nt * 8 + g])
+                mma_acc(accO, 4 * nt, x0, x1, x2, x3, b0, b1)
         for nt in range(NT4):
             for e in range(4):
                 accO[4 * nt + e] *= gq[ia + 8 * (e // 2)]
         # O += P V' (P is zero right of the diagonal: k-steps up to the warp's last row)
-        for pp in range(Cn // OUT_COLS):
-            stage(sQ, lq, pbuf, (c0 * nv + h) * Cn + pp * OUT_COLS, nv * Cn, L, sr, sc)
-            for ks in range(OUT_COLS // 8):
-                k8 = pp * OUT_COLS + ks * 8
-                if k8 <= i0 + 15 and k8 < L:      # warp-uniform
-                    c = ks * 8 + t
-                    p0 = tf32(sQ[ia * QS + c])
-                    p1 = tf32(sQ[ib * QS + c])
-                    p2 = tf32(sQ[ia * QS + c + 4])
-                    p3 = tf32(sQ[ib * QS + c + 4])
-                    cs = k8 + t
-                    for nt in range(NT4):
-                        b0 = tf32(sV[cs * SS + nt * 8 + g])
-                        b1 = tf32(sV[(cs + 4) * SS + nt * 8 + g])
-                        mma_acc(accO, 4 * nt, p0, p1, p2, p3, b0, b1)
+        for ks in range(CT):
+            if ks * 8 <= i0 + 15 and ks * 8 < L:      # warp-uniform
+                c = ks * 8 + t
+                p0 = ld_tf32(pbuf, pa + c, oka)
+                p1 = ld_tf32(pbuf, pb + c, okb)
+                p2 = ld_tf32(pbuf, pa + c + 4, oka)
+                p3 = ld_tf32(pbuf, pb + c + 4, okb)
+                for nt in range(NT4):
+                    b0 = tf32(sV[c * SS + nt * 8 + g])
+                    b1 = tf32(sV[(c + 4) * SS + nt * 8 + g])
+                    mma_acc(accO, 4 * nt, p0, p1, p2, p3, b0, b1)
         for nt in range(NT4):
             for e in range(4):
                 i = ia + 8 * (e // 2)

@@ -45,7 +45,6 @@ SCAN_IB = 4                         # chunk rows a scan thread reduces together
 # in groups of 32 columns
 TC_CHUNK = 64
 TC_VB = 32
-TC_OUT_COLS = 16      # kernels/gdn_chunk_tc.OUT_COLS: Q / P columns the output pass stages
 
 
 def tc_row_stride(vb: int) -> int:
@@ -57,12 +56,6 @@ def tc_pass_smem(dk: int, vb: int = None) -> int:
     # either pass of the split scan: the state slice [dk, VB] and V' [Cn, VB] (padded rows), one
     # decay factor
     return 4 * ((dk + TC_CHUNK) * tc_row_stride(vb or TC_VB) + TC_CHUNK)
-
-
-def tc_out_smem(dk: int, vb: int = None) -> int:
-    # the output pass: the state pass's (S_c and V' for its state slice and decay) and the Q / P
-    # columns it stages at a time [Cn, TC_OUT_COLS + 4]
-    return tc_pass_smem(dk, vb) + 4 * TC_CHUNK * (TC_OUT_COLS + 4)
 
 
 def tc_prep_smem() -> int:
@@ -78,7 +71,7 @@ def tc_ok(dk: int, dv: int) -> bool:
     (dk 128, every Qwen3.5 release: yes; dk 256 exceeds it)."""
     # (TC_CHUNK / 16 warps x 16 rows = TC_CHUNK state rows a pass)
     return (dk % TC_CHUNK == 0 and dv % TC_VB == 0
-            and tc_out_smem(dk) <= STATIC_SMEM_BYTES and tc_prep_smem() <= STATIC_SMEM_BYTES)
+            and tc_pass_smem(dk) <= STATIC_SMEM_BYTES and tc_prep_smem() <= STATIC_SMEM_BYTES)
 
 
 def scan_ks(dk: int) -> int:
