@@ -239,6 +239,7 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
         out.update(delta, acceptance=(accepted / np.maximum(drafted, 1)).tolist(),
                    tokens_per_verify=delta["spec_emitted_tokens"] / max(delta["spec_verify_rows"], 1),
                    units_by_k=units.tolist(), unit_costs=stats.get("spec_unit_costs", {}),
+                   measuring=stats.get("spec_measuring_units", []),
                    units_first_use=stats.get("spec_units_first_use", 0),
                    first_use_ms=1e3 * stats.get("spec_first_use_seconds", 0.0),
                    catch_up=(stats.get("spec_catch_up_feeds", 0),
@@ -351,6 +352,9 @@ def table(title, rows, plain, args, figure: str) -> None:
                   f"left out of their costs; {feeds} catch-up feeds of {fed} positions): "
                   + ", ".join(f"{key} {n}: {m:.2f}/{c:.2f}"
                               for key, (n, m, c) in r["unit_costs"].items()))
+            if r.get("measuring"):
+                print(f"  adaptive <= {r['k']}: cold-start and exploration units (unit:BxK): "
+                      + " ".join(r["measuring"]))
 
 
 def main() -> None:

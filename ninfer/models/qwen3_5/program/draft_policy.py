@@ -38,7 +38,12 @@ measured from the ratios there, and every EXPLORE_EVERY units at a B the policy 
 its best k once (k = 0: EXPLORE_PLAIN_UNITS units in a row), so costs and the acceptance of deeper
 drafts stay current (the wait doubles, up to EXPLORE_MAX, while the best k stays the same, and is
 at least what keeps the neighbour's loss within EXPLORE_BUDGET of the time; after the best changed,
-the first exploration is EXPLORE_AFTER_CHANGE units away, toward the old best). A unit with other
+the first exploration is EXPLORE_AFTER_CHANGE units away, toward the old best). Measuring has one
+account over every B: an exploration runs only while what the cold starts' and explorations'
+units lost against the best k (priced with the costs and acceptance known now) and what this one
+would lose stay within EXPLORE_BUDGET of all the timed units' time, so a short run does not pay
+for a cold start and explorations on top of it (the 9B's never-right head at B = 8 on an H100:
+cold starts at B = 1, 2 and 8 and three explorations over 200 tokens, 0.96x). A unit with other
 rows beside its drafting ones (a prefill, a Replay) is not timed and runs the best k known, never a
 cold start's or an exploration's. "fixed" always drafts max_k (benchmarks, tests of the
 mechanism).
@@ -71,6 +76,7 @@ COLD_START_STREAK = 4
 # the cold start's bound on a deeper k's tokens uses the first draft's acceptance once this
 # many rows verified one (most_tokens); one unit at B = 8 gives as many
 BOUND_TRIES = 4.0
+PROBE_LOG = 64          # measuring units stats() lists (which unit, B, k), the first ones
 COST_WEIGHT = 0.25      # running mean of T(B, k): the new unit's weight
 ACCEPT_DECAY = 0.995    # the acceptance counts' decay per verify row (~200 rows' memory)
 PRIOR_TRIES, PRIOR_ACCEPTS = 2.0, 1.0
@@ -103,6 +109,14 @@ class DraftPolicy:
         self._streak = (None, 0)                   # (batch_key, timed units in a row at it)
         self._pipelined: set = set()               # batch_keys whose k = 0 cost is pipelined
         self._rows: dict = {}                      # row id -> decayed (tries, accepts) of its own
+        # the measuring account: units chosen to measure (cold start, exploration) and not yet
+        # observed, the observed ones' [units, seconds], the timed units' seconds, and the
+        # elapsed time before which a blocked exploration need not price the account again
+        self._probes_due: dict = {}                # (batch_key, k) -> chosen, not yet observed
+        self._probes: dict = {}                    # (batch_key, k) -> [units, seconds]
+        self._elapsed = 0.0
+        self._afford_at: dict = {}                 # batch_key -> elapsed seconds
+        self._probe_log: list = []                 # "unit:BxK" of the first PROBE_LOG (stats)
         self.units_by_k = [0] * (self.max_k + 1)   # units run at each k (stats)
         self._observed: dict = {}                  # (batch_key, k) -> [units, seconds] (stats)
 
@@ -130,13 +144,13 @@ class DraftPolicy:
         self._streak = (b, n + 1 if b == last else 1)
         if self._plain_left.get(b):                # within an exploration's run of k = 0
             self._plain_left[b] -= 1
-            return 0
+            return self._probe(b, 0)
         if self._nearest_complete(b) is None:      # cold start: measure every k once ...
             if self._streak[1] < self.cold_start_streak:
                 return 0                           # (... at a B that stays, not one passed)
             k = self._cold_start_k(b)
             if k is not None:
-                return k
+                return self._probe(b, k)
         best = self.best(rows, row_ids)
         old = self._last_best.get(b)
         if best != old:                            # a new best: explore around it soon again
@@ -156,7 +170,8 @@ class DraftPolicy:
         # (the first exploration after a change of the best keeps its EXPLORE_AFTER_CHANGE:
         # it checks a choice one noisy unit may have made, once a change)
         if since < period or (period > EXPLORE_AFTER_CHANGE
-                              and since < self._explore_wait(b, best, k, row_ids)):
+                              and (since < self._explore_wait(b, best, k, row_ids)
+                                   or not self._affordable(b, best, k))):
             self._since[b] = since
             return best
         self._since[b] = 0
@@ -164,7 +179,45 @@ class DraftPolicy:
         self._explore_up[b] = not up
         if k == 0:
             self._plain_left[b] = EXPLORE_PLAIN_UNITS - 1
+        return self._probe(b, k)
+
+    def _probe(self, b: int, k: int) -> int:
+        """k, chosen to measure at batch key b (a cold start's or an exploration's unit): its
+        time, once observed, goes to the measuring account (_affordable)."""
+        self._probes_due[(b, k)] = self._probes_due.get((b, k), 0) + 1
+        if len(self._probe_log) < PROBE_LOG:
+            self._probe_log.append(f"{sum(self.units_by_k)}:{b}x{k}")
         return k
+
+    def _affordable(self, b: int, best: int, k: int) -> bool:
+        """Whether an exploration of k at batch key b keeps the measuring account within
+        EXPLORE_BUDGET of the timed units' time: the measuring units observed so far, each
+        priced at what it lost against its B's best k as known now (its seconds less the best's
+        time for the tokens its k emits on average, E(k) / E(best) units of the best; nothing
+        where its B's costs are not known yet), plus this one's expected loss. A blocked
+        exploration waits until the time makes up the difference before it prices again (the
+        policy runs every unit, and pricing every measured B took ~80 us on a 2-core host,
+        ~4x a unit's choice and observation)."""
+        if self._elapsed < self._afford_at.get(b, 0.0):
+            return False
+        e = self.expected_tokens()
+        lost = self._unit_loss(b, best, k, self._estimate(b, k), e)
+        bests = {}
+        for (b2, k2), (n, seconds) in self._probes.items():
+            if b2 not in bests:
+                bests[b2] = self.best(b2)
+            lost += n * self._unit_loss(b2, bests[b2], k2, seconds / n, e)
+        if lost <= EXPLORE_BUDGET * self._elapsed:
+            return True
+        self._afford_at[b] = lost / EXPLORE_BUDGET
+        return False
+
+    def _unit_loss(self, b: int, best: int, k: int, seconds, e) -> float:
+        """Seconds a unit at k taking `seconds` loses against the best k at batch key b."""
+        t_best = self._estimate(b, best)
+        if seconds is None or t_best is None:
+            return 0.0
+        return max(seconds - t_best * e[k] / e[best], 0.0)
 
     def _cold_start_k(self, b: int):
         """The cold start's next k at batch key b, or None once every k there has a cost: k = 0
@@ -315,6 +368,13 @@ class DraftPolicy:
         made k = 0 look dearer than it is); until then (rows that never run ahead: penalties,
         grammars), any plain step's."""
         b = batch_key(rows)
+        self._elapsed += seconds
+        due = self._probes_due.get((b, k), 0)
+        if due:                 # a measuring unit: the account's (_affordable)
+            self._probes_due[(b, k)] = due - 1
+            seen = self._probes.setdefault((b, k), [0, 0.0])
+            seen[0] += 1
+            seen[1] += seconds
         if k == 0 and b in self._pipelined and not pipelined:
             return
         if k == 0 and pipelined and b not in self._pipelined:
@@ -332,9 +392,11 @@ class DraftPolicy:
     def stats(self) -> dict:
         """spec_unit_costs: "B x k" -> [units timed, their mean ms as measured, the policy's
         cost ms now (the clamped running mean)]: what the policy saw of each k at each batch
-        key, for finding a cost it holds wrong (bench_speculative prints it)."""
+        key, for finding a cost it holds wrong (bench_speculative prints it);
+        spec_measuring_units: "unit:BxK" of the first PROBE_LOG cold-start and exploration
+        units (the unit's index among the policy's choices)."""
         costs = {f"{b}x{k}": [n, 1e3 * total / n, 1e3 * self._cost.get((b, k), float("nan"))]
                  for (b, k), (n, total) in sorted(self._observed.items())}
         return {"spec_adaptive": self.adaptive, "spec_units_by_k": list(self.units_by_k),
                 "spec_expected_tokens_by_k": [float(e) for e in self.expected_tokens()],
-                "spec_unit_costs": costs}
+                "spec_unit_costs": costs, "spec_measuring_units": list(self._probe_log)}
