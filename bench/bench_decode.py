@@ -7,13 +7,20 @@ one sync per step as an engine needs), host time per decode step, prefill tok/s 
 16384 tokens; each against its physical limit measured in the same run:
   decode  : bytes moved per step (weights read + KV read + GDN state read/write) / copy bandwidth
   prefill : FLOPs (2 * matmul params * tokens + causal attention) / bf16 GEMM rate (cuBLASLt 8192^3)
+
+Each shape runs in a Python process of its own (the ceilings measured once, first): on the GPU a
+process's later model decodes ~1.5-2% slower than its first (H100, 2026-12-07: `--shapes 9b,9b`
+in one process, 6.85 then 6.97 ms at B = 1, 7.60 then 7.71 at B = 8), so every shape after the
+first read pessimistic. `--in-process` runs them one after another in this process, as before.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -26,6 +33,8 @@ from ninfer.models.qwen3_5.config import FULL_ATTENTION, LINEAR_ATTENTION, Model
 from ninfer.models.qwen3_5.cuda import moe_route
 from ninfer.models.qwen3_5.cuda_model import CudaModel
 from ninfer.options import EngineOptions
+
+from isolate import run_child
 
 
 def layer_types(n, interval=4):
@@ -371,19 +380,34 @@ def main(argv=None):
                          "GEMM on its own shape's algorithm (ms_own_algos; by default cuBLASLt "
                          "plans past 8 rows take their power of two's)")
     ap.add_argument("--table", default=None, help="print the table of a results JSON and exit")
-    args = ap.parse_args(argv)
+    ap.add_argument("--in-process", dest="isolate", action="store_false",
+                    help="run the shapes one after another in this process (by default each "
+                         "runs in a process of its own)")
+    # (a shape's own process: the ceilings measured by the parent, "bw,rate"; rows to --out)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    given = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(given)
     if args.table:
         with open(args.table) as f:
             print_table(rescore(json.load(f)))
         return 0
     log = lambda s: print(s, flush=True)   # noqa: E731
     dev = d.Device(0)
-    bw, rate = measure_ceilings(dev)
-    log(f"device {dev.name} sm_{dev.cc[0]}{dev.cc[1]} {dev.num_sms} SMs; copy bandwidth "
-        f"{bw / 1e12:.2f} TB/s; cuBLASLt bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
+    if args.child:
+        bw, rate = (float(x) for x in args.child.split(","))
+    else:
+        bw, rate = measure_ceilings(dev)
+        log(f"device {dev.name} sm_{dev.cc[0]}{dev.cc[1]} {dev.num_sms} SMs; copy bandwidth "
+            f"{bw / 1e12:.2f} TB/s; cuBLASLt bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     results = dict(device=dev.name, copy_bw=bw, gemm_rate=rate, rows=[])
     ints = lambda s: [int(x) for x in s.split(",") if x]   # noqa: E731
     for name in args.shapes.split(","):
+        if args.isolate and not args.child:
+            results["rows"] += shape_in_child(name, given, bw, rate, log)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+            continue
         try:
             results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
                                            ints(args.batches), args.steps, log, args.profile,
@@ -396,8 +420,24 @@ def main(argv=None):
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
-    print_table(results)
+    if not args.child:
+        print_table(results)
     return 0
+
+
+def shape_in_child(name: str, given: list, bw: float, rate: float, log) -> list:
+    """One shape's rows, measured by this script in a process of its own: the same arguments
+    (argparse takes the last of a repeated option, so the appended ones rule), the ceilings
+    measured here, its rows back through a JSON file (an error row if the process failed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        rc = run_child([os.path.abspath(__file__), *given, "--shapes", name, "--out", out,
+                        "--child", f"{bw!r},{rate!r}"])
+        if rc == 0 and os.path.exists(out):
+            with open(out) as f:
+                return json.load(f)["rows"]
+    log(f"[{name}] FAILED: its process exited with {rc}")
+    return [dict(shape=name, kind="error", error=f"process exited with {rc}")]
 
 
 def runner_variants(args) -> list:

@@ -39,7 +39,6 @@ import json
 import os
 import pathlib
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,8 @@ from ninfer.models.qwen3_5.frontend.vocab import cached_qwen3_5_tokenizer_json
 from ninfer.models.qwen3_5.mtp import MtpDrafter
 from ninfer.models.qwen3_5.model import NumpyModel
 from ninfer.models.qwen3_5.program import speculative
+
+from isolate import run_child
 
 
 def prompts(count: int, length: int) -> list:
@@ -265,8 +266,9 @@ def measure(path, ids_list, k: int, max_tokens: int, *, oracle=None, isolate: bo
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = pathlib.Path(tmp, "job.pkl"), pathlib.Path(tmp, "result.pkl")
         src.write_bytes(pickle.dumps(job))
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(src), str(dst)],
-                       check=True)
+        rc = run_child([os.path.abspath(__file__), "--child", str(src), str(dst)])
+        if rc != 0:
+            raise RuntimeError(f"bench_speculative: a run's process exited with {rc}")
         return pickle.loads(dst.read_bytes())
 
 
