@@ -2,9 +2,10 @@
 # The GPU tests and the benchmarks in one command, on a machine with the GPU (docs/gpu.md):
 #
 #     bash bench/gpu_check.sh [tests] [gdn] [sample] [decode] [fp8] [moe] [cache] [tier] [mixed]
-#                             [vision] [mtp] [spec] [profile] [prefill] [fused] [wide] [full]
+#                             [vision] [mtp] [spec] [table25] [profile] [prefill] [fused] [wide]
+#                             [full]
 #                       (default: all but fp8, moe, cache, tier, mixed, vision, mtp, spec,
-#                        profile, prefill, fused, wide, full)
+#                        table25, profile, prefill, fused, wide, full)
 #
 # Logs go to $OUT (default ./gpu_out); a short summary of each part is printed last. "full" runs
 # bench_decode over every shape, prefill size, context and batch of docs/performance.md; "decode"
@@ -163,6 +164,25 @@ for part in $parts; do
                       "B=4 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b4.log")," \
                       "B=1 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/spec_floor_b1.log")" \
                       "(see spec_floor_*.log, catch_up.log, own_algos.log)") ;;
+        table25)
+            # issue 25's table in one call (docs/performance.md "Speculative decoding with the
+            # MTP head", targets set for the H200): a verify of 4 positions and one draft token
+            # against a decode step (9B, 27B, B = 1); the 9B at B = 1 with drafts replaced by the
+            # target's own token at 0.75 (2.43 tokens a verify, near the reference models' 2.38),
+            # k = 3 and adaptive; the floor (the 9B's own head, adaptive) at B = 8, 4, 1
+            timeout 150 python3 bench/bench_mtp.py --shapes 9b,27b --batch 1 >"$OUT/t25_pieces.log" 2>&1
+            timeout 200 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch 1 \
+                --prompts 8 --ks 3 --adaptive 4 --oracle 0.75 >"$OUT/t25_speedup.log" 2>&1
+            for b in 8 4 1; do
+                timeout 150 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch $b \
+                    --prompts 8 --ks "" --adaptive 4 --max-tokens $((b == 1 ? 64 : 200)) \
+                    >"$OUT/t25_floor_b$b.log" 2>&1
+            done
+            summary+=("table25: pieces $(grep -c verify_vs_decode "$OUT/t25_pieces.log") rows;" \
+                      "floor B=8 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/t25_floor_b8.log")," \
+                      "B=4 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/t25_floor_b4.log")," \
+                      "B=1 $(awk -F'|' '/^\| adaptive/ {print $9}' "$OUT/t25_floor_b1.log")" \
+                      "(see t25_*.log)") ;;
         fused)
             # the decode's fused launches (issue 26): the GPU tests of the norm in the GEMV's
             # prologue, the router in the gate|up GEMV, the fused MoE tail, PDL and the attention
