@@ -241,6 +241,8 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
                    tokens_per_verify=delta["spec_emitted_tokens"] / max(delta["spec_verify_rows"], 1),
                    units_by_k=units.tolist(), unit_costs=stats.get("spec_unit_costs", {}),
                    measuring=stats.get("spec_measuring_units", []),
+                   untimed=(stats.get("spec_untimed_units", 0),
+                            1e3 * stats.get("spec_untimed_seconds", 0.0)),
                    units_first_use=stats.get("spec_units_first_use", 0),
                    first_use_ms=1e3 * stats.get("spec_first_use_seconds", 0.0),
                    catch_up=(stats.get("spec_catch_up_feeds", 0),
@@ -357,6 +359,10 @@ def table(title, rows, plain, args, figure: str) -> None:
             if r.get("measuring"):
                 print(f"  adaptive <= {r['k']}: cold-start and exploration units (unit:BxK): "
                       + " ".join(r["measuring"]))
+            if r.get("untimed"):
+                print(f"  adaptive <= {r['k']}: units not timed for the policy (prefill, Replay "
+                      f"or control rows beside): {r['untimed'][0]}, {r['untimed'][1]:.1f} ms "
+                      "commit to commit")
 
 
 def main() -> None:

@@ -301,6 +301,7 @@ class Speculator:
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
         self._unit = None             # (start time, rows, k, one_off_seconds) of a unit the policy times
+        self._untimed = None          # start time of a unit it runs untimed (other rows beside)
         self._chosen = None           # the policy's k for the next unit, taken ahead of it
         self._next: dict = {}         # seq_id -> (g_1, drafts) the pending verify made behind it
         self._plain_started = collections.deque()   # launch times of plain steps in flight
@@ -319,7 +320,10 @@ class Speculator:
                             # verifies whose drafter feed and next drafts ran behind them
                             spec_drafts_behind_verify=0,
                             # catch-up feeds (_catch_up) and the positions they fed
-                            spec_catch_up_feeds=0, spec_catch_up_positions=0)
+                            spec_catch_up_feeds=0, spec_catch_up_positions=0,
+                            # units run here but not timed for the policy (prefill, Replay or
+                            # control rows beside): how many, their seconds commit to commit
+                            spec_untimed_units=0, spec_untimed_seconds=0.0)
 
     def use_snapshot_slots(self, first: int) -> None:
         """The snapshot slots (memory_plan.snapshot_slots, which the CUDA plan reserved) start
@@ -423,6 +427,7 @@ class Speculator:
         timed = bool(able) and len(able) == len(seqs)
         k = self._choice([seqs[r] for r in able], timed) if able else 0
         self._unit = (t0, len(able), k, prog.model.one_off_seconds) if timed else None
+        self._untimed = None if timed else t0
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
         if not ks:
@@ -555,6 +560,7 @@ class Speculator:
         rows, self._rows, self._epoch = self._rows, {}, None
         made, self._next = self._next, {}
         unit, self._unit = self._unit, None
+        untimed, self._untimed = self._untimed, None
         recompute, feed, selects = [], [], 0
         for row, d in zip(pending.rows, decisions):
             seq = prog.sequence(row.seq_id)
@@ -601,6 +607,9 @@ class Speculator:
                 self._counts["spec_first_use_seconds"] += once
             self.policy.observe_unit(num_rows, k,
                                      max(self._unit_seconds(t0, now) - once, MIN_UNIT_SECONDS))
+        elif untimed is not None:
+            self._counts["spec_untimed_units"] += 1
+            self._counts["spec_untimed_seconds"] += self._unit_seconds(untimed, now)
         self._last_commit = now
 
     def _unit_seconds(self, t0: float, now: float) -> float:
