@@ -400,29 +400,30 @@ def main(argv=None):
         log(f"device {dev.name} sm_{dev.cc[0]}{dev.cc[1]} {dev.num_sms} SMs; copy bandwidth "
             f"{bw / 1e12:.2f} TB/s; cuBLASLt bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
     results = dict(device=dev.name, copy_bw=bw, gemm_rate=rate, rows=[])
-    ints = lambda s: [int(x) for x in s.split(",") if x]   # noqa: E731
     for name in args.shapes.split(","):
         if args.isolate and not args.child:
             results["rows"] += shape_in_child(name, given, bw, rate, log)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-            continue
-        try:
-            results["rows"] += bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
-                                           ints(args.batches), args.steps, log, args.profile,
-                                           args.cores_upto, variants=runner_variants(args),
-                                           route_caps=ints(args.route_caps),
-                                           own_algos=args.own_algos)
-        except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
-            log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
-            results["rows"].append(dict(shape=name, kind="error", error=str(exc)))
+        else:
+            results["rows"] += shape_here(name, bw, rate, args, log)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
     if not args.child:
         print_table(results)
     return 0
+
+
+def shape_here(name: str, bw: float, rate: float, args, log) -> list:
+    """One shape's rows, measured in this process (an error row if it failed)."""
+    ints = lambda s: [int(x) for x in s.split(",") if x]   # noqa: E731
+    try:
+        return bench_shape(name, bw, rate, ints(args.prefill), ints(args.contexts),
+                           ints(args.batches), args.steps, log, args.profile, args.cores_upto,
+                           variants=runner_variants(args), route_caps=ints(args.route_caps),
+                           own_algos=args.own_algos)
+    except Exception as exc:   # noqa: BLE001 - report and continue with the next shape
+        log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
+        return [dict(shape=name, kind="error", error=str(exc))]
 
 
 def shape_in_child(name: str, given: list, bw: float, rate: float, log) -> list:

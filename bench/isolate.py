@@ -1,7 +1,7 @@
 """A benchmark's run in a Python process of its own: on the GPU a process's later model or
-Engine decodes ~1.5-2% slower than its first (H100, 2026-12-07: docs/performance.md, "A head
-that is never right"), so configurations timed one after another in one process favour the
-first."""
+Engine decodes ~1.5-2% slower than its first (H100, 2026-12-07: docs/performance.md, "The
+catch-up feed's first launches"), so configurations timed one after another in one process
+favour the first."""
 from __future__ import annotations
 
 import signal

@@ -957,7 +957,7 @@ def test_a_units_one_off_work_is_not_its_cost(extremes, monkeypatch):
     assert sum(n for n, _, _ in costs.values()) == len(timed)
 
 
-def test_units_with_other_rows_beside_are_counted_untimed(extremes):
+def test_units_with_other_rows_beside_are_counted_untimed(extremes, monkeypatch):
     """A unit the speculator runs with a prefill beside its decode rows is not timed for the
     policy (draft_policy: its time is not a k's cost), but its count and its seconds commit to
     commit are in the stats (spec_untimed_units / _seconds: where a speculative Engine's time
@@ -971,12 +971,11 @@ def test_units_with_other_rows_beside_are_counted_untimed(extremes):
         observe(self, rows, k, s, **kw)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = _id_prompts()[:4]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DraftPolicy, "observe_unit", spy)
-        t0 = time.perf_counter()
-        _, stats = _generate(extremes["never"], prompts, params, max_concurrency=4,
-                             speculative="mtp", num_draft_tokens=2)
-        wall = time.perf_counter() - t0
+    monkeypatch.setattr(DraftPolicy, "observe_unit", spy)
+    t0 = time.perf_counter()
+    _, stats = _generate(extremes["never"], prompts, params, max_concurrency=4,
+                         speculative="mtp", num_draft_tokens=2)
+    wall = time.perf_counter() - t0
     # every prompt's prefill ran in an untimed unit (alone or beside decode rows)
     assert stats["spec_untimed_units"] >= 1
     assert 0.0 < stats["spec_untimed_seconds"] < wall

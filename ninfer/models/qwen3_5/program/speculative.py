@@ -300,8 +300,9 @@ class Speculator:
         self._lag: dict = {}
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
-        self._unit = None             # (start time, rows, k, one_off_seconds) of a unit the policy times
-        self._untimed = None          # start time of a unit it runs untimed (other rows beside)
+        # (start time, rows, k, one_off_seconds, timed) of the unit in flight; timed: the policy
+        # times it (no other rows beside its drafting ones)
+        self._unit = None
         self._chosen = None           # the policy's k for the next unit, taken ahead of it
         self._next: dict = {}         # seq_id -> (g_1, drafts) the pending verify made behind it
         self._plain_started = collections.deque()   # launch times of plain steps in flight
@@ -426,8 +427,7 @@ class Speculator:
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
         timed = bool(able) and len(able) == len(seqs)
         k = self._choice([seqs[r] for r in able], timed) if able else 0
-        self._unit = (t0, len(able), k, prog.model.one_off_seconds) if timed else None
-        self._untimed = None if timed else t0
+        self._unit = (t0, len(able), k, prog.model.one_off_seconds, timed)
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
         if not ks:
@@ -560,7 +560,6 @@ class Speculator:
         rows, self._rows, self._epoch = self._rows, {}, None
         made, self._next = self._next, {}
         unit, self._unit = self._unit, None
-        untimed, self._untimed = self._untimed, None
         recompute, feed, selects = [], [], 0
         for row, d in zip(pending.rows, decisions):
             seq = prog.sequence(row.seq_id)
@@ -595,21 +594,21 @@ class Speculator:
         due = [seq for seq, rec, n in feed if self._queue(seq, rec.start, rec.hidden[:n])]
         self._catch_up(prog, due)
         now = time.perf_counter()
-        if unit is not None:
+        if unit is not None and not unit[4]:
+            self._counts["spec_untimed_units"] += 1
+            self._counts["spec_untimed_seconds"] += self._unit_seconds(unit[0], now)
+        elif unit is not None:
             # (a graph captured or a GEMM planned during the unit is a first use, not its k's
             # cost: a catch-up feed of a length not fed before plans its GEMMs, and such units
             # left out entirely made the cold start run each k up to three times, and most
             # explorations after a run of plain steps go untimed)
-            t0, num_rows, k, before = unit
+            t0, num_rows, k, before, _ = unit
             once = prog.model.one_off_seconds - before
             if once > 0:
                 self._counts["spec_units_first_use"] += 1
                 self._counts["spec_first_use_seconds"] += once
             self.policy.observe_unit(num_rows, k,
                                      max(self._unit_seconds(t0, now) - once, MIN_UNIT_SECONDS))
-        elif untimed is not None:
-            self._counts["spec_untimed_units"] += 1
-            self._counts["spec_untimed_seconds"] += self._unit_seconds(untimed, now)
         self._last_commit = now
 
     def _unit_seconds(self, t0: float, now: float) -> float:
