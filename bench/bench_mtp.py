@@ -67,9 +67,17 @@ def bench_shape(name: str, ctx: int, feed: int, steps: int, verify: int = 4, B: 
         decode = gpu_ms(model, lambda: model.decode_greedy(batch, kv, state), steps)
         out = {"shape": name, "ctx": ctx, "batch": B, "decode_ms": decode}
         # a draft's head over the first draft_vocab ids (EngineOptions.draft_vocab: what the
-        # drafter runs), and over every id (draft_full: the head before draft_vocab)
-        for label, n, vocab in (("draft", 1, model.draft_vocab), ("draft_full", 1, None),
-                                ("feed", feed, model.draft_vocab)):
+        # drafter runs; their int8 copy, EngineOptions.draft_head, where the model made one),
+        # the same rows in bf16 (draft_bf16), and over every id (draft_full: the head before
+        # draft_vocab)
+        int8 = model.weights.get("draft_head")
+        for label, n, vocab, copy in (("draft", 1, model.draft_vocab, int8),
+                                      ("draft_bf16", 1, model.draft_vocab, None),
+                                      ("draft_full", 1, None, None),
+                                      ("feed", feed, model.draft_vocab, int8)):
+            model.weights.pop("draft_head", None)
+            if copy is not None:
+                model.weights["draft_head"] = copy
             b = rows_batch(B, n, ctx - n + 1, tables, rng, cfg.vocab_size)
             h = rng.standard_normal((B * n, cfg.hidden_size)).astype(np.float32)
             model.mtp_forward(b, h, kv, with_logits=False)   # warm-up (plans, modules)
@@ -136,14 +144,16 @@ def main(argv=None) -> None:
             rows.append(bench_shape(name, args.ctx, args.feed, args.steps, args.verify, B,
                                     args.draft_vocab))
             print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\n| shape | B | decode step ms (graph) | 1 draft token ms (eager; every id) | vs decode | "
+    print("\n| shape | B | decode step ms (graph) | 1 draft token ms (eager; bf16 rows; every id) "
+          "| vs decode | "
           f"feed of {args.feed} ms | vs decode | verify of {args.verify} ms (eager) | vs decode | "
           "verify (graph) ms | vs decode |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['batch']} | {r['decode_ms']:.2f} | {r['draft_ms']:.3f} "
-              f"({r['draft_full_ms']:.3f}) | {r['draft_vs_decode']:.3f} "
-              f"({r['draft_full_vs_decode']:.3f}) | {r['feed_ms']:.3f} | {r['feed_vs_decode']:.3f} | "
+              f"({r['draft_bf16_ms']:.3f}; {r['draft_full_ms']:.3f}) | {r['draft_vs_decode']:.3f} "
+              f"({r['draft_bf16_vs_decode']:.3f}; {r['draft_full_vs_decode']:.3f}) | "
+              f"{r['feed_ms']:.3f} | {r['feed_vs_decode']:.3f} | "
               f"{r['verify_ms']:.3f} | {r['verify_vs_decode']:.3f} | "
               f"{r['verify_graph_ms']:.3f} | {r['verify_graph_vs_decode']:.3f} |")
 

@@ -23,7 +23,9 @@ they show the mechanism, not a GPU speed-up. `--backend cuda` runs the same on t
 seconds are the figure there; the parts are wall seconds too). `--oracle p,...`: one more set of
 runs per p where the drafter's proposals are replaced by the target's own next token (from the
 plain run) with probability p each, else by another token: acceptance set by hand (the drafting
-is still run and paid for), the speed-up as a function of acceptance.
+is still run and paid for), the speed-up as a function of acceptance. `--oracle c1/c2/...` sets
+the acceptance by draft position instead (position j accepted in a share c_j of the verifies),
+e.g. the dense reference model's measured 0.76/0.40/0.25/0.09 (docs/performance.md).
 
 `--shapes 9b,...` (cuda): the same runs on random-weight models of those bench shapes with an MTP
 head, or with --drafter dflash a random DFlash drafter of `--dflash-layers` layers, block 16
@@ -94,11 +96,34 @@ class CpuClock:
             setattr(owner, name, original)
 
 
+def parse_oracle(text: str):
+    """An --oracle value: "p" (a float: each draft right with probability p, a draw of its own)
+    or an acceptance profile "c1/c2/..." (a tuple, non-increasing: one draw u per row and unit,
+    the draft at position j right iff u < c_j, so c_j is the share of verifies that accept
+    position j: the "acceptance by draft position" this bench reports; past the profile every
+    draft is wrong)."""
+    if "/" not in text:
+        return float(text)
+    c = tuple(float(x) for x in text.split("/"))
+    if any(not 0.0 <= x <= 1.0 for x in c) or any(b > a for a, b in zip(c, c[1:])):
+        raise SystemExit(f"--oracle {text}: a profile is shares in [0, 1], non-increasing")
+    return c
+
+
+def _right(p, u: float, rng, j: int) -> bool:
+    """Whether draft j (0-based) of a row is the target's token: p a float (its own draw) or a
+    profile (the row's one draw u against c_j)."""
+    if isinstance(p, tuple):
+        return j < len(p) and u < p[j]
+    return rng.random() < p
+
+
 @contextlib.contextmanager
-def oracle_drafts(p: float, plain_outputs: dict, seed: int = 0):
+def oracle_drafts(p, plain_outputs: dict, seed: int = 0):
     """Each draft the speculator verifies becomes the target's own token there (plain_outputs:
-    prompt ids -> the plain run's output ids) with probability p, else that token + 1: greedy
-    acceptance of p per position, whatever the drafter proposed (its work is still done)."""
+    prompt ids -> the plain run's output ids) or else that token + 1, as parse_oracle's p says
+    (a probability per position, or an acceptance profile): greedy acceptance set by hand,
+    whatever the drafter proposed (its work is still done)."""
     original = speculative.Speculator._draft
     rng = np.random.default_rng(seed)
 
@@ -112,10 +137,11 @@ def oracle_drafts(p: float, plain_outputs: dict, seed: int = 0):
                 continue
             first = seq.num_tokens - seq.num_prompt_tokens     # d_1's index among the outputs
             new = d.copy()
+            u = rng.random()
             for j in range(len(d)):
                 if first + j < len(want):
                     t = int(want[first + j])
-                    new[j] = t if rng.random() < p else (t + 1) % prog.vocab_size
+                    new[j] = t if _right(p, u, rng, j) else (t + 1) % prog.vocab_size
             prog.write_provisional(seq, new)
             drafts[r] = new
         return drafts
@@ -182,13 +208,15 @@ def _plain_intervals(batch: int, out: list):
 
 def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend: str = "numpy",
         dtype=None, batch: int = 1, drafter: str = "mtp", draft_vocab: int = None,
+        draft_head: str = None,
         rounds: int = 1) -> dict:
     """The prompts in groups of `batch` submitted at once (max_concurrency = batch), `rounds`
     times over in one Engine: the first round starts from a fresh Engine (the draft policy's
     cold start and first explorations in it), the later ones run on what it measured
     (`later_wall_tok_s`: their tokens over their wall time; the tokens are the first round's)."""
     kw = {} if k == 0 else dict(speculative=drafter, num_draft_tokens=k, draft_policy=policy,
-                                draft_vocab=draft_vocab)
+                                draft_vocab=draft_vocab,
+                                **({} if draft_head is None else {"draft_head": draft_head}))
     if backend == "cuda":
         kw.update(backend="cuda", dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -383,7 +411,9 @@ def main() -> None:
     ap.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
     ap.add_argument("--dtype", default=None, help="cuda: bfloat16 (default) or float32")
     ap.add_argument("--oracle", default="", metavar="P,...",
-                    help="runs at these set acceptances (the fixed ks and the adaptive one)")
+                    help="runs at these set acceptances (the fixed ks and the adaptive one): "
+                         "p, each draft right with probability p, or c1/c2/..., position j "
+                         "accepted in a share c_j of the verifies")
     ap.add_argument("--shapes", default="", metavar="NAME,...",
                     help="instead of the reference models: random-weight models of these "
                          "bench_engine.py shapes (9b, 27b, 35b-a3b, NAME@LAYERS) with an MTP head, "
@@ -399,6 +429,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="EngineOptions.draft_vocab: MTP drafts from the first N ids (default: "
                          "the Engine's)")
+    ap.add_argument("--draft-head", choices=("int8", "bf16"), default=None,
+                    help="EngineOptions.draft_head: the MTP drafts' head (default: the Engine's)")
     ap.add_argument("--no-drafts-behind", action="store_true",
                     help="cuda: the feed and the next drafts as their own calls before each "
                          "verify, not behind it (CudaDrafter.drafts_in_verify off)")
@@ -413,7 +445,7 @@ def main() -> None:
         from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
         CudaDrafter.drafts_in_verify = False
     on = dict(backend=args.backend, dtype=args.dtype, batch=args.batch, drafter=args.drafter,
-              draft_vocab=args.draft_vocab)
+              draft_vocab=args.draft_vocab, draft_head=args.draft_head)
     figure = "wall" if args.backend == "cuda" else "cpu"
     count = max(args.prompts, args.batch)
     if args.shapes:
@@ -432,11 +464,12 @@ def main() -> None:
         plain = measure(path, ids_list, 0, args.max_tokens, rounds=args.rounds,
                         isolate=args.isolate, **on)
         outputs = {tuple(ids.tolist()): toks for ids, toks in zip(ids_list, plain["tokens"])}
-        for p in [None] + [float(x) for x in args.oracle.split(",") if x]:
+        for p in [None] + [parse_oracle(x) for x in args.oracle.split(",") if x]:
             rows = [plain] + speculative_rows(name, path, ids_list, plain, args, on,
                                               strict=not args.shapes,
                                               oracle=None if p is None else (p, outputs))
-            title = f"{name}, {args.drafter}{'' if p is None else f', drafts replaced: acceptance {p}'}"
+            shown = "/".join(map(str, p)) if isinstance(p, tuple) else p
+            title = f"{name}, {args.drafter}{'' if p is None else f', drafts replaced: acceptance {shown}'}"
             table(title, rows, plain, args, figure)
             report[title] = [{key: v for key, v in r.items() if key != "tokens"} for r in rows]
     if args.json:

@@ -11,10 +11,21 @@ group (cublaslt.fp8_scale_rows); rows m..ld-1 get zero codes and scale 1.
 `act_quant_fp8`: x bf16 [m, k] (as "u32*" pairs), k a multiple of 128; a warp per (row, group),
 a lane's 4 values one 8-byte load and one 4-byte store of codes. Grid (ceil(k / 128 / WARPS),
 ld), block 32 * WARPS.
-"""
-from numba import cuda, float32, int64, uint32
 
-from .common import bf16x2_hi, bf16x2_lo, e4m3_code, warp_max
+`head_quant_int8` (f32: the float32 model's variant): the MTP drafts' int8 head
+(EngineOptions.draft_head; models/qwen3_5/model.py int8_head_values is the spec), made once at
+load from the lm_head's first m rows, with the same warps and groups (grid (m, ceil(k / 128 /
+WARPS))):
+
+    x[r, c] ~ code[r, c] * scale[r, c // 128]     code = rint(x / scale) in [-127, 127],
+                                                   scale = amax / 127 (all zero: 1)
+
+kv_quant.quantize's int8 rule; codes int8 bytes [m, k], scales row-major [m, k / 128]: the
+int8_block layout with (1, 128) blocks that the packed-weight GEMVs read (cuda/qweights.py).
+"""
+from numba import cuda, float32, int64, uint8, uint32
+
+from .common import bf16x2_hi, bf16x2_lo, e4m3_code, int8_code, storage, warp_max
 
 WARPS = 4
 GROUP = 128
@@ -22,7 +33,9 @@ FP8_TOP = 448.0
 
 SIGNATURES = {
     "act_quant_fp8": ("u32*", "u32*", "f32*", "i32", "i32", "i32"),
+    "head_quant_int8": ("u32*", "u8*", "f32*", "i32", "i32"),
 }
+INT8_TOP = 127.0
 
 
 def act_quant_fp8():
@@ -49,3 +62,27 @@ def act_quant_fp8():
             scale[int64(g) * ld + r] = s
     act_quant_kernel.__name__ = "act_quant_fp8"
     return act_quant_kernel
+
+
+def head_quant_int8(f32=False):
+    _, _, pair, _ = storage(f32)
+
+    def head_quant_kernel(x, codes, scale, m, k):
+        lane = cuda.threadIdx.x % 32
+        r = cuda.blockIdx.x                                 # (rows on x: 248,320 > 65,535)
+        g = cuda.blockIdx.y * WARPS + cuda.threadIdx.x // 32
+        if g * GROUP >= k or r >= m:
+            return
+        base = int64(r) * k + g * GROUP + 4 * lane          # this lane's first value
+        v0, v1 = pair(x, base >> 1)
+        v2, v3 = pair(x, (base >> 1) + 1)
+        amax = warp_max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))))
+        s = amax / float32(INT8_TOP) if amax > float32(0.0) else float32(1.0)
+        codes[base] = uint8(int8_code(v0 / s))
+        codes[base + 1] = uint8(int8_code(v1 / s))
+        codes[base + 2] = uint8(int8_code(v2 / s))
+        codes[base + 3] = uint8(int8_code(v3 / s))
+        if lane == 0:
+            scale[int64(r) * (k // GROUP) + g] = s
+    head_quant_kernel.__name__ = "head_quant_int8"
+    return head_quant_kernel

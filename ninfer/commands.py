@@ -75,6 +75,9 @@ _OPTION_HELP = {
     "draft_vocab": "MTP drafts only the first N ids of the vocabulary: a draft step reads N "
                    "rows of the lm_head (default 2**17; the vocabulary's size or more: every "
                    "id) (with --speculative mtp)",
+    "draft_head": "int8: MTP drafts read an int8 copy of the lm_head's draft rows (half the "
+                  "bytes a draft step reads, the copy's memory: 0.54 GB for a 9B); bf16: the "
+                  "lm_head itself (with --speculative mtp)",
     "vision_max_patches": "cuda: the most 16x16 patches of one image the GPU vision tower "
                           "holds; larger images run on the host tower (0: host tower only) "
                           "(default 128x128 patches, a 2048x2048 image)",

@@ -128,7 +128,8 @@ class Engine:
         try:
             return MtpDrafter.from_artifact(
                 self.artifact, self.model,
-                draft_vocab_size(self.options, self.model.text.vocab_size))
+                draft_vocab_size(self.options, self.model.text.vocab_size),
+                int8_head=self.options.draft_head == "int8")
         except ArtifactError as exc:
             raise ArtifactError(f"speculative='mtp' needs the checkpoint's MTP head: {exc}") \
                 from None

@@ -84,6 +84,12 @@ class EngineOptions:
     # Python text and 99.1% of Chinese (docs/performance.md). A token past them is never
     # drafted: that draft is rejected, and the output is the same either way
     draft_vocab: Optional[int] = None
+    # "int8": an MTP draft's argmax reads an int8 copy of those lm_head rows (one scale per row
+    # and 128 columns), made at load: half the bytes of a draft step's largest product, for the
+    # memory of the copy (the 9B: 0.54 GB); "bf16": the lm_head's own rows. Drafts of up to 8
+    # rows at once take the copy (more read the bf16 rows: the GPU's int8 product reads its
+    # codes once per 8 rows). The output is the same either way: drafts are only proposals
+    draft_head: Literal["int8", "bf16"] = "int8"
     # cuda, a checkpoint with a vision tower: the tower runs on the GPU with buffers for one
     # image (or video frame group) of up to this many 16x16 patches (16384: 2048 x 2048 pixels;
     # its device memory at the 27B geometry: 1.8 GiB, taken from the KV pages); a larger image
@@ -181,6 +187,8 @@ class EngineOptions:
                                              or self.draft_vocab < 1):
             bad("draft_vocab", "must be an integer >= 1 (or None: the default, "
                                f"{DEFAULT_DRAFT_VOCAB})")
+        if self.draft_head not in ("int8", "bf16"):
+            bad("draft_head", "must be 'int8' or 'bf16'")
         timeout = self.queue_timeout_s
         if timeout is not None and not (_is_real(timeout) and math.isfinite(timeout)
                                         and timeout > 0):

@@ -1319,6 +1319,20 @@ def test_the_cuda_weight_plan_holds_exactly_the_numpy_drafters_tensors(shape):
                 for s, dt, _ in plan.values())
     assert wplan.plan_bytes(cfg, mtp=True) == wplan.plan_bytes(cfg) + extra
     assert plan["fc"][0] == (cfg.hidden_size, 2 * cfg.hidden_size)
+    # the int8 draft head (EngineOptions.draft_head; widths of whole 128-column groups):
+    # codes [rows, H] and a float32 scale per row and group, each region rounded as the arena
+    # rounds it
+    from ninfer.models.qwen3_5.cuda import qweights as qw
+    from ninfer.core.cuda.arena import _round_up
+    from ninfer.models.qwen3_5.model import int8_head_ok
+    rows, H = 1000, cfg.hidden_size
+    if not int8_head_ok(H):
+        return
+    seg = qw.int8_head_plan(rows, H)
+    assert seg.scale_shape == (1, rows, H // 128) and seg.row_bytes == H
+    assert qw.mma_ok(seg.layout, H, seg.block[1]) and qw.mma_split(seg.layout, seg.block[1]) == 1
+    assert wplan.plan_bytes(cfg, mtp=True, int8_head_rows=rows) == \
+        wplan.plan_bytes(cfg, mtp=True) + _round_up(rows * H) + _round_up(4 * rows * H // 128)
 
 
 def test_a_verify_runs_through_its_graph_only_where_the_graph_is_the_eager_call(monkeypatch):

@@ -24,9 +24,10 @@ def test_quant_gemv_kernels_on_the_simulator():
 def test_act_quant_kernel_on_the_simulator():
     """tests/gpu/sim_act_quant.py: the W8A8 prefill input (kernels/act_quant.py) byte for byte
     equal to kv_quant.quantize per 128 columns, in cuBLASLt's scale layout, padded rows clean,
-    nothing written outside."""
+    nothing written outside; the MTP drafts' int8 head (bf16 and float32 rows) byte for byte
+    kv_quant's int8 rule per row and 128 columns."""
     pytest.importorskip("numba.cuda")
     pytest.importorskip("ml_dtypes")
     import numpy as np
     out = run_sim("sim_act_quant.py", np.random.default_rng().integers(1 << 30))
-    assert len(out) == 3 and all(v == [0, 0, 0] for v in out.values()), out
+    assert len(out) == 6 and all(v == [0, 0, 0] for v in out.values()), out

@@ -237,7 +237,8 @@ def test_bad_options_are_refused_with_a_clear_error(tmp_path):
                       (dict(speculative="mtp", num_draft_tokens=0), "1..4"),
                       (dict(speculative="mtp", num_draft_tokens=5), "1..4"),
                       (dict(speculative="mtp", draft_vocab=0), "draft_vocab"),
-                      (dict(speculative="mtp", draft_vocab=2.5), "draft_vocab")]:
+                      (dict(speculative="mtp", draft_vocab=2.5), "draft_vocab"),
+                      (dict(speculative="mtp", draft_head="fp4"), "draft_head")]:
         with pytest.raises(RequestError, match=words):
             EngineOptions.from_kwargs(**kw)
     ckpt = write_checkpoint(tmp_path / "ckpt", "Qwen3_5ForCausalLM", mtp=False)

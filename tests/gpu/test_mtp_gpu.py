@@ -343,3 +343,87 @@ def test_drafts_behind_the_verify_equal_the_host_calls(kind):
         st.close()
     finally:
         gpu.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_int8_draft_head_drafts_what_the_numpy_drafters_does(kind, dtype):
+    """EngineOptions.draft_head "int8" (the default; hidden 128 takes it): the codes and scales
+    made at load are kv_quant's int8 rule of the lm_head's first draft_vocab rows, byte for
+    byte; mtp_argmax's drafts (3 rows: the int8 head) are the argmax of model.DraftHead's int8
+    values of the same MTP hidden (float32: the same ids; bf16: ids whose float64 logit is
+    within the bf16 product's tolerance of the best), the draft chain's too (float32: the numpy
+    drafter's drafts); with draft_head "bf16" no copy is made."""
+    from ninfer.core.cuda import driver as _d
+    from ninfer.models.qwen3_5.cuda.drafter import CudaDrafter
+    from ninfer.models.qwen3_5.cuda_model import CudaModel
+    from ninfer.models.qwen3_5.model import DraftHead
+    from ninfer.models.qwen3_5.mtp import draft_greedy
+    from ninfer.ops.kv_quant import quantize
+    art = mtp_artifact(kind, hidden=128)
+    n_draft = 200
+    base = dict(backend="cuda", dtype=dtype, max_concurrency=3, max_context=128,
+                prefill_chunk=64, page_size=4, num_draft_tokens=3, draft_vocab=n_draft)
+    plain = CudaModel(model_config(art), EngineOptions(**base, draft_head="bf16"), artifact=art,
+                      mtp=True)
+    try:
+        assert plain.int8_head_rows == 0 and "draft_head" not in plain.weights
+    finally:
+        plain.close()
+    gpu = CudaModel(model_config(art), EngineOptions(**base), artifact=art, mtp=True)
+    cpu = NumpyModel.from_artifact(art)
+    drafter = MtpDrafter.from_artifact(art, cpu, n_draft, int8_head=True)
+    try:
+        assert gpu.int8_head_rows == n_draft
+        H, V = gpu.text.hidden_size, gpu.text.vocab_size
+        seg = gpu.weights["draft_head"].segments[0]
+        lm = np.asarray(art.tensor("text.lm_head.weight"), np.float32)[:n_draft]
+        want_q, want_s = quantize(lm.reshape(n_draft, H // 128, 128), "int8")
+        codes = _d.download(seg.w.ptr, (n_draft * H,), np.uint8, gpu.stream)
+        scale = _d.download(seg.scale.ptr, (n_draft, H // 128), np.float32, gpu.stream)
+        assert np.array_equal(codes, want_q.view(np.uint8).ravel())
+        assert np.array_equal(scale, want_s)
+        r = np.random.default_rng()
+        head = DraftHead(np.asarray(art.tensor("text.lm_head.weight"), np.float32), n_draft,
+                         int8=True)
+        tables = np.arange(30, dtype=np.int32).reshape(3, 10)
+        lens = np.array([5, 1, 3])
+        qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        ctx = np.array([0, 7, 2], np.int32)
+        b = ForwardBatch(r.integers(0, V, qs[-1]).astype(np.int32),
+                         ForwardBatch.text_positions(ctx, lens), qs, ctx, tables,
+                         np.arange(3, dtype=np.int32))
+        h = r.standard_normal((qs[-1], H)).astype(np.float32)
+        kv = gpu.new_kv_pool(30, 4)
+        ids, g = gpu.mtp_argmax(b, h, kv, last_only=True)
+        kv.close()
+        assert ids.max() < n_draft
+        if dtype == "float32":
+            assert ids.tolist() == head.argmax(g).tolist()
+        else:
+            values = g.astype(ml_dtypes.bfloat16).astype(np.float64) @ \
+                head._int8.astype(np.float64).T
+            best = values.max(axis=1)
+            got = values[np.arange(3), ids]
+            assert np.all(best - got <= TOL_MODEL_BF16 * np.abs(values).max(axis=1)), (best, got)
+        if dtype == "float32":
+            kv_g, kv_c = gpu.new_kv_pool(60, 4), drafter.new_kv_pool(60, 4)
+            tables = np.arange(60, dtype=np.int32).reshape(3, 20)
+            lens = np.array([9, 4, 14], np.int32)
+            feed = ForwardBatch(r.integers(0, V, lens.sum()).astype(np.int32),
+                                ForwardBatch.text_positions(np.zeros(3, np.int32), lens),
+                                np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+                                np.zeros(3, np.int32), tables, np.arange(3, dtype=np.int32))
+            h = r.standard_normal((lens.sum(), H)).astype(np.float32)
+            _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
+            drafter.forward(feed, h, kv_c, with_logits=False)
+            ends = np.cumsum(lens) - 1
+            first = r.integers(0, V, 3).astype(np.int32)
+            got, _ = CudaDrafter(gpu).draft_greedy(kv_g, g[ends], first, lens, tables, 3,
+                                                   with_logits=False)
+            host, _ = draft_greedy(drafter, kv_c, g[ends], first, lens, tables, 3,
+                                   with_logits=False)
+            assert np.array_equal(got, host)
+            kv_g.close()
+    finally:
+        gpu.close()

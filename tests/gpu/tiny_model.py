@@ -133,12 +133,13 @@ class PackedExpertsArtifact(TinyArtifact):
         return {"object": name, "view": None}
 
 
-def mtp_artifact(kind: str) -> TinyArtifact:
+def mtp_artifact(kind: str, hidden: int = 64) -> TinyArtifact:
     """The tiny model (dense or moe) with a random MTP head (tensors as mtp_param_shapes names
-    them; norm weights near 0, as zero-centred norms have)."""
+    them; norm weights near 0, as zero-centred norms have); hidden 128: wide enough for the int8
+    draft head (EngineOptions.draft_head)."""
     import dataclasses
     from ninfer.models.qwen3_5.mtp import mtp_param_shapes
-    cfg = tiny_config(moe=kind == "moe")
+    cfg = tiny_config(moe=kind == "moe", hidden=hidden)
     cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, mtp_num_hidden_layers=1))
     art = TinyArtifact(cfg, seed=3)
     r = np.random.default_rng(5)

@@ -42,6 +42,7 @@ from ...options import draft_tokens, draft_vocab_size
 from .config import ModelConfig
 from .load import model_config
 from .memory_plan import state_slot_bytes
+from .model import int8_head_ok
 from .vision_tower import MediaEncoding, VisionConfig, read_vision_params
 from .cuda.decode_graphs import DecodeGraphs
 from .cuda.device_memory import (LT_WORKSPACE, MAX_TOKENS_PER_CALL, MEMORY_MARGIN,  # noqa: F401
@@ -58,7 +59,7 @@ from .cuda.runner import (StepResources, StepRunner, Workspace, grouped_rows, pa
 from .cuda.sampler import DeviceSampler
 from .cuda.thread_context import ThreadContext
 from .cuda.token_step import TokenStep
-from .cuda.weight_load import WeightLoader, load_weights, quant_plans
+from .cuda.weight_load import WeightLoader, int8_head, load_weights, quant_plans
 from .cuda import qweights as qw
 from .cuda import attention_tc
 from .cuda import dflash as device_dflash
@@ -239,6 +240,11 @@ class CudaModel(MediaEncoding):
         self.batch_invariant = bool(options.batch_invariant)
         # matrices held as packed codes (cuda/qweights.py): their formats pick kernels
         self.qplans = quant_plans(cfg, artifact)
+        # the MTP drafts' int8 head (EngineOptions.draft_head; model.DraftHead's rule): rows of
+        # a bf16 (or the float32 model's) lm_head; a packed lm_head is read as it is
+        self.int8_head_rows = self.draft_vocab if (
+            self.mtp and options.draft_head == "int8" and int8_head_ok(cfg.hidden_size)
+            and ("", "lm_head") not in self.qplans) else 0
         # the vision tower on the device (cuda/vision.py): a share of the arena, its kernels
         # loaded with the rest; vision_max_patches 0: the numpy tower (load_vision)
         vcfg = VisionConfig.from_dict(self.config.vision) \
@@ -307,7 +313,8 @@ class CudaModel(MediaEncoding):
             # (with a drafter: its KV layers paged with the model's, in every page's bytes)
             cfg, options, f32=self.f32,
             weights_bytes=wplan.plan_bytes(cfg, tied, self.f32, self.qplans, mtp=self.mtp,
-                                           dflash=self.dflash_cfg),
+                                           dflash=self.dflash_cfg,
+                                           int8_head_rows=self.int8_head_rows),
             workspace_bytes=ws_bytes + vis_bytes + DeviceSampler.device_bytes(
                 sampler_rows, cfg.vocab_size, options.max_context),
             free_bytes=free, total_bytes=total, device=self.device.name, margin_bytes=MEMORY_MARGIN,
@@ -397,6 +404,10 @@ class CudaModel(MediaEncoding):
         t_kernels = time.perf_counter()
         self.kernels_compiled = kernel_loading.wait()
         self.kernel_seconds = time.perf_counter() - t_kernels      # beyond the weights' time
+        if self.int8_head_rows:
+            self.weights["draft_head"] = int8_head(loader, self.weights["lm_head"],
+                                                   self.int8_head_rows, cfg.hidden_size)
+            self.stream.synchronize()
         if vis_patches:
             t_vision = time.perf_counter()
             self.vision = device_vision.load_device_vision(

@@ -172,14 +172,41 @@ def head_product(hidden: np.ndarray, head: np.ndarray) -> np.ndarray:
     return ops.linear(hidden, head).astype(np.float32, copy=False)
 
 
+# The MTP drafts' int8 head (EngineOptions.draft_head "int8"): the draft rows of the lm_head as
+# int8 codes, one float32 scale per row and HEAD_GROUP columns (ops/kv_quant.py's int8 rule:
+# scale = amax / 127, code = rint(value / scale)), which a draft's argmax reads in place of the
+# bf16 rows: half the bytes of a draft step's largest product (the 9B's first 131072 rows: 1.07
+# GB bf16). An argmax of more than INT8_HEAD_ROWS rows reads the bf16 rows: the GPU's int8
+# product reads its codes once per 8 rows (cuda/qweights.py GEMV_BATCH), so past 8 it would read
+# more than the bf16 product does. Drafts are only proposals: the output is the same either way.
+HEAD_GROUP = 128
+INT8_HEAD_ROWS = 8
+
+
+def int8_head_ok(hidden_size: int) -> bool:
+    """Whether a head of this width takes the int8 copy (whole HEAD_GROUP-column groups)."""
+    return hidden_size % HEAD_GROUP == 0
+
+
+def int8_head_values(head: np.ndarray) -> np.ndarray:
+    """float32 [V, H]: the values the int8 codes of `head` [V, H] stand for (codes x scale)."""
+    from ...ops.kv_quant import dequantize, quantize
+    V, H = head.shape
+    codes, scale = quantize(np.asarray(head, np.float32).reshape(V, H // HEAD_GROUP, HEAD_GROUP),
+                            "int8")
+    return dequantize(codes, scale).reshape(V, H)
+
+
 class DraftHead:
     """A drafter's vocabulary product over the target's lm_head (shared array, no copy): `logits`
     (every id) and `argmax` (over the first `vocab` ids: EngineOptions.draft_vocab; None: every
-    id). lm_head rows that are all zero give logit 0 for any hidden (the reference models'
-    unseen ids): the argmax searches the others and compares with 0, exactly the argmax over
-    every row at a fraction of the product (every row counts in real checkpoints)."""
+    id; with `int8`, an argmax of up to INT8_HEAD_ROWS rows over those rows' int8 values:
+    EngineOptions.draft_head). lm_head rows that are all zero give logit 0 for any hidden (the
+    reference models' unseen ids): the argmax searches the others and compares with 0, exactly
+    the argmax over every row at a fraction of the product (every row counts in real
+    checkpoints)."""
 
-    def __init__(self, lm_head: np.ndarray, vocab: int = None):
+    def __init__(self, lm_head: np.ndarray, vocab: int = None, int8: bool = False):
         self.lm_head = lm_head
         head = lm_head if vocab is None else lm_head[:max(1, int(vocab))]
         self._argmax_head = head
@@ -188,18 +215,24 @@ class DraftHead:
         self._head = None if self._ids is None else np.ascontiguousarray(head[live])
         zero = np.flatnonzero(~np.any(head != 0, axis=1)) if self._ids is not None else ()
         self._first_zero_id = int(zero[0]) if len(zero) else -1
+        # the int8 values of the rows the argmax reads (zero rows stay zero: scale 1, codes 0)
+        self._int8 = None
+        if int8 and int8_head_ok(head.shape[1]):
+            self._int8 = int8_head_values(head if self._ids is None else self._head)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [N, V] = final-normed hidden [N, H] @ lm_head^T."""
         return head_product(np.asarray(hidden, np.float32), self.lm_head)
 
     def argmax(self, hidden: np.ndarray) -> np.ndarray:
-        """int32 [N]: argmax of logits(hidden) over the head's first `vocab` ids, lowest id on
-        ties."""
+        """int32 [N]: argmax of logits(hidden) over the head's first `vocab` ids (with `int8`
+        and N <= INT8_HEAD_ROWS: of their int8 values), lowest id on ties."""
         hidden = np.asarray(hidden, np.float32)
+        int8 = self._int8 is not None and len(hidden) <= INT8_HEAD_ROWS
         if self._ids is None:
-            return np.argmax(head_product(hidden, self._argmax_head), axis=1).astype(np.int32)
-        live = head_product(hidden, self._head)                              # [N, K]
+            head = self._int8 if int8 else self._argmax_head
+            return np.argmax(head_product(hidden, head), axis=1).astype(np.int32)
+        live = head_product(hidden, self._int8 if int8 else self._head)      # [N, K]
         best = np.argmax(live, axis=1)
         value = live[np.arange(len(best)), best]
         out = self._ids[best].astype(np.int64)

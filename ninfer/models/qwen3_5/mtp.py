@@ -85,22 +85,24 @@ class MtpDrafter:
     pages_ahead = 0             # its draft steps write KV only where the verify will
 
     def __init__(self, cfg: TextConfig, params: dict, embed: np.ndarray, lm_head: np.ndarray,
-                 draft_vocab: int = None):
+                 draft_vocab: int = None, int8_head: bool = False):
         """draft_vocab: drafts are argmaxes over the first draft_vocab ids (options.
-        draft_vocab_size; None: every id); `logits` covers every id."""
+        draft_vocab_size; None: every id), of their int8 values with int8_head (options.
+        draft_head "int8": model.DraftHead); `logits` covers every id."""
         self.text, self.p = cfg, params
         self._embed, self._lm_head = embed, lm_head
         layer = params["layer"]
         self._attn = GatedAttention(layer, cfg, 0)          # ordinal 0 of the drafter's pool
         self._mlp = SparseMoE(layer, cfg) if cfg.is_moe else DenseMLP(layer)
-        self._head = DraftHead(lm_head, draft_vocab)
+        self._head = DraftHead(lm_head, draft_vocab, int8_head)
 
     @classmethod
-    def from_artifact(cls, artifact, target, draft_vocab: int = None) -> "MtpDrafter":
+    def from_artifact(cls, artifact, target, draft_vocab: int = None,
+                      int8_head: bool = False) -> "MtpDrafter":
         """target: the NumpyModel of the same artifact (its embedding and lm_head are shared)."""
         cfg = target.text
         return cls(cfg, read_mtp_params(artifact, cfg), target._embed, target._lm_head,
-                   draft_vocab)
+                   draft_vocab, int8_head)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         """One attention layer's KV, paged like the target's."""
@@ -126,7 +128,7 @@ class MtpDrafter:
 
     def draft_argmax(self, hidden: np.ndarray) -> np.ndarray:
         """int32 [N]: argmax of logits(hidden) over the first draft_vocab ids (lowest id on
-        ties; DraftHead)."""
+        ties; of their int8 values with int8_head, up to 8 rows: DraftHead)."""
         return self._head.argmax(hidden)
 
     def forward_argmax(self, batch: ForwardBatch, hidden: np.ndarray, kv: KVPool) -> tuple:

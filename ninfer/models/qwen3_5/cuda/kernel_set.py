@@ -66,7 +66,7 @@ F32_VARIANTS = frozenset(("rmsnorm", "gated_rmsnorm", "gated_rmsnorm4", "silu_mu
                           "embed_gather", "random_bf16", "qk_norm_rope_kv", "paged_attention",
                           "attn_combine", "expert_gate_up", "expert_down", "qgemv", "dequant",
                           "vis_layernorm", "vis_bias_act", "vis_qkv_rope", "vis_softmax",
-                          "mtp_prologue", "store_columns"))
+                          "mtp_prologue", "store_columns", "head_quant_int8"))
 
 
 # kernels with a quantized-KV variant (kv_dtype "fp8" / "int8": factory parameter kvq) -> the
@@ -108,10 +108,17 @@ def flash_vision(f32: bool, head_dim: int) -> bool:
     return not f32 and head_dim % 8 == 0
 
 
+# the MTP drafts' int8 head (EngineOptions.draft_head "int8"): int8 codes in (1, 128) blocks
+INT8_HEAD_FORMAT = ("int8_block", False, 1)
+
+
 def mtp_specs(f32: bool = False) -> dict:
     """What the MTP drafter's step adds to a geometry's kernels (its decoder layer is a full-
-    attention layer of the same geometry, its MLP the model's): the fc input's two norms."""
-    return {"mtp_prologue": spec("mtp_prologue", f32=f32)}
+    attention layer of the same geometry, its MLP the model's): the fc input's two norms, and
+    the int8 draft head's: its quantization at load and the packed GEMVs that read it."""
+    return {"mtp_prologue": spec("mtp_prologue", f32=f32),
+            "head_quant_int8": spec("head_quant_int8", f32=f32),
+            **quant_specs({INT8_HEAD_FORMAT}, f32)}
 
 
 def dflash_specs(dcfg, f32: bool = False, kv_dtype: str = None) -> dict:

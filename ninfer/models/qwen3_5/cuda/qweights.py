@@ -185,6 +185,13 @@ def formats(plans) -> frozenset:
                      for segs in plans for s in segs if s.layout != BF16)
 
 
+def int8_head_plan(rows: int, k: int) -> SegmentPlan:
+    """The MTP drafts' int8 head (EngineOptions.draft_head "int8"; models/qwen3_5/model.py): the
+    lm_head's first `rows` rows as int8 codes, a scale per row and 128 columns, made on the
+    device at load (kernels/act_quant.py head_quant_int8)."""
+    return SegmentPlan(0, int(rows), int(k), "int8_block", (1, 128))
+
+
 def w8a8_ok(seg) -> bool:
     """A segment the block-scaled fp8 GEMM takes as stored (cublaslt.gemm_fp8): e4m3 codes in
     [128, 128] scale blocks, K whole blocks, one matrix (not an expert stack)."""

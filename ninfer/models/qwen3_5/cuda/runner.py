@@ -19,6 +19,7 @@ import numpy as np
 from ....core.cuda import driver as _d
 from ....core.cuda.cublaslt import FP8_BLOCK, PIN_M, alignment, fp8_scale_rows
 from ..config import FULL_ATTENTION, TextConfig
+from ..model import INT8_HEAD_ROWS
 from . import attention_tc as tc
 from . import moe_route, moe_rows
 from . import gdn_chunk as gc
@@ -575,14 +576,19 @@ class StepRunner:
         """Logits [n_out, V] and their argmax of the meta's output rows. vocab: the first
         `vocab` ids only (MTP drafts, EngineOptions.draft_vocab): a bf16 lm_head's first rows
         are a matrix of their own, so the product reads those alone and the argmax runs over
-        them; a packed lm_head's segments cover every id, so it keeps them all."""
+        them, up to INT8_HEAD_ROWS rows from the int8 copy of them where the model made one
+        (EngineOptions.draft_head; model.DraftHead's rule); a packed lm_head's segments cover
+        every id, so it keeps them all."""
         cfg, ws, W = self.cfg, self.res.ws, self.res.weights
         H, V = cfg.hidden_size, cfg.vocab_size
-        if vocab is not None and not isinstance(W["lm_head"], qw.QMatrix):
+        head = W["lm_head"]
+        if vocab is not None and not isinstance(head, qw.QMatrix):
             V = min(V, int(vocab))
+            if "draft_head" in W and n_out <= INT8_HEAD_ROWS:
+                head = W["draft_head"]          # (its rows: the first draft_vocab ids)
         self.rmsnorm(st, ws.xf, ws.h, W["norm"] if norm is None else norm, n_out,
                      row_idx=meta.out_rows + 4 * out_start)
-        self.linear(st, ws.xf.ptr, W["lm_head"], ws.logits.ptr, n_out, V, H)
+        self.linear(st, ws.xf.ptr, head, ws.logits.ptr, n_out, V, H)
         self.launch(st, self.kernels.argmax, (n_out,), (1024,), (ws.tokens, ws.logits, V))
 
     def final_hidden(self, st, n: int):

@@ -169,6 +169,19 @@ def _quantized_matrix(loader: WeightLoader, shape, segs, artifact, jobs) -> qw.Q
     return qw.QMatrix(tuple(shape), tuple(out))
 
 
+def int8_head(loader: WeightLoader, lm_head, rows: int, k: int) -> qw.QMatrix:
+    """The MTP drafts' int8 head (qweights.int8_head_plan) of the loaded lm_head's first `rows`
+    rows, quantized on the device (kernels/act_quant.py head_quant_int8; queued on the loader's
+    stream)."""
+    plan = qw.int8_head_plan(rows, k)
+    codes = loader.arena.take((rows * k,), np.uint8, "draft head codes")
+    scale = loader.arena.take(plan.scale_shape, np.float32, "draft head scales")
+    loader.kernels.head_quant_int8.launch(
+        loader.stream, (rows, -(-k // (128 * qw.ACT_QUANT_WARPS))), (32 * qw.ACT_QUANT_WARPS,),
+        (lm_head, codes, scale, rows, k))
+    return qw.QMatrix((rows, k), (qw.QSegment(plan, codes, scale),))
+
+
 def upload_widened(loader: WeightLoader, a, bits, staging) -> None:
     """fp32 weight `a` = bf16 `bits` (host uint16), widened on the device (exact): pieces of the
     scratch's size go up as bf16 and are widened into place (half the PCIe traffic and host

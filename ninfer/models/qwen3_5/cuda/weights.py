@@ -122,11 +122,14 @@ def element_bytes(dt: str, f32: bool = False) -> int:
 
 
 def plan_bytes(cfg: TextConfig, tied: bool = False, f32: bool = False,
-               qplans: dict = None, mtp: bool = False, dflash=None) -> int:
+               qplans: dict = None, mtp: bool = False, dflash=None,
+               int8_head_rows: int = 0) -> int:
     """Device bytes of the weights; `qplans` (weight_load.quant_plans): the matrices held as
     packed codes (qweights.py), counted by their segments; `mtp`: the MTP head's too; `dflash`
-    (a DFlashConfig): that drafter's too."""
-    total = 0
+    (a DFlashConfig): that drafter's too; `int8_head_rows`: the MTP drafts' int8 head of that
+    many lm_head rows (qweights.int8_head_plan)."""
+    from .qweights import int8_head_plan
+    total = int8_head_plan(int8_head_rows, cfg.hidden_size).nbytes() if int8_head_rows else 0
     qplans = qplans or {}
     plans = [("", model_plan(cfg))] + [(i, layer_plan(cfg, i)) for i in range(cfg.num_hidden_layers)]
     if mtp:
