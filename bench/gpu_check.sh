@@ -168,11 +168,13 @@ for part in $parts; do
             # issue 25's table in one call (docs/performance.md "Speculative decoding with the
             # MTP head", targets set for the H200): a verify of 4 positions and one draft token
             # against a decode step (9B, 27B, B = 1); the 9B at B = 1 with drafts replaced by the
-            # target's own token at 0.75 (2.43 tokens a verify, near the reference models' 2.38),
-            # k = 3 and adaptive; the floor (the 9B's own head, adaptive) at B = 8, 4, 1
+            # target's own token at the dense reference model's measured acceptance by position
+            # (0.76 / 0.40 / 0.25 at k = 3, 2.38 tokens a verify; 0.09 the fourth's), k = 3 and
+            # adaptive; the floor (the 9B's own head, adaptive) at B = 8, 4, 1
             timeout 150 python3 bench/bench_mtp.py --shapes 9b,27b --batch 1 >"$OUT/t25_pieces.log" 2>&1
             timeout 200 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch 1 \
-                --prompts 8 --ks 3 --adaptive 4 --oracle 0.75 >"$OUT/t25_speedup.log" 2>&1
+                --prompts 8 --ks 3 --adaptive 4 --oracle 0.76/0.40/0.25/0.09 \
+                >"$OUT/t25_speedup.log" 2>&1
             for b in 8 4 1; do
                 timeout 150 python3 bench/bench_speculative.py --backend cuda --shapes 9b --batch $b \
                     --prompts 8 --ks "" --adaptive 4 --max-tokens $((b == 1 ? 64 : 200)) \
