@@ -274,7 +274,9 @@ def run(path, ids_list, k: int, max_tokens: int, policy: str = "fixed", backend:
                    units_first_use=stats.get("spec_units_first_use", 0),
                    first_use_ms=1e3 * stats.get("spec_first_use_seconds", 0.0),
                    catch_up=(stats.get("spec_catch_up_feeds", 0),
-                             stats.get("spec_catch_up_positions", 0)))
+                             stats.get("spec_catch_up_positions", 0),
+                             stats.get("spec_catch_up_units", 0),
+                             1e3 * stats.get("spec_catch_up_seconds", 0.0)))
     return out
 
 
@@ -378,10 +380,12 @@ def table(title, rows, plain, args, figure: str) -> None:
             f"{r['plain_step_ms'][0]:.2f} ({r['plain_step_ms'][1]})" for r in steps))
     for r in rows:      # what the adaptive policy measured of each B x k, below the table
         if r["policy"] == "adaptive" and r.get("unit_costs"):
-            feeds, fed = r["catch_up"]
+            feeds, fed, before, catch_ms = r["catch_up"]
             print(f"  adaptive <= {r['k']}: units timed per B x k (mean ms measured / policy's "
                   f"cost ms; {r['units_first_use']} paid a first use, {r['first_use_ms']:.1f} ms "
-                  f"left out of their costs; {feeds} catch-up feeds of {fed} positions): "
+                  f"left out of their costs; {feeds} catch-up feeds of {fed} positions, "
+                  f"{before} of them before a unit's drafts, {catch_ms:.1f} ms left out of "
+                  f"their costs): "
                   + ", ".join(f"{key} {n}: {m:.2f}/{c:.2f}"
                               for key, (n, m, c) in r["unit_costs"].items()))
             if r.get("measuring"):

@@ -465,3 +465,32 @@ def test_a_ramp_up_to_eight_rows_keeps_the_floor():
         total += cost(b, k)
         plain_total += plain[b]
     assert plain_total / total >= 0.98, (plain_total / total, pol.units_by_k)
+
+
+def test_a_catch_up_before_the_drafts_is_the_accounts_not_the_ks_cost():
+    """observe_unit's catch_up (the drafter fed the positions it missed during plain units,
+    before a unit's drafts): not what a unit at that k costs, so the policy's cost of k holds
+    the unit alone, but the measuring account pays it: an exploration whose catch-up costs more
+    than its unit waits longer for the next (a never-right head, the k = 1 neighbour)."""
+    p = DraftPolicy(2)
+    p.observe_unit(8, 1, 0.010, catch_up=0.006)
+    assert p.stats()["spec_unit_costs"]["8x1"] == pytest.approx([1, 10.0, 10.0])
+
+    def explorations(catch: float) -> list:
+        pol = DraftPolicy(1, cold_start_streak=1)
+        ks = []
+        for _ in range(1500):
+            k = pol.choose(1)
+            ks.append(k)
+            if k:
+                pol.observe_row(k, 0)
+            pol.observe_unit(1, k, 1.5 if k else 1.0, catch_up=catch if k else 0.0)
+        return [i for i, k in enumerate(ks) if k]
+    free, dear = explorations(0.0), explorations(3.0)
+    assert len(dear) < len(free) and dear[1] > free[1], (free[:4], dear[:4])
+    # the policy's cost of k = 1 is the unit's either way
+    pol = DraftPolicy(1, cold_start_streak=1)
+    for _ in range(6):
+        k = pol.choose(1)
+        pol.observe_unit(1, k, 1.5 if k else 1.0, catch_up=3.0 if k else 0.0)
+    assert pol.stats()["spec_unit_costs"]["1x1"][2] == pytest.approx(1500.0)

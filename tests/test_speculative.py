@@ -958,6 +958,40 @@ def test_a_units_one_off_work_is_not_its_cost(extremes, monkeypatch):
     assert sum(n for n, _, _ in costs.values()) == len(timed)
 
 
+def test_a_catch_up_feed_before_the_drafts_is_left_out_of_the_units_cost(extremes, monkeypatch):
+    """The drafter's catch-up feed before a unit's drafts (the positions it missed: the prompt,
+    plain units) is what switching to drafting costs once, not the unit's k: the unit's cost
+    leaves it out and observe_unit's catch_up carries it to the measuring account (stats:
+    spec_catch_up_units / _seconds). Here every catch-up feed sleeps CATCH_S."""
+    from ninfer.models.qwen3_5.program.draft_policy import DraftPolicy
+    monkeypatch.setattr(DraftPolicy, "most_tokens", lambda self: float("inf"))
+    CATCH_S = 0.3
+    feed = speculative._ChainProposer.feed
+
+    def slow_feed(self, *a, **kw):
+        time.sleep(CATCH_S)
+        return feed(self, *a, **kw)
+    monkeypatch.setattr(speculative._ChainProposer, "feed", slow_feed)
+    observed = []
+    observe = DraftPolicy.observe_unit
+
+    def spy(self, rows, k, s, **kw):
+        observed.append((k, s, kw.get("catch_up", 0.0)))
+        observe(self, rows, k, s, **kw)
+    monkeypatch.setattr(DraftPolicy, "observe_unit", spy)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want, _ = _generate(extremes["never"], _id_prompts()[:1], params, max_concurrency=1)
+    got, stats = _generate(extremes["never"], _id_prompts()[:1], params, max_concurrency=1,
+                           speculative="mtp", num_draft_tokens=3)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    caught = [c for _, _, c in observed if c > 0]
+    assert caught and all(c >= CATCH_S for c in caught)
+    assert stats["spec_catch_up_units"] == len(caught)
+    assert stats["spec_catch_up_seconds"] >= len(caught) * CATCH_S
+    # no unit's cost holds its catch-up's sleep (a numpy unit of the tiny model: milliseconds)
+    assert max(s for _, s, _ in observed) < 0.8 * CATCH_S, observed
+
+
 def test_units_with_other_rows_beside_are_counted_untimed(extremes, monkeypatch):
     """A unit the speculator runs with a prefill beside its decode rows is not timed for the
     policy (draft_policy: its time is not a k's cost), but its count and its seconds commit to

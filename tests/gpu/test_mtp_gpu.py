@@ -163,6 +163,20 @@ def test_a_verify_through_its_graph_equals_the_eager_verify(kind):
         gpu.close()
 
 
+def _three_rows(gpu, r):
+    """A batch of 3 rows of 5, 1 and 3 random tokens after 0, 7 and 2 context tokens (pages of
+    4, 10 a row) and their random hidden states: (ForwardBatch, hidden [9, H])."""
+    H, V = gpu.text.hidden_size, gpu.text.vocab_size
+    tables = np.arange(30, dtype=np.int32).reshape(3, 10)
+    lens = np.array([5, 1, 3])
+    qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ctx = np.array([0, 7, 2], np.int32)
+    b = ForwardBatch(r.integers(0, V, qs[-1]).astype(np.int32),
+                     ForwardBatch.text_positions(ctx, lens), qs, ctx, tables,
+                     np.arange(3, dtype=np.int32))
+    return b, r.standard_normal((qs[-1], H)).astype(np.float32)
+
+
 @pytest.mark.parametrize("kind, draft_vocab", [("dense", None), ("moe", None), ("dense", 161),
                                                ("moe", 97)])
 def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind, draft_vocab):
@@ -176,16 +190,9 @@ def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind, draft_vocab):
                          prefill_chunk=64, page_size=4, graphs=False, draft_vocab=draft_vocab)
     gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
     try:
-        r = np.random.default_rng(10)
-        H, V = gpu.text.hidden_size, gpu.text.vocab_size
-        tables = np.arange(30, dtype=np.int32).reshape(3, 10)
-        lens = np.array([5, 1, 3])
-        qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        ctx = np.array([0, 7, 2], np.int32)
-        b = ForwardBatch(r.integers(0, V, qs[-1]).astype(np.int32),
-                         ForwardBatch.text_positions(ctx, lens), qs, ctx, tables,
-                         np.arange(3, dtype=np.int32))
-        h = r.standard_normal((qs[-1], H)).astype(np.float32)
+        V = gpu.text.vocab_size
+        b, h = _three_rows(gpu, np.random.default_rng(10))
+        qs = np.asarray(b.query_start)
         results = []
         for call in ("forward", "argmax", "last"):
             kv = gpu.new_kv_pool(30, 4)
@@ -202,6 +209,24 @@ def test_mtp_argmax_gives_each_rows_draft_of_the_step(kind, draft_vocab):
             assert (logits[qs[1:] - 1].argmax(1) >= n).any()
     finally:
         gpu.close()
+
+
+def _fed_pools(gpu, drafter, r):
+    """The device drafter's pool and the numpy drafter's fed the same 3 rows (9, 4 and 14
+    random tokens and hidden states from position 0): (device pool, numpy pool, block tables,
+    row lengths, the device's MTP hidden of every token)."""
+    H, V = gpu.text.hidden_size, gpu.text.vocab_size
+    kv_g, kv_c = gpu.new_kv_pool(60, 4), drafter.new_kv_pool(60, 4)
+    tables = np.arange(60, dtype=np.int32).reshape(3, 20)
+    lens = np.array([9, 4, 14], np.int32)
+    feed = ForwardBatch(r.integers(0, V, lens.sum()).astype(np.int32),
+                        ForwardBatch.text_positions(np.zeros(3, np.int32), lens),
+                        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+                        np.zeros(3, np.int32), tables, np.arange(3, dtype=np.int32))
+    h = r.standard_normal((lens.sum(), H)).astype(np.float32)
+    _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
+    drafter.forward(feed, h, kv_c, with_logits=False)
+    return kv_g, kv_c, tables, lens, g
 
 
 @pytest.mark.parametrize("kind, draft_vocab", [("dense", None), ("moe", None), ("dense", 161)])
@@ -224,18 +249,9 @@ def test_the_draft_chain_in_its_graph_equals_the_drafts_step_by_step(kind, draft
     gpu = CudaModel(model_config(art), opts, artifact=art, mtp=True)
     try:
         assert gpu.chain_steps == 3
-        kv_g, kv_c = gpu.new_kv_pool(60, 4), drafter.new_kv_pool(60, 4)
         r = np.random.default_rng(12)
-        H, V = cpu.text.hidden_size, cpu.text.vocab_size
-        tables = np.arange(60, dtype=np.int32).reshape(3, 20)
-        lens = np.array([9, 4, 14], np.int32)
-        feed = ForwardBatch(r.integers(0, V, lens.sum()).astype(np.int32),
-                            ForwardBatch.text_positions(np.zeros(3, np.int32), lens),
-                            np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-                            np.zeros(3, np.int32), tables, np.arange(3, dtype=np.int32))
-        h = r.standard_normal((lens.sum(), H)).astype(np.float32)
-        _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
-        drafter.forward(feed, h, kv_c, with_logits=False)
+        V = cpu.text.vocab_size
+        kv_g, kv_c, tables, lens, g = _fed_pools(gpu, drafter, r)
         ends = np.cumsum(lens) - 1
         cuda_drafter = CudaDrafter(gpu)
         for rows in ([0], [0, 1, 2]):
@@ -386,14 +402,7 @@ def test_the_int8_draft_head_drafts_what_the_numpy_drafters_does(kind, dtype):
         r = np.random.default_rng()
         head = DraftHead(np.asarray(art.tensor("text.lm_head.weight"), np.float32), n_draft,
                          int8=True)
-        tables = np.arange(30, dtype=np.int32).reshape(3, 10)
-        lens = np.array([5, 1, 3])
-        qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        ctx = np.array([0, 7, 2], np.int32)
-        b = ForwardBatch(r.integers(0, V, qs[-1]).astype(np.int32),
-                         ForwardBatch.text_positions(ctx, lens), qs, ctx, tables,
-                         np.arange(3, dtype=np.int32))
-        h = r.standard_normal((qs[-1], H)).astype(np.float32)
+        b, h = _three_rows(gpu, r)
         kv = gpu.new_kv_pool(30, 4)
         ids, g = gpu.mtp_argmax(b, h, kv, last_only=True)
         kv.close()
@@ -407,16 +416,7 @@ def test_the_int8_draft_head_drafts_what_the_numpy_drafters_does(kind, dtype):
             got = values[np.arange(3), ids]
             assert np.all(best - got <= TOL_MODEL_BF16 * np.abs(values).max(axis=1)), (best, got)
         if dtype == "float32":
-            kv_g, kv_c = gpu.new_kv_pool(60, 4), drafter.new_kv_pool(60, 4)
-            tables = np.arange(60, dtype=np.int32).reshape(3, 20)
-            lens = np.array([9, 4, 14], np.int32)
-            feed = ForwardBatch(r.integers(0, V, lens.sum()).astype(np.int32),
-                                ForwardBatch.text_positions(np.zeros(3, np.int32), lens),
-                                np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-                                np.zeros(3, np.int32), tables, np.arange(3, dtype=np.int32))
-            h = r.standard_normal((lens.sum(), H)).astype(np.float32)
-            _, g = gpu.mtp_forward(feed, h, kv_g, with_logits=False)
-            drafter.forward(feed, h, kv_c, with_logits=False)
+            kv_g, kv_c, tables, lens, g = _fed_pools(gpu, drafter, r)
             ends = np.cumsum(lens) - 1
             first = r.integers(0, V, 3).astype(np.int32)
             got, _ = CudaDrafter(gpu).draft_greedy(kv_g, g[ends], first, lens, tables, 3,

@@ -32,7 +32,8 @@ start every k is measured once, k = 0 up (_cold_start_k: a k that costs as many 
 a verify row can emit at any k ends it, no deeper k could pay: max_k + 1, or less once the first
 drafts' acceptance is known), at the first B that runs COLD_START_STREAK units in a row (before
 that, plain decoding) (the Speculator takes a unit's time less the one-off work done in it,
-Model.one_off_seconds: a graph captured, the GEMM plans of a catch-up feed of a new length);
+Model.one_off_seconds: a graph captured, the GEMM plans of a catch-up feed of a new length; and
+less its catch-up feed before the drafts, which the measuring account pays: observe_unit);
 after that a new B takes the nearest measured B's choice and estimates the costs it has not
 measured from the ratios there, and every EXPLORE_EVERY units at a B the policy runs a neighbour of
 its best k once (k = 0: EXPLORE_PLAIN_UNITS units in a row), so costs and the acceptance of deeper
@@ -360,21 +361,26 @@ class DraftPolicy:
         """The row left (released or paused): its own counts go."""
         self._rows.pop(row_id, None)
 
-    def observe_unit(self, rows: int, k: int, seconds: float, pipelined: bool = False) -> None:
+    def observe_unit(self, rows: int, k: int, seconds: float, pipelined: bool = False,
+                     catch_up: float = 0.0) -> None:
         """A unit of `rows` rows at k took `seconds` (the time between its commit and the one
-        before). pipelined: a plain step (k = 0) launched ahead of the one before, as plain
-        decoding runs: once a B has such a time, its k = 0 cost is theirs alone (a plain step
-        between speculative units runs alone, its host work not under a step before it, which
-        made k = 0 look dearer than it is); until then (rows that never run ahead: penalties,
-        grammars), any plain step's."""
+        before), besides `catch_up` seconds of feeding the drafter the positions it missed
+        before its drafts (after plain units: what switching to drafting costs once, not what a
+        unit at k costs; the measuring account pays it, as an exploration after plain units
+        pays it each time: the 9B's k = 1 units at B = 8 on an H100 took 16.6 ms each with a
+        catch-up of ~400 positions, a k = 1 unit at B = 1 or 2 ~10.3). pipelined: a plain step (k = 0) launched ahead of the one
+        before, as plain decoding runs: once a B has such a time, its k = 0 cost is theirs
+        alone (a plain step between speculative units runs alone, its host work not under a
+        step before it, which made k = 0 look dearer than it is); until then (rows that never
+        run ahead: penalties, grammars), any plain step's."""
         b = batch_key(rows)
-        self._elapsed += seconds
+        self._elapsed += seconds + catch_up
         due = self._probes_due.get((b, k), 0)
         if due:                 # a measuring unit: the account's (_affordable)
             self._probes_due[(b, k)] = due - 1
             seen = self._probes.setdefault((b, k), [0, 0.0])
             seen[0] += 1
-            seen[1] += seconds
+            seen[1] += seconds + catch_up
         if k == 0 and b in self._pipelined and not pipelined:
             return
         if k == 0 and pipelined and b not in self._pipelined:

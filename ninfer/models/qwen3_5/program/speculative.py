@@ -88,7 +88,7 @@ import collections
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -108,6 +108,16 @@ LAG_TOKENS = 64
 # a unit's cost less its one-off work is at least this (the one-off seconds are measured inside
 # the unit's, so only clock granularity could take it lower; a cost of 0 would win every choice)
 MIN_UNIT_SECONDS = 1e-6
+
+
+class _Unit(NamedTuple):
+    """The speculative unit in flight, for its commit to time it."""
+    t0: float                   # its launch (perf_counter)
+    rows: int                   # its rows that could draft
+    k: int                      # the policy's k for it
+    one_off: float              # Model.one_off_seconds at its launch
+    timed: bool                 # the policy times it (no other rows beside its drafting ones)
+    catch_up: float = 0.0       # seconds of its catch-up feed before the drafts (_draft)
 
 
 @dataclass(slots=True, eq=False)
@@ -300,9 +310,7 @@ class Speculator:
         self._lag: dict = {}
         self._rows: dict = {}         # seq_id -> _Row of the pending unit
         self._epoch: Optional[int] = None
-        # (start time, rows, k, one_off_seconds, timed) of the unit in flight; timed: the policy
-        # times it (no other rows beside its drafting ones)
-        self._unit = None
+        self._unit: Optional[_Unit] = None          # the unit in flight
         self._chosen = None           # the policy's k for the next unit, taken ahead of it
         self._next: dict = {}         # seq_id -> (g_1, drafts) the pending verify made behind it
         self._plain_started = collections.deque()   # launch times of plain steps in flight
@@ -322,6 +330,9 @@ class Speculator:
                             spec_drafts_behind_verify=0,
                             # catch-up feeds (_catch_up) and the positions they fed
                             spec_catch_up_feeds=0, spec_catch_up_positions=0,
+                            # ... of them, those before a unit's drafts and their seconds:
+                            # left out of the unit's cost, in the policy's measuring account
+                            spec_catch_up_units=0, spec_catch_up_seconds=0.0,
                             # units run here but not timed for the policy (prefill, Replay or
                             # control rows beside): how many, their seconds commit to commit
                             spec_untimed_units=0, spec_untimed_seconds=0.0)
@@ -427,12 +438,19 @@ class Speculator:
         able = [r for r, (seq, unit) in enumerate(zip(seqs, units)) if self._can_draft(seq, unit)]
         timed = bool(able) and len(able) == len(seqs)
         k = self._choice([seqs[r] for r in able], timed) if able else 0
-        self._unit = (t0, len(able), k, prog.model.one_off_seconds, timed)
+        self._unit = _Unit(t0, len(able), k, prog.model.one_off_seconds, timed)
         ks = {r: self._draft_room(prog, seqs[r], k) for r in able} if k else {}
         ks = {r: n for r, n in ks.items() if n > 0}
         if not ks:
             return {}
-        self._catch_up(prog, [seqs[r] for r in ks])
+        # the positions the drafter missed (plain units, the prompt) before the first drafts: a
+        # one-off of switching to drafting, not what a unit at k costs (_Unit.catch_up)
+        c0 = time.perf_counter()
+        if self._catch_up(prog, [seqs[r] for r in ks]):
+            catch = time.perf_counter() - c0
+            self._unit = self._unit._replace(catch_up=catch)
+            self._counts["spec_catch_up_units"] += 1
+            self._counts["spec_catch_up_seconds"] += catch
         guide = _Guide(self.drafter, seqs, masks, draft_masks)
         drafts = self.proposer.propose(prog, seqs, ks, guide)
         drafts = {r: d[:guide.cut.get(r, len(d))] for r, d in drafts.items()}
@@ -594,21 +612,24 @@ class Speculator:
         due = [seq for seq, rec, n in feed if self._queue(seq, rec.start, rec.hidden[:n])]
         self._catch_up(prog, due)
         now = time.perf_counter()
-        if unit is not None and not unit[4]:
+        if unit is not None and not unit.timed:
             self._counts["spec_untimed_units"] += 1
-            self._counts["spec_untimed_seconds"] += self._unit_seconds(unit[0], now)
+            self._counts["spec_untimed_seconds"] += self._unit_seconds(unit.t0, now)
         elif unit is not None:
             # (a graph captured or a GEMM planned during the unit is a first use, not its k's
             # cost: a catch-up feed of a length not fed before plans its GEMMs, and such units
             # left out entirely made the cold start run each k up to three times, and most
-            # explorations after a run of plain steps go untimed)
-            t0, num_rows, k, before, _ = unit
-            once = prog.model.one_off_seconds - before
+            # explorations after a run of plain steps go untimed. Its catch-up feed is not its
+            # k's cost either, but the measuring account pays it: observe_unit's catch_up)
+            once = prog.model.one_off_seconds - unit.one_off
             if once > 0:
                 self._counts["spec_units_first_use"] += 1
                 self._counts["spec_first_use_seconds"] += once
-            self.policy.observe_unit(num_rows, k,
-                                     max(self._unit_seconds(t0, now) - once, MIN_UNIT_SECONDS))
+            catch = min(unit.catch_up, max(self._unit_seconds(unit.t0, now) - once, 0.0))
+            self.policy.observe_unit(
+                unit.rows, unit.k,
+                max(self._unit_seconds(unit.t0, now) - once - catch, MIN_UNIT_SECONDS),
+                catch_up=catch)
         self._last_commit = now
 
     def _unit_seconds(self, t0: float, now: float) -> float:
@@ -721,13 +742,13 @@ class Speculator:
         self._counts["spec_recompute_rows"] += len(items)
         self._counts["spec_recompute_tokens"] += int(batch.num_tokens)
 
-    def _catch_up(self, prog, seqs) -> None:
+    def _catch_up(self, prog, seqs) -> bool:
         """Feed the drafter the queued positions of these rows, in one call: its KV of positions
         start .. F-1 from the pairs (h_t, x_{t+1}); the last pair's MTP hidden and its argmax
-        (the row's next first draft) are kept."""
+        (the row's next first draft) are kept. Whether there was anything to feed."""
         items = [(seq, *self._lag.pop(seq.seq_id)) for seq in seqs if seq.seq_id in self._lag]
         if not items:
-            return
+            return False
         rows = [(seq, start, sum(len(c) for c in chunks)) for seq, start, chunks in items]
         batch = self._batch(prog, rows, [prog.token_ids(seq, start + 1, start + 1 + n)
                                          for seq, start, n in rows])
@@ -735,6 +756,7 @@ class Speculator:
         self._counts["spec_catch_up_positions"] += int(batch.num_tokens)
         hidden = np.concatenate([c for _, _, chunks in items for c in chunks])
         self.proposer.feed(prog, batch, hidden, [seq for seq, _, _ in rows])
+        return True
 
     @staticmethod
     def _batch(prog, rows, tokens) -> ForwardBatch:
