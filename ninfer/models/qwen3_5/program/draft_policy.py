@@ -368,11 +368,11 @@ class DraftPolicy:
         before its drafts (after plain units: what switching to drafting costs once, not what a
         unit at k costs; the measuring account pays it, as an exploration after plain units
         pays it each time: the 9B's k = 1 units at B = 8 on an H100 took 16.6 ms each with a
-        catch-up of ~400 positions, a k = 1 unit at B = 1 or 2 ~10.3). pipelined: a plain step (k = 0) launched ahead of the one
-        before, as plain decoding runs: once a B has such a time, its k = 0 cost is theirs
-        alone (a plain step between speculative units runs alone, its host work not under a
-        step before it, which made k = 0 look dearer than it is); until then (rows that never
-        run ahead: penalties, grammars), any plain step's."""
+        catch-up of ~400 positions, a k = 1 unit at B = 1 or 2 ~10.3). pipelined: a plain step
+        (k = 0) launched ahead of the one before, as plain decoding runs: once a B has such a
+        time, its k = 0 cost is theirs alone (a plain step between speculative units runs
+        alone, its host work not under a step before it, which made k = 0 look dearer than it
+        is); until then (rows that never run ahead: penalties, grammars), any plain step's."""
         b = batch_key(rows)
         self._elapsed += seconds + catch_up
         due = self._probes_due.get((b, k), 0)

@@ -445,9 +445,10 @@ class Speculator:
             return {}
         # the positions the drafter missed (plain units, the prompt) before the first drafts: a
         # one-off of switching to drafting, not what a unit at k costs (_Unit.catch_up)
-        c0 = time.perf_counter()
+        c0, once = time.perf_counter(), prog.model.one_off_seconds
         if self._catch_up(prog, [seqs[r] for r in ks]):
-            catch = time.perf_counter() - c0
+            # (less the one-off work in it, a GEMM plan of a new length: the unit's `once`)
+            catch = max(time.perf_counter() - c0 - (prog.model.one_off_seconds - once), 0.0)
             self._unit = self._unit._replace(catch_up=catch)
             self._counts["spec_catch_up_units"] += 1
             self._counts["spec_catch_up_seconds"] += catch
