@@ -25,7 +25,7 @@ int8_block layout with (1, 128) blocks that the packed-weight GEMVs read (cuda/q
 """
 from numba import cuda, float32, int64, uint8, uint32
 
-from .common import bf16x2_hi, bf16x2_lo, e4m3_code, int8_code, storage, warp_max
+from .common import bf16x2_hi, bf16x2_lo, e4m3_code, kv_codec, storage, warp_max
 
 WARPS = 4
 GROUP = 128
@@ -35,7 +35,6 @@ SIGNATURES = {
     "act_quant_fp8": ("u32*", "u32*", "f32*", "i32", "i32", "i32"),
     "head_quant_int8": ("u32*", "u8*", "f32*", "i32", "i32"),
 }
-INT8_TOP = 127.0
 
 
 def act_quant_fp8():
@@ -66,6 +65,7 @@ def act_quant_fp8():
 
 def head_quant_int8(f32=False):
     _, _, pair, _ = storage(f32)
+    encode, _, top = kv_codec("int8")          # (the quantized KV cache's int8 rule)
 
     def head_quant_kernel(x, codes, scale, m, k):
         lane = cuda.threadIdx.x % 32
@@ -77,11 +77,11 @@ def head_quant_int8(f32=False):
         v0, v1 = pair(x, base >> 1)
         v2, v3 = pair(x, (base >> 1) + 1)
         amax = warp_max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))))
-        s = amax / float32(INT8_TOP) if amax > float32(0.0) else float32(1.0)
-        codes[base] = uint8(int8_code(v0 / s))
-        codes[base + 1] = uint8(int8_code(v1 / s))
-        codes[base + 2] = uint8(int8_code(v2 / s))
-        codes[base + 3] = uint8(int8_code(v3 / s))
+        s = amax / top if amax > float32(0.0) else float32(1.0)
+        codes[base] = uint8(encode(v0 / s))
+        codes[base + 1] = uint8(encode(v1 / s))
+        codes[base + 2] = uint8(encode(v2 / s))
+        codes[base + 3] = uint8(encode(v3 / s))
         if lane == 0:
             scale[int64(r) * (k // GROUP) + g] = s
     head_quant_kernel.__name__ = "head_quant_int8"

@@ -189,7 +189,8 @@ def int8_head_plan(rows: int, k: int) -> SegmentPlan:
     """The MTP drafts' int8 head (EngineOptions.draft_head "int8"; models/qwen3_5/model.py): the
     lm_head's first `rows` rows as int8 codes, a scale per row and 128 columns, made on the
     device at load (kernels/act_quant.py head_quant_int8)."""
-    return SegmentPlan(0, int(rows), int(k), "int8_block", (1, 128))
+    from ..model import HEAD_GROUP
+    return SegmentPlan(0, int(rows), int(k), "int8_block", (1, HEAD_GROUP))
 
 
 def w8a8_ok(seg) -> bool:

@@ -177,7 +177,8 @@ def int8_head(loader: WeightLoader, lm_head, rows: int, k: int) -> qw.QMatrix:
     codes = loader.arena.take((rows * k,), np.uint8, "draft head codes")
     scale = loader.arena.take(plan.scale_shape, np.float32, "draft head scales")
     loader.kernels.head_quant_int8.launch(
-        loader.stream, (rows, -(-k // (128 * qw.ACT_QUANT_WARPS))), (32 * qw.ACT_QUANT_WARPS,),
+        loader.stream, (rows, -(-k // (plan.block[1] * qw.ACT_QUANT_WARPS))),
+        (32 * qw.ACT_QUANT_WARPS,),
         (lm_head, codes, scale, rows, k))
     return qw.QMatrix((rows, k), (qw.QSegment(plan, codes, scale),))
 

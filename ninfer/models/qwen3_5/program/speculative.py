@@ -626,11 +626,10 @@ class Speculator:
             if once > 0:
                 self._counts["spec_units_first_use"] += 1
                 self._counts["spec_first_use_seconds"] += once
-            catch = min(unit.catch_up, max(self._unit_seconds(unit.t0, now) - once, 0.0))
-            self.policy.observe_unit(
-                unit.rows, unit.k,
-                max(self._unit_seconds(unit.t0, now) - once - catch, MIN_UNIT_SECONDS),
-                catch_up=catch)
+            seconds = self._unit_seconds(unit.t0, now) - once
+            catch = min(unit.catch_up, max(seconds, 0.0))
+            self.policy.observe_unit(unit.rows, unit.k, max(seconds - catch, MIN_UNIT_SECONDS),
+                                     catch_up=catch)
         self._last_commit = now
 
     def _unit_seconds(self, t0: float, now: float) -> float:
